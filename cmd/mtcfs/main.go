@@ -1,0 +1,46 @@
+// Command mtcfs is the multi-tier checkpointing agent: one process per node mounts a FUSE
+// filesystem at the job's CHECKPOINT_DIR and keeps checkpoints in RAM. This package only turns
+// flags into configuration and wires the packages together; signals are handled here and
+// nowhere else.
+package main
+
+import (
+	"fmt"
+	"os"
+)
+
+const usage = `mtcfs — multi-tier checkpointing filesystem
+
+Usage:
+  mtcfs mount DIR [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
+                  [--http HOST:PORT] [--log-format json|text]
+  mtcfs version
+
+Run "mtcfs COMMAND --help" for the flags of a command.
+`
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+func main() {
+	os.Exit(run(os.Args[1:]))
+}
+
+func run(args []string) int {
+	if len(args) == 0 {
+		fmt.Fprint(os.Stderr, usage)
+		return 2
+	}
+	switch args[0] {
+	case "mount":
+		return cmdMount(args[1:])
+	case "version", "--version":
+		fmt.Println("mtcfs", version)
+		return 0
+	case "help", "-h", "--help":
+		fmt.Print(usage)
+		return 0
+	}
+	fmt.Fprintf(os.Stderr, "mtcfs: unknown command %q\n\n%s", args[0], usage)
+	return 2
+}

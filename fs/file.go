@@ -1,0 +1,285 @@
+package fs
+
+import (
+	"context"
+	"os"
+	"syscall"
+	"time"
+
+	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+)
+
+// fileNode is a regular file. Its bytes, size and data times live in a spool file; the node
+// keeps the rest (mode, owner, links) in memory.
+type fileNode struct {
+	gofs.Inode
+	meta // meta.mu also guards the fields below
+	fs   *mtfs
+
+	backing   string // spool file; "" once removed. GUARDED_BY(mu)
+	nlink     int    // names in the tree. GUARDED_BY(mu)
+	opens     int    // open handles. GUARDED_BY(mu)
+	accounted int64  // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
+}
+
+var (
+	_ = (gofs.NodeGetattrer)((*fileNode)(nil))
+	_ = (gofs.NodeSetattrer)((*fileNode)(nil))
+	_ = (gofs.NodeOpener)((*fileNode)(nil))
+	_ = (gofs.NodeCopyFileRanger)((*fileNode)(nil))
+	_ = (gofs.NodeGetxattrer)((*fileNode)(nil))
+	_ = (gofs.NodeSetxattrer)((*fileNode)(nil))
+	_ = (gofs.NodeRemovexattrer)((*fileNode)(nil))
+	_ = (gofs.NodeListxattrer)((*fileNode)(nil))
+)
+
+func (m *mtfs) newFile(ctx context.Context, mode uint32) (*fileNode, error) {
+	p, err := m.spool.NewFile()
+	if err != nil {
+		return nil, err
+	}
+	return &fileNode{fs: m, meta: newMeta(ctx, mode), backing: p, nlink: 1}, nil
+}
+
+func (f *fileNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var st unix.Stat_t
+	var err error
+	if h, ok := fh.(*fileHandle); ok {
+		err = unix.Fstat(h.fd, &st)
+	} else if f.backing != "" {
+		err = unix.Stat(f.backing, &st)
+	}
+	if err != nil {
+		return toErrno("getattr", err)
+	}
+	f.fill(&out.Attr)
+	out.Size = uint64(st.Size)
+	out.Blocks = uint64(st.Blocks)
+	out.Blksize = 4096
+	out.Nlink = uint32(f.nlink)
+	// Data times come from the spool file; ctime also moves on chmod, link and unlink here.
+	atime, mtime := time.Unix(st.Atim.Unix()), time.Unix(st.Mtim.Unix())
+	ctime := time.Unix(st.Ctim.Unix())
+	if f.ctime.After(ctime) {
+		ctime = f.ctime
+	}
+	out.SetTimes(&atime, &mtime, &ctime)
+	return 0
+}
+
+func (f *fileNode) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	if errno := f.setattr(fh, in); errno != 0 {
+		return errno
+	}
+	return f.Getattr(ctx, fh, out)
+}
+
+func (f *fileNode) setattr(fh gofs.FileHandle, in *fuse.SetAttrIn) syscall.Errno {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.backing == "" {
+		return syscall.ENOENT
+	}
+	if size, ok := in.GetSize(); ok {
+		if err := f.chargeTo(int64(size), true); err != nil {
+			return toErrno("truncate", err)
+		}
+		var err error
+		if h, ok := fh.(*fileHandle); ok {
+			err = unix.Ftruncate(h.fd, int64(size))
+		} else {
+			err = unix.Truncate(f.backing, int64(size))
+		}
+		if err != nil {
+			return toErrno("truncate", err)
+		}
+	}
+	atime, aok := in.GetATime()
+	mtime, mok := in.GetMTime()
+	if aok || mok {
+		ts := []unix.Timespec{{Nsec: unix.UTIME_OMIT}, {Nsec: unix.UTIME_OMIT}}
+		if aok {
+			ts[0] = unix.NsecToTimespec(atime.UnixNano())
+		}
+		if mok {
+			ts[1] = unix.NsecToTimespec(mtime.UnixNano())
+		}
+		if err := unix.UtimesNanoAt(unix.AT_FDCWD, f.backing, ts, 0); err != nil {
+			return toErrno("utimens", err)
+		}
+	}
+	f.meta.setattr(in)
+	return 0
+}
+
+// chargeTo makes the agent-accounted budget cover a file of size bytes. With exact, the charge
+// also shrinks (truncate); otherwise it only grows (writes). Caller holds mu.
+func (f *fileNode) chargeTo(size int64, exact bool) error {
+	if f.fs.spool.KernelEnforced() || size == f.accounted || (!exact && size < f.accounted) {
+		return nil
+	}
+	if err := f.fs.spool.Reserve(size - f.accounted); err != nil {
+		return err
+	}
+	f.accounted = size
+	return nil
+}
+
+func (f *fileNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	return f.open(flags)
+}
+
+func (f *fileNode) open(flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.backing == "" {
+		return nil, 0, syscall.ENOENT
+	}
+	// Always read-write: go-fuse registers the first handle's fd as the passthrough backing file
+	// of the inode and reuses it for later opens, which may want to write.
+	fd, err := unix.Open(f.backing, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, 0, toErrno("open", err)
+	}
+	if flags&syscall.O_TRUNC != 0 && flags&syscall.O_ACCMODE != syscall.O_RDONLY {
+		if err := unix.Ftruncate(fd, 0); err != nil {
+			unix.Close(fd)
+			return nil, 0, toErrno("open", err)
+		}
+		f.chargeTo(0, true)
+	}
+	f.opens++
+	// Nobody but the kernel changes a file's bytes, so its page cache stays valid across opens.
+	// (go-fuse drops the flag when it sets up passthrough.)
+	return &fileHandle{node: f, fd: fd}, fuse.FOPEN_KEEP_CACHE, 0
+}
+
+func (f *fileNode) addLink() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.nlink == 0 {
+		return false
+	}
+	f.nlink++
+	f.ctime = time.Now()
+	return true
+}
+
+func (f *fileNode) dropLink() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.nlink > 0 {
+		f.nlink--
+	}
+	f.ctime = time.Now()
+	f.maybeFree()
+}
+
+// maybeFree removes the spool file once no name and no open handle refers to it. Caller holds mu.
+func (f *fileNode) maybeFree() {
+	if f.nlink > 0 || f.opens > 0 || f.backing == "" {
+		return
+	}
+	os.Remove(f.backing)
+	f.fs.spool.Reserve(-f.accounted)
+	f.accounted, f.backing = 0, ""
+}
+
+func (f *fileNode) CopyFileRange(ctx context.Context, fhIn gofs.FileHandle, offIn uint64, out *gofs.Inode, fhOut gofs.FileHandle, offOut uint64, length uint64, flags uint64) (uint32, syscall.Errno) {
+	hin, ok1 := fhIn.(*fileHandle)
+	hout, ok2 := fhOut.(*fileHandle)
+	if !ok1 || !ok2 || flags != 0 {
+		return 0, syscall.EINVAL
+	}
+	if errno := hout.charge(int64(offOut + length)); errno != 0 {
+		return 0, errno
+	}
+	oi, oo := int64(offIn), int64(offOut)
+	n, err := unix.CopyFileRange(hin.fd, &oi, hout.fd, &oo, int(length), 0)
+	if err != nil {
+		return 0, toErrno("copy_file_range", err)
+	}
+	return uint32(n), 0
+}
+
+// fileHandle is one open of a fileNode: an fd on the spool file.
+type fileHandle struct {
+	node *fileNode
+	fd   int
+}
+
+var (
+	_ = (gofs.FilePassthroughFder)((*fileHandle)(nil))
+	_ = (gofs.FileReader)((*fileHandle)(nil))
+	_ = (gofs.FileWriter)((*fileHandle)(nil))
+	_ = (gofs.FileFsyncer)((*fileHandle)(nil))
+	_ = (gofs.FileFlusher)((*fileHandle)(nil))
+	_ = (gofs.FileReleaser)((*fileHandle)(nil))
+	_ = (gofs.FileAllocater)((*fileHandle)(nil))
+	_ = (gofs.FileLseeker)((*fileHandle)(nil))
+)
+
+// PassthroughFd lets the kernel do reads, writes and mmap on the spool file directly.
+func (h *fileHandle) PassthroughFd() (int, bool) { return h.fd, h.node.fs.passthrough }
+
+func (h *fileHandle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	// Spliced from the spool file to the kernel: the bytes never enter the Go heap.
+	return fuse.ReadResultFd(uintptr(h.fd), off, len(dest)), 0
+}
+
+func (h *fileHandle) charge(end int64) syscall.Errno {
+	if h.node.fs.spool.KernelEnforced() {
+		return 0
+	}
+	h.node.mu.Lock()
+	defer h.node.mu.Unlock()
+	return toErrno("write", h.node.chargeTo(end, false))
+}
+
+func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
+	if errno := h.charge(off + int64(len(data))); errno != 0 {
+		return 0, errno
+	}
+	n, err := unix.Pwrite(h.fd, data, off)
+	if err != nil && n <= 0 {
+		return 0, toErrno("write", err)
+	}
+	return uint32(n), 0
+}
+
+func (h *fileHandle) Fsync(ctx context.Context, flags uint32) syscall.Errno {
+	return toErrno("fsync", unix.Fsync(h.fd))
+}
+
+func (h *fileHandle) Flush(ctx context.Context) syscall.Errno { return 0 }
+
+func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
+	err := unix.Close(h.fd)
+	f := h.node
+	f.mu.Lock()
+	f.opens--
+	f.maybeFree()
+	f.mu.Unlock()
+	return toErrno("release", err)
+}
+
+func (h *fileHandle) Allocate(ctx context.Context, off uint64, size uint64, mode uint32) syscall.Errno {
+	if mode&unix.FALLOC_FL_KEEP_SIZE == 0 {
+		if errno := h.charge(int64(off + size)); errno != 0 {
+			return errno
+		}
+	}
+	return toErrno("fallocate", unix.Fallocate(h.fd, mode, int64(off), int64(size)))
+}
+
+func (h *fileHandle) Lseek(ctx context.Context, off uint64, whence uint32) (uint64, syscall.Errno) {
+	n, err := unix.Seek(h.fd, int64(off), int(whence))
+	if err != nil {
+		return 0, toErrno("lseek", err)
+	}
+	return uint64(n), 0
+}

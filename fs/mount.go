@@ -1,0 +1,268 @@
+package fs
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"log"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// PassthroughMode selects how regular files' bytes reach the spool.
+type PassthroughMode string
+
+const (
+	PassthroughAuto PassthroughMode = "auto" // passthrough when the kernel and privileges allow
+	PassthroughOn   PassthroughMode = "on"   // passthrough or fail to mount
+	PassthroughOff  PassthroughMode = "off"  // every read and write goes through the agent
+)
+
+// ParsePassthroughMode validates a --passthrough value.
+func ParsePassthroughMode(s string) (PassthroughMode, error) {
+	switch m := PassthroughMode(s); m {
+	case PassthroughAuto, PassthroughOn, PassthroughOff:
+		return m, nil
+	}
+	return "", fmt.Errorf("invalid passthrough mode %q: want auto, on or off", s)
+}
+
+// Options configure a mount.
+type Options struct {
+	Spool       *tiers.Spool
+	Passthrough PassthroughMode
+	// CacheTimeout is how long the kernel may cache entries and attributes (default 1s).
+	CacheTimeout time.Duration
+	Debug        bool
+}
+
+// Server is a mounted mtcfs filesystem.
+type Server struct {
+	dir         string
+	fuse        *fuse.Server
+	passthrough bool
+}
+
+// Dir is the mount point.
+func (s *Server) Dir() string { return s.dir }
+
+// Passthrough reports whether regular files use FUSE passthrough.
+func (s *Server) Passthrough() bool { return s.passthrough }
+
+// Wait blocks until the filesystem is unmounted.
+func (s *Server) Wait() { s.fuse.Wait() }
+
+// Unmount detaches the filesystem. If it is busy (a process has a file open or its working
+// directory inside), it is detached lazily: new accesses fail and it goes away when the last
+// user leaves.
+func (s *Server) Unmount() error {
+	err := s.fuse.Unmount()
+	if err == nil {
+		return nil
+	}
+	if os.Geteuid() == 0 {
+		if e := unix.Unmount(s.dir, unix.MNT_DETACH); e != nil && !errors.Is(e, unix.EINVAL) {
+			return fmt.Errorf("unmount %s: %v; lazy detach: %w", s.dir, err, e)
+		}
+	} else if out, e := exec.Command("fusermount3", "-u", "-z", s.dir).CombinedOutput(); e != nil {
+		return fmt.Errorf("unmount %s: %v; fusermount3 -uz: %s", s.dir, err, strings.TrimSpace(string(out)))
+	}
+	s.fuse.Wait()
+	return nil
+}
+
+// CheckMountable explains, in words a user can act on, why dir cannot be mounted.
+func CheckMountable(dir string) error {
+	fi, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return fmt.Errorf("mount point %s does not exist; create it first (mkdir -p %s)", dir, dir)
+	case errors.Is(err, syscall.ENOTCONN):
+		return fmt.Errorf("mount point %s is a stale FUSE mount; detach it with umount -l %s", dir, dir)
+	case err != nil:
+		return fmt.Errorf("mount point %s: %w", dir, err)
+	case !fi.IsDir():
+		return fmt.Errorf("mount point %s is not a directory", dir)
+	}
+	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("cannot open /dev/fuse (%w): load the fuse kernel module (modprobe fuse), or in a container pass the device (/dev/fuse) and run privileged", err)
+	}
+	f.Close()
+	if os.Geteuid() != 0 {
+		if _, err := exec.LookPath("fusermount3"); err != nil {
+			return errors.New("not running as root and fusermount3 is not installed: run as root, or install it (apt-get install fuse3)")
+		}
+	}
+	return nil
+}
+
+// DetachStale removes a FUSE mount left at dir by an agent that died: such a mount answers
+// every access with ENOTCONN. A live mount at dir is an error: another agent serves it.
+func DetachStale(dir string) (bool, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return false, err
+	}
+	if !isFuseMountPoint(abs) {
+		return false, nil
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(abs, &st); err == nil {
+		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", abs)
+	} else if !errors.Is(err, unix.ENOTCONN) && !errors.Is(err, unix.ECONNABORTED) {
+		return false, fmt.Errorf("check mount %s: %w", abs, err)
+	}
+	if os.Geteuid() == 0 {
+		if err := unix.Unmount(abs, unix.MNT_DETACH); err != nil {
+			return false, fmt.Errorf("detach stale mount %s: %w", abs, err)
+		}
+		return true, nil
+	}
+	if out, err := exec.Command("fusermount3", "-u", "-z", abs).CombinedOutput(); err != nil {
+		return false, fmt.Errorf("detach stale mount %s: %s", abs, strings.TrimSpace(string(out)))
+	}
+	return true, nil
+}
+
+// isFuseMountPoint reports whether a FUSE filesystem is mounted exactly at abs.
+func isFuseMountPoint(abs string) bool {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// id parent major:minor root mountpoint options ... - fstype source superopts
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 5 {
+			continue
+		}
+		sep := -1
+		for i, x := range fields {
+			if x == "-" {
+				sep = i
+				break
+			}
+		}
+		if sep < 0 || sep+1 >= len(fields) {
+			continue
+		}
+		if unescapeMountPath(fields[4]) == abs && strings.HasPrefix(fields[sep+1], "fuse") {
+			return true
+		}
+	}
+	return false
+}
+
+// unescapeMountPath undoes the octal escapes (\040 for a space) of /proc/self/mountinfo.
+func unescapeMountPath(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			var v int
+			if _, err := fmt.Sscanf(s[i+1:i+4], "%03o", &v); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// Mount serves an empty mtcfs filesystem at dir until Unmount.
+func Mount(dir string, opts Options) (*Server, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return nil, err
+	}
+	if err := CheckMountable(abs); err != nil {
+		return nil, err
+	}
+	if opts.CacheTimeout == 0 {
+		opts.CacheTimeout = time.Second
+	}
+	root := os.Geteuid() == 0
+	m := &mtfs{spool: opts.Spool, passthrough: opts.Passthrough != PassthroughOff && root}
+	m.nextIno.Store(1)
+	rootNode := &dirNode{fs: m, meta: meta{mode: 0o755}}
+	now := time.Now()
+	rootNode.atime, rootNode.mtime, rootNode.ctime = now, now, now
+
+	timeout := opts.CacheTimeout
+	fsOpts := &gofs.Options{
+		EntryTimeout:    &timeout,
+		AttrTimeout:     &timeout,
+		NegativeTimeout: &timeout,
+		RootStableAttr:  &gofs.StableAttr{Ino: 1},
+		Logger:          log.New(os.Stderr, "go-fuse: ", 0),
+		MountOptions: fuse.MountOptions{
+			FsName:       "mtcfs",
+			Name:         "mtcfs",
+			DirectMount:  root,
+			AllowOther:   root,
+			MaxWrite:     1 << 20,
+			MaxReadAhead: 1 << 20,
+			// The kernel checks permission bits, as on tmpfs.
+			Options: []string{"default_permissions"},
+			Debug:   opts.Debug,
+		},
+	}
+	srv, err := gofs.Mount(abs, rootNode, fsOpts)
+	if err != nil {
+		return nil, fmt.Errorf("mount %s: %w", abs, err)
+	}
+	s := &Server{dir: abs, fuse: srv}
+	if m.passthrough {
+		m.passthrough = probePassthrough(srv, opts.Spool)
+	}
+	if opts.Passthrough == PassthroughOn && !m.passthrough {
+		s.Unmount()
+		return nil, errors.New("--passthrough=on: the kernel refused FUSE passthrough (needs Linux ≥ 6.9 and CAP_SYS_ADMIN); use --passthrough=auto or off")
+	}
+	s.passthrough = m.passthrough
+	slog.Info("mounted", "dir", abs, "passthrough", s.passthrough, "spool", opts.Spool.Dir(),
+		"budget", tiers.FormatSize(opts.Spool.Budget()), "budget_enforced_by", map[bool]string{true: "tmpfs", false: "agent"}[opts.Spool.KernelEnforced()])
+	return s, nil
+}
+
+// probePassthrough asks the kernel to register a spool file as a passthrough backing file, the
+// same call go-fuse makes on open, so that the mode we log is the mode we get.
+func probePassthrough(srv *fuse.Server, spool *tiers.Spool) bool {
+	if srv.KernelSettings().Flags64()&fuse.CAP_PASSTHROUGH == 0 {
+		return false
+	}
+	p, err := spool.NewFile()
+	if err != nil {
+		return false
+	}
+	defer os.Remove(p)
+	f, err := os.OpenFile(p, os.O_RDWR, 0)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	id, errno := srv.RegisterBackingFd(&fuse.BackingMap{Fd: int32(f.Fd())})
+	if errno != 0 {
+		return false
+	}
+	srv.UnregisterBackingFd(id)
+	return true
+}

@@ -1,0 +1,423 @@
+package fs
+
+import (
+	"context"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// mtfs is what all nodes of one mount share.
+type mtfs struct {
+	spool       *tiers.Spool
+	passthrough bool // use FUSE passthrough for regular files
+	nextIno     atomic.Uint64
+}
+
+func (m *mtfs) newIno() uint64 { return m.nextIno.Add(1) }
+
+// meta holds what every node type keeps in memory: ownership, permission bits, times (files
+// take size and data times from their spool file instead) and extended attributes.
+type meta struct {
+	mu    sync.Mutex
+	mode  uint32 // permission bits only; GUARDED_BY(mu)
+	uid   uint32 // GUARDED_BY(mu)
+	gid   uint32 // GUARDED_BY(mu)
+	atime time.Time
+	mtime time.Time
+	ctime time.Time
+	xattr map[string][]byte // GUARDED_BY(mu)
+}
+
+func newMeta(ctx context.Context, mode uint32) meta {
+	now := time.Now()
+	m := meta{mode: mode & 07777, atime: now, mtime: now, ctime: now}
+	if c, ok := fuse.FromContext(ctx); ok {
+		m.uid, m.gid = c.Uid, c.Gid
+	}
+	return m
+}
+
+// fill copies ownership, mode and times into out. Caller holds mu.
+func (m *meta) fill(out *fuse.Attr) {
+	out.Mode = m.mode
+	out.Uid, out.Gid = m.uid, m.gid
+	out.SetTimes(&m.atime, &m.mtime, &m.ctime)
+}
+
+// setattr applies mode, owner and times from in. Caller holds mu.
+func (m *meta) setattr(in *fuse.SetAttrIn) {
+	now := time.Now()
+	if mode, ok := in.GetMode(); ok {
+		m.mode = mode & 07777
+	}
+	if uid, ok := in.GetUID(); ok {
+		m.uid = uid
+	}
+	if gid, ok := in.GetGID(); ok {
+		m.gid = gid
+	}
+	if t, ok := in.GetATime(); ok {
+		m.atime = t
+	}
+	if t, ok := in.GetMTime(); ok {
+		m.mtime = t
+	}
+	m.ctime = now
+}
+
+func (m *meta) touch(mtime bool) {
+	m.mu.Lock()
+	now := time.Now()
+	if mtime {
+		m.mtime = now
+	}
+	m.ctime = now
+	m.mu.Unlock()
+}
+
+// maxXattrValue bounds one extended attribute, as Linux does.
+const maxXattrValue = 64 << 10
+
+func (m *meta) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	v, ok := m.xattr[attr]
+	if !ok {
+		return 0, gofs.ENOATTR
+	}
+	if len(dest) < len(v) {
+		return uint32(len(v)), syscall.ERANGE
+	}
+	return uint32(copy(dest, v)), 0
+}
+
+func (m *meta) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
+	if len(data) > maxXattrValue {
+		return syscall.E2BIG
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	_, exists := m.xattr[attr]
+	if flags&unix.XATTR_CREATE != 0 && exists {
+		return syscall.EEXIST
+	}
+	if flags&unix.XATTR_REPLACE != 0 && !exists {
+		return gofs.ENOATTR
+	}
+	if m.xattr == nil {
+		m.xattr = map[string][]byte{}
+	}
+	m.xattr[attr] = append([]byte(nil), data...)
+	m.ctime = time.Now()
+	return 0
+}
+
+func (m *meta) Removexattr(ctx context.Context, attr string) syscall.Errno {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, ok := m.xattr[attr]; !ok {
+		return gofs.ENOATTR
+	}
+	delete(m.xattr, attr)
+	m.ctime = time.Now()
+	return 0
+}
+
+func (m *meta) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	names := make([]string, 0, len(m.xattr))
+	for k := range m.xattr {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	var buf []byte
+	for _, k := range names {
+		buf = append(append(buf, k...), 0)
+	}
+	if len(dest) < len(buf) {
+		return uint32(len(buf)), syscall.ERANGE
+	}
+	return uint32(copy(dest, buf)), 0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Directories
+
+type dirNode struct {
+	gofs.Inode
+	meta
+	fs *mtfs
+}
+
+var (
+	_ = (gofs.NodeGetattrer)((*dirNode)(nil))
+	_ = (gofs.NodeSetattrer)((*dirNode)(nil))
+	_ = (gofs.NodeCreater)((*dirNode)(nil))
+	_ = (gofs.NodeMkdirer)((*dirNode)(nil))
+	_ = (gofs.NodeMknoder)((*dirNode)(nil))
+	_ = (gofs.NodeSymlinker)((*dirNode)(nil))
+	_ = (gofs.NodeLinker)((*dirNode)(nil))
+	_ = (gofs.NodeUnlinker)((*dirNode)(nil))
+	_ = (gofs.NodeRmdirer)((*dirNode)(nil))
+	_ = (gofs.NodeRenamer)((*dirNode)(nil))
+	_ = (gofs.NodeStatfser)((*dirNode)(nil))
+	_ = (gofs.NodeGetxattrer)((*dirNode)(nil))
+	_ = (gofs.NodeSetxattrer)((*dirNode)(nil))
+	_ = (gofs.NodeRemovexattrer)((*dirNode)(nil))
+	_ = (gofs.NodeListxattrer)((*dirNode)(nil))
+)
+
+func (d *dirNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	subdirs := 0
+	for _, ch := range d.Children() {
+		if ch.IsDir() {
+			subdirs++
+		}
+	}
+	d.mu.Lock()
+	d.fill(&out.Attr)
+	d.mu.Unlock()
+	out.Nlink = uint32(2 + subdirs)
+	out.Size = 4096
+	out.Blocks = 8
+	out.Blksize = 4096
+	return 0
+}
+
+func (d *dirNode) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	if _, ok := in.GetSize(); ok {
+		return syscall.EISDIR
+	}
+	d.mu.Lock()
+	d.setattr(in)
+	d.mu.Unlock()
+	return d.Getattr(ctx, fh, out)
+}
+
+func (d *dirNode) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno {
+	total, used := d.fs.spool.Usage()
+	const bsize = 4096
+	out.Bsize = bsize
+	out.Frsize = bsize
+	out.Blocks = uint64(total) / bsize
+	free := uint64(0)
+	if used < total {
+		free = uint64(total-used) / bsize
+	}
+	out.Bfree, out.Bavail = free, free
+	out.Files = 1 << 30
+	out.Ffree = out.Files - d.fs.nextIno.Load()
+	out.NameLen = 255
+	return 0
+}
+
+func (d *dirNode) newDir(ctx context.Context, mode uint32) *gofs.Inode {
+	nd := &dirNode{fs: d.fs, meta: newMeta(ctx, mode)}
+	return d.NewPersistentInode(ctx, nd, gofs.StableAttr{Mode: syscall.S_IFDIR, Ino: d.fs.newIno()})
+}
+
+func (d *dirNode) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
+	if d.GetChild(name) != nil {
+		return nil, syscall.EEXIST
+	}
+	ch := d.newDir(ctx, mode)
+	d.touch(true)
+	return ch, d.fillEntry(ctx, ch, out)
+}
+
+// fillEntry fills out.Attr from the new child.
+func (d *dirNode) fillEntry(ctx context.Context, ch *gofs.Inode, out *fuse.EntryOut) syscall.Errno {
+	var a fuse.AttrOut
+	if errno := ch.Operations().(gofs.NodeGetattrer).Getattr(ctx, nil, &a); errno != 0 {
+		return errno
+	}
+	out.Attr = a.Attr
+	return 0
+}
+
+func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode uint32, out *fuse.EntryOut) (*gofs.Inode, gofs.FileHandle, uint32, syscall.Errno) {
+	if d.GetChild(name) != nil {
+		return nil, nil, 0, syscall.EEXIST
+	}
+	fn, err := d.fs.newFile(ctx, mode)
+	if err != nil {
+		return nil, nil, 0, toErrno("create", err)
+	}
+	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
+	fh, fflags, errno := fn.open(flags)
+	if errno != 0 {
+		fn.dropLink()
+		return nil, nil, 0, errno
+	}
+	d.touch(true)
+	return ch, fh, fflags, d.fillEntry(ctx, ch, out)
+}
+
+// Mknod creates regular files only (what mknod(2) with S_IFREG and some copy tools do); device
+// nodes, fifos and sockets have no place in a checkpoint.
+func (d *dirNode) Mknod(ctx context.Context, name string, mode uint32, dev uint32, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
+	if mode&syscall.S_IFMT != syscall.S_IFREG && mode&syscall.S_IFMT != 0 {
+		return nil, syscall.EPERM
+	}
+	if d.GetChild(name) != nil {
+		return nil, syscall.EEXIST
+	}
+	fn, err := d.fs.newFile(ctx, mode)
+	if err != nil {
+		return nil, toErrno("mknod", err)
+	}
+	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
+	d.touch(true)
+	return ch, d.fillEntry(ctx, ch, out)
+}
+
+func (d *dirNode) Symlink(ctx context.Context, target, name string, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
+	if d.GetChild(name) != nil {
+		return nil, syscall.EEXIST
+	}
+	ch := d.NewPersistentInode(ctx, newSymlink(ctx, target), gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: d.fs.newIno()})
+	d.touch(true)
+	return ch, d.fillEntry(ctx, ch, out)
+}
+
+func (d *dirNode) Link(ctx context.Context, target gofs.InodeEmbedder, name string, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
+	fn, ok := target.(*fileNode)
+	if !ok {
+		return nil, syscall.EPERM
+	}
+	if d.GetChild(name) != nil {
+		return nil, syscall.EEXIST
+	}
+	if !fn.addLink() {
+		return nil, syscall.ENOENT
+	}
+	d.touch(true)
+	return fn.EmbeddedInode(), d.fillEntry(ctx, fn.EmbeddedInode(), out)
+}
+
+func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
+	ch := d.GetChild(name)
+	if ch == nil {
+		return syscall.ENOENT
+	}
+	if ch.IsDir() {
+		return syscall.EISDIR
+	}
+	dropped(ch)
+	d.touch(true)
+	return 0
+}
+
+func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
+	ch := d.GetChild(name)
+	if ch == nil {
+		return syscall.ENOENT
+	}
+	if !ch.IsDir() {
+		return syscall.ENOTDIR
+	}
+	if len(ch.Children()) > 0 {
+		return syscall.ENOTEMPTY
+	}
+	d.touch(true)
+	return 0
+}
+
+func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeEmbedder, newName string, flags uint32) syscall.Errno {
+	src := d.GetChild(name)
+	if src == nil {
+		return syscall.ENOENT
+	}
+	np, ok := newParent.(*dirNode)
+	if !ok {
+		return syscall.ENOTDIR
+	}
+	dst := np.GetChild(newName)
+	switch {
+	case flags&^(unix.RENAME_NOREPLACE|unix.RENAME_EXCHANGE) != 0:
+		return syscall.EINVAL
+	case flags&unix.RENAME_EXCHANGE != 0:
+		if dst == nil {
+			return syscall.ENOENT
+		}
+	case dst == src:
+		return 0 // rename onto a hard link of itself: nothing happens
+	case dst != nil && flags&unix.RENAME_NOREPLACE != 0:
+		return syscall.EEXIST
+	case dst != nil && src.IsDir() && !dst.IsDir():
+		return syscall.ENOTDIR
+	case dst != nil && !src.IsDir() && dst.IsDir():
+		return syscall.EISDIR
+	case dst != nil && dst.IsDir() && len(dst.Children()) > 0:
+		return syscall.ENOTEMPTY
+	case dst != nil:
+		dropped(dst) // go-fuse replaces the entry after we return
+	}
+	d.touch(true)
+	if np != d {
+		np.touch(true)
+	}
+	if m, ok := src.Operations().(interface{ touch(bool) }); ok {
+		m.touch(false)
+	}
+	return 0
+}
+
+// dropped tells a node that one of its names is going away.
+func dropped(ch *gofs.Inode) {
+	if fn, ok := ch.Operations().(*fileNode); ok {
+		fn.dropLink()
+	}
+}
+
+// ---------------------------------------------------------------------------------------------
+// Symlinks
+
+type symlinkNode struct {
+	gofs.Inode
+	meta
+	target string
+}
+
+var (
+	_ = (gofs.NodeReadlinker)((*symlinkNode)(nil))
+	_ = (gofs.NodeGetattrer)((*symlinkNode)(nil))
+	_ = (gofs.NodeSetattrer)((*symlinkNode)(nil))
+)
+
+func newSymlink(ctx context.Context, target string) *symlinkNode {
+	return &symlinkNode{meta: newMeta(ctx, 0o777), target: target}
+}
+
+func (l *symlinkNode) Readlink(ctx context.Context) ([]byte, syscall.Errno) {
+	return []byte(l.target), 0
+}
+
+func (l *symlinkNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	l.mu.Lock()
+	l.fill(&out.Attr)
+	l.mu.Unlock()
+	out.Size = uint64(len(l.target))
+	out.Nlink = 1
+	out.Blksize = 4096
+	return 0
+}
+
+func (l *symlinkNode) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	l.mu.Lock()
+	mode := l.mode
+	l.setattr(in)
+	l.mode = mode // a symlink's permission bits are always 0777
+	l.mu.Unlock()
+	return l.Getattr(ctx, fh, out)
+}
