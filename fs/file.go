@@ -40,7 +40,9 @@ func (m *mtfs) newFile(ctx context.Context, mode uint32) (*fileNode, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &fileNode{fs: m, meta: newMeta(ctx, mode), backing: p, nlink: 1}, nil
+	f := &fileNode{fs: m, backing: p, nlink: 1}
+	f.init(ctx, mode)
+	return f, nil
 }
 
 func (f *fileNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"log"
@@ -202,9 +203,8 @@ func Mount(dir string, opts Options) (*Server, error) {
 	root := os.Geteuid() == 0
 	m := &mtfs{spool: opts.Spool, passthrough: opts.Passthrough != PassthroughOff && root}
 	m.nextIno.Store(1)
-	rootNode := &dirNode{fs: m, meta: meta{mode: 0o755}}
-	now := time.Now()
-	rootNode.atime, rootNode.mtime, rootNode.ctime = now, now, now
+	rootNode := &dirNode{fs: m}
+	rootNode.init(context.Background(), 0o755)
 
 	timeout := opts.CacheTimeout
 	fsOpts := &gofs.Options{

@@ -37,13 +37,13 @@ type meta struct {
 	xattr map[string][]byte // GUARDED_BY(mu)
 }
 
-func newMeta(ctx context.Context, mode uint32) meta {
+// init sets up a new node's meta: owned by the caller, all times now.
+func (m *meta) init(ctx context.Context, mode uint32) {
 	now := time.Now()
-	m := meta{mode: mode & 07777, atime: now, mtime: now, ctime: now}
+	m.mode, m.atime, m.mtime, m.ctime = mode&07777, now, now, now
 	if c, ok := fuse.FromContext(ctx); ok {
 		m.uid, m.gid = c.Uid, c.Gid
 	}
-	return m
 }
 
 // fill copies ownership, mode and times into out. Caller holds mu.
@@ -222,7 +222,8 @@ func (d *dirNode) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno
 }
 
 func (d *dirNode) newDir(ctx context.Context, mode uint32) *gofs.Inode {
-	nd := &dirNode{fs: d.fs, meta: newMeta(ctx, mode)}
+	nd := &dirNode{fs: d.fs}
+	nd.init(ctx, mode)
 	return d.NewPersistentInode(ctx, nd, gofs.StableAttr{Mode: syscall.S_IFDIR, Ino: d.fs.newIno()})
 }
 
@@ -396,7 +397,9 @@ var (
 )
 
 func newSymlink(ctx context.Context, target string) *symlinkNode {
-	return &symlinkNode{meta: newMeta(ctx, 0o777), target: target}
+	l := &symlinkNode{target: target}
+	l.init(ctx, 0o777)
+	return l
 }
 
 func (l *symlinkNode) Readlink(ctx context.Context) ([]byte, syscall.Errno) {

@@ -1,0 +1,55 @@
+package fs
+
+import (
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// testMount mounts a fresh mtcfs in a temporary directory and unmounts it (lazily if a failed
+// test left something open) when the test ends, so no mount outlives the test run.
+func testMount(t testing.TB, mode PassthroughMode, budget int64) (string, *tiers.Spool) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("mount tests need root (FUSE DirectMount and a tmpfs spool)")
+	}
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(base, "spool"), Budget: budget, MountTmpfs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := Mount(dir, Options{Spool: spool, Passthrough: mode})
+	if err != nil {
+		spool.Close()
+		t.Fatal(err)
+	}
+	if mode == PassthroughOn && !srv.Passthrough() {
+		t.Fatal("passthrough requested but not active")
+	}
+	t.Cleanup(func() {
+		if err := srv.Unmount(); err != nil {
+			t.Errorf("unmount: %v", err)
+		}
+		if err := spool.Close(); err != nil {
+			t.Errorf("close spool: %v", err)
+		}
+	})
+	return dir, spool
+}
+
+// modes are the data paths every kernel-facing test runs on.
+var modes = []PassthroughMode{PassthroughOn, PassthroughOff}
+
+func TestMain(m *testing.M) {
+	// Mount logs are noise in test output; failures say what they need.
+	slog.SetDefault(slog.New(slog.NewTextHandler(io.Discard, nil)))
+	os.Exit(m.Run())
+}
