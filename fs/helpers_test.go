@@ -10,9 +10,16 @@ import (
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
-// testMount mounts a fresh mtcfs in a temporary directory and unmounts it (lazily if a failed
-// test left something open) when the test ends, so no mount outlives the test run.
+// testMount mounts a fresh mtcfs with a tmpfs spool of budget bytes in a temporary directory.
 func testMount(t testing.TB, mode PassthroughMode, budget int64) (string, *tiers.Spool) {
+	t.Helper()
+	return testMountSpool(t, mode, tiers.SpoolConfig{Budget: budget, MountTmpfs: true})
+}
+
+// testMountSpool mounts a fresh mtcfs on a spool made from cfg (cfg.Dir is filled in) and
+// unmounts it (lazily if a failed test left something open) when the test ends, so no mount
+// outlives the test run.
+func testMountSpool(t testing.TB, mode PassthroughMode, cfg tiers.SpoolConfig) (string, *tiers.Spool) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("mount tests need root (FUSE DirectMount and a tmpfs spool)")
@@ -22,7 +29,8 @@ func testMount(t testing.TB, mode PassthroughMode, budget int64) (string, *tiers
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(base, "spool"), Budget: budget, MountTmpfs: true})
+	cfg.Dir = filepath.Join(base, "spool")
+	spool, err := tiers.OpenSpool(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,222 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+var binPath string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "mtcfs-bin")
+	if err != nil {
+		panic(err)
+	}
+	binPath = filepath.Join(dir, "mtcfs")
+	if out, err := exec.Command("go", "build", "-o", binPath, ".").CombinedOutput(); err != nil {
+		panic("build mtcfs: " + err.Error() + "\n" + string(out))
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// agent is an mtcfs process started by a test.
+type agent struct {
+	t     *testing.T
+	cmd   *exec.Cmd
+	dir   string
+	spool string
+	mu    sync.Mutex
+	logs  []string
+	done  chan struct{}
+	err   error
+}
+
+// startAgent runs "mtcfs mount dir args..." and waits until it serves. The test's cleanup kills
+// it and detaches whatever it left mounted, also when the test failed half-way.
+func startAgent(t *testing.T, dir, spool string, args ...string) *agent {
+	t.Helper()
+	a := &agent{t: t, dir: dir, spool: spool, done: make(chan struct{})}
+	a.cmd = exec.Command(binPath, append([]string{"mount", dir, "--spool", spool, "--memory", "64MiB"}, args...)...)
+	stderr, err := a.cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, a.cmd.Start())
+	serving := make(chan struct{})
+	var once sync.Once
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			a.mu.Lock()
+			a.logs = append(a.logs, sc.Text())
+			a.mu.Unlock()
+			if strings.Contains(sc.Text(), "serving") {
+				once.Do(func() { close(serving) })
+			}
+		}
+	}()
+	go func() { a.err = a.cmd.Wait(); close(a.done) }()
+	t.Cleanup(func() {
+		a.cmd.Process.Kill()
+		<-a.done
+		forceUnmount(dir)
+		forceUnmount(spool)
+	})
+	select {
+	case <-serving:
+	case <-a.done:
+		t.Fatalf("agent exited before serving: %v\n%s", a.err, a.log())
+	case <-time.After(15 * time.Second):
+		t.Fatalf("agent did not start serving within 15s\n%s", a.log())
+	}
+	return a
+}
+
+func (a *agent) log() string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return strings.Join(a.logs, "\n")
+}
+
+// wait waits for the agent to exit and returns its exit code.
+func (a *agent) wait(d time.Duration) int {
+	select {
+	case <-a.done:
+	case <-time.After(d):
+		a.t.Fatalf("agent did not exit within %v\n%s", d, a.log())
+	}
+	var ee *exec.ExitError
+	if errors.As(a.err, &ee) {
+		return ee.ExitCode()
+	}
+	return 0
+}
+
+func forceUnmount(p string) {
+	for isMounted(p) {
+		if unix.Unmount(p, unix.MNT_DETACH) != nil {
+			return
+		}
+	}
+}
+
+func isMounted(p string) bool {
+	data, _ := os.ReadFile("/proc/self/mounts")
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && f[1] == p {
+			return true
+		}
+	}
+	return false
+}
+
+func needRoot(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount")
+	}
+}
+
+// TestKillAndRestart kills an agent with SIGKILL, sees the dead mount answer ENOTCONN, and
+// checks that a new agent detaches it and serves again; SIGTERM then unmounts cleanly.
+func TestKillAndRestart(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	dir, spool := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+
+	a := startAgent(t, dir, spool)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "f"), []byte("x"), 0o644))
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGKILL))
+	a.wait(10 * time.Second)
+
+	_, err := os.Stat(filepath.Join(dir, "f"))
+	require.True(t, errors.Is(err, syscall.ENOTCONN), "a killed agent's mount should answer ENOTCONN, got %v", err)
+
+	b := startAgent(t, dir, spool)
+	require.Contains(t, b.log(), "detached a stale mount")
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "g"), []byte("y"), 0o644))
+	got, err := os.ReadFile(filepath.Join(dir, "g"))
+	require.NoError(t, err)
+	require.Equal(t, "y", string(got))
+
+	require.NoError(t, b.cmd.Process.Signal(syscall.SIGTERM))
+	require.Equal(t, 0, b.wait(30*time.Second), "clean stop should exit 0\n%s", b.log())
+	require.False(t, isMounted(dir), "mount left behind after SIGTERM")
+	require.False(t, isMounted(spool), "spool left mounted after SIGTERM")
+}
+
+// TestHealthAndJSONLogs checks /livez, /readyz and the structured log keys.
+func TestHealthAndJSONLogs(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	a := startAgent(t, dir, filepath.Join(base, "spool"), "--http", "127.0.0.1:0", "--log-format", "json")
+
+	var addr string
+	for _, line := range strings.Split(a.log(), "\n") {
+		var rec map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &rec), "log line is not JSON: %s", line)
+		require.Contains(t, rec, "severity")
+		require.Contains(t, rec, "message")
+		if rec["message"] == "http endpoints" {
+			addr, _ = rec["addr"].(string)
+		}
+	}
+	require.NotEmpty(t, addr, "the chosen --http address should be logged")
+	for _, path := range []string{"/livez", "/readyz"} {
+		resp, err := http.Get("http://" + addr + path)
+		require.NoError(t, err)
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode, "%s: %s", path, body)
+	}
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGINT))
+	require.Equal(t, 0, a.wait(30*time.Second))
+}
+
+// TestMountErrors checks that bad input ends with a message that says what to do.
+func TestMountErrors(t *testing.T) {
+	base := t.TempDir()
+	file := filepath.Join(base, "file")
+	require.NoError(t, os.WriteFile(file, nil, 0o644))
+	cases := []struct {
+		name string
+		args []string
+		code int
+		want string
+	}{
+		{"no dir", []string{"mount"}, 2, "want exactly one mount directory"},
+		{"missing dir", []string{"mount", filepath.Join(base, "nope")}, 1, "does not exist; create it first"},
+		{"not a dir", []string{"mount", file}, 1, "is not a directory"},
+		{"bad size", []string{"mount", base, "--memory", "12XB"}, 2, "invalid size \"12XB\""},
+		{"budget too small", []string{"mount", base, "--memory", "1MiB", "--spool", filepath.Join(base, "s")}, 1, "below the minimum"},
+		{"bad log format", []string{"mount", base, "--log-format", "xml"}, 2, "want json or text"},
+		{"bad passthrough", []string{"mount", base, "--passthrough", "maybe"}, 2, "want auto, on or off"},
+		{"unknown flag", []string{"mount", base, "--frobnicate"}, 2, "flag provided but not defined"},
+		{"unknown command", []string{"frob"}, 2, "unknown command"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := exec.Command(binPath, tc.args...).CombinedOutput()
+			var ee *exec.ExitError
+			require.True(t, errors.As(err, &ee), "want a failing exit, got %v\n%s", err, out)
+			require.Equal(t, tc.code, ee.ExitCode(), "%s", out)
+			require.Contains(t, string(out), tc.want)
+		})
+	}
+}
