@@ -22,6 +22,9 @@ type fileNode struct {
 	nlink     int    // names in the tree. GUARDED_BY(mu)
 	opens     int    // open handles. GUARDED_BY(mu)
 	accounted int64  // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
+	// limit is the largest size a control file may reach (0: none); such files never use
+	// passthrough, so that every write passes the check.
+	limit int64
 }
 
 var (
@@ -87,6 +90,10 @@ func (f *fileNode) setattr(fh gofs.FileHandle, in *fuse.SetAttrIn) syscall.Errno
 		return syscall.ENOENT
 	}
 	if size, ok := in.GetSize(); ok {
+		if f.limit > 0 && int64(size) > f.limit {
+			f.tooLarge()
+			return syscall.EFBIG
+		}
 		if err := f.chargeTo(int64(size), true); err != nil {
 			return toErrno("truncate", err)
 		}
@@ -155,9 +162,10 @@ func (f *fileNode) open(flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 		f.chargeTo(0, true)
 	}
 	f.opens++
+	h := &fileHandle{node: f, fd: fd, writable: flags&syscall.O_ACCMODE != syscall.O_RDONLY}
 	// Nobody but the kernel changes a file's bytes, so its page cache stays valid across opens.
 	// (go-fuse drops the flag when it sets up passthrough.)
-	return &fileHandle{node: f, fd: fd}, fuse.FOPEN_KEEP_CACHE, 0
+	return h, fuse.FOPEN_KEEP_CACHE, 0
 }
 
 func (f *fileNode) addLink() bool {
@@ -208,10 +216,19 @@ func (f *fileNode) CopyFileRange(ctx context.Context, fhIn gofs.FileHandle, offI
 	return uint32(n), 0
 }
 
+// tooLarge reports a refused write past limit to the listener.
+func (f *fileNode) tooLarge() {
+	if f.fs.events != nil {
+		path := f.Path(nil)
+		f.fs.events.TooLarge(path)
+	}
+}
+
 // fileHandle is one open of a fileNode: an fd on the spool file.
 type fileHandle struct {
-	node *fileNode
-	fd   int
+	node     *fileNode
+	fd       int
+	writable bool
 }
 
 var (
@@ -226,7 +243,9 @@ var (
 )
 
 // PassthroughFd lets the kernel do reads, writes and mmap on the spool file directly.
-func (h *fileHandle) PassthroughFd() (int, bool) { return h.fd, h.node.fs.passthrough }
+func (h *fileHandle) PassthroughFd() (int, bool) {
+	return h.fd, h.node.fs.passthrough && h.node.limit == 0
+}
 
 func (h *fileHandle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	// Spliced from the spool file to the kernel: the bytes never enter the Go heap.
@@ -243,6 +262,10 @@ func (h *fileHandle) charge(end int64) syscall.Errno {
 }
 
 func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
+	if l := h.node.limit; l > 0 && off+int64(len(data)) > l {
+		h.node.tooLarge()
+		return 0, syscall.EFBIG
+	}
 	if errno := h.charge(off + int64(len(data))); errno != 0 {
 		return 0, errno
 	}
@@ -266,6 +289,9 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	f.opens--
 	f.maybeFree()
 	f.mu.Unlock()
+	if h.writable && f.fs.events != nil {
+		f.fs.events.Closed(f.Path(nil))
+	}
 	return toErrno("release", err)
 }
 

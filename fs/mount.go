@@ -45,7 +45,9 @@ type Options struct {
 	Passthrough PassthroughMode
 	// CacheTimeout is how long the kernel may cache entries and attributes (default 1s).
 	CacheTimeout time.Duration
-	Debug        bool
+	// Events receives the job's changes (commits, closes); nil for a plain filesystem.
+	Events tiers.Events
+	Debug  bool
 }
 
 // Server is a mounted mtcfs filesystem.
@@ -53,7 +55,11 @@ type Server struct {
 	dir         string
 	fuse        *fuse.Server
 	passthrough bool
+	ns          *namespace
 }
+
+// Namespace lets the replicator manage the top-level names of the mount.
+func (s *Server) Namespace() tiers.Namespace { return s.ns }
 
 // Dir is the mount point.
 func (s *Server) Dir() string { return s.dir }
@@ -201,7 +207,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 		opts.CacheTimeout = time.Second
 	}
 	root := os.Geteuid() == 0
-	m := &mtfs{spool: opts.Spool, passthrough: opts.Passthrough != PassthroughOff && root}
+	m := &mtfs{spool: opts.Spool, passthrough: opts.Passthrough != PassthroughOff && root, events: opts.Events}
 	m.nextIno.Store(1)
 	rootNode := &dirNode{fs: m}
 	rootNode.init(context.Background(), 0o755)
@@ -225,11 +231,15 @@ func Mount(dir string, opts Options) (*Server, error) {
 			Debug:   opts.Debug,
 		},
 	}
-	srv, err := gofs.Mount(abs, rootNode, fsOpts)
+	srv, err := fuse.NewServer(&eventFS{RawFileSystem: gofs.NewNodeFS(rootNode, fsOpts), m: m}, abs, &fsOpts.MountOptions)
 	if err != nil {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
-	s := &Server{dir: abs, fuse: srv}
+	go srv.Serve()
+	if err := srv.WaitMount(); err != nil {
+		return nil, fmt.Errorf("mount %s: %w", abs, err)
+	}
+	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}}
 	if m.passthrough {
 		m.passthrough = probePassthrough(srv, opts.Spool)
 	}

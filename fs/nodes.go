@@ -18,8 +18,10 @@ import (
 // mtfs is what all nodes of one mount share.
 type mtfs struct {
 	spool       *tiers.Spool
-	passthrough bool // use FUSE passthrough for regular files
+	passthrough bool         // use FUSE passthrough for regular files
+	events      tiers.Events // nil: nobody listens
 	nextIno     atomic.Uint64
+	parked      sync.Map // request cancel channel -> event to emit when the request succeeded
 }
 
 func (m *mtfs) newIno() uint64 { return m.nextIno.Add(1) }
@@ -250,7 +252,7 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 	if d.GetChild(name) != nil {
 		return nil, nil, 0, syscall.EEXIST
 	}
-	fn, err := d.fs.newFile(ctx, mode)
+	fn, err := d.newFile(ctx, name, mode)
 	if err != nil {
 		return nil, nil, 0, toErrno("create", err)
 	}
@@ -273,7 +275,7 @@ func (d *dirNode) Mknod(ctx context.Context, name string, mode uint32, dev uint3
 	if d.GetChild(name) != nil {
 		return nil, syscall.EEXIST
 	}
-	fn, err := d.fs.newFile(ctx, mode)
+	fn, err := d.newFile(ctx, name, mode)
 	if err != nil {
 		return nil, toErrno("mknod", err)
 	}
@@ -364,6 +366,10 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 	case dst != nil:
 		dropped(dst) // go-fuse replaces the entry after we return
 	}
+	if d.fs.events != nil {
+		oldPath, newPath, typ := joinPath(d.Path(nil), name), joinPath(np.Path(nil), newName), entryType(src)
+		d.fs.park(ctx, func() { d.fs.events.Renamed(oldPath, newPath, typ) })
+	}
 	d.touch(true)
 	if np != d {
 		np.touch(true)
@@ -372,6 +378,22 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 		m.touch(false)
 	}
 	return 0
+}
+
+func joinPath(dir, name string) string {
+	if dir == "" {
+		return name
+	}
+	return dir + "/" + name
+}
+
+// newFile makes a file node for a new name in d; control files at the top get a size limit.
+func (d *dirNode) newFile(ctx context.Context, name string, mode uint32) (*fileNode, error) {
+	fn, err := d.fs.newFile(ctx, mode)
+	if err == nil && d.IsRoot() {
+		fn.limit = tiers.WriteLimit(name)
+	}
+	return fn, err
 }
 
 // dropped tells a node that one of its names is going away.

@@ -134,6 +134,22 @@ func (s *Spool) NewFile() (string, error) {
 	}
 }
 
+// LinkFile gives the existing spool file src a new backing-file name (a hard link: no bytes
+// are copied) and returns it.
+func (s *Spool) LinkFile(src string) (string, error) {
+	for {
+		p := filepath.Join(s.FilesDir(), strconv.FormatUint(s.nextID.Add(1), 10))
+		err := os.Link(src, p)
+		if errors.Is(err, os.ErrExist) {
+			continue
+		}
+		if err != nil {
+			return "", fmt.Errorf("link spool file: %w", err)
+		}
+		return p, nil
+	}
+}
+
 // Reserve accounts for delta more (or, negative, fewer) bytes. With a kernel-enforced budget it
 // never fails: tmpfs itself answers ENOSPC.
 func (s *Spool) Reserve(delta int64) error {

@@ -1,0 +1,41 @@
+package fs
+
+import (
+	"context"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+)
+
+// eventFS wraps go-fuse's raw bridge so that events are delivered after go-fuse has applied a
+// change to its inode tree: our node methods run before the bridge moves or removes the child,
+// so they only park the event, keyed by the request's cancel channel (unique per request), and
+// the wrapper emits it once the whole operation returned OK.
+type eventFS struct {
+	fuse.RawFileSystem
+	m *mtfs
+}
+
+func (e *eventFS) Rename(cancel <-chan struct{}, in *fuse.RenameIn, oldName, newName string) fuse.Status {
+	st := e.RawFileSystem.Rename(cancel, in, oldName, newName)
+	e.m.emitParked(cancel, st)
+	return st
+}
+
+// park stores ev for the request running on ctx; it is called by node methods.
+func (m *mtfs) park(ctx context.Context, ev func()) {
+	if m.events == nil {
+		return
+	}
+	if c, ok := ctx.(*fuse.Context); ok && c.Cancel != nil {
+		m.parked.Store(c.Cancel, ev)
+	}
+}
+
+func (m *mtfs) emitParked(cancel <-chan struct{}, st fuse.Status) {
+	if m.events == nil || cancel == nil {
+		return
+	}
+	if ev, ok := m.parked.LoadAndDelete(cancel); ok && st == fuse.OK {
+		ev.(func())()
+	}
+}

@@ -1,0 +1,265 @@
+package fs
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"syscall"
+
+	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// namespace implements tiers.Namespace on the root directory of a mount. Changes go through
+// the go-fuse inode tree and are followed by cache invalidations, so the job sees them at once.
+type namespace struct {
+	m    *mtfs
+	root *dirNode
+}
+
+var _ tiers.Namespace = (*namespace)(nil)
+
+func entryType(in *gofs.Inode) tiers.EntryType {
+	switch in.Operations().(type) {
+	case *dirNode:
+		return tiers.EntryDir
+	case *symlinkNode:
+		return tiers.EntrySymlink
+	}
+	return tiers.EntryFile
+}
+
+func (ns *namespace) List() ([]tiers.DirEntry, error) {
+	var out []tiers.DirEntry
+	for name, ch := range ns.root.Children() {
+		out = append(out, tiers.DirEntry{Name: name, Type: entryType(ch)})
+	}
+	return out, nil
+}
+
+func (ns *namespace) ReadFile(name string, limit int64) ([]byte, error) {
+	fn, ok := ns.child(name).(*fileNode)
+	if !ok {
+		return nil, fmt.Errorf("read %s: %w", name, os.ErrNotExist)
+	}
+	fn.mu.Lock()
+	p := fn.backing
+	fn.mu.Unlock()
+	f, err := os.Open(p)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", name, err)
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", name, err)
+	}
+	if int64(len(data)) > limit {
+		return nil, fmt.Errorf("read %s: larger than %d bytes: %w", name, limit, syscall.EFBIG)
+	}
+	return data, nil
+}
+
+func (ns *namespace) child(name string) gofs.InodeEmbedder {
+	if ch := ns.root.GetChild(name); ch != nil {
+		return ch.Operations()
+	}
+	return nil
+}
+
+// install puts ch at name, replacing a file or symlink there, and tells the kernel.
+func (ns *namespace) install(name string, ch *gofs.Inode) error {
+	old := ns.root.GetChild(name)
+	if old != nil && old.IsDir() {
+		return fmt.Errorf("replace %s: %w", name, syscall.EISDIR)
+	}
+	ns.root.AddChild(name, ch, true)
+	if old != nil {
+		dropped(old)
+	}
+	ns.root.touch(true)
+	ns.root.NotifyEntry(name)
+	return nil
+}
+
+func (ns *namespace) WriteFile(name string, data []byte) error {
+	p, err := ns.m.spool.NewFile()
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(p, data, 0o600); err != nil {
+		os.Remove(p)
+		return fmt.Errorf("write %s: %w", name, err)
+	}
+	fn := &fileNode{fs: ns.m, backing: p, nlink: 1}
+	fn.init(context.Background(), 0o644)
+	if err := fn.chargeTo(int64(len(data)), true); err != nil {
+		os.Remove(p)
+		return err
+	}
+	ch := ns.root.NewPersistentInode(context.Background(), fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: ns.m.newIno()})
+	if err := ns.install(name, ch); err != nil {
+		fn.dropLink()
+		return err
+	}
+	return nil
+}
+
+func (ns *namespace) Symlink(target, name string) error {
+	ch := ns.root.NewPersistentInode(context.Background(), newSymlink(context.Background(), target),
+		gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: ns.m.newIno()})
+	return ns.install(name, ch)
+}
+
+func (ns *namespace) Rename(oldName, newName string) error {
+	// The same checks as a rename(2) through the mount; no event (the agent made this change).
+	if errno := ns.root.Rename(context.Background(), oldName, ns.root, newName, 0); errno != 0 {
+		return fmt.Errorf("rename %s to %s: %w", oldName, newName, errno)
+	}
+	ns.root.MvChild(oldName, ns.root.EmbeddedInode(), newName, true)
+	ns.root.NotifyEntry(oldName)
+	ns.root.NotifyEntry(newName)
+	return nil
+}
+
+func (ns *namespace) Remove(name string) error {
+	ch := ns.root.GetChild(name)
+	if ch == nil {
+		return nil
+	}
+	if _, live := ns.root.RmChild(name); live {
+		ns.root.NotifyDelete(name, ch)
+	}
+	dropTree(ch)
+	ns.root.touch(true)
+	return nil
+}
+
+// dropTree releases the names of every file below in (in was just unlinked from its parent).
+func dropTree(in *gofs.Inode) {
+	if !in.IsDir() {
+		dropped(in)
+		return
+	}
+	for name, ch := range in.Children() {
+		in.RmChild(name)
+		dropTree(ch)
+	}
+}
+
+func (ns *namespace) Export(name, dst string) ([]tiers.TreeEntry, error) {
+	ch := ns.root.GetChild(name)
+	if ch == nil {
+		return nil, fmt.Errorf("export %s: %w", name, os.ErrNotExist)
+	}
+	var out []tiers.TreeEntry
+	var walk func(in *gofs.Inode, rel, abs string) error
+	walk = func(in *gofs.Inode, rel, abs string) error {
+		switch n := in.Operations().(type) {
+		case *dirNode:
+			if err := os.Mkdir(abs, 0o700); err != nil {
+				return err
+			}
+			if rel != "" {
+				out = append(out, tiers.TreeEntry{Path: rel, Type: tiers.EntryDir})
+			}
+			for cn, c := range in.Children() {
+				if err := walk(c, filepath.Join(rel, cn), filepath.Join(abs, cn)); err != nil {
+					return err
+				}
+			}
+		case *symlinkNode:
+			if err := os.Symlink(n.target, abs); err != nil {
+				return err
+			}
+			out = append(out, tiers.TreeEntry{Path: rel, Type: tiers.EntrySymlink, Target: n.target})
+		case *fileNode:
+			n.mu.Lock()
+			p := n.backing
+			n.mu.Unlock()
+			var st unix.Stat_t
+			if err := unix.Stat(p, &st); err != nil {
+				return err
+			}
+			if err := os.Link(p, abs); err != nil {
+				return err
+			}
+			out = append(out, tiers.TreeEntry{Path: rel, Type: tiers.EntryFile, Size: st.Size})
+		}
+		return nil
+	}
+	if err := walk(ch, "", dst); err != nil {
+		os.RemoveAll(dst)
+		return nil, fmt.Errorf("export %s: %w", name, err)
+	}
+	return out, nil
+}
+
+func (ns *namespace) Import(src, name string) error {
+	if ns.root.GetChild(name) != nil {
+		return fmt.Errorf("import %s: %w", name, os.ErrExist)
+	}
+	var created []*gofs.Inode
+	var build func(p string) (*gofs.Inode, error)
+	build = func(p string) (*gofs.Inode, error) {
+		fi, err := os.Lstat(p)
+		if err != nil {
+			return nil, err
+		}
+		ctx := context.Background()
+		mode := uint32(fi.Mode().Perm())
+		switch {
+		case fi.IsDir():
+			d := &dirNode{fs: ns.m}
+			d.init(ctx, mode|0o755)
+			in := ns.root.NewPersistentInode(ctx, d, gofs.StableAttr{Mode: syscall.S_IFDIR, Ino: ns.m.newIno()})
+			ents, err := os.ReadDir(p)
+			if err != nil {
+				return nil, err
+			}
+			for _, e := range ents {
+				c, err := build(filepath.Join(p, e.Name()))
+				if err != nil {
+					return nil, err
+				}
+				in.AddChild(e.Name(), c, false)
+			}
+			return in, nil
+		case fi.Mode()&os.ModeSymlink != 0:
+			target, err := os.Readlink(p)
+			if err != nil {
+				return nil, err
+			}
+			return ns.root.NewPersistentInode(ctx, newSymlink(ctx, target), gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: ns.m.newIno()}), nil
+		case fi.Mode().IsRegular():
+			bp, err := ns.m.spool.LinkFile(p)
+			if err != nil {
+				return nil, err
+			}
+			fn := &fileNode{fs: ns.m, backing: bp, nlink: 1}
+			fn.init(ctx, mode|0o644)
+			fn.chargeTo(fi.Size(), true)
+			in := ns.root.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: ns.m.newIno()})
+			created = append(created, in)
+			return in, nil
+		}
+		return nil, fmt.Errorf("%s: unsupported file type %v", p, fi.Mode().Type())
+	}
+	top, err := build(src)
+	if err == nil && !ns.root.AddChild(name, top, false) {
+		err = os.ErrExist
+	}
+	if err != nil {
+		for _, in := range created {
+			dropped(in)
+		}
+		return fmt.Errorf("import %s as %s: %w", src, name, err)
+	}
+	ns.root.touch(true)
+	ns.root.NotifyEntry(name)
+	return nil
+}

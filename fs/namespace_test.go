@@ -1,0 +1,209 @@
+package fs
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// recorder is a tiers.Events that remembers what happened, and checks on every rename that
+// the namespace already shows the new name (events come after the change, not before).
+type recorder struct {
+	mu     sync.Mutex
+	ns     tiers.Namespace
+	events []string
+	early  []string
+}
+
+func (r *recorder) add(s string) {
+	r.mu.Lock()
+	r.events = append(r.events, s)
+	r.mu.Unlock()
+}
+func (r *recorder) Closed(path string) { r.add("closed " + path) }
+func (r *recorder) TooLarge(path string) { r.add("toolarge " + path) }
+func (r *recorder) Renamed(oldPath, newPath string, typ tiers.EntryType) {
+	r.add("renamed " + oldPath + " " + newPath + " " + typ.String())
+	if r.ns != nil && !filepathHasDir(newPath) {
+		ents, _ := r.ns.List()
+		found := false
+		for _, e := range ents {
+			found = found || e.Name == newPath
+		}
+		if !found {
+			r.mu.Lock()
+			r.early = append(r.early, newPath)
+			r.mu.Unlock()
+		}
+	}
+}
+
+func filepathHasDir(p string) bool { return filepath.Dir(p) != "." }
+
+func (r *recorder) has(s string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, e := range r.events {
+		if e == s {
+			return true
+		}
+	}
+	return false
+}
+
+func (r *recorder) waitFor(t *testing.T, s string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !r.has(s) {
+		if time.Now().After(deadline) {
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			t.Fatalf("event %q never came; got %q", s, r.events)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func mountWithEvents(t *testing.T, mode PassthroughMode) (string, *Server, *recorder, *tiers.Spool) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("mount tests need root")
+	}
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(base, "spool"), Budget: 64 << 20, MountTmpfs: true})
+	require.NoError(t, err)
+	rec := &recorder{}
+	srv, err := Mount(dir, Options{Spool: spool, Passthrough: mode, Events: rec})
+	if err != nil {
+		spool.Close()
+		t.Fatal(err)
+	}
+	rec.ns = srv.Namespace()
+	t.Cleanup(func() {
+		if err := srv.Unmount(); err != nil {
+			t.Errorf("unmount: %v", err)
+		}
+		spool.Close()
+	})
+	return dir, srv, rec, spool
+}
+
+func TestEvents(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, _, rec, _ := mountWithEvents(t, mode)
+			tmp := filepath.Join(dir, "7.orbax-checkpoint-tmp")
+			require.NoError(t, os.MkdirAll(filepath.Join(tmp, "state"), 0o755))
+			require.NoError(t, os.WriteFile(filepath.Join(tmp, "state", "a"), []byte("x"), 0o644))
+			rec.waitFor(t, "closed 7.orbax-checkpoint-tmp/state/a")
+			require.NoError(t, os.Rename(tmp, filepath.Join(dir, "7")))
+			rec.waitFor(t, "renamed 7.orbax-checkpoint-tmp 7 directory")
+
+			// A read-only open is not a close-after-write.
+			f, err := os.Open(filepath.Join(dir, "7", "state", "a"))
+			require.NoError(t, err)
+			f.Close()
+			require.False(t, rec.has("closed 7/state/a"))
+
+			// replicator.yaml has a size limit: EFBIG past 64 KiB, and the listener hears of it.
+			big := bytes.Repeat([]byte("k"), tiers.MaxConfigSize+1)
+			err = os.WriteFile(filepath.Join(dir, "replicator.yaml"), big, 0o644)
+			require.True(t, errors.Is(err, syscall.EFBIG), "want EFBIG, got %v", err)
+			rec.waitFor(t, "toolarge replicator.yaml")
+			require.Empty(t, rec.early, "rename events must come after the namespace changed")
+		})
+	}
+}
+
+func TestNamespace(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, srv, _, spool := mountWithEvents(t, mode)
+			ns := srv.Namespace()
+			p := func(n string) string { return filepath.Join(dir, n) }
+
+			// A lookup of a missing name is cached by the kernel; WriteFile must still show up.
+			_, err := os.Stat(p("status.txt"))
+			require.True(t, errors.Is(err, os.ErrNotExist))
+			require.NoError(t, ns.WriteFile("status.txt", []byte("one")))
+			got, err := os.ReadFile(p("status.txt"))
+			require.NoError(t, err)
+			require.Equal(t, "one", string(got))
+			require.NoError(t, ns.WriteFile("status.txt", []byte("two!")))
+			got, err = os.ReadFile(p("status.txt"))
+			require.NoError(t, err)
+			require.Equal(t, "two!", string(got), "replaced content (and size) must be visible at once")
+
+			data, err := ns.ReadFile("status.txt", 100)
+			require.NoError(t, err)
+			require.Equal(t, "two!", string(data))
+			_, err = ns.ReadFile("status.txt", 2)
+			require.True(t, errors.Is(err, syscall.EFBIG))
+
+			// Export a tree written through the mount, import it under another name.
+			require.NoError(t, os.MkdirAll(p("5/state/sub"), 0o755))
+			require.NoError(t, os.WriteFile(p("5/state/sub/w"), []byte("weights"), 0o644))
+			require.NoError(t, os.Symlink("sub/w", p("5/state/link")))
+			require.NoError(t, os.Mkdir(p("5/empty"), 0o755))
+			sealed := filepath.Join(spool.Dir(), "sealed") // hard links stay inside the spool
+			ents, err := ns.Export("5", sealed)
+			require.NoError(t, err)
+			var paths []string
+			for _, e := range ents {
+				paths = append(paths, e.Path+":"+e.Type.String())
+			}
+			sort.Strings(paths)
+			require.Equal(t, []string{"empty:directory", "state/link:symlink", "state/sub/w:file", "state/sub:directory", "state:directory"}, paths)
+			w, err := os.ReadFile(filepath.Join(sealed, "state/sub/w"))
+			require.NoError(t, err)
+			require.Equal(t, "weights", string(w))
+
+			require.NoError(t, ns.Rename("5", "Dabc.data"))
+			_, err = os.Stat(p("5"))
+			require.True(t, errors.Is(err, os.ErrNotExist))
+			w, err = os.ReadFile(p("Dabc.data/state/link"))
+			require.NoError(t, err)
+			require.Equal(t, "weights", string(w))
+
+			require.NoError(t, ns.Import(sealed, "copy"))
+			w, err = os.ReadFile(p("copy/state/sub/w"))
+			require.NoError(t, err)
+			require.Equal(t, "weights", string(w))
+			require.Error(t, ns.Import(sealed, "copy"), "import over an existing name must fail")
+
+			require.NoError(t, ns.Symlink("Dabc.data", "job-s5-n0-w0.restore"))
+			tgt, err := os.Readlink(p("job-s5-n0-w0.restore"))
+			require.NoError(t, err)
+			require.Equal(t, "Dabc.data", tgt)
+			w, err = os.ReadFile(p("job-s5-n0-w0.restore/state/sub/w"))
+			require.NoError(t, err)
+			require.Equal(t, "weights", string(w))
+
+			require.NoError(t, ns.Remove("copy"))
+			require.NoError(t, ns.Remove("missing"))
+			_, err = os.Stat(p("copy"))
+			require.True(t, errors.Is(err, os.ErrNotExist))
+
+			ents2, err := ns.List()
+			require.NoError(t, err)
+			var names []string
+			for _, e := range ents2 {
+				names = append(names, e.Name)
+			}
+			sort.Strings(names)
+			require.Equal(t, []string{"Dabc.data", "job-s5-n0-w0.restore", "status.txt"}, names)
+		})
+	}
+}
