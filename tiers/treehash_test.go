@@ -1,0 +1,473 @@
+package tiers
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"hash"
+	"io"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	zeebo "github.com/zeebo/blake3"
+)
+
+// setSegmentSize shrinks the hashing segment for one test.
+func setSegmentSize(t testing.TB, n int64) {
+	old := segmentSize
+	segmentSize = n
+	t.Cleanup(func() { segmentSize = old })
+}
+
+func randomBytes(seed uint64, n int64) []byte {
+	b := make([]byte, n)
+	rand.NewChaCha8([32]byte{byte(seed), byte(seed >> 8)}).Read(b)
+	return b
+}
+
+// HashFile must be plain BLAKE3 of the bytes, whatever the segment size: the
+// name of a single-file checkpoint is `b3sum` of it. zeebo/blake3 is an
+// independent implementation to compare with.
+func TestHashFileIsBLAKE3(t *testing.T) {
+	const k = 1 << 10
+	for _, seg := range []int64{1 * k, 16 * k, 64 * k, 1 << 20} {
+		sizes := []int64{0, 1, seg - 1, seg, seg + 1, 2 * seg, 3*seg + 5,
+			k - 1, k, k + 1, simdGroup - 1, simdGroup, simdGroup + 1, 5*simdGroup + 3*k + 7,
+			hashBufSize - 1, hashBufSize, hashBufSize + 1, 2*hashBufSize + k}
+		setSegmentSize(t, seg)
+		for _, size := range sizes {
+			if size < 0 {
+				continue
+			}
+			data := randomBytes(uint64(size), size)
+			got, err := HashFile(t.Context(), bytes.NewReader(data), size)
+			if err != nil {
+				t.Fatalf("segment %d, size %d: %v", seg, size, err)
+			}
+			if want := zeebo.Sum256(data); got != FileDigest(want) {
+				t.Errorf("segment %d, size %d: HashFile = %v, want BLAKE3 %x", seg, size, got, want)
+			}
+		}
+	}
+}
+
+func TestHashFileKnownAnswer(t *testing.T) {
+	d, err := HashFile(t.Context(), strings.NewReader(""), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// BLAKE3 of the empty input, from the BLAKE3 specification.
+	if want := "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"; d.String() != want {
+		t.Errorf("HashFile(empty) = %v, want %s", d, want)
+	}
+}
+
+func TestHashFileErrors(t *testing.T) {
+	setSegmentSize(t, 4<<10)
+	data := randomBytes(1, 20<<10)
+	if _, err := HashFile(t.Context(), bytes.NewReader(data), int64(len(data))+1); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Errorf("file shorter than size: err = %v, want io.ErrUnexpectedEOF", err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if _, err := HashFile(ctx, bytes.NewReader(data), int64(len(data))); !errors.Is(err, context.Canceled) {
+		t.Errorf("cancelled context: err = %v, want context.Canceled", err)
+	}
+	if _, err := HashFile(t.Context(), bytes.NewReader(data), -1); err == nil {
+		t.Error("negative size: no error")
+	}
+}
+
+// treeNode is one entry to create on disk: a file with content, a directory
+// (dir), or a symlink (target).
+type treeNode struct {
+	path, content, target string
+	dir                   bool
+}
+
+func makeTree(t *testing.T, nodes []treeNode) string {
+	t.Helper()
+	root := t.TempDir()
+	for _, n := range nodes {
+		p := filepath.Join(root, filepath.FromSlash(n.path))
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		var err error
+		switch {
+		case n.dir:
+			err = os.MkdirAll(p, 0o755)
+		case n.target != "":
+			err = os.Symlink(n.target, p)
+		default:
+			err = os.WriteFile(p, []byte(n.content), 0o644)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return root
+}
+
+func hashDir(t *testing.T, dir string) string {
+	t.Helper()
+	h, err := HashDir(t.Context(), dir)
+	if err != nil {
+		t.Fatalf("HashDir: %v", err)
+	}
+	if len(h) != 64 || strings.Trim(h, "0123456789abcdef") != "" {
+		t.Fatalf("HashDir = %q, want 64 lower-case hex digits", h)
+	}
+	return h
+}
+
+func TestHashDirContent(t *testing.T) {
+	base := []treeNode{
+		{path: "_CHECKPOINT_METADATA", content: `{"step": 7}`},
+		{path: "state/array_0", content: "0123456789"},
+		{path: "state/array_1", content: ""},
+		{path: "state/latest", target: "array_0"},
+		{path: "process_metadata/empty", dir: true},
+	}
+	reversed := make([]treeNode, len(base))
+	for i, n := range base {
+		reversed[len(base)-1-i] = n
+	}
+	with := func(change func([]treeNode) []treeNode) []treeNode {
+		return change(append([]treeNode(nil), base...))
+	}
+	same := []struct {
+		name  string
+		nodes []treeNode
+		after func(t *testing.T, root string) // changes that must not count
+	}{
+		{name: "created in reverse order", nodes: reversed},
+		{name: "modes and times differ", nodes: base, after: func(t *testing.T, root string) {
+			for _, p := range []string{"state/array_0", "state", "process_metadata/empty"} {
+				if err := os.Chmod(filepath.Join(root, p), 0o700); err != nil {
+					t.Fatal(err)
+				}
+				old := time.Date(2001, 2, 3, 4, 5, 6, 0, time.UTC)
+				if err := os.Chtimes(filepath.Join(root, p), old, old); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}},
+	}
+	differ := []struct {
+		name  string
+		nodes []treeNode
+	}{
+		{"extra empty dir", with(func(n []treeNode) []treeNode { return append(n, treeNode{path: "state/x", dir: true}) })},
+		{"symlink target changed", with(func(n []treeNode) []treeNode { n[3].target = "array_1"; return n })},
+		{"symlink instead of file", with(func(n []treeNode) []treeNode { n[1] = treeNode{path: n[1].path, target: "0123456789"}; return n })},
+		{"one byte flipped", with(func(n []treeNode) []treeNode { n[1].content = "0123456788"; return n })},
+		{"byte appended", with(func(n []treeNode) []treeNode { n[1].content += "\x00"; return n })},
+		{"file renamed", with(func(n []treeNode) []treeNode { n[1].path = "state/array_9"; return n })},
+		{"file moved to another dir", with(func(n []treeNode) []treeNode { n[1].path = "process_metadata/array_0"; return n })},
+		{"empty file removed", with(func(n []treeNode) []treeNode { return append(n[:2], n[3:]...) })},
+		{"empty dir became empty file", with(func(n []treeNode) []treeNode { n[4] = treeNode{path: n[4].path}; return n })},
+		{"bytes moved between files", with(func(n []treeNode) []treeNode { n[1].content, n[2].content = "01234", "56789"; return n })},
+	}
+
+	want := hashDir(t, makeTree(t, base))
+	for _, c := range same {
+		root := makeTree(t, c.nodes)
+		if c.after != nil {
+			c.after(t, root)
+		}
+		if got := hashDir(t, root); got != want {
+			t.Errorf("%s: hash %s, want the base tree's %s", c.name, got, want)
+		}
+	}
+	seen := map[string]string{want: "base tree"}
+	for _, c := range differ {
+		got := hashDir(t, makeTree(t, c.nodes))
+		if other, dup := seen[got]; dup {
+			t.Errorf("%s: hash %s equals that of %s", c.name, got, other)
+		}
+		seen[got] = c.name
+	}
+}
+
+func TestTreeHash(t *testing.T) {
+	d := FileDigest{1}
+	entries := []TreeEntry{
+		{Path: "a", Type: EntryDir},
+		{Path: "a/b", Type: EntryFile, Size: 3, Digest: d},
+		{Path: "a/c", Type: EntrySymlink, Target: "b"},
+		{Path: "z", Type: EntryDir},
+	}
+	want, err := TreeHash(entries)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The listing format is part of every checkpoint's name: it must never
+	// change by accident (replicas, backups and restarts compare names). The
+	// value was computed apart from this code, by writing the listing as the
+	// format in treehash.go describes it and hashing it with zeebo/blake3.
+	if golden := "d2b25a0c41b4a89df8d470d369a44b65c297936a46b39647f8a99ca9bccbf52a"; want != golden {
+		t.Errorf("TreeHash = %s, want %s: the listing format changed; old names would no longer verify", want, golden)
+	}
+	equal := map[string][]TreeEntry{
+		"reversed":              {entries[3], entries[2], entries[1], entries[0]},
+		"parent dir implied":    {entries[1], entries[2], entries[3]},
+		"unused fields ignored": {{Path: "a", Type: EntryDir, Size: 9, Target: "x"}, entries[1], {Path: "a/c", Type: EntrySymlink, Target: "b", Digest: d}, entries[3]},
+	}
+	for name, es := range equal {
+		if got, err := TreeHash(es); err != nil || got != want {
+			t.Errorf("%s: TreeHash = %s, %v; want %s", name, got, err, want)
+		}
+	}
+	differ := map[string][]TreeEntry{
+		"size":            {entries[0], {Path: "a/b", Type: EntryFile, Size: 4, Digest: d}, entries[2], entries[3]},
+		"digest":          {entries[0], {Path: "a/b", Type: EntryFile, Size: 3}, entries[2], entries[3]},
+		"target":          {entries[0], entries[1], {Path: "a/c", Type: EntrySymlink, Target: "bb"}, entries[3]},
+		"empty dir gone":  entries[:3],
+		"path boundaries": {entries[0], {Path: "a/b", Type: EntryFile, Size: 3, Digest: d}, {Path: "a/cz", Type: EntrySymlink, Target: "b"}},
+	}
+	for name, es := range differ {
+		if got, err := TreeHash(es); err != nil || got == want {
+			t.Errorf("%s changed: TreeHash = %s, %v; want a hash other than %s", name, got, err, want)
+		}
+	}
+	empty, err := TreeHash(nil)
+	if err != nil || empty == want || len(empty) != 64 {
+		t.Errorf("TreeHash(nil) = %q, %v", empty, err)
+	}
+}
+
+func TestTreeHashRejects(t *testing.T) {
+	file := TreeEntry{Path: "f", Type: EntryFile}
+	cases := map[string][]TreeEntry{
+		"empty path":         {{Path: "", Type: EntryDir}},
+		"dot":                {{Path: ".", Type: EntryDir}},
+		"dot dot":            {{Path: "a/../b", Type: EntryFile}},
+		"absolute":           {{Path: "/a", Type: EntryFile}},
+		"trailing slash":     {{Path: "a/", Type: EntryDir}},
+		"double slash":       {{Path: "a//b", Type: EntryFile}},
+		"duplicate":          {file, file},
+		"file and dir":       {file, {Path: "f", Type: EntryDir}},
+		"below a file":       {file, {Path: "f/x", Type: EntryFile}},
+		"below a symlink":    {{Path: "l", Type: EntrySymlink, Target: "d"}, {Path: "l/x/y", Type: EntryFile}},
+		"unknown type":       {{Path: "x", Type: 0}},
+		"negative size":      {{Path: "x", Type: EntryFile, Size: -1}},
+		"empty link target":  {{Path: "x", Type: EntrySymlink}},
+		"deep below a file":  {{Path: "a/b/c", Type: EntryFile}, {Path: "a", Type: EntryFile}},
+		"parent after child": {{Path: "a/b", Type: EntryDir}, {Path: "a/b/c", Type: EntryFile}, {Path: "a", Type: EntrySymlink, Target: "t"}},
+	}
+	for name, es := range cases {
+		if h, err := TreeHash(es); err == nil {
+			t.Errorf("%s: TreeHash = %s, want an error", name, h)
+		}
+	}
+}
+
+// HashDir must equal TreeHash over entries built from HashFile: the FUSE
+// layer builds its entries that way from files hashed at close.
+func TestHashDirMatchesTreeHash(t *testing.T) {
+	setSegmentSize(t, 16<<10)
+	big := string(randomBytes(2, 3*16<<10+100))
+	root := makeTree(t, []treeNode{
+		{path: "big", content: big},
+		{path: "d/small", content: "x"},
+		{path: "d/e/empty", content: ""},
+		{path: "d/link", target: "../big"},
+		{path: "f/g", dir: true},
+	})
+	var entries []TreeEntry
+	for _, n := range []struct {
+		path, content string
+	}{{"big", big}, {"d/small", "x"}, {"d/e/empty", ""}} {
+		d, err := HashFile(t.Context(), strings.NewReader(n.content), int64(len(n.content)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		entries = append(entries, TreeEntry{Path: n.path, Type: EntryFile, Size: int64(len(n.content)), Digest: d})
+	}
+	entries = append(entries, TreeEntry{Path: "d/link", Type: EntrySymlink, Target: "../big"}, TreeEntry{Path: "f/g", Type: EntryDir})
+	want, err := TreeHash(entries)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := hashDir(t, root); got != want {
+		t.Errorf("HashDir = %s, TreeHash of HashFile entries = %s", got, want)
+	}
+}
+
+func TestHashDirRefusesSpecialFiles(t *testing.T) {
+	root := makeTree(t, []treeNode{{path: "a", content: "x"}})
+	if err := syscall.Mkfifo(filepath.Join(root, "fifo"), 0o644); err != nil {
+		t.Skipf("mkfifo: %v", err)
+	}
+	if h, err := HashDir(t.Context(), root); err == nil || !strings.Contains(err.Error(), "fifo") {
+		t.Errorf("HashDir with a FIFO = %q, %v; want an error naming it", h, err)
+	}
+}
+
+func TestHashDataAndVerify(t *testing.T) {
+	tree := makeTree(t, []treeNode{{path: "a", content: "x"}, {path: "b", dir: true}})
+	file := filepath.Join(t.TempDir(), "ckpt.save")
+	if err := os.WriteFile(file, []byte("hello"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// A .restore marker is a symlink to the data; hashing follows it.
+	link := filepath.Join(t.TempDir(), "x.restore")
+	if err := os.Symlink(tree, link); err != nil {
+		t.Fatal(err)
+	}
+	treeHash := hashDir(t, tree)
+	fileHash := FileDigest(zeebo.Sum256([]byte("hello"))).String()
+
+	for _, c := range []struct {
+		path, hash string
+		dir        bool
+	}{{tree, treeHash, true}, {link, treeHash, true}, {file, fileHash, false}} {
+		h, dir, err := HashData(t.Context(), c.path)
+		if err != nil || h != c.hash || dir != c.dir {
+			t.Errorf("HashData(%s) = %s, %v, %v; want %s, %v", c.path, h, dir, err, c.hash, c.dir)
+		}
+		if err := VerifyData(t.Context(), c.path, c.hash, c.dir); err != nil {
+			t.Errorf("VerifyData(%s) of its own hash: %v", c.path, err)
+		}
+	}
+
+	mismatches := []struct {
+		name, path, hash string
+		dir              bool
+	}{
+		{"wrong tree hash", tree, fileHash, true},
+		{"tree verified as a file", tree, treeHash, false},
+		{"file verified as a tree", file, fileHash, true},
+		{"wrong file hash", file, treeHash, false},
+	}
+	for _, c := range mismatches {
+		err := VerifyData(t.Context(), c.path, c.hash, c.dir)
+		var mm *HashMismatchError
+		if !errors.As(err, &mm) {
+			t.Errorf("%s: VerifyData = %v, want a *HashMismatchError", c.name, err)
+			continue
+		}
+		if mm.Path != c.path || !strings.Contains(err.Error(), c.hash) {
+			t.Errorf("%s: error %q should name the path and the wanted hash %s", c.name, err, c.hash)
+		}
+	}
+	var mm *HashMismatchError
+	if err := VerifyData(t.Context(), filepath.Join(tree, "missing"), treeHash, true); err == nil || errors.As(err, &mm) {
+		t.Errorf("VerifyData of a missing path = %v, want a read error, not a mismatch", err)
+	}
+}
+
+// Benchmarks: 256 MiB on tmpfs, as a checkpoint file lives in the spool.
+// Compare BenchmarkHashFile with BenchmarkHashRead (the cost of reading
+// alone) and BenchmarkHashCandidates (other hashes through the same reads).
+//
+//	go test -run '^$' -bench 'Hash' -benchtime 8x ./tiers/
+
+const benchFileSize = 256 << 20
+
+func benchFile(b *testing.B) *os.File {
+	if testing.Short() {
+		b.Skip("reads 256 MiB")
+	}
+	dir := "/dev/shm"
+	if _, err := os.Stat(dir); err != nil {
+		dir = b.TempDir()
+	}
+	f, err := os.CreateTemp(dir, "mtcfs-treehash-bench-*")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { f.Close(); os.Remove(f.Name()) })
+	if _, err := f.Write(randomBytes(3, benchFileSize)); err != nil {
+		b.Fatal(err)
+	}
+	return f
+}
+
+// readSegments reads benchFileSize bytes of f with hashBufSize preads,
+// workers segments at a time, and passes each segment's bytes to a new hash
+// from newHash (nil: read only).
+func readSegments(b *testing.B, f *os.File, workers int, newHash func() hash.Hash) {
+	seg := int64(benchFileSize / workers)
+	var wg sync.WaitGroup
+	for w := range int64(workers) {
+		wg.Go(func() {
+			buf := make([]byte, hashBufSize)
+			var h hash.Hash
+			if newHash != nil {
+				h = newHash()
+			}
+			for off := w * seg; off < (w+1)*seg; off += hashBufSize {
+				if _, err := f.ReadAt(buf, off); err != nil {
+					b.Error(err)
+					return
+				}
+				if h != nil {
+					h.Write(buf)
+				}
+			}
+			if h != nil {
+				h.Sum(nil)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+func BenchmarkHashRead(b *testing.B) {
+	f := benchFile(b)
+	for _, workers := range []int{1, 2} {
+		b.Run(map[int]string{1: "serial", 2: "parallel"}[workers], func(b *testing.B) {
+			b.SetBytes(benchFileSize)
+			for b.Loop() {
+				readSegments(b, f, workers, nil)
+			}
+		})
+	}
+}
+
+func BenchmarkHashFile(b *testing.B) {
+	f := benchFile(b)
+	for _, c := range []struct {
+		name string
+		seg  int64
+	}{{"serial", benchFileSize}, {"parallel", segmentSize}} {
+		b.Run(c.name, func(b *testing.B) {
+			setSegmentSize(b, c.seg)
+			b.SetBytes(benchFileSize)
+			for b.Loop() {
+				if _, err := HashFile(b.Context(), f, benchFileSize); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+func BenchmarkHashCandidates(b *testing.B) {
+	f := benchFile(b)
+	for _, c := range []struct {
+		name    string
+		newHash func() hash.Hash
+	}{
+		{"zeebo-blake3", func() hash.Hash { return zeebo.New() }},
+		{"sha256", sha256.New},
+	} {
+		for _, workers := range []int{1, 2} {
+			b.Run(c.name+map[int]string{1: "/serial", 2: "/parallel"}[workers], func(b *testing.B) {
+				b.SetBytes(benchFileSize)
+				for b.Loop() {
+					readSegments(b, f, workers, c.newHash)
+				}
+			})
+		}
+	}
+}
