@@ -1,0 +1,523 @@
+package gcsbackend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Backups reads and writes the SPEC §6 backup layout (see the package
+// documentation) in Store. The zero Parallelism is usable; Backups holds no
+// other state and is safe for concurrent use.
+type Backups struct {
+	Store ObjectStore
+	// Parallelism bounds the concurrent object transfers or reads of one
+	// call; 0 means DefaultParallelism.
+	Parallelism int
+}
+
+// DefaultParallelism keeps enough requests in flight to hide GCS latency
+// without one node's upload flooding a small machine.
+const DefaultParallelism = 8
+
+func (b *Backups) parallelism() int {
+	if b.Parallelism > 0 {
+		return b.Parallelism
+	}
+	return DefaultParallelism
+}
+
+const (
+	backupNameLayout   = "2006-01-02_15-04"
+	restoreVersionName = "restore.version"
+	// metaLimit and pinLimit bound reads of objects that hold one name, so
+	// that a stray large object cannot exhaust memory.
+	metaLimit = 256
+	pinLimit  = 4096
+)
+
+var (
+	backupNameRE = regexp.MustCompile(`^\d{4}-\d{2}-\d{2}_\d{2}-\d{2}$`)
+	hashRE       = regexp.MustCompile(`^D?[0-9a-f]{64}$`)
+	metaRestRE   = regexp.MustCompile(`^s(\d+)-n(\d+)-w(\d+)\.meta$`)
+)
+
+// BackupName names a backup taken at t: its UTC minute, YYYY-MM-DD_HH-MM.
+// Names sort in time order.
+func BackupName(t time.Time) string { return t.UTC().Format(backupNameLayout) }
+
+// Slot identifies one training process: a node rank and a worker index.
+type Slot struct{ Rank, Worker int }
+
+func (s Slot) String() string { return fmt.Sprintf("n%d-w%d", s.Rank, s.Worker) }
+
+// metaName is the .meta object name of (job, step, slot), as the reference
+// system spells it.
+func metaName(job string, step int64, s Slot) string {
+	return fmt.Sprintf("%s-s%d-n%d-w%d.meta", job, step, s.Rank, s.Worker)
+}
+
+// parseMetaName recognises job's .meta names. Only the canonical spelling
+// (no leading zeros) counts, so that one slot cannot have two names.
+func parseMetaName(job, name string) (step int64, s Slot, ok bool) {
+	rest, found := strings.CutPrefix(name, job+"-")
+	if !found {
+		return 0, Slot{}, false
+	}
+	m := metaRestRE.FindStringSubmatch(rest)
+	if m == nil {
+		return 0, Slot{}, false
+	}
+	if _, err := fmt.Sscan(m[1]+" "+m[2]+" "+m[3], &step, &s.Rank, &s.Worker); err != nil {
+		return 0, Slot{}, false
+	}
+	return step, s, metaName(job, step, s) == name
+}
+
+func dataName(hash string) string     { return hash + ".data" }
+func manifestName(hash string) string { return hash + ".data.manifest" }
+
+// dataObject is the object holding path inside hash's data ("" for a
+// single-file data, which is one object).
+func dataObject(hash, path string) string {
+	if path == "" {
+		return dataName(hash)
+	}
+	return dataName(hash) + "/" + path
+}
+
+func validateJob(job string) error {
+	if err := ValidateName(job); err != nil || strings.Contains(job, "/") {
+		return fmt.Errorf("job name %q: want a single path segment (no \"/\", not \"..\")", job)
+	}
+	return nil
+}
+
+func validateBackupName(name string) error {
+	if !backupNameRE.MatchString(name) {
+		return fmt.Errorf("backup name %q: want YYYY-MM-DD_HH-MM (UTC), e.g. %s", name, BackupName(time.Now()))
+	}
+	return nil
+}
+
+func validateHash(hash string) error {
+	if !hashRE.MatchString(hash) {
+		return fmt.Errorf("data hash %q: want 64 lowercase hex digits, prefixed with D for a directory", hash)
+	}
+	return nil
+}
+
+// backupDir is the object-name prefix of one backup.
+func backupDir(job, backup string) string { return job + "/" + backup + "/" }
+
+// Names returns the names of job's backups, newest first. Other names under
+// the job (restore.version, anything else) are ignored.
+func (b *Backups) Names(ctx context.Context, job string) ([]string, error) {
+	if err := validateJob(job); err != nil {
+		return nil, err
+	}
+	_, prefixes, err := b.Store.List(ctx, job+"/", "/")
+	if err != nil {
+		return nil, fmt.Errorf("list backups of %s: %w", job, err)
+	}
+	var names []string
+	for _, p := range prefixes {
+		name := strings.TrimSuffix(strings.TrimPrefix(p, job+"/"), "/")
+		if backupNameRE.MatchString(name) {
+			names = append(names, name)
+		}
+	}
+	sort.Sort(sort.Reverse(sort.StringSlice(names)))
+	return names, nil
+}
+
+// List verifies every backup of job (cheaply: VerifyOptions{}, node and
+// worker counts inferred) and returns the reports, newest first.
+func (b *Backups) List(ctx context.Context, job string) ([]BackupReport, error) {
+	names, err := b.Names(ctx, job)
+	if err != nil {
+		return nil, err
+	}
+	reports := make([]BackupReport, 0, len(names))
+	for _, name := range names {
+		r, err := b.Verify(ctx, job, name, VerifyOptions{})
+		if IsNotFound(err) { // deleted since listed
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		reports = append(reports, r)
+	}
+	return reports, nil
+}
+
+// VerifyOptions says what Verify expects and how hard it looks.
+type VerifyOptions struct {
+	// Nodes and Workers are the job's node count and workers per node. A
+	// backup does not record them; when zero, they are inferred from the
+	// .meta names as highest rank (worker) + 1 over the whole backup, so
+	// ranks 0..max must all be present. Inference cannot notice that the
+	// highest ranks are missing altogether: pass the counts when known.
+	Nodes, Workers int
+	// Deep reads every data object and recomputes its CRC32C instead of
+	// trusting the CRC32C the store reports. For GCS that is the server's
+	// own checksum; for file:// it catches bit rot that left the mtime
+	// alone.
+	Deep bool
+}
+
+// BackupReport is the result of verifying one backup.
+type BackupReport struct {
+	Name string
+	// Nodes and Workers are the counts the backup was checked against;
+	// Inferred tells whether they came from the .meta names.
+	Nodes, Workers int
+	Inferred       bool
+	// Steps holds every step with at least one .meta, highest first.
+	Steps []StepReport
+}
+
+// StepReport says whether one step of a backup is complete, and why not.
+type StepReport struct {
+	Step     int64
+	Complete bool
+	// Data maps every slot whose .meta is present and well-formed to the
+	// hash it names: what to Download to restore that slot.
+	Data map[Slot]string
+	// Problems lists, sorted, what keeps the step from being complete.
+	Problems []string
+}
+
+// HighestComplete returns the highest complete step of the backup.
+func (r BackupReport) HighestComplete() (int64, bool) {
+	for _, s := range r.Steps {
+		if s.Complete {
+			return s.Step, true
+		}
+	}
+	return 0, false
+}
+
+// Complete reports whether the backup holds at least one step and every step
+// it holds is complete: nothing in it is a leftover of an interrupted upload.
+func (r BackupReport) Complete() bool {
+	for _, s := range r.Steps {
+		if !s.Complete {
+			return false
+		}
+	}
+	return len(r.Steps) > 0
+}
+
+// Verify checks the completeness of one backup (SPEC §6): a step is complete
+// when every slot's .meta is present and names data whose manifest is
+// present and whose every file is present with the manifest's size and
+// CRC32C. A backup with no objects at all is *NotFoundError.
+//
+// Cost: one recursive listing, one small read per .meta and per distinct
+// data manifest, and with Deep a full read of every data object.
+func (b *Backups) Verify(ctx context.Context, job, backup string, opts VerifyOptions) (BackupReport, error) {
+	if err := validateJob(job); err != nil {
+		return BackupReport{}, err
+	}
+	if err := validateBackupName(backup); err != nil {
+		return BackupReport{}, err
+	}
+	dir := backupDir(job, backup)
+	objs, _, err := b.Store.List(ctx, dir, "")
+	if err != nil {
+		return BackupReport{}, fmt.Errorf("verify backup %s: %w", dir, err)
+	}
+	if len(objs) == 0 {
+		return BackupReport{}, &NotFoundError{Name: dir}
+	}
+	index := make(map[string]ObjectAttrs, len(objs))
+	metas := make(map[int64]map[Slot]bool)
+	maxRank, maxWorker := -1, -1
+	for _, o := range objs {
+		rel := strings.TrimPrefix(o.Name, dir)
+		index[rel] = o
+		step, slot, ok := parseMetaName(job, rel)
+		if !ok {
+			continue
+		}
+		if metas[step] == nil {
+			metas[step] = make(map[Slot]bool)
+		}
+		metas[step][slot] = true
+		maxRank, maxWorker = max(maxRank, slot.Rank), max(maxWorker, slot.Worker)
+	}
+
+	rep := BackupReport{Name: backup, Nodes: opts.Nodes, Workers: opts.Workers}
+	if rep.Nodes <= 0 {
+		rep.Nodes, rep.Inferred = maxRank+1, true
+	}
+	if rep.Workers <= 0 {
+		rep.Workers, rep.Inferred = maxWorker+1, true
+	}
+
+	// Read the expected .meta objects that exist.
+	type metaRead struct {
+		step    int64
+		slot    Slot
+		hash    string // "" if the .meta vanished since the listing
+		invalid bool   // the content is not a data hash
+	}
+	var reads []metaRead
+	for step, slots := range metas {
+		for slot := range slots {
+			if slot.Rank < rep.Nodes && slot.Worker < rep.Workers {
+				reads = append(reads, metaRead{step: step, slot: slot})
+			}
+		}
+	}
+	err = forEach(ctx, b.parallelism(), len(reads), func(ctx context.Context, i int) error {
+		m := &reads[i]
+		data, err := ReadSmall(ctx, b.Store, dir+metaName(job, m.step, m.slot), metaLimit)
+		if IsNotFound(err) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		m.hash = strings.TrimSpace(string(data))
+		m.invalid = validateHash(m.hash) != nil
+		return nil
+	})
+	if err != nil {
+		return BackupReport{}, fmt.Errorf("verify backup %s: %w", dir, err)
+	}
+	named := make(map[int64]map[Slot]metaRead)
+	var distinct []string
+	seen := make(map[string]bool)
+	for _, m := range reads {
+		if named[m.step] == nil {
+			named[m.step] = make(map[Slot]metaRead)
+		}
+		named[m.step][m.slot] = m
+		if m.hash != "" && !m.invalid && !seen[m.hash] {
+			seen[m.hash] = true
+			distinct = append(distinct, m.hash)
+		}
+	}
+
+	dataProblems, err := b.checkData(ctx, dir, distinct, index, opts.Deep)
+	if err != nil {
+		return BackupReport{}, fmt.Errorf("verify backup %s: %w", dir, err)
+	}
+
+	for step := range metas {
+		sr := StepReport{Step: step, Data: make(map[Slot]string)}
+		reported := make(map[string]bool)
+		for r := 0; r < rep.Nodes; r++ {
+			for w := 0; w < rep.Workers; w++ {
+				slot := Slot{r, w}
+				m := named[step][slot]
+				h := m.hash
+				switch {
+				case h == "":
+					sr.Problems = append(sr.Problems, fmt.Sprintf("%s: .meta missing", slot))
+				case m.invalid:
+					sr.Problems = append(sr.Problems, fmt.Sprintf("%s: .meta content %.80q is not a data hash", slot, h))
+				default:
+					sr.Data[slot] = h
+					if !reported[h] {
+						reported[h] = true
+						for _, p := range dataProblems[h] {
+							sr.Problems = append(sr.Problems, dataName(h)+": "+p)
+						}
+					}
+				}
+			}
+		}
+		sort.Strings(sr.Problems)
+		sr.Complete = len(sr.Problems) == 0
+		rep.Steps = append(rep.Steps, sr)
+	}
+	sort.Slice(rep.Steps, func(i, j int) bool { return rep.Steps[i].Step > rep.Steps[j].Step })
+	return rep, nil
+}
+
+// checkData returns, per hash, what is wrong with its data in the backup at
+// dir (no entry: complete). index holds the backup's objects by relative
+// name.
+func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, index map[string]ObjectAttrs, deep bool) (map[string][]string, error) {
+	problems := make(map[string][]string)
+	var mu sync.Mutex // guards problems during the parallel phases
+	note := func(hash, format string, args ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		problems[hash] = append(problems[hash], fmt.Sprintf(format, args...))
+	}
+
+	manifests := make([]*manifest, len(hashes))
+	err := forEach(ctx, b.parallelism(), len(hashes), func(ctx context.Context, i int) error {
+		h := hashes[i]
+		m, err := b.readManifest(ctx, dir, h)
+		var nf *NotFoundError
+		switch {
+		case errors.As(err, &nf):
+			note(h, "manifest %s missing (upload incomplete, or not written by mtcfs)", manifestName(h))
+		case errors.As(err, new(*manifestError)):
+			note(h, "%v", err)
+		case err != nil:
+			return err
+		default:
+			manifests[i] = m
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+
+	// Presence, size and the store's CRC32C, from the listing alone.
+	type check struct {
+		hash string
+		name string
+		want manifestFile
+	}
+	var reads []check
+	for i, m := range manifests {
+		if m == nil {
+			continue
+		}
+		h := hashes[i]
+		for _, f := range m.Files {
+			name := dataObject(h, f.Path)
+			a, ok := index[name]
+			switch {
+			case !ok:
+				note(h, "%s missing", name)
+			case a.Size != f.Size:
+				note(h, "%s has %d bytes, manifest says %d", name, a.Size, f.Size)
+			case deep:
+				reads = append(reads, check{h, name, f})
+			case a.CRC32C != uint32(f.CRC32C):
+				note(h, "%s has crc32c %08x, manifest says %08x", name, a.CRC32C, uint32(f.CRC32C))
+			}
+		}
+	}
+	if !deep {
+		return problems, nil
+	}
+
+	err = forEach(ctx, b.parallelism(), len(reads), func(ctx context.Context, i int) error {
+		c := reads[i]
+		r, err := b.Store.Open(ctx, dir+c.name, 0, -1)
+		if IsNotFound(err) {
+			note(c.hash, "%s missing", c.name)
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		defer r.Close()
+		n, crc, err := copyCRC(ctx, io.Discard, r)
+		if err != nil {
+			return fmt.Errorf("read %s: %w", c.name, err)
+		}
+		if n != c.want.Size || crc != uint32(c.want.CRC32C) {
+			note(c.hash, "%s content (%d bytes, crc32c %08x) differs from the manifest (%d bytes, crc32c %08x)",
+				c.name, n, crc, c.want.Size, uint32(c.want.CRC32C))
+		}
+		return nil
+	})
+	return problems, err
+}
+
+// manifestError marks a manifest that exists but cannot be used: a property
+// of the backup to report, not a failure to reach the store.
+type manifestError struct{ err error }
+
+func (e *manifestError) Error() string { return e.err.Error() }
+func (e *manifestError) Unwrap() error { return e.err }
+
+// readManifest reads and checks the manifest of hash in the backup at dir.
+func (b *Backups) readManifest(ctx context.Context, dir, hash string) (*manifest, error) {
+	// Manifests list every file: allow for a few hundred thousand entries.
+	data, err := ReadSmall(ctx, b.Store, dir+manifestName(hash), 64<<20)
+	if err != nil {
+		return nil, err
+	}
+	m, err := decodeManifest(data, hash)
+	if err != nil {
+		return nil, &manifestError{err}
+	}
+	return m, nil
+}
+
+// NewestComplete chooses the backup to restore when nothing newer is
+// available (SPEC §5.3): the newest backup that has a complete step for
+// nodes×workers slots (0 infers, see VerifyOptions), and its highest complete
+// step. A step missing any slot's .meta or data is never chosen.
+func (b *Backups) NewestComplete(ctx context.Context, job string, nodes, workers int) (backup string, step int64, ok bool, err error) {
+	names, err := b.Names(ctx, job)
+	if err != nil {
+		return "", 0, false, err
+	}
+	for _, name := range names {
+		r, err := b.Verify(ctx, job, name, VerifyOptions{Nodes: nodes, Workers: workers})
+		if IsNotFound(err) {
+			continue
+		}
+		if err != nil {
+			return "", 0, false, err
+		}
+		if s, ok := r.HighestComplete(); ok {
+			return name, s, true, nil
+		}
+	}
+	return "", 0, false, nil
+}
+
+// ReadRestoreVersion returns the backup name pinned in <job>/restore.version
+// (SPEC §5.1), whitespace-stripped, and whether the pin exists. An existing
+// pin may name nothing usable (even ""); the caller then starts from scratch.
+func (b *Backups) ReadRestoreVersion(ctx context.Context, job string) (string, bool, error) {
+	if err := validateJob(job); err != nil {
+		return "", false, err
+	}
+	data, err := ReadSmall(ctx, b.Store, job+"/"+restoreVersionName, pinLimit)
+	if IsNotFound(err) {
+		return "", false, nil
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("read restore pin of %s: %w", job, err)
+	}
+	return strings.TrimSpace(string(data)), true, nil
+}
+
+// SetRestoreVersion pins job's next restore to backup. It writes what the
+// documented `echo NAME | gcloud storage cp - …/restore.version` writes.
+func (b *Backups) SetRestoreVersion(ctx context.Context, job, backup string) error {
+	if err := validateJob(job); err != nil {
+		return err
+	}
+	if err := validateBackupName(backup); err != nil {
+		return err
+	}
+	if err := PutBytes(ctx, b.Store, job+"/"+restoreVersionName, []byte(backup+"\n"), false); err != nil {
+		return fmt.Errorf("set restore pin of %s: %w", job, err)
+	}
+	return nil
+}
+
+// ClearRestoreVersion removes job's restore pin; no pin is not an error.
+func (b *Backups) ClearRestoreVersion(ctx context.Context, job string) error {
+	if err := validateJob(job); err != nil {
+		return err
+	}
+	err := b.Store.Delete(ctx, job+"/"+restoreVersionName)
+	if err != nil && !IsNotFound(err) {
+		return fmt.Errorf("clear restore pin of %s: %w", job, err)
+	}
+	return nil
+}

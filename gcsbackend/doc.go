@@ -1,0 +1,47 @@
+// Package gcsbackend is mtcfs's backup tier: the durable copy of checkpoints
+// outside the cluster (SPEC §6, §7).
+//
+// It has two layers.
+//
+// ObjectStore is a small object-store interface shaped after Google Cloud
+// Storage (flat names with "/", CRC32C per object, create-if-absent
+// preconditions, ranged reads, listing by prefix and delimiter). Open turns a
+// --backup URL into a store: file:///abs/dir is implemented here (localDir);
+// gs://bucket[/prefix] is reserved for the GCS implementation. Every store
+// passes the same conformance test (conformance_test.go). The guarantees every
+// implementation gives:
+//
+//   - Put is atomic: readers see the old object, the complete new one, or
+//     nothing — never a partial object. It checks the number of bytes it was
+//     given and, when the caller supplies one, their CRC32C; on a mismatch
+//     nothing becomes visible.
+//   - Put with IfAbsent is a safe retry: writing the same bytes again (same
+//     size and CRC32C) succeeds, different bytes fail with *PreconditionError.
+//   - Missing objects are reported as *NotFoundError, use errors.As.
+//   - Stat and List report each object's CRC32C without the caller reading it.
+//
+// Backups lays the reference system's backup layout on top of any ObjectStore:
+//
+//	<job>/restore.version                        optional pin: a backup name
+//	<job>/<YYYY-MM-DD_HH-MM>/<job>-sS-nR-wW.meta content: <hash> (no newline)
+//	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data/<files…> a checkpoint directory, or
+//	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data          a single-file checkpoint
+//	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data.manifest mtcfs's sidecar (below)
+//
+// The first four are exactly what the reference system writes, so existing
+// tools can read mtcfs backups. An object store cannot say whether a
+// directory tree is complete, so mtcfs adds one sidecar object per data,
+// <hash>.data.manifest: JSON listing every directory and every file's relative
+// path, size and CRC32C (format in manifest). It is deterministic — two nodes
+// uploading identical data write identical manifests, so their create-if-absent
+// uploads do not conflict. A backup written without manifests (by another
+// tool) is reported incomplete, because its completeness cannot be proven.
+//
+// Ordering is what makes partial backups harmless: Upload writes the data
+// objects, then the manifest, then the .meta last. A .meta therefore only
+// exists once the data it names is fully present, and Verify (a step is
+// complete when every rank×worker .meta is present and names data whose every
+// manifest entry is present with the right size and CRC32C) never mistakes an
+// interrupted upload for a checkpoint. Download verifies every byte against
+// the manifest before the restored tree appears under its final name.
+package gcsbackend

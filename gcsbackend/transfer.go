@@ -1,0 +1,374 @@
+package gcsbackend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+)
+
+// UploadRequest describes one slot's contribution to a backup.
+type UploadRequest struct {
+	Job    string
+	Backup string // YYYY-MM-DD_HH-MM, see BackupName
+	Step   int64
+	Slot   Slot
+	// Hash names the data: "D" + 64 hex for a directory, 64 hex for a file.
+	Hash string
+	// Source is the local directory or file holding the data. Empty means
+	// upload only the .meta, naming data another slot uploaded to this
+	// backup (data-parallel mode); its manifest must already be there.
+	Source string
+	// Progress, if set, is called with uploaded data bytes and their total,
+	// first with done = 0. Calls are serialised and done never decreases.
+	Progress func(done, total int64)
+}
+
+// Upload adds one slot's step to a backup: every data file in parallel
+// (bounded by Parallelism), then the data's manifest, then the .meta — last,
+// so the step cannot look complete before its data is. Every object is
+// written create-if-absent with its CRC32C: a retry, or another node
+// uploading identical data, succeeds; different content under an existing
+// name fails with *PreconditionError.
+//
+// Each file is read twice, streaming: once to compute its CRC32C and once
+// to upload it with that CRC32C, so the store checks the bytes it received
+// against the source (GCS needs the CRC before the first byte). A file that
+// changes in between fails the upload.
+func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
+	if err := validateJob(req.Job); err != nil {
+		return err
+	}
+	if err := validateBackupName(req.Backup); err != nil {
+		return err
+	}
+	if err := validateHash(req.Hash); err != nil {
+		return err
+	}
+	if req.Step < 0 || req.Slot.Rank < 0 || req.Slot.Worker < 0 {
+		return fmt.Errorf("upload: negative step, rank or worker (s%d %s)", req.Step, req.Slot)
+	}
+	dir := backupDir(req.Job, req.Backup)
+	meta := dir + metaName(req.Job, req.Step, req.Slot)
+	if req.Source == "" {
+		if _, err := b.Store.Stat(ctx, dir+manifestName(req.Hash)); err != nil {
+			return fmt.Errorf("upload %s: data %s is not in the backup: %w", meta, dataName(req.Hash), err)
+		}
+	} else if err := b.uploadData(ctx, dir, req); err != nil {
+		return fmt.Errorf("upload %s to %s: %w", req.Source, dir+dataName(req.Hash), err)
+	}
+	if err := PutBytes(ctx, b.Store, meta, []byte(req.Hash), true); err != nil {
+		return fmt.Errorf("upload %s: %w", meta, err)
+	}
+	return nil
+}
+
+// uploadData uploads req.Source as dir/<hash>.data, then its manifest.
+func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest) error {
+	m, locals, err := scanSource(req.Source, req.Hash)
+	if err != nil {
+		return err
+	}
+	prog := newProgress(m.total(), req.Progress)
+	err = forEach(ctx, b.parallelism(), len(locals), func(ctx context.Context, i int) error {
+		f := &m.Files[i]
+		crc, err := b.uploadFile(ctx, dir+dataObject(req.Hash, f.Path), locals[i], f.Size, prog)
+		f.CRC32C = crc32cHex(crc)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	data, err := m.encode()
+	if err != nil {
+		return err
+	}
+	return PutBytes(ctx, b.Store, dir+manifestName(req.Hash), data, true)
+}
+
+// uploadFile streams the local file to the object name and returns its
+// CRC32C. size is what the scan saw; a different size now means the file is
+// changing under us.
+func (b *Backups) uploadFile(ctx context.Context, name, local string, size int64, prog *progress) (uint32, error) {
+	f, err := os.Open(local)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	n, crc, err := copyCRC(ctx, io.Discard, f)
+	if err != nil {
+		return 0, fmt.Errorf("checksum %s: %w", local, err)
+	}
+	if n != size {
+		return 0, fmt.Errorf("%s changed size during upload (%d, then %d bytes)", local, size, n)
+	}
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		return 0, err
+	}
+	err = b.Store.Put(ctx, PutRequest{Name: name, Body: &countingReader{r: f, p: prog}, Size: n, CRC32C: &crc, IfAbsent: true})
+	return crc, err
+}
+
+// scanSource describes the local data at src as a manifest without CRCs,
+// returning the local path of each manifest file. Only regular files and
+// directories can be restored faithfully, so anything else is an error.
+func scanSource(src, hash string) (*manifest, []string, error) {
+	fi, err := os.Stat(src)
+	if err != nil {
+		return nil, nil, err
+	}
+	kind := kindOf(hash)
+	m := &manifest{Format: manifestFormat, Kind: kind, Files: []manifestFile{}}
+	switch {
+	case fi.IsDir() != (kind == kindDir):
+		return nil, nil, fmt.Errorf("hash %s names a %s, but %s is not one (directories take the D prefix)", hash, kind, src)
+	case kind == kindFile && !fi.Mode().IsRegular():
+		return nil, nil, fmt.Errorf("%s is not a regular file", src)
+	case kind == kindFile:
+		m.Files = append(m.Files, manifestFile{Size: fi.Size()})
+		return m, []string{src}, nil
+	}
+	err = filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || p == src {
+			return err
+		}
+		rel, err := filepath.Rel(src, p)
+		if err != nil {
+			return err
+		}
+		rel = filepath.ToSlash(rel)
+		if err := ValidateName(rel); err != nil {
+			return err
+		}
+		switch {
+		case d.IsDir():
+			m.Dirs = append(m.Dirs, rel)
+		case d.Type().IsRegular():
+			info, err := d.Info()
+			if err != nil {
+				return err
+			}
+			m.Files = append(m.Files, manifestFile{Path: rel, Size: info.Size()})
+		default:
+			return fmt.Errorf("%s is neither a regular file nor a directory (%s); backups hold only those", p, d.Type())
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	// Walk order is per directory; sort globally so the manifest is
+	// deterministic whatever the names.
+	sort.Strings(m.Dirs)
+	sort.Slice(m.Files, func(i, j int) bool { return m.Files[i].Path < m.Files[j].Path })
+	locals := make([]string, len(m.Files))
+	for i, f := range m.Files {
+		locals[i] = filepath.Join(src, filepath.FromSlash(f.Path))
+	}
+	return m, locals, nil
+}
+
+// DownloadRequest describes fetching one data from a backup.
+type DownloadRequest struct {
+	Job, Backup, Hash string
+	// Dest is the path the data gets: a directory for a "D" hash, else a
+	// file. It must not exist; its parent must.
+	Dest string
+	// Progress is as for UploadRequest.
+	Progress func(done, total int64)
+}
+
+// Download fetches <hash>.data from a backup to req.Dest, in parallel, and
+// checks every file's size and CRC32C against the manifest (*ChecksumError
+// on mismatch). The data is assembled under a temporary name beside Dest and
+// renamed into place only when all of it is verified, so Dest never holds a
+// partial or corrupt tree. Files are not fsynced: Dest is the RAM tier, and
+// what survives there is verified again on adoption.
+func (b *Backups) Download(ctx context.Context, req DownloadRequest) error {
+	if err := validateJob(req.Job); err != nil {
+		return err
+	}
+	if err := validateBackupName(req.Backup); err != nil {
+		return err
+	}
+	if err := validateHash(req.Hash); err != nil {
+		return err
+	}
+	dir := backupDir(req.Job, req.Backup)
+	src := dir + dataName(req.Hash)
+	if err := b.download(ctx, dir, req); err != nil {
+		return fmt.Errorf("download %s to %s: %w", src, req.Dest, err)
+	}
+	return nil
+}
+
+func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest) error {
+	if _, err := os.Lstat(req.Dest); err == nil {
+		return fmt.Errorf("destination exists: %w", fs.ErrExist)
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	m, err := b.readManifest(ctx, dir, req.Hash)
+	if err != nil {
+		return err
+	}
+	prog := newProgress(m.total(), req.Progress)
+	parent, pattern := filepath.Dir(req.Dest), "."+filepath.Base(req.Dest)+".tmp-*"
+
+	if m.Kind == kindFile {
+		f, err := os.CreateTemp(parent, pattern)
+		if err != nil {
+			return err
+		}
+		tmp := f.Name()
+		err = b.fetch(ctx, dir, req.Hash, m.Files[0], f, prog)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err == nil {
+			err = os.Rename(tmp, req.Dest)
+		}
+		if err != nil {
+			os.Remove(tmp)
+		}
+		return err
+	}
+
+	tmp, err := os.MkdirTemp(parent, pattern)
+	if err != nil {
+		return err
+	}
+	err = b.fetchTree(ctx, dir, req.Hash, m, tmp, prog)
+	if err == nil {
+		err = os.Rename(tmp, req.Dest)
+	}
+	if err != nil {
+		os.RemoveAll(tmp)
+	}
+	return err
+}
+
+// fetchTree downloads a directory data's files into root in parallel.
+func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, root string, prog *progress) error {
+	for _, d := range m.Dirs {
+		if err := os.MkdirAll(filepath.Join(root, filepath.FromSlash(d)), dirPerm); err != nil {
+			return err
+		}
+	}
+	return forEach(ctx, b.parallelism(), len(m.Files), func(ctx context.Context, i int) error {
+		mf := m.Files[i]
+		p := filepath.Join(root, filepath.FromSlash(mf.Path))
+		// The manifest lists every directory, but a tree is still
+		// restorable if it lists only files.
+		if err := os.MkdirAll(filepath.Dir(p), dirPerm); err != nil {
+			return err
+		}
+		f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL, filePerm)
+		if err != nil {
+			return err
+		}
+		err = b.fetch(ctx, dir, hash, mf, f, prog)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		return err
+	})
+}
+
+// fetch copies one data object to w, verifying it against its manifest entry.
+func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, w io.Writer, prog *progress) error {
+	name := dir + dataObject(hash, mf.Path)
+	r, err := b.Store.Open(ctx, name, 0, -1)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+	n, crc, err := copyCRC(ctx, w, &countingReader{r: r, p: prog})
+	if err != nil {
+		return fmt.Errorf("fetch %s: %w", name, err)
+	}
+	if n != mf.Size {
+		return fmt.Errorf("fetch %s: got %d bytes, manifest says %d", name, n, mf.Size)
+	}
+	if crc != uint32(mf.CRC32C) {
+		return &ChecksumError{Name: name, Want: uint32(mf.CRC32C), Got: crc}
+	}
+	return nil
+}
+
+// progress totals the bytes moved by parallel transfers and reports them.
+type progress struct {
+	mu     sync.Mutex
+	done   int64                   // GUARDED_BY(mu)
+	total  int64                   // immutable
+	report func(done, total int64) // called under mu, so calls are ordered
+}
+
+func newProgress(total int64, report func(done, total int64)) *progress {
+	p := &progress{total: total, report: report}
+	if report != nil {
+		report(0, total)
+	}
+	return p
+}
+
+func (p *progress) add(n int) {
+	if p.report == nil || n == 0 {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.done += int64(n)
+	p.report(p.done, p.total)
+}
+
+// countingReader reports the bytes read through it to a progress.
+type countingReader struct {
+	r io.Reader
+	p *progress
+}
+
+func (c *countingReader) Read(b []byte) (int, error) {
+	n, err := c.r.Read(b)
+	c.p.add(n)
+	return n, err
+}
+
+// forEach calls fn(ctx, i) for every i in [0, n) on at most par goroutines
+// and waits for them. The first error cancels the ctx the other calls see,
+// stops further calls, and is returned.
+func forEach(ctx context.Context, par, n int, fn func(ctx context.Context, i int) error) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		next     atomic.Int64
+		wg       sync.WaitGroup
+		errOnce  sync.Once
+		firstErr error // written once under errOnce, read after wg.Wait
+	)
+	for range min(par, n) {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= n || ctx.Err() != nil {
+					return
+				}
+				if err := fn(ctx, i); err != nil {
+					errOnce.Do(func() { firstErr = err; cancel() })
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if firstErr != nil {
+		return firstErr
+	}
+	return ctx.Err() // the caller's cancellation, if any
+}
