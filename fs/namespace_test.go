@@ -30,7 +30,7 @@ func (r *recorder) add(s string) {
 	r.events = append(r.events, s)
 	r.mu.Unlock()
 }
-func (r *recorder) Closed(path string) { r.add("closed " + path) }
+func (r *recorder) Closed(path string)   { r.add("closed " + path) }
 func (r *recorder) TooLarge(path string) { r.add("toolarge " + path) }
 func (r *recorder) Renamed(oldPath, newPath string, typ tiers.EntryType) {
 	r.add("renamed " + oldPath + " " + newPath + " " + typ.String())

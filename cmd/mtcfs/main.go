@@ -12,8 +12,11 @@ import (
 const usage = `mtcfs — multi-tier checkpointing filesystem
 
 Usage:
-  mtcfs mount DIR [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
-                  [--http HOST:PORT] [--log-format json|text]
+  mtcfs mount DIR [--backup URL] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
+                  [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]
+  mtcfs status [--http HOST:PORT] [--json]
+  mtcfs backups list|verify [NAME] --backup URL --job NAME
+  mtcfs restore-version set NAME|clear --backup URL --job NAME
   mtcfs version
 
 Run "mtcfs COMMAND --help" for the flags of a command.
@@ -34,6 +37,12 @@ func run(args []string) int {
 	switch args[0] {
 	case "mount":
 		return cmdMount(args[1:])
+	case "status":
+		return cmdStatus(args[1:])
+	case "backups":
+		return cmdBackups(args[1:])
+	case "restore-version":
+		return cmdRestoreVersion(args[1:])
 	case "version", "--version":
 		fmt.Println("mtcfs", version)
 		return 0

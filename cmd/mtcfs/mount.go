@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -9,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -16,10 +18,11 @@ import (
 	"golang.org/x/sys/unix"
 
 	mfs "github.com/mtcfs/mtcfs/fs"
+	"github.com/mtcfs/mtcfs/gcsbackend"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--http HOST:PORT] [--log-format json|text]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]"
 
 type mountConfig struct {
 	dir         string
@@ -28,6 +31,8 @@ type mountConfig struct {
 	passthrough mfs.PassthroughMode
 	httpAddr    string
 	debugFuse   bool
+	backupURL   string
+	jaxInit     *tiers.JaxInit
 }
 
 func cmdMount(args []string) int {
@@ -35,7 +40,10 @@ func cmdMount(args []string) int {
 	memory := fset.String("memory", "", "RAM budget for checkpoint bytes, e.g. 512MiB, 8GiB, 2G or bytes (default: half of physical memory)")
 	spoolDir := fset.String("spool", "", "spool directory holding checkpoint bytes (default: derived from DIR, under /dev/shm/mtcfs)")
 	passthrough := fset.String("passthrough", "auto", "FUSE passthrough for file data: auto, on or off")
-	httpAddr := fset.String("http", "", "serve /livez and /readyz on HOST:PORT (port 0 picks a free port)")
+	httpAddr := fset.String("http", "127.0.0.1:0", "serve /livez, /readyz and /status on HOST:PORT (port 0 picks a free port; \"\" turns it off)")
+	backup := fset.String("backup", gcsbackend.DefaultURL(), "backup location: file:///abs/dir or gs://bucket[/prefix]")
+	rank := fset.Int("rank", -1, "this node's rank, written to jax-init-info.txt with --jax-coordinator")
+	jaxCoord := fset.String("jax-coordinator", "", "JAX coordinator HOST:PORT for jax-init-info.txt (with --rank)")
 	logFormat := fset.String("log-format", "text", "log format: json (keys severity, message) or text")
 	debugFuse := fset.Bool("debug-fuse", false, "log every FUSE request (very verbose)")
 	pos, err := parseFlags(fset, args)
@@ -50,7 +58,16 @@ func cmdMount(args []string) int {
 	if len(pos) != 1 {
 		return flagError(fset, fmt.Errorf("want exactly one mount directory, got %d arguments", len(pos)))
 	}
-	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse}
+	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup}
+	switch {
+	case (*rank >= 0) != (*jaxCoord != ""):
+		return flagError(fset, errors.New("--rank and --jax-coordinator go together"))
+	case *rank >= 0:
+		if _, _, err := net.SplitHostPort(*jaxCoord); err != nil {
+			return flagError(fset, fmt.Errorf("--jax-coordinator %q: want HOST:PORT", *jaxCoord))
+		}
+		cfg.jaxInit = &tiers.JaxInit{Rank: *rank, Coordinator: *jaxCoord}
+	}
 	if cfg.passthrough, err = mfs.ParsePassthroughMode(*passthrough); err != nil {
 		return flagError(fset, err)
 	}
@@ -92,31 +109,47 @@ func runMount(cfg mountConfig) error {
 	if err := mfs.CheckMountable(cfg.dir); err != nil {
 		return err
 	}
+	backups, err := openBackups(cfg.backupURL)
+	if err != nil {
+		return err
+	}
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: cfg.spoolDir, Budget: cfg.budget, MountTmpfs: os.Geteuid() == 0})
 	if err != nil {
 		return err
 	}
-	defer func() {
-		if err := spool.Close(); err != nil {
-			slog.Error("release spool", "err", err)
-		}
-	}()
+	defer releaseSpool(spool)
 
+	store := backupStore{backups}
+	rep := tiers.NewReplicator(tiers.ReplicatorConfig{
+		Spool: spool, Store: store, Coordinator: &tiers.LocalCoordinator{Store: store}, JaxInit: cfg.jaxInit,
+	})
 	var ready atomic.Bool
+	info := agentInfo{PID: os.Getpid(), Version: version}
 	if cfg.httpAddr != "" {
-		stop, err := serveHealth(cfg.httpAddr, &ready)
+		addr, stop, err := serveHTTP(cfg.httpAddr, &ready, func() any { return statusReply{agentInfo: info, Status: rep.Status()} })
 		if err != nil {
 			return err
 		}
 		defer stop()
+		info.HTTP = addr
 	}
 
-	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Debug: cfg.debugFuse})
+	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Events: rep, Debug: cfg.debugFuse})
 	if err != nil {
 		return err
 	}
+	info.Dir, info.Passthrough = srv.Dir(), srv.Passthrough()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := rep.Start(ctx, srv.Namespace()); err != nil {
+		srv.Unmount()
+		return fmt.Errorf("start replicator: %w", err)
+	}
+	defer rep.Close()
+	unregister := registerAgent(info)
+	defer unregister()
 	ready.Store(true)
-	slog.Info("serving; stop with SIGINT or SIGTERM", "dir", srv.Dir(), "version", version)
+	slog.Info("serving; stop with SIGINT or SIGTERM", "dir", srv.Dir(), "backup", store.String(), "version", version)
 
 	done := make(chan struct{})
 	go func() { srv.Wait(); close(done) }()
@@ -124,6 +157,7 @@ func runMount(cfg mountConfig) error {
 	case sig := <-sigs:
 		ready.Store(false)
 		slog.Info("stopping", "signal", sig.String())
+		rep.Close()
 		if err := unmountBounded(srv, sigs); err != nil {
 			return err
 		}
@@ -149,11 +183,25 @@ func unmountBounded(srv *mfs.Server, sigs <-chan os.Signal) error {
 	}
 }
 
-// serveHealth serves /livez (the process runs) and /readyz (the filesystem is mounted).
-func serveHealth(addr string, ready *atomic.Bool) (stop func(), err error) {
+// releaseSpool keeps the spool for the next agent when it holds committed checkpoints (so a
+// restarted agent restores from RAM), and frees it otherwise.
+func releaseSpool(spool *tiers.Spool) {
+	if ents, _ := os.ReadDir(filepath.Join(spool.Dir(), "meta")); len(ents) > 0 {
+		spool.Detach()
+		slog.Info("spool kept for the next agent on this mount: it holds committed checkpoints", "spool", spool.Dir(), "metas", len(ents))
+		return
+	}
+	if err := spool.Close(); err != nil {
+		slog.Error("release spool", "err", err)
+	}
+}
+
+// serveHTTP serves /livez (the process runs), /readyz (the filesystem is mounted) and /status
+// (JSON for mtcfs status). It returns the address it listens on.
+func serveHTTP(addr string, ready *atomic.Bool, status func() any) (string, func(), error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("--http %s: %w", addr, err)
+		return "", nil, fmt.Errorf("--http %s: %w", addr, err)
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/livez", func(w http.ResponseWriter, r *http.Request) {
@@ -166,10 +214,16 @@ func serveHealth(addr string, ready *atomic.Bool) (stop func(), err error) {
 		}
 		fmt.Fprintln(w, "ok")
 	})
+	mux.HandleFunc("/status", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		enc.Encode(status())
+	})
 	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go hs.Serve(ln)
-	slog.Info("http endpoints", "addr", ln.Addr().String(), "paths", "/livez /readyz")
-	return func() {
+	slog.Info("http endpoints", "addr", ln.Addr().String(), "paths", "/livez /readyz /status")
+	return ln.Addr().String(), func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		hs.Shutdown(ctx)

@@ -1,0 +1,276 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/mtcfs/mtcfs/gcsbackend"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// cmdStatus prints what the local agents (or the one at --http) hold and do.
+func cmdStatus(args []string) int {
+	fset := newFlagSet("status", "mtcfs status [--http HOST:PORT] [--json]")
+	addr := fset.String("http", "", "agent HTTP address (default: every agent running on this machine)")
+	asJSON := fset.Bool("json", false, "print JSON")
+	if _, err := parseFlags(fset, args); err != nil {
+		return flagError(fset, err)
+	}
+	addrs := []string{*addr}
+	if *addr == "" {
+		agents, err := localAgents()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "mtcfs status:", err)
+			return 1
+		}
+		if len(agents) == 0 {
+			fmt.Fprintln(os.Stderr, "mtcfs status: no mtcfs agent is running on this machine (start one with mtcfs mount DIR, or pass --http HOST:PORT)")
+			return 1
+		}
+		addrs = addrs[:0]
+		for _, a := range agents {
+			addrs = append(addrs, a.HTTP)
+		}
+	}
+	var replies []json.RawMessage
+	code := 0
+	for _, a := range addrs {
+		body, err := fetchStatus(a)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "mtcfs status: agent at %s: %v\n", a, err)
+			code = 1
+			continue
+		}
+		replies = append(replies, body)
+	}
+	if *asJSON {
+		out, _ := json.MarshalIndent(replies, "", "  ")
+		fmt.Println(string(out))
+		return code
+	}
+	for _, body := range replies {
+		var st statusReply
+		if err := json.Unmarshal(body, &st); err != nil {
+			fmt.Fprintln(os.Stderr, "mtcfs status: bad reply:", err)
+			code = 1
+			continue
+		}
+		printStatus(os.Stdout, st)
+	}
+	return code
+}
+
+func fetchStatus(addr string) (json.RawMessage, error) {
+	c := http.Client{Timeout: 5 * time.Second}
+	resp, err := c.Get("http://" + addr + "/status")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(body)))
+	}
+	return body, nil
+}
+
+func printStatus(w io.Writer, st statusReply) {
+	fmt.Fprintf(w, "agent pid %d, %s, mount %s (passthrough %v), http %s\n", st.PID, st.Version, st.Dir, st.Passthrough, st.HTTP)
+	fmt.Fprintf(w, "  spool      %s: %s of %s used\n", st.Spool.Dir, tiers.FormatSize(st.Spool.Used), tiers.FormatSize(st.Spool.Budget))
+	fmt.Fprintf(w, "  backups    %s", st.BackupStore)
+	if st.LastBackup != "" {
+		fmt.Fprintf(w, " (last: %s)", st.LastBackup)
+	}
+	fmt.Fprintln(w)
+	if st.Incarnation == "" {
+		fmt.Fprintln(w, "  job        none yet (waiting for replicator.yaml)")
+	} else {
+		fmt.Fprintf(w, "  job        %s (%s), node %d/%d, incarnation %s, %s\n", st.Job, st.Framework, st.Rank, st.Nodes, st.Incarnation, st.Phase)
+		fmt.Fprintf(w, "  steps      restored %d, latest committed %d\n", st.Restored, st.Committed)
+	}
+	for _, s := range st.Steps {
+		fmt.Fprintf(w, "  in RAM     step %d node %d: %s\n", s.Step, s.Rank, s.Data)
+	}
+	for _, p := range []*tiers.ProgressView{st.Restore, st.Backup} {
+		if p == nil {
+			continue
+		}
+		pct := 0.0
+		if p.Total > 0 {
+			pct = 100 * float64(p.Done) / float64(p.Total)
+		}
+		what := p.Source
+		if p.Kind == "backup" {
+			what = "to " + p.Backup
+		}
+		fmt.Fprintf(w, "  %-10s step %d %s: %s of %s (%.0f%%), running %v\n", p.Kind, p.Step, what,
+			tiers.FormatSize(p.Done), tiers.FormatSize(p.Total), pct, time.Since(p.Started).Round(time.Second))
+	}
+	for _, e := range st.Errors {
+		fmt.Fprintf(w, "  error      %s\n", e)
+	}
+}
+
+// backupFlags are the flags shared by the backup-location commands.
+func backupFlags(name, synopsis string) (*flagSetWithBackup, error) {
+	fset := newFlagSet(name, synopsis)
+	f := &flagSetWithBackup{fs: fset}
+	f.url = fset.String("backup", gcsbackend.DefaultURL(), "backup location: file:///abs/dir or gs://bucket[/prefix]")
+	f.job = fset.String("job", "", "job name (required)")
+	return f, nil
+}
+
+type flagSetWithBackup struct {
+	fs       *flag.FlagSet
+	url, job *string
+}
+
+// open parses args and opens the backup location.
+func (f *flagSetWithBackup) open(args []string) ([]string, *gcsbackend.Backups, int) {
+	pos, err := parseFlags(f.fs, args)
+	if err != nil {
+		return nil, nil, flagError(f.fs, err)
+	}
+	if *f.job == "" {
+		return nil, nil, flagError(f.fs, errors.New("--job is required"))
+	}
+	if err := tiers.ValidateJobName(*f.job); err != nil {
+		return nil, nil, flagError(f.fs, fmt.Errorf("--job: %w", err))
+	}
+	b, err := openBackups(*f.url)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "mtcfs:", err)
+		return nil, nil, 1
+	}
+	return pos, b, -1
+}
+
+// cmdBackups lists or verifies the backups of a job.
+func cmdBackups(args []string) int {
+	const synopsis = "mtcfs backups list|verify [NAME] --backup URL --job NAME"
+	if len(args) == 0 || (args[0] != "list" && args[0] != "verify") {
+		fmt.Fprintf(os.Stderr, "Usage: %s\n", synopsis)
+		return 2
+	}
+	verb := args[0]
+	f, _ := backupFlags("backups "+verb, synopsis)
+	pos, b, code := f.open(args[1:])
+	if code >= 0 {
+		return code
+	}
+	ctx := context.Background()
+	job := *f.job
+	names, err := b.Names(ctx, job)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "mtcfs backups:", err)
+		return 1
+	}
+	if len(pos) > 0 {
+		names = pos
+	}
+	if len(names) == 0 {
+		fmt.Printf("no backups of job %s in %s\n", job, b.Store)
+		return 0
+	}
+	pin, pinned, _ := b.ReadRestoreVersion(ctx, job)
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "BACKUP\tSTATUS\tSTEPS\tNODES×WORKERS\tNOTE")
+	code = 0
+	for _, name := range names {
+		rep, err := b.Verify(ctx, job, name, gcsbackend.VerifyOptions{Deep: verb == "verify"})
+		if err != nil {
+			fmt.Fprintf(tw, "%s\terror\t\t\t%v\n", name, err)
+			code = 1
+			continue
+		}
+		status := "complete"
+		if !rep.Complete() {
+			status, code = "INCOMPLETE", 1
+		}
+		var steps []string
+		for _, s := range rep.Steps {
+			mark := ""
+			if !s.Complete {
+				mark = "(incomplete)"
+			}
+			steps = append(steps, fmt.Sprintf("%d%s", s.Step, mark))
+		}
+		note := ""
+		if pinned && pin == name {
+			note = "pinned by restore.version"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d×%d\t%s\n", name, status, strings.Join(steps, ","), rep.Nodes, rep.Workers, note)
+		if verb == "verify" {
+			for _, s := range rep.Steps {
+				probs := append([]string(nil), s.Problems...)
+				sort.Strings(probs)
+				for _, p := range probs {
+					fmt.Fprintf(tw, "\t\tstep %d: %s\t\t\n", s.Step, p)
+				}
+			}
+		}
+	}
+	tw.Flush()
+	if verb == "list" {
+		return 0
+	}
+	return code
+}
+
+// cmdRestoreVersion pins the next restore to a backup, or removes the pin (SPEC §5).
+func cmdRestoreVersion(args []string) int {
+	const synopsis = "mtcfs restore-version set NAME|clear --backup URL --job NAME"
+	if len(args) == 0 || (args[0] != "set" && args[0] != "clear") {
+		fmt.Fprintf(os.Stderr, "Usage: %s\n", synopsis)
+		return 2
+	}
+	f, _ := backupFlags("restore-version "+args[0], synopsis)
+	pos, b, code := f.open(args[1:])
+	if code >= 0 {
+		return code
+	}
+	ctx := context.Background()
+	if args[0] == "clear" {
+		if len(pos) != 0 {
+			return flagError(f.fs, errors.New("clear takes no NAME"))
+		}
+		if err := b.ClearRestoreVersion(ctx, *f.job); err != nil {
+			fmt.Fprintln(os.Stderr, "mtcfs restore-version:", err)
+			return 1
+		}
+		fmt.Printf("restore.version of job %s cleared: the next restore picks the newest checkpoint\n", *f.job)
+		return 0
+	}
+	if len(pos) != 1 {
+		return flagError(f.fs, errors.New("set needs exactly one backup NAME (see mtcfs backups list)"))
+	}
+	rep, err := b.Verify(ctx, *f.job, pos[0], gcsbackend.VerifyOptions{})
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "mtcfs restore-version: backup %s of job %s: %v\n", pos[0], *f.job, err)
+		return 1
+	}
+	if _, ok := rep.HighestComplete(); !ok {
+		fmt.Fprintf(os.Stderr, "mtcfs restore-version: backup %s has no complete step; refusing to pin it (the job would start from scratch)\n", pos[0])
+		return 1
+	}
+	if err := b.SetRestoreVersion(ctx, *f.job, pos[0]); err != nil {
+		fmt.Fprintln(os.Stderr, "mtcfs restore-version:", err)
+		return 1
+	}
+	step, _ := rep.HighestComplete()
+	fmt.Printf("job %s will restore step %d from backup %s at its next start (one-shot)\n", *f.job, step, pos[0])
+	return 0
+}

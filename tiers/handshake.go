@@ -1,0 +1,160 @@
+package tiers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+)
+
+func fmtf(format string, args ...any) string { return fmt.Sprintf(format, args...) }
+
+func itoa(n int64) string { return strconv.FormatInt(n, 10) }
+
+// handshake answers a replicator.yaml (SPEC §2). It runs on the control loop and only does
+// fast namespace work, so the yaml disappears well within the client's one-second poll; the
+// restore runs on its own goroutine.
+func (r *Replicator) handshake() {
+	data, err := r.ns.ReadFile(ReplicatorYAMLName, MaxConfigSize)
+	if errors.Is(err, os.ErrNotExist) {
+		return // already consumed (a close and a rename both announced it)
+	}
+	if err != nil {
+		r.ns.Remove(ReplicatorYAMLName)
+		r.failLine(nil, fmtf("%s: %v", ReplicatorYAMLName, err))
+		return
+	}
+	if len(strings.TrimSpace(string(data))) == 0 {
+		r.ns.Remove(ReplicatorYAMLName)
+		r.log.Info("empty replicator.yaml deleted")
+		return
+	}
+	cfg, warnings, err := ParseConfig(data, r.cfg.Getenv)
+
+	// Whatever the content, the old incarnation is over: its uncommitted work is abandoned.
+	r.mu.Lock()
+	if old := r.inc; old != nil {
+		old.cancel()
+	}
+	r.inc = nil
+	r.mu.Unlock()
+
+	if err != nil {
+		r.failLine(partialConfig(data, r.cfg.Getenv), err.Error())
+		r.ns.Remove(ReplicatorYAMLName)
+		r.log.Error("invalid replicator.yaml", "err", err)
+		return
+	}
+	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring"}
+	inc.ctx, inc.cancel = context.WithCancel(r.ctx)
+	r.cleanNamespace()
+	for _, w := range warnings {
+		r.errLine(cfg, w)
+	}
+	if err := r.ns.Remove(ReplicatorYAMLName); err != nil {
+		r.log.Error("delete replicator.yaml", "err", err)
+	}
+	r.mu.Lock()
+	r.inc = inc
+	r.lastCommitted = 0
+	r.mu.Unlock()
+	r.log.Info("new incarnation", "incarnation", inc.ID, "job", cfg.JobName, "framework", cfg.Framework,
+		"rank", cfg.NodeRank, "nodes", cfg.Nodes, "workers", cfg.WorkersPerNode, "peers", cfg.Peers())
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		r.restoreIncarnation(inc)
+	}()
+}
+
+// cleanNamespace removes everything but committed data, .meta files, jax-init-info.txt and
+// the yaml (SPEC §2.4): stale markers, step directories and symlinks, tmp dirs, status files.
+// Names waiting to be sealed stay: a committed step is never dropped.
+func (r *Replicator) cleanNamespace() {
+	ents, err := r.ns.List()
+	if err != nil {
+		r.log.Error("list namespace", "err", err)
+		return
+	}
+	r.mu.Lock()
+	pending := make(map[string]bool, len(r.pending))
+	for k := range r.pending {
+		pending[k] = true
+	}
+	r.mu.Unlock()
+	for _, e := range ents {
+		n := e.Name
+		if pending[n] || n == ReplicatorYAMLName || n == JaxInitInfoName || strings.HasSuffix(n, ".meta") || IsDataName(n) {
+			continue
+		}
+		if err := r.ns.Remove(n); err != nil {
+			r.log.Error("clean namespace", "name", n, "err", err)
+		}
+	}
+}
+
+// partialConfig recovers job name, rank and nodes from an invalid yaml for the failure line.
+func partialConfig(data []byte, getenv func(string) string) *Config {
+	c := &Config{NodeRank: -1, Nodes: -1}
+	for _, line := range strings.Split(string(data), "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		v = strings.Trim(strings.TrimSpace(os.Expand(strings.TrimSpace(v), getenv)), `"'`)
+		switch strings.TrimSpace(k) {
+		case "job-name":
+			c.JobName = v
+		case "node-rank":
+			if n, err := strconv.Atoi(v); err == nil {
+				c.NodeRank = n
+			}
+		case "nodes":
+			if n, err := strconv.Atoi(v); err == nil {
+				c.Nodes = n
+			}
+		}
+	}
+	return c
+}
+
+// errLine appends a line to replicator.errors; failLine to replicator.failed (SPEC §2.3).
+func (r *Replicator) errLine(cfg *Config, msg string) {
+	r.appendLine(ReplicatorErrorsName, "ERR", cfg, msg)
+}
+func (r *Replicator) failLine(cfg *Config, msg string) {
+	r.appendLine(ReplicatorFailedName, "FATAL", cfg, msg)
+}
+
+func (r *Replicator) appendLine(file, level string, cfg *Config, msg string) {
+	job, rank, nodes := "?", "?", "?"
+	if cfg != nil {
+		if cfg.JobName != "" {
+			job = cfg.JobName
+		}
+		if cfg.NodeRank >= 0 {
+			rank = itoa(int64(cfg.NodeRank))
+		}
+		if cfg.Nodes >= 0 {
+			nodes = itoa(int64(cfg.Nodes))
+		}
+	}
+	msg = oneLine(msg)
+	line := fmt.Sprintf("%s job=%s node=%s/%s %s %s\n", r.cfg.Now().UTC().Format("2006-01-02T15:04:05Z"), job, rank, nodes, level, msg)
+	old, err := r.ns.ReadFile(file, 1<<20)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		r.log.Error("read "+file, "err", err)
+	}
+	if err := r.ns.WriteFile(file, append(old, line...)); err != nil {
+		r.log.Error("write "+file, "err", err)
+	}
+	r.log.Warn("reported to the job", "file", file, "message", msg)
+	r.mu.Lock()
+	r.recentErrors = append(r.recentErrors, strings.TrimSpace(line))
+	if len(r.recentErrors) > 20 {
+		r.recentErrors = r.recentErrors[len(r.recentErrors)-20:]
+	}
+	r.mu.Unlock()
+}

@@ -1,0 +1,243 @@
+package tiers
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+)
+
+// ReplicatorConfig wires a Replicator.
+type ReplicatorConfig struct {
+	Spool       *Spool
+	Coordinator Coordinator
+	Store       BackupStore         // nil: no backup tier
+	Getenv      func(string) string // for $VAR expansion in replicator.yaml; nil means os.Getenv
+	Now         func() time.Time    // nil means time.Now
+	Logger      *slog.Logger        // nil means slog.Default()
+	// JaxInit, when set, is written to jax-init-info.txt at start so that an unmodified
+	// Orbax/MaxText job learns its process id and coordinator (SPEC §1).
+	JaxInit *JaxInit
+}
+
+// JaxInit is the content of jax-init-info.txt.
+type JaxInit struct {
+	Rank        int
+	Coordinator string // host:port
+}
+
+// Replicator is the checkpoint brain of one node: it answers the job's replicator.yaml,
+// seals committed steps into content-addressed data, restores, and backs up. It receives the
+// job's actions as Events from package fs and changes the namespace through Namespace.
+//
+// Goroutines (all owned by Start's context, stopped by Close):
+//   - the control loop: consumes events in order, runs handshakes, detects commits;
+//   - the sealer: seals committed steps one by one (never on the control loop, so that a new
+//     replicator.yaml is answered within a second even while a large step is hashed);
+//   - per incarnation, a restore goroutine (cancelled by the next handshake);
+//   - at most one backup goroutine at a time.
+//
+// LOCK ORDERING: Replicator.mu is never held across Namespace or BackupStore calls.
+type Replicator struct {
+	cfg ReplicatorConfig
+	log *slog.Logger
+	ns  Namespace
+
+	queue   eventQueue
+	commits chan commit
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu            sync.Mutex
+	inc           *incarnation      // GUARDED_BY(mu); nil before the first valid handshake
+	metas         map[string]string // GUARDED_BY(mu); .meta name → hash, for every .meta held
+	pending       map[string]bool   // GUARDED_BY(mu); top-level names queued for sealing
+	inFlight      map[string]int    // GUARDED_BY(mu); data names being sealed or restored
+	backup        *Progress         // GUARDED_BY(mu); the running backup
+	lastBackup    string            // GUARDED_BY(mu)
+	restore       *Progress         // GUARDED_BY(mu); the running restore
+	recentErrors  []string          // GUARDED_BY(mu)
+	lastCommitted int64             // GUARDED_BY(mu); highest complete step of the incarnation
+}
+
+// incarnation is the state of one start of the job.
+type incarnation struct {
+	Incarnation
+	ctx      context.Context
+	cancel   context.CancelFunc
+	phase    string // "restoring", "running", "failed"
+	restored int64  // step restored (0: none)
+}
+
+// NewReplicator makes a replicator; pass it to fs.Mount as the Events, then call Start.
+func NewReplicator(cfg ReplicatorConfig) *Replicator {
+	if cfg.Getenv == nil {
+		cfg.Getenv = os.Getenv
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}}
+	r.queue.init()
+	return r
+}
+
+// Start adopts committed data a previous agent left in the spool, writes jax-init-info.txt,
+// and starts serving events. ctx bounds the replicator's life.
+func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
+	r.ns = ns
+	r.ctx, r.cancel = context.WithCancel(ctx)
+	r.commits = make(chan commit, 1024)
+	if err := r.adopt(r.ctx); err != nil {
+		return err
+	}
+	if j := r.cfg.JaxInit; j != nil {
+		content := []byte(strings.Join([]string{itoa(int64(j.Rank)), j.Coordinator, ""}, "\n"))
+		if err := ns.WriteFile(JaxInitInfoName, content); err != nil {
+			return err
+		}
+	}
+	r.wg.Add(2)
+	go r.controlLoop()
+	go r.sealer()
+	return nil
+}
+
+// Close stops the replicator's goroutines: running restores and backups are cancelled; steps
+// already committed are sealed first.
+func (r *Replicator) Close() {
+	if r.cancel == nil {
+		return
+	}
+	r.queue.close()
+	r.cancel()  // restores and backups stop; sealing runs on its own context and finishes
+	r.wg.Wait() // the control loop closes r.commits, so the sealer drains what was committed
+}
+
+// Events (called on FUSE request goroutines: record and return).
+
+func (r *Replicator) Closed(path string) { r.queue.push(event{kind: evClosed, path: path}) }
+func (r *Replicator) Renamed(oldPath, newPath string, typ EntryType) {
+	r.queue.push(event{kind: evRenamed, path: newPath, old: oldPath, typ: typ})
+}
+func (r *Replicator) TooLarge(path string) { r.queue.push(event{kind: evTooLarge, path: path}) }
+
+var _ Events = (*Replicator)(nil)
+
+func (r *Replicator) controlLoop() {
+	defer r.wg.Done()
+	defer close(r.commits)
+	for {
+		ev, ok := r.queue.pop()
+		if !ok {
+			return
+		}
+		r.handle(ev)
+	}
+}
+
+// handle dispatches one event from the job.
+func (r *Replicator) handle(ev event) {
+	if strings.Contains(ev.path, "/") {
+		return // only top-level names carry meaning
+	}
+	switch {
+	case ev.kind == evTooLarge && (ev.path == ReplicatorYAMLName || ev.path == ReplicatorYAMLTmpName):
+		r.ns.Remove(ev.path)
+		r.failLine(nil, fmtf("%s: larger than %d bytes; discarded", ReplicatorYAMLName, MaxConfigSize))
+	case ev.path == ReplicatorYAMLName && (ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == EntryFile)):
+		r.handshake()
+	default:
+		r.detectCommit(ev)
+	}
+}
+
+func (r *Replicator) current() *incarnation {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.inc
+}
+
+func (r *Replicator) spoolDir(parts ...string) string {
+	return filepath.Join(append([]string{r.cfg.Spool.Dir()}, parts...)...)
+}
+
+func randomID() string {
+	var b [8]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// event is one change reported by package fs.
+type event struct {
+	kind      int
+	path, old string
+	typ       EntryType
+}
+
+const (
+	evClosed = iota
+	evRenamed
+	evTooLarge
+)
+
+// eventQueue is an unbounded FIFO: pushing never blocks a FUSE request.
+type eventQueue struct {
+	mu     sync.Mutex
+	items  []event
+	closed bool
+	signal chan struct{}
+}
+
+func (q *eventQueue) init() { q.signal = make(chan struct{}, 1) }
+
+func (q *eventQueue) push(ev event) {
+	q.mu.Lock()
+	if !q.closed {
+		q.items = append(q.items, ev)
+	}
+	q.mu.Unlock()
+	select {
+	case q.signal <- struct{}{}:
+	default:
+	}
+}
+
+func (q *eventQueue) close() {
+	q.mu.Lock()
+	q.closed = true
+	q.mu.Unlock()
+	select {
+	case q.signal <- struct{}{}:
+	default:
+	}
+}
+
+// pop waits for the next event; ok is false once the queue is closed and drained.
+func (q *eventQueue) pop() (event, bool) {
+	for {
+		q.mu.Lock()
+		if len(q.items) > 0 {
+			ev := q.items[0]
+			q.items = q.items[1:]
+			q.mu.Unlock()
+			return ev, true
+		}
+		closed := q.closed
+		q.mu.Unlock()
+		if closed {
+			return event{}, false
+		}
+		<-q.signal
+	}
+}

@@ -1,0 +1,158 @@
+package tiers
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// inventory lists what this node holds in RAM for the restore negotiation.
+func (r *Replicator) inventory(rank int) Inventory {
+	inv := Inventory{Rank: rank, Metas: map[string]string{}}
+	r.mu.Lock()
+	for k, v := range r.metas {
+		inv.Metas[k] = v
+	}
+	r.mu.Unlock()
+	ents, _ := os.ReadDir(r.spoolDir("sealed"))
+	for _, e := range ents {
+		inv.Data = append(inv.Data, strings.TrimSuffix(e.Name(), ".data"))
+	}
+	return inv
+}
+
+// restoreIncarnation runs SPEC §5 for this node: negotiate, publish replicator.prerestore,
+// bring in the data (own RAM, then the backup), wait for every node, then create the markers.
+func (r *Replicator) restoreIncarnation(inc *incarnation) {
+	cfg := inc.Config
+	ctx := inc.ctx
+	fail := func(msg string) {
+		if ctx.Err() != nil {
+			return // superseded by a new replicator.yaml or the agent stopping: not the job's failure
+		}
+		r.failLine(cfg, msg)
+		r.setPhase(inc, "failed")
+	}
+	plan, err := r.cfg.Coordinator.Negotiate(ctx, inc.Incarnation, r.inventory(cfg.NodeRank))
+	if err != nil {
+		fail(fmtf("restore negotiation failed: %v", err))
+		return
+	}
+	for _, line := range plan.Errors {
+		r.errLine(cfg, line)
+	}
+	pre := "{}\n"
+	if plan.Found {
+		pre = fmtf("{restore-step: %d}\n", plan.Step)
+		if plan.Backup != "" {
+			pre = fmtf("{restore-step: %d, restore-backup: %s}\n", plan.Step, plan.Backup)
+		}
+	}
+	if err := r.ns.WriteFile(PrerestoreName, []byte(pre)); err != nil {
+		fail(fmtf("write %s: %v", PrerestoreName, err))
+		return
+	}
+	r.log.Info("restore plan", "found", plan.Found, "step", plan.Step, "backup", plan.Backup, "pinned", plan.Pinned)
+
+	if plan.Found {
+		for w := 0; w < cfg.WorkersPerNode; w++ {
+			slot := Slot{cfg.NodeRank, w}
+			hash, ok := plan.Data[slot]
+			if !ok {
+				fail(fmtf("restore plan for step %d has no data for %s", plan.Step, slot))
+				return
+			}
+			if err := r.bringIn(ctx, cfg, plan, hash); err != nil {
+				fail(fmtf("restore of step %d failed: %v", plan.Step, err))
+				return
+			}
+			meta := MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: MarkerMeta}.String()
+			if err := r.writeMeta(meta, hash); err != nil {
+				fail(fmtf("restore of step %d failed: %v", plan.Step, err))
+				return
+			}
+		}
+	}
+	if err := r.cfg.Coordinator.Restored(ctx, inc.Incarnation); err != nil {
+		fail(fmtf("waiting for the other nodes to restore failed: %v", err))
+		return
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	for w := 0; w < cfg.WorkersPerNode; w++ {
+		var err error
+		if plan.Found {
+			name := MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: MarkerRestore}.String()
+			err = r.ns.Symlink(plan.Data[Slot{cfg.NodeRank, w}]+".data", name)
+		} else {
+			name := MarkerName{Job: cfg.JobName, Step: 0, Node: cfg.NodeRank, Worker: w, Kind: MarkerRestore}.String()
+			err = r.ns.WriteFile(name, nil)
+		}
+		if err != nil {
+			fail(fmtf("create restore marker: %v", err))
+			return
+		}
+	}
+	r.mu.Lock()
+	inc.restored = plan.Step
+	if plan.Found && plan.Step > r.lastCommitted && r.inc == inc {
+		r.lastCommitted = plan.Step
+	}
+	r.mu.Unlock()
+	r.setPhase(inc, "running")
+	r.log.Info("restore markers published", "step", plan.Step, "found", plan.Found)
+}
+
+func (r *Replicator) setPhase(inc *incarnation, phase string) {
+	r.mu.Lock()
+	inc.phase = phase
+	r.mu.Unlock()
+}
+
+// bringIn makes the data named hash present in the spool and the namespace: from this node's
+// RAM if it is there, else from the plan's backup, verified before it is used.
+func (r *Replicator) bringIn(ctx context.Context, cfg *Config, plan RestorePlan, hash string) error {
+	dataName := hash + ".data"
+	defer r.hold(dataName)()
+	sealed := r.spoolDir("sealed", dataName)
+	if _, err := os.Lstat(sealed); err != nil {
+		if plan.Backup == "" || r.cfg.Store == nil {
+			return fmt.Errorf("%s is not in this node's RAM and the plan names no backup", dataName)
+		}
+		p := &Progress{Kind: "restore", Step: plan.Step, Source: "backup " + plan.Backup, Started: r.cfg.Now()}
+		r.mu.Lock()
+		r.restore = p
+		r.mu.Unlock()
+		defer func() {
+			r.mu.Lock()
+			r.restore = nil
+			r.mu.Unlock()
+		}()
+		incoming := r.spoolDir("incoming", randomID(), dataName)
+		if err := os.MkdirAll(filepath.Dir(incoming), 0o700); err != nil {
+			return err
+		}
+		defer os.RemoveAll(filepath.Dir(incoming))
+		r.log.Info("downloading from backup", "backup", plan.Backup, "data", dataName)
+		if err := r.cfg.Store.Download(ctx, cfg.JobName, plan.Backup, hash, incoming, p.update); err != nil {
+			return fmt.Errorf("download %s from backup %s: %w", dataName, plan.Backup, err)
+		}
+		h, dir, _ := ParseDataName(dataName)
+		if err := VerifyData(ctx, incoming, h, dir); err != nil {
+			return err
+		}
+		if err := os.Rename(incoming, sealed); err != nil {
+			return err
+		}
+		r.log.Info("restored from backup", "data", dataName, "bytes", p.Done())
+	}
+	if !r.hasName(dataName) {
+		if err := r.ns.Import(sealed, dataName); err != nil {
+			return err
+		}
+	}
+	return nil
+}

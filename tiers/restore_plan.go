@@ -1,0 +1,167 @@
+package tiers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+)
+
+// Slot is one training process of the job: a node rank and a worker index.
+type Slot struct{ Rank, Worker int }
+
+func (s Slot) String() string { return fmt.Sprintf("n%d-w%d", s.Rank, s.Worker) }
+
+// Inventory is what one node holds in RAM: its .meta entries and the data it has.
+type Inventory struct {
+	Rank int
+	// Metas maps .meta names ("<job>-sS-nR-wW.meta") to their content, the data's hash
+	// ("D<hex>" or "<hex>").
+	Metas map[string]string
+	// Data lists the hashes whose .data this node holds.
+	Data []string
+}
+
+// RestorePlan is the job-wide restore decision of SPEC §5.
+type RestorePlan struct {
+	// Step to restore; 0 with Found false means "start from scratch".
+	Step  int64
+	Found bool
+	// Backup is set when the step comes from a backup rather than from RAM in the cluster.
+	Backup string
+	// Data is the hash each slot restores.
+	Data map[Slot]string
+	// Holders lists, per hash, the ranks that hold it in RAM (for fetching from peers).
+	Holders map[string][]int
+	// Errors are lines every node writes to replicator.errors before its markers.
+	Errors []string
+	// Pinned is the restore.version content that was in force ("" when none).
+	Pinned string
+}
+
+// BackupStep is one complete step of a backup.
+type BackupStep struct {
+	Step int64
+	Data map[Slot]string // the hash each slot's .meta names
+}
+
+// BackupStore is the backup tier as the replicator sees it. cmd wires an implementation from
+// package gcsbackend (file:// or gs://).
+type BackupStore interface {
+	// Backups lists the job's backup names, newest first.
+	Backups(ctx context.Context, job string) ([]string, error)
+	// CompleteSteps lists the complete steps of one backup, highest first; a missing backup
+	// returns an error wrapping ErrNoBackup.
+	CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]BackupStep, error)
+	// Upload stores one slot's data (data first, .meta last).
+	Upload(ctx context.Context, req Upload) error
+	// Download fetches a hash's data into dest (which must not exist), verified.
+	Download(ctx context.Context, job, backup, hash, dest string, progress func(done, total int64)) error
+	// RestoreVersion reads <job>/restore.version; ok is false when it does not exist.
+	RestoreVersion(ctx context.Context, job string) (name string, ok bool, err error)
+	ClearRestoreVersion(ctx context.Context, job string) error
+	String() string
+}
+
+// Upload is one slot's contribution to a backup.
+type Upload struct {
+	Job, Backup string
+	Step        int64
+	Slot        Slot
+	Hash        string // "D<hex>" or "<hex>"
+	Source      string // the sealed data in the spool
+	Progress    func(done, total int64)
+}
+
+// ErrNoBackup means a named backup does not exist.
+var ErrNoBackup = errors.New("no such backup")
+
+// PlanRestore decides what the job restores (SPEC §5) from every node's inventory and the
+// backup store: the pinned backup when restore.version names one, else the highest step
+// complete in the cluster's RAM, else the newest complete backup.
+func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store BackupStore) (RestorePlan, error) {
+	plan := RestorePlan{Holders: map[string][]int{}}
+	for _, inv := range invs {
+		for _, h := range inv.Data {
+			plan.Holders[h] = append(plan.Holders[h], inv.Rank)
+		}
+	}
+	for _, hs := range plan.Holders {
+		sort.Ints(hs)
+	}
+	if store != nil {
+		pin, ok, err := store.RestoreVersion(ctx, cfg.JobName)
+		if err != nil {
+			return plan, fmt.Errorf("read restore.version: %w", err)
+		}
+		if ok {
+			plan.Pinned = pin
+			steps, err := store.CompleteSteps(ctx, cfg.JobName, pin, cfg.Nodes, cfg.WorkersPerNode)
+			switch {
+			case errors.Is(err, ErrNoBackup):
+				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which does not exist in %s: starting from scratch", pin, store))
+			case err != nil:
+				return plan, fmt.Errorf("check pinned backup %s: %w", pin, err)
+			case len(steps) == 0:
+				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which is incomplete: starting from scratch", pin))
+			default:
+				plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, pin, steps[0].Data
+			}
+			return plan, nil
+		}
+	}
+	if step, data, ok := clusterStep(cfg, invs, plan.Holders); ok {
+		plan.Step, plan.Found, plan.Data = step, true, data
+		return plan, nil
+	}
+	if store == nil {
+		return plan, nil
+	}
+	names, err := store.Backups(ctx, cfg.JobName)
+	if err != nil {
+		return plan, fmt.Errorf("list backups: %w", err)
+	}
+	for _, name := range names {
+		steps, err := store.CompleteSteps(ctx, cfg.JobName, name, cfg.Nodes, cfg.WorkersPerNode)
+		if err != nil && !errors.Is(err, ErrNoBackup) {
+			return plan, fmt.Errorf("check backup %s: %w", name, err)
+		}
+		if len(steps) > 0 {
+			plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, name, steps[0].Data
+			return plan, nil
+		}
+	}
+	return plan, nil
+}
+
+// clusterStep finds the highest step for which every slot has a .meta whose data some node
+// holds.
+func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int) (int64, map[Slot]string, bool) {
+	bySlot := map[int64]map[Slot]string{}
+	for _, inv := range invs {
+		for name, hash := range inv.Metas {
+			m, ok := ParseMarkerName(name)
+			if !ok || m.Kind != MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode {
+				continue
+			}
+			if len(holders[hash]) == 0 {
+				continue
+			}
+			if bySlot[m.Step] == nil {
+				bySlot[m.Step] = map[Slot]string{}
+			}
+			bySlot[m.Step][Slot{m.Node, m.Worker}] = hash
+		}
+	}
+	steps := make([]int64, 0, len(bySlot))
+	for s := range bySlot {
+		steps = append(steps, s)
+	}
+	sort.Slice(steps, func(i, j int) bool { return steps[i] > steps[j] })
+	for _, s := range steps {
+		if len(bySlot[s]) == cfg.Nodes*cfg.WorkersPerNode {
+			return s, bySlot[s], true
+		}
+	}
+	return 0, nil, false
+}

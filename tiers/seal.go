@@ -1,0 +1,249 @@
+package tiers
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// commit is a step that the job finished for one worker; name is its top-level name.
+type commit struct {
+	inc    *incarnation
+	step   int64
+	worker int
+	name   string
+	at     time.Time
+}
+
+// detectCommit recognises the commit signals of SPEC §3: a directory renamed to a bare
+// decimal (Orbax, NeMo), or for framework pytorch a closed or renamed-in .save of this node.
+func (r *Replicator) detectCommit(ev event) {
+	inc := r.current()
+	if inc == nil {
+		return
+	}
+	cfg := inc.Config
+	c := commit{inc: inc, name: ev.path, at: r.cfg.Now()}
+	switch {
+	case cfg.Framework != FrameworkPyTorch && ev.kind == evRenamed && ev.typ == EntryDir:
+		step, ok := ParseStepDir(ev.path)
+		if !ok {
+			return
+		}
+		c.step = step
+	case cfg.Framework == FrameworkPyTorch && (ev.kind == evClosed || ev.kind == evRenamed):
+		m, ok := ParseMarkerName(ev.path)
+		if !ok || m.Kind != MarkerSave || m.Job != cfg.JobName || m.Node != cfg.NodeRank || m.Worker >= cfg.WorkersPerNode {
+			return
+		}
+		c.step, c.worker = m.Step, m.Worker
+	default:
+		return
+	}
+	r.mu.Lock()
+	if r.pending[c.name] {
+		r.mu.Unlock()
+		return // a close after the rename of the same .save
+	}
+	r.pending[c.name] = true
+	r.mu.Unlock()
+	r.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name)
+	r.commits <- c
+}
+
+// sealer seals committed steps in order. It runs on a context of its own: a committed step is
+// sealed even when the incarnation that committed it is over or the agent is stopping.
+func (r *Replicator) sealer() {
+	defer r.wg.Done()
+	for c := range r.commits {
+		err := r.seal(context.Background(), c)
+		r.mu.Lock()
+		delete(r.pending, c.name)
+		r.mu.Unlock()
+		if err != nil {
+			r.log.Error("seal failed", "step", c.step, "worker", c.worker, "err", err)
+			r.errLine(c.inc.Config, fmtf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
+			continue
+		}
+		r.afterSeal(c)
+	}
+}
+
+// seal turns the committed tree into <hash>.data and writes its .meta (SPEC §3). The bytes
+// are not copied: the tree is hard-linked into spool/sealed, hashed there, and the namespace
+// entry renamed.
+func (r *Replicator) seal(ctx context.Context, c commit) error {
+	cfg := c.inc.Config
+	staging := r.spoolDir("staging", randomID())
+	if err := os.MkdirAll(filepath.Dir(staging), 0o700); err != nil {
+		return err
+	}
+	if _, err := r.ns.Export(c.name, staging); err != nil {
+		return err
+	}
+	hash, dir, err := HashData(ctx, staging)
+	if err != nil {
+		os.RemoveAll(staging)
+		return err
+	}
+	dataName := DataName(hash, dir)
+	content := strings.TrimSuffix(dataName, ".data")
+	defer r.hold(dataName)()
+	sealed := r.spoolDir("sealed", dataName)
+	os.MkdirAll(filepath.Dir(sealed), 0o700)
+	if _, err := os.Lstat(sealed); err == nil {
+		os.RemoveAll(staging)
+		r.errLine(cfg, fmtf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
+	} else if err := os.Rename(staging, sealed); err != nil {
+		os.RemoveAll(staging)
+		return err
+	}
+	if r.hasName(dataName) {
+		r.ns.Remove(c.name)
+	} else if err := r.ns.Rename(c.name, dataName); err != nil {
+		// The job (or a new handshake) removed the name meanwhile: the sealed copy is the truth.
+		if err := r.ns.Import(sealed, dataName); err != nil && !errors.Is(err, os.ErrExist) {
+			return err
+		}
+	}
+	meta := MarkerName{Job: cfg.JobName, Step: c.step, Node: cfg.NodeRank, Worker: c.worker, Kind: MarkerMeta}.String()
+	if err := r.writeMeta(meta, content); err != nil {
+		return err
+	}
+	r.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", r.cfg.Now().Sub(c.at).String())
+	return nil
+}
+
+// writeMeta records a .meta in the spool (so a restarted agent finds it) and in the namespace.
+func (r *Replicator) writeMeta(name, content string) error {
+	dir := r.spoolDir("meta")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, "."+name+".tmp")
+	if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
+		return err
+	}
+	if err := r.ns.WriteFile(name, []byte(content)); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	r.metas[name] = content
+	r.mu.Unlock()
+	return nil
+}
+
+func (r *Replicator) hasName(name string) bool {
+	ents, _ := r.ns.List()
+	for _, e := range ents {
+		if e.Name == name {
+			return true
+		}
+	}
+	return false
+}
+
+// afterSeal syncs a step once every worker of this node sealed it, starts a backup when the
+// coordinator says one is due, and frees what retention no longer needs.
+func (r *Replicator) afterSeal(c commit) {
+	cfg := c.inc.Config
+	for w := 0; w < cfg.WorkersPerNode; w++ {
+		if _, ok := r.metaHash(cfg, c.step, cfg.NodeRank, w); !ok {
+			return
+		}
+	}
+	r.mu.Lock()
+	current := r.inc == c.inc
+	if current && c.step > r.lastCommitted {
+		r.lastCommitted = c.step
+	}
+	running := r.backup != nil
+	r.mu.Unlock()
+	if !current {
+		return // an older incarnation's step: sealed and kept, but not synced
+	}
+	dec, err := r.cfg.Coordinator.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, BackupRunning: running})
+	if err != nil {
+		r.errLine(cfg, fmtf("sync of step %d failed: %v", c.step, err))
+		return
+	}
+	if dec.Backup != "" {
+		r.startBackup(c.inc, c.step, dec.Backup)
+	}
+	r.retain(cfg)
+}
+
+func (r *Replicator) metaHash(cfg *Config, step int64, rank, worker int) (string, bool) {
+	name := MarkerName{Job: cfg.JobName, Step: step, Node: rank, Worker: worker, Kind: MarkerMeta}.String()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	h, ok := r.metas[name]
+	return h, ok
+}
+
+// retain frees this job's steps that are neither the latest complete one, newer than it
+// (still being saved), nor being backed up (SPEC §7 local retention).
+func (r *Replicator) retain(cfg *Config) {
+	r.mu.Lock()
+	keepFrom := r.lastCommitted
+	var backingUp int64 = -1
+	if r.backup != nil {
+		backingUp = r.backup.Step
+	}
+	var drop []string
+	keepHash := map[string]bool{}
+	for name, hash := range r.metas {
+		m, ok := ParseMarkerName(name)
+		if ok && m.Job == cfg.JobName && m.Step < keepFrom && m.Step != backingUp {
+			drop = append(drop, name)
+		} else {
+			keepHash[hash] = true
+		}
+	}
+	for _, name := range drop {
+		delete(r.metas, name)
+	}
+	r.mu.Unlock()
+	for _, name := range drop {
+		os.Remove(r.spoolDir("meta", name))
+		r.ns.Remove(name)
+	}
+	// Data that no kept .meta names goes too.
+	ents, _ := os.ReadDir(r.spoolDir("sealed"))
+	for _, e := range ents {
+		hash := strings.TrimSuffix(e.Name(), ".data")
+		if keepHash[hash] || r.isPendingData(e.Name()) {
+			continue
+		}
+		os.RemoveAll(r.spoolDir("sealed", e.Name()))
+		r.ns.Remove(e.Name())
+		r.log.Info("freed", "data", e.Name())
+	}
+}
+
+// isPendingData is true for data being sealed or restored: it has no .meta yet.
+func (r *Replicator) isPendingData(name string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.inFlight[name] > 0
+}
+
+// hold protects data from retention until the returned release is called.
+func (r *Replicator) hold(dataName string) (release func()) {
+	r.mu.Lock()
+	r.inFlight[dataName]++
+	r.mu.Unlock()
+	return func() {
+		r.mu.Lock()
+		if r.inFlight[dataName]--; r.inFlight[dataName] <= 0 {
+			delete(r.inFlight, dataName)
+		}
+		r.mu.Unlock()
+	}
+}

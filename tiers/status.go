@@ -1,0 +1,103 @@
+package tiers
+
+import (
+	"sort"
+	"sync/atomic"
+	"time"
+)
+
+// Progress describes a running restore or backup; Done is updated as bytes move.
+type Progress struct {
+	Kind    string    `json:"kind"` // "restore" or "backup"
+	Step    int64     `json:"step"`
+	Source  string    `json:"source,omitempty"` // restore: "ram", "backup <name>"
+	Backup  string    `json:"backup,omitempty"` // backup name
+	Started time.Time `json:"started"`
+	Total   int64     `json:"total_bytes"`
+	done    atomic.Int64
+}
+
+// Done reports the bytes moved so far.
+func (p *Progress) Done() int64 { return p.done.Load() }
+
+func (p *Progress) update(done, total int64) {
+	p.done.Store(done)
+	atomic.StoreInt64(&p.Total, total)
+}
+
+// Status is what `mtcfs status` shows about this node.
+type Status struct {
+	Incarnation string        `json:"incarnation,omitempty"`
+	Job         string        `json:"job,omitempty"`
+	Framework   string        `json:"framework,omitempty"`
+	Rank        int           `json:"rank"`
+	Nodes       int           `json:"nodes"`
+	Phase       string        `json:"phase"` // idle, restoring, running, failed
+	Restored    int64         `json:"restored_step"`
+	Committed   int64         `json:"latest_committed_step"`
+	Steps       []StepInRAM   `json:"steps_in_ram"`
+	Restore     *ProgressView `json:"restore,omitempty"`
+	Backup      *ProgressView `json:"backup,omitempty"`
+	LastBackup  string        `json:"last_backup,omitempty"`
+	BackupStore string        `json:"backup_store,omitempty"`
+	Spool       SpoolStatus   `json:"spool"`
+	Errors      []string      `json:"recent_errors,omitempty"`
+}
+
+// StepInRAM is one .meta held in RAM.
+type StepInRAM struct {
+	Meta string `json:"meta"`
+	Step int64  `json:"step"`
+	Rank int    `json:"rank"`
+	Data string `json:"data"`
+}
+
+// ProgressView is a snapshot of a Progress.
+type ProgressView struct {
+	Kind    string    `json:"kind"`
+	Step    int64     `json:"step"`
+	Source  string    `json:"source,omitempty"`
+	Backup  string    `json:"backup,omitempty"`
+	Started time.Time `json:"started"`
+	Done    int64     `json:"done_bytes"`
+	Total   int64     `json:"total_bytes"`
+}
+
+// SpoolStatus is the RAM tier's size and use.
+type SpoolStatus struct {
+	Dir    string `json:"dir"`
+	Budget int64  `json:"budget_bytes"`
+	Used   int64  `json:"used_bytes"`
+}
+
+func (p *Progress) view() *ProgressView {
+	if p == nil {
+		return nil
+	}
+	return &ProgressView{Kind: p.Kind, Step: p.Step, Source: p.Source, Backup: p.Backup, Started: p.Started,
+		Done: p.Done(), Total: atomic.LoadInt64(&p.Total)}
+}
+
+// Status returns a snapshot for `mtcfs status`.
+func (r *Replicator) Status() Status {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st := Status{Phase: "idle", Rank: -1, Restore: r.restore.view(), Backup: r.backup.view(), LastBackup: r.lastBackup,
+		Committed: r.lastCommitted, Errors: append([]string(nil), r.recentErrors...)}
+	if inc := r.inc; inc != nil {
+		st.Incarnation, st.Job, st.Framework = inc.ID, inc.Config.JobName, inc.Config.Framework
+		st.Rank, st.Nodes, st.Phase, st.Restored = inc.Config.NodeRank, inc.Config.Nodes, inc.phase, inc.restored
+	}
+	for name, hash := range r.metas {
+		if m, ok := ParseMarkerName(name); ok {
+			st.Steps = append(st.Steps, StepInRAM{Meta: name, Step: m.Step, Rank: m.Node, Data: hash + ".data"})
+		}
+	}
+	sort.Slice(st.Steps, func(i, j int) bool { return st.Steps[i].Meta < st.Steps[j].Meta })
+	if r.cfg.Store != nil {
+		st.BackupStore = r.cfg.Store.String()
+	}
+	st.Spool.Dir = r.cfg.Spool.Dir()
+	st.Spool.Budget, st.Spool.Used = r.cfg.Spool.Usage()
+	return st
+}
