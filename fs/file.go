@@ -38,14 +38,16 @@ var (
 	_ = (gofs.NodeListxattrer)((*fileNode)(nil))
 )
 
-func (m *mtfs) newFile(ctx context.Context, mode uint32) (*fileNode, error) {
-	p, err := m.spool.NewFile()
+// newFile makes a node with a new, empty spool file and returns the file's open descriptor,
+// which the caller owns: a create uses it for its handle instead of opening the file again.
+func (m *mtfs) newFile(ctx context.Context, mode uint32) (*fileNode, int, error) {
+	p, fd, err := m.spool.NewFile()
 	if err != nil {
-		return nil, err
+		return nil, -1, err
 	}
 	f := &fileNode{fs: m, backing: p, nlink: 1}
 	f.init(ctx, mode)
-	return f, nil
+	return f, fd, nil
 }
 
 func (f *fileNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
@@ -154,6 +156,11 @@ func (f *fileNode) open(flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if err != nil {
 		return nil, 0, toErrno("open", err)
 	}
+	return f.openFd(fd, flags)
+}
+
+// openFd makes a handle of fd, an open descriptor of the spool file. Caller holds mu.
+func (f *fileNode) openFd(fd int, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&syscall.O_TRUNC != 0 && flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 		if err := unix.Ftruncate(fd, 0); err != nil {
 			unix.Close(fd)
@@ -244,7 +251,7 @@ var (
 
 // PassthroughFd lets the kernel do reads, writes and mmap on the spool file directly.
 func (h *fileHandle) PassthroughFd() (int, bool) {
-	return h.fd, h.node.fs.passthrough && h.node.limit == 0
+	return h.fd, h.node.fs.passthrough.Load() && h.node.limit == 0
 }
 
 func (h *fileHandle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
@@ -280,7 +287,11 @@ func (h *fileHandle) Fsync(ctx context.Context, flags uint32) syscall.Errno {
 	return toErrno("fsync", unix.Fsync(h.fd))
 }
 
-func (h *fileHandle) Flush(ctx context.Context) syscall.Errno { return 0 }
+// Flush answers ENOSYS on purpose: the kernel then stops sending FLUSH for this mount (it
+// writes dirty pages itself before that point anyway), which takes one round trip to the agent
+// off every close(2). The caller of close never sees ENOSYS. Close-after-write is observed at
+// RELEASE instead.
+func (h *fileHandle) Flush(ctx context.Context) syscall.Errno { return syscall.ENOSYS }
 
 func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	err := unix.Close(h.fd)

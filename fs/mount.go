@@ -207,7 +207,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 		opts.CacheTimeout = time.Second
 	}
 	root := os.Geteuid() == 0
-	m := &mtfs{spool: opts.Spool, passthrough: opts.Passthrough != PassthroughOff && root, events: opts.Events}
+	m := &mtfs{spool: opts.Spool, events: opts.Events}
 	m.nextIno.Store(1)
 	rootNode := &dirNode{fs: m}
 	rootNode.init(context.Background(), 0o755)
@@ -218,6 +218,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 		AttrTimeout:     &timeout,
 		NegativeTimeout: &timeout,
 		RootStableAttr:  &gofs.StableAttr{Ino: 1},
+		NullPermissions: true, // a mode of 0 is 0, as on tmpfs
 		Logger:          log.New(os.Stderr, "go-fuse: ", 0),
 		MountOptions: fuse.MountOptions{
 			FsName:       "mtcfs",
@@ -240,14 +241,14 @@ func Mount(dir string, opts Options) (*Server, error) {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}}
-	if m.passthrough {
-		m.passthrough = probePassthrough(srv, opts.Spool)
+	if opts.Passthrough != PassthroughOff && root {
+		m.passthrough.Store(probePassthrough(srv, opts.Spool))
 	}
-	if opts.Passthrough == PassthroughOn && !m.passthrough {
+	if opts.Passthrough == PassthroughOn && !m.passthrough.Load() {
 		s.Unmount()
 		return nil, errors.New("--passthrough=on: the kernel refused FUSE passthrough (needs Linux ≥ 6.9 and CAP_SYS_ADMIN); use --passthrough=auto or off")
 	}
-	s.passthrough = m.passthrough
+	s.passthrough = m.passthrough.Load()
 	slog.Info("mounted", "dir", abs, "passthrough", s.passthrough, "spool", opts.Spool.Dir(),
 		"budget", tiers.FormatSize(opts.Spool.Budget()), "budget_enforced_by", map[bool]string{true: "tmpfs", false: "agent"}[opts.Spool.KernelEnforced()])
 	return s, nil
@@ -259,17 +260,13 @@ func probePassthrough(srv *fuse.Server, spool *tiers.Spool) bool {
 	if srv.KernelSettings().Flags64()&fuse.CAP_PASSTHROUGH == 0 {
 		return false
 	}
-	p, err := spool.NewFile()
+	p, fd, err := spool.NewFile()
 	if err != nil {
 		return false
 	}
 	defer os.Remove(p)
-	f, err := os.OpenFile(p, os.O_RDWR, 0)
-	if err != nil {
-		return false
-	}
-	defer f.Close()
-	id, errno := srv.RegisterBackingFd(&fuse.BackingMap{Fd: int32(f.Fd())})
+	defer unix.Close(fd)
+	id, errno := srv.RegisterBackingFd(&fuse.BackingMap{Fd: int32(fd)})
 	if errno != 0 {
 		return false
 	}

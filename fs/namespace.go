@@ -87,11 +87,13 @@ func (ns *namespace) install(name string, ch *gofs.Inode) error {
 }
 
 func (ns *namespace) WriteFile(name string, data []byte) error {
-	p, err := ns.m.spool.NewFile()
+	p, fd, err := ns.m.spool.NewFile()
 	if err != nil {
 		return err
 	}
-	if err := os.WriteFile(p, data, 0o600); err != nil {
+	_, err = unix.Write(fd, data)
+	unix.Close(fd)
+	if err != nil {
 		os.Remove(p)
 		return fmt.Errorf("write %s: %w", name, err)
 	}

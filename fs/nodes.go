@@ -18,7 +18,7 @@ import (
 // mtfs is what all nodes of one mount share.
 type mtfs struct {
 	spool       *tiers.Spool
-	passthrough bool         // use FUSE passthrough for regular files
+	passthrough atomic.Bool  // use FUSE passthrough for regular files; set after the mount is live
 	events      tiers.Events // nil: nobody listens
 	nextIno     atomic.Uint64
 	parked      sync.Map // request cancel channel -> event to emit when the request succeeded
@@ -158,7 +158,8 @@ func (m *meta) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errn
 type dirNode struct {
 	gofs.Inode
 	meta
-	fs *mtfs
+	fs      *mtfs
+	removed bool // GUARDED_BY(mu)
 }
 
 var (
@@ -177,7 +178,24 @@ var (
 	_ = (gofs.NodeSetxattrer)((*dirNode)(nil))
 	_ = (gofs.NodeRemovexattrer)((*dirNode)(nil))
 	_ = (gofs.NodeListxattrer)((*dirNode)(nil))
+	_ = (gofs.NodeFsyncer)((*dirNode)(nil))
 )
+
+// Fsync of a directory has nothing to write: the namespace lives in memory.
+func (d *dirNode) Fsync(ctx context.Context, f gofs.FileHandle, flags uint32) syscall.Errno { return 0 }
+
+// inherit applies a set-group-ID parent's group (and, to directories, the bit) to a new node.
+func (d *dirNode) inherit(m *meta, dir bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.mode&syscall.S_ISGID == 0 {
+		return
+	}
+	m.gid = d.gid
+	if dir {
+		m.mode |= syscall.S_ISGID
+	}
+}
 
 func (d *dirNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
 	subdirs := 0
@@ -188,8 +206,12 @@ func (d *dirNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.Att
 	}
 	d.mu.Lock()
 	d.fill(&out.Attr)
+	removed := d.removed
 	d.mu.Unlock()
 	out.Nlink = uint32(2 + subdirs)
+	if removed {
+		out.Nlink = 0
+	}
 	out.Size = 4096
 	out.Blocks = 8
 	out.Blksize = 4096
@@ -226,6 +248,7 @@ func (d *dirNode) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno
 func (d *dirNode) newDir(ctx context.Context, mode uint32) *gofs.Inode {
 	nd := &dirNode{fs: d.fs}
 	nd.init(ctx, mode)
+	d.inherit(&nd.meta, true)
 	return d.NewPersistentInode(ctx, nd, gofs.StableAttr{Mode: syscall.S_IFDIR, Ino: d.fs.newIno()})
 }
 
@@ -252,12 +275,14 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 	if d.GetChild(name) != nil {
 		return nil, nil, 0, syscall.EEXIST
 	}
-	fn, err := d.newFile(ctx, name, mode)
+	fn, fd, err := d.newFile(ctx, name, mode)
 	if err != nil {
 		return nil, nil, 0, toErrno("create", err)
 	}
 	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
-	fh, fflags, errno := fn.open(flags)
+	fn.mu.Lock()
+	fh, fflags, errno := fn.openFd(fd, flags)
+	fn.mu.Unlock()
 	if errno != 0 {
 		fn.dropLink()
 		return nil, nil, 0, errno
@@ -275,10 +300,11 @@ func (d *dirNode) Mknod(ctx context.Context, name string, mode uint32, dev uint3
 	if d.GetChild(name) != nil {
 		return nil, syscall.EEXIST
 	}
-	fn, err := d.newFile(ctx, name, mode)
+	fn, fd, err := d.newFile(ctx, name, mode)
 	if err != nil {
 		return nil, toErrno("mknod", err)
 	}
+	unix.Close(fd)
 	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
 	d.touch(true)
 	return ch, d.fillEntry(ctx, ch, out)
@@ -288,18 +314,27 @@ func (d *dirNode) Symlink(ctx context.Context, target, name string, out *fuse.En
 	if d.GetChild(name) != nil {
 		return nil, syscall.EEXIST
 	}
-	ch := d.NewPersistentInode(ctx, newSymlink(ctx, target), gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: d.fs.newIno()})
+	l := newSymlink(ctx, target)
+	d.inherit(&l.meta, false)
+	ch := d.NewPersistentInode(ctx, l, gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: d.fs.newIno()})
 	d.touch(true)
 	return ch, d.fillEntry(ctx, ch, out)
 }
 
 func (d *dirNode) Link(ctx context.Context, target gofs.InodeEmbedder, name string, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
+	if d.GetChild(name) != nil {
+		return nil, syscall.EEXIST
+	}
+	if l, ok := target.(*symlinkNode); ok {
+		l.mu.Lock()
+		l.nlink++
+		l.mu.Unlock()
+		d.touch(true)
+		return l.EmbeddedInode(), d.fillEntry(ctx, l.EmbeddedInode(), out)
+	}
 	fn, ok := target.(*fileNode)
 	if !ok {
 		return nil, syscall.EPERM
-	}
-	if d.GetChild(name) != nil {
-		return nil, syscall.EEXIST
 	}
 	if !fn.addLink() {
 		return nil, syscall.ENOENT
@@ -332,6 +367,7 @@ func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 	if len(ch.Children()) > 0 {
 		return syscall.ENOTEMPTY
 	}
+	dropped(ch)
 	d.touch(true)
 	return 0
 }
@@ -388,18 +424,30 @@ func joinPath(dir, name string) string {
 }
 
 // newFile makes a file node for a new name in d; control files at the top get a size limit.
-func (d *dirNode) newFile(ctx context.Context, name string, mode uint32) (*fileNode, error) {
-	fn, err := d.fs.newFile(ctx, mode)
+func (d *dirNode) newFile(ctx context.Context, name string, mode uint32) (*fileNode, int, error) {
+	fn, fd, err := d.fs.newFile(ctx, mode)
+	if err == nil {
+		d.inherit(&fn.meta, false)
+	}
 	if err == nil && d.IsRoot() {
 		fn.limit = tiers.WriteLimit(name)
 	}
-	return fn, err
+	return fn, fd, err
 }
 
 // dropped tells a node that one of its names is going away.
 func dropped(ch *gofs.Inode) {
-	if fn, ok := ch.Operations().(*fileNode); ok {
-		fn.dropLink()
+	switch n := ch.Operations().(type) {
+	case *fileNode:
+		n.dropLink()
+	case *dirNode:
+		n.mu.Lock()
+		n.removed = true
+		n.mu.Unlock()
+	case *symlinkNode:
+		n.mu.Lock()
+		n.nlink--
+		n.mu.Unlock()
 	}
 }
 
@@ -410,6 +458,7 @@ type symlinkNode struct {
 	gofs.Inode
 	meta
 	target string
+	nlink  int // GUARDED_BY(mu)
 }
 
 var (
@@ -419,7 +468,7 @@ var (
 )
 
 func newSymlink(ctx context.Context, target string) *symlinkNode {
-	l := &symlinkNode{target: target}
+	l := &symlinkNode{target: target, nlink: 1}
 	l.init(ctx, 0o777)
 	return l
 }
@@ -431,9 +480,9 @@ func (l *symlinkNode) Readlink(ctx context.Context) ([]byte, syscall.Errno) {
 func (l *symlinkNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
 	l.mu.Lock()
 	l.fill(&out.Attr)
+	out.Nlink = uint32(l.nlink)
 	l.mu.Unlock()
 	out.Size = uint64(len(l.target))
-	out.Nlink = 1
 	out.Blksize = 4096
 	return 0
 }

@@ -24,7 +24,7 @@ func (r *Replicator) startBackup(inc *incarnation, step int64, name string) {
 		r.mu.Unlock()
 		if err != nil {
 			r.log.Error("backup failed", "backup", name, "step", step, "err", err)
-			r.errLine(cfg, fmtf("backup %s of step %d failed: %v", name, step, err))
+			r.incLine(inc, fmtf("backup %s of step %d failed: %v", name, step, err))
 		} else {
 			r.log.Info("backup complete", "backup", name, "step", step, "bytes", p.Done(), "took", r.cfg.Now().Sub(p.Started).String())
 		}

@@ -139,9 +139,10 @@ func oneLine(s string) string {
 //
 // A key whose value is null ("key:" or "key: ~") counts as not given.
 // Keys are case-sensitive. Unknown keys are not errors — older and newer
-// clients add keys — but each is returned as a warning,
-// `unknown key "foo" ignored`, sorted by key; warnings also note a
-// peers-per-node that explicit peer-ranks override.
+// clients add keys — but each becomes a warning, `unknown key "foo" ignored`,
+// sorted by key. Then come warnings for keys that are not names at all (a
+// list used as a key), by line, and a note when explicit peer-ranks
+// override peers-per-node.
 //
 // Interpretation choices:
 //   - Giving both backup-interval-minutes and backup-interval-steps is an
@@ -160,9 +161,6 @@ func oneLine(s string) string {
 // the order job-name, framework, nodes, node-rank, peer-ranks,
 // peers-per-node, backup-interval-minutes, backup-interval-steps,
 // assume-data-parallelism, workers-per-node.
-//
-// Warnings for keys that are not names at all (a list as a key) follow, by
-// line.
 //
 // A zero-length file is not a configuration at all (SPEC §2.1 ignores it);
 // callers handle it before calling ParseConfig, which reports it as an error.

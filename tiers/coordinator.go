@@ -50,6 +50,7 @@ type LocalCoordinator struct {
 	inc      string         // GUARDED_BY(mu)
 	plan     RestorePlan    // GUARDED_BY(mu)
 	schedule BackupSchedule // GUARDED_BY(mu)
+	lastName string         // GUARDED_BY(mu); newest backup name, across incarnations
 }
 
 var _ Coordinator = (*LocalCoordinator)(nil)
@@ -69,11 +70,20 @@ func (c *LocalCoordinator) Negotiate(ctx context.Context, inc Incarnation, inv I
 	if err != nil {
 		return plan, err
 	}
+	// Backup names must stay unique across restarts within one minute: start from the newest
+	// name the store already has.
+	var newest string
+	if c.Store != nil {
+		if names, err := c.Store.Backups(ctx, inc.Config.JobName); err == nil && len(names) > 0 {
+			newest = names[0]
+		}
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.lastName = max(c.lastName, c.schedule.lastName, newest)
 	every, steps := inc.Config.BackupInterval()
 	c.inc, c.plan = inc.ID, plan
-	c.schedule = BackupSchedule{Every: every, Steps: steps}
+	c.schedule = BackupSchedule{Every: every, Steps: steps, lastName: c.lastName}
 	return plan, nil
 }
 

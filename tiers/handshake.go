@@ -106,7 +106,9 @@ func partialConfig(data []byte, getenv func(string) string) *Config {
 		v = strings.Trim(strings.TrimSpace(os.Expand(strings.TrimSpace(v), getenv)), `"'`)
 		switch strings.TrimSpace(k) {
 		case "job-name":
-			c.JobName = v
+			if ValidateJobName(v) == nil {
+				c.JobName = v // an unsafe name would break the line format
+			}
 		case "node-rank":
 			if n, err := strconv.Atoi(v); err == nil {
 				c.NodeRank = n
@@ -128,7 +130,20 @@ func (r *Replicator) failLine(cfg *Config, msg string) {
 	r.appendLine(ReplicatorFailedName, "FATAL", cfg, msg)
 }
 
+// incLine reports an error of a background task of inc; once a newer incarnation started, the
+// line only goes to the log, since the first line of the new incarnation's replicator.errors
+// must be its own (SPEC §2).
+func (r *Replicator) incLine(inc *incarnation, msg string) {
+	if r.current() != inc {
+		r.log.Error("error of an earlier incarnation", "incarnation", inc.ID, "message", msg)
+		return
+	}
+	r.errLine(inc.Config, msg)
+}
+
 func (r *Replicator) appendLine(file, level string, cfg *Config, msg string) {
+	r.lineMu.Lock()
+	defer r.lineMu.Unlock()
 	job, rank, nodes := "?", "?", "?"
 	if cfg != nil {
 		if cfg.JobName != "" {

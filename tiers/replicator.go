@@ -42,11 +42,18 @@ type JaxInit struct {
 //   - per incarnation, a restore goroutine (cancelled by the next handshake);
 //   - at most one backup goroutine at a time.
 //
-// LOCK ORDERING: Replicator.mu is never held across Namespace or BackupStore calls.
+// LOCK ORDERING: publishMu before lineMu before mu. mu is never held across Namespace or
+// BackupStore calls.
 type Replicator struct {
 	cfg ReplicatorConfig
 	log *slog.Logger
 	ns  Namespace
+
+	// publishMu makes "data appears in spool/sealed and gets its .meta" atomic with respect to
+	// retention, which would otherwise free data that has no .meta yet.
+	publishMu sync.Mutex
+	// lineMu serialises appends to replicator.errors and replicator.failed.
+	lineMu sync.Mutex
 
 	queue   eventQueue
 	commits chan commit

@@ -2,6 +2,7 @@ package tiers
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -35,9 +36,13 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 		r.failLine(cfg, msg)
 		r.setPhase(inc, "failed")
 	}
+	superseded := func() bool { return ctx.Err() != nil || r.current() != inc }
 	plan, err := r.cfg.Coordinator.Negotiate(ctx, inc.Incarnation, r.inventory(cfg.NodeRank))
 	if err != nil {
 		fail(fmtf("restore negotiation failed: %v", err))
+		return
+	}
+	if superseded() {
 		return
 	}
 	for _, line := range plan.Errors {
@@ -64,12 +69,7 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 				fail(fmtf("restore plan for step %d has no data for %s", plan.Step, slot))
 				return
 			}
-			if err := r.bringIn(ctx, cfg, plan, hash); err != nil {
-				fail(fmtf("restore of step %d failed: %v", plan.Step, err))
-				return
-			}
-			meta := MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: MarkerMeta}.String()
-			if err := r.writeMeta(meta, hash); err != nil {
+			if err := r.restoreSlot(ctx, cfg, plan, w, hash); err != nil {
 				fail(fmtf("restore of step %d failed: %v", plan.Step, err))
 				return
 			}
@@ -79,7 +79,7 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 		fail(fmtf("waiting for the other nodes to restore failed: %v", err))
 		return
 	}
-	if ctx.Err() != nil {
+	if superseded() {
 		return
 	}
 	for w := 0; w < cfg.WorkersPerNode; w++ {
@@ -112,47 +112,77 @@ func (r *Replicator) setPhase(inc *incarnation, phase string) {
 	r.mu.Unlock()
 }
 
-// bringIn makes the data named hash present in the spool and the namespace: from this node's
-// RAM if it is there, else from the plan's backup, verified before it is used.
-func (r *Replicator) bringIn(ctx context.Context, cfg *Config, plan RestorePlan, hash string) error {
+// restoreSlot brings in worker w's data and publishes its .meta. The data is held (retention
+// skips it) from before the first look at the spool until its .meta names it, and every look
+// at the spool happens under publishMu, so a retention already running finishes first.
+func (r *Replicator) restoreSlot(ctx context.Context, cfg *Config, plan RestorePlan, w int, hash string) error {
 	dataName := hash + ".data"
 	defer r.hold(dataName)()
+	meta := MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: MarkerMeta}.String()
 	sealed := r.spoolDir("sealed", dataName)
-	if _, err := os.Lstat(sealed); err != nil {
-		if plan.Backup == "" || r.cfg.Store == nil {
-			return fmt.Errorf("%s is not in this node's RAM and the plan names no backup", dataName)
+	publish := func(incoming string) error {
+		r.publishMu.Lock()
+		defer r.publishMu.Unlock()
+		if incoming != "" {
+			if _, err := os.Lstat(sealed); err == nil {
+				os.RemoveAll(incoming) // another slot brought the same data meanwhile
+			} else if err := os.Rename(incoming, sealed); err != nil {
+				return err
+			}
+		} else if _, err := os.Lstat(sealed); err != nil {
+			return errNotInRAM
 		}
-		p := &Progress{Kind: "restore", Step: plan.Step, Source: "backup " + plan.Backup, Started: r.cfg.Now()}
-		r.mu.Lock()
-		r.restore = p
-		r.mu.Unlock()
-		defer func() {
-			r.mu.Lock()
-			r.restore = nil
-			r.mu.Unlock()
-		}()
-		incoming := r.spoolDir("incoming", randomID(), dataName)
-		if err := os.MkdirAll(filepath.Dir(incoming), 0o700); err != nil {
-			return err
+		if !r.hasName(dataName) {
+			if err := r.ns.Import(sealed, dataName); err != nil {
+				return err
+			}
 		}
+		return r.writeMeta(meta, hash)
+	}
+	err := publish("")
+	if !errors.Is(err, errNotInRAM) {
+		return err
+	}
+	if plan.Backup == "" || r.cfg.Store == nil {
+		return fmt.Errorf("%s is not in this node's RAM and the plan names no backup", dataName)
+	}
+	incoming, err := r.download(ctx, cfg, plan, hash)
+	if incoming != "" {
 		defer os.RemoveAll(filepath.Dir(incoming))
-		r.log.Info("downloading from backup", "backup", plan.Backup, "data", dataName)
-		if err := r.cfg.Store.Download(ctx, cfg.JobName, plan.Backup, hash, incoming, p.update); err != nil {
-			return fmt.Errorf("download %s from backup %s: %w", dataName, plan.Backup, err)
-		}
-		h, dir, _ := ParseDataName(dataName)
-		if err := VerifyData(ctx, incoming, h, dir); err != nil {
-			return err
-		}
-		if err := os.Rename(incoming, sealed); err != nil {
-			return err
-		}
-		r.log.Info("restored from backup", "data", dataName, "bytes", p.Done())
 	}
-	if !r.hasName(dataName) {
-		if err := r.ns.Import(sealed, dataName); err != nil {
-			return err
-		}
+	if err != nil {
+		return err
 	}
-	return nil
+	return publish(incoming)
+}
+
+var errNotInRAM = errors.New("not in RAM")
+
+// download fetches hash's data from the plan's backup into a new directory under
+// spool/incoming and verifies it against its hash; progress shows in mtcfs status.
+func (r *Replicator) download(ctx context.Context, cfg *Config, plan RestorePlan, hash string) (string, error) {
+	dataName := hash + ".data"
+	p := &Progress{Kind: "restore", Step: plan.Step, Source: "backup " + plan.Backup, Started: r.cfg.Now()}
+	r.mu.Lock()
+	r.restore = p
+	r.mu.Unlock()
+	defer func() {
+		r.mu.Lock()
+		r.restore = nil
+		r.mu.Unlock()
+	}()
+	incoming := r.spoolDir("incoming", randomID(), dataName)
+	if err := os.MkdirAll(filepath.Dir(incoming), 0o700); err != nil {
+		return "", err
+	}
+	r.log.Info("downloading from backup", "backup", plan.Backup, "data", dataName)
+	if err := r.cfg.Store.Download(ctx, cfg.JobName, plan.Backup, hash, incoming, p.update); err != nil {
+		return incoming, fmt.Errorf("download %s from backup %s: %w", dataName, plan.Backup, err)
+	}
+	h, dir, _ := ParseDataName(dataName)
+	if err := VerifyData(ctx, incoming, h, dir); err != nil {
+		return incoming, err
+	}
+	r.log.Info("restored from backup", "data", dataName, "bytes", p.Done())
+	return incoming, nil
 }

@@ -65,7 +65,7 @@ func (r *Replicator) sealer() {
 		r.mu.Unlock()
 		if err != nil {
 			r.log.Error("seal failed", "step", c.step, "worker", c.worker, "err", err)
-			r.errLine(c.inc.Config, fmtf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
+			r.incLine(c.inc, fmtf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
 			continue
 		}
 		r.afterSeal(c)
@@ -91,12 +91,12 @@ func (r *Replicator) seal(ctx context.Context, c commit) error {
 	}
 	dataName := DataName(hash, dir)
 	content := strings.TrimSuffix(dataName, ".data")
-	defer r.hold(dataName)()
+	r.publishMu.Lock()
+	defer r.publishMu.Unlock()
 	sealed := r.spoolDir("sealed", dataName)
-	os.MkdirAll(filepath.Dir(sealed), 0o700)
 	if _, err := os.Lstat(sealed); err == nil {
 		os.RemoveAll(staging)
-		r.errLine(cfg, fmtf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
+		r.incLine(c.inc, fmtf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
 	} else if err := os.Rename(staging, sealed); err != nil {
 		os.RemoveAll(staging)
 		return err
@@ -170,7 +170,7 @@ func (r *Replicator) afterSeal(c commit) {
 	}
 	dec, err := r.cfg.Coordinator.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, BackupRunning: running})
 	if err != nil {
-		r.errLine(cfg, fmtf("sync of step %d failed: %v", c.step, err))
+		r.incLine(c.inc, fmtf("sync of step %d failed: %v", c.step, err))
 		return
 	}
 	if dec.Backup != "" {
@@ -190,6 +190,8 @@ func (r *Replicator) metaHash(cfg *Config, step int64, rank, worker int) (string
 // retain frees this job's steps that are neither the latest complete one, newer than it
 // (still being saved), nor being backed up (SPEC §7 local retention).
 func (r *Replicator) retain(cfg *Config) {
+	r.publishMu.Lock()
+	defer r.publishMu.Unlock()
 	r.mu.Lock()
 	keepFrom := r.lastCommitted
 	var backingUp int64 = -1

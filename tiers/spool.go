@@ -118,8 +118,9 @@ func (s *Spool) Budget() int64 { return s.budget }
 // agent's own accounting (false).
 func (s *Spool) KernelEnforced() bool { return s.ownMount }
 
-// NewFile creates an empty backing file and returns its path.
-func (s *Spool) NewFile() (string, error) {
+// NewFile creates an empty backing file and returns its path and a read-write descriptor
+// (close-on-exec) that the caller owns.
+func (s *Spool) NewFile() (string, int, error) {
 	for {
 		p := filepath.Join(s.FilesDir(), strconv.FormatUint(s.nextID.Add(1), 10))
 		fd, err := unix.Open(p, unix.O_CREAT|unix.O_EXCL|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
@@ -127,10 +128,9 @@ func (s *Spool) NewFile() (string, error) {
 			continue
 		}
 		if err != nil {
-			return "", fmt.Errorf("create spool file: %w", err)
+			return "", -1, fmt.Errorf("create spool file: %w", err)
 		}
-		unix.Close(fd)
-		return p, nil
+		return p, fd, nil
 	}
 }
 

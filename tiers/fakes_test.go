@@ -1,0 +1,908 @@
+package tiers_test
+
+// Fakes for driving the replicator without FUSE: dirNamespace plays package fs over a plain
+// directory, fakeStore is a backup tier on a local directory, and harness plays the training
+// job, which changes the namespace directory itself and then reports the change through the
+// replicator's Events, as package fs would.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// --- dirNamespace ---------------------------------------------------------------------------
+
+// dirNamespace is a tiers.Namespace over a plain directory. Atomic writes go through a scratch
+// directory beside it, so that half-written files never show up in List. The directory, the
+// scratch directory and the spool must be on one file system: Export and Import hard-link.
+//
+// Every call is appended to an operation log ("write replicator.errors", …) so that tests can
+// check the order in which the replicator published files, and a hook may block or observe a
+// call before it happens (used to open race windows deterministically).
+type dirNamespace struct {
+	dir     string
+	scratch string
+	seq     atomic.Int64
+
+	mu   sync.Mutex
+	ops  []string              // GUARDED_BY(mu)
+	hook func(op, name string) // GUARDED_BY(mu); called before the operation, without mu
+}
+
+var _ tiers.Namespace = (*dirNamespace)(nil)
+
+func newDirNamespace(dir string) (*dirNamespace, error) {
+	ns := &dirNamespace{dir: dir, scratch: dir + ".scratch"}
+	for _, d := range []string{ns.dir, ns.scratch} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	return ns, nil
+}
+
+func (ns *dirNamespace) path(name string) string { return filepath.Join(ns.dir, name) }
+
+// record logs an operation and runs the hook.
+func (ns *dirNamespace) record(op, name string) {
+	ns.mu.Lock()
+	ns.ops = append(ns.ops, op+" "+name)
+	hook := ns.hook
+	ns.mu.Unlock()
+	if hook != nil {
+		hook(op, name)
+	}
+}
+
+func (ns *dirNamespace) setHook(h func(op, name string)) {
+	ns.mu.Lock()
+	ns.hook = h
+	ns.mu.Unlock()
+}
+
+// opLog returns a copy of the operation log.
+func (ns *dirNamespace) opLog() []string {
+	ns.mu.Lock()
+	defer ns.mu.Unlock()
+	return slices.Clone(ns.ops)
+}
+
+func (ns *dirNamespace) tmpName() string {
+	return filepath.Join(ns.scratch, fmt.Sprintf("t%d", ns.seq.Add(1)))
+}
+
+func (ns *dirNamespace) List() ([]tiers.DirEntry, error) {
+	ns.record("list", "")
+	des, err := os.ReadDir(ns.dir)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]tiers.DirEntry, 0, len(des))
+	for _, de := range des {
+		typ := tiers.EntryFile
+		switch {
+		case de.IsDir():
+			typ = tiers.EntryDir
+		case de.Type()&fs.ModeSymlink != 0:
+			typ = tiers.EntrySymlink
+		}
+		out = append(out, tiers.DirEntry{Name: de.Name(), Type: typ})
+	}
+	return out, nil
+}
+
+func (ns *dirNamespace) ReadFile(name string, limit int64) ([]byte, error) {
+	ns.record("read", name)
+	f, err := os.Open(ns.path(name))
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return io.ReadAll(io.LimitReader(f, limit))
+}
+
+func (ns *dirNamespace) WriteFile(name string, data []byte) error {
+	ns.record("write", name)
+	tmp := ns.tmpName()
+	if err := os.WriteFile(tmp, data, 0o644); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, ns.path(name)); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+func (ns *dirNamespace) Symlink(target, name string) error {
+	ns.record("symlink", name)
+	tmp := ns.tmpName()
+	if err := os.Symlink(target, tmp); err != nil {
+		return err
+	}
+	if fi, err := os.Lstat(ns.path(name)); err == nil && fi.IsDir() {
+		os.RemoveAll(ns.path(name))
+	}
+	if err := os.Rename(tmp, ns.path(name)); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+func (ns *dirNamespace) Rename(oldName, newName string) error {
+	ns.record("rename", oldName+" "+newName)
+	return os.Rename(ns.path(oldName), ns.path(newName))
+}
+
+func (ns *dirNamespace) Remove(name string) error {
+	ns.record("remove", name)
+	return os.RemoveAll(ns.path(name))
+}
+
+func (ns *dirNamespace) Export(name, dst string) ([]tiers.TreeEntry, error) {
+	ns.record("export", name)
+	return linkTree(ns.path(name), dst)
+}
+
+func (ns *dirNamespace) Import(src, name string) error {
+	ns.record("import", name)
+	if _, err := os.Lstat(ns.path(name)); err == nil {
+		return &os.PathError{Op: "import", Path: name, Err: fs.ErrExist}
+	}
+	tmp := ns.tmpName()
+	if _, err := linkTree(src, tmp); err != nil {
+		os.RemoveAll(tmp)
+		return err
+	}
+	if err := os.Rename(tmp, ns.path(name)); err != nil {
+		os.RemoveAll(tmp)
+		return err
+	}
+	return nil
+}
+
+// linkTree hard-links the file or directory tree src to dst (which must not exist) and lists
+// what it linked, paths relative to src (a single file is listed under its own base name).
+func linkTree(src, dst string) ([]tiers.TreeEntry, error) {
+	fi, err := os.Lstat(src)
+	if err != nil {
+		return nil, err
+	}
+	if fi.Mode().IsRegular() {
+		if err := os.Link(src, dst); err != nil {
+			return nil, err
+		}
+		return []tiers.TreeEntry{{Path: filepath.Base(dst), Type: tiers.EntryFile, Size: fi.Size()}}, nil
+	}
+	if !fi.IsDir() {
+		return nil, fmt.Errorf("link %s: a %v is neither a file nor a directory", src, fi.Mode().Type())
+	}
+	var out []tiers.TreeEntry
+	err = filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, p)
+		target := filepath.Join(dst, rel)
+		slash := filepath.ToSlash(rel)
+		switch {
+		case d.IsDir():
+			if err := os.Mkdir(target, 0o755); err != nil {
+				return err
+			}
+			if rel != "." {
+				out = append(out, tiers.TreeEntry{Path: slash, Type: tiers.EntryDir})
+			}
+		case d.Type()&fs.ModeSymlink != 0:
+			link, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			if err := os.Symlink(link, target); err != nil {
+				return err
+			}
+			out = append(out, tiers.TreeEntry{Path: slash, Type: tiers.EntrySymlink, Target: link})
+		case d.Type().IsRegular():
+			info, err := d.Info()
+			if err != nil {
+				return err
+			}
+			if err := os.Link(p, target); err != nil {
+				return err
+			}
+			out = append(out, tiers.TreeEntry{Path: slash, Type: tiers.EntryFile, Size: info.Size()})
+		default:
+			return fmt.Errorf("link %s: cannot link a %v", p, d.Type())
+		}
+		return nil
+	})
+	return out, err
+}
+
+// copyTree copies the file or directory tree src to dst (which must not exist).
+func copyTree(src, dst string) error {
+	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, p)
+		target := filepath.Join(dst, rel)
+		switch {
+		case d.IsDir():
+			return os.Mkdir(target, 0o755)
+		case d.Type()&fs.ModeSymlink != 0:
+			link, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			return os.Symlink(link, target)
+		default:
+			b, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			return os.WriteFile(target, b, 0o644)
+		}
+	})
+}
+
+// --- fakeStore ------------------------------------------------------------------------------
+
+// fakeStore is a tiers.BackupStore on a local directory, in the reference layout
+// <root>/<job>/<backup>/{<job>-sS-nR-wW.meta, <hash>.data/…}. A step of a backup is complete
+// when every slot's .meta is present and names data that is present. restore.version is a
+// field holding the file's raw content. Upload writes data first and the .meta last, under temporary names.
+type fakeStore struct {
+	root string
+
+	mu         sync.Mutex
+	pin        string         // GUARDED_BY(mu); restore.version's raw content, "" when absent
+	uploads    []tiers.Upload // GUARDED_BY(mu); every Upload call, in order
+	uploadErrs []string       // GUARDED_BY(mu); problems seen with the uploaded Source
+	writes     []string       // GUARDED_BY(mu); objects as they became visible, in order
+	downloads  int            // GUARDED_BY(mu)
+	clears     int            // GUARDED_BY(mu)
+	// beforeUpload, when set, runs at the start of Upload (without mu); an error fails it.
+	beforeUpload func(tiers.Upload) error // GUARDED_BY(mu)
+}
+
+var _ tiers.BackupStore = (*fakeStore)(nil)
+
+func newFakeStore(t *testing.T) *fakeStore {
+	return &fakeStore{root: t.TempDir()}
+}
+
+func (s *fakeStore) String() string { return "fake://" + s.root }
+
+func (s *fakeStore) backupDir(job, backup string) string { return filepath.Join(s.root, job, backup) }
+
+func (s *fakeStore) Backups(ctx context.Context, job string) ([]string, error) {
+	des, err := os.ReadDir(filepath.Join(s.root, job))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var names []string
+	for _, de := range des {
+		if de.IsDir() {
+			names = append(names, de.Name())
+		}
+	}
+	sort.Sort(sort.Reverse(sort.StringSlice(names))) // YYYY-MM-DD_HH-MM: newest first
+	return names, nil
+}
+
+func (s *fakeStore) CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]tiers.BackupStep, error) {
+	dir := s.backupDir(job, backup)
+	des, err := os.ReadDir(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("backup %s/%s: %w", job, backup, tiers.ErrNoBackup)
+	}
+	if err != nil {
+		return nil, err
+	}
+	bySlot := map[int64]map[tiers.Slot]string{}
+	for _, de := range des {
+		m, ok := tiers.ParseMarkerName(de.Name())
+		if !ok || m.Kind != tiers.MarkerMeta || m.Job != job || m.Node >= nodes || m.Worker >= workers {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(dir, de.Name()))
+		if err != nil {
+			return nil, err
+		}
+		hash := strings.TrimSpace(string(b))
+		if _, err := os.Lstat(filepath.Join(dir, hash+".data")); err != nil {
+			continue
+		}
+		if bySlot[m.Step] == nil {
+			bySlot[m.Step] = map[tiers.Slot]string{}
+		}
+		bySlot[m.Step][tiers.Slot{Rank: m.Node, Worker: m.Worker}] = hash
+	}
+	var steps []tiers.BackupStep
+	for step, data := range bySlot {
+		if len(data) == nodes*workers {
+			steps = append(steps, tiers.BackupStep{Step: step, Data: data})
+		}
+	}
+	sort.Slice(steps, func(i, j int) bool { return steps[i].Step > steps[j].Step })
+	return steps, nil
+}
+
+func (s *fakeStore) Upload(ctx context.Context, req tiers.Upload) error {
+	s.mu.Lock()
+	s.uploads = append(s.uploads, req)
+	before := s.beforeUpload
+	s.mu.Unlock()
+	// What the replicator hands over must be the sealed data the .meta names.
+	h, dir, ok := tiers.ParseDataName(req.Hash + ".data")
+	if !ok {
+		s.uploadErr("upload of step %d: bad hash %q", req.Step, req.Hash)
+	} else if err := tiers.VerifyData(ctx, req.Source, h, dir); err != nil {
+		s.uploadErr("upload of step %d: source %s: %v", req.Step, req.Source, err)
+	}
+	if before != nil {
+		if err := before(req); err != nil {
+			return err
+		}
+	}
+	dir2 := s.backupDir(req.Job, req.Backup)
+	if err := os.MkdirAll(dir2, 0o755); err != nil {
+		return err
+	}
+	data := filepath.Join(dir2, req.Hash+".data")
+	if _, err := os.Lstat(data); err != nil {
+		tmp := filepath.Join(dir2, ".tmp-"+req.Hash)
+		os.RemoveAll(tmp)
+		if err := copyTree(req.Source, tmp); err != nil {
+			return fmt.Errorf("fake upload of %s: %w", req.Source, err)
+		}
+		if err := os.Rename(tmp, data); err != nil {
+			return err
+		}
+		s.wrote(req.Backup + "/" + req.Hash + ".data")
+	}
+	meta := tiers.MarkerName{Job: req.Job, Step: req.Step, Node: req.Slot.Rank, Worker: req.Slot.Worker, Kind: tiers.MarkerMeta}.String()
+	tmp := filepath.Join(dir2, ".tmp-"+meta)
+	if err := os.WriteFile(tmp, []byte(req.Hash), 0o644); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, filepath.Join(dir2, meta)); err != nil {
+		return err
+	}
+	s.wrote(req.Backup + "/" + meta)
+	if req.Progress != nil {
+		req.Progress(1, 1)
+	}
+	return nil
+}
+
+func (s *fakeStore) Download(ctx context.Context, job, backup, hash, dest string, progress func(done, total int64)) error {
+	s.mu.Lock()
+	s.downloads++
+	s.mu.Unlock()
+	src := filepath.Join(s.backupDir(job, backup), hash+".data")
+	if _, err := os.Lstat(src); err != nil {
+		return fmt.Errorf("fake download: %w", err)
+	}
+	if _, err := os.Lstat(dest); err == nil {
+		return fmt.Errorf("fake download: %s exists", dest)
+	}
+	if err := copyTree(src, dest); err != nil {
+		return err
+	}
+	if progress != nil {
+		progress(1, 1)
+	}
+	return nil
+}
+
+func (s *fakeStore) RestoreVersion(ctx context.Context, job string) (string, bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return strings.TrimSpace(s.pin), s.pin != "", nil // as gcsbackend: whitespace-stripped
+}
+
+func (s *fakeStore) ClearRestoreVersion(ctx context.Context, job string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.clears++
+	s.pin = ""
+	return nil
+}
+
+func (s *fakeStore) setPin(name string) {
+	s.mu.Lock()
+	s.pin = name
+	s.mu.Unlock()
+}
+
+func (s *fakeStore) setBeforeUpload(f func(tiers.Upload) error) {
+	s.mu.Lock()
+	s.beforeUpload = f
+	s.mu.Unlock()
+}
+
+func (s *fakeStore) uploadErr(format string, args ...any) {
+	s.mu.Lock()
+	s.uploadErrs = append(s.uploadErrs, fmt.Sprintf(format, args...))
+	s.mu.Unlock()
+}
+
+func (s *fakeStore) wrote(obj string) {
+	s.mu.Lock()
+	s.writes = append(s.writes, obj)
+	s.mu.Unlock()
+}
+
+// counts returns how many uploads, downloads and restore.version deletions happened.
+func (s *fakeStore) counts() (uploads, downloads, clears int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.uploads), s.downloads, s.clears
+}
+
+func (s *fakeStore) uploadLog() ([]tiers.Upload, []string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.uploads), slices.Clone(s.uploadErrs)
+}
+
+// deleteObject removes one object of a backup ("<hash>.data" or a .meta name), making it
+// incomplete.
+func (s *fakeStore) deleteObject(t *testing.T, job, backup, name string) {
+	t.Helper()
+	p := filepath.Join(s.backupDir(job, backup), name)
+	if _, err := os.Lstat(p); err != nil {
+		t.Fatalf("deleteObject: %v", err)
+	}
+	if err := os.RemoveAll(p); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// addBackup writes a backup step directly: one .meta per slot naming its hash, and a
+// placeholder <hash>.data (its content is not checked by CompleteSteps).
+func (s *fakeStore) addBackup(t *testing.T, job, backup string, step int64, data map[tiers.Slot]string) {
+	t.Helper()
+	dir := s.backupDir(job, backup)
+	for slot, hash := range data {
+		if err := os.MkdirAll(filepath.Join(dir, hash+".data"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		meta := tiers.MarkerName{Job: job, Step: step, Node: slot.Rank, Worker: slot.Worker, Kind: tiers.MarkerMeta}.String()
+		if err := os.WriteFile(filepath.Join(dir, meta), []byte(hash), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// --- fakeClock and recordingCoordinator -----------------------------------------------------
+
+// fakeClock is a settable clock shared by the replicator and the coordinator.
+type fakeClock struct {
+	mu  sync.Mutex
+	now time.Time // GUARDED_BY(mu)
+}
+
+func newFakeClock(t time.Time) *fakeClock { return &fakeClock{now: t} }
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) Set(t time.Time) {
+	c.mu.Lock()
+	c.now = t
+	c.mu.Unlock()
+}
+
+// recordingCoordinator wraps a LocalCoordinator and records every Sync and its decision.
+type recordingCoordinator struct {
+	*tiers.LocalCoordinator
+
+	mu        sync.Mutex
+	syncs     []tiers.SyncReport   // GUARDED_BY(mu)
+	decisions []tiers.SyncDecision // GUARDED_BY(mu)
+}
+
+func (c *recordingCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
+	dec, err := c.LocalCoordinator.Sync(ctx, inc, rep)
+	c.mu.Lock()
+	c.syncs = append(c.syncs, rep)
+	c.decisions = append(c.decisions, dec)
+	c.mu.Unlock()
+	return dec, err
+}
+
+func (c *recordingCoordinator) syncLog() ([]tiers.SyncReport, []tiers.SyncDecision) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.syncs), slices.Clone(c.decisions)
+}
+
+// --- harness: the job's side ----------------------------------------------------------------
+
+// harnessConfig sets up one agent.
+type harnessConfig struct {
+	root    string            // holds spool and namespaces; a new t.TempDir() when ""
+	store   *fakeStore        // nil: no backup tier
+	clock   *fakeClock        // nil: a fixed clock at baseTime
+	env     map[string]string // for $VAR expansion
+	jaxInit *tiers.JaxInit
+}
+
+// baseTime is where fake clocks start: a whole UTC minute.
+var baseTime = time.Date(2030, 1, 2, 3, 0, 0, 0, time.UTC)
+
+// harness is one running replicator over a dirNamespace, and the job that uses it.
+type harness struct {
+	t     *testing.T
+	cfg   harnessConfig
+	ns    *dirNamespace
+	spool *tiers.Spool
+	coord *recordingCoordinator
+	r     *tiers.Replicator
+
+	closeOnce sync.Once
+}
+
+var nsCount atomic.Int64
+
+// newHarness starts a replicator. The spool lives at <root>/spool, so a second harness on the
+// same root is the same agent restarted; each harness gets a fresh, empty namespace.
+func newHarness(t *testing.T, cfg harnessConfig) *harness {
+	t.Helper()
+	if cfg.root == "" {
+		cfg.root = t.TempDir()
+	}
+	if cfg.clock == nil {
+		cfg.clock = newFakeClock(baseTime)
+	}
+	ns, err := newDirNamespace(filepath.Join(cfg.root, fmt.Sprintf("ns%d", nsCount.Add(1))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(cfg.root, "spool"), Budget: 64 << 20})
+	if err != nil {
+		t.Fatalf("OpenSpool: %v", err)
+	}
+	h := &harness{t: t, cfg: cfg, ns: ns, spool: spool}
+	local := &tiers.LocalCoordinator{Now: cfg.clock.Now}
+	rcfg := tiers.ReplicatorConfig{
+		Spool:   spool,
+		Getenv:  func(k string) string { return cfg.env[k] },
+		Now:     cfg.clock.Now,
+		Logger:  slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
+		JaxInit: cfg.jaxInit,
+	}
+	if cfg.store != nil {
+		local.Store, rcfg.Store = cfg.store, cfg.store // no typed nil in the interfaces
+	}
+	h.coord = &recordingCoordinator{LocalCoordinator: local}
+	rcfg.Coordinator = h.coord
+	h.r = tiers.NewReplicator(rcfg)
+	if err := h.r.Start(context.Background(), ns); err != nil {
+		t.Fatalf("Start: %v", err)
+	}
+	t.Cleanup(h.close)
+	return h
+}
+
+// close stops the agent (idempotent); its spool stays for a restart.
+func (h *harness) close() { h.closeOnce.Do(h.r.Close) }
+
+// restart stops the agent and starts a new one on the same spool with an empty namespace.
+func (h *harness) restart() *harness {
+	h.t.Helper()
+	h.close()
+	return newHarness(h.t, h.cfg)
+}
+
+func (h *harness) path(name string) string { return filepath.Join(h.ns.dir, name) }
+
+// writeFile creates a file (and its parent directories) in the namespace and reports the close.
+func (h *harness) writeFile(name, content string) {
+	h.t.Helper()
+	p := h.path(name)
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		h.t.Fatal(err)
+	}
+	if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+		h.t.Fatal(err)
+	}
+	h.r.Closed(name)
+}
+
+// rename renames in the namespace and reports it with the type of what was renamed.
+func (h *harness) rename(oldName, newName string) {
+	h.t.Helper()
+	fi, err := os.Lstat(h.path(oldName))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	typ := tiers.EntryFile
+	switch {
+	case fi.IsDir():
+		typ = tiers.EntryDir
+	case fi.Mode()&fs.ModeSymlink != 0:
+		typ = tiers.EntrySymlink
+	}
+	if err := os.Rename(h.path(oldName), h.path(newName)); err != nil {
+		h.t.Fatal(err)
+	}
+	h.r.Renamed(oldName, newName, typ)
+}
+
+// yamlOrbax writes replicator.yaml as Orbax does: a .tmp file renamed into place.
+func (h *harness) yamlOrbax(doc string) {
+	h.t.Helper()
+	h.writeFile(tiers.ReplicatorYAMLTmpName, doc)
+	h.rename(tiers.ReplicatorYAMLTmpName, tiers.ReplicatorYAMLName)
+}
+
+// yamlNemo writes replicator.yaml directly, as NeMo does.
+func (h *harness) yamlNemo(doc string) {
+	h.t.Helper()
+	h.writeFile(tiers.ReplicatorYAMLName, doc)
+}
+
+// checkpointFiles is a small Orbax-like tree; tag makes its content unique.
+func checkpointFiles(tag string) map[string]string {
+	return map[string]string{
+		"_CHECKPOINT_METADATA":                     `{"step": "` + tag + `"}`,
+		"commit_success.txt":                       "ok",
+		"state/array_0":                            strings.Repeat("weights "+tag+" ", 300),
+		"state/commit_success.txt":                 "ok",
+		"process_metadata/process_0.json":          `{"tag": "` + tag + `"}`,
+		"process_metadata/commit_success.txt":      "ok",
+		"state/ocdbt.process_0/d/0123456789abcdef": "chunk " + tag,
+	}
+}
+
+// makeTree writes files below the namespace directory dir, reporting each close.
+func (h *harness) makeTree(dir string, files map[string]string) {
+	h.t.Helper()
+	if err := os.MkdirAll(h.path(dir), 0o755); err != nil {
+		h.t.Fatal(err)
+	}
+	for rel, content := range files {
+		h.writeFile(dir+"/"+rel, content)
+	}
+}
+
+// orbaxSave saves step as Orbax does and returns the tree hash of what it committed.
+func (h *harness) orbaxSave(step int64, files map[string]string) string {
+	h.t.Helper()
+	tmp := fmt.Sprintf("%d%s", step, tiers.OrbaxTmpSuffix)
+	h.makeTree(tmp, files)
+	hash, err := tiers.HashDir(context.Background(), h.path(tmp))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.rename(tmp, fmt.Sprint(step))
+	return "D" + hash
+}
+
+// nemoSave saves as NeMo does for global step gs, committing step gs-1.
+func (h *harness) nemoSave(gs int64, files map[string]string) string {
+	h.t.Helper()
+	dir := fmt.Sprintf("step=%d", gs)
+	h.writeFile(dir+"-unfinished", "")
+	h.makeTree(dir, files)
+	hash, err := tiers.HashDir(context.Background(), h.path(dir))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	if err := os.Remove(h.path(dir + "-unfinished")); err != nil {
+		h.t.Fatal(err)
+	}
+	h.rename(dir, fmt.Sprint(gs-1))
+	return "D" + hash
+}
+
+// names lists the namespace, sorted.
+func (h *harness) names() []string {
+	h.t.Helper()
+	des, err := os.ReadDir(h.ns.dir)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	var out []string
+	for _, de := range des {
+		out = append(out, de.Name())
+	}
+	return out
+}
+
+func (h *harness) exists(name string) bool {
+	_, err := os.Lstat(h.path(name))
+	return err == nil
+}
+
+// read returns a namespace file's content, "" if it does not exist.
+func (h *harness) read(name string) string {
+	b, _ := os.ReadFile(h.path(name))
+	return string(b)
+}
+
+// lines returns the non-empty lines of a namespace file.
+func (h *harness) lines(name string) []string {
+	var out []string
+	for _, l := range strings.Split(h.read(name), "\n") {
+		if l != "" {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+const waitTimeout = 10 * time.Second
+
+// eventually polls cond until it returns "" (success) or the deadline passes; then it fails
+// with cond's last explanation and the namespace listing.
+func (h *harness) eventually(what string, cond func() string) {
+	h.t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		why := cond()
+		if why == "" {
+			return
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("timed out after %v waiting for %s: %s\nnamespace: %q\nreplicator.errors: %q\nreplicator.failed: %q",
+				waitTimeout, what, why, h.names(), h.read(tiers.ReplicatorErrorsName), h.read(tiers.ReplicatorFailedName))
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func (h *harness) waitExists(name string) {
+	h.t.Helper()
+	h.eventually(name+" to appear", func() string {
+		if h.exists(name) {
+			return ""
+		}
+		return name + " is missing"
+	})
+}
+
+func (h *harness) waitGone(name string) {
+	h.t.Helper()
+	h.eventually(name+" to disappear", func() string {
+		if !h.exists(name) {
+			return ""
+		}
+		return name + " still exists"
+	})
+}
+
+// markers returns the .restore names in the namespace.
+func (h *harness) markers() []string {
+	var out []string
+	for _, n := range h.names() {
+		if strings.HasSuffix(n, ".restore") {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// waitMarkers waits until the namespace holds exactly the given .restore names.
+func (h *harness) waitMarkers(want ...string) {
+	h.t.Helper()
+	sort.Strings(want)
+	h.eventually(fmt.Sprintf("restore markers %q", want), func() string {
+		if got := h.markers(); !slices.Equal(got, want) {
+			return fmt.Sprintf("markers are %q", got)
+		}
+		return ""
+	})
+}
+
+func marker(job string, step int64, node, worker int, kind string) string {
+	return tiers.MarkerName{Job: job, Step: step, Node: node, Worker: worker, Kind: kind}.String()
+}
+
+// waitMeta waits for a .meta and returns its content.
+func (h *harness) waitMeta(job string, step int64, worker int) string {
+	h.t.Helper()
+	name := marker(job, step, 0, worker, tiers.MarkerMeta)
+	h.waitExists(name)
+	return h.read(name)
+}
+
+// waitSealed waits until a committed step is sealed: its .meta exists and the committed
+// name is gone.
+func (h *harness) waitSealed(job string, step int64, committedName string) string {
+	h.t.Helper()
+	meta := h.waitMeta(job, step, 0)
+	h.waitGone(committedName)
+	return meta
+}
+
+// waitIdle waits until no backup is running.
+func (h *harness) waitIdle() {
+	h.t.Helper()
+	h.eventually("the backup to finish", func() string {
+		if b := h.r.Status().Backup; b != nil {
+			return fmt.Sprintf("backup %s of step %d still running", b.Backup, b.Step)
+		}
+		return ""
+	})
+}
+
+// start answers a fresh-start handshake for a one-worker job and waits for its s0 marker.
+func (h *harness) start(doc, job string) {
+	h.t.Helper()
+	h.yamlOrbax(doc)
+	h.waitGone(tiers.ReplicatorYAMLName)
+	h.waitMarkers(marker(job, 0, 0, 0, tiers.MarkerRestore))
+}
+
+// spoolGlob matches names inside the spool's subdirectories.
+func (h *harness) spoolGlob(pattern string) []string {
+	m, _ := filepath.Glob(filepath.Join(h.cfg.root, "spool", "*", pattern))
+	return m
+}
+
+// checkTree reports how the checkpoint at p (followed if it is a symlink, like a .restore
+// marker) differs from files, relative path → content ("" when it holds exactly those files).
+func checkTree(p string, files map[string]string) string {
+	root, err := filepath.EvalSymlinks(p)
+	if err != nil {
+		return err.Error()
+	}
+	got := map[string]string{}
+	err = filepath.WalkDir(root, func(q string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		if !d.Type().IsRegular() {
+			return fmt.Errorf("%s is a %v", q, d.Type())
+		}
+		rel, _ := filepath.Rel(root, q)
+		b, err := os.ReadFile(q)
+		got[filepath.ToSlash(rel)] = string(b)
+		return err
+	})
+	if err != nil {
+		return err.Error()
+	}
+	for rel, want := range files {
+		g, ok := got[rel]
+		switch {
+		case !ok:
+			return fmt.Sprintf("%s is missing from %s", rel, p)
+		case g != want:
+			return fmt.Sprintf("%s in %s holds %d bytes %.40q…, want %d bytes %.40q…", rel, p, len(g), g, len(want), want)
+		}
+	}
+	for rel := range got {
+		if _, ok := files[rel]; !ok {
+			return fmt.Sprintf("%s in %s is unexpected", rel, p)
+		}
+	}
+	return ""
+}

@@ -1,0 +1,254 @@
+package tiers_test
+
+import (
+	"fmt"
+	"maps"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// planConfig is a job of nodes × workers; PlanRestore reads only the job name and the sizes.
+func planConfig(nodes, workers int) *tiers.Config {
+	return &tiers.Config{JobName: "job", Framework: tiers.FrameworkOrbax, Nodes: nodes, WorkersPerNode: workers,
+		PeersPerNode: 1, BackupIntervalSteps: 1}
+}
+
+// hx is a distinct directory hash for each n.
+func hx(n int) string { return fmt.Sprintf("D%064x", n) }
+
+// metaOf names job's .meta of step for rank n, worker w.
+func metaOf(step int64, n, w int) string { return marker("job", step, n, w, tiers.MarkerMeta) }
+
+// slots maps "n<R>-w<W>" (as Slot.String prints) to hashes, for readable tables.
+func slots(kv ...any) map[tiers.Slot]string {
+	out := map[tiers.Slot]string{}
+	for i := 0; i+1 < len(kv); i += 2 {
+		var s tiers.Slot
+		if _, err := fmt.Sscanf(kv[i].(string), "n%d-w%d", &s.Rank, &s.Worker); err != nil {
+			panic(err)
+		}
+		out[s] = kv[i+1].(string)
+	}
+	return out
+}
+
+// oneNodeInv is rank 0 holding, for each step, a .meta naming hx(step) and its data.
+func oneNodeInv(steps ...int64) tiers.Inventory {
+	inv := tiers.Inventory{Rank: 0, Metas: map[string]string{}}
+	for _, s := range steps {
+		inv.Metas[metaOf(s, 0, 0)] = hx(int(s))
+		inv.Data = append(inv.Data, hx(int(s)))
+	}
+	return inv
+}
+
+func TestPlanRestore(t *testing.T) {
+	t.Parallel()
+	const b1, b2, b3 = "2030-01-01_00-01", "2030-01-01_00-02", "2030-01-01_00-03"
+	// threeNodes: step 5 complete across three inventories, each slot's data held by some
+	// node; rank 1's data is held twice (by itself and by its peer, rank 0).
+	threeNodes := func() []tiers.Inventory {
+		return []tiers.Inventory{
+			{Rank: 0, Metas: map[string]string{metaOf(5, 0, 0): hx(50), metaOf(5, 1, 0): hx(51)}, Data: []string{hx(50), hx(51)}},
+			{Rank: 1, Metas: map[string]string{metaOf(5, 1, 0): hx(51), metaOf(5, 2, 0): hx(52)}, Data: []string{hx(51)}},
+			{Rank: 2, Metas: map[string]string{}, Data: []string{hx(52)}},
+		}
+	}
+	with := func(invs []tiers.Inventory, rank int, metas map[string]string, data ...string) []tiers.Inventory {
+		maps.Copy(invs[rank].Metas, metas)
+		invs[rank].Data = append(invs[rank].Data, data...)
+		return invs
+	}
+	tests := []struct {
+		name    string
+		nodes   int
+		workers int
+		invs    []tiers.Inventory
+		store   func(t *testing.T, s *fakeStore) // nil: no backup tier
+		want    tiers.RestorePlan                // Holders are checked separately
+		errText string                           // the one line of Errors must contain it
+	}{
+		{
+			name: "highest step of one node", nodes: 1, workers: 1,
+			invs: []tiers.Inventory{oneNodeInv(1, 3, 2)},
+			want: tiers.RestorePlan{Step: 3, Found: true, Data: slots("n0-w0", hx(3))},
+		},
+		{
+			name: "slots spread across inventories", nodes: 3, workers: 1,
+			invs: threeNodes(),
+			want: tiers.RestorePlan{Step: 5, Found: true, Data: slots("n0-w0", hx(50), "n1-w0", hx(51), "n2-w0", hx(52))},
+		},
+		{
+			name: "a step missing one slot's meta is skipped", nodes: 3, workers: 1,
+			invs: with(threeNodes(), 0, map[string]string{metaOf(6, 0, 0): hx(60), metaOf(6, 1, 0): hx(61)}, hx(60), hx(61)),
+			want: tiers.RestorePlan{Step: 5, Found: true, Data: slots("n0-w0", hx(50), "n1-w0", hx(51), "n2-w0", hx(52))},
+		},
+		{
+			name: "a meta whose data nobody holds is skipped", nodes: 3, workers: 1,
+			invs: with(with(threeNodes(), 0, map[string]string{metaOf(6, 0, 0): hx(60), metaOf(6, 1, 0): hx(61)}, hx(60), hx(61)),
+				1, map[string]string{metaOf(6, 2, 0): hx(62)}), // nobody holds hx(62)
+			want: tiers.RestorePlan{Step: 5, Found: true, Data: slots("n0-w0", hx(50), "n1-w0", hx(51), "n2-w0", hx(52))},
+		},
+		{
+			name: "other jobs and slots outside the job do not count", nodes: 1, workers: 1,
+			invs: []tiers.Inventory{{Rank: 0, Metas: map[string]string{
+				metaOf(2, 0, 0):       hx(2),
+				"other-s9-n0-w0.meta": hx(9),
+				metaOf(9, 1, 0):       hx(9), // rank 1 of a larger earlier job
+				metaOf(9, 0, 1):       hx(9), // worker 1 of an earlier job
+			}, Data: []string{hx(2), hx(9)}}},
+			want: tiers.RestorePlan{Step: 2, Found: true, Data: slots("n0-w0", hx(2))},
+		},
+		{
+			name: "workers-per-node 2: every worker of every node", nodes: 2, workers: 2,
+			invs: []tiers.Inventory{
+				{Rank: 0, Metas: map[string]string{
+					metaOf(4, 0, 0): hx(400), metaOf(4, 0, 1): hx(401), metaOf(4, 1, 0): hx(410), metaOf(4, 1, 1): hx(411),
+					metaOf(5, 0, 0): hx(500), metaOf(5, 0, 1): hx(501), metaOf(5, 1, 0): hx(510),
+				}, Data: []string{hx(400), hx(401), hx(500), hx(501)}},
+				{Rank: 1, Metas: map[string]string{}, Data: []string{hx(410), hx(411), hx(510)}},
+			},
+			want: tiers.RestorePlan{Step: 4, Found: true, Data: slots("n0-w0", hx(400), "n0-w1", hx(401), "n1-w0", hx(410), "n1-w1", hx(411))},
+		},
+		{
+			name: "nothing in RAM and no backup tier", nodes: 1, workers: 1,
+			invs: []tiers.Inventory{{Rank: 0}},
+			want: tiers.RestorePlan{},
+		},
+		{
+			name: "nothing in RAM and no backups", nodes: 1, workers: 1,
+			invs:  []tiers.Inventory{{Rank: 0}},
+			store: func(t *testing.T, s *fakeStore) {},
+			want:  tiers.RestorePlan{},
+		},
+		{
+			name: "nothing in RAM: the newest complete backup", nodes: 2, workers: 1,
+			invs: []tiers.Inventory{{Rank: 0}, {Rank: 1}},
+			store: func(t *testing.T, s *fakeStore) {
+				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
+				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40), "n1-w0", hx(41)))
+			},
+			want: tiers.RestorePlan{Step: 4, Found: true, Backup: b2, Data: slots("n0-w0", hx(40), "n1-w0", hx(41))},
+		},
+		{
+			name: "incomplete newer backups are skipped", nodes: 2, workers: 1,
+			invs: []tiers.Inventory{{Rank: 0}, {Rank: 1}},
+			store: func(t *testing.T, s *fakeStore) {
+				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
+				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40))) // rank 1's .meta never arrived
+				s.addBackup(t, "job", b3, 5, slots("n0-w0", hx(50), "n1-w0", hx(51)))
+				s.deleteObject(t, "job", b3, hx(51)+".data") // rank 1's data is gone
+			},
+			want: tiers.RestorePlan{Step: 3, Found: true, Backup: b1, Data: slots("n0-w0", hx(30), "n1-w0", hx(31))},
+		},
+		{
+			name: "within a backup, its highest complete step", nodes: 1, workers: 1,
+			invs: []tiers.Inventory{{Rank: 0}},
+			store: func(t *testing.T, s *fakeStore) {
+				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30)))
+				s.addBackup(t, "job", b1, 7, slots("n0-w0", hx(70)))
+				s.addBackup(t, "job", b1, 5, slots("n0-w0", hx(50)))
+			},
+			want: tiers.RestorePlan{Step: 7, Found: true, Backup: b1, Data: slots("n0-w0", hx(70))},
+		},
+		{
+			name: "RAM wins over a newer backup", nodes: 1, workers: 1,
+			invs: []tiers.Inventory{oneNodeInv(2)},
+			store: func(t *testing.T, s *fakeStore) {
+				s.addBackup(t, "job", b1, 9, slots("n0-w0", hx(90)))
+			},
+			want: tiers.RestorePlan{Step: 2, Found: true, Data: slots("n0-w0", hx(2))},
+		},
+		{
+			name: "pinned backup wins over RAM and newer backups", nodes: 1, workers: 1,
+			invs: []tiers.Inventory{oneNodeInv(8)},
+			store: func(t *testing.T, s *fakeStore) {
+				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30)))
+				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40)))
+				s.setPin(" " + b1 + "\n")
+			},
+			want: tiers.RestorePlan{Step: 3, Found: true, Backup: b1, Pinned: b1, Data: slots("n0-w0", hx(30))},
+		},
+		{
+			name: "pinned backup missing: start from scratch", nodes: 1, workers: 1,
+			invs: []tiers.Inventory{oneNodeInv(8)},
+			store: func(t *testing.T, s *fakeStore) {
+				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30)))
+				s.setPin("1999-01-01_00-00")
+			},
+			want:    tiers.RestorePlan{Pinned: "1999-01-01_00-00"},
+			errText: `"1999-01-01_00-00", which does not exist`,
+		},
+		{
+			name: "pinned backup incomplete: start from scratch", nodes: 2, workers: 1,
+			invs: []tiers.Inventory{{Rank: 0}, {Rank: 1}},
+			store: func(t *testing.T, s *fakeStore) {
+				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
+				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40)))
+				s.setPin(b2)
+			},
+			want:    tiers.RestorePlan{Pinned: b2},
+			errText: `"` + b2 + `", which is incomplete`,
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var store tiers.BackupStore
+			if tc.store != nil {
+				fs := newFakeStore(t)
+				tc.store(t, fs)
+				store = fs
+			}
+			got, err := tiers.PlanRestore(t.Context(), planConfig(tc.nodes, tc.workers), tc.invs, store)
+			if err != nil {
+				t.Fatalf("PlanRestore: %v", err)
+			}
+			if got.Step != tc.want.Step || got.Found != tc.want.Found || got.Backup != tc.want.Backup || got.Pinned != tc.want.Pinned {
+				t.Errorf("plan step %d found %v backup %q pinned %q, want step %d found %v backup %q pinned %q",
+					got.Step, got.Found, got.Backup, got.Pinned, tc.want.Step, tc.want.Found, tc.want.Backup, tc.want.Pinned)
+			}
+			if len(got.Data) != 0 || len(tc.want.Data) != 0 {
+				if !reflect.DeepEqual(got.Data, tc.want.Data) {
+					t.Errorf("plan data %v, want %v", got.Data, tc.want.Data)
+				}
+			}
+			switch {
+			case tc.errText == "" && len(got.Errors) != 0:
+				t.Errorf("plan errors %q, want none", got.Errors)
+			case tc.errText != "" && (len(got.Errors) != 1 || !strings.Contains(got.Errors[0], tc.errText)):
+				t.Errorf("plan errors %q, want one containing %q", got.Errors, tc.errText)
+			}
+			// Holders: every hash some inventory holds, with its ranks sorted.
+			want := map[string][]int{}
+			for _, inv := range tc.invs {
+				for _, h := range inv.Data {
+					want[h] = append(want[h], inv.Rank)
+				}
+			}
+			if !reflect.DeepEqual(got.Holders, want) {
+				t.Errorf("plan holders %v, want %v", got.Holders, want)
+			}
+		})
+	}
+}
+
+func TestPlanRestoreHoldersOfReplicatedData(t *testing.T) {
+	t.Parallel()
+	// Rank 1's data is held by rank 2 (a replica) and by itself; the list is sorted.
+	invs := []tiers.Inventory{
+		{Rank: 2, Metas: map[string]string{metaOf(1, 1, 0): hx(11)}, Data: []string{hx(11)}},
+		{Rank: 1, Metas: map[string]string{metaOf(1, 1, 0): hx(11)}, Data: []string{hx(11)}},
+		{Rank: 0, Metas: map[string]string{metaOf(1, 0, 0): hx(10), metaOf(1, 2, 0): hx(12)}, Data: []string{hx(10), hx(12)}},
+	}
+	got, err := tiers.PlanRestore(t.Context(), planConfig(3, 1), invs, nil)
+	if err != nil || !got.Found || got.Step != 1 {
+		t.Fatalf("PlanRestore = %+v, %v; want step 1", got, err)
+	}
+	if h := got.Holders[hx(11)]; !reflect.DeepEqual(h, []int{1, 2}) {
+		t.Errorf("holders of rank 1's data = %v, want [1 2]", h)
+	}
+}
