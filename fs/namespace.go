@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
@@ -199,6 +200,25 @@ func (ns *namespace) Export(name, dst string) ([]tiers.TreeEntry, error) {
 		return nil, fmt.Errorf("export %s: %w", name, err)
 	}
 	return out, nil
+}
+
+func (ns *namespace) SpoolFile(path string) (string, error) {
+	in := ns.root.EmbeddedInode()
+	for _, part := range strings.Split(path, "/") {
+		if in = in.GetChild(part); in == nil {
+			return "", fmt.Errorf("%s: %w", path, os.ErrNotExist)
+		}
+	}
+	fn, ok := in.Operations().(*fileNode)
+	if !ok {
+		return "", fmt.Errorf("%s is not a regular file", path)
+	}
+	fn.mu.Lock()
+	defer fn.mu.Unlock()
+	if fn.backing == "" {
+		return "", fmt.Errorf("%s: %w", path, os.ErrNotExist)
+	}
+	return fn.backing, nil
 }
 
 func (ns *namespace) Import(src, name string) error {

@@ -160,6 +160,15 @@ func (ns *dirNamespace) Export(name, dst string) ([]tiers.TreeEntry, error) {
 	return linkTree(ns.path(name), dst)
 }
 
+func (ns *dirNamespace) SpoolFile(path string) (string, error) {
+	ns.record("spoolfile", path)
+	p := ns.path(path)
+	if _, err := os.Lstat(p); err != nil {
+		return "", err
+	}
+	return p, nil
+}
+
 func (ns *dirNamespace) Import(src, name string) error {
 	ns.record("import", name)
 	if _, err := os.Lstat(ns.path(name)); err == nil {

@@ -21,6 +21,9 @@ type Namespace interface {
 	// spool) without copying bytes, and lists what it linked. A regular file at name is linked
 	// as the file dst.
 	Export(name, dst string) ([]TreeEntry, error)
+	// SpoolFile returns the spool file that holds the bytes of the regular file at path
+	// ("a/b/c", relative to the top), for reading them without going through the mount.
+	SpoolFile(path string) (string, error)
 	// Import makes the spool tree at src (a file or a directory) visible as the top-level name,
 	// sharing its bytes (hard links). It fails if name exists.
 	Import(src, name string) error

@@ -57,6 +57,10 @@ type Replicator struct {
 
 	queue   eventQueue
 	commits chan commit
+	// prehash carries paths of files the job closed after writing; they are hashed in the
+	// background so that sealing their step only combines digests.
+	prehash chan string
+	digests DigestCache
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -105,6 +109,7 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	r.ns = ns
 	r.ctx, r.cancel = context.WithCancel(ctx)
 	r.commits = make(chan commit, 1024)
+	r.prehash = make(chan string, 4096)
 	if err := r.adopt(r.ctx); err != nil {
 		return err
 	}
@@ -114,9 +119,10 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 			return err
 		}
 	}
-	r.wg.Add(2)
+	r.wg.Add(3)
 	go r.controlLoop()
 	go r.sealer()
+	go r.prehasher()
 	return nil
 }
 
@@ -144,6 +150,7 @@ var _ Events = (*Replicator)(nil)
 func (r *Replicator) controlLoop() {
 	defer r.wg.Done()
 	defer close(r.commits)
+	defer close(r.prehash)
 	for {
 		ev, ok := r.queue.pop()
 		if !ok {
@@ -156,7 +163,15 @@ func (r *Replicator) controlLoop() {
 // handle dispatches one event from the job.
 func (r *Replicator) handle(ev event) {
 	if strings.Contains(ev.path, "/") {
-		return // only top-level names carry meaning
+		// Only top-level names carry meaning; a file closed inside a step being saved is
+		// hashed now, while the job writes the rest.
+		if ev.kind == evClosed {
+			select {
+			case r.prehash <- ev.path:
+			default: // the sealer hashes what was not hashed early
+			}
+		}
+		return
 	}
 	switch {
 	case ev.kind == evTooLarge && (ev.path == ReplicatorYAMLName || ev.path == ReplicatorYAMLTmpName):

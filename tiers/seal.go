@@ -84,7 +84,7 @@ func (r *Replicator) seal(ctx context.Context, c commit) error {
 	if _, err := r.ns.Export(c.name, staging); err != nil {
 		return err
 	}
-	hash, dir, err := HashData(ctx, staging)
+	hash, dir, err := HashDataCached(ctx, staging, &r.digests)
 	if err != nil {
 		os.RemoveAll(staging)
 		return err
@@ -247,5 +247,20 @@ func (r *Replicator) hold(dataName string) (release func()) {
 			delete(r.inFlight, dataName)
 		}
 		r.mu.Unlock()
+	}
+}
+
+// prehasher hashes files the job closed after writing into r.digests. A step whose files were
+// hashed this way seals in the time it takes to combine their digests.
+func (r *Replicator) prehasher() {
+	defer r.wg.Done()
+	for path := range r.prehash {
+		p, err := r.ns.SpoolFile(path)
+		if err != nil {
+			continue // gone or renamed meanwhile: the sealer hashes it if it matters
+		}
+		if err := r.digests.HashFileCached(r.ctx, p); err != nil && r.ctx.Err() == nil {
+			r.log.Debug("early hash failed", "path", path, "err", err)
+		}
 	}
 }

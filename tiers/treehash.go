@@ -63,6 +63,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 
 	"lukechampine.com/blake3"
 	"lukechampine.com/blake3/guts"
@@ -360,7 +361,9 @@ func rootDigest(n guts.Node) (d FileDigest) {
 // HashDir returns the TreeHash of the directory dir (followed if it is a
 // symlink), reading its files concurrently. It fails on devices, FIFOs and
 // sockets, and if the tree changes while it is read in a way it notices.
-func HashDir(ctx context.Context, dir string) (string, error) {
+func HashDir(ctx context.Context, dir string) (string, error) { return hashDirCached(ctx, dir, nil) }
+
+func hashDirCached(ctx context.Context, dir string, cache *DigestCache) (string, error) {
 	var entries []TreeEntry
 	if err := listTree(dir, "", &entries); err != nil {
 		return "", fmt.Errorf("hash dir %s: %w", dir, err)
@@ -375,7 +378,7 @@ func HashDir(ctx context.Context, dir string) (string, error) {
 		wg.Go(func() {
 			for i := range idx {
 				e := &entries[i]
-				size, d, err := hashPath(ctx, filepath.Join(dir, filepath.FromSlash(e.Path)))
+				size, d, err := hashPath(ctx, filepath.Join(dir, filepath.FromSlash(e.Path)), cache)
 				if err != nil {
 					cancel(err)
 					continue
@@ -442,8 +445,9 @@ func listTree(abs, rel string, out *[]TreeEntry) error {
 	return nil
 }
 
-// hashPath hashes the regular file at name, returning its size and digest.
-func hashPath(ctx context.Context, name string) (int64, FileDigest, error) {
+// hashPath hashes the regular file at name, returning its size and digest. With a cache, a
+// digest computed earlier for the same file (same inode, size and mtime) is reused.
+func hashPath(ctx context.Context, name string, cache *DigestCache) (int64, FileDigest, error) {
 	f, err := os.Open(name)
 	if err != nil {
 		return 0, FileDigest{}, err
@@ -456,26 +460,91 @@ func hashPath(ctx context.Context, name string) (int64, FileDigest, error) {
 	if !info.Mode().IsRegular() {
 		return 0, FileDigest{}, fmt.Errorf("%s is a %v, not a regular file", name, info.Mode().Type())
 	}
+	key, keyed := digestKeyOf(info)
+	if d, ok := cache.get(key); keyed && ok {
+		return info.Size(), d, nil
+	}
 	d, err := HashFile(ctx, f, info.Size())
 	if err != nil {
 		return 0, FileDigest{}, fmt.Errorf("%s: %w", name, err)
 	}
+	if keyed {
+		cache.put(key, d)
+	}
 	return info.Size(), d, nil
+}
+
+// DigestCache remembers file digests by file identity and version (device, inode, size,
+// mtime), so a file hashed in the background when the job closed it is not read again when its
+// step is sealed. A file written after it was hashed has a new mtime and misses. The zero
+// value is ready; a nil *DigestCache caches nothing.
+type DigestCache struct {
+	mu sync.Mutex
+	m  map[digestKey]FileDigest
+}
+
+type digestKey struct {
+	dev, ino, size uint64
+	mtime          int64
+}
+
+// maxCachedDigests bounds the cache; past it, it starts over (a cache miss only costs a read).
+const maxCachedDigests = 1 << 16
+
+func digestKeyOf(info os.FileInfo) (digestKey, bool) {
+	st, ok := info.Sys().(*syscall.Stat_t)
+	if !ok {
+		return digestKey{}, false
+	}
+	return digestKey{dev: uint64(st.Dev), ino: st.Ino, size: uint64(st.Size), mtime: st.Mtim.Nano()}, true
+}
+
+func (c *DigestCache) get(k digestKey) (FileDigest, bool) {
+	if c == nil {
+		return FileDigest{}, false
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	d, ok := c.m[k]
+	return d, ok
+}
+
+func (c *DigestCache) put(k digestKey, d FileDigest) {
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil || len(c.m) >= maxCachedDigests {
+		c.m = map[digestKey]FileDigest{}
+	}
+	c.m[k] = d
+}
+
+// HashFileCached hashes the regular file at p into the cache (used to hash files early).
+func (c *DigestCache) HashFileCached(ctx context.Context, p string) error {
+	_, _, err := hashPath(ctx, p, c)
+	return err
 }
 
 // HashData hashes a checkpoint at p, a directory or a regular file (followed
 // if p is a symlink, like a .restore marker): it returns the hash and whether
 // it is a directory, so that DataName(hash, dir) is the checkpoint's name.
 func HashData(ctx context.Context, p string) (hash string, dir bool, err error) {
+	return HashDataCached(ctx, p, nil)
+}
+
+// HashDataCached is HashData reusing (and filling) the digests of cache.
+func HashDataCached(ctx context.Context, p string, cache *DigestCache) (hash string, dir bool, err error) {
 	info, err := os.Stat(p)
 	if err != nil {
 		return "", false, fmt.Errorf("hash data: %w", err)
 	}
 	if info.IsDir() {
-		hash, err := HashDir(ctx, p)
+		hash, err := hashDirCached(ctx, p, cache)
 		return hash, true, err
 	}
-	_, d, err := hashPath(ctx, p)
+	_, d, err := hashPath(ctx, p, cache)
 	if err != nil {
 		return "", false, fmt.Errorf("hash data: %w", err)
 	}
