@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 )
 
 // inventory lists what this node holds in RAM for the restore negotiation.
@@ -37,6 +38,11 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 		r.setPhase(inc, "failed")
 	}
 	superseded := func() bool { return ctx.Err() != nil || r.current() != inc }
+	// Steps the job committed before it restarted count: wait until they are sealed, so that
+	// the inventory holds them (SPEC §2: a committed step is never dropped).
+	if err := r.waitSealed(ctx); err != nil {
+		return
+	}
 	plan, err := r.cfg.Coordinator.Negotiate(ctx, inc.Incarnation, r.inventory(cfg.NodeRank))
 	if err != nil {
 		fail(fmtf("restore negotiation failed: %v", err))
@@ -104,6 +110,23 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 	r.mu.Unlock()
 	r.setPhase(inc, "running")
 	r.log.Info("restore markers published", "step", plan.Step, "found", plan.Found)
+}
+
+// waitSealed returns once no commit waits for sealing.
+func (r *Replicator) waitSealed(ctx context.Context) error {
+	for {
+		r.mu.Lock()
+		n := len(r.pending)
+		r.mu.Unlock()
+		if n == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }
 
 func (r *Replicator) setPhase(inc *incarnation, phase string) {

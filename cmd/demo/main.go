@@ -1,214 +1,275 @@
-// Command demo is the scripted walk-through behind "make demo": it starts an mtcfs agent on a
-// scratch directory, saves a checkpoint-shaped tree the way Orbax does (tmp dir, pwrite, fsync,
-// rename to the step number), reads it back and verifies it, prints what happened and the
-// throughput, and stops the agent, leaving nothing mounted.
+// Command demo is the scripted walk-through behind "make demo". On one machine it runs the
+// single-node story of mtcfs with an unmodified-Orbax-style client (internal/jobsim):
+//
+//  1. an agent mounts a scratch CHECKPOINT_DIR with a local backup directory;
+//  2. a fresh job starts (nothing to restore) and saves steps, one of which is backed up;
+//  3. the training client crashes and restarts: it restores the newest step from RAM;
+//  4. the agent is killed with SIGKILL and restarted: it adopts the step still in its spool and
+//     the job restores it from RAM again;
+//  5. mtcfs restore-version set pins an older backup: the next start restores it from the
+//     backup, and the pin is consumed by the next saved step;
+//
+// and then stops the agent and removes everything it made.
 package main
 
 import (
 	"bufio"
-	"bytes"
+	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/internal/jobsim"
 )
 
 func main() {
 	bin := flag.String("mtcfs", "bin/mtcfs", "mtcfs binary")
-	shards := flag.Int("shards", 8, "state files per checkpoint")
-	shardMiB := flag.Int("shard-mib", 64, "MiB per state file")
+	files := flag.Int("files", 8, "state files per checkpoint")
+	fileMiB := flag.Int("file-mib", 32, "MiB per state file")
 	flag.Parse()
-	if err := run(*bin, *shards, *shardMiB); err != nil {
+	d := &demo{bin: *bin, content: jobsim.Content{Files: *files, FileSize: int64(*fileMiB) << 20}}
+	err := d.run()
+	d.cleanup()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "demo failed:", err)
 		os.Exit(1)
 	}
 }
 
-func step(format string, args ...any) { fmt.Printf("==> "+format+"\n", args...) }
+type demo struct {
+	bin                       string
+	content                   jobsim.Content
+	base, dir, spool, backups string
+	agent                     *exec.Cmd
+	agentDone                 chan error
+}
 
-func run(bin string, shards, shardMiB int) error {
-	base, err := os.MkdirTemp("", "mtcfs-demo")
-	if err != nil {
+func say(format string, args ...any)  { fmt.Printf("\n==> "+format+"\n", args...) }
+func note(format string, args ...any) { fmt.Printf("    "+format+"\n", args...) }
+
+const job = "demo-run"
+
+func (d *demo) run() error {
+	var err error
+	if d.base, err = os.MkdirTemp("", "mtcfs-demo"); err != nil {
 		return err
 	}
-	defer os.RemoveAll(base)
-	dir := filepath.Join(base, "ckpt")
-	if err := os.Mkdir(dir, 0o755); err != nil {
+	d.dir, d.spool, d.backups = filepath.Join(d.base, "ckpt"), filepath.Join(d.base, "spool"), filepath.Join(d.base, "backups")
+	if err := os.Mkdir(d.dir, 0o755); err != nil {
+		return err
+	}
+	ctx := context.Background()
+	stepBytes := int64(d.content.Files) * d.content.FileSize
+
+	say("1. start an agent: %s mount %s --backup file://%s --memory 2GiB", d.bin, d.dir, d.backups)
+	if err := d.startAgent(); err != nil {
 		return err
 	}
 
-	step("starting agent: %s mount %s --memory 2GiB", bin, dir)
-	agent, logs, err := startAgent(bin, dir, filepath.Join(base, "spool"))
-	if err != nil {
+	say("2. a fresh job starts (Orbax protocol: replicator.yaml.tmp → replicator.yaml, wait, glob *.restore)")
+	c := d.client()
+	if _, found, err := c.Start(ctx); err != nil {
 		return err
+	} else if found {
+		return errors.New("a fresh job found something to restore")
 	}
-	defer func() {
-		agent.Process.Signal(syscall.SIGTERM)
-		agent.Wait()
-	}()
-	for _, l := range logs {
-		fmt.Println("    agent:", l)
-	}
-
-	total := int64(shards) * int64(shardMiB) << 20
-	step("saving step 100 Orbax-style: %d state files × %d MiB, pwrite + fsync, rename 100.orbax-checkpoint-tmp → 100", shards, shardMiB)
-	took, err := saveStep(dir, 100, shards, shardMiB)
-	if err != nil {
-		return err
-	}
-	fmt.Printf("    wrote %d MiB in %v: %.2f GB/s\n", total>>20, took.Round(time.Millisecond), float64(total)/took.Seconds()/1e9)
-
-	step("tree as a training job sees it:")
-	filepath.Walk(filepath.Join(dir, "100"), func(p string, fi os.FileInfo, err error) error {
-		if err == nil {
-			rel, _ := filepath.Rel(dir, p)
-			fmt.Printf("    %-40s %10d bytes\n", rel, fi.Size())
+	note("nothing to restore: the agent answered with an empty %s-s0-n0-w0.restore", job)
+	for _, s := range []int64{0, 100, 200} {
+		if s == 100 {
+			time.Sleep(1500 * time.Millisecond) // backup-interval-minutes: 0.02 (1.2 s) has passed
 		}
+		start := time.Now()
+		if err := c.Save(ctx, s); err != nil {
+			return err
+		}
+		took := time.Since(start)
+		note("saved step %d: %d MiB in %v (%.2f GB/s), committed by renaming %d.orbax-checkpoint-tmp → %d",
+			s, stepBytes>>20, took.Round(time.Millisecond), float64(stepBytes)/took.Seconds()/1e9, s, s)
+		if s == 100 {
+			if err := d.waitBackup(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	d.show("ls -l "+d.dir, "ls", "-l", d.dir)
+	d.show("mtcfs status "+d.dir, d.bin, "status", d.dir)
+
+	say("3. the training client crashes and restarts: restore from RAM")
+	if err := d.restore(ctx, 200, "RAM"); err != nil {
 		return err
-	})
+	}
 
-	step("restoring: reading every file back and comparing it with what was written")
-	if took, err = verifyStep(dir, 100, shards, shardMiB); err != nil {
+	say("4. the agent is killed with SIGKILL and restarted on the same directory")
+	d.agent.Process.Signal(syscall.SIGKILL)
+	<-d.agentDone
+	_, err = os.Stat(filepath.Join(d.dir, "x"))
+	note("the dead mount answers: %v", err)
+	if err := d.startAgent(); err != nil {
 		return err
 	}
-	fmt.Printf("    verified %d MiB in %v: %.2f GB/s (includes the comparison)\n", total>>20, took.Round(time.Millisecond), float64(total)/took.Seconds()/1e9)
-
-	out, _ := exec.Command("df", "-h", dir).Output()
-	step("df -h shows the RAM budget and its use:\n%s", strings.TrimRight(string(out), "\n"))
-
-	step("stopping agent with SIGTERM")
-	agent.Process.Signal(syscall.SIGTERM)
-	if err := agent.Wait(); err != nil {
-		return fmt.Errorf("agent exit: %w", err)
+	if err := d.restore(ctx, 200, "RAM (adopted from the spool the killed agent left)"); err != nil {
+		return err
 	}
-	if mounted(dir) {
-		return fmt.Errorf("%s still mounted after the agent stopped", dir)
+
+	say("5. pin the next restore to the backup with mtcfs restore-version set")
+	d.show("mtcfs backups list", d.bin, "backups", "list", "--backup", "file://"+d.backups, "--job", job)
+	names, _ := os.ReadDir(filepath.Join(d.backups, job))
+	var backup string
+	for _, n := range names {
+		if n.IsDir() {
+			backup = n.Name()
+		}
 	}
-	step("done: agent stopped, nothing left mounted")
+	if backup == "" {
+		return errors.New("no backup was made")
+	}
+	d.show("mtcfs restore-version set "+backup, d.bin, "restore-version", "set", backup, "--backup", "file://"+d.backups, "--job", job)
+	if err := d.restore(ctx, 100, "backup "+backup); err != nil {
+		return err
+	}
+	c = d.client()
+	// The restore above left the job running; it saves a new step, whose sync consumes the pin.
+	c.Start(ctx)
+	if err := c.Save(ctx, 300); err != nil {
+		return err
+	}
+	pin := filepath.Join(d.backups, job, "restore.version")
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if _, err := os.Stat(pin); errors.Is(err, os.ErrNotExist) {
+			note("step 300 saved and synced: restore.version is gone (the pin is one-shot)")
+			break
+		}
+	}
+
+	say("6. stop the agent with SIGTERM")
+	if err := d.stopAgent(); err != nil {
+		return err
+	}
+	note("unmounted %s; the spool is kept for a next agent because it holds a checkpoint", d.dir)
 	return nil
 }
 
-func startAgent(bin, dir, spool string) (*exec.Cmd, []string, error) {
-	cmd := exec.Command(bin, "mount", dir, "--memory", "2GiB", "--spool", spool)
+func (d *demo) client() *jobsim.Orbax {
+	return &jobsim.Orbax{Dir: d.dir, Job: job, Nodes: 1, BackupIntervalMinutes: 0.02,
+		Poll: 50 * time.Millisecond, Timeout: 60 * time.Second, Content: d.content}
+}
+
+// restore starts a new client, checks it restores want, and verifies every byte.
+func (d *demo) restore(ctx context.Context, want int64, from string) error {
+	c := d.client()
+	start := time.Now()
+	got, found, err := c.Start(ctx)
+	if err != nil {
+		return err
+	}
+	if !found || got != want {
+		return fmt.Errorf("restored step %d (found %v), want %d", got, found, want)
+	}
+	took := time.Since(start)
+	pre, _ := os.ReadFile(filepath.Join(d.dir, "replicator.prerestore"))
+	note("restored step %d from %s in %v (handshake, restore decision, markers); prerestore: %s",
+		got, from, took.Round(time.Millisecond), strings.TrimSpace(string(pre)))
+	start = time.Now()
+	if err := c.VerifyRestored(ctx, got); err != nil {
+		return err
+	}
+	bytes := int64(d.content.Files) * d.content.FileSize
+	took = time.Since(start)
+	note("read back and verified %d MiB through the %d symlink in %v (%.2f GB/s, incl. comparison)",
+		bytes>>20, got, took.Round(time.Millisecond), float64(bytes)/took.Seconds()/1e9)
+	return nil
+}
+
+func (d *demo) waitBackup(ctx context.Context) error {
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		out, err := exec.Command(d.bin, "backups", "list", "--backup", "file://"+d.backups, "--job", job).Output()
+		if err == nil && strings.Contains(string(out), "complete") {
+			note("the coordinator found a backup due: step 100 uploaded to file://%s (data first, .meta last)", d.backups)
+			return nil
+		}
+	}
+	return errors.New("no complete backup within 30s")
+}
+
+func (d *demo) show(title string, name string, args ...string) {
+	out, err := exec.Command(name, args...).CombinedOutput()
+	fmt.Printf("    $ %s\n", title)
+	for _, l := range strings.Split(strings.TrimRight(string(out), "\n"), "\n") {
+		fmt.Printf("      %s\n", l)
+	}
+	if err != nil {
+		fmt.Printf("      (%v)\n", err)
+	}
+}
+
+func (d *demo) startAgent() error {
+	cmd := exec.Command(d.bin, "mount", d.dir, "--memory", "2GiB", "--spool", d.spool, "--backup", "file://"+d.backups)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
-		return nil, nil, err
+		return err
 	}
 	if err := cmd.Start(); err != nil {
-		return nil, nil, fmt.Errorf("start %s: %w (run make build first)", bin, err)
+		return fmt.Errorf("start %s: %w (run make build first)", d.bin, err)
 	}
+	d.agent, d.agentDone = cmd, make(chan error, 1)
 	sc := bufio.NewScanner(stderr)
 	var logs []string
 	for sc.Scan() {
-		logs = append(logs, sc.Text())
-		if strings.Contains(sc.Text(), "serving") {
-			go io.Copy(io.Discard, stderr)
-			return cmd, logs, nil
+		l := sc.Text()
+		logs = append(logs, l)
+		if strings.Contains(l, "detached") || strings.Contains(l, "adopted") || strings.Contains(l, "mounted") {
+			note("agent: %s", l[strings.Index(l, "msg="):])
+		}
+		if strings.Contains(l, "serving") {
+			go func() { io.Copy(io.Discard, stderr); d.agentDone <- cmd.Wait() }()
+			return nil
 		}
 	}
-	cmd.Wait()
-	return nil, logs, fmt.Errorf("agent exited before serving:\n%s", strings.Join(logs, "\n"))
+	err = cmd.Wait()
+	d.agentDone <- err
+	return fmt.Errorf("agent exited before serving (%v):\n%s", err, strings.Join(logs, "\n"))
 }
 
-// pattern holds a few random 1 MiB blocks; file i's block k is pattern[(i*7+k)%len]. Data is
-// made before the clock starts, so the figures measure the filesystem, not the generator.
-var pattern = func() [][]byte {
-	p := make([][]byte, 16)
-	for i := range p {
-		p[i] = make([]byte, 1<<20)
-		r := rand.NewPCG(uint64(i), 0x9e3779b97f4a7c15)
-		for j := 0; j+8 <= len(p[i]); j += 8 {
-			v := r.Uint64()
-			for k := 0; k < 8; k++ {
-				p[i][j+k] = byte(v >> (8 * k))
-			}
-		}
+func (d *demo) stopAgent() error {
+	if d.agent == nil {
+		return nil
 	}
-	return p
-}()
-
-func block(file, k int) []byte { return pattern[(file*7+k)%len(pattern)] }
-
-// saveStep writes a checkpoint the way Orbax does: a tmp dir, item dirs renamed into place,
-// O_EXCL creates, pwrite, fsync, and the final rename of the step directory.
-func saveStep(dir string, s, shards, shardMiB int) (time.Duration, error) {
-	start := time.Now()
-	tmp := filepath.Join(dir, fmt.Sprintf("%d.orbax-checkpoint-tmp", s))
-	state := filepath.Join(tmp, "state.orbax-checkpoint-tmp")
-	if err := os.MkdirAll(state, 0o755); err != nil {
-		return 0, err
-	}
-	meta := []byte(fmt.Sprintf(`{"step": %d, "format": "demo"}`, s))
-	if err := os.WriteFile(filepath.Join(tmp, "_CHECKPOINT_METADATA"), meta, 0o644); err != nil {
-		return 0, err
-	}
-	for i := 0; i < shards; i++ {
-		f, err := os.OpenFile(filepath.Join(state, shardName(i)), os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644)
-		if err != nil {
-			return 0, err
-		}
-		for k := 0; k < shardMiB; k++ {
-			if _, err := f.WriteAt(block(i, k), int64(k)<<20); err != nil {
-				f.Close()
-				return 0, err
-			}
-		}
-		if err := f.Sync(); err != nil {
-			return 0, err
-		}
-		if err := f.Close(); err != nil {
-			return 0, err
-		}
-	}
-	if err := os.WriteFile(filepath.Join(state, "commit_success.txt"), nil, 0o644); err != nil {
-		return 0, err
-	}
-	if err := os.Rename(state, filepath.Join(tmp, "state")); err != nil {
-		return 0, err
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, fmt.Sprint(s))); err != nil {
-		return 0, err
-	}
-	return time.Since(start), nil
+	d.agent.Process.Signal(syscall.SIGTERM)
+	err := <-d.agentDone
+	d.agent = nil
+	return err
 }
 
-func shardName(i int) string { return fmt.Sprintf("shard_%03d", i) }
-
-// verifyStep reads every state file back and compares it with what was written.
-func verifyStep(dir string, s, shards, shardMiB int) (time.Duration, error) {
-	start := time.Now()
-	buf := make([]byte, 1<<20)
-	for i := 0; i < shards; i++ {
-		f, err := os.Open(filepath.Join(dir, fmt.Sprint(s), "state", shardName(i)))
-		if err != nil {
-			return 0, err
+// cleanup stops the agent if it still runs and removes every mount and file the demo made.
+func (d *demo) cleanup() {
+	if d.agent != nil {
+		d.agent.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-d.agentDone:
+		case <-time.After(30 * time.Second):
+			d.agent.Process.Kill()
 		}
-		for k := 0; k < shardMiB; k++ {
-			if _, err := io.ReadFull(f, buf); err != nil {
-				f.Close()
-				return 0, fmt.Errorf("%s: %w", shardName(i), err)
-			}
-			if !bytes.Equal(buf, block(i, k)) {
-				f.Close()
-				return 0, fmt.Errorf("%s: MiB %d differs from what was written", shardName(i), k)
-			}
-		}
-		if n, _ := f.Read(buf); n != 0 {
-			f.Close()
-			return 0, fmt.Errorf("%s: longer than written", shardName(i))
-		}
-		f.Close()
 	}
-	return time.Since(start), nil
-}
-
-func mounted(p string) bool {
-	data, _ := os.ReadFile("/proc/self/mounts")
-	return bytes.Contains(data, []byte(" "+p+" "))
+	for _, m := range []string{d.dir, d.spool} {
+		if m != "" {
+			unix.Unmount(m, unix.MNT_DETACH)
+		}
+	}
+	if d.base != "" {
+		os.RemoveAll(d.base)
+	}
+	if data, _ := os.ReadFile("/proc/self/mounts"); d.base != "" && strings.Contains(string(data), d.base) {
+		fmt.Fprintln(os.Stderr, "demo: something is still mounted under", d.base)
+		os.Exit(1)
+	}
+	say("cleaned up: nothing of the demo is mounted or left on disk")
 }

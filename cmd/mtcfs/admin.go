@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -20,11 +21,15 @@ import (
 
 // cmdStatus prints what the local agents (or the one at --http) hold and do.
 func cmdStatus(args []string) int {
-	fset := newFlagSet("status", "mtcfs status [--http HOST:PORT] [--json]")
+	fset := newFlagSet("status", "mtcfs status [DIR] [--http HOST:PORT] [--json]")
 	addr := fset.String("http", "", "agent HTTP address (default: every agent running on this machine)")
 	asJSON := fset.Bool("json", false, "print JSON")
-	if _, err := parseFlags(fset, args); err != nil {
+	pos, err := parseFlags(fset, args)
+	if err != nil {
 		return flagError(fset, err)
+	}
+	if len(pos) > 1 {
+		return flagError(fset, errors.New("at most one mount directory"))
 	}
 	addrs := []string{*addr}
 	if *addr == "" {
@@ -39,7 +44,16 @@ func cmdStatus(args []string) int {
 		}
 		addrs = addrs[:0]
 		for _, a := range agents {
+			if len(pos) == 1 {
+				if abs, _ := filepath.Abs(pos[0]); abs != a.Dir {
+					continue
+				}
+			}
 			addrs = append(addrs, a.HTTP)
+		}
+		if len(addrs) == 0 {
+			fmt.Fprintf(os.Stderr, "mtcfs status: no running agent serves %s\n", pos[0])
+			return 1
 		}
 	}
 	var replies []json.RawMessage

@@ -14,7 +14,7 @@ const usage = `mtcfs — multi-tier checkpointing filesystem
 Usage:
   mtcfs mount DIR [--backup URL] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
                   [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]
-  mtcfs status [--http HOST:PORT] [--json]
+  mtcfs status [DIR] [--http HOST:PORT] [--json]
   mtcfs backups list|verify [NAME] --backup URL --job NAME
   mtcfs restore-version set NAME|clear --backup URL --job NAME
   mtcfs version
