@@ -11,15 +11,15 @@ import (
 )
 
 // testMount mounts a fresh mtcfs with a tmpfs spool of budget bytes in a temporary directory.
-func testMount(t testing.TB, mode PassthroughMode, budget int64) (string, *tiers.Spool) {
+func testMount(t testing.TB, mode PassthroughMode, budget int64, mods ...func(*Options)) (string, *tiers.Spool) {
 	t.Helper()
-	return testMountSpool(t, mode, tiers.SpoolConfig{Budget: budget, MountTmpfs: true})
+	return testMountSpool(t, mode, tiers.SpoolConfig{Budget: budget, MountTmpfs: true}, mods...)
 }
 
 // testMountSpool mounts a fresh mtcfs on a spool made from cfg (cfg.Dir is filled in) and
 // unmounts it (lazily if a failed test left something open) when the test ends, so no mount
 // outlives the test run.
-func testMountSpool(t testing.TB, mode PassthroughMode, cfg tiers.SpoolConfig) (string, *tiers.Spool) {
+func testMountSpool(t testing.TB, mode PassthroughMode, cfg tiers.SpoolConfig, mods ...func(*Options)) (string, *tiers.Spool) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("mount tests need root (FUSE DirectMount and a tmpfs spool)")
@@ -34,7 +34,11 @@ func testMountSpool(t testing.TB, mode PassthroughMode, cfg tiers.SpoolConfig) (
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := Mount(dir, Options{Spool: spool, Passthrough: mode})
+	opts := Options{Spool: spool, Passthrough: mode}
+	for _, m := range mods {
+		m(&opts)
+	}
+	srv, err := Mount(dir, opts)
 	if err != nil {
 		spool.Close()
 		t.Fatal(err)

@@ -43,8 +43,13 @@ func ParsePassthroughMode(s string) (PassthroughMode, error) {
 type Options struct {
 	Spool       *tiers.Spool
 	Passthrough PassthroughMode
-	// CacheTimeout is how long the kernel may cache entries and attributes (default 1s).
+	// CacheTimeout is how long the kernel may cache entries and attributes (default 5s).
+	// Every change the agent makes itself invalidates the kernel's copy, so it can be long.
 	CacheTimeout time.Duration
+	// Xattrs enables extended attributes. Off by default: with them on, the kernel asks the
+	// agent for security.capability before every write(2), one round trip per write even with
+	// passthrough; checkpoint writers do not use xattrs.
+	Xattrs bool
 	// Events receives the job's changes (commits, closes); nil for a plain filesystem.
 	Events tiers.Events
 	Debug  bool
@@ -125,8 +130,10 @@ func DetachStale(dir string) (bool, error) {
 	if !isFuseMountPoint(abs) {
 		return false, nil
 	}
-	var st unix.Stat_t
-	if err := unix.Stat(abs, &st); err == nil {
+	// statfs always reaches the FUSE server (stat of the root may be answered from the kernel's
+	// attribute cache for a while after the agent died).
+	var st unix.Statfs_t
+	if err := unix.Statfs(abs, &st); err == nil {
 		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", abs)
 	} else if !errors.Is(err, unix.ENOTCONN) && !errors.Is(err, unix.ECONNABORTED) {
 		return false, fmt.Errorf("check mount %s: %w", abs, err)
@@ -204,7 +211,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 		return nil, err
 	}
 	if opts.CacheTimeout == 0 {
-		opts.CacheTimeout = time.Second
+		opts.CacheTimeout = 5 * time.Second
 	}
 	root := os.Geteuid() == 0
 	m := &mtfs{spool: opts.Spool, events: opts.Events}
@@ -228,8 +235,12 @@ func Mount(dir string, opts Options) (*Server, error) {
 			MaxWrite:     1 << 20,
 			MaxReadAhead: 1 << 20,
 			// The kernel checks permission bits, as on tmpfs.
-			Options: []string{"default_permissions"},
-			Debug:   opts.Debug,
+			Options:       []string{"default_permissions"},
+			DisableXAttrs: !opts.Xattrs,
+			// Only the kernel changes file bytes, so it need not drop its page cache when it
+			// sees a new mtime (which it would after every write of the fallback path).
+			ExplicitDataCacheControl: true,
+			Debug:                    opts.Debug,
 		},
 	}
 	srv, err := fuse.NewServer(&eventFS{RawFileSystem: gofs.NewNodeFS(rootNode, fsOpts), m: m}, abs, &fsOpts.MountOptions)

@@ -82,8 +82,7 @@ func (ns *namespace) install(name string, ch *gofs.Inode) error {
 	if old != nil {
 		dropped(old)
 	}
-	ns.root.touch(true)
-	ns.root.NotifyEntry(name)
+	ns.changed(name)
 	return nil
 }
 
@@ -124,8 +123,7 @@ func (ns *namespace) Rename(oldName, newName string) error {
 		return fmt.Errorf("rename %s to %s: %w", oldName, newName, errno)
 	}
 	ns.root.MvChild(oldName, ns.root.EmbeddedInode(), newName, true)
-	ns.root.NotifyEntry(oldName)
-	ns.root.NotifyEntry(newName)
+	ns.changed(oldName, newName)
 	return nil
 }
 
@@ -134,12 +132,25 @@ func (ns *namespace) Remove(name string) error {
 	if ch == nil {
 		return nil
 	}
+	if ch.IsDir() {
+		ns.root.subdirs.Add(-1)
+	}
 	if _, live := ns.root.RmChild(name); live {
 		ns.root.NotifyDelete(name, ch)
 	}
 	dropTree(ch)
-	ns.root.touch(true)
+	ns.changed()
 	return nil
+}
+
+// changed updates the root's times and makes the kernel drop what it cached about the root's
+// attributes (its nlink and mtime moved) and about the given names.
+func (ns *namespace) changed(names ...string) {
+	ns.root.touch(true)
+	for _, n := range names {
+		ns.root.NotifyEntry(n)
+	}
+	ns.root.NotifyContent(-1, 0) // attributes only
 }
 
 // dropTree releases the names of every file below in (in was just unlinked from its parent).
@@ -249,6 +260,9 @@ func (ns *namespace) Import(src, name string) error {
 					return nil, err
 				}
 				in.AddChild(e.Name(), c, false)
+				if c.IsDir() {
+					d.subdirs.Add(1)
+				}
 			}
 			return in, nil
 		case fi.Mode()&os.ModeSymlink != 0:
@@ -281,7 +295,9 @@ func (ns *namespace) Import(src, name string) error {
 		}
 		return fmt.Errorf("import %s as %s: %w", src, name, err)
 	}
-	ns.root.touch(true)
-	ns.root.NotifyEntry(name)
+	if top.IsDir() {
+		ns.root.subdirs.Add(1)
+	}
+	ns.changed(name)
 	return nil
 }

@@ -182,6 +182,14 @@ func TestNamespace(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, "weights", string(w))
 			require.Error(t, ns.Import(sealed, "copy"), "import over an existing name must fail")
+			nlink := func(p string) uint64 {
+				var st syscall.Stat_t
+				require.NoError(t, syscall.Stat(p, &st))
+				return uint64(st.Nlink)
+			}
+			require.Equal(t, uint64(4), nlink(p("copy")), "copy holds empty/ and state/")
+			require.Equal(t, uint64(3), nlink(p("copy/state")), "state holds sub/")
+			require.Equal(t, uint64(4), nlink(dir), "the root holds Dabc.data/ and copy/")
 
 			require.NoError(t, ns.Symlink("Dabc.data", "job-s5-n0-w0.restore"))
 			tgt, err := os.Readlink(p("job-s5-n0-w0.restore"))

@@ -160,6 +160,9 @@ type dirNode struct {
 	meta
 	fs      *mtfs
 	removed bool // GUARDED_BY(mu)
+	// subdirs counts child directories, for nlink: the kernel asks for the attributes of a
+	// directory before every lookup in it (permission check), so Getattr must not walk it.
+	subdirs atomic.Int64
 }
 
 var (
@@ -198,12 +201,7 @@ func (d *dirNode) inherit(m *meta, dir bool) {
 }
 
 func (d *dirNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
-	subdirs := 0
-	for _, ch := range d.Children() {
-		if ch.IsDir() {
-			subdirs++
-		}
-	}
+	subdirs := d.subdirs.Load()
 	d.mu.Lock()
 	d.fill(&out.Attr)
 	removed := d.removed
@@ -257,6 +255,7 @@ func (d *dirNode) Mkdir(ctx context.Context, name string, mode uint32, out *fuse
 		return nil, syscall.EEXIST
 	}
 	ch := d.newDir(ctx, mode)
+	d.subdirs.Add(1)
 	d.touch(true)
 	return ch, d.fillEntry(ctx, ch, out)
 }
@@ -367,6 +366,7 @@ func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 	if len(ch.Children()) > 0 {
 		return syscall.ENOTEMPTY
 	}
+	d.subdirs.Add(-1)
 	dropped(ch)
 	d.touch(true)
 	return 0
@@ -402,6 +402,7 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 	case dst != nil:
 		dropped(dst) // go-fuse replaces the entry after we return
 	}
+	d.countRename(np, src, dst, flags&unix.RENAME_EXCHANGE != 0)
 	if d.fs.events != nil {
 		oldPath, newPath, typ := joinPath(d.Path(nil), name), joinPath(np.Path(nil), newName), entryType(src)
 		d.fs.park(ctx, func() { d.fs.events.Renamed(oldPath, newPath, typ) })
@@ -414,6 +415,25 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 		m.touch(false)
 	}
 	return 0
+}
+
+// countRename keeps the subdirectory counts of both parents right across a rename.
+func (d *dirNode) countRename(np *dirNode, src, dst *gofs.Inode, exchange bool) {
+	move := func(in *gofs.Inode, from, to *dirNode) {
+		if in != nil && in.IsDir() && from != to {
+			from.subdirs.Add(-1)
+			to.subdirs.Add(1)
+		}
+	}
+	if exchange {
+		move(src, d, np)
+		move(dst, np, d)
+		return
+	}
+	move(src, d, np)
+	if dst != nil && dst.IsDir() {
+		np.subdirs.Add(-1) // replaced
+	}
 }
 
 func joinPath(dir, name string) string {

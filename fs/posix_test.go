@@ -30,7 +30,9 @@ func TestPosix(t *testing.T) {
 					if why, ok := posixSkips[name]; ok {
 						t.Skip(why)
 					}
-					dir, _ := testMount(t, mode, 256<<20)
+					// Extended attributes are off by default (see Options.Xattrs); the suite
+					// checks them with them on.
+					dir, _ := testMount(t, mode, 256<<20, func(o *Options) { o.Xattrs = true })
 					posixtest.All[name](t, dir)
 				})
 			}

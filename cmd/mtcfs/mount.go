@@ -31,6 +31,7 @@ type mountConfig struct {
 	passthrough mfs.PassthroughMode
 	httpAddr    string
 	debugFuse   bool
+	xattrs      bool
 	backupURL   string
 	jaxInit     *tiers.JaxInit
 }
@@ -46,6 +47,7 @@ func cmdMount(args []string) int {
 	jaxCoord := fset.String("jax-coordinator", "", "JAX coordinator HOST:PORT for jax-init-info.txt (with --rank)")
 	logFormat := fset.String("log-format", "text", "log format: json (keys severity, message) or text")
 	debugFuse := fset.Bool("debug-fuse", false, "log every FUSE request (very verbose)")
+	xattrs := fset.Bool("xattrs", false, "support extended attributes (costs a round trip to the agent per write)")
 	pos, err := parseFlags(fset, args)
 	if err != nil {
 		return flagError(fset, err)
@@ -58,7 +60,7 @@ func cmdMount(args []string) int {
 	if len(pos) != 1 {
 		return flagError(fset, fmt.Errorf("want exactly one mount directory, got %d arguments", len(pos)))
 	}
-	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup}
+	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs}
 	switch {
 	case (*rank >= 0) != (*jaxCoord != ""):
 		return flagError(fset, errors.New("--rank and --jax-coordinator go together"))
@@ -134,7 +136,7 @@ func runMount(cfg mountConfig) error {
 		info.HTTP = addr
 	}
 
-	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Events: rep, Debug: cfg.debugFuse})
+	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Events: rep, Debug: cfg.debugFuse, Xattrs: cfg.xattrs})
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,564 @@
+package main
+
+// End-to-end tests of the replicator protocol (SPEC §1–3, §5–9): real agents (subprocesses
+// started with startAgent), real FUSE mounts, tmpfs spools and file:// backups, driven by the
+// scripted Orbax and NeMo clients of internal/jobsim.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/internal/jobsim"
+)
+
+const (
+	clientPoll    = 20 * time.Millisecond
+	clientTimeout = 20 * time.Second
+	// fastBackupMinutes makes a backup due on the first sync at least 60 ms after the clock
+	// started (the coordinator's first sync). The scripted clients always write
+	// backup-interval-minutes, so backup-interval-steps cannot be used through them (the parser
+	// rejects both keys together).
+	fastBackupMinutes = 0.001
+)
+
+// repNode is one simulated machine: a mount directory, its spool and a backup location.
+type repNode struct {
+	dir, spool, backupRoot string
+}
+
+func newRepNode(t *testing.T) repNode {
+	t.Helper()
+	base := t.TempDir()
+	n := repNode{dir: filepath.Join(base, "mnt"), spool: filepath.Join(base, "spool"), backupRoot: filepath.Join(base, "backup")}
+	require.NoError(t, os.Mkdir(n.dir, 0o755))
+	require.NoError(t, os.Mkdir(n.backupRoot, 0o755))
+	return n
+}
+
+func (n repNode) backupURL() string { return "file://" + n.backupRoot }
+
+// start runs an agent on the node with its backup location.
+func (n repNode) start(t *testing.T, args ...string) *agent {
+	t.Helper()
+	return startAgent(t, n.dir, n.spool, append([]string{"--backup", n.backupURL()}, args...)...)
+}
+
+// dropSpool removes the RAM tier a cleanly stopped agent kept for its successor, as after a
+// node replacement.
+func (n repNode) dropSpool(t *testing.T) {
+	t.Helper()
+	if isMounted(n.spool) {
+		require.NoError(t, unix.Unmount(n.spool, unix.MNT_DETACH))
+	}
+	require.False(t, isMounted(n.spool))
+	require.NoError(t, os.RemoveAll(n.spool))
+}
+
+func orbaxClient(t *testing.T, dir, job string, backupMinutes float64) *jobsim.Orbax {
+	return &jobsim.Orbax{
+		Dir: dir, Job: job, Rank: 0, Nodes: 1,
+		BackupIntervalMinutes: backupMinutes,
+		Poll:                  clientPoll, Timeout: clientTimeout,
+		Content: jobsim.Content{Files: 3, FileSize: 96<<10 + 17},
+		Logf:    t.Logf,
+	}
+}
+
+func nemoClient(t *testing.T, dir, job string) *jobsim.NeMo {
+	return &jobsim.NeMo{
+		Dir: dir, Job: job, Rank: 0, Nodes: 1,
+		Poll: clientPoll, Timeout: clientTimeout,
+		Content: jobsim.Content{Files: 3, FileSize: 96<<10 + 17},
+		Logf:    t.Logf,
+	}
+}
+
+func repCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func metaPath(dir, job string, step int64) string {
+	return filepath.Join(dir, fmt.Sprintf("%s-s%d-n0-w0.meta", job, step))
+}
+
+// repWait polls cond until it holds or d passes.
+func repWait(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func pathExists(p string) bool {
+	_, err := os.Lstat(p)
+	return err == nil
+}
+
+// waitStepSealed waits until the agent published the .meta of step (SPEC §3 sealing).
+func waitStepSealed(t *testing.T, dir, job string, step int64) {
+	t.Helper()
+	repWait(t, 10*time.Second, fmt.Sprintf("step %d to be sealed", step), func() bool { return pathExists(metaPath(dir, job, step)) })
+}
+
+// runMtcfs runs the mtcfs binary and returns its combined output and exit code.
+func runMtcfs(t *testing.T, args ...string) (string, int) {
+	t.Helper()
+	cmd := exec.Command(binPath, args...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return out.String(), ee.ExitCode()
+	}
+	require.NoError(t, err, "run mtcfs %v", args)
+	return out.String(), 0
+}
+
+var backupLineRE = regexp.MustCompile(`(?m)^(\d{4}-\d{2}-\d{2}_\d{2}-\d{2})\s+(\S+)\s+(\S+)`)
+
+// waitCompleteBackup polls `mtcfs backups list` until a backup holding step is complete and
+// returns its name.
+func waitCompleteBackup(t *testing.T, n repNode, job string, step int64) string {
+	t.Helper()
+	var name, out string
+	repWait(t, 20*time.Second, fmt.Sprintf("a complete backup of step %d", step), func() bool {
+		var code int
+		out, code = runMtcfs(t, "backups", "list", "--backup", n.backupURL(), "--job", job)
+		require.Equal(t, 0, code, "backups list: %s", out)
+		for _, m := range backupLineRE.FindAllStringSubmatch(out, -1) {
+			if m[2] == "complete" && m[3] == fmt.Sprint(step) {
+				name = m[1]
+				return true
+			}
+		}
+		return false
+	})
+	t.Logf("backups list:\n%s", out)
+	return name
+}
+
+var httpAddrRE = regexp.MustCompile(`msg="http endpoints" addr=(\S+)`)
+
+func agentHTTPAddr(t *testing.T, a *agent) string {
+	t.Helper()
+	m := httpAddrRE.FindStringSubmatch(a.log())
+	require.NotNil(t, m, "no http endpoints line in the log:\n%s", a.log())
+	return m[1]
+}
+
+func stopAgent(t *testing.T, a *agent) {
+	t.Helper()
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
+	require.Equal(t, 0, a.wait(30*time.Second), "clean stop should exit 0\n%s", a.log())
+	require.False(t, isMounted(a.dir), "mount left behind after SIGTERM")
+}
+
+func killAgent(t *testing.T, a *agent) {
+	t.Helper()
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGKILL))
+	a.wait(10 * time.Second)
+}
+
+// TestOrbaxLifecycle: fresh start, saves, a job restart that restores from RAM, a SIGKILLed
+// agent whose successor adopts the spool and restores the latest step.
+func TestOrbaxLifecycle(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "llama"
+	const coordinator = "127.0.0.1:8476"
+	a := n.start(t, "--rank", "0", "--jax-coordinator", coordinator)
+
+	o := orbaxClient(t, n.dir, job, 0.05)
+	o.WaitJaxInitInfo = true // SPEC §9 step 1: MaxText learns its process id from the agent
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found, "fresh start restored step %d", step)
+	assert.Equal(t, coordinator, o.Coordinator)
+	info, err := os.ReadFile(filepath.Join(n.dir, "jax-init-info.txt"))
+	require.NoError(t, err)
+	assert.Equal(t, "0\n"+coordinator+"\n", string(info), "the handshake's cleanup keeps jax-init-info.txt")
+	pre, err := os.ReadFile(filepath.Join(n.dir, "replicator.prerestore"))
+	require.NoError(t, err)
+	assert.Equal(t, "{}", strings.TrimSpace(string(pre)), "fresh start: nothing to restore")
+	for _, s := range []int64{0, 10, 20} {
+		require.NoError(t, o.Save(ctx, s))
+	}
+
+	// The job crashes right after committing step 20 and restarts: a new client, same agent.
+	// Step 20 counts although it may still be being sealed (SPEC §2: never dropped).
+	o = orbaxClient(t, n.dir, job, 0.05)
+	step, found, err = o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found, "restart restored nothing\n%s", a.log())
+	require.EqualValues(t, 20, step)
+	require.NoError(t, o.VerifyRestored(ctx, 20))
+	assert.FileExists(t, metaPath(n.dir, job, 20))
+	pre, err = os.ReadFile(filepath.Join(n.dir, "replicator.prerestore"))
+	require.NoError(t, err)
+	assert.Contains(t, string(pre), "restore-step: 20")
+	assert.NotContains(t, string(pre), "restore-backup", "step 20 comes from RAM")
+	assert.Empty(t, o.Errors(), "replicator.errors")
+
+	require.NoError(t, o.Save(ctx, 30))
+	waitStepSealed(t, n.dir, job, 30)
+	killAgent(t, a)
+
+	b := n.start(t)
+	require.Contains(t, b.log(), "detached a stale mount")
+	require.Contains(t, b.log(), "adopted from spool")
+	o = orbaxClient(t, n.dir, job, 0.05)
+	step, found, err = o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found, "restart after SIGKILL restored nothing\n%s", b.log())
+	require.EqualValues(t, 30, step, "the adopted spool holds step 30")
+	require.NoError(t, o.VerifyRestored(ctx, 30))
+}
+
+// TestRestartRightAfterSIGKILL: an agent started right after its predecessor was SIGKILLed
+// detaches the stale mount (SPEC §8), also while the kernel still caches the root's attributes
+// (the job was using the directory a moment ago).
+func TestRestartRightAfterSIGKILL(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "f"), []byte("x"), 0o644))
+	_, err := os.ReadDir(n.dir)
+	require.NoError(t, err)
+	_, err = os.Stat(n.dir)
+	require.NoError(t, err)
+	killAgent(t, a)
+
+	b := n.start(t)
+	require.Contains(t, b.log(), "detached a stale mount")
+	_, err = os.ReadDir(n.dir)
+	require.NoError(t, err, "the new agent serves the directory")
+}
+
+// TestNeMoLifecycle: NeMo's handshake (yaml written directly, prerestore required), saves with
+// the off-by-one commit, and a restart that restores the latest step.
+func TestNeMoLifecycle(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "gpt"
+	a := n.start(t)
+
+	c := nemoClient(t, n.dir, job)
+	require.NoError(t, c.Handshake(ctx))
+	step, found, err := c.Restore(ctx)
+	require.NoError(t, err)
+	require.False(t, found, "fresh start restored step %d", step)
+	for _, gs := range []int64{5, 9} {
+		require.NoError(t, c.Save(ctx, gs))
+	}
+
+	// The job restarts right after the commit.
+	c = nemoClient(t, n.dir, job)
+	require.NoError(t, c.Handshake(ctx))
+	step, found, err = c.Restore(ctx)
+	require.NoError(t, err)
+	require.True(t, found, "restart restored nothing\n%s", a.log())
+	require.EqualValues(t, 8, step)
+	require.NoError(t, c.VerifyRestored(ctx, 8))
+	assert.Empty(t, c.Errors(), "replicator.errors")
+	assert.FileExists(t, metaPath(n.dir, job, 8))
+	assert.NoFileExists(t, metaPath(n.dir, job, 9), "NeMo's step=9 commits step 8")
+
+	// A clean stop right after a commit seals the step first (SPEC §2: a committed step is never
+	// dropped) and keeps the spool; the next agent adopts it and the job restores from RAM.
+	require.NoError(t, c.Save(ctx, 13))
+	stopAgent(t, a)
+	require.True(t, isMounted(n.spool), "a spool holding checkpoints is kept on a clean stop")
+	b := n.start(t)
+	c = nemoClient(t, n.dir, job)
+	require.NoError(t, c.Handshake(ctx))
+	step, found, err = c.Restore(ctx)
+	require.NoError(t, err)
+	require.True(t, found, "restart after a clean stop restored nothing\n%s", b.log())
+	require.EqualValues(t, 12, step)
+	require.NoError(t, c.VerifyRestored(ctx, 12))
+}
+
+// TestRestoreFromBackup: a node that lost its RAM tier restores from the backup; a backup with
+// a missing data object is reported incomplete and never restored.
+func TestRestoreFromBackup(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "bk"
+	a := n.start(t)
+
+	o := orbaxClient(t, n.dir, job, fastBackupMinutes)
+	_, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found)
+	require.NoError(t, o.Save(ctx, 0))
+	waitStepSealed(t, n.dir, job, 0) // the first sync starts the backup clock
+	time.Sleep(150 * time.Millisecond)
+	require.NoError(t, o.Save(ctx, 10))
+	name := waitCompleteBackup(t, n, job, 10)
+	assert.NoFileExists(t, filepath.Join(n.backupRoot, job, name, job+"-s0-n0-w0.meta"), "step 0 was not due for a backup")
+	stopAgent(t, a)
+	n.dropSpool(t)
+
+	// A fresh node: nothing in RAM, so the newest complete backup is restored.
+	b := n.start(t)
+	o = orbaxClient(t, n.dir, job, fastBackupMinutes)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found, "nothing restored from backup %s\n%s", name, b.log())
+	require.EqualValues(t, 10, step)
+	pre, err := os.ReadFile(filepath.Join(n.dir, "replicator.prerestore"))
+	require.NoError(t, err)
+	assert.Contains(t, string(pre), "restore-step: 10")
+	assert.Contains(t, string(pre), "restore-backup: "+name)
+	require.NoError(t, o.VerifyRestored(ctx, 10))
+
+	out, code := runMtcfs(t, "backups", "verify", "--backup", n.backupURL(), "--job", job)
+	require.Equal(t, 0, code, "backups verify of an intact backup: %s", out)
+	assert.Contains(t, out, name)
+	assert.Contains(t, out, "complete")
+	assert.NotContains(t, out, "INCOMPLETE")
+	stopAgent(t, b)
+	n.dropSpool(t)
+
+	// Lose one data object of the only backup.
+	var victim string
+	backupDir := filepath.Join(n.backupRoot, job, name)
+	require.NoError(t, filepath.WalkDir(backupDir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || victim != "" {
+			return err
+		}
+		rel, _ := filepath.Rel(backupDir, p)
+		if d.Type().IsRegular() && strings.Contains(rel, ".data/") && !strings.HasPrefix(d.Name(), ".") {
+			victim = p
+		}
+		return nil
+	}))
+	require.NotEmpty(t, victim, "no data object in %s", backupDir)
+	require.NoError(t, os.Remove(victim))
+	t.Logf("removed %s", victim)
+	out, code = runMtcfs(t, "backups", "verify", "--backup", n.backupURL(), "--job", job)
+	assert.NotEqual(t, 0, code, "backups verify must fail on an incomplete backup: %s", out)
+	assert.Contains(t, out, "INCOMPLETE")
+	assert.Contains(t, out, "missing")
+	out, code = runMtcfs(t, "restore-version", "set", name, "--backup", n.backupURL(), "--job", job)
+	assert.NotEqual(t, 0, code, "restore-version set must refuse an incomplete backup: %s", out)
+	assert.NoFileExists(t, filepath.Join(n.backupRoot, job, "restore.version"))
+
+	c := n.start(t)
+	o = orbaxClient(t, n.dir, job, fastBackupMinutes)
+	step, found, err = o.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found, "restored step %d from an incomplete backup\n%s", step, c.log())
+	require.FileExists(t, filepath.Join(n.dir, job+"-s0-n0-w0.restore"), "an empty s0 marker says: nothing to restore")
+	pre, err = os.ReadFile(filepath.Join(n.dir, "replicator.prerestore"))
+	require.NoError(t, err)
+	assert.Equal(t, "{}", strings.TrimSpace(string(pre)))
+}
+
+// TestRestoreVersionMissing: a pin naming a backup that does not exist starts the job from
+// scratch with a line in replicator.errors, and is deleted after the next saved step.
+func TestRestoreVersionMissing(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "pinned"
+	const missing = "2001-01-01_00-00"
+	pin := filepath.Join(n.backupRoot, job, "restore.version")
+
+	out, code := runMtcfs(t, "restore-version", "set", missing, "--backup", n.backupURL(), "--job", job)
+	require.NotEqual(t, 0, code, "restore-version set must refuse a backup that does not exist: %s", out)
+	assert.Contains(t, out, missing)
+	require.NoFileExists(t, pin)
+
+	require.NoError(t, os.MkdirAll(filepath.Dir(pin), 0o755))
+	require.NoError(t, os.WriteFile(pin, []byte(missing+"\n"), 0o644))
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, job, 0)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found, "restored step %d though the pinned backup does not exist", step)
+	var line string
+	for _, l := range o.Errors() {
+		if strings.Contains(l, "restore.version") && strings.Contains(l, missing) {
+			line = l
+		}
+	}
+	require.NotEmpty(t, line, "replicator.errors should say that the pinned backup is missing; got %q\n%s", o.Errors(), a.log())
+	assert.Regexp(t, `^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z job=`+job+` node=0/1 ERR `, line)
+	assert.FileExists(t, pin, "the pin is one-shot: deleted after the next sync, not at the handshake")
+
+	require.NoError(t, o.Save(ctx, 0))
+	waitStepSealed(t, n.dir, job, 0)
+	repWait(t, 10*time.Second, "restore.version to be deleted after the first sync", func() bool { return !pathExists(pin) })
+}
+
+// TestBadYAMLKeepsAgentHealthy: each invalid replicator.yaml ends in replicator.failed naming
+// the key; the agent stays live and answers the next valid handshake.
+func TestBadYAMLKeepsAgentHealthy(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t, "--http", "127.0.0.1:0")
+	addr := agentHTTPAddr(t, a)
+	yamlPath := filepath.Join(n.dir, "replicator.yaml")
+	failedPath := filepath.Join(n.dir, "replicator.failed")
+	const rest = "node-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 30"
+
+	big := []byte("job-name: big\nframework: orbax\n" + rest + "\n")
+	for len(big) < 70<<10 {
+		big = append(big, "# padding padding padding padding padding padding padding padding\n"...)
+	}
+	cases := []struct {
+		name    string
+		content []byte
+		want    []string // substrings of the replicator.failed line
+	}{
+		{"missing job-name", []byte("framework: orbax\n" + rest), []string{"job-name: required"}},
+		{"unknown framework", []byte("job-name: j\nframework: tensorflow\n" + rest), []string{"framework: ", "tensorflow"}},
+		{"node-rank out of range", []byte("job-name: j\nframework: orbax\nnode-rank: 2\nnodes: 2\npeer-ranks: []\nbackup-interval-minutes: 30"),
+			[]string{"node-rank: ", "out of range"}},
+		{"not YAML", []byte("job-name: [unclosed\nframework: {orbax\n"), []string{"replicator.yaml: "}},
+		{"70 KiB", big, []string{"replicator.yaml: ", "65536"}},
+	}
+	lineRE := regexp.MustCompile(`^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z job=\S+ node=\S+/\S+ FATAL `)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			err := os.WriteFile(yamlPath, tc.content, 0o644)
+			if len(tc.content) > 64<<10 {
+				require.True(t, errors.Is(err, syscall.EFBIG), "a write past 64 KiB must fail with EFBIG, got %v", err)
+			} else {
+				require.NoError(t, err)
+			}
+			repWait(t, 5*time.Second, "replicator.yaml to be consumed and replicator.failed written", func() bool {
+				return !pathExists(yamlPath) && pathExists(failedPath)
+			})
+			data, err := os.ReadFile(failedPath)
+			require.NoError(t, err)
+			require.NoError(t, os.Remove(failedPath))
+			lines := strings.Split(strings.TrimSpace(string(data)), "\n")
+			require.Len(t, lines, 1, "one fatal line per bad yaml: %q", data)
+			assert.Regexp(t, lineRE, lines[0])
+			for _, w := range tc.want {
+				assert.Contains(t, lines[0], w)
+			}
+			assert.NoFileExists(t, filepath.Join(n.dir, "replicator.prerestore"), "nothing starts after a bad yaml")
+			matches, _ := filepath.Glob(filepath.Join(n.dir, "*.restore"))
+			assert.Empty(t, matches, "no restore markers after a bad yaml")
+
+			resp, err := http.Get("http://" + addr + "/livez")
+			require.NoError(t, err)
+			resp.Body.Close()
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+		})
+	}
+
+	// The real client's path (tmp + rename) with a bad rank ends in a fatal error naming it.
+	o := orbaxClient(t, n.dir, "bad", 0)
+	o.Rank, o.Nodes = 3, 2
+	_, _, err := o.Start(ctx)
+	var fatal *jobsim.FatalError
+	require.True(t, errors.As(err, &fatal), "want a fatal error from replicator.failed, got %v", err)
+	require.Len(t, fatal.Lines, 1)
+	assert.Contains(t, fatal.Lines[0], "node-rank: 3 is out of range")
+	assert.NoFileExists(t, failedPath, "the client unlinked replicator.failed")
+
+	o = orbaxClient(t, n.dir, "good", 0)
+	_, found, err := o.Start(ctx)
+	require.NoError(t, err, "a valid handshake after bad ones\n%s", a.log())
+	require.False(t, found)
+	assert.Empty(t, o.Errors(), "replicator.errors of the new incarnation holds only its own lines")
+	require.NoError(t, o.Save(ctx, 0))
+	waitStepSealed(t, n.dir, "good", 0)
+}
+
+// TestStatusJSON: `mtcfs status --json` shows the job, its rank, the steps in RAM and the last
+// backup.
+func TestStatusJSON(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "stat"
+	a := n.start(t, "--http", "127.0.0.1:0")
+	addr := agentHTTPAddr(t, a)
+
+	o := orbaxClient(t, n.dir, job, fastBackupMinutes)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 0))
+	waitStepSealed(t, n.dir, job, 0)
+	time.Sleep(150 * time.Millisecond)
+	require.NoError(t, o.Save(ctx, 10))
+	waitStepSealed(t, n.dir, job, 10)
+	hash, err := os.ReadFile(metaPath(n.dir, job, 10))
+	require.NoError(t, err)
+
+	var st statusReply
+	var out string
+	repWait(t, 20*time.Second, "status to show the last backup", func() bool {
+		var code int
+		out, code = runMtcfs(t, "status", "--json", "--http", addr)
+		require.Equal(t, 0, code, "status: %s", out)
+		var replies []statusReply
+		require.NoError(t, json.Unmarshal([]byte(out), &replies), "status --json: %s", out)
+		require.Len(t, replies, 1)
+		st = replies[0]
+		return st.LastBackup != ""
+	})
+	t.Logf("status --json:\n%s", out)
+	assert.Equal(t, a.cmd.Process.Pid, st.PID)
+	assert.Equal(t, n.dir, st.Dir)
+	assert.Equal(t, addr, st.HTTP)
+	assert.Equal(t, job, st.Job)
+	assert.Equal(t, "orbax", st.Framework)
+	assert.Equal(t, 0, st.Rank)
+	assert.Equal(t, 1, st.Nodes)
+	assert.Equal(t, "running", st.Phase)
+	assert.EqualValues(t, 10, st.Committed)
+	assert.NotEmpty(t, st.Incarnation)
+	assert.Equal(t, n.backupURL(), st.BackupStore)
+	assert.Equal(t, n.spool, st.Spool.Dir)
+	assert.Positive(t, st.Spool.Used)
+	var steps []int64
+	for _, s := range st.Steps {
+		steps = append(steps, s.Step)
+		if s.Step == 10 {
+			assert.Equal(t, 0, s.Rank)
+			assert.Equal(t, string(hash)+".data", s.Data)
+		}
+	}
+	assert.Equal(t, []int64{10}, steps, "steps in RAM: the latest one (older ones freed)")
+	assert.Regexp(t, `^\d{4}-\d{2}-\d{2}_\d{2}-\d{2}$`, st.LastBackup)
+	assert.Equal(t, st.LastBackup, waitCompleteBackup(t, n, job, 10))
+
+	out, code := runMtcfs(t, "status", "--http", addr)
+	require.Equal(t, 0, code, out)
+	assert.Contains(t, out, "job        "+job)
+	assert.Contains(t, out, "last: "+st.LastBackup)
+}
