@@ -1,0 +1,159 @@
+// Command fsbench measures mtcfs against plain tmpfs, side by side in one run.
+//
+// Run it as root from the module root, after building the agent:
+//
+//	go build -o bin/mtcfs ./cmd/mtcfs
+//	go run ./bench/fsbench -mtcfs bin/mtcfs -out bench/RESULTS.md
+//
+// (make bench runs the same.) It mounts three targets under a temporary directory: a dedicated
+// tmpfs (size=4g), an mtcfs agent with --passthrough on and one with --passthrough off, each
+// agent with its own spool. Every workload runs -warmup unrecorded rounds and then -reps
+// measured rounds; a round visits every target, in an order rotated from round to round, so
+// that drift of the machine (a VM's slow first touch of memory, a noisy neighbour) hits all
+// targets alike. The medians are compared with mtcfs's targets, printed, and written to the
+// generated section of -out.
+//
+// The I/O is done by this process with plain system calls and 1 MiB buffers; nothing is dropped
+// from the page cache between steps, because what the kernel caches is part of what users get.
+//
+// On exit, also after an error or Ctrl-C, each agent is stopped with one SIGINT (they run in
+// their own process group, so a terminal's Ctrl-C does not send them a second one, which would
+// make mtcfs skip its unmount) and fsbench checks /proc/mounts that nothing it mounted stays
+// mounted, detaching lazily as a last resort.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+)
+
+// config is what the flags select.
+type config struct {
+	mtcfsBin   string
+	out        string
+	workDir    string
+	reps       int
+	warmup     int
+	fileSize   int64         // bytes of the sequential file
+	creates    int           // files of the create and stat-distinct workloads
+	smallFiles int           // files of the many-small-files workload
+	smallSize  int           // bytes of each small file
+	statFor    time.Duration // how long the cached-stat loop runs per sample
+	cacheWait  time.Duration // wait for mtcfs's entry and attribute cache to expire
+	workloads  string        // comma-separated names; "" runs all
+}
+
+func main() {
+	var cfg config
+	var fileMiB, smallKiB int
+	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "bin/mtcfs", "mtcfs binary to benchmark (build it with: go build -o bin/mtcfs ./cmd/mtcfs)")
+	flag.StringVar(&cfg.out, "out", "", "Markdown file whose generated section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	flag.StringVar(&cfg.workDir, "workdir", os.TempDir(), "directory for the temporary mount points and spools")
+	flag.IntVar(&cfg.reps, "reps", 5, "measured rounds per workload (medians are reported; at least 3)")
+	flag.IntVar(&cfg.warmup, "warmup", 1, "unrecorded warm-up rounds per workload")
+	flag.IntVar(&fileMiB, "file-mib", 1024, "size of the sequential file in MiB")
+	flag.IntVar(&cfg.creates, "creates", 2000, "files created (and then stat'ed) per round")
+	flag.IntVar(&cfg.smallFiles, "small-files", 10000, "files of the many-small-files workload")
+	flag.IntVar(&smallKiB, "small-kib", 64, "size of each small file in KiB (at most 1024)")
+	flag.DurationVar(&cfg.statFor, "stat-for", time.Second, "duration of the cached-stat loop per round and target")
+	flag.DurationVar(&cfg.cacheWait, "cache-wait", 1500*time.Millisecond, "wait before the cold stat pass; longer than mtcfs's kernel cache timeout (1s)")
+	flag.StringVar(&cfg.workloads, "workloads", "", "comma-separated subset of sequential,create,stat,small to run (default: all)")
+	flag.Parse()
+	cfg.fileSize = int64(fileMiB) << 20
+	cfg.smallSize = smallKiB << 10
+	if err := cfg.validate(); err != nil {
+		fmt.Fprintf(os.Stderr, "fsbench: %v\n", err)
+		os.Exit(2)
+	}
+	if err := run(cfg); err != nil {
+		fmt.Fprintf(os.Stderr, "fsbench: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func (c config) validate() error {
+	switch {
+	case flag.NArg() != 0:
+		return fmt.Errorf("unexpected arguments %q", flag.Args())
+	case c.reps < 3:
+		return errors.New("-reps must be at least 3 for a meaningful median")
+	case c.warmup < 0:
+		return errors.New("-warmup must not be negative")
+	case c.fileSize <= 0 || c.creates <= 0 || c.smallFiles <= 0:
+		return errors.New("-file-mib, -creates and -small-files must be positive")
+	case c.smallSize <= 0 || c.smallSize > ioBufSize:
+		return errors.New("-small-kib must be between 1 and 1024")
+	}
+	return nil
+}
+
+func run(cfg config) (err error) {
+	if os.Geteuid() != 0 {
+		return errors.New("run as root: fsbench mounts a tmpfs, and mtcfs --passthrough on needs CAP_SYS_ADMIN")
+	}
+	bin, err := filepath.Abs(cfg.mtcfsBin)
+	if err != nil {
+		return err
+	}
+	if _, err := os.Stat(bin); err != nil {
+		return fmt.Errorf("mtcfs binary: %w (build it first: go build -o bin/mtcfs ./cmd/mtcfs)", err)
+	}
+	b := newBench(cfg)
+	workloads, err := selectWorkloads(b.workloads(), cfg.workloads)
+	if err != nil {
+		return err
+	}
+	ctx, stopSignals := cancelOnSignal()
+	defer stopSignals()
+
+	env := describeEnvironment(bin)
+	cpu := startCPUAccount()
+	targets, err := setUpTargets(ctx, bin, cfg.workDir)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, targets.tearDown()) }()
+
+	res := newResults()
+	if err := runWorkloads(ctx, workloads, targets.list, cfg, res); err != nil {
+		return err
+	}
+	env.cpu = cpu.othersSummary(targets.agents)
+	section := renderSection(cfg, env, res)
+	fmt.Print(section)
+	if cfg.out == "" {
+		return nil
+	}
+	if err := updateResultsFile(cfg.out, section); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "fsbench: wrote results to %s\n", cfg.out)
+	return nil
+}
+
+// cancelOnSignal returns a context that SIGINT or SIGTERM cancels. Later signals are swallowed
+// until stop, so that a second Ctrl-C cannot kill fsbench while it unmounts.
+func cancelOnSignal() (context.Context, func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	go func() {
+		select {
+		case s := <-sigs:
+			fmt.Fprintf(os.Stderr, "\nfsbench: %v: stopping the agents and unmounting\n", s)
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, func() {
+		cancel()
+		signal.Stop(sigs)
+	}
+}

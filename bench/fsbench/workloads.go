@@ -1,0 +1,328 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// ioBufSize is the size of every read and write the sequential workloads issue.
+const ioBufSize = 1 << 20
+
+// Metric keys; report.go holds their titles, units and targets.
+const (
+	seqWriteNew     = "seq-write-new"
+	seqOverwrite    = "seq-overwrite"
+	seqReadFirst    = "seq-read-first"
+	seqReread       = "seq-reread"
+	createMedian    = "create-median"
+	createP99       = "create-p99"
+	statCached      = "stat-cached"
+	statNewMedian   = "stat-new-median"
+	statNewP99      = "stat-new-p99"
+	statColdMedian  = "stat-cold-median"
+	statColdP99     = "stat-cold-p99"
+	smallWriteFiles = "small-write-files"
+	smallWriteMBps  = "small-write-mbps"
+	smallReadFiles  = "small-read-files"
+	smallReadMBps   = "small-read-mbps"
+)
+
+// statCachedBatchOf stats are timed together, so that reading the clock does not count per op.
+const statCachedBatchOf = 100
+
+// record receives one measured value of a metric.
+type record func(metric string, value float64)
+
+// A workload measures one target once; it must leave the target as empty as it found it, so
+// that memory does not pile up across rounds.
+type workload struct {
+	name string
+	run  func(ctx context.Context, dir string, rec record) error
+}
+
+// bench holds what the workloads share.
+type bench struct {
+	cfg config
+	buf []byte // ioBufSize bytes of non-zero data
+	seq int    // numbers fresh directories
+}
+
+func newBench(cfg config) *bench {
+	buf := make([]byte, ioBufSize)
+	for i := range buf {
+		buf[i] = byte(i*7 + 1)
+	}
+	return &bench{cfg: cfg, buf: buf}
+}
+
+// workloads returns the workloads in the order they run; their names are what -workloads selects.
+func (b *bench) workloads() []workload {
+	return []workload{
+		{"sequential", b.sequential},
+		{"create", b.createAndStat},
+		{"stat", b.statCached},
+		{"small", b.smallFiles},
+	}
+}
+
+// selectWorkloads keeps the workloads named in the comma-separated list (all for "").
+func selectWorkloads(all []workload, list string) ([]workload, error) {
+	if list == "" {
+		return all, nil
+	}
+	var out []workload
+	for _, name := range strings.Split(list, ",") {
+		i := slices.IndexFunc(all, func(w workload) bool { return w.name == name })
+		if i < 0 {
+			return nil, fmt.Errorf("-workloads: unknown workload %q", name)
+		}
+		out = append(out, all[i])
+	}
+	return out, nil
+}
+
+// runWorkloads runs each workload for the warm-up and measured rounds; each round visits every
+// target, starting one target later than the round before.
+func runWorkloads(ctx context.Context, ws []workload, targets []*target, cfg config, res *results) error {
+	rounds := cfg.warmup + cfg.reps
+	for _, w := range ws {
+		for r := range rounds {
+			for i := range targets {
+				t := targets[(i+r)%len(targets)]
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				var got []string
+				rec := func(metric string, v float64) {
+					got = append(got, metric+"="+formatValue(v))
+					if r >= cfg.warmup {
+						res.add(metric, t.name, v)
+					}
+				}
+				start := time.Now()
+				if err := w.run(ctx, t.dir, rec); err != nil {
+					return fmt.Errorf("%s on %s: %w", w.name, t.name, err)
+				}
+				phase := "round " + fmt.Sprint(r-cfg.warmup+1)
+				if r < cfg.warmup {
+					phase = "warm-up"
+				}
+				fmt.Fprintf(os.Stderr, "fsbench: %-10s %-8s %-11s %5.1fs  %s\n", w.name, phase, t.name,
+					time.Since(start).Seconds(), strings.Join(got, " "))
+			}
+		}
+	}
+	return nil
+}
+
+// freshDir creates a new, empty directory below dir.
+func (b *bench) freshDir(dir, prefix string) (string, error) {
+	b.seq++
+	d := filepath.Join(dir, fmt.Sprintf("%s-%d", prefix, b.seq))
+	return d, os.Mkdir(d, 0o755)
+}
+
+// sequential writes a new file, reads it twice, then overwrites it in place.
+func (b *bench) sequential(ctx context.Context, dir string, rec record) error {
+	p := filepath.Join(dir, "seq.dat")
+	// Removing it frees the memory before the next target runs.
+	defer os.Remove(p)
+	size := b.cfg.fileSize
+	steps := []struct {
+		metric string
+		io     func() error
+	}{
+		{seqWriteNew, func() error { return writeFile(p, unix.O_CREAT|unix.O_EXCL, size, b.buf) }},
+		{seqReadFirst, func() error { return readFile(p, size, b.buf) }},
+		{seqReread, func() error { return readFile(p, size, b.buf) }},
+		{seqOverwrite, func() error { return writeFile(p, 0, size, b.buf) }},
+	}
+	for _, s := range steps {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		start := time.Now()
+		if err := s.io(); err != nil {
+			return err
+		}
+		rec(s.metric, float64(size)/time.Since(start).Seconds()/1e9)
+	}
+	return nil
+}
+
+// createAndStat creates empty files in a fresh directory, timing each open(O_CREAT|O_EXCL) and
+// close; then stats each of them once right away, and once more after mtcfs's kernel cache for
+// entries and attributes has expired.
+func (b *bench) createAndStat(ctx context.Context, dir string, rec record) error {
+	d, err := b.freshDir(dir, "create")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(d)
+	paths := numberedPaths(d, b.cfg.creates)
+	lat := make([]float64, len(paths))
+	for i, p := range paths {
+		if i%256 == 0 && ctx.Err() != nil {
+			return ctx.Err()
+		}
+		start := time.Now()
+		fd, err := unix.Open(p, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
+		if err == nil {
+			err = unix.Close(fd)
+		}
+		lat[i] = micros(time.Since(start))
+		if err != nil {
+			return fmt.Errorf("create %s: %w", p, err)
+		}
+	}
+	rec(createMedian, median(lat))
+	rec(createP99, percentile(lat, 0.99))
+
+	statEach := func(medianKey, p99Key string) error {
+		var st unix.Stat_t
+		for i, p := range paths {
+			start := time.Now()
+			err := unix.Stat(p, &st)
+			lat[i] = micros(time.Since(start))
+			if err != nil {
+				return fmt.Errorf("stat %s: %w", p, err)
+			}
+		}
+		rec(medianKey, median(lat))
+		rec(p99Key, percentile(lat, 0.99))
+		return nil
+	}
+	if err := statEach(statNewMedian, statNewP99); err != nil {
+		return err
+	}
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(b.cfg.cacheWait):
+	}
+	return statEach(statColdMedian, statColdP99)
+}
+
+// statCached stats one file in a loop for cfg.statFor; the per-op time of each batch of
+// statCachedBatchOf calls is one sample, and the median sample is recorded.
+func (b *bench) statCached(ctx context.Context, dir string, rec record) error {
+	p := filepath.Join(dir, "stat-me")
+	if err := writeFile(p, unix.O_CREAT|unix.O_EXCL, 0, nil); err != nil {
+		return err
+	}
+	defer os.Remove(p)
+	var st unix.Stat_t
+	var perOp []float64
+	for end := time.Now().Add(b.cfg.statFor); time.Now().Before(end); {
+		start := time.Now()
+		for range statCachedBatchOf {
+			if err := unix.Stat(p, &st); err != nil {
+				return fmt.Errorf("stat %s: %w", p, err)
+			}
+		}
+		perOp = append(perOp, micros(time.Since(start))/statCachedBatchOf)
+	}
+	rec(statCached, median(perOp))
+	return ctx.Err()
+}
+
+// smallFiles writes many small files (create, one write, close) into a fresh directory, then
+// reads each back (open, read to EOF, close).
+func (b *bench) smallFiles(ctx context.Context, dir string, rec record) error {
+	d, err := b.freshDir(dir, "small")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(d)
+	paths := numberedPaths(d, b.cfg.smallFiles)
+	size := int64(b.cfg.smallSize)
+	totalBytes := float64(size) * float64(len(paths))
+	phases := []struct {
+		filesKey, mbpsKey string
+		io                func(p string) error
+	}{
+		{smallWriteFiles, smallWriteMBps, func(p string) error { return writeFile(p, unix.O_CREAT|unix.O_EXCL, size, b.buf) }},
+		{smallReadFiles, smallReadMBps, func(p string) error { return readFile(p, size, b.buf) }},
+	}
+	for _, ph := range phases {
+		start := time.Now()
+		for i, p := range paths {
+			if i%256 == 0 && ctx.Err() != nil {
+				return ctx.Err()
+			}
+			if err := ph.io(p); err != nil {
+				return err
+			}
+		}
+		secs := time.Since(start).Seconds()
+		rec(ph.filesKey, float64(len(paths))/secs)
+		rec(ph.mbpsKey, totalBytes/secs/1e6)
+	}
+	return nil
+}
+
+// writeFile opens path for writing with extra flags, writes size bytes from buf in chunks of
+// len(buf), and closes it. Without O_CREAT|O_EXCL it overwrites an existing file in place.
+func writeFile(path string, flags int, size int64, buf []byte) error {
+	fd, err := unix.Open(path, unix.O_WRONLY|unix.O_CLOEXEC|flags, 0o644)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", path, err)
+	}
+	for off := int64(0); off < size; {
+		n, err := unix.Write(fd, buf[:min(int64(len(buf)), size-off)])
+		if err != nil {
+			unix.Close(fd)
+			return fmt.Errorf("write %s at %d: %w", path, off, err)
+		}
+		off += int64(n)
+	}
+	if err := unix.Close(fd); err != nil {
+		return fmt.Errorf("close %s: %w", path, err)
+	}
+	return nil
+}
+
+// readFile reads path to EOF in chunks of len(buf) and checks that it held want bytes.
+func readFile(path string, want int64, buf []byte) error {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", path, err)
+	}
+	var got int64
+	for {
+		n, err := unix.Read(fd, buf)
+		if err != nil {
+			unix.Close(fd)
+			return fmt.Errorf("read %s at %d: %w", path, got, err)
+		}
+		if n == 0 {
+			break
+		}
+		got += int64(n)
+	}
+	if err := unix.Close(fd); err != nil {
+		return fmt.Errorf("close %s: %w", path, err)
+	}
+	if got != want {
+		return fmt.Errorf("read %s: got %d bytes, want %d", path, got, want)
+	}
+	return nil
+}
+
+// numberedPaths names n files in dir; built before timing so the loops allocate little.
+func numberedPaths(dir string, n int) []string {
+	out := make([]string, n)
+	for i := range out {
+		out[i] = filepath.Join(dir, fmt.Sprintf("f%06d", i))
+	}
+	return out
+}
+
+func micros(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
