@@ -63,7 +63,7 @@ func main() {
 	flag.IntVar(&cfg.smallFiles, "small-files", 10000, "files of the many-small-files workload")
 	flag.IntVar(&smallKiB, "small-kib", 64, "size of each small file in KiB (at most 1024)")
 	flag.DurationVar(&cfg.statFor, "stat-for", time.Second, "duration of the cached-stat loop per round and target")
-	flag.DurationVar(&cfg.cacheWait, "cache-wait", 1500*time.Millisecond, "wait before the cold stat pass; longer than mtcfs's kernel cache timeout (1s)")
+	flag.DurationVar(&cfg.cacheWait, "cache-wait", 5500*time.Millisecond, "wait before the cold stat pass; longer than mtcfs's kernel cache timeout (5s)")
 	flag.StringVar(&cfg.workloads, "workloads", "", "comma-separated subset of sequential,create,stat,small to run (default: all)")
 	flag.Parse()
 	cfg.fileSize = int64(fileMiB) << 20

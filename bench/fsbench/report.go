@@ -278,8 +278,8 @@ func renderSection(cfg config, env environment, res *results) string {
 		"\"First read\" follows the write of the same round directly; \"re-read\" follows the first read.\n")
 	w("- Writing a new file allocates fresh tmpfs pages. In a VM the first touch of memory the host has not (or no longer) backed is slow and varies from round to round; " +
 		"the overwrite row measures the data path without that allocation.\n")
-	w("- mtcfs lets the kernel cache entries and attributes for 1s. The cold stat pass runs after waiting %s, so each call asks the agent; "+
-		"the revalidation the cached-stat loop hits once a second does not move its median.\n\n", cfg.cacheWait)
+	w("- mtcfs lets the kernel cache entries and attributes for 5s. The cold stat pass runs after waiting %s, so each call asks the agent; "+
+		"the revalidation the cached-stat loop hits every 5 s does not move its median.\n\n", cfg.cacheWait)
 
 	w("<details><summary>Raw samples, one per measured round, in round order</summary>\n\n")
 	w("| Metric | Unit | tmpfs | passthrough | fallback |\n|---|---|---|---|---|\n")
