@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"io/fs"
 	"os"
@@ -101,6 +102,15 @@ func (b *Backups) uploadFile(ctx context.Context, name, local string, size int64
 		return 0, err
 	}
 	defer f.Close()
+	if s, ok := b.Store.(crcUpfront); !ok || !s.WantsCRCUpfront() {
+		// One pass: the CRC32C of the bytes as they go to the store, which checks its own.
+		h := crc32.New(crcTable)
+		body := &countingReader{r: io.TeeReader(f, h), p: prog}
+		if err := b.Store.Put(ctx, PutRequest{Name: name, Body: body, Size: size, IfAbsent: true}); err != nil {
+			return 0, err
+		}
+		return h.Sum32(), nil
+	}
 	n, crc, err := copyCRC(ctx, io.Discard, f)
 	if err != nil {
 		return 0, fmt.Errorf("checksum %s: %w", local, err)

@@ -47,10 +47,11 @@ type LocalCoordinator struct {
 	Now   func() time.Time // injected clock; nil means time.Now
 
 	mu       sync.Mutex
-	inc      string         // GUARDED_BY(mu)
-	plan     RestorePlan    // GUARDED_BY(mu)
-	schedule BackupSchedule // GUARDED_BY(mu)
-	lastName string         // GUARDED_BY(mu); newest backup name, across incarnations
+	inc      string            // GUARDED_BY(mu)
+	plan     RestorePlan       // GUARDED_BY(mu)
+	schedule BackupSchedule    // GUARDED_BY(mu)
+	job      string            // GUARDED_BY(mu); the job of the current incarnation
+	lastName map[string]string // GUARDED_BY(mu); newest backup name per job, across incarnations
 }
 
 var _ Coordinator = (*LocalCoordinator)(nil)
@@ -80,10 +81,17 @@ func (c *LocalCoordinator) Negotiate(ctx context.Context, inc Incarnation, inv I
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.lastName = max(c.lastName, c.schedule.lastName, newest)
+	if c.lastName == nil {
+		c.lastName = map[string]string{}
+	}
+	if c.job != "" {
+		c.lastName[c.job] = max(c.lastName[c.job], c.schedule.lastName)
+	}
+	job := inc.Config.JobName
+	c.lastName[job] = max(c.lastName[job], newest)
 	every, steps := inc.Config.BackupInterval()
-	c.inc, c.plan = inc.ID, plan
-	c.schedule = BackupSchedule{Every: every, Steps: steps, lastName: c.lastName}
+	c.inc, c.job, c.plan = inc.ID, job, plan
+	c.schedule = BackupSchedule{Every: every, Steps: steps, lastName: c.lastName[job]}
 	return plan, nil
 }
 

@@ -1,0 +1,302 @@
+// Command replbench measures mtcfs's checkpoint path — the replicator.yaml handshake, sealing a
+// committed step, and backing it up — side by side with what the machine does without mtcfs,
+// in one run.
+//
+// Run it as root from the module root, after building the agent:
+//
+//	go build -o bin/mtcfs ./cmd/mtcfs
+//	go run ./bench/replbench -mtcfs bin/mtcfs -out bench/RESULTS.md
+//
+// It takes one to two minutes on 2 CPUs and needs about 6 GiB of free RAM and 2 GiB of free disk
+// where -workdir lives (backups and copies go there). Without -out it only prints.
+//
+// What it measures (medians over -reps repetitions after -warmup unrecorded ones):
+//
+//  1. yaml consumed latency: Orbax's start-up handshake. Write replicator.yaml.tmp, rename it
+//     onto replicator.yaml, and poll fstatat every 100 µs until replicator.yaml is absent;
+//     timed from the rename returning. Each repetition is a new job name, i.e. a new
+//     incarnation, and waits for its .restore marker before the next. Target: ≤ 100 ms.
+//  2. commit-to-sealed of a step of -files × -file-mib (default 16 × 64 MiB = 1 GiB): the
+//     files are written through the mount as N.orbax-checkpoint-tmp/state/shard_XX (1 MiB
+//     writes, fsync, close), left closed for -settle, then N.orbax-checkpoint-tmp is renamed
+//     to N and the time until <job>-sN-n0-w0.meta exists is taken (poll every 0.5 ms).
+//     Beside it, in alternating order, the same tree is read once from a plain tmpfs
+//     directory under /dev/shm (1 MiB reads, warm). Every step has a new number and new
+//     content. Target: commit-to-sealed ≤ 1.2 × the read.
+//  3. backup of that step to a local directory: a fresh agent with
+//     --backup file://<workdir>/…/backups and a new job with backup-interval-steps: 1 commits
+//     its first step, and the time from the rename until the backup's .meta (written last) is
+//     in the backup directory is taken, subtracting nothing (sealing included). A fresh agent
+//     per repetition because an agent takes at most one backup per UTC minute. Beside it, in
+//     rotating order: cp -r of the same tree from /dev/shm to the same disk, and cp -r followed
+//     by sync(1) of every file and directory it created (the backup store fsyncs each object).
+//     Everything dirty is synced, untimed, before each of them. Target: backup throughput
+//     ≥ 0.8 × cp -r.
+//
+// The agents run as children in their own process group. On exit, also after an error or
+// Ctrl-C, each gets one SIGINT; replbench waits for it to unmount, detaches the spool tmpfs it
+// keeps when it holds checkpoints (umount -l), checks /proc/mounts that nothing it mounted stays
+// mounted, and removes its temporary directories.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+)
+
+type config struct {
+	mtcfsBin string
+	out      string
+	workDir  string // temporary mount points, spools, backups and copies (on disk)
+	shmDir   string // the source tree's plain tmpfs
+	reps     int
+	yamlReps int
+	warmup   int
+	files    int
+	fileSize int64
+	settle   time.Duration
+	memory   string
+	items    string
+}
+
+func main() {
+	var cfg config
+	var fileMiB int
+	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "bin/mtcfs", "mtcfs binary to benchmark (build it with: go build -o bin/mtcfs ./cmd/mtcfs)")
+	flag.StringVar(&cfg.out, "out", "", "Markdown file whose replbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	flag.StringVar(&cfg.workDir, "workdir", os.TempDir(), "directory (on disk) for mount points, spools, backups and cp -r copies")
+	flag.StringVar(&cfg.shmDir, "shm", "/dev/shm", "plain tmpfs holding the source tree (the read baseline and cp -r's source)")
+	flag.IntVar(&cfg.reps, "reps", 5, "measured repetitions of the seal and backup items (at least 5)")
+	flag.IntVar(&cfg.yamlReps, "yaml-reps", 30, "measured repetitions of the yaml handshake (at least 5)")
+	flag.IntVar(&cfg.warmup, "warmup", 1, "unrecorded warm-up repetitions per item")
+	flag.IntVar(&cfg.files, "files", 16, "files in the checkpoint step")
+	flag.IntVar(&fileMiB, "file-mib", 64, "size of each file in MiB")
+	flag.DurationVar(&cfg.settle, "settle", time.Second, "how long the step's files stay closed before the commit")
+	flag.StringVar(&cfg.memory, "memory", "8GiB", "--memory of the agents")
+	flag.StringVar(&cfg.items, "items", "yaml,seal,backup", "comma-separated subset of yaml,seal,backup to run")
+	flag.Parse()
+	cfg.fileSize = int64(fileMiB) << 20
+	if err := cfg.validate(); err != nil {
+		fmt.Fprintf(os.Stderr, "replbench: %v\n", err)
+		os.Exit(2)
+	}
+	if err := run(cfg); err != nil {
+		fmt.Fprintf(os.Stderr, "replbench: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func (c config) validate() error {
+	switch {
+	case flag.NArg() != 0:
+		return fmt.Errorf("unexpected arguments %q", flag.Args())
+	case c.reps < 5 || c.yamlReps < 5:
+		return errors.New("-reps and -yaml-reps must be at least 5")
+	case c.warmup < 0:
+		return errors.New("-warmup must not be negative")
+	case c.files <= 0 || c.fileSize <= 0:
+		return errors.New("-files and -file-mib must be positive")
+	}
+	for _, it := range strings.Split(c.items, ",") {
+		if !slices.Contains([]string{"yaml", "seal", "backup"}, it) {
+			return fmt.Errorf("-items: unknown item %q (want yaml, seal, backup)", it)
+		}
+	}
+	return nil
+}
+
+func (c config) runs(item string) bool { return slices.Contains(strings.Split(c.items, ","), item) }
+
+// bench owns everything a run sets up.
+type bench struct {
+	cfg        config
+	bin        string
+	runID      string // distinguishes job names of this run
+	base       string // temporary directory under workDir
+	shm        string // temporary directory under shmDir
+	backupRoot string // the backup agents' file:// location
+	tree       *tree
+	agents     []*agent
+	res        *results
+}
+
+func run(cfg config) (err error) {
+	if os.Geteuid() != 0 {
+		return errors.New("run as root: the agents mount FUSE and their spool tmpfs")
+	}
+	bin, err := filepath.Abs(cfg.mtcfsBin)
+	if err != nil {
+		return err
+	}
+	if _, err := os.Stat(bin); err != nil {
+		return fmt.Errorf("mtcfs binary: %w (build it first: go build -o bin/mtcfs ./cmd/mtcfs)", err)
+	}
+	ctx, stopSignals := cancelOnSignal()
+	defer stopSignals()
+
+	b := &bench{cfg: cfg, bin: bin, runID: time.Now().UTC().Format("150405"), res: newResults()}
+	if b.base, err = os.MkdirTemp(cfg.workDir, "replbench-"); err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, b.tearDown()) }()
+	if b.shm, err = os.MkdirTemp(cfg.shmDir, "replbench-"); err != nil {
+		return err
+	}
+	b.backupRoot = filepath.Join(b.base, "backups")
+
+	env := describeEnvironment(bin, cfg.workDir, cfg.shmDir)
+	cpu := startCPUAccount()
+	fmt.Fprintf(os.Stderr, "replbench: writing the %s source tree to %s\n", formatBytes(int64(cfg.files)*cfg.fileSize), b.shm)
+	if b.tree, err = newTree(b.shm, cfg.files, cfg.fileSize); err != nil {
+		return fmt.Errorf("source tree: %w", err)
+	}
+	if err := b.measure(ctx); err != nil {
+		return err
+	}
+	if err := b.tearDown(); err != nil { // stop every agent before accounting for their CPU
+		return err
+	}
+	env.cpu = cpu.othersSummary()
+	section := renderSection(cfg, env, b.res, b.tree.total())
+	fmt.Print(section)
+	if cfg.out == "" {
+		return nil
+	}
+	if err := updateResultsFile(cfg.out, section); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "replbench: wrote results to %s\n", cfg.out)
+	return nil
+}
+
+func (b *bench) measure(ctx context.Context) error {
+	if b.cfg.runs("yaml") || b.cfg.runs("seal") {
+		a, err := b.startAgent(ctx, "ram", filepath.Join(b.base, "backups-ram"))
+		if err != nil {
+			return err
+		}
+		if b.cfg.runs("yaml") {
+			fmt.Fprintf(os.Stderr, "replbench: 1. yaml handshake, %d+%d repetitions\n", b.cfg.warmup, b.cfg.yamlReps)
+			if err := b.measureYAML(ctx, a); err != nil {
+				return err
+			}
+		}
+		if b.cfg.runs("seal") {
+			fmt.Fprintf(os.Stderr, "replbench: 2. commit-to-sealed vs one tmpfs read, %d+%d repetitions\n", b.cfg.warmup, b.cfg.reps)
+			if err := b.measureSeal(ctx, a); err != nil {
+				return err
+			}
+		}
+		if err := a.stop(); err != nil {
+			return err
+		}
+	}
+	if b.cfg.runs("backup") {
+		fmt.Fprintf(os.Stderr, "replbench: 3. backup vs cp -r, %d+%d repetitions\n", b.cfg.warmup, b.cfg.reps)
+		if err := b.measureBackup(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// tearDown stops every agent, detaches what they left mounted, and removes the temporary
+// directories unless something is still mounted below them (removing through a live mount
+// would delete its files). It may run more than once.
+func (b *bench) tearDown() error {
+	var errs []error
+	for i := len(b.agents) - 1; i >= 0; i-- {
+		errs = append(errs, b.agents[i].stop())
+	}
+	for _, dir := range []string{b.base, b.shm} {
+		if dir == "" {
+			continue
+		}
+		if left := mountsUnder(dir); len(left) > 0 {
+			// Last resort: innermost first.
+			slices.Reverse(left)
+			for _, m := range left {
+				errs = append(errs, fmt.Errorf("%s was still mounted at the end", m), detach(m))
+			}
+		}
+		if left := mountsUnder(dir); len(left) > 0 {
+			errs = append(errs, fmt.Errorf("still mounted, not removing %s: %s", dir, strings.Join(left, ", ")))
+			continue
+		}
+		errs = append(errs, os.RemoveAll(dir))
+	}
+	b.base, b.shm = "", ""
+	return errors.Join(errs...)
+}
+
+// progress prints one repetition's figures to stderr.
+func (b *bench) progress(what string, rep int, v float64, unit string) {
+	tag := fmt.Sprintf("rep %d", rep+1)
+	if rep < 0 {
+		tag = "warm-up"
+	}
+	if unit != "" {
+		what = fmt.Sprintf("%s %.2f %s", what, v, unit)
+	}
+	fmt.Fprintf(os.Stderr, "replbench:   %s: %s\n", tag, what)
+}
+
+// cancelOnSignal returns a context that SIGINT or SIGTERM cancels. Later signals are swallowed
+// until stop, so that a second Ctrl-C cannot kill replbench while it unmounts.
+func cancelOnSignal() (context.Context, func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	go func() {
+		select {
+		case s := <-sigs:
+			fmt.Fprintf(os.Stderr, "\nreplbench: %v: stopping the agents and unmounting\n", s)
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, func() {
+		cancel()
+		signal.Stop(sigs)
+	}
+}
+
+// results holds the recorded samples: key → one value per measured repetition, in order.
+type results struct{ samples map[string][]float64 }
+
+func newResults() *results { return &results{samples: map[string][]float64{}} }
+
+func (r *results) add(key string, v float64) { r.samples[key] = append(r.samples[key], v) }
+
+func (r *results) median(key string) float64 { return median(r.samples[key]) }
+
+func (r *results) max(key string) float64 {
+	if len(r.samples[key]) == 0 {
+		return math.NaN()
+	}
+	return slices.Max(r.samples[key])
+}
+
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return math.NaN()
+	}
+	s := slices.Sorted(slices.Values(xs))
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+func numCPU() int { return runtime.NumCPU() }
