@@ -1,0 +1,700 @@
+package replication
+
+// The job coordinator (SPEC §4–6) as a transport-agnostic state machine. The rank-0 agent owns
+// one JobCoordinator per incarnation of the job; every node's calls reach it either in-process
+// (LocalClient) or through the peer service, which calls the same three methods per request.
+//
+// Cost: every call does O(1) work under the lock, apart from two O(nodes) passes that run once
+// per incarnation (computing the plan) or once per failed sync (naming the missing ranks). The
+// plan each node receives holds only that node's slots, so handing it out is O(workers) per
+// node, not O(nodes).
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// DefaultLagTimeout bounds how long the nodes that reported a step wait for the others to report
+// it too. Nodes commit a step within seconds of each other; a node that is minutes late is stuck
+// or gone, and the others' sealers must not wait for it forever.
+const DefaultLagTimeout = 10 * time.Minute
+
+var (
+	// ErrClosed is returned to callers of a coordinator whose incarnation is over.
+	ErrClosed = errors.New("job coordinator closed: the incarnation is over")
+	// ErrSyncTimeout fails a step's sync when some rank did not report it within the lag
+	// timeout.
+	ErrSyncTimeout = errors.New("not every node reported the step in time")
+	// ErrStepSkipped fails a step's sync when some rank reported a later step instead: steps are
+	// reported in increasing order, so that rank will never report this one.
+	ErrStepSkipped = errors.New("a node skipped the step")
+	// ErrOtherIncarnation is returned to a call from an incarnation the job coordinator does not
+	// coordinate (an older one, or one that has not negotiated).
+	ErrOtherIncarnation = errors.New("call from another incarnation of the job")
+)
+
+// Clock is the time source of a JobCoordinator, injected so that tests control backup schedules
+// and lag timeouts.
+type Clock interface {
+	Now() time.Time
+	// AfterFunc calls f in its own goroutine once d has passed; stop prevents that if it has not
+	// happened yet.
+	AfterFunc(d time.Duration, f func()) (stop func() bool)
+}
+
+// SystemClock is the wall clock.
+type SystemClock struct{}
+
+func (SystemClock) Now() time.Time { return time.Now() }
+
+func (SystemClock) AfterFunc(d time.Duration, f func()) func() bool { return time.AfterFunc(d, f).Stop }
+
+// Options configure a JobCoordinator. The zero value is usable: no backups, the system clock.
+type Options struct {
+	// Store is the backup tier: restore.version, existing backups, and whether backups are
+	// taken at all (nil: never).
+	Store tiers.BackupStore
+	// Clock is the time source; nil means SystemClock.
+	Clock Clock
+	// LagTimeout is how long a step's sync waits for the last rank; 0 means DefaultLagTimeout.
+	LagTimeout time.Duration
+	// LastBackup is the newest backup name decided before (by an earlier incarnation's
+	// coordinator): this one never decides a name ≤ it, so names stay unique (SPEC §6).
+	LastBackup string
+	// Log receives one line per negotiation and per failed sync; nil discards them.
+	Log *slog.Logger
+}
+
+// JobCoordinator makes the job-wide decisions of one incarnation (SPEC §4–6):
+//
+//   - Negotiate gathers every rank's inventory and computes one restore plan (SPEC §5) once
+//     every rank has reported. A rank reporting again before that (a restarted agent) replaces
+//     its inventory; after that it gets the plan already computed.
+//   - Restored is the barrier before .restore markers: it returns once every rank called it.
+//   - Sync is a per-step barrier: it returns once every rank reported step S, with the decision
+//     for S (whether a backup is due, and its name), computed once and given to all.
+//
+// Sync when ranks disagree on the step. Each rank reports its steps in increasing order (its
+// sealer syncs one step after the other).
+//   - A lagging rank is waited for: the ranks that reported S wait until the last one does, for
+//     at most the lag timeout counted from the first report of S. Then the sync of S fails for
+//     everyone with ErrSyncTimeout naming the missing ranks, and a rank reporting S later gets
+//     the same error at once. No backup is taken for S; the next step is a fresh round.
+//   - A rank ahead — reporting S' while S is still waiting for it — has skipped S (it cannot
+//     report S any more): the sync of S fails at once with ErrStepSkipped, and S' is the next
+//     step every rank can reach, so S' is the one that is synced.
+//   - A rank repeating its last report (a retried request) joins the same round; a report older
+//     than its last gets that older round's outcome, or an error if there is none.
+//
+// Each failed sync reaches the job as a line in replicator.errors (the replicator logs it);
+// training goes on and the next step syncs normally.
+//
+// Data-parallel mode (assume-data-parallelism D > 0, P = nodes/D): ranks r and r' with
+// r ≡ r' (mod P) form a column whose data is interchangeable by declaration (SPEC §4). When the
+// inventories hold no usable .meta for a slot (r, w) at step S — none at all, or one naming data
+// no live node holds, as after losing node r — but a column-mate's slot (r', w) at S has one, the
+// coordinator infers r's .meta from it: r restores its column-mate's data. The inference runs
+// on a copy of the inventories before tiers.PlanRestore sees them (it adds the inferred .meta to
+// rank r's inventory), so the plan logic itself stays the same for both modes. Only the highest
+// step every column can serve is inferred, since it is the one the plan picks; a step complete
+// without inference needs none.
+type JobCoordinator struct {
+	cfg        *tiers.Config // the job-wide fields; NodeRank and peers are not used
+	store      tiers.BackupStore
+	clock      Clock
+	lagTimeout time.Duration
+	log        *slog.Logger
+
+	// ctx ends with Close. Store calls and the plan computation run on it, never on a caller's
+	// context, so that one node giving up does not cancel work every node waits for.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	// planned is closed once plan and planErr are set; they never change afterwards, so they are
+	// read without mu after <-planned.
+	planned chan struct{}
+	plan    tiers.RestorePlan
+	planErr error
+
+	// allRestored is closed once every rank called Restored.
+	allRestored chan struct{}
+
+	// LOCK ORDERING: Job.mu, then mu; nothing is locked while holding mu. The one store call
+	// made while holding it is the deletion of restore.version, at most once per incarnation,
+	// so that decisions are made in step order.
+	mu        sync.Mutex
+	invs      []tiers.Inventory // GUARDED_BY(mu); by rank
+	reported  []bool            // GUARDED_BY(mu); by rank: inventory received
+	nReported int               // GUARDED_BY(mu)
+	planning  bool              // GUARDED_BY(mu); the plan is being (or was) computed: invs are frozen
+	restored  []bool            // GUARDED_BY(mu); by rank
+	nRestored int               // GUARDED_BY(mu)
+
+	synced   []int64              // GUARDED_BY(mu); by rank: the highest step reported, -1 for none
+	ahead    int                  // GUARDED_BY(mu); a rank with the highest synced step
+	rounds   map[int64]*syncRound // GUARDED_BY(mu); the pending steps and the latest finished ones
+	pinned   string               // GUARDED_BY(mu); restore.version in force until its one-shot deletion
+	schedule tiers.BackupSchedule // GUARDED_BY(mu)
+	floor    string               // GUARDED_BY(mu); the newest backup name known to exist or decided
+}
+
+// syncRound is the sync of one step. Its fields are guarded by the coordinator's mu, except
+// that dec and err are read without it once done is closed (they are set before, never after).
+type syncRound struct {
+	step    int64
+	arrived int         // ranks that reported the step
+	running bool        // some rank reported a backup still running
+	stop    func() bool // stops the lag timer; nil when the round finished on creation
+	done    chan struct{}
+	dec     tiers.SyncDecision
+	err     error
+}
+
+// NewJobCoordinator creates the coordinator of one incarnation of the job cfg describes. Close it
+// when the incarnation ends.
+func NewJobCoordinator(cfg *tiers.Config, opts Options) (*JobCoordinator, error) {
+	if cfg == nil || cfg.Nodes < 1 || cfg.WorkersPerNode < 1 {
+		return nil, fmt.Errorf("job coordinator: need a config with nodes ≥ 1 and workers-per-node ≥ 1, got %+v", cfg)
+	}
+	c := &JobCoordinator{
+		cfg:         cfg,
+		store:       opts.Store,
+		clock:       opts.Clock,
+		lagTimeout:  opts.LagTimeout,
+		log:         opts.Log,
+		planned:     make(chan struct{}),
+		allRestored: make(chan struct{}),
+		invs:        make([]tiers.Inventory, cfg.Nodes),
+		reported:    make([]bool, cfg.Nodes),
+		restored:    make([]bool, cfg.Nodes),
+		synced:      make([]int64, cfg.Nodes),
+		rounds:      map[int64]*syncRound{},
+		floor:       opts.LastBackup,
+	}
+	if c.clock == nil {
+		c.clock = SystemClock{}
+	}
+	if c.lagTimeout <= 0 {
+		c.lagTimeout = DefaultLagTimeout
+	}
+	if c.log == nil {
+		c.log = slog.New(slog.DiscardHandler)
+	}
+	for r := range c.synced {
+		c.synced[r] = -1
+	}
+	c.schedule.Every, c.schedule.Steps = cfg.BackupInterval()
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	return c, nil
+}
+
+// Close ends the incarnation: every waiting caller returns ErrClosed, and so does every later
+// call. It is safe to call more than once.
+func (c *JobCoordinator) Close() {
+	c.cancel()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, r := range c.rounds {
+		if r.stop != nil {
+			r.stop()
+		}
+	}
+}
+
+func (c *JobCoordinator) checkRank(rank int) error {
+	if rank < 0 || rank >= c.cfg.Nodes {
+		return fmt.Errorf("rank %d is not in the job's %d nodes", rank, c.cfg.Nodes)
+	}
+	return c.closedErr()
+}
+
+func (c *JobCoordinator) closedErr() error {
+	if c.ctx.Err() != nil {
+		return ErrClosed
+	}
+	return nil
+}
+
+// Negotiate records rank's inventory, waits until every rank reported one, and returns the
+// restore plan (SPEC §5). The plan is computed once, from all inventories, and every rank gets
+// its part of it: the job-wide fields, and Data and Holders for that rank's own slots (see
+// PlanForRank). If ctx ends first the inventory stays recorded, so a retry just waits again.
+func (c *JobCoordinator) Negotiate(ctx context.Context, rank int, inv tiers.Inventory) (tiers.RestorePlan, error) {
+	if err := c.checkRank(rank); err != nil {
+		return tiers.RestorePlan{}, err
+	}
+	if inv.Rank != rank {
+		return tiers.RestorePlan{}, fmt.Errorf("inventory of rank %d reported for rank %d", inv.Rank, rank)
+	}
+	c.mu.Lock()
+	if !c.planning {
+		if !c.reported[rank] {
+			c.reported[rank] = true
+			c.nReported++
+		}
+		c.invs[rank] = inv
+		if c.nReported == c.cfg.Nodes {
+			c.planning = true
+			go c.computePlan() // owned by c: ends with c.ctx, publishes through planned
+		}
+	}
+	c.mu.Unlock()
+	select {
+	case <-c.planned:
+		if c.planErr != nil {
+			return tiers.RestorePlan{}, c.planErr
+		}
+		return PlanForRank(c.plan, rank, c.cfg.WorkersPerNode), nil
+	case <-ctx.Done():
+		c.mu.Lock()
+		n := c.nReported
+		c.mu.Unlock()
+		return tiers.RestorePlan{}, fmt.Errorf("waiting for every node's inventory (%d of %d reported): %w", n, c.cfg.Nodes, ctx.Err())
+	case <-c.ctx.Done():
+		return tiers.RestorePlan{}, ErrClosed
+	}
+}
+
+// computePlan runs tiers.PlanRestore once, on the frozen inventories, and publishes the result.
+func (c *JobCoordinator) computePlan() {
+	start := c.clock.Now()
+	invs, inferred := inferFromColumns(c.cfg, c.invs) // c.invs is frozen: planning is set
+	plan, err := tiers.PlanRestore(c.ctx, c.cfg, invs, c.store)
+	if err != nil {
+		err = fmt.Errorf("restore plan: %w", err)
+	}
+	// Backup names stay unique across incarnations within one minute: start from the newest
+	// name the store already has.
+	var newest string
+	if c.store != nil && err == nil {
+		if names, lerr := c.store.Backups(c.ctx, c.cfg.JobName); lerr == nil && len(names) > 0 {
+			newest = names[0]
+		}
+	}
+	c.mu.Lock()
+	c.plan, c.planErr = plan, err
+	c.pinned = plan.Pinned
+	c.floor = max(c.floor, newest)
+	c.mu.Unlock()
+	close(c.planned)
+	if err != nil {
+		c.log.Error("restore negotiation failed", "nodes", c.cfg.Nodes, "err", err)
+		return
+	}
+	c.log.Info("restore plan", "nodes", c.cfg.Nodes, "found", plan.Found, "step", plan.Step, "backup", plan.Backup,
+		"pinned", plan.Pinned, "inferred_metas", len(inferred), "took", c.clock.Now().Sub(start).String())
+}
+
+// PlanForRank returns rank's part of a job-wide plan: the job-wide fields, and Data and
+// Holders for rank's slots only — all a node needs to restore, in O(workers) space. The result
+// shares nothing mutable with plan.
+func PlanForRank(plan tiers.RestorePlan, rank, workers int) tiers.RestorePlan {
+	out := plan
+	out.Data = make(map[tiers.Slot]string, workers)
+	out.Holders = map[string][]int{}
+	out.Errors = slices.Clone(plan.Errors)
+	for w := 0; w < workers; w++ {
+		slot := tiers.Slot{Rank: rank, Worker: w}
+		h, ok := plan.Data[slot]
+		if !ok {
+			continue
+		}
+		out.Data[slot] = h
+		if hs, ok := plan.Holders[h]; ok {
+			out.Holders[h] = slices.Clone(hs)
+		}
+	}
+	return out
+}
+
+// inferFromColumns implements the data-parallel inference described at JobCoordinator. It
+// returns invs itself when nothing is inferred, else a copy in which the inferred .meta entries
+// were added to the inventories of the ranks they are about (only those inventories' maps are
+// copied). invs[r] is rank r's inventory. The cost is O(total .meta entries + nodes·workers).
+func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Inventory, []tiers.Slot) {
+	d := cfg.AssumeDataParallelism
+	if d <= 0 || cfg.Nodes%d != 0 {
+		return invs, nil
+	}
+	part := cfg.Nodes / d // P: the column of rank r is r mod P
+	held := map[string]bool{}
+	for _, inv := range invs {
+		for _, h := range inv.Data {
+			held[h] = true
+		}
+	}
+	type columnSlot struct{ column, worker int }
+	type source struct {
+		rank int
+		hash string
+	}
+	usable := map[int64]map[tiers.Slot]bool{}    // per step: slots with a .meta naming held data
+	columns := map[int64]map[columnSlot]source{} // per step: the lowest rank's usable .meta per column slot
+	for _, inv := range invs {
+		for name, hash := range inv.Metas {
+			m, ok := tiers.ParseMarkerName(name)
+			if !ok || m.Kind != tiers.MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode || !held[hash] {
+				continue
+			}
+			if usable[m.Step] == nil {
+				usable[m.Step], columns[m.Step] = map[tiers.Slot]bool{}, map[columnSlot]source{}
+			}
+			usable[m.Step][tiers.Slot{Rank: m.Node, Worker: m.Worker}] = true
+			cs := columnSlot{m.Node % part, m.Worker}
+			// The lowest rank (then the smallest hash) wins, so the plan does not depend on
+			// map order.
+			if cur, ok := columns[m.Step][cs]; !ok || m.Node < cur.rank || (m.Node == cur.rank && hash < cur.hash) {
+				columns[m.Step][cs] = source{m.Node, hash}
+			}
+		}
+	}
+	// The highest step every column slot can serve is the one the plan will restore.
+	best, found := int64(0), false
+	for step, cols := range columns {
+		if len(cols) == part*cfg.WorkersPerNode && (!found || step > best) {
+			best, found = step, true
+		}
+	}
+	if !found || len(usable[best]) == cfg.Nodes*cfg.WorkersPerNode {
+		return invs, nil
+	}
+	out := slices.Clone(invs)
+	var inferred []tiers.Slot
+	for r := 0; r < cfg.Nodes; r++ {
+		copied := false
+		for w := 0; w < cfg.WorkersPerNode; w++ {
+			slot := tiers.Slot{Rank: r, Worker: w}
+			if usable[best][slot] {
+				continue
+			}
+			if !copied {
+				metas := make(map[string]string, len(out[r].Metas)+cfg.WorkersPerNode)
+				for k, v := range out[r].Metas {
+					metas[k] = v
+				}
+				out[r].Metas, copied = metas, true
+			}
+			src := columns[best][columnSlot{r % part, w}]
+			name := tiers.MarkerName{Job: cfg.JobName, Step: best, Node: r, Worker: w, Kind: tiers.MarkerMeta}.String()
+			out[r].Metas[name] = src.hash
+			inferred = append(inferred, slot)
+		}
+	}
+	return out, inferred
+}
+
+// Restored records that rank holds what the plan needs and returns once every rank did: the
+// barrier before .restore markers appear (SPEC §5). Calling it again is harmless.
+func (c *JobCoordinator) Restored(ctx context.Context, rank int) error {
+	if err := c.checkRank(rank); err != nil {
+		return err
+	}
+	c.mu.Lock()
+	if !c.restored[rank] {
+		c.restored[rank] = true
+		c.nRestored++
+		if c.nRestored == c.cfg.Nodes {
+			close(c.allRestored)
+		}
+	}
+	c.mu.Unlock()
+	select {
+	case <-c.allRestored:
+		return nil
+	case <-ctx.Done():
+		c.mu.Lock()
+		n := c.nRestored
+		c.mu.Unlock()
+		return fmt.Errorf("waiting for every node to restore (%d of %d done): %w", n, c.cfg.Nodes, ctx.Err())
+	case <-c.ctx.Done():
+		return ErrClosed
+	}
+}
+
+// Sync reports that rank committed (and replicated) step rep.Step, waits until every rank
+// reported it, and returns the job's decision for it (see JobCoordinator for ranks that lag,
+// run ahead or retry). If ctx ends first the report stays counted.
+func (c *JobCoordinator) Sync(ctx context.Context, rank int, rep tiers.SyncReport) (tiers.SyncDecision, error) {
+	if err := c.checkRank(rank); err != nil {
+		return tiers.SyncDecision{}, err
+	}
+	if rep.Step < 0 {
+		return tiers.SyncDecision{}, fmt.Errorf("sync of step %d: steps are ≥ 0", rep.Step)
+	}
+	c.mu.Lock()
+	r, err := c.arrive(rank, rep)
+	c.mu.Unlock()
+	if err != nil {
+		return tiers.SyncDecision{}, err
+	}
+	select {
+	case <-r.done:
+		return r.dec, r.err
+	case <-ctx.Done():
+		return tiers.SyncDecision{}, fmt.Errorf("waiting for every node to sync step %d: %w", rep.Step, ctx.Err())
+	case <-c.ctx.Done():
+		return tiers.SyncDecision{}, ErrClosed
+	}
+}
+
+// arrive counts rank's report and returns the round to wait for.
+func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, error) {
+	last := c.synced[rank]
+	if rep.Step <= last {
+		r := c.rounds[rep.Step]
+		if r == nil || (rep.Step < last && !r.finished()) {
+			return nil, fmt.Errorf("sync of step %d from rank %d, which already reported step %d", rep.Step, rank, last)
+		}
+		return r, nil // a retry: the outcome of the same round
+	}
+	aheadRank, aheadStep := c.ahead, c.synced[c.ahead]
+	c.synced[rank] = rep.Step
+	if rep.Step > aheadStep {
+		c.ahead = rank
+	}
+	// rank will never report the steps between its last one and this one.
+	for _, r := range c.rounds {
+		if r.step > last && r.step < rep.Step && !r.finished() {
+			c.finish(r, tiers.SyncDecision{}, fmt.Errorf("sync of step %d: %w: rank %d reported step %d next", r.step, ErrStepSkipped, rank, rep.Step))
+		}
+	}
+	r := c.rounds[rep.Step]
+	if r == nil {
+		r = &syncRound{step: rep.Step, done: make(chan struct{})}
+		c.rounds[rep.Step] = r
+		if aheadStep > rep.Step {
+			// No round existed although a rank is past this step: that rank skipped it.
+			c.finish(r, tiers.SyncDecision{}, fmt.Errorf("sync of step %d: %w: rank %d reported step %d instead", rep.Step, ErrStepSkipped, aheadRank, aheadStep))
+		} else {
+			r.stop = c.clock.AfterFunc(c.lagTimeout, func() { c.expire(r) })
+		}
+	}
+	if r.finished() {
+		return r, nil
+	}
+	r.arrived++
+	r.running = r.running || rep.BackupRunning
+	if r.arrived == c.cfg.Nodes {
+		c.complete(r)
+	}
+	return r, nil
+}
+
+func (r *syncRound) finished() bool {
+	select {
+	case <-r.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// finish publishes a round's outcome. Called with c.mu held.
+func (c *JobCoordinator) finish(r *syncRound, dec tiers.SyncDecision, err error) {
+	if r.stop != nil {
+		r.stop()
+	}
+	r.dec, r.err = dec, err
+	close(r.done)
+	if err != nil {
+		c.log.Warn("sync failed", "step", r.step, "err", err)
+	}
+}
+
+// complete decides a step every rank reported. Called with c.mu held.
+func (c *JobCoordinator) complete(r *syncRound) {
+	// restore.version is a one-shot override: gone after the first sync of a new checkpoint.
+	if c.pinned != "" && c.store != nil && (!c.plan.Found || r.step != c.plan.Step) {
+		if err := c.store.ClearRestoreVersion(c.ctx, c.cfg.JobName); err != nil {
+			// The pin stays: the next step's sync tries again.
+			c.finish(r, tiers.SyncDecision{}, fmt.Errorf("sync of step %d: delete restore.version: %w", r.step, err))
+			return
+		}
+		c.pinned = ""
+	}
+	var dec tiers.SyncDecision
+	if c.store != nil {
+		now := c.clock.Now()
+		// A minute that already has a backup (from an earlier incarnation) counts like a
+		// running backup: the sync is counted, the backup waits for the next minute.
+		busy := r.running || tiers.BackupName(now) <= c.floor
+		if dec.Backup = c.schedule.Due(now, busy); dec.Backup != "" {
+			c.floor = dec.Backup
+		}
+	}
+	c.finish(r, dec, nil)
+	// Every rank reported r.step, so every earlier round is finished and no rank can ask for
+	// it again (all are past it).
+	for step := range c.rounds {
+		if step < r.step {
+			delete(c.rounds, step)
+		}
+	}
+}
+
+// expire fails a round still waiting when its lag timeout passes.
+func (c *JobCoordinator) expire(r *syncRound) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if r.finished() || c.ctx.Err() != nil {
+		return
+	}
+	const show = 8
+	var missing []int
+	n := 0
+	for rank, s := range c.synced {
+		if s < r.step {
+			if n++; len(missing) < show {
+				missing = append(missing, rank)
+			}
+		}
+	}
+	more := ""
+	if n > show {
+		more = fmt.Sprintf(" and %d more", n-show)
+	}
+	c.finish(r, tiers.SyncDecision{}, fmt.Errorf("sync of step %d: %w: ranks %v%s (%d of %d nodes) did not report it within %v",
+		r.step, ErrSyncTimeout, missing, more, n, c.cfg.Nodes, c.lagTimeout))
+}
+
+// lastBackup is the newest backup name this coordinator knows of.
+func (c *JobCoordinator) lastBackup() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.floor
+}
+
+// negotiationStarted reports whether the inventories are frozen.
+func (c *JobCoordinator) negotiationStarted() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.planning
+}
+
+// Job routes the calls of a job's agents to the JobCoordinator of the job's current
+// incarnation, creating one when the job restarts. It is what the rank-0 agent serves, in
+// process (LocalClient) or behind the peer service.
+//
+// Each agent names its own incarnation with a random id, so ids differ between nodes; Job ties
+// them together per rank. A Negotiate from a rank with a new id joins the current coordinator
+// while it is still gathering inventories (the agent restarted: its new inventory replaces the
+// old), and otherwise starts the next incarnation, closing the current coordinator so that its
+// waiting callers return ErrClosed. Calls carrying an id of an earlier incarnation, and
+// Restored or Sync with an id the current coordinator has not seen negotiate, fail with
+// ErrOtherIncarnation.
+type Job struct {
+	opts Options
+
+	mu      sync.Mutex      // LOCK ORDERING: before JobCoordinator.mu
+	cur     *JobCoordinator // GUARDED_BY(mu); nil before the first negotiation
+	ids     []string        // GUARDED_BY(mu); by rank: the agent incarnation id cur coordinates
+	retired map[string]bool // GUARDED_BY(mu); the ids of every earlier incarnation (a few per restart)
+}
+
+// NewJob returns a Job whose coordinators use opts. Its LastBackup is carried from one
+// incarnation's coordinator to the next.
+func NewJob(opts Options) *Job { return &Job{opts: opts} }
+
+// Coordinator returns the coordinator for a call from rank in the agent incarnation inc;
+// negotiate is true for Negotiate, the only call that may start an incarnation.
+func (j *Job) Coordinator(rank int, inc tiers.Incarnation, negotiate bool) (*JobCoordinator, error) {
+	cfg := inc.Config
+	if cfg == nil {
+		return nil, fmt.Errorf("incarnation %s has no config", inc.ID)
+	}
+	if rank < 0 || rank >= cfg.Nodes {
+		return nil, fmt.Errorf("rank %d is not in the job's %d nodes", rank, cfg.Nodes)
+	}
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.retired[inc.ID] {
+		return nil, fmt.Errorf("incarnation %s of rank %d: %w (superseded by a newer one)", inc.ID, rank, ErrOtherIncarnation)
+	}
+	if j.cur != nil && sameJob(j.cur.cfg, cfg) {
+		switch known := j.ids[rank]; {
+		case known == inc.ID:
+			return j.cur, nil
+		case !negotiate:
+			return nil, fmt.Errorf("incarnation %s of rank %d: %w (not negotiated)", inc.ID, rank, ErrOtherIncarnation)
+		case known == "" || !j.cur.negotiationStarted():
+			j.ids[rank] = inc.ID
+			return j.cur, nil
+		}
+	} else if !negotiate {
+		return nil, fmt.Errorf("incarnation %s of rank %d: %w (not negotiated)", inc.ID, rank, ErrOtherIncarnation)
+	}
+	// The job restarted (or started, or changed shape): a new incarnation.
+	opts := j.opts
+	if j.cur != nil {
+		if j.retired == nil {
+			j.retired = map[string]bool{}
+		}
+		for _, id := range j.ids {
+			if id != "" {
+				j.retired[id] = true
+			}
+		}
+		opts.LastBackup = j.cur.lastBackup()
+		j.cur.Close()
+		j.opts.LastBackup = opts.LastBackup
+	}
+	next, err := NewJobCoordinator(cfg, opts)
+	if err != nil {
+		return nil, err
+	}
+	j.cur, j.ids = next, make([]string, cfg.Nodes)
+	j.ids[rank] = inc.ID
+	return next, nil
+}
+
+// sameJob reports whether two agents' configs describe the same job layout.
+func sameJob(a, b *tiers.Config) bool {
+	return a.JobName == b.JobName && a.Nodes == b.Nodes && a.WorkersPerNode == b.WorkersPerNode &&
+		a.AssumeDataParallelism == b.AssumeDataParallelism
+}
+
+// LocalClient is the tiers.Coordinator of an agent whose coordinator runs in the same process:
+// the rank comes from each call's incarnation config. It lets the replicator, tests and
+// simulations drive many ranks of one Job without a network.
+type LocalClient struct{ Job *Job }
+
+var _ tiers.Coordinator = LocalClient{}
+
+func (l LocalClient) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {
+	c, rank, err := l.coordinator(inc, true)
+	if err != nil {
+		return tiers.RestorePlan{}, err
+	}
+	return c.Negotiate(ctx, rank, inv)
+}
+
+func (l LocalClient) Restored(ctx context.Context, inc tiers.Incarnation) error {
+	c, rank, err := l.coordinator(inc, false)
+	if err != nil {
+		return err
+	}
+	return c.Restored(ctx, rank)
+}
+
+func (l LocalClient) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
+	c, rank, err := l.coordinator(inc, false)
+	if err != nil {
+		return tiers.SyncDecision{}, err
+	}
+	return c.Sync(ctx, rank, rep)
+}
+
+func (l LocalClient) coordinator(inc tiers.Incarnation, negotiate bool) (*JobCoordinator, int, error) {
+	if inc.Config == nil {
+		return nil, 0, fmt.Errorf("incarnation %s has no config", inc.ID)
+	}
+	c, err := l.Job.Coordinator(inc.Config.NodeRank, inc, negotiate)
+	return c, inc.Config.NodeRank, err
+}

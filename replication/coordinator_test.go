@@ -1,0 +1,847 @@
+package replication
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+const testJob = "llama"
+
+// --- fakes -------------------------------------------------------------------------------
+
+// fakeClock is a Clock that moves only when told to. Timers fire, each in its own goroutine,
+// when Advance passes their deadline.
+type fakeClock struct {
+	mu     sync.Mutex
+	now    time.Time    // GUARDED_BY(mu)
+	timers []*fakeTimer // GUARDED_BY(mu); not yet fired nor stopped
+}
+
+type fakeTimer struct {
+	at time.Time
+	f  func()
+}
+
+func newFakeClock() *fakeClock {
+	return &fakeClock{now: time.Date(2030, 1, 2, 3, 0, 0, 0, time.UTC)}
+}
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) AfterFunc(d time.Duration, f func()) func() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t := &fakeTimer{at: c.now.Add(d), f: f}
+	c.timers = append(c.timers, t)
+	return func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		for i, x := range c.timers {
+			if x == t {
+				c.timers = append(c.timers[:i], c.timers[i+1:]...)
+				return true
+			}
+		}
+		return false
+	}
+}
+
+func (c *fakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.now = c.now.Add(d)
+	var due []*fakeTimer
+	kept := c.timers[:0]
+	for _, t := range c.timers {
+		if !t.at.After(c.now) {
+			due = append(due, t)
+		} else {
+			kept = append(kept, t)
+		}
+	}
+	c.timers = kept
+	c.mu.Unlock()
+	for _, t := range due {
+		go t.f()
+	}
+}
+
+func (c *fakeClock) pending() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.timers)
+}
+
+// fakeStore is a tiers.BackupStore holding only what the coordinator reads: backup names,
+// their complete steps, and restore.version.
+type fakeStore struct {
+	mu       sync.Mutex
+	backups  map[string][]tiers.BackupStep // GUARDED_BY(mu); complete steps, highest first
+	pin      string                        // GUARDED_BY(mu)
+	hasPin   bool                          // GUARDED_BY(mu)
+	clearErr error                         // GUARDED_BY(mu)
+	clears   int                           // GUARDED_BY(mu); successful deletions of the pin
+	pinReads int                           // GUARDED_BY(mu); one per PlanRestore
+}
+
+var _ tiers.BackupStore = (*fakeStore)(nil)
+
+func (s *fakeStore) Backups(ctx context.Context, job string) ([]string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var names []string
+	for n := range s.backups {
+		names = append(names, n)
+	}
+	sort.Sort(sort.Reverse(sort.StringSlice(names)))
+	return names, nil
+}
+
+func (s *fakeStore) CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]tiers.BackupStep, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	steps, ok := s.backups[backup]
+	if !ok {
+		return nil, fmt.Errorf("backup %s: %w", backup, tiers.ErrNoBackup)
+	}
+	return steps, nil
+}
+
+func (s *fakeStore) Upload(ctx context.Context, req tiers.Upload) error {
+	return errors.New("fakeStore: Upload is not used by the coordinator")
+}
+
+func (s *fakeStore) Download(ctx context.Context, job, backup, hash, dest string, progress func(done, total int64)) error {
+	return errors.New("fakeStore: Download is not used by the coordinator")
+}
+
+func (s *fakeStore) RestoreVersion(ctx context.Context, job string) (string, bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.pinReads++
+	return s.pin, s.hasPin, nil
+}
+
+func (s *fakeStore) ClearRestoreVersion(ctx context.Context, job string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.clearErr != nil {
+		return s.clearErr
+	}
+	if s.hasPin {
+		s.clears++
+	}
+	s.hasPin = false
+	return nil
+}
+
+func (s *fakeStore) String() string { return "fake://backups" }
+
+func (s *fakeStore) counts() (pinReads, clears int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pinReads, s.clears
+}
+
+// --- helpers -------------------------------------------------------------------------------
+
+// hashOf is a well-formed directory data hash derived from seed.
+func hashOf(seed string) string {
+	sum := sha256.Sum256([]byte(seed))
+	return "D" + hex.EncodeToString(sum[:])
+}
+
+// dataOf is the hash of rank's own data (worker 0) at step.
+func dataOf(rank int, step int64) string { return hashOf(fmt.Sprintf("n%d-s%d", rank, step)) }
+
+func metaOf(step int64, rank, worker int) string {
+	return tiers.MarkerName{Job: testJob, Step: step, Node: rank, Worker: worker, Kind: tiers.MarkerMeta}.String()
+}
+
+func testConfig(nodes int) *tiers.Config {
+	return &tiers.Config{JobName: testJob, Framework: tiers.FrameworkOrbax, Nodes: nodes, WorkersPerNode: 1, BackupIntervalSteps: 1}
+}
+
+// own is rank's inventory holding its own .meta and data of each step (worker 0).
+func own(rank int, steps ...int64) tiers.Inventory {
+	inv := tiers.Inventory{Rank: rank, Metas: map[string]string{}}
+	for _, s := range steps {
+		inv.Metas[metaOf(s, rank, 0)] = dataOf(rank, s)
+		inv.Data = append(inv.Data, dataOf(rank, s))
+	}
+	return inv
+}
+
+// holding adds to inv another rank's .meta of step (a replica); withData adds its data too.
+func holding(inv tiers.Inventory, rank int, step int64, withData bool) tiers.Inventory {
+	inv.Metas[metaOf(step, rank, 0)] = dataOf(rank, step)
+	if withData {
+		inv.Data = append(inv.Data, dataOf(rank, step))
+	}
+	return inv
+}
+
+// dropData removes rank's own data of step from inv, keeping the .meta.
+func dropData(inv tiers.Inventory, step int64) tiers.Inventory {
+	var kept []string
+	for _, h := range inv.Data {
+		if h != dataOf(inv.Rank, step) {
+			kept = append(kept, h)
+		}
+	}
+	inv.Data = kept
+	return inv
+}
+
+func newCoordinator(t *testing.T, cfg *tiers.Config, opts Options) *JobCoordinator {
+	t.Helper()
+	c, err := NewJobCoordinator(cfg, opts)
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	return c
+}
+
+type planResult struct {
+	plan tiers.RestorePlan
+	err  error
+}
+
+// negotiateAll negotiates every inventory concurrently and returns the results by rank.
+func negotiateAll(t *testing.T, c *JobCoordinator, invs []tiers.Inventory) []planResult {
+	t.Helper()
+	out := make([]planResult, len(invs))
+	var wg sync.WaitGroup
+	for i, inv := range invs {
+		wg.Go(func() {
+			out[i].plan, out[i].err = c.Negotiate(t.Context(), inv.Rank, inv)
+		})
+	}
+	wg.Wait()
+	return out
+}
+
+type syncResult struct {
+	dec tiers.SyncDecision
+	err error
+}
+
+// syncAll syncs step from every rank concurrently; running names the ranks still backing up.
+func syncAll(t *testing.T, c *JobCoordinator, nodes int, step int64, running ...int) []syncResult {
+	t.Helper()
+	out := make([]syncResult, nodes)
+	var wg sync.WaitGroup
+	for r := range nodes {
+		wg.Go(func() {
+			rep := tiers.SyncReport{Step: step}
+			for _, x := range running {
+				rep.BackupRunning = rep.BackupRunning || x == r
+			}
+			out[r].dec, out[r].err = c.Sync(t.Context(), r, rep)
+		})
+	}
+	wg.Wait()
+	return out
+}
+
+// async runs f in a goroutine and returns a channel with its error.
+func async(f func() error) <-chan error {
+	ch := make(chan error, 1)
+	go func() { ch <- f() }()
+	return ch
+}
+
+// stillWaiting fails the test if ch yields within a short while.
+func stillWaiting(t *testing.T, ch <-chan error, what string) {
+	t.Helper()
+	select {
+	case err := <-ch:
+		t.Fatalf("%s returned (err %v) before every node arrived", what, err)
+	case <-time.After(30 * time.Millisecond):
+	}
+}
+
+// arrived waits until c's state satisfies cond: a call made in another goroutine has been
+// counted. Tests use it where the order of arrivals matters.
+func arrived(t *testing.T, c *JobCoordinator, what string, cond func(c *JobCoordinator) bool) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return cond(c)
+	}, 10*time.Second, time.Millisecond, "waiting for %s", what)
+}
+
+// syncedTo is an arrived condition: rank reported step.
+func syncedTo(rank int, step int64) func(c *JobCoordinator) bool {
+	return func(c *JobCoordinator) bool { return c.synced[rank] == step }
+}
+
+// holdsMeta is an arrived condition: rank's recorded inventory has the .meta name.
+func holdsMeta(rank int, name string) func(c *JobCoordinator) bool {
+	return func(c *JobCoordinator) bool { _, ok := c.invs[rank].Metas[name]; return ok }
+}
+
+// result waits for ch.
+func result(t *testing.T, ch <-chan error, what string) error {
+	t.Helper()
+	select {
+	case err := <-ch:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s did not return", what)
+		return nil
+	}
+}
+
+// --- negotiation -----------------------------------------------------------------------------
+
+func TestCoordinatorNegotiate(t *testing.T) {
+	t.Parallel()
+	const b1, b2 = "2030-01-01_00-01", "2030-01-01_00-02"
+	backupData := map[tiers.Slot]string{{Rank: 0}: hashOf("b0"), {Rank: 1}: hashOf("b1"), {Rank: 2}: hashOf("b2")}
+	tests := []struct {
+		name  string
+		nodes int
+		dp    int // assume-data-parallelism
+		invs  []tiers.Inventory
+		store *fakeStore // nil: no backup tier
+		// want is the job-wide outcome; data[r] is what rank r restores and holders[r] who
+		// holds it in RAM (ignored when the plan is not Found or comes from a backup).
+		want    tiers.RestorePlan
+		data    []string
+		holders [][]int
+	}{
+		{
+			name: "highest step complete on every node", nodes: 3,
+			invs: []tiers.Inventory{own(0, 10, 20), own(1, 10, 20), own(2, 10, 20)},
+			want: tiers.RestorePlan{Step: 20, Found: true},
+			data: []string{dataOf(0, 20), dataOf(1, 20), dataOf(2, 20)}, holders: [][]int{{0}, {1}, {2}},
+		},
+		{
+			name: "a step one node lacks is not complete", nodes: 4,
+			invs: []tiers.Inventory{own(0, 10, 20), own(1, 10, 20), own(2, 10), own(3, 10, 20)},
+			want: tiers.RestorePlan{Step: 10, Found: true},
+			data: []string{dataOf(0, 10), dataOf(1, 10), dataOf(2, 10), dataOf(3, 10)}, holders: [][]int{{0}, {1}, {2}, {3}},
+		},
+		{
+			name: "a lost node's step held by its peer", nodes: 3,
+			invs: []tiers.Inventory{holding(own(0, 10, 20), 1, 20, true), {Rank: 1}, own(2, 10, 20)},
+			want: tiers.RestorePlan{Step: 20, Found: true},
+			data: []string{dataOf(0, 20), dataOf(1, 20), dataOf(2, 20)}, holders: [][]int{{0}, {0}, {2}},
+		},
+		{
+			name: "a .meta whose data no node holds does not count", nodes: 3,
+			invs: []tiers.Inventory{own(0, 10, 20), own(1, 10, 20), dropData(own(2, 10, 20), 20)},
+			want: tiers.RestorePlan{Step: 10, Found: true},
+			data: []string{dataOf(0, 10), dataOf(1, 10), dataOf(2, 10)}, holders: [][]int{{0}, {1}, {2}},
+		},
+		{
+			name: "nothing in RAM: the newest complete backup", nodes: 3,
+			invs:  []tiers.Inventory{{Rank: 0}, {Rank: 1}, {Rank: 2}},
+			store: &fakeStore{backups: map[string][]tiers.BackupStep{b1: {{Step: 7, Data: backupData}}, b2: nil}},
+			want:  tiers.RestorePlan{Step: 7, Found: true, Backup: b1},
+			data:  []string{hashOf("b0"), hashOf("b1"), hashOf("b2")},
+		},
+		{
+			name: "restore.version wins over RAM", nodes: 3,
+			invs:  []tiers.Inventory{own(0, 20), own(1, 20), own(2, 20)},
+			store: &fakeStore{backups: map[string][]tiers.BackupStep{b1: {{Step: 7, Data: backupData}}}, pin: b1, hasPin: true},
+			want:  tiers.RestorePlan{Step: 7, Found: true, Backup: b1, Pinned: b1},
+			data:  []string{hashOf("b0"), hashOf("b1"), hashOf("b2")},
+		},
+		{
+			name: "nothing anywhere", nodes: 3,
+			invs: []tiers.Inventory{own(0, 10), {Rank: 1}, own(2, 10)},
+			want: tiers.RestorePlan{},
+		},
+		{
+			// P = 2: columns {0, 2} and {1, 3}. Node 3 was replaced and holds nothing.
+			name: "data-parallel: a lost node's .meta inferred from its column-mate", nodes: 4, dp: 2,
+			invs: []tiers.Inventory{own(0, 10, 20), own(1, 10, 20), own(2, 10, 20), {Rank: 3}},
+			want: tiers.RestorePlan{Step: 20, Found: true},
+			data: []string{dataOf(0, 20), dataOf(1, 20), dataOf(2, 20), dataOf(1, 20)}, holders: [][]int{{0}, {1}, {2}, {1}},
+		},
+		{
+			// Node 3's .meta survived at its column-mate, but the data it names is gone.
+			name: "data-parallel: a .meta naming lost data is replaced from the column", nodes: 4, dp: 2,
+			invs: []tiers.Inventory{own(0, 20), holding(own(1, 20), 3, 20, false), own(2, 20), {Rank: 3}},
+			want: tiers.RestorePlan{Step: 20, Found: true},
+			data: []string{dataOf(0, 20), dataOf(1, 20), dataOf(2, 20), dataOf(1, 20)}, holders: [][]int{{0}, {1}, {2}, {1}},
+		},
+		{
+			name: "data-parallel: a whole column missing a step", nodes: 4, dp: 2,
+			invs: []tiers.Inventory{own(0, 10, 20), own(1, 10), own(2, 10, 20), own(3, 10)},
+			want: tiers.RestorePlan{Step: 10, Found: true},
+			data: []string{dataOf(0, 10), dataOf(1, 10), dataOf(2, 10), dataOf(3, 10)}, holders: [][]int{{0}, {1}, {2}, {3}},
+		},
+		{
+			name: "no inference without data-parallel mode", nodes: 4,
+			invs: []tiers.Inventory{own(0, 10, 20), own(1, 10, 20), own(2, 10, 20), {Rank: 3}},
+			want: tiers.RestorePlan{},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := testConfig(tt.nodes)
+			cfg.AssumeDataParallelism = tt.dp
+			opts := Options{Clock: newFakeClock()}
+			if tt.store != nil {
+				opts.Store = tt.store
+			}
+			c := newCoordinator(t, cfg, opts)
+			results := negotiateAll(t, c, tt.invs)
+			for r, res := range results {
+				require.NoError(t, res.err, "rank %d", r)
+				p := res.plan
+				assert.Equal(t, tt.want.Found, p.Found, "rank %d: found", r)
+				assert.Equal(t, tt.want.Step, p.Step, "rank %d: step", r)
+				assert.Equal(t, tt.want.Backup, p.Backup, "rank %d: backup", r)
+				assert.Equal(t, tt.want.Pinned, p.Pinned, "rank %d: pinned", r)
+				if !tt.want.Found {
+					assert.Empty(t, p.Data, "rank %d: nothing to restore", r)
+					continue
+				}
+				slot := tiers.Slot{Rank: r}
+				assert.Equal(t, map[tiers.Slot]string{slot: tt.data[r]}, p.Data, "rank %d: its part of the plan only", r)
+				if tt.holders != nil {
+					assert.Equal(t, map[string][]int{tt.data[r]: tt.holders[r]}, p.Holders, "rank %d: holders of its data", r)
+				}
+			}
+			if tt.store != nil {
+				reads, _ := tt.store.counts()
+				assert.Equal(t, 1, reads, "the plan is computed once for all nodes")
+			}
+		})
+	}
+}
+
+// inferFromColumns must not change the inventories it was given: they belong to the callers.
+func TestCoordinatorInferenceLeavesInventoriesAlone(t *testing.T) {
+	t.Parallel()
+	cfg := testConfig(4)
+	cfg.AssumeDataParallelism = 2
+	invs := []tiers.Inventory{own(0, 20), holding(own(1, 20), 3, 20, false), own(2, 20), {Rank: 3, Metas: map[string]string{}}}
+	out, inferred := inferFromColumns(cfg, invs)
+	assert.Equal(t, []tiers.Slot{{Rank: 3}}, inferred)
+	assert.Empty(t, invs[3].Metas, "the caller's inventory gained nothing")
+	assert.Equal(t, dataOf(1, 20), out[3].Metas[metaOf(20, 3, 0)], "rank 3 restores its column-mate's data")
+}
+
+func TestCoordinatorNegotiateReReport(t *testing.T) {
+	t.Parallel()
+	store := &fakeStore{}
+	c := newCoordinator(t, testConfig(3), Options{Store: store, Clock: newFakeClock()})
+	first := async(func() error {
+		_, err := c.Negotiate(t.Context(), 1, own(1, 10)) // before the agent restarted
+		return err
+	})
+	arrived(t, c, "rank 1's first inventory", holdsMeta(1, metaOf(10, 1, 0)))
+	stillWaiting(t, first, "rank 1's first negotiation")
+	// The restarted agent found step 20 in its spool: its new inventory replaces the old.
+	second := async(func() error {
+		p, err := c.Negotiate(t.Context(), 1, own(1, 10, 20))
+		assert.Equal(t, int64(20), p.Step, "the replacing inventory was used")
+		return err
+	})
+	arrived(t, c, "rank 1's second inventory", holdsMeta(1, metaOf(20, 1, 0)))
+	stillWaiting(t, second, "rank 1's second negotiation")
+	for r, res := range negotiateAll(t, c, []tiers.Inventory{own(0, 10, 20), own(2, 10, 20)}) {
+		require.NoError(t, res.err)
+		assert.Equal(t, int64(20), res.plan.Step, "the replacing inventory was used (caller %d)", r)
+	}
+	require.NoError(t, result(t, second, "rank 1's second negotiation"))
+	require.NoError(t, result(t, first, "rank 1's first negotiation"), "the first call gets the plan too")
+	// After the plan exists, a report (another restart) gets the same plan.
+	p, err := c.Negotiate(t.Context(), 1, own(1, 10))
+	require.NoError(t, err)
+	assert.Equal(t, int64(20), p.Step)
+	reads, _ := store.counts()
+	assert.Equal(t, 1, reads, "PlanRestore ran exactly once")
+}
+
+func TestCoordinatorNegotiateRejectsBadCalls(t *testing.T) {
+	t.Parallel()
+	c := newCoordinator(t, testConfig(2), Options{})
+	_, err := c.Negotiate(t.Context(), 2, tiers.Inventory{Rank: 2})
+	assert.ErrorContains(t, err, "rank 2 is not in the job's 2 nodes")
+	_, err = c.Negotiate(t.Context(), 0, tiers.Inventory{Rank: 1})
+	assert.ErrorContains(t, err, "inventory of rank 1 reported for rank 0")
+	_, err = NewJobCoordinator(&tiers.Config{Nodes: 0, WorkersPerNode: 1}, Options{})
+	assert.Error(t, err)
+}
+
+func TestCoordinatorCancellation(t *testing.T) {
+	t.Parallel()
+	c := newCoordinator(t, testConfig(2), Options{Clock: newFakeClock()})
+
+	ctx, cancel := context.WithCancel(t.Context())
+	neg := async(func() error { _, err := c.Negotiate(ctx, 0, own(0, 10)); return err })
+	res := async(func() error { return c.Restored(ctx, 0) })
+	syn := async(func() error { _, err := c.Sync(ctx, 0, tiers.SyncReport{Step: 11}); return err })
+	stillWaiting(t, neg, "Negotiate")
+	cancel()
+	err := result(t, neg, "Negotiate")
+	assert.ErrorIs(t, err, context.Canceled)
+	assert.ErrorContains(t, err, "1 of 2 reported")
+	assert.ErrorIs(t, result(t, res, "Restored"), context.Canceled)
+	assert.ErrorIs(t, result(t, syn, "Sync"), context.Canceled)
+
+	// The cancelled calls stay counted: rank 1 alone completes each barrier, and rank 0's retry
+	// gets the same outcome.
+	p, err := c.Negotiate(t.Context(), 1, own(1, 10))
+	require.NoError(t, err)
+	assert.Equal(t, int64(10), p.Step)
+	p, err = c.Negotiate(t.Context(), 0, own(0, 10))
+	require.NoError(t, err)
+	assert.Equal(t, int64(10), p.Step)
+	require.NoError(t, c.Restored(t.Context(), 1))
+	require.NoError(t, c.Restored(t.Context(), 0))
+	_, err = c.Sync(t.Context(), 1, tiers.SyncReport{Step: 11})
+	require.NoError(t, err)
+	_, err = c.Sync(t.Context(), 0, tiers.SyncReport{Step: 11})
+	require.NoError(t, err, "a retried report joins its finished round")
+
+	// Close releases waiting callers and refuses new ones.
+	c2 := newCoordinator(t, testConfig(2), Options{})
+	neg = async(func() error { _, err := c2.Negotiate(t.Context(), 0, own(0, 10)); return err })
+	stillWaiting(t, neg, "Negotiate")
+	c2.Close()
+	assert.ErrorIs(t, result(t, neg, "Negotiate"), ErrClosed)
+	assert.ErrorIs(t, c2.Restored(t.Context(), 0), ErrClosed)
+}
+
+func TestCoordinatorRestoredBarrier(t *testing.T) {
+	t.Parallel()
+	c := newCoordinator(t, testConfig(3), Options{})
+	var waiting []<-chan error
+	for _, r := range []int{0, 1, 1} { // rank 1 twice: counted once
+		waiting = append(waiting, async(func() error { return c.Restored(t.Context(), r) }))
+	}
+	for _, ch := range waiting {
+		stillWaiting(t, ch, "Restored")
+	}
+	require.NoError(t, c.Restored(t.Context(), 2), "the last node releases everyone")
+	for _, ch := range waiting {
+		assert.NoError(t, result(t, ch, "Restored"))
+	}
+	assert.NoError(t, c.Restored(t.Context(), 0), "once open, the barrier stays open")
+}
+
+// --- sync ------------------------------------------------------------------------------------
+
+func TestCoordinatorSyncDecisions(t *testing.T) {
+	t.Parallel()
+	type step struct {
+		advance time.Duration // clock moves before the sync
+		running []int         // ranks still uploading a backup
+		want    string        // the backup's HH-MM, "" for none
+	}
+	tests := []struct {
+		name    string
+		minutes float64
+		steps   int
+		noStore bool
+		stored  []string // backup names already in the store
+		syncs   []step
+	}{
+		{
+			name: "every 2 steps", steps: 2,
+			syncs: []step{{0, nil, ""}, {time.Minute, nil, "03-01"}, {time.Minute, nil, ""}, {time.Minute, nil, "03-03"}},
+		},
+		{
+			name: "every 5 minutes from the first sync", minutes: 5,
+			syncs: []step{{0, nil, ""}, {4 * time.Minute, nil, ""}, {time.Minute, nil, "03-05"}, {time.Minute, nil, ""}, {4 * time.Minute, nil, "03-10"}},
+		},
+		{
+			name: "never while any node is still backing up", steps: 1,
+			syncs: []step{{0, nil, "03-00"}, {time.Minute, []int{2}, ""}, {time.Minute, []int{0, 1}, ""}, {time.Minute, nil, "03-03"}},
+		},
+		{
+			name: "a minute that has a backup from an earlier incarnation waits", steps: 1,
+			stored: []string{"2030-01-02_03-00"},
+			syncs:  []step{{0, nil, ""}, {30 * time.Second, nil, ""}, {30 * time.Second, nil, "03-01"}},
+		},
+		{
+			name: "no backup tier, no backups", steps: 1, noStore: true,
+			syncs: []step{{0, nil, ""}, {time.Minute, nil, ""}},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			const nodes = 3
+			cfg := testConfig(nodes)
+			cfg.BackupIntervalMinutes, cfg.BackupIntervalSteps = tt.minutes, tt.steps
+			clock := newFakeClock()
+			opts := Options{Clock: clock}
+			if !tt.noStore {
+				store := &fakeStore{backups: map[string][]tiers.BackupStep{}}
+				for _, n := range tt.stored {
+					store.backups[n] = nil
+				}
+				opts.Store = store
+			}
+			c := newCoordinator(t, cfg, opts)
+			negotiateAll(t, c, []tiers.Inventory{own(0), own(1), own(2)})
+			for i, s := range tt.syncs {
+				clock.Advance(s.advance)
+				step := int64(100 + i)
+				want := ""
+				if s.want != "" {
+					want = "2030-01-02_" + s.want
+				}
+				for r, res := range syncAll(t, c, nodes, step, s.running...) {
+					require.NoError(t, res.err, "step %d rank %d", step, r)
+					assert.Equal(t, want, res.dec.Backup, "step %d (sync %d) rank %d", step, i, r)
+				}
+			}
+		})
+	}
+}
+
+func TestCoordinatorRestoreVersionIsOneShot(t *testing.T) {
+	t.Parallel()
+	const pin = "2030-01-01_00-01"
+	data := map[tiers.Slot]string{{Rank: 0}: hashOf("b0"), {Rank: 1}: hashOf("b1")}
+	tests := []struct {
+		name      string
+		backups   map[string][]tiers.BackupStep
+		clearErr  bool
+		steps     []int64
+		wantAfter []int // pins deleted after each step's sync
+	}{
+		{
+			name:    "restored from the pin: deleted after the first new step",
+			backups: map[string][]tiers.BackupStep{pin: {{Step: 7, Data: data}}},
+			steps:   []int64{7, 8, 9}, wantAfter: []int{0, 1, 1},
+		},
+		{
+			name:  "pin names a missing backup: deleted after the first sync",
+			steps: []int64{1, 2}, wantAfter: []int{1, 1},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			store := &fakeStore{backups: tt.backups, pin: pin, hasPin: true}
+			c := newCoordinator(t, testConfig(2), Options{Store: store, Clock: newFakeClock()})
+			negotiateAll(t, c, []tiers.Inventory{own(0), own(1)})
+			for i, step := range tt.steps {
+				for r, res := range syncAll(t, c, 2, step) {
+					require.NoError(t, res.err, "step %d rank %d", step, r)
+				}
+				_, clears := store.counts()
+				assert.Equal(t, tt.wantAfter[i], clears, "restore.version deletions after step %d", step)
+			}
+		})
+	}
+
+	t.Run("a failed deletion is retried at the next step", func(t *testing.T) {
+		t.Parallel()
+		store := &fakeStore{pin: pin, hasPin: true, clearErr: errors.New("permission denied")}
+		c := newCoordinator(t, testConfig(2), Options{Store: store, Clock: newFakeClock()})
+		negotiateAll(t, c, []tiers.Inventory{own(0), own(1)})
+		for r, res := range syncAll(t, c, 2, 1) {
+			assert.ErrorContains(t, res.err, "delete restore.version: permission denied", "rank %d", r)
+		}
+		store.mu.Lock()
+		store.clearErr = nil
+		store.mu.Unlock()
+		for r, res := range syncAll(t, c, 2, 2) {
+			require.NoError(t, res.err, "rank %d", r)
+		}
+		_, clears := store.counts()
+		assert.Equal(t, 1, clears)
+	})
+}
+
+func TestCoordinatorSyncLaggard(t *testing.T) {
+	t.Parallel()
+	clock := newFakeClock()
+	c := newCoordinator(t, testConfig(3), Options{Clock: clock, LagTimeout: time.Minute})
+	var waiting []<-chan error
+	for _, r := range []int{0, 1} {
+		waiting = append(waiting, async(func() error { _, err := c.Sync(t.Context(), r, tiers.SyncReport{Step: 5}); return err }))
+	}
+	arrived(t, c, "ranks 0 and 1 at step 5", func(c *JobCoordinator) bool { return c.synced[0] == 5 && c.synced[1] == 5 })
+	assert.Equal(t, 1, clock.pending(), "the lag timer starts at the first report")
+	clock.Advance(59 * time.Second)
+	for _, ch := range waiting {
+		stillWaiting(t, ch, "Sync before the lag timeout")
+	}
+	clock.Advance(time.Second)
+	for _, ch := range waiting {
+		err := result(t, ch, "Sync")
+		assert.ErrorIs(t, err, ErrSyncTimeout)
+		assert.ErrorContains(t, err, "ranks [2] (1 of 3 nodes) did not report it within 1m0s")
+	}
+	// The laggard, arriving late, learns the same; the next step syncs normally.
+	_, err := c.Sync(t.Context(), 2, tiers.SyncReport{Step: 5})
+	assert.ErrorIs(t, err, ErrSyncTimeout)
+	for r, res := range syncAll(t, c, 3, 6) {
+		assert.NoError(t, res.err, "rank %d", r)
+	}
+	assert.Zero(t, clock.pending(), "a finished round's timer is stopped")
+}
+
+func TestCoordinatorSyncNodeAhead(t *testing.T) {
+	t.Parallel()
+	c := newCoordinator(t, testConfig(3), Options{Clock: newFakeClock()})
+	var waiting []<-chan error
+	for _, r := range []int{0, 1} {
+		waiting = append(waiting, async(func() error { _, err := c.Sync(t.Context(), r, tiers.SyncReport{Step: 5}); return err }))
+	}
+	arrived(t, c, "ranks 0 and 1 at step 5", func(c *JobCoordinator) bool { return c.synced[0] == 5 && c.synced[1] == 5 })
+	for _, ch := range waiting {
+		stillWaiting(t, ch, "Sync")
+	}
+	// Rank 2 never committed step 5 and reports 6: 5 cannot complete any more.
+	six := async(func() error { _, err := c.Sync(t.Context(), 2, tiers.SyncReport{Step: 6}); return err })
+	for _, ch := range waiting {
+		err := result(t, ch, "Sync of the skipped step")
+		assert.ErrorIs(t, err, ErrStepSkipped)
+		assert.ErrorContains(t, err, "rank 2 reported step 6 next")
+	}
+	stillWaiting(t, six, "Sync of step 6")
+	waiting = []<-chan error{six}
+	for _, r := range []int{0, 1} {
+		waiting = append(waiting, async(func() error { _, err := c.Sync(t.Context(), r, tiers.SyncReport{Step: 6}); return err }))
+	}
+	for _, ch := range waiting {
+		assert.NoError(t, result(t, ch, "Sync of step 6"), "step 6 is the step every node reached")
+	}
+
+	// A step first reported after another rank already went past it fails at once.
+	eight := async(func() error { _, err := c.Sync(t.Context(), 2, tiers.SyncReport{Step: 8}); return err })
+	arrived(t, c, "rank 2 at step 8", syncedTo(2, 8))
+	stillWaiting(t, eight, "Sync of step 8")
+	_, err := c.Sync(t.Context(), 0, tiers.SyncReport{Step: 7})
+	assert.ErrorIs(t, err, ErrStepSkipped)
+	assert.ErrorContains(t, err, "rank 2 reported step 8 instead")
+}
+
+func TestCoordinatorSyncRetriesAndStaleReports(t *testing.T) {
+	t.Parallel()
+	c := newCoordinator(t, testConfig(3), Options{Clock: newFakeClock()})
+	var waiting []<-chan error
+	for _, r := range []int{0, 0, 1} { // rank 0's request retried: one report
+		waiting = append(waiting, async(func() error { _, err := c.Sync(t.Context(), r, tiers.SyncReport{Step: 5}); return err }))
+	}
+	for _, ch := range waiting {
+		stillWaiting(t, ch, "Sync")
+	}
+	_, err := c.Sync(t.Context(), 2, tiers.SyncReport{Step: 5})
+	require.NoError(t, err)
+	for _, ch := range waiting {
+		assert.NoError(t, result(t, ch, "Sync"))
+	}
+	_, err = c.Sync(t.Context(), 1, tiers.SyncReport{Step: 5})
+	assert.NoError(t, err, "a retry after the round finished gets its outcome")
+
+	for r, res := range syncAll(t, c, 3, 6) {
+		require.NoError(t, res.err, "rank %d", r)
+	}
+	_, err = c.Sync(t.Context(), 1, tiers.SyncReport{Step: 4})
+	assert.ErrorContains(t, err, "sync of step 4 from rank 1, which already reported step 6")
+	_, err = c.Sync(t.Context(), 1, tiers.SyncReport{Step: -1})
+	assert.Error(t, err)
+}
+
+// --- incarnations and the local client ------------------------------------------------------
+
+// agentInc is one agent's incarnation: its own random id, and its rank in the config.
+func agentInc(id string, rank, nodes int) tiers.Incarnation {
+	cfg := testConfig(nodes)
+	cfg.NodeRank = rank
+	return tiers.Incarnation{ID: id, Config: cfg}
+}
+
+// current is job's coordinator of the current incarnation.
+func current(job *Job) *JobCoordinator {
+	job.mu.Lock()
+	defer job.mu.Unlock()
+	return job.cur
+}
+
+func TestCoordinatorLocalClientIncarnations(t *testing.T) {
+	t.Parallel()
+	const nodes = 2
+	clock := newFakeClock()
+	job := NewJob(Options{Clock: clock, Store: &fakeStore{backups: map[string][]tiers.BackupStep{}}})
+	client := LocalClient{Job: job}
+
+	// First incarnation. Node 1's agent restarts while the others have not reported yet: its
+	// new inventory replaces the old one.
+	before := agentInc("a1", 1, nodes)
+	first := async(func() error { _, err := client.Negotiate(t.Context(), before, own(1, 10)); return err })
+	require.Eventually(t, func() bool { return current(job) != nil }, 10*time.Second, time.Millisecond)
+	arrived(t, current(job), "rank 1's first inventory", holdsMeta(1, metaOf(10, 1, 0)))
+	stillWaiting(t, first, "negotiation")
+	incs := []tiers.Incarnation{agentInc("a0", 0, nodes), agentInc("a1-restarted", 1, nodes)}
+	second := async(func() error {
+		p, err := client.Negotiate(t.Context(), incs[1], own(1, 10, 20))
+		assert.Equal(t, int64(20), p.Step)
+		return err
+	})
+	arrived(t, current(job), "rank 1's second inventory", holdsMeta(1, metaOf(20, 1, 0)))
+	stillWaiting(t, second, "negotiation")
+	p, err := client.Negotiate(t.Context(), incs[0], own(0, 10, 20))
+	require.NoError(t, err)
+	assert.Equal(t, int64(20), p.Step, "rank 1's replacing inventory was used")
+	require.NoError(t, result(t, first, "the replaced negotiation"))
+	require.NoError(t, result(t, second, "the replacing negotiation"))
+	var wg sync.WaitGroup
+	for _, inc := range incs {
+		wg.Go(func() {
+			assert.NoError(t, client.Restored(t.Context(), inc))
+			d, err := client.Sync(t.Context(), inc, tiers.SyncReport{Step: 21})
+			assert.NoError(t, err)
+			assert.Equal(t, "2030-01-02_03-00", d.Backup)
+		})
+	}
+	wg.Wait()
+	_, err = client.Sync(t.Context(), agentInc("stranger", 0, nodes), tiers.SyncReport{Step: 22})
+	assert.ErrorIs(t, err, ErrOtherIncarnation, "an id that never negotiated")
+
+	// Node 0 waits on step 22 when the job restarts: a new id after the plan was made starts the
+	// next incarnation.
+	stale := async(func() error { _, err := client.Sync(t.Context(), incs[0], tiers.SyncReport{Step: 22}); return err })
+	arrived(t, current(job), "rank 0 at step 22", syncedTo(0, 22))
+	stillWaiting(t, stale, "Sync")
+	next := []tiers.Incarnation{agentInc("b0", 0, nodes), agentInc("b1", 1, nodes)}
+	plans := async(func() error { _, err := client.Negotiate(t.Context(), next[1], own(1, 21)); return err })
+	assert.ErrorIs(t, result(t, stale, "Sync of the old incarnation"), ErrClosed)
+	_, err = client.Sync(t.Context(), incs[1], tiers.SyncReport{Step: 22})
+	assert.ErrorIs(t, err, ErrOtherIncarnation, "a straggler of the previous incarnation")
+	_, err = client.Negotiate(t.Context(), next[0], own(0, 21))
+	require.NoError(t, err)
+	require.NoError(t, result(t, plans, "negotiation"))
+	// Still 03:00: the previous incarnation took that minute's backup.
+	for r, inc := range next {
+		wg.Go(func() {
+			d, err := client.Sync(t.Context(), inc, tiers.SyncReport{Step: 22})
+			assert.NoError(t, err, "rank %d", r)
+			assert.Empty(t, d.Backup, "rank %d: the minute's name is taken", r)
+		})
+	}
+	wg.Wait()
+
+	_, err = client.Negotiate(t.Context(), tiers.Incarnation{ID: "x"}, tiers.Inventory{})
+	assert.ErrorContains(t, err, "no config")
+}
