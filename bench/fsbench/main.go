@@ -23,15 +23,13 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"os"
-	"os/signal"
-	"path/filepath"
-	"syscall"
 	"time"
+
+	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
 )
 
 // config is what the flags select.
@@ -98,23 +96,20 @@ func run(cfg config) (err error) {
 	if os.Geteuid() != 0 {
 		return errors.New("run as root: fsbench mounts a tmpfs, and mtcfs --passthrough on needs CAP_SYS_ADMIN")
 	}
-	bin, err := filepath.Abs(cfg.mtcfsBin)
+	bin, err := benchkit.AgentBinary(cfg.mtcfsBin)
 	if err != nil {
 		return err
-	}
-	if _, err := os.Stat(bin); err != nil {
-		return fmt.Errorf("mtcfs binary: %w (build it first: go build -o bin/mtcfs ./cmd/mtcfs)", err)
 	}
 	b := newBench(cfg)
 	workloads, err := selectWorkloads(b.workloads(), cfg.workloads)
 	if err != nil {
 		return err
 	}
-	ctx, stopSignals := cancelOnSignal()
+	ctx, stopSignals := benchkit.CancelOnSignal("fsbench")
 	defer stopSignals()
 
-	env := describeEnvironment(bin)
-	cpu := startCPUAccount()
+	env := benchkit.DescribeEnvironment("fsbench", bin)
+	cpu := benchkit.StartCPUAccount()
 	targets, err := setUpTargets(ctx, bin, cfg.workDir)
 	if err != nil {
 		return err
@@ -125,35 +120,15 @@ func run(cfg config) (err error) {
 	if err := runWorkloads(ctx, workloads, targets.list, cfg, res); err != nil {
 		return err
 	}
-	env.cpu = cpu.othersSummary(targets.agents)
+	env.CPU = cpu.OthersSummary(benchkit.CPUWording{Span: "measurement", Us: "fsbench and the agents"}, targets.agents...)
 	section := renderSection(cfg, env, res)
 	fmt.Print(section)
 	if cfg.out == "" {
 		return nil
 	}
-	if err := updateResultsFile(cfg.out, section); err != nil {
+	if err := resultsSection.Update(cfg.out, section); err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "fsbench: wrote results to %s\n", cfg.out)
 	return nil
-}
-
-// cancelOnSignal returns a context that SIGINT or SIGTERM cancels. Later signals are swallowed
-// until stop, so that a second Ctrl-C cannot kill fsbench while it unmounts.
-func cancelOnSignal() (context.Context, func()) {
-	ctx, cancel := context.WithCancel(context.Background())
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
-	go func() {
-		select {
-		case s := <-sigs:
-			fmt.Fprintf(os.Stderr, "\nfsbench: %v: stopping the agents and unmounting\n", s)
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
-	return ctx, func() {
-		cancel()
-		signal.Stop(sigs)
-	}
 }

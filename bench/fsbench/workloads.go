@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
 )
 
 // ioBufSize is the size of every read and write the sequential workloads issue.
@@ -101,7 +103,7 @@ func runWorkloads(ctx context.Context, ws []workload, targets []*target, cfg con
 				}
 				var got []string
 				rec := func(metric string, v float64) {
-					got = append(got, metric+"="+formatValue(v))
+					got = append(got, metric+"="+benchkit.FormatValue(v))
 					if r >= cfg.warmup {
 						res.add(metric, t.name, v)
 					}
@@ -182,8 +184,8 @@ func (b *bench) createAndStat(ctx context.Context, dir string, rec record) error
 			return fmt.Errorf("create %s: %w", p, err)
 		}
 	}
-	rec(createMedian, median(lat))
-	rec(createP99, percentile(lat, 0.99))
+	rec(createMedian, benchkit.Median(lat))
+	rec(createP99, benchkit.Percentile(lat, 0.99))
 
 	statEach := func(medianKey, p99Key string) error {
 		var st unix.Stat_t
@@ -195,8 +197,8 @@ func (b *bench) createAndStat(ctx context.Context, dir string, rec record) error
 				return fmt.Errorf("stat %s: %w", p, err)
 			}
 		}
-		rec(medianKey, median(lat))
-		rec(p99Key, percentile(lat, 0.99))
+		rec(medianKey, benchkit.Median(lat))
+		rec(p99Key, benchkit.Percentile(lat, 0.99))
 		return nil
 	}
 	if err := statEach(statNewMedian, statNewP99); err != nil {
@@ -229,7 +231,7 @@ func (b *bench) statCached(ctx context.Context, dir string, rec record) error {
 		}
 		perOp = append(perOp, micros(time.Since(start))/statCachedBatchOf)
 	}
-	rec(statCached, median(perOp))
+	rec(statCached, benchkit.Median(perOp))
 	return ctx.Err()
 }
 

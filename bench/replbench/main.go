@@ -46,13 +46,13 @@ import (
 	"fmt"
 	"math"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
-	"syscall"
 	"time"
+
+	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
 )
 
 type config struct {
@@ -135,14 +135,11 @@ func run(cfg config) (err error) {
 	if os.Geteuid() != 0 {
 		return errors.New("run as root: the agents mount FUSE and their spool tmpfs")
 	}
-	bin, err := filepath.Abs(cfg.mtcfsBin)
+	bin, err := benchkit.AgentBinary(cfg.mtcfsBin)
 	if err != nil {
 		return err
 	}
-	if _, err := os.Stat(bin); err != nil {
-		return fmt.Errorf("mtcfs binary: %w (build it first: go build -o bin/mtcfs ./cmd/mtcfs)", err)
-	}
-	ctx, stopSignals := cancelOnSignal()
+	ctx, stopSignals := benchkit.CancelOnSignal("replbench")
 	defer stopSignals()
 
 	b := &bench{cfg: cfg, bin: bin, runID: time.Now().UTC().Format("150405"), res: newResults()}
@@ -156,8 +153,8 @@ func run(cfg config) (err error) {
 	b.backupRoot = filepath.Join(b.base, "backups")
 
 	env := describeEnvironment(bin, cfg.workDir, cfg.shmDir)
-	cpu := startCPUAccount()
-	fmt.Fprintf(os.Stderr, "replbench: writing the %s source tree to %s\n", formatBytes(int64(cfg.files)*cfg.fileSize), b.shm)
+	cpu := benchkit.StartCPUAccount()
+	fmt.Fprintf(os.Stderr, "replbench: writing the %s source tree to %s\n", benchkit.FormatBytes(int64(cfg.files)*cfg.fileSize), b.shm)
 	if b.tree, err = newTree(b.shm, cfg.files, cfg.fileSize); err != nil {
 		return fmt.Errorf("source tree: %w", err)
 	}
@@ -167,13 +164,17 @@ func run(cfg config) (err error) {
 	if err := b.tearDown(); err != nil { // stop every agent before accounting for their CPU
 		return err
 	}
-	env.cpu = cpu.othersSummary()
+	env.CPU = cpu.OthersSummary(benchkit.CPUWording{
+		Span: "the run",
+		Us:   "replbench, the agents, cp and sync",
+		Note: "; kernel work for our I/O, such as writeback, counts here",
+	})
 	section := renderSection(cfg, env, b.res, b.tree.total())
 	fmt.Print(section)
 	if cfg.out == "" {
 		return nil
 	}
-	if err := updateResultsFile(cfg.out, section); err != nil {
+	if err := resultsSection.Update(cfg.out, section); err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "replbench: wrote results to %s\n", cfg.out)
@@ -198,7 +199,7 @@ func (b *bench) measure(ctx context.Context) error {
 				return err
 			}
 		}
-		if err := a.stop(); err != nil {
+		if err := a.Stop(); err != nil {
 			return err
 		}
 	}
@@ -217,24 +218,19 @@ func (b *bench) measure(ctx context.Context) error {
 func (b *bench) tearDown() error {
 	var errs []error
 	for i := len(b.agents) - 1; i >= 0; i-- {
-		errs = append(errs, b.agents[i].stop())
+		errs = append(errs, b.agents[i].Stop())
 	}
 	for _, dir := range []string{b.base, b.shm} {
 		if dir == "" {
 			continue
 		}
-		if left := mountsUnder(dir); len(left) > 0 {
-			// Last resort: innermost first.
-			slices.Reverse(left)
-			for _, m := range left {
-				errs = append(errs, fmt.Errorf("%s was still mounted at the end", m), detach(m))
-			}
+		// Last resort: innermost first.
+		left := benchkit.MountsUnder(dir)
+		slices.Reverse(left)
+		for _, m := range left {
+			errs = append(errs, fmt.Errorf("%s was still mounted at the end", m), benchkit.Unmount(m))
 		}
-		if left := mountsUnder(dir); len(left) > 0 {
-			errs = append(errs, fmt.Errorf("still mounted, not removing %s: %s", dir, strings.Join(left, ", ")))
-			continue
-		}
-		errs = append(errs, os.RemoveAll(dir))
+		errs = append(errs, benchkit.RemoveAllUnlessMounted(dir))
 	}
 	b.base, b.shm = "", ""
 	return errors.Join(errs...)
@@ -252,26 +248,6 @@ func (b *bench) progress(what string, rep int, v float64, unit string) {
 	fmt.Fprintf(os.Stderr, "replbench:   %s: %s\n", tag, what)
 }
 
-// cancelOnSignal returns a context that SIGINT or SIGTERM cancels. Later signals are swallowed
-// until stop, so that a second Ctrl-C cannot kill replbench while it unmounts.
-func cancelOnSignal() (context.Context, func()) {
-	ctx, cancel := context.WithCancel(context.Background())
-	sigs := make(chan os.Signal, 1)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
-	go func() {
-		select {
-		case s := <-sigs:
-			fmt.Fprintf(os.Stderr, "\nreplbench: %v: stopping the agents and unmounting\n", s)
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
-	return ctx, func() {
-		cancel()
-		signal.Stop(sigs)
-	}
-}
-
 // results holds the recorded samples: key → one value per measured repetition, in order.
 type results struct{ samples map[string][]float64 }
 
@@ -279,24 +255,13 @@ func newResults() *results { return &results{samples: map[string][]float64{}} }
 
 func (r *results) add(key string, v float64) { r.samples[key] = append(r.samples[key], v) }
 
-func (r *results) median(key string) float64 { return median(r.samples[key]) }
+func (r *results) median(key string) float64 { return benchkit.Median(r.samples[key]) }
 
 func (r *results) max(key string) float64 {
 	if len(r.samples[key]) == 0 {
 		return math.NaN()
 	}
 	return slices.Max(r.samples[key])
-}
-
-func median(xs []float64) float64 {
-	if len(xs) == 0 {
-		return math.NaN()
-	}
-	s := slices.Sorted(slices.Values(xs))
-	if len(s)%2 == 1 {
-		return s[len(s)/2]
-	}
-	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
 func numCPU() int { return runtime.NumCPU() }

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
 )
 
 // Keys of the recorded samples (results.samples), one value per measured repetition.
@@ -93,7 +95,7 @@ func yamlText(job, interval string) string {
 // replicator.failed, as the client would.
 func (b *bench) handshake(ctx context.Context, a *agent, job, interval string) (latency, pollPeriod time.Duration, err error) {
 	const yaml, tmp = "replicator.yaml", "replicator.yaml.tmp"
-	dirfd, err := openDir(a.dir)
+	dirfd, err := openDir(a.Dir)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -109,7 +111,7 @@ func (b *bench) handshake(ctx context.Context, a *agent, job, interval string) (
 		}
 		time.Sleep(time.Millisecond)
 	}
-	if err := os.WriteFile(filepath.Join(a.dir, tmp), []byte(yamlText(job, interval)), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(a.Dir, tmp), []byte(yamlText(job, interval)), 0o644); err != nil {
 		return 0, 0, err
 	}
 	if err := unix.Renameat(dirfd, tmp, dirfd, yaml); err != nil {
@@ -127,7 +129,7 @@ func (b *bench) handshake(ctx context.Context, a *agent, job, interval string) (
 			break
 		}
 		if time.Since(start) > 60*time.Second {
-			return 0, 0, fmt.Errorf("replicator.yaml not consumed after 60s; agent log:\n%s", a.log.String())
+			return 0, 0, fmt.Errorf("replicator.yaml not consumed after 60s; agent log:\n%s", a.Log())
 		}
 		nap(yamlPoll)
 	}
@@ -144,16 +146,16 @@ func (b *bench) handshake(ctx context.Context, a *agent, job, interval string) (
 func (a *agent) waitIncarnation(ctx context.Context, job string) error {
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		if data, err := os.ReadFile(filepath.Join(a.dir, "replicator.failed")); err == nil {
+		if data, err := os.ReadFile(filepath.Join(a.Dir, "replicator.failed")); err == nil {
 			return fmt.Errorf("agent %s wrote replicator.failed: %s", a.name, strings.TrimSpace(string(data)))
 		}
-		ents, err := os.ReadDir(a.dir)
+		ents, err := os.ReadDir(a.Dir)
 		if err != nil {
 			return err
 		}
 		for _, e := range ents {
 			if strings.HasPrefix(e.Name(), job+"-s") && strings.HasSuffix(e.Name(), ".restore") {
-				errs := filepath.Join(a.dir, "replicator.errors")
+				errs := filepath.Join(a.Dir, "replicator.errors")
 				if data, err := os.ReadFile(errs); err == nil {
 					fmt.Fprintf(os.Stderr, "replbench: note: agent %s replicator.errors: %s\n", a.name, strings.TrimSpace(string(data)))
 					os.Remove(errs)
@@ -162,7 +164,7 @@ func (a *agent) waitIncarnation(ctx context.Context, job string) error {
 			}
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("no .restore marker for job %s after 60s; agent log:\n%s", job, a.log.String())
+			return fmt.Errorf("no .restore marker for job %s after 60s; agent log:\n%s", job, a.Log())
 		}
 		if err := ctx.Err(); err != nil {
 			return err
@@ -210,7 +212,7 @@ func (b *bench) measureSeal(ctx context.Context, a *agent) error {
 			return err
 		}
 		saveStart := time.Now()
-		tmp, err := b.tree.saveStep(a.dir, step)
+		tmp, err := b.tree.saveStep(a.Dir, step)
 		if err != nil {
 			return fmt.Errorf("save step %d: %w", step, err)
 		}
@@ -243,7 +245,7 @@ func (b *bench) measureSeal(ctx context.Context, a *agent) error {
 		if err := b.tree.stamp(fmt.Sprintf("%s seal step %d", b.runID, now)); err != nil {
 			return err
 		}
-		if tmp, err = b.tree.saveStep(a.dir, now); err != nil {
+		if tmp, err = b.tree.saveStep(a.Dir, now); err != nil {
 			return fmt.Errorf("save step %d: %w", now, err)
 		}
 		sealedNow, err := b.commitAndWaitSealed(a, job, now, tmp)
@@ -252,7 +254,7 @@ func (b *bench) measureSeal(ctx context.Context, a *agent) error {
 		}
 		agentNow, _ := a.logDuration(sealedRE(now), 5*time.Second)
 		time.Sleep(200 * time.Millisecond)
-		if strings.Contains(a.log.String(), "not making progress") {
+		if strings.Contains(a.Log(), "not making progress") {
 			return fmt.Errorf("agent says training is not making progress: the stamped content did not change the hash")
 		}
 		if i >= 0 {
@@ -272,7 +274,7 @@ func (b *bench) measureSeal(ctx context.Context, a *agent) error {
 // commitAndWaitSealed renames tmp to the step's bare decimal and polls for the .meta. It
 // checks that the .meta names data present in the mount.
 func (b *bench) commitAndWaitSealed(a *agent, job string, step int64, tmp string) (time.Duration, error) {
-	dirfd, err := openDir(a.dir)
+	dirfd, err := openDir(a.Dir)
 	if err != nil {
 		return 0, err
 	}
@@ -291,12 +293,12 @@ func (b *bench) commitAndWaitSealed(a *agent, job string, step int64, tmp string
 			break
 		}
 		if time.Since(start) > 5*time.Minute {
-			return 0, fmt.Errorf("%s did not appear within 5 minutes of the commit; agent log:\n%s", meta, a.log.String())
+			return 0, fmt.Errorf("%s did not appear within 5 minutes of the commit; agent log:\n%s", meta, a.Log())
 		}
 		nap(slowPoll)
 	}
 	took := time.Since(start)
-	hash, err := os.ReadFile(filepath.Join(a.dir, meta))
+	hash, err := os.ReadFile(filepath.Join(a.Dir, meta))
 	if err != nil {
 		return 0, err
 	}
@@ -381,10 +383,8 @@ func (b *bench) backupOnce(ctx context.Context, n int) (total, sealed, agentTook
 		return 0, 0, 0, 0, err
 	}
 	defer func() {
-		err = errors.Join(err, a.stop())
-		if len(mountsUnder(filepath.Join(b.base, a.name))) == 0 {
-			os.RemoveAll(filepath.Join(b.base, a.name))
-		}
+		err = errors.Join(err, a.Stop())
+		benchkit.RemoveAllUnlessMounted(filepath.Join(b.base, a.name)) // best effort: the run's directory goes at the end anyway
 	}()
 	job := fmt.Sprintf("bk-%s-%d", b.runID, n)
 	if _, _, err := b.handshake(ctx, a, job, "backup-interval-steps: 1"); err != nil {
@@ -393,14 +393,14 @@ func (b *bench) backupOnce(ctx context.Context, n int) (total, sealed, agentTook
 	if err := b.tree.stamp(fmt.Sprintf("%s backup %d", b.runID, n)); err != nil {
 		return 0, 0, 0, 0, err
 	}
-	tmp, err := b.tree.saveStep(a.dir, 1)
+	tmp, err := b.tree.saveStep(a.Dir, 1)
 	if err != nil {
 		return 0, 0, 0, 0, err
 	}
 	time.Sleep(b.cfg.settle)
 	unix.Sync()
 
-	dirfd, err := openDir(a.dir)
+	dirfd, err := openDir(a.Dir)
 	if err != nil {
 		return 0, 0, 0, 0, err
 	}
@@ -411,7 +411,7 @@ func (b *bench) backupOnce(ctx context.Context, n int) (total, sealed, agentTook
 	}()
 	meta := job + "-s1-n0-w0.meta"
 	jobDir := filepath.Join(b.backupRoot, job)
-	cpu0 := processCPU(a.cmd.Process.Pid)
+	cpu0 := benchkit.ProcessCPU(a.Pid())
 	if err := unix.Renameat(dirfd, filepath.Base(tmp), dirfd, "1"); err != nil {
 		return 0, 0, 0, 0, fmt.Errorf("commit: %w", err)
 	}
@@ -432,14 +432,14 @@ func (b *bench) backupOnce(ctx context.Context, n int) (total, sealed, agentTook
 			}
 		}
 		if time.Since(start) > 10*time.Minute {
-			return 0, 0, 0, 0, fmt.Errorf("no backup of step 1 in %s after 10 minutes; agent log:\n%s", jobDir, a.log.String())
+			return 0, 0, 0, 0, fmt.Errorf("no backup of step 1 in %s after 10 minutes; agent log:\n%s", jobDir, a.Log())
 		}
 		if backupName == "" {
 			nap(slowPoll)
 		}
 	}
 	total = time.Since(start)
-	agentCPU = processCPU(a.cmd.Process.Pid) - cpu0
+	agentCPU = benchkit.ProcessCPU(a.Pid()) - cpu0
 	if sealed == 0 {
 		sealed = total // the .meta in the mount is written before the backup starts
 	}
