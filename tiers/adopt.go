@@ -8,8 +8,6 @@ import (
 	"strings"
 )
 
-func fmtErr(format string, args ...any) error { return fmt.Errorf(format, args...) }
-
 // adopt takes over the committed data a previous agent on this mount left in the spool (SPEC
 // §7): every .meta whose data verifies against its hash is published again, so a job that
 // restarts on this node restores from RAM. Everything else left behind is removed.

@@ -1,5 +1,7 @@
 package tiers
 
+import "fmt"
+
 // startBackup uploads this node's data of step to the named backup in the background. The
 // coordinator never asks for a backup while one runs; the check here keeps that true if it did.
 func (r *Replicator) startBackup(inc *incarnation, step int64, name string) {
@@ -24,7 +26,7 @@ func (r *Replicator) startBackup(inc *incarnation, step int64, name string) {
 		r.mu.Unlock()
 		if err != nil {
 			r.log.Error("backup failed", "backup", name, "step", step, "err", err)
-			r.incLine(inc, fmtf("backup %s of step %d failed: %v", name, step, err))
+			r.incLine(inc, fmt.Sprintf("backup %s of step %d failed: %v", name, step, err))
 		} else {
 			r.log.Info("backup complete", "backup", name, "step", step, "bytes", p.Done(), "took", r.cfg.Now().Sub(p.Started).String())
 		}
@@ -39,7 +41,7 @@ func (r *Replicator) runBackup(inc *incarnation, p *Progress) error {
 	for w := 0; w < cfg.WorkersPerNode; w++ {
 		hash, ok := r.metaHash(cfg, p.Step, cfg.NodeRank, w)
 		if !ok {
-			return fmtErr("step %d worker %d has no .meta", p.Step, w)
+			return fmt.Errorf("step %d worker %d has no .meta", p.Step, w)
 		}
 		err := r.cfg.Store.Upload(r.ctx, Upload{
 			Job: cfg.JobName, Backup: p.Backup, Step: p.Step, Slot: Slot{cfg.NodeRank, w}, Hash: hash,

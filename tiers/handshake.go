@@ -9,8 +9,6 @@ import (
 	"strings"
 )
 
-func fmtf(format string, args ...any) string { return fmt.Sprintf(format, args...) }
-
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 
 // handshake answers a replicator.yaml (SPEC §2). It runs on the control loop and only does
@@ -23,7 +21,7 @@ func (r *Replicator) handshake() {
 	}
 	if err != nil {
 		r.ns.Remove(ReplicatorYAMLName)
-		r.failLine(nil, fmtf("%s: %v", ReplicatorYAMLName, err))
+		r.failLine(nil, fmt.Sprintf("%s: %v", ReplicatorYAMLName, err))
 		return
 	}
 	if len(strings.TrimSpace(string(data))) == 0 {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -176,7 +177,7 @@ func (r *Replicator) handle(ev event) {
 	switch {
 	case ev.kind == evTooLarge && (ev.path == ReplicatorYAMLName || ev.path == ReplicatorYAMLTmpName):
 		r.ns.Remove(ev.path)
-		r.failLine(nil, fmtf("%s: larger than %d bytes; discarded", ReplicatorYAMLName, MaxConfigSize))
+		r.failLine(nil, fmt.Sprintf("%s: larger than %d bytes; discarded", ReplicatorYAMLName, MaxConfigSize))
 	case ev.path == ReplicatorYAMLName && (ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == EntryFile)):
 		r.handshake()
 	default:

@@ -45,7 +45,7 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 	}
 	plan, err := r.cfg.Coordinator.Negotiate(ctx, inc.Incarnation, r.inventory(cfg.NodeRank))
 	if err != nil {
-		fail(fmtf("restore negotiation failed: %v", err))
+		fail(fmt.Sprintf("restore negotiation failed: %v", err))
 		return
 	}
 	if superseded() {
@@ -56,13 +56,13 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 	}
 	pre := "{}\n"
 	if plan.Found {
-		pre = fmtf("{restore-step: %d}\n", plan.Step)
+		pre = fmt.Sprintf("{restore-step: %d}\n", plan.Step)
 		if plan.Backup != "" {
-			pre = fmtf("{restore-step: %d, restore-backup: %s}\n", plan.Step, plan.Backup)
+			pre = fmt.Sprintf("{restore-step: %d, restore-backup: %s}\n", plan.Step, plan.Backup)
 		}
 	}
 	if err := r.ns.WriteFile(PrerestoreName, []byte(pre)); err != nil {
-		fail(fmtf("write %s: %v", PrerestoreName, err))
+		fail(fmt.Sprintf("write %s: %v", PrerestoreName, err))
 		return
 	}
 	r.log.Info("restore plan", "found", plan.Found, "step", plan.Step, "backup", plan.Backup, "pinned", plan.Pinned)
@@ -72,17 +72,17 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 			slot := Slot{cfg.NodeRank, w}
 			hash, ok := plan.Data[slot]
 			if !ok {
-				fail(fmtf("restore plan for step %d has no data for %s", plan.Step, slot))
+				fail(fmt.Sprintf("restore plan for step %d has no data for %s", plan.Step, slot))
 				return
 			}
 			if err := r.restoreSlot(ctx, cfg, plan, w, hash); err != nil {
-				fail(fmtf("restore of step %d failed: %v", plan.Step, err))
+				fail(fmt.Sprintf("restore of step %d failed: %v", plan.Step, err))
 				return
 			}
 		}
 	}
 	if err := r.cfg.Coordinator.Restored(ctx, inc.Incarnation); err != nil {
-		fail(fmtf("waiting for the other nodes to restore failed: %v", err))
+		fail(fmt.Sprintf("waiting for the other nodes to restore failed: %v", err))
 		return
 	}
 	if superseded() {
@@ -98,7 +98,7 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 			err = r.ns.WriteFile(name, nil)
 		}
 		if err != nil {
-			fail(fmtf("create restore marker: %v", err))
+			fail(fmt.Sprintf("create restore marker: %v", err))
 			return
 		}
 	}

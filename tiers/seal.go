@@ -3,6 +3,7 @@ package tiers
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -65,7 +66,7 @@ func (r *Replicator) sealer() {
 		r.mu.Unlock()
 		if err != nil {
 			r.log.Error("seal failed", "step", c.step, "worker", c.worker, "err", err)
-			r.incLine(c.inc, fmtf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
+			r.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
 			continue
 		}
 		r.afterSeal(c)
@@ -96,7 +97,7 @@ func (r *Replicator) seal(ctx context.Context, c commit) error {
 	sealed := r.spoolDir("sealed", dataName)
 	if _, err := os.Lstat(sealed); err == nil {
 		os.RemoveAll(staging)
-		r.incLine(c.inc, fmtf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
+		r.incLine(c.inc, fmt.Sprintf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
 	} else if err := os.Rename(staging, sealed); err != nil {
 		os.RemoveAll(staging)
 		return err
@@ -170,7 +171,7 @@ func (r *Replicator) afterSeal(c commit) {
 	}
 	dec, err := r.cfg.Coordinator.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, BackupRunning: running})
 	if err != nil {
-		r.incLine(c.inc, fmtf("sync of step %d failed: %v", c.step, err))
+		r.incLine(c.inc, fmt.Sprintf("sync of step %d failed: %v", c.step, err))
 		return
 	}
 	if dec.Backup != "" {
