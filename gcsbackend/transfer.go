@@ -38,10 +38,12 @@ type UploadRequest struct {
 // uploading identical data, succeeds; different content under an existing
 // name fails with *PreconditionError.
 //
-// Each file is read twice, streaming: once to compute its CRC32C and once
-// to upload it with that CRC32C, so the store checks the bytes it received
-// against the source (GCS needs the CRC before the first byte). A file that
-// changes in between fails the upload.
+// A store that checks a CRC32C given before the first byte (GCS) gets each
+// file read twice, streaming: once for the CRC32C and once to upload it with
+// that CRC32C, so the store checks the bytes it received against the source; a
+// file that changes in between fails the upload. Other stores (file://) read
+// each file once and the manifest records the CRC32C of the bytes as they were
+// streamed to the store, which computes and keeps its own.
 func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 	if err := validateJob(req.Job); err != nil {
 		return err
