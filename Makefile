@@ -4,7 +4,7 @@ BIN       := bin/mtcfs
 GOFLAGS   ?=
 TEST_TIMEOUT ?= 15m
 
-.PHONY: all build demo test vet bench fuzz clean check-mounts clean-test-mounts
+.PHONY: all build demo test vet bench fuzz proto clean check-mounts clean-test-mounts
 
 all: build
 
@@ -41,6 +41,12 @@ check-mounts:
 
 bench: build
 	$(GO) run ./bench/fsbench -mtcfs $(BIN) -out bench/RESULTS.md
+
+# The peer protocol's generated code is committed; regenerate after editing peer.proto
+# (needs protoc and the protoc-gen-go / protoc-gen-go-grpc plugins, see replication/doc.go).
+proto:
+	protoc --proto_path=replication/peerpb --go_out=replication/peerpb --go_opt=paths=source_relative \
+		--go-grpc_out=replication/peerpb --go-grpc_opt=paths=source_relative replication/peerpb/peer.proto
 
 fuzz:
 	$(GO) test ./tiers -run '^$$' -fuzz FuzzParseConfig -fuzztime 60s

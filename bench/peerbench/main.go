@@ -1,0 +1,410 @@
+// Command peerbench measures the peer data path — replication.Sender pushing a checkpoint tree
+// to a replication.Receiver over gRPC on loopback, every chunk CRC-checked and the whole tree
+// BLAKE3-verified before it is accepted — against a plain Go TCP sender and receiver copying the
+// same bytes with no checks, in one run.
+//
+// Run it from the module root (no root needed):
+//
+//	go run ./bench/peerbench -out bench/RESULTS.md
+//
+// It takes about two minutes on 2 CPUs and needs about 3 GiB of free space in -shm. Without -out
+// it only prints.
+//
+// The tree is -files × -file-mib of random bytes (default 16 × 64 MiB = 1 GiB) in a directory
+// under -shm (tmpfs). Sender and receiver run in this process, connected over 127.0.0.1, and
+// write into the same tmpfs. Each variant is timed from the start of the transfer until the
+// receiver holds the whole tree:
+//
+//   - plain TCP: one connection; per file a small header, then the bytes with io.Copy (which
+//     uses sendfile on the sender and splice on the receiver: the fastest plain Go copy). Also
+//     with four connections, the files spread over them.
+//   - gRPC push: Sender.Push until it returns, i.e. the receiver verified every chunk's CRC-32C,
+//     re-read and hashed every file, checked the tree hash and moved the tree out of its
+//     incoming directory (Accept is a rename). The sender's file digests come from a
+//     tiers.DigestCache filled beforehand, as in the agent, where files are hashed when the job
+//     closes them; one variant leaves the cache out, so the push hashes the files first.
+//
+// Every round runs all variants, the first one rotating from round to round so that drift hits
+// them alike; the figures are medians over -reps rounds after -warmup unrecorded ones. Goodput
+// is tree bytes ÷ time, in GB/s (10^9 bytes). CPU is the CPU time of this process (sender and
+// receiver together) per transfer.
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime/pprof"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
+	"github.com/mtcfs/mtcfs/replication"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+const prog = "peerbench"
+
+type config struct {
+	out      string
+	shm      string
+	reps     int
+	warmup   int
+	files    int
+	fileSize int64
+	sweep    bool
+	only     string // run only variants whose key contains this
+	profile  string // CPU profile of the measured rounds
+}
+
+func main() {
+	var cfg config
+	var fileMiB int
+	flag.StringVar(&cfg.out, "out", "", "Markdown file whose peerbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	flag.StringVar(&cfg.shm, "shm", "/dev/shm", "tmpfs directory for the source tree and the received copies")
+	flag.IntVar(&cfg.reps, "reps", 5, "measured rounds (at least 5)")
+	flag.IntVar(&cfg.warmup, "warmup", 1, "unrecorded rounds before the measured ones")
+	flag.IntVar(&cfg.files, "files", 16, "files in the tree")
+	flag.IntVar(&fileMiB, "file-mib", 64, "size of each file in MiB")
+	flag.BoolVar(&cfg.sweep, "sweep", true, "also sweep chunk size (1, 4, 16 MiB) and streams (1, 2, 4, 8)")
+	flag.StringVar(&cfg.only, "only", "", "run only the variants whose key contains this string (keys are printed per round)")
+	flag.StringVar(&cfg.profile, "cpuprofile", "", "write a CPU profile of the measured rounds to this file")
+	flag.Parse()
+	cfg.fileSize = int64(fileMiB) << 20
+	if cfg.reps < 5 || cfg.files < 1 || fileMiB < 1 {
+		fmt.Fprintln(os.Stderr, "peerbench: want -reps ≥ 5, -files ≥ 1, -file-mib ≥ 1")
+		os.Exit(2)
+	}
+	ctx, stop := benchkit.CancelOnSignal(prog)
+	err := run(ctx, cfg)
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "peerbench:", err)
+		os.Exit(1)
+	}
+}
+
+// sample is one timed transfer.
+type sample struct {
+	seconds, cpu float64
+}
+
+// variant is one way of moving the tree.
+type variant struct {
+	key      string
+	transfer string // "plain TCP" or "gRPC push"
+	chunk    int    // gRPC chunk size, 0 for TCP
+	streams  int    // gRPC streams or TCP connections
+	cached   bool   // sender digests from the cache
+	run      func(ctx context.Context) error
+}
+
+func run(ctx context.Context, cfg config) error {
+	work, err := os.MkdirTemp(cfg.shm, "peerbench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(work)
+	env := benchkit.DescribeEnvironment(prog, os.Args[0])
+	fmt.Fprintf(os.Stderr, "peerbench: writing %d × %s in %s\n", cfg.files, benchkit.FormatBytes(cfg.fileSize), work)
+	src := filepath.Join(work, "src")
+	treeBytes, err := writeTree(src, cfg.files, cfg.fileSize)
+	if err != nil {
+		return err
+	}
+	var digests tiers.DigestCache
+	hash, _, err := tiers.HashDataCached(ctx, src, &digests)
+	if err != nil {
+		return err
+	}
+	name := tiers.DataName(hash, true)
+
+	b, err := startBench(work, name, src, &digests)
+	if err != nil {
+		return err
+	}
+	defer b.close()
+
+	variants := []variant{
+		{key: "tcp1", transfer: "plain TCP", streams: 1, run: func(ctx context.Context) error { return b.plainTCP(ctx, 1) }},
+		{key: "tcp4", transfer: "plain TCP", streams: 4, run: func(ctx context.Context) error { return b.plainTCP(ctx, 4) }},
+	}
+	grpcVariant := func(chunk, streams int, cached bool) variant {
+		key := fmt.Sprintf("grpc-c%d-s%d-cached=%v", chunk, streams, cached)
+		return variant{key: key, transfer: "gRPC push", chunk: chunk, streams: streams, cached: cached,
+			run: func(ctx context.Context) error { return b.push(ctx, chunk, streams, cached) }}
+	}
+	def := grpcVariant(replication.DefaultChunkSize, replication.DefaultStreams, true)
+	variants = append(variants, def, grpcVariant(replication.DefaultChunkSize, replication.DefaultStreams, false))
+	if cfg.sweep {
+		for _, chunk := range []int{1 << 20, 16 << 20} {
+			variants = append(variants, grpcVariant(chunk, replication.DefaultStreams, true))
+		}
+		for _, streams := range []int{1, 2, 8} {
+			if streams != replication.DefaultStreams {
+				variants = append(variants, grpcVariant(replication.DefaultChunkSize, streams, true))
+			}
+		}
+	}
+
+	variants = slices.DeleteFunc(variants, func(v variant) bool { return !strings.Contains(v.key, cfg.only) })
+	if cfg.profile != "" {
+		f, err := os.Create(cfg.profile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	cpu := benchkit.StartCPUAccount()
+	samples := map[string][]sample{}
+	for round := range cfg.warmup + cfg.reps {
+		for i := range variants {
+			v := variants[(i+round)%len(variants)]
+			s, err := timed(ctx, v.run)
+			if err != nil {
+				return fmt.Errorf("%s: %w", v.key, err)
+			}
+			if err := b.clean(); err != nil {
+				return err
+			}
+			if round >= cfg.warmup {
+				samples[v.key] = append(samples[v.key], s)
+			}
+			fmt.Fprintf(os.Stderr, "round %d %-36s %6.2f GB/s  cpu %.2fs\n", round, v.key, float64(treeBytes)/s.seconds/1e9, s.cpu)
+		}
+	}
+	env.CPU = cpu.OthersSummary(benchkit.CPUWording{Span: "the measurements", Us: "peerbench"})
+	section := renderSection(cfg, env, treeBytes, variants, samples, def.key)
+	fmt.Print(section)
+	if cfg.out != "" {
+		return benchkit.Section{Name: prog, Note: "generated by bench/peerbench; a new run replaces everything down to the end marker"}.Update(cfg.out, section)
+	}
+	return nil
+}
+
+// timed runs fn and measures its wall time and this process's CPU time.
+func timed(ctx context.Context, fn func(context.Context) error) (sample, error) {
+	cpu0 := processCPU()
+	start := time.Now()
+	err := fn(ctx)
+	return sample{seconds: time.Since(start).Seconds(), cpu: (processCPU() - cpu0).Seconds()}, err
+}
+
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// writeTree writes files × size random bytes as dir/shard_NN and returns the total.
+func writeTree(dir string, files int, size int64) (int64, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return 0, err
+	}
+	rnd := rand.NewChaCha8([32]byte{1})
+	buf := make([]byte, 4<<20)
+	for i := range files {
+		f, err := os.Create(filepath.Join(dir, fmt.Sprintf("shard_%02d", i)))
+		if err != nil {
+			return 0, err
+		}
+		for left := size; left > 0; {
+			b := buf[:min(int64(len(buf)), left)]
+			rnd.Read(b)
+			if _, err := f.Write(b); err != nil {
+				f.Close()
+				return 0, err
+			}
+			left -= int64(len(b))
+		}
+		if err := f.Close(); err != nil {
+			return 0, err
+		}
+	}
+	return int64(files) * size, nil
+}
+
+// bench holds both transfer paths' endpoints.
+type bench struct {
+	work, src, name string
+	digests         *tiers.DigestCache
+	received        string // where both receivers put the tree
+
+	recv *replication.Receiver
+	srv  *grpc.Server
+	conn *grpc.ClientConn
+
+	tcp      net.Listener
+	tcpWG    sync.WaitGroup
+	tcpFiles []tcpFile
+}
+
+type tcpFile struct {
+	name string
+	size int64
+}
+
+func startBench(work, name, src string, digests *tiers.DigestCache) (*bench, error) {
+	b := &bench{work: work, src: src, name: name, digests: digests, received: filepath.Join(work, "received")}
+	secret := []byte("peerbench")
+	recv, err := replication.NewReceiver(replication.ReceiverConfig{
+		Dir:         filepath.Join(work, "incoming"),
+		Secrets:     replication.StaticSecret(prog, secret),
+		MaxIncoming: 1 << 40,
+		Logger:      slog.New(slog.DiscardHandler),
+		Accept: func(_ context.Context, _ string, _ int, _, path string) error {
+			return os.Rename(path, b.received)
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	b.recv = recv
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	b.srv = grpc.NewServer(replication.ServerOptions()...)
+	recv.Register(b.srv)
+	go b.srv.Serve(ln)
+	b.conn, err = grpc.NewClient(ln.Addr().String(), append(replication.DialOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		return nil, err
+	}
+	if b.tcp, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
+		return nil, err
+	}
+	des, err := os.ReadDir(src)
+	if err != nil {
+		return nil, err
+	}
+	for _, de := range des {
+		info, err := de.Info()
+		if err != nil {
+			return nil, err
+		}
+		b.tcpFiles = append(b.tcpFiles, tcpFile{de.Name(), info.Size()})
+	}
+	return b, nil
+}
+
+func (b *bench) close() {
+	b.conn.Close()
+	b.srv.Stop()
+	b.recv.Close()
+	b.tcp.Close()
+}
+
+// clean removes the received tree (untimed, between transfers).
+func (b *bench) clean() error { return os.RemoveAll(b.received) }
+
+func (b *bench) push(ctx context.Context, chunk, streams int, cached bool) error {
+	s := &replication.Sender{Instance: "peerbench", Secrets: replication.StaticSecret(prog, []byte("peerbench")),
+		ChunkSize: chunk, Streams: streams}
+	if cached {
+		s.Digests = b.digests
+	}
+	return s.Push(ctx, b.conn, replication.PushRequest{Job: prog, Incarnation: "1", Rank: 0, DataName: b.name, Source: b.src})
+}
+
+// plainTCP copies the tree over conns connections, file i on connection i mod conns: per file
+// a header (name length, name, size) and the bytes. It returns when the receiver closed every
+// file.
+func (b *bench) plainTCP(ctx context.Context, conns int) error {
+	if err := os.Mkdir(b.received, 0o755); err != nil {
+		return err
+	}
+	errs := make(chan error, 2*conns)
+	var wg sync.WaitGroup
+	for range conns {
+		wg.Go(func() { errs <- b.tcpReceive() })
+	}
+	for c := range conns {
+		wg.Go(func() { errs <- b.tcpSend(ctx, c, conns) })
+	}
+	wg.Wait()
+	close(errs)
+	var all []error
+	for err := range errs {
+		all = append(all, err)
+	}
+	return errors.Join(all...)
+}
+
+func (b *bench) tcpSend(ctx context.Context, c, conns int) error {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "tcp", b.tcp.Addr().String())
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	for i := c; i < len(b.tcpFiles); i += conns {
+		f := b.tcpFiles[i]
+		hdr := binary.BigEndian.AppendUint16(nil, uint16(len(f.name)))
+		hdr = append(hdr, f.name...)
+		hdr = binary.BigEndian.AppendUint64(hdr, uint64(f.size))
+		if _, err := conn.Write(hdr); err != nil {
+			return err
+		}
+		in, err := os.Open(filepath.Join(b.src, f.name))
+		if err != nil {
+			return err
+		}
+		_, err = io.Copy(conn, in) // sendfile
+		in.Close()
+		if err != nil {
+			return err
+		}
+	}
+	return conn.(*net.TCPConn).CloseWrite()
+}
+
+func (b *bench) tcpReceive() error {
+	conn, err := b.tcp.Accept()
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	for {
+		var n [2]byte
+		if _, err := io.ReadFull(conn, n[:]); err == io.EOF {
+			return nil
+		} else if err != nil {
+			return err
+		}
+		hdr := make([]byte, int(binary.BigEndian.Uint16(n[:]))+8)
+		if _, err := io.ReadFull(conn, hdr); err != nil {
+			return err
+		}
+		name, size := string(hdr[:len(hdr)-8]), int64(binary.BigEndian.Uint64(hdr[len(hdr)-8:]))
+		out, err := os.Create(filepath.Join(b.received, filepath.Base(name)))
+		if err != nil {
+			return err
+		}
+		_, err = io.CopyN(out, conn, size) // splice
+		if cerr := out.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return err
+		}
+	}
+}

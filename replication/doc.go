@@ -1,0 +1,57 @@
+// Package replication moves checkpoint data between the agents of one job (SPEC §4): the Peer
+// gRPC service (proto in peerpb/), its server side Receiver, and its client side Sender, which
+// pushes a committed "<hash>.data" or ".meta" to a peer and fetches a "<hash>.data" from one for a
+// restore. It also holds the job coordinator (coordinator.go), which the transfer code does not
+// depend on.
+//
+// # Guarantees
+//
+//   - Nothing unverified becomes visible. A push is assembled in a private directory under the
+//     receiver's incoming directory. Every chunk's CRC-32C is checked on arrival; at Commit every
+//     file's size and BLAKE3 digest, and the tree on disk hashed with tiers.TreeHash, must match
+//     the name it was sent under. Only then is Accept called, and only Accept's success makes
+//     Commit succeed: that success is the acknowledgement that a replica exists. A transfer that
+//     fails any check, loses a stream, is abandoned or stays idle is discarded with its directory.
+//     Fetch verifies the same way before the data is renamed into place.
+//   - Names from peers are validated before anything is written: data names must match
+//     ^D?[0-9a-f]{64}\.data$, .meta names must parse (tiers.ParseMarkerName) and name the
+//     caller's job, paths are relative without empty, "." or ".." elements, and symlink targets
+//     are relative and resolve inside the tree (following the tree's own links). Files are
+//     created with O_NOFOLLOW, never below a symlink.
+//   - Every call is authenticated with an HMAC-SHA256 over the caller's job, incarnation, rank,
+//     instance, the time and the method, keyed by the job's shared secret (see Authenticate);
+//     refusals are Unauthenticated and logged with the peer's address.
+//   - Memory is bounded per stream: the receiver writes each chunk (pwritev, from the buffers
+//     it arrived in) before it reads the next, and HTTP/2 flow control lets a sender have at
+//     most one default chunk (4 MiB) more in flight per stream. Messages are limited to MaxChunkSize plus 8 MiB, and the
+//     declared size of all transfers in progress to ReceiverConfig.MaxIncoming (and whatever
+//     ReceiverConfig.Reserve allows): a header past it is refused with ResourceExhausted.
+//   - A transfer that stops moving (a peer that hangs, a black-holed link) fails after
+//     Sender.StallTimeout with ErrStalled; a reset connection fails at once.
+//
+// # Not yet
+//
+// Mutual TLS. Calls are authenticated but travel in clear text, and message bodies are not
+// covered by the MAC: a man in the middle can read checkpoint bytes or make a transfer fail,
+// though not make a receiver accept data under a name it does not hash to.
+//
+// # Wire format
+//
+// A push of one data name is one transfer: a sender-chosen id, one or more PushFiles streams that
+// each start with the same PushHeader (identity + Manifest), then Chunks {file index, offset,
+// bytes, CRC-32C}. The bytes of all files, concatenated in manifest order, are cut into as many
+// contiguous shares as there are streams, so one large file is spread over all of them and each
+// stream reads sequentially. When all streams ended, Commit verifies and accepts. Fetch streams
+// carry the Manifest and then the chunks of the share the fetcher asked for. Chunk messages
+// are encoded and decoded by peerCodec (codec.go) in that same protobuf format, without the
+// copies gRPC's proto codec makes: gRPC copies the sender's pread buffer straight into its
+// socket buffer, and the receiver writes from gRPC's receive buffers with pwritev.
+//
+// The generated code in peerpb is committed; after editing peerpb/peer.proto, regenerate it from
+// the module root with protoc (apt-get install protobuf-compiler) and the plugins
+// (go install google.golang.org/protobuf/cmd/protoc-gen-go@latest
+// google.golang.org/grpc/cmd/protoc-gen-go-grpc@latest):
+//
+//	protoc --proto_path=replication/peerpb --go_out=replication/peerpb --go_opt=paths=source_relative \
+//	  --go-grpc_out=replication/peerpb --go-grpc_opt=paths=source_relative replication/peerpb/peer.proto
+package replication

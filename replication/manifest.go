@@ -1,0 +1,379 @@
+package replication
+
+import (
+	"context"
+	"encoding/hex"
+	"fmt"
+	"io/fs"
+	"math/bits"
+	"os"
+	"path"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/mtcfs/mtcfs/replication/peerpb"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// dataKind is what a transfer carries, told by its name.
+type dataKind int
+
+const (
+	kindTree dataKind = iota // "D<hash>.data": a directory tree
+	kindFile                 // "<hash>.data": one regular file
+	kindMeta                 // "<job>-s<S>-n<R>-w<W>.meta": one small file naming a data hash
+)
+
+// Limits on what a manifest may describe. They bound the work and memory a peer can cause; real
+// checkpoints are far inside them.
+const (
+	maxEntries  = 1 << 20 // files + directories + symlinks
+	maxPathLen  = 4096    // PATH_MAX
+	maxNameLen  = 255     // NAME_MAX, one path element
+	maxTotal    = 1 << 50 // bytes, so that sums cannot overflow
+	maxMetaSize = 65      // "D" + 64 hex digits
+	maxSymlinks = 40      // links followed while resolving one target, as Linux's MAXSYMLINKS
+)
+
+// manifest is a Manifest that passed checkManifest.
+type manifest struct {
+	pb    *peerpb.Manifest
+	kind  dataKind
+	total int64 // sum of the file sizes
+}
+
+// localPath returns where file i of the data lives when the data itself is at root.
+func (m *manifest) localPath(root string, i int) string {
+	if m.kind != kindTree {
+		return root
+	}
+	return filepath.Join(root, filepath.FromSlash(m.pb.Files[i].Path))
+}
+
+// parseDataName tells the kind of the data a name stands for and, for .data names, the hash the
+// content must have. A .meta name must be of job; meta is whether .meta names are allowed at all.
+func parseDataName(name, job string, meta bool) (dataKind, string, error) {
+	if hash, dir, ok := tiers.ParseDataName(name); ok {
+		if dir {
+			return kindTree, hash, nil
+		}
+		return kindFile, hash, nil
+	}
+	if mk, ok := tiers.ParseMarkerName(name); ok && meta && mk.Kind == tiers.MarkerMeta {
+		if mk.Job != job {
+			return 0, "", errInvalid("%q is a .meta of job %q, not of %q", name, mk.Job, job)
+		}
+		return kindMeta, "", nil
+	}
+	want := "<hash>.data or D<hash>.data (64 lower-case hex digits)"
+	if meta {
+		want += " or a .meta name of job " + job
+	}
+	return 0, "", errInvalid("data name %q: want %s", name, want)
+}
+
+// checkManifest validates a manifest received from a peer before anything is written for it:
+// the name, every path and symlink target, sizes, digests, and that the listing hashes to the
+// name. Broken rules are InvalidArgument; a listing that does not hash to its name is DataLoss
+// (a header damaged in transit looks like that).
+func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error) {
+	if pb == nil {
+		return nil, errInvalid("missing manifest")
+	}
+	kind, hash, err := parseDataName(pb.DataName, job, meta)
+	if err != nil {
+		return nil, err
+	}
+	m := &manifest{pb: pb, kind: kind}
+	if n := len(pb.Files) + len(pb.Dirs) + len(pb.Symlinks); n > maxEntries {
+		return nil, errInvalid("%s: %d entries, at most %d allowed", pb.DataName, n, maxEntries)
+	}
+	if !isHex64(pb.TreeHash) {
+		return nil, errInvalid("%s: tree hash %q is not 64 lower-case hex digits", pb.DataName, pb.TreeHash)
+	}
+	for i, f := range pb.Files {
+		if f.Size < 0 || f.Size > maxTotal-m.total {
+			return nil, errInvalid("%s: file %q: size %d out of range", pb.DataName, f.Path, f.Size)
+		}
+		if len(f.Blake3) != len(tiers.FileDigest{}) {
+			return nil, errInvalid("%s: file %q: digest of %d bytes, want %d", pb.DataName, f.Path, len(f.Blake3), len(tiers.FileDigest{}))
+		}
+		if kind == kindTree && i > 0 && pb.Files[i-1].Path >= f.Path {
+			return nil, errInvalid("%s: files not in strictly increasing order of path at %q", pb.DataName, f.Path)
+		}
+		m.total += f.Size
+	}
+
+	if kind != kindTree {
+		if len(pb.Files) != 1 || pb.Files[0].Path != "" || len(pb.Dirs) != 0 || len(pb.Symlinks) != 0 {
+			return nil, errInvalid("%s names a single file: want exactly one file with an empty path", pb.DataName)
+		}
+		switch d := hex.EncodeToString(pb.Files[0].Blake3); {
+		case kind == kindMeta && m.total > maxMetaSize:
+			return nil, errInvalid("%s: %d bytes, a .meta holds at most %d", pb.DataName, m.total, maxMetaSize)
+		case kind == kindMeta && d != pb.TreeHash, kind == kindFile && (d != hash || pb.TreeHash != hash):
+			return nil, errCorrupt("%s: file digest %s, tree hash %s: they must equal the hash of the name", pb.DataName, d, pb.TreeHash)
+		}
+		return m, nil
+	}
+
+	entries := make([]tiers.TreeEntry, 0, len(pb.Files)+len(pb.Dirs)+len(pb.Symlinks))
+	for _, f := range pb.Files {
+		entries = append(entries, tiers.TreeEntry{Path: f.Path, Type: tiers.EntryFile, Size: f.Size, Digest: tiers.FileDigest(f.Blake3)})
+	}
+	for _, d := range pb.Dirs {
+		entries = append(entries, tiers.TreeEntry{Path: d, Type: tiers.EntryDir})
+	}
+	links := make(map[string]string, len(pb.Symlinks))
+	for _, l := range pb.Symlinks {
+		entries = append(entries, tiers.TreeEntry{Path: l.Path, Type: tiers.EntrySymlink, Target: l.Target})
+		links[l.Path] = l.Target
+	}
+	for _, e := range entries {
+		if err := checkPath(e.Path); err != nil {
+			return nil, errInvalid("%s: %v", pb.DataName, err)
+		}
+	}
+	for _, l := range pb.Symlinks {
+		if err := checkSymlinkTarget(l.Path, l.Target, links); err != nil {
+			return nil, errInvalid("%s: %v", pb.DataName, err)
+		}
+	}
+	got, err := tiers.TreeHash(entries) // also refuses duplicates and entries below non-directories
+	if err != nil {
+		return nil, errInvalid("%s: %v", pb.DataName, err)
+	}
+	if got != hash || pb.TreeHash != hash {
+		return nil, errCorrupt("%s: the listing hashes to %s (header says %s)", pb.DataName, got, pb.TreeHash)
+	}
+	return m, nil
+}
+
+func isHex64(s string) bool {
+	return len(s) == 64 && strings.Trim(s, "0123456789abcdef") == ""
+}
+
+// checkPath accepts a relative slash-separated path without empty, "." or ".." elements that the
+// file system can hold.
+func checkPath(p string) error {
+	if p == "." || !fs.ValidPath(p) || strings.IndexByte(p, 0) >= 0 {
+		return fmt.Errorf("path %q: want a relative slash-separated path without empty, \".\" or \"..\" elements", p)
+	}
+	if len(p) > maxPathLen {
+		return fmt.Errorf("path %.40q...: %d bytes, at most %d allowed", p, len(p), maxPathLen)
+	}
+	for elem := range strings.SplitSeq(p, "/") {
+		if len(elem) > maxNameLen {
+			return fmt.Errorf("path %q: element of %d bytes, at most %d allowed", p, len(elem), maxNameLen)
+		}
+	}
+	return nil
+}
+
+// checkSymlinkTarget refuses a symlink whose target is absolute or leads out of the tree. The
+// target is resolved the way the kernel would, element by element from the link's directory,
+// following the tree's own symlinks (links maps their paths to targets): a lexical check alone
+// is not enough, since "up -> ../.." inside "a/b" is harmless but "x -> a/b/up/.." is not.
+func checkSymlinkTarget(link, target string, links map[string]string) error {
+	if target == "" || len(target) > maxPathLen || strings.IndexByte(target, 0) >= 0 {
+		return fmt.Errorf("symlink %q: target %q is empty, too long or holds a NUL byte", link, target)
+	}
+	if strings.HasPrefix(target, "/") {
+		return fmt.Errorf("symlink %q: target %q is absolute", link, target)
+	}
+	cur := strings.Split(path.Dir(link), "/") // the directory holding the link
+	if cur[0] == "." {
+		cur = cur[:0]
+	}
+	todo := strings.Split(target, "/")
+	followed := 0
+	for len(todo) > 0 {
+		elem := todo[0]
+		todo = todo[1:]
+		switch elem {
+		case "", ".":
+		case "..":
+			if len(cur) == 0 {
+				return fmt.Errorf("symlink %q: target %q leads out of the tree", link, target)
+			}
+			cur = cur[:len(cur)-1]
+		default:
+			t, isLink := links[strings.Join(append(cur, elem), "/")]
+			if !isLink {
+				cur = append(cur, elem)
+				continue
+			}
+			if followed++; followed > maxSymlinks {
+				return fmt.Errorf("symlink %q: target %q: more than %d levels of symlinks", link, target, maxSymlinks)
+			}
+			if strings.HasPrefix(t, "/") {
+				return fmt.Errorf("symlink %q: target %q passes through %q, whose target %q is absolute", link, target, elem, t)
+			}
+			todo = append(strings.Split(t, "/"), todo...)
+		}
+	}
+	return nil
+}
+
+// buildManifest lists and hashes the local data at src for sending under dataName: a directory
+// for "D<hash>.data", a regular file otherwise (src is followed if it is a symlink). File
+// digests come from digests when it has them (files hashed when they were closed), else they
+// are computed. It refuses to send data that does not hash to its name, or that a receiver
+// would refuse (checkManifest).
+func buildManifest(ctx context.Context, src, dataName, job string, digests *tiers.DigestCache) (*manifest, error) {
+	kind, _, err := parseDataName(dataName, job, true)
+	if err != nil {
+		return nil, err
+	}
+	info, err := os.Stat(src)
+	if err != nil {
+		return nil, err
+	}
+	pb := &peerpb.Manifest{DataName: dataName}
+	switch {
+	case kind == kindTree && !info.IsDir(), kind != kindTree && !info.Mode().IsRegular():
+		return nil, fmt.Errorf("%s: a %v cannot be sent as %s", src, info.Mode().Type(), dataName)
+	case kind == kindTree:
+		if err := listLocal(src, "", pb); err != nil {
+			return nil, fmt.Errorf("list %s: %w", src, err)
+		}
+		slices.SortFunc(pb.Files, func(a, b *peerpb.File) int { return strings.Compare(a.Path, b.Path) })
+	default:
+		pb.Files = []*peerpb.File{{Size: info.Size()}}
+	}
+	m := &manifest{pb: pb, kind: kind}
+	if err := hashFiles(ctx, src, m, digests); err != nil {
+		return nil, err
+	}
+	if kind == kindTree {
+		entries := make([]tiers.TreeEntry, 0, len(pb.Files)+len(pb.Dirs)+len(pb.Symlinks))
+		for _, f := range pb.Files {
+			entries = append(entries, tiers.TreeEntry{Path: f.Path, Type: tiers.EntryFile, Size: f.Size, Digest: tiers.FileDigest(f.Blake3)})
+		}
+		for _, d := range pb.Dirs {
+			entries = append(entries, tiers.TreeEntry{Path: d, Type: tiers.EntryDir})
+		}
+		for _, l := range pb.Symlinks {
+			entries = append(entries, tiers.TreeEntry{Path: l.Path, Type: tiers.EntrySymlink, Target: l.Target})
+		}
+		if pb.TreeHash, err = tiers.TreeHash(entries); err != nil {
+			return nil, fmt.Errorf("%s: %w", src, err)
+		}
+	} else {
+		pb.TreeHash = hex.EncodeToString(pb.Files[0].Blake3)
+	}
+	checked, err := checkManifest(pb, job, true)
+	if err != nil {
+		return nil, fmt.Errorf("%s cannot be sent: %w", src, err)
+	}
+	return checked, nil
+}
+
+// listLocal appends the entries below abs (whose path in the tree is rel) to pb, without
+// digests. It reads the tree the way tiers.HashDir does, so both see the same entries.
+func listLocal(abs, rel string, pb *peerpb.Manifest) error {
+	des, err := os.ReadDir(abs)
+	if err != nil {
+		return err
+	}
+	for _, de := range des {
+		p := path.Join(rel, de.Name())
+		a := filepath.Join(abs, de.Name())
+		switch de.Type() {
+		case fs.ModeDir:
+			pb.Dirs = append(pb.Dirs, p)
+			if err := listLocal(a, p, pb); err != nil {
+				return err
+			}
+		case fs.ModeSymlink:
+			target, err := os.Readlink(a)
+			if err != nil {
+				return err
+			}
+			pb.Symlinks = append(pb.Symlinks, &peerpb.Symlink{Path: p, Target: target})
+		case 0:
+			info, err := de.Info()
+			if err != nil {
+				return err
+			}
+			pb.Files = append(pb.Files, &peerpb.File{Path: p, Size: info.Size()})
+		default:
+			return fmt.Errorf("%s: a checkpoint cannot hold a %v", p, de.Type())
+		}
+	}
+	return nil
+}
+
+// hashFiles fills in the digests of m's files, several files at a time (tiers bounds the
+// hashing itself to GOMAXPROCS).
+func hashFiles(ctx context.Context, root string, m *manifest, digests *tiers.DigestCache) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	next := make(chan int)
+	var wg sync.WaitGroup
+	for range min(len(m.pb.Files), runtime.GOMAXPROCS(0)) {
+		wg.Go(func() {
+			for i := range next {
+				f := m.pb.Files[i]
+				p := m.localPath(root, i)
+				// HashDataCached of a regular file is its BLAKE3, taken from the cache when the
+				// file was hashed at close and has not changed since.
+				h, _, err := tiers.HashDataCached(ctx, p, digests)
+				if err == nil {
+					f.Blake3, err = hex.DecodeString(h)
+				}
+				if err != nil {
+					cancel(err)
+				}
+			}
+		})
+	}
+feed:
+	for i := range m.pb.Files {
+		select {
+		case next <- i:
+		case <-ctx.Done():
+			break feed
+		}
+	}
+	close(next)
+	wg.Wait()
+	return context.Cause(ctx)
+}
+
+// piece is a byte range of one file, sent by one stream.
+type piece struct {
+	file   int
+	off, n int64
+}
+
+// share cuts the bytes of all files, in manifest order, into count contiguous parts of nearly
+// equal size, and returns part index: every stream reads its files sequentially, and one large
+// file is spread over all streams. Empty files need no piece: checkManifest's receiver creates
+// them.
+func (m *manifest) share(index, count int) []piece {
+	start, end := mulDiv(m.total, index, count), mulDiv(m.total, index+1, count)
+	var out []piece
+	var pos int64 // start of file i in the concatenation
+	for i, f := range m.pb.Files {
+		lo, hi := max(start, pos), min(end, pos+f.Size)
+		if lo < hi {
+			out = append(out, piece{file: i, off: lo - pos, n: hi - lo})
+		}
+		pos += f.Size
+		if pos >= end {
+			break
+		}
+	}
+	return out
+}
+
+// mulDiv returns total·i/n without overflow (total < 2^63, 0 ≤ i ≤ n).
+func mulDiv(total int64, i, n int) int64 {
+	hi, lo := bits.Mul64(uint64(total), uint64(i))
+	q, _ := bits.Div64(hi, lo, uint64(n))
+	return int64(q)
+}

@@ -1,0 +1,567 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/mtcfs/mtcfs/replication/peerpb"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// ReceiverConfig configures a Receiver.
+type ReceiverConfig struct {
+	// Dir is where transfers are assembled until they are verified: a directory inside the
+	// spool, on the same file system as the sealed data so that Accept can rename. Created if
+	// missing; leftovers of an earlier process are removed.
+	Dir string
+	// Secrets gives the shared secret of each job this agent serves (see Authenticate).
+	Secrets SecretFunc
+	// Admit, when set, is asked about every authenticated caller before anything else happens;
+	// an error refuses the call with FailedPrecondition. The agent uses it to refuse callers of
+	// another incarnation of the job.
+	Admit func(ctx context.Context, from Identity) error
+	// Accept takes a transfer that passed every check. path is the data, named dataName: a
+	// directory for "D<hash>.data", a regular file otherwise (also for a .meta). Accept must
+	// move it out of Dir (rename); whatever is left there is removed when it returns. An error
+	// fails the transfer, and the sender's Commit gets it.
+	Accept func(ctx context.Context, job string, rank int, dataName, path string) error
+	// Lookup returns the local path of a "<hash>.data" this agent holds for job, for Fetch; an
+	// error matching fs.ErrNotExist is reported as NotFound. The data must stay readable while
+	// it is fetched. Nil: Fetch always answers NotFound.
+	Lookup func(ctx context.Context, job, dataName string) (string, error)
+	// Digests, when set, supplies the digests of served files that were hashed earlier.
+	Digests *tiers.DigestCache
+	// MaxIncoming caps the declared bytes of all transfers in progress; a header that would
+	// go past it is refused with ResourceExhausted before anything is written. Required.
+	MaxIncoming int64
+	// Reserve, when set, is charged with the declared bytes of each new transfer (and refunded
+	// when one is discarded); an error refuses it with ResourceExhausted. tiers.Spool.Reserve
+	// fits. The bytes of an accepted transfer stay charged: they now belong to Accept's caller.
+	Reserve func(delta int64) error
+	// IdleTimeout drops a transfer that received nothing for this long (a sender that died
+	// between streams, or never committed). Default 2 minutes.
+	IdleTimeout time.Duration
+	// Logger receives refusals and discarded transfers. Default slog.Default().
+	Logger *slog.Logger
+	// Now is the clock for authentication; default time.Now.
+	Now func() time.Time
+}
+
+// incomingPrefix starts the name of every transfer's private directory in ReceiverConfig.Dir.
+const incomingPrefix = "incoming-"
+
+// maxStreams bounds the parallel streams of one fetch.
+const maxStreams = 64
+
+// Receiver serves the Peer service: it takes pushes into ReceiverConfig.Dir, verifies them and
+// hands them to Accept, and serves fetches of the data Lookup finds. Register it on a gRPC
+// server built with ServerOptions.
+//
+// A transfer lives from its first stream's header until Commit, Abandon, a failure, the idle
+// timeout or Close. Goroutines: gRPC's, one per call; an idle timer per transfer. No goroutine
+// outlives Close except calls still returning.
+type Receiver struct {
+	peerpb.UnimplementedPeerServer
+	cfg       ReceiverConfig
+	log       *slog.Logger
+	manifests manifestCache
+
+	// LOCK ORDERING: mu, then a sink's per-file locks (never the other way).
+	mu        sync.Mutex
+	transfers map[string]*transfer // GUARDED_BY(mu); by transfer id
+	// dropped remembers recently failed transfers by id, so that a stream arriving late for
+	// one is refused instead of starting it afresh. Entries older than IdleTimeout go.
+	dropped  map[string]time.Time // GUARDED_BY(mu)
+	inFlight int64                // GUARDED_BY(mu); declared bytes of the transfers
+	closed   bool                 // GUARDED_BY(mu)
+}
+
+var _ peerpb.PeerServer = (*Receiver)(nil)
+
+// transfer is one push in progress.
+type transfer struct {
+	id   string
+	from Identity
+	addr string // the first stream's peer address, for logs
+	m    *manifest
+	// ready is closed once sink (or err) is set; streams that join wait for it.
+	ready chan struct{}
+	sink  *sink // GUARDED_BY(Receiver.mu) until ready
+	err   error // GUARDED_BY(Receiver.mu) until ready
+	// lastActive is the Unix time in nanoseconds of the last chunk or stream.
+	lastActive atomic.Int64
+	streams    int         // GUARDED_BY(Receiver.mu); streams running
+	committing bool        // GUARDED_BY(Receiver.mu)
+	gone       bool        // GUARDED_BY(Receiver.mu); discarded or accepted
+	timer      *time.Timer // GUARDED_BY(Receiver.mu); idle check
+	started    time.Time
+}
+
+// NewReceiver checks cfg and prepares cfg.Dir.
+func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
+	switch {
+	case cfg.Dir == "":
+		return nil, errors.New("receiver: Dir is required")
+	case cfg.Secrets == nil:
+		return nil, errors.New("receiver: Secrets is required")
+	case cfg.Accept == nil:
+		return nil, errors.New("receiver: Accept is required")
+	case cfg.MaxIncoming <= 0:
+		return nil, errors.New("receiver: MaxIncoming must be > 0")
+	}
+	if cfg.IdleTimeout <= 0 {
+		cfg.IdleTimeout = 2 * time.Minute
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("receiver: %w", err)
+	}
+	// Transfers of an earlier process were never verified: drop them.
+	des, err := os.ReadDir(cfg.Dir)
+	if err != nil {
+		return nil, fmt.Errorf("receiver: %w", err)
+	}
+	for _, de := range des {
+		if strings.HasPrefix(de.Name(), incomingPrefix) {
+			if err := os.RemoveAll(filepath.Join(cfg.Dir, de.Name())); err != nil {
+				return nil, fmt.Errorf("receiver: remove stale transfer: %w", err)
+			}
+		}
+	}
+	return &Receiver{cfg: cfg, log: cfg.Logger, transfers: map[string]*transfer{}, dropped: map[string]time.Time{}}, nil
+}
+
+// Register adds the peer service to s.
+func (r *Receiver) Register(s grpc.ServiceRegistrar) { peerpb.RegisterPeerServer(s, r) }
+
+// Close discards every transfer in progress and refuses new ones. Stop the gRPC server first:
+// with ServerOptions, its Stop returns once every call has.
+func (r *Receiver) Close() error {
+	r.mu.Lock()
+	r.closed = true
+	var all []*transfer
+	for _, t := range r.transfers {
+		all = append(all, t)
+	}
+	r.mu.Unlock()
+	var errs []error
+	for _, t := range all {
+		errs = append(errs, r.discard(t, errors.New("receiver closed")))
+	}
+	return errors.Join(errs...)
+}
+
+// authenticate checks a call's credentials and Admit, logging refusals with the peer address.
+func (r *Receiver) authenticate(ctx context.Context) (Identity, error) {
+	from, err := Authenticate(ctx, r.cfg.Secrets, r.cfg.Now())
+	if err == nil && r.cfg.Admit != nil {
+		if aerr := r.cfg.Admit(ctx, from); aerr != nil {
+			err = errPrecondition("%s rank %d (incarnation %s, instance %s) not admitted: %v", from.Job, from.Rank, from.Incarnation, from.Instance, aerr)
+		}
+	}
+	if err != nil {
+		method, _ := grpc.Method(ctx)
+		r.log.Warn("peer call refused", "peer", peerAddr(ctx), "method", method, "job", from.Job, "rank", from.Rank, "err", err)
+	}
+	return from, err
+}
+
+func peerAddr(ctx context.Context) string {
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		return p.Addr.String()
+	}
+	return "unknown"
+}
+
+// PushFiles receives one stream of a transfer.
+func (r *Receiver) PushFiles(stream grpc.ClientStreamingServer[peerpb.PushMessage, peerpb.PushReply]) (err error) {
+	ctx := stream.Context()
+	from, err := r.authenticate(ctx)
+	if err != nil {
+		return err
+	}
+	first := inMessage{header: &peerpb.PushHeader{}}
+	if err := stream.RecvMsg(&first); err == io.EOF {
+		return errInvalid("stream ended before its header")
+	} else if err != nil {
+		return err
+	}
+	if !first.isHeader {
+		first.chunk.release()
+		return errInvalid("a stream must start with a header")
+	}
+	h := first.header.(*peerpb.PushHeader)
+	t, err := r.join(ctx, from, h)
+	if err != nil {
+		r.log.Warn("peer transfer refused", "peer", peerAddr(ctx), "job", from.Job, "rank", from.Rank,
+			"data", h.GetManifest().GetDataName(), "transfer", h.TransferId, "err", err)
+		return err
+	}
+	defer func() { r.leave(t, err) }()
+
+	var n int64
+	msg := inMessage{header: &peerpb.PushHeader{}}
+	for {
+		if err := stream.RecvMsg(&msg); err == io.EOF {
+			break
+		} else if err != nil {
+			return fmt.Errorf("transfer %s: %w", t.id, err)
+		}
+		if msg.isHeader {
+			return errInvalid("transfer %s: a second header on one stream", t.id)
+		}
+		err := t.sink.write(&msg.chunk)
+		n += int64(msg.chunk.size)
+		msg.chunk.release()
+		if err != nil {
+			return fmt.Errorf("transfer %s: %w", t.id, err)
+		}
+		t.lastActive.Store(time.Now().UnixNano())
+	}
+	return stream.SendAndClose(&peerpb.PushReply{Bytes: n})
+}
+
+// join finds or starts the transfer a stream's header names, and counts the stream.
+func (r *Receiver) join(ctx context.Context, from Identity, h *peerpb.PushHeader) (*transfer, error) {
+	if !isHex32(h.TransferId) {
+		return nil, errInvalid("transfer id %q: want 32 lower-case hex digits", h.TransferId)
+	}
+	if h.Job != from.Job || h.Incarnation != from.Incarnation || int(h.SenderRank) != from.Rank || h.SenderInstance != from.Instance {
+		return nil, errPermission("header names job %q incarnation %q rank %d instance %q; the call was signed as job %q incarnation %q rank %d instance %q",
+			h.Job, h.Incarnation, h.SenderRank, h.SenderInstance, from.Job, from.Incarnation, from.Rank, from.Instance)
+	}
+	m, err := checkManifest(h.Manifest, from.Job, true)
+	if err != nil {
+		return nil, err
+	}
+
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil, withCode(codes.Unavailable, "receiver is closing")
+	}
+	if t := r.transfers[h.TransferId]; t != nil {
+		if err := t.admits(from, h); err != nil {
+			r.mu.Unlock()
+			return nil, err
+		}
+		t.streams++
+		t.lastActive.Store(time.Now().UnixNano())
+		r.mu.Unlock()
+		if err := r.waitReady(ctx, t); err != nil {
+			r.leave(t, nil)
+			return nil, err
+		}
+		return t, nil
+	}
+	if _, ok := r.dropped[h.TransferId]; ok {
+		r.mu.Unlock()
+		return nil, errAborted("transfer %s failed already", h.TransferId)
+	}
+	if free := r.cfg.MaxIncoming - r.inFlight; m.total > free {
+		r.mu.Unlock()
+		return nil, errExhausted("%s: %d bytes declared, only %d of %d free for incoming transfers", m.pb.DataName, m.total, max(free, 0), r.cfg.MaxIncoming)
+	}
+	if r.cfg.Reserve != nil {
+		if err := r.cfg.Reserve(m.total); err != nil {
+			r.mu.Unlock()
+			return nil, errExhausted("%s: %d bytes declared: %v", m.pb.DataName, m.total, err)
+		}
+	}
+	t := &transfer{id: h.TransferId, from: from, addr: peerAddr(ctx), m: m, ready: make(chan struct{}), streams: 1, started: time.Now()}
+	t.lastActive.Store(time.Now().UnixNano())
+	r.inFlight += m.total
+	r.transfers[t.id] = t
+	t.timer = time.AfterFunc(r.cfg.IdleTimeout, func() { r.expire(t) })
+	r.mu.Unlock()
+
+	s, err := newSink(r.cfg.Dir, incomingPrefix, m)
+	r.mu.Lock()
+	switch {
+	case err != nil:
+		t.err = err
+	case t.gone: // discarded meanwhile
+		s.discard(errors.New("abandoned while it was being created"))
+		t.err = errAborted("transfer %s was abandoned", t.id)
+	default:
+		t.sink = s
+	}
+	close(t.ready)
+	r.mu.Unlock()
+	if t.err != nil {
+		r.leave(t, t.err)
+		return nil, t.err
+	}
+	return t, nil
+}
+
+// admits checks that another stream with header h may join t.
+func (t *transfer) admits(from Identity, h *peerpb.PushHeader) error { // REQUIRES Receiver.mu
+	switch {
+	case t.from != from:
+		return errPermission("transfer %s belongs to another sender", t.id)
+	case t.committing:
+		return errPrecondition("transfer %s is being committed", t.id)
+	case !proto.Equal(t.m.pb, h.Manifest):
+		return errInvalid("transfer %s: this stream's manifest differs from the first stream's", t.id)
+	}
+	return nil
+}
+
+func (r *Receiver) waitReady(ctx context.Context, t *transfer) error {
+	select {
+	case <-t.ready:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return t.err
+}
+
+// leave uncounts a stream; a stream that failed takes its whole transfer down, since the bytes
+// it carried are lost.
+func (r *Receiver) leave(t *transfer, err error) {
+	r.mu.Lock()
+	t.streams--
+	r.mu.Unlock()
+	if err != nil {
+		r.discard(t, err)
+	}
+}
+
+// expire drops t if it has been idle for IdleTimeout, else checks again later.
+func (r *Receiver) expire(t *transfer) {
+	idle := time.Since(time.Unix(0, t.lastActive.Load()))
+	r.mu.Lock()
+	if t.gone || t.committing {
+		r.mu.Unlock()
+		return
+	}
+	if idle < r.cfg.IdleTimeout {
+		t.timer.Reset(r.cfg.IdleTimeout - idle)
+		r.mu.Unlock()
+		return
+	}
+	r.mu.Unlock()
+	r.discard(t, fmt.Errorf("nothing received for %v", idle.Round(time.Second)))
+}
+
+// discard drops t and everything received for it; reason is logged. It is safe to call more
+// than once.
+func (r *Receiver) discard(t *transfer, reason error) error {
+	r.mu.Lock()
+	if t.gone {
+		r.mu.Unlock()
+		return nil
+	}
+	t.gone = true
+	delete(r.transfers, t.id)
+	r.inFlight -= t.m.total
+	t.timer.Stop()
+	now := time.Now()
+	for id, when := range r.dropped {
+		if now.Sub(when) > r.cfg.IdleTimeout {
+			delete(r.dropped, id)
+		}
+	}
+	r.dropped[t.id] = now
+	s := t.sink
+	r.mu.Unlock()
+	if r.cfg.Reserve != nil {
+		r.cfg.Reserve(-t.m.total)
+	}
+	r.log.Warn("peer transfer discarded", "peer", t.addr, "job", t.from.Job, "rank", t.from.Rank,
+		"data", t.m.pb.DataName, "transfer", t.id, "reason", reason)
+	if s == nil {
+		return nil // still being created: join discards it
+	}
+	return s.discard(reason)
+}
+
+// Commit verifies a transfer whose streams have all ended and hands it to Accept.
+func (r *Receiver) Commit(ctx context.Context, req *peerpb.CommitRequest) (*peerpb.CommitReply, error) {
+	from, err := r.authenticate(ctx)
+	if err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	t := r.transfers[req.TransferId]
+	switch {
+	case t == nil:
+		err = errNotFound("no transfer %q here: it failed, was abandoned or never started", req.TransferId)
+	case t.from != from:
+		err = errPermission("transfer %s belongs to another sender", t.id)
+	case t.committing:
+		err = errPrecondition("transfer %s is already being committed", t.id)
+	case t.streams > 0:
+		err = errPrecondition("transfer %s still has %d open streams", t.id, t.streams)
+	default:
+		t.committing = true
+		t.timer.Stop()
+	}
+	r.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+
+	if err := t.sink.verify(ctx); err != nil {
+		r.discard(t, err)
+		return nil, err
+	}
+	if err := r.cfg.Accept(ctx, t.from.Job, t.from.Rank, t.m.pb.DataName, t.sink.root); err != nil {
+		err = fmt.Errorf("accept %s: %w", t.m.pb.DataName, err)
+		r.discard(t, err)
+		return nil, err
+	}
+	r.mu.Lock()
+	t.gone = true
+	delete(r.transfers, t.id)
+	r.inFlight -= t.m.total
+	r.mu.Unlock()
+	if err := t.sink.discard(errFinished); err != nil { // what Accept left behind
+		r.log.Warn("peer transfer: cleanup after accept", "transfer", t.id, "err", err)
+	}
+	r.log.Info("peer transfer received", "peer", t.addr, "job", t.from.Job, "rank", t.from.Rank,
+		"data", t.m.pb.DataName, "bytes", t.m.total, "files", len(t.m.pb.Files), "took", time.Since(t.started).Round(time.Millisecond))
+	return &peerpb.CommitReply{}, nil
+}
+
+// Abandon drops a transfer of the caller's, unless it is being committed.
+func (r *Receiver) Abandon(ctx context.Context, req *peerpb.AbandonRequest) (*peerpb.AbandonReply, error) {
+	from, err := r.authenticate(ctx)
+	if err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	t := r.transfers[req.TransferId]
+	drop := t != nil && t.from == from && !t.committing
+	r.mu.Unlock()
+	if drop {
+		r.discard(t, errors.New("abandoned by the sender"))
+	}
+	return &peerpb.AbandonReply{}, nil
+}
+
+// Fetch sends the caller's share of a "<hash>.data" this agent holds.
+func (r *Receiver) Fetch(req *peerpb.FetchRequest, stream grpc.ServerStreamingServer[peerpb.FetchMessage]) error {
+	ctx := stream.Context()
+	from, err := r.authenticate(ctx)
+	if err != nil {
+		return err
+	}
+	if _, _, err := parseDataName(req.DataName, from.Job, false); err != nil {
+		return err
+	}
+	if req.StreamCount == 0 || req.StreamCount > maxStreams || req.StreamIndex >= req.StreamCount {
+		return errInvalid("stream %d of %d: want 0 ≤ index < count ≤ %d", req.StreamIndex, req.StreamCount, maxStreams)
+	}
+	chunk := clampChunkSize(int(req.ChunkSize))
+	if r.cfg.Lookup == nil {
+		return errNotFound("%s is not held here", req.DataName)
+	}
+	p, err := r.cfg.Lookup(ctx, from.Job, req.DataName)
+	if errors.Is(err, fs.ErrNotExist) {
+		return errNotFound("%s is not held here", req.DataName)
+	}
+	if err != nil {
+		return fmt.Errorf("look up %s: %w", req.DataName, err)
+	}
+	m, release, err := r.manifests.get(p+"\x00"+req.DataName, func() (*manifest, error) {
+		return buildManifest(ctx, p, req.DataName, from.Job, r.cfg.Digests)
+	})
+	if err != nil {
+		r.log.Error("peer fetch: local data cannot be served", "data", req.DataName, "path", p, "err", err)
+		if status.Code(err) == codes.Unknown {
+			err = errCorrupt("%s cannot be served: %v", req.DataName, err)
+		}
+		return err
+	}
+	defer release()
+	if err := stream.Send(&peerpb.FetchMessage{Kind: &peerpb.FetchMessage_Manifest{Manifest: m.pb}}); err != nil {
+		return err
+	}
+	_, err = sendShare(ctx, p, m, m.share(int(req.StreamIndex), int(req.StreamCount)), chunk,
+		func(c *outChunk) error { return stream.SendMsg(c) }, func() {})
+	return err
+}
+
+func clampChunkSize(n int) int {
+	if n == 0 {
+		return DefaultChunkSize
+	}
+	return min(max(n, minChunkSize), MaxChunkSize)
+}
+
+func isHex32(s string) bool {
+	return len(s) == 32 && strings.Trim(s, "0123456789abcdef") == ""
+}
+
+// manifestCache shares the manifest of data being served between the parallel streams of one
+// fetch, so that its files are hashed once. An entry lives while a stream uses it.
+type manifestCache struct {
+	mu      sync.Mutex
+	entries map[string]*cachedManifest // GUARDED_BY(mu)
+}
+
+type cachedManifest struct {
+	ready chan struct{}
+	m     *manifest // set before ready is closed
+	err   error     // set before ready is closed
+	refs  int       // GUARDED_BY(manifestCache.mu)
+}
+
+// get returns the manifest for key, building it once for concurrent callers; release must be
+// called when done (only when err is nil).
+func (c *manifestCache) get(key string, build func() (*manifest, error)) (*manifest, func(), error) {
+	c.mu.Lock()
+	if c.entries == nil {
+		c.entries = map[string]*cachedManifest{}
+	}
+	e := c.entries[key]
+	first := e == nil
+	if first {
+		e = &cachedManifest{ready: make(chan struct{})}
+		c.entries[key] = e
+	}
+	e.refs++
+	c.mu.Unlock()
+	release := func() {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if e.refs--; e.refs == 0 {
+			delete(c.entries, key)
+		}
+	}
+	if first {
+		e.m, e.err = build()
+		close(e.ready)
+	}
+	<-e.ready
+	if e.err != nil {
+		release()
+		return nil, nil, e.err
+	}
+	return e.m, release, nil
+}

@@ -1,0 +1,366 @@
+package replication
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/mtcfs/mtcfs/replication/peerpb"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// Defaults of a Sender, measured with bench/peerbench (bench/RESULTS.md).
+const (
+	// DefaultStreams is how many parallel streams one transfer uses.
+	DefaultStreams = 4
+	// DefaultStallTimeout is how long a transfer may make no progress before it fails.
+	DefaultStallTimeout = 30 * time.Second
+	// minVerifyRate is the slowest a receiver is assumed to re-read and hash data at Commit
+	// (bytes/s); Commit's deadline allows for it on top of the stall timeout.
+	minVerifyRate = 64 << 20
+)
+
+// ErrStalled is the cause of a transfer that made no progress for the stall timeout: the peer
+// or the network stopped moving bytes without closing the connection.
+var ErrStalled = errors.New("peer transfer stalled")
+
+// Sender is this agent's side of calls to a peer: it pushes data to a peer and fetches data from
+// one. The zero value needs Instance and Secrets; the other fields have defaults. A Sender is
+// safe for concurrent use; each call owns the goroutines it starts, one per stream, and ends
+// them before it returns.
+type Sender struct {
+	Instance string     // this agent process's instance id (see Identity)
+	Secrets  SecretFunc // the job's shared secret
+	// ChunkSize is the bytes per chunk (DefaultChunkSize; clamped to [64 KiB, MaxChunkSize]).
+	ChunkSize int
+	// Streams is the parallel streams per transfer (DefaultStreams; at most 64). A small
+	// transfer uses fewer: no stream carries less than a chunk.
+	Streams int
+	// StallTimeout fails a transfer that moved no chunk for this long (DefaultStallTimeout).
+	StallTimeout time.Duration
+	// Digests supplies file digests computed earlier (when the files were closed), so that a
+	// push does not read its files twice.
+	Digests *tiers.DigestCache
+}
+
+// PushRequest names the data to push and who pushes it.
+type PushRequest struct {
+	Job         string
+	Incarnation string
+	Rank        int    // the sender's rank
+	DataName    string // "<hash>.data", "D<hash>.data" or a .meta name of Job
+	Source      string // the data in the spool: a directory for "D<hash>.data", else a file
+}
+
+// FetchRequest names the data to fetch, who fetches it, and where it goes.
+type FetchRequest struct {
+	Job         string
+	Incarnation string
+	Rank        int    // the fetcher's rank
+	DataName    string // "<hash>.data" or "D<hash>.data"
+	// Dir is the directory (in the spool) where the data appears as Dir/DataName once verified.
+	Dir string
+	// MaxBytes refuses data larger than this (ResourceExhausted); 0 means no limit.
+	MaxBytes int64
+}
+
+func (s *Sender) chunkSize() int { return clampChunkSize(s.ChunkSize) }
+
+func (s *Sender) streams() int {
+	if s.Streams <= 0 {
+		return DefaultStreams
+	}
+	return min(s.Streams, maxStreams)
+}
+
+func (s *Sender) stallTimeout() time.Duration {
+	if s.StallTimeout <= 0 {
+		return DefaultStallTimeout
+	}
+	return s.StallTimeout
+}
+
+// callOptions authenticates calls as id.
+func (s *Sender) callOptions(id Identity) ([]grpc.CallOption, error) {
+	if s.Secrets == nil {
+		return nil, errors.New("sender has no Secrets")
+	}
+	secret, ok := s.Secrets(id.Job)
+	if !ok {
+		return nil, fmt.Errorf("no shared secret for job %q", id.Job)
+	}
+	return []grpc.CallOption{grpc.PerRPCCredentials(Credentials(id, secret)), grpc.ForceCodecV2(peerCodec{})}, nil
+}
+
+// Push sends the data at req.Source to the peer behind conn, over parallel streams, and commits
+// it. It returns nil only when the peer verified every byte and its Accept took the data. On
+// failure the peer discards what it received. conn should be dialled with DialOptions.
+func (s *Sender) Push(ctx context.Context, conn grpc.ClientConnInterface, req PushRequest) error {
+	if err := s.push(ctx, conn, req); err != nil {
+		return fmt.Errorf("push %s: %w", req.DataName, err)
+	}
+	return nil
+}
+
+func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req PushRequest) error {
+	opts, err := s.callOptions(Identity{Job: req.Job, Incarnation: req.Incarnation, Rank: req.Rank, Instance: s.Instance})
+	if err != nil {
+		return err
+	}
+	m, err := buildManifest(ctx, req.Source, req.DataName, req.Job, s.Digests)
+	if err != nil {
+		return err
+	}
+	id := make([]byte, 16)
+	rand.Read(id)
+	header := &peerpb.PushHeader{TransferId: hex.EncodeToString(id), Job: req.Job, Incarnation: req.Incarnation,
+		SenderRank: int32(req.Rank), SenderInstance: s.Instance, Manifest: m.pb}
+	client := peerpb.NewPeerClient(conn)
+	chunk := s.chunkSize()
+	n := int(min(int64(s.streams()), max(1, (m.total+int64(chunk)-1)/int64(chunk))))
+
+	w := startWatchdog(ctx, s.stallTimeout())
+	err = runStreams(w.ctx, n, func(ctx context.Context, i int) error {
+		return pushStream(ctx, client, opts, header, req.Source, m, i, n, chunk, w.progress)
+	})
+	w.stop()
+	if err != nil {
+		err = w.explain(err)
+		// The receiver drops the transfer when a stream fails; Abandon covers streams that
+		// never reached it. Best effort, bounded, and not on the caller's (maybe cancelled) context.
+		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(2*time.Second, s.stallTimeout()))
+		client.Abandon(actx, &peerpb.AbandonRequest{TransferId: header.TransferId}, opts...)
+		cancel()
+		return err
+	}
+	// The receiver re-reads and hashes everything before it answers.
+	cctx, cancel := context.WithTimeout(ctx, s.stallTimeout()+time.Duration(m.total/minVerifyRate)*time.Second)
+	defer cancel()
+	if _, err := client.Commit(cctx, &peerpb.CommitRequest{TransferId: header.TransferId}, opts...); err != nil {
+		return fmt.Errorf("commit: %w", err)
+	}
+	return nil
+}
+
+// pushStream sends the header and share i of n on one PushFiles stream, and checks that the
+// receiver wrote all of it.
+func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallOption, header *peerpb.PushHeader,
+	src string, m *manifest, i, n, chunk int, progress func()) error {
+	stream, err := client.PushFiles(ctx, opts...)
+	if err != nil {
+		return err
+	}
+	sent, err := func() (int64, error) {
+		if err := stream.Send(&peerpb.PushMessage{Kind: &peerpb.PushMessage_Header{Header: header}}); err != nil {
+			return 0, err
+		}
+		return sendShare(ctx, src, m, m.share(i, n), chunk, func(c *outChunk) error { return stream.SendMsg(c) }, progress)
+	}()
+	// io.EOF from Send means the receiver ended the stream: its status comes with the reply.
+	if err != nil && !errors.Is(err, io.EOF) {
+		return err
+	}
+	reply, rerr := stream.CloseAndRecv()
+	if rerr != nil {
+		return rerr
+	}
+	if err != nil {
+		return err
+	}
+	if reply.Bytes != sent {
+		return fmt.Errorf("stream %d: receiver wrote %d bytes, %d were sent", i, reply.Bytes, sent)
+	}
+	return nil
+}
+
+// Fetch copies a "<hash>.data" that the peer behind conn holds into req.Dir, over parallel
+// streams, and verifies it exactly as a receiver verifies a push before it appears (renamed) as
+// req.Dir/req.DataName. On failure nothing is left in req.Dir.
+func (s *Sender) Fetch(ctx context.Context, conn grpc.ClientConnInterface, req FetchRequest) error {
+	if err := s.fetch(ctx, conn, req); err != nil {
+		return fmt.Errorf("fetch %s: %w", req.DataName, err)
+	}
+	return nil
+}
+
+func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req FetchRequest) (err error) {
+	if _, _, err := parseDataName(req.DataName, req.Job, false); err != nil {
+		return err
+	}
+	opts, err := s.callOptions(Identity{Job: req.Job, Incarnation: req.Incarnation, Rank: req.Rank, Instance: s.Instance})
+	if err != nil {
+		return err
+	}
+	client := peerpb.NewPeerClient(conn)
+	n, chunk := s.streams(), s.chunkSize()
+
+	// The first manifest to arrive creates the sink; the others must equal it.
+	var (
+		mu    sync.Mutex
+		first *peerpb.Manifest
+		sk    *sink // GUARDED_BY(mu) until every stream ended
+	)
+	open := func(pb *peerpb.Manifest) (*sink, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if first != nil {
+			if !proto.Equal(first, pb) {
+				return nil, errInvalid("streams sent different manifests")
+			}
+			return sk, nil
+		}
+		m, err := checkManifest(pb, req.Job, false)
+		if err != nil {
+			return nil, err
+		}
+		if pb.DataName != req.DataName {
+			return nil, errInvalid("asked for %s, got %s", req.DataName, pb.DataName)
+		}
+		if req.MaxBytes > 0 && m.total > req.MaxBytes {
+			return nil, errExhausted("%d bytes, at most %d allowed", m.total, req.MaxBytes)
+		}
+		if sk, err = newSink(req.Dir, ".fetch-", m); err != nil {
+			return nil, err
+		}
+		first = pb
+		return sk, nil
+	}
+	defer func() {
+		if sk != nil {
+			if derr := sk.discard(errFinished); err == nil {
+				err = derr
+			}
+		}
+	}()
+
+	w := startWatchdog(ctx, s.stallTimeout())
+	err = runStreams(w.ctx, n, func(ctx context.Context, i int) error {
+		stream, err := client.Fetch(ctx, &peerpb.FetchRequest{DataName: req.DataName, StreamIndex: uint32(i),
+			StreamCount: uint32(n), ChunkSize: uint32(chunk)}, opts...)
+		if err != nil {
+			return err
+		}
+		msg := inMessage{header: &peerpb.Manifest{}}
+		if err := stream.RecvMsg(&msg); err != nil {
+			return err
+		}
+		if !msg.isHeader {
+			msg.chunk.release()
+			return errInvalid("a stream must start with the manifest")
+		}
+		into, err := open(msg.header.(*peerpb.Manifest))
+		if err != nil {
+			return err
+		}
+		for {
+			if err := stream.RecvMsg(&msg); err == io.EOF {
+				return nil
+			} else if err != nil {
+				return err
+			}
+			if msg.isHeader {
+				return errInvalid("a second manifest on one stream")
+			}
+			err := into.write(&msg.chunk)
+			msg.chunk.release()
+			if err != nil {
+				return err
+			}
+			w.progress()
+		}
+	})
+	w.stop()
+	if err != nil {
+		return w.explain(err)
+	}
+	if err := sk.verify(ctx); err != nil {
+		return err
+	}
+	dst := filepath.Join(req.Dir, req.DataName)
+	if _, err := os.Lstat(dst); err == nil {
+		return fmt.Errorf("%s already exists", dst)
+	}
+	return os.Rename(sk.root, dst)
+}
+
+// runStreams runs fn for streams 0..n-1 concurrently and returns the first error; the first
+// failure cancels the others.
+func runStreams(ctx context.Context, n int, fn func(ctx context.Context, i int) error) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	var (
+		wg    sync.WaitGroup
+		once  sync.Once
+		first error
+	)
+	for i := range n {
+		wg.Go(func() {
+			if err := fn(ctx, i); err != nil {
+				once.Do(func() { first = err; cancel(err) })
+			}
+		})
+	}
+	wg.Wait()
+	return first
+}
+
+// watchdog cancels a transfer's context when no progress was reported for a timeout.
+type watchdog struct {
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	last   atomic.Int64 // Unix nanoseconds of the last progress
+	done   chan struct{}
+	wg     sync.WaitGroup
+}
+
+func startWatchdog(parent context.Context, timeout time.Duration) *watchdog {
+	w := &watchdog{done: make(chan struct{})}
+	w.ctx, w.cancel = context.WithCancelCause(parent)
+	w.progress()
+	w.wg.Go(func() {
+		tick := time.NewTicker(timeout / 8)
+		defer tick.Stop()
+		for {
+			select {
+			case <-w.done:
+				return
+			case <-w.ctx.Done():
+				return
+			case <-tick.C:
+				if idle := time.Since(time.Unix(0, w.last.Load())); idle >= timeout {
+					w.cancel(fmt.Errorf("%w: no chunk moved for %v", ErrStalled, idle.Round(time.Millisecond)))
+					return
+				}
+			}
+		}
+	})
+	return w
+}
+
+func (w *watchdog) progress() { w.last.Store(time.Now().UnixNano()) }
+
+// stop ends the watchdog and releases its context; explain still tells a stall apart.
+func (w *watchdog) stop() {
+	close(w.done)
+	w.wg.Wait()
+	w.cancel(nil)
+}
+
+// explain returns the stall as the error when the watchdog caused err.
+func (w *watchdog) explain(err error) error {
+	if cause := context.Cause(w.ctx); errors.Is(cause, ErrStalled) {
+		return cause
+	}
+	return err
+}

@@ -1,0 +1,415 @@
+package replication
+
+import (
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"io/fs"
+	"os"
+	"path"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// sink receives the files of one manifest into a private directory and verifies them. Both ends
+// use it: the receiver of a push and the caller of a fetch. Chunks may arrive from several
+// streams at once; verify runs after every stream ended.
+type sink struct {
+	m    *manifest
+	tmp  string // private directory (mode 0700), removed by discard
+	root string // tmp/<data name>: the data itself
+	// dropped holds why discard was called; writes fail from then on.
+	dropped atomic.Pointer[error]
+	files   []sinkFile
+}
+
+// sinkFile tracks what arrived for one file.
+type sinkFile struct {
+	mu      sync.Mutex
+	f       *os.File // GUARDED_BY(mu); open while bytes are missing
+	have    []span   // GUARDED_BY(mu); sorted, disjoint, merged ranges written or being written
+	done    int64    // GUARDED_BY(mu); bytes written
+	writers int      // GUARDED_BY(mu); writes in progress
+}
+
+type span struct{ lo, hi int64 }
+
+// newSink creates a private directory in dir (named prefix + random) holding the manifest's
+// directories, symlinks and empty files.
+func newSink(dir, prefix string, m *manifest) (*sink, error) {
+	tmp, err := os.MkdirTemp(dir, prefix)
+	if err != nil {
+		return nil, fmt.Errorf("create incoming directory: %w", err)
+	}
+	s := &sink{m: m, tmp: tmp, root: filepath.Join(tmp, m.pb.DataName), files: make([]sinkFile, len(m.pb.Files))}
+	if err := s.create(); err != nil {
+		s.discard(err)
+		return nil, fmt.Errorf("create %s: %w", m.pb.DataName, err)
+	}
+	return s, nil
+}
+
+func (s *sink) create() error {
+	if s.m.kind == kindTree {
+		if err := os.Mkdir(s.root, 0o755); err != nil {
+			return err
+		}
+		// Dirs are in listing order, so parents come first; MkdirAll covers parents a manifest
+		// left implicit. Nothing below root is a symlink yet, and checkManifest refused entries
+		// below symlinks, so no path here leaves the tree.
+		for _, d := range s.m.pb.Dirs {
+			if err := os.MkdirAll(filepath.Join(s.root, filepath.FromSlash(d)), 0o755); err != nil {
+				return err
+			}
+		}
+		for _, f := range s.m.pb.Files {
+			if err := os.MkdirAll(filepath.Join(s.root, filepath.FromSlash(path.Dir(f.Path))), 0o755); err != nil {
+				return err
+			}
+		}
+		for _, l := range s.m.pb.Symlinks {
+			p := filepath.Join(s.root, filepath.FromSlash(l.Path))
+			if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+				return err
+			}
+			if err := os.Symlink(l.Target, p); err != nil {
+				return err
+			}
+		}
+	}
+	for i := range s.m.pb.Files {
+		f, err := os.OpenFile(s.m.localPath(s.root, i), os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o644)
+		if err != nil {
+			return err
+		}
+		if err := f.Close(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// write checks one chunk and writes it in place with pwritev, straight from the buffers it
+// arrived in. A chunk must lie inside its file and must not overlap bytes already received.
+func (s *sink) write(c *inChunk) error {
+	if err := s.droppedErr(); err != nil {
+		return err
+	}
+	if c.file >= uint32(len(s.files)) {
+		return errInvalid("chunk for file %d of %d", c.file, len(s.files))
+	}
+	meta := s.m.pb.Files[c.file]
+	n := int64(c.size)
+	if n == 0 || c.offset < 0 || c.offset > meta.Size-n {
+		return errInvalid("chunk of %d bytes at %d does not fit %q (%d bytes)", n, c.offset, meta.Path, meta.Size)
+	}
+	pieces := make([][]byte, len(c.data))
+	var crc uint32
+	for i, b := range c.data {
+		pieces[i] = b.ReadOnlyData()
+		crc = crc32.Update(crc, castagnoli, pieces[i])
+	}
+	if crc != c.crc {
+		return errCorrupt("chunk of %q at %d (%d bytes): CRC32C %08x, sender said %08x", meta.Path, c.offset, n, crc, c.crc)
+	}
+
+	sf := &s.files[c.file]
+	sf.mu.Lock()
+	if err := sf.claim(span{c.offset, c.offset + n}); err != nil {
+		sf.mu.Unlock()
+		return errInvalid("%q: %v", meta.Path, err)
+	}
+	if sf.f == nil {
+		f, err := os.OpenFile(s.m.localPath(s.root, int(c.file)), os.O_WRONLY|syscall.O_NOFOLLOW, 0)
+		if err != nil {
+			sf.mu.Unlock()
+			if derr := s.droppedErr(); derr != nil {
+				return derr
+			}
+			return fmt.Errorf("open %q: %w", meta.Path, err)
+		}
+		sf.f = f
+	}
+	f := sf.f
+	sf.writers++
+	sf.mu.Unlock()
+
+	werr := pwritev(f, pieces, c.offset)
+
+	sf.mu.Lock()
+	defer sf.mu.Unlock()
+	sf.writers--
+	sf.done += n
+	if sf.done == meta.Size && sf.writers == 0 && sf.f != nil {
+		if err := sf.f.Close(); err != nil && werr == nil {
+			werr = err
+		}
+		sf.f = nil
+	}
+	if werr != nil {
+		if err := s.droppedErr(); err != nil {
+			return err
+		}
+		return fmt.Errorf("write %q at %d: %w", meta.Path, c.offset, werr)
+	}
+	return nil
+}
+
+// maxIovecs is IOV_MAX: the most buffers one pwritev takes.
+const maxIovecs = 1024
+
+// pwritev writes pieces, concatenated, at off. It goes through f's SyscallConn, which holds
+// the descriptor for the duration: discard closing f meanwhile cannot hand the descriptor
+// number to another file under this write.
+func pwritev(f *os.File, pieces [][]byte, off int64) error {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var werr error
+	err = rc.Write(func(fd uintptr) bool {
+		for len(pieces) > 0 {
+			batch := pieces[:min(len(pieces), maxIovecs)]
+			n, err := unix.Pwritev(int(fd), batch, off)
+			if err == unix.EINTR {
+				continue
+			}
+			if err != nil {
+				werr = err
+				return true
+			}
+			if n == 0 {
+				werr = io.ErrShortWrite
+				return true
+			}
+			off += int64(n)
+			for n > 0 { // drop what was written; a partial write leaves a partial piece
+				if k := len(pieces[0]); n >= k {
+					pieces, n = pieces[1:], n-k
+				} else {
+					pieces[0], n = pieces[0][n:], 0
+				}
+			}
+		}
+		return true
+	})
+	if err != nil {
+		return err
+	}
+	return werr
+}
+
+// claim records sp as received, refusing overlaps.
+func (sf *sinkFile) claim(sp span) error {
+	i, _ := slices.BinarySearchFunc(sf.have, sp.lo, func(h span, lo int64) int { return cmpInt(h.hi, lo+1) })
+	// sf.have[i] is the first span ending after sp.lo (hi > lo).
+	if i < len(sf.have) && sf.have[i].lo < sp.hi {
+		return fmt.Errorf("bytes [%d, %d) arrived twice", max(sp.lo, sf.have[i].lo), min(sp.hi, sf.have[i].hi))
+	}
+	joinLeft := i > 0 && sf.have[i-1].hi == sp.lo
+	joinRight := i < len(sf.have) && sf.have[i].lo == sp.hi
+	switch {
+	case joinLeft && joinRight:
+		sf.have[i-1].hi = sf.have[i].hi
+		sf.have = slices.Delete(sf.have, i, i+1)
+	case joinLeft:
+		sf.have[i-1].hi = sp.hi
+	case joinRight:
+		sf.have[i].lo = sp.lo
+	default:
+		sf.have = slices.Insert(sf.have, i, sp)
+	}
+	return nil
+}
+
+func cmpInt(a, b int64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// verify checks, after the last chunk, that every file is complete and has its BLAKE3 digest,
+// and that the tree on disk hashes to the name (tiers.TreeHash). Failed checks are DataLoss.
+func (s *sink) verify(ctx context.Context) error {
+	pb := s.m.pb
+	for i := range s.files {
+		sf := &s.files[i]
+		sf.mu.Lock()
+		done, writers := sf.done, sf.writers
+		sf.mu.Unlock()
+		if done != pb.Files[i].Size || writers != 0 {
+			return errPrecondition("%s: %q incomplete: %d of %d bytes arrived", pb.DataName, pb.Files[i].Path, done, pb.Files[i].Size)
+		}
+	}
+	digests, err := s.hashAll(ctx)
+	if err != nil {
+		return err
+	}
+	for i, f := range pb.Files {
+		if d := digests[i]; d != tiers.FileDigest(f.Blake3) {
+			return errCorrupt("%s: %q hashes to %s, the header said %s", pb.DataName, f.Path, d, hex.EncodeToString(f.Blake3))
+		}
+	}
+	switch s.m.kind {
+	case kindMeta:
+		content, err := os.ReadFile(s.root)
+		if err != nil {
+			return err
+		}
+		if !tiers.IsDataName(string(content) + ".data") {
+			return errInvalid("%s: content %q is not a data hash", pb.DataName, content)
+		}
+	case kindTree:
+		// Hash what is on disk, not the manifest: directories and symlinks count too.
+		byPath := make(map[string]tiers.FileDigest, len(pb.Files))
+		for i, f := range pb.Files {
+			byPath[f.Path] = digests[i]
+		}
+		var entries []tiers.TreeEntry
+		if err := listReceived(s.root, "", byPath, &entries); err != nil {
+			return errCorrupt("%s: %v", pb.DataName, err)
+		}
+		got, err := tiers.TreeHash(entries)
+		if err != nil {
+			return errCorrupt("%s: %v", pb.DataName, err)
+		}
+		if got != pb.TreeHash {
+			return errCorrupt("%s: received tree hashes to %s", pb.DataName, got)
+		}
+	}
+	return nil
+}
+
+// hashAll re-reads every received file and returns its BLAKE3, several files at a time.
+func (s *sink) hashAll(ctx context.Context) ([]tiers.FileDigest, error) {
+	digests := make([]tiers.FileDigest, len(s.files))
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	next := make(chan int)
+	var wg sync.WaitGroup
+	for range min(len(s.files), runtime.GOMAXPROCS(0)) {
+		wg.Go(func() {
+			for i := range next {
+				d, err := hashReceived(ctx, s.m.localPath(s.root, i), s.m.pb.Files[i].Size)
+				if err != nil {
+					cancel(fmt.Errorf("%s: %q: %w", s.m.pb.DataName, s.m.pb.Files[i].Path, err))
+					continue
+				}
+				digests[i] = d
+			}
+		})
+	}
+feed:
+	for i := range s.files {
+		select {
+		case next <- i:
+		case <-ctx.Done():
+			break feed
+		}
+	}
+	close(next)
+	wg.Wait()
+	return digests, context.Cause(ctx)
+}
+
+func hashReceived(ctx context.Context, p string, size int64) (tiers.FileDigest, error) {
+	f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return tiers.FileDigest{}, err
+	}
+	defer f.Close()
+	info, err := f.Stat()
+	if err != nil {
+		return tiers.FileDigest{}, err
+	}
+	if info.Size() != size {
+		return tiers.FileDigest{}, errCorrupt("%d bytes, want %d", info.Size(), size)
+	}
+	return tiers.HashFile(ctx, f, size)
+}
+
+// listReceived lists the received tree for tiers.TreeHash, taking file digests from byPath. A
+// regular file that the manifest does not list is an error.
+func listReceived(abs, rel string, byPath map[string]tiers.FileDigest, out *[]tiers.TreeEntry) error {
+	des, err := os.ReadDir(abs)
+	if err != nil {
+		return err
+	}
+	for _, de := range des {
+		p := path.Join(rel, de.Name())
+		a := filepath.Join(abs, de.Name())
+		info, err := de.Info()
+		if err != nil {
+			return err
+		}
+		switch info.Mode().Type() {
+		case fs.ModeDir:
+			*out = append(*out, tiers.TreeEntry{Path: p, Type: tiers.EntryDir})
+			if err := listReceived(a, p, byPath, out); err != nil {
+				return err
+			}
+		case fs.ModeSymlink:
+			target, err := os.Readlink(a)
+			if err != nil {
+				return err
+			}
+			*out = append(*out, tiers.TreeEntry{Path: p, Type: tiers.EntrySymlink, Target: target})
+		case 0:
+			d, ok := byPath[p]
+			if !ok {
+				return fmt.Errorf("unexpected file %q", p)
+			}
+			*out = append(*out, tiers.TreeEntry{Path: p, Type: tiers.EntryFile, Size: info.Size(), Digest: d})
+		default:
+			return fmt.Errorf("%q is a %v", p, info.Mode().Type())
+		}
+	}
+	return nil
+}
+
+// errFinished is the reason a sink is discarded after its data was taken over.
+var errFinished = errors.New("transfer finished")
+
+// droppedErr says why the sink was discarded, nil while it is not.
+func (s *sink) droppedErr() error {
+	if reason := s.dropped.Load(); reason != nil {
+		return errAborted("transfer of %s was dropped: %v", s.m.pb.DataName, *reason)
+	}
+	return nil
+}
+
+// discard drops everything received, for reason: later writes fail, and the private directory
+// goes. Only the first reason is kept.
+func (s *sink) discard(reason error) error {
+	s.dropped.CompareAndSwap(nil, &reason)
+	for i := range s.files {
+		sf := &s.files[i]
+		sf.mu.Lock()
+		if sf.f != nil {
+			sf.f.Close()
+			sf.f = nil
+		}
+		sf.mu.Unlock()
+	}
+	if err := os.RemoveAll(s.tmp); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", s.tmp, err)
+	}
+	return nil
+}

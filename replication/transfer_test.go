@@ -1,0 +1,352 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+func TestPushTree(t *testing.T) {
+	for _, streams := range []int{1, 4} {
+		t.Run(map[int]string{1: "1 stream", 4: "4 streams"}[streams], func(t *testing.T) {
+			rnd := rand.New(rand.NewPCG(uint64(streams), 7))
+			src, name := makeTree(t, rnd, 5*peerChunk+12345)
+			p := startPeer(t, nil)
+			err := testSender(streams).Push(t.Context(), dial(t, p.addr), pushReq(name, src))
+			require.NoError(t, err)
+			require.Equal(t, []accepted{{peerJob, 1, name}}, p.acceptedCalls(), "Accept must be called exactly once")
+			requireHashesTo(t, filepath.Join(p.sealed, name), name)
+			target, err := os.Readlink(filepath.Join(p.sealed, name, "latest"))
+			require.NoError(t, err)
+			require.Equal(t, "state/array_0/0.0", target)
+			info, err := os.Stat(filepath.Join(p.sealed, name, "empty-dir", "nested-empty"))
+			require.NoError(t, err)
+			require.True(t, info.IsDir())
+			p.requireNoIncoming(t)
+		})
+	}
+}
+
+// TestPushEmptyTree pushes a tree without a single byte of content: one stream carries the
+// header, and the empty directory and file arrive.
+func TestPushEmptyTree(t *testing.T) {
+	src := filepath.Join(t.TempDir(), "tree")
+	require.NoError(t, os.MkdirAll(filepath.Join(src, "a", "empty"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(src, "a", "nothing"), nil, 0o644))
+	hash, _, err := tiers.HashData(t.Context(), src)
+	require.NoError(t, err)
+	name := tiers.DataName(hash, true)
+	p := startPeer(t, nil)
+	require.NoError(t, testSender(4).Push(t.Context(), dial(t, p.addr), pushReq(name, src)))
+	requireHashesTo(t, filepath.Join(p.sealed, name), name)
+	p.requireNoIncoming(t)
+}
+
+func TestPushFileAndMeta(t *testing.T) {
+	dir := t.TempDir()
+	data := make([]byte, 3*peerChunk+1)
+	for i := range data {
+		data[i] = byte(i * 7)
+	}
+	file := filepath.Join(dir, "f")
+	require.NoError(t, os.WriteFile(file, data, 0o644))
+	hash, _, err := tiers.HashData(t.Context(), file)
+	require.NoError(t, err)
+	fileName := tiers.DataName(hash, false)
+	meta := filepath.Join(dir, "m")
+	require.NoError(t, os.WriteFile(meta, []byte(hash), 0o644))
+	metaName := tiers.MarkerName{Job: peerJob, Step: 42, Node: 1, Worker: 0, Kind: tiers.MarkerMeta}.String()
+
+	p := startPeer(t, nil)
+	conn := dial(t, p.addr)
+	s := testSender(3)
+	require.NoError(t, s.Push(t.Context(), conn, pushReq(fileName, file)))
+	require.NoError(t, s.Push(t.Context(), conn, pushReq(metaName, meta)))
+	require.Equal(t, []accepted{{peerJob, 1, fileName}, {peerJob, 1, metaName}}, p.acceptedCalls())
+	got, err := os.ReadFile(filepath.Join(p.sealed, fileName))
+	require.NoError(t, err)
+	require.Equal(t, data, got)
+	got, err = os.ReadFile(filepath.Join(p.sealed, metaName))
+	require.NoError(t, err)
+	require.Equal(t, hash, string(got))
+
+	// A .meta must hold a data hash, and name the sender's job.
+	bad := filepath.Join(dir, "bad")
+	require.NoError(t, os.WriteFile(bad, []byte("not a hash"), 0o644))
+	err = s.Push(t.Context(), conn, pushReq(metaName, bad))
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "pushing a .meta that holds no hash: %v", err)
+	other := tiers.MarkerName{Job: "other-job", Step: 42, Node: 1, Kind: tiers.MarkerMeta}.String()
+	err = s.Push(t.Context(), conn, pushReq(other, meta))
+	require.Error(t, err, "a .meta of another job must not be sent")
+	require.Len(t, p.acceptedCalls(), 2)
+	p.requireNoIncoming(t)
+}
+
+func TestFetch(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(3, 3))
+	src, name := makeTree(t, rnd, 4*peerChunk+99)
+	p := startPeer(t, nil)
+	conn := dial(t, p.addr)
+	require.NoError(t, testSender(2).Push(t.Context(), conn, pushReq(name, src)))
+
+	for _, streams := range []int{1, 3} {
+		dst := t.TempDir()
+		req := FetchRequest{Job: peerJob, Incarnation: "inc-1", Rank: 2, DataName: name, Dir: dst}
+		require.NoError(t, testSender(streams).Fetch(t.Context(), conn, req))
+		requireHashesTo(t, filepath.Join(dst, name), name)
+		des, err := os.ReadDir(dst)
+		require.NoError(t, err)
+		require.Len(t, des, 1, "only the fetched data may be left in the directory")
+	}
+
+	t.Run("not held", func(t *testing.T) {
+		dst := t.TempDir()
+		missing := "D" + strings.Repeat("ab", 32) + ".data"
+		err := testSender(2).Fetch(t.Context(), conn, FetchRequest{Job: peerJob, Incarnation: "inc-1", DataName: missing, Dir: dst})
+		require.Equal(t, codes.NotFound, status.Code(err), "%v", err)
+		requireEmptyDir(t, dst)
+	})
+	t.Run("over the fetcher's limit", func(t *testing.T) {
+		dst := t.TempDir()
+		err := testSender(2).Fetch(t.Context(), conn, FetchRequest{Job: peerJob, Incarnation: "inc-1", DataName: name, Dir: dst, MaxBytes: 1000})
+		require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+		requireEmptyDir(t, dst)
+	})
+	t.Run("held data that does not hash to its name", func(t *testing.T) {
+		corrupt := filepath.Join(p.sealed, name, "state", "array_1", "0.0")
+		require.NoError(t, os.WriteFile(corrupt, []byte("rotten"), 0o644))
+		dst := t.TempDir()
+		err := testSender(2).Fetch(t.Context(), conn, FetchRequest{Job: peerJob, Incarnation: "inc-1", DataName: name, Dir: dst})
+		require.Equal(t, codes.DataLoss, status.Code(err), "%v", err)
+		requireEmptyDir(t, dst)
+	})
+}
+
+func requireEmptyDir(t *testing.T, dir string) {
+	t.Helper()
+	des, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Empty(t, des, "%s must be left empty", dir)
+}
+
+// TestPushBitFlips flips random bits of the gRPC messages on the wire: every push with a flip
+// must fail, Accept must never run, and no transfer directory may stay behind.
+func TestPushBitFlips(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(11, 12))
+	src, name := makeTree(t, rnd, 8*peerChunk+7)
+	p := startPeer(t, func(c *ReceiverConfig) { c.IdleTimeout = time.Second })
+	s := testSender(4)
+	s.StallTimeout = 2 * time.Second
+	for i := range 6 {
+		fp := newFaultProxy(t, p.addr)
+		fp.flipEvery.Store(int64(50_000 + i*40_000))
+		err := s.Push(t.Context(), dial(t, fp.addr()), pushReq(name, src))
+		require.NotZero(t, fp.flips.Load(), "round %d: the proxy flipped nothing", i)
+		require.Error(t, err, "round %d: %d bits flipped, yet the push succeeded", i, fp.flips.Load())
+		t.Logf("round %d: %d flips: %v", i, fp.flips.Load(), err)
+	}
+	require.Empty(t, p.acceptedCalls(), "Accept was called for damaged data")
+
+	// The same push without faults goes through.
+	require.NoError(t, s.Push(t.Context(), dial(t, p.addr), pushReq(name, src)))
+	require.Len(t, p.acceptedCalls(), 1)
+	p.requireNoIncoming(t)
+}
+
+// TestFetchBitFlips flips bits on the way back to a fetcher, which must refuse the data.
+func TestFetchBitFlips(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(13, 14))
+	src, name := makeTree(t, rnd, 8*peerChunk+7)
+	p := startPeer(t, nil)
+	require.NoError(t, testSender(2).Push(t.Context(), dial(t, p.addr), pushReq(name, src)))
+	for i := range 3 {
+		fp := newFaultProxy(t, p.addr)
+		fp.flipToClient.Store(true)
+		fp.flipEvery.Store(int64(60_000 + i*50_000))
+		dst := t.TempDir()
+		err := testSender(3).Fetch(t.Context(), dial(t, fp.addr()), FetchRequest{Job: peerJob, Incarnation: "inc-1", DataName: name, Dir: dst})
+		require.NotZero(t, fp.flips.Load())
+		require.Error(t, err, "round %d: %d bits flipped, yet the fetch succeeded", i, fp.flips.Load())
+		requireEmptyDir(t, dst)
+	}
+}
+
+func TestPushConnectionFaults(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(5, 6))
+	src, name := makeTree(t, rnd, 16*peerChunk)
+	cases := []struct {
+		name    string
+		fault   func(*faultProxy)
+		wantErr func(t *testing.T, err error)
+		within  time.Duration
+	}{
+		{"blackhole", func(fp *faultProxy) { fp.blackholeAfter.Store(300_000) }, func(t *testing.T, err error) {
+			require.ErrorIs(t, err, ErrStalled)
+		}, 5 * time.Second},
+		{"reset", func(fp *faultProxy) { fp.resetAfter.Store(300_000) }, func(t *testing.T, err error) {
+			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+		}, 3 * time.Second},
+		{"delay", func(fp *faultProxy) { fp.delay.Store(int64(2 * time.Millisecond)) }, func(t *testing.T, err error) {
+			require.NoError(t, err, "a slow link must only slow the push down")
+		}, 10 * time.Second},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			// Streams that never reached the receiver leave it a transfer no stream will fail;
+			// the idle timeout drops it.
+			p := startPeer(t, func(c *ReceiverConfig) { c.IdleTimeout = time.Second })
+			fp := newFaultProxy(t, p.addr)
+			tc.fault(fp)
+			s := testSender(4)
+			s.StallTimeout = time.Second
+			start := time.Now()
+			err := s.Push(t.Context(), dial(t, fp.addr()), pushReq(name, src))
+			took := time.Since(start)
+			t.Logf("%s: %v after %v", tc.name, err, took)
+			tc.wantErr(t, err)
+			require.Less(t, took, tc.within)
+			if err != nil {
+				require.Empty(t, p.acceptedCalls())
+				fp.close() // the connection dies for good: the receiver must clean up
+				p.requireNoIncoming(t)
+			}
+		})
+	}
+}
+
+func TestAuthentication(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(1, 2))
+	src, name := makeTree(t, rnd, 1000)
+	admitted := func(_ context.Context, from Identity) error {
+		if from.Incarnation != "inc-1" {
+			return errors.New("not the current incarnation")
+		}
+		return nil
+	}
+	p := startPeer(t, func(c *ReceiverConfig) { c.Admit = admitted })
+	conn := dial(t, p.addr)
+	cases := []struct {
+		name   string
+		sender *Sender
+		req    PushRequest
+		want   codes.Code
+	}{
+		{"wrong secret", &Sender{Instance: "i", Secrets: StaticSecret(peerJob, []byte("guess"))}, pushReq(name, src), codes.Unauthenticated},
+		{"job not served", &Sender{Instance: "i", Secrets: StaticSecret("other", peerSecret)},
+			PushRequest{Job: "other", Incarnation: "inc-1", Rank: 1, DataName: name, Source: src}, codes.Unauthenticated},
+		{"old incarnation", testSender(1), PushRequest{Job: peerJob, Incarnation: "inc-0", Rank: 1, DataName: name, Source: src}, codes.FailedPrecondition},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.sender.Push(t.Context(), conn, tc.req)
+			require.Equal(t, tc.want, status.Code(err), "%v", err)
+		})
+	}
+
+	raw := newRawPeer(t, conn)
+	for _, method := range []string{"PushFiles", "Commit", "Abandon", "Fetch"} {
+		t.Run("no credentials/"+method, func(t *testing.T) {
+			err := raw.call(t.Context(), method, nil)
+			require.Equal(t, codes.Unauthenticated, status.Code(err), "%v", err)
+		})
+	}
+	t.Run("clock skew", func(t *testing.T) {
+		skewed := startPeer(t, func(c *ReceiverConfig) {
+			c.Now = func() time.Time { return time.Now().Add(MaxClockSkew + time.Minute) }
+		})
+		err := testSender(1).Push(t.Context(), dial(t, skewed.addr), pushReq(name, src))
+		require.Equal(t, codes.Unauthenticated, status.Code(err), "%v", err)
+	})
+	t.Run("header claims another rank", func(t *testing.T) {
+		h := validHeader(t, name, src)
+		h.SenderRank = 5
+		err := raw.pushHeader(t.Context(), h, raw.creds(1))
+		require.Equal(t, codes.PermissionDenied, status.Code(err), "%v", err)
+	})
+	require.Empty(t, p.acceptedCalls())
+	p.requireNoIncoming(t)
+}
+
+func TestPushCaps(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(9, 9))
+	src, name := makeTree(t, rnd, 20*peerChunk)
+	t.Run("declared size over the cap", func(t *testing.T) {
+		p := startPeer(t, func(c *ReceiverConfig) { c.MaxIncoming = 10 * peerChunk })
+		err := testSender(2).Push(t.Context(), dial(t, p.addr), pushReq(name, src))
+		require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+		require.Empty(t, p.acceptedCalls())
+		p.requireNoIncoming(t)
+	})
+	t.Run("spool budget", func(t *testing.T) {
+		var mu sync.Mutex
+		var reserved int64
+		reserve := func(d int64) error {
+			mu.Lock()
+			defer mu.Unlock()
+			if reserved+d > 5*peerChunk {
+				return tiers.ErrNoSpace
+			}
+			reserved += d
+			return nil
+		}
+		p := startPeer(t, func(c *ReceiverConfig) { c.Reserve = reserve })
+		err := testSender(2).Push(t.Context(), dial(t, p.addr), pushReq(name, src))
+		require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+		require.Zero(t, reserved, "a refused transfer must not keep its reservation")
+	})
+	t.Run("budget returns after a failed transfer", func(t *testing.T) {
+		p := startPeer(t, func(c *ReceiverConfig) { c.MaxIncoming = 25 * peerChunk; c.IdleTimeout = time.Second })
+		fp := newFaultProxy(t, p.addr)
+		fp.resetAfter.Store(200_000)
+		require.Error(t, testSender(2).Push(t.Context(), dial(t, fp.addr()), pushReq(name, src)))
+		fp.close()
+		p.waitNoIncoming(t)
+		require.NoError(t, testSender(2).Push(t.Context(), dial(t, p.addr), pushReq(name, src)))
+		p.requireNoIncoming(t)
+	})
+}
+
+func TestConcurrentPushes(t *testing.T) {
+	p := startPeer(t, nil)
+	conn := dial(t, p.addr)
+	type tree struct{ src, name string }
+	var trees []tree
+	for i := range 4 {
+		src, name := makeTree(t, rand.New(rand.NewPCG(uint64(100+i), 1)), (3+i)*peerChunk+i)
+		trees = append(trees, tree{src, name})
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, len(trees))
+	for i, tr := range trees {
+		wg.Go(func() { errs[i] = testSender(2).Push(t.Context(), conn, pushReq(tr.name, tr.src)) })
+	}
+	wg.Wait()
+	for i, tr := range trees {
+		require.NoError(t, errs[i])
+		requireHashesTo(t, filepath.Join(p.sealed, tr.name), tr.name)
+	}
+	require.Len(t, p.acceptedCalls(), len(trees))
+	p.requireNoIncoming(t)
+}
+
+func TestAcceptFailureFailsCommit(t *testing.T) {
+	src, name := makeTree(t, rand.New(rand.NewPCG(4, 4)), 1000)
+	p := startPeer(t, func(c *ReceiverConfig) {
+		c.Accept = func(context.Context, string, int, string, string) error { return errors.New("sealed area full") }
+	})
+	err := testSender(1).Push(t.Context(), dial(t, p.addr), pushReq(name, src))
+	require.ErrorContains(t, err, "sealed area full")
+	p.requireNoIncoming(t)
+}
