@@ -237,7 +237,7 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *tier
 	case kind == kindTree && !info.IsDir(), kind != kindTree && !info.Mode().IsRegular():
 		return nil, fmt.Errorf("%s: a %v cannot be sent as %s", src, info.Mode().Type(), dataName)
 	case kind == kindTree:
-		if err := listLocal(src, "", pb); err != nil {
+		if err := listLocal(src, pb); err != nil {
 			return nil, fmt.Errorf("list %s: %w", src, err)
 		}
 		slices.SortFunc(pb.Files, func(a, b *peerpb.File) int { return strings.Compare(a.Path, b.Path) })
@@ -272,36 +272,20 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *tier
 	return checked, nil
 }
 
-// listLocal appends the entries below abs (whose path in the tree is rel) to pb, without
-// digests. It reads the tree the way tiers.HashDir does, so both see the same entries.
-func listLocal(abs, rel string, pb *peerpb.Manifest) error {
-	des, err := os.ReadDir(abs)
+// listLocal adds the entries below abs to pb, without digests, as tiers lists them for hashing.
+func listLocal(abs string, pb *peerpb.Manifest) error {
+	entries, err := tiers.ListTree(abs)
 	if err != nil {
 		return err
 	}
-	for _, de := range des {
-		p := path.Join(rel, de.Name())
-		a := filepath.Join(abs, de.Name())
-		switch de.Type() {
-		case fs.ModeDir:
-			pb.Dirs = append(pb.Dirs, p)
-			if err := listLocal(a, p, pb); err != nil {
-				return err
-			}
-		case fs.ModeSymlink:
-			target, err := os.Readlink(a)
-			if err != nil {
-				return err
-			}
-			pb.Symlinks = append(pb.Symlinks, &peerpb.Symlink{Path: p, Target: target})
-		case 0:
-			info, err := de.Info()
-			if err != nil {
-				return err
-			}
-			pb.Files = append(pb.Files, &peerpb.File{Path: p, Size: info.Size()})
+	for _, e := range entries {
+		switch e.Type {
+		case tiers.EntryDir:
+			pb.Dirs = append(pb.Dirs, e.Path)
+		case tiers.EntrySymlink:
+			pb.Symlinks = append(pb.Symlinks, &peerpb.Symlink{Path: e.Path, Target: e.Target})
 		default:
-			return fmt.Errorf("%s: a checkpoint cannot hold a %v", p, de.Type())
+			pb.Files = append(pb.Files, &peerpb.File{Path: e.Path, Size: e.Size})
 		}
 	}
 	return nil

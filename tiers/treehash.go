@@ -410,6 +410,15 @@ feed:
 	return TreeHash(entries)
 }
 
+// ListTree lists the entries below dir with sizes and symlink targets but no digests, read
+// the way HashDir reads them (devices, FIFOs and sockets are errors), so that a sender and
+// HashDir always agree on what a tree holds.
+func ListTree(dir string) ([]TreeEntry, error) {
+	var entries []TreeEntry
+	err := listTree(dir, "", &entries)
+	return entries, err
+}
+
 // listTree appends the entries below abs (whose path in the tree is rel) to
 // out, with sizes but without digests.
 func listTree(abs, rel string, out *[]TreeEntry) error {
