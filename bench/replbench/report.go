@@ -135,7 +135,7 @@ func renderSection(cfg config, env environment, res *results, treeBytes int64) s
 	if len(res.samples[kBackup]) > 0 {
 		up := res.median(kBackupAgent)
 		w("- Backup repetitions: the step was sealed %s ms after the commit (the .meta in the mount); the agent's own upload (`backup complete … took=`, from its start to the .meta uploaded) took %.2f s, %.2f GB/s. "+
-			"Each backup repetition uses a fresh agent and job, because an agent takes at most one backup per UTC minute, whatever the job.\n",
+			"Each backup repetition uses a fresh agent and job: a job gets at most one backup per UTC minute.\n",
 			benchkit.FormatValue(res.median(kBackupSealed)), up/1e3, float64(treeBytes)/(up/1e3)/1e9)
 		w("- CPU time from the commit to the backup being complete: the agent %.2f s (all threads; the kernel's writeback threads not included); "+
 			"`cp -r` %.2f s; `cp -r` + `sync` %.2f s.\n",
