@@ -1,0 +1,318 @@
+package replication
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/mtcfs/mtcfs/replication/peerpb"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+var coordSecret = []byte("the coordinator's shared secret")
+
+func quietLogger() *slog.Logger {
+	if testing.Verbose() {
+		return slog.Default()
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// startCoordinatorService serves job's coordinator service on a loopback port and returns its
+// address.
+func startCoordinatorService(t *testing.T, job *Job) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	return serveCoordinator(t, job, ln)
+}
+
+func serveCoordinator(t *testing.T, job *Job, ln net.Listener) string {
+	t.Helper()
+	svc, err := NewCoordinatorService(CoordinatorServiceConfig{Job: job, Secrets: StaticSecret(testJob, coordSecret), Logger: quietLogger()})
+	require.NoError(t, err)
+	srv := grpc.NewServer(ServerOptions()...)
+	svc.Register(srv)
+	go srv.Serve(ln)
+	t.Cleanup(srv.Stop)
+	return ln.Addr().String()
+}
+
+func newRemote(t *testing.T, addr func(context.Context) (string, error), secret []byte) *RemoteCoordinator {
+	t.Helper()
+	r, err := NewRemoteCoordinator(RemoteCoordinatorConfig{
+		Addr: addr, Secret: secret, Instance: "instance-" + t.Name(),
+		RetryMin: 5 * time.Millisecond, RetryMax: 50 * time.Millisecond, Logger: quietLogger(),
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
+func fixedAddr(addr string) func(context.Context) (string, error) {
+	return func(context.Context) (string, error) { return addr, nil }
+}
+
+// coordinatorJob is three ranks over loopback gRPC: rank 0 calls the Job in process, ranks 1
+// and 2 through RemoteCoordinators.
+type coordinatorJob struct {
+	job     *Job
+	clock   *fakeClock
+	clients []tiers.Coordinator // by rank
+	incs    []tiers.Incarnation // by rank
+}
+
+func newCoordinatorJob(t *testing.T, nodes int, opts Options) coordinatorJob {
+	t.Helper()
+	j := coordinatorJob{job: NewJob(opts)}
+	addr := startCoordinatorService(t, j.job)
+	for r := 0; r < nodes; r++ {
+		j.incs = append(j.incs, agentInc("agent-"+string(rune('a'+r)), r, nodes))
+		if r == 0 {
+			j.clients = append(j.clients, LocalClient{Job: j.job})
+		} else {
+			j.clients = append(j.clients, newRemote(t, fixedAddr(addr), coordSecret))
+		}
+	}
+	return j
+}
+
+func TestCoordinatorServiceThreeRanks(t *testing.T) {
+	t.Parallel()
+	const nodes = 3
+	clock := newFakeClock()
+	j := newCoordinatorJob(t, nodes, Options{Clock: clock, Store: &fakeStore{backups: map[string][]tiers.BackupStep{}}})
+	for r := range j.incs {
+		j.incs[r].Config.BackupIntervalSteps = 2
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+
+	// Negotiation: rank 2 holds only step 10, so 10 is the highest step complete everywhere.
+	// Ranks 1 and 2 start first and retry until rank 0 started the incarnation.
+	invs := []tiers.Inventory{own(0, 10, 20), own(1, 10, 20), own(2, 10)}
+	plans := make([]tiers.RestorePlan, nodes)
+	var wg sync.WaitGroup
+	for r := nodes - 1; r >= 0; r-- {
+		wg.Go(func() {
+			var err error
+			plans[r], err = j.clients[r].Negotiate(ctx, j.incs[r], invs[r])
+			assert.NoError(t, err, "rank %d", r)
+		})
+		if r > 0 {
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	wg.Wait()
+	require.False(t, t.Failed())
+	for r, p := range plans {
+		assert.True(t, p.Found, "rank %d", r)
+		assert.Equal(t, int64(10), p.Step, "rank %d", r)
+		assert.Equal(t, plans[0].Backup, p.Backup, "rank %d", r)
+		assert.Equal(t, plans[0].Errors, p.Errors, "rank %d", r)
+		assert.Equal(t, plans[0].Pinned, p.Pinned, "rank %d", r)
+		assert.Equal(t, map[tiers.Slot]string{{Rank: r, Worker: 0}: dataOf(r, 10)}, p.Data, "rank %d", r)
+		assert.Equal(t, map[string][]int{dataOf(r, 10): {r}}, p.Holders, "rank %d", r)
+	}
+
+	// The Restored barrier holds until every rank arrived.
+	var restored []<-chan error
+	for r := 1; r < nodes; r++ {
+		restored = append(restored, async(func() error { return j.clients[r].Restored(ctx, j.incs[r]) }))
+	}
+	for _, ch := range restored {
+		stillWaiting(t, ch, "Restored before rank 0")
+	}
+	require.NoError(t, j.clients[0].Restored(ctx, j.incs[0]))
+	for _, ch := range restored {
+		require.NoError(t, result(t, ch, "Restored"))
+	}
+
+	// Syncs: a backup every 2 steps, the same decision for every rank.
+	for i, want := range []string{"", "2030-01-02_03-02", "", "2030-01-02_03-04"} {
+		clock.Advance(time.Minute)
+		step := int64(11 + i)
+		decs := make([]tiers.SyncDecision, nodes)
+		for r := range nodes {
+			wg.Go(func() {
+				var err error
+				decs[r], err = j.clients[r].Sync(ctx, j.incs[r], tiers.SyncReport{Step: step})
+				assert.NoError(t, err, "step %d rank %d", step, r)
+			})
+		}
+		wg.Wait()
+		for r, d := range decs {
+			assert.Equal(t, want, d.Backup, "step %d rank %d", step, r)
+		}
+	}
+
+	// A repeated report (a retried request) gets the same decision.
+	dec, err := j.clients[1].Sync(ctx, j.incs[1], tiers.SyncReport{Step: 14})
+	require.NoError(t, err)
+	assert.Equal(t, "2030-01-02_03-04", dec.Backup)
+
+	// A call of an incarnation that never negotiated is refused, and matches the coordinator's
+	// error.
+	stranger := agentInc("stranger", 1, nodes)
+	stranger.Config.BackupIntervalSteps = 2
+	_, err = j.clients[1].Sync(ctx, stranger, tiers.SyncReport{Step: 15})
+	require.Error(t, err)
+	assert.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+	assert.ErrorIs(t, err, ErrOtherIncarnation)
+}
+
+func TestCoordinatorServiceRefusesWrongSecret(t *testing.T) {
+	t.Parallel()
+	job := NewJob(Options{})
+	addr := startCoordinatorService(t, job)
+	inc0 := agentInc("a0", 0, 2)
+	go LocalClient{Job: job}.Negotiate(t.Context(), inc0, own(0, 1))
+	require.Eventually(t, func() bool { return current(job) != nil }, 10*time.Second, time.Millisecond)
+
+	calls := atomic.Int32{}
+	r := newRemote(t, func(context.Context) (string, error) { calls.Add(1); return addr, nil }, []byte("not the secret"))
+	_, err := r.Negotiate(t.Context(), agentInc("a1", 1, 2), own(1, 1))
+	require.Error(t, err)
+	assert.Equal(t, codes.Unauthenticated, status.Code(err), "%v", err)
+	assert.Equal(t, int32(1), calls.Load(), "an unauthenticated call is not retried")
+	assert.Error(t, r.Restored(t.Context(), agentInc("a1", 1, 2)))
+	c := current(job)
+	c.mu.Lock()
+	assert.Equal(t, 1, c.nReported, "the refused inventory was not recorded")
+	c.mu.Unlock()
+}
+
+func TestCoordinatorServiceRefusesOtherJobShape(t *testing.T) {
+	t.Parallel()
+	const nodes = 2
+	job := NewJob(Options{})
+	addr := startCoordinatorService(t, job)
+	inc0 := agentInc("a0", 0, nodes)
+	first := async(func() error { _, err := LocalClient{Job: job}.Negotiate(t.Context(), inc0, own(0, 1)); return err })
+	require.Eventually(t, func() bool { return current(job) != nil }, 10*time.Second, time.Millisecond)
+	cur := current(job)
+	r := newRemote(t, fixedAddr(addr), coordSecret)
+
+	for name, change := range map[string]func(*tiers.Config){
+		"nodes":           func(c *tiers.Config) { c.Nodes = 3 },
+		"workers":         func(c *tiers.Config) { c.WorkersPerNode = 2 },
+		"data parallel":   func(c *tiers.Config) { c.AssumeDataParallelism = 2 },
+		"backup interval": func(c *tiers.Config) { c.BackupIntervalSteps, c.BackupIntervalMinutes = 0, 5 },
+		"framework":       func(c *tiers.Config) { c.Framework = tiers.FrameworkPyTorch },
+	} {
+		inc := agentInc("a1-"+name, 1, nodes)
+		change(inc.Config)
+		_, err := r.Negotiate(t.Context(), inc, own(1, 1))
+		require.Error(t, err, name)
+		assert.Equal(t, codes.FailedPrecondition, status.Code(err), "%s: %v", name, err)
+		assert.ErrorIs(t, err, ErrJobShape, name)
+	}
+	assert.Same(t, cur, current(job), "a refused call does not start an incarnation")
+	stillWaiting(t, first, "rank 0's negotiation")
+
+	// The right shape joins the incarnation.
+	_, err := r.Negotiate(t.Context(), agentInc("a1", 1, nodes), own(1, 1))
+	require.NoError(t, err)
+	require.NoError(t, result(t, first, "rank 0's negotiation"))
+}
+
+func TestCoordinatorServiceRefusesCallerOfAnotherRank(t *testing.T) {
+	t.Parallel()
+	job := NewJob(Options{})
+	addr := startCoordinatorService(t, job)
+	conn := dial(t, addr)
+	inc := agentInc("a1", 1, 2)
+	caller, err := callerToPB(inc)
+	require.NoError(t, err)
+	caller.Rank = 0 // speaks for rank 0 with rank 1's credentials
+	creds := grpc.PerRPCCredentials(Credentials(Identity{Job: testJob, Incarnation: "a1", Rank: 1, Instance: "i"}, coordSecret))
+	_, err = peerpb.NewCoordinatorClient(conn).Sync(t.Context(), &peerpb.SyncRequest{Caller: caller, Step: 1}, creds)
+	assert.Equal(t, codes.PermissionDenied, status.Code(err), "%v", err)
+}
+
+func TestRemoteCoordinatorRetriesUntilServerUp(t *testing.T) {
+	t.Parallel()
+	const nodes = 2
+	// Discovery first names a port nobody listens on, then the server once it is up.
+	dead, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	deadAddr := dead.Addr().String()
+	require.NoError(t, dead.Close())
+	var addr atomic.Value
+	addr.Store(deadAddr)
+	lookups := atomic.Int32{}
+	r := newRemote(t, func(context.Context) (string, error) {
+		lookups.Add(1)
+		return addr.Load().(string), nil
+	}, coordSecret)
+
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	var plan tiers.RestorePlan
+	remote := async(func() (err error) {
+		plan, err = r.Negotiate(ctx, agentInc("a1", 1, nodes), own(1, 5))
+		return err
+	})
+	require.Eventually(t, func() bool { return lookups.Load() >= 3 }, 10*time.Second, time.Millisecond)
+	stillWaiting(t, remote, "negotiation while rank 0 is down")
+
+	job := NewJob(Options{})
+	addr.Store(startCoordinatorService(t, job))
+	p0, err := LocalClient{Job: job}.Negotiate(ctx, agentInc("a0", 0, nodes), own(0, 5))
+	require.NoError(t, err)
+	require.NoError(t, result(t, remote, "rank 1's negotiation"))
+	assert.Equal(t, int64(5), p0.Step)
+	assert.Equal(t, int64(5), plan.Step)
+	assert.True(t, plan.Found)
+
+	// A sync that waits for rank 0 ends with its context.
+	short, cancelShort := context.WithTimeout(t.Context(), 100*time.Millisecond)
+	defer cancelShort()
+	_, err = r.Sync(short, agentInc("a1", 1, nodes), tiers.SyncReport{Step: 6})
+	require.Error(t, err)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+
+	// A context that ends while rank 0 is unreachable ends the retries with the last error.
+	unreachable := newRemote(t, fixedAddr(deadAddr), coordSecret)
+	short, cancelShort = context.WithTimeout(t.Context(), 100*time.Millisecond)
+	defer cancelShort()
+	_, err = unreachable.Sync(short, agentInc("a1", 1, nodes), tiers.SyncReport{Step: 6})
+	require.Error(t, err)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+}
+
+func TestCoordinatorPlanConversion(t *testing.T) {
+	t.Parallel()
+	plan := tiers.RestorePlan{
+		Step: 42, Found: true, Backup: "2030-01-02_03-04", Pinned: "2030-01-01_00-00",
+		Data:    map[tiers.Slot]string{{Rank: 3, Worker: 0}: hashOf("a"), {Rank: 3, Worker: 1}: hashOf("b")},
+		Holders: map[string][]int{hashOf("a"): {1, 3}, hashOf("b"): {}},
+		Errors:  []string{"one", "two"},
+	}
+	assert.Equal(t, plan, planFromPB(planToPB(plan)))
+	empty := planFromPB(planToPB(tiers.RestorePlan{}))
+	assert.Equal(t, tiers.RestorePlan{Data: map[tiers.Slot]string{}, Holders: map[string][]int{}}, empty)
+
+	inv := own(2, 7, 8)
+	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)))
+	assert.Equal(t, tiers.Inventory{Rank: 1, Metas: map[string]string{}}, inventoryFromPB(1, nil))
+
+	inc := agentInc("x", 1, 4)
+	inc.Config.AssumeDataParallelism, inc.Config.BackupIntervalMinutes, inc.Config.BackupIntervalSteps = 2, 7.5, 0
+	caller, err := callerToPB(inc)
+	require.NoError(t, err)
+	got := configFromPB(caller.GetShape(), int(caller.GetRank()))
+	assert.Equal(t, inc.Config, got)
+}
