@@ -1,8 +1,10 @@
 // Package replication moves checkpoint data between the agents of one job (SPEC §4): the Peer
 // gRPC service (proto in peerpb/), its server side Receiver, and its client side Sender, which
 // pushes a committed "<hash>.data" or ".meta" to a peer and fetches a "<hash>.data" from one for a
-// restore. It also holds the job coordinator (coordinator.go), which the transfer code does not
-// depend on.
+// restore. It also holds the job coordinator: the rank-0 state machine (coordinator.go) and its
+// gRPC transport (coordinator_service.go: the Coordinator service rank 0 serves, and
+// RemoteCoordinator, the tiers.Coordinator other ranks use); the transfer code depends on neither.
+// None of it is wired into the agent yet.
 //
 // # Guarantees
 //
