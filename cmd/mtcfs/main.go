@@ -12,7 +12,7 @@ import (
 const usage = `mtcfs — multi-tier checkpointing filesystem
 
 Usage:
-  mtcfs mount DIR [--backup URL] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
+  mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--peer-secret-file F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
                   [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]
   mtcfs status [DIR] [--http HOST:PORT] [--json]
   mtcfs backups list|verify [NAME] --backup URL --job NAME

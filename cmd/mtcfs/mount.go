@@ -22,7 +22,7 @@ import (
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--peer-secret-file F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]"
 
 type mountConfig struct {
 	dir         string
@@ -34,6 +34,8 @@ type mountConfig struct {
 	xattrs      bool
 	backupURL   string
 	jaxInit     *tiers.JaxInit
+	listen      string
+	secretFile  string
 }
 
 func cmdMount(args []string) int {
@@ -45,6 +47,8 @@ func cmdMount(args []string) int {
 	backup := fset.String("backup", gcsbackend.DefaultURL(), "backup location: file:///abs/dir or gs://bucket[/prefix]")
 	rank := fset.Int("rank", -1, "this node's rank, written to jax-init-info.txt with --jax-coordinator")
 	jaxCoord := fset.String("jax-coordinator", "", "JAX coordinator HOST:PORT for jax-init-info.txt (with --rank)")
+	listen := fset.String("listen", "127.0.0.1:0", "peer service address HOST:PORT, registered in the backup location for the other agents of a job (port 0 picks one)")
+	secretFile := fset.String("peer-secret-file", "", "file holding the job's shared secret for peer calls (default: one created in the backup location)")
 	logFormat := fset.String("log-format", "text", "log format: json (keys severity, message) or text")
 	debugFuse := fset.Bool("debug-fuse", false, "log every FUSE request (very verbose)")
 	xattrs := fset.Bool("xattrs", false, "support extended attributes (costs a round trip to the agent per write)")
@@ -60,7 +64,7 @@ func cmdMount(args []string) int {
 	if len(pos) != 1 {
 		return flagError(fset, fmt.Errorf("want exactly one mount directory, got %d arguments", len(pos)))
 	}
-	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs}
+	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile}
 	switch {
 	case (*rank >= 0) != (*jaxCoord != ""):
 		return flagError(fset, errors.New("--rank and --jax-coordinator go together"))
@@ -122,9 +126,12 @@ func runMount(cfg mountConfig) error {
 	defer releaseSpool(spool)
 
 	store := backupStore{backups}
-	rep := tiers.NewReplicator(tiers.ReplicatorConfig{
-		Spool: spool, Store: store, Coordinator: &tiers.LocalCoordinator{Store: store}, JaxInit: cfg.jaxInit,
-	})
+	coord, stopPeers, err := servePeers(cfg.listen, &tiers.LocalCoordinator{Store: store}, backups.Store, store, cfg.secretFile)
+	if err != nil {
+		return err
+	}
+	defer stopPeers()
+	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: coord, JaxInit: cfg.jaxInit})
 	var ready atomic.Bool
 	info := agentInfo{PID: os.Getpid(), Version: version}
 	if cfg.httpAddr != "" {
