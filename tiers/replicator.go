@@ -18,6 +18,7 @@ type ReplicatorConfig struct {
 	Spool       *Spool
 	Coordinator Coordinator
 	Store       BackupStore         // nil: no backup tier
+	Peers       PeerTransport       // nil: no replication to peers
 	Getenv      func(string) string // for $VAR expansion in replicator.yaml; nil means os.Getenv
 	Now         func() time.Time    // nil means time.Now
 	Logger      *slog.Logger        // nil means slog.Default()
@@ -72,6 +73,7 @@ type Replicator struct {
 	metas         map[string]string // GUARDED_BY(mu); .meta name → hash, for every .meta held
 	pending       map[string]bool   // GUARDED_BY(mu); top-level names queued for sealing
 	inFlight      map[string]int    // GUARDED_BY(mu); data names being sealed or restored
+	replicaHolds  map[string]func() // GUARDED_BY(mu); replicated data waiting for its .meta
 	backup        *Progress         // GUARDED_BY(mu); the running backup
 	lastBackup    string            // GUARDED_BY(mu)
 	restore       *Progress         // GUARDED_BY(mu); the running restore
@@ -99,7 +101,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}}
+	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}}
 	r.queue.init()
 	return r
 }

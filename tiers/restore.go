@@ -75,7 +75,7 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 				fail(fmt.Sprintf("restore plan for step %d has no data for %s", plan.Step, slot))
 				return
 			}
-			if err := r.restoreSlot(ctx, cfg, plan, w, hash); err != nil {
+			if err := r.restoreSlot(ctx, inc, plan, w, hash); err != nil {
 				fail(fmt.Sprintf("restore of step %d failed: %v", plan.Step, err))
 				return
 			}
@@ -138,7 +138,8 @@ func (r *Replicator) setPhase(inc *incarnation, phase string) {
 // restoreSlot brings in worker w's data and publishes its .meta. The data is held (retention
 // skips it) from before the first look at the spool until its .meta names it, and every look
 // at the spool happens under publishMu, so a retention already running finishes first.
-func (r *Replicator) restoreSlot(ctx context.Context, cfg *Config, plan RestorePlan, w int, hash string) error {
+func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan RestorePlan, w int, hash string) error {
+	cfg := inc.Config
 	dataName := hash + ".data"
 	defer r.hold(dataName)()
 	meta := MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: MarkerMeta}.String()
@@ -166,8 +167,29 @@ func (r *Replicator) restoreSlot(ctx context.Context, cfg *Config, plan RestoreP
 	if !errors.Is(err, errNotInRAM) {
 		return err
 	}
+	// Then from a peer that holds it, in RAM.
+	for _, holder := range plan.Holders[hash] {
+		if holder == cfg.NodeRank || r.cfg.Peers == nil {
+			continue
+		}
+		dir := r.spoolDir("incoming", randomID())
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return err
+		}
+		start := r.cfg.Now()
+		err := r.cfg.Peers.Fetch(ctx, inc.Incarnation, holder, dataName, dir)
+		if err == nil {
+			err = publish(filepath.Join(dir, dataName))
+		}
+		os.RemoveAll(dir)
+		if err == nil {
+			r.log.Info("restored from a peer", "data", dataName, "peer", holder, "took", r.cfg.Now().Sub(start).String())
+			return nil
+		}
+		r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "err", err)
+	}
 	if plan.Backup == "" || r.cfg.Store == nil {
-		return fmt.Errorf("%s is not in this node's RAM and the plan names no backup", dataName)
+		return fmt.Errorf("%s is not in this node's RAM nor a peer's, and the plan names no backup", dataName)
 	}
 	incoming, err := r.download(ctx, cfg, plan, hash)
 	if incoming != "" {

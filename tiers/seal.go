@@ -60,7 +60,7 @@ func (r *Replicator) detectCommit(ev event) {
 func (r *Replicator) sealer() {
 	defer r.wg.Done()
 	for c := range r.commits {
-		err := r.seal(context.Background(), c)
+		dataName, meta, err := r.seal(context.Background(), c)
 		r.mu.Lock()
 		delete(r.pending, c.name)
 		r.mu.Unlock()
@@ -69,6 +69,7 @@ func (r *Replicator) sealer() {
 			r.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
 			continue
 		}
+		r.replicate(c, dataName, meta)
 		r.afterSeal(c)
 	}
 }
@@ -76,21 +77,21 @@ func (r *Replicator) sealer() {
 // seal turns the committed tree into <hash>.data and writes its .meta (SPEC §3). The bytes
 // are not copied: the tree is hard-linked into spool/sealed, hashed there, and the namespace
 // entry renamed.
-func (r *Replicator) seal(ctx context.Context, c commit) error {
+func (r *Replicator) seal(ctx context.Context, c commit) (dataName, meta string, err error) {
 	cfg := c.inc.Config
 	staging := r.spoolDir("staging", randomID())
 	if err := os.MkdirAll(filepath.Dir(staging), 0o700); err != nil {
-		return err
+		return "", "", err
 	}
 	if _, err := r.ns.Export(c.name, staging); err != nil {
-		return err
+		return "", "", err
 	}
 	hash, dir, err := HashDataCached(ctx, staging, &r.digests)
 	if err != nil {
 		os.RemoveAll(staging)
-		return err
+		return "", "", err
 	}
-	dataName := DataName(hash, dir)
+	dataName = DataName(hash, dir)
 	content := strings.TrimSuffix(dataName, ".data")
 	r.publishMu.Lock()
 	defer r.publishMu.Unlock()
@@ -100,22 +101,22 @@ func (r *Replicator) seal(ctx context.Context, c commit) error {
 		r.incLine(c.inc, fmt.Sprintf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
 	} else if err := os.Rename(staging, sealed); err != nil {
 		os.RemoveAll(staging)
-		return err
+		return "", "", err
 	}
 	if r.hasName(dataName) {
 		r.ns.Remove(c.name)
 	} else if err := r.ns.Rename(c.name, dataName); err != nil {
 		// The job (or a new handshake) removed the name meanwhile: the sealed copy is the truth.
 		if err := r.ns.Import(sealed, dataName); err != nil && !errors.Is(err, os.ErrExist) {
-			return err
+			return "", "", err
 		}
 	}
-	meta := MarkerName{Job: cfg.JobName, Step: c.step, Node: cfg.NodeRank, Worker: c.worker, Kind: MarkerMeta}.String()
+	meta = MarkerName{Job: cfg.JobName, Step: c.step, Node: cfg.NodeRank, Worker: c.worker, Kind: MarkerMeta}.String()
 	if err := r.writeMeta(meta, content); err != nil {
-		return err
+		return "", "", err
 	}
 	r.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", r.cfg.Now().Sub(c.at).String())
-	return nil
+	return dataName, meta, nil
 }
 
 // writeMeta records a .meta in the spool (so a restarted agent finds it) and in the namespace.
@@ -240,8 +241,13 @@ func (r *Replicator) isPendingData(name string) bool {
 // hold protects data from retention until the returned release is called.
 func (r *Replicator) hold(dataName string) (release func()) {
 	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.holdLocked(dataName)
+}
+
+// holdLocked is hold with mu held.
+func (r *Replicator) holdLocked(dataName string) (release func()) {
 	r.inFlight[dataName]++
-	r.mu.Unlock()
 	return func() {
 		r.mu.Lock()
 		if r.inFlight[dataName]--; r.inFlight[dataName] <= 0 {

@@ -9,11 +9,13 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
 	"github.com/mtcfs/mtcfs/replication"
@@ -96,16 +98,32 @@ func (s *secrets) lookup(job string) ([]byte, bool) {
 	return sec, err == nil
 }
 
-// servePeers starts the gRPC server of this agent (the coordinator service, for when it is
-// rank 0 of a multi-node job) on listen and returns the coordinator the replicator uses.
-func servePeers(listen string, local *tiers.LocalCoordinator, objects gcsbackend.ObjectStore, store tiers.BackupStore, secretFile string) (*clusterCoordinator, func(), error) {
+// peerService is this agent's side of a multi-node job: the gRPC server other agents call (the
+// coordinator when this agent is rank 0, and the receiver of replicas and fetches), and the
+// client side that pushes replicas to peers and fetches from them (tiers.PeerTransport).
+type peerService struct {
+	coord   *clusterCoordinator
+	ln      net.Listener
+	srv     *grpc.Server
+	objects gcsbackend.ObjectStore
+	sender  *replication.Sender
+	recv    *replication.Receiver
+
+	mu    sync.Mutex
+	conns map[string]*grpc.ClientConn // GUARDED_BY(mu); by address
+}
+
+var _ tiers.PeerTransport = (*peerService)(nil)
+
+// newPeerService listens on listen and prepares the coordinator; start serves.
+func newPeerService(listen string, local *tiers.LocalCoordinator, objects gcsbackend.ObjectStore, store tiers.BackupStore, secretFile string) (*peerService, error) {
 	sec, err := newSecrets(secretFile, objects)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	ln, err := net.Listen("tcp", listen)
 	if err != nil {
-		return nil, nil, fmt.Errorf("--listen %s: %w", listen, err)
+		return nil, fmt.Errorf("--listen %s: %w", listen, err)
 	}
 	c := &clusterCoordinator{local: local, objects: objects, addr: ln.Addr().String(), instance: newInstanceID(),
 		secrets: sec, remotes: map[string]*replication.RemoteCoordinator{},
@@ -113,20 +131,92 @@ func servePeers(listen string, local *tiers.LocalCoordinator, objects gcsbackend
 	svc, err := replication.NewCoordinatorService(replication.CoordinatorServiceConfig{Job: c.job, Secrets: sec.lookup})
 	if err != nil {
 		ln.Close()
-		return nil, nil, err
+		return nil, err
 	}
-	srv := grpc.NewServer(replication.ServerOptions()...)
-	svc.Register(srv)
-	go srv.Serve(ln)
-	slog.Info("peer service", "addr", c.addr)
-	return c, func() {
-		srv.Stop()
-		c.mu.Lock()
-		for _, r := range c.remotes {
-			r.Close()
-		}
-		c.mu.Unlock()
-	}, nil
+	p := &peerService{coord: c, ln: ln, srv: grpc.NewServer(replication.ServerOptions()...), objects: objects,
+		conns: map[string]*grpc.ClientConn{}}
+	svc.Register(p.srv)
+	return p, nil
+}
+
+// start adds the receiver of replicas (into rep's spool) and serves.
+func (p *peerService) start(rep *tiers.Replicator, spool *tiers.Spool) error {
+	recv, err := replication.NewReceiver(replication.ReceiverConfig{
+		Dir:         filepath.Join(spool.Dir(), "peer-incoming"),
+		Secrets:     p.coord.secrets.lookup,
+		Accept:      rep.AcceptReplica,
+		Lookup:      func(ctx context.Context, job, name string) (string, error) { return rep.SealedPath(name) },
+		Digests:     rep.Digests(),
+		MaxIncoming: spool.Budget(),
+		Reserve:     spool.Reserve,
+	})
+	if err != nil {
+		return err
+	}
+	p.recv = recv
+	p.sender = &replication.Sender{Instance: p.coord.instance, Secrets: p.coord.secrets.lookup, Digests: rep.Digests()}
+	recv.Register(p.srv)
+	go p.srv.Serve(p.ln)
+	slog.Info("peer service", "addr", p.coord.addr)
+	return nil
+}
+
+func (p *peerService) stop() {
+	p.srv.Stop()
+	if p.recv != nil {
+		p.recv.Close()
+	}
+	p.mu.Lock()
+	for _, c := range p.conns {
+		c.Close()
+	}
+	p.mu.Unlock()
+	p.coord.mu.Lock()
+	for _, r := range p.coord.remotes {
+		r.Close()
+	}
+	p.coord.mu.Unlock()
+}
+
+// conn returns a connection to rank's agent of job, found in the registry.
+func (p *peerService) conn(ctx context.Context, job string, rank int) (*grpc.ClientConn, error) {
+	regs, err := gcsbackend.Lookup(ctx, p.objects, job)
+	if err != nil {
+		return nil, err
+	}
+	reg, ok := regs[rank]
+	if !ok {
+		return nil, fmt.Errorf("rank %d of job %s has not registered in %s", rank, job, p.objects)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if c, ok := p.conns[reg.Addr]; ok {
+		return c, nil
+	}
+	c, err := grpc.NewClient(reg.Addr, append(replication.DialOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		return nil, err
+	}
+	p.conns[reg.Addr] = c
+	return c, nil
+}
+
+func (p *peerService) Push(ctx context.Context, inc tiers.Incarnation, rank int, name, path string) error {
+	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	if err != nil {
+		return err
+	}
+	return p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		Rank: inc.Config.NodeRank, DataName: name, Source: path})
+}
+
+func (p *peerService) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string) error {
+	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	if err != nil {
+		return err
+	}
+	return p.sender.Fetch(ctx, conn, replication.FetchRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		Rank: inc.Config.NodeRank, DataName: name, Dir: dir})
 }
 
 // pick returns the coordinator for inc: local for one node, the in-process job on rank 0, the

@@ -98,3 +98,46 @@ func TestClusterCoordination(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, regs, 3, "every rank registers in the backup location")
 }
+
+// TestClusterRestoreFromPeer: with peer-ranks set, every sealed step is pushed to the next
+// rank over the checksummed peer transfer. A node that is replaced (agent killed, its RAM
+// lost) gets its step back from the peer that holds the replica, verified, and every node
+// restores the same step.
+func TestClusterRestoreFromPeer(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	c := newCluster(t, 3)
+	withPeers := func(o *jobsim.Orbax) *jobsim.Orbax {
+		o.PeerRanks = []int{(o.Rank + 1) % 3}
+		return o
+	}
+	clients := make([]*jobsim.Orbax, 3)
+	c.all(t, func(r int) error {
+		clients[r] = withPeers(c.client(t, r))
+		_, _, err := clients[r].Start(ctx)
+		return err
+	})
+	c.all(t, func(r int) error { return clients[r].Save(ctx, 10) })
+	// The replica of rank 1's step reaches rank 2: its .meta appears there once verified.
+	replica := filepath.Join(c.nodes[2].dir, "trio-s10-n1-w0.meta")
+	repWait(t, 15*time.Second, "rank 1's replica on rank 2", func() bool { return pathExists(replica) })
+
+	// Rank 1's machine is replaced: the agent dies and its RAM is gone.
+	killAgent(t, c.agents[1])
+	forceUnmount(c.nodes[1].dir)
+	c.nodes[1].dropSpool(t)
+	c.agents[1] = c.nodes[1].start(t)
+
+	c.all(t, func(r int) error {
+		o := withPeers(c.client(t, r))
+		step, found, err := o.Start(ctx)
+		if err == nil && (!found || step != 10) {
+			return fmt.Errorf("restored step %d (found %v), want 10", step, found)
+		}
+		if err == nil {
+			err = o.VerifyRestored(ctx, 10)
+		}
+		return err
+	})
+	require.Contains(t, c.agents[1].log(), "restored from a peer")
+}

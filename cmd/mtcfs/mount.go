@@ -126,12 +126,15 @@ func runMount(cfg mountConfig) error {
 	defer releaseSpool(spool)
 
 	store := backupStore{backups}
-	coord, stopPeers, err := servePeers(cfg.listen, &tiers.LocalCoordinator{Store: store}, backups.Store, store, cfg.secretFile)
+	peers, err := newPeerService(cfg.listen, &tiers.LocalCoordinator{Store: store}, backups.Store, store, cfg.secretFile)
 	if err != nil {
 		return err
 	}
-	defer stopPeers()
-	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: coord, JaxInit: cfg.jaxInit})
+	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: peers.coord, Peers: peers, JaxInit: cfg.jaxInit})
+	if err := peers.start(rep, spool); err != nil {
+		return err
+	}
+	defer peers.stop()
 	var ready atomic.Bool
 	info := agentInfo{PID: os.Getpid(), Version: version}
 	if cfg.httpAddr != "" {

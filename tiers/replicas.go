@@ -1,0 +1,122 @@
+package tiers
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+)
+
+// PeerTransport moves sealed data between the agents of a job (package replication implements
+// it over gRPC; cmd wires it). Both calls return only once the data was verified on arrival.
+type PeerTransport interface {
+	// Push sends the sealed data or .meta file at path, named name, to rank's agent.
+	Push(ctx context.Context, inc Incarnation, rank int, name, path string) error
+	// Fetch copies the data name that rank's agent holds into dir/name.
+	Fetch(ctx context.Context, inc Incarnation, rank int, name, dir string) error
+}
+
+// replicaHoldTime bounds how long replicated data waits for its .meta before retention may
+// free it (the sender pushes the data first and the .meta right after).
+const replicaHoldTime = 5 * time.Minute
+
+// replicate pushes this node's data of a sealed step and its .meta to the step's peers (SPEC
+// §4): the data first, so that the .meta never names data the peer lacks; in data-parallel mode
+// only the .meta, since column-mates hold equivalent data.
+func (r *Replicator) replicate(c commit, dataName, meta string) {
+	cfg := c.inc.Config
+	peers := cfg.Peers()
+	if r.cfg.Peers == nil || len(peers) == 0 {
+		return
+	}
+	start := r.cfg.Now()
+	for _, peer := range peers {
+		var err error
+		if cfg.AssumeDataParallelism == 0 {
+			err = r.cfg.Peers.Push(c.inc.ctx, c.inc.Incarnation, peer, dataName, r.spoolDir("sealed", dataName))
+		}
+		if err == nil {
+			err = r.cfg.Peers.Push(c.inc.ctx, c.inc.Incarnation, peer, meta, r.spoolDir("meta", meta))
+		}
+		if err != nil {
+			r.incLine(c.inc, fmt.Sprintf("replicating step %d to rank %d failed: %v", c.step, peer, err))
+			continue
+		}
+		r.log.Info("replicated", "step", c.step, "data", dataName, "to", peer, "took", r.cfg.Now().Sub(start).String())
+	}
+}
+
+// AcceptReplica takes data or a .meta a peer pushed, already verified by the transport, and
+// publishes it in the spool and the namespace (SPEC §4: a replica appears only once verified).
+// path is moved, not copied.
+func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, name, path string) error {
+	if m, ok := ParseMarkerName(name); ok && m.Kind == MarkerMeta {
+		content, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		hash := strings.TrimSpace(string(content))
+		if _, _, ok := ParseDataName(hash + ".data"); !ok || m.Job != job {
+			return fmt.Errorf("replica %s from rank %d: bad content %q", name, rank, hash)
+		}
+		r.publishMu.Lock()
+		defer r.publishMu.Unlock()
+		if err := r.writeMeta(name, hash); err != nil {
+			return err
+		}
+		r.releaseReplicaHold(hash + ".data")
+		r.log.Info("replica received", "meta", name, "from", rank)
+		return nil
+	}
+	if !IsDataName(name) {
+		return fmt.Errorf("replica from rank %d: %q is neither data nor a .meta", rank, name)
+	}
+	r.publishMu.Lock()
+	defer r.publishMu.Unlock()
+	sealed := r.spoolDir("sealed", name)
+	if _, err := os.Lstat(sealed); err == nil {
+		os.RemoveAll(path) // already held (same content sealed here or replicated before)
+	} else if err := os.Rename(path, sealed); err != nil {
+		return err
+	}
+	if !r.hasName(name) {
+		if err := r.ns.Import(sealed, name); err != nil {
+			return err
+		}
+	}
+	r.mu.Lock()
+	if _, held := r.replicaHolds[name]; !held {
+		release := r.holdLocked(name)
+		r.replicaHolds[name] = release
+		time.AfterFunc(replicaHoldTime, func() { r.releaseReplicaHold(name) })
+	}
+	r.mu.Unlock()
+	return nil
+}
+
+func (r *Replicator) releaseReplicaHold(name string) {
+	r.mu.Lock()
+	release, ok := r.replicaHolds[name]
+	delete(r.replicaHolds, name)
+	r.mu.Unlock()
+	if ok {
+		release()
+	}
+}
+
+// SealedPath is where this node holds the data name, for peers that fetch it.
+func (r *Replicator) SealedPath(name string) (string, error) {
+	if !IsDataName(name) {
+		return "", fmt.Errorf("%q: %w", name, os.ErrNotExist)
+	}
+	p := r.spoolDir("sealed", name)
+	if _, err := os.Lstat(p); err != nil {
+		return "", err
+	}
+	return p, nil
+}
+
+// Digests is the cache of file digests computed when files were closed; the peer transport
+// reuses them instead of reading the data again.
+func (r *Replicator) Digests() *DigestCache { return &r.digests }
