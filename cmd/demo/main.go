@@ -8,6 +8,9 @@
 //     the job restores it from RAM again;
 //  5. mtcfs restore-version set pins an older backup: the next start restores it from the
 //     backup, and the pin is consumed by the next saved step;
+//  6. a three-node job on three agents that find each other through their shared backup
+//     location: saves, a backup, a replaced node restoring its step from a peer, and the loss
+//     of every agent, restored from the backup;
 //
 // and then stops the agent and removes everything it made.
 package main
@@ -18,7 +21,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -49,8 +51,8 @@ type demo struct {
 	bin                       string
 	content                   jobsim.Content
 	base, dir, spool, backups string
-	agent                     *exec.Cmd
-	agentDone                 chan error
+	agent                     *agentProc
+	cluster                   []*agentProc
 }
 
 func say(format string, args ...any)  { fmt.Printf("\n==> "+format+"\n", args...) }
@@ -109,8 +111,7 @@ func (d *demo) run() error {
 	}
 
 	say("4. the agent is killed with SIGKILL and restarted on the same directory")
-	d.agent.Process.Signal(syscall.SIGKILL)
-	<-d.agentDone
+	d.agent.kill()
 	_, err = os.Stat(filepath.Join(d.dir, "x"))
 	note("the dead mount answers: %v", err)
 	if err := d.startAgent(); err != nil {
@@ -155,7 +156,7 @@ func (d *demo) run() error {
 		return err
 	}
 	note("unmounted %s; the spool is kept for a next agent because it holds a checkpoint", d.dir)
-	return nil
+	return d.runCluster(ctx)
 }
 
 func (d *demo) client() *jobsim.Orbax {
@@ -212,56 +213,92 @@ func (d *demo) show(title string, name string, args ...string) {
 }
 
 func (d *demo) startAgent() error {
-	cmd := exec.Command(d.bin, "mount", d.dir, "--memory", "2GiB", "--spool", d.spool, "--backup", "file://"+d.backups)
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		return err
-	}
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("start %s: %w (run make build first)", d.bin, err)
-	}
-	d.agent, d.agentDone = cmd, make(chan error, 1)
-	sc := bufio.NewScanner(stderr)
-	var logs []string
-	for sc.Scan() {
-		l := sc.Text()
-		logs = append(logs, l)
-		if strings.Contains(l, "detached") || strings.Contains(l, "adopted") || strings.Contains(l, "mounted") {
-			note("agent: %s", l[strings.Index(l, "msg="):])
-		}
-		if strings.Contains(l, "serving") {
-			go func() { io.Copy(io.Discard, stderr); d.agentDone <- cmd.Wait() }()
-			return nil
-		}
-	}
-	err = cmd.Wait()
-	d.agentDone <- err
-	return fmt.Errorf("agent exited before serving (%v):\n%s", err, strings.Join(logs, "\n"))
+	a, err := startProc(d.bin, d.dir, d.spool, d.backups)
+	d.agent = a
+	return err
 }
 
 func (d *demo) stopAgent() error {
 	if d.agent == nil {
 		return nil
 	}
-	d.agent.Process.Signal(syscall.SIGTERM)
-	err := <-d.agentDone
+	err := d.agent.stop()
 	d.agent = nil
 	return err
 }
 
-// cleanup stops the agent if it still runs and removes every mount and file the demo made.
-func (d *demo) cleanup() {
-	if d.agent != nil {
-		d.agent.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-d.agentDone:
-		case <-time.After(30 * time.Second):
-			d.agent.Process.Kill()
+// agentProc is an mtcfs agent the demo runs.
+type agentProc struct {
+	cmd  *exec.Cmd
+	done chan error
+	logs []string // the log lines up to "serving"
+}
+
+// startProc runs "mtcfs mount dir" and waits until it serves, printing the lines worth seeing.
+func startProc(bin, dir, spool, backups string, extra ...string) (*agentProc, error) {
+	args := append([]string{"mount", dir, "--memory", "2GiB", "--spool", spool, "--backup", "file://" + backups}, extra...)
+	cmd := exec.Command(bin, args...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w (run make build first)", bin, err)
+	}
+	a := &agentProc{cmd: cmd, done: make(chan error, 1)}
+	sc := bufio.NewScanner(stderr)
+	for sc.Scan() {
+		l := sc.Text()
+		a.logs = append(a.logs, l)
+		if strings.Contains(l, "detached") || strings.Contains(l, "adopted") || strings.Contains(l, "mounted") {
+			note("agent: %s", l[strings.Index(l, "msg="):])
+		}
+		if strings.Contains(l, "serving") {
+			go func() {
+				rest := bufio.NewScanner(stderr)
+				for rest.Scan() {
+					if l := rest.Text(); strings.Contains(l, "restored from a peer") || strings.Contains(l, "replicated") {
+						note("agent %s: %s", filepath.Base(dir), l[strings.Index(l, "msg="):])
+					}
+				}
+				a.done <- cmd.Wait()
+			}()
+			return a, nil
 		}
 	}
-	for _, m := range []string{d.dir, d.spool} {
-		if m != "" {
-			unix.Unmount(m, unix.MNT_DETACH)
+	err = cmd.Wait()
+	a.done <- err
+	return a, fmt.Errorf("agent exited before serving (%v):\n%s", err, strings.Join(a.logs, "\n"))
+}
+
+func (a *agentProc) stop() error {
+	a.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-a.done:
+		return err
+	case <-time.After(30 * time.Second):
+		a.cmd.Process.Kill()
+		return errors.New("agent did not stop within 30s")
+	}
+}
+
+func (a *agentProc) kill() {
+	a.cmd.Process.Signal(syscall.SIGKILL)
+	<-a.done
+}
+
+// cleanup stops the agents that still run and removes every mount and file the demo made.
+func (d *demo) cleanup() {
+	for _, a := range append(d.cluster, d.agent) {
+		if a != nil {
+			a.stop()
+		}
+	}
+	if data, err := os.ReadFile("/proc/self/mounts"); err == nil && d.base != "" {
+		for _, line := range strings.Split(string(data), "\n") {
+			if f := strings.Fields(line); len(f) > 1 && strings.HasPrefix(f[1], d.base+"/") {
+				unix.Unmount(f[1], unix.MNT_DETACH)
+			}
 		}
 	}
 	if d.base != "" {
