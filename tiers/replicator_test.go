@@ -507,9 +507,12 @@ func TestNotACommit(t *testing.T) {
 			t.Errorf("%s exists: step %d was not committed", n, step)
 		}
 	}
-	if syncs, _ := h.coord.syncLog(); len(syncs) != 1 {
-		t.Errorf("syncs %+v, want only step 10's", syncs)
-	}
+	h.eventually("step 10's sync", func() string {
+		if syncs, _ := h.coord.syncLog(); len(syncs) != 1 {
+			return fmt.Sprintf("syncs %+v, want only step 10's", syncs)
+		}
+		return ""
+	})
 }
 
 func TestRetentionKeepsOnlyTheLatestStep(t *testing.T) {
@@ -572,9 +575,13 @@ func TestRestartAdoptsSealedStep(t *testing.T) {
 	if h2.exists(tiers.ReplicatorErrorsName) {
 		t.Errorf("replicator.errors = %q", h2.read(tiers.ReplicatorErrorsName))
 	}
-	if syncs, _ := h2.coord.syncLog(); len(syncs) != 1 || syncs[0].Step != 8 {
-		t.Errorf("syncs %+v, want only step 8's", syncs)
-	}
+	// The sync follows the .meta (sealing publishes first), so wait for it.
+	h2.eventually("step 8's sync", func() string {
+		if syncs, _ := h2.coord.syncLog(); len(syncs) != 1 || syncs[0].Step != 8 {
+			return fmt.Sprintf("syncs %+v, want only step 8's", syncs)
+		}
+		return ""
+	})
 }
 
 func TestRestartDropsCorruptedSpoolData(t *testing.T) {
