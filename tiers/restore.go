@@ -88,6 +88,13 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 	if superseded() {
 		return
 	}
+	// The state is "running" before the job can see a marker, so status never lags behind it.
+	r.mu.Lock()
+	inc.restored, inc.phase = plan.Step, "running"
+	if plan.Found && plan.Step > r.lastCommitted && r.inc == inc {
+		r.lastCommitted = plan.Step
+	}
+	r.mu.Unlock()
 	for w := 0; w < cfg.WorkersPerNode; w++ {
 		var err error
 		if plan.Found {
@@ -102,13 +109,6 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 			return
 		}
 	}
-	r.mu.Lock()
-	inc.restored = plan.Step
-	if plan.Found && plan.Step > r.lastCommitted && r.inc == inc {
-		r.lastCommitted = plan.Step
-	}
-	r.mu.Unlock()
-	r.setPhase(inc, "running")
 	r.log.Info("restore markers published", "step", plan.Step, "found", plan.Found)
 }
 
