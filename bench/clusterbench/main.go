@@ -1,0 +1,162 @@
+// Command clusterbench measures mtcfs's multi-node checkpoint path — replication of each sealed
+// step to a peer, the restore of a replaced node from that peer, and the spool a node needs for
+// it — with three agents on one machine forming a three-node job through a shared
+// --backup file://DIR, one scripted Orbax client (internal/jobsim) per rank, peer-ranks set to
+// the next rank and backup-interval-minutes 60 (no backup during the run). A plain Go TCP copy
+// of the same number of bytes on loopback is measured in the same run as the baseline.
+//
+// Run it as root from the module root, after building the agent:
+//
+//	go build -o bin/mtcfs ./cmd/mtcfs
+//	go run ./bench/clusterbench -mtcfs bin/mtcfs -out bench/RESULTS.md
+//
+// Each repetition starts three fresh agents on fresh spools with a new job and backup
+// directory, and then:
+//
+//  1. starts a client on every rank (nothing to restore) and saves step 10 on all ranks at
+//     once, then step 20. Replication latency: from Save returning (the commit rename) to the
+//     replica's <job>-sN-n<r>-w0.meta appearing in the mount of rank (r+1)%3, polled with stat
+//     every 1 ms; one sample per rank and step.
+//  2. peak spool use: statfs of every node's spool every 10 ms from before step 10 until the
+//     replicas of step 20 are in place (and 500 ms more); the peak used bytes minus those before
+//     the first save, divided by the node's checkpoint bytes. Step 20 is written while step 10
+//     is held and replicated, so this covers "saving N+1 while N is held".
+//  3. replaced node: SIGKILL of rank 1's agent, its FUSE mount and spool tmpfs unmounted and the
+//     spool removed, a new agent started on the same paths; then a new client on every rank
+//     starts at the same moment, and rank 1's time from Start to VerifyRestored done (every byte
+//     read back and compared) is taken. The other ranks restore from their RAM meanwhile.
+//     Baseline: the bytes of rank 1's step ÷ the loopback TCP rate × 1.5 + 1 s.
+//
+// The agents run as children in their own process group. On exit, also after an error or
+// Ctrl-C, each live agent gets one SIGINT; clusterbench waits for it to unmount, detaches the
+// spool it keeps, unmounts whatever is left below its temporary directory (reporting it) and
+// removes that directory.
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
+)
+
+type config struct {
+	mtcfsBin string
+	out      string
+	workDir  string
+	reps     int
+	files    int
+	fileSize int64
+	memory   string
+}
+
+func main() {
+	var cfg config
+	var fileMiB int
+	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "bin/mtcfs", "mtcfs binary to benchmark (build it with: go build -o bin/mtcfs ./cmd/mtcfs)")
+	flag.StringVar(&cfg.out, "out", "", "Markdown file whose clusterbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	flag.StringVar(&cfg.workDir, "workdir", os.TempDir(), "directory for mount points, spools and the shared backup location")
+	flag.IntVar(&cfg.reps, "reps", 3, "repetitions (at least 3)")
+	flag.IntVar(&cfg.files, "files", 16, "state files per step and node")
+	flag.IntVar(&fileMiB, "file-mib", 16, "size of each state file in MiB")
+	flag.StringVar(&cfg.memory, "memory", "2GiB", "--memory of each agent")
+	flag.Parse()
+	cfg.fileSize = int64(fileMiB) << 20
+	switch {
+	case flag.NArg() != 0:
+		fmt.Fprintf(os.Stderr, "clusterbench: unexpected arguments %q\n", flag.Args())
+		os.Exit(2)
+	case cfg.reps < 3:
+		fmt.Fprintln(os.Stderr, "clusterbench: -reps must be at least 3")
+		os.Exit(2)
+	case cfg.files <= 0 || cfg.fileSize <= 0:
+		fmt.Fprintln(os.Stderr, "clusterbench: -files and -file-mib must be positive")
+		os.Exit(2)
+	}
+	if err := run(cfg); err != nil {
+		fmt.Fprintf(os.Stderr, "clusterbench: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+// bench owns everything a run sets up.
+type bench struct {
+	cfg    config
+	bin    string
+	runID  string
+	base   string
+	agents []*agent // every agent started, live or killed
+	res    *results
+}
+
+func run(cfg config) (err error) {
+	if os.Geteuid() != 0 {
+		return errors.New("run as root: the agents mount FUSE and their spool tmpfs")
+	}
+	bin, err := benchkit.AgentBinary(cfg.mtcfsBin)
+	if err != nil {
+		return err
+	}
+	ctx, stopSignals := benchkit.CancelOnSignal("clusterbench")
+	defer stopSignals()
+
+	b := &bench{cfg: cfg, bin: bin, runID: time.Now().UTC().Format("150405"), res: newResults()}
+	if b.base, err = os.MkdirTemp(cfg.workDir, "clusterbench-"); err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, b.tearDown()) }()
+
+	env := benchkit.DescribeEnvironment("clusterbench", bin)
+	cpu := benchkit.StartCPUAccount()
+	for rep := range cfg.reps {
+		fmt.Fprintf(os.Stderr, "clusterbench: repetition %d of %d\n", rep+1, cfg.reps)
+		if err := b.repetition(ctx, rep); err != nil {
+			return fmt.Errorf("repetition %d: %w", rep+1, err)
+		}
+	}
+	if err := b.tearDown(); err != nil {
+		return err
+	}
+	env.CPU = cpu.OthersSummary(benchkit.CPUWording{
+		Span: "the run",
+		Us:   "clusterbench (clients, TCP copy) and the agents",
+	})
+	section := renderSection(cfg, env, b.res)
+	fmt.Print(section)
+	if cfg.out == "" {
+		return nil
+	}
+	if err := resultsSection.Update(cfg.out, section); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "clusterbench: wrote results to %s\n", cfg.out)
+	return nil
+}
+
+// tearDown stops every live agent, detaches whatever is still mounted below the temporary
+// directory (innermost first, reported as an error), and removes it. It may run more than once.
+func (b *bench) tearDown() error {
+	var errs []error
+	for i := len(b.agents) - 1; i >= 0; i-- {
+		errs = append(errs, b.agents[i].stop())
+	}
+	b.agents = nil
+	if b.base != "" {
+		left := benchkit.MountsUnder(b.base)
+		slices.Reverse(left)
+		for _, m := range left {
+			errs = append(errs, fmt.Errorf("%s was still mounted at the end", m), benchkit.Unmount(m))
+		}
+		errs = append(errs, benchkit.RemoveAllUnlessMounted(b.base))
+		b.base = ""
+	}
+	return errors.Join(errs...)
+}
+
+// repDir is the directory of one repetition: node directories and the backup location.
+func (b *bench) repDir(rep int) string { return filepath.Join(b.base, fmt.Sprintf("rep%d", rep+1)) }
