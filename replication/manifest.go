@@ -9,10 +9,8 @@ import (
 	"os"
 	"path"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
-	"sync"
 
 	"github.com/mtcfs/mtcfs/replication/peerpb"
 	"github.com/mtcfs/mtcfs/tiers"
@@ -233,32 +231,32 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *tier
 		return nil, err
 	}
 	pb := &peerpb.Manifest{DataName: dataName}
+	var entries []tiers.TreeEntry
 	switch {
 	case kind == kindTree && !info.IsDir(), kind != kindTree && !info.Mode().IsRegular():
 		return nil, fmt.Errorf("%s: a %v cannot be sent as %s", src, info.Mode().Type(), dataName)
 	case kind == kindTree:
-		if err := listLocal(src, pb); err != nil {
+		if entries, err = tiers.ListTree(src); err != nil {
 			return nil, fmt.Errorf("list %s: %w", src, err)
 		}
-		slices.SortFunc(pb.Files, func(a, b *peerpb.File) int { return strings.Compare(a.Path, b.Path) })
 	default:
-		pb.Files = []*peerpb.File{{Size: info.Size()}}
+		entries = []tiers.TreeEntry{{Type: tiers.EntryFile, Size: info.Size()}} // src itself
 	}
-	m := &manifest{pb: pb, kind: kind}
-	if err := hashFiles(ctx, src, m, digests); err != nil {
-		return nil, err
+	if err := tiers.HashEntries(ctx, src, entries, digests); err != nil {
+		return nil, fmt.Errorf("hash %s: %w", src, err)
 	}
+	for _, e := range entries {
+		switch e.Type {
+		case tiers.EntryDir:
+			pb.Dirs = append(pb.Dirs, e.Path)
+		case tiers.EntrySymlink:
+			pb.Symlinks = append(pb.Symlinks, &peerpb.Symlink{Path: e.Path, Target: e.Target})
+		default:
+			pb.Files = append(pb.Files, &peerpb.File{Path: e.Path, Size: e.Size, Blake3: e.Digest[:]})
+		}
+	}
+	slices.SortFunc(pb.Files, func(a, b *peerpb.File) int { return strings.Compare(a.Path, b.Path) })
 	if kind == kindTree {
-		entries := make([]tiers.TreeEntry, 0, len(pb.Files)+len(pb.Dirs)+len(pb.Symlinks))
-		for _, f := range pb.Files {
-			entries = append(entries, tiers.TreeEntry{Path: f.Path, Type: tiers.EntryFile, Size: f.Size, Digest: tiers.FileDigest(f.Blake3)})
-		}
-		for _, d := range pb.Dirs {
-			entries = append(entries, tiers.TreeEntry{Path: d, Type: tiers.EntryDir})
-		}
-		for _, l := range pb.Symlinks {
-			entries = append(entries, tiers.TreeEntry{Path: l.Path, Type: tiers.EntrySymlink, Target: l.Target})
-		}
 		if pb.TreeHash, err = tiers.TreeHash(entries); err != nil {
 			return nil, fmt.Errorf("%s: %w", src, err)
 		}
@@ -270,62 +268,6 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *tier
 		return nil, fmt.Errorf("%s cannot be sent: %w", src, err)
 	}
 	return checked, nil
-}
-
-// listLocal adds the entries below abs to pb, without digests, as tiers lists them for hashing.
-func listLocal(abs string, pb *peerpb.Manifest) error {
-	entries, err := tiers.ListTree(abs)
-	if err != nil {
-		return err
-	}
-	for _, e := range entries {
-		switch e.Type {
-		case tiers.EntryDir:
-			pb.Dirs = append(pb.Dirs, e.Path)
-		case tiers.EntrySymlink:
-			pb.Symlinks = append(pb.Symlinks, &peerpb.Symlink{Path: e.Path, Target: e.Target})
-		default:
-			pb.Files = append(pb.Files, &peerpb.File{Path: e.Path, Size: e.Size})
-		}
-	}
-	return nil
-}
-
-// hashFiles fills in the digests of m's files, several files at a time (tiers bounds the
-// hashing itself to GOMAXPROCS).
-func hashFiles(ctx context.Context, root string, m *manifest, digests *tiers.DigestCache) error {
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	next := make(chan int)
-	var wg sync.WaitGroup
-	for range min(len(m.pb.Files), runtime.GOMAXPROCS(0)) {
-		wg.Go(func() {
-			for i := range next {
-				f := m.pb.Files[i]
-				p := m.localPath(root, i)
-				// HashDataCached of a regular file is its BLAKE3, taken from the cache when the
-				// file was hashed at close and has not changed since.
-				h, _, err := tiers.HashDataCached(ctx, p, digests)
-				if err == nil {
-					f.Blake3, err = hex.DecodeString(h)
-				}
-				if err != nil {
-					cancel(err)
-				}
-			}
-		})
-	}
-feed:
-	for i := range m.pb.Files {
-		select {
-		case next <- i:
-		case <-ctx.Done():
-			break feed
-		}
-	}
-	close(next)
-	wg.Wait()
-	return context.Cause(ctx)
 }
 
 // piece is a byte range of one file, sent by one stream.

@@ -11,7 +11,6 @@ import (
 	"os"
 	"path"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -19,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mtcfs/mtcfs/replication/peerpb"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -258,13 +258,35 @@ func (s *sink) verify(ctx context.Context) error {
 			return errPrecondition("%s: %q incomplete: %d of %d bytes arrived", pb.DataName, pb.Files[i].Path, done, pb.Files[i].Size)
 		}
 	}
-	digests, err := s.hashAll(ctx)
-	if err != nil {
-		return err
+	// Hash what is on disk, not the manifest: directories and symlinks count too, and a file the
+	// manifest does not list is an error.
+	want := make(map[string]*peerpb.File, len(pb.Files))
+	for _, f := range pb.Files {
+		want[f.Path] = f
 	}
-	for i, f := range pb.Files {
-		if d := digests[i]; d != tiers.FileDigest(f.Blake3) {
-			return errCorrupt("%s: %q hashes to %s, the header said %s", pb.DataName, f.Path, d, hex.EncodeToString(f.Blake3))
+	var entries []tiers.TreeEntry
+	if s.m.kind != kindTree {
+		entries = []tiers.TreeEntry{{Type: tiers.EntryFile, Size: pb.Files[0].Size}} // the file itself
+	} else {
+		var err error
+		if entries, err = tiers.ListTree(s.root); err != nil {
+			return errCorrupt("%s: %v", pb.DataName, err)
+		}
+		for _, e := range entries {
+			if f, ok := want[e.Path]; e.Type == tiers.EntryFile && (!ok || f.Size != e.Size) {
+				return errCorrupt("%s: unexpected file %q (%d bytes)", pb.DataName, e.Path, e.Size)
+			}
+		}
+	}
+	if err := tiers.HashEntries(ctx, s.root, entries, nil); err != nil {
+		if ctx.Err() != nil {
+			return err
+		}
+		return errCorrupt("%s: %v", pb.DataName, err)
+	}
+	for _, e := range entries {
+		if f := want[e.Path]; e.Type == tiers.EntryFile && e.Digest != tiers.FileDigest(f.Blake3) {
+			return errCorrupt("%s: %q hashes to %s, the header said %s", pb.DataName, e.Path, e.Digest, hex.EncodeToString(f.Blake3))
 		}
 	}
 	switch s.m.kind {
@@ -277,108 +299,12 @@ func (s *sink) verify(ctx context.Context) error {
 			return errInvalid("%s: content %q is not a data hash", pb.DataName, content)
 		}
 	case kindTree:
-		// Hash what is on disk, not the manifest: directories and symlinks count too.
-		byPath := make(map[string]tiers.FileDigest, len(pb.Files))
-		for i, f := range pb.Files {
-			byPath[f.Path] = digests[i]
-		}
-		var entries []tiers.TreeEntry
-		if err := listReceived(s.root, "", byPath, &entries); err != nil {
-			return errCorrupt("%s: %v", pb.DataName, err)
-		}
 		got, err := tiers.TreeHash(entries)
 		if err != nil {
 			return errCorrupt("%s: %v", pb.DataName, err)
 		}
 		if got != pb.TreeHash {
 			return errCorrupt("%s: received tree hashes to %s", pb.DataName, got)
-		}
-	}
-	return nil
-}
-
-// hashAll re-reads every received file and returns its BLAKE3, several files at a time.
-func (s *sink) hashAll(ctx context.Context) ([]tiers.FileDigest, error) {
-	digests := make([]tiers.FileDigest, len(s.files))
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	next := make(chan int)
-	var wg sync.WaitGroup
-	for range min(len(s.files), runtime.GOMAXPROCS(0)) {
-		wg.Go(func() {
-			for i := range next {
-				d, err := hashReceived(ctx, s.m.localPath(s.root, i), s.m.pb.Files[i].Size)
-				if err != nil {
-					cancel(fmt.Errorf("%s: %q: %w", s.m.pb.DataName, s.m.pb.Files[i].Path, err))
-					continue
-				}
-				digests[i] = d
-			}
-		})
-	}
-feed:
-	for i := range s.files {
-		select {
-		case next <- i:
-		case <-ctx.Done():
-			break feed
-		}
-	}
-	close(next)
-	wg.Wait()
-	return digests, context.Cause(ctx)
-}
-
-func hashReceived(ctx context.Context, p string, size int64) (tiers.FileDigest, error) {
-	f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
-	if err != nil {
-		return tiers.FileDigest{}, err
-	}
-	defer f.Close()
-	info, err := f.Stat()
-	if err != nil {
-		return tiers.FileDigest{}, err
-	}
-	if info.Size() != size {
-		return tiers.FileDigest{}, errCorrupt("%d bytes, want %d", info.Size(), size)
-	}
-	return tiers.HashFile(ctx, f, size)
-}
-
-// listReceived lists the received tree for tiers.TreeHash, taking file digests from byPath. A
-// regular file that the manifest does not list is an error.
-func listReceived(abs, rel string, byPath map[string]tiers.FileDigest, out *[]tiers.TreeEntry) error {
-	des, err := os.ReadDir(abs)
-	if err != nil {
-		return err
-	}
-	for _, de := range des {
-		p := path.Join(rel, de.Name())
-		a := filepath.Join(abs, de.Name())
-		info, err := de.Info()
-		if err != nil {
-			return err
-		}
-		switch info.Mode().Type() {
-		case fs.ModeDir:
-			*out = append(*out, tiers.TreeEntry{Path: p, Type: tiers.EntryDir})
-			if err := listReceived(a, p, byPath, out); err != nil {
-				return err
-			}
-		case fs.ModeSymlink:
-			target, err := os.Readlink(a)
-			if err != nil {
-				return err
-			}
-			*out = append(*out, tiers.TreeEntry{Path: p, Type: tiers.EntrySymlink, Target: target})
-		case 0:
-			d, ok := byPath[p]
-			if !ok {
-				return fmt.Errorf("unexpected file %q", p)
-			}
-			*out = append(*out, tiers.TreeEntry{Path: p, Type: tiers.EntryFile, Size: info.Size(), Digest: d})
-		default:
-			return fmt.Errorf("%q is a %v", p, info.Mode().Type())
 		}
 	}
 	return nil

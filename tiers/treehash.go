@@ -368,8 +368,17 @@ func hashDirCached(ctx context.Context, dir string, cache *DigestCache) (string,
 	if err := listTree(dir, "", &entries); err != nil {
 		return "", fmt.Errorf("hash dir %s: %w", dir, err)
 	}
-	// Hash files with up to GOMAXPROCS goroutines: many small files are the
-	// common case (one per array shard), and each still draws from hashSlots.
+	if err := HashEntries(ctx, dir, entries, cache); err != nil {
+		return "", fmt.Errorf("hash dir %s: %w", dir, err)
+	}
+	return TreeHash(entries)
+}
+
+// HashEntries fills in the Digest of every file entry, the files living below root (an entry
+// with an empty Path is root itself), several files at a time: many small files are the
+// common case (one per array shard), and each still draws from hashSlots. A file whose size
+// is not its entry's fails. cache may be nil.
+func HashEntries(ctx context.Context, root string, entries []TreeEntry, cache *DigestCache) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	idx := make(chan int)
@@ -378,13 +387,13 @@ func hashDirCached(ctx context.Context, dir string, cache *DigestCache) (string,
 		wg.Go(func() {
 			for i := range idx {
 				e := &entries[i]
-				size, d, err := hashPath(ctx, filepath.Join(dir, filepath.FromSlash(e.Path)), cache)
+				size, d, err := hashPath(ctx, filepath.Join(root, filepath.FromSlash(e.Path)), cache)
 				if err != nil {
 					cancel(err)
 					continue
 				}
 				if size != e.Size {
-					cancel(fmt.Errorf("%s: size changed from %d to %d while hashing", e.Path, e.Size, size))
+					cancel(fmt.Errorf("%s: %d bytes, want %d (changed while hashing?)", e.Path, size, e.Size))
 					continue
 				}
 				e.Digest = d
@@ -404,10 +413,7 @@ feed:
 	}
 	close(idx)
 	wg.Wait()
-	if err := context.Cause(ctx); err != nil {
-		return "", fmt.Errorf("hash dir %s: %w", dir, err)
-	}
-	return TreeHash(entries)
+	return context.Cause(ctx)
 }
 
 // ListTree lists the entries below dir with sizes and symlink targets but no digests, read
