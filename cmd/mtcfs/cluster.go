@@ -37,8 +37,9 @@ type clusterCoordinator struct {
 	instance string // random per agent process
 	secrets  *secrets
 
-	mu      sync.Mutex
-	remotes map[string]*replication.RemoteCoordinator // GUARDED_BY(mu); per job
+	mu         sync.Mutex
+	remotes    map[string]*replication.RemoteCoordinator // GUARDED_BY(mu); per job
+	registered map[string]gcsbackend.Registration        // GUARDED_BY(mu); this agent's, per job
 }
 
 var _ tiers.Coordinator = (*clusterCoordinator)(nil)
@@ -126,7 +127,7 @@ func newPeerService(listen string, local *tiers.LocalCoordinator, objects gcsbac
 		return nil, fmt.Errorf("--listen %s: %w", listen, err)
 	}
 	c := &clusterCoordinator{local: local, objects: objects, addr: ln.Addr().String(), instance: newInstanceID(),
-		secrets: sec, remotes: map[string]*replication.RemoteCoordinator{},
+		secrets: sec, remotes: map[string]*replication.RemoteCoordinator{}, registered: map[string]gcsbackend.Registration{},
 		job: replication.NewJob(replication.Options{Store: store, Log: slog.Default()})}
 	svc, err := replication.NewCoordinatorService(replication.CoordinatorServiceConfig{Job: c.job, Secrets: sec.lookup})
 	if err != nil {
@@ -175,7 +176,17 @@ func (p *peerService) stop() {
 	for _, r := range p.coord.remotes {
 		r.Close()
 	}
+	regs := p.coord.registered
 	p.coord.mu.Unlock()
+	// Leave the registry: a peer must not keep calling an agent that stopped. (A killed agent
+	// cannot; its successor's registration supersedes it.)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, reg := range regs {
+		if err := gcsbackend.Unregister(ctx, p.objects, reg); err != nil {
+			slog.Warn("leave the agent registry", "job", reg.Job, "err", err)
+		}
+	}
 }
 
 // conn returns a connection to rank's agent of job, found in the registry.
@@ -276,6 +287,9 @@ func (c *clusterCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnatio
 		if err := gcsbackend.Register(ctx, c.objects, reg); err != nil {
 			return tiers.RestorePlan{}, fmt.Errorf("register in %s: %w", c.objects, err)
 		}
+		c.mu.Lock()
+		c.registered[cfg.JobName] = reg
+		c.mu.Unlock()
 	}
 	return co.Negotiate(ctx, inc, inv)
 }

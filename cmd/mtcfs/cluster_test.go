@@ -97,6 +97,13 @@ func TestClusterCoordination(t *testing.T) {
 	regs, err := os.ReadDir(filepath.Join(c.backup, "trio", "agents"))
 	require.NoError(t, err)
 	require.Len(t, regs, 3, "every rank registers in the backup location")
+
+	// A cleanly stopped agent leaves the registry; the others stay.
+	stopAgent(t, c.agents[2])
+	_, err = os.Stat(filepath.Join(c.backup, "trio", "agents", "2.json"))
+	require.True(t, os.IsNotExist(err), "rank 2's registration should be gone after SIGTERM: %v", err)
+	_, err = os.Stat(filepath.Join(c.backup, "trio", "agents", "0.json"))
+	require.NoError(t, err)
 }
 
 // TestClusterRestoreFromPeer: with peer-ranks set, every sealed step is pushed to the next
