@@ -134,11 +134,7 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 	for _, m := range res.measured(metrics(cfg)) {
 		w("| %s | %s", m.title, m.unit)
 		for _, t := range []string{tmpfsTarget, passthroughTarget, fallbackTarget} {
-			var vs []string
-			for _, v := range res.samples[m.key][t] {
-				vs = append(vs, benchkit.FormatValue(v))
-			}
-			w(" | %s", strings.Join(vs, " "))
+			w(" | %s", benchkit.FormatSamples(res.samples[m.key][t]))
 		}
 		w(" |\n")
 	}

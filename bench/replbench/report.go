@@ -164,11 +164,7 @@ func renderSection(cfg config, env environment, res *results, treeBytes int64) s
 		if len(res.samples[row.key]) == 0 {
 			continue
 		}
-		var vs []string
-		for _, v := range res.samples[row.key] {
-			vs = append(vs, benchkit.FormatValue(v))
-		}
-		w("| %s | %s | %s |\n", row.title, row.unit, strings.Join(vs, " "))
+		w("| %s | %s | %s |\n", row.title, row.unit, benchkit.FormatSamples(res.samples[row.key]))
 	}
 	w("\n</details>\n%s\n", resultsSection.End())
 	return b.String()

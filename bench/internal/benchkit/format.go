@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"strings"
 )
 
 // FormatValue prints a measured value with three significant digits or so; NaN is "n/a".
@@ -33,4 +34,13 @@ func FormatBytes(n int64) string {
 		return fmt.Sprintf("%d KiB", n>>10)
 	}
 	return fmt.Sprintf("%d B", n)
+}
+
+// FormatSamples writes raw samples for a results table cell, space-separated.
+func FormatSamples(vs []float64) string {
+	out := make([]string, len(vs))
+	for i, v := range vs {
+		out[i] = FormatValue(v)
+	}
+	return strings.Join(out, " ")
 }
