@@ -4,7 +4,7 @@
 // restore. It also holds the job coordinator: the rank-0 state machine (coordinator.go) and its
 // gRPC transport (coordinator_service.go: the Coordinator service rank 0 serves, and
 // RemoteCoordinator, the tiers.Coordinator other ranks use); the transfer code depends on neither.
-// None of it is wired into the agent yet.
+// cmd/mtcfs wires them into the agent (cluster.go).
 //
 // # Guarantees
 //
