@@ -46,7 +46,8 @@ bench: build
 # (needs protoc and the protoc-gen-go / protoc-gen-go-grpc plugins, see replication/doc.go).
 proto:
 	protoc --proto_path=replication/peerpb --go_out=replication/peerpb --go_opt=paths=source_relative \
-		--go-grpc_out=replication/peerpb --go-grpc_opt=paths=source_relative replication/peerpb/peer.proto
+		--go-grpc_out=replication/peerpb --go-grpc_opt=paths=source_relative \
+		replication/peerpb/peer.proto replication/peerpb/coordinator.proto
 
 fuzz:
 	$(GO) test ./tiers -run '^$$' -fuzz FuzzParseConfig -fuzztime 60s

@@ -143,6 +143,8 @@ type JobCoordinator struct {
 	pinned   string               // GUARDED_BY(mu); restore.version in force until its one-shot deletion
 	schedule tiers.BackupSchedule // GUARDED_BY(mu)
 	floor    string               // GUARDED_BY(mu); the newest backup name known to exist or decided
+	// replicated is the highest step every rank reported replicated, -1 for none.
+	replicated int64 // GUARDED_BY(mu)
 }
 
 // syncRound is the sync of one step. Its fields are guarded by the coordinator's mu, except
@@ -151,6 +153,7 @@ type syncRound struct {
 	step    int64
 	arrived int         // ranks that reported the step
 	running bool        // some rank reported a backup still running
+	missing []int       // ranks that reported the step not replicated
 	stop    func() bool // stops the lag timer; nil when the round finished on creation
 	done    chan struct{}
 	dec     tiers.SyncDecision
@@ -177,6 +180,7 @@ func NewJobCoordinator(cfg *tiers.Config, opts Options) (*JobCoordinator, error)
 		synced:      make([]int64, cfg.Nodes),
 		rounds:      map[int64]*syncRound{},
 		floor:       opts.LastBackup,
+		replicated:  -1,
 	}
 	if c.clock == nil {
 		c.clock = SystemClock{}
@@ -481,6 +485,9 @@ func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, err
 	}
 	r.arrived++
 	r.running = r.running || rep.BackupRunning
+	if !rep.Replicated {
+		r.missing = append(r.missing, rank)
+	}
 	if r.arrived == c.cfg.Nodes {
 		c.complete(r)
 	}
@@ -519,7 +526,12 @@ func (c *JobCoordinator) complete(r *syncRound) {
 		}
 		c.pinned = ""
 	}
-	var dec tiers.SyncDecision
+	dec := tiers.SyncDecision{Replicated: len(r.missing) == 0}
+	if dec.Replicated {
+		c.replicated = max(c.replicated, r.step)
+	} else {
+		c.log.Warn("step not replicated", "step", r.step, "ranks", r.missing)
+	}
 	if c.store != nil {
 		now := c.clock.Now()
 		// A minute that already has a backup (from an earlier incarnation) counts like a

@@ -117,11 +117,11 @@ func (s *CoordinatorService) Sync(ctx context.Context, req *peerpb.SyncRequest) 
 	if req.GetStep() < 0 {
 		return nil, errInvalid("sync of step %d: steps are ≥ 0", req.GetStep())
 	}
-	dec, err := c.Sync(ctx, inc.Config.NodeRank, tiers.SyncReport{Step: req.GetStep(), BackupRunning: req.GetBackupRunning()})
+	dec, err := c.Sync(ctx, inc.Config.NodeRank, tiers.SyncReport{Step: req.GetStep(), BackupRunning: req.GetBackupRunning(), Replicated: req.GetReplicated()})
 	if err != nil {
 		return nil, coordinatorStatus(err)
 	}
-	return &peerpb.SyncReply{Backup: dec.Backup}, nil
+	return &peerpb.SyncReply{Backup: dec.Backup, Replicated: dec.Replicated}, nil
 }
 
 // admit authenticates a call, checks that its request speaks for the authenticated agent and
@@ -381,7 +381,7 @@ func (r *RemoteCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep
 	if err != nil {
 		return tiers.SyncDecision{}, err
 	}
-	req := &peerpb.SyncRequest{Caller: caller, Step: rep.Step, BackupRunning: rep.BackupRunning}
+	req := &peerpb.SyncRequest{Caller: caller, Step: rep.Step, BackupRunning: rep.BackupRunning, Replicated: rep.Replicated}
 	var reply *peerpb.SyncReply
 	err = r.call(ctx, inc, "Sync", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) (err error) {
 		reply, err = c.Sync(ctx, req, opt)
@@ -390,7 +390,7 @@ func (r *RemoteCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep
 	if err != nil {
 		return tiers.SyncDecision{}, err
 	}
-	return tiers.SyncDecision{Backup: reply.GetBackup()}, nil
+	return tiers.SyncDecision{Backup: reply.GetBackup(), Replicated: reply.GetReplicated()}, nil
 }
 
 // call makes one RPC, authenticated as inc's agent, retrying while it fails with UNAVAILABLE

@@ -147,13 +147,15 @@ func TestCoordinatorServiceThreeRanks(t *testing.T) {
 		for r := range nodes {
 			wg.Go(func() {
 				var err error
-				decs[r], err = j.clients[r].Sync(ctx, j.incs[r], tiers.SyncReport{Step: step})
+				// Step 12 is not replicated on rank 2: the decision carries that to every rank.
+				decs[r], err = j.clients[r].Sync(ctx, j.incs[r], tiers.SyncReport{Step: step, Replicated: step != 12 || r != 2})
 				assert.NoError(t, err, "step %d rank %d", step, r)
 			})
 		}
 		wg.Wait()
 		for r, d := range decs {
 			assert.Equal(t, want, d.Backup, "step %d rank %d", step, r)
+			assert.Equal(t, step != 12, d.Replicated, "step %d rank %d: replicated", step, r)
 		}
 	}
 

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -844,4 +845,37 @@ func TestCoordinatorLocalClientIncarnations(t *testing.T) {
 
 	_, err = client.Negotiate(t.Context(), tiers.Incarnation{ID: "x"}, tiers.Inventory{})
 	assert.ErrorContains(t, err, "no config")
+}
+
+// A step counts as replicated only when every rank reports its replicas acknowledged; one rank
+// whose push failed makes the decision say so for every rank.
+func TestCoordinatorSyncReplicated(t *testing.T) {
+	t.Parallel()
+	const nodes = 3
+	c := newCoordinator(t, testConfig(nodes), Options{})
+	negotiateAll(t, c, []tiers.Inventory{own(0), own(1), own(2)})
+	sync := func(step int64, notReplicated ...int) []syncResult {
+		out := make([]syncResult, nodes)
+		var wg sync.WaitGroup
+		for r := range nodes {
+			wg.Go(func() {
+				rep := tiers.SyncReport{Step: step, Replicated: !slices.Contains(notReplicated, r)}
+				out[r].dec, out[r].err = c.Sync(t.Context(), r, rep)
+			})
+		}
+		wg.Wait()
+		return out
+	}
+	for _, tc := range []struct {
+		step int64
+		bad  []int
+	}{{10, nil}, {11, []int{1}}, {12, []int{0, 2}}, {13, nil}} {
+		for r, res := range sync(tc.step, tc.bad...) {
+			require.NoError(t, res.err)
+			assert.Equal(t, len(tc.bad) == 0, res.dec.Replicated, "step %d rank %d (not replicated on %v)", tc.step, r, tc.bad)
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	assert.Equal(t, int64(13), c.replicated)
 }

@@ -18,12 +18,18 @@ type Incarnation struct {
 type SyncReport struct {
 	Step          int64
 	BackupRunning bool // this node is still uploading an earlier backup
+	// Replicated is true when every peer of this node acknowledged a verified replica of the
+	// step (or the node has no peers). Only acknowledged replicas count (SPEC §4).
+	Replicated bool
 }
 
 // SyncDecision is the coordinator's answer to a sync.
 type SyncDecision struct {
 	// Backup names the backup this step must be uploaded to ("" when none is due).
 	Backup string
+	// Replicated is true when every node reported the step replicated: it survives the loss of
+	// any one node.
+	Replicated bool
 }
 
 // Coordinator runs the job-wide decisions (SPEC §4–6). The rank-0 agent coordinates; every
@@ -110,10 +116,11 @@ func (c *LocalCoordinator) Sync(ctx context.Context, inc Incarnation, rep SyncRe
 		}
 		c.plan.Pinned = ""
 	}
-	if c.Store == nil {
-		return SyncDecision{}, nil
+	dec := SyncDecision{Replicated: rep.Replicated}
+	if c.Store != nil {
+		dec.Backup = c.schedule.Due(c.now(), rep.BackupRunning)
 	}
-	return SyncDecision{Backup: c.schedule.Due(c.now(), rep.BackupRunning)}, nil
+	return dec, nil
 }
 
 // BackupSchedule decides when a backup is due (SPEC §6): every Every of wall time, the clock

@@ -57,6 +57,8 @@ func (r *Replicator) handshake() {
 	r.mu.Lock()
 	r.inc = inc
 	r.lastCommitted = 0
+	r.lastReplicated = -1
+	clear(r.unreplicated)
 	r.mu.Unlock()
 	r.log.Info("new incarnation", "incarnation", inc.ID, "job", cfg.JobName, "framework", cfg.Framework,
 		"rank", cfg.NodeRank, "nodes", cfg.Nodes, "workers", cfg.WorkersPerNode, "peers", cfg.Peers())

@@ -21,30 +21,58 @@ type PeerTransport interface {
 // free it (the sender pushes the data first and the .meta right after).
 const replicaHoldTime = 5 * time.Minute
 
+// pushAttempts is how often a push to one peer is tried before the step counts as not
+// replicated; pushBackoff is the wait before the second attempt, doubled each time.
+const (
+	pushAttempts = 3
+	pushBackoff  = 500 * time.Millisecond
+)
+
 // replicate pushes this node's data of a sealed step and its .meta to the step's peers (SPEC
 // §4): the data first, so that the .meta never names data the peer lacks; in data-parallel mode
-// only the .meta, since column-mates hold equivalent data.
-func (r *Replicator) replicate(c commit, dataName, meta string) {
+// only the .meta, since column-mates hold equivalent data. It reports whether every peer
+// acknowledged a verified replica (true when there are no peers): only those count.
+func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 	cfg := c.inc.Config
 	peers := cfg.Peers()
-	if r.cfg.Peers == nil || len(peers) == 0 {
-		return
+	if len(peers) == 0 {
+		return true
+	}
+	if r.cfg.Peers == nil {
+		return false
 	}
 	start := r.cfg.Now()
+	all := true
 	for _, peer := range peers {
 		var err error
-		if cfg.AssumeDataParallelism == 0 {
-			err = r.cfg.Peers.Push(c.inc.ctx, c.inc.Incarnation, peer, dataName, r.spoolDir("sealed", dataName))
-		}
-		if err == nil {
-			err = r.cfg.Peers.Push(c.inc.ctx, c.inc.Incarnation, peer, meta, r.spoolDir("meta", meta))
+		for attempt, wait := 1, pushBackoff; ; attempt, wait = attempt+1, wait*2 {
+			err = r.pushStep(c, peer, dataName, meta)
+			if err == nil || attempt == pushAttempts || c.inc.ctx.Err() != nil {
+				break
+			}
+			r.log.Warn("replication failed, retrying", "step", c.step, "to", peer, "attempt", attempt, "err", err)
+			select {
+			case <-time.After(wait):
+			case <-c.inc.ctx.Done():
+			}
 		}
 		if err != nil {
+			all = false
 			r.incLine(c.inc, fmt.Sprintf("replicating step %d to rank %d failed: %v", c.step, peer, err))
 			continue
 		}
 		r.log.Info("replicated", "step", c.step, "data", dataName, "to", peer, "took", r.cfg.Now().Sub(start).String())
 	}
+	return all
+}
+
+func (r *Replicator) pushStep(c commit, peer int, dataName, meta string) error {
+	if c.inc.Config.AssumeDataParallelism == 0 {
+		if err := r.cfg.Peers.Push(c.inc.ctx, c.inc.Incarnation, peer, dataName, r.spoolDir("sealed", dataName)); err != nil {
+			return err
+		}
+	}
+	return r.cfg.Peers.Push(c.inc.ctx, c.inc.Incarnation, peer, meta, r.spoolDir("meta", meta))
 }
 
 // AcceptReplica takes data or a .meta a peer pushed, already verified by the transport, and

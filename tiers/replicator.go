@@ -79,6 +79,10 @@ type Replicator struct {
 	restore       *Progress         // GUARDED_BY(mu); the running restore
 	recentErrors  []string          // GUARDED_BY(mu)
 	lastCommitted int64             // GUARDED_BY(mu); highest complete step of the incarnation
+	// lastReplicated is the highest step of the incarnation the coordinator reported replicated
+	// on every node (-1: none yet).
+	lastReplicated int64          // GUARDED_BY(mu)
+	unreplicated   map[int64]bool // GUARDED_BY(mu); steps a worker's replication failed for
 }
 
 // incarnation is the state of one start of the job.
@@ -101,7 +105,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}}
+	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, unreplicated: map[int64]bool{}, lastReplicated: -1}
 	r.queue.init()
 	return r
 }

@@ -69,7 +69,11 @@ func (r *Replicator) sealer() {
 			r.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
 			continue
 		}
-		r.replicate(c, dataName, meta)
+		if !r.replicate(c, dataName, meta) {
+			r.mu.Lock()
+			r.unreplicated[c.step] = true
+			r.mu.Unlock()
+		}
 		r.afterSeal(c)
 	}
 }
@@ -166,14 +170,23 @@ func (r *Replicator) afterSeal(c commit) {
 		r.lastCommitted = c.step
 	}
 	running := r.backup != nil
+	replicated := !r.unreplicated[c.step]
+	delete(r.unreplicated, c.step)
 	r.mu.Unlock()
 	if !current {
 		return // an older incarnation's step: sealed and kept, but not synced
 	}
-	dec, err := r.cfg.Coordinator.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, BackupRunning: running})
+	dec, err := r.cfg.Coordinator.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, BackupRunning: running, Replicated: replicated})
 	if err != nil {
 		r.incLine(c.inc, fmt.Sprintf("sync of step %d failed: %v", c.step, err))
 		return
+	}
+	if dec.Replicated {
+		r.mu.Lock()
+		if r.inc == c.inc && c.step > r.lastReplicated {
+			r.lastReplicated = c.step
+		}
+		r.mu.Unlock()
 	}
 	if dec.Backup != "" {
 		r.startBackup(c.inc, c.step, dec.Backup)

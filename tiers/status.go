@@ -27,14 +27,17 @@ func (p *Progress) update(done, total int64) {
 
 // Status is what `mtcfs status` shows about this node.
 type Status struct {
-	Incarnation string        `json:"incarnation,omitempty"`
-	Job         string        `json:"job,omitempty"`
-	Framework   string        `json:"framework,omitempty"`
-	Rank        int           `json:"rank"`
-	Nodes       int           `json:"nodes"`
-	Phase       string        `json:"phase"` // idle, restoring, running, failed
-	Restored    int64         `json:"restored_step"`
-	Committed   int64         `json:"latest_committed_step"`
+	Incarnation string `json:"incarnation,omitempty"`
+	Job         string `json:"job,omitempty"`
+	Framework   string `json:"framework,omitempty"`
+	Rank        int    `json:"rank"`
+	Nodes       int    `json:"nodes"`
+	Phase       string `json:"phase"` // idle, restoring, running, failed
+	Restored    int64  `json:"restored_step"`
+	Committed   int64  `json:"latest_committed_step"`
+	// Replicated is the newest step the coordinator reported held by every node's peers
+	// (-1: none in this incarnation). Losing any one node cannot lose it.
+	Replicated  int64         `json:"latest_replicated_step"`
 	Steps       []StepInRAM   `json:"steps_in_ram"`
 	Restore     *ProgressView `json:"restore,omitempty"`
 	Backup      *ProgressView `json:"backup,omitempty"`
@@ -83,7 +86,7 @@ func (r *Replicator) Status() Status {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	st := Status{Phase: "idle", Rank: -1, Restore: r.restore.view(), Backup: r.backup.view(), LastBackup: r.lastBackup,
-		Committed: r.lastCommitted, Errors: append([]string(nil), r.recentErrors...)}
+		Committed: r.lastCommitted, Replicated: r.lastReplicated, Errors: append([]string(nil), r.recentErrors...)}
 	if inc := r.inc; inc != nil {
 		st.Incarnation, st.Job, st.Framework = inc.ID, inc.Config.JobName, inc.Config.Framework
 		st.Rank, st.Nodes, st.Phase, st.Restored = inc.Config.NodeRank, inc.Config.Nodes, inc.phase, inc.restored

@@ -113,7 +113,11 @@ func printStatus(w io.Writer, st statusReply) {
 		fmt.Fprintln(w, "  job        none yet (waiting for replicator.yaml)")
 	} else {
 		fmt.Fprintf(w, "  job        %s (%s), node %d/%d, incarnation %s, %s\n", st.Job, st.Framework, st.Rank, st.Nodes, st.Incarnation, st.Phase)
-		fmt.Fprintf(w, "  steps      restored %d, latest committed %d\n", st.Restored, st.Committed)
+		repl := "none yet"
+		if st.Replicated >= 0 {
+			repl = fmt.Sprint(st.Replicated)
+		}
+		fmt.Fprintf(w, "  steps      restored %d, latest committed %d, latest replicated on every node %s\n", st.Restored, st.Committed, repl)
 	}
 	for _, s := range st.Steps {
 		fmt.Fprintf(w, "  in RAM     step %d node %d: %s\n", s.Step, s.Rank, s.Data)

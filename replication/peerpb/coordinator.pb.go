@@ -624,6 +624,9 @@ type SyncRequest struct {
 	Step   int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
 	// The caller is still uploading an earlier backup.
 	BackupRunning bool `protobuf:"varint,3,opt,name=backup_running,json=backupRunning,proto3" json:"backup_running,omitempty"`
+	// Every peer this node replicates to acknowledged a verified replica of the step (or the
+	// job has no peers).
+	Replicated    bool `protobuf:"varint,4,opt,name=replicated,proto3" json:"replicated,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -679,10 +682,19 @@ func (x *SyncRequest) GetBackupRunning() bool {
 	return false
 }
 
+func (x *SyncRequest) GetReplicated() bool {
+	if x != nil {
+		return x.Replicated
+	}
+	return false
+}
+
 type SyncReply struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The backup this step must be uploaded to; empty when none is due.
-	Backup        string `protobuf:"bytes,1,opt,name=backup,proto3" json:"backup,omitempty"`
+	Backup string `protobuf:"bytes,1,opt,name=backup,proto3" json:"backup,omitempty"`
+	// Every node reported the step replicated: losing any one node cannot lose it.
+	Replicated    bool `protobuf:"varint,2,opt,name=replicated,proto3" json:"replicated,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -722,6 +734,13 @@ func (x *SyncReply) GetBackup() string {
 		return x.Backup
 	}
 	return ""
+}
+
+func (x *SyncReply) GetReplicated() bool {
+	if x != nil {
+		return x.Replicated
+	}
+	return false
 }
 
 var File_coordinator_proto protoreflect.FileDescriptor
@@ -772,13 +791,19 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x04plan\x18\x01 \x01(\v2!.mtcfs.replication.v1.RestorePlanR\x04plan\"G\n" +
 	"\x0fRestoredRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\"\x0f\n" +
-	"\rRestoredReply\"~\n" +
+	"\rRestoredReply\"\x9e\x01\n" +
 	"\vSyncRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12%\n" +
-	"\x0ebackup_running\x18\x03 \x01(\bR\rbackupRunning\"#\n" +
+	"\x0ebackup_running\x18\x03 \x01(\bR\rbackupRunning\x12\x1e\n" +
+	"\n" +
+	"replicated\x18\x04 \x01(\bR\n" +
+	"replicated\"C\n" +
 	"\tSyncReply\x12\x16\n" +
-	"\x06backup\x18\x01 \x01(\tR\x06backup2\x8c\x02\n" +
+	"\x06backup\x18\x01 \x01(\tR\x06backup\x12\x1e\n" +
+	"\n" +
+	"replicated\x18\x02 \x01(\bR\n" +
+	"replicated2\x8c\x02\n" +
 	"\vCoordinator\x12Y\n" +
 	"\tNegotiate\x12&.mtcfs.replication.v1.NegotiateRequest\x1a$.mtcfs.replication.v1.NegotiateReply\x12V\n" +
 	"\bRestored\x12%.mtcfs.replication.v1.RestoredRequest\x1a#.mtcfs.replication.v1.RestoredReply\x12J\n" +
