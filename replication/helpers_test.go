@@ -117,9 +117,14 @@ func (p *testPeer) waitNoIncoming(t *testing.T) {
 		if n > 0 {
 			return false
 		}
+		// Only the (empty) directory of early files may remain.
 		des, err := os.ReadDir(p.incoming)
-		return err == nil && len(des) == 0
-	}, 5*time.Second, 10*time.Millisecond, "transfer directories left in %s", p.incoming)
+		if err != nil || len(des) != 1 || des[0].Name() != earlyDirName {
+			return false
+		}
+		early, err := os.ReadDir(filepath.Join(p.incoming, earlyDirName))
+		return err == nil && len(early) == 0
+	}, 5*time.Second, 10*time.Millisecond, "transfer directories or early files left in %s", p.incoming)
 }
 
 func dial(t *testing.T, addr string) *grpc.ClientConn {

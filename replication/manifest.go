@@ -41,7 +41,28 @@ type manifest struct {
 	pb    *peerpb.Manifest
 	kind  dataKind
 	total int64 // sum of the file sizes
+	// presumed marks the files a push does not send (the receiver holds them as early files);
+	// nil when every file is sent. sendTotal is the sum of the other files' sizes.
+	presumed  []bool
+	sendTotal int64
 }
+
+// presume marks the files listed in idx (strictly increasing indices) as not sent.
+func (m *manifest) presume(idx []uint32) error {
+	m.presumed = make([]bool, len(m.pb.Files))
+	m.sendTotal = m.total
+	for k, i := range idx {
+		if int(i) >= len(m.pb.Files) || (k > 0 && idx[k-1] >= i) {
+			return errInvalid("%s: presumed file indices must be strictly increasing and < %d", m.pb.DataName, len(m.pb.Files))
+		}
+		m.presumed[i] = true
+		m.sendTotal -= m.pb.Files[i].Size
+	}
+	return nil
+}
+
+// sent reports whether file i travels in the push.
+func (m *manifest) sent(i int) bool { return m.presumed == nil || !m.presumed[i] }
 
 // localPath returns where file i of the data lives when the data itself is at root.
 func (m *manifest) localPath(root string, i int) string {
@@ -276,15 +297,22 @@ type piece struct {
 	off, n int64
 }
 
-// share cuts the bytes of all files, in manifest order, into count contiguous parts of nearly
+// share cuts the bytes of all files sent (not presumed), in manifest order, into count contiguous parts of nearly
 // equal size, and returns part index: every stream reads its files sequentially, and one large
 // file is spread over all streams. Empty files need no piece: checkManifest's receiver creates
 // them.
 func (m *manifest) share(index, count int) []piece {
-	start, end := mulDiv(m.total, index, count), mulDiv(m.total, index+1, count)
+	total := m.total
+	if m.presumed != nil {
+		total = m.sendTotal
+	}
+	start, end := mulDiv(total, index, count), mulDiv(total, index+1, count)
 	var out []piece
-	var pos int64 // start of file i in the concatenation
+	var pos int64 // start of file i in the concatenation of the files sent
 	for i, f := range m.pb.Files {
+		if !m.sent(i) {
+			continue
+		}
 		lo, hi := max(start, pos), min(end, pos+f.Size)
 		if lo < hi {
 			out = append(out, piece{file: i, off: lo - pos, n: hi - lo})

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -90,6 +91,8 @@ type Receiver struct {
 	dropped  map[string]time.Time // GUARDED_BY(mu)
 	inFlight int64                // GUARDED_BY(mu); declared bytes of the transfers
 	closed   bool                 // GUARDED_BY(mu)
+	// early holds the early files pushed before their step committed (see early.go).
+	early map[earlyKey]*earlyGroup // GUARDED_BY(mu)
 }
 
 var _ peerpb.PeerServer = (*Receiver)(nil)
@@ -100,6 +103,12 @@ type transfer struct {
 	from Identity
 	addr string // the first stream's peer address, for logs
 	m    *manifest
+	// earlyGroup is set for an early push, consumes for a push reusing an early group whose
+	// files presumed (indices into m's files) are linked instead of sent.
+	earlyGroup, consumes string
+	presumed             []uint32
+	// reserved is the bytes charged for the transfer: the files it receives, not those linked.
+	reserved int64
 	// ready is closed once sink (or err) is set; streams that join wait for it.
 	ready chan struct{}
 	sink  *sink // GUARDED_BY(Receiver.mu) until ready
@@ -143,13 +152,17 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		return nil, fmt.Errorf("receiver: %w", err)
 	}
 	for _, de := range des {
-		if strings.HasPrefix(de.Name(), incomingPrefix) {
+		if strings.HasPrefix(de.Name(), incomingPrefix) || de.Name() == earlyDirName {
 			if err := os.RemoveAll(filepath.Join(cfg.Dir, de.Name())); err != nil {
 				return nil, fmt.Errorf("receiver: remove stale transfer: %w", err)
 			}
 		}
 	}
-	return &Receiver{cfg: cfg, log: cfg.Logger, transfers: map[string]*transfer{}, dropped: map[string]time.Time{}}, nil
+	if err := os.Mkdir(filepath.Join(cfg.Dir, earlyDirName), 0o700); err != nil {
+		return nil, fmt.Errorf("receiver: %w", err)
+	}
+	return &Receiver{cfg: cfg, log: cfg.Logger, transfers: map[string]*transfer{}, dropped: map[string]time.Time{},
+		early: map[earlyKey]*earlyGroup{}}, nil
 }
 
 // Register adds the peer service to s.
@@ -164,7 +177,13 @@ func (r *Receiver) Close() error {
 	for _, t := range r.transfers {
 		all = append(all, t)
 	}
+	var groups []*earlyGroup
+	for k, g := range r.early {
+		groups = append(groups, g)
+		delete(r.early, k)
+	}
 	r.mu.Unlock()
+	r.freeEarly(groups, "receiver closed")
 	var errs []error
 	for _, t := range all {
 		errs = append(errs, r.discard(t, errors.New("receiver closed")))
@@ -183,8 +202,10 @@ func (r *Receiver) authenticate(ctx context.Context) (Identity, error) {
 	if err != nil {
 		method, _ := grpc.Method(ctx)
 		r.log.Warn("peer call refused", "peer", peerAddr(ctx), "method", method, "job", from.Job, "rank", from.Rank, "err", err)
+		return from, err
 	}
-	return from, err
+	r.noteIncarnation(from)
+	return from, nil
 }
 
 func peerAddr(ctx context.Context) string {
@@ -255,6 +276,28 @@ func (r *Receiver) join(ctx context.Context, from Identity, h *peerpb.PushHeader
 	if err != nil {
 		return nil, err
 	}
+	reserve := m.total
+	switch {
+	case h.EarlyGroup != "" && (h.ConsumesGroup != "" || len(h.Presumed) > 0):
+		return nil, errInvalid("an early push cannot consume a group")
+	case h.EarlyGroup != "":
+		if err := checkGroup(h.EarlyGroup); err != nil {
+			return nil, err
+		}
+		if m.kind != kindFile {
+			return nil, errInvalid("early push of %s: only single files (<hash>.data) are pushed early", m.pb.DataName)
+		}
+	case h.ConsumesGroup != "":
+		if err := checkGroup(h.ConsumesGroup); err != nil {
+			return nil, err
+		}
+		if err := m.presume(h.Presumed); err != nil {
+			return nil, err
+		}
+		reserve = m.sendTotal
+	case len(h.Presumed) > 0:
+		return nil, errInvalid("presumed files without a group to take them from")
+	}
 
 	r.mu.Lock()
 	if r.closed {
@@ -279,24 +322,30 @@ func (r *Receiver) join(ctx context.Context, from Identity, h *peerpb.PushHeader
 		r.mu.Unlock()
 		return nil, errAborted("transfer %s failed already", h.TransferId)
 	}
-	if free := r.cfg.MaxIncoming - r.inFlight; m.total > free {
+	if free := r.cfg.MaxIncoming - r.inFlight; reserve > free {
 		r.mu.Unlock()
-		return nil, errExhausted("%s: %d bytes declared, only %d of %d free for incoming transfers", m.pb.DataName, m.total, max(free, 0), r.cfg.MaxIncoming)
+		return nil, errExhausted("%s: %d bytes declared, only %d of %d free for incoming transfers", m.pb.DataName, reserve, max(free, 0), r.cfg.MaxIncoming)
 	}
 	if r.cfg.Reserve != nil {
-		if err := r.cfg.Reserve(m.total); err != nil {
+		if err := r.cfg.Reserve(reserve); err != nil {
 			r.mu.Unlock()
-			return nil, errExhausted("%s: %d bytes declared: %v", m.pb.DataName, m.total, err)
+			return nil, errExhausted("%s: %d bytes declared: %v", m.pb.DataName, reserve, err)
 		}
 	}
-	t := &transfer{id: h.TransferId, from: from, addr: peerAddr(ctx), m: m, ready: make(chan struct{}), streams: 1, started: time.Now()}
+	t := &transfer{id: h.TransferId, from: from, addr: peerAddr(ctx), m: m, ready: make(chan struct{}), streams: 1, started: time.Now(),
+		earlyGroup: h.EarlyGroup, consumes: h.ConsumesGroup, presumed: h.Presumed, reserved: reserve}
 	t.lastActive.Store(time.Now().UnixNano())
-	r.inFlight += m.total
+	r.inFlight += reserve
 	r.transfers[t.id] = t
 	t.timer = time.AfterFunc(r.cfg.IdleTimeout, func() { r.expire(t) })
 	r.mu.Unlock()
 
 	s, err := newSink(r.cfg.Dir, incomingPrefix, m)
+	if err == nil && len(t.presumed) > 0 {
+		if err = r.adoptEarly(from, h, m, s); err != nil {
+			s.discard(err)
+		}
+	}
 	r.mu.Lock()
 	switch {
 	case err != nil:
@@ -323,8 +372,9 @@ func (t *transfer) admits(from Identity, h *peerpb.PushHeader) error { // REQUIR
 		return errPermission("transfer %s belongs to another sender", t.id)
 	case t.committing:
 		return errPrecondition("transfer %s is being committed", t.id)
-	case !proto.Equal(t.m.pb, h.Manifest):
-		return errInvalid("transfer %s: this stream's manifest differs from the first stream's", t.id)
+	case !proto.Equal(t.m.pb, h.Manifest) || t.earlyGroup != h.EarlyGroup || t.consumes != h.ConsumesGroup ||
+		!slices.Equal(t.presumed, h.Presumed):
+		return errInvalid("transfer %s: this stream's header differs from the first stream's", t.id)
 	}
 	return nil
 }
@@ -378,7 +428,7 @@ func (r *Receiver) discard(t *transfer, reason error) error {
 	}
 	t.gone = true
 	delete(r.transfers, t.id)
-	r.inFlight -= t.m.total
+	r.inFlight -= t.reserved
 	t.timer.Stop()
 	now := time.Now()
 	for id, when := range r.dropped {
@@ -390,7 +440,7 @@ func (r *Receiver) discard(t *transfer, reason error) error {
 	s := t.sink
 	r.mu.Unlock()
 	if r.cfg.Reserve != nil {
-		r.cfg.Reserve(-t.m.total)
+		r.cfg.Reserve(-t.reserved)
 	}
 	r.log.Warn("peer transfer discarded", "peer", t.addr, "job", t.from.Job, "rank", t.from.Rank,
 		"data", t.m.pb.DataName, "transfer", t.id, "reason", reason)
@@ -430,7 +480,12 @@ func (r *Receiver) Commit(ctx context.Context, req *peerpb.CommitRequest) (*peer
 		r.discard(t, err)
 		return nil, err
 	}
-	if err := r.cfg.Accept(ctx, t.from.Job, t.from.Rank, t.m.pb.DataName, t.sink.root); err != nil {
+	accept := func() error { return r.cfg.Accept(ctx, t.from.Job, t.from.Rank, t.m.pb.DataName, t.sink.root) }
+	if t.earlyGroup != "" {
+		accept = func() error { return r.keepEarly(t, t.earlyGroup) }
+		r.expireEarly(time.Now())
+	}
+	if err := accept(); err != nil {
 		err = fmt.Errorf("accept %s: %w", t.m.pb.DataName, err)
 		r.discard(t, err)
 		return nil, err
@@ -438,13 +493,22 @@ func (r *Receiver) Commit(ctx context.Context, req *peerpb.CommitRequest) (*peer
 	r.mu.Lock()
 	t.gone = true
 	delete(r.transfers, t.id)
-	r.inFlight -= t.m.total
+	r.inFlight -= t.reserved
 	r.mu.Unlock()
+	if t.consumes != "" {
+		r.consumeEarly(t, t.consumes)
+	}
 	if err := t.sink.discard(errFinished); err != nil { // what Accept left behind
 		r.log.Warn("peer transfer: cleanup after accept", "transfer", t.id, "err", err)
 	}
+	if t.earlyGroup != "" {
+		r.log.Debug("early file received", "peer", t.addr, "job", t.from.Job, "rank", t.from.Rank,
+			"group", t.earlyGroup, "bytes", t.m.total, "took", time.Since(t.started).Round(time.Millisecond))
+		return &peerpb.CommitReply{}, nil
+	}
 	r.log.Info("peer transfer received", "peer", t.addr, "job", t.from.Job, "rank", t.from.Rank,
-		"data", t.m.pb.DataName, "bytes", t.m.total, "files", len(t.m.pb.Files), "took", time.Since(t.started).Round(time.Millisecond))
+		"data", t.m.pb.DataName, "bytes", t.m.total, "files", len(t.m.pb.Files), "early_files", len(t.presumed),
+		"bytes_received", t.reserved, "took", time.Since(t.started).Round(time.Millisecond))
 	return &peerpb.CommitReply{}, nil
 }
 

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/mtcfs/mtcfs/replication/peerpb"
@@ -52,7 +54,13 @@ type Sender struct {
 	// Digests supplies file digests computed earlier (when the files were closed), so that a
 	// push does not read its files twice.
 	Digests *tiers.DigestCache
+
+	// bytesSent counts the chunk bytes pushed (not fetched) by this sender.
+	bytesSent atomic.Int64
 }
+
+// BytesSent returns the chunk bytes this sender pushed so far.
+func (s *Sender) BytesSent() int64 { return s.bytesSent.Load() }
 
 // PushRequest names the data to push and who pushes it.
 type PushRequest struct {
@@ -61,6 +69,15 @@ type PushRequest struct {
 	Rank        int    // the sender's rank
 	DataName    string // "<hash>.data", "D<hash>.data" or a .meta name of Job
 	Source      string // the data in the spool: a directory for "D<hash>.data", else a file
+	// EarlyGroup makes this an early push: Source is one file the job closed inside the
+	// top-level directory EarlyGroup before its step committed, DataName its "<hash>.data". The
+	// peer keeps it aside until a push that consumes the group (see peerpb.PushHeader).
+	EarlyGroup string
+	// ConsumesGroup names the early group whose files this push of sealed data may reuse;
+	// Presumed holds the digests of the files the peer acknowledged in that group. Files with
+	// those digests are not sent; if the peer no longer has them, the push is repeated whole.
+	ConsumesGroup string
+	Presumed      map[tiers.FileDigest]bool
 }
 
 // FetchRequest names the data to fetch, who fetches it, and where it goes.
@@ -107,8 +124,27 @@ func (s *Sender) callOptions(id Identity) ([]grpc.CallOption, error) {
 // it. It returns nil only when the peer verified every byte and its Accept took the data. On
 // failure the peer discards what it received. conn should be dialled with DialOptions.
 func (s *Sender) Push(ctx context.Context, conn grpc.ClientConnInterface, req PushRequest) error {
-	if err := s.push(ctx, conn, req); err != nil {
+	err := s.push(ctx, conn, req)
+	if err != nil && len(req.Presumed) > 0 && status.Code(err) == codes.NotFound {
+		// The peer dropped early files it acknowledged (it restarted, or timed them out).
+		req.Presumed = nil
+		err = s.push(ctx, conn, req)
+	}
+	if err != nil {
 		return fmt.Errorf("push %s: %w", req.DataName, err)
+	}
+	return nil
+}
+
+// Drop asks the peer behind conn to discard the early files of group this sender pushed (the
+// step was abandoned).
+func (s *Sender) Drop(ctx context.Context, conn grpc.ClientConnInterface, id Identity, group string) error {
+	opts, err := s.callOptions(id)
+	if err != nil {
+		return err
+	}
+	if _, err := peerpb.NewPeerClient(conn).Drop(ctx, &peerpb.DropRequest{Group: group}, opts...); err != nil {
+		return fmt.Errorf("drop early group %q: %w", group, err)
 	}
 	return nil
 }
@@ -125,14 +161,29 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 	id := make([]byte, 16)
 	rand.Read(id)
 	header := &peerpb.PushHeader{TransferId: hex.EncodeToString(id), Job: req.Job, Incarnation: req.Incarnation,
-		SenderRank: int32(req.Rank), SenderInstance: s.Instance, Manifest: m.pb}
+		SenderRank: int32(req.Rank), SenderInstance: s.Instance, Manifest: m.pb,
+		EarlyGroup: req.EarlyGroup, ConsumesGroup: req.ConsumesGroup}
+	if req.ConsumesGroup != "" && len(req.Presumed) > 0 {
+		for i, f := range m.pb.Files {
+			if f.Size > 0 && req.Presumed[tiers.FileDigest(f.Blake3)] {
+				header.Presumed = append(header.Presumed, uint32(i))
+			}
+		}
+		if err := m.presume(header.Presumed); err != nil {
+			return err
+		}
+	}
 	client := peerpb.NewPeerClient(conn)
 	chunk := s.chunkSize()
-	n := int(min(int64(s.streams()), max(1, (m.total+int64(chunk)-1)/int64(chunk))))
+	send := m.total
+	if m.presumed != nil {
+		send = m.sendTotal
+	}
+	n := int(min(int64(s.streams()), max(1, (send+int64(chunk)-1)/int64(chunk))))
 
 	w := startWatchdog(ctx, s.stallTimeout())
 	err = runStreams(w.ctx, n, func(ctx context.Context, i int) error {
-		return pushStream(ctx, client, opts, header, req.Source, m, i, n, chunk, w.progress)
+		return pushStream(ctx, client, opts, header, req.Source, m, i, n, chunk, w.progress, &s.bytesSent)
 	})
 	w.stop()
 	if err != nil {
@@ -156,7 +207,7 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 // pushStream sends the header and share i of n on one PushFiles stream, and checks that the
 // receiver wrote all of it.
 func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallOption, header *peerpb.PushHeader,
-	src string, m *manifest, i, n, chunk int, progress func()) error {
+	src string, m *manifest, i, n, chunk int, progress func(), bytesSent *atomic.Int64) error {
 	stream, err := client.PushFiles(ctx, opts...)
 	if err != nil {
 		return err
@@ -181,6 +232,7 @@ func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallO
 	if reply.Bytes != sent {
 		return fmt.Errorf("stream %d: receiver wrote %d bytes, %d were sent", i, reply.Bytes, sent)
 	}
+	bytesSent.Add(sent)
 	return nil
 }
 

@@ -34,6 +34,9 @@ type sink struct {
 	// dropped holds why discard was called; writes fail from then on.
 	dropped atomic.Pointer[error]
 	files   []sinkFile
+	// adopted knows the digests of the files adopt linked in (verified when they arrived as
+	// early files, and not written since); nil when there are none.
+	adopted *tiers.DigestCache
 }
 
 // sinkFile tracks what arrived for one file.
@@ -212,6 +215,33 @@ func pwritev(f *os.File, pieces [][]byte, off int64) error {
 	return werr
 }
 
+// adopt makes file i a hard link to src, an early file already verified to have digest d and
+// the manifest's size, instead of receiving its bytes. Call it before any chunk arrives.
+func (s *sink) adopt(i int, src string, d tiers.FileDigest) error {
+	dst := s.m.localPath(s.root, i)
+	if err := os.Remove(dst); err != nil {
+		return err
+	}
+	if err := os.Link(src, dst); err != nil {
+		return err
+	}
+	if s.adopted == nil {
+		s.adopted = &tiers.DigestCache{}
+	}
+	if err := s.adopted.Remember(dst, d); err != nil {
+		return err
+	}
+	size := s.m.pb.Files[i].Size
+	sf := &s.files[i]
+	sf.mu.Lock()
+	defer sf.mu.Unlock()
+	if err := sf.claim(span{0, size}); err != nil {
+		return err
+	}
+	sf.done = size
+	return nil
+}
+
 // claim records sp as received, refusing overlaps.
 func (sf *sinkFile) claim(sp span) error {
 	i, _ := slices.BinarySearchFunc(sf.have, sp.lo, func(h span, lo int64) int { return cmpInt(h.hi, lo+1) })
@@ -278,7 +308,7 @@ func (s *sink) verify(ctx context.Context) error {
 			}
 		}
 	}
-	if err := tiers.HashEntries(ctx, s.root, entries, nil); err != nil {
+	if err := tiers.HashEntries(ctx, s.root, entries, s.adopted); err != nil {
 		if ctx.Err() != nil {
 			return err
 		}

@@ -560,6 +560,9 @@ type harnessConfig struct {
 	clock   *fakeClock        // nil: a fixed clock at baseTime
 	env     map[string]string // for $VAR expansion
 	jaxInit *tiers.JaxInit
+	// coord replaces the one-node LocalCoordinator (multi-node tests); peers is the transport.
+	coord tiers.Coordinator
+	peers tiers.PeerTransport
 }
 
 // baseTime is where fake clocks start: a whole UTC minute.
@@ -611,6 +614,10 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	}
 	h.coord = &recordingCoordinator{LocalCoordinator: local}
 	rcfg.Coordinator = h.coord
+	if cfg.coord != nil {
+		rcfg.Coordinator = cfg.coord
+	}
+	rcfg.Peers = cfg.peers
 	h.r = tiers.NewReplicator(rcfg)
 	if err := h.r.Start(context.Background(), ns); err != nil {
 		t.Fatalf("Start: %v", err)

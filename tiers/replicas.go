@@ -43,10 +43,12 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 	}
 	start := r.cfg.Now()
 	all := true
+	early := r.takeEarly(c)
+	defer r.dropAbandoned(c.inc)
 	for _, peer := range peers {
 		var err error
 		for attempt, wait := 1, pushBackoff; ; attempt, wait = attempt+1, wait*2 {
-			err = r.pushStep(c, peer, dataName, meta)
+			err = r.pushStep(c, peer, dataName, meta, early)
 			if err == nil || attempt == pushAttempts || c.inc.ctx.Err() != nil {
 				break
 			}
@@ -59,6 +61,13 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 		if err != nil {
 			all = false
 			r.incLine(c.inc, fmt.Sprintf("replicating step %d to rank %d failed: %v", c.step, peer, err))
+			if early != nil {
+				if et, ok := r.earlyTransport(c.inc.Config); ok {
+					ctx, cancel := context.WithTimeout(c.inc.ctx, dropTimeout)
+					et.DropEarly(ctx, c.inc.Incarnation, peer, c.group)
+					cancel()
+				}
+			}
 			continue
 		}
 		r.log.Info("replicated", "step", c.step, "data", dataName, "to", peer, "took", r.cfg.Now().Sub(start).String())
@@ -66,9 +75,16 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 	return all
 }
 
-func (r *Replicator) pushStep(c commit, peer int, dataName, meta string) error {
+func (r *Replicator) pushStep(c commit, peer int, dataName, meta string, early *earlyGroup) error {
 	if c.inc.Config.AssumeDataParallelism == 0 {
-		if err := r.cfg.Peers.Push(c.inc.ctx, c.inc.Incarnation, peer, dataName, r.spoolDir("sealed", dataName)); err != nil {
+		var err error
+		src := r.spoolDir("sealed", dataName)
+		if et, ok := r.earlyTransport(c.inc.Config); ok && early != nil {
+			err = et.PushConsuming(c.inc.ctx, c.inc.Incarnation, peer, dataName, src, c.group, early.ackedBy(peer))
+		} else {
+			err = r.cfg.Peers.Push(c.inc.ctx, c.inc.Incarnation, peer, dataName, src)
+		}
+		if err != nil {
 			return err
 		}
 	}

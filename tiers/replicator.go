@@ -83,6 +83,9 @@ type Replicator struct {
 	// on every node (-1: none yet).
 	lastReplicated int64          // GUARDED_BY(mu)
 	unreplicated   map[int64]bool // GUARDED_BY(mu); steps a worker's replication failed for
+	// early holds, by top-level name, the files pushed to peers before their step committed.
+	early  map[string]*earlyGroup // GUARDED_BY(mu)
+	earlyQ chan earlyPush
 }
 
 // incarnation is the state of one start of the job.
@@ -105,7 +108,8 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, unreplicated: map[int64]bool{}, lastReplicated: -1}
+	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, unreplicated: map[int64]bool{}, lastReplicated: -1,
+		early: map[string]*earlyGroup{}}
 	r.queue.init()
 	return r
 }
@@ -117,6 +121,7 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	r.ctx, r.cancel = context.WithCancel(ctx)
 	r.commits = make(chan commit, 1024)
 	r.prehash = make(chan string, 4096)
+	r.earlyQ = make(chan earlyPush, 4096)
 	if err := r.adopt(r.ctx); err != nil {
 		return err
 	}
@@ -126,10 +131,13 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 			return err
 		}
 	}
-	r.wg.Add(3)
+	r.wg.Add(3 + earlyWorkers)
 	go r.controlLoop()
 	go r.sealer()
 	go r.prehasher()
+	for range earlyWorkers {
+		go r.earlyPusher()
+	}
 	return nil
 }
 
@@ -171,8 +179,9 @@ func (r *Replicator) controlLoop() {
 func (r *Replicator) handle(ev event) {
 	if strings.Contains(ev.path, "/") {
 		// Only top-level names carry meaning; a file closed inside a step being saved is
-		// hashed now, while the job writes the rest.
-		if ev.kind == evClosed {
+		// hashed now, while the job writes the rest (and pushed to peers). Writers that close
+		// a temporary name and rename it (tensorstore) are caught at the rename.
+		if ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == EntryFile) {
 			select {
 			case r.prehash <- ev.path:
 			default: // the sealer hashes what was not hashed early

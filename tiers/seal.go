@@ -16,6 +16,7 @@ type commit struct {
 	step   int64
 	worker int
 	name   string
+	group  string // the name the step was saved under before the rename that committed it
 	at     time.Time
 }
 
@@ -34,7 +35,7 @@ func (r *Replicator) detectCommit(ev event) {
 		if !ok {
 			return
 		}
-		c.step = step
+		c.step, c.group = step, ev.old
 	case cfg.Framework == FrameworkPyTorch && (ev.kind == evClosed || ev.kind == evRenamed):
 		m, ok := ParseMarkerName(ev.path)
 		if !ok || m.Kind != MarkerSave || m.Job != cfg.JobName || m.Node != cfg.NodeRank || m.Worker >= cfg.WorkersPerNode {
@@ -50,6 +51,9 @@ func (r *Replicator) detectCommit(ev event) {
 		return // a close after the rename of the same .save
 	}
 	r.pending[c.name] = true
+	if g := r.early[c.group]; g != nil && g.inc == inc {
+		g.committed = true
+	}
 	r.mu.Unlock()
 	r.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name)
 	r.commits <- c
@@ -274,13 +278,18 @@ func (r *Replicator) holdLocked(dataName string) (release func()) {
 // hashed this way seals in the time it takes to combine their digests.
 func (r *Replicator) prehasher() {
 	defer r.wg.Done()
+	defer close(r.earlyQ)
 	for path := range r.prehash {
 		p, err := r.ns.SpoolFile(path)
 		if err != nil {
 			continue // gone or renamed meanwhile: the sealer hashes it if it matters
 		}
-		if err := r.digests.HashFileCached(r.ctx, p); err != nil && r.ctx.Err() == nil {
-			r.log.Debug("early hash failed", "path", path, "err", err)
+		if err := r.digests.HashFileCached(r.ctx, p); err != nil {
+			if r.ctx.Err() == nil {
+				r.log.Debug("early hash failed", "path", path, "err", err)
+			}
+			continue
 		}
+		r.queueEarly(path, p)
 	}
 }

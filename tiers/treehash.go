@@ -594,3 +594,34 @@ func VerifyData(ctx context.Context, p, hash string, dir bool) error {
 	}
 	return nil
 }
+
+// Remember records that the regular file at p, as it is now, has digest d: the caller knows it
+// (it verified the file) and promises that the file is not written again.
+func (c *DigestCache) Remember(p string, d FileDigest) error {
+	info, err := os.Lstat(p)
+	if err != nil {
+		return err
+	}
+	if !info.Mode().IsRegular() {
+		return fmt.Errorf("%s is a %v, not a regular file", p, info.Mode().Type())
+	}
+	if key, ok := digestKeyOf(info); ok {
+		c.put(key, d)
+	}
+	return nil
+}
+
+// Lookup returns the digest cached for the regular file at p as it is now (same inode, size and
+// mtime), and its size.
+func (c *DigestCache) Lookup(p string) (FileDigest, int64, bool) {
+	info, err := os.Lstat(p)
+	if err != nil || !info.Mode().IsRegular() {
+		return FileDigest{}, 0, false
+	}
+	key, ok := digestKeyOf(info)
+	if !ok {
+		return FileDigest{}, 0, false
+	}
+	d, ok := c.get(key)
+	return d, info.Size(), ok
+}

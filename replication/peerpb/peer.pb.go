@@ -237,8 +237,20 @@ type PushHeader struct {
 	SenderRank     int32     `protobuf:"varint,4,opt,name=sender_rank,json=senderRank,proto3" json:"sender_rank,omitempty"`
 	SenderInstance string    `protobuf:"bytes,5,opt,name=sender_instance,json=senderInstance,proto3" json:"sender_instance,omitempty"`
 	Manifest       *Manifest `protobuf:"bytes,6,opt,name=manifest,proto3" json:"manifest,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Set on an early push: a single file ("<hash>.data") the job closed inside the top-level
+	// directory early_group before the step committed. The receiver keeps it aside, verified but
+	// not published, until a later push names the group in consumes_group, the sender drops the
+	// group, the sender's incarnation changes, or the group is idle too long.
+	EarlyGroup string `protobuf:"bytes,7,opt,name=early_group,json=earlyGroup,proto3" json:"early_group,omitempty"`
+	// Set on the push of sealed data whose files were pushed early under this group: once the
+	// transfer is accepted, the group's early files are released.
+	ConsumesGroup string `protobuf:"bytes,8,opt,name=consumes_group,json=consumesGroup,proto3" json:"consumes_group,omitempty"`
+	// Indices into manifest.files, strictly increasing, that this transfer does not send: the
+	// receiver holds them as early files of consumes_group with the same size and digest. If it
+	// does not, the transfer is refused with NOT_FOUND and the sender pushes everything.
+	Presumed      []uint32 `protobuf:"varint,9,rep,packed,name=presumed,proto3" json:"presumed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PushHeader) Reset() {
@@ -309,6 +321,27 @@ func (x *PushHeader) GetSenderInstance() string {
 func (x *PushHeader) GetManifest() *Manifest {
 	if x != nil {
 		return x.Manifest
+	}
+	return nil
+}
+
+func (x *PushHeader) GetEarlyGroup() string {
+	if x != nil {
+		return x.EarlyGroup
+	}
+	return ""
+}
+
+func (x *PushHeader) GetConsumesGroup() string {
+	if x != nil {
+		return x.ConsumesGroup
+	}
+	return ""
+}
+
+func (x *PushHeader) GetPresumed() []uint32 {
+	if x != nil {
+		return x.Presumed
 	}
 	return nil
 }
@@ -818,6 +851,86 @@ func (*FetchMessage_Manifest) isFetchMessage_Kind() {}
 
 func (*FetchMessage_Chunk) isFetchMessage_Kind() {}
 
+type DropRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Group         string                 `protobuf:"bytes,1,opt,name=group,proto3" json:"group,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DropRequest) Reset() {
+	*x = DropRequest{}
+	mi := &file_peer_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DropRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DropRequest) ProtoMessage() {}
+
+func (x *DropRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DropRequest.ProtoReflect.Descriptor instead.
+func (*DropRequest) Descriptor() ([]byte, []int) {
+	return file_peer_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *DropRequest) GetGroup() string {
+	if x != nil {
+		return x.Group
+	}
+	return ""
+}
+
+type DropReply struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DropReply) Reset() {
+	*x = DropReply{}
+	mi := &file_peer_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DropReply) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DropReply) ProtoMessage() {}
+
+func (x *DropReply) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DropReply.ProtoReflect.Descriptor instead.
+func (*DropReply) Descriptor() ([]byte, []int) {
+	return file_peer_proto_rawDescGZIP(), []int{14}
+}
+
 var File_peer_proto protoreflect.FileDescriptor
 
 const file_peer_proto_rawDesc = "" +
@@ -836,7 +949,7 @@ const file_peer_proto_rawDesc = "" +
 	"\x06blake3\x18\x03 \x01(\fR\x06blake3\"5\n" +
 	"\aSymlink\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +
-	"\x06target\x18\x02 \x01(\tR\x06target\"\xe7\x01\n" +
+	"\x06target\x18\x02 \x01(\tR\x06target\"\xcb\x02\n" +
 	"\n" +
 	"PushHeader\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
@@ -846,7 +959,11 @@ const file_peer_proto_rawDesc = "" +
 	"\vsender_rank\x18\x04 \x01(\x05R\n" +
 	"senderRank\x12'\n" +
 	"\x0fsender_instance\x18\x05 \x01(\tR\x0esenderInstance\x12:\n" +
-	"\bmanifest\x18\x06 \x01(\v2\x1e.mtcfs.replication.v1.ManifestR\bmanifest\"_\n" +
+	"\bmanifest\x18\x06 \x01(\v2\x1e.mtcfs.replication.v1.ManifestR\bmanifest\x12\x1f\n" +
+	"\vearly_group\x18\a \x01(\tR\n" +
+	"earlyGroup\x12%\n" +
+	"\x0econsumes_group\x18\b \x01(\tR\rconsumesGroup\x12\x1a\n" +
+	"\bpresumed\x18\t \x03(\rR\bpresumed\"_\n" +
 	"\x05Chunk\x12\x12\n" +
 	"\x04file\x18\x01 \x01(\rR\x04file\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x12\n" +
@@ -875,11 +992,15 @@ const file_peer_proto_rawDesc = "" +
 	"\fFetchMessage\x12<\n" +
 	"\bmanifest\x18\x01 \x01(\v2\x1e.mtcfs.replication.v1.ManifestH\x00R\bmanifest\x123\n" +
 	"\x05chunk\x18\x02 \x01(\v2\x1b.mtcfs.replication.v1.ChunkH\x00R\x05chunkB\x06\n" +
-	"\x04kind2\xd3\x02\n" +
+	"\x04kind\"#\n" +
+	"\vDropRequest\x12\x14\n" +
+	"\x05group\x18\x01 \x01(\tR\x05group\"\v\n" +
+	"\tDropReply2\x9f\x03\n" +
 	"\x04Peer\x12Q\n" +
 	"\tPushFiles\x12!.mtcfs.replication.v1.PushMessage\x1a\x1f.mtcfs.replication.v1.PushReply(\x01\x12P\n" +
 	"\x06Commit\x12#.mtcfs.replication.v1.CommitRequest\x1a!.mtcfs.replication.v1.CommitReply\x12S\n" +
-	"\aAbandon\x12$.mtcfs.replication.v1.AbandonRequest\x1a\".mtcfs.replication.v1.AbandonReply\x12Q\n" +
+	"\aAbandon\x12$.mtcfs.replication.v1.AbandonRequest\x1a\".mtcfs.replication.v1.AbandonReply\x12J\n" +
+	"\x04Drop\x12!.mtcfs.replication.v1.DropRequest\x1a\x1f.mtcfs.replication.v1.DropReply\x12Q\n" +
 	"\x05Fetch\x12\".mtcfs.replication.v1.FetchRequest\x1a\".mtcfs.replication.v1.FetchMessage0\x01B+Z)github.com/mtcfs/mtcfs/replication/peerpbb\x06proto3"
 
 var (
@@ -894,7 +1015,7 @@ func file_peer_proto_rawDescGZIP() []byte {
 	return file_peer_proto_rawDescData
 }
 
-var file_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_peer_proto_goTypes = []any{
 	(*Manifest)(nil),       // 0: mtcfs.replication.v1.Manifest
 	(*File)(nil),           // 1: mtcfs.replication.v1.File
@@ -909,6 +1030,8 @@ var file_peer_proto_goTypes = []any{
 	(*AbandonReply)(nil),   // 10: mtcfs.replication.v1.AbandonReply
 	(*FetchRequest)(nil),   // 11: mtcfs.replication.v1.FetchRequest
 	(*FetchMessage)(nil),   // 12: mtcfs.replication.v1.FetchMessage
+	(*DropRequest)(nil),    // 13: mtcfs.replication.v1.DropRequest
+	(*DropReply)(nil),      // 14: mtcfs.replication.v1.DropReply
 }
 var file_peer_proto_depIdxs = []int32{
 	1,  // 0: mtcfs.replication.v1.Manifest.files:type_name -> mtcfs.replication.v1.File
@@ -921,13 +1044,15 @@ var file_peer_proto_depIdxs = []int32{
 	5,  // 7: mtcfs.replication.v1.Peer.PushFiles:input_type -> mtcfs.replication.v1.PushMessage
 	7,  // 8: mtcfs.replication.v1.Peer.Commit:input_type -> mtcfs.replication.v1.CommitRequest
 	9,  // 9: mtcfs.replication.v1.Peer.Abandon:input_type -> mtcfs.replication.v1.AbandonRequest
-	11, // 10: mtcfs.replication.v1.Peer.Fetch:input_type -> mtcfs.replication.v1.FetchRequest
-	6,  // 11: mtcfs.replication.v1.Peer.PushFiles:output_type -> mtcfs.replication.v1.PushReply
-	8,  // 12: mtcfs.replication.v1.Peer.Commit:output_type -> mtcfs.replication.v1.CommitReply
-	10, // 13: mtcfs.replication.v1.Peer.Abandon:output_type -> mtcfs.replication.v1.AbandonReply
-	12, // 14: mtcfs.replication.v1.Peer.Fetch:output_type -> mtcfs.replication.v1.FetchMessage
-	11, // [11:15] is the sub-list for method output_type
-	7,  // [7:11] is the sub-list for method input_type
+	13, // 10: mtcfs.replication.v1.Peer.Drop:input_type -> mtcfs.replication.v1.DropRequest
+	11, // 11: mtcfs.replication.v1.Peer.Fetch:input_type -> mtcfs.replication.v1.FetchRequest
+	6,  // 12: mtcfs.replication.v1.Peer.PushFiles:output_type -> mtcfs.replication.v1.PushReply
+	8,  // 13: mtcfs.replication.v1.Peer.Commit:output_type -> mtcfs.replication.v1.CommitReply
+	10, // 14: mtcfs.replication.v1.Peer.Abandon:output_type -> mtcfs.replication.v1.AbandonReply
+	14, // 15: mtcfs.replication.v1.Peer.Drop:output_type -> mtcfs.replication.v1.DropReply
+	12, // 16: mtcfs.replication.v1.Peer.Fetch:output_type -> mtcfs.replication.v1.FetchMessage
+	12, // [12:17] is the sub-list for method output_type
+	7,  // [7:12] is the sub-list for method input_type
 	7,  // [7:7] is the sub-list for extension type_name
 	7,  // [7:7] is the sub-list for extension extendee
 	0,  // [0:7] is the sub-list for field type_name
@@ -952,7 +1077,7 @@ func file_peer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_peer_proto_rawDesc), len(file_peer_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -32,6 +32,7 @@ const (
 	Peer_PushFiles_FullMethodName = "/mtcfs.replication.v1.Peer/PushFiles"
 	Peer_Commit_FullMethodName    = "/mtcfs.replication.v1.Peer/Commit"
 	Peer_Abandon_FullMethodName   = "/mtcfs.replication.v1.Peer/Abandon"
+	Peer_Drop_FullMethodName      = "/mtcfs.replication.v1.Peer/Drop"
 	Peer_Fetch_FullMethodName     = "/mtcfs.replication.v1.Peer/Fetch"
 )
 
@@ -51,6 +52,9 @@ type PeerClient interface {
 	Commit(ctx context.Context, in *CommitRequest, opts ...grpc.CallOption) (*CommitReply, error)
 	// Abandon drops a transfer in progress. Unknown transfers are not an error.
 	Abandon(ctx context.Context, in *AbandonRequest, opts ...grpc.CallOption) (*AbandonReply, error)
+	// Drop discards the early files (see PushHeader.early_group) of one group the caller pushed:
+	// the step they were written for was abandoned. Unknown groups are not an error.
+	Drop(ctx context.Context, in *DropRequest, opts ...grpc.CallOption) (*DropReply, error)
 	// Fetch streams a <hash>.data the peer holds: its Manifest, then the chunks of the files (or
 	// parts of files) assigned to stream_index of stream_count.
 	Fetch(ctx context.Context, in *FetchRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FetchMessage], error)
@@ -97,6 +101,16 @@ func (c *peerClient) Abandon(ctx context.Context, in *AbandonRequest, opts ...gr
 	return out, nil
 }
 
+func (c *peerClient) Drop(ctx context.Context, in *DropRequest, opts ...grpc.CallOption) (*DropReply, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DropReply)
+	err := c.cc.Invoke(ctx, Peer_Drop_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *peerClient) Fetch(ctx context.Context, in *FetchRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FetchMessage], error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[1], Peer_Fetch_FullMethodName, cOpts...)
@@ -132,6 +146,9 @@ type PeerServer interface {
 	Commit(context.Context, *CommitRequest) (*CommitReply, error)
 	// Abandon drops a transfer in progress. Unknown transfers are not an error.
 	Abandon(context.Context, *AbandonRequest) (*AbandonReply, error)
+	// Drop discards the early files (see PushHeader.early_group) of one group the caller pushed:
+	// the step they were written for was abandoned. Unknown groups are not an error.
+	Drop(context.Context, *DropRequest) (*DropReply, error)
 	// Fetch streams a <hash>.data the peer holds: its Manifest, then the chunks of the files (or
 	// parts of files) assigned to stream_index of stream_count.
 	Fetch(*FetchRequest, grpc.ServerStreamingServer[FetchMessage]) error
@@ -153,6 +170,9 @@ func (UnimplementedPeerServer) Commit(context.Context, *CommitRequest) (*CommitR
 }
 func (UnimplementedPeerServer) Abandon(context.Context, *AbandonRequest) (*AbandonReply, error) {
 	return nil, status.Error(codes.Unimplemented, "method Abandon not implemented")
+}
+func (UnimplementedPeerServer) Drop(context.Context, *DropRequest) (*DropReply, error) {
+	return nil, status.Error(codes.Unimplemented, "method Drop not implemented")
 }
 func (UnimplementedPeerServer) Fetch(*FetchRequest, grpc.ServerStreamingServer[FetchMessage]) error {
 	return status.Error(codes.Unimplemented, "method Fetch not implemented")
@@ -221,6 +241,24 @@ func _Peer_Abandon_Handler(srv interface{}, ctx context.Context, dec func(interf
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Peer_Drop_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DropRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PeerServer).Drop(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Peer_Drop_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PeerServer).Drop(ctx, req.(*DropRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _Peer_Fetch_Handler(srv interface{}, stream grpc.ServerStream) error {
 	m := new(FetchRequest)
 	if err := stream.RecvMsg(m); err != nil {
@@ -246,6 +284,10 @@ var Peer_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Abandon",
 			Handler:    _Peer_Abandon_Handler,
+		},
+		{
+			MethodName: "Drop",
+			Handler:    _Peer_Drop_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

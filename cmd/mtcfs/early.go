@@ -1,0 +1,49 @@
+package main
+
+import (
+	"context"
+	"encoding/hex"
+
+	"github.com/mtcfs/mtcfs/replication"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// The early side of the peer transport (tiers.EarlyTransport): files pushed while their step is
+// still being written, and the sealed push that reuses them.
+
+var _ tiers.EarlyTransport = (*peerService)(nil)
+
+func (p *peerService) PushEarly(ctx context.Context, inc tiers.Incarnation, rank int, group, path string) (tiers.FileDigest, error) {
+	hash, _, err := tiers.HashDataCached(ctx, path, p.sender.Digests)
+	if err != nil {
+		return tiers.FileDigest{}, err
+	}
+	var d tiers.FileDigest
+	if _, err := hex.Decode(d[:], []byte(hash)); err != nil {
+		return d, err
+	}
+	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	if err != nil {
+		return d, err
+	}
+	return d, p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		Rank: inc.Config.NodeRank, DataName: tiers.DataName(hash, false), Source: path, EarlyGroup: group})
+}
+
+func (p *peerService) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[tiers.FileDigest]bool) error {
+	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	if err != nil {
+		return err
+	}
+	return p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		Rank: inc.Config.NodeRank, DataName: name, Source: path, ConsumesGroup: group, Presumed: acked})
+}
+
+func (p *peerService) DropEarly(ctx context.Context, inc tiers.Incarnation, rank int, group string) error {
+	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	if err != nil {
+		return err
+	}
+	return p.sender.Drop(ctx, conn, replication.Identity{Job: inc.Config.JobName, Incarnation: inc.ID,
+		Rank: inc.Config.NodeRank, Instance: p.coord.instance}, group)
+}

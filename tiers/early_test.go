@@ -1,0 +1,263 @@
+package tiers_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/mtcfs/mtcfs/replication"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// memTransport connects the replicators of in-process harnesses: pushes land in the target's
+// AcceptReplica, early pushes and drops are recorded. failTo makes every call to a rank fail.
+type memTransport struct {
+	mu     sync.Mutex
+	nodes  map[int]*harness
+	failTo map[int]bool
+	early  map[string][]tiers.FileDigest // "rank/group" → digests pushed early
+	consum []string                      // "rank/group:acked" of each consuming push
+	drops  []string                      // "rank/group"
+}
+
+var _ tiers.EarlyTransport = (*memTransport)(nil)
+
+func (m *memTransport) target(rank int) (*harness, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.failTo[rank] {
+		return nil, errors.New("injected: peer unreachable")
+	}
+	return m.nodes[rank], nil
+}
+
+func (m *memTransport) Push(ctx context.Context, inc tiers.Incarnation, rank int, name, path string) error {
+	h, err := m.target(rank)
+	if err != nil {
+		return err
+	}
+	dst := filepath.Join(h.spool.Dir(), "incoming", fmt.Sprintf("%d-%s", time.Now().UnixNano(), name))
+	if err := os.MkdirAll(filepath.Dir(dst), 0o700); err != nil {
+		return err
+	}
+	if info, err := os.Stat(path); err != nil {
+		return err
+	} else if info.IsDir() {
+		err = os.CopyFS(dst, os.DirFS(path))
+		if err != nil {
+			return err
+		}
+	} else if b, err := os.ReadFile(path); err != nil {
+		return err
+	} else if err := os.WriteFile(dst, b, 0o644); err != nil {
+		return err
+	}
+	return h.r.AcceptReplica(ctx, inc.Config.JobName, inc.Config.NodeRank, name, dst)
+}
+
+func (m *memTransport) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string) error {
+	h, err := m.target(rank)
+	if err != nil {
+		return err
+	}
+	src, err := h.r.SealedPath(name)
+	if err != nil {
+		return err
+	}
+	return os.CopyFS(filepath.Join(dir, name), os.DirFS(src))
+}
+
+func (m *memTransport) PushEarly(ctx context.Context, inc tiers.Incarnation, rank int, group, path string) (tiers.FileDigest, error) {
+	if _, err := m.target(rank); err != nil {
+		return tiers.FileDigest{}, err
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return tiers.FileDigest{}, err
+	}
+	defer f.Close()
+	info, err := f.Stat()
+	if err != nil {
+		return tiers.FileDigest{}, err
+	}
+	d, err := tiers.HashFile(ctx, f, info.Size())
+	if err != nil {
+		return d, err
+	}
+	m.mu.Lock()
+	k := fmt.Sprintf("%d/%s", rank, group)
+	m.early[k] = append(m.early[k], d)
+	m.mu.Unlock()
+	return d, nil
+}
+
+func (m *memTransport) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[tiers.FileDigest]bool) error {
+	m.mu.Lock()
+	m.consum = append(m.consum, fmt.Sprintf("%d/%s:%d", rank, group, len(acked)))
+	m.mu.Unlock()
+	return m.Push(ctx, inc, rank, name, path)
+}
+
+func (m *memTransport) DropEarly(ctx context.Context, inc tiers.Incarnation, rank int, group string) error {
+	m.mu.Lock()
+	m.drops = append(m.drops, fmt.Sprintf("%d/%s", rank, group))
+	m.mu.Unlock()
+	return nil
+}
+
+// newPair starts the agents of a two-node job whose ranks replicate to each other, coordinated
+// by an in-process replication.Job.
+func newPair(t *testing.T) ([]*harness, *memTransport) {
+	job := replication.NewJob(replication.Options{LagTimeout: 10 * time.Second})
+	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]tiers.FileDigest{}}
+	var hs []*harness
+	for rank := range 2 {
+		h := newHarness(t, harnessConfig{coord: replication.LocalClient{Job: job}, peers: tr})
+		tr.nodes[rank] = h
+		hs = append(hs, h)
+	}
+	var wg sync.WaitGroup
+	for rank, h := range hs {
+		wg.Go(func() {
+			h.yamlOrbax(withKeys("nodes: 2", fmt.Sprintf("node-rank: %d", rank), fmt.Sprintf("peer-ranks: [%d]", 1-rank)))
+		})
+	}
+	wg.Wait()
+	for _, h := range hs {
+		h.waitExists(tiers.PrerestoreName)
+	}
+	return hs, tr
+}
+
+// Files closed inside a step directory are pushed before the step commits, and the sealed push
+// reuses them; a step directory removed without a commit is dropped on the peer.
+func TestEarlyPushBeforeCommit(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	files := checkpointFiles("early")
+	var wg sync.WaitGroup
+	for _, h := range hs {
+		wg.Go(func() {
+			tmp := "1" + tiers.OrbaxTmpSuffix
+			h.makeTree(tmp, files)
+			// Before the commit, the closed files reach the peer.
+			h.eventually("early pushes", func() string {
+				tr.mu.Lock()
+				defer tr.mu.Unlock()
+				if n := len(tr.early[fmt.Sprintf("%d/%s", 1-rank(h, hs), tmp)]); n < len(files) {
+					return fmt.Sprintf("%d of %d files pushed early", n, len(files))
+				}
+				return ""
+			})
+			h.rename(tmp, "1")
+		})
+	}
+	wg.Wait()
+	for r, h := range hs {
+		h.waitExists(fmt.Sprintf("job-s1-n%d-w0.meta", r))
+		// The peer's replica arrives: data and .meta.
+		h.waitExists(fmt.Sprintf("job-s1-n%d-w0.meta", 1-r))
+	}
+	for _, h := range hs {
+		h.eventually("step 1 replicated", func() string {
+			if st := h.r.Status(); st.Replicated != 1 {
+				return fmt.Sprintf("latest_replicated_step %d", st.Replicated)
+			}
+			return ""
+		})
+	}
+	tr.mu.Lock()
+	consum := slices.Clone(tr.consum)
+	tr.mu.Unlock()
+	slices.Sort(consum)
+	// checkpointFiles has three identical "ok" files: 5 distinct digests.
+	want := []string{"0/1" + tiers.OrbaxTmpSuffix + ":5", "1/1" + tiers.OrbaxTmpSuffix + ":5"}
+	if !slices.Equal(consum, want) {
+		t.Fatalf("consuming pushes %q, want %q", consum, want)
+	}
+
+	// An abandoned save: rank 0 writes step 2's files, removes the directory, saves step 3.
+	h := hs[0]
+	h.makeTree("2"+tiers.OrbaxTmpSuffix, checkpointFiles("abandoned"))
+	h.eventually("early pushes of step 2", func() string {
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		if len(tr.early["1/2"+tiers.OrbaxTmpSuffix]) == 0 {
+			return "none yet"
+		}
+		return ""
+	})
+	if err := os.RemoveAll(h.path("2" + tiers.OrbaxTmpSuffix)); err != nil {
+		t.Fatal(err)
+	}
+	wg = sync.WaitGroup{}
+	for _, h := range hs {
+		wg.Go(func() { h.orbaxSave(3, checkpointFiles("three")) })
+	}
+	wg.Wait()
+	h.eventually("the abandoned group dropped on rank 1", func() string {
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		if !slices.Contains(tr.drops, "1/2"+tiers.OrbaxTmpSuffix) {
+			return fmt.Sprintf("drops %q", tr.drops)
+		}
+		return ""
+	})
+}
+
+func rank(h *harness, hs []*harness) int { return slices.Index(hs, h) }
+
+// A step whose push fails on any node is synced but not counted as replicated, on every node.
+func TestReplicationFailureIsNotCounted(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	save := func(step int64) {
+		var wg sync.WaitGroup
+		for _, h := range hs {
+			wg.Go(func() { h.orbaxSave(step, checkpointFiles(fmt.Sprint(step))) })
+		}
+		wg.Wait()
+		for r, h := range hs {
+			h.waitExists(fmt.Sprintf("job-s%d-n%d-w0.meta", step, r))
+		}
+	}
+	replicated := func(want int64) {
+		for r, h := range hs {
+			h.eventually(fmt.Sprintf("rank %d latest_replicated_step %d", r, want), func() string {
+				if st := h.r.Status(); st.Replicated != want {
+					return fmt.Sprintf("latest_replicated_step %d", st.Replicated)
+				}
+				return ""
+			})
+		}
+	}
+	save(1)
+	replicated(1)
+
+	tr.mu.Lock()
+	tr.failTo[1] = true // rank 0 cannot reach rank 1
+	tr.mu.Unlock()
+	save(2)
+	hs[0].eventually("the failure reported to the job", func() string {
+		for _, l := range hs[0].lines(tiers.ReplicatorErrorsName) {
+			if errLineRE("replicating step 2 to rank 1 failed").MatchString(l) {
+				return ""
+			}
+		}
+		return "no error line yet"
+	})
+	time.Sleep(100 * time.Millisecond)
+	replicated(1) // step 2 synced, not replicated
+
+	tr.mu.Lock()
+	tr.failTo[1] = false
+	tr.mu.Unlock()
+	save(3)
+	replicated(3)
+}
