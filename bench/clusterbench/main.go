@@ -13,15 +13,19 @@
 // Each repetition starts three fresh agents on fresh spools with a new job and backup
 // directory, and then:
 //
-//  1. starts a client on every rank (nothing to restore) and saves step 10 on all ranks at
-//     once, then step 20. Replication latency: from Save returning (the commit rename) to the
-//     replica's <job>-sN-n<r>-w0.meta appearing in the mount of rank (r+1)%3, polled with stat
-//     every 1 ms; one sample per rank and step.
-//  2. peak spool use: statfs of every node's spool every 10 ms from before step 10 until the
-//     replicas of step 20 are in place (and 500 ms more); the peak used bytes minus those before
-//     the first save, divided by the node's checkpoint bytes. Step 20 is written while step 10
-//     is held and replicated, so this covers "saving N+1 while N is held".
-//  3. replaced node: SIGKILL of rank 1's agent, its FUSE mount and spool tmpfs unmounted and the
+//  1. idle save: a client on every rank starts the job without peers (peer-ranks empty) and
+//     saves step 1, timed per rank: nothing replicates anywhere.
+//  2. the job restarts with peer-ranks set (every rank restores step 1 from its RAM) and saves
+//     step 10 on all ranks at once, then step 20. Replication latency: from Save returning (the
+//     commit rename) to the replica's <job>-sN-n<r>-w0.meta appearing in the mount of rank
+//     (r+1)%3, polled with stat every 1 ms; one sample per rank and step. Files stream to the
+//     peer as they are closed, so little is left to send at the commit.
+//  3. save while replicating: each rank saves step 30 and, the moment it committed, step 40,
+//     timed; compared with the idle save of step 1 (same size).
+//  4. peak spool use: statfs of every node's spool every 10 ms from before step 1 until the
+//     replicas of step 40 are in place (and 500 ms more); the peak used bytes minus those before
+//     the first save, divided by the node's checkpoint bytes.
+//  5. replaced node: SIGKILL of rank 1's agent, its FUSE mount and spool tmpfs unmounted and the
 //     spool removed, a new agent started on the same paths; then a new client on every rank
 //     starts at the same moment, and rank 1's time from Start to VerifyRestored done (every byte
 //     read back and compared) is taken. The other ranks restore from their RAM meanwhile.

@@ -27,12 +27,23 @@ const (
 
 var steps = []int64{10, 20}
 
+// Steps of the save-while-replicating phase: busyStep is saved right after prevStep committed,
+// while prevStep replicates; idleStep is saved first, in a job without peers.
+const (
+	idleStep = 1
+	prevStep = 30
+	busyStep = 40
+)
+
 // Result keys.
 const (
 	kRepl         = "repl"          // commit → replica .meta on the peer, ms (all ranks and steps)
 	kReplAgent    = "repl-agent"    // agent: replicated took, ms
 	kSave         = "save"          // Save of one step on one rank, ms
-	kSpoolPeak    = "spool-peak"    // peak spool used above the start, ÷ checkpoint bytes; max over nodes
+	kSaveIdle     = "save-idle"     // Save with no replication anywhere (job without peers), ms
+	kSaveBusy     = "save-busy"     // Save of busyStep started when prevStep committed, ms
+	kSpoolPeak    = "spool-peak"    // peak spool used above the start, ÷ checkpoint bytes; max over nodes (steps 1-20)
+	kSpoolBusy    = "spool-busy"    // the same during the save-while-replicating phase (steps 30-40)
 	kRestore      = "restore"       // rank 1: Start → VerifyRestored done, ms
 	kRestoreStart = "restore-start" // rank 1: Start returned, ms after Start began
 	kRestoreAgent = "restore-agent" // agent: restored from a peer took, ms
@@ -57,9 +68,15 @@ func (r *results) add(key string, v float64) { r.samples[key] = append(r.samples
 func (r *results) median(key string) float64 { return benchkit.Median(r.samples[key]) }
 
 func (b *bench) client(n node, job string) *jobsim.Orbax {
+	o := b.clientNoPeers(n, job)
+	o.PeerRanks = []int{(n.rank + 1) % 3}
+	return o
+}
+
+// clientNoPeers is a client of the same job whose nodes replicate nothing.
+func (b *bench) clientNoPeers(n node, job string) *jobsim.Orbax {
 	return &jobsim.Orbax{
 		Dir: n.dir, Job: job, Rank: n.rank, Nodes: 3,
-		PeerRanks:             []int{(n.rank + 1) % 3},
 		BackupIntervalMinutes: 60,
 		Poll:                  clientPoll, Timeout: 120 * time.Second,
 		Content: jobsim.Content{Files: b.cfg.files, FileSize: b.cfg.fileSize},
@@ -99,7 +116,7 @@ func spoolUsed(dir string) (int64, error) {
 }
 
 func (b *bench) repetition(ctx context.Context, rep int) error {
-	stepBytes := treeBytes(b.client(node{rank: replacedRank}, "x").Tree(steps[len(steps)-1]))
+	stepBytes := treeBytes(b.client(node{rank: replacedRank}, "x").Tree(busyStep))
 	b.res.stepBytes = stepBytes
 
 	// Baseline first, while nothing else runs: the same number of bytes over loopback TCP.
@@ -121,26 +138,47 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 			return err
 		}
 	}
-	clients := make([]*jobsim.Orbax, 3)
-	if err := all(func(r int) error {
-		clients[r] = b.client(nodes[r], job)
-		step, found, err := clients[r].Start(ctx)
-		if err == nil && found {
-			err = fmt.Errorf("fresh job restored step %d", step)
-		}
-		return err
-	}); err != nil {
-		return err
-	}
-
-	// Spool sampler on every node.
+	// Spool use before anything was saved.
 	var base [3]int64
 	for r, n := range nodes {
 		if base[r], err = spoolUsed(n.spool); err != nil {
 			return err
 		}
 	}
-	var peak [3]int64
+
+	// Idle save: the job runs without peers first, so nothing replicates anywhere.
+	if err := all(func(r int) error {
+		o := b.clientNoPeers(nodes[r], job)
+		step, found, err := o.Start(ctx)
+		if err == nil && found {
+			return fmt.Errorf("fresh job restored step %d", step)
+		}
+		start := time.Now()
+		if err := o.Save(ctx, idleStep); err != nil {
+			return err
+		}
+		b.res.add(kSaveIdle, ms(time.Since(start)))
+		return nil
+	}); err != nil {
+		return err
+	}
+	// The job restarts with peers and restores the idle step from RAM.
+	clients := make([]*jobsim.Orbax, 3)
+	if err := all(func(r int) error {
+		clients[r] = b.client(nodes[r], job)
+		step, found, err := clients[r].Start(ctx)
+		if err == nil && (!found || step != idleStep) {
+			err = fmt.Errorf("restarted job restored step %d (found %v), want %d", step, found, idleStep)
+		}
+		return err
+	}); err != nil {
+		return err
+	}
+
+	var (
+		peakMu sync.Mutex
+		peak   [3]int64 // GUARDED_BY(peakMu)
+	)
 	sampleCtx, stopSampling := context.WithCancel(ctx)
 	var sampler sync.WaitGroup
 	sampler.Go(func() {
@@ -149,7 +187,9 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 		for {
 			for r, n := range nodes {
 				if u, err := spoolUsed(n.spool); err == nil {
+					peakMu.Lock()
 					peak[r] = max(peak[r], u)
+					peakMu.Unlock()
 				}
 			}
 			select {
@@ -198,17 +238,53 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 		}
 		fmt.Fprintf(os.Stderr, "clusterbench:   step %d: commit → replica .meta on the peer, ranks 0-2: %.0f %.0f %.0f ms\n", step, lat[0], lat[1], lat[2])
 	}
-	time.Sleep(500 * time.Millisecond)
-	stopSampler()
+	// The peak so far covers sequential saves (step N+1 written while N is held and replicated);
+	// the busy phase below is measured on its own.
+	peakMu.Lock()
 	worst := 0.0
 	for r := range 3 {
 		f := float64(peak[r]-base[r]) / float64(stepBytes)
 		b.res.add(kSpoolNode(r), f)
 		worst = max(worst, f)
+		peak[r] = 0
 	}
+	peakMu.Unlock()
 	b.res.add(kSpoolPeak, worst)
-	fmt.Fprintf(os.Stderr, "clusterbench:   peak spool use ÷ checkpoint bytes, ranks 0-2: %.2f %.2f %.2f\n",
-		float64(peak[0]-base[0])/float64(stepBytes), float64(peak[1]-base[1])/float64(stepBytes), float64(peak[2]-base[2])/float64(stepBytes))
+	fmt.Fprintf(os.Stderr, "clusterbench:   peak spool use ÷ checkpoint bytes, steps 1-20, worst rank: %.2f\n", worst)
+
+	// Save while the previous step replicates: busyStep starts the moment prevStep committed.
+	busy := make([]float64, 3)
+	if err := all(func(r int) error {
+		if err := clients[r].Save(ctx, prevStep); err != nil {
+			return err
+		}
+		start := time.Now()
+		if err := clients[r].Save(ctx, busyStep); err != nil {
+			return err
+		}
+		busy[r] = ms(time.Since(start))
+		b.res.add(kSaveBusy, busy[r])
+		replica := filepath.Join(nodes[(r+1)%3].dir, fmt.Sprintf("%s-s%d-n%d-w0.meta", job, busyStep, r))
+		for deadline := time.Now().Add(replWaitMax); ; time.Sleep(replPoll) {
+			if _, err := os.Lstat(replica); err == nil {
+				return nil
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("no replica %s after %v", replica, replWaitMax)
+			}
+		}
+	}); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "clusterbench:   save of step %d while step %d replicates, ranks 0-2: %.0f %.0f %.0f ms\n", busyStep, prevStep, busy[0], busy[1], busy[2])
+	time.Sleep(500 * time.Millisecond)
+	stopSampler()
+	busyWorst := 0.0
+	for r := range 3 {
+		busyWorst = max(busyWorst, float64(peak[r]-base[r])/float64(stepBytes))
+	}
+	b.res.add(kSpoolBusy, busyWorst)
+	fmt.Fprintf(os.Stderr, "clusterbench:   peak spool use ÷ checkpoint bytes, steps 30-40 (save while replicating), worst rank: %.2f\n", busyWorst)
 
 	// Node replacement of rank 1.
 	if err := agents[replacedRank].kill(); err != nil {
@@ -217,7 +293,7 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	if agents[replacedRank], err = b.startAgent(ctx, rep, nodes[replacedRank]); err != nil {
 		return err
 	}
-	want := steps[len(steps)-1]
+	want := int64(busyStep)
 	took := make([]float64, 3)
 	startTook := make([]float64, 3)
 	if err := all(func(r int) error {
