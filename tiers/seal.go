@@ -213,6 +213,11 @@ func (r *Replicator) retain(cfg *Config) {
 	defer r.publishMu.Unlock()
 	r.mu.Lock()
 	keepFrom := r.lastCommitted
+	// A newer step that did not replicate must not cost the one reported replicated: it is the
+	// step that survives the loss of a node (SPEC §7).
+	if r.lastReplicated >= 0 && r.lastReplicated < keepFrom {
+		keepFrom = r.lastReplicated
+	}
 	var backingUp int64 = -1
 	if r.backup != nil {
 		backingUp = r.backup.Step
