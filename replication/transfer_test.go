@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/mtcfs/mtcfs/internal/faultproxy"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -151,11 +152,11 @@ func TestPushBitFlips(t *testing.T) {
 	s.StallTimeout = 2 * time.Second
 	for i := range 6 {
 		fp := newFaultProxy(t, p.addr)
-		fp.flipEvery.Store(int64(50_000 + i*40_000))
-		err := s.Push(t.Context(), dial(t, fp.addr()), pushReq(name, src))
-		require.NotZero(t, fp.flips.Load(), "round %d: the proxy flipped nothing", i)
-		require.Error(t, err, "round %d: %d bits flipped, yet the push succeeded", i, fp.flips.Load())
-		t.Logf("round %d: %d flips: %v", i, fp.flips.Load(), err)
+		fp.Set(faultproxy.Up, faultproxy.Faults{FlipEvery: int64(50_000 + i*40_000)})
+		err := s.Push(t.Context(), dial(t, fp.Addr()), pushReq(name, src))
+		require.NotZero(t, fp.Flips(faultproxy.Up), "round %d: the proxy flipped nothing", i)
+		require.Error(t, err, "round %d: %d bits flipped, yet the push succeeded", i, fp.Flips(faultproxy.Up))
+		t.Logf("round %d: %d flips: %v", i, fp.Flips(faultproxy.Up), err)
 	}
 	require.Empty(t, p.acceptedCalls(), "Accept was called for damaged data")
 
@@ -173,12 +174,11 @@ func TestFetchBitFlips(t *testing.T) {
 	require.NoError(t, testSender(2).Push(t.Context(), dial(t, p.addr), pushReq(name, src)))
 	for i := range 3 {
 		fp := newFaultProxy(t, p.addr)
-		fp.flipToClient.Store(true)
-		fp.flipEvery.Store(int64(60_000 + i*50_000))
+		fp.Set(faultproxy.Down, faultproxy.Faults{FlipEvery: int64(60_000 + i*50_000)})
 		dst := t.TempDir()
-		err := testSender(3).Fetch(t.Context(), dial(t, fp.addr()), FetchRequest{Job: peerJob, Incarnation: "inc-1", DataName: name, Dir: dst})
-		require.NotZero(t, fp.flips.Load())
-		require.Error(t, err, "round %d: %d bits flipped, yet the fetch succeeded", i, fp.flips.Load())
+		err := testSender(3).Fetch(t.Context(), dial(t, fp.Addr()), FetchRequest{Job: peerJob, Incarnation: "inc-1", DataName: name, Dir: dst})
+		require.NotZero(t, fp.Flips(faultproxy.Down))
+		require.Error(t, err, "round %d: %d bits flipped, yet the fetch succeeded", i, fp.Flips(faultproxy.Down))
 		requireEmptyDir(t, dst)
 	}
 }
@@ -188,17 +188,17 @@ func TestPushConnectionFaults(t *testing.T) {
 	src, name := makeTree(t, rnd, 16*peerChunk)
 	cases := []struct {
 		name    string
-		fault   func(*faultProxy)
+		fault   func(*faultproxy.Proxy)
 		wantErr func(t *testing.T, err error)
 		within  time.Duration
 	}{
-		{"blackhole", func(fp *faultProxy) { fp.blackholeAfter.Store(300_000) }, func(t *testing.T, err error) {
+		{"blackhole", func(fp *faultproxy.Proxy) { fp.BlackholeAfter(300_000) }, func(t *testing.T, err error) {
 			require.ErrorIs(t, err, ErrStalled)
 		}, 5 * time.Second},
-		{"reset", func(fp *faultProxy) { fp.resetAfter.Store(300_000) }, func(t *testing.T, err error) {
+		{"reset", func(fp *faultproxy.Proxy) { fp.ResetAfter(300_000) }, func(t *testing.T, err error) {
 			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
 		}, 3 * time.Second},
-		{"delay", func(fp *faultProxy) { fp.delay.Store(int64(2 * time.Millisecond)) }, func(t *testing.T, err error) {
+		{"delay", func(fp *faultproxy.Proxy) { fp.SetBoth(faultproxy.Faults{Delay: 2 * time.Millisecond}) }, func(t *testing.T, err error) {
 			require.NoError(t, err, "a slow link must only slow the push down")
 		}, 10 * time.Second},
 	}
@@ -212,14 +212,14 @@ func TestPushConnectionFaults(t *testing.T) {
 			s := testSender(4)
 			s.StallTimeout = time.Second
 			start := time.Now()
-			err := s.Push(t.Context(), dial(t, fp.addr()), pushReq(name, src))
+			err := s.Push(t.Context(), dial(t, fp.Addr()), pushReq(name, src))
 			took := time.Since(start)
 			t.Logf("%s: %v after %v", tc.name, err, took)
 			tc.wantErr(t, err)
 			require.Less(t, took, tc.within)
 			if err != nil {
 				require.Empty(t, p.acceptedCalls())
-				fp.close() // the connection dies for good: the receiver must clean up
+				fp.Close() // the connection dies for good: the receiver must clean up
 				p.requireNoIncoming(t)
 			}
 		})
@@ -309,9 +309,9 @@ func TestPushCaps(t *testing.T) {
 	t.Run("budget returns after a failed transfer", func(t *testing.T) {
 		p := startPeer(t, func(c *ReceiverConfig) { c.MaxIncoming = 25 * peerChunk; c.IdleTimeout = time.Second })
 		fp := newFaultProxy(t, p.addr)
-		fp.resetAfter.Store(200_000)
-		require.Error(t, testSender(2).Push(t.Context(), dial(t, fp.addr()), pushReq(name, src)))
-		fp.close()
+		fp.ResetAfter(200_000)
+		require.Error(t, testSender(2).Push(t.Context(), dial(t, fp.Addr()), pushReq(name, src)))
+		fp.Close()
 		p.waitNoIncoming(t)
 		require.NoError(t, testSender(2).Push(t.Context(), dial(t, p.addr), pushReq(name, src)))
 		p.requireNoIncoming(t)

@@ -51,8 +51,16 @@ type agent struct {
 // it and detaches whatever it left mounted, also when the test failed half-way.
 func startAgent(t *testing.T, dir, spool string, args ...string) *agent {
 	t.Helper()
+	return startAgentIn(t, nil, dir, spool, args...)
+}
+
+// startAgentIn is startAgent with the command run through prefix (e.g. "ip netns exec NS"),
+// which must exec it in its own process.
+func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...string) *agent {
+	t.Helper()
 	a := &agent{t: t, dir: dir, spool: spool, done: make(chan struct{})}
-	a.cmd = exec.Command(binPath, append([]string{"mount", dir, "--spool", spool, "--memory", "64MiB"}, args...)...)
+	argv := append(append(append([]string(nil), prefix...), binPath), append([]string{"mount", dir, "--spool", spool, "--memory", "64MiB"}, args...)...)
+	a.cmd = exec.Command(argv[0], argv[1:]...)
 	stderr, err := a.cmd.StderrPipe()
 	require.NoError(t, err)
 	require.NoError(t, a.cmd.Start())

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -33,8 +32,9 @@ type clusterCoordinator struct {
 	local    *tiers.LocalCoordinator
 	objects  gcsbackend.ObjectStore
 	job      *replication.Job
-	addr     string // where this agent's gRPC server listens
-	instance string // random per agent process
+	addr     string         // what this agent registers: --advertise, else where its gRPC server listens
+	static   map[int]string // --peers: rank → address, used instead of registry lookups; nil: registry
+	instance string         // random per agent process
 	secrets  *secrets
 
 	mu         sync.Mutex
@@ -116,19 +116,31 @@ type peerService struct {
 
 var _ tiers.PeerTransport = (*peerService)(nil)
 
+// peerAddrs says where this agent listens and how it finds the others (mount flags).
+type peerAddrs struct {
+	listen     string
+	advertise  string         // registered for the other agents; "": the listen address as bound
+	static     map[int]string // --peers; nil: the registry
+	lagTimeout time.Duration  // the coordinator's sync lag timeout; 0: the default
+}
+
 // newPeerService listens on listen and prepares the coordinator; start serves.
-func newPeerService(listen string, local *tiers.LocalCoordinator, objects gcsbackend.ObjectStore, store tiers.BackupStore, secretFile string) (*peerService, error) {
+func newPeerService(addrs peerAddrs, local *tiers.LocalCoordinator, objects gcsbackend.ObjectStore, store tiers.BackupStore, secretFile string) (*peerService, error) {
 	sec, err := newSecrets(secretFile, objects)
 	if err != nil {
 		return nil, err
 	}
-	ln, err := net.Listen("tcp", listen)
+	ln, err := net.Listen("tcp", addrs.listen)
 	if err != nil {
-		return nil, fmt.Errorf("--listen %s: %w", listen, err)
+		return nil, fmt.Errorf("--listen %s: %w", addrs.listen, err)
 	}
-	c := &clusterCoordinator{local: local, objects: objects, addr: ln.Addr().String(), instance: newInstanceID(),
+	addr := ln.Addr().String()
+	if addrs.advertise != "" {
+		addr = addrs.advertise
+	}
+	c := &clusterCoordinator{local: local, objects: objects, addr: addr, static: addrs.static, instance: newInstanceID(),
 		secrets: sec, remotes: map[string]*replication.RemoteCoordinator{}, registered: map[string]gcsbackend.Registration{},
-		job: replication.NewJob(replication.Options{Store: store, Log: slog.Default()})}
+		job: replication.NewJob(replication.Options{Store: store, Log: slog.Default(), LagTimeout: addrs.lagTimeout})}
 	svc, err := replication.NewCoordinatorService(replication.CoordinatorServiceConfig{Job: c.job, Secrets: sec.lookup})
 	if err != nil {
 		ln.Close()
@@ -158,7 +170,7 @@ func (p *peerService) start(rep *tiers.Replicator, spool *tiers.Spool) error {
 	p.sender = &replication.Sender{Instance: p.coord.instance, Secrets: p.coord.secrets.lookup, Digests: rep.Digests()}
 	recv.Register(p.srv)
 	go p.srv.Serve(p.ln)
-	slog.Info("peer service", "addr", p.coord.addr)
+	slog.Info("peer service", "addr", p.ln.Addr().String(), "advertised", p.coord.addr, "static_peers", len(p.coord.static) > 0)
 	return nil
 }
 
@@ -189,26 +201,43 @@ func (p *peerService) stop() {
 	}
 }
 
-// conn returns a connection to rank's agent of job, found in the registry.
-func (p *peerService) conn(ctx context.Context, job string, rank int) (*grpc.ClientConn, error) {
-	regs, err := gcsbackend.Lookup(ctx, p.objects, job)
+// lookup returns the address of rank's agent of job: from --peers when given, else from the
+// registry.
+func (c *clusterCoordinator) lookup(ctx context.Context, job string, rank int) (string, error) {
+	if c.static != nil {
+		addr, ok := c.static[rank]
+		if !ok {
+			return "", fmt.Errorf("rank %d of job %s is not in --peers", rank, job)
+		}
+		return addr, nil
+	}
+	regs, err := gcsbackend.Lookup(ctx, c.objects, job)
 	if err != nil {
-		return nil, err
+		return "", err
 	}
 	reg, ok := regs[rank]
 	if !ok {
-		return nil, fmt.Errorf("rank %d of job %s has not registered in %s", rank, job, p.objects)
+		return "", fmt.Errorf("rank %d of job %s has not registered in %s", rank, job, c.objects)
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if c, ok := p.conns[reg.Addr]; ok {
-		return c, nil
-	}
-	c, err := grpc.NewClient(reg.Addr, append(replication.DialOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	return reg.Addr, nil
+}
+
+// conn returns a connection to rank's agent of job (see lookup).
+func (p *peerService) conn(ctx context.Context, job string, rank int) (*grpc.ClientConn, error) {
+	addr, err := p.coord.lookup(ctx, job, rank)
 	if err != nil {
 		return nil, err
 	}
-	p.conns[reg.Addr] = c
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if c, ok := p.conns[addr]; ok {
+		return c, nil
+	}
+	c, err := grpc.NewClient(addr, append(replication.DialOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		return nil, err
+	}
+	p.conns[addr] = c
 	return c, nil
 }
 
@@ -252,17 +281,7 @@ func (c *clusterCoordinator) pick(ctx context.Context, inc tiers.Incarnation) (t
 	job := cfg.JobName
 	r, err := replication.NewRemoteCoordinator(replication.RemoteCoordinatorConfig{
 		Secret: secret, Instance: c.instance,
-		Addr: func(ctx context.Context) (string, error) {
-			regs, err := gcsbackend.Lookup(ctx, c.objects, job)
-			if err != nil {
-				return "", err
-			}
-			reg, ok := regs[0]
-			if !ok {
-				return "", errors.New("rank 0 has not registered yet")
-			}
-			return reg.Addr, nil
-		},
+		Addr: func(ctx context.Context) (string, error) { return c.lookup(ctx, job, 0) },
 	})
 	if err != nil {
 		return nil, err

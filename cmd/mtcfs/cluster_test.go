@@ -21,11 +21,18 @@ type cluster struct {
 	backup string
 }
 
-func newCluster(t *testing.T, n int) *cluster {
+func newCluster(t *testing.T, n int) *cluster { return newClusterWith(t, n, nil) }
+
+// newClusterWith starts n agents, rank r with the extra mount flags args(r) (nil: none), e.g.
+// --listen on its own loopback address or --advertise through a fault proxy.
+func newClusterWith(t *testing.T, n int, args func(rank int) []string) *cluster {
 	c := &cluster{backup: t.TempDir()}
-	for range n {
+	for r := range n {
 		node := newRepNode(t)
 		node.backupRoot = c.backup
+		if args != nil {
+			node.args = args(r)
+		}
 		c.nodes = append(c.nodes, node)
 		c.agents = append(c.agents, node.start(t))
 	}
@@ -128,6 +135,9 @@ func TestClusterRestoreFromPeer(t *testing.T) {
 	// The replica of rank 1's step reaches rank 2: its .meta appears there once verified.
 	replica := filepath.Join(c.nodes[2].dir, "trio-s10-n1-w0.meta")
 	repWait(t, 15*time.Second, "rank 1's replica on rank 2", func() bool { return pathExists(replica) })
+	// The files were pushed as the job closed them: the sealed push reused them.
+	require.Regexp(t, `peer transfer received" .*rank=1 data=D[0-9a-f]{64}\.data .*early_files=[1-9]`, c.agents[2].log(),
+		"rank 1's files should reach rank 2 before the commit")
 
 	// Rank 1's machine is replaced: the agent dies and its RAM is gone.
 	killAgent(t, c.agents[1])

@@ -11,6 +11,8 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -22,7 +24,7 @@ import (
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--peer-secret-file F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]"
 
 type mountConfig struct {
 	dir         string
@@ -35,8 +37,15 @@ type mountConfig struct {
 	backupURL   string
 	jaxInit     *tiers.JaxInit
 	listen      string
+	advertise   string
+	peers       map[int]string
+	lagTimeout  time.Duration
 	secretFile  string
 }
+
+// syncLagTimeoutEnv overrides the coordinator's sync lag timeout (replication.DefaultLagTimeout),
+// e.g. "5s". Hidden: tests use it to see a partitioned node's step fail its sync quickly.
+const syncLagTimeoutEnv = "MTCFS_SYNC_LAG_TIMEOUT"
 
 func cmdMount(args []string) int {
 	fset := newFlagSet("mount", mountSynopsis)
@@ -48,6 +57,8 @@ func cmdMount(args []string) int {
 	rank := fset.Int("rank", -1, "this node's rank, written to jax-init-info.txt with --jax-coordinator")
 	jaxCoord := fset.String("jax-coordinator", "", "JAX coordinator HOST:PORT for jax-init-info.txt (with --rank)")
 	listen := fset.String("listen", "127.0.0.1:0", "peer service address HOST:PORT, registered in the backup location for the other agents of a job (port 0 picks one)")
+	advertise := fset.String("advertise", "", "peer service address HOST:PORT registered for the other agents, when it differs from --listen (NAT, proxies) (default: the --listen address as bound)")
+	peers := fset.String("peers", "", "static peer addresses RANK=HOST:PORT,... used instead of discovery through the backup location (the registry is still written)")
 	secretFile := fset.String("peer-secret-file", "", "file holding the job's shared secret for peer calls (default: one created in the backup location)")
 	logFormat := fset.String("log-format", "text", "log format: json (keys severity, message) or text")
 	debugFuse := fset.Bool("debug-fuse", false, "log every FUSE request (very verbose)")
@@ -74,6 +85,22 @@ func cmdMount(args []string) int {
 		}
 		cfg.jaxInit = &tiers.JaxInit{Rank: *rank, Coordinator: *jaxCoord}
 	}
+	if *advertise != "" {
+		if err := checkAddr(*advertise); err != nil {
+			return flagError(fset, fmt.Errorf("--advertise %q: %w", *advertise, err))
+		}
+		cfg.advertise = *advertise
+	}
+	if *peers != "" {
+		if cfg.peers, err = parsePeers(*peers); err != nil {
+			return flagError(fset, fmt.Errorf("--peers: %w", err))
+		}
+	}
+	if v := os.Getenv(syncLagTimeoutEnv); v != "" {
+		if cfg.lagTimeout, err = time.ParseDuration(v); err != nil || cfg.lagTimeout <= 0 {
+			return flagError(fset, fmt.Errorf("%s=%q: want a positive duration such as 30s", syncLagTimeoutEnv, v))
+		}
+	}
 	if cfg.passthrough, err = mfs.ParsePassthroughMode(*passthrough); err != nil {
 		return flagError(fset, err)
 	}
@@ -91,6 +118,50 @@ func cmdMount(args []string) int {
 		return 1
 	}
 	return 0
+}
+
+// checkAddr accepts HOST:PORT with a non-empty host and a port 1–65535: an address another
+// agent can dial.
+func checkAddr(addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return errors.New("want HOST:PORT")
+	}
+	if host == "" {
+		return errors.New("want HOST:PORT with a host other agents can reach")
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return fmt.Errorf("port %q: want a number from 1 to 65535", port)
+	}
+	return nil
+}
+
+// parsePeers parses --peers: RANK=HOST:PORT entries separated by commas.
+func parsePeers(s string) (map[int]string, error) {
+	peers := map[int]string{}
+	for _, ent := range strings.Split(s, ",") {
+		ent = strings.TrimSpace(ent)
+		if ent == "" {
+			return nil, fmt.Errorf("empty entry in %q: want RANK=HOST:PORT,RANK=HOST:PORT,...", s)
+		}
+		rankStr, addr, ok := strings.Cut(ent, "=")
+		if !ok {
+			return nil, fmt.Errorf("entry %q: want RANK=HOST:PORT", ent)
+		}
+		rank, err := strconv.Atoi(strings.TrimSpace(rankStr))
+		if err != nil || rank < 0 {
+			return nil, fmt.Errorf("entry %q: rank %q is not a number ≥ 0", ent, rankStr)
+		}
+		if _, dup := peers[rank]; dup {
+			return nil, fmt.Errorf("rank %d is given twice", rank)
+		}
+		addr = strings.TrimSpace(addr)
+		if err := checkAddr(addr); err != nil {
+			return nil, fmt.Errorf("entry %q: address %q: %w", ent, addr, err)
+		}
+		peers[rank] = addr
+	}
+	return peers, nil
 }
 
 // defaultBudget is half of physical memory, what a default tmpfs gets.
@@ -126,7 +197,7 @@ func runMount(cfg mountConfig) error {
 	defer releaseSpool(spool)
 
 	store := backupStore{backups}
-	peers, err := newPeerService(cfg.listen, &tiers.LocalCoordinator{Store: store}, backups.Store, store, cfg.secretFile)
+	peers, err := newPeerService(peerAddrs{listen: cfg.listen, advertise: cfg.advertise, static: cfg.peers, lagTimeout: cfg.lagTimeout}, &tiers.LocalCoordinator{Store: store}, backups.Store, store, cfg.secretFile)
 	if err != nil {
 		return err
 	}

@@ -41,6 +41,8 @@ const (
 // repNode is one simulated machine: a mount directory, its spool and a backup location.
 type repNode struct {
 	dir, spool, backupRoot string
+	args                   []string // extra mount flags of every agent started on the node
+	prefix                 []string // runs the agent through this command (e.g. ip netns exec NS)
 }
 
 func newRepNode(t *testing.T) repNode {
@@ -57,7 +59,7 @@ func (n repNode) backupURL() string { return "file://" + n.backupRoot }
 // start runs an agent on the node with its backup location.
 func (n repNode) start(t *testing.T, args ...string) *agent {
 	t.Helper()
-	return startAgent(t, n.dir, n.spool, append([]string{"--backup", n.backupURL()}, args...)...)
+	return startAgentIn(t, n.prefix, n.dir, n.spool, append(append([]string{"--backup", n.backupURL()}, n.args...), args...)...)
 }
 
 // dropSpool removes the RAM tier a cleanly stopped agent kept for its successor, as after a
