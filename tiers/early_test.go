@@ -21,6 +21,7 @@ type memTransport struct {
 	mu     sync.Mutex
 	nodes  map[int]*harness
 	failTo map[int]bool
+	block  map[int]chan struct{}         // pushes to a rank wait until its channel is closed
 	early  map[string][]tiers.FileDigest // "rank/group" → digests pushed early
 	consum []string                      // "rank/group:acked" of each consuming push
 	drops  []string                      // "rank/group"
@@ -38,6 +39,16 @@ func (m *memTransport) target(rank int) (*harness, error) {
 }
 
 func (m *memTransport) Push(ctx context.Context, inc tiers.Incarnation, rank int, name, path string) error {
+	m.mu.Lock()
+	block := m.block[rank]
+	m.mu.Unlock()
+	if block != nil {
+		select {
+		case <-block:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 	h, err := m.target(rank)
 	if err != nil {
 		return err
@@ -260,4 +271,35 @@ func TestReplicationFailureIsNotCounted(t *testing.T) {
 	tr.mu.Unlock()
 	save(3)
 	replicated(3)
+}
+
+// A peer that does not answer holds up the replication and sync of steps, not their sealing:
+// the job's later steps are sealed (their .meta published) while the first push waits.
+func TestSlowPeerDoesNotHoldUpSealing(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	release := make(chan struct{})
+	tr.mu.Lock()
+	tr.block = map[int]chan struct{}{1: release}
+	tr.mu.Unlock()
+	for _, step := range []int64{1, 2, 3} {
+		var wg sync.WaitGroup
+		for _, h := range hs {
+			wg.Go(func() { h.orbaxSave(step, checkpointFiles(fmt.Sprint(step))) })
+		}
+		wg.Wait()
+		hs[0].waitExists(fmt.Sprintf("job-s%d-n0-w0.meta", step))
+	}
+	if st := hs[0].r.Status(); st.Replicated >= 1 {
+		t.Fatalf("step %d reported replicated while its push still waits", st.Replicated)
+	}
+	close(release)
+	for r, h := range hs {
+		h.eventually(fmt.Sprintf("rank %d: step 3 replicated", r), func() string {
+			if st := h.r.Status(); st.Replicated != 3 {
+				return fmt.Sprintf("latest replicated %d", st.Replicated)
+			}
+			return ""
+		})
+	}
 }

@@ -26,6 +26,8 @@ const replicaHoldTime = 5 * time.Minute
 const (
 	pushAttempts = 3
 	pushBackoff  = 500 * time.Millisecond
+	// peerDownFor is how long a peer whose every attempt failed gets a single attempt per step.
+	peerDownFor = 30 * time.Second
 )
 
 // replicate pushes this node's data of a sealed step and its .meta to the step's peers (SPEC
@@ -46,10 +48,16 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 	early := r.takeEarly(c)
 	defer r.dropAbandoned(c.inc)
 	for _, peer := range peers {
+		attempts := pushAttempts
+		r.mu.Lock()
+		if r.cfg.Now().Before(r.peerDown[peer]) {
+			attempts = 1
+		}
+		r.mu.Unlock()
 		var err error
 		for attempt, wait := 1, pushBackoff; ; attempt, wait = attempt+1, wait*2 {
 			err = r.pushStep(c, peer, dataName, meta, early)
-			if err == nil || attempt == pushAttempts || c.inc.ctx.Err() != nil {
+			if err == nil || attempt >= attempts || c.inc.ctx.Err() != nil {
 				break
 			}
 			r.log.Warn("replication failed, retrying", "step", c.step, "to", peer, "attempt", attempt, "err", err)
@@ -58,6 +66,13 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 			case <-c.inc.ctx.Done():
 			}
 		}
+		r.mu.Lock()
+		if err != nil {
+			r.peerDown[peer] = r.cfg.Now().Add(peerDownFor)
+		} else {
+			delete(r.peerDown, peer)
+		}
+		r.mu.Unlock()
 		if err != nil {
 			all = false
 			r.incLine(c.inc, fmt.Sprintf("replicating step %d to rank %d failed: %v", c.step, peer, err))

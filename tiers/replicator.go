@@ -41,6 +41,10 @@ type JaxInit struct {
 //   - the control loop: consumes events in order, runs handshakes, detects commits;
 //   - the sealer: seals committed steps one by one (never on the control loop, so that a new
 //     replicator.yaml is answered within a second even while a large step is hashed);
+//   - the syncer: pushes each sealed step to the peers and syncs it with the coordinator, in
+//     order (a slow peer delays the sync of later steps, not their sealing);
+//   - the prehasher, hashing files as the job closes them, and earlyWorkers early pushers
+//     sending them to the peers before their step commits;
 //   - per incarnation, a restore goroutine (cancelled by the next handshake);
 //   - at most one backup goroutine at a time.
 //
@@ -59,6 +63,7 @@ type Replicator struct {
 
 	queue   eventQueue
 	commits chan commit
+	sealed  chan sealedStep // from the sealer to the syncer
 	// prehash carries paths of files the job closed after writing; they are hashed in the
 	// background so that sealing their step only combines digests.
 	prehash chan string
@@ -86,6 +91,9 @@ type Replicator struct {
 	// early holds, by top-level name, the files pushed to peers before their step committed.
 	early  map[string]*earlyGroup // GUARDED_BY(mu)
 	earlyQ chan earlyPush
+	// peerDown holds, by rank, until when a peer whose pushes all failed gets one attempt per
+	// step instead of pushAttempts, so that a lost peer does not hold up every step for minutes.
+	peerDown map[int]time.Time // GUARDED_BY(mu)
 }
 
 // incarnation is the state of one start of the job.
@@ -109,7 +117,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 		cfg.Logger = slog.Default()
 	}
 	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, unreplicated: map[int64]bool{}, lastReplicated: -1,
-		early: map[string]*earlyGroup{}}
+		early: map[string]*earlyGroup{}, peerDown: map[int]time.Time{}}
 	r.queue.init()
 	return r
 }
@@ -131,9 +139,11 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 			return err
 		}
 	}
-	r.wg.Add(3 + earlyWorkers)
+	r.sealed = make(chan sealedStep, 1024)
+	r.wg.Add(4 + earlyWorkers)
 	go r.controlLoop()
 	go r.sealer()
+	go r.syncer()
 	go r.prehasher()
 	for range earlyWorkers {
 		go r.earlyPusher()

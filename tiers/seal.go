@@ -60,9 +60,12 @@ func (r *Replicator) detectCommit(ev event) {
 }
 
 // sealer seals committed steps in order. It runs on a context of its own: a committed step is
-// sealed even when the incarnation that committed it is over or the agent is stopping.
+// sealed even when the incarnation that committed it is over or the agent is stopping. Sealed
+// steps go to the syncer, so that a slow peer delays the replication of later steps but not
+// their sealing.
 func (r *Replicator) sealer() {
 	defer r.wg.Done()
+	defer close(r.sealed)
 	for c := range r.commits {
 		dataName, meta, err := r.seal(context.Background(), c)
 		r.mu.Lock()
@@ -73,12 +76,26 @@ func (r *Replicator) sealer() {
 			r.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
 			continue
 		}
-		if !r.replicate(c, dataName, meta) {
+		r.sealed <- sealedStep{commit: c, dataName: dataName, meta: meta}
+	}
+}
+
+// sealedStep is a sealed commit waiting for replication and sync.
+type sealedStep struct {
+	commit
+	dataName, meta string
+}
+
+// syncer replicates sealed steps and syncs them with the coordinator, in order.
+func (r *Replicator) syncer() {
+	defer r.wg.Done()
+	for s := range r.sealed {
+		if !r.replicate(s.commit, s.dataName, s.meta) {
 			r.mu.Lock()
-			r.unreplicated[c.step] = true
+			r.unreplicated[s.step] = true
 			r.mu.Unlock()
 		}
-		r.afterSeal(c)
+		r.afterSeal(s.commit)
 	}
 }
 
