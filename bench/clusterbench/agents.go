@@ -38,6 +38,11 @@ func (b *bench) nodes(rep int) []node {
 // startAgent runs an agent for n with the repetition's shared backup location and registers it
 // for teardown.
 func (b *bench) startAgent(ctx context.Context, rep int, n node) (*agent, error) {
+	return b.startAgentMem(ctx, rep, n, b.cfg.memory)
+}
+
+// startAgentMem is startAgent with another --memory.
+func (b *bench) startAgentMem(ctx context.Context, rep int, n node, memory string) (*agent, error) {
 	backup := filepath.Join(b.repDir(rep), "backup")
 	if err := os.MkdirAll(backup, 0o755); err != nil {
 		return nil, err
@@ -46,7 +51,7 @@ func (b *bench) startAgent(ctx context.Context, rep int, n node) (*agent, error)
 		Bin:        b.bin,
 		Dir:        n.dir,
 		Spool:      n.spool,
-		Flags:      []string{"--memory", b.cfg.memory, "--backup", "file://" + backup, "--listen", "127.0.0.1:0"},
+		Flags:      []string{"--memory", memory, "--backup", "file://" + backup, "--listen", "127.0.0.1:0"},
 		KeepsSpool: true, // it holds checkpoints when stopped; teardown detaches it
 	})
 	if err != nil {

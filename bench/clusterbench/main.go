@@ -57,6 +57,10 @@ type config struct {
 	files    int
 	fileSize int64
 	memory   string
+	// The pair phase (pair.go).
+	pairFiles    int
+	pairFileSize int64
+	pairMemory   string
 }
 
 func main() {
@@ -69,8 +73,13 @@ func main() {
 	flag.IntVar(&cfg.files, "files", 16, "state files per step and node")
 	flag.IntVar(&fileMiB, "file-mib", 16, "size of each state file in MiB")
 	flag.StringVar(&cfg.memory, "memory", "2GiB", "--memory of each agent")
+	var pairMiB int
+	flag.IntVar(&cfg.pairFiles, "pair-files", 16, "pair phase: state files of rank 0's large step (0 skips the phase)")
+	flag.IntVar(&pairMiB, "pair-file-mib", 64, "pair phase: size of each of those files in MiB")
+	flag.StringVar(&cfg.pairMemory, "pair-memory", "6GiB", "pair phase: --memory of each of the two agents")
 	flag.Parse()
 	cfg.fileSize = int64(fileMiB) << 20
+	cfg.pairFileSize = int64(pairMiB) << 20
 	switch {
 	case flag.NArg() != 0:
 		fmt.Fprintf(os.Stderr, "clusterbench: unexpected arguments %q\n", flag.Args())
@@ -121,6 +130,11 @@ func run(cfg config) (err error) {
 		fmt.Fprintf(os.Stderr, "clusterbench: repetition %d of %d\n", rep+1, cfg.reps)
 		if err := b.repetition(ctx, rep); err != nil {
 			return fmt.Errorf("repetition %d: %w", rep+1, err)
+		}
+		if cfg.pairFiles > 0 {
+			if err := b.pairPhase(ctx, rep); err != nil {
+				return fmt.Errorf("repetition %d, pair phase: %w", rep+1, err)
+			}
 		}
 	}
 	if err := b.tearDown(); err != nil {

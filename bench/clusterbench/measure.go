@@ -58,6 +58,7 @@ func kReplStep(s int64) string { return fmt.Sprintf("repl-s%d", s) }
 type results struct {
 	samples    map[string][]float64
 	stepBytes  int64 // one node's checkpoint bytes per step
+	pairBytes  int64 // rank 0's step in the pair phase
 	spoolStart []float64
 }
 

@@ -75,6 +75,12 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 	idle, busy := res.median(kSaveIdle), res.median(kSaveBusy)
 	w("| 4 | Save of step %d started the moment step %d committed (step %d replicating, step %d's own files streaming as they close) ÷ an idle save (step %d of the same job run without peers: nothing replicates anywhere); medians of %d and %d | %.0f ms vs %.0f ms = %.2f× | idle save | ≤ %g× | %s |\n",
 		busyStep, prevStep, prevStep, busyStep, idleStep, len(res.samples[kSaveBusy]), len(res.samples[kSaveIdle]), busy, idle, busy/idle, busyTarget, verdict(count(busy/idle <= busyTarget)))
+	if n := len(res.samples[kPair]); n > 0 {
+		pair := res.median(kPair)
+		pairSize := benchkit.FormatBytes(res.pairBytes)
+		w("| 5 | Replication, like for like: two agents, rank 0 saves a %s step (%d files written and closed one after the other) while rank 1 saves 4 KiB; rank 0's commit → its replica's `.meta` in rank 1's mount; median of %d | %.0f ms | rank 0's Save took %.0f ms; plain TCP copy of %s %.0f ms | ≤ %g ms after the commit | %s |\n",
+			pairSize, cfg.pairFiles, n, pair, res.median(kPairSave), pairSize, res.median(kPairTCP), replTargetMs, verdict(count(pair <= replTargetMs)))
+	}
 	w("\nTargets met: %d of %d.\n\n", met, total)
 
 	w("Figures without a target, to explain the ones above (medians):\n\n")
@@ -94,6 +100,9 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 		{kSave, "Save of one step on one rank", "ms"},
 		{kSaveIdle, "idle Save (job without peers)", "ms"},
 		{kSaveBusy, "Save while the previous step replicates", "ms"},
+		{kPair, "pair phase: commit → replica .meta, large step", "ms"},
+		{kPairSave, "pair phase: rank 0's Save of the large step", "ms"},
+		{kPairTCP, "pair phase: plain TCP copy of the large step", "ms"},
 		{kRestore, "replaced rank 1: Start → VerifyRestored done", "ms"},
 		{kRestoreStart, "replaced rank 1: Start returned", "ms"},
 		{kRestoreAgent, "agent: restored from a peer took", "ms"},

@@ -1,0 +1,109 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
+	"github.com/mtcfs/mtcfs/internal/jobsim"
+)
+
+// The pair phase measures the replication target like for like: a two-node job in which
+// rank 0 saves a large step (cfg.pairFiles × cfg.pairFileSize, 1 GiB by default) and rank 1 a
+// small one, each replicating to the other; the time from rank 0's commit to its replica's .meta
+// in rank 1's mount. The job writes its files one after the other, closing each, so they stream
+// to the peer while the rest is written.
+
+var pairSteps = []int64{10, 20, 30}
+
+const (
+	kPair     = "pair"      // commit → replica .meta, large step, ms
+	kPairSave = "pair-save" // rank 0's Save of the large step, ms
+	kPairTCP  = "pair-tcp"  // plain TCP copy of the large step's bytes, ms
+)
+
+func (b *bench) pairClient(n node, job string) *jobsim.Orbax {
+	o := b.clientNoPeers(n, job)
+	o.Nodes = 2
+	o.PeerRanks = []int{1 - n.rank}
+	o.Content = jobsim.Content{Files: b.cfg.pairFiles, FileSize: b.cfg.pairFileSize}
+	if n.rank == 1 {
+		o.Content = jobsim.Content{Files: 1, FileSize: 4 << 10}
+	}
+	return o
+}
+
+func (b *bench) pairPhase(ctx context.Context, rep int) error {
+	var nodes []node
+	for r := range 2 {
+		d := filepath.Join(b.repDir(rep), "pair", fmt.Sprintf("node%d", r))
+		nodes = append(nodes, node{rank: r, dir: filepath.Join(d, "mnt"), spool: filepath.Join(d, "spool")})
+	}
+	big := treeBytes(b.pairClient(nodes[0], "x").Tree(pairSteps[0]))
+	b.res.pairBytes = big
+	tcp, err := tcpCopy(big)
+	if err != nil {
+		return err
+	}
+	b.res.add(kPairTCP, ms(tcp))
+	job := fmt.Sprintf("pair%s-%d", b.runID, rep+1)
+	agents := make([]*agent, 2)
+	for _, n := range nodes {
+		if agents[n.rank], err = b.startAgentMem(ctx, rep, n, b.cfg.pairMemory); err != nil {
+			return err
+		}
+	}
+	clients := make([]*jobsim.Orbax, 2)
+	errs := make([]error, 2)
+	run2 := func(f func(r int) error) error {
+		done := make(chan struct{})
+		go func() { errs[1] = f(1); close(done) }()
+		errs[0] = f(0)
+		<-done
+		return errors.Join(errs...)
+	}
+	if err := run2(func(r int) error {
+		clients[r] = b.pairClient(nodes[r], job)
+		_, _, err := clients[r].Start(ctx)
+		return err
+	}); err != nil {
+		return err
+	}
+	for _, step := range pairSteps {
+		var lat float64
+		replica := filepath.Join(nodes[1].dir, fmt.Sprintf("%s-s%d-n0-w0.meta", job, step))
+		if err := run2(func(r int) error {
+			start := time.Now()
+			if err := clients[r].Save(ctx, step); err != nil {
+				return err
+			}
+			if r == 1 {
+				return nil
+			}
+			commit := time.Now()
+			b.res.add(kPairSave, ms(commit.Sub(start)))
+			for deadline := commit.Add(replWaitMax); ; time.Sleep(replPoll) {
+				if _, err := os.Lstat(replica); err == nil {
+					lat = ms(time.Since(commit))
+					return nil
+				}
+				if time.Now().After(deadline) {
+					return fmt.Errorf("no replica %s after %v; rank 0's log:\n%s", replica, replWaitMax, agents[0].Log())
+				}
+			}
+		}); err != nil {
+			return err
+		}
+		b.res.add(kPair, lat)
+		fmt.Fprintf(os.Stderr, "clusterbench:   pair, step %d (%s on rank 0): commit → replica .meta on rank 1: %.0f ms\n", step, benchkit.FormatBytes(big), lat)
+	}
+	var stopErrs []error
+	for _, a := range agents {
+		stopErrs = append(stopErrs, a.stop())
+	}
+	return errors.Join(stopErrs...)
+}
