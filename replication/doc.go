@@ -31,6 +31,17 @@
 //   - A transfer that stops moving (a peer that hangs, a black-holed link) fails after
 //     Sender.StallTimeout with ErrStalled; a reset connection fails at once.
 //
+// # Early files
+//
+// A file the job closes while its step is still being written is pushed at once, as single-file
+// data whose header names its step directory (PushHeader.early_group); the receiver verifies it
+// and keeps it aside, unpublished. The push of the sealed step names the group
+// (consumes_group) and lists the files the peer acknowledged (presumed): the receiver hard-links
+// them into the transfer instead of receiving them, and the transfer is verified whole as any
+// other. Groups are released when consumed, dropped by the sender (Drop) when the job abandons
+// the directory, dropped when the sender's incarnation changes, after 10 idle minutes, and on
+// Close. See early.go.
+//
 // # Not yet
 //
 // Mutual TLS. Calls are authenticated but travel in clear text, and message bodies are not

@@ -26,8 +26,8 @@ import (
 // the coordinator to the other ranks over gRPC; they find it through the agent registry in the
 // backup location, so nothing but a shared --backup needs configuring (SPEC §4, §7).
 //
-// Not yet here (issue 4): replication of data to peers and fetching from them, so a multi-node
-// job restores each node from its own RAM or from a backup.
+// peerService (below) moves the data: replicas pushed to peers, early files, fetches for a
+// restore.
 type clusterCoordinator struct {
 	local    *tiers.LocalCoordinator
 	objects  gcsbackend.ObjectStore
