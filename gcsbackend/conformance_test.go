@@ -26,6 +26,11 @@ func TestStoreConformance(t *testing.T) {
 			return s
 		})
 	})
+	t.Run("gcs-fake", func(t *testing.T) { runStoreConformance(t, newTestFakeGCS) })
+	t.Run("gcs-real", func(t *testing.T) {
+		skipWithoutRealGCS(t)
+		runStoreConformance(t, newTestRealGCS)
+	})
 }
 
 func newTestLocalDir(t *testing.T) ObjectStore {

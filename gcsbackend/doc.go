@@ -6,10 +6,13 @@
 // ObjectStore is a small object-store interface shaped after Google Cloud
 // Storage (flat names with "/", CRC32C per object, create-if-absent
 // preconditions, ranged reads, listing by prefix and delimiter). Open turns a
-// --backup URL into a store: file:///abs/dir is implemented here (localDir);
-// gs://bucket[/prefix] is reserved for the GCS implementation. Every store
-// passes the same conformance test (conformance_test.go). The guarantees every
-// implementation gives:
+// --backup URL into a store: file:///abs/dir (localDir, localdir.go) or
+// gs://bucket[/prefix] (gcsStore, gcs.go: cloud.google.com/go/storage with
+// Application Default Credentials, or the emulator named by
+// STORAGE_EMULATOR_HOST). Every store passes the same conformance test
+// (conformance_test.go; the GCS one against an in-process fake-gcs-server, and
+// against a real bucket when MTCFS_TEST_GCS_BUCKET is set). The guarantees
+// every implementation gives:
 //
 //   - Put is atomic: readers see the old object, the complete new one, or
 //     nothing — never a partial object. It checks the number of bytes it was
@@ -44,4 +47,19 @@
 // manifest entry is present with the right size and CRC32C) never mistakes an
 // interrupted upload for a checkpoint. Download verifies every byte against
 // the manifest before the restored tree appears under its final name.
+//
+// On GCS (see gcsStore and gcs_transfer.go) every upload sends its CRC32C
+// before the first byte, so the server refuses damaged bytes; every request
+// is retried with backoff (408, 429, 5xx, broken connections, and attempts
+// that move no byte for GCSOptions.StallTimeout) under preconditions that
+// make the retry safe: create-if-absent uploads carry ifGenerationMatch=0 and
+// accept a 412 only when the object already holds the same size and CRC32C,
+// replacing uploads carry the generation they replace. Files of at least
+// GCSOptions.ParallelThreshold move in parts of GCSOptions.PartSize, several
+// at a time (Backups.Parallelism requests in flight per call): uploads as
+// parallel composite uploads (temporary part objects under a reserved
+// ".mtcfs-tmp-" prefix, composed into the final name with its CRC32C, then
+// deleted), downloads as ranged reads of one pinned generation written in
+// place, whose CRC32Cs are combined (crc32cCombine) and checked against the
+// manifest. Memory stays at one copy buffer per request in flight.
 package gcsbackend

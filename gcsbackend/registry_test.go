@@ -26,7 +26,7 @@ func testRegistration(rank int, incarnation, instance string) Registration {
 func TestRegistryRegisterAndLookup(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
-	s := newTestLocalDir(t)
+	s := newTestStore(t)
 
 	regs, err := Lookup(ctx, s, testJob)
 	require.NoError(t, err)
@@ -53,7 +53,7 @@ func TestRegistryRegisterAndLookup(t *testing.T) {
 func TestRegistrationFromOlderIncarnationIsSuperseded(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
-	s := newTestLocalDir(t)
+	s := newTestStore(t)
 	stale := testRegistration(1, "inc-1", "killed-agent")
 	require.NoError(t, Register(ctx, s, stale))
 
@@ -80,7 +80,7 @@ func TestRegistrationFromOlderIncarnationIsSuperseded(t *testing.T) {
 func TestRegistrationValidation(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
-	s := newTestLocalDir(t)
+	s := newTestStore(t)
 	tests := []struct {
 		name   string
 		change func(*Registration)
@@ -153,7 +153,7 @@ func TestSecretEnsureConcurrent(t *testing.T) {
 
 func TestSecretTooShortIsRefused(t *testing.T) {
 	t.Parallel()
-	s := newTestLocalDir(t)
+	s := newTestStore(t)
 	put(t, s, testJob+"/secret", "short")
 	_, err := EnsureSecret(t.Context(), s, testJob)
 	assert.ErrorContains(t, err, "has 5 bytes, want at least 16")
@@ -182,7 +182,7 @@ func (s *lateWinner) Open(ctx context.Context, name string, off, length int64) (
 func TestSecretLostRaceReturnsWinners(t *testing.T) {
 	t.Parallel()
 	winner := bytes.Repeat([]byte{0xab}, SecretSize)
-	s := &lateWinner{ObjectStore: newTestLocalDir(t), winner: winner}
+	s := &lateWinner{ObjectStore: newTestStore(t), winner: winner}
 	got, err := EnsureSecret(t.Context(), s, testJob)
 	require.NoError(t, err)
 	assert.Equal(t, winner, got, "the agent that lost the create-if-absent race uses the winner's secret")

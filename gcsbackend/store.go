@@ -243,7 +243,10 @@ func ReadSmall(ctx context.Context, s ObjectStore, name string, limit int64) ([]
 const acceptedURLs = "gs://bucket[/prefix] or file:///absolute/dir"
 
 // Open returns the store for a --backup URL: file:///abs/dir (a local
-// directory, created on first write) or gs://bucket[/prefix].
+// directory, created on first write) or gs://bucket[/prefix] (Google Cloud
+// Storage through Application Default Credentials, or the emulator named by
+// STORAGE_EMULATOR_HOST). Open does no I/O: the GCS client is created on
+// first use and shared by every gs:// store of the process.
 func Open(rawURL string) (ObjectStore, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
@@ -265,7 +268,14 @@ func Open(rawURL string) (ObjectStore, error) {
 		if u.Host == "" {
 			return nil, fmt.Errorf("backup location %q: missing bucket name; want gs://bucket[/prefix]", rawURL)
 		}
-		return nil, fmt.Errorf("backup location %q: gs:// backups are not implemented yet; use file:///absolute/dir", rawURL)
+		if u.User != nil || u.Port() != "" {
+			return nil, fmt.Errorf("backup location %q: want gs://bucket[/prefix], without user or port", rawURL)
+		}
+		s, err := newGCS(defaultClient, u.Host, strings.Trim(u.Path, "/"), GCSOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("backup location %q: %w", rawURL, err)
+		}
+		return s, nil
 	default:
 		return nil, fmt.Errorf("backup location %q: unsupported; want %s", rawURL, acceptedURLs)
 	}

@@ -41,9 +41,11 @@ type UploadRequest struct {
 // A store that checks a CRC32C given before the first byte (GCS) gets each
 // file read twice, streaming: once for the CRC32C and once to upload it with
 // that CRC32C, so the store checks the bytes it received against the source; a
-// file that changes in between fails the upload. Other stores (file://) read
-// each file once and the manifest records the CRC32C of the bytes as they were
-// streamed to the store, which computes and keeps its own.
+// file that changes in between fails the upload. Such a store may also take
+// the file itself (filePutter; GCS uploads large files as parallel parts), and
+// bring files back itself (fileGetter; parallel ranged reads). Other stores
+// (file://) read each file once and the manifest records the CRC32C of the
+// bytes as they were streamed to the store, which computes and keeps its own.
 func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 	if err := validateJob(req.Job); err != nil {
 		return err
@@ -79,9 +81,10 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 		return err
 	}
 	prog := newProgress(m.total(), req.Progress)
+	slots := make(chan struct{}, b.parallelism())
 	err = forEach(ctx, b.parallelism(), len(locals), func(ctx context.Context, i int) error {
 		f := &m.Files[i]
-		crc, err := b.uploadFile(ctx, dir+dataObject(req.Hash, f.Path), locals[i], f.Size, prog)
+		crc, err := b.uploadFile(ctx, dir+dataObject(req.Hash, f.Path), locals[i], f.Size, prog, slots)
 		f.CRC32C = crc32cHex(crc)
 		return err
 	})
@@ -97,8 +100,9 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 
 // uploadFile streams the local file to the object name and returns its
 // CRC32C. size is what the scan saw; a different size now means the file is
-// changing under us.
-func (b *Backups) uploadFile(ctx context.Context, name, local string, size int64, prog *progress) (uint32, error) {
+// changing under us. slots bounds the requests in flight across the files of
+// one Upload, for stores that split a file (filePutter).
+func (b *Backups) uploadFile(ctx context.Context, name, local string, size int64, prog *progress, slots chan struct{}) (uint32, error) {
 	f, err := os.Open(local)
 	if err != nil {
 		return 0, err
@@ -119,6 +123,9 @@ func (b *Backups) uploadFile(ctx context.Context, name, local string, size int64
 	}
 	if n != size {
 		return 0, fmt.Errorf("%s changed size during upload (%d, then %d bytes)", local, size, n)
+	}
+	if fp, ok := b.Store.(filePutter); ok {
+		return crc, fp.putFile(ctx, fileTransfer{Name: name, File: f, Size: n, CRC32C: crc, Progress: prog.add, Slots: slots})
 	}
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
 		return 0, err
@@ -231,6 +238,7 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 		return err
 	}
 	prog := newProgress(m.total(), req.Progress)
+	slots := make(chan struct{}, b.parallelism())
 	parent, pattern := filepath.Dir(req.Dest), "."+filepath.Base(req.Dest)+".tmp-*"
 
 	if m.Kind == kindFile {
@@ -239,7 +247,7 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 			return err
 		}
 		tmp := f.Name()
-		err = b.fetch(ctx, dir, req.Hash, m.Files[0], f, prog)
+		err = b.fetch(ctx, dir, req.Hash, m.Files[0], f, prog, slots)
 		if cerr := f.Close(); err == nil {
 			err = cerr
 		}
@@ -256,7 +264,7 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 	if err != nil {
 		return err
 	}
-	err = b.fetchTree(ctx, dir, req.Hash, m, tmp, prog)
+	err = b.fetchTree(ctx, dir, req.Hash, m, tmp, prog, slots)
 	if err == nil {
 		err = os.Rename(tmp, req.Dest)
 	}
@@ -267,7 +275,7 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 }
 
 // fetchTree downloads a directory data's files into root in parallel.
-func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, root string, prog *progress) error {
+func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, root string, prog *progress, slots chan struct{}) error {
 	for _, d := range m.Dirs {
 		if err := os.MkdirAll(filepath.Join(root, filepath.FromSlash(d)), dirPerm); err != nil {
 			return err
@@ -285,7 +293,7 @@ func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, 
 		if err != nil {
 			return err
 		}
-		err = b.fetch(ctx, dir, hash, mf, f, prog)
+		err = b.fetch(ctx, dir, hash, mf, f, prog, slots)
 		if cerr := f.Close(); err == nil {
 			err = cerr
 		}
@@ -293,17 +301,28 @@ func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, 
 	})
 }
 
-// fetch copies one data object to w, verifying it against its manifest entry.
-func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, w io.Writer, prog *progress) error {
+// fetch copies one data object to the new, empty file f, verifying it
+// against its manifest entry. slots is as for uploadFile.
+func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, f *os.File, prog *progress, slots chan struct{}) error {
 	name := dir + dataObject(hash, mf.Path)
-	r, err := b.Store.Open(ctx, name, 0, -1)
-	if err != nil {
-		return err
-	}
-	defer r.Close()
-	n, crc, err := copyCRC(ctx, w, &countingReader{r: r, p: prog})
-	if err != nil {
-		return fmt.Errorf("fetch %s: %w", name, err)
+	var n int64
+	var crc uint32
+	if fg, ok := b.Store.(fileGetter); ok {
+		var err error
+		n, crc, err = fg.getFile(ctx, fileTransfer{Name: name, File: f, Size: mf.Size, Progress: prog.add, Slots: slots})
+		if err != nil {
+			return fmt.Errorf("fetch %s: %w", name, err)
+		}
+	} else {
+		r, err := b.Store.Open(ctx, name, 0, -1)
+		if err != nil {
+			return err
+		}
+		defer r.Close()
+		n, crc, err = copyCRC(ctx, f, &countingReader{r: r, p: prog})
+		if err != nil {
+			return fmt.Errorf("fetch %s: %w", name, err)
+		}
 	}
 	if n != mf.Size {
 		return fmt.Errorf("fetch %s: got %d bytes, manifest says %d", name, n, mf.Size)
@@ -312,6 +331,37 @@ func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, 
 		return &ChecksumError{Name: name, Want: uint32(mf.CRC32C), Got: crc}
 	}
 	return nil
+}
+
+// fileTransfer is one local file moving to or from an object, for stores
+// that move a file better than Put and Open can (GCS: several ranges of it in
+// parallel, each retried from the file).
+type fileTransfer struct {
+	Name string   // object name
+	File *os.File // read with ReadAt (put) or written with WriteAt (get)
+	// Size is the file's size (put) or the size the object must have (get).
+	Size int64
+	// CRC32C is the file's, computed beforehand (put only).
+	CRC32C uint32
+	// Progress is told the bytes moved; retried bytes are not counted twice.
+	Progress func(n int)
+	// Slots bounds the requests in flight across all files of one Upload or
+	// Download: each request holds one slot while it runs.
+	Slots chan struct{}
+}
+
+// filePutter is implemented by stores that upload a local file themselves.
+// putFile has the semantics of Put with IfAbsent and a CRC32C.
+type filePutter interface {
+	putFile(ctx context.Context, t fileTransfer) error
+}
+
+// fileGetter is implemented by stores that download to a local file
+// themselves. getFile writes the object into t.File and returns the number of
+// bytes and their CRC32C, which the caller checks; an object whose size is not
+// t.Size is an error.
+type fileGetter interface {
+	getFile(ctx context.Context, t fileTransfer) (n int64, crc uint32, err error)
 }
 
 // progress totals the bytes moved by parallel transfers and reports them.

@@ -1,0 +1,497 @@
+// Command gcsbench measures mtcfs's gs:// backup store — gcsbackend.Backups.Upload and Download
+// on the GCS store: parallel composite uploads and parallel ranged downloads, every byte CRC32C
+// checked — against a naive single-stream copy with the same client library, one file after
+// another, in one run against one in-process fake-gcs-server.
+//
+// Run it from the module root (no root needed):
+//
+//	go run ./bench/gcsbench -out bench/RESULTS.md
+//
+// It takes about two minutes on 2 CPUs and needs about 6 GiB of free RAM (the emulator keeps
+// objects in memory). Without -out it only prints.
+//
+// The step is one -big-mib file plus -files × -file-mib smaller ones (default 768 MiB + 8 × 32 MiB
+// = 1 GiB) of random bytes in a directory under -shm (tmpfs). The emulator listens on 127.0.0.1;
+// both sides use one storage.Client (JSON API, as the emulator needs) with a connection pool
+// large enough for every stream. Variants:
+//
+//   - backup, naive: for each file in turn, one storage.Writer with ChunkSize 0 (a single
+//     streamed request) fed by io.Copy from the file. ChunkSize 0 is the fastest single-stream
+//     setting on the emulator: the default 16 MiB chunks make it re-hash the whole object per
+//     chunk, quadratic in the file size, which would flatter mtcfs.
+//   - backup, mtcfs: Backups.Upload of the step (CRC32C of every file first, uploads with the
+//     CRC32C sent up front and preconditions, big files as parallel composite uploads, then the
+//     manifest and the .meta).
+//   - restore, naive: for each object of the step in turn, one full NewReader copied to a file.
+//   - restore, mtcfs: Backups.Download (ranged reads in parallel, written with WriteAt, every
+//     file's CRC32C checked against the manifest, the tree renamed into place).
+//
+// With -sweep, the mtcfs variants also run with other part sizes. Every round runs every
+// variant, the first rotating from round to round; the figures are medians over -reps rounds
+// after -warmup unrecorded ones. Goodput is step bytes ÷ wall time, in GB/s (10^9 bytes).
+// The emulator runs in this process and its CPU time (MD5 and CRC32C of every object, copies
+// on compose) counts against the same 2 CPUs as the client's.
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"path/filepath"
+	"runtime/pprof"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"cloud.google.com/go/storage"
+	"github.com/fsouza/fake-gcs-server/fakestorage"
+	"google.golang.org/api/option"
+
+	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
+	"github.com/mtcfs/mtcfs/gcsbackend"
+)
+
+const (
+	prog   = "gcsbench"
+	bucket = "gcsbench"
+	job    = "bench"
+	backup = "2026-01-01_00-00"
+	// target is the ratio mtcfs must reach over the naive copy, both ways.
+	target = 2.0
+)
+
+type config struct {
+	out         string
+	shm         string
+	reps        int
+	warmup      int
+	bigSize     int64
+	files       int
+	fileSize    int64
+	parallelism int
+	sweep       bool
+	only        string // run only variants whose key contains this
+	profile     string // CPU profile of the measured rounds
+}
+
+func main() {
+	var cfg config
+	var bigMiB, fileMiB int
+	flag.StringVar(&cfg.out, "out", "", "Markdown file whose gcsbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	flag.StringVar(&cfg.shm, "shm", "/dev/shm", "tmpfs directory for the step and the restored copies")
+	flag.IntVar(&cfg.reps, "reps", 5, "measured rounds (at least 3)")
+	flag.IntVar(&cfg.warmup, "warmup", 1, "unrecorded rounds before the measured ones")
+	flag.IntVar(&bigMiB, "big-mib", 768, "size of the big file in MiB")
+	flag.IntVar(&cfg.files, "files", 8, "number of smaller files")
+	flag.IntVar(&fileMiB, "file-mib", 32, "size of each smaller file in MiB")
+	flag.IntVar(&cfg.parallelism, "parallelism", gcsbackend.DefaultParallelism, "Backups.Parallelism (requests in flight)")
+	flag.BoolVar(&cfg.sweep, "sweep", true, "also run the mtcfs variants with parts of 8, 16 and 64 MiB")
+	flag.StringVar(&cfg.only, "only", "", "run only the variants whose key contains this string (keys are printed per round)")
+	flag.StringVar(&cfg.profile, "cpuprofile", "", "write a CPU profile of the measured rounds to this file")
+	flag.Parse()
+	cfg.bigSize, cfg.fileSize = int64(bigMiB)<<20, int64(fileMiB)<<20
+	if cfg.reps < 3 || bigMiB < 1 || cfg.files < 0 || fileMiB < 1 || cfg.parallelism < 1 {
+		fmt.Fprintln(os.Stderr, "gcsbench: want -reps ≥ 3, -big-mib ≥ 1, -files ≥ 0, -file-mib ≥ 1, -parallelism ≥ 1")
+		os.Exit(2)
+	}
+	ctx, stop := benchkit.CancelOnSignal(prog)
+	err := run(ctx, cfg)
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "gcsbench:", err)
+		os.Exit(1)
+	}
+}
+
+// variant is one way of moving the step.
+type variant struct {
+	key       string
+	direction string // "backup" or "restore"
+	how       string // "naive" or "mtcfs"
+	partSize  int64  // mtcfs only
+	run       func(ctx context.Context) error
+}
+
+// sample is one timed transfer.
+type sample struct{ seconds, cpu float64 }
+
+func run(ctx context.Context, cfg config) error {
+	work, err := os.MkdirTemp(cfg.shm, "gcsbench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(work)
+	env := benchkit.DescribeEnvironment(prog, os.Args[0])
+	src := filepath.Join(work, "step")
+	files, stepBytes, err := writeStep(src, cfg)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "gcsbench: step of %s in %s\n", benchkit.FormatBytes(stepBytes), src)
+
+	srv, err := fakestorage.NewServerWithOptions(fakestorage.Options{Scheme: "http", Host: "127.0.0.1", Port: 0})
+	if err != nil {
+		return err
+	}
+	defer srv.Stop()
+	srv.CreateBucket(bucket)
+	transport := &http.Transport{MaxIdleConnsPerHost: 256}
+	defer transport.CloseIdleConnections()
+	client, err := storage.NewClient(ctx, option.WithEndpoint(srv.URL()+"/storage/v1/"),
+		option.WithHTTPClient(&http.Client{Transport: transport}), storage.WithJSONReads())
+	if err != nil {
+		return err
+	}
+	defer client.Close()
+
+	hash := stepHash(src)
+	b := &bench{cfg: cfg, work: work, src: src, files: files, client: client, srv: srv, hash: hash}
+	partSizes := []int64{gcsbackend.DefaultGCSPartSize}
+	if cfg.sweep {
+		partSizes = append(partSizes, 8<<20, 16<<20, 64<<20)
+	}
+	var variants []variant
+	variants = append(variants, variant{key: "backup-naive", direction: "backup", how: "naive", run: b.naiveUpload})
+	for _, ps := range partSizes {
+		variants = append(variants, variant{key: fmt.Sprintf("backup-mtcfs-%d", ps>>20), direction: "backup", how: "mtcfs", partSize: ps,
+			run: func(ctx context.Context) error { return b.mtcfsUpload(ctx, ps) }})
+	}
+	variants = append(variants, variant{key: "restore-naive", direction: "restore", how: "naive", run: b.naiveDownload})
+	for _, ps := range partSizes {
+		variants = append(variants, variant{key: fmt.Sprintf("restore-mtcfs-%d", ps>>20), direction: "restore", how: "mtcfs", partSize: ps,
+			run: func(ctx context.Context) error { return b.mtcfsDownload(ctx, ps) }})
+	}
+
+	variants = slices.DeleteFunc(variants, func(v variant) bool { return !strings.Contains(v.key, cfg.only) })
+	if cfg.profile != "" {
+		f, err := os.Create(cfg.profile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	cpu := benchkit.StartCPUAccount()
+	samples := map[string][]sample{}
+	for round := range cfg.warmup + cfg.reps {
+		for i := range variants {
+			v := variants[(i+round)%len(variants)]
+			if err := b.prepare(ctx, v); err != nil {
+				return fmt.Errorf("%s: prepare: %w", v.key, err)
+			}
+			s, err := timed(ctx, v.run)
+			if err != nil {
+				return fmt.Errorf("%s: %w", v.key, err)
+			}
+			if err := b.check(ctx, v); err != nil {
+				return fmt.Errorf("%s: %w", v.key, err)
+			}
+			if round >= cfg.warmup {
+				samples[v.key] = append(samples[v.key], s)
+			}
+			fmt.Fprintf(os.Stderr, "round %d %-20s %6.2f GB/s  cpu %.2fs\n", round, v.key, float64(stepBytes)/s.seconds/1e9, s.cpu)
+		}
+	}
+	env.CPU = cpu.OthersSummary(benchkit.CPUWording{Span: "the measurements", Us: "gcsbench (client and emulator)"})
+	section := renderSection(cfg, env, stepBytes, variants, samples)
+	fmt.Print(section)
+	if cfg.out != "" {
+		return benchkit.Section{Name: prog, Note: sectionNote}.Update(cfg.out, section)
+	}
+	return nil
+}
+
+const sectionNote = "generated by bench/gcsbench; a new run replaces everything down to the end marker"
+
+// timed runs fn and measures its wall time and this process's CPU time (client and emulator).
+func timed(ctx context.Context, fn func(context.Context) error) (sample, error) {
+	cpu0 := processCPU()
+	start := time.Now()
+	err := fn(ctx)
+	return sample{seconds: time.Since(start).Seconds(), cpu: (processCPU() - cpu0).Seconds()}, err
+}
+
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// stepFile is one file of the step, relative to it.
+type stepFile struct {
+	rel  string
+	size int64
+}
+
+// writeStep writes the step's random files and returns them and their total.
+func writeStep(dir string, cfg config) ([]stepFile, int64, error) {
+	files := []stepFile{{rel: "state/big.bin", size: cfg.bigSize}}
+	for i := range cfg.files {
+		files = append(files, stepFile{rel: fmt.Sprintf("state/shard_%02d", i), size: cfg.fileSize})
+	}
+	rnd := rand.NewChaCha8([32]byte{7})
+	buf := make([]byte, 4<<20)
+	var total int64
+	for _, sf := range files {
+		p := filepath.Join(dir, filepath.FromSlash(sf.rel))
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			return nil, 0, err
+		}
+		f, err := os.Create(p)
+		if err != nil {
+			return nil, 0, err
+		}
+		for left := sf.size; left > 0; {
+			b := buf[:min(int64(len(buf)), left)]
+			rnd.Read(b)
+			if _, err := f.Write(b); err != nil {
+				f.Close()
+				return nil, 0, err
+			}
+			left -= int64(len(b))
+		}
+		if err := f.Close(); err != nil {
+			return nil, 0, err
+		}
+		total += sf.size
+	}
+	return files, total, nil
+}
+
+// stepHash is a well-formed directory data hash; the backup layer does not recompute it.
+func stepHash(src string) string {
+	sum := sha256.Sum256([]byte(src))
+	return "D" + hex.EncodeToString(sum[:])
+}
+
+// bench holds the emulator, the client and the step.
+type bench struct {
+	cfg    config
+	work   string
+	src    string
+	files  []stepFile
+	client *storage.Client
+	srv    *fakestorage.Server
+	hash   string
+}
+
+func (b *bench) backups(partSize int64) (*gcsbackend.Backups, error) {
+	store, err := gcsbackend.NewGCS(b.client, bucket, "", gcsbackend.GCSOptions{PartSize: partSize})
+	if err != nil {
+		return nil, err
+	}
+	return &gcsbackend.Backups{Store: store, Parallelism: b.cfg.parallelism}, nil
+}
+
+// objectName is where Backups.Upload puts a file of the step; the naive copies use the same names.
+func (b *bench) objectName(sf stepFile) string {
+	return job + "/" + backup + "/" + b.hash + ".data/" + sf.rel
+}
+
+func (b *bench) restored() string { return filepath.Join(b.work, "restored") }
+
+// prepare empties the bucket before a backup and makes sure the step is there before a
+// restore (uploaded by mtcfs, so that both restores read the same objects).
+func (b *bench) prepare(ctx context.Context, v variant) error {
+	if err := os.RemoveAll(b.restored()); err != nil {
+		return err
+	}
+	if v.direction == "backup" {
+		if err := b.srv.Backend().DeleteAllFiles(); err != nil {
+			return err
+		}
+		b.srv.CreateBucket(bucket)
+		return nil
+	}
+	bk, err := b.backups(gcsbackend.DefaultGCSPartSize)
+	if err != nil {
+		return err
+	}
+	rep, err := bk.Verify(ctx, job, backup, gcsbackend.VerifyOptions{Nodes: 1, Workers: 1})
+	if err == nil && rep.Complete() {
+		return nil
+	}
+	if err := b.srv.Backend().DeleteAllFiles(); err != nil {
+		return err
+	}
+	b.srv.CreateBucket(bucket)
+	return b.mtcfsUpload(ctx, gcsbackend.DefaultGCSPartSize)
+}
+
+// check confirms the transfer: a backup must verify complete (mtcfs) or hold every object with
+// the right size (naive); a restore must have every file with the right size (mtcfs checked
+// the CRC32Cs itself).
+func (b *bench) check(ctx context.Context, v variant) error {
+	switch {
+	case v.direction == "backup" && v.how == "mtcfs":
+		bk, err := b.backups(v.partSize)
+		if err != nil {
+			return err
+		}
+		rep, err := bk.Verify(ctx, job, backup, gcsbackend.VerifyOptions{Nodes: 1, Workers: 1})
+		if err != nil {
+			return err
+		}
+		if !rep.Complete() {
+			return fmt.Errorf("backup not complete: %v", rep.Steps)
+		}
+	case v.direction == "backup":
+		for _, sf := range b.files {
+			a, err := b.client.Bucket(bucket).Object(b.objectName(sf)).Attrs(ctx)
+			if err != nil {
+				return err
+			}
+			if a.Size != sf.size {
+				return fmt.Errorf("%s: %d bytes, want %d", a.Name, a.Size, sf.size)
+			}
+		}
+	default:
+		for _, sf := range b.files {
+			fi, err := os.Stat(filepath.Join(b.restored(), filepath.FromSlash(sf.rel)))
+			if err != nil {
+				return err
+			}
+			if fi.Size() != sf.size {
+				return fmt.Errorf("restored %s: %d bytes, want %d", sf.rel, fi.Size(), sf.size)
+			}
+		}
+	}
+	return nil
+}
+
+func (b *bench) mtcfsUpload(ctx context.Context, partSize int64) error {
+	bk, err := b.backups(partSize)
+	if err != nil {
+		return err
+	}
+	return bk.Upload(ctx, gcsbackend.UploadRequest{Job: job, Backup: backup, Step: 1, Hash: b.hash, Source: b.src})
+}
+
+func (b *bench) mtcfsDownload(ctx context.Context, partSize int64) error {
+	bk, err := b.backups(partSize)
+	if err != nil {
+		return err
+	}
+	return bk.Download(ctx, gcsbackend.DownloadRequest{Job: job, Backup: backup, Hash: b.hash, Dest: b.restored()})
+}
+
+// naiveUpload copies each file with one storage.Writer, one after another.
+func (b *bench) naiveUpload(ctx context.Context) error {
+	for _, sf := range b.files {
+		f, err := os.Open(filepath.Join(b.src, filepath.FromSlash(sf.rel)))
+		if err != nil {
+			return err
+		}
+		w := b.client.Bucket(bucket).Object(b.objectName(sf)).NewWriter(ctx)
+		w.ChunkSize = 0
+		_, err = io.Copy(w, f)
+		f.Close()
+		if cerr := w.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", sf.rel, err)
+		}
+	}
+	return nil
+}
+
+// naiveDownload reads each object with one full NewReader, one after another.
+func (b *bench) naiveDownload(ctx context.Context) error {
+	for _, sf := range b.files {
+		p := filepath.Join(b.restored(), filepath.FromSlash(sf.rel))
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			return err
+		}
+		f, err := os.Create(p)
+		if err != nil {
+			return err
+		}
+		r, err := b.client.Bucket(bucket).Object(b.objectName(sf)).NewReader(ctx)
+		if err == nil {
+			_, err = io.Copy(f, r)
+			r.Close()
+		}
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", sf.rel, err)
+		}
+	}
+	return nil
+}
+
+// renderSection formats the run as Markdown between the section markers.
+func renderSection(cfg config, env benchkit.Environment, stepBytes int64, variants []variant, samples map[string][]sample) string {
+	sec := benchkit.Section{Name: prog, Note: sectionNote}
+	var sb strings.Builder
+	w := func(format string, args ...any) { fmt.Fprintf(&sb, format, args...) }
+	goodput := func(key string) float64 {
+		var xs []float64
+		for _, s := range samples[key] {
+			xs = append(xs, float64(stepBytes)/s.seconds/1e9)
+		}
+		return benchkit.Median(xs)
+	}
+	cpu := func(key string) float64 {
+		var xs []float64
+		for _, s := range samples[key] {
+			xs = append(xs, s.cpu)
+		}
+		return benchkit.Median(xs)
+	}
+	w("%s\n## GCS backup store (gcsbench), latest run: %s\n\n", sec.Begin(), env.Date.Format("2006-01-02 15:04 MST"))
+	w("- Command (from the module root): `%s`\n", env.Command)
+	w("- Step: one %s file + %d × %s = %s of random bytes on tmpfs (`%s`); one in-process fake-gcs-server v1.56.1 (memory backend) on 127.0.0.1 for both sides; one storage.Client (JSON API).\n",
+		benchkit.FormatBytes(cfg.bigSize), cfg.files, benchkit.FormatBytes(cfg.fileSize), benchkit.FormatBytes(stepBytes), cfg.shm)
+	w("- Machine: %s\n", env.Machine)
+	w("- CPU competition: %s.\n", env.CPU)
+	w("- Method: %d warm-up and %d measured rounds; every round runs every variant, the first rotating from round to round; figures are medians. "+
+		"Goodput = step bytes ÷ wall time. Naive = one storage.Writer (ChunkSize 0, one streamed request) or one full storage.Reader per file, files one after another. "+
+		"mtcfs = Backups.Upload / Backups.Download on the gs:// store with Parallelism %d (CRC32C sent with every upload and checked on every download). "+
+		"CPU = CPU time of this process per transfer, **emulator included**: the emulator computes MD5 and CRC32C of every object it stores, again for every compose, and shares the CPUs with the client.\n\n",
+		cfg.warmup, cfg.reps, cfg.parallelism)
+	w("| Direction | Transfer | Part size | Goodput GB/s | ÷ naive | CPU s | samples GB/s |\n")
+	w("|---|---|--:|--:|--:|--:|---|\n")
+	for _, dir := range []string{"backup", "restore"} {
+		base := goodput(dir + "-naive")
+		for _, v := range variants {
+			if v.direction != dir {
+				continue
+			}
+			g := goodput(v.key)
+			part, label, ratio := "—", "naive single stream", "1.00×"
+			if v.how == "mtcfs" {
+				part = benchkit.FormatBytes(v.partSize)
+				label = "mtcfs"
+				ratio = fmt.Sprintf("%.2f×", g/base)
+				if v.partSize == gcsbackend.DefaultGCSPartSize {
+					label = "**mtcfs (defaults)**"
+					verdict := "met"
+					if g/base < target {
+						verdict = "**NOT met**"
+					}
+					ratio += fmt.Sprintf(" (target ≥ %g×: %s)", target, verdict)
+				}
+			}
+			var raw []string
+			for _, s := range samples[v.key] {
+				raw = append(raw, benchkit.FormatValue(float64(stepBytes)/s.seconds/1e9))
+			}
+			w("| %s | %s | %s | %s | %s | %s | %s |\n", dir, label, part, benchkit.FormatValue(g), ratio, benchkit.FormatValue(cpu(v.key)), strings.Join(raw, " "))
+		}
+	}
+	w("\n%s\n", sec.End())
+	return sb.String()
+}

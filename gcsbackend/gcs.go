@@ -1,0 +1,909 @@
+package gcsbackend
+
+import (
+	"context"
+	cryptorand "crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"cloud.google.com/go/storage"
+	"google.golang.org/api/googleapi"
+	"google.golang.org/api/iterator"
+	"google.golang.org/api/option"
+)
+
+// gcsStore is the gs://bucket[/prefix] ObjectStore: object "a/b" is the GCS
+// object "<prefix>/a/b" in the bucket, the same layout as file://.
+//
+// Every request is retried by gcsStore itself, not by the client library
+// (whose retries are switched off per handle): one loop gives every call the
+// same backoff, the same stall detection (an attempt that moves no byte for
+// StallTimeout is abandoned) and the same idempotency rules:
+//
+//   - uploads send their CRC32C before the first byte, so GCS refuses damaged
+//     bytes and nothing is published; a refusal whose bytes matched the CRC
+//     on our side was damaged on the way, and is retried;
+//   - create-if-absent uploads carry ifGenerationMatch=0; a 412 on a retry
+//     means an earlier attempt landed, which Stat confirms (same size and
+//     CRC32C) or refutes (*PreconditionError);
+//   - replacing uploads carry ifGenerationMatch of the generation they saw,
+//     so a retry cannot clobber a newer write, and a 412 whose object holds
+//     our bytes is our own earlier attempt;
+//   - reads pin the generation they started with, so a read resumed after an
+//     error never mixes two versions of an object.
+//
+// GCS allows about one write per second to one object name; the store delays
+// a second write to a name it wrote less than NameWriteInterval ago.
+//
+// Large files go through putFile and getFile (see gcs_transfer.go): parallel
+// composite uploads and parallel ranged downloads, streamed from and to the
+// local file.
+type gcsStore struct {
+	bucket, prefix string // prefix: "" or a valid name, without a trailing "/"
+	client         func(context.Context) (*storage.Client, error)
+	opts           GCSOptions
+	names          nameLimiter
+}
+
+var (
+	_ ObjectStore = (*gcsStore)(nil)
+	_ filePutter  = (*gcsStore)(nil)
+	_ fileGetter  = (*gcsStore)(nil)
+	_ crcUpfront  = (*gcsStore)(nil)
+)
+
+// GCSOptions tunes a GCS store. The zero value gives the defaults.
+type GCSOptions struct {
+	// StallTimeout abandons (and retries) a request that has moved no byte
+	// for this long. Default 60 s.
+	StallTimeout time.Duration
+	// MaxAttempts bounds the attempts of one request. Default 8.
+	MaxAttempts int
+	// BackoffInitial and BackoffMax shape the exponential backoff between
+	// attempts (with jitter). Defaults 500 ms and 16 s.
+	BackoffInitial, BackoffMax time.Duration
+	// PartSize is the size of the parts of a composite upload and of the
+	// ranges of a parallel download. Default DefaultGCSPartSize.
+	PartSize int64
+	// ParallelThreshold: files of at least this size are moved in parts.
+	// Default 2 × PartSize.
+	ParallelThreshold int64
+	// NameWriteInterval is the minimum time between two writes to one name.
+	// Default 1 s, GCS's documented limit.
+	NameWriteInterval time.Duration
+}
+
+// DefaultGCSPartSize was chosen with bench/gcsbench (bench/RESULTS.md): on
+// the emulator 32 MiB gave the fastest backup of 8–64 MiB and a restore
+// within noise of the fastest; it keeps a 1 GiB file within one compose (32
+// sources), and a request long enough that per-request latency does not
+// matter against real GCS.
+const DefaultGCSPartSize = 32 << 20
+
+func (o GCSOptions) withDefaults() GCSOptions {
+	if o.StallTimeout <= 0 {
+		o.StallTimeout = 60 * time.Second
+	}
+	if o.MaxAttempts <= 0 {
+		o.MaxAttempts = 8
+	}
+	if o.BackoffInitial <= 0 {
+		o.BackoffInitial = 500 * time.Millisecond
+	}
+	if o.BackoffMax <= 0 {
+		o.BackoffMax = 16 * time.Second
+	}
+	if o.PartSize <= 0 {
+		o.PartSize = DefaultGCSPartSize
+	}
+	if o.ParallelThreshold <= 0 {
+		o.ParallelThreshold = 2 * o.PartSize
+	}
+	if o.NameWriteInterval <= 0 {
+		o.NameWriteInterval = time.Second
+	}
+	return o
+}
+
+// NewGCS returns the store for gs://bucket/prefix using client, which the
+// caller owns (and closes after the store's last use). Reads against
+// fake-gcs-server need a client created with storage.WithJSONReads().
+func NewGCS(client *storage.Client, bucket, prefix string, opts GCSOptions) (ObjectStore, error) {
+	return newGCS(func(context.Context) (*storage.Client, error) { return client, nil }, bucket, prefix, opts)
+}
+
+func newGCS(client func(context.Context) (*storage.Client, error), bucket, prefix string, opts GCSOptions) (*gcsStore, error) {
+	if err := validateBucket(bucket); err != nil {
+		return nil, err
+	}
+	prefix = strings.TrimSuffix(prefix, "/")
+	if prefix != "" {
+		if err := ValidateName(prefix); err != nil {
+			return nil, fmt.Errorf("gs://%s/%s: prefix: %w", bucket, prefix, err)
+		}
+	}
+	return &gcsStore{bucket: bucket, prefix: prefix, client: client, opts: opts.withDefaults()}, nil
+}
+
+// validateBucket checks the GCS bucket naming rules that a URL can break.
+func validateBucket(b string) error {
+	if len(b) < 3 || len(b) > 222 {
+		return fmt.Errorf("bucket name %q: want 3 to 222 characters", b)
+	}
+	for _, c := range b {
+		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '_' || c == '.') {
+			return fmt.Errorf("bucket name %q: only lowercase letters, digits, '-', '_' and '.' are allowed", b)
+		}
+	}
+	return nil
+}
+
+// sharedClient is the one *storage.Client of the process for stores from
+// Open: created on first use (credential discovery may do network I/O, which
+// Open must not), kept when that succeeds, retried when it failed.
+var sharedClient struct {
+	mu sync.Mutex
+	c  *storage.Client // GUARDED_BY(mu)
+}
+
+func defaultClient(context.Context) (*storage.Client, error) {
+	sharedClient.mu.Lock()
+	defer sharedClient.mu.Unlock()
+	if sharedClient.c != nil {
+		return sharedClient.c, nil
+	}
+	var opts []option.ClientOption
+	if os.Getenv("STORAGE_EMULATOR_HOST") != "" || os.Getenv("MTCFS_GCS_JSON_READS") != "" {
+		// fake-gcs-server serves reads through the JSON API only.
+		opts = append(opts, storage.WithJSONReads())
+	}
+	// Not the caller's context: the client outlives the call.
+	c, err := storage.NewClient(context.Background(), opts...)
+	if err != nil {
+		return nil, fmt.Errorf("create the GCS client (Application Default Credentials, see README): %w", err)
+	}
+	sharedClient.c = c
+	return c, nil
+}
+
+func (s *gcsStore) String() string {
+	if s.prefix == "" {
+		return "gs://" + s.bucket
+	}
+	return "gs://" + s.bucket + "/" + s.prefix
+}
+
+// key is the GCS object name of a store name.
+func (s *gcsStore) key(name string) string {
+	if s.prefix == "" {
+		return name
+	}
+	return s.prefix + "/" + name
+}
+
+// rel is the store name of a GCS object name under the prefix.
+func (s *gcsStore) rel(key string) string {
+	if s.prefix == "" {
+		return key
+	}
+	return strings.TrimPrefix(key, s.prefix+"/")
+}
+
+// url names an object in error messages, bucket included.
+func (s *gcsStore) url(name string) string { return "gs://" + s.bucket + "/" + s.key(name) }
+
+// handle returns the object handle of a GCS object name, with the library's
+// own retries off: retry loops them all.
+func (s *gcsStore) handle(ctx context.Context, key string) (*storage.ObjectHandle, error) {
+	c, err := s.client(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return c.Bucket(s.bucket).Object(key).Retryer(storage.WithPolicy(storage.RetryNever)), nil
+}
+
+func (s *gcsStore) WantsCRCUpfront() bool { return true }
+
+// errStalled is the cause of an attempt abandoned by its watchdog.
+var errStalled = errors.New("no progress")
+
+// watchdog cancels an attempt's context when touch has not been called for
+// its timeout.
+type watchdog struct {
+	d      time.Duration
+	t      *time.Timer
+	cancel context.CancelCauseFunc
+}
+
+func startWatchdog(ctx context.Context, d time.Duration) (context.Context, *watchdog) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	w := &watchdog{d: d, cancel: cancel}
+	w.t = time.AfterFunc(d, func() { cancel(fmt.Errorf("%w for %s", errStalled, d)) })
+	return ctx, w
+}
+
+func (w *watchdog) touch() { w.t.Reset(w.d) }
+
+func (w *watchdog) stop() {
+	w.t.Stop()
+	w.cancel(context.Canceled)
+}
+
+// attempt is one try of a request: its context, cancelled by the watchdog
+// when nothing moves, and the attempt number from 0.
+type attempt struct {
+	ctx context.Context
+	n   int
+	wd  *watchdog
+}
+
+// errTransitCorruption marks an upload GCS refused for a CRC32C mismatch
+// although the bytes we sent matched it: damaged on the way, worth a retry.
+var errTransitCorruption = errors.New("the server received bytes that differ from those sent")
+
+// retryable reports whether an attempt's error is worth another attempt.
+func retryable(a *attempt, err error) bool {
+	var perm *permanentError
+	switch {
+	case errors.As(err, &perm):
+		return false
+	case errors.Is(context.Cause(a.ctx), errStalled) || errors.Is(err, errStalled) || errors.Is(err, errTransitCorruption):
+		return true
+	}
+	return storage.ShouldRetry(err)
+}
+
+// retry runs fn until it succeeds, fails for good, or MaxAttempts are used.
+// op and name only label the error.
+func (s *gcsStore) retry(ctx context.Context, op, name string, fn func(a *attempt) error) error {
+	var err error
+	for n := 0; n < s.opts.MaxAttempts; n++ {
+		if n > 0 {
+			if werr := sleepCtx(ctx, s.backoff(n)); werr != nil {
+				return fmt.Errorf("%s %s: %w (after %d attempts, last: %v)", op, s.url(name), werr, n, err)
+			}
+		}
+		actx, wd := startWatchdog(ctx, s.opts.StallTimeout)
+		a := &attempt{ctx: actx, n: n, wd: wd}
+		err = fn(a)
+		stalled := errors.Is(context.Cause(actx), errStalled)
+		wd.stop()
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("%s %s: %w", op, s.url(name), ctx.Err())
+		}
+		if stalled {
+			err = fmt.Errorf("%w: %w", context.Cause(actx), err)
+		}
+		if !(stalled || retryable(a, err)) {
+			return err
+		}
+	}
+	return fmt.Errorf("%s %s: giving up after %d attempts: %w", op, s.url(name), s.opts.MaxAttempts, err)
+}
+
+func (s *gcsStore) backoff(n int) time.Duration {
+	d := s.opts.BackoffInitial
+	for i := 1; i < n && d < s.opts.BackoffMax; i++ {
+		d *= 2
+	}
+	d = min(d, s.opts.BackoffMax)
+	return d/2 + rand.N(d/2+1) // jitter, so that parallel retries spread out
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func httpCode(err error) int {
+	var ge *googleapi.Error
+	if errors.As(err, &ge) {
+		return ge.Code
+	}
+	return 0
+}
+
+// mapErr turns a library error about name into the ObjectStore errors.
+func (s *gcsStore) mapErr(op, name string, err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, storage.ErrBucketNotExist) || httpCode(err) == http.StatusNotFound && (op == "put" || op == "list" || op == "compose"):
+		// Uploads and listings do not depend on an object: only the bucket
+		// can be missing.
+		return fmt.Errorf("%s %s: bucket %q does not exist or is not visible to these credentials: %w", op, s.url(name), s.bucket, err)
+	case errors.Is(err, storage.ErrObjectNotExist) || httpCode(err) == http.StatusNotFound:
+		return &NotFoundError{Name: name, Err: fmt.Errorf("%s: %w", s.url(name), err)}
+	case httpCode(err) == http.StatusForbidden || httpCode(err) == http.StatusUnauthorized:
+		return fmt.Errorf("%s %s: permission denied (the credentials need storage.objects.create/get/list/delete on bucket %s, e.g. roles/storage.objectUser): %w",
+			op, s.url(name), s.bucket, err)
+	}
+	var nf *NotFoundError
+	var ce *ChecksumError
+	var pe *PreconditionError
+	if errors.As(err, &nf) || errors.As(err, &ce) || errors.As(err, &pe) || strings.Contains(err.Error(), s.url(name)) {
+		return err // already ours
+	}
+	return fmt.Errorf("%s %s: %w", op, s.url(name), err)
+}
+
+func (s *gcsStore) attrs(o *storage.ObjectAttrs) ObjectAttrs {
+	return ObjectAttrs{Name: s.rel(o.Name), Size: o.Size, CRC32C: o.CRC32C, Updated: o.Updated, Generation: o.Generation}
+}
+
+func (s *gcsStore) Stat(ctx context.Context, name string) (ObjectAttrs, error) {
+	if err := ValidateName(name); err != nil {
+		return ObjectAttrs{}, err
+	}
+	o, err := s.statKey(ctx, name, s.key(name))
+	if err != nil {
+		return ObjectAttrs{}, err
+	}
+	return s.attrs(o), nil
+}
+
+// statKey returns the attributes of the GCS object key; name labels errors.
+func (s *gcsStore) statKey(ctx context.Context, name, key string) (*storage.ObjectAttrs, error) {
+	var o *storage.ObjectAttrs
+	err := s.retry(ctx, "stat", name, func(a *attempt) error {
+		h, err := s.handle(a.ctx, key)
+		if err != nil {
+			return err
+		}
+		o, err = h.Attrs(a.ctx)
+		return err
+	})
+	return o, s.mapErr("stat", name, err)
+}
+
+func (s *gcsStore) List(ctx context.Context, prefix, delimiter string) ([]ObjectAttrs, []string, error) {
+	if err := validatePrefix(prefix); err != nil {
+		return nil, nil, err
+	}
+	var objects []ObjectAttrs
+	var prefixes []string
+	q := &storage.Query{Prefix: s.key(prefix), Delimiter: delimiter}
+	if s.prefix != "" && prefix == "" {
+		q.Prefix = s.prefix + "/"
+	}
+	if err := q.SetAttrSelection([]string{"Name", "Size", "CRC32C", "Updated", "Generation"}); err != nil {
+		return nil, nil, err
+	}
+	err := s.retry(ctx, "list", prefix, func(a *attempt) error {
+		objects, prefixes = nil, nil // a retry starts the listing over
+		c, err := s.client(a.ctx)
+		if err != nil {
+			return err
+		}
+		it := c.Bucket(s.bucket).Retryer(storage.WithPolicy(storage.RetryNever)).Objects(a.ctx, q)
+		for {
+			o, err := it.Next()
+			if err == iterator.Done {
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			a.wd.touch()
+			if o.Prefix != "" {
+				if rel := s.rel(o.Prefix); !hasTempSegment(rel) {
+					prefixes = append(prefixes, rel)
+				}
+				continue
+			}
+			if rel := s.rel(o.Name); !hasTempSegment(rel) {
+				objects = append(objects, s.attrs(o))
+			}
+		}
+	})
+	if err != nil {
+		return nil, nil, s.mapErr("list", prefix, err)
+	}
+	return objects, prefixes, nil
+}
+
+// hasTempSegment reports whether a name lies in a temporary area (the parts
+// of a composite upload), which listings hide.
+func hasTempSegment(name string) bool {
+	for seg := range strings.SplitSeq(strings.TrimSuffix(name, "/"), "/") {
+		if isTempName(seg) {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *gcsStore) Delete(ctx context.Context, name string) error {
+	if err := ValidateName(name); err != nil {
+		return err
+	}
+	return s.deleteKey(ctx, name, s.key(name), 0)
+}
+
+// deleteKey deletes a GCS object (of generation gen, if not 0). A 404 on a
+// retry means an earlier attempt whose answer was lost deleted it.
+func (s *gcsStore) deleteKey(ctx context.Context, name, key string, gen int64) error {
+	if !hasTempSegment(key) { // temporary names are ours alone
+		if err := s.names.wait(ctx, key, s.opts.NameWriteInterval); err != nil {
+			return err
+		}
+	}
+	err := s.retry(ctx, "delete", name, func(a *attempt) error {
+		h, err := s.handle(a.ctx, key)
+		if err != nil {
+			return err
+		}
+		if gen != 0 {
+			h = h.If(storage.Conditions{GenerationMatch: gen})
+		}
+		err = h.Delete(a.ctx)
+		if a.n > 0 && errors.Is(err, storage.ErrObjectNotExist) {
+			return nil
+		}
+		return err
+	})
+	return s.mapErr("delete", name, err)
+}
+
+// Open reads a range. The returned reader resumes after transient errors
+// from where it was, on the generation it started with.
+func (s *gcsStore) Open(ctx context.Context, name string, off, length int64) (io.ReadCloser, error) {
+	if err := ValidateName(name); err != nil {
+		return nil, err
+	}
+	if off < 0 {
+		return nil, fmt.Errorf("open %s: negative offset %d", s.url(name), off)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	// The reader outlives this call (see ObjectStore.Open): its context is
+	// cut loose from ctx and cancelled by Close.
+	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	r := &gcsReader{s: s, ctx: rctx, cancel: cancel, name: name, off: off, remaining: length}
+	if err := r.open(); err != nil {
+		cancel()
+		return nil, err
+	}
+	return r, nil
+}
+
+// gcsReader reads [off, off+remaining) of one generation of an object.
+type gcsReader struct {
+	s         *gcsStore
+	ctx       context.Context
+	cancel    context.CancelFunc
+	name      string
+	off       int64 // next byte to read
+	remaining int64 // < 0: to the end
+	gen       int64 // 0 until the first open
+	r         *storage.Reader
+	wd        *watchdog
+	rctx      context.Context // the current reader's attempt context
+}
+
+// open (re)opens the object at r.off, retrying transient errors.
+func (r *gcsReader) open() error {
+	return r.s.retry(r.ctx, "read", r.name, func(a *attempt) error {
+		h, err := r.s.handle(a.ctx, r.s.key(r.name))
+		if err != nil {
+			return err
+		}
+		if r.gen != 0 {
+			h = h.Generation(r.gen)
+		}
+		// The attempt context dies with this function; the reader needs one
+		// that lives until the next error or Close, with its own watchdog.
+		rctx, wd := startWatchdog(r.ctx, r.s.opts.StallTimeout)
+		sr, err := h.NewRangeReader(rctx, r.off, r.remaining)
+		if err != nil {
+			stalled := context.Cause(rctx)
+			wd.stop()
+			if httpCode(err) == http.StatusRequestedRangeNotSatisfiable {
+				return r.outOfRange(a.ctx)
+			}
+			if errors.Is(stalled, errStalled) {
+				return fmt.Errorf("%w: %w", stalled, err)
+			}
+			return r.s.mapErr("read", r.name, err)
+		}
+		if r.gen == 0 {
+			r.gen = sr.Attrs.Generation
+		}
+		r.r, r.wd, r.rctx = sr, wd, rctx
+		return nil
+	})
+}
+
+// outOfRange tells an empty range at the end of the object (GCS answers 416
+// for it) from an offset beyond the end.
+func (r *gcsReader) outOfRange(ctx context.Context) error {
+	o, err := r.s.statKey(ctx, r.name, r.s.key(r.name))
+	if err != nil {
+		return err
+	}
+	if r.off > o.Size {
+		return fmt.Errorf("open %s: offset %d is beyond the object's size %d", r.s.url(r.name), r.off, o.Size)
+	}
+	r.remaining = 0 // at the end: nothing to read
+	return nil
+}
+
+func (r *gcsReader) Read(p []byte) (int, error) {
+	for {
+		if r.remaining == 0 {
+			return 0, io.EOF
+		}
+		if r.r == nil {
+			if err := r.open(); err != nil {
+				return 0, err
+			}
+			if r.r == nil {
+				return 0, io.EOF
+			}
+		}
+		n, err := r.r.Read(p)
+		if n > 0 {
+			r.wd.touch()
+			r.off += int64(n)
+			if r.remaining > 0 {
+				r.remaining -= int64(n)
+			}
+			if err == io.EOF {
+				err = nil // the next call reports it
+			}
+			return n, err
+		}
+		if err == io.EOF {
+			r.remaining = 0
+			return 0, io.EOF
+		}
+		stalled := errors.Is(context.Cause(r.rctx), errStalled)
+		r.closeReader()
+		if r.ctx.Err() != nil {
+			return 0, r.ctx.Err()
+		}
+		if !stalled && !storage.ShouldRetry(err) {
+			return 0, r.s.mapErr("read", r.name, err)
+		}
+		// Resume from r.off on the next loop.
+	}
+}
+
+func (r *gcsReader) closeReader() {
+	if r.r != nil {
+		r.r.Close()
+		r.wd.stop()
+		r.r = nil
+	}
+}
+
+func (r *gcsReader) Close() error {
+	r.closeReader()
+	r.cancel()
+	return nil
+}
+
+func (s *gcsStore) Put(ctx context.Context, req PutRequest) error {
+	if err := ValidateName(req.Name); err != nil {
+		return err
+	}
+	if req.Size < 0 {
+		return fmt.Errorf("put %s: negative size %d", s.url(req.Name), req.Size)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	body, err := newReplayableBody(ctx, req)
+	if err != nil {
+		return fmt.Errorf("put %s: %w", s.url(req.Name), err)
+	}
+	return s.write(ctx, writeRequest{name: req.Name, key: s.key(req.Name), size: req.Size, crc: body.crc, crcKnown: body.crcKnown,
+		body: body.open, once: body.seek == nil, ifAbsent: req.IfAbsent})
+}
+
+// replayableBody gives a Put body to each attempt. A body that can seek is
+// read once beforehand, to check its size and take (or check) its CRC32C,
+// and replayed from where it started; any other can only be sent once, and
+// without a CRC32C from the caller it is checked only after the upload (see
+// writeOnce).
+type replayableBody struct {
+	r        io.Reader
+	start    int64
+	seek     io.Seeker
+	crc      uint32
+	crcKnown bool
+	used     bool
+}
+
+// newReplayableBody prepares req.Body. GCS must have the CRC32C before the
+// first byte to refuse damaged data, and a body found short or long only
+// while streaming could still be published cut to the announced size.
+func newReplayableBody(ctx context.Context, req PutRequest) (*replayableBody, error) {
+	b := &replayableBody{r: req.Body}
+	if sk, ok := req.Body.(io.Seeker); ok {
+		if pos, err := sk.Seek(0, io.SeekCurrent); err == nil {
+			b.seek, b.start = sk, pos
+		}
+	}
+	if b.seek == nil {
+		if req.CRC32C != nil {
+			b.crc, b.crcKnown = *req.CRC32C, true
+		}
+		return b, nil
+	}
+	n, crc, err := copyCRC(ctx, io.Discard, io.LimitReader(req.Body, req.Size))
+	if err != nil {
+		return nil, err
+	}
+	if n != req.Size {
+		return nil, fmt.Errorf("body ended after %d of %d bytes", n, req.Size)
+	}
+	var extra [1]byte
+	if m, _ := io.ReadFull(req.Body, extra[:]); m > 0 {
+		return nil, fmt.Errorf("body is longer than the announced %d bytes", req.Size)
+	}
+	if req.CRC32C != nil && *req.CRC32C != crc {
+		return nil, &ChecksumError{Name: req.Name, Want: *req.CRC32C, Got: crc}
+	}
+	b.crc, b.crcKnown = crc, true
+	return b, nil
+}
+
+func (b *replayableBody) open() (io.Reader, error) {
+	if b.seek != nil {
+		if _, err := b.seek.Seek(b.start, io.SeekStart); err != nil {
+			return nil, err
+		}
+	} else if b.used {
+		return nil, &permanentError{errors.New("cannot retry: the body was consumed and cannot seek")}
+	}
+	b.used = true
+	return b.r, nil
+}
+
+// writeRequest is one object upload.
+type writeRequest struct {
+	name, key string // store name (for errors) and GCS object name
+	size      int64
+	crc       uint32
+	// crcKnown is false for a body that could not be checksummed before the
+	// upload: crc is then unset, and the CRC32C is checked afterwards.
+	crcKnown bool
+	// body returns the bytes for one attempt; at least size of them.
+	body func() (io.Reader, error)
+	// once marks a body that cannot be replayed, nor checked before it is
+	// sent: it is uploaded in resumable chunks, so that abandoning it before
+	// the last one publishes nothing (memory: one chunk buffer).
+	once     bool
+	ifAbsent bool
+	// exclusive marks a name only this upload uses (a part): no rate limit.
+	exclusive bool
+	// progress is told the bytes sent so far in the current attempt.
+	progress func(sent int64)
+}
+
+// write uploads one object with its CRC32C and a generation precondition,
+// retrying. See gcsStore for the rules.
+func (s *gcsStore) write(ctx context.Context, req writeRequest) error {
+	// Replacing: the generation we replace. 0 with ifAbsent: must not exist.
+	var gen int64
+	if !req.ifAbsent {
+		o, err := s.statKey(ctx, req.name, req.key)
+		switch {
+		case IsNotFound(err):
+		case err != nil:
+			return err
+		default:
+			gen = o.Generation
+		}
+	}
+	err := s.retry(ctx, "put", req.name, func(a *attempt) error {
+		if !req.exclusive {
+			if err := s.names.wait(a.ctx, req.key, s.opts.NameWriteInterval); err != nil {
+				return err
+			}
+		}
+		sent, err := s.writeOnce(a, req, gen)
+		if httpCode(err) != http.StatusPreconditionFailed {
+			return err
+		}
+		want := req.crc
+		if !req.crcKnown {
+			want = sent
+		}
+		// The name is not in the state we required: an earlier attempt of
+		// ours may have landed, or someone else wrote it.
+		o, serr := s.statKey(a.ctx, req.name, req.key)
+		if IsNotFound(serr) {
+			gen = 0 // deleted meanwhile (or a spurious 412): create it
+			return errRetryNow
+		}
+		if serr != nil {
+			return serr
+		}
+		if o.Size == req.size && o.CRC32C == want {
+			return nil // our bytes are there
+		}
+		if req.ifAbsent {
+			return s.conflict(req.name, o, req.size, want)
+		}
+		gen = o.Generation // a newer write than the one we saw: replace that
+		return errRetryNow
+	})
+	return s.mapErr("put", req.name, err)
+}
+
+// conflict is the error of a create-if-absent write of size bytes with
+// crc32c crc that found o, with other content, under the name.
+func (s *gcsStore) conflict(name string, o *storage.ObjectAttrs, size int64, crc uint32) error {
+	return &PreconditionError{Name: name, Err: fmt.Errorf("%s exists with different content (size %d crc32c %08x, put size %d crc32c %08x): %w",
+		s.url(name), o.Size, o.CRC32C, size, crc, os.ErrExist)}
+}
+
+// errRetryNow asks retry for another attempt after a precondition changed.
+var errRetryNow = &googleapi.Error{Code: http.StatusServiceUnavailable, Message: "retry with the new generation"}
+
+// writeOnce is one upload attempt; it returns the CRC32C of the bytes it
+// sent. Nothing becomes visible unless Close succeeds, and Close is only
+// reached with exactly req.size bytes whose CRC32C is req.crc; any other
+// outcome cancels the request.
+func (s *gcsStore) writeOnce(a *attempt, req writeRequest, gen int64) (uint32, error) {
+	body, err := req.body()
+	if err != nil {
+		return 0, err
+	}
+	h, err := s.handle(a.ctx, req.key)
+	if err != nil {
+		return 0, err
+	}
+	if gen != 0 {
+		h = h.If(storage.Conditions{GenerationMatch: gen})
+	} else {
+		h = h.If(storage.Conditions{DoesNotExist: true})
+	}
+	wctx, abort := context.WithCancel(a.ctx)
+	defer abort()
+	w := h.NewWriter(wctx)
+	w.ChunkSize = 0 // one streamed request: no buffer; retries re-read the source
+	if req.once {
+		w.ChunkSize = onceChunkSize
+	}
+	w.ContentType = "application/octet-stream"
+	if req.crcKnown {
+		w.CRC32C, w.SendCRC32C = req.crc, true
+		w.DisableAutoChecksum = true // the CRC32C we send is checked by the server
+	}
+
+	bp := copyBufs.Get().(*[]byte)
+	defer copyBufs.Put(bp)
+	buf := *bp
+	var sent int64
+	var crc uint32
+	for sent < req.size {
+		m, rerr := body.Read(buf[:min(int64(len(buf)), req.size-sent)])
+		if m > 0 {
+			crc = crc32.Update(crc, crcTable, buf[:m])
+			if _, werr := w.Write(buf[:m]); werr != nil {
+				abort()
+				return crc, werr
+			}
+			sent += int64(m)
+			a.wd.touch()
+			if req.progress != nil {
+				req.progress(sent)
+			}
+		}
+		if rerr == io.EOF {
+			break
+		}
+		if rerr != nil {
+			abort()
+			return crc, &permanentError{fmt.Errorf("read the source of %s: %w", s.url(req.name), rerr)}
+		}
+	}
+	// To give up, cancel and never Close: Close would end the request body
+	// normally and could publish what was sent so far (the CRC32C sent up
+	// front cannot catch a body cut at the same point as the source).
+	fail := func(err error) (uint32, error) { abort(); return crc, &permanentError{err} }
+	if sent != req.size {
+		return fail(fmt.Errorf("put %s: body ended after %d of %d bytes", s.url(req.name), sent, req.size))
+	}
+	var extra [1]byte
+	if m, _ := io.ReadFull(body, extra[:]); m > 0 {
+		return fail(fmt.Errorf("put %s: body is longer than the announced %d bytes", s.url(req.name), req.size))
+	}
+	if req.crcKnown && crc != req.crc {
+		abort()
+		return crc, &ChecksumError{Name: req.name, Want: req.crc, Got: crc}
+	}
+	err = w.Close()
+	if httpCode(err) == http.StatusBadRequest && strings.Contains(strings.ToLower(err.Error()), "crc32c") {
+		return crc, fmt.Errorf("%w: %w", errTransitCorruption, err)
+	}
+	if err != nil {
+		return crc, err
+	}
+	if o := w.Attrs(); o.Size != req.size || o.CRC32C != crc {
+		// Only reachable when the server did not check a CRC32C before
+		// publishing (none was known, or an emulator that does not check):
+		// withdraw exactly what we wrote.
+		s.deleteKey(context.WithoutCancel(a.ctx), req.name, req.key, o.Generation)
+		return crc, &permanentError{fmt.Errorf("put %s: stored %d bytes with crc32c %08x, sent %d with crc32c %08x: %w",
+			s.url(req.name), o.Size, o.CRC32C, sent, crc, &ChecksumError{Name: req.name, Want: crc, Got: o.CRC32C})}
+	}
+	return crc, nil
+}
+
+// onceChunkSize is the chunk buffer of an upload whose body can be read only
+// once (see writeRequest.once). Nothing in mtcfs sends such bodies; it is
+// there for the ObjectStore contract.
+const onceChunkSize = 4 << 20
+
+// permanentError is an attempt error that retrying cannot fix (the source
+// is short, long or unreadable).
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// tempArea returns a fresh GCS name prefix for the temporary objects of one
+// upload: "<prefix>/.mtcfs-tmp-<random>/". The temporary prefix can never be
+// an object name (ValidateName) and listings hide it.
+func (s *gcsStore) tempArea() string {
+	var rnd [12]byte
+	cryptorand.Read(rnd[:]) // never fails
+	return s.key(tempPrefix + hex.EncodeToString(rnd[:]) + "/")
+}
+
+// nameLimiter delays a write to a name written less than an interval ago
+// (GCS: about one write per second per object name).
+type nameLimiter struct {
+	mu   sync.Mutex
+	last map[string]time.Time // GUARDED_BY(mu): when each name was last written
+}
+
+func (l *nameLimiter) wait(ctx context.Context, name string, interval time.Duration) error {
+	for {
+		l.mu.Lock()
+		now := time.Now()
+		if l.last == nil {
+			l.last = make(map[string]time.Time)
+		}
+		if len(l.last) > 4096 { // forget names whose interval has passed
+			for n, t := range l.last {
+				if now.Sub(t) >= interval {
+					delete(l.last, n)
+				}
+			}
+		}
+		next := l.last[name].Add(interval)
+		if !now.Before(next) {
+			l.last[name] = now
+			l.mu.Unlock()
+			return nil
+		}
+		l.mu.Unlock()
+		if err := sleepCtx(ctx, next.Sub(now)); err != nil {
+			return err
+		}
+	}
+}

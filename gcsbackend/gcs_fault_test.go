@@ -1,0 +1,209 @@
+package gcsbackend
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fsouza/fake-gcs-server/fakestorage"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Fault injection: the emulator sits behind faultInjector, which breaks
+// chosen requests. Every scenario must end in a correct backup and restore,
+// or in a clear error with a backup that Verify does not call complete —
+// never in a complete-looking backup that is wrong, or a torn restored file.
+
+const faultBackup = "2026-01-02_03-04"
+
+// faultSetup is an emulator, a store with fast test options (parts of
+// 256 KiB), and a source tree with a 1 MiB file (4 parts) and a
+// 768 KiB + 5 B one (4 parts, the last one short).
+func faultSetup(t *testing.T, tune func(*GCSOptions)) (*fakeGCS, *Backups, map[string]string, string) {
+	t.Helper()
+	f := newFakeGCS(t)
+	opts := testGCSOptions()
+	opts.PartSize = 256 << 10
+	if tune != nil {
+		tune(&opts)
+	}
+	b := &Backups{Store: f.store(t, "bk", opts), Parallelism: 4}
+	src := t.TempDir()
+	return f, b, bigTree(t, src, 1<<20, 768<<10+5), src
+}
+
+func assertAllHit(t *testing.T, f *fakeGCS, rules ...*faultRule) {
+	t.Helper()
+	for i, r := range rules {
+		assert.Equal(t, r.times, f.faults.hits(r), "fault rule %d must have fired every time (the scenario did not happen otherwise)", i)
+	}
+}
+
+// assertNotComplete checks that a failed upload left no complete-looking
+// step behind.
+func assertNotComplete(t *testing.T, b *Backups) {
+	t.Helper()
+	rep, err := b.Verify(context.Background(), testJob, faultBackup, VerifyOptions{Nodes: 1, Workers: 1, Deep: true})
+	if IsNotFound(err) {
+		return
+	}
+	require.NoError(t, err)
+	for _, s := range rep.Steps {
+		assert.False(t, s.Complete, "step %d of a failed upload must not be complete", s.Step)
+	}
+}
+
+func uploadFaultTree(b *Backups, src string) error {
+	return b.Upload(context.Background(), UploadRequest{Job: testJob, Backup: faultBackup, Step: 7, Slot: Slot{0, 0},
+		Hash: fakeHash(true, "fault"), Source: src})
+}
+
+func TestGCSFaultServerErrorBursts(t *testing.T) {
+	f, b, tree, src := faultSetup(t, func(o *GCSOptions) { o.MaxAttempts = 30 })
+	r503 := f.faults.add(12, anyRequest, respond(http.StatusServiceUnavailable))
+	r429 := f.faults.add(8, anyRequest, respond(http.StatusTooManyRequests))
+	reads := f.faults.add(4, isMediaRead, respond(http.StatusServiceUnavailable))
+	roundTrip(t, b, tree, src)
+	assertAllHit(t, f, r503, r429, reads)
+	assertNoTemporaryObjects(t, f)
+}
+
+// TestGCSFaultLostAcknowledgement: uploads and composes that landed but whose
+// answer was lost are retried; the retry's 412 is recognised as our own write.
+// A spurious 412 (object absent) is retried too.
+func TestGCSFaultLostAcknowledgement(t *testing.T) {
+	f, b, tree, src := faultSetup(t, nil)
+	lostUploads := f.faults.add(6, isUpload, serveThen(http.StatusServiceUnavailable))
+	lostCompose := f.faults.add(1, isCompose, serveThen(http.StatusBadGateway))
+	spurious := f.faults.add(2, uploadOf(".meta"), respond(http.StatusPreconditionFailed))
+	roundTrip(t, b, tree, src)
+	assertAllHit(t, f, lostUploads, lostCompose, spurious)
+	assertNoTemporaryObjects(t, f)
+}
+
+// TestGCSFaultReplaceRace: a replacing Put (restore.version, registrations)
+// whose object changed between its look and its write gets a 412, looks
+// again and replaces the newer version; it never clobbers blindly.
+func TestGCSFaultReplaceRace(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeGCS(t)
+	b := &Backups{Store: f.store(t, "", testGCSOptions())}
+	require.NoError(t, b.SetRestoreVersion(ctx, testJob, "2025-01-01_00-00"))
+	race := f.faults.add(1, uploadOf("restore.version"), func(w http.ResponseWriter, r *http.Request, next http.Handler) {
+		// Another writer gets in first.
+		f.srv.CreateObject(fakestorage.Object{ObjectAttrs: fakestorage.ObjectAttrs{BucketName: testBucket, Name: testJob + "/restore.version"},
+			Content: []byte("2025-05-05_05-05\n")})
+		next.ServeHTTP(w, r)
+	})
+	require.NoError(t, b.SetRestoreVersion(ctx, testJob, "2026-02-02_02-02"))
+	assertAllHit(t, f, race)
+	pin, ok, err := b.ReadRestoreVersion(ctx, testJob)
+	require.NoError(t, err)
+	assert.True(t, ok)
+	assert.Equal(t, "2026-02-02_02-02", pin, "the later Put replaces the version it found")
+}
+
+// TestGCSFaultStall: requests that hang longer than the stall timeout are
+// abandoned and retried.
+func TestGCSFaultStall(t *testing.T) {
+	f, b, tree, src := faultSetup(t, func(o *GCSOptions) { o.StallTimeout = 500 * time.Millisecond })
+	long := 10 * time.Second
+	rules := []*faultRule{
+		f.faults.add(2, isUpload, stall(long)),
+		f.faults.add(1, isCompose, stall(long)),
+		f.faults.add(2, isMediaRead, stall(long)),
+		f.faults.add(1, func(r *http.Request) bool { return r.Method == http.MethodGet && !isMediaRead(r) }, stall(long)),
+	}
+	roundTrip(t, b, tree, src)
+	assertAllHit(t, f, rules...)
+}
+
+// TestGCSFaultStallForever: a server that never answers ends in a clear error
+// and an incomplete backup.
+func TestGCSFaultStallForever(t *testing.T) {
+	f, b, _, src := faultSetup(t, func(o *GCSOptions) {
+		o.StallTimeout = 100 * time.Millisecond
+		o.MaxAttempts = 2
+	})
+	f.faults.add(1<<30, uploadOf(tempPrefix), stall(time.Minute)) // the parts of the large files
+	err := uploadFaultTree(b, src)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "no progress for 100ms", "the error says what happened")
+	assert.Contains(t, err.Error(), "gs://mtcfs-test/bk/", "the error names bucket and object")
+	f.faults.clear()
+	assertNotComplete(t, b)
+}
+
+// TestGCSFaultCorruptUpload: bytes damaged on the way are refused by the
+// server's CRC32C check and sent again.
+func TestGCSFaultCorruptUpload(t *testing.T) {
+	f, b, tree, src := faultSetup(t, nil)
+	corrupt := f.faults.add(3, uploadOf(tempPrefix), corruptRequest) // parts of a composite upload
+	small := f.faults.add(1, uploadOf("array_0"), corruptRequest)
+	roundTrip(t, b, tree, src)
+	assertAllHit(t, f, corrupt, small)
+	assertNoTemporaryObjects(t, f)
+}
+
+// TestGCSFaultCorruptUploadPersistent: a path that damages every upload
+// ends in a clear error, not in a backup.
+func TestGCSFaultCorruptUploadPersistent(t *testing.T) {
+	f, b, _, src := faultSetup(t, func(o *GCSOptions) { o.MaxAttempts = 3 })
+	f.faults.add(1<<30, uploadOf("array_0"), corruptRequest)
+	err := uploadFaultTree(b, src)
+	require.Error(t, err)
+	assert.Contains(t, strings.ToLower(err.Error()), "crc32c", "the error says the checksum failed")
+	assert.Contains(t, err.Error(), "array_0")
+	f.faults.clear()
+	assertNotComplete(t, b)
+	// Temporary parts may remain here: a part whose request was cancelled
+	// when array_0 failed can still land after the cleanup (on GCS too).
+	// Listings hide them.
+	assert.NotContains(t, listAll(t, b.Store), tempPrefix)
+}
+
+// TestGCSFaultCorruptDownload: bytes damaged on the way down fail the
+// restore with a checksum error and leave nothing at the destination; the
+// next attempt restores correctly.
+func TestGCSFaultCorruptDownload(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name  string
+		match func(*http.Request) bool
+	}{
+		{"ranged", func(r *http.Request) bool { return isMediaRead(r) && strings.Contains(r.URL.Path, "big.bin") }},
+		{"whole", func(r *http.Request) bool { return isMediaRead(r) && strings.Contains(r.URL.Path, "array_0") }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f, b, tree, src := faultSetup(t, nil)
+			require.NoError(t, uploadFaultTree(b, src))
+			rule := f.faults.add(1, tc.match, corruptResponse)
+			parent := t.TempDir()
+			dest := filepath.Join(parent, "restored")
+			req := DownloadRequest{Job: testJob, Backup: faultBackup, Hash: fakeHash(true, "fault"), Dest: dest}
+			err := b.Download(ctx, req)
+			require.Error(t, err, "a corrupted download must fail")
+			var ce *ChecksumError
+			if tc.name == "ranged" {
+				assert.True(t, errors.As(err, &ce), "want *ChecksumError, got %v", err)
+			}
+			assert.Contains(t, err.Error(), "crc", "the error says the checksum failed: %v", err)
+			assertAllHit(t, f, rule)
+			entries, err := os.ReadDir(parent)
+			require.NoError(t, err)
+			assert.Empty(t, entries, "a failed download leaves nothing behind, not even its temporary tree")
+
+			require.NoError(t, b.Download(ctx, req), "the next download is clean")
+			got := readTree(t, dest)
+			for k, v := range tree {
+				assert.True(t, got[k] == v, "restored %s differs", k)
+			}
+		})
+	}
+}

@@ -1,0 +1,613 @@
+package gcsbackend
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"cloud.google.com/go/storage"
+	"github.com/fsouza/fake-gcs-server/fakestorage"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/api/option"
+)
+
+const testBucket = "mtcfs-test"
+
+// fakeGCS is an in-process fake-gcs-server reached over loopback HTTP
+// through faults, which can break chosen requests.
+type fakeGCS struct {
+	srv       *fakestorage.Server
+	url       string
+	faults    *faultInjector
+	client    *storage.Client
+	transport *http.Transport
+}
+
+// newFakeGCS starts an emulator with one empty bucket, testBucket. Server,
+// proxy and client are closed when t ends.
+func newFakeGCS(t *testing.T) *fakeGCS {
+	t.Helper()
+	srv, err := fakestorage.NewServerWithOptions(fakestorage.Options{NoListener: true})
+	require.NoError(t, err)
+	t.Cleanup(srv.Stop)
+	srv.CreateBucketWithOpts(fakestorage.CreateBucketOpts{Name: testBucket})
+	faults := &faultInjector{next: srv.HTTPHandler()}
+	ts := httptest.NewServer(faults)
+	t.Cleanup(ts.Close)
+	transport := &http.Transport{MaxIdleConnsPerHost: 64}
+	t.Cleanup(transport.CloseIdleConnections)
+	client, err := storage.NewClient(context.Background(),
+		option.WithEndpoint(ts.URL+"/storage/v1/"),
+		option.WithHTTPClient(&http.Client{Transport: transport}),
+		storage.WithJSONReads())
+	require.NoError(t, err)
+	t.Cleanup(func() { client.Close() })
+	return &fakeGCS{srv: srv, url: ts.URL, faults: faults, client: client, transport: transport}
+}
+
+// testGCSOptions keep tests fast: small parts, short stalls and backoffs,
+// and a short per-name write interval.
+func testGCSOptions() GCSOptions {
+	return GCSOptions{
+		StallTimeout:      10 * time.Second, // the stall tests set their own
+		MaxAttempts:       6,
+		BackoffInitial:    5 * time.Millisecond,
+		BackoffMax:        40 * time.Millisecond,
+		PartSize:          1 << 20,
+		NameWriteInterval: 10 * time.Millisecond,
+	}
+}
+
+func (f *fakeGCS) store(t *testing.T, prefix string, opts GCSOptions) *gcsStore {
+	t.Helper()
+	s, err := NewGCS(f.client, testBucket, prefix, opts)
+	require.NoError(t, err)
+	return s.(*gcsStore)
+}
+
+func newTestFakeGCS(t *testing.T) ObjectStore {
+	return newFakeGCS(t).store(t, "backups/test", testGCSOptions())
+}
+
+// faultInjector passes requests to next, except those a rule claims.
+type faultInjector struct {
+	next  http.Handler
+	mu    sync.Mutex
+	rules []*faultRule // GUARDED_BY(mu)
+}
+
+// faultRule breaks the next `times` requests that match.
+type faultRule struct {
+	match func(r *http.Request) bool
+	times int // GUARDED_BY(faultInjector.mu)
+	hits  int // GUARDED_BY(faultInjector.mu)
+	do    func(w http.ResponseWriter, r *http.Request, next http.Handler)
+}
+
+func (f *faultInjector) add(times int, match func(*http.Request) bool, do func(http.ResponseWriter, *http.Request, http.Handler)) *faultRule {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	r := &faultRule{match: match, times: times, do: do}
+	f.rules = append(f.rules, r)
+	return r
+}
+
+// clear removes every rule.
+func (f *faultInjector) clear() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.rules = nil
+}
+
+// hits is how many requests the rule has broken.
+func (f *faultInjector) hits(r *faultRule) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return r.hits
+}
+
+func (f *faultInjector) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	f.mu.Lock()
+	var rule *faultRule
+	for _, x := range f.rules {
+		if x.hits < x.times && x.match(r) {
+			x.hits++
+			rule = x
+			break
+		}
+	}
+	f.mu.Unlock()
+	if rule == nil {
+		f.next.ServeHTTP(w, r)
+		return
+	}
+	rule.do(w, r, f.next)
+}
+
+func anyRequest(*http.Request) bool { return true }
+
+func isUpload(r *http.Request) bool { return strings.HasPrefix(r.URL.Path, "/upload/") }
+
+func isMediaRead(r *http.Request) bool {
+	return r.Method == http.MethodGet && r.URL.Query().Get("alt") == "media"
+}
+
+func isCompose(r *http.Request) bool { return strings.HasSuffix(r.URL.Path, "/compose") }
+
+// uploadOf matches uploads of objects whose name contains s.
+func uploadOf(s string) func(*http.Request) bool {
+	return func(r *http.Request) bool { return isUpload(r) && strings.Contains(r.URL.Query().Get("name"), s) }
+}
+
+// respond answers with a JSON API error, as GCS does.
+func respond(code int) func(http.ResponseWriter, *http.Request, http.Handler) {
+	return func(w http.ResponseWriter, r *http.Request, _ http.Handler) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(code)
+		fmt.Fprintf(w, `{"error":{"code":%d,"message":"injected %d"}}`, code, code)
+	}
+}
+
+// stall holds the request for d (or until the client gives up), then
+// serves it.
+func stall(d time.Duration) func(http.ResponseWriter, *http.Request, http.Handler) {
+	return func(w http.ResponseWriter, r *http.Request, next http.Handler) {
+		// The server notices a client hanging up only once the body is read.
+		body, _ := io.ReadAll(r.Body)
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		select {
+		case <-time.After(d):
+			next.ServeHTTP(w, r)
+		case <-r.Context().Done():
+		}
+	}
+}
+
+// serveThen serves the request, discards the answer and replies code
+// instead: the write happened, its acknowledgement was lost.
+func serveThen(code int) func(http.ResponseWriter, *http.Request, http.Handler) {
+	return func(w http.ResponseWriter, r *http.Request, next http.Handler) {
+		next.ServeHTTP(httptest.NewRecorder(), r)
+		respond(code)(w, r, nil)
+	}
+}
+
+// corruptRequest flips one byte in the middle of the request body.
+func corruptRequest(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	body, _ := io.ReadAll(r.Body)
+	if len(body) > 0 {
+		body[len(body)/2] ^= 0x5a
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	next.ServeHTTP(w, r)
+}
+
+// corruptResponse flips one byte in the middle of the response body.
+func corruptResponse(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	rec := httptest.NewRecorder()
+	next.ServeHTTP(rec, r)
+	body := rec.Body.Bytes()
+	if len(body) > 0 {
+		body[len(body)/2] ^= 0x5a
+	}
+	for k, v := range rec.Header() {
+		w.Header()[k] = v
+	}
+	w.WriteHeader(rec.Code)
+	w.Write(body)
+}
+
+// randomBytes returns n pseudo-random bytes (seeded: reproducible).
+func randomBytes(n int, seed uint64) []byte {
+	b := make([]byte, n)
+	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	for i := 0; i+8 <= n; i += 8 {
+		v := r.Uint64()
+		for j := range 8 {
+			b[i+j] = byte(v >> (8 * j))
+		}
+	}
+	return b
+}
+
+func TestCRC32CCombine(t *testing.T) {
+	data := randomBytes(1<<20+13, 1)
+	for _, split := range []int{0, 1, 7, 4096, 1 << 19, len(data) - 1, len(data)} {
+		a, b := data[:split], data[split:]
+		got := crc32cCombine(crcOf(a), crcOf(b), int64(len(b)))
+		assert.Equal(t, crcOf(data), got, "combine at %d of %d", split, len(data))
+	}
+	// Many parts, folded in order, as the ranged transfers do.
+	var parts []part
+	for off := 0; off < len(data); off += 100_000 {
+		p := data[off:min(off+100_000, len(data))]
+		parts = append(parts, part{size: int64(len(p)), crc: crc32.Checksum(p, crcTable)})
+	}
+	assert.Equal(t, crcOf(data), combineParts(parts))
+}
+
+func TestGCSOptionDefaults(t *testing.T) {
+	o := GCSOptions{}.withDefaults()
+	assert.Equal(t, time.Second, o.NameWriteInterval, "GCS allows one write per second per object name")
+	assert.Equal(t, int64(DefaultGCSPartSize), o.PartSize)
+	assert.Equal(t, 2*o.PartSize, o.ParallelThreshold)
+	assert.Positive(t, o.StallTimeout)
+	assert.Positive(t, o.MaxAttempts)
+}
+
+func TestGCSStoreNamesAndPrefix(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeGCS(t)
+	s := f.store(t, "a/b", testGCSOptions())
+	assert.Equal(t, "gs://mtcfs-test/a/b", s.String())
+	put(t, s, "job/x", "x")
+	// The object is "<prefix>/<name>" in the bucket.
+	obj, err := f.srv.GetObject(testBucket, "a/b/job/x")
+	require.NoError(t, err, "the prefix is prepended to object names")
+	assert.Equal(t, "x", string(obj.Content))
+
+	// A store on the bucket root sees it under the full name.
+	root := f.store(t, "", testGCSOptions())
+	assert.Equal(t, "gs://mtcfs-test", root.String())
+	assert.Equal(t, []string{"a/b/job/x"}, listAll(t, root))
+	_, prefixes, err := root.List(ctx, "", "/")
+	require.NoError(t, err)
+	assert.Equal(t, []string{"a/"}, prefixes)
+
+	_, err = s.Stat(ctx, "job/absent")
+	var nf *NotFoundError
+	require.True(t, errors.As(err, &nf), "want *NotFoundError, got %v", err)
+	assert.Contains(t, nf.Err.Error(), "gs://mtcfs-test/a/b/job/absent", "the error names bucket and object")
+
+	_, err = NewGCS(f.client, "No_Such Bucket", "", GCSOptions{})
+	assert.ErrorContains(t, err, "bucket name")
+}
+
+func TestGCSMissingBucket(t *testing.T) {
+	f := newFakeGCS(t)
+	s, err := NewGCS(f.client, "no-such-bucket", "p", testGCSOptions())
+	require.NoError(t, err)
+	err = PutBytes(context.Background(), s, "x", []byte("x"), true)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "no-such-bucket", "the error names the bucket")
+}
+
+// TestGCSListHidesTemporaryObjects: parts of an upload in progress (or left
+// by a crash) are not objects.
+func TestGCSListHidesTemporaryObjects(t *testing.T) {
+	f := newFakeGCS(t)
+	s := f.store(t, "p", testGCSOptions())
+	put(t, s, "d/real", "r")
+	f.srv.CreateObject(fakestorage.Object{ObjectAttrs: fakestorage.ObjectAttrs{BucketName: testBucket, Name: "p/" + tempPrefix + "abc/00000"}, Content: []byte("part")})
+	f.srv.CreateObject(fakestorage.Object{ObjectAttrs: fakestorage.ObjectAttrs{BucketName: testBucket, Name: "p/d/" + tempPrefix + "x"}, Content: []byte("part")})
+	assert.Equal(t, []string{"d/real"}, listAll(t, s))
+	objs, prefixes, err := s.List(context.Background(), "", "/")
+	require.NoError(t, err)
+	assert.Empty(t, objs)
+	assert.Equal(t, []string{"d/"}, prefixes)
+}
+
+// TestGCSNameWriteInterval: a second write to one name waits out the
+// interval (GCS: one write per second per name).
+func TestGCSNameWriteInterval(t *testing.T) {
+	f := newFakeGCS(t)
+	opts := testGCSOptions()
+	opts.NameWriteInterval = 300 * time.Millisecond
+	s := f.store(t, "", opts)
+	var mu sync.Mutex
+	var arrivals []time.Time
+	f.faults.add(1000, uploadOf("same"), func(w http.ResponseWriter, r *http.Request, next http.Handler) {
+		mu.Lock()
+		arrivals = append(arrivals, time.Now())
+		mu.Unlock()
+		next.ServeHTTP(w, r)
+	})
+	for i := range 3 {
+		put(t, s, "same", fmt.Sprint("version ", i))
+	}
+	put(t, s, "other", "not limited by same")
+	require.Len(t, arrivals, 3)
+	for i := 1; i < len(arrivals); i++ {
+		assert.GreaterOrEqual(t, arrivals[i].Sub(arrivals[i-1]), opts.NameWriteInterval-5*time.Millisecond,
+			"write %d to the same name came too soon after the previous one", i)
+	}
+	assert.Equal(t, "version 2", readRange(t, s, "same", 0, -1))
+}
+
+// bigTree writes a checkpoint tree with two large files (which go through
+// composite upload and ranged download with small parts) and returns it.
+func bigTree(t *testing.T, root string, bigSize, oddSize int) map[string]string {
+	t.Helper()
+	tree := slotTree(7, Slot{0, 0})
+	tree["state/big.bin"] = string(randomBytes(bigSize, 42))
+	tree["state/odd.bin"] = string(randomBytes(oddSize, 43)) // not a multiple of the part size
+	writeTree(t, root, tree)
+	return tree
+}
+
+// roundTrip uploads a tree as step 7 of slot n0-w0, checks that Verify
+// (shallow and deep) calls it complete, downloads it and compares.
+func roundTrip(t *testing.T, b *Backups, tree map[string]string, src string) {
+	t.Helper()
+	ctx := context.Background()
+	const backup = "2026-01-02_03-04"
+	h := fakeHash(true, "big "+t.Name())
+	var calls []int64
+	var mu sync.Mutex
+	err := b.Upload(ctx, UploadRequest{Job: testJob, Backup: backup, Step: 7, Slot: Slot{0, 0}, Hash: h, Source: src,
+		Progress: func(done, total int64) { mu.Lock(); calls = append(calls, done); mu.Unlock() }})
+	require.NoError(t, err)
+	assertProgress(t, calls, treeBytes(tree), tree)
+	for _, deep := range []bool{false, true} {
+		rep := verify(t, b, backup, VerifyOptions{Nodes: 1, Workers: 1, Deep: deep})
+		require.Len(t, rep.Steps, 1)
+		assert.True(t, rep.Steps[0].Complete, "deep=%v: %v", deep, rep.Steps[0].Problems)
+	}
+	dest := filepath.Join(t.TempDir(), "restored")
+	calls = nil
+	require.NoError(t, b.Download(ctx, DownloadRequest{Job: testJob, Backup: backup, Hash: h, Dest: dest,
+		Progress: func(done, total int64) { mu.Lock(); calls = append(calls, done); mu.Unlock() }}))
+	assertProgress(t, calls, treeBytes(tree), tree)
+	got := readTree(t, dest)
+	require.Equal(t, len(tree), len(got))
+	for k, v := range tree {
+		assert.True(t, got[k] == v, "restored %s differs", k) // not Equal: 40 MiB diffs
+	}
+}
+
+func treeBytes(tree map[string]string) int64 {
+	var n int64
+	for _, v := range tree {
+		n += int64(len(v))
+	}
+	return n
+}
+
+// TestGCSBackupRoundTrip: Upload → Verify → Download of a multi-file tree
+// with a 40 MiB file on the emulator, and no temporary object left behind.
+func TestGCSBackupRoundTrip(t *testing.T) {
+	f := newFakeGCS(t)
+	s := f.store(t, "bk", testGCSOptions())
+	b := &Backups{Store: s, Parallelism: 4}
+	src := t.TempDir()
+	tree := bigTree(t, src, 40<<20, 3<<20+5)
+	composes := f.faults.add(1<<30, isCompose, func(w http.ResponseWriter, r *http.Request, next http.Handler) { next.ServeHTTP(w, r) })
+	ranged := f.faults.add(1<<30, func(r *http.Request) bool { return isMediaRead(r) && r.Header.Get("Range") != "" },
+		func(w http.ResponseWriter, r *http.Request, next http.Handler) { next.ServeHTTP(w, r) })
+	roundTrip(t, b, tree, src)
+	// 40 parts of 1 MiB: two levels of compose, and one for odd.bin.
+	assert.Equal(t, 2+1+1, f.faults.hits(composes), "composite uploads: want 2 intermediate + 1 final compose for big.bin, 1 for odd.bin")
+	assert.GreaterOrEqual(t, f.faults.hits(ranged), 40+4, "big files must be read in ranges")
+	assertNoTemporaryObjects(t, f)
+}
+
+func assertNoTemporaryObjects(t *testing.T, f *fakeGCS) {
+	t.Helper()
+	objs, _, err := f.srv.ListObjectsWithOptions(testBucket, fakestorage.ListOptions{})
+	require.NoError(t, err)
+	for _, o := range objs {
+		assert.NotContains(t, o.Name, tempPrefix, "temporary object left behind")
+	}
+}
+
+// TestGCSCompositeUploadCannotReplace: a composite upload onto an existing
+// name with other content fails with *PreconditionError and leaves it.
+func TestGCSCompositeUploadCannotReplace(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeGCS(t)
+	s := f.store(t, "", testGCSOptions())
+	data := randomBytes(3<<20, 5)
+	file := filepath.Join(t.TempDir(), "f")
+	require.NoError(t, os.WriteFile(file, data, 0o600))
+	fh, err := os.Open(file)
+	require.NoError(t, err)
+	defer fh.Close()
+	tr := fileTransfer{Name: "obj", File: fh, Size: int64(len(data)), CRC32C: crcOf(data), Slots: make(chan struct{}, 3)}
+	require.NoError(t, s.putFile(ctx, tr))
+	require.NoError(t, s.putFile(ctx, tr), "the same bytes again are a successful retry")
+
+	put(t, s, "other", "x")
+	other := tr
+	other.Name = "other"
+	err = s.putFile(ctx, other)
+	var pe *PreconditionError
+	assert.True(t, errors.As(err, &pe), "want *PreconditionError, got %v", err)
+	// The emulator ignores compose preconditions: this holds because the
+	// store looks before uploading the parts (GCS also enforces it).
+	assert.Equal(t, "x", readRange(t, s, "other", 0, -1))
+	assertNoTemporaryObjects(t, f)
+}
+
+func skipWithoutRealGCS(t *testing.T) {
+	if os.Getenv("MTCFS_TEST_GCS_BUCKET") == "" {
+		t.Skip("MTCFS_TEST_GCS_BUCKET is not set: set it to bucket[/prefix] (Application Default Credentials, roles/storage.objectUser) to run the conformance suite against real GCS")
+	}
+}
+
+// newTestRealGCS returns a store on a fresh prefix of the real bucket named by
+// MTCFS_TEST_GCS_BUCKET (bucket or bucket/prefix; Application Default
+// Credentials), emptied when t ends. Without the variable the test is skipped.
+func newTestRealGCS(t *testing.T) ObjectStore {
+	t.Helper()
+	skipWithoutRealGCS(t)
+	loc := os.Getenv("MTCFS_TEST_GCS_BUCKET")
+	bucket, base, _ := strings.Cut(loc, "/")
+	client, err := storage.NewClient(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(func() { client.Close() })
+	var rnd [6]byte
+	for i := range rnd {
+		rnd[i] = byte(rand.Uint32())
+	}
+	prefix := strings.Trim(base+"/mtcfs-test-"+fmt.Sprintf("%x", rnd), "/")
+	opts := GCSOptions{PartSize: 1 << 20}
+	s, err := NewGCS(client, bucket, prefix, opts)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		root, err := NewGCS(client, bucket, prefix, GCSOptions{})
+		if err != nil {
+			return
+		}
+		c := root.(*gcsStore)
+		ctx := context.Background()
+		it := client.Bucket(bucket).Objects(ctx, &storage.Query{Prefix: prefix + "/"})
+		for {
+			o, err := it.Next()
+			if err != nil {
+				return
+			}
+			c.deleteKey(ctx, o.Name, o.Name, 0)
+		}
+	})
+	return s
+}
+
+// TestBackupsOnGCSFake runs the Backups and registry tests that do not reach
+// into file:// internals against the emulator.
+func TestBackupsOnGCSFake(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		test func(*testing.T)
+	}{
+		{"UploadVerifyComplete", TestUploadVerifyComplete},
+		{"ManifestIsDeterministic", TestManifestIsDeterministic},
+		{"MissingDataMakesBackupIncomplete", TestMissingDataMakesBackupIncomplete},
+		{"MissingMetaMakesBackupIncomplete", TestMissingMetaMakesBackupIncomplete},
+		{"MissingHighestRank", TestMissingHighestRank},
+		{"HighestCompleteStepWithinBackup", TestHighestCompleteStepWithinBackup},
+		{"DownloadRoundTrip", TestDownloadRoundTrip},
+		{"UploadWritesMetaLast", TestUploadWritesMetaLast},
+		{"FailedUploadLeavesNoMeta", TestFailedUploadLeavesNoMeta},
+		{"UploadDataParallelMetaOnly", TestUploadDataParallelMetaOnly},
+		{"ConcurrentUploadsOfIdenticalData", TestConcurrentUploadsOfIdenticalData},
+		{"UploadRejectsBadRequests", TestUploadRejectsBadRequests},
+		{"NamesAndListOrder", TestNamesAndListOrder},
+		{"RestoreVersion", TestRestoreVersion},
+		{"RegistryRegisterAndLookup", TestRegistryRegisterAndLookup},
+		{"RegistrationFromOlderIncarnationIsSuperseded", TestRegistrationFromOlderIncarnationIsSuperseded},
+		{"RegistrationValidation", TestRegistrationValidation},
+		{"SecretTooShortIsRefused", TestSecretTooShortIsRefused},
+		{"SecretLostRaceReturnsWinners", TestSecretLostRaceReturnsWinners},
+	} {
+		runOnStore(t, tc.name, newTestFakeGCS, tc.test)
+	}
+}
+
+// TestGCSSecretEnsureConcurrent: agents with their own stores (own clients'
+// limiters, as on different machines) race to create the secret; all get
+// the winner's.
+func TestGCSSecretEnsureConcurrent(t *testing.T) {
+	f := newFakeGCS(t)
+	const agents = 8
+	secrets := make([][]byte, agents)
+	errs := make([]error, agents)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range agents {
+		s := f.store(t, "shared", testGCSOptions())
+		wg.Go(func() {
+			<-start
+			secrets[i], errs[i] = EnsureSecret(context.Background(), s, testJob)
+		})
+	}
+	close(start)
+	wg.Wait()
+	for i := range agents {
+		require.NoError(t, errs[i], "agent %d", i)
+		assert.Len(t, secrets[i], SecretSize, "agent %d", i)
+		assert.Equal(t, secrets[0], secrets[i], "agent %d got the winner's secret", i)
+	}
+}
+
+// TestOpenGSWithEmulatorEnv: Open("gs://…") creates the shared client on
+// first use, honouring STORAGE_EMULATOR_HOST (and reading through the JSON
+// API, which the emulator needs).
+func TestOpenGSWithEmulatorEnv(t *testing.T) {
+	srv, err := fakestorage.NewServerWithOptions(fakestorage.Options{Scheme: "http", Host: "127.0.0.1"})
+	require.NoError(t, err)
+	t.Cleanup(srv.Stop)
+	srv.CreateBucket("env-bucket")
+	t.Setenv("STORAGE_EMULATOR_HOST", strings.TrimPrefix(srv.URL(), "http://"))
+	resetShared := func() {
+		sharedClient.mu.Lock()
+		defer sharedClient.mu.Unlock()
+		if sharedClient.c != nil {
+			sharedClient.c.Close()
+			sharedClient.c = nil
+		}
+	}
+	resetShared()
+	t.Cleanup(resetShared)
+
+	s, err := Open("gs://env-bucket/some/prefix")
+	require.NoError(t, err)
+	put(t, s, "a/b", "through the environment")
+	assert.Equal(t, "through the environment", readRange(t, s, "a/b", 0, -1))
+	assert.Equal(t, "ough", readRange(t, s, "a/b", 3, 4))
+	obj, err := srv.GetObject("env-bucket", "some/prefix/a/b")
+	require.NoError(t, err)
+	assert.Equal(t, "through the environment", string(obj.Content))
+}
+
+// TestGCSNoGoroutineLeak: transfers that succeed, fail on the source, stall
+// and are abandoned, or read partly and close leave no goroutine behind once
+// the idle connections are closed.
+func TestGCSNoGoroutineLeak(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeGCS(t)
+	s := f.store(t, "", testGCSOptions())
+	opts := testGCSOptions()
+	opts.StallTimeout = 200 * time.Millisecond
+	opts.MaxAttempts = 2
+	impatient := f.store(t, "", opts)
+	put(t, s, "warm", "up") // the client's own long-lived goroutines start here
+	settle := func() int {
+		f.transport.CloseIdleConnections()
+		time.Sleep(50 * time.Millisecond)
+		return runtime.NumGoroutine()
+	}
+	before := settle()
+
+	b := &Backups{Store: s, Parallelism: 3}
+	src := t.TempDir()
+	tree := bigTree(t, src, 3<<20, 1<<20+1)
+	roundTrip(t, b, tree, src)
+	boom := errors.New("source failed")
+	require.ErrorIs(t, s.Put(ctx, PutRequest{Name: "x", Body: io.MultiReader(strings.NewReader("abc"), &failingReader{boom}), Size: 10}), boom)
+	f.faults.add(1<<30, isMediaRead, stall(time.Minute))
+	_, err := impatient.Open(ctx, "warm", 0, -1)
+	require.Error(t, err, "a read that never answers fails")
+	f.faults.clear()
+	r, err := s.Open(ctx, "warm", 0, -1)
+	require.NoError(t, err)
+	var one [1]byte
+	_, err = r.Read(one[:])
+	require.NoError(t, err)
+	require.NoError(t, r.Close())
+
+	deadline := time.Now().Add(5 * time.Second)
+	after := settle()
+	for after > before && time.Now().Before(deadline) {
+		after = settle()
+	}
+	if after > before {
+		buf := make([]byte, 1<<20)
+		t.Fatalf("%d goroutines before, %d after:\n%s", before, after, buf[:runtime.Stack(buf, true)])
+	}
+}

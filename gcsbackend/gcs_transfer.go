@@ -1,0 +1,324 @@
+package gcsbackend
+
+import (
+	"context"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"net/http"
+	"os"
+	"sync"
+	"time"
+
+	"cloud.google.com/go/storage"
+)
+
+// Large files move in parts of PartSize, several at a time, each streamed
+// straight between the local file (ReadAt/WriteAt) and GCS with one copy
+// buffer per request: memory use is bounded by the number of requests in
+// flight (fileTransfer.Slots), not by file sizes.
+//
+// Upload (parallel composite upload): each part becomes a temporary object
+// <prefix>/.mtcfs-tmp-<random>/<n> with its own CRC32C; Compose (at most 32
+// sources per call, in levels beyond that) joins them into the final name
+// with ifGenerationMatch=0 and the whole file's CRC32C, which GCS checks and
+// which is checked again on the composed object's attributes. The temporary
+// objects are deleted afterwards, on failure too; a crash can leave some
+// behind, invisible to listings (a lifecycle rule on the prefix can expire
+// them).
+//
+// Download: the object's generation and size are read first; each range is
+// read from that generation, its CRC32C taken as it streams to the file, and
+// the ranges' CRC32Cs combined (crc32cCombine) into the whole object's, which
+// the caller checks against the manifest.
+
+// maxComposeSources is GCS's limit on the sources of one compose.
+const maxComposeSources = 32
+
+func (s *gcsStore) putFile(ctx context.Context, t fileTransfer) error {
+	if err := ValidateName(t.Name); err != nil {
+		return err
+	}
+	prog := newPartProgress(t.Progress)
+	if t.Size < s.opts.ParallelThreshold {
+		return withSlot(ctx, t.Slots, func() error {
+			return s.write(ctx, writeRequest{name: t.Name, key: s.key(t.Name), size: t.Size, crc: t.CRC32C, crcKnown: true,
+				body: sectionBody(t.File, 0, t.Size), ifAbsent: true, progress: prog.part(0)})
+		})
+	}
+	// Look first: parts are costly, and an upload retried after a crash finds
+	// its object already there.
+	switch o, err := s.statKey(ctx, t.Name, s.key(t.Name)); {
+	case IsNotFound(err):
+	case err != nil:
+		return err
+	case o.Size == t.Size && o.CRC32C == t.CRC32C:
+		prog.part(0)(t.Size)
+		return nil
+	default:
+		return s.conflict(t.Name, o, t.Size, t.CRC32C)
+	}
+	area := s.tempArea()
+	parts := splitParts(t.Size, s.opts.PartSize)
+	var temps []string // every temporary object that may exist
+	for i := range parts {
+		parts[i].key = fmt.Sprintf("%s%05d", area, i)
+		temps = append(temps, parts[i].key)
+	}
+	defer func() { s.deleteTemps(ctx, t.Name, temps) }()
+
+	err := forEach(ctx, slotCount(t.Slots), len(parts), func(ctx context.Context, i int) error {
+		return withSlot(ctx, t.Slots, func() error {
+			p := &parts[i]
+			// The part's CRC32C must be sent before its bytes: one read of
+			// the part (page cache or tmpfs) to take it.
+			_, crc, err := copyCRC(ctx, io.Discard, io.NewSectionReader(t.File, p.off, p.size))
+			if err != nil {
+				return fmt.Errorf("checksum %s: %w", t.File.Name(), err)
+			}
+			p.crc = crc
+			return s.write(ctx, writeRequest{name: t.Name, key: p.key, size: p.size, crc: crc, crcKnown: true,
+				body: sectionBody(t.File, p.off, p.size), ifAbsent: true, exclusive: true, progress: prog.part(i)})
+		})
+	})
+	if err != nil {
+		return err
+	}
+	if got := combineParts(parts); got != t.CRC32C {
+		return fmt.Errorf("put %s: %s changed while being uploaded (crc32c %08x before, %08x now)", s.url(t.Name), t.File.Name(), t.CRC32C, got)
+	}
+	// Fold levels of at most maxComposeSources into temporary objects.
+	for level := 0; len(parts) > maxComposeSources; level++ {
+		var next []part
+		for g := 0; g < len(parts); g += maxComposeSources {
+			group := parts[g:min(g+maxComposeSources, len(parts))]
+			joined := part{key: fmt.Sprintf("%sc%d-%05d", area, level, g/maxComposeSources), off: group[0].off, crc: combineParts(group)}
+			for _, p := range group {
+				joined.size += p.size
+			}
+			temps = append(temps, joined.key)
+			if err := s.compose(ctx, t.Name, joined, group, true); err != nil {
+				return err
+			}
+			next = append(next, joined)
+		}
+		parts = next
+	}
+	return s.compose(ctx, t.Name, part{key: s.key(t.Name), size: t.Size, crc: t.CRC32C}, parts, false)
+}
+
+// part is one range of a file and the object holding or receiving it.
+type part struct {
+	key       string // GCS object name
+	off, size int64
+	crc       uint32
+}
+
+func splitParts(size, partSize int64) []part {
+	var parts []part
+	for off := int64(0); off < size || len(parts) == 0; off += partSize {
+		parts = append(parts, part{off: off, size: min(partSize, size-off)})
+	}
+	return parts
+}
+
+func combineParts(parts []part) uint32 {
+	var crc uint32
+	for _, p := range parts {
+		crc = crc32cCombine(crc, p.crc, p.size)
+	}
+	return crc
+}
+
+// compose joins srcs into dst (create-if-absent, CRC32C checked). exclusive
+// marks a temporary destination only this upload uses.
+func (s *gcsStore) compose(ctx context.Context, name string, dst part, srcs []part, exclusive bool) error {
+	err := s.retry(ctx, "compose", name, func(a *attempt) error {
+		if !exclusive {
+			if err := s.names.wait(a.ctx, dst.key, s.opts.NameWriteInterval); err != nil {
+				return err
+			}
+		}
+		c, err := s.client(a.ctx)
+		if err != nil {
+			return err
+		}
+		b := c.Bucket(s.bucket)
+		handles := make([]*storage.ObjectHandle, len(srcs))
+		for i, p := range srcs {
+			handles[i] = b.Object(p.key)
+		}
+		comp := b.Object(dst.key).Retryer(storage.WithPolicy(storage.RetryNever)).If(storage.Conditions{DoesNotExist: true}).ComposerFrom(handles...)
+		comp.ContentType = "application/octet-stream"
+		comp.CRC32C, comp.SendCRC32C = dst.crc, true
+		o, err := comp.Run(a.ctx)
+		if httpCode(err) == http.StatusPreconditionFailed {
+			// Our earlier attempt, or someone else's object.
+			if o, err = s.statKey(a.ctx, name, dst.key); err != nil {
+				return err
+			}
+			if o.Size != dst.size || o.CRC32C != dst.crc {
+				return s.conflict(name, o, dst.size, dst.crc)
+			}
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if o.Size != dst.size || o.CRC32C != dst.crc {
+			// GCS refuses a compose whose CRC32C differs from the one sent;
+			// a server that does not (the emulator) is caught here.
+			s.deleteKey(context.WithoutCancel(a.ctx), name, dst.key, o.Generation)
+			return &permanentError{&ChecksumError{Name: name, Want: dst.crc, Got: o.CRC32C}}
+		}
+		return nil
+	})
+	return s.mapErr("put", name, err)
+}
+
+// deleteTemps removes an upload's temporary objects, missing ones included,
+// even when ctx is cancelled (bounded by a minute).
+func (s *gcsStore) deleteTemps(ctx context.Context, name string, keys []string) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
+	_ = forEach(ctx, 8, len(keys), func(ctx context.Context, i int) error {
+		// Best effort: a leftover is invisible and harmless.
+		_ = s.deleteKey(ctx, name, keys[i], 0)
+		return nil
+	})
+}
+
+func (s *gcsStore) getFile(ctx context.Context, t fileTransfer) (int64, uint32, error) {
+	if err := ValidateName(t.Name); err != nil {
+		return 0, 0, err
+	}
+	key := s.key(t.Name)
+	o, err := s.statKey(ctx, t.Name, key)
+	if err != nil {
+		return 0, 0, err
+	}
+	if o.Size != t.Size {
+		return o.Size, 0, fmt.Errorf("%s has %d bytes, want %d", s.url(t.Name), o.Size, t.Size)
+	}
+	if o.Size == 0 {
+		return 0, 0, nil
+	}
+	partSize := o.Size
+	if o.Size >= s.opts.ParallelThreshold {
+		partSize = s.opts.PartSize
+	}
+	parts := splitParts(o.Size, partSize)
+	prog := newPartProgress(t.Progress)
+	err = forEach(ctx, slotCount(t.Slots), len(parts), func(ctx context.Context, i int) error {
+		return withSlot(ctx, t.Slots, func() error {
+			crc, err := s.readRange(ctx, t, key, o.Generation, parts[i], prog.part(i))
+			parts[i].crc = crc
+			return err
+		})
+	})
+	if err != nil {
+		return 0, 0, err
+	}
+	return o.Size, combineParts(parts), nil
+}
+
+// readRange copies one range of generation gen into the file and returns
+// its CRC32C. An attempt that fails is started over from the range's start.
+func (s *gcsStore) readRange(ctx context.Context, t fileTransfer, key string, gen int64, p part, progress func(int64)) (uint32, error) {
+	var crc uint32
+	err := s.retry(ctx, "read", t.Name, func(a *attempt) error {
+		h, err := s.handle(a.ctx, key)
+		if err != nil {
+			return err
+		}
+		r, err := h.Generation(gen).NewRangeReader(a.ctx, p.off, p.size)
+		if err != nil {
+			return err
+		}
+		defer r.Close()
+		bp := copyBufs.Get().(*[]byte)
+		defer copyBufs.Put(bp)
+		buf := *bp
+		crc = 0
+		var got int64
+		for got < p.size {
+			m, rerr := r.Read(buf[:min(int64(len(buf)), p.size-got)])
+			if m > 0 {
+				if _, werr := t.File.WriteAt(buf[:m], p.off+got); werr != nil {
+					return &permanentError{fmt.Errorf("write %s: %w", t.File.Name(), werr)}
+				}
+				crc = crc32.Update(crc, crcTable, buf[:m])
+				got += int64(m)
+				a.wd.touch()
+				progress(got)
+			}
+			if rerr == io.EOF {
+				break
+			}
+			if rerr != nil {
+				return rerr
+			}
+		}
+		if got != p.size {
+			return fmt.Errorf("range [%d, +%d) ended after %d bytes: %w", p.off, p.size, got, io.ErrUnexpectedEOF)
+		}
+		return nil
+	})
+	return crc, s.mapErr("read", t.Name, err)
+}
+
+// sectionBody gives each attempt a fresh reader of [off, off+size) of f.
+func sectionBody(f *os.File, off, size int64) func() (io.Reader, error) {
+	return func() (io.Reader, error) { return io.NewSectionReader(f, off, size), nil }
+}
+
+func slotCount(slots chan struct{}) int {
+	if slots == nil {
+		return DefaultParallelism
+	}
+	return cap(slots)
+}
+
+// withSlot runs fn holding one of slots (none: unbounded).
+func withSlot(ctx context.Context, slots chan struct{}, fn func() error) error {
+	if slots != nil {
+		select {
+		case slots <- struct{}{}:
+			defer func() { <-slots }()
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return fn()
+}
+
+// partProgress reports the bytes of parallel, retried parts: each part
+// counts up to the most it ever reached, so retries are not counted twice.
+type partProgress struct {
+	mu     sync.Mutex
+	high   map[int]int64 // GUARDED_BY(mu)
+	report func(n int)
+}
+
+func newPartProgress(report func(n int)) *partProgress {
+	return &partProgress{high: make(map[int]int64), report: report}
+}
+
+// part returns the progress callback of part i: told the bytes moved so far
+// in the current attempt.
+func (p *partProgress) part(i int) func(int64) {
+	return func(n int64) {
+		if p.report == nil {
+			return
+		}
+		p.mu.Lock()
+		d := n - p.high[i]
+		if d > 0 {
+			p.high[i] = n
+		}
+		p.mu.Unlock()
+		if d > 0 {
+			p.report(int(d))
+		}
+	}
+}
