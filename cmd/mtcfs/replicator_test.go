@@ -43,6 +43,7 @@ type repNode struct {
 	dir, spool, backupRoot string
 	args                   []string // extra mount flags of every agent started on the node
 	prefix                 []string // runs the agent through this command (e.g. ip netns exec NS)
+	backup                 string   // the --backup URL when not file://backupRoot (e.g. gs://…)
 }
 
 func newRepNode(t *testing.T) repNode {
@@ -54,7 +55,12 @@ func newRepNode(t *testing.T) repNode {
 	return n
 }
 
-func (n repNode) backupURL() string { return "file://" + n.backupRoot }
+func (n repNode) backupURL() string {
+	if n.backup != "" {
+		return n.backup
+	}
+	return "file://" + n.backupRoot
+}
 
 // start runs an agent on the node with its backup location.
 func (n repNode) start(t *testing.T, args ...string) *agent {
