@@ -26,9 +26,9 @@ import (
 // being reused for another call type or, after a few minutes, at all.
 //
 // What this does not do: encrypt, or protect the message bodies. Someone who can rewrite traffic
-// between two agents can alter a transfer's header and chunks consistently; mutual TLS, which
-// would close that, is not implemented yet. The receiver's checks still guarantee that what it
-// accepts hashes to the name it was sent under.
+// between two agents can alter a transfer's header and chunks consistently, unless the agents
+// use mutual TLS (tls.go), which the MAC then complements. The receiver's checks still guarantee
+// that what it accepts hashes to the name it was sent under.
 
 // Identity says who makes a call: one agent of one job.
 type Identity struct {

@@ -23,6 +23,13 @@
 //   - Every call is authenticated with an HMAC-SHA256 over the caller's job, incarnation, rank,
 //     instance, the time and the method, keyed by the job's shared secret (see Authenticate);
 //     refusals are Unauthenticated and logged with the peer's address.
+//   - With mutual TLS (LoadTLS; mtcfs mount --peer-tls-cert/--peer-tls-key/--peer-tls-ca),
+//     connections are TLS 1.3, both ends present a certificate of the job's CA and verify the
+//     other's against it (server names are not checked, see tls.go), and refused handshakes are
+//     logged with the peer's address; the MAC stays on. Without it, calls travel in clear text
+//     and message bodies are not covered by the MAC: a man in the middle can read checkpoint
+//     bytes or make a transfer fail, though not make a receiver accept data under a name it does
+//     not hash to.
 //   - Memory is bounded per stream: the receiver writes each chunk (pwritev, from the buffers
 //     it arrived in) before it reads the next, and HTTP/2 flow control lets a sender have at
 //     most one default chunk (4 MiB) more in flight per stream. Messages are limited to MaxChunkSize plus 8 MiB, and the
@@ -41,12 +48,6 @@
 // other. Groups are released when consumed, dropped by the sender (Drop) when the job abandons
 // the directory, dropped when the sender's incarnation changes, after 10 idle minutes, and on
 // Close. See early.go.
-//
-// # Not yet
-//
-// Mutual TLS. Calls are authenticated but travel in clear text, and message bodies are not
-// covered by the MAC: a man in the middle can read checkpoint bytes or make a transfer fail,
-// though not make a receiver accept data under a name it does not hash to.
 //
 // # Wire format
 //

@@ -32,8 +32,8 @@ const (
 
 // ServerOptions are the options of a gRPC server that serves the peer service: message size
 // limits, flow-control windows, keepalive and the codec of chunk messages (peerCodec, which
-// serves other services' messages as gRPC's own proto codec does). Transport credentials are the caller's (plain TCP
-// until mutual TLS exists).
+// serves other services' messages as gRPC's own proto codec does). Transport credentials are the caller's:
+// none (plain TCP) or the server side of TLSConfigs.TransportCredentials (mutual TLS).
 func ServerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(maxMessage),
@@ -52,7 +52,8 @@ func ServerOptions() []grpc.ServerOption {
 }
 
 // DialOptions are the options of a client connection to a peer, matching ServerOptions. The
-// caller adds transport credentials (insecure.NewCredentials() until mutual TLS exists).
+// caller adds transport credentials: insecure.NewCredentials() for plain TCP, or the client side
+// of TLSConfigs.TransportCredentials for mutual TLS.
 func DialOptions() []grpc.DialOption {
 	return []grpc.DialOption{
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMessage), grpc.MaxCallSendMsgSize(maxMessage)),

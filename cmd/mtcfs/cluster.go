@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
@@ -36,6 +37,7 @@ type clusterCoordinator struct {
 	static   map[int]string // --peers: rank → address, used instead of registry lookups; nil: registry
 	instance string         // random per agent process
 	secrets  *secrets
+	dial     credentials.TransportCredentials // of every call to a peer: mutual TLS or plain TCP
 
 	mu         sync.Mutex
 	remotes    map[string]*replication.RemoteCoordinator // GUARDED_BY(mu); per job
@@ -124,9 +126,17 @@ type peerAddrs struct {
 	lagTimeout time.Duration  // the coordinator's sync lag timeout; 0: the default
 }
 
+// peerAuth says how peer calls are authenticated (mount flags): every call carries a MAC keyed
+// by the job's secret (--peer-secret-file, else the one in the backup location), and with tls
+// the connections are mutual TLS too (--peer-tls-cert/-key/-ca, see replication.LoadTLS).
+type peerAuth struct {
+	secretFile string
+	tls        *replication.TLSConfigs // nil: plain TCP
+}
+
 // newPeerService listens on listen and prepares the coordinator; start serves.
-func newPeerService(addrs peerAddrs, local *tiers.LocalCoordinator, objects gcsbackend.ObjectStore, store tiers.BackupStore, secretFile string) (*peerService, error) {
-	sec, err := newSecrets(secretFile, objects)
+func newPeerService(addrs peerAddrs, local *tiers.LocalCoordinator, objects gcsbackend.ObjectStore, store tiers.BackupStore, auth peerAuth) (*peerService, error) {
+	sec, err := newSecrets(auth.secretFile, objects)
 	if err != nil {
 		return nil, err
 	}
@@ -138,15 +148,22 @@ func newPeerService(addrs peerAddrs, local *tiers.LocalCoordinator, objects gcsb
 	if addrs.advertise != "" {
 		addr = addrs.advertise
 	}
+	opts := replication.ServerOptions()
+	dial := insecure.NewCredentials()
+	if auth.tls != nil {
+		var server credentials.TransportCredentials
+		server, dial = auth.tls.TransportCredentials(slog.Default())
+		opts = append(opts, grpc.Creds(server))
+	}
 	c := &clusterCoordinator{local: local, objects: objects, addr: addr, static: addrs.static, instance: newInstanceID(),
-		secrets: sec, remotes: map[string]*replication.RemoteCoordinator{}, registered: map[string]gcsbackend.Registration{},
+		secrets: sec, dial: dial, remotes: map[string]*replication.RemoteCoordinator{}, registered: map[string]gcsbackend.Registration{},
 		job: replication.NewJob(replication.Options{Store: store, Log: slog.Default(), LagTimeout: addrs.lagTimeout})}
 	svc, err := replication.NewCoordinatorService(replication.CoordinatorServiceConfig{Job: c.job, Secrets: sec.lookup})
 	if err != nil {
 		ln.Close()
 		return nil, err
 	}
-	p := &peerService{coord: c, ln: ln, srv: grpc.NewServer(replication.ServerOptions()...), objects: objects,
+	p := &peerService{coord: c, ln: ln, srv: grpc.NewServer(opts...), objects: objects,
 		conns: map[string]*grpc.ClientConn{}}
 	svc.Register(p.srv)
 	return p, nil
@@ -170,7 +187,8 @@ func (p *peerService) start(rep *tiers.Replicator, spool *tiers.Spool) error {
 	p.sender = &replication.Sender{Instance: p.coord.instance, Secrets: p.coord.secrets.lookup, Digests: rep.Digests()}
 	recv.Register(p.srv)
 	go p.srv.Serve(p.ln)
-	slog.Info("peer service", "addr", p.ln.Addr().String(), "advertised", p.coord.addr, "static_peers", len(p.coord.static) > 0)
+	slog.Info("peer service", "addr", p.ln.Addr().String(), "advertised", p.coord.addr, "static_peers", len(p.coord.static) > 0,
+		"tls", p.coord.dial.Info().SecurityProtocol == "tls")
 	return nil
 }
 
@@ -233,7 +251,7 @@ func (p *peerService) conn(ctx context.Context, job string, rank int) (*grpc.Cli
 	if c, ok := p.conns[addr]; ok {
 		return c, nil
 	}
-	c, err := grpc.NewClient(addr, append(replication.DialOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	c, err := grpc.NewClient(addr, append(replication.DialOptions(), grpc.WithTransportCredentials(p.coord.dial))...)
 	if err != nil {
 		return nil, err
 	}
@@ -281,7 +299,8 @@ func (c *clusterCoordinator) pick(ctx context.Context, inc tiers.Incarnation) (t
 	job := cfg.JobName
 	r, err := replication.NewRemoteCoordinator(replication.RemoteCoordinatorConfig{
 		Secret: secret, Instance: c.instance,
-		Addr: func(ctx context.Context) (string, error) { return c.lookup(ctx, job, 0) },
+		DialOptions: append(replication.DialOptions(), grpc.WithTransportCredentials(c.dial)),
+		Addr:        func(ctx context.Context) (string, error) { return c.lookup(ctx, job, 0) },
 	})
 	if err != nil {
 		return nil, err

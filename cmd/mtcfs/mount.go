@@ -21,10 +21,11 @@ import (
 
 	mfs "github.com/mtcfs/mtcfs/fs"
 	"github.com/mtcfs/mtcfs/gcsbackend"
+	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]"
 
 type mountConfig struct {
 	dir         string
@@ -41,6 +42,7 @@ type mountConfig struct {
 	peers       map[int]string
 	lagTimeout  time.Duration
 	secretFile  string
+	peerTLS     *replication.TLSConfigs
 }
 
 // syncLagTimeoutEnv overrides the coordinator's sync lag timeout (replication.DefaultLagTimeout),
@@ -60,6 +62,9 @@ func cmdMount(args []string) int {
 	advertise := fset.String("advertise", "", "peer service address HOST:PORT registered for the other agents, when it differs from --listen (NAT, proxies) (default: the --listen address as bound)")
 	peers := fset.String("peers", "", "static peer addresses RANK=HOST:PORT,... used instead of discovery through the backup location (the registry is still written)")
 	secretFile := fset.String("peer-secret-file", "", "file holding the job's shared secret for peer calls (default: one created in the backup location)")
+	tlsCert := fset.String("peer-tls-cert", "", "PEM certificate (chain) of this agent for mutual TLS between peers (with --peer-tls-key and --peer-tls-ca; usable as TLS server and client)")
+	tlsKey := fset.String("peer-tls-key", "", "PEM private key of --peer-tls-cert")
+	tlsCA := fset.String("peer-tls-ca", "", "PEM certificate(s) of the job's CA: peers must present a certificate it signed; server names are not checked (default: no TLS, plain TCP with per-call MACs)")
 	logFormat := fset.String("log-format", "text", "log format: json (keys severity, message) or text")
 	debugFuse := fset.Bool("debug-fuse", false, "log every FUSE request (very verbose)")
 	xattrs := fset.Bool("xattrs", false, "support extended attributes (costs a round trip to the agent per write)")
@@ -95,6 +100,16 @@ func cmdMount(args []string) int {
 		if cfg.peers, err = parsePeers(*peers); err != nil {
 			return flagError(fset, fmt.Errorf("--peers: %w", err))
 		}
+	}
+	if *tlsCert != "" || *tlsKey != "" || *tlsCA != "" {
+		if *tlsCert == "" || *tlsKey == "" || *tlsCA == "" {
+			return flagError(fset, errors.New("--peer-tls-cert, --peer-tls-key and --peer-tls-ca go together: give all three or none"))
+		}
+		tc, err := replication.LoadTLS(*tlsCert, *tlsKey, *tlsCA)
+		if err != nil {
+			return flagError(fset, fmt.Errorf("--peer-tls-*: %w", err))
+		}
+		cfg.peerTLS = &tc
 	}
 	if v := os.Getenv(syncLagTimeoutEnv); v != "" {
 		if cfg.lagTimeout, err = time.ParseDuration(v); err != nil || cfg.lagTimeout <= 0 {
@@ -197,7 +212,7 @@ func runMount(cfg mountConfig) error {
 	defer releaseSpool(spool)
 
 	store := backupStore{backups}
-	peers, err := newPeerService(peerAddrs{listen: cfg.listen, advertise: cfg.advertise, static: cfg.peers, lagTimeout: cfg.lagTimeout}, &tiers.LocalCoordinator{Store: store}, backups.Store, store, cfg.secretFile)
+	peers, err := newPeerService(peerAddrs{listen: cfg.listen, advertise: cfg.advertise, static: cfg.peers, lagTimeout: cfg.lagTimeout}, &tiers.LocalCoordinator{Store: store}, backups.Store, store, peerAuth{secretFile: cfg.secretFile, tls: cfg.peerTLS})
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,120 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/internal/jobsim"
+)
+
+var transferReceivedRE = regexp.MustCompile(`msg="peer transfer received" .*? rank=(\d+) data=(\S+) `)
+
+// TestClusterDataParallel: a four-node job with assume-data-parallelism 2 (SPEC §4): P = 2
+// columns, ranks r and r+2 hold interchangeable data, and each rank's peer is its column-mate.
+// Only .meta files are exchanged — no data crosses the wire while saving. When rank 1's machine
+// is replaced (agent killed, RAM gone), every node restores the same step, and rank 1 restores
+// its column-mate rank 3's data, fetched from rank 3 and verified byte for byte.
+func TestClusterDataParallel(t *testing.T) {
+	needRoot(t)
+	const (
+		job      = "dp"
+		nodes    = 4
+		dp       = 2
+		part     = nodes / dp
+		replaced = 1
+	)
+	c := newClusterWith(t, nodes, func(r int) []string {
+		return []string{"--listen", fmt.Sprintf("127.0.0.%d:0", r+1)}
+	})
+	client := func(r int) *jobsim.Orbax {
+		o := orbaxClient(t, c.nodes[r].dir, job, 60)
+		o.Rank, o.Nodes, o.DataParallelism = r, nodes, dp
+		o.PeerRanks = []int{(r + part) % nodes}
+		return o
+	}
+	ctx := repCtx(t)
+	clients := make([]*jobsim.Orbax, nodes)
+	c.all(t, func(r int) error {
+		clients[r] = client(r)
+		_, found, err := clients[r].Start(ctx)
+		if err == nil && found {
+			err = fmt.Errorf("a fresh job restored a step")
+		}
+		return err
+	})
+	for _, step := range []int64{10, 20} {
+		c.all(t, func(r int) error { return clients[r].Save(ctx, step) })
+	}
+	for r := range nodes {
+		mate := (r + part) % nodes
+		meta := filepath.Join(c.nodes[mate].dir, fmt.Sprintf("%s-s20-n%d-w0.meta", job, r))
+		repWait(t, 20*time.Second, fmt.Sprintf("rank %d's .meta of step 20 on rank %d", r, mate), func() bool { return pathExists(meta) })
+		// The .meta names rank r's own data, which stays on rank r: column-mates' data differ
+		// (per-process file names), and none was pushed.
+		hash, err := os.ReadFile(meta)
+		require.NoError(t, err)
+		require.False(t, pathExists(filepath.Join(c.nodes[mate].dir, string(hash)+".data")),
+			"rank %d's data of step 20 reached its column-mate %d", r, mate)
+		require.True(t, replicaHeld(c.nodes[r], job, 20, r), "rank %d holds its own step 20", r)
+	}
+	requireOnlyMetas := func() {
+		t.Helper()
+		n := 0
+		for r, a := range c.agents {
+			for _, m := range transferReceivedRE.FindAllStringSubmatch(a.log(), -1) {
+				require.Regexp(t, `\.meta$`, m[2], "rank %d received a data push from rank %s in data-parallel mode", r, m[1])
+				n++
+			}
+			require.NotContains(t, a.log(), "early file", "rank %d: no early pushes in data-parallel mode", r)
+		}
+		require.Positive(t, n, "the column-mates' .meta files should have been pushed")
+	}
+	requireOnlyMetas()
+
+	// Rank 1's machine is replaced: the agent dies and its RAM is gone.
+	killAgent(t, c.agents[replaced])
+	forceUnmount(c.nodes[replaced].dir)
+	c.nodes[replaced].dropSpool(t)
+	c.agents[replaced] = c.nodes[replaced].start(t)
+
+	ctx = repCtx(t)
+	c.all(t, func(r int) error {
+		o := client(r)
+		step, found, err := o.Start(ctx)
+		if err == nil && (!found || step != 20) {
+			return fmt.Errorf("restored step %d (found %v), want 20", step, found)
+		}
+		if err == nil {
+			err = o.VerifyRestored(ctx, 20) // the bytes of the writer, own or column-mate
+		}
+		return err
+	})
+	// Who wrote each node's restored step: its own data, except the replaced node, which
+	// restored its column-mate's.
+	for r := range nodes {
+		writer := r
+		if r == replaced {
+			writer = (r + part) % nodes
+		}
+		ents, err := os.ReadDir(filepath.Join(c.nodes[r].dir, "20", "state"))
+		require.NoError(t, err)
+		var procs []string
+		for _, e := range ents {
+			if e.IsDir() {
+				procs = append(procs, e.Name())
+			}
+		}
+		require.Equal(t, []string{fmt.Sprintf("ocdbt.process_%d", writer)}, procs, "rank %d restored the data of the wrong writer", r)
+	}
+	// The coordinator inferred the replaced rank's .meta from its column-mate's.
+	require.Regexp(t, `msg="restore plan" nodes=4 found=true step=20 .*inferred_metas=1 `, c.agents[0].log())
+	require.Regexp(t, fmt.Sprintf(`msg="restored from a peer" data=D[0-9a-f]{64}\.data peer=%d `, (replaced+part)%nodes),
+		c.agents[replaced].log())
+	requireOnlyMetas()
+}
