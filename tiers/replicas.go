@@ -26,8 +26,10 @@ const replicaHoldTime = 5 * time.Minute
 const (
 	pushAttempts = 3
 	pushBackoff  = 500 * time.Millisecond
-	// peerDownFor is how long a peer whose every attempt failed gets a single attempt per step.
-	peerDownFor = 30 * time.Second
+	// peerDownFor is how long a peer whose every attempt failed gets peerDownAttempts per step
+	// (two: the first may fail on a connection that broke before the peer came back).
+	peerDownFor      = 30 * time.Second
+	peerDownAttempts = 2
 )
 
 // replicate pushes this node's data of a sealed step and its .meta to the step's peers (SPEC
@@ -51,7 +53,7 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 		attempts := pushAttempts
 		r.mu.Lock()
 		if r.cfg.Now().Before(r.peerDown[peer]) {
-			attempts = 1
+			attempts = peerDownAttempts
 		}
 		r.mu.Unlock()
 		var err error

@@ -91,8 +91,8 @@ type Replicator struct {
 	// early holds, by top-level name, the files pushed to peers before their step committed.
 	early  map[string]*earlyGroup // GUARDED_BY(mu)
 	earlyQ chan earlyPush
-	// peerDown holds, by rank, until when a peer whose pushes all failed gets one attempt per
-	// step instead of pushAttempts, so that a lost peer does not hold up every step for minutes.
+	// peerDown holds, by rank, until when a peer whose pushes all failed gets fewer attempts per
+	// step (peerDownAttempts), so that a lost peer does not hold up every step for minutes.
 	peerDown map[int]time.Time // GUARDED_BY(mu)
 }
 

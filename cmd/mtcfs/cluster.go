@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -14,8 +15,10 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
 	"github.com/mtcfs/mtcfs/replication"
@@ -264,8 +267,8 @@ func (p *peerService) Push(ctx context.Context, inc tiers.Incarnation, rank int,
 	if err != nil {
 		return err
 	}
-	return p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, DataName: name, Source: path})
+	return reconnectOnFailure(conn, p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		Rank: inc.Config.NodeRank, DataName: name, Source: path}))
 }
 
 func (p *peerService) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string) error {
@@ -273,8 +276,18 @@ func (p *peerService) Fetch(ctx context.Context, inc tiers.Incarnation, rank int
 	if err != nil {
 		return err
 	}
-	return p.sender.Fetch(ctx, conn, replication.FetchRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, DataName: name, Dir: dir})
+	return reconnectOnFailure(conn, p.sender.Fetch(ctx, conn, replication.FetchRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		Rank: inc.Config.NodeRank, DataName: name, Dir: dir}))
+}
+
+// reconnectOnFailure makes the next call on conn dial at once after a call failed for want of a
+// connection: a peer that restarted is reachable again, but a connection that broke earlier
+// waits out gRPC's reconnect backoff (up to two minutes) and fails calls meanwhile.
+func reconnectOnFailure(conn *grpc.ClientConn, err error) error {
+	if status.Code(err) == codes.Unavailable || errors.Is(err, replication.ErrStalled) {
+		conn.ResetConnectBackoff()
+	}
+	return err
 }
 
 // pick returns the coordinator for inc: local for one node, the in-process job on rank 0, the

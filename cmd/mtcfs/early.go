@@ -26,8 +26,8 @@ func (p *peerService) PushEarly(ctx context.Context, inc tiers.Incarnation, rank
 	if err != nil {
 		return d, err
 	}
-	return d, p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, DataName: tiers.DataName(hash, false), Source: path, EarlyGroup: group})
+	return d, reconnectOnFailure(conn, p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		Rank: inc.Config.NodeRank, DataName: tiers.DataName(hash, false), Source: path, EarlyGroup: group}))
 }
 
 func (p *peerService) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[tiers.FileDigest]bool) error {
@@ -35,8 +35,8 @@ func (p *peerService) PushConsuming(ctx context.Context, inc tiers.Incarnation, 
 	if err != nil {
 		return err
 	}
-	return p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, DataName: name, Source: path, ConsumesGroup: group, Presumed: acked})
+	return reconnectOnFailure(conn, p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		Rank: inc.Config.NodeRank, DataName: name, Source: path, ConsumesGroup: group, Presumed: acked}))
 }
 
 func (p *peerService) DropEarly(ctx context.Context, inc tiers.Incarnation, rank int, group string) error {
