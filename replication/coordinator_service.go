@@ -431,7 +431,12 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 			}
 		}
 		last = err
-		if attempt > 1 {
+		switch {
+		case isTLSRefusal(err):
+			// Retrying may help (a peer restarting with new certificates), but the operator must
+			// see why: it is usually a certificate from the wrong CA.
+			r.log.Warn("coordinator call refused by TLS, retrying", "method", method, "attempt", attempt, "retry_in", wait.String(), "err", err)
+		case attempt > 1:
 			r.log.Info("coordinator call failed, retrying", "method", method, "attempt", attempt, "retry_in", wait.String(), "err", err)
 		}
 		// Jitter in [wait/2, wait]: ranks that lost rank 0 together do not retry together.
@@ -585,4 +590,11 @@ func planFromPB(m *peerpb.RestorePlan) tiers.RestorePlan {
 		p.Holders[hash] = ranks
 	}
 	return p
+}
+
+// isTLSRefusal reports whether err looks like a failed TLS handshake (a certificate the other
+// side does not trust, or TLS on one side only).
+func isTLSRefusal(err error) bool {
+	msg := err.Error()
+	return strings.Contains(msg, "tls:") || strings.Contains(msg, "x509:") || strings.Contains(msg, "certificate")
 }

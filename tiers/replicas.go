@@ -87,7 +87,11 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 			}
 			continue
 		}
-		r.log.Info("replicated", "step", c.step, "data", dataName, "to", peer, "took", r.cfg.Now().Sub(start).String())
+		sent := dataName
+		if cfg.AssumeDataParallelism > 0 {
+			sent = meta // column-mates hold the data
+		}
+		r.log.Info("replicated", "step", c.step, "data", sent, "to", peer, "took", r.cfg.Now().Sub(start).String())
 	}
 	return all
 }
