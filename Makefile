@@ -26,7 +26,7 @@ vet:
 test: vet
 	@status=0; \
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./... || status=$$?; \
-	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent' ./... || status=$$?; fi; \
+	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent|Stress|Early|SlowPeer|CoordinatorSync' ./... || status=$$?; fi; \
 	$(MAKE) --no-print-directory clean-test-mounts; \
 	$(MAKE) --no-print-directory check-mounts || status=1; \
 	exit $$status
