@@ -7,6 +7,7 @@ package main
 import (
 	"fmt"
 	"os"
+	"runtime/pprof"
 )
 
 const usage = `mtcfs — multi-tier checkpointing filesystem
@@ -26,7 +27,28 @@ Run "mtcfs COMMAND --help" for the flags of a command.
 var version = "dev"
 
 func main() {
-	os.Exit(run(os.Args[1:]))
+	os.Exit(profiled(func() int { return run(os.Args[1:]) }))
+}
+
+// profiled runs f with a CPU profile written to $MTCFS_CPUPROFILE.<pid> when that variable is
+// set (for benchmarks that run agents as children; not a supported interface).
+func profiled(f func() int) int {
+	p := os.Getenv("MTCFS_CPUPROFILE")
+	if p == "" {
+		return f()
+	}
+	out, err := os.Create(fmt.Sprintf("%s.%d", p, os.Getpid()))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "mtcfs: MTCFS_CPUPROFILE:", err)
+		return f()
+	}
+	defer out.Close()
+	if err := pprof.StartCPUProfile(out); err != nil {
+		fmt.Fprintln(os.Stderr, "mtcfs: MTCFS_CPUPROFILE:", err)
+		return f()
+	}
+	defer pprof.StopCPUProfile()
+	return f()
 }
 
 func run(args []string) int {
