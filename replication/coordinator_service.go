@@ -50,6 +50,10 @@ type CoordinatorServiceConfig struct {
 	Job *Job
 	// Secrets gives the shared secret of each job this agent serves (see Authenticate). Required.
 	Secrets SecretFunc
+	// Instance is this agent's instance id: calls meant for another instance (see WithTarget)
+	// are refused with UNAVAILABLE, so a caller that used a stale registration looks again
+	// instead of coordinating with the wrong agent. Empty accepts every call.
+	Instance string
 	// Logger receives refused calls. Default slog.Default().
 	Logger *slog.Logger
 	// Now is the clock for authentication (not the coordinator's clock); default time.Now.
@@ -133,6 +137,9 @@ func (s *CoordinatorService) admit(ctx context.Context, caller *peerpb.Caller, n
 		c   *JobCoordinator
 		inc tiers.Incarnation
 	)
+	if err == nil {
+		err = checkTarget(ctx, s.cfg.Instance)
+	}
 	if err == nil {
 		c, inc, err = s.coordinator(from, caller, negotiate)
 	}
@@ -275,6 +282,10 @@ type RemoteCoordinatorConfig struct {
 	// asked before the first call and again before each retry, so discovery can move it; an
 	// error is retried like an unreachable server. Required.
 	Addr func(ctx context.Context) (string, error)
+	// Target, when set, is used instead of Addr and also returns the instance id of the agent
+	// behind the address (from its registration); calls then carry it (WithTarget), and an
+	// agent that is not that instance refuses them, which makes the next attempt look again.
+	Target func(ctx context.Context) (addr, instance string, err error)
 	// Secret is the job's shared secret. Required.
 	Secret []byte
 	// Instance is random per agent process (Identity.Instance). Required.
@@ -299,6 +310,7 @@ type RemoteCoordinator struct {
 
 	mu     sync.Mutex
 	addr   string           // GUARDED_BY(mu); the address conn dials
+	target string           // GUARDED_BY(mu); the instance id behind addr ("" if unknown)
 	conn   *grpc.ClientConn // GUARDED_BY(mu); nil before the first call and after Close
 	closed bool             // GUARDED_BY(mu)
 }
@@ -309,8 +321,8 @@ var _ tiers.Coordinator = (*RemoteCoordinator)(nil)
 // first call. Close it when done.
 func NewRemoteCoordinator(cfg RemoteCoordinatorConfig) (*RemoteCoordinator, error) {
 	switch {
-	case cfg.Addr == nil:
-		return nil, errors.New("remote coordinator: Addr is required")
+	case cfg.Addr == nil && cfg.Target == nil:
+		return nil, errors.New("remote coordinator: Addr or Target is required")
 	case len(cfg.Secret) == 0:
 		return nil, errors.New("remote coordinator: Secret is required")
 	case cfg.Instance == "" || len(cfg.Instance) > maxIdentityField:
@@ -417,7 +429,10 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 		case err != nil && ctx.Err() != nil:
 			return giveUp(fmt.Errorf("coordinator %s: %w (%w)", method, ctx.Err(), err), attempt)
 		case err == nil:
-			err = rpc(ctx, peerpb.NewCoordinatorClient(conn), creds)
+			r.mu.Lock()
+			target := r.target
+			r.mu.Unlock()
+			err = rpc(WithTarget(ctx, target), peerpb.NewCoordinatorClient(conn), creds)
 			if err == nil {
 				return nil
 			}
@@ -477,7 +492,13 @@ func (r *RemoteCoordinator) connect(ctx context.Context, refresh bool) (string, 
 	if conn != nil && !refresh {
 		return addr, conn, nil
 	}
-	next, err := r.cfg.Addr(ctx)
+	var next, instance string
+	var err error
+	if r.cfg.Target != nil {
+		next, instance, err = r.cfg.Target(ctx)
+	} else {
+		next, err = r.cfg.Addr(ctx)
+	}
 	if err != nil {
 		return "", nil, fmt.Errorf("address of the coordinator: %w", err)
 	}
@@ -489,6 +510,7 @@ func (r *RemoteCoordinator) connect(ctx context.Context, refresh bool) (string, 
 	if r.closed {
 		return "", nil, errRemoteClosed
 	}
+	r.target = instance
 	if r.conn != nil && r.addr == next {
 		return r.addr, r.conn, nil
 	}

@@ -33,6 +33,9 @@ type ReceiverConfig struct {
 	Dir string
 	// Secrets gives the shared secret of each job this agent serves (see Authenticate).
 	Secrets SecretFunc
+	// Instance is this agent's instance id: calls meant for another instance (see WithTarget)
+	// are refused with UNAVAILABLE. Empty accepts every call.
+	Instance string
 	// Admit, when set, is asked about every authenticated caller before anything else happens;
 	// an error refuses the call with FailedPrecondition. The agent uses it to refuse callers of
 	// another incarnation of the job.
@@ -194,6 +197,9 @@ func (r *Receiver) Close() error {
 // authenticate checks a call's credentials and Admit, logging refusals with the peer address.
 func (r *Receiver) authenticate(ctx context.Context) (Identity, error) {
 	from, err := Authenticate(ctx, r.cfg.Secrets, r.cfg.Now())
+	if err == nil {
+		err = checkTarget(ctx, r.cfg.Instance)
+	}
 	if err == nil && r.cfg.Admit != nil {
 		if aerr := r.cfg.Admit(ctx, from); aerr != nil {
 			err = errPrecondition("%s rank %d (incarnation %s, instance %s) not admitted: %v", from.Job, from.Rank, from.Incarnation, from.Instance, aerr)

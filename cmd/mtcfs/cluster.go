@@ -161,7 +161,7 @@ func newPeerService(addrs peerAddrs, local *tiers.LocalCoordinator, objects gcsb
 	c := &clusterCoordinator{local: local, objects: objects, addr: addr, static: addrs.static, instance: newInstanceID(),
 		secrets: sec, dial: dial, remotes: map[string]*replication.RemoteCoordinator{}, registered: map[string]gcsbackend.Registration{},
 		job: replication.NewJob(replication.Options{Store: store, Log: slog.Default(), LagTimeout: addrs.lagTimeout})}
-	svc, err := replication.NewCoordinatorService(replication.CoordinatorServiceConfig{Job: c.job, Secrets: sec.lookup})
+	svc, err := replication.NewCoordinatorService(replication.CoordinatorServiceConfig{Job: c.job, Secrets: sec.lookup, Instance: c.instance})
 	if err != nil {
 		ln.Close()
 		return nil, err
@@ -177,6 +177,7 @@ func (p *peerService) start(rep *tiers.Replicator, spool *tiers.Spool) error {
 	recv, err := replication.NewReceiver(replication.ReceiverConfig{
 		Dir:         filepath.Join(spool.Dir(), "peer-incoming"),
 		Secrets:     p.coord.secrets.lookup,
+		Instance:    p.coord.instance,
 		Accept:      rep.AcceptReplica,
 		Lookup:      func(ctx context.Context, job, name string) (string, error) { return rep.SealedPath(name) },
 		Digests:     rep.Digests(),
@@ -224,46 +225,51 @@ func (p *peerService) stop() {
 
 // lookup returns the address of rank's agent of job: from --peers when given, else from the
 // registry.
-func (c *clusterCoordinator) lookup(ctx context.Context, job string, rank int) (string, error) {
+// lookup returns the address of rank's agent of job and, when it comes from the registry, the
+// agent's instance id, which calls carry so that an agent now at that address but not that
+// instance refuses them (replication.WithTarget).
+func (c *clusterCoordinator) lookup(ctx context.Context, job string, rank int) (addr, instance string, err error) {
 	if c.static != nil {
 		addr, ok := c.static[rank]
 		if !ok {
-			return "", fmt.Errorf("rank %d of job %s is not in --peers", rank, job)
+			return "", "", fmt.Errorf("rank %d of job %s is not in --peers", rank, job)
 		}
-		return addr, nil
+		return addr, "", nil
 	}
 	regs, err := gcsbackend.Lookup(ctx, c.objects, job)
 	if err != nil {
-		return "", err
+		return "", "", err
 	}
 	reg, ok := regs[rank]
 	if !ok {
-		return "", fmt.Errorf("rank %d of job %s has not registered in %s", rank, job, c.objects)
+		return "", "", fmt.Errorf("rank %d of job %s has not registered in %s", rank, job, c.objects)
 	}
-	return reg.Addr, nil
+	return reg.Addr, reg.InstanceID, nil
 }
 
-// conn returns a connection to rank's agent of job (see lookup).
-func (p *peerService) conn(ctx context.Context, job string, rank int) (*grpc.ClientConn, error) {
-	addr, err := p.coord.lookup(ctx, job, rank)
+// conn returns a connection to rank's agent of job (see lookup), and ctx naming that agent as
+// the calls' target.
+func (p *peerService) conn(ctx context.Context, job string, rank int) (*grpc.ClientConn, context.Context, error) {
+	addr, instance, err := p.coord.lookup(ctx, job, rank)
 	if err != nil {
-		return nil, err
+		return nil, ctx, err
 	}
+	ctx = replication.WithTarget(ctx, instance)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if c, ok := p.conns[addr]; ok {
-		return c, nil
+		return c, ctx, nil
 	}
 	c, err := grpc.NewClient(addr, append(replication.DialOptions(), grpc.WithTransportCredentials(p.coord.dial))...)
 	if err != nil {
-		return nil, err
+		return nil, ctx, err
 	}
 	p.conns[addr] = c
-	return c, nil
+	return c, ctx, nil
 }
 
 func (p *peerService) Push(ctx context.Context, inc tiers.Incarnation, rank int, name, path string) error {
-	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
 	if err != nil {
 		return err
 	}
@@ -272,7 +278,7 @@ func (p *peerService) Push(ctx context.Context, inc tiers.Incarnation, rank int,
 }
 
 func (p *peerService) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string) error {
-	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
 	if err != nil {
 		return err
 	}
@@ -313,7 +319,7 @@ func (c *clusterCoordinator) pick(ctx context.Context, inc tiers.Incarnation) (t
 	r, err := replication.NewRemoteCoordinator(replication.RemoteCoordinatorConfig{
 		Secret: secret, Instance: c.instance,
 		DialOptions: append(replication.DialOptions(), grpc.WithTransportCredentials(c.dial)),
-		Addr:        func(ctx context.Context) (string, error) { return c.lookup(ctx, job, 0) },
+		Target:      func(ctx context.Context) (string, string, error) { return c.lookup(ctx, job, 0) },
 	})
 	if err != nil {
 		return nil, err

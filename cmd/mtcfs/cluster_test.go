@@ -2,9 +2,11 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -157,4 +159,55 @@ func TestClusterRestoreFromPeer(t *testing.T) {
 		return err
 	})
 	require.Contains(t, c.agents[1].log(), "restored from a peer")
+}
+
+// TestStaleRegistrationIsNotMisrouted: rank 1's registration is replaced by a stale one that
+// names rank 2's address (as when a dead agent's port is reused). Rank 0's replicas meant for
+// rank 1 reach rank 2's agent, which refuses them: no replica lands on the wrong node, and the
+// step is not counted as replicated. Once rank 1's true registration is back, replication
+// resumes.
+func TestStaleRegistrationIsNotMisrouted(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	c := newCluster(t, 3)
+	withPeers := func(o *jobsim.Orbax) *jobsim.Orbax {
+		o.PeerRanks = []int{(o.Rank + 1) % 3}
+		return o
+	}
+	clients := make([]*jobsim.Orbax, 3)
+	c.all(t, func(r int) error {
+		clients[r] = withPeers(c.client(t, r))
+		_, _, err := clients[r].Start(ctx)
+		return err
+	})
+	regFile := func(rank int) string { return filepath.Join(c.backup, "trio", "agents", fmt.Sprintf("%d.json", rank)) }
+	readReg := func(rank int) map[string]any {
+		b, err := os.ReadFile(regFile(rank))
+		require.NoError(t, err)
+		m := map[string]any{}
+		require.NoError(t, json.Unmarshal(b, &m))
+		return m
+	}
+	orig, err := os.ReadFile(regFile(1))
+	require.NoError(t, err)
+	stale := readReg(1)
+	stale["addr"] = readReg(2)["addr"]
+	stale["instance"] = "0123456789abcdef" // the dead agent that used to be there
+	b, err := json.Marshal(stale)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(regFile(1), b, 0o644))
+
+	c.all(t, func(r int) error { return clients[r].Save(ctx, 10) })
+	repWait(t, 30*time.Second, "rank 0 to report step 10 not replicated", func() bool {
+		b, _ := os.ReadFile(filepath.Join(c.nodes[0].dir, "replicator.errors"))
+		return strings.Contains(string(b), "replicating step 10 to rank 1 failed")
+	})
+	require.Contains(t, c.agents[2].log(), "stale registration", "rank 2 must refuse calls meant for rank 1's agent")
+	require.NoFileExists(t, filepath.Join(c.nodes[2].dir, "trio-s10-n0-w0.meta"), "rank 0's replica landed on rank 2")
+	require.NotRegexp(t, `peer transfer received" .*rank=0 `, c.agents[2].log())
+
+	require.NoError(t, os.WriteFile(regFile(1), orig, 0o644))
+	c.all(t, func(r int) error { return clients[r].Save(ctx, 20) })
+	replica := filepath.Join(c.nodes[1].dir, "trio-s20-n0-w0.meta")
+	repWait(t, 30*time.Second, "rank 0's step 20 on rank 1", func() bool { return pathExists(replica) })
 }

@@ -22,7 +22,7 @@ func (p *peerService) PushEarly(ctx context.Context, inc tiers.Incarnation, rank
 	if _, err := hex.Decode(d[:], []byte(hash)); err != nil {
 		return d, err
 	}
-	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
 	if err != nil {
 		return d, err
 	}
@@ -31,7 +31,7 @@ func (p *peerService) PushEarly(ctx context.Context, inc tiers.Incarnation, rank
 }
 
 func (p *peerService) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[tiers.FileDigest]bool) error {
-	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
 	if err != nil {
 		return err
 	}
@@ -40,7 +40,7 @@ func (p *peerService) PushConsuming(ctx context.Context, inc tiers.Incarnation, 
 }
 
 func (p *peerService) DropEarly(ctx context.Context, inc tiers.Incarnation, rank int, group string) error {
-	conn, err := p.conn(ctx, inc.Config.JobName, rank)
+	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
 	if err != nil {
 		return err
 	}
