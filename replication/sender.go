@@ -90,6 +90,9 @@ type FetchRequest struct {
 	Dir string
 	// MaxBytes refuses data larger than this (ResourceExhausted); 0 means no limit.
 	MaxBytes int64
+	// Progress, if set, is called with the bytes received so far and the data's total, from
+	// the streams' goroutines (concurrently; done may arrive out of order).
+	Progress func(done, total int64)
 }
 
 func (s *Sender) chunkSize() int { return clampChunkSize(s.ChunkSize) }
@@ -262,6 +265,8 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 		mu    sync.Mutex
 		first *peerpb.Manifest
 		sk    *sink // GUARDED_BY(mu) until every stream ended
+		total int64 // GUARDED_BY(mu) until every stream ended
+		done  atomic.Int64
 	)
 	open := func(pb *peerpb.Manifest) (*sink, error) {
 		mu.Lock()
@@ -285,7 +290,10 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 		if sk, err = newSink(req.Dir, ".fetch-", m); err != nil {
 			return nil, err
 		}
-		first = pb
+		first, total = pb, m.total
+		if req.Progress != nil {
+			req.Progress(0, total)
+		}
 		return sk, nil
 	}
 	defer func() {
@@ -324,12 +332,19 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 			if msg.isHeader {
 				return errInvalid("a second manifest on one stream")
 			}
+			n := int64(msg.chunk.size)
 			err := into.write(&msg.chunk)
 			msg.chunk.release()
 			if err != nil {
 				return err
 			}
 			w.progress()
+			if req.Progress != nil {
+				mu.Lock()
+				t := total
+				mu.Unlock()
+				req.Progress(done.Add(n), t)
+			}
 		}
 	})
 	w.stop()

@@ -102,11 +102,24 @@ func TestFetch(t *testing.T) {
 	conn := dial(t, p.addr)
 	require.NoError(t, testSender(2).Push(t.Context(), conn, pushReq(name, src)))
 
+	_, total := treeFiles(t, src)
 	for _, streams := range []int{1, 3} {
 		dst := t.TempDir()
-		req := FetchRequest{Job: peerJob, Incarnation: "inc-1", Rank: 2, DataName: name, Dir: dst}
+		var mu sync.Mutex
+		var calls int
+		var maxDone, lastTotal int64
+		req := FetchRequest{Job: peerJob, Incarnation: "inc-1", Rank: 2, DataName: name, Dir: dst,
+			Progress: func(done, total int64) {
+				mu.Lock()
+				defer mu.Unlock()
+				calls++
+				maxDone, lastTotal = max(maxDone, done), total
+			}}
 		require.NoError(t, testSender(streams).Fetch(t.Context(), conn, req))
 		requireHashesTo(t, filepath.Join(dst, name), name)
+		require.Greater(t, calls, 2, "progress is reported as chunks arrive")
+		require.Equal(t, total, lastTotal)
+		require.Equal(t, total, maxDone, "progress reaches the total")
 		des, err := os.ReadDir(dst)
 		require.NoError(t, err)
 		require.Len(t, des, 1, "only the fetched data may be left in the directory")

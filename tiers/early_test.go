@@ -72,7 +72,7 @@ func (m *memTransport) Push(ctx context.Context, inc tiers.Incarnation, rank int
 	return h.r.AcceptReplica(ctx, inc.Config.JobName, inc.Config.NodeRank, name, dst)
 }
 
-func (m *memTransport) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string) error {
+func (m *memTransport) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string, progress func(done, total int64)) error {
 	h, err := m.target(rank)
 	if err != nil {
 		return err

@@ -13,8 +13,9 @@ import (
 type PeerTransport interface {
 	// Push sends the sealed data or .meta file at path, named name, to rank's agent.
 	Push(ctx context.Context, inc Incarnation, rank int, name, path string) error
-	// Fetch copies the data name that rank's agent holds into dir/name.
-	Fetch(ctx context.Context, inc Incarnation, rank int, name, dir string) error
+	// Fetch copies the data name that rank's agent holds into dir/name. progress, if not nil,
+	// is called with the bytes received so far and the total (safe for concurrent calls).
+	Fetch(ctx context.Context, inc Incarnation, rank int, name, dir string, progress func(done, total int64)) error
 }
 
 // replicaHoldTime bounds how long replicated data waits for its .meta before retention may

@@ -177,7 +177,10 @@ func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan Res
 			return err
 		}
 		start := r.cfg.Now()
-		err := r.cfg.Peers.Fetch(ctx, inc.Incarnation, holder, dataName, dir)
+		p := &Progress{Kind: "restore", Step: plan.Step, Source: fmt.Sprintf("peer %d", holder), Started: start}
+		r.setRestoreProgress(p)
+		err := r.cfg.Peers.Fetch(ctx, inc.Incarnation, holder, dataName, dir, p.update)
+		r.setRestoreProgress(nil)
 		if err == nil {
 			err = publish(filepath.Join(dir, dataName))
 		}
@@ -202,6 +205,13 @@ func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan Res
 }
 
 var errNotInRAM = errors.New("not in RAM")
+
+// setRestoreProgress shows p (nil: none) as the running restore in mtcfs status.
+func (r *Replicator) setRestoreProgress(p *Progress) {
+	r.mu.Lock()
+	r.restore = p
+	r.mu.Unlock()
+}
 
 // download fetches hash's data from the plan's backup into a new directory under
 // spool/incoming and verifies it against its hash; progress shows in mtcfs status.

@@ -20,8 +20,15 @@ type Progress struct {
 // Done reports the bytes moved so far.
 func (p *Progress) Done() int64 { return p.done.Load() }
 
+// update records progress; concurrent callers (parallel streams) may report out of order, so
+// done only ever grows.
 func (p *Progress) update(done, total int64) {
-	p.done.Store(done)
+	for {
+		old := p.done.Load()
+		if done <= old || p.done.CompareAndSwap(old, done) {
+			break
+		}
+	}
 	atomic.StoreInt64(&p.Total, total)
 }
 

@@ -277,13 +277,13 @@ func (p *peerService) Push(ctx context.Context, inc tiers.Incarnation, rank int,
 		Rank: inc.Config.NodeRank, DataName: name, Source: path}))
 }
 
-func (p *peerService) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string) error {
+func (p *peerService) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string, progress func(done, total int64)) error {
 	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
 	if err != nil {
 		return err
 	}
 	return reconnectOnFailure(conn, p.sender.Fetch(ctx, conn, replication.FetchRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, DataName: name, Dir: dir}))
+		Rank: inc.Config.NodeRank, DataName: name, Dir: dir, Progress: progress}))
 }
 
 // reconnectOnFailure makes the next call on conn dial at once after a call failed for want of a
