@@ -74,6 +74,7 @@ type Proxy struct {
 
 	mu      sync.Mutex
 	faults  [2]Faults             // GUARDED_BY(mu)
+	links   [2]Link               // GUARDED_BY(mu); for new connections
 	changed chan struct{}         // GUARDED_BY(mu); closed and replaced when faults change
 	conns   map[*net.TCPConn]bool // GUARDED_BY(mu)
 	closed  bool                  // GUARDED_BY(mu)
@@ -296,9 +297,17 @@ func (p *Proxy) serve(client *net.TCPConn) {
 	var once sync.Once
 	kill := func() { once.Do(func() { close(connDead) }) }
 	seed := p.seed.Add(2)
+	var shapers [2]*shaper
+	for d, dst := range [2]*net.TCPConn{Up: server, Down: client} {
+		if l := p.link(Direction(d)); l.on() {
+			shapers[d] = newShaper(dst, l, connDead, pumpBuffer)
+		}
+	}
 	var wg sync.WaitGroup
-	wg.Go(func() { p.pump(server, client, Up, &frameTracker{skip: len(http2Preface)}, seed, connDead, kill) })
-	wg.Go(func() { p.pump(client, server, Down, &frameTracker{}, seed+1, connDead, kill) })
+	wg.Go(func() {
+		p.pump(server, client, Up, &frameTracker{skip: len(http2Preface)}, seed, connDead, kill, shapers[Up])
+	})
+	wg.Go(func() { p.pump(client, server, Down, &frameTracker{}, seed+1, connDead, kill, shapers[Down]) })
 	wg.Wait()
 	p.untrack(client, server)
 	client.Close()
@@ -307,21 +316,35 @@ func (p *Proxy) serve(client *net.TCPConn) {
 
 const http2Preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
-// pump copies src to dst in direction d, applying the faults.
-func (p *Proxy) pump(dst, src *net.TCPConn, d Direction, ft *frameTracker, seed uint64, dead chan struct{}, kill func()) {
+// pumpBuffer is the size of pump's reads.
+const pumpBuffer = 32 << 10
+
+// pump copies src to dst in direction d, applying the faults, and the link through sh unless it
+// is nil.
+func (p *Proxy) pump(dst, src *net.TCPConn, d Direction, ft *frameTracker, seed uint64, dead chan struct{}, kill func(), sh *shaper) {
 	defer kill()
 	var err error
+	var out io.Writer = dst
+	if sh != nil {
+		out = sh
+	}
 	defer func() {
 		switch {
 		case errors.Is(err, io.EOF):
+			if sh != nil {
+				sh.close() // deliver what is still on the link first
+			}
 			dst.CloseWrite() // the peer half-closed: pass it on
 		case errors.Is(err, syscall.ECONNRESET):
 			rst(dst) // the peer reset: pass it on
 		}
 		// Otherwise the proxy closed src (a reset or Close), which handles dst too.
+		if sh != nil {
+			sh.close()
+		}
 	}()
 	rnd := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
-	buf := make([]byte, 32<<10)
+	buf := make([]byte, pumpBuffer)
 	nextFlip := int64(-1)
 	for {
 		var n int
@@ -379,7 +402,7 @@ func (p *Proxy) pump(dst, src *net.TCPConn, d Direction, ft *frameTracker, seed 
 			} else {
 				ft.scan(buf[:n], flip)
 			}
-			if _, werr := dst.Write(buf[:n]); werr != nil {
+			if _, werr := out.Write(buf[:n]); werr != nil {
 				err = nil
 				rst(src)
 				return
