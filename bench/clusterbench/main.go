@@ -30,6 +30,10 @@
 //     starts at the same moment, and rank 1's time from Start to VerifyRestored done (every byte
 //     read back and compared) is taken. The other ranks restore from their RAM meanwhile.
 //     Baseline: the bytes of rank 1's step ÷ the loopback TCP rate × 1.5 + 1 s.
+//  6. data-parallel (dp.go): two agents, nodes 2, assume-data-parallelism 2, each the other's
+//     peer (only .meta files travel); steps saved in turn; peak spool ÷ checkpoint bytes.
+//  7. pair (pair.go, -pair-files 0 skips it): two agents, rank 0 saves a 1 GiB step and rank 1
+//     a tiny one; rank 0's commit → its replica's .meta on rank 1.
 //
 // The agents run as children in their own process group. On exit, also after an error or
 // Ctrl-C, each live agent gets one SIGINT; clusterbench waits for it to unmount, detaches the
@@ -130,6 +134,9 @@ func run(cfg config) (err error) {
 		fmt.Fprintf(os.Stderr, "clusterbench: repetition %d of %d\n", rep+1, cfg.reps)
 		if err := b.repetition(ctx, rep); err != nil {
 			return fmt.Errorf("repetition %d: %w", rep+1, err)
+		}
+		if err := b.dpPhase(ctx, rep); err != nil {
+			return fmt.Errorf("repetition %d, data-parallel phase: %w", rep+1, err)
 		}
 		if cfg.pairFiles > 0 {
 			if err := b.pairPhase(ctx, rep); err != nil {

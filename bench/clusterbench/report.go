@@ -14,6 +14,7 @@ const (
 	restoreFactor  = 1.5   // replaced-node restore ≤ bytes ÷ raw TCP rate × 1.5 + 1 s
 	restoreSlackMs = 1000.0
 	spoolTarget    = 4.1  // peak spool ÷ checkpoint bytes, one peer, not data-parallel
+	spoolDPTarget  = 2.05 // the same, data-parallel
 	busyTarget     = 1.15 // save while the previous step replicates ≤ 1.15 × an idle save
 )
 
@@ -51,16 +52,15 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 	w("- CPU competition: %s.\n", env.CPU)
 	w("- Job: one scripted Orbax client (internal/jobsim) per rank, `nodes: 3`, `peer-ranks: [(rank+1)%%3]`, `backup-interval-minutes: 60`; "+
 		"each node's step is %s (%s state files plus Orbax metadata). "+
-		"**The issue's replication target is for 1 GiB per node on the reference machine; three nodes of 1 GiB each on 2 CPUs are too heavy, so the step here is %s, %.2f× that size: the replication verdict is not a like-for-like check.**\n",
+		"Three nodes of 1 GiB each on 2 CPUs are too heavy, so the step here is %s, %.2f× the 1 GiB of the replication target; that target is checked like for like in row 5 (two agents, 1 GiB).\n",
 		size, shape, size, float64(res.stepBytes)/(1<<30))
 	w("- Method: %d repetitions, each with three fresh agents, spools, job and backup directory; figures are medians over all samples of all repetitions. "+
 		"The TCP baseline runs in each repetition right before its agents start.\n\n", cfg.reps)
 
 	w("| # | Measurement | mtcfs | baseline | target | verdict |\n|---|---|--:|--:|---|---|\n")
 	repl := res.median(kRepl)
-	w("| 1 | Replication: commit (Save returned, i.e. the rename) → replica's `.meta` in the next rank's mount (stat every 1 ms), %s step, median of %d (3 ranks × 2 steps × %d) | %s ms (%.2f GB/s) | — | ≤ %g ms for **1 GiB** on the reference machine (size here: %s) | %s |\n",
-		size, len(res.samples[kRepl]), cfg.reps, benchkit.FormatValue(repl), gbps(repl), replTargetMs, size,
-		verdict(count(repl <= replTargetMs))+fmt.Sprintf(" for %s (not 1 GiB); at the same GB/s, 1 GiB would take ≈ %.2f s (linear extrapolation)", size, float64(1<<30)/(gbps(repl)*1e9)))
+	w("| 1 | Replication in the three-node job: commit (Save returned, i.e. the rename) → replica's `.meta` in the next rank's mount (stat every 1 ms), %s step per node, all three replicating at once, median of %d (3 ranks × 2 steps × %d) | %s ms (%.2f GB/s) | — | the ≤ %g ms target is for 1 GiB to one peer: row 5 | — |\n",
+		size, len(res.samples[kRepl]), cfg.reps, benchkit.FormatValue(repl), gbps(repl), replTargetMs)
 	tcpRate := float64(res.stepBytes) / (res.median(kTCP) / 1e3)
 	restore, bound := res.median(kRestore), res.median(kBound)
 	w("| 2 | Replaced node: rank %d's new client, Start → VerifyRestored done (every byte compared), while ranks 0 and 2 restore from RAM; median of %d | %.2f s (%.2f GB/s) | plain Go TCP copy on loopback %.0f ms (%.2f GB/s) | ≤ bytes ÷ TCP rate × %g + 1 s = %.2f s | %s |\n",
@@ -72,6 +72,11 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 		len(res.samples[kSpoolPeak]), spool, spoolMax, spoolTarget, verdict(count(spool <= spoolTarget)))
 	w("| 3b | The same while saving step %d the moment step %d committed (then steps %d−10, %d and %d and their replicas are all held until the job-wide sync of step %d frees the oldest) | %.2f× | — | (no separate target; the reference system sizes RAM at 6.6×) | — |\n",
 		busyStep, prevStep, prevStep, prevStep, busyStep, prevStep, res.median(kSpoolBusy))
+	if n := len(res.samples[kSpoolDP]); n > 0 {
+		dp := res.median(kSpoolDP)
+		w("| 3c | Peak spool use ÷ checkpoint bytes, data-parallel: two agents, `assume-data-parallelism: 2` (only `.meta` files travel), steps %v saved in turn (statfs every 10 ms; worst node per repetition), median of %d | %.2f× | — | ≤ %g× (data-parallel) | %s |\n",
+			dpSteps, n, dp, spoolDPTarget, verdict(count(dp <= spoolDPTarget)))
+	}
 	idle, busy := res.median(kSaveIdle), res.median(kSaveBusy)
 	w("| 4 | Save of step %d started the moment step %d committed (step %d replicating, step %d's own files streaming as they close) ÷ an idle save (step %d of the same job run without peers: nothing replicates anywhere); medians of %d and %d | %.0f ms vs %.0f ms = %.2f× | idle save | ≤ %g× | %s |\n",
 		busyStep, prevStep, prevStep, busyStep, idleStep, len(res.samples[kSaveBusy]), len(res.samples[kSaveIdle]), busy, idle, busy/idle, busyTarget, verdict(count(busy/idle <= busyTarget)))
@@ -111,6 +116,7 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 		{kBound, "restore bound: bytes ÷ TCP rate × 1.5 + 1 s", "ms"},
 		{kSpoolPeak, "peak spool ÷ checkpoint bytes, worst node", "×"},
 		{kSpoolBusy, "peak spool ÷ checkpoint bytes during the save-while-replicating phase, worst node", "×"},
+		{kSpoolDP, "peak spool ÷ checkpoint bytes, data-parallel pair, worst node", "×"},
 		{kSpoolNode(0), "peak spool ÷ checkpoint bytes, rank 0", "×"},
 		{kSpoolNode(1), "peak spool ÷ checkpoint bytes, rank 1", "×"},
 		{kSpoolNode(2), "peak spool ÷ checkpoint bytes, rank 2", "×"},

@@ -1,0 +1,136 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/mtcfs/mtcfs/internal/jobsim"
+)
+
+// The data-parallel phase measures the spool a node needs when column-mates hold
+// interchangeable data (SPEC §4, assume-data-parallelism): two agents, nodes 2,
+// assume-data-parallelism 2, each the other's peer, so only .meta files travel. Each rank saves
+// dpSteps in turn (the next once the previous step's .meta reached the peer); the figure is the
+// peak spool use above the start ÷ one node's checkpoint bytes.
+
+var dpSteps = []int64{10, 20, 30}
+
+const kSpoolDP = "spool-dp" // peak spool ÷ checkpoint bytes, data-parallel, worst node
+
+func (b *bench) dpClient(n node, job string) *jobsim.Orbax {
+	o := b.clientNoPeers(n, job)
+	o.Nodes, o.DataParallelism = 2, 2
+	o.PeerRanks = []int{1 - n.rank}
+	return o
+}
+
+// spoolSampler records the peak used bytes of some spools, every spoolPoll.
+type spoolSampler struct {
+	mu   sync.Mutex
+	peak []int64 // GUARDED_BY(mu)
+	stop func()
+}
+
+func startSpoolSampler(ctx context.Context, spools []string) *spoolSampler {
+	s := &spoolSampler{peak: make([]int64, len(spools))}
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTicker(spoolPoll)
+		defer t.Stop()
+		for {
+			for i, dir := range spools {
+				if u, err := spoolUsed(dir); err == nil {
+					s.mu.Lock()
+					s.peak[i] = max(s.peak[i], u)
+					s.mu.Unlock()
+				}
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+	})
+	s.stop = func() { cancel(); wg.Wait() }
+	return s
+}
+
+func (b *bench) dpPhase(ctx context.Context, rep int) error {
+	var nodes []node
+	for r := range 2 {
+		d := filepath.Join(b.repDir(rep), "dp", fmt.Sprintf("node%d", r))
+		nodes = append(nodes, node{rank: r, dir: filepath.Join(d, "mnt"), spool: filepath.Join(d, "spool")})
+	}
+	job := fmt.Sprintf("dp%s-%d", b.runID, rep+1)
+	stepBytes := treeBytes(b.dpClient(nodes[0], job).Tree(dpSteps[0]))
+	agents := make([]*agent, 2)
+	var err error
+	for _, n := range nodes {
+		if agents[n.rank], err = b.startAgent(ctx, rep, n); err != nil {
+			return err
+		}
+	}
+	both := func(f func(r int) error) error {
+		errs := make([]error, 2)
+		var wg sync.WaitGroup
+		for r := range 2 {
+			wg.Go(func() { errs[r] = f(r) })
+		}
+		wg.Wait()
+		return errors.Join(errs...)
+	}
+	clients := make([]*jobsim.Orbax, 2)
+	if err := both(func(r int) error {
+		clients[r] = b.dpClient(nodes[r], job)
+		_, _, err := clients[r].Start(ctx)
+		return err
+	}); err != nil {
+		return err
+	}
+	var base [2]int64
+	for r, n := range nodes {
+		if base[r], err = spoolUsed(n.spool); err != nil {
+			return err
+		}
+	}
+	sampler := startSpoolSampler(ctx, []string{nodes[0].spool, nodes[1].spool})
+	defer sampler.stop()
+	for _, step := range dpSteps {
+		if err := both(func(r int) error {
+			if err := clients[r].Save(ctx, step); err != nil {
+				return err
+			}
+			meta := filepath.Join(nodes[1-r].dir, fmt.Sprintf("%s-s%d-n%d-w0.meta", job, step, r))
+			for deadline := time.Now().Add(replWaitMax); ; time.Sleep(replPoll) {
+				if _, err := os.Lstat(meta); err == nil {
+					return nil
+				}
+				if time.Now().After(deadline) {
+					return fmt.Errorf("no %s after %v", meta, replWaitMax)
+				}
+			}
+		}); err != nil {
+			return err
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	sampler.stop()
+	worst := 0.0
+	for r := range 2 {
+		worst = max(worst, float64(sampler.peak[r]-base[r])/float64(stepBytes))
+	}
+	b.res.add(kSpoolDP, worst)
+	fmt.Fprintf(os.Stderr, "clusterbench:   data-parallel pair: peak spool use ÷ checkpoint bytes, worst rank: %.2f\n", worst)
+	var stopErrs []error
+	for _, a := range agents {
+		stopErrs = append(stopErrs, a.stop())
+	}
+	return errors.Join(stopErrs...)
+}
