@@ -84,13 +84,21 @@ func (s *secrets) get(ctx context.Context, job string) ([]byte, error) {
 		return s.fixed, nil
 	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if sec, ok := s.byJob[job]; ok {
+	sec, ok := s.byJob[job]
+	s.mu.Unlock()
+	if ok {
 		return sec, nil
 	}
+	// Not under mu: the store may be slow, and every peer call asks. Concurrent first calls
+	// all get the one secret EnsureSecret creates (create-if-absent).
 	sec, err := gcsbackend.EnsureSecret(ctx, s.objects, job)
 	if err != nil {
 		return nil, fmt.Errorf("per-job secret in %s: %w", s.objects, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if prev, ok := s.byJob[job]; ok {
+		return prev, nil
 	}
 	s.byJob[job] = sec
 	return sec, nil
@@ -115,9 +123,18 @@ type peerService struct {
 	sender  *replication.Sender
 	recv    *replication.Receiver
 
-	mu    sync.Mutex
-	conns map[string]*grpc.ClientConn // GUARDED_BY(mu); by address
+	mu      sync.Mutex
+	conns   map[string]*grpc.ClientConn // GUARDED_BY(mu); by address
+	targets map[rankKey]peerTarget      // GUARDED_BY(mu); looked-up addresses, until a call fails
 }
+
+// rankKey names one agent of a job; peerTarget is where it was found.
+type rankKey struct {
+	job  string
+	rank int
+}
+
+type peerTarget struct{ addr, instance string }
 
 var _ tiers.PeerTransport = (*peerService)(nil)
 
@@ -167,7 +184,7 @@ func newPeerService(addrs peerAddrs, local *tiers.LocalCoordinator, objects gcsb
 		return nil, err
 	}
 	p := &peerService{coord: c, ln: ln, srv: grpc.NewServer(opts...), objects: objects,
-		conns: map[string]*grpc.ClientConn{}}
+		conns: map[string]*grpc.ClientConn{}, targets: map[rankKey]peerTarget{}}
 	svc.Register(p.srv)
 	return p, nil
 }
@@ -223,8 +240,6 @@ func (p *peerService) stop() {
 	}
 }
 
-// lookup returns the address of rank's agent of job: from --peers when given, else from the
-// registry.
 // lookup returns the address of rank's agent of job and, when it comes from the registry, the
 // agent's instance id, which calls carry so that an agent now at that address but not that
 // instance refuses them (replication.WithTarget).
@@ -247,53 +262,58 @@ func (c *clusterCoordinator) lookup(ctx context.Context, job string, rank int) (
 	return reg.Addr, reg.InstanceID, nil
 }
 
-// conn returns a connection to rank's agent of job (see lookup), and ctx naming that agent as
-// the calls' target.
-func (p *peerService) conn(ctx context.Context, job string, rank int) (*grpc.ClientConn, context.Context, error) {
-	addr, instance, err := p.coord.lookup(ctx, job, rank)
-	if err != nil {
-		return nil, ctx, err
-	}
-	ctx = replication.WithTarget(ctx, instance)
+// call runs f on a connection to rank's agent of job, with ctx naming that agent as the call's
+// target (replication.WithTarget). Where the agent is comes from lookup once and is reused —
+// every closed file is pushed, and a registry lookup reads every rank's registration — until
+// a call fails for want of the peer (UNAVAILABLE, also a refusal as the wrong instance, or a
+// stall): then the next call looks again, and dials at once instead of after gRPC's reconnect
+// backoff, so a peer that restarted, moved or re-registered is found.
+func (p *peerService) call(ctx context.Context, job string, rank int, f func(context.Context, *grpc.ClientConn) error) error {
+	key := rankKey{job, rank}
 	p.mu.Lock()
-	defer p.mu.Unlock()
-	if c, ok := p.conns[addr]; ok {
-		return c, ctx, nil
+	t, ok := p.targets[key]
+	p.mu.Unlock()
+	if !ok {
+		var err error
+		if t.addr, t.instance, err = p.coord.lookup(ctx, job, rank); err != nil {
+			return err
+		}
 	}
-	c, err := grpc.NewClient(addr, append(replication.DialOptions(), grpc.WithTransportCredentials(p.coord.dial))...)
-	if err != nil {
-		return nil, ctx, err
+	p.mu.Lock()
+	p.targets[key] = t
+	conn, ok := p.conns[t.addr]
+	if !ok {
+		var err error
+		conn, err = grpc.NewClient(t.addr, append(replication.DialOptions(), grpc.WithTransportCredentials(p.coord.dial))...)
+		if err != nil {
+			p.mu.Unlock()
+			return err
+		}
+		p.conns[t.addr] = conn
 	}
-	p.conns[addr] = c
-	return c, ctx, nil
+	p.mu.Unlock()
+	err := f(replication.WithTarget(ctx, t.instance), conn)
+	if status.Code(err) == codes.Unavailable || errors.Is(err, replication.ErrStalled) {
+		conn.ResetConnectBackoff()
+		p.mu.Lock()
+		delete(p.targets, key)
+		p.mu.Unlock()
+	}
+	return err
 }
 
 func (p *peerService) Push(ctx context.Context, inc tiers.Incarnation, rank int, name, path string) error {
-	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
-	if err != nil {
-		return err
-	}
-	return reconnectOnFailure(conn, p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, DataName: name, Source: path}))
+	return p.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, conn *grpc.ClientConn) error {
+		return p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, DataName: name, Source: path})
+	})
 }
 
 func (p *peerService) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string, progress func(done, total int64)) error {
-	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
-	if err != nil {
-		return err
-	}
-	return reconnectOnFailure(conn, p.sender.Fetch(ctx, conn, replication.FetchRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, DataName: name, Dir: dir, Progress: progress}))
-}
-
-// reconnectOnFailure makes the next call on conn dial at once after a call failed for want of a
-// connection: a peer that restarted is reachable again, but a connection that broke earlier
-// waits out gRPC's reconnect backoff (up to two minutes) and fails calls meanwhile.
-func reconnectOnFailure(conn *grpc.ClientConn, err error) error {
-	if status.Code(err) == codes.Unavailable || errors.Is(err, replication.ErrStalled) {
-		conn.ResetConnectBackoff()
-	}
-	return err
+	return p.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, conn *grpc.ClientConn) error {
+		return p.sender.Fetch(ctx, conn, replication.FetchRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, DataName: name, Dir: dir, Progress: progress})
+	})
 }
 
 // pick returns the coordinator for inc: local for one node, the in-process job on rank 0, the
@@ -307,16 +327,22 @@ func (c *clusterCoordinator) pick(ctx context.Context, inc tiers.Incarnation) (t
 		return replication.LocalClient{Job: c.job}, nil
 	}
 	c.mu.Lock()
+	r, ok := c.remotes[cfg.JobName]
+	c.mu.Unlock()
+	if ok {
+		return r, nil
+	}
+	secret, err := c.secrets.get(ctx, cfg.JobName) // store I/O: not under mu
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
 	defer c.mu.Unlock()
 	if r, ok := c.remotes[cfg.JobName]; ok {
 		return r, nil
 	}
-	secret, err := c.secrets.get(ctx, cfg.JobName)
-	if err != nil {
-		return nil, err
-	}
 	job := cfg.JobName
-	r, err := replication.NewRemoteCoordinator(replication.RemoteCoordinatorConfig{
+	r, err = replication.NewRemoteCoordinator(replication.RemoteCoordinatorConfig{
 		Secret: secret, Instance: c.instance,
 		DialOptions: append(replication.DialOptions(), grpc.WithTransportCredentials(c.dial)),
 		Target:      func(ctx context.Context) (string, string, error) { return c.lookup(ctx, job, 0) },

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/hex"
 
+	"google.golang.org/grpc"
+
 	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
 )
@@ -22,28 +24,22 @@ func (p *peerService) PushEarly(ctx context.Context, inc tiers.Incarnation, rank
 	if _, err := hex.Decode(d[:], []byte(hash)); err != nil {
 		return d, err
 	}
-	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
-	if err != nil {
-		return d, err
-	}
-	return d, reconnectOnFailure(conn, p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, DataName: tiers.DataName(hash, false), Source: path, EarlyGroup: group}))
+	return d, p.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, conn *grpc.ClientConn) error {
+		return p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, DataName: tiers.DataName(hash, false), Source: path, EarlyGroup: group})
+	})
 }
 
 func (p *peerService) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[tiers.FileDigest]bool) error {
-	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
-	if err != nil {
-		return err
-	}
-	return reconnectOnFailure(conn, p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, DataName: name, Source: path, ConsumesGroup: group, Presumed: acked}))
+	return p.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, conn *grpc.ClientConn) error {
+		return p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, DataName: name, Source: path, ConsumesGroup: group, Presumed: acked})
+	})
 }
 
 func (p *peerService) DropEarly(ctx context.Context, inc tiers.Incarnation, rank int, group string) error {
-	conn, ctx, err := p.conn(ctx, inc.Config.JobName, rank)
-	if err != nil {
-		return err
-	}
-	return p.sender.Drop(ctx, conn, replication.Identity{Job: inc.Config.JobName, Incarnation: inc.ID,
-		Rank: inc.Config.NodeRank, Instance: p.coord.instance}, group)
+	return p.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, conn *grpc.ClientConn) error {
+		return p.sender.Drop(ctx, conn, replication.Identity{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, Instance: p.coord.instance}, group)
+	})
 }
