@@ -46,8 +46,8 @@
 // (consumes_group) and lists the files the peer acknowledged (presumed): the receiver hard-links
 // them into the transfer instead of receiving them, and the transfer is verified whole as any
 // other. Groups are released when consumed, dropped by the sender (Drop) when the job abandons
-// the directory, dropped when the sender's incarnation changes, after 10 idle minutes, and on
-// Close. See early.go.
+// the directory, dropped when a push shows the sender's incarnation changed, after 10 idle
+// minutes (checked every 2.5), and on Close. See early.go.
 //
 // # Wire format
 //

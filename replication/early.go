@@ -2,7 +2,6 @@ package replication
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -24,10 +23,11 @@ import (
 // they arrived and nothing writes them since).
 //
 // An early group goes away when a push consuming it is accepted, when the sender drops it (its
-// step was abandoned), when a call from another incarnation of the same sender rank arrives (the
-// job restarted), after earlyIdle without activity, and when the receiver closes. Its bytes stay
-// charged to ReceiverConfig.Reserve while it is held; the files a consuming push took over stay
-// charged, now to the accepted data.
+// step was abandoned), when a push from another incarnation of the same sender rank arrives (the
+// job restarted), after earlyIdle without activity (checked every earlyIdle/4), and when the
+// receiver closes. Its bytes stay charged to ReceiverConfig.Reserve while it is held; the files a
+// consuming push takes move to that push's charge (adoptEarly): refunded if it fails, kept by
+// the accepted data if it succeeds.
 
 // earlyDirName is the directory in ReceiverConfig.Dir holding early files.
 const earlyDirName = "early"
@@ -63,9 +63,24 @@ func checkGroup(g string) error {
 	return nil
 }
 
-// noteIncarnation drops the early groups of from's rank that an earlier incarnation pushed.
+// rankKey names one sender: a rank of a job.
+type rankKey struct {
+	job  string
+	rank int
+}
+
+// noteIncarnation drops the early groups of from's rank that another incarnation pushed, when a
+// push shows that rank's incarnation changed (the job restarted; the old incarnation's pushes
+// were cancelled with it, Drop too). Only pushes and drops count: a late Abandon, sent on a
+// context that outlives its incarnation, must not drop the new one's groups.
 func (r *Receiver) noteIncarnation(from Identity) {
+	key := rankKey{from.Job, from.Rank}
 	r.mu.Lock()
+	if r.lastInc[key] == from.Incarnation {
+		r.mu.Unlock()
+		return
+	}
+	r.lastInc[key] = from.Incarnation
 	var drop []*earlyGroup
 	for k, g := range r.early {
 		if k.job == from.Job && k.rank == from.Rank && g.incarnation != from.Incarnation {
@@ -77,9 +92,14 @@ func (r *Receiver) noteIncarnation(from Identity) {
 	r.freeEarly(drop, "the sender's job restarted")
 }
 
-// expireEarly drops groups idle for earlyIdle. It runs on every early push.
-func (r *Receiver) expireEarly(now time.Time) {
+// expireEarly drops groups idle for earlyIdle and runs again in earlyIdle/4, until Close.
+func (r *Receiver) expireEarly() {
+	now := time.Now()
 	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return
+	}
 	var drop []*earlyGroup
 	for k, g := range r.early {
 		if now.Sub(g.touched) > earlyIdle {
@@ -87,6 +107,7 @@ func (r *Receiver) expireEarly(now time.Time) {
 			delete(r.early, k)
 		}
 	}
+	r.expiry.Reset(earlyIdle / 4)
 	r.mu.Unlock()
 	r.freeEarly(drop, "idle")
 }
@@ -115,6 +136,10 @@ func (r *Receiver) keepEarly(t *transfer, group string) error {
 	k := earlyKey{t.from.Job, t.from.Rank, group}
 	r.mu.Lock()
 	g := r.early[k]
+	var stale *earlyGroup
+	if g != nil && g.incarnation != t.from.Incarnation {
+		stale, g = g, nil
+	}
 	if g == nil {
 		g = &earlyGroup{incarnation: t.from.Incarnation, files: map[tiers.FileDigest]earlyFile{}}
 		r.early[k] = g
@@ -126,6 +151,9 @@ func (r *Receiver) keepEarly(t *transfer, group string) error {
 		g.bytes += f.Size
 	}
 	r.mu.Unlock()
+	if stale != nil {
+		r.freeEarly([]*earlyGroup{stale}, "replaced by another incarnation's")
+	}
 	if dup { // the same content pushed twice (a file rewritten identically): keep one
 		os.Remove(dst)
 		if r.cfg.Reserve != nil {
@@ -135,47 +163,59 @@ func (r *Receiver) keepEarly(t *transfer, group string) error {
 	return nil
 }
 
-// adoptEarly links the presumed files of a new transfer from its group into the sink. It
-// returns the bytes the transfer does not need to reserve, or NOT_FOUND when a file is missing.
-func (r *Receiver) adoptEarly(from Identity, h *peerpb.PushHeader, m *manifest, s *sink) error {
-	k := earlyKey{from.Job, from.Rank, h.ConsumesGroup}
+// adoptEarly links the presumed files of a new transfer t from its group into the sink, or
+// returns NOT_FOUND when one is missing. The files it takes leave the group, and their bytes
+// move from the group's charge to t's (t.reserved, t.early): one owner each, so whatever
+// happens next — the group dropped, t discarded or accepted — every byte is refunded or kept
+// exactly once.
+func (r *Receiver) adoptEarly(t *transfer, h *peerpb.PushHeader, s *sink) error {
+	m := t.m
+	k := earlyKey{t.from.Job, t.from.Rank, h.ConsumesGroup}
 	r.mu.Lock()
 	g := r.early[k]
-	paths := make([]string, len(h.Presumed))
-	var missing string
-	for j, i := range h.Presumed {
+	if g == nil || g.incarnation != t.from.Incarnation {
+		g = nil
+	}
+	for _, i := range h.Presumed {
 		f := m.pb.Files[i]
 		var ef earlyFile
 		ok := false
-		if g != nil && g.incarnation == from.Incarnation {
+		if g != nil {
 			ef, ok = g.files[tiers.FileDigest(f.Blake3)]
 		}
 		if !ok || ef.size != f.Size {
-			missing = f.Path
-			break
+			r.mu.Unlock()
+			return errNotFound("%s: %q was not pushed early in group %q (or was dropped)", m.pb.DataName, f.Path, h.ConsumesGroup)
 		}
-		paths[j] = ef.path
 	}
-	if g != nil {
-		g.touched = time.Now()
+	paths := make([]string, len(h.Presumed))
+	taken := map[tiers.FileDigest]string{} // files with the same content share one early file
+	for j, i := range h.Presumed {
+		d := tiers.FileDigest(m.pb.Files[i].Blake3)
+		if p, ok := taken[d]; ok {
+			paths[j] = p
+			continue
+		}
+		ef := g.files[d]
+		delete(g.files, d)
+		g.bytes -= ef.size
+		t.reserved += ef.size
+		r.inFlight += ef.size
+		t.early = append(t.early, ef.path)
+		taken[d], paths[j] = ef.path, ef.path
 	}
+	g.touched = time.Now()
 	r.mu.Unlock()
-	if missing != "" {
-		return errNotFound("%s: %q was not pushed early in group %q (or was dropped)", m.pb.DataName, missing, h.ConsumesGroup)
-	}
 	for j, i := range h.Presumed {
 		if err := s.adopt(int(i), paths[j], tiers.FileDigest(m.pb.Files[i].Blake3)); err != nil {
-			if errors.Is(err, os.ErrNotExist) { // dropped meanwhile
-				return errNotFound("%s: early file %q was dropped", m.pb.DataName, m.pb.Files[i].Path)
-			}
 			return fmt.Errorf("%s: link early file %q: %w", m.pb.DataName, m.pb.Files[i].Path, err)
 		}
 	}
 	return nil
 }
 
-// consumeEarly releases the group an accepted transfer consumed. The files it linked stay
-// charged (the accepted data owns them now); the others are refunded.
+// consumeEarly releases what is left of the group an accepted transfer consumed (files it did
+// not use: rewritten before the commit), refunding their bytes.
 func (r *Receiver) consumeEarly(t *transfer, group string) {
 	k := earlyKey{t.from.Job, t.from.Rank, group}
 	r.mu.Lock()
@@ -186,16 +226,6 @@ func (r *Receiver) consumeEarly(t *transfer, group string) {
 	}
 	delete(r.early, k)
 	r.mu.Unlock()
-	var kept int64
-	for _, i := range t.presumed {
-		d := tiers.FileDigest(t.m.pb.Files[i].Blake3)
-		if f, ok := g.files[d]; ok {
-			kept += f.size
-			os.Remove(f.path)  // the accepted data holds its own link
-			delete(g.files, d) // not refunded
-		}
-	}
-	g.bytes -= kept
 	r.freeEarly([]*earlyGroup{g}, "consumed")
 }
 
@@ -208,6 +238,7 @@ func (r *Receiver) Drop(ctx context.Context, req *peerpb.DropRequest) (*peerpb.D
 	if err := checkGroup(req.Group); err != nil {
 		return nil, err
 	}
+	r.noteIncarnation(from)
 	k := earlyKey{from.Job, from.Rank, req.Group}
 	r.mu.Lock()
 	g := r.early[k]

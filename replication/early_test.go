@@ -1,10 +1,12 @@
 package replication
 
 import (
+	"context"
 	"encoding/hex"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 
@@ -225,4 +227,44 @@ func TestEarlyPushValidation(t *testing.T) {
 	require.Error(t, m.presume([]uint32{2}))
 	require.NoError(t, m.presume([]uint32{0, 1}))
 	require.Equal(t, int64(0), m.sendTotal)
+}
+
+// The group of a consuming push can be dropped while the push is being committed (a Drop, an
+// idle expiry): the files the push took over stay charged to it, and the accepted tree is
+// charged exactly once.
+func TestEarlyGroupDroppedDuringConsumingPush(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(13, 14))
+	src, name := makeTree(t, rnd, 2*peerChunk)
+	files, total := treeFiles(t, src)
+	var res reservations
+	var p *testPeer
+	var conn grpc.ClientConnInterface
+	s := testSender(2)
+	const group = "8.tmp"
+	dropped := false
+	p = startPeer(t, func(c *ReceiverConfig) {
+		c.Reserve = res.reserve
+		accept := c.Accept
+		c.Accept = func(ctx context.Context, job string, rank int, dataName, path string) error {
+			if !dropped && strings.HasPrefix(dataName, "D") {
+				dropped = true
+				require.NoError(t, s.Drop(ctx, conn, Identity{Job: peerJob, Incarnation: "inc-1", Rank: 1, Instance: s.Instance}, group))
+			}
+			return accept(ctx, job, rank, dataName, path)
+		}
+	})
+	conn = dial(t, p.addr)
+	presumed := map[tiers.FileDigest]bool{}
+	for rel := range files {
+		if rel != "empty-file" {
+			presumed[pushEarly(t, s, conn, src, rel, group)] = true
+		}
+	}
+	req := pushReq(name, src)
+	req.ConsumesGroup, req.Presumed = group, presumed
+	require.NoError(t, s.Push(t.Context(), conn, req))
+	require.True(t, dropped)
+	requireHashesTo(t, filepath.Join(p.sealed, name), name)
+	require.Equal(t, 0, earlyFiles(t, p))
+	require.Equal(t, total, res.held(), "the accepted tree is charged exactly once")
 }

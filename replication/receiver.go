@@ -94,8 +94,11 @@ type Receiver struct {
 	dropped  map[string]time.Time // GUARDED_BY(mu)
 	inFlight int64                // GUARDED_BY(mu); declared bytes of the transfers
 	closed   bool                 // GUARDED_BY(mu)
-	// early holds the early files pushed before their step committed (see early.go).
-	early map[earlyKey]*earlyGroup // GUARDED_BY(mu)
+	// early holds the early files pushed before their step committed (see early.go); lastInc
+	// the incarnation each sender rank last pushed from; expiry drops idle groups.
+	early   map[earlyKey]*earlyGroup // GUARDED_BY(mu)
+	lastInc map[rankKey]string       // GUARDED_BY(mu)
+	expiry  *time.Timer
 }
 
 var _ peerpb.PeerServer = (*Receiver)(nil)
@@ -110,8 +113,10 @@ type transfer struct {
 	// files presumed (indices into m's files) are linked instead of sent.
 	earlyGroup, consumes string
 	presumed             []uint32
-	// reserved is the bytes charged for the transfer: the files it receives, not those linked.
-	reserved int64
+	// reserved is the bytes charged for the transfer: the files it receives, and the early
+	// files it took over (early, their paths, removed when the transfer ends).
+	reserved int64    // GUARDED_BY(Receiver.mu)
+	early    []string // GUARDED_BY(Receiver.mu)
 	// ready is closed once sink (or err) is set; streams that join wait for it.
 	ready chan struct{}
 	sink  *sink // GUARDED_BY(Receiver.mu) until ready
@@ -164,8 +169,12 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	if err := os.Mkdir(filepath.Join(cfg.Dir, earlyDirName), 0o700); err != nil {
 		return nil, fmt.Errorf("receiver: %w", err)
 	}
-	return &Receiver{cfg: cfg, log: cfg.Logger, transfers: map[string]*transfer{}, dropped: map[string]time.Time{},
-		early: map[earlyKey]*earlyGroup{}}, nil
+	r := &Receiver{cfg: cfg, log: cfg.Logger, transfers: map[string]*transfer{}, dropped: map[string]time.Time{},
+		early: map[earlyKey]*earlyGroup{}, lastInc: map[rankKey]string{}}
+	r.mu.Lock()
+	r.expiry = time.AfterFunc(earlyIdle/4, r.expireEarly)
+	r.mu.Unlock()
+	return r, nil
 }
 
 // Register adds the peer service to s.
@@ -176,6 +185,7 @@ func (r *Receiver) Register(s grpc.ServiceRegistrar) { peerpb.RegisterPeerServer
 func (r *Receiver) Close() error {
 	r.mu.Lock()
 	r.closed = true
+	r.expiry.Stop()
 	var all []*transfer
 	for _, t := range r.transfers {
 		all = append(all, t)
@@ -210,7 +220,6 @@ func (r *Receiver) authenticate(ctx context.Context) (Identity, error) {
 		r.log.Warn("peer call refused", "peer", peerAddr(ctx), "method", method, "job", from.Job, "rank", from.Rank, "err", err)
 		return from, err
 	}
-	r.noteIncarnation(from)
 	return from, nil
 }
 
@@ -282,6 +291,7 @@ func (r *Receiver) join(ctx context.Context, from Identity, h *peerpb.PushHeader
 	if err != nil {
 		return nil, err
 	}
+	r.noteIncarnation(from)
 	reserve := m.total
 	switch {
 	case h.EarlyGroup != "" && (h.ConsumesGroup != "" || len(h.Presumed) > 0):
@@ -348,7 +358,7 @@ func (r *Receiver) join(ctx context.Context, from Identity, h *peerpb.PushHeader
 
 	s, err := newSink(r.cfg.Dir, incomingPrefix, m)
 	if err == nil && len(t.presumed) > 0 {
-		if err = r.adoptEarly(from, h, m, s); err != nil {
+		if err = r.adoptEarly(t, h, s); err != nil {
 			s.discard(err)
 		}
 	}
@@ -435,6 +445,7 @@ func (r *Receiver) discard(t *transfer, reason error) error {
 	t.gone = true
 	delete(r.transfers, t.id)
 	r.inFlight -= t.reserved
+	reserved, early := t.reserved, t.early
 	t.timer.Stop()
 	now := time.Now()
 	for id, when := range r.dropped {
@@ -446,7 +457,10 @@ func (r *Receiver) discard(t *transfer, reason error) error {
 	s := t.sink
 	r.mu.Unlock()
 	if r.cfg.Reserve != nil {
-		r.cfg.Reserve(-t.reserved)
+		r.cfg.Reserve(-reserved)
+	}
+	for _, p := range early {
+		os.Remove(p)
 	}
 	r.log.Warn("peer transfer discarded", "peer", t.addr, "job", t.from.Job, "rank", t.from.Rank,
 		"data", t.m.pb.DataName, "transfer", t.id, "reason", reason)
@@ -489,7 +503,6 @@ func (r *Receiver) Commit(ctx context.Context, req *peerpb.CommitRequest) (*peer
 	accept := func() error { return r.cfg.Accept(ctx, t.from.Job, t.from.Rank, t.m.pb.DataName, t.sink.root) }
 	if t.earlyGroup != "" {
 		accept = func() error { return r.keepEarly(t, t.earlyGroup) }
-		r.expireEarly(time.Now())
 	}
 	if err := accept(); err != nil {
 		err = fmt.Errorf("accept %s: %w", t.m.pb.DataName, err)
@@ -500,7 +513,11 @@ func (r *Receiver) Commit(ctx context.Context, req *peerpb.CommitRequest) (*peer
 	t.gone = true
 	delete(r.transfers, t.id)
 	r.inFlight -= t.reserved
+	early := t.early
 	r.mu.Unlock()
+	for _, p := range early {
+		os.Remove(p) // the accepted data holds its own links; the bytes stay charged to it
+	}
 	if t.consumes != "" {
 		r.consumeEarly(t, t.consumes)
 	}
@@ -558,9 +575,14 @@ func (r *Receiver) Fetch(req *peerpb.FetchRequest, stream grpc.ServerStreamingSe
 	if err != nil {
 		return fmt.Errorf("look up %s: %w", req.DataName, err)
 	}
-	m, release, err := r.manifests.get(p+"\x00"+req.DataName, func() (*manifest, error) {
-		return buildManifest(ctx, p, req.DataName, from.Job, r.cfg.Digests)
+	// The manifest is shared by every stream (and fetcher) of the same data, so it is built on a
+	// context no single caller's end cancels.
+	m, release, err := r.manifests.get(ctx, p+"\x00"+req.DataName, func() (*manifest, error) {
+		return buildManifest(context.WithoutCancel(ctx), p, req.DataName, from.Job, r.cfg.Digests)
 	})
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
 	if err != nil {
 		r.log.Error("peer fetch: local data cannot be served", "data", req.DataName, "path", p, "err", err)
 		if status.Code(err) == codes.Unknown {
@@ -604,7 +626,7 @@ type cachedManifest struct {
 
 // get returns the manifest for key, building it once for concurrent callers; release must be
 // called when done (only when err is nil).
-func (c *manifestCache) get(key string, build func() (*manifest, error)) (*manifest, func(), error) {
+func (c *manifestCache) get(ctx context.Context, key string, build func() (*manifest, error)) (*manifest, func(), error) {
 	c.mu.Lock()
 	if c.entries == nil {
 		c.entries = map[string]*cachedManifest{}
@@ -628,7 +650,12 @@ func (c *manifestCache) get(key string, build func() (*manifest, error)) (*manif
 		e.m, e.err = build()
 		close(e.ready)
 	}
-	<-e.ready
+	select {
+	case <-e.ready:
+	case <-ctx.Done():
+		release()
+		return nil, nil, ctx.Err()
+	}
 	if e.err != nil {
 		release()
 		return nil, nil, e.err

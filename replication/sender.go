@@ -127,11 +127,14 @@ func (s *Sender) callOptions(id Identity) ([]grpc.CallOption, error) {
 // it. It returns nil only when the peer verified every byte and its Accept took the data. On
 // failure the peer discards what it received. conn should be dialled with DialOptions.
 func (s *Sender) Push(ctx context.Context, conn grpc.ClientConnInterface, req PushRequest) error {
-	err := s.push(ctx, conn, req)
+	m, err := buildManifest(ctx, req.Source, req.DataName, req.Job, s.Digests)
+	if err == nil {
+		err = s.push(ctx, conn, req, m)
+	}
 	if err != nil && len(req.Presumed) > 0 && status.Code(err) == codes.NotFound {
 		// The peer dropped early files it acknowledged (it restarted, or timed them out).
-		req.Presumed = nil
-		err = s.push(ctx, conn, req)
+		req.Presumed, m.presumed = nil, nil
+		err = s.push(ctx, conn, req, m)
 	}
 	if err != nil {
 		return fmt.Errorf("push %s: %w", req.DataName, err)
@@ -152,12 +155,9 @@ func (s *Sender) Drop(ctx context.Context, conn grpc.ClientConnInterface, id Ide
 	return nil
 }
 
-func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req PushRequest) error {
+// push sends one transfer of m, the manifest of req.Source.
+func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req PushRequest, m *manifest) error {
 	opts, err := s.callOptions(Identity{Job: req.Job, Incarnation: req.Incarnation, Rank: req.Rank, Instance: s.Instance})
-	if err != nil {
-		return err
-	}
-	m, err := buildManifest(ctx, req.Source, req.DataName, req.Job, s.Digests)
 	if err != nil {
 		return err
 	}
