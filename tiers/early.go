@@ -117,7 +117,8 @@ func (r *Replicator) earlyPusher() {
 }
 
 // takeEarly removes and returns the early group a commit renamed from (nil if none), once its
-// queued pushes finished, so that the sealed push can count on them.
+// queued pushes finished, so that the sealed push can count on them. The pushes run on the
+// incarnation's context, so they end soon once it is over.
 func (r *Replicator) takeEarly(c commit) *earlyGroup {
 	if c.group == "" {
 		return nil
@@ -130,14 +131,8 @@ func (r *Replicator) takeEarly(c commit) *earlyGroup {
 		g = nil
 	}
 	r.mu.Unlock()
-	if g == nil {
-		return nil
-	}
-	done := make(chan struct{})
-	go func() { g.pending.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-c.inc.ctx.Done():
+	if g != nil {
+		g.pending.Wait()
 	}
 	return g
 }
@@ -153,54 +148,55 @@ func (g *earlyGroup) ackedBy(peer int) map[FileDigest]bool {
 	return out
 }
 
-// dropAbandoned drops on the peers the early groups of inc whose directory the job removed
-// without committing it (an abandoned save). Groups still being written stay.
+// dropAbandoned drops on the peers the early groups of inc, the current incarnation, whose
+// directory the job removed without committing it (an abandoned save). Groups still being
+// written, or committed and waiting to be sealed, stay. (A new incarnation starts with no
+// groups: the peers drop an earlier one's when they see the new one.)
 func (r *Replicator) dropAbandoned(inc *incarnation) {
 	et, ok := r.earlyTransport(inc.Config)
-	if !ok {
+	if !ok || r.current() != inc {
 		return
 	}
-	r.mu.Lock()
-	groups := map[string]*earlyGroup{}
-	for name, g := range r.early {
-		groups[name] = g
+	ents, err := r.ns.List()
+	if err != nil {
+		return
 	}
-	r.mu.Unlock()
-	for name, g := range groups {
-		r.mu.Lock()
-		committed := g.committed
-		r.mu.Unlock()
-		if g.inc == inc && (committed || r.hasName(name)) {
-			continue
-		}
-		r.mu.Lock()
-		if r.early[name] == g {
+	present := make(map[string]bool, len(ents))
+	for _, e := range ents {
+		present[e.Name] = true
+	}
+	abandoned := map[string]*earlyGroup{}
+	r.mu.Lock()
+	for name, g := range r.early {
+		if g.inc == inc && !g.committed && !present[name] {
+			abandoned[name] = g
 			delete(r.early, name)
 		}
-		r.mu.Unlock()
-		if g.inc != inc {
-			continue // an earlier incarnation's: the peers drop it when they see the new one
+	}
+	r.mu.Unlock()
+	for name, g := range abandoned {
+		g.mu.Lock()
+		var peers []int
+		for peer := range g.acked {
+			peers = append(peers, peer)
 		}
-		r.dropOnPeers(et, inc, name, g)
+		g.mu.Unlock()
+		for _, peer := range peers {
+			if r.dropEarlyOn(et, inc, peer, name) == nil {
+				r.log.Info("abandoned step dropped on peer", "group", name, "peer", peer)
+			}
+		}
 	}
 }
 
-// dropOnPeers asks every peer that acknowledged files of g to discard them.
-func (r *Replicator) dropOnPeers(et EarlyTransport, inc *incarnation, name string, g *earlyGroup) {
-	g.mu.Lock()
-	var peers []int
-	for peer := range g.acked {
-		peers = append(peers, peer)
+// dropEarlyOn asks peer to discard the early files of group, bounded by dropTimeout (a peer
+// that does not answer drops the group when it goes idle or the job restarts).
+func (r *Replicator) dropEarlyOn(et EarlyTransport, inc *incarnation, peer int, group string) error {
+	ctx, cancel := context.WithTimeout(inc.ctx, dropTimeout)
+	defer cancel()
+	err := et.DropEarly(ctx, inc.Incarnation, peer, group)
+	if err != nil {
+		r.log.Debug("drop early files", "group", group, "on", peer, "err", err)
 	}
-	g.mu.Unlock()
-	for _, peer := range peers {
-		ctx, cancel := context.WithTimeout(inc.ctx, dropTimeout)
-		err := et.DropEarly(ctx, inc.Incarnation, peer, name)
-		cancel()
-		if err != nil {
-			r.log.Debug("drop early files", "group", name, "on", peer, "err", err)
-			continue
-		}
-		r.log.Info("abandoned step dropped on peer", "group", name, "peer", peer)
-	}
+	return err
 }

@@ -303,3 +303,74 @@ func TestSlowPeerDoesNotHoldUpSealing(t *testing.T) {
 		})
 	}
 }
+
+// countingCoordinator counts the syncs of each step and what they reported.
+type countingCoordinator struct {
+	tiers.Coordinator
+	mu    sync.Mutex
+	syncs map[int64][]tiers.SyncReport // GUARDED_BY(mu)
+}
+
+func (c *countingCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
+	c.mu.Lock()
+	c.syncs[rep.Step] = append(c.syncs[rep.Step], rep)
+	c.mu.Unlock()
+	return c.Coordinator.Sync(ctx, inc, rep)
+}
+
+// With two workers per node, a step syncs once, after both workers' data replicated — not once
+// per worker, and not before the second worker's (slow) push. Worker 1's push fails here, so
+// the one sync must report the step not replicated.
+func TestMultiWorkerStepSyncsOnceAfterEveryPush(t *testing.T) {
+	t.Parallel()
+	job := replication.NewJob(replication.Options{LagTimeout: 10 * time.Second})
+	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]tiers.FileDigest{}}
+	counter := &countingCoordinator{Coordinator: replication.LocalClient{Job: job}, syncs: map[int64][]tiers.SyncReport{}}
+	h := newHarness(t, harnessConfig{coord: counter, peers: tr})
+	// A second node that never answers pushes: rank 0's pushes of worker 1's data fail slowly.
+	other := newHarness(t, harnessConfig{coord: replication.LocalClient{Job: job}, peers: tr})
+	tr.nodes[0], tr.nodes[1] = h, other
+	doc := func(rank int) string {
+		return fmt.Sprintf("job-name: pt\nframework: pytorch\nnode-rank: %d\nnodes: 2\npeer-ranks: [%d]\nworkers-per-node: 2\nbackup-interval-minutes: 30", rank, 1-rank)
+	}
+	var wg sync.WaitGroup
+	wg.Go(func() { h.yamlNemo(doc(0)) })
+	wg.Go(func() { other.yamlNemo(doc(1)) })
+	wg.Wait()
+	h.waitExists(tiers.PrerestoreName)
+	other.waitExists(tiers.PrerestoreName)
+
+	release := make(chan struct{})
+	tr.mu.Lock()
+	tr.block = map[int]chan struct{}{1: release}
+	tr.mu.Unlock()
+	for w := range 2 {
+		h.writeFile(fmt.Sprintf("pt-s3-n0-w%d.save", w), fmt.Sprintf("tensor of worker %d", w))
+		other.writeFile(fmt.Sprintf("pt-s3-n1-w%d.save", w), fmt.Sprintf("other tensor of worker %d", w))
+	}
+	h.waitMeta("pt", 3, 0)
+	h.waitMeta("pt", 3, 1)
+	time.Sleep(50 * time.Millisecond) // both sealed; the pushes to rank 1 wait
+	counter.mu.Lock()
+	early := len(counter.syncs[3])
+	counter.mu.Unlock()
+	if early != 0 {
+		t.Fatalf("step 3 synced %d time(s) before its pushes finished", early)
+	}
+	tr.mu.Lock()
+	tr.failTo[1] = true // when released, the pushes fail
+	tr.mu.Unlock()
+	close(release)
+	h.eventually("step 3 synced", func() string {
+		if st := h.r.Status(); st.Committed != 3 {
+			return fmt.Sprintf("latest committed %d", st.Committed)
+		}
+		return ""
+	})
+	time.Sleep(50 * time.Millisecond)
+	counter.mu.Lock()
+	defer counter.mu.Unlock()
+	if got := counter.syncs[3]; len(got) != 1 || got[0].Replicated {
+		t.Fatalf("syncs of step 3: %+v, want exactly one, not replicated", got)
+	}
+}

@@ -58,7 +58,6 @@ func (r *Replicator) handshake() {
 	r.inc = inc
 	r.lastCommitted = 0
 	r.lastReplicated = -1
-	clear(r.unreplicated)
 	clear(r.early) // the peers drop an earlier incarnation's early files when they see this one
 	r.mu.Unlock()
 	r.log.Info("new incarnation", "incarnation", inc.ID, "job", cfg.JobName, "framework", cfg.Framework,

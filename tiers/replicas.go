@@ -69,6 +69,11 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 			case <-c.inc.ctx.Done():
 			}
 		}
+		if err != nil && c.inc.ctx.Err() != nil {
+			// The incarnation ended (a new replicator.yaml, or the agent stopping): not the
+			// peer's failure, and not news for the job.
+			return false
+		}
 		r.mu.Lock()
 		if err != nil {
 			r.peerDown[peer] = r.cfg.Now().Add(peerDownFor)
@@ -79,12 +84,8 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 		if err != nil {
 			all = false
 			r.incLine(c.inc, fmt.Sprintf("replicating step %d to rank %d failed: %v", c.step, peer, err))
-			if early != nil {
-				if et, ok := r.earlyTransport(c.inc.Config); ok {
-					ctx, cancel := context.WithTimeout(c.inc.ctx, dropTimeout)
-					et.DropEarly(ctx, c.inc.Incarnation, peer, c.group)
-					cancel()
-				}
+			if et, ok := r.earlyTransport(c.inc.Config); ok && early != nil {
+				r.dropEarlyOn(et, c.inc, peer, c.group)
 			}
 			continue
 		}

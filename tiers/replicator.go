@@ -86,8 +86,7 @@ type Replicator struct {
 	lastCommitted int64             // GUARDED_BY(mu); highest complete step of the incarnation
 	// lastReplicated is the highest step of the incarnation the coordinator reported replicated
 	// on every node (-1: none yet).
-	lastReplicated int64          // GUARDED_BY(mu)
-	unreplicated   map[int64]bool // GUARDED_BY(mu); steps a worker's replication failed for
+	lastReplicated int64 // GUARDED_BY(mu)
 	// early holds, by top-level name, the files pushed to peers before their step committed.
 	early  map[string]*earlyGroup // GUARDED_BY(mu)
 	earlyQ chan earlyPush
@@ -116,7 +115,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, unreplicated: map[int64]bool{}, lastReplicated: -1,
+	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, lastReplicated: -1,
 		early: map[string]*earlyGroup{}, peerDown: map[int]time.Time{}}
 	r.queue.init()
 	return r

@@ -218,14 +218,8 @@ func (r *Replicator) setRestoreProgress(p *Progress) {
 func (r *Replicator) download(ctx context.Context, cfg *Config, plan RestorePlan, hash string) (string, error) {
 	dataName := hash + ".data"
 	p := &Progress{Kind: "restore", Step: plan.Step, Source: "backup " + plan.Backup, Started: r.cfg.Now()}
-	r.mu.Lock()
-	r.restore = p
-	r.mu.Unlock()
-	defer func() {
-		r.mu.Lock()
-		r.restore = nil
-		r.mu.Unlock()
-	}()
+	r.setRestoreProgress(p)
+	defer r.setRestoreProgress(nil)
 	incoming := r.spoolDir("incoming", randomID(), dataName)
 	if err := os.MkdirAll(filepath.Dir(incoming), 0o700); err != nil {
 		return "", err

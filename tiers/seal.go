@@ -86,16 +86,40 @@ type sealedStep struct {
 	dataName, meta string
 }
 
-// syncer replicates sealed steps and syncs them with the coordinator, in order.
+// syncer replicates sealed steps and syncs each step with the coordinator once every worker of
+// this node sealed and replicated it, in order. A step counts as replicated only if every
+// worker's replication did.
 func (r *Replicator) syncer() {
 	defer r.wg.Done()
+	type stepKey struct {
+		inc  *incarnation
+		step int64
+	}
+	type progress struct {
+		workers map[int]bool
+		failed  bool
+	}
+	steps := map[stepKey]*progress{}
 	for s := range r.sealed {
-		if !r.replicate(s.commit, s.dataName, s.meta) {
-			r.mu.Lock()
-			r.unreplicated[s.step] = true
-			r.mu.Unlock()
+		ok := r.replicate(s.commit, s.dataName, s.meta)
+		k := stepKey{s.inc, s.step}
+		p := steps[k]
+		if p == nil {
+			for old := range steps {
+				if old.inc != s.inc {
+					delete(steps, old) // an earlier incarnation's, never to be completed
+				}
+			}
+			p = &progress{workers: map[int]bool{}}
+			steps[k] = p
 		}
-		r.afterSeal(s.commit)
+		p.workers[s.worker] = true
+		p.failed = p.failed || !ok
+		if len(p.workers) < s.inc.Config.WorkersPerNode {
+			continue
+		}
+		delete(steps, k)
+		r.afterSeal(s.commit, !p.failed)
 	}
 }
 
@@ -176,23 +200,17 @@ func (r *Replicator) hasName(name string) bool {
 	return false
 }
 
-// afterSeal syncs a step once every worker of this node sealed it, starts a backup when the
-// coordinator says one is due, and frees what retention no longer needs.
-func (r *Replicator) afterSeal(c commit) {
+// afterSeal syncs a step every worker of this node sealed and replicated (replicated: all
+// succeeded), starts a backup when the coordinator says one is due, and frees what retention no
+// longer needs.
+func (r *Replicator) afterSeal(c commit, replicated bool) {
 	cfg := c.inc.Config
-	for w := 0; w < cfg.WorkersPerNode; w++ {
-		if _, ok := r.metaHash(cfg, c.step, cfg.NodeRank, w); !ok {
-			return
-		}
-	}
 	r.mu.Lock()
 	current := r.inc == c.inc
 	if current && c.step > r.lastCommitted {
 		r.lastCommitted = c.step
 	}
 	running := r.backup != nil
-	replicated := !r.unreplicated[c.step]
-	delete(r.unreplicated, c.step)
 	r.mu.Unlock()
 	if !current {
 		return // an older incarnation's step: sealed and kept, but not synced
@@ -231,9 +249,14 @@ func (r *Replicator) retain(cfg *Config) {
 	r.mu.Lock()
 	keepFrom := r.lastCommitted
 	// A newer step that did not replicate must not cost the one reported replicated: it is the
-	// step that survives the loss of a node (SPEC §7).
-	if r.lastReplicated >= 0 && r.lastReplicated < keepFrom {
-		keepFrom = r.lastReplicated
+	// step that survives the loss of a node (SPEC §7). Before the incarnation replicated any, the
+	// step every node restored plays that part.
+	floor := r.lastReplicated
+	if floor < 0 && r.inc != nil {
+		floor = r.inc.restored
+	}
+	if floor > 0 && floor < keepFrom {
+		keepFrom = floor
 	}
 	var backingUp int64 = -1
 	if r.backup != nil {
