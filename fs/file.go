@@ -259,7 +259,13 @@ func (h *fileHandle) Read(ctx context.Context, dest []byte, off int64) (fuse.Rea
 	return fuse.ReadResultFd(uintptr(h.fd), off, len(dest)), 0
 }
 
+// charge checks a write, copy or allocation that makes the file end at end: the size limit of
+// control files (EFBIG, reported as TooLarge), then the agent-side budget.
 func (h *fileHandle) charge(end int64) syscall.Errno {
+	if l := h.node.limit; l > 0 && end > l {
+		h.node.tooLarge()
+		return syscall.EFBIG
+	}
 	if h.node.fs.spool.KernelEnforced() {
 		return 0
 	}
@@ -269,10 +275,6 @@ func (h *fileHandle) charge(end int64) syscall.Errno {
 }
 
 func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
-	if l := h.node.limit; l > 0 && off+int64(len(data)) > l {
-		h.node.tooLarge()
-		return 0, syscall.EFBIG
-	}
 	if errno := h.charge(off + int64(len(data))); errno != 0 {
 		return 0, errno
 	}

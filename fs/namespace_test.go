@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mtcfs/mtcfs/tiers"
 )
@@ -122,6 +123,23 @@ func TestEvents(t *testing.T) {
 			err = os.WriteFile(filepath.Join(dir, "replicator.yaml"), big, 0o644)
 			require.True(t, errors.Is(err, syscall.EFBIG), "want EFBIG, got %v", err)
 			rec.waitFor(t, "toolarge replicator.yaml")
+			// Every way of growing it is held to the limit: fallocate and copy_file_range too.
+			yf, err := os.OpenFile(filepath.Join(dir, "replicator.yaml"), os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
+			require.NoError(t, err)
+			defer yf.Close()
+			err = unix.Fallocate(int(yf.Fd()), 0, 0, tiers.MaxConfigSize+1)
+			require.True(t, errors.Is(err, syscall.EFBIG), "fallocate past the limit: want EFBIG, got %v", err)
+			src, err := os.Create(filepath.Join(dir, "big-source"))
+			require.NoError(t, err)
+			defer src.Close()
+			_, err = src.Write(big)
+			require.NoError(t, err)
+			var offIn, offOut int64
+			_, err = unix.CopyFileRange(int(src.Fd()), &offIn, int(yf.Fd()), &offOut, len(big), 0)
+			require.True(t, errors.Is(err, syscall.EFBIG), "copy_file_range past the limit: want EFBIG, got %v", err)
+			fi, err := yf.Stat()
+			require.NoError(t, err)
+			require.LessOrEqual(t, fi.Size(), int64(tiers.MaxConfigSize))
 			require.Empty(t, rec.early, "rename events must come after the namespace changed")
 		})
 	}
