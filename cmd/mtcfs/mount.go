@@ -217,14 +217,12 @@ func runMount(cfg mountConfig) error {
 		return err
 	}
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: peers.coord, Peers: peers, JaxInit: cfg.jaxInit})
-	if err := peers.start(rep, spool); err != nil {
-		return err
-	}
-	defer peers.stop()
 	var ready atomic.Bool
 	info := agentInfo{PID: os.Getpid(), Version: version}
+	var shown atomic.Pointer[agentInfo] // what /status shows; info is completed below
+	shown.Store(&agentInfo{PID: info.PID, Version: info.Version})
 	if cfg.httpAddr != "" {
-		addr, stop, err := serveHTTP(cfg.httpAddr, &ready, func() any { return statusReply{agentInfo: info, Status: rep.Status()} })
+		addr, stop, err := serveHTTP(cfg.httpAddr, &ready, func() any { return statusReply{agentInfo: *shown.Load(), Status: rep.Status()} })
 		if err != nil {
 			return err
 		}
@@ -237,6 +235,7 @@ func runMount(cfg mountConfig) error {
 		return err
 	}
 	info.Dir, info.Passthrough = srv.Dir(), srv.Passthrough()
+	shown.Store(&info)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	if err := rep.Start(ctx, srv.Namespace()); err != nil {
@@ -244,6 +243,14 @@ func runMount(cfg mountConfig) error {
 		return fmt.Errorf("start replicator: %w", err)
 	}
 	defer rep.Close()
+	// Replicas are taken only once the replicator runs (it publishes them in the namespace).
+	// Until then peers' calls wait in the listen queue, and rank 0's coordinator is reached
+	// in process by its own agent.
+	if err := peers.start(rep, spool); err != nil {
+		srv.Unmount()
+		return err
+	}
+	defer peers.stop()
 	unregister := registerAgent(info)
 	defer unregister()
 	ready.Store(true)
