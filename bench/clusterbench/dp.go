@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -62,6 +63,15 @@ func startSpoolSampler(ctx context.Context, spools []string) *spoolSampler {
 	return s
 }
 
+// take returns the peak of each spool since the start or the previous take, and starts over.
+func (s *spoolSampler) take() []int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	peak := slices.Clone(s.peak)
+	clear(s.peak)
+	return peak
+}
+
 func (b *bench) dpPhase(ctx context.Context, rep int) error {
 	var nodes []node
 	for r := range 2 {
@@ -77,17 +87,8 @@ func (b *bench) dpPhase(ctx context.Context, rep int) error {
 			return err
 		}
 	}
-	both := func(f func(r int) error) error {
-		errs := make([]error, 2)
-		var wg sync.WaitGroup
-		for r := range 2 {
-			wg.Go(func() { errs[r] = f(r) })
-		}
-		wg.Wait()
-		return errors.Join(errs...)
-	}
 	clients := make([]*jobsim.Orbax, 2)
-	if err := both(func(r int) error {
+	if err := allRanks(2, func(r int) error {
 		clients[r] = b.dpClient(nodes[r], job)
 		_, _, err := clients[r].Start(ctx)
 		return err
@@ -103,28 +104,23 @@ func (b *bench) dpPhase(ctx context.Context, rep int) error {
 	sampler := startSpoolSampler(ctx, []string{nodes[0].spool, nodes[1].spool})
 	defer sampler.stop()
 	for _, step := range dpSteps {
-		if err := both(func(r int) error {
+		if err := allRanks(2, func(r int) error {
 			if err := clients[r].Save(ctx, step); err != nil {
 				return err
 			}
 			meta := filepath.Join(nodes[1-r].dir, fmt.Sprintf("%s-s%d-n%d-w0.meta", job, step, r))
-			for deadline := time.Now().Add(replWaitMax); ; time.Sleep(replPoll) {
-				if _, err := os.Lstat(meta); err == nil {
-					return nil
-				}
-				if time.Now().After(deadline) {
-					return fmt.Errorf("no %s after %v", meta, replWaitMax)
-				}
-			}
+			_, err := waitFile(ctx, meta, replWaitMax)
+			return err
 		}); err != nil {
 			return err
 		}
 	}
 	time.Sleep(500 * time.Millisecond)
 	sampler.stop()
+	peak := sampler.take()
 	worst := 0.0
 	for r := range 2 {
-		worst = max(worst, float64(sampler.peak[r]-base[r])/float64(stepBytes))
+		worst = max(worst, float64(peak[r]-base[r])/float64(stepBytes))
 	}
 	b.res.add(kSpoolDP, worst)
 	fmt.Fprintf(os.Stderr, "clusterbench:   data-parallel pair: peak spool use ÷ checkpoint bytes, worst rank: %.2f\n", worst)

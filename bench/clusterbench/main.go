@@ -22,9 +22,11 @@
 //     peer as they are closed, so little is left to send at the commit.
 //  3. save while replicating: each rank saves step 30 and, the moment it committed, step 40,
 //     timed; compared with the idle save of step 1 (same size).
-//  4. peak spool use: statfs of every node's spool every 10 ms from before step 1 until the
-//     replicas of step 40 are in place (and 500 ms more); the peak used bytes minus those before
-//     the first save, divided by the node's checkpoint bytes.
+//  4. peak spool use: the used bytes of every node's spool are read once before step 1 (the
+//     base), then with statfs every 10 ms from the restart with peers (step 1 already saved)
+//     in two phases: through steps 10 and 20 until their replicas are in place, and through
+//     steps 30 and 40 until step 40's replicas are in place and 500 ms more. For each phase, the
+//     peak minus the base, divided by the node's checkpoint bytes (rows 3 and 3b).
 //  5. replaced node: SIGKILL of rank 1's agent, its FUSE mount and spool tmpfs unmounted and the
 //     spool removed, a new agent started on the same paths; then a new client on every rank
 //     starts at the same moment, and rank 1's time from Start to VerifyRestored done (every byte

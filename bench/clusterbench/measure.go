@@ -56,15 +56,19 @@ func kSpoolNode(r int) string  { return fmt.Sprintf("spool-peak-n%d", r) }
 func kReplStep(s int64) string { return fmt.Sprintf("repl-s%d", s) }
 
 type results struct {
-	samples    map[string][]float64
-	stepBytes  int64 // one node's checkpoint bytes per step
-	pairBytes  int64 // rank 0's step in the pair phase
-	spoolStart []float64
+	mu        sync.Mutex           // add is called from every rank's goroutine
+	samples   map[string][]float64 // GUARDED_BY(mu) while ranks run
+	stepBytes int64                // one node's checkpoint bytes per step
+	pairBytes int64                // rank 0's step in the pair phase
 }
 
 func newResults() *results { return &results{samples: map[string][]float64{}} }
 
-func (r *results) add(key string, v float64) { r.samples[key] = append(r.samples[key], v) }
+func (r *results) add(key string, v float64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.samples[key] = append(r.samples[key], v)
+}
 
 func (r *results) median(key string) float64 { return benchkit.Median(r.samples[key]) }
 
@@ -84,11 +88,11 @@ func (b *bench) clientNoPeers(n node, job string) *jobsim.Orbax {
 	}
 }
 
-// all runs f for every rank at once, as the job's processes do.
-func all(f func(r int) error) error {
+// allRanks runs f for ranks 0 to n-1 at once, as the job's processes do, and joins their errors.
+func allRanks(n int, f func(r int) error) error {
 	var wg sync.WaitGroup
-	errs := make([]error, 3)
-	for r := range 3 {
+	errs := make([]error, n)
+	for r := range n {
 		wg.Go(func() {
 			if err := f(r); err != nil {
 				errs[r] = fmt.Errorf("rank %d: %w", r, err)
@@ -97,6 +101,24 @@ func all(f func(r int) error) error {
 	}
 	wg.Wait()
 	return errors.Join(errs...)
+}
+
+// waitFile polls path with lstat every replPoll until it exists and returns how long that took;
+// an error after maxWait or when ctx is done.
+func waitFile(ctx context.Context, path string, maxWait time.Duration) (time.Duration, error) {
+	start := time.Now()
+	for {
+		if _, err := os.Lstat(path); err == nil {
+			return time.Since(start), nil
+		}
+		if time.Since(start) > maxWait {
+			return 0, fmt.Errorf("no %s after %v", path, maxWait)
+		}
+		if err := ctx.Err(); err != nil {
+			return 0, err
+		}
+		time.Sleep(replPoll)
+	}
 }
 
 func treeBytes(files []jobsim.File) int64 {
@@ -126,7 +148,7 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 		return fmt.Errorf("tcp copy: %w", err)
 	}
 	b.res.add(kTCP, ms(tcp))
-	bound := float64(stepBytes)/(float64(stepBytes)/tcp.Seconds())*1.5 + 1
+	bound := tcp.Seconds()*1.5 + 1 // bytes ÷ TCP rate × 1.5 + 1 s
 	b.res.add(kBound, bound*1e3)
 	fmt.Fprintf(os.Stderr, "clusterbench:   TCP copy of %s: %.0f ms (%.2f GB/s); restore bound %.2f s\n",
 		benchkit.FormatBytes(stepBytes), ms(tcp), float64(stepBytes)/tcp.Seconds()/1e9, bound)
@@ -148,7 +170,7 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	}
 
 	// Idle save: the job runs without peers first, so nothing replicates anywhere.
-	if err := all(func(r int) error {
+	if err := allRanks(3, func(r int) error {
 		o := b.clientNoPeers(nodes[r], job)
 		step, found, err := o.Start(ctx)
 		if err == nil && found {
@@ -165,7 +187,7 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	}
 	// The job restarts with peers and restores the idle step from RAM.
 	clients := make([]*jobsim.Orbax, 3)
-	if err := all(func(r int) error {
+	if err := allRanks(3, func(r int) error {
 		clients[r] = b.client(nodes[r], job)
 		step, found, err := clients[r].Start(ctx)
 		if err == nil && (!found || step != idleStep) {
@@ -176,36 +198,14 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 		return err
 	}
 
-	var (
-		peakMu sync.Mutex
-		peak   [3]int64 // GUARDED_BY(peakMu)
-	)
-	sampleCtx, stopSampling := context.WithCancel(ctx)
-	var sampler sync.WaitGroup
-	sampler.Go(func() {
-		t := time.NewTicker(spoolPoll)
-		defer t.Stop()
-		for {
-			for r, n := range nodes {
-				if u, err := spoolUsed(n.spool); err == nil {
-					peakMu.Lock()
-					peak[r] = max(peak[r], u)
-					peakMu.Unlock()
-				}
-			}
-			select {
-			case <-sampleCtx.Done():
-				return
-			case <-t.C:
-			}
-		}
-	})
-	stopSampler := func() { stopSampling(); sampler.Wait() }
-	defer stopSampler()
+	// Peak spool use, sampled from here (step 1 saved and restored) in two phases: steps 10-20,
+	// then steps 30-40; base (before step 1) is subtracted from both.
+	sampler := startSpoolSampler(ctx, []string{nodes[0].spool, nodes[1].spool, nodes[2].spool})
+	defer sampler.stop()
 
 	for _, step := range steps {
 		lat := make([]float64, 3)
-		if err := all(func(r int) error {
+		if err := allRanks(3, func(r int) error {
 			peer := nodes[(r+1)%3]
 			replica := filepath.Join(peer.dir, fmt.Sprintf("%s-s%d-n%d-w0.meta", job, step, r))
 			start := time.Now()
@@ -214,19 +214,11 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 			}
 			commit := time.Now()
 			b.res.add(kSave, ms(commit.Sub(start)))
-			for {
-				if _, err := os.Lstat(replica); err == nil {
-					lat[r] = ms(time.Since(commit))
-					return nil
-				}
-				if time.Since(commit) > replWaitMax {
-					return fmt.Errorf("no replica %s after %v; log of rank %d's agent:\n%s", replica, replWaitMax, r, agents[r].Log())
-				}
-				if err := ctx.Err(); err != nil {
-					return err
-				}
-				time.Sleep(replPoll)
+			if _, err := waitFile(ctx, replica, replWaitMax); err != nil {
+				return fmt.Errorf("%w; log of rank %d's agent:\n%s", err, r, agents[r].Log())
 			}
+			lat[r] = ms(time.Since(commit))
+			return nil
 		}); err != nil {
 			return err
 		}
@@ -241,21 +233,19 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	}
 	// The peak so far covers sequential saves (step N+1 written while N is held and replicated);
 	// the busy phase below is measured on its own.
-	peakMu.Lock()
+	peak := sampler.take()
 	worst := 0.0
 	for r := range 3 {
 		f := float64(peak[r]-base[r]) / float64(stepBytes)
 		b.res.add(kSpoolNode(r), f)
 		worst = max(worst, f)
-		peak[r] = 0
 	}
-	peakMu.Unlock()
 	b.res.add(kSpoolPeak, worst)
 	fmt.Fprintf(os.Stderr, "clusterbench:   peak spool use ÷ checkpoint bytes, steps 1-20, worst rank: %.2f\n", worst)
 
 	// Save while the previous step replicates: busyStep starts the moment prevStep committed.
 	busy := make([]float64, 3)
-	if err := all(func(r int) error {
+	if err := allRanks(3, func(r int) error {
 		if err := clients[r].Save(ctx, prevStep); err != nil {
 			return err
 		}
@@ -266,20 +256,17 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 		busy[r] = ms(time.Since(start))
 		b.res.add(kSaveBusy, busy[r])
 		replica := filepath.Join(nodes[(r+1)%3].dir, fmt.Sprintf("%s-s%d-n%d-w0.meta", job, busyStep, r))
-		for deadline := time.Now().Add(replWaitMax); ; time.Sleep(replPoll) {
-			if _, err := os.Lstat(replica); err == nil {
-				return nil
-			}
-			if time.Now().After(deadline) {
-				return fmt.Errorf("no replica %s after %v", replica, replWaitMax)
-			}
+		if _, err := waitFile(ctx, replica, replWaitMax); err != nil {
+			return fmt.Errorf("%w; log of rank %d's agent:\n%s", err, r, agents[r].Log())
 		}
+		return nil
 	}); err != nil {
 		return err
 	}
 	fmt.Fprintf(os.Stderr, "clusterbench:   save of step %d while step %d replicates, ranks 0-2: %.0f %.0f %.0f ms\n", busyStep, prevStep, busy[0], busy[1], busy[2])
 	time.Sleep(500 * time.Millisecond)
-	stopSampler()
+	sampler.stop()
+	peak = sampler.take()
 	busyWorst := 0.0
 	for r := range 3 {
 		busyWorst = max(busyWorst, float64(peak[r]-base[r])/float64(stepBytes))
@@ -297,7 +284,7 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	want := int64(busyStep)
 	took := make([]float64, 3)
 	startTook := make([]float64, 3)
-	if err := all(func(r int) error {
+	if err := allRanks(3, func(r int) error {
 		o := b.client(nodes[r], job)
 		start := time.Now()
 		step, found, err := o.Start(ctx)

@@ -58,15 +58,7 @@ func (b *bench) pairPhase(ctx context.Context, rep int) error {
 		}
 	}
 	clients := make([]*jobsim.Orbax, 2)
-	errs := make([]error, 2)
-	run2 := func(f func(r int) error) error {
-		done := make(chan struct{})
-		go func() { errs[1] = f(1); close(done) }()
-		errs[0] = f(0)
-		<-done
-		return errors.Join(errs...)
-	}
-	if err := run2(func(r int) error {
+	if err := allRanks(2, func(r int) error {
 		clients[r] = b.pairClient(nodes[r], job)
 		_, _, err := clients[r].Start(ctx)
 		return err
@@ -76,7 +68,7 @@ func (b *bench) pairPhase(ctx context.Context, rep int) error {
 	for _, step := range pairSteps {
 		var lat float64
 		replica := filepath.Join(nodes[1].dir, fmt.Sprintf("%s-s%d-n0-w0.meta", job, step))
-		if err := run2(func(r int) error {
+		if err := allRanks(2, func(r int) error {
 			start := time.Now()
 			if err := clients[r].Save(ctx, step); err != nil {
 				return err
@@ -86,15 +78,11 @@ func (b *bench) pairPhase(ctx context.Context, rep int) error {
 			}
 			commit := time.Now()
 			b.res.add(kPairSave, ms(commit.Sub(start)))
-			for deadline := commit.Add(replWaitMax); ; time.Sleep(replPoll) {
-				if _, err := os.Lstat(replica); err == nil {
-					lat = ms(time.Since(commit))
-					return nil
-				}
-				if time.Now().After(deadline) {
-					return fmt.Errorf("no replica %s after %v; rank 0's log:\n%s", replica, replWaitMax, agents[0].Log())
-				}
+			if _, err := waitFile(ctx, replica, replWaitMax); err != nil {
+				return fmt.Errorf("%w; rank 0's log:\n%s", err, agents[0].Log())
 			}
+			lat = ms(time.Since(commit))
+			return nil
 		}); err != nil {
 			return err
 		}

@@ -70,8 +70,8 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 	spoolMax := slices.Max(res.samples[kSpoolPeak])
 	w("| 3 | Peak spool use ÷ per-node checkpoint bytes while saving step N+1 with step N held and replicated (statfs every 10 ms; worst node per repetition), median of %d | %.2f× (max %.2f×) | — | ≤ %g× (one peer, not data-parallel) | %s |\n",
 		len(res.samples[kSpoolPeak]), spool, spoolMax, spoolTarget, verdict(count(spool <= spoolTarget)))
-	w("| 3b | The same while saving step %d the moment step %d committed (then steps %d−10, %d and %d and their replicas are all held until the job-wide sync of step %d frees the oldest) | %.2f× | — | (no separate target; the reference system sizes RAM at 6.6×) | — |\n",
-		busyStep, prevStep, prevStep, prevStep, busyStep, prevStep, res.median(kSpoolBusy))
+	w("| 3b | The same while saving step %d the moment step %d committed (then steps %d, %d and %d and their replicas are all held until the job-wide sync of step %d frees the oldest) | %.2f× | — | (no separate target; the reference system sizes RAM at 6.6×) | — |\n",
+		busyStep, prevStep, steps[len(steps)-1], prevStep, busyStep, prevStep, res.median(kSpoolBusy))
 	if n := len(res.samples[kSpoolDP]); n > 0 {
 		dp := res.median(kSpoolDP)
 		w("| 3c | Peak spool use ÷ checkpoint bytes, data-parallel: two agents, `assume-data-parallelism: 2` (only `.meta` files travel), steps %v saved in turn (statfs every 10 ms; worst node per repetition), median of %d | %.2f× | — | ≤ %g× (data-parallel) | %s |\n",

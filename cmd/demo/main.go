@@ -8,11 +8,16 @@
 //     the job restores it from RAM again;
 //  5. mtcfs restore-version set pins an older backup: the next start restores it from the
 //     backup, and the pin is consumed by the next saved step;
-//  6. a three-node job on three agents that find each other through their shared backup
-//     location: saves, a backup, a replaced node restoring its step from a peer, and the loss
-//     of every agent, restored from the backup;
+//  6. the agent is stopped with SIGTERM: it unmounts and keeps the spool that holds a checkpoint;
 //
-// and then stops the agent and removes everything it made.
+// then (cluster.go) a three-node job on three agents that find each other through their shared
+// backup location:
+//
+//  7. the job saves steps on every rank, each replicating to the next rank, and one is backed up;
+//  8. a replaced node (SIGKILL, its RAM gone, a new agent) restores its step from a peer;
+//  9. every agent is lost and the job restores from the backup;
+//
+// and then stops the agents and removes everything it made.
 package main
 
 import (
@@ -251,14 +256,14 @@ func startProc(bin, dir, spool, backups string, extra ...string) (*agentProc, er
 		l := sc.Text()
 		a.logs = append(a.logs, l)
 		if strings.Contains(l, "detached") || strings.Contains(l, "adopted") || strings.Contains(l, "mounted") {
-			note("agent: %s", l[strings.Index(l, "msg="):])
+			note("agent: %s", logMessage(l))
 		}
 		if strings.Contains(l, "serving") {
 			go func() {
 				rest := bufio.NewScanner(stderr)
 				for rest.Scan() {
 					if l := rest.Text(); strings.Contains(l, "restored from a peer") || strings.Contains(l, "replicated") {
-						note("agent %s: %s", filepath.Base(dir), l[strings.Index(l, "msg="):])
+						note("agent %s: %s", filepath.Base(dir), logMessage(l))
 					}
 				}
 				a.done <- cmd.Wait()
@@ -269,6 +274,14 @@ func startProc(bin, dir, spool, backups string, extra ...string) (*agentProc, er
 	err = cmd.Wait()
 	a.done <- err
 	return a, fmt.Errorf("agent exited before serving (%v):\n%s", err, strings.Join(a.logs, "\n"))
+}
+
+// logMessage is a text log line from its msg= attribute on, or the whole line without one.
+func logMessage(l string) string {
+	if i := strings.Index(l, "msg="); i >= 0 {
+		return l[i:]
+	}
+	return l
 }
 
 func (a *agentProc) stop() error {

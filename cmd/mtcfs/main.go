@@ -13,8 +13,11 @@ import (
 const usage = `mtcfs — multi-tier checkpointing filesystem
 
 Usage:
-  mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--peer-secret-file F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
+  mtcfs mount DIR [--backup URL] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
+                  [--listen HOST:PORT] [--advertise HOST:PORT] [--peers RANK=HOST:PORT,...]
+                  [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F]
                   [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]
+                  [--xattrs] [--debug-fuse]
   mtcfs status [DIR] [--http HOST:PORT] [--json]
   mtcfs backups list|verify [NAME] --backup URL --job NAME
   mtcfs restore-version set NAME|clear --backup URL --job NAME
