@@ -52,14 +52,19 @@
 // before the first byte, so the server refuses damaged bytes; every request
 // is retried with backoff (408, 429, 5xx, broken connections, and attempts
 // that move no byte for GCSOptions.StallTimeout) under preconditions that
-// make the retry safe: create-if-absent uploads carry ifGenerationMatch=0 and
-// accept a 412 only when the object already holds the same size and CRC32C,
-// replacing uploads carry the generation they replace. Files of at least
-// GCSOptions.ParallelThreshold move in parts of GCSOptions.PartSize, several
-// at a time (Backups.Parallelism requests in flight per call): uploads as
-// parallel composite uploads (temporary part objects under a reserved
-// ".mtcfs-tmp-" prefix, composed into the final name with its CRC32C, then
-// deleted), downloads as ranged reads of one pinned generation written in
-// place, whose CRC32Cs are combined (crc32cCombine) and checked against the
-// manifest. Memory stays at one copy buffer per request in flight.
+// make a retry of our own write idempotent: create-if-absent uploads carry
+// ifGenerationMatch=0 and accept a 412 only when the object already holds
+// the same size and CRC32C, so they never overwrite anything; replacing
+// uploads carry the generation they replace, so a retry recognises its own
+// earlier write, but against a concurrent replacing writer the last writer
+// wins (a 412 caused by another writer's version is answered by replacing
+// that version). Files of at least GCSOptions.ParallelThreshold move in parts
+// of GCSOptions.PartSize, several at a time (Backups.Parallelism requests in
+// flight per call): uploads as parallel composite uploads (the parts'
+// CRC32Cs taken in parallel and combined into the file's, then temporary
+// part objects under a reserved ".mtcfs-tmp-" prefix, composed into the
+// final name with its CRC32C, then deleted), downloads as ranged reads of
+// one pinned generation written in place, whose CRC32Cs are combined
+// (crc32cCombine) and checked against the manifest. Memory stays at one copy
+// buffer per request in flight.
 package gcsbackend

@@ -36,15 +36,23 @@ import (
 //     means an earlier attempt landed, which Stat confirms (same size and
 //     CRC32C) or refutes (*PreconditionError);
 //   - replacing uploads carry ifGenerationMatch of the generation they saw,
-//     so a retry cannot clobber a newer write, and a 412 whose object holds
-//     our bytes is our own earlier attempt;
+//     which makes a retry of our own write idempotent: a 412 whose object
+//     holds our bytes is our own earlier attempt, which landed. They are
+//     last-writer-wins against other writers: a 412 whose object holds other
+//     bytes means someone replaced the object since we looked, and the
+//     upload replaces that version in turn, so a concurrent replacing write
+//     can be overwritten. Only create-if-absent uploads never overwrite;
 //   - reads pin the generation they started with, so a read resumed after an
-//     error never mixes two versions of an object.
+//     error never mixes two versions of an object; a reader resumed
+//     MaxAttempts times in a row without a byte gives up. (The library still
+//     reopens a body that breaks mid-read by itself, without limit and
+//     without backoff, whatever the retry policy: only the stall watchdog
+//     ends that, so each of those attempts lasts up to StallTimeout.)
 //
 // GCS allows about one write per second to one object name; the store delays
 // a second write to a name it wrote less than NameWriteInterval ago.
 //
-// Large files go through putFile and getFile (see gcs_transfer.go): parallel
+// Large files go through putLocal and getFile (see gcs_transfer.go): parallel
 // composite uploads and parallel ranged downloads, streamed from and to the
 // local file.
 type gcsStore struct {
@@ -58,7 +66,6 @@ var (
 	_ ObjectStore = (*gcsStore)(nil)
 	_ filePutter  = (*gcsStore)(nil)
 	_ fileGetter  = (*gcsStore)(nil)
-	_ crcUpfront  = (*gcsStore)(nil)
 )
 
 // GCSOptions tunes a GCS store. The zero value gives the defaults.
@@ -210,8 +217,6 @@ func (s *gcsStore) handle(ctx context.Context, key string) (*storage.ObjectHandl
 	}
 	return c.Bucket(s.bucket).Object(key).Retryer(storage.WithPolicy(storage.RetryNever)), nil
 }
-
-func (s *gcsStore) WantsCRCUpfront() bool { return true }
 
 // errStalled is the cause of an attempt abandoned by its watchdog.
 var errStalled = errors.New("no progress")
@@ -498,6 +503,11 @@ type gcsReader struct {
 	r         *storage.Reader
 	wd        *watchdog
 	rctx      context.Context // the current reader's attempt context
+	// failed counts the readers in a row that failed before delivering a
+	// byte; Read gives up at MaxAttempts. open's own retries start afresh
+	// each time, so they cannot bound a server that answers every request
+	// and breaks every body.
+	failed int
 }
 
 // open (re)opens the object at r.off, retrying transient errors.
@@ -553,6 +563,13 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 			return 0, io.EOF
 		}
 		if r.r == nil {
+			if r.failed > 0 {
+				// A server can accept every connection and break every body
+				// before its first byte: back off, as between attempts.
+				if err := sleepCtx(r.ctx, r.s.backoff(r.failed)); err != nil {
+					return 0, err
+				}
+			}
 			if err := r.open(); err != nil {
 				return 0, err
 			}
@@ -563,6 +580,7 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 		n, err := r.r.Read(p)
 		if n > 0 {
 			r.wd.touch()
+			r.failed = 0
 			r.off += int64(n)
 			if r.remaining > 0 {
 				r.remaining -= int64(n)
@@ -572,11 +590,15 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 			}
 			return n, err
 		}
+		if err == nil {
+			return 0, nil // io.Reader allows it; nothing is wrong
+		}
 		if err == io.EOF {
 			r.remaining = 0
 			return 0, io.EOF
 		}
-		stalled := errors.Is(context.Cause(r.rctx), errStalled)
+		cause := context.Cause(r.rctx)
+		stalled := errors.Is(cause, errStalled)
 		r.closeReader()
 		if r.ctx.Err() != nil {
 			return 0, r.ctx.Err()
@@ -584,7 +606,15 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 		if !stalled && !storage.ShouldRetry(err) {
 			return 0, r.s.mapErr("read", r.name, err)
 		}
-		// Resume from r.off on the next loop.
+		if stalled {
+			err = fmt.Errorf("%w: %w", cause, err)
+		}
+		r.failed++
+		if r.failed >= r.s.opts.MaxAttempts {
+			return 0, fmt.Errorf("read %s: giving up after %d attempts that delivered no byte at offset %d: %w",
+				r.s.url(r.name), r.failed, r.off, err)
+		}
+		// Reopen at r.off on the next loop.
 	}
 }
 
@@ -621,10 +651,10 @@ func (s *gcsStore) Put(ctx context.Context, req PutRequest) error {
 }
 
 // replayableBody gives a Put body to each attempt. A body that can seek is
-// read once beforehand, to check its size and take (or check) its CRC32C,
-// and replayed from where it started; any other can only be sent once, and
-// without a CRC32C from the caller it is checked only after the upload (see
-// writeOnce).
+// replayed from where it started; without a CRC32C from the caller it is
+// read once beforehand, to check its size and take its CRC32C. Any other
+// body can only be sent once, and without a CRC32C from the caller it is
+// checked only after the upload (see writeOnce).
 type replayableBody struct {
 	r        io.Reader
 	start    int64
@@ -635,8 +665,9 @@ type replayableBody struct {
 }
 
 // newReplayableBody prepares req.Body. GCS must have the CRC32C before the
-// first byte to refuse damaged data, and a body found short or long only
-// while streaming could still be published cut to the announced size.
+// first byte to refuse damaged data. A CRC32C from the caller needs no
+// pre-read: writeOnce checks the size and CRC32C of what it streamed before
+// it Closes the upload, and abandons it (publishing nothing) on a mismatch.
 func newReplayableBody(ctx context.Context, req PutRequest) (*replayableBody, error) {
 	b := &replayableBody{r: req.Body}
 	if sk, ok := req.Body.(io.Seeker); ok {
@@ -644,10 +675,11 @@ func newReplayableBody(ctx context.Context, req PutRequest) (*replayableBody, er
 			b.seek, b.start = sk, pos
 		}
 	}
+	if req.CRC32C != nil {
+		b.crc, b.crcKnown = *req.CRC32C, true
+		return b, nil
+	}
 	if b.seek == nil {
-		if req.CRC32C != nil {
-			b.crc, b.crcKnown = *req.CRC32C, true
-		}
 		return b, nil
 	}
 	n, crc, err := copyCRC(ctx, io.Discard, io.LimitReader(req.Body, req.Size))
@@ -660,9 +692,6 @@ func newReplayableBody(ctx context.Context, req PutRequest) (*replayableBody, er
 	var extra [1]byte
 	if m, _ := io.ReadFull(req.Body, extra[:]); m > 0 {
 		return nil, fmt.Errorf("body is longer than the announced %d bytes", req.Size)
-	}
-	if req.CRC32C != nil && *req.CRC32C != crc {
-		return nil, &ChecksumError{Name: req.Name, Want: *req.CRC32C, Got: crc}
 	}
 	b.crc, b.crcKnown = crc, true
 	return b, nil
@@ -763,9 +792,10 @@ func (s *gcsStore) conflict(name string, o *storage.ObjectAttrs, size int64, crc
 var errRetryNow = &googleapi.Error{Code: http.StatusServiceUnavailable, Message: "retry with the new generation"}
 
 // writeOnce is one upload attempt; it returns the CRC32C of the bytes it
-// sent. Nothing becomes visible unless Close succeeds, and Close is only
-// reached with exactly req.size bytes whose CRC32C is req.crc; any other
-// outcome cancels the request.
+// read from the body (all sent, when it reaches Close). Close is only reached
+// with exactly req.size bytes whose CRC32C is req.crc; any other outcome
+// cancels the request with at least the last byte read unsent, so that
+// nothing that could still land matches the CRC32C sent up front.
 func (s *gcsStore) writeOnce(a *attempt, req writeRequest, gen int64) (uint32, error) {
 	body, err := req.body()
 	if err != nil {
@@ -796,21 +826,34 @@ func (s *gcsStore) writeOnce(a *attempt, req writeRequest, gen int64) (uint32, e
 	bp := copyBufs.Get().(*[]byte)
 	defer copyBufs.Put(bp)
 	buf := *bp
-	var sent int64
+	// The last byte received is held back (in buf[0:held]) until the body is
+	// known to be complete and right: cancelling does not reliably withdraw a
+	// single-request upload (on a copy error the client's multipart writer
+	// still ends the body with its closing boundary), and a body that ended
+	// early could otherwise be published whole, matching a CRC32C computed
+	// from the same short body. Without that byte, what may land has another
+	// CRC32C than the one announced, and GCS refuses it.
+	var got, sent int64 // received from the body, and handed to w
+	var held int
 	var crc uint32
-	for sent < req.size {
-		m, rerr := body.Read(buf[:min(int64(len(buf)), req.size-sent)])
+	for got < req.size {
+		m, rerr := body.Read(buf[held : held+int(min(int64(len(buf)-held), req.size-got))])
 		if m > 0 {
-			crc = crc32.Update(crc, crcTable, buf[:m])
-			if _, werr := w.Write(buf[:m]); werr != nil {
-				abort()
-				return crc, werr
-			}
-			sent += int64(m)
+			crc = crc32.Update(crc, crcTable, buf[held:held+m])
+			got += int64(m)
 			a.wd.touch()
-			if req.progress != nil {
-				req.progress(sent)
+			if k := held + m - 1; k > 0 {
+				if _, werr := w.Write(buf[:k]); werr != nil {
+					abort()
+					return crc, werr
+				}
+				sent += int64(k)
+				buf[0] = buf[k]
+				if req.progress != nil {
+					req.progress(sent)
+				}
 			}
+			held = 1
 		}
 		if rerr == io.EOF {
 			break
@@ -821,11 +864,10 @@ func (s *gcsStore) writeOnce(a *attempt, req writeRequest, gen int64) (uint32, e
 		}
 	}
 	// To give up, cancel and never Close: Close would end the request body
-	// normally and could publish what was sent so far (the CRC32C sent up
-	// front cannot catch a body cut at the same point as the source).
+	// normally and could publish what was sent so far.
 	fail := func(err error) (uint32, error) { abort(); return crc, &permanentError{err} }
-	if sent != req.size {
-		return fail(fmt.Errorf("put %s: body ended after %d of %d bytes", s.url(req.name), sent, req.size))
+	if got != req.size {
+		return fail(fmt.Errorf("put %s: body ended after %d of %d bytes", s.url(req.name), got, req.size))
 	}
 	var extra [1]byte
 	if m, _ := io.ReadFull(body, extra[:]); m > 0 {
@@ -834,6 +876,17 @@ func (s *gcsStore) writeOnce(a *attempt, req writeRequest, gen int64) (uint32, e
 	if req.crcKnown && crc != req.crc {
 		abort()
 		return crc, &ChecksumError{Name: req.name, Want: req.crc, Got: crc}
+	}
+	if held > 0 {
+		if _, werr := w.Write(buf[:held]); werr != nil {
+			abort()
+			return crc, werr
+		}
+		sent += int64(held)
+		a.wd.touch()
+		if req.progress != nil {
+			req.progress(sent)
+		}
 	}
 	err = w.Close()
 	if httpCode(err) == http.StatusBadRequest && strings.Contains(strings.ToLower(err.Error()), "crc32c") {

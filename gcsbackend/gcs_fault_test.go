@@ -3,9 +3,12 @@ package gcsbackend
 import (
 	"context"
 	"errors"
+	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -204,6 +207,106 @@ func TestGCSFaultCorruptDownload(t *testing.T) {
 			for k, v := range tree {
 				assert.True(t, got[k] == v, "restored %s differs", k)
 			}
+		})
+	}
+}
+
+// cutBody serves the request's status and headers (Content-Length included),
+// then drops the connection before the first byte of the body: a server that
+// accepts every (re)connection and resets it every time.
+func cutBody(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	rec := httptest.NewRecorder()
+	next.ServeHTTP(rec, r)
+	for k, v := range rec.Header() {
+		w.Header()[k] = v
+	}
+	w.Header().Set("Content-Length", strconv.Itoa(rec.Body.Len()))
+	w.WriteHeader(rec.Code)
+	w.(http.Flusher).Flush()
+	panic(http.ErrAbortHandler) // the server closes the connection, quietly
+}
+
+// TestGCSFaultBodyCutEveryTime: reads whose body is cut after the headers,
+// on every connection, end in a clear error naming bucket and object after
+// the configured attempts — never in a download that reconnects forever.
+func TestGCSFaultBodyCutEveryTime(t *testing.T) {
+	ctx := context.Background()
+	// The client library reconnects by itself, without limit and without
+	// backoff, while a body breaks before its first byte; only the stall
+	// timeout ends that, so it is short here.
+	opts := testGCSOptions()
+	opts.PartSize = 256 << 10
+	opts.StallTimeout = 250 * time.Millisecond
+	opts.MaxAttempts = 3
+	for _, tc := range []struct {
+		name  string
+		match func(*http.Request) bool
+	}{
+		{"manifest", func(r *http.Request) bool { return isMediaRead(r) && strings.Contains(r.URL.Path, ".manifest") }},
+		{"ranged", func(r *http.Request) bool { return isMediaRead(r) && strings.Contains(r.URL.Path, "big.bin") }},
+		{"whole", func(r *http.Request) bool { return isMediaRead(r) && strings.Contains(r.URL.Path, "array_0") }},
+		{"every", isMediaRead},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f, b, tree, src := faultSetup(t, nil)
+			require.NoError(t, uploadFaultTree(b, src))
+			b.Store = f.store(t, "bk", opts) // short options for the download only
+			rule := f.faults.add(1<<30, tc.match, cutBody)
+			parent := t.TempDir()
+			dest := filepath.Join(parent, "restored")
+			req := DownloadRequest{Job: testJob, Backup: faultBackup, Hash: fakeHash(true, "fault"), Dest: dest}
+			start := time.Now()
+			err := b.Download(ctx, req)
+			require.Error(t, err, "a download whose bodies never arrive must fail")
+			assert.Less(t, time.Since(start), 30*time.Second, "bounded attempts, not an endless reconnect loop")
+			assert.Contains(t, err.Error(), "giving up after 3 attempts", "the error says it gave up")
+			assert.Contains(t, err.Error(), "gs://mtcfs-test/bk/", "the error names bucket and object")
+			assert.Positive(t, f.faults.hits(rule))
+			t.Logf("%d broken responses: %v", f.faults.hits(rule), err)
+			entries, err := os.ReadDir(parent)
+			require.NoError(t, err)
+			assert.Empty(t, entries, "a failed download leaves nothing behind")
+
+			f.faults.clear()
+			require.NoError(t, b.Download(ctx, req), "the next download is clean")
+			got := readTree(t, dest)
+			for k, v := range tree {
+				assert.True(t, got[k] == v, "restored %s differs", k)
+			}
+		})
+	}
+}
+
+// TestGCSFaultOpenBodyCutEveryTime: the same through Open, whose reader
+// resumes after errors: it resumes a bounded number of times, backing off.
+func TestGCSFaultOpenBodyCutEveryTime(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeGCS(t)
+	data := randomBytes(300<<10, 9)
+	put(t, f.store(t, "p", testGCSOptions()), "obj", string(data))
+	opts := testGCSOptions()
+	opts.StallTimeout = 250 * time.Millisecond
+	opts.MaxAttempts = 3
+	s := f.store(t, "p", opts)
+	for _, tc := range []struct {
+		name        string
+		off, length int64
+	}{{"whole", 0, -1}, {"ranged", 1000, 5000}} {
+		t.Run(tc.name, func(t *testing.T) {
+			// The open itself succeeds; every body, the first one included, breaks.
+			rule := f.faults.add(1<<30, isMediaRead, cutBody)
+			defer f.faults.clear()
+			r, err := s.Open(ctx, "obj", tc.off, tc.length)
+			require.NoError(t, err)
+			defer r.Close()
+			start := time.Now()
+			_, err = io.ReadAll(r)
+			require.Error(t, err)
+			assert.Less(t, time.Since(start), 30*time.Second, "bounded attempts, not an endless reconnect loop")
+			assert.Contains(t, err.Error(), "read gs://mtcfs-test/p/obj")
+			assert.Contains(t, err.Error(), "giving up after 3 attempts")
+			assert.Positive(t, f.faults.hits(rule))
+			t.Logf("%d broken responses: %v", f.faults.hits(rule), err)
 		})
 	}
 }

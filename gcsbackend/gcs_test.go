@@ -611,3 +611,90 @@ func TestGCSNoGoroutineLeak(t *testing.T) {
 		t.Fatalf("%d goroutines before, %d after:\n%s", before, after, buf[:runtime.Stack(buf, true)])
 	}
 }
+
+// countingSeeker counts the bytes read through it.
+type countingSeeker struct {
+	*bytes.Reader
+	n int64
+}
+
+func (c *countingSeeker) Read(p []byte) (int, error) {
+	n, err := c.Reader.Read(p)
+	c.n += int64(n)
+	return n, err
+}
+
+// TestGCSPutWithCRCReadsOnce: a seekable body whose CRC32C the caller gives
+// is not read beforehand; its size and CRC32C are still checked before
+// anything is published.
+func TestGCSPutWithCRCReadsOnce(t *testing.T) {
+	ctx := context.Background()
+	s := newFakeGCS(t).store(t, "", testGCSOptions())
+	data := randomBytes(100<<10, 11)
+	crc := crcOf(data)
+	body := &countingSeeker{Reader: bytes.NewReader(data)}
+	require.NoError(t, s.Put(ctx, PutRequest{Name: "a", Body: body, Size: int64(len(data)), CRC32C: &crc}))
+	assert.Equal(t, int64(len(data)), body.n, "one pass over the body")
+	assert.Equal(t, string(data), readRange(t, s, "a", 0, -1))
+
+	for _, tc := range []struct {
+		name string
+		size int64
+	}{{"short", int64(len(data)) + 1}, {"long", int64(len(data)) - 1}} {
+		err := s.Put(ctx, PutRequest{Name: "b", Body: bytes.NewReader(data), Size: tc.size, CRC32C: &crc, IfAbsent: true})
+		assert.Error(t, err, tc.name)
+		_, err = s.Stat(ctx, "b")
+		assert.True(t, IsNotFound(err), "%s: nothing may be visible, got %v", tc.name, err)
+	}
+	wrong := crc ^ 1
+	err := s.Put(ctx, PutRequest{Name: "b", Body: bytes.NewReader(data), Size: int64(len(data)), CRC32C: &wrong})
+	var ce *ChecksumError
+	assert.True(t, errors.As(err, &ce), "want *ChecksumError, got %v", err)
+	_, err = s.Stat(ctx, "b")
+	assert.True(t, IsNotFound(err), "nothing may be visible after a CRC mismatch, got %v", err)
+}
+
+// TestGCSPutLocal: putLocal takes the file's CRC32C itself (a large file's
+// from its parts, combined), returns it, and refuses a file whose size is
+// not the one scanned.
+func TestGCSPutLocal(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeGCS(t)
+	s := f.store(t, "", testGCSOptions()) // parts of 1 MiB from 2 MiB on
+	for _, size := range []int{0, 5000, 2 << 20, 3<<20 + 7} {
+		t.Run(fmt.Sprint(size), func(t *testing.T) {
+			data := randomBytes(size, uint64(size))
+			file := filepath.Join(t.TempDir(), "f")
+			require.NoError(t, os.WriteFile(file, data, 0o600))
+			fh, err := os.Open(file)
+			require.NoError(t, err)
+			defer fh.Close()
+			name := fmt.Sprintf("obj-%d", size)
+			tr := fileTransfer{Name: name, File: fh, Size: int64(size), Slots: make(chan struct{}, 3)}
+			crc, err := s.putLocal(ctx, tr)
+			require.NoError(t, err)
+			assert.Equal(t, crcOf(data), crc)
+			o, err := s.Stat(ctx, name)
+			require.NoError(t, err)
+			assert.Equal(t, crcOf(data), o.CRC32C)
+			assert.Equal(t, int64(size), o.Size)
+
+			for _, tc := range []struct {
+				name string
+				size int64
+			}{{"shrank", int64(size) + 1}, {"grew", int64(size) - 1}} {
+				if tc.size < 0 {
+					continue
+				}
+				tr := tr
+				tr.Name, tr.Size = name+"-"+tc.name, tc.size
+				_, err := s.putLocal(ctx, tr)
+				require.Error(t, err, tc.name)
+				assert.Contains(t, err.Error(), "changed size", tc.name)
+				_, err = s.Stat(ctx, tr.Name)
+				assert.True(t, IsNotFound(err), "%s: nothing may be visible, got %v", tc.name, err)
+			}
+			assertNoTemporaryObjects(t, f)
+		})
+	}
+}

@@ -18,14 +18,16 @@ import (
 // buffer per request: memory use is bounded by the number of requests in
 // flight (fileTransfer.Slots), not by file sizes.
 //
-// Upload (parallel composite upload): each part becomes a temporary object
-// <prefix>/.mtcfs-tmp-<random>/<n> with its own CRC32C; Compose (at most 32
-// sources per call, in levels beyond that) joins them into the final name
-// with ifGenerationMatch=0 and the whole file's CRC32C, which GCS checks and
-// which is checked again on the composed object's attributes. The temporary
-// objects are deleted afterwards, on failure too; a crash can leave some
-// behind, invisible to listings (a lifecycle rule on the prefix can expire
-// them).
+// Upload (parallel composite upload): the parts' CRC32Cs are taken first,
+// the parts read in parallel, and combined (crc32cCombine) into the whole
+// file's, so the file is read twice in all: once for the CRC32Cs, once to
+// send it. Each part becomes a temporary object <prefix>/.mtcfs-tmp-<random>/<n>
+// with its own CRC32C; Compose (at most 32 sources per call, in levels beyond
+// that) joins them into the final name with ifGenerationMatch=0 and the whole
+// file's CRC32C, which GCS checks and which is checked again on the composed
+// object's attributes. The temporary objects are deleted afterwards, on
+// failure too; a crash can leave some behind, invisible to listings (a
+// lifecycle rule on the prefix can expire them).
 //
 // Download: the object's generation and size are read first; each range is
 // read from that generation, its CRC32C taken as it streams to the file, and
@@ -35,31 +37,70 @@ import (
 // maxComposeSources is GCS's limit on the sources of one compose.
 const maxComposeSources = 32
 
+// putLocal uploads t.File (filePutter): it takes the file's CRC32C itself,
+// ignoring t.CRC32C, and returns it.
+func (s *gcsStore) putLocal(ctx context.Context, t fileTransfer) (uint32, error) {
+	return s.uploadFile(ctx, t, false)
+}
+
+// putFile uploads t.File, whose CRC32C the caller took (t.CRC32C): a file
+// whose bytes do not match it fails the upload.
 func (s *gcsStore) putFile(ctx context.Context, t fileTransfer) error {
+	_, err := s.uploadFile(ctx, t, true)
+	return err
+}
+
+// uploadFile uploads t.File create-if-absent with its CRC32C, which GCS must
+// have before the first byte: unless crcKnown, the file is read once to take
+// it (a large file part by part, in parallel, the parts' CRC32Cs combined
+// into the whole file's), then once more to upload it. It returns the
+// CRC32C.
+func (s *gcsStore) uploadFile(ctx context.Context, t fileTransfer, crcKnown bool) (uint32, error) {
 	if err := ValidateName(t.Name); err != nil {
-		return err
+		return 0, err
 	}
 	prog := newPartProgress(t.Progress)
 	if t.Size < s.opts.ParallelThreshold {
-		return withSlot(ctx, t.Slots, func() error {
+		err := withSlot(ctx, t.Slots, func() error {
+			if !crcKnown {
+				crc, err := fileCRC(ctx, t.File, 0, t.Size, t.Size)
+				if err != nil {
+					return err
+				}
+				t.CRC32C = crc
+			}
 			return s.write(ctx, writeRequest{name: t.Name, key: s.key(t.Name), size: t.Size, crc: t.CRC32C, crcKnown: true,
 				body: sectionBody(t.File, 0, t.Size), ifAbsent: true, progress: prog.part(0)})
 		})
+		return t.CRC32C, err
+	}
+	parts := splitParts(t.Size, s.opts.PartSize)
+	if !crcKnown {
+		err := forEach(ctx, slotCount(t.Slots), len(parts), func(ctx context.Context, i int) error {
+			return withSlot(ctx, t.Slots, func() error {
+				var err error
+				parts[i].crc, err = fileCRC(ctx, t.File, parts[i].off, parts[i].size, t.Size)
+				return err
+			})
+		})
+		if err != nil {
+			return 0, err
+		}
+		t.CRC32C = combineParts(parts)
 	}
 	// Look first: parts are costly, and an upload retried after a crash finds
 	// its object already there.
 	switch o, err := s.statKey(ctx, t.Name, s.key(t.Name)); {
 	case IsNotFound(err):
 	case err != nil:
-		return err
+		return 0, err
 	case o.Size == t.Size && o.CRC32C == t.CRC32C:
 		prog.part(0)(t.Size)
-		return nil
+		return t.CRC32C, nil
 	default:
-		return s.conflict(t.Name, o, t.Size, t.CRC32C)
+		return 0, s.conflict(t.Name, o, t.Size, t.CRC32C)
 	}
 	area := s.tempArea()
-	parts := splitParts(t.Size, s.opts.PartSize)
 	var temps []string // every temporary object that may exist
 	for i := range parts {
 		parts[i].key = fmt.Sprintf("%s%05d", area, i)
@@ -70,22 +111,26 @@ func (s *gcsStore) putFile(ctx context.Context, t fileTransfer) error {
 	err := forEach(ctx, slotCount(t.Slots), len(parts), func(ctx context.Context, i int) error {
 		return withSlot(ctx, t.Slots, func() error {
 			p := &parts[i]
-			// The part's CRC32C must be sent before its bytes: one read of
-			// the part (page cache or tmpfs) to take it.
-			_, crc, err := copyCRC(ctx, io.Discard, io.NewSectionReader(t.File, p.off, p.size))
-			if err != nil {
-				return fmt.Errorf("checksum %s: %w", t.File.Name(), err)
+			if crcKnown {
+				// The part's CRC32C must be sent before its bytes: one read
+				// of the part (page cache or tmpfs) to take it.
+				crc, err := fileCRC(ctx, t.File, p.off, p.size, t.Size)
+				if err != nil {
+					return err
+				}
+				p.crc = crc
 			}
-			p.crc = crc
-			return s.write(ctx, writeRequest{name: t.Name, key: p.key, size: p.size, crc: crc, crcKnown: true,
+			// A part that changed since its CRC32C was taken is refused
+			// (writeOnce, and GCS's own check): nothing is composed.
+			return s.write(ctx, writeRequest{name: t.Name, key: p.key, size: p.size, crc: p.crc, crcKnown: true,
 				body: sectionBody(t.File, p.off, p.size), ifAbsent: true, exclusive: true, progress: prog.part(i)})
 		})
 	})
 	if err != nil {
-		return err
+		return 0, err
 	}
 	if got := combineParts(parts); got != t.CRC32C {
-		return fmt.Errorf("put %s: %s changed while being uploaded (crc32c %08x before, %08x now)", s.url(t.Name), t.File.Name(), t.CRC32C, got)
+		return 0, fmt.Errorf("put %s: %s changed while being uploaded (crc32c %08x before, %08x now)", s.url(t.Name), t.File.Name(), t.CRC32C, got)
 	}
 	// Fold levels of at most maxComposeSources into temporary objects.
 	for level := 0; len(parts) > maxComposeSources; level++ {
@@ -98,13 +143,35 @@ func (s *gcsStore) putFile(ctx context.Context, t fileTransfer) error {
 			}
 			temps = append(temps, joined.key)
 			if err := s.compose(ctx, t.Name, joined, group, true); err != nil {
-				return err
+				return 0, err
 			}
 			next = append(next, joined)
 		}
 		parts = next
 	}
-	return s.compose(ctx, t.Name, part{key: s.key(t.Name), size: t.Size, crc: t.CRC32C}, parts, false)
+	return t.CRC32C, s.compose(ctx, t.Name, part{key: s.key(t.Name), size: t.Size, crc: t.CRC32C}, parts, false)
+}
+
+// fileCRC returns the CRC32C of [off, off+size) of f, a file of total bytes
+// when it was scanned; the range must still hold size bytes, and the last one
+// (off+size == total) must still end the file: a file of another size is
+// changing under us.
+func fileCRC(ctx context.Context, f *os.File, off, size, total int64) (uint32, error) {
+	limit := size
+	if off+size == total {
+		limit++ // one byte more: a file that grew
+	}
+	n, crc, err := copyCRC(ctx, io.Discard, io.NewSectionReader(f, off, limit))
+	if err != nil {
+		return 0, fmt.Errorf("checksum %s: %w", f.Name(), err)
+	}
+	switch {
+	case n < size:
+		return 0, fmt.Errorf("%s changed size during upload (%d, then %d bytes)", f.Name(), total, off+n)
+	case n > size:
+		return 0, fmt.Errorf("%s changed size during upload (%d, then more bytes)", f.Name(), total)
+	}
+	return crc, nil
 }
 
 // part is one range of a file and the object holding or receiving it.

@@ -132,11 +132,6 @@ var crcTable = crc32.MakeTable(crc32.Castagnoli)
 // speed of 128–256 KiB writes (bench/RESULTS.md, replbench notes).
 const copyBufSize = 256 << 10
 
-// crcUpfront is implemented by stores that check a CRC32C given before the
-// first byte (GCS). For the others, Upload reads each file once and takes the
-// CRC32C of what the store wrote.
-type crcUpfront interface{ WantsCRCUpfront() bool }
-
 var copyBufs = sync.Pool{New: func() any { b := make([]byte, copyBufSize); return &b }}
 
 // copyCRC copies src to dst, returning the byte count and the CRC32C of the

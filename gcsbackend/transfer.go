@@ -38,14 +38,16 @@ type UploadRequest struct {
 // uploading identical data, succeeds; different content under an existing
 // name fails with *PreconditionError.
 //
-// A store that checks a CRC32C given before the first byte (GCS) gets each
-// file read twice, streaming: once for the CRC32C and once to upload it with
-// that CRC32C, so the store checks the bytes it received against the source; a
-// file that changes in between fails the upload. Such a store may also take
-// the file itself (filePutter; GCS uploads large files as parallel parts), and
-// bring files back itself (fileGetter; parallel ranged reads). Other stores
-// (file://) read each file once and the manifest records the CRC32C of the
-// bytes as they were streamed to the store, which computes and keeps its own.
+// A store may take each local file itself (filePutter) and bring files back
+// itself (fileGetter). GCS does both: it must have an upload's CRC32C before
+// the first byte, so it reads each file twice, streaming — once for the
+// CRC32C (a large file part by part, in parallel, the parts' CRC32Cs
+// combined into the whole file's) and once to upload it, as parallel parts
+// for a large file — and GCS checks the bytes it received against that
+// CRC32C; a file that changes in between fails the upload. Downloads are
+// parallel ranged reads. Other stores (file://) read each file once and the
+// manifest records the CRC32C of the bytes as they were streamed to the
+// store, which computes and keeps its own.
 func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 	if err := validateJob(req.Job); err != nil {
 		return err
@@ -108,30 +110,16 @@ func (b *Backups) uploadFile(ctx context.Context, name, local string, size int64
 		return 0, err
 	}
 	defer f.Close()
-	if s, ok := b.Store.(crcUpfront); !ok || !s.WantsCRCUpfront() {
-		// One pass: the CRC32C of the bytes as they go to the store, which checks its own.
-		h := crc32.New(crcTable)
-		body := &countingReader{r: io.TeeReader(f, h), p: prog}
-		if err := b.Store.Put(ctx, PutRequest{Name: name, Body: body, Size: size, IfAbsent: true}); err != nil {
-			return 0, err
-		}
-		return h.Sum32(), nil
-	}
-	n, crc, err := copyCRC(ctx, io.Discard, f)
-	if err != nil {
-		return 0, fmt.Errorf("checksum %s: %w", local, err)
-	}
-	if n != size {
-		return 0, fmt.Errorf("%s changed size during upload (%d, then %d bytes)", local, size, n)
-	}
 	if fp, ok := b.Store.(filePutter); ok {
-		return crc, fp.putFile(ctx, fileTransfer{Name: name, File: f, Size: n, CRC32C: crc, Progress: prog.add, Slots: slots})
+		return fp.putLocal(ctx, fileTransfer{Name: name, File: f, Size: size, Progress: prog.add, Slots: slots})
 	}
-	if _, err := f.Seek(0, io.SeekStart); err != nil {
+	// One pass: the CRC32C of the bytes as they go to the store, which checks its own.
+	h := crc32.New(crcTable)
+	body := &countingReader{r: io.TeeReader(f, h), p: prog}
+	if err := b.Store.Put(ctx, PutRequest{Name: name, Body: body, Size: size, IfAbsent: true}); err != nil {
 		return 0, err
 	}
-	err = b.Store.Put(ctx, PutRequest{Name: name, Body: &countingReader{r: f, p: prog}, Size: n, CRC32C: &crc, IfAbsent: true})
-	return crc, err
+	return h.Sum32(), nil
 }
 
 // scanSource describes the local data at src as a manifest without CRCs,
@@ -341,7 +329,7 @@ type fileTransfer struct {
 	File *os.File // read with ReadAt (put) or written with WriteAt (get)
 	// Size is the file's size (put) or the size the object must have (get).
 	Size int64
-	// CRC32C is the file's, computed beforehand (put only).
+	// CRC32C is the file's, computed beforehand (gcsStore.putFile only).
 	CRC32C uint32
 	// Progress is told the bytes moved; retried bytes are not counted twice.
 	Progress func(n int)
@@ -351,9 +339,11 @@ type fileTransfer struct {
 }
 
 // filePutter is implemented by stores that upload a local file themselves.
-// putFile has the semantics of Put with IfAbsent and a CRC32C.
+// putLocal has the semantics of Put with IfAbsent; it takes the file's
+// CRC32C itself (t.CRC32C is ignored), checks that the file still has t.Size
+// bytes, and returns the CRC32C, which the manifest records.
 type filePutter interface {
-	putFile(ctx context.Context, t fileTransfer) error
+	putLocal(ctx context.Context, t fileTransfer) (uint32, error)
 }
 
 // fileGetter is implemented by stores that download to a local file
