@@ -37,7 +37,8 @@ type JaxInit struct {
 // seals committed steps into content-addressed data, restores, and backs up. It receives the
 // job's actions as Events from package fs and changes the namespace through Namespace.
 //
-// Goroutines (all owned by Start's context, stopped by Close):
+// Goroutines (all stopped by Close; those that must finish committed work do not use Start's
+// context, see each):
 //   - the control loop: consumes events in order, runs handshakes, detects commits;
 //   - the sealer: seals committed steps one by one (never on the control loop, so that a new
 //     replicator.yaml is answered within a second even while a large step is hashed);

@@ -26,7 +26,8 @@ func (r *Replicator) inventory(rank int) Inventory {
 }
 
 // restoreIncarnation runs SPEC §5 for this node: negotiate, publish replicator.prerestore,
-// bring in the data (own RAM, then the backup), wait for every node, then create the markers.
+// bring in the data (own RAM, then a peer's, then the backup), wait for every node, then create
+// the markers.
 func (r *Replicator) restoreIncarnation(inc *incarnation) {
 	cfg := inc.Config
 	ctx := inc.ctx

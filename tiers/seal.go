@@ -59,7 +59,7 @@ func (r *Replicator) detectCommit(ev event) {
 	r.commits <- c
 }
 
-// sealer seals committed steps in order. It runs on a context of its own: a committed step is
+// sealer seals committed steps in order. It uses no cancellable context: a committed step is
 // sealed even when the incarnation that committed it is over or the agent is stopping. Sealed
 // steps go to the syncer, so that a slow peer delays the replication of later steps but not
 // their sealing.
@@ -124,8 +124,8 @@ func (r *Replicator) syncer() {
 }
 
 // seal turns the committed tree into <hash>.data and writes its .meta (SPEC §3). The bytes
-// are not copied: the tree is hard-linked into spool/sealed, hashed there, and the namespace
-// entry renamed.
+// are not copied: the tree is hard-linked into spool/staging, hashed there, renamed into
+// spool/sealed, and the namespace entry renamed.
 func (r *Replicator) seal(ctx context.Context, c commit) (dataName, meta string, err error) {
 	cfg := c.inc.Config
 	staging := r.spoolDir("staging", randomID())

@@ -10,7 +10,7 @@ import (
 type Progress struct {
 	Kind    string    `json:"kind"` // "restore" or "backup"
 	Step    int64     `json:"step"`
-	Source  string    `json:"source,omitempty"` // restore: "ram", "backup <name>"
+	Source  string    `json:"source,omitempty"` // restore: "peer <rank>", "backup <name>"
 	Backup  string    `json:"backup,omitempty"` // backup name
 	Started time.Time `json:"started"`
 	Total   int64     `json:"total_bytes"`
