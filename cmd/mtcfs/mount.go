@@ -25,7 +25,7 @@ import (
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse]"
 
 type mountConfig struct {
 	dir         string
