@@ -12,6 +12,7 @@ import (
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -24,14 +25,14 @@ type namespace struct {
 
 var _ tiers.Namespace = (*namespace)(nil)
 
-func entryType(in *gofs.Inode) tiers.EntryType {
+func entryType(in *gofs.Inode) layout.EntryType {
 	switch in.Operations().(type) {
 	case *dirNode:
-		return tiers.EntryDir
+		return layout.EntryDir
 	case *symlinkNode:
-		return tiers.EntrySymlink
+		return layout.EntrySymlink
 	}
-	return tiers.EntryFile
+	return layout.EntryFile
 }
 
 func (ns *namespace) List() ([]tiers.DirEntry, error) {
@@ -165,12 +166,12 @@ func dropTree(in *gofs.Inode) {
 	}
 }
 
-func (ns *namespace) Export(name, dst string) ([]tiers.TreeEntry, error) {
+func (ns *namespace) Export(name, dst string) ([]layout.TreeEntry, error) {
 	ch := ns.root.GetChild(name)
 	if ch == nil {
 		return nil, fmt.Errorf("export %s: %w", name, os.ErrNotExist)
 	}
-	var out []tiers.TreeEntry
+	var out []layout.TreeEntry
 	var walk func(in *gofs.Inode, rel, abs string) error
 	walk = func(in *gofs.Inode, rel, abs string) error {
 		switch n := in.Operations().(type) {
@@ -179,7 +180,7 @@ func (ns *namespace) Export(name, dst string) ([]tiers.TreeEntry, error) {
 				return err
 			}
 			if rel != "" {
-				out = append(out, tiers.TreeEntry{Path: rel, Type: tiers.EntryDir})
+				out = append(out, layout.TreeEntry{Path: rel, Type: layout.EntryDir})
 			}
 			for cn, c := range in.Children() {
 				if err := walk(c, filepath.Join(rel, cn), filepath.Join(abs, cn)); err != nil {
@@ -190,7 +191,7 @@ func (ns *namespace) Export(name, dst string) ([]tiers.TreeEntry, error) {
 			if err := os.Symlink(n.target, abs); err != nil {
 				return err
 			}
-			out = append(out, tiers.TreeEntry{Path: rel, Type: tiers.EntrySymlink, Target: n.target})
+			out = append(out, layout.TreeEntry{Path: rel, Type: layout.EntrySymlink, Target: n.target})
 		case *fileNode:
 			n.mu.Lock()
 			p := n.backing
@@ -202,7 +203,7 @@ func (ns *namespace) Export(name, dst string) ([]tiers.TreeEntry, error) {
 			if err := os.Link(p, abs); err != nil {
 				return err
 			}
-			out = append(out, tiers.TreeEntry{Path: rel, Type: tiers.EntryFile, Size: st.Size})
+			out = append(out, layout.TreeEntry{Path: rel, Type: layout.EntryFile, Size: st.Size})
 		}
 		return nil
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -33,7 +34,7 @@ func (r *recorder) add(s string) {
 }
 func (r *recorder) Closed(path string)   { r.add("closed " + path) }
 func (r *recorder) TooLarge(path string) { r.add("toolarge " + path) }
-func (r *recorder) Renamed(oldPath, newPath string, typ tiers.EntryType) {
+func (r *recorder) Renamed(oldPath, newPath string, typ layout.EntryType) {
 	r.add("renamed " + oldPath + " " + newPath + " " + typ.String())
 	if r.ns != nil && !filepathHasDir(newPath) {
 		ents, _ := r.ns.List()

@@ -9,11 +9,10 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
-
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // Authentication (SPEC §4: a request from outside the job is refused and logged).
@@ -32,7 +31,7 @@ import (
 
 // Identity says who makes a call: one agent of one job.
 type Identity struct {
-	Job         string // tiers.ValidateJobName holds
+	Job         string // layout.ValidateJobName holds
 	Incarnation string // the job's current start (tiers.Incarnation.ID)
 	Rank        int
 	Instance    string // random per agent process, so a restarted agent is told apart
@@ -124,7 +123,7 @@ func Authenticate(ctx context.Context, secrets SecretFunc, now time.Time) (Ident
 	if err != nil || len(sum) != sha256.Size {
 		return id, errUnauthenticated("call to %s carries no valid %s", method, mdMAC)
 	}
-	if err := tiers.ValidateJobName(id.Job); err != nil {
+	if err := layout.ValidateJobName(id.Job); err != nil {
 		return id, errUnauthenticated("call to %s: job name %s", method, err)
 	}
 	rank, err := strconv.Atoi(get(mdRank))

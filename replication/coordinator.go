@@ -18,6 +18,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -343,8 +344,8 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 	columns := map[int64]map[columnSlot]source{} // per step: the lowest rank's usable .meta per column slot
 	for _, inv := range invs {
 		for name, hash := range inv.Metas {
-			m, ok := tiers.ParseMarkerName(name)
-			if !ok || m.Kind != tiers.MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode || !held[hash] {
+			m, ok := layout.ParseMarkerName(name)
+			if !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode || !held[hash] {
 				continue
 			}
 			if usable[m.Step] == nil {
@@ -386,7 +387,7 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 				out[r].Metas, copied = metas, true
 			}
 			src := columns[best][columnSlot{r % part, w}]
-			name := tiers.MarkerName{Job: cfg.JobName, Step: best, Node: r, Worker: w, Kind: tiers.MarkerMeta}.String()
+			name := layout.MarkerName{Job: cfg.JobName, Step: best, Node: r, Worker: w, Kind: layout.MarkerMeta}.String()
 			out[r].Metas[name] = src.hash
 			inferred = append(inferred, slot)
 		}

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -171,7 +172,7 @@ func hashOf(seed string) string {
 func dataOf(rank int, step int64) string { return hashOf(fmt.Sprintf("n%d-s%d", rank, step)) }
 
 func metaOf(step int64, rank, worker int) string {
-	return tiers.MarkerName{Job: testJob, Step: step, Node: rank, Worker: worker, Kind: tiers.MarkerMeta}.String()
+	return layout.MarkerName{Job: testJob, Step: step, Node: rank, Worker: worker, Kind: layout.MarkerMeta}.String()
 }
 
 func testConfig(nodes int) *tiers.Config {

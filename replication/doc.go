@@ -10,13 +10,13 @@
 //
 //   - Nothing unverified becomes visible. A push is assembled in a private directory under the
 //     receiver's incoming directory. Every chunk's CRC-32C is checked on arrival; at Commit every
-//     file's size and BLAKE3 digest, and the tree on disk hashed with tiers.TreeHash, must match
+//     file's size and BLAKE3 digest, and the tree on disk hashed with layout.TreeHash, must match
 //     the name it was sent under. Only then is Accept called, and only Accept's success makes
 //     Commit succeed: that success is the acknowledgement that a replica exists. A transfer that
 //     fails any check, loses a stream, is abandoned or stays idle is discarded with its directory.
 //     Fetch verifies the same way before the data is renamed into place.
 //   - Names from peers are validated before anything is written: data names must match
-//     ^D?[0-9a-f]{64}\.data$, .meta names must parse (tiers.ParseMarkerName) and name the
+//     ^D?[0-9a-f]{64}\.data$, .meta names must parse (layout.ParseMarkerName) and name the
 //     caller's job, paths are relative without empty, "." or ".." elements, and symlink targets
 //     are relative and resolve inside the tree (following the tree's own links). Files are
 //     created with O_NOFOLLOW, never below a symlink.

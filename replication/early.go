@@ -8,8 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication/peerpb"
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // Early files: a file the job closed inside a step directory before the step committed is pushed
@@ -46,7 +46,7 @@ type earlyKey struct {
 
 type earlyGroup struct {
 	incarnation string
-	files       map[tiers.FileDigest]earlyFile
+	files       map[layout.FileDigest]earlyFile
 	bytes       int64
 	touched     time.Time
 }
@@ -128,7 +128,7 @@ func (r *Receiver) freeEarly(groups []*earlyGroup, why string) {
 // keepEarly takes a verified early transfer: its file moves to earlyDir under its group.
 func (r *Receiver) keepEarly(t *transfer, group string) error {
 	f := t.m.pb.Files[0]
-	d := tiers.FileDigest(f.Blake3)
+	d := layout.FileDigest(f.Blake3)
 	dst := filepath.Join(r.cfg.Dir, earlyDirName, t.id)
 	if err := os.Rename(t.sink.root, dst); err != nil {
 		return err
@@ -141,7 +141,7 @@ func (r *Receiver) keepEarly(t *transfer, group string) error {
 		stale, g = g, nil
 	}
 	if g == nil {
-		g = &earlyGroup{incarnation: t.from.Incarnation, files: map[tiers.FileDigest]earlyFile{}}
+		g = &earlyGroup{incarnation: t.from.Incarnation, files: map[layout.FileDigest]earlyFile{}}
 		r.early[k] = g
 	}
 	g.touched = time.Now()
@@ -181,7 +181,7 @@ func (r *Receiver) adoptEarly(t *transfer, h *peerpb.PushHeader, s *sink) error 
 		var ef earlyFile
 		ok := false
 		if g != nil {
-			ef, ok = g.files[tiers.FileDigest(f.Blake3)]
+			ef, ok = g.files[layout.FileDigest(f.Blake3)]
 		}
 		if !ok || ef.size != f.Size {
 			r.mu.Unlock()
@@ -189,9 +189,9 @@ func (r *Receiver) adoptEarly(t *transfer, h *peerpb.PushHeader, s *sink) error 
 		}
 	}
 	paths := make([]string, len(h.Presumed))
-	taken := map[tiers.FileDigest]string{} // files with the same content share one early file
+	taken := map[layout.FileDigest]string{} // files with the same content share one early file
 	for j, i := range h.Presumed {
-		d := tiers.FileDigest(m.pb.Files[i].Blake3)
+		d := layout.FileDigest(m.pb.Files[i].Blake3)
 		if p, ok := taken[d]; ok {
 			paths[j] = p
 			continue
@@ -207,7 +207,7 @@ func (r *Receiver) adoptEarly(t *transfer, h *peerpb.PushHeader, s *sink) error 
 	g.touched = time.Now()
 	r.mu.Unlock()
 	for j, i := range h.Presumed {
-		if err := s.adopt(int(i), paths[j], tiers.FileDigest(m.pb.Files[i].Blake3)); err != nil {
+		if err := s.adopt(int(i), paths[j], layout.FileDigest(m.pb.Files[i].Blake3)); err != nil {
 			return fmt.Errorf("%s: link early file %q: %w", m.pb.DataName, m.pb.Files[i].Path, err)
 		}
 	}

@@ -15,8 +15,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication/peerpb"
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // reservations counts the bytes a receiver holds charged, as tiers.Spool.Reserve would.
@@ -39,15 +39,15 @@ func (r *reservations) held() int64 {
 }
 
 // treeFiles lists the regular files of a tree: relative path → digest, and their total size.
-func treeFiles(t *testing.T, root string) (map[string]tiers.FileDigest, int64) {
+func treeFiles(t *testing.T, root string) (map[string]layout.FileDigest, int64) {
 	t.Helper()
-	entries, err := tiers.ListTree(root)
+	entries, err := layout.ListTree(root)
 	require.NoError(t, err)
-	require.NoError(t, tiers.HashEntries(t.Context(), root, entries, nil))
-	out := map[string]tiers.FileDigest{}
+	require.NoError(t, layout.HashEntries(t.Context(), root, entries, nil))
+	out := map[string]layout.FileDigest{}
 	var total int64
 	for _, e := range entries {
-		if e.Type == tiers.EntryFile {
+		if e.Type == layout.EntryFile {
 			out[e.Path] = e.Digest
 			total += e.Size
 		}
@@ -57,17 +57,17 @@ func treeFiles(t *testing.T, root string) (map[string]tiers.FileDigest, int64) {
 
 // pushEarly pushes the file rel of the tree at root as an early file of group and returns its
 // digest.
-func pushEarly(t *testing.T, s *Sender, conn grpc.ClientConnInterface, root, rel, group string) tiers.FileDigest {
+func pushEarly(t *testing.T, s *Sender, conn grpc.ClientConnInterface, root, rel, group string) layout.FileDigest {
 	t.Helper()
 	p := filepath.Join(root, filepath.FromSlash(rel))
-	hash, _, err := tiers.HashData(t.Context(), p)
+	hash, _, err := layout.HashData(t.Context(), p)
 	require.NoError(t, err)
-	req := pushReq(tiers.DataName(hash, false), p)
+	req := pushReq(layout.DataName(hash, false), p)
 	req.EarlyGroup = group
 	require.NoError(t, s.Push(t.Context(), conn, req), "early push of %s", rel)
 	b, err := hex.DecodeString(hash)
 	require.NoError(t, err)
-	return tiers.FileDigest(b)
+	return layout.FileDigest(b)
 }
 
 func earlyFiles(t *testing.T, p *testPeer) int {
@@ -90,7 +90,7 @@ func TestEarlyPushThenConsume(t *testing.T) {
 	s := testSender(4)
 
 	const group = "5.orbax-checkpoint-tmp-1700000000"
-	presumed := map[tiers.FileDigest]bool{}
+	presumed := map[layout.FileDigest]bool{}
 	var early int64
 	for rel, d := range files {
 		if rel == "deep/a/b/c/d/leaf" || rel == "empty-file" {
@@ -129,7 +129,7 @@ func TestEarlyFallbackWhenDropped(t *testing.T) {
 	conn := dial(t, p.addr)
 	s := testSender(2)
 	const group = "7.tmp"
-	presumed := map[tiers.FileDigest]bool{}
+	presumed := map[layout.FileDigest]bool{}
 	for rel := range files {
 		if rel != "empty-file" {
 			presumed[pushEarly(t, s, conn, src, rel, group)] = true
@@ -162,14 +162,14 @@ func TestEarlyFileChangedAfterPush(t *testing.T) {
 	const group = "9.tmp"
 	stale := pushEarly(t, s, conn, src, rel, group)
 	require.NoError(t, os.WriteFile(filepath.Join(src, rel), []byte("rewritten after close"), 0o644))
-	hash, _, err := tiers.HashData(t.Context(), src)
+	hash, _, err := layout.HashData(t.Context(), src)
 	require.NoError(t, err)
-	name := tiers.DataName(hash, true)
+	name := layout.DataName(hash, true)
 	_, total := treeFiles(t, src)
 
 	before := s.BytesSent()
 	req := pushReq(name, src)
-	req.ConsumesGroup, req.Presumed = group, map[tiers.FileDigest]bool{stale: true}
+	req.ConsumesGroup, req.Presumed = group, map[layout.FileDigest]bool{stale: true}
 	require.NoError(t, s.Push(t.Context(), conn, req))
 	require.Equal(t, total, s.BytesSent()-before)
 	requireHashesTo(t, filepath.Join(p.sealed, name), name)
@@ -254,7 +254,7 @@ func TestEarlyGroupDroppedDuringConsumingPush(t *testing.T) {
 		}
 	})
 	conn = dial(t, p.addr)
-	presumed := map[tiers.FileDigest]bool{}
+	presumed := map[layout.FileDigest]bool{}
 	for rel := range files {
 		if rel != "empty-file" {
 			presumed[pushEarly(t, s, conn, src, rel, group)] = true

@@ -13,11 +13,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 const peerJob = "job-a"
@@ -173,15 +172,15 @@ func makeTree(t *testing.T, rnd *rand.Rand, big int) (string, string) {
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "empty-dir", "nested-empty"), 0o755))
 	require.NoError(t, os.Symlink("state/array_0/0.0", filepath.Join(dir, "latest")))
 	require.NoError(t, os.Symlink("../array_1", filepath.Join(dir, "state/array_0/sibling")))
-	hash, isDir, err := tiers.HashData(context.Background(), dir)
+	hash, isDir, err := layout.HashData(context.Background(), dir)
 	require.NoError(t, err)
-	return dir, tiers.DataName(hash, isDir)
+	return dir, layout.DataName(hash, isDir)
 }
 
 // requireHashesTo checks that the data at p hashes to its name.
 func requireHashesTo(t *testing.T, p, dataName string) {
 	t.Helper()
-	hash, isDir, err := tiers.HashData(context.Background(), p)
+	hash, isDir, err := layout.HashData(context.Background(), p)
 	require.NoError(t, err)
-	require.Equal(t, dataName, tiers.DataName(hash, isDir), "%s does not hash to its name", p)
+	require.Equal(t, dataName, layout.DataName(hash, isDir), "%s does not hash to its name", p)
 }

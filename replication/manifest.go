@@ -12,8 +12,8 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication/peerpb"
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // dataKind is what a transfer carries, told by its name.
@@ -75,13 +75,13 @@ func (m *manifest) localPath(root string, i int) string {
 // parseDataName tells the kind of the data a name stands for and, for .data names, the hash the
 // content must have. A .meta name must be of job; meta is whether .meta names are allowed at all.
 func parseDataName(name, job string, meta bool) (dataKind, string, error) {
-	if hash, dir, ok := tiers.ParseDataName(name); ok {
+	if hash, dir, ok := layout.ParseDataName(name); ok {
 		if dir {
 			return kindTree, hash, nil
 		}
 		return kindFile, hash, nil
 	}
-	if mk, ok := tiers.ParseMarkerName(name); ok && meta && mk.Kind == tiers.MarkerMeta {
+	if mk, ok := layout.ParseMarkerName(name); ok && meta && mk.Kind == layout.MarkerMeta {
 		if mk.Job != job {
 			return 0, "", errInvalid("%q is a .meta of job %q, not of %q", name, mk.Job, job)
 		}
@@ -117,8 +117,8 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 		if f.Size < 0 || f.Size > maxTotal-m.total {
 			return nil, errInvalid("%s: file %q: size %d out of range", pb.DataName, f.Path, f.Size)
 		}
-		if len(f.Blake3) != len(tiers.FileDigest{}) {
-			return nil, errInvalid("%s: file %q: digest of %d bytes, want %d", pb.DataName, f.Path, len(f.Blake3), len(tiers.FileDigest{}))
+		if len(f.Blake3) != len(layout.FileDigest{}) {
+			return nil, errInvalid("%s: file %q: digest of %d bytes, want %d", pb.DataName, f.Path, len(f.Blake3), len(layout.FileDigest{}))
 		}
 		if kind == kindTree && i > 0 && pb.Files[i-1].Path >= f.Path {
 			return nil, errInvalid("%s: files not in strictly increasing order of path at %q", pb.DataName, f.Path)
@@ -139,16 +139,16 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 		return m, nil
 	}
 
-	entries := make([]tiers.TreeEntry, 0, len(pb.Files)+len(pb.Dirs)+len(pb.Symlinks))
+	entries := make([]layout.TreeEntry, 0, len(pb.Files)+len(pb.Dirs)+len(pb.Symlinks))
 	for _, f := range pb.Files {
-		entries = append(entries, tiers.TreeEntry{Path: f.Path, Type: tiers.EntryFile, Size: f.Size, Digest: tiers.FileDigest(f.Blake3)})
+		entries = append(entries, layout.TreeEntry{Path: f.Path, Type: layout.EntryFile, Size: f.Size, Digest: layout.FileDigest(f.Blake3)})
 	}
 	for _, d := range pb.Dirs {
-		entries = append(entries, tiers.TreeEntry{Path: d, Type: tiers.EntryDir})
+		entries = append(entries, layout.TreeEntry{Path: d, Type: layout.EntryDir})
 	}
 	links := make(map[string]string, len(pb.Symlinks))
 	for _, l := range pb.Symlinks {
-		entries = append(entries, tiers.TreeEntry{Path: l.Path, Type: tiers.EntrySymlink, Target: l.Target})
+		entries = append(entries, layout.TreeEntry{Path: l.Path, Type: layout.EntrySymlink, Target: l.Target})
 		links[l.Path] = l.Target
 	}
 	for _, e := range entries {
@@ -161,7 +161,7 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 			return nil, errInvalid("%s: %v", pb.DataName, err)
 		}
 	}
-	got, err := tiers.TreeHash(entries) // also refuses duplicates and entries below non-directories
+	got, err := layout.TreeHash(entries) // also refuses duplicates and entries below non-directories
 	if err != nil {
 		return nil, errInvalid("%s: %v", pb.DataName, err)
 	}
@@ -242,7 +242,7 @@ func checkSymlinkTarget(link, target string, links map[string]string) error {
 // digests come from digests when it has them (files hashed when they were closed), else they
 // are computed. It refuses to send data that does not hash to its name, or that a receiver
 // would refuse (checkManifest).
-func buildManifest(ctx context.Context, src, dataName, job string, digests *tiers.DigestCache) (*manifest, error) {
+func buildManifest(ctx context.Context, src, dataName, job string, digests *layout.DigestCache) (*manifest, error) {
 	kind, _, err := parseDataName(dataName, job, true)
 	if err != nil {
 		return nil, err
@@ -252,25 +252,25 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *tier
 		return nil, err
 	}
 	pb := &peerpb.Manifest{DataName: dataName}
-	var entries []tiers.TreeEntry
+	var entries []layout.TreeEntry
 	switch {
 	case kind == kindTree && !info.IsDir(), kind != kindTree && !info.Mode().IsRegular():
 		return nil, fmt.Errorf("%s: a %v cannot be sent as %s", src, info.Mode().Type(), dataName)
 	case kind == kindTree:
-		if entries, err = tiers.ListTree(src); err != nil {
+		if entries, err = layout.ListTree(src); err != nil {
 			return nil, fmt.Errorf("list %s: %w", src, err)
 		}
 	default:
-		entries = []tiers.TreeEntry{{Type: tiers.EntryFile, Size: info.Size()}} // src itself
+		entries = []layout.TreeEntry{{Type: layout.EntryFile, Size: info.Size()}} // src itself
 	}
-	if err := tiers.HashEntries(ctx, src, entries, digests); err != nil {
+	if err := layout.HashEntries(ctx, src, entries, digests); err != nil {
 		return nil, fmt.Errorf("hash %s: %w", src, err)
 	}
 	for _, e := range entries {
 		switch e.Type {
-		case tiers.EntryDir:
+		case layout.EntryDir:
 			pb.Dirs = append(pb.Dirs, e.Path)
-		case tiers.EntrySymlink:
+		case layout.EntrySymlink:
 			pb.Symlinks = append(pb.Symlinks, &peerpb.Symlink{Path: e.Path, Target: e.Target})
 		default:
 			pb.Files = append(pb.Files, &peerpb.File{Path: e.Path, Size: e.Size, Blake3: e.Digest[:]})
@@ -278,7 +278,7 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *tier
 	}
 	slices.SortFunc(pb.Files, func(a, b *peerpb.File) int { return strings.Compare(a.Path, b.Path) })
 	if kind == kindTree {
-		if pb.TreeHash, err = tiers.TreeHash(entries); err != nil {
+		if pb.TreeHash, err = layout.TreeHash(entries); err != nil {
 			return nil, fmt.Errorf("%s: %w", src, err)
 		}
 	} else {

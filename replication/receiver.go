@@ -21,8 +21,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication/peerpb"
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // ReceiverConfig configures a Receiver.
@@ -50,7 +50,7 @@ type ReceiverConfig struct {
 	// it is fetched. Nil: Fetch always answers NotFound.
 	Lookup func(ctx context.Context, job, dataName string) (string, error)
 	// Digests, when set, supplies the digests of served files that were hashed earlier.
-	Digests *tiers.DigestCache
+	Digests *layout.DigestCache
 	// MaxIncoming caps the declared bytes of all transfers in progress; a header that would
 	// go past it is refused with ResourceExhausted before anything is written. Required.
 	MaxIncoming int64

@@ -18,8 +18,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication/peerpb"
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // Defaults of a Sender, measured with bench/peerbench (bench/RESULTS.md).
@@ -53,7 +53,7 @@ type Sender struct {
 	StallTimeout time.Duration
 	// Digests supplies file digests computed earlier (when the files were closed), so that a
 	// push does not read its files twice.
-	Digests *tiers.DigestCache
+	Digests *layout.DigestCache
 
 	// bytesSent counts the chunk bytes pushed (not fetched) by this sender.
 	bytesSent atomic.Int64
@@ -77,7 +77,7 @@ type PushRequest struct {
 	// Presumed holds the digests of the files the peer acknowledged in that group. Files with
 	// those digests are not sent; if the peer no longer has them, the push is repeated whole.
 	ConsumesGroup string
-	Presumed      map[tiers.FileDigest]bool
+	Presumed      map[layout.FileDigest]bool
 }
 
 // FetchRequest names the data to fetch, who fetches it, and where it goes.
@@ -168,7 +168,7 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 		EarlyGroup: req.EarlyGroup, ConsumesGroup: req.ConsumesGroup}
 	if req.ConsumesGroup != "" && len(req.Presumed) > 0 {
 		for i, f := range m.pb.Files {
-			if f.Size > 0 && req.Presumed[tiers.FileDigest(f.Blake3)] {
+			if f.Size > 0 && req.Presumed[layout.FileDigest(f.Blake3)] {
 				header.Presumed = append(header.Presumed, uint32(i))
 			}
 		}

@@ -18,8 +18,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication/peerpb"
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -36,7 +36,7 @@ type sink struct {
 	files   []sinkFile
 	// adopted knows the digests of the files adopt linked in (verified when they arrived as
 	// early files, and not written since); nil when there are none.
-	adopted *tiers.DigestCache
+	adopted *layout.DigestCache
 }
 
 // sinkFile tracks what arrived for one file.
@@ -217,7 +217,7 @@ func pwritev(f *os.File, pieces [][]byte, off int64) error {
 
 // adopt makes file i a hard link to src, an early file already verified to have digest d and
 // the manifest's size, instead of receiving its bytes. Call it before any chunk arrives.
-func (s *sink) adopt(i int, src string, d tiers.FileDigest) error {
+func (s *sink) adopt(i int, src string, d layout.FileDigest) error {
 	dst := s.m.localPath(s.root, i)
 	if err := os.Remove(dst); err != nil {
 		return err
@@ -226,7 +226,7 @@ func (s *sink) adopt(i int, src string, d tiers.FileDigest) error {
 		return err
 	}
 	if s.adopted == nil {
-		s.adopted = &tiers.DigestCache{}
+		s.adopted = &layout.DigestCache{}
 	}
 	if err := s.adopted.Remember(dst, d); err != nil {
 		return err
@@ -276,7 +276,7 @@ func cmpInt(a, b int64) int {
 }
 
 // verify checks, after the last chunk, that every file is complete and has its BLAKE3 digest,
-// and that the tree on disk hashes to the name (tiers.TreeHash). Failed checks are DataLoss.
+// and that the tree on disk hashes to the name (layout.TreeHash). Failed checks are DataLoss.
 func (s *sink) verify(ctx context.Context) error {
 	pb := s.m.pb
 	for i := range s.files {
@@ -294,28 +294,28 @@ func (s *sink) verify(ctx context.Context) error {
 	for _, f := range pb.Files {
 		want[f.Path] = f
 	}
-	var entries []tiers.TreeEntry
+	var entries []layout.TreeEntry
 	if s.m.kind != kindTree {
-		entries = []tiers.TreeEntry{{Type: tiers.EntryFile, Size: pb.Files[0].Size}} // the file itself
+		entries = []layout.TreeEntry{{Type: layout.EntryFile, Size: pb.Files[0].Size}} // the file itself
 	} else {
 		var err error
-		if entries, err = tiers.ListTree(s.root); err != nil {
+		if entries, err = layout.ListTree(s.root); err != nil {
 			return errCorrupt("%s: %v", pb.DataName, err)
 		}
 		for _, e := range entries {
-			if f, ok := want[e.Path]; e.Type == tiers.EntryFile && (!ok || f.Size != e.Size) {
+			if f, ok := want[e.Path]; e.Type == layout.EntryFile && (!ok || f.Size != e.Size) {
 				return errCorrupt("%s: unexpected file %q (%d bytes)", pb.DataName, e.Path, e.Size)
 			}
 		}
 	}
-	if err := tiers.HashEntries(ctx, s.root, entries, s.adopted); err != nil {
+	if err := layout.HashEntries(ctx, s.root, entries, s.adopted); err != nil {
 		if ctx.Err() != nil {
 			return err
 		}
 		return errCorrupt("%s: %v", pb.DataName, err)
 	}
 	for _, e := range entries {
-		if f := want[e.Path]; e.Type == tiers.EntryFile && e.Digest != tiers.FileDigest(f.Blake3) {
+		if f := want[e.Path]; e.Type == layout.EntryFile && e.Digest != layout.FileDigest(f.Blake3) {
 			return errCorrupt("%s: %q hashes to %s, the header said %s", pb.DataName, e.Path, e.Digest, hex.EncodeToString(f.Blake3))
 		}
 	}
@@ -325,11 +325,11 @@ func (s *sink) verify(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if !tiers.IsDataName(string(content) + ".data") {
+		if !layout.IsDataName(string(content) + ".data") {
 			return errInvalid("%s: content %q is not a data hash", pb.DataName, content)
 		}
 	case kindTree:
-		got, err := tiers.TreeHash(entries)
+		got, err := layout.TreeHash(entries)
 		if err != nil {
 			return errCorrupt("%s: %v", pb.DataName, err)
 		}

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/mtcfs/mtcfs/internal/faultproxy"
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -46,9 +47,9 @@ func TestPushEmptyTree(t *testing.T) {
 	src := filepath.Join(t.TempDir(), "tree")
 	require.NoError(t, os.MkdirAll(filepath.Join(src, "a", "empty"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(src, "a", "nothing"), nil, 0o644))
-	hash, _, err := tiers.HashData(t.Context(), src)
+	hash, _, err := layout.HashData(t.Context(), src)
 	require.NoError(t, err)
-	name := tiers.DataName(hash, true)
+	name := layout.DataName(hash, true)
 	p := startPeer(t, nil)
 	require.NoError(t, testSender(4).Push(t.Context(), dial(t, p.addr), pushReq(name, src)))
 	requireHashesTo(t, filepath.Join(p.sealed, name), name)
@@ -63,12 +64,12 @@ func TestPushFileAndMeta(t *testing.T) {
 	}
 	file := filepath.Join(dir, "f")
 	require.NoError(t, os.WriteFile(file, data, 0o644))
-	hash, _, err := tiers.HashData(t.Context(), file)
+	hash, _, err := layout.HashData(t.Context(), file)
 	require.NoError(t, err)
-	fileName := tiers.DataName(hash, false)
+	fileName := layout.DataName(hash, false)
 	meta := filepath.Join(dir, "m")
 	require.NoError(t, os.WriteFile(meta, []byte(hash), 0o644))
-	metaName := tiers.MarkerName{Job: peerJob, Step: 42, Node: 1, Worker: 0, Kind: tiers.MarkerMeta}.String()
+	metaName := layout.MarkerName{Job: peerJob, Step: 42, Node: 1, Worker: 0, Kind: layout.MarkerMeta}.String()
 
 	p := startPeer(t, nil)
 	conn := dial(t, p.addr)
@@ -88,7 +89,7 @@ func TestPushFileAndMeta(t *testing.T) {
 	require.NoError(t, os.WriteFile(bad, []byte("not a hash"), 0o644))
 	err = s.Push(t.Context(), conn, pushReq(metaName, bad))
 	require.Equal(t, codes.InvalidArgument, status.Code(err), "pushing a .meta that holds no hash: %v", err)
-	other := tiers.MarkerName{Job: "other-job", Step: 42, Node: 1, Kind: tiers.MarkerMeta}.String()
+	other := layout.MarkerName{Job: "other-job", Step: 42, Node: 1, Kind: layout.MarkerMeta}.String()
 	err = s.Push(t.Context(), conn, pushReq(other, meta))
 	require.Error(t, err, "a .meta of another job must not be sent")
 	require.Len(t, p.acceptedCalls(), 2)

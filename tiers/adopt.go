@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"strings"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // adopt takes over the committed data a previous agent on this mount left in the spool (SPEC
@@ -29,8 +31,8 @@ func (r *Replicator) adopt(ctx context.Context) error {
 	verified := map[string]bool{}
 	for _, e := range ents {
 		name := e.Name()
-		m, ok := ParseMarkerName(name)
-		if !ok || m.Kind != MarkerMeta {
+		m, ok := layout.ParseMarkerName(name)
+		if !ok || m.Kind != layout.MarkerMeta {
 			os.Remove(r.spoolDir("meta", name))
 			continue
 		}
@@ -38,11 +40,11 @@ func (r *Replicator) adopt(ctx context.Context) error {
 		hash := strings.TrimSpace(string(content))
 		dataName := hash + ".data"
 		if err == nil && !verified[dataName] {
-			h, dir, ok := ParseDataName(dataName)
+			h, dir, ok := layout.ParseDataName(dataName)
 			if !ok {
 				err = fmt.Errorf("bad hash %q", hash)
 			} else {
-				err = VerifyData(ctx, r.spoolDir("sealed", dataName), h, dir)
+				err = layout.VerifyData(ctx, r.spoolDir("sealed", dataName), h, dir)
 			}
 			if err == nil {
 				if err = r.ns.Import(r.spoolDir("sealed", dataName), dataName); errors.Is(err, os.ErrExist) {

@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"gopkg.in/yaml.v3"
 )
 
@@ -81,7 +82,7 @@ var frameworks = []string{FrameworkOrbax, FrameworkPyTorchDistributed, Framework
 // Config is the content of a valid replicator.yaml: one incarnation of the
 // job as this node sees it.
 type Config struct {
-	JobName   string // safe as one path component, see ValidateJobName
+	JobName   string // safe as one path component, see layout.ValidateJobName
 	Framework string // FrameworkOrbax, FrameworkPyTorchDistributed or FrameworkPyTorch
 	NodeRank  int    // this node, 0 ≤ NodeRank < Nodes
 	Nodes     int    // nodes in the job, ≥ 1
@@ -113,7 +114,7 @@ func (e *ConfigError) Error() string { return e.Key + ": " + e.Problem }
 
 // fileError is a problem with the document as a whole.
 func fileError(format string, args ...any) *ConfigError {
-	return &ConfigError{Key: ReplicatorYAMLName, Problem: oneLine(fmt.Sprintf(format, args...))}
+	return &ConfigError{Key: layout.ReplicatorYAMLName, Problem: oneLine(fmt.Sprintf(format, args...))}
 }
 
 // oneLine keeps a message on one line, replacing control characters with
@@ -243,7 +244,7 @@ func (c *Config) check(key string) *ConfigError {
 	}
 	switch key {
 	case keyJobName:
-		if err := ValidateJobName(c.JobName); err != nil {
+		if err := layout.ValidateJobName(c.JobName); err != nil {
 			return problem("%s", err)
 		}
 	case keyFramework:

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // fuzzEnv is the environment the fuzzer's documents expand from.
@@ -89,8 +91,8 @@ func checkConfigError(t *testing.T, c *Config, warnings []string, err error) {
 	if c != nil || warnings != nil {
 		t.Fatalf("error %v came with config %+v and warnings %q", err, c, warnings)
 	}
-	if ce.Key != ReplicatorYAMLName && !slices.Contains(keyOrder, ce.Key) {
-		t.Fatalf("error %q names key %q, which is neither a known key nor %q", err, ce.Key, ReplicatorYAMLName)
+	if ce.Key != layout.ReplicatorYAMLName && !slices.Contains(keyOrder, ce.Key) {
+		t.Fatalf("error %q names key %q, which is neither a known key nor %q", err, ce.Key, layout.ReplicatorYAMLName)
 	}
 	if ce.Problem == "" || strings.ContainsAny(err.Error(), "\n\r") {
 		t.Fatalf("error %q is empty or spans lines", err)
@@ -106,7 +108,7 @@ func checkConfigInvariants(t *testing.T, c *Config, warnings []string) {
 	if err := c.Validate(); err != nil {
 		fail("Validate() = %v", err)
 	}
-	if err := ValidateJobName(c.JobName); err != nil {
+	if err := layout.ValidateJobName(c.JobName); err != nil {
 		fail("the job name is invalid: %v", err)
 	}
 	if !slices.Contains(frameworks, c.Framework) {

@@ -5,6 +5,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // EarlyTransport is implemented by a PeerTransport that can move a step's files while the job is
@@ -16,10 +18,10 @@ import (
 type EarlyTransport interface {
 	// PushEarly sends the file at path, closed inside group, to rank's agent, which keeps it
 	// aside, verified and unpublished. It returns the file's digest once the peer acknowledged.
-	PushEarly(ctx context.Context, inc Incarnation, rank int, group, path string) (FileDigest, error)
+	PushEarly(ctx context.Context, inc Incarnation, rank int, group, path string) (layout.FileDigest, error)
 	// PushConsuming is Push for sealed data whose files were pushed early under group; files
 	// whose digest is in acked are not sent again.
-	PushConsuming(ctx context.Context, inc Incarnation, rank int, name, path, group string, acked map[FileDigest]bool) error
+	PushConsuming(ctx context.Context, inc Incarnation, rank int, name, path, group string, acked map[layout.FileDigest]bool) error
 	// DropEarly discards the early files of group on rank's agent.
 	DropEarly(ctx context.Context, inc Incarnation, rank int, group string) error
 }
@@ -39,7 +41,7 @@ type earlyGroup struct {
 	committed bool           // GUARDED_BY(Replicator.mu); renamed to a step, being sealed
 	pending   sync.WaitGroup // early pushes queued or running
 	mu        sync.Mutex
-	acked     map[int]map[FileDigest]bool // GUARDED_BY(mu); by peer rank
+	acked     map[int]map[layout.FileDigest]bool // GUARDED_BY(mu); by peer rank
 }
 
 // earlyPush is one closed file to push early.
@@ -69,7 +71,7 @@ func (r *Replicator) queueEarly(path, spoolPath string) {
 		return
 	}
 	group, _, _ := strings.Cut(path, "/")
-	if _, committed := ParseStepDir(group); committed || IsDataName(group) {
+	if _, committed := layout.ParseStepDir(group); committed || layout.IsDataName(group) {
 		return // written into a committed name: that is not a step being saved
 	}
 	r.mu.Lock()
@@ -79,7 +81,7 @@ func (r *Replicator) queueEarly(path, spoolPath string) {
 	}
 	g := r.early[group]
 	if g == nil || g.inc != inc {
-		g = &earlyGroup{inc: inc, acked: map[int]map[FileDigest]bool{}}
+		g = &earlyGroup{inc: inc, acked: map[int]map[layout.FileDigest]bool{}}
 		r.early[group] = g
 	}
 	g.pending.Add(1)
@@ -106,7 +108,7 @@ func (r *Replicator) earlyPusher() {
 				}
 				p.g.mu.Lock()
 				if p.g.acked[peer] == nil {
-					p.g.acked[peer] = map[FileDigest]bool{}
+					p.g.acked[peer] = map[layout.FileDigest]bool{}
 				}
 				p.g.acked[peer][d] = true
 				p.g.mu.Unlock()
@@ -138,10 +140,10 @@ func (r *Replicator) takeEarly(c commit) *earlyGroup {
 }
 
 // ackedBy returns the digests peer acknowledged in g.
-func (g *earlyGroup) ackedBy(peer int) map[FileDigest]bool {
+func (g *earlyGroup) ackedBy(peer int) map[layout.FileDigest]bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	out := make(map[FileDigest]bool, len(g.acked[peer]))
+	out := make(map[layout.FileDigest]bool, len(g.acked[peer]))
 	for d := range g.acked[peer] {
 		out[d] = true
 	}

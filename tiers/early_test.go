@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
 )
@@ -21,10 +22,10 @@ type memTransport struct {
 	mu     sync.Mutex
 	nodes  map[int]*harness
 	failTo map[int]bool
-	block  map[int]chan struct{}         // pushes to a rank wait until its channel is closed
-	early  map[string][]tiers.FileDigest // "rank/group" → digests pushed early
-	consum []string                      // "rank/group:acked" of each consuming push
-	drops  []string                      // "rank/group"
+	block  map[int]chan struct{}          // pushes to a rank wait until its channel is closed
+	early  map[string][]layout.FileDigest // "rank/group" → digests pushed early
+	consum []string                       // "rank/group:acked" of each consuming push
+	drops  []string                       // "rank/group"
 }
 
 var _ tiers.EarlyTransport = (*memTransport)(nil)
@@ -84,20 +85,20 @@ func (m *memTransport) Fetch(ctx context.Context, inc tiers.Incarnation, rank in
 	return os.CopyFS(filepath.Join(dir, name), os.DirFS(src))
 }
 
-func (m *memTransport) PushEarly(ctx context.Context, inc tiers.Incarnation, rank int, group, path string) (tiers.FileDigest, error) {
+func (m *memTransport) PushEarly(ctx context.Context, inc tiers.Incarnation, rank int, group, path string) (layout.FileDigest, error) {
 	if _, err := m.target(rank); err != nil {
-		return tiers.FileDigest{}, err
+		return layout.FileDigest{}, err
 	}
 	f, err := os.Open(path)
 	if err != nil {
-		return tiers.FileDigest{}, err
+		return layout.FileDigest{}, err
 	}
 	defer f.Close()
 	info, err := f.Stat()
 	if err != nil {
-		return tiers.FileDigest{}, err
+		return layout.FileDigest{}, err
 	}
-	d, err := tiers.HashFile(ctx, f, info.Size())
+	d, err := layout.HashFile(ctx, f, info.Size())
 	if err != nil {
 		return d, err
 	}
@@ -108,7 +109,7 @@ func (m *memTransport) PushEarly(ctx context.Context, inc tiers.Incarnation, ran
 	return d, nil
 }
 
-func (m *memTransport) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[tiers.FileDigest]bool) error {
+func (m *memTransport) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[layout.FileDigest]bool) error {
 	m.mu.Lock()
 	m.consum = append(m.consum, fmt.Sprintf("%d/%s:%d", rank, group, len(acked)))
 	m.mu.Unlock()
@@ -126,7 +127,7 @@ func (m *memTransport) DropEarly(ctx context.Context, inc tiers.Incarnation, ran
 // by an in-process replication.Job.
 func newPair(t *testing.T) ([]*harness, *memTransport) {
 	job := replication.NewJob(replication.Options{LagTimeout: 10 * time.Second})
-	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]tiers.FileDigest{}}
+	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]layout.FileDigest{}}
 	var hs []*harness
 	for rank := range 2 {
 		h := newHarness(t, harnessConfig{coord: replication.LocalClient{Job: job}, peers: tr})
@@ -141,7 +142,7 @@ func newPair(t *testing.T) ([]*harness, *memTransport) {
 	}
 	wg.Wait()
 	for _, h := range hs {
-		h.waitExists(tiers.PrerestoreName)
+		h.waitExists(layout.PrerestoreName)
 	}
 	return hs, tr
 }
@@ -155,7 +156,7 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 	var wg sync.WaitGroup
 	for _, h := range hs {
 		wg.Go(func() {
-			tmp := "1" + tiers.OrbaxTmpSuffix
+			tmp := "1" + layout.OrbaxTmpSuffix
 			h.makeTree(tmp, files)
 			// Before the commit, the closed files reach the peer.
 			h.eventually("early pushes", func() string {
@@ -188,23 +189,23 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 	tr.mu.Unlock()
 	slices.Sort(consum)
 	// checkpointFiles has three identical "ok" files: 5 distinct digests.
-	want := []string{"0/1" + tiers.OrbaxTmpSuffix + ":5", "1/1" + tiers.OrbaxTmpSuffix + ":5"}
+	want := []string{"0/1" + layout.OrbaxTmpSuffix + ":5", "1/1" + layout.OrbaxTmpSuffix + ":5"}
 	if !slices.Equal(consum, want) {
 		t.Fatalf("consuming pushes %q, want %q", consum, want)
 	}
 
 	// An abandoned save: rank 0 writes step 2's files, removes the directory, saves step 3.
 	h := hs[0]
-	h.makeTree("2"+tiers.OrbaxTmpSuffix, checkpointFiles("abandoned"))
+	h.makeTree("2"+layout.OrbaxTmpSuffix, checkpointFiles("abandoned"))
 	h.eventually("early pushes of step 2", func() string {
 		tr.mu.Lock()
 		defer tr.mu.Unlock()
-		if len(tr.early["1/2"+tiers.OrbaxTmpSuffix]) == 0 {
+		if len(tr.early["1/2"+layout.OrbaxTmpSuffix]) == 0 {
 			return "none yet"
 		}
 		return ""
 	})
-	if err := os.RemoveAll(h.path("2" + tiers.OrbaxTmpSuffix)); err != nil {
+	if err := os.RemoveAll(h.path("2" + layout.OrbaxTmpSuffix)); err != nil {
 		t.Fatal(err)
 	}
 	wg = sync.WaitGroup{}
@@ -215,7 +216,7 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 	h.eventually("the abandoned group dropped on rank 1", func() string {
 		tr.mu.Lock()
 		defer tr.mu.Unlock()
-		if !slices.Contains(tr.drops, "1/2"+tiers.OrbaxTmpSuffix) {
+		if !slices.Contains(tr.drops, "1/2"+layout.OrbaxTmpSuffix) {
 			return fmt.Sprintf("drops %q", tr.drops)
 		}
 		return ""
@@ -256,7 +257,7 @@ func TestReplicationFailureIsNotCounted(t *testing.T) {
 	tr.mu.Unlock()
 	save(2)
 	hs[0].eventually("the failure reported to the job", func() string {
-		for _, l := range hs[0].lines(tiers.ReplicatorErrorsName) {
+		for _, l := range hs[0].lines(layout.ReplicatorErrorsName) {
 			if errLineRE("replicating step 2 to rank 1 failed").MatchString(l) {
 				return ""
 			}
@@ -324,7 +325,7 @@ func (c *countingCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, r
 func TestMultiWorkerStepSyncsOnceAfterEveryPush(t *testing.T) {
 	t.Parallel()
 	job := replication.NewJob(replication.Options{LagTimeout: 10 * time.Second})
-	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]tiers.FileDigest{}}
+	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]layout.FileDigest{}}
 	counter := &countingCoordinator{Coordinator: replication.LocalClient{Job: job}, syncs: map[int64][]tiers.SyncReport{}}
 	h := newHarness(t, harnessConfig{coord: counter, peers: tr})
 	// A second node that never answers pushes: rank 0's pushes of worker 1's data fail slowly.
@@ -337,8 +338,8 @@ func TestMultiWorkerStepSyncsOnceAfterEveryPush(t *testing.T) {
 	wg.Go(func() { h.yamlNemo(doc(0)) })
 	wg.Go(func() { other.yamlNemo(doc(1)) })
 	wg.Wait()
-	h.waitExists(tiers.PrerestoreName)
-	other.waitExists(tiers.PrerestoreName)
+	h.waitExists(layout.PrerestoreName)
+	other.waitExists(layout.PrerestoreName)
 
 	release := make(chan struct{})
 	tr.mu.Lock()

@@ -22,6 +22,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -94,12 +95,12 @@ func (ns *dirNamespace) List() ([]tiers.DirEntry, error) {
 	}
 	out := make([]tiers.DirEntry, 0, len(des))
 	for _, de := range des {
-		typ := tiers.EntryFile
+		typ := layout.EntryFile
 		switch {
 		case de.IsDir():
-			typ = tiers.EntryDir
+			typ = layout.EntryDir
 		case de.Type()&fs.ModeSymlink != 0:
-			typ = tiers.EntrySymlink
+			typ = layout.EntrySymlink
 		}
 		out = append(out, tiers.DirEntry{Name: de.Name(), Type: typ})
 	}
@@ -155,7 +156,7 @@ func (ns *dirNamespace) Remove(name string) error {
 	return os.RemoveAll(ns.path(name))
 }
 
-func (ns *dirNamespace) Export(name, dst string) ([]tiers.TreeEntry, error) {
+func (ns *dirNamespace) Export(name, dst string) ([]layout.TreeEntry, error) {
 	ns.record("export", name)
 	return linkTree(ns.path(name), dst)
 }
@@ -188,7 +189,7 @@ func (ns *dirNamespace) Import(src, name string) error {
 
 // linkTree hard-links the file or directory tree src to dst (which must not exist) and lists
 // what it linked, paths relative to src (a single file is listed under its own base name).
-func linkTree(src, dst string) ([]tiers.TreeEntry, error) {
+func linkTree(src, dst string) ([]layout.TreeEntry, error) {
 	fi, err := os.Lstat(src)
 	if err != nil {
 		return nil, err
@@ -197,12 +198,12 @@ func linkTree(src, dst string) ([]tiers.TreeEntry, error) {
 		if err := os.Link(src, dst); err != nil {
 			return nil, err
 		}
-		return []tiers.TreeEntry{{Path: filepath.Base(dst), Type: tiers.EntryFile, Size: fi.Size()}}, nil
+		return []layout.TreeEntry{{Path: filepath.Base(dst), Type: layout.EntryFile, Size: fi.Size()}}, nil
 	}
 	if !fi.IsDir() {
 		return nil, fmt.Errorf("link %s: a %v is neither a file nor a directory", src, fi.Mode().Type())
 	}
-	var out []tiers.TreeEntry
+	var out []layout.TreeEntry
 	err = filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
@@ -216,7 +217,7 @@ func linkTree(src, dst string) ([]tiers.TreeEntry, error) {
 				return err
 			}
 			if rel != "." {
-				out = append(out, tiers.TreeEntry{Path: slash, Type: tiers.EntryDir})
+				out = append(out, layout.TreeEntry{Path: slash, Type: layout.EntryDir})
 			}
 		case d.Type()&fs.ModeSymlink != 0:
 			link, err := os.Readlink(p)
@@ -226,7 +227,7 @@ func linkTree(src, dst string) ([]tiers.TreeEntry, error) {
 			if err := os.Symlink(link, target); err != nil {
 				return err
 			}
-			out = append(out, tiers.TreeEntry{Path: slash, Type: tiers.EntrySymlink, Target: link})
+			out = append(out, layout.TreeEntry{Path: slash, Type: layout.EntrySymlink, Target: link})
 		case d.Type().IsRegular():
 			info, err := d.Info()
 			if err != nil {
@@ -235,7 +236,7 @@ func linkTree(src, dst string) ([]tiers.TreeEntry, error) {
 			if err := os.Link(p, target); err != nil {
 				return err
 			}
-			out = append(out, tiers.TreeEntry{Path: slash, Type: tiers.EntryFile, Size: info.Size()})
+			out = append(out, layout.TreeEntry{Path: slash, Type: layout.EntryFile, Size: info.Size()})
 		default:
 			return fmt.Errorf("link %s: cannot link a %v", p, d.Type())
 		}
@@ -330,8 +331,8 @@ func (s *fakeStore) CompleteSteps(ctx context.Context, job, backup string, nodes
 	}
 	bySlot := map[int64]map[tiers.Slot]string{}
 	for _, de := range des {
-		m, ok := tiers.ParseMarkerName(de.Name())
-		if !ok || m.Kind != tiers.MarkerMeta || m.Job != job || m.Node >= nodes || m.Worker >= workers {
+		m, ok := layout.ParseMarkerName(de.Name())
+		if !ok || m.Kind != layout.MarkerMeta || m.Job != job || m.Node >= nodes || m.Worker >= workers {
 			continue
 		}
 		b, err := os.ReadFile(filepath.Join(dir, de.Name()))
@@ -363,10 +364,10 @@ func (s *fakeStore) Upload(ctx context.Context, req tiers.Upload) error {
 	before := s.beforeUpload
 	s.mu.Unlock()
 	// What the replicator hands over must be the sealed data the .meta names.
-	h, dir, ok := tiers.ParseDataName(req.Hash + ".data")
+	h, dir, ok := layout.ParseDataName(req.Hash + ".data")
 	if !ok {
 		s.uploadErr("upload of step %d: bad hash %q", req.Step, req.Hash)
-	} else if err := tiers.VerifyData(ctx, req.Source, h, dir); err != nil {
+	} else if err := layout.VerifyData(ctx, req.Source, h, dir); err != nil {
 		s.uploadErr("upload of step %d: source %s: %v", req.Step, req.Source, err)
 	}
 	if before != nil {
@@ -390,7 +391,7 @@ func (s *fakeStore) Upload(ctx context.Context, req tiers.Upload) error {
 		}
 		s.wrote(req.Backup + "/" + req.Hash + ".data")
 	}
-	meta := tiers.MarkerName{Job: req.Job, Step: req.Step, Node: req.Slot.Rank, Worker: req.Slot.Worker, Kind: tiers.MarkerMeta}.String()
+	meta := layout.MarkerName{Job: req.Job, Step: req.Step, Node: req.Slot.Rank, Worker: req.Slot.Worker, Kind: layout.MarkerMeta}.String()
 	tmp := filepath.Join(dir2, ".tmp-"+meta)
 	if err := os.WriteFile(tmp, []byte(req.Hash), 0o644); err != nil {
 		return err
@@ -498,7 +499,7 @@ func (s *fakeStore) addBackup(t *testing.T, job, backup string, step int64, data
 		if err := os.MkdirAll(filepath.Join(dir, hash+".data"), 0o755); err != nil {
 			t.Fatal(err)
 		}
-		meta := tiers.MarkerName{Job: job, Step: step, Node: slot.Rank, Worker: slot.Worker, Kind: tiers.MarkerMeta}.String()
+		meta := layout.MarkerName{Job: job, Step: step, Node: slot.Rank, Worker: slot.Worker, Kind: layout.MarkerMeta}.String()
 		if err := os.WriteFile(filepath.Join(dir, meta), []byte(hash), 0o644); err != nil {
 			t.Fatal(err)
 		}
@@ -658,12 +659,12 @@ func (h *harness) rename(oldName, newName string) {
 	if err != nil {
 		h.t.Fatal(err)
 	}
-	typ := tiers.EntryFile
+	typ := layout.EntryFile
 	switch {
 	case fi.IsDir():
-		typ = tiers.EntryDir
+		typ = layout.EntryDir
 	case fi.Mode()&fs.ModeSymlink != 0:
-		typ = tiers.EntrySymlink
+		typ = layout.EntrySymlink
 	}
 	if err := os.Rename(h.path(oldName), h.path(newName)); err != nil {
 		h.t.Fatal(err)
@@ -674,14 +675,14 @@ func (h *harness) rename(oldName, newName string) {
 // yamlOrbax writes replicator.yaml as Orbax does: a .tmp file renamed into place.
 func (h *harness) yamlOrbax(doc string) {
 	h.t.Helper()
-	h.writeFile(tiers.ReplicatorYAMLTmpName, doc)
-	h.rename(tiers.ReplicatorYAMLTmpName, tiers.ReplicatorYAMLName)
+	h.writeFile(layout.ReplicatorYAMLTmpName, doc)
+	h.rename(layout.ReplicatorYAMLTmpName, layout.ReplicatorYAMLName)
 }
 
 // yamlNemo writes replicator.yaml directly, as NeMo does.
 func (h *harness) yamlNemo(doc string) {
 	h.t.Helper()
-	h.writeFile(tiers.ReplicatorYAMLName, doc)
+	h.writeFile(layout.ReplicatorYAMLName, doc)
 }
 
 // checkpointFiles is a small Orbax-like tree; tag makes its content unique.
@@ -711,9 +712,9 @@ func (h *harness) makeTree(dir string, files map[string]string) {
 // orbaxSave saves step as Orbax does and returns the tree hash of what it committed.
 func (h *harness) orbaxSave(step int64, files map[string]string) string {
 	h.t.Helper()
-	tmp := fmt.Sprintf("%d%s", step, tiers.OrbaxTmpSuffix)
+	tmp := fmt.Sprintf("%d%s", step, layout.OrbaxTmpSuffix)
 	h.makeTree(tmp, files)
-	hash, err := tiers.HashDir(context.Background(), h.path(tmp))
+	hash, err := layout.HashDir(context.Background(), h.path(tmp))
 	if err != nil {
 		h.t.Fatal(err)
 	}
@@ -727,7 +728,7 @@ func (h *harness) nemoSave(gs int64, files map[string]string) string {
 	dir := fmt.Sprintf("step=%d", gs)
 	h.writeFile(dir+"-unfinished", "")
 	h.makeTree(dir, files)
-	hash, err := tiers.HashDir(context.Background(), h.path(dir))
+	hash, err := layout.HashDir(context.Background(), h.path(dir))
 	if err != nil {
 		h.t.Fatal(err)
 	}
@@ -788,7 +789,7 @@ func (h *harness) eventually(what string, cond func() string) {
 		}
 		if time.Now().After(deadline) {
 			h.t.Fatalf("timed out after %v waiting for %s: %s\nnamespace: %q\nreplicator.errors: %q\nreplicator.failed: %q",
-				waitTimeout, what, why, h.names(), h.read(tiers.ReplicatorErrorsName), h.read(tiers.ReplicatorFailedName))
+				waitTimeout, what, why, h.names(), h.read(layout.ReplicatorErrorsName), h.read(layout.ReplicatorFailedName))
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
@@ -838,13 +839,13 @@ func (h *harness) waitMarkers(want ...string) {
 }
 
 func marker(job string, step int64, node, worker int, kind string) string {
-	return tiers.MarkerName{Job: job, Step: step, Node: node, Worker: worker, Kind: kind}.String()
+	return layout.MarkerName{Job: job, Step: step, Node: node, Worker: worker, Kind: kind}.String()
 }
 
 // waitMeta waits for a .meta and returns its content.
 func (h *harness) waitMeta(job string, step int64, worker int) string {
 	h.t.Helper()
-	name := marker(job, step, 0, worker, tiers.MarkerMeta)
+	name := marker(job, step, 0, worker, layout.MarkerMeta)
 	h.waitExists(name)
 	return h.read(name)
 }
@@ -873,8 +874,8 @@ func (h *harness) waitIdle() {
 func (h *harness) start(doc, job string) {
 	h.t.Helper()
 	h.yamlOrbax(doc)
-	h.waitGone(tiers.ReplicatorYAMLName)
-	h.waitMarkers(marker(job, 0, 0, 0, tiers.MarkerRestore))
+	h.waitGone(layout.ReplicatorYAMLName)
+	h.waitMarkers(marker(job, 0, 0, 0, layout.MarkerRestore))
 }
 
 // spoolGlob matches names inside the spool's subdirectories.

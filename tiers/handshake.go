@@ -7,6 +7,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
@@ -15,17 +17,17 @@ func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 // fast namespace work, so the yaml disappears well within the client's one-second poll; the
 // restore runs on its own goroutine.
 func (r *Replicator) handshake() {
-	data, err := r.ns.ReadFile(ReplicatorYAMLName, MaxConfigSize)
+	data, err := r.ns.ReadFile(layout.ReplicatorYAMLName, MaxConfigSize)
 	if errors.Is(err, os.ErrNotExist) {
 		return // already consumed (a close and a rename both announced it)
 	}
 	if err != nil {
-		r.ns.Remove(ReplicatorYAMLName)
-		r.failLine(nil, fmt.Sprintf("%s: %v", ReplicatorYAMLName, err))
+		r.ns.Remove(layout.ReplicatorYAMLName)
+		r.failLine(nil, fmt.Sprintf("%s: %v", layout.ReplicatorYAMLName, err))
 		return
 	}
 	if len(strings.TrimSpace(string(data))) == 0 {
-		r.ns.Remove(ReplicatorYAMLName)
+		r.ns.Remove(layout.ReplicatorYAMLName)
 		r.log.Info("empty replicator.yaml deleted")
 		return
 	}
@@ -41,7 +43,7 @@ func (r *Replicator) handshake() {
 
 	if err != nil {
 		r.failLine(partialConfig(data, r.cfg.Getenv), err.Error())
-		r.ns.Remove(ReplicatorYAMLName)
+		r.ns.Remove(layout.ReplicatorYAMLName)
 		r.log.Error("invalid replicator.yaml", "err", err)
 		return
 	}
@@ -51,7 +53,7 @@ func (r *Replicator) handshake() {
 	for _, w := range warnings {
 		r.errLine(cfg, w)
 	}
-	if err := r.ns.Remove(ReplicatorYAMLName); err != nil {
+	if err := r.ns.Remove(layout.ReplicatorYAMLName); err != nil {
 		r.log.Error("delete replicator.yaml", "err", err)
 	}
 	r.mu.Lock()
@@ -86,7 +88,7 @@ func (r *Replicator) cleanNamespace() {
 	r.mu.Unlock()
 	for _, e := range ents {
 		n := e.Name
-		if pending[n] || n == ReplicatorYAMLName || n == JaxInitInfoName || strings.HasSuffix(n, ".meta") || IsDataName(n) {
+		if pending[n] || n == layout.ReplicatorYAMLName || n == layout.JaxInitInfoName || strings.HasSuffix(n, ".meta") || layout.IsDataName(n) {
 			continue
 		}
 		if err := r.ns.Remove(n); err != nil {
@@ -106,7 +108,7 @@ func partialConfig(data []byte, getenv func(string) string) *Config {
 		v = strings.Trim(strings.TrimSpace(os.Expand(strings.TrimSpace(v), getenv)), `"'`)
 		switch strings.TrimSpace(k) {
 		case "job-name":
-			if ValidateJobName(v) == nil {
+			if layout.ValidateJobName(v) == nil {
 				c.JobName = v // an unsafe name would break the line format
 			}
 		case "node-rank":
@@ -124,10 +126,10 @@ func partialConfig(data []byte, getenv func(string) string) *Config {
 
 // errLine appends a line to replicator.errors; failLine to replicator.failed (SPEC §2.3).
 func (r *Replicator) errLine(cfg *Config, msg string) {
-	r.appendLine(ReplicatorErrorsName, "ERR", cfg, msg)
+	r.appendLine(layout.ReplicatorErrorsName, "ERR", cfg, msg)
 }
 func (r *Replicator) failLine(cfg *Config, msg string) {
-	r.appendLine(ReplicatorFailedName, "FATAL", cfg, msg)
+	r.appendLine(layout.ReplicatorFailedName, "FATAL", cfg, msg)
 }
 
 // incLine reports an error of a background task of inc; once a newer incarnation started, the

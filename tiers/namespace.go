@@ -1,5 +1,7 @@
 package tiers
 
+import "github.com/mtcfs/mtcfs/layout"
+
 // Namespace is the part of the mounted tree the replicator manages: the names at the top of
 // CHECKPOINT_DIR. Package fs implements it over its inode tree. Every change is visible to the
 // kernel (its caches invalidated) before the call returns. Never call it from a FUSE request's
@@ -20,7 +22,7 @@ type Namespace interface {
 	// Export hard-links the tree at the top-level name into dst (a new directory inside the
 	// spool) without copying bytes, and lists what it linked. A regular file at name is linked
 	// as the file dst.
-	Export(name, dst string) ([]TreeEntry, error)
+	Export(name, dst string) ([]layout.TreeEntry, error)
 	// SpoolFile returns the spool file that holds the bytes of the regular file at path
 	// ("a/b/c", relative to the top), for reading them without going through the mount.
 	SpoolFile(path string) (string, error)
@@ -32,7 +34,7 @@ type Namespace interface {
 // DirEntry is one top-level name.
 type DirEntry struct {
 	Name string
-	Type EntryType
+	Type layout.EntryType
 }
 
 // Events receives changes that the training job makes through the mount. Package fs calls it
@@ -43,7 +45,7 @@ type Events interface {
 	// to the mount root ("a/b/c").
 	Closed(path string)
 	// Renamed: oldPath became newPath; typ is what was renamed.
-	Renamed(oldPath, newPath string, typ EntryType)
+	Renamed(oldPath, newPath string, typ layout.EntryType)
 	// TooLarge: a write to path was refused with EFBIG (see WriteLimit).
 	TooLarge(path string)
 }

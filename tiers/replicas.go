@@ -6,6 +6,8 @@ import (
 	"os"
 	"strings"
 	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // PeerTransport moves sealed data between the agents of a job (package replication implements
@@ -118,13 +120,13 @@ func (r *Replicator) pushStep(c commit, peer int, dataName, meta string, early *
 // publishes it in the spool and the namespace (SPEC §4: a replica appears only once verified).
 // path is moved, not copied.
 func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, name, path string) error {
-	if m, ok := ParseMarkerName(name); ok && m.Kind == MarkerMeta {
+	if m, ok := layout.ParseMarkerName(name); ok && m.Kind == layout.MarkerMeta {
 		content, err := os.ReadFile(path)
 		if err != nil {
 			return err
 		}
 		hash := strings.TrimSpace(string(content))
-		if _, _, ok := ParseDataName(hash + ".data"); !ok || m.Job != job {
+		if _, _, ok := layout.ParseDataName(hash + ".data"); !ok || m.Job != job {
 			return fmt.Errorf("replica %s from rank %d: bad content %q", name, rank, hash)
 		}
 		r.publishMu.Lock()
@@ -136,7 +138,7 @@ func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, na
 		r.log.Info("replica received", "meta", name, "from", rank)
 		return nil
 	}
-	if !IsDataName(name) {
+	if !layout.IsDataName(name) {
 		return fmt.Errorf("replica from rank %d: %q is neither data nor a .meta", rank, name)
 	}
 	r.publishMu.Lock()
@@ -174,7 +176,7 @@ func (r *Replicator) releaseReplicaHold(name string) {
 
 // SealedPath is where this node holds the data name, for peers that fetch it.
 func (r *Replicator) SealedPath(name string) (string, error) {
-	if !IsDataName(name) {
+	if !layout.IsDataName(name) {
 		return "", fmt.Errorf("%q: %w", name, os.ErrNotExist)
 	}
 	p := r.spoolDir("sealed", name)
@@ -186,4 +188,4 @@ func (r *Replicator) SealedPath(name string) (string, error) {
 
 // Digests is the cache of file digests computed when files were closed; the peer transport
 // reuses them instead of reading the data again.
-func (r *Replicator) Digests() *DigestCache { return &r.digests }
+func (r *Replicator) Digests() *layout.DigestCache { return &r.digests }

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // ReplicatorConfig wires a Replicator.
@@ -68,7 +70,7 @@ type Replicator struct {
 	// prehash carries paths of files the job closed after writing; they are hashed in the
 	// background so that sealing their step only combines digests.
 	prehash chan string
-	digests DigestCache
+	digests layout.DigestCache
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -135,7 +137,7 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	}
 	if j := r.cfg.JaxInit; j != nil {
 		content := []byte(strings.Join([]string{itoa(int64(j.Rank)), j.Coordinator, ""}, "\n"))
-		if err := ns.WriteFile(JaxInitInfoName, content); err != nil {
+		if err := ns.WriteFile(layout.JaxInitInfoName, content); err != nil {
 			return err
 		}
 	}
@@ -165,7 +167,7 @@ func (r *Replicator) Close() {
 // Events (called on FUSE request goroutines: record and return).
 
 func (r *Replicator) Closed(path string) { r.queue.push(event{kind: evClosed, path: path}) }
-func (r *Replicator) Renamed(oldPath, newPath string, typ EntryType) {
+func (r *Replicator) Renamed(oldPath, newPath string, typ layout.EntryType) {
 	r.queue.push(event{kind: evRenamed, path: newPath, old: oldPath, typ: typ})
 }
 func (r *Replicator) TooLarge(path string) { r.queue.push(event{kind: evTooLarge, path: path}) }
@@ -191,7 +193,7 @@ func (r *Replicator) handle(ev event) {
 		// Only top-level names carry meaning; a file closed inside a step being saved is
 		// hashed now, while the job writes the rest (and pushed to peers). Writers that close
 		// a temporary name and rename it (tensorstore) are caught at the rename.
-		if ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == EntryFile) {
+		if ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == layout.EntryFile) {
 			select {
 			case r.prehash <- ev.path:
 			default: // the sealer hashes what was not hashed early
@@ -200,10 +202,10 @@ func (r *Replicator) handle(ev event) {
 		return
 	}
 	switch {
-	case ev.kind == evTooLarge && (ev.path == ReplicatorYAMLName || ev.path == ReplicatorYAMLTmpName):
+	case ev.kind == evTooLarge && (ev.path == layout.ReplicatorYAMLName || ev.path == layout.ReplicatorYAMLTmpName):
 		r.ns.Remove(ev.path)
-		r.failLine(nil, fmt.Sprintf("%s: larger than %d bytes; discarded", ReplicatorYAMLName, MaxConfigSize))
-	case ev.path == ReplicatorYAMLName && (ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == EntryFile)):
+		r.failLine(nil, fmt.Sprintf("%s: larger than %d bytes; discarded", layout.ReplicatorYAMLName, MaxConfigSize))
+	case ev.path == layout.ReplicatorYAMLName && (ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == layout.EntryFile)):
 		r.handshake()
 	default:
 		r.detectCommit(ev)
@@ -230,7 +232,7 @@ func randomID() string {
 type event struct {
 	kind      int
 	path, old string
-	typ       EntryType
+	typ       layout.EntryType
 }
 
 const (

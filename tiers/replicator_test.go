@@ -18,6 +18,7 @@ import (
 
 	"gopkg.in/yaml.v3"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -60,13 +61,13 @@ func errLineRE(text string) *regexp.Regexp {
 // checkPrerestore checks replicator.prerestore's YAML content.
 func (h *harness) checkPrerestore(want map[string]any) {
 	h.t.Helper()
-	raw := h.read(tiers.PrerestoreName)
+	raw := h.read(layout.PrerestoreName)
 	got := map[string]any{}
 	if err := yaml.Unmarshal([]byte(raw), &got); err != nil {
-		h.t.Fatalf("%s = %q is not YAML: %v", tiers.PrerestoreName, raw, err)
+		h.t.Fatalf("%s = %q is not YAML: %v", layout.PrerestoreName, raw, err)
 	}
-	if !h.exists(tiers.PrerestoreName) || !reflect.DeepEqual(got, want) {
-		h.t.Fatalf("%s = %q (exists %v), want the mapping %v", tiers.PrerestoreName, raw, h.exists(tiers.PrerestoreName), want)
+	if !h.exists(layout.PrerestoreName) || !reflect.DeepEqual(got, want) {
+		h.t.Fatalf("%s = %q (exists %v), want the mapping %v", layout.PrerestoreName, raw, h.exists(layout.PrerestoreName), want)
 	}
 }
 
@@ -77,10 +78,10 @@ func (h *harness) opIndex(op string) int { return slices.Index(h.ns.opLog(), op)
 func (h *harness) checkPublishOrder() {
 	h.t.Helper()
 	ops := h.ns.opLog()
-	pre := slices.Index(ops, "write "+tiers.PrerestoreName)
+	pre := slices.Index(ops, "write "+layout.PrerestoreName)
 	first := slices.IndexFunc(ops, func(op string) bool { return strings.HasSuffix(op, ".restore") })
 	if pre < 0 || first < 0 || pre > first {
-		h.t.Fatalf("%s must be written before the first marker; operations: %q", tiers.PrerestoreName, ops)
+		h.t.Fatalf("%s must be written before the first marker; operations: %q", layout.PrerestoreName, ops)
 	}
 }
 
@@ -134,13 +135,13 @@ func TestHandshakeFreshStart(t *testing.T) {
 			t.Parallel()
 			h := newHarness(t, harnessConfig{env: tc.env})
 			tc.write(h, tc.doc)
-			h.waitGone(tiers.ReplicatorYAMLName)
-			want := marker(tc.job, 0, 0, 0, tiers.MarkerRestore)
+			h.waitGone(layout.ReplicatorYAMLName)
+			want := marker(tc.job, 0, 0, 0, layout.MarkerRestore)
 			h.waitMarkers(want)
 			h.checkEmptyMarker(want)
 			h.checkPrerestore(map[string]any{})
 			h.checkPublishOrder()
-			if got, exp := h.names(), []string{want, tiers.PrerestoreName}; !slices.Equal(got, exp) {
+			if got, exp := h.names(), []string{want, layout.PrerestoreName}; !slices.Equal(got, exp) {
 				t.Errorf("namespace after a fresh start = %q, want %q", got, exp)
 			}
 			if st := h.r.Status(); st.Job != tc.job || st.Phase != "running" {
@@ -160,7 +161,7 @@ func TestHandshakeEmptyYAMLIsDeletedAndIgnored(t *testing.T) {
 			t.Parallel()
 			h := newHarness(t, harnessConfig{})
 			write.f(h, "")
-			h.waitGone(tiers.ReplicatorYAMLName)
+			h.waitGone(layout.ReplicatorYAMLName)
 			time.Sleep(50 * time.Millisecond) // nothing runs after an empty yaml; give it a chance to misbehave
 			if got := h.names(); len(got) != 0 {
 				t.Errorf("an empty replicator.yaml must produce no file at all; namespace holds %q", got)
@@ -208,12 +209,12 @@ func TestHandshakeInvalidYAML(t *testing.T) {
 		{"workers-per-node zero", withKeys("workers-per-node: 0"), "workers-per-node"},
 		{"data parallelism not dividing nodes", withKeys("assume-data-parallelism: 2"), "assume-data-parallelism"},
 		{"key given twice", baseYAML + "\nnodes: 1", "nodes"},
-		{"a list, not a mapping", "- job-name: job\n- nodes: 1", tiers.ReplicatorYAMLName},
-		{"a scalar, not a mapping", "hello", tiers.ReplicatorYAMLName},
-		{"only a comment", "# nothing here", tiers.ReplicatorYAMLName},
-		{"syntax error", "job-name: [unclosed\nnodes: 1", tiers.ReplicatorYAMLName},
-		{"two documents", baseYAML + "\n---\n" + baseYAML, tiers.ReplicatorYAMLName},
-		{"too large (EFBIG)", "", tiers.ReplicatorYAMLName},
+		{"a list, not a mapping", "- job-name: job\n- nodes: 1", layout.ReplicatorYAMLName},
+		{"a scalar, not a mapping", "hello", layout.ReplicatorYAMLName},
+		{"only a comment", "# nothing here", layout.ReplicatorYAMLName},
+		{"syntax error", "job-name: [unclosed\nnodes: 1", layout.ReplicatorYAMLName},
+		{"two documents", baseYAML + "\n---\n" + baseYAML, layout.ReplicatorYAMLName},
+		{"too large (EFBIG)", "", layout.ReplicatorYAMLName},
 	}
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -221,32 +222,32 @@ func TestHandshakeInvalidYAML(t *testing.T) {
 			h := newHarness(t, harnessConfig{})
 			switch {
 			case tc.doc == "": // the fs layer refused a write past 64 KiB
-				h.writeFile(tiers.ReplicatorYAMLTmpName, strings.Repeat("x", 100))
-				h.r.TooLarge(tiers.ReplicatorYAMLTmpName)
-				h.waitGone(tiers.ReplicatorYAMLTmpName)
-				h.waitExists(tiers.ReplicatorFailedName)
+				h.writeFile(layout.ReplicatorYAMLTmpName, strings.Repeat("x", 100))
+				h.r.TooLarge(layout.ReplicatorYAMLTmpName)
+				h.waitGone(layout.ReplicatorYAMLTmpName)
+				h.waitExists(layout.ReplicatorFailedName)
 			case i%2 == 0:
 				h.yamlOrbax(tc.doc)
 			default:
 				h.yamlNemo(tc.doc)
 			}
-			h.waitGone(tiers.ReplicatorYAMLName)
-			h.waitExists(tiers.ReplicatorFailedName)
-			lines := h.lines(tiers.ReplicatorFailedName)
+			h.waitGone(layout.ReplicatorYAMLName)
+			h.waitExists(layout.ReplicatorFailedName)
+			lines := h.lines(layout.ReplicatorFailedName)
 			if len(lines) != 1 || !failedLineRE(tc.key).MatchString(lines[0]) {
 				t.Fatalf("replicator.failed = %q, want exactly one line matching %s", lines, failedLineRE(tc.key))
 			}
-			if got := h.names(); !slices.Equal(got, []string{tiers.ReplicatorFailedName}) {
+			if got := h.names(); !slices.Equal(got, []string{layout.ReplicatorFailedName}) {
 				t.Errorf("after an invalid yaml the namespace must hold only replicator.failed, got %q", got)
 			}
 			if st := h.r.Status(); st.Phase != "idle" {
 				t.Errorf("status phase %q after an invalid yaml, want idle", st.Phase)
 			}
 			// The job reads and unlinks replicator.failed; the replicator stays healthy.
-			os.Remove(h.path(tiers.ReplicatorFailedName))
+			os.Remove(h.path(layout.ReplicatorFailedName))
 			h.start(baseYAML, "job")
-			if h.exists(tiers.ReplicatorFailedName) {
-				t.Errorf("a valid yaml after an invalid one wrote replicator.failed: %q", h.read(tiers.ReplicatorFailedName))
+			if h.exists(layout.ReplicatorFailedName) {
+				t.Errorf("a valid yaml after an invalid one wrote replicator.failed: %q", h.read(layout.ReplicatorFailedName))
 			}
 		})
 	}
@@ -266,12 +267,12 @@ func TestHandshakeWarningsDoNotStopTheRun(t *testing.T) {
 			h := newHarness(t, harnessConfig{})
 			h.start(tc.doc, "job")
 			h.checkPrerestore(map[string]any{})
-			lines := h.lines(tiers.ReplicatorErrorsName)
+			lines := h.lines(layout.ReplicatorErrorsName)
 			if len(lines) != 1 || !errLineRE(tc.warning).MatchString(lines[0]) {
 				t.Errorf("replicator.errors = %q, want one line matching %s", lines, errLineRE(tc.warning))
 			}
-			if h.exists(tiers.ReplicatorFailedName) {
-				t.Errorf("a warning must not be fatal: replicator.failed = %q", h.read(tiers.ReplicatorFailedName))
+			if h.exists(layout.ReplicatorFailedName) {
+				t.Errorf("a warning must not be fatal: replicator.failed = %q", h.read(layout.ReplicatorFailedName))
 			}
 		})
 	}
@@ -280,30 +281,30 @@ func TestHandshakeWarningsDoNotStopTheRun(t *testing.T) {
 func TestHandshakeCleansNamespace(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessConfig{jaxInit: &tiers.JaxInit{Rank: 0, Coordinator: "10.0.0.1:8476"}})
-	if got := h.read(tiers.JaxInitInfoName); got != "0\n10.0.0.1:8476\n" {
+	if got := h.read(layout.JaxInitInfoName); got != "0\n10.0.0.1:8476\n" {
 		t.Fatalf("jax-init-info.txt = %q after Start, want %q", got, "0\n10.0.0.1:8476\n")
 	}
 	hex := strings.Repeat("ab", 32)
 	keep := []string{
-		tiers.JaxInitInfoName,
+		layout.JaxInitInfoName,
 		"old-s3-n0-w0.meta",
 		"D" + hex + ".data",
 		hex + ".data",
 	}
 	stale := []string{
-		"old-s3-n0-w0.restore",      // stale marker (symlink)
-		"old-s0-n0-w0.restore",      // NeMo leaves the s0 marker in place
-		"5",                         // step directory
-		"6",                         // step symlink (a renamed marker)
-		"7.orbax-checkpoint-tmp",    // tmp dir of an abandoned save
-		"step=9",                    // NeMo save in progress
-		"step=9-unfinished",         // NeMo flag
-		tiers.ReplicatorErrorsName,  // old status files
-		tiers.ReplicatorFailedName,  //
-		tiers.PrerestoreName,        //
-		tiers.ReplicatorYAMLTmpName, //
-		"scratch.txt",               // anything else the job left
-		"old-s3-n0-w0.save",         //
+		"old-s3-n0-w0.restore",       // stale marker (symlink)
+		"old-s0-n0-w0.restore",       // NeMo leaves the s0 marker in place
+		"5",                          // step directory
+		"6",                          // step symlink (a renamed marker)
+		"7.orbax-checkpoint-tmp",     // tmp dir of an abandoned save
+		"step=9",                     // NeMo save in progress
+		"step=9-unfinished",          // NeMo flag
+		layout.ReplicatorErrorsName,  // old status files
+		layout.ReplicatorFailedName,  //
+		layout.PrerestoreName,        //
+		layout.ReplicatorYAMLTmpName, //
+		"scratch.txt",                // anything else the job left
+		"old-s3-n0-w0.save",          //
 	}
 	mk := func(name string) {
 		p := h.path(name)
@@ -316,7 +317,7 @@ func TestHandshakeCleansNamespace(t *testing.T) {
 			}
 		case strings.HasSuffix(name, "s3-n0-w0.restore"), name == "6":
 			err = os.Symlink("D"+hex+".data", p)
-		case name == tiers.JaxInitInfoName:
+		case name == layout.JaxInitInfoName:
 			return
 		default:
 			err = os.WriteFile(p, []byte("old content\n"), 0o644)
@@ -329,7 +330,7 @@ func TestHandshakeCleansNamespace(t *testing.T) {
 		mk(n)
 	}
 	h.start(baseYAML, "job")
-	want := append(slices.Clone(keep), marker("job", 0, 0, 0, tiers.MarkerRestore), tiers.PrerestoreName)
+	want := append(slices.Clone(keep), marker("job", 0, 0, 0, layout.MarkerRestore), layout.PrerestoreName)
 	slices.Sort(want)
 	if got := h.names(); !slices.Equal(got, want) {
 		t.Errorf("namespace after the handshake = %q, want %q", got, want)
@@ -362,13 +363,13 @@ func TestCommitAndSeal(t *testing.T) {
 				t.Fatalf(".meta of step %d = %q, want the tree hash %q (no newline)", tc.step, meta, hash)
 			}
 			data := hash + ".data"
-			if !tiers.IsDataName(data) || !strings.HasPrefix(data, "D") {
+			if !layout.IsDataName(data) || !strings.HasPrefix(data, "D") {
 				t.Fatalf("data name %q is not D<64 hex>.data", data)
 			}
 			if diff := checkTree(h.path(data), files); diff != "" {
 				t.Fatalf("sealed data: %s", diff)
 			}
-			if got, err := tiers.HashDir(t.Context(), h.path(data)); err != nil || "D"+got != hash {
+			if got, err := layout.HashDir(t.Context(), h.path(data)); err != nil || "D"+got != hash {
 				t.Fatalf("HashDir(%s) = %q, %v; want %q", data, got, err, hash)
 			}
 			if got := h.spoolGlob(data); len(got) != 1 {
@@ -383,8 +384,8 @@ func TestCommitAndSeal(t *testing.T) {
 			if st := h.r.Status(); st.Committed != tc.step {
 				t.Errorf("status latest committed step %d, want %d", st.Committed, tc.step)
 			}
-			if h.exists(tiers.ReplicatorErrorsName) {
-				t.Errorf("a clean save wrote replicator.errors: %q", h.read(tiers.ReplicatorErrorsName))
+			if h.exists(layout.ReplicatorErrorsName) {
+				t.Errorf("a clean save wrote replicator.errors: %q", h.read(layout.ReplicatorErrorsName))
 			}
 		})
 	}
@@ -395,7 +396,7 @@ func TestCommitPyTorchWorkers(t *testing.T) {
 	h := newHarness(t, harnessConfig{})
 	doc := "job-name: pt\nframework: pytorch\nnode-rank: 0\nnodes: 1\npeers-per-node: 1\nworkers-per-node: 2\nbackup-interval-minutes: 30"
 	h.yamlNemo(doc)
-	h.waitMarkers(marker("pt", 0, 0, 0, tiers.MarkerRestore), marker("pt", 0, 0, 1, tiers.MarkerRestore))
+	h.waitMarkers(marker("pt", 0, 0, 0, layout.MarkerRestore), marker("pt", 0, 0, 1, layout.MarkerRestore))
 
 	// Names that are not this node's commits stay as they are.
 	ignored := []string{"pt-s3-n1-w0.save", "other-s3-n0-w0.save", "pt-s3-n0-w2.save"}
@@ -409,7 +410,7 @@ func TestCommitPyTorchWorkers(t *testing.T) {
 	h.writeFile("pt-s3-n0-w1.save", "tensor of worker 1")
 	meta1 := h.waitMeta("pt", 3, 1)
 	h.waitGone("pt-s3-n0-w1.save")
-	if !tiers.IsDataName(meta1+".data") || strings.HasPrefix(meta1, "D") {
+	if !layout.IsDataName(meta1+".data") || strings.HasPrefix(meta1, "D") {
 		t.Fatalf("worker 1's .meta = %q, want 64 hex (a file's hash)", meta1)
 	}
 	if got := h.read(meta1 + ".data"); got != "tensor of worker 1" {
@@ -466,8 +467,8 @@ func TestSealingTheSameContentTwiceIsReported(t *testing.T) {
 	if meta := h.waitSealed("job", 2, "2"); meta != hash1 || hash2 != hash1 {
 		t.Fatalf("step 2 .meta %q (tree %q), want step 1's %q", meta, hash2, hash1)
 	}
-	h.waitExists(tiers.ReplicatorErrorsName)
-	lines := h.lines(tiers.ReplicatorErrorsName)
+	h.waitExists(layout.ReplicatorErrorsName)
+	lines := h.lines(layout.ReplicatorErrorsName)
 	if len(lines) != 1 || !errLineRE("not making progress").MatchString(lines[0]) {
 		t.Fatalf("replicator.errors = %q, want one line saying training is not making progress", lines)
 	}
@@ -503,7 +504,7 @@ func TestNotACommit(t *testing.T) {
 		}
 	}
 	for _, step := range []int64{6, 7, 8, 9} {
-		if n := marker("job", step, 0, 0, tiers.MarkerMeta); h.exists(n) {
+		if n := marker("job", step, 0, 0, layout.MarkerMeta); h.exists(n) {
 			t.Errorf("%s exists: step %d was not committed", n, step)
 		}
 	}
@@ -524,7 +525,7 @@ func TestRetentionKeepsOnlyTheLatestStep(t *testing.T) {
 		last = h.orbaxSave(step, checkpointFiles(fmt.Sprint(step)))
 	}
 	h.waitSealed("job", 3, "3")
-	wantNS := []string{last + ".data", marker("job", 3, 0, 0, tiers.MarkerMeta)}
+	wantNS := []string{last + ".data", marker("job", 3, 0, 0, layout.MarkerMeta)}
 	h.eventually("retention of steps 1 and 2", func() string {
 		var got []string
 		for _, n := range h.names() {
@@ -551,7 +552,7 @@ func TestRestartAdoptsSealedStep(t *testing.T) {
 	h.waitSealed("job", 7, "7")
 
 	h2 := h.restart() // empty namespace, same spool
-	meta := marker("job", 7, 0, 0, tiers.MarkerMeta)
+	meta := marker("job", 7, 0, 0, layout.MarkerMeta)
 	if got, want := h2.names(), []string{hash + ".data", meta}; !slices.Equal(got, want) {
 		t.Fatalf("after a restart the namespace = %q, want the adopted %q", got, want)
 	}
@@ -559,7 +560,7 @@ func TestRestartAdoptsSealedStep(t *testing.T) {
 		t.Fatalf("adopted %s = %q, want %q", meta, got, hash)
 	}
 	h2.yamlOrbax(baseYAML)
-	restore := marker("job", 7, 0, 0, tiers.MarkerRestore)
+	restore := marker("job", 7, 0, 0, layout.MarkerRestore)
 	h2.waitMarkers(restore)
 	h2.checkPrerestore(map[string]any{"restore-step": 7})
 	h2.checkPublishOrder()
@@ -572,8 +573,8 @@ func TestRestartAdoptsSealedStep(t *testing.T) {
 	if fi, err := os.Lstat(h2.path("7")); err != nil || fi.Mode()&os.ModeSymlink == 0 {
 		t.Errorf("the restored step's symlink 7 must stay untouched: %v, %v", fi, err)
 	}
-	if h2.exists(tiers.ReplicatorErrorsName) {
-		t.Errorf("replicator.errors = %q", h2.read(tiers.ReplicatorErrorsName))
+	if h2.exists(layout.ReplicatorErrorsName) {
+		t.Errorf("replicator.errors = %q", h2.read(layout.ReplicatorErrorsName))
 	}
 	// The sync follows the .meta (sealing publishes first), so wait for it.
 	h2.eventually("step 8's sync", func() string {
@@ -615,22 +616,22 @@ func TestRestartDropsCorruptedSpoolData(t *testing.T) {
 	}
 	h2.start(baseYAML, "job")
 	h2.checkPrerestore(map[string]any{})
-	h2.checkEmptyMarker(marker("job", 0, 0, 0, tiers.MarkerRestore))
+	h2.checkEmptyMarker(marker("job", 0, 0, 0, layout.MarkerRestore))
 }
 
 func TestMultiNodeJobWithoutPeerServiceFails(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessConfig{})
 	h.yamlOrbax(withKeys("nodes: 2", "peer-ranks: [1]"))
-	h.waitGone(tiers.ReplicatorYAMLName)
-	h.waitExists(tiers.ReplicatorFailedName)
-	lines := h.lines(tiers.ReplicatorFailedName)
+	h.waitGone(layout.ReplicatorYAMLName)
+	h.waitExists(layout.ReplicatorFailedName)
+	lines := h.lines(layout.ReplicatorFailedName)
 	re := regexp.MustCompile(`^` + lineTime + ` job=job node=0/2 FATAL restore negotiation failed: .*no peers configured`)
 	if len(lines) != 1 || !re.MatchString(lines[0]) {
 		t.Fatalf("replicator.failed = %q, want one line matching %s", lines, re)
 	}
 	time.Sleep(20 * time.Millisecond)
-	if m := h.markers(); len(m) != 0 || h.exists(tiers.PrerestoreName) {
+	if m := h.markers(); len(m) != 0 || h.exists(layout.PrerestoreName) {
 		t.Errorf("a failed negotiation published markers %q or replicator.prerestore", m)
 	}
 	if st := h.r.Status(); st.Phase != "failed" {
@@ -657,8 +658,8 @@ func TestCommittedStepSurvivesTheJobDeletingIt(t *testing.T) {
 	if diff := checkTree(h.path(hash+".data"), files); diff != "" {
 		t.Fatal(diff)
 	}
-	if h.exists(tiers.ReplicatorErrorsName) {
-		t.Errorf("replicator.errors = %q", h.read(tiers.ReplicatorErrorsName))
+	if h.exists(layout.ReplicatorErrorsName) {
+		t.Errorf("replicator.errors = %q", h.read(layout.ReplicatorErrorsName))
 	}
 }
 
@@ -708,7 +709,7 @@ func TestBackupAfterEveryStep(t *testing.T) {
 		if u.Job != "job" || u.Backup != name || u.Step != step || u.Slot != (tiers.Slot{}) || u.Hash != hashes[step] {
 			t.Errorf("upload %d = %+v, want job step %d slot n0-w0 hash %s to backup %s", i, u, step, hashes[step], name)
 		}
-		wantWrites = append(wantWrites, name+"/"+hashes[step]+".data", name+"/"+marker("job", step, 0, 0, tiers.MarkerMeta))
+		wantWrites = append(wantWrites, name+"/"+hashes[step]+".data", name+"/"+marker("job", step, 0, 0, layout.MarkerMeta))
 		steps, err := store.CompleteSteps(t.Context(), "job", name, 1, 1)
 		if err != nil || len(steps) != 1 || steps[0].Step != step {
 			t.Errorf("backup %s: complete steps %+v, %v; want step %d", name, steps, err, step)
@@ -755,7 +756,7 @@ func TestRestoreFromBackup(t *testing.T) {
 			s.deleteObject(t, "job", tiers.BackupName(minute(2)), h[2]+".data")
 		}, 1},
 		{"newest lacks its .meta", func(t *testing.T, s *fakeStore, h map[int64]string) {
-			s.deleteObject(t, "job", tiers.BackupName(minute(2)), marker("job", 2, 0, 0, tiers.MarkerMeta))
+			s.deleteObject(t, "job", tiers.BackupName(minute(2)), marker("job", 2, 0, 0, layout.MarkerMeta))
 		}, 1},
 		{"no backup is complete", func(t *testing.T, s *fakeStore, h map[int64]string) {
 			s.deleteObject(t, "job", tiers.BackupName(minute(2)), h[2]+".data")
@@ -770,16 +771,16 @@ func TestRestoreFromBackup(t *testing.T) {
 			h := newHarness(t, harnessConfig{store: store}) // a new node: empty spool
 			h.yamlOrbax(backupYAML)
 			if tc.step == 0 {
-				h.waitMarkers(marker("job", 0, 0, 0, tiers.MarkerRestore))
+				h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
 				h.checkPrerestore(map[string]any{})
 				return
 			}
-			restore := marker("job", tc.step, 0, 0, tiers.MarkerRestore)
+			restore := marker("job", tc.step, 0, 0, layout.MarkerRestore)
 			h.waitMarkers(restore)
 			h.checkPrerestore(map[string]any{"restore-step": int(tc.step), "restore-backup": tiers.BackupName(minute(tc.step))})
 			h.checkPublishOrder()
 			h.checkRestoreLink(restore, hashes[tc.step], files[tc.step])
-			if got := h.read(marker("job", tc.step, 0, 0, tiers.MarkerMeta)); got != hashes[tc.step] {
+			if got := h.read(marker("job", tc.step, 0, 0, layout.MarkerMeta)); got != hashes[tc.step] {
 				t.Errorf("restored .meta = %q, want %q", got, hashes[tc.step])
 			}
 			if _, downloads, _ := store.counts(); downloads != 1 {
@@ -813,14 +814,14 @@ func TestPinnedBackupUnusable(t *testing.T) {
 			store.setPin(pin)
 			h := newHarness(t, harnessConfig{store: store, clock: newFakeClock(minute(10))})
 			h.yamlOrbax(backupYAML)
-			s0 := marker("job", 0, 0, 0, tiers.MarkerRestore)
+			s0 := marker("job", 0, 0, 0, layout.MarkerRestore)
 			h.waitMarkers(s0)
 			h.checkPrerestore(map[string]any{})
-			lines := h.lines(tiers.ReplicatorErrorsName)
+			lines := h.lines(layout.ReplicatorErrorsName)
 			if len(lines) != 1 || !errLineRE(pin).MatchString(lines[0]) || !strings.Contains(lines[0], tc.text) {
 				t.Fatalf("replicator.errors = %q, want one line naming %s and saying %q", lines, pin, tc.text)
 			}
-			if e, m := h.opIndex("write "+tiers.ReplicatorErrorsName), h.opIndex("write "+s0); e < 0 || e > m {
+			if e, m := h.opIndex("write "+layout.ReplicatorErrorsName), h.opIndex("write "+s0); e < 0 || e > m {
 				t.Fatalf("replicator.errors must be written before the s0 marker; operations %q", h.ns.opLog())
 			}
 			if _, _, clears := store.counts(); clears != 0 {
@@ -856,7 +857,7 @@ func TestPinnedBackupWinsOverRAM(t *testing.T) {
 	// The job restarts on the same agent, which holds step 2 in RAM.
 	h.cfg.clock.Set(minute(5))
 	h.yamlOrbax(backupYAML)
-	restore := marker("job", 1, 0, 0, tiers.MarkerRestore)
+	restore := marker("job", 1, 0, 0, layout.MarkerRestore)
 	h.waitMarkers(restore)
 	h.checkRestoreLink(restore, hash1, files1)
 	if _, downloads, _ := store.counts(); downloads != 1 {
@@ -874,24 +875,24 @@ func TestNewIncarnation(t *testing.T) {
 	h := newHarness(t, harnessConfig{})
 	h.start(withKeys("first-key: 1"), "job")
 	first := h.r.Status().Incarnation
-	if lines := h.lines(tiers.ReplicatorErrorsName); len(lines) != 1 || !strings.Contains(lines[0], "first-key") {
+	if lines := h.lines(layout.ReplicatorErrorsName); len(lines) != 1 || !strings.Contains(lines[0], "first-key") {
 		t.Fatalf("replicator.errors = %q, want the first incarnation's warning", lines)
 	}
 	files := checkpointFiles("5")
 	hash := h.orbaxSave(5, files)
 	h.waitSealed("job", 5, "5")
-	h.makeTree("6"+tiers.OrbaxTmpSuffix, checkpointFiles("6")) // a save in progress, abandoned
+	h.makeTree("6"+layout.OrbaxTmpSuffix, checkpointFiles("6")) // a save in progress, abandoned
 
 	h.yamlOrbax(withKeys("second-key: 2"))
-	restore := marker("job", 5, 0, 0, tiers.MarkerRestore)
+	restore := marker("job", 5, 0, 0, layout.MarkerRestore)
 	h.waitMarkers(restore)
 	h.checkRestoreLink(restore, hash, files)
 	h.checkPrerestore(map[string]any{"restore-step": 5})
-	lines := h.lines(tiers.ReplicatorErrorsName)
+	lines := h.lines(layout.ReplicatorErrorsName)
 	if len(lines) != 1 || !strings.Contains(lines[0], "second-key") {
 		t.Errorf("replicator.errors of the new incarnation = %q, want only its own warning", lines)
 	}
-	if h.exists("6" + tiers.OrbaxTmpSuffix) {
+	if h.exists("6" + layout.OrbaxTmpSuffix) {
 		t.Errorf("the abandoned save was not cleaned")
 	}
 	if st := h.r.Status(); st.Incarnation == first || st.Incarnation == "" || st.Restored != 5 {
@@ -966,7 +967,7 @@ func TestRetentionAtBackupEndKeepsAStepSealedMeanwhile(t *testing.T) {
 	})
 
 	// The backup of step 1 ends; its retention stops just after taking its snapshot.
-	hook, entered, release := blockOnce("remove", marker("job", 1, 0, 0, tiers.MarkerMeta))
+	hook, entered, release := blockOnce("remove", marker("job", 1, 0, 0, layout.MarkerMeta))
 	h.ns.setHook(hook)
 	close(gate)
 	waitChan(t, entered, "the backup's retention")
@@ -985,7 +986,7 @@ func TestRetentionAtBackupEndKeepsAStepSealedMeanwhile(t *testing.T) {
 
 	if !h.exists(hash3+".data") || len(h.spoolGlob(hash3+".data")) != 1 {
 		t.Errorf("step 3 was sealed but retention freed its data %s.data (namespace %q); its .meta %q remains",
-			hash3, h.names(), h.read(marker("job", 3, 0, 0, tiers.MarkerMeta)))
+			hash3, h.names(), h.read(marker("job", 3, 0, 0, layout.MarkerMeta)))
 	}
 }
 
@@ -1021,7 +1022,7 @@ func TestRetentionDuringRestoreKeepsTheRestoredData(t *testing.T) {
 
 	// The job restarts pinned to step 1's backup; the restore stops between bringIn and the .meta.
 	store.setPin(tiers.BackupName(minute(1)))
-	hook, entered, release := blockOnce("write", marker("job", 1, 0, 0, tiers.MarkerMeta))
+	hook, entered, release := blockOnce("write", marker("job", 1, 0, 0, layout.MarkerMeta))
 	h.ns.setHook(hook)
 	h.yamlOrbax(backupYAML)
 	waitChan(t, entered, "the restore to write step 1's .meta")
@@ -1039,7 +1040,7 @@ func TestRetentionDuringRestoreKeepsTheRestoredData(t *testing.T) {
 		time.Sleep(2 * time.Millisecond)
 	}
 	close(release)
-	restore := marker("job", 1, 0, 0, tiers.MarkerRestore)
+	restore := marker("job", 1, 0, 0, layout.MarkerRestore)
 	h.waitMarkers(restore)
 	if diff := checkTree(h.path(restore), files1); diff != "" {
 		t.Errorf("the restore marker of step 1 is unusable (%s): retention freed the data being restored; operations %q",
@@ -1066,7 +1067,7 @@ func TestConcurrentErrorLinesAreAllKept(t *testing.T) {
 
 	// Step 2 has step 1's content: the sealer appends "not making progress" and stops just
 	// before writing the file; meanwhile the backup fails and appends its own line.
-	hook, entered, release := blockOnce("write", tiers.ReplicatorErrorsName)
+	hook, entered, release := blockOnce("write", layout.ReplicatorErrorsName)
 	h.ns.setHook(hook)
 	h.orbaxSave(2, files)
 	waitChan(t, entered, "the sealer's error line")
@@ -1076,12 +1077,12 @@ func TestConcurrentErrorLinesAreAllKept(t *testing.T) {
 	close(release)
 	h.waitSealed("job", 2, "2") // the sealer wrote its line before the .meta
 	h.eventually("the backup failure line", func() string {
-		if !strings.Contains(h.read(tiers.ReplicatorErrorsName), "injected upload failure") {
+		if !strings.Contains(h.read(layout.ReplicatorErrorsName), "injected upload failure") {
 			return "no backup failure line yet"
 		}
 		return ""
 	})
-	lines := h.lines(tiers.ReplicatorErrorsName)
+	lines := h.lines(layout.ReplicatorErrorsName)
 	text := strings.Join(lines, "\n")
 	if !strings.Contains(text, "not making progress") || !strings.Contains(text, "injected upload failure") {
 		t.Errorf("replicator.errors = %q, want both the sealer's and the backup's line", lines)

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // inventory lists what this node holds in RAM for the restore negotiation.
@@ -62,8 +64,8 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 			pre = fmt.Sprintf("{restore-step: %d, restore-backup: %s}\n", plan.Step, plan.Backup)
 		}
 	}
-	if err := r.ns.WriteFile(PrerestoreName, []byte(pre)); err != nil {
-		fail(fmt.Sprintf("write %s: %v", PrerestoreName, err))
+	if err := r.ns.WriteFile(layout.PrerestoreName, []byte(pre)); err != nil {
+		fail(fmt.Sprintf("write %s: %v", layout.PrerestoreName, err))
 		return
 	}
 	r.log.Info("restore plan", "found", plan.Found, "step", plan.Step, "backup", plan.Backup, "pinned", plan.Pinned)
@@ -99,10 +101,10 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 	for w := 0; w < cfg.WorkersPerNode; w++ {
 		var err error
 		if plan.Found {
-			name := MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: MarkerRestore}.String()
+			name := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerRestore}.String()
 			err = r.ns.Symlink(plan.Data[Slot{cfg.NodeRank, w}]+".data", name)
 		} else {
-			name := MarkerName{Job: cfg.JobName, Step: 0, Node: cfg.NodeRank, Worker: w, Kind: MarkerRestore}.String()
+			name := layout.MarkerName{Job: cfg.JobName, Step: 0, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerRestore}.String()
 			err = r.ns.WriteFile(name, nil)
 		}
 		if err != nil {
@@ -143,7 +145,7 @@ func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan Res
 	cfg := inc.Config
 	dataName := hash + ".data"
 	defer r.hold(dataName)()
-	meta := MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: MarkerMeta}.String()
+	meta := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
 	sealed := r.spoolDir("sealed", dataName)
 	publish := func(incoming string) error {
 		r.publishMu.Lock()
@@ -229,8 +231,8 @@ func (r *Replicator) download(ctx context.Context, cfg *Config, plan RestorePlan
 	if err := r.cfg.Store.Download(ctx, cfg.JobName, plan.Backup, hash, incoming, p.update); err != nil {
 		return incoming, fmt.Errorf("download %s from backup %s: %w", dataName, plan.Backup, err)
 	}
-	h, dir, _ := ParseDataName(dataName)
-	if err := VerifyData(ctx, incoming, h, dir); err != nil {
+	h, dir, _ := layout.ParseDataName(dataName)
+	if err := layout.VerifyData(ctx, incoming, h, dir); err != nil {
 		return incoming, err
 	}
 	r.log.Info("restored from backup", "data", dataName, "bytes", p.Done())

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // Slot is one training process of the job: a node rank and a worker index.
@@ -140,8 +142,8 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int) (int64
 	bySlot := map[int64]map[Slot]string{}
 	for _, inv := range invs {
 		for name, hash := range inv.Metas {
-			m, ok := ParseMarkerName(name)
-			if !ok || m.Kind != MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode {
+			m, ok := layout.ParseMarkerName(name)
+			if !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode {
 				continue
 			}
 			if len(holders[hash]) == 0 {

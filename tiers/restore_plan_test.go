@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -20,7 +21,7 @@ func planConfig(nodes, workers int) *tiers.Config {
 func hx(n int) string { return fmt.Sprintf("D%064x", n) }
 
 // metaOf names job's .meta of step for rank n, worker w.
-func metaOf(step int64, n, w int) string { return marker("job", step, n, w, tiers.MarkerMeta) }
+func metaOf(step int64, n, w int) string { return marker("job", step, n, w, layout.MarkerMeta) }
 
 // slots maps "n<R>-w<W>" (as Slot.String prints) to hashes, for readable tables.
 func slots(kv ...any) map[tiers.Slot]string {

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // commit is a step that the job finished for one worker; name is its top-level name.
@@ -30,15 +32,15 @@ func (r *Replicator) detectCommit(ev event) {
 	cfg := inc.Config
 	c := commit{inc: inc, name: ev.path, at: r.cfg.Now()}
 	switch {
-	case cfg.Framework != FrameworkPyTorch && ev.kind == evRenamed && ev.typ == EntryDir:
-		step, ok := ParseStepDir(ev.path)
+	case cfg.Framework != FrameworkPyTorch && ev.kind == evRenamed && ev.typ == layout.EntryDir:
+		step, ok := layout.ParseStepDir(ev.path)
 		if !ok {
 			return
 		}
 		c.step, c.group = step, ev.old
 	case cfg.Framework == FrameworkPyTorch && (ev.kind == evClosed || ev.kind == evRenamed):
-		m, ok := ParseMarkerName(ev.path)
-		if !ok || m.Kind != MarkerSave || m.Job != cfg.JobName || m.Node != cfg.NodeRank || m.Worker >= cfg.WorkersPerNode {
+		m, ok := layout.ParseMarkerName(ev.path)
+		if !ok || m.Kind != layout.MarkerSave || m.Job != cfg.JobName || m.Node != cfg.NodeRank || m.Worker >= cfg.WorkersPerNode {
 			return
 		}
 		c.step, c.worker = m.Step, m.Worker
@@ -135,12 +137,12 @@ func (r *Replicator) seal(ctx context.Context, c commit) (dataName, meta string,
 	if _, err := r.ns.Export(c.name, staging); err != nil {
 		return "", "", err
 	}
-	hash, dir, err := HashDataCached(ctx, staging, &r.digests)
+	hash, dir, err := layout.HashDataCached(ctx, staging, &r.digests)
 	if err != nil {
 		os.RemoveAll(staging)
 		return "", "", err
 	}
-	dataName = DataName(hash, dir)
+	dataName = layout.DataName(hash, dir)
 	content := strings.TrimSuffix(dataName, ".data")
 	r.publishMu.Lock()
 	defer r.publishMu.Unlock()
@@ -160,7 +162,7 @@ func (r *Replicator) seal(ctx context.Context, c commit) (dataName, meta string,
 			return "", "", err
 		}
 	}
-	meta = MarkerName{Job: cfg.JobName, Step: c.step, Node: cfg.NodeRank, Worker: c.worker, Kind: MarkerMeta}.String()
+	meta = layout.MarkerName{Job: cfg.JobName, Step: c.step, Node: cfg.NodeRank, Worker: c.worker, Kind: layout.MarkerMeta}.String()
 	if err := r.writeMeta(meta, content); err != nil {
 		return "", "", err
 	}
@@ -234,7 +236,7 @@ func (r *Replicator) afterSeal(c commit, replicated bool) {
 }
 
 func (r *Replicator) metaHash(cfg *Config, step int64, rank, worker int) (string, bool) {
-	name := MarkerName{Job: cfg.JobName, Step: step, Node: rank, Worker: worker, Kind: MarkerMeta}.String()
+	name := layout.MarkerName{Job: cfg.JobName, Step: step, Node: rank, Worker: worker, Kind: layout.MarkerMeta}.String()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	h, ok := r.metas[name]
@@ -265,7 +267,7 @@ func (r *Replicator) retain(cfg *Config) {
 	var drop []string
 	keepHash := map[string]bool{}
 	for name, hash := range r.metas {
-		m, ok := ParseMarkerName(name)
+		m, ok := layout.ParseMarkerName(name)
 		if ok && m.Job == cfg.JobName && m.Step < keepFrom && m.Step != backingUp {
 			drop = append(drop, name)
 		} else {

@@ -4,6 +4,8 @@ import (
 	"sort"
 	"sync/atomic"
 	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // Progress describes a running restore or backup; Done is updated as bytes move.
@@ -99,7 +101,7 @@ func (r *Replicator) Status() Status {
 		st.Rank, st.Nodes, st.Phase, st.Restored = inc.Config.NodeRank, inc.Config.Nodes, inc.phase, inc.restored
 	}
 	for name, hash := range r.metas {
-		if m, ok := ParseMarkerName(name); ok {
+		if m, ok := layout.ParseMarkerName(name); ok {
 			st.Steps = append(st.Steps, StepInRAM{Meta: name, Step: m.Step, Rank: m.Node, Data: hash + ".data"})
 		}
 	}

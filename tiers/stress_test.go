@@ -10,8 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication"
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // TestStressReplicatedStepsSurvive is a seeded model-based test of three in-process agents in a
@@ -69,7 +69,7 @@ type savedStep struct {
 func runStress(t *testing.T, seed uint64, ops int) {
 	c := &stressCluster{t: t, rnd: rand.New(rand.NewPCG(seed, 99)), job: replication.NewJob(replication.Options{LagTimeout: 20 * time.Second}),
 		saved: map[int64]map[int]savedStep{}, replicated: -1, next: 1}
-	c.tr = &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]tiers.FileDigest{}}
+	c.tr = &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]layout.FileDigest{}}
 	for r := range stressNodes {
 		c.hs = append(c.hs, c.newNode(t.TempDir()))
 		c.tr.nodes[r] = c.hs[r]
@@ -127,8 +127,8 @@ func (c *stressCluster) startJob(lost int) {
 	wg.Wait()
 	restored := make([]int64, stressNodes)
 	for r, h := range c.hs {
-		h.waitGone(tiers.ReplicatorYAMLName) // answered: the previous incarnation's markers are gone
-		h.waitExists(tiers.PrerestoreName)
+		h.waitGone(layout.ReplicatorYAMLName) // answered: the previous incarnation's markers are gone
+		h.waitExists(layout.PrerestoreName)
 		h.eventually("a .restore marker", func() string {
 			if len(h.markers()) == 0 {
 				return "no marker yet"
@@ -139,7 +139,7 @@ func (c *stressCluster) startJob(lost int) {
 		if len(m) != 1 {
 			c.t.Fatalf("rank %d: markers %q, want one", r, m)
 		}
-		mk, ok := tiers.ParseMarkerName(m[0])
+		mk, ok := layout.ParseMarkerName(m[0])
 		if !ok {
 			c.t.Fatalf("rank %d: bad marker %q", r, m[0])
 		}

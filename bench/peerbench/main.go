@@ -21,7 +21,7 @@
 //   - gRPC push: Sender.Push until it returns, i.e. the receiver verified every chunk's CRC-32C,
 //     re-read and hashed every file, checked the tree hash and moved the tree out of its
 //     incoming directory (Accept is a rename). The sender's file digests come from a
-//     tiers.DigestCache filled beforehand, as in the agent, where files are hashed when the job
+//     layout.DigestCache filled beforehand, as in the agent, where files are hashed when the job
 //     closes them; one variant leaves the cache out, so the push hashes the files first.
 //
 // Every round runs all variants, the first one rotating from round to round so that drift hits
@@ -53,8 +53,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication"
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
 const prog = "peerbench"
@@ -126,12 +126,12 @@ func run(ctx context.Context, cfg config) error {
 	if err != nil {
 		return err
 	}
-	var digests tiers.DigestCache
-	hash, _, err := tiers.HashDataCached(ctx, src, &digests)
+	var digests layout.DigestCache
+	hash, _, err := layout.HashDataCached(ctx, src, &digests)
 	if err != nil {
 		return err
 	}
-	name := tiers.DataName(hash, true)
+	name := layout.DataName(hash, true)
 
 	b, err := startBench(work, name, src, &digests)
 	if err != nil {
@@ -245,7 +245,7 @@ func writeTree(dir string, files int, size int64) (int64, error) {
 // bench holds both transfer paths' endpoints.
 type bench struct {
 	work, src, name string
-	digests         *tiers.DigestCache
+	digests         *layout.DigestCache
 	received        string // where both receivers put the tree
 
 	recv *replication.Receiver
@@ -262,7 +262,7 @@ type tcpFile struct {
 	size int64
 }
 
-func startBench(work, name, src string, digests *tiers.DigestCache) (*bench, error) {
+func startBench(work, name, src string, digests *layout.DigestCache) (*bench, error) {
 	b := &bench{work: work, src: src, name: name, digests: digests, received: filepath.Join(work, "received")}
 	secret := []byte("peerbench")
 	recv, err := replication.NewReceiver(replication.ReceiverConfig{

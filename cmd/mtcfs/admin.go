@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -165,7 +166,7 @@ func (f *flagSetWithBackup) open(args []string) ([]string, *gcsbackend.Backups, 
 	if *f.job == "" {
 		return nil, nil, flagError(f.fs, errors.New("--job is required"))
 	}
-	if err := tiers.ValidateJobName(*f.job); err != nil {
+	if err := layout.ValidateJobName(*f.job); err != nil {
 		return nil, nil, flagError(f.fs, fmt.Errorf("--job: %w", err))
 	}
 	b, err := openBackups(*f.url)

@@ -6,6 +6,7 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
 )
@@ -15,22 +16,22 @@ import (
 
 var _ tiers.EarlyTransport = (*peerService)(nil)
 
-func (p *peerService) PushEarly(ctx context.Context, inc tiers.Incarnation, rank int, group, path string) (tiers.FileDigest, error) {
-	hash, _, err := tiers.HashDataCached(ctx, path, p.sender.Digests)
+func (p *peerService) PushEarly(ctx context.Context, inc tiers.Incarnation, rank int, group, path string) (layout.FileDigest, error) {
+	hash, _, err := layout.HashDataCached(ctx, path, p.sender.Digests)
 	if err != nil {
-		return tiers.FileDigest{}, err
+		return layout.FileDigest{}, err
 	}
-	var d tiers.FileDigest
+	var d layout.FileDigest
 	if _, err := hex.Decode(d[:], []byte(hash)); err != nil {
 		return d, err
 	}
 	return d, p.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, conn *grpc.ClientConn) error {
 		return p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
-			Rank: inc.Config.NodeRank, DataName: tiers.DataName(hash, false), Source: path, EarlyGroup: group})
+			Rank: inc.Config.NodeRank, DataName: layout.DataName(hash, false), Source: path, EarlyGroup: group})
 	})
 }
 
-func (p *peerService) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[tiers.FileDigest]bool) error {
+func (p *peerService) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[layout.FileDigest]bool) error {
 	return p.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, conn *grpc.ClientConn) error {
 		return p.sender.Push(ctx, conn, replication.PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
 			Rank: inc.Config.NodeRank, DataName: name, Source: path, ConsumesGroup: group, Presumed: acked})

@@ -17,11 +17,12 @@
 package peerpb
 
 import (
-	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
-	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	reflect "reflect"
 	sync "sync"
 	unsafe "unsafe"
+
+	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
+	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 )
 
 const (
@@ -38,7 +39,7 @@ type Manifest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// "<hash>.data", "D<hash>.data" or "<job>-s<S>-n<R>-w<W>.meta".
 	DataName string `protobuf:"bytes,1,opt,name=data_name,json=dataName,proto3" json:"data_name,omitempty"`
-	// For data: the hash of its name (64 lower-case hex digits, tiers.TreeHash of the listing for a
+	// For data: the hash of its name (64 lower-case hex digits, layout.TreeHash of the listing for a
 	// directory, the file's BLAKE3 for a file). For a .meta: the BLAKE3 of its content.
 	TreeHash string `protobuf:"bytes,2,opt,name=tree_hash,json=treeHash,proto3" json:"tree_hash,omitempty"`
 	// Regular files in strictly increasing byte order of path; a Chunk names a file by its index here.

@@ -1,4 +1,4 @@
-package tiers
+package layout
 
 // The content hash that names a committed checkpoint (SPEC §1, §3).
 //

@@ -1,4 +1,4 @@
-package tiers
+package layout
 
 import (
 	"bytes"
