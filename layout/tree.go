@@ -44,8 +44,13 @@ package layout
 //	'f' len(path) path size digest   regular file (digest: 32 bytes)
 //	'd' len(path) path               directory
 //	'l' len(path) path len(target) target   symlink
+//	'p' len(path) path               FIFO
+//	's' len(path) path               socket
+//	'c' len(path) path rdev          character device
+//	'b' len(path) path rdev          block device
 //
-// where len(...) and size are uint64 little-endian. Every directory of the tree
+// where len(...), size and rdev are uint64 little-endian. (The last four kinds were added
+// after v1's first release; a tree without them hashes as it always did.) Every directory of the tree
 // is listed, so an empty directory counts; the root itself is not.
 
 import (
@@ -58,7 +63,6 @@ import (
 	"math/bits"
 	"os"
 	"path"
-	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
@@ -79,12 +83,16 @@ func (d FileDigest) String() string { return hex.EncodeToString(d[:]) }
 // EntryType is the kind of a TreeEntry.
 type EntryType uint8
 
-// The entry types a checkpoint tree may hold. Devices, FIFOs and sockets have
-// no content to save and are refused.
+// The entry types a checkpoint tree may hold. FIFOs, sockets and device nodes carry no bytes: a
+// checkpoint keeps them as what they are (their type, and a device's number), like tar does.
 const (
-	EntryFile    EntryType = 'f' // regular file: Size and Digest
-	EntryDir     EntryType = 'd' // directory
-	EntrySymlink EntryType = 'l' // symbolic link: Target
+	EntryFile     EntryType = 'f' // regular file: Size and Digest
+	EntryDir      EntryType = 'd' // directory
+	EntrySymlink  EntryType = 'l' // symbolic link: Target
+	EntryFIFO     EntryType = 'p' // named pipe
+	EntrySocket   EntryType = 's' // unix domain socket (the name only: no connection survives)
+	EntryCharDev  EntryType = 'c' // character device: Rdev
+	EntryBlockDev EntryType = 'b' // block device: Rdev
 )
 
 func (t EntryType) String() string {
@@ -95,8 +103,21 @@ func (t EntryType) String() string {
 		return "directory"
 	case EntrySymlink:
 		return "symlink"
+	case EntryFIFO:
+		return "fifo"
+	case EntrySocket:
+		return "socket"
+	case EntryCharDev:
+		return "character device"
+	case EntryBlockDev:
+		return "block device"
 	}
 	return fmt.Sprintf("EntryType(%d)", uint8(t))
+}
+
+// Special reports whether t is a FIFO, socket or device node: an entry without content.
+func (t EntryType) Special() bool {
+	return t == EntryFIFO || t == EntrySocket || t == EntryCharDev || t == EntryBlockDev
 }
 
 // TreeEntry describes one entry of a checkpoint tree for TreeHash. Fields that
@@ -107,6 +128,7 @@ type TreeEntry struct {
 	Size   int64      // EntryFile: length in bytes
 	Digest FileDigest // EntryFile: HashFile of its bytes
 	Target string     // EntrySymlink: the link's target, verbatim
+	Rdev   uint64     // EntryCharDev, EntryBlockDev: the device number (as in stat's st_rdev)
 }
 
 // treeMagic starts the canonical listing; a new listing format gets a new one.
@@ -162,6 +184,8 @@ func TreeHash(entries []TreeEntry) (string, error) {
 		case EntrySymlink:
 			buf = binary.LittleEndian.AppendUint64(buf, uint64(len(e.Target)))
 			buf = append(buf, e.Target...)
+		case EntryCharDev, EntryBlockDev:
+			buf = binary.LittleEndian.AppendUint64(buf, e.Rdev)
 		}
 		h.Write(buf)
 		buf = buf[:0]
@@ -175,7 +199,7 @@ func checkTreeEntry(e TreeEntry) error {
 		return fmt.Errorf("tree hash: invalid path %q: want a relative slash-separated path without empty, \".\" or \"..\" elements", e.Path)
 	}
 	switch e.Type {
-	case EntryDir:
+	case EntryDir, EntryFIFO, EntrySocket, EntryCharDev, EntryBlockDev:
 	case EntryFile:
 		if e.Size < 0 {
 			return fmt.Errorf("tree hash: %q has negative size %d", e.Path, e.Size)
@@ -359,26 +383,49 @@ func rootDigest(n guts.Node) (d FileDigest) {
 }
 
 // HashDir returns the TreeHash of the directory dir (followed if it is a
-// symlink), reading its files concurrently. It fails on devices, FIFOs and
-// sockets, and if the tree changes while it is read in a way it notices.
+// symlink), reading its files concurrently. It fails if the tree changes while
+// it is read in a way it notices.
 func HashDir(ctx context.Context, dir string) (string, error) { return hashDirCached(ctx, dir, nil) }
 
 func hashDirCached(ctx context.Context, dir string, cache *DigestCache) (string, error) {
-	var entries []TreeEntry
-	if err := listTree(dir, "", &entries); err != nil {
-		return "", fmt.Errorf("hash dir %s: %w", dir, err)
+	d, err := OpenDir(dir)
+	if err != nil {
+		return "", fmt.Errorf("hash dir: %w", err)
 	}
-	if err := HashEntries(ctx, dir, entries, cache); err != nil {
+	defer d.Close()
+	entries, err := d.List()
+	if err != nil {
+		return "", fmt.Errorf("hash dir: %w", err)
+	}
+	if err := d.HashEntries(ctx, entries, cache); err != nil {
 		return "", fmt.Errorf("hash dir %s: %w", dir, err)
 	}
 	return TreeHash(entries)
 }
 
 // HashEntries fills in the Digest of every file entry, the files living below root (an entry
-// with an empty Path is root itself), several files at a time: many small files are the
-// common case (one per array shard), and each still draws from hashSlots. A file whose size
-// is not its entry's fails. cache may be nil.
+// with an empty Path is root itself, a regular file), several files at a time: many small
+// files are the common case (one per array shard), and each still draws from hashSlots. A file
+// whose size is not its entry's fails. cache may be nil.
 func HashEntries(ctx context.Context, root string, entries []TreeEntry, cache *DigestCache) error {
+	if len(entries) == 1 && entries[0].Path == "" {
+		size, d, err := hashFile(ctx, root, cache, func() (*os.File, error) { return os.Open(root) })
+		if err == nil && size != entries[0].Size {
+			err = fmt.Errorf("%s: %d bytes, want %d (changed while hashing?)", root, size, entries[0].Size)
+		}
+		entries[0].Digest = d
+		return err
+	}
+	d, err := OpenDir(root)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.HashEntries(ctx, entries, cache)
+}
+
+// HashEntries is the package function HashEntries for a tree that is already open.
+func (d *Dir) HashEntries(ctx context.Context, entries []TreeEntry, cache *DigestCache) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	idx := make(chan int)
@@ -387,7 +434,7 @@ func HashEntries(ctx context.Context, root string, entries []TreeEntry, cache *D
 		wg.Go(func() {
 			for i := range idx {
 				e := &entries[i]
-				size, d, err := hashPath(ctx, filepath.Join(root, filepath.FromSlash(e.Path)), cache)
+				size, dg, err := hashFile(ctx, e.Path, cache, func() (*os.File, error) { return d.Open(e.Path, os.O_RDONLY, 0) })
 				if err != nil {
 					cancel(err)
 					continue
@@ -396,7 +443,7 @@ func HashEntries(ctx context.Context, root string, entries []TreeEntry, cache *D
 					cancel(fmt.Errorf("%s: %d bytes, want %d (changed while hashing?)", e.Path, size, e.Size))
 					continue
 				}
-				e.Digest = d
+				e.Digest = dg
 			}
 		})
 	}
@@ -416,54 +463,27 @@ feed:
 	return context.Cause(ctx)
 }
 
-// ListTree lists the entries below dir with sizes and symlink targets but no digests, read
-// the way HashDir reads them (devices, FIFOs and sockets are errors), so that a sender and
-// HashDir always agree on what a tree holds.
+// ListTree lists the entries below dir with sizes, symlink targets and device numbers but no
+// digests, read the way HashDir reads them, so that a sender and HashDir always agree on what a
+// tree holds.
 func ListTree(dir string) ([]TreeEntry, error) {
-	var entries []TreeEntry
-	err := listTree(dir, "", &entries)
-	return entries, err
-}
-
-// listTree appends the entries below abs (whose path in the tree is rel) to
-// out, with sizes but without digests.
-func listTree(abs, rel string, out *[]TreeEntry) error {
-	des, err := os.ReadDir(abs)
+	d, err := OpenDir(dir)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	for _, de := range des {
-		p := path.Join(rel, de.Name())
-		a := filepath.Join(abs, de.Name())
-		switch de.Type() {
-		case fs.ModeDir:
-			*out = append(*out, TreeEntry{Path: p, Type: EntryDir})
-			if err := listTree(a, p, out); err != nil {
-				return err
-			}
-		case fs.ModeSymlink:
-			target, err := os.Readlink(a)
-			if err != nil {
-				return err
-			}
-			*out = append(*out, TreeEntry{Path: p, Type: EntrySymlink, Target: target})
-		case 0: // regular file
-			info, err := de.Info()
-			if err != nil {
-				return err
-			}
-			*out = append(*out, TreeEntry{Path: p, Type: EntryFile, Size: info.Size()})
-		default:
-			return fmt.Errorf("%s: a checkpoint cannot hold a %v", p, de.Type())
-		}
-	}
-	return nil
+	defer d.Close()
+	return d.List()
 }
 
 // hashPath hashes the regular file at name, returning its size and digest. With a cache, a
 // digest computed earlier for the same file (same inode, size and mtime) is reused.
 func hashPath(ctx context.Context, name string, cache *DigestCache) (int64, FileDigest, error) {
-	f, err := os.Open(name)
+	return hashFile(ctx, name, cache, func() (*os.File, error) { return os.Open(name) })
+}
+
+// hashFile hashes the regular file open returns (name is for messages), as hashPath.
+func hashFile(ctx context.Context, name string, cache *DigestCache, open func() (*os.File, error)) (int64, FileDigest, error) {
+	f, err := open()
 	if err != nil {
 		return 0, FileDigest{}, err
 	}

@@ -302,13 +302,92 @@ func TestHashDirMatchesTreeHash(t *testing.T) {
 	}
 }
 
-func TestHashDirRefusesSpecialFiles(t *testing.T) {
+// Special files are part of a tree: listed with their type (and a device's number) and
+// counted by the hash, so a tree that gains or loses one gets another name.
+func TestHashDirCountsSpecialFiles(t *testing.T) {
 	root := makeTree(t, []treeNode{{path: "a", content: "x"}})
+	before := hashDir(t, root)
 	if err := syscall.Mkfifo(filepath.Join(root, "fifo"), 0o644); err != nil {
 		t.Skipf("mkfifo: %v", err)
 	}
-	if h, err := HashDir(t.Context(), root); err == nil || !strings.Contains(err.Error(), "fifo") {
-		t.Errorf("HashDir with a FIFO = %q, %v; want an error naming it", h, err)
+	if err := syscall.Mknod(filepath.Join(root, "sock"), syscall.S_IFSOCK|0o600, 0); err != nil {
+		t.Fatalf("mknod socket: %v", err)
+	}
+	entries, err := ListTree(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	types := map[string]EntryType{}
+	for _, e := range entries {
+		types[e.Path] = e.Type
+	}
+	if types["fifo"] != EntryFIFO || types["sock"] != EntrySocket || types["a"] != EntryFile {
+		t.Fatalf("ListTree types = %v", types)
+	}
+	withSpecials := hashDir(t, root)
+	if withSpecials == before {
+		t.Fatalf("adding a FIFO and a socket did not change the hash")
+	}
+	want, err := TreeHash([]TreeEntry{{Path: "a", Type: EntryFile, Size: 1, Digest: FileDigest(zeebo.Sum256([]byte("x")))},
+		{Path: "fifo", Type: EntryFIFO}, {Path: "sock", Type: EntrySocket}})
+	if err != nil || want != withSpecials {
+		t.Fatalf("TreeHash of the listing = %s, %v; HashDir = %s", want, err, withSpecials)
+	}
+	// Device numbers count.
+	c1, _ := TreeHash([]TreeEntry{{Path: "d", Type: EntryCharDev, Rdev: 0x0102}})
+	c2, _ := TreeHash([]TreeEntry{{Path: "d", Type: EntryCharDev, Rdev: 0x0103}})
+	b1, _ := TreeHash([]TreeEntry{{Path: "d", Type: EntryBlockDev, Rdev: 0x0102}})
+	if c1 == c2 || c1 == b1 {
+		t.Errorf("device entries: %s %s %s must all differ", c1, c2, b1)
+	}
+}
+
+// A tree whose paths are longer than PATH_MAX once prefixed with where it lives is listed,
+// hashed, created and read like any other.
+func TestDirLongPaths(t *testing.T) {
+	root := t.TempDir()
+	d, err := OpenDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	var rel string
+	for i := 0; len(rel) < 5000; i++ {
+		if rel != "" {
+			rel += "/"
+		}
+		rel += strings.Repeat(string(rune('a'+i%26)), 200)
+	}
+	if err := d.MkdirAll(rel, 0o755); err != nil {
+		t.Fatalf("MkdirAll of a %d-byte path: %v", len(rel), err)
+	}
+	f, err := d.Open(rel+"/file", os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteString("deep")
+	f.Close()
+	if err := d.Symlink("../x", rel+"/link"); err != nil {
+		t.Fatal(err)
+	}
+	entries, err := d.List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sawFile, sawLink bool
+	for _, e := range entries {
+		sawFile = sawFile || (e.Path == rel+"/file" && e.Type == EntryFile && e.Size == 4)
+		sawLink = sawLink || (e.Path == rel+"/link" && e.Type == EntrySymlink && e.Target == "../x")
+	}
+	if !sawFile || !sawLink {
+		t.Fatalf("List of a deep tree misses the file (%v) or the link (%v)", sawFile, sawLink)
+	}
+	if _, err := HashDir(t.Context(), root); err != nil {
+		t.Fatalf("HashDir of a deep tree: %v", err)
+	}
+	// Open never follows a symlink inside the tree, also for a long path.
+	if _, err := d.Open(rel+"/link", os.O_RDONLY, 0); err == nil {
+		t.Fatalf("Open followed a symlink")
 	}
 }
 

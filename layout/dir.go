@@ -1,0 +1,337 @@
+package layout
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Dir is a directory tree on a local filesystem (a spool tree, a replica being received, a
+// download), walked and changed relative to its root's descriptor. Two reasons: a checkpoint may
+// hold paths longer than PATH_MAX once prefixed with where the tree lives (the job may create
+// them relative to a deep working directory), and no symbolic link inside the tree is ever
+// followed, so a tree received from elsewhere cannot make us read or write outside it.
+//
+// Paths given to its methods are relative, slash-separated and clean ("a/b"); "" is the root.
+type Dir struct {
+	fd   int
+	path string
+}
+
+// OpenDir opens the directory at p (following p itself if it is a symlink).
+func OpenDir(p string) (*Dir, error) {
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: p, Err: err}
+	}
+	return &Dir{fd: fd, path: p}, nil
+}
+
+// Close releases the root descriptor.
+func (d *Dir) Close() error { return unix.Close(d.fd) }
+
+// Path is where the tree lives, for messages.
+func (d *Dir) Path() string { return d.path }
+
+func (d *Dir) errPath(rel string) string {
+	if rel == "" {
+		return d.path
+	}
+	return d.path + "/" + rel
+}
+
+// openAt opens rel below the root without following any symlink, whatever rel's length.
+func (d *Dir) openAt(rel string, flags int, mode uint32) (int, error) {
+	flags |= unix.O_CLOEXEC
+	if rel == "" {
+		return unix.Openat(d.fd, ".", flags, mode)
+	}
+	if len(rel) < unix.PathMax {
+		fd, err := unix.Openat2(d.fd, rel, &unix.OpenHow{Flags: uint64(flags), Mode: uint64(mode),
+			Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS})
+		if !errors.Is(err, unix.ENOSYS) && !errors.Is(err, unix.ENAMETOOLONG) {
+			return fd, err
+		}
+	}
+	parent, base, err := d.openParent(rel)
+	if err != nil {
+		return -1, err
+	}
+	defer d.closeParent(parent)
+	return unix.Openat(parent, base, flags|unix.O_NOFOLLOW, mode)
+}
+
+// openParent opens the directory holding rel, component by component (no symlink followed), and
+// returns it with rel's last element. The root itself is returned as is: see closeParent.
+func (d *Dir) openParent(rel string) (int, string, error) {
+	dir, base := path.Split(rel)
+	dir = strings.TrimSuffix(dir, "/")
+	if dir == "" {
+		return d.fd, base, nil
+	}
+	if len(dir) < unix.PathMax {
+		fd, err := unix.Openat2(d.fd, dir, &unix.OpenHow{Flags: unix.O_RDONLY | unix.O_DIRECTORY | unix.O_CLOEXEC,
+			Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS})
+		if err == nil {
+			return fd, base, nil
+		}
+		if !errors.Is(err, unix.ENOSYS) && !errors.Is(err, unix.ENAMETOOLONG) {
+			return -1, "", err
+		}
+	}
+	cur := d.fd
+	for _, part := range strings.Split(dir, "/") {
+		fd, err := unix.Openat(cur, part, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if cur != d.fd {
+			unix.Close(cur)
+		}
+		if err != nil {
+			return -1, "", err
+		}
+		cur = fd
+	}
+	return cur, base, nil
+}
+
+func (d *Dir) closeParent(fd int) {
+	if fd != d.fd {
+		unix.Close(fd)
+	}
+}
+
+// Open opens the file at rel (flags as for open(2); O_CLOEXEC and, for the last element,
+// O_NOFOLLOW semantics are implied).
+func (d *Dir) Open(rel string, flags int, perm uint32) (*os.File, error) {
+	fd, err := d.openAt(rel, flags, perm)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: d.errPath(rel), Err: err}
+	}
+	return os.NewFile(uintptr(fd), d.errPath(rel)), nil
+}
+
+// OpenDir opens the directory at rel as a Dir of its own.
+func (d *Dir) OpenDir(rel string) (*Dir, error) {
+	fd, err := d.openAt(rel, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: d.errPath(rel), Err: err}
+	}
+	return &Dir{fd: fd, path: d.errPath(rel)}, nil
+}
+
+// at runs op on the directory holding rel and rel's last element.
+func (d *Dir) at(op, rel string, f func(dirfd int, name string) error) error {
+	if rel == "" {
+		return &os.PathError{Op: op, Path: d.path, Err: unix.EEXIST}
+	}
+	parent, base, err := d.openParent(rel)
+	if err == nil {
+		err = f(parent, base)
+		d.closeParent(parent)
+	}
+	if err != nil {
+		return &os.PathError{Op: op, Path: d.errPath(rel), Err: err}
+	}
+	return nil
+}
+
+// Lstat returns the attributes of rel itself (a symlink is not followed).
+func (d *Dir) Lstat(rel string) (unix.Stat_t, error) {
+	var st unix.Stat_t
+	if rel == "" {
+		err := unix.Fstat(d.fd, &st)
+		if err != nil {
+			return st, &os.PathError{Op: "lstat", Path: d.path, Err: err}
+		}
+		return st, nil
+	}
+	err := d.at("lstat", rel, func(dirfd int, name string) error {
+		return unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	})
+	return st, err
+}
+
+// Mkdir creates the directory rel; its parent must exist.
+func (d *Dir) Mkdir(rel string, perm uint32) error {
+	return d.at("mkdir", rel, func(dirfd int, name string) error { return unix.Mkdirat(dirfd, name, perm) })
+}
+
+// MkdirAll creates rel and every missing parent.
+func (d *Dir) MkdirAll(rel string, perm uint32) error {
+	if rel == "" {
+		return nil
+	}
+	err := d.Mkdir(rel, perm)
+	if err == nil || errors.Is(err, unix.EEXIST) {
+		if err != nil {
+			if st, serr := d.Lstat(rel); serr != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
+				return err
+			}
+		}
+		return nil
+	}
+	if !errors.Is(err, unix.ENOENT) {
+		return err
+	}
+	if parent := path.Dir(rel); parent != "." {
+		if err := d.MkdirAll(parent, perm); err != nil {
+			return err
+		}
+	}
+	return d.Mkdir(rel, perm)
+}
+
+// Symlink creates rel as a symlink to target.
+func (d *Dir) Symlink(target, rel string) error {
+	return d.at("symlink", rel, func(dirfd int, name string) error { return unix.Symlinkat(target, dirfd, name) })
+}
+
+// Readlink returns the target of the symlink rel.
+func (d *Dir) Readlink(rel string) (string, error) {
+	var target string
+	err := d.at("readlink", rel, func(dirfd int, name string) error {
+		var err error
+		target, err = readlinkat(dirfd, name)
+		return err
+	})
+	return target, err
+}
+
+// Mknod creates rel as a FIFO, socket or device node (mode holds the type bits).
+func (d *Dir) Mknod(rel string, mode uint32, dev uint64) error {
+	return d.at("mknod", rel, func(dirfd int, name string) error { return unix.Mknodat(dirfd, name, mode, int(dev)) })
+}
+
+// Link gives the file at the absolute path src the name rel (a hard link).
+func (d *Dir) Link(src, rel string) error {
+	return d.at("link", rel, func(dirfd int, name string) error { return unix.Linkat(unix.AT_FDCWD, src, dirfd, name, 0) })
+}
+
+// Create makes the non-file entry e (a directory, symlink or special file) in the tree; its
+// parent must exist. Regular files are written with Open.
+func (d *Dir) Create(e TreeEntry, perm uint32) error {
+	switch e.Type {
+	case EntryDir:
+		return d.Mkdir(e.Path, perm)
+	case EntrySymlink:
+		return d.Symlink(e.Target, e.Path)
+	case EntryFIFO, EntrySocket, EntryCharDev, EntryBlockDev:
+		return d.Mknod(e.Path, e.Type.mode()|perm&0o7777, e.Rdev)
+	}
+	return fmt.Errorf("create %s: a %v is not created this way", d.errPath(e.Path), e.Type)
+}
+
+func readlinkat(dirfd int, name string) (string, error) {
+	for size := 256; ; size *= 2 {
+		buf := make([]byte, size)
+		n, err := unix.Readlinkat(dirfd, name, buf)
+		if err != nil {
+			return "", err
+		}
+		if n < size {
+			return string(buf[:n]), nil
+		}
+	}
+}
+
+// List lists the entries below the root with sizes, symlink targets and device numbers but no
+// digests: what a checkpoint tree holds (see TreeHash).
+func (d *Dir) List() ([]TreeEntry, error) {
+	var out []TreeEntry
+	err := listAt(d.fd, "", &out)
+	if err != nil {
+		return nil, fmt.Errorf("list %s: %w", d.path, err)
+	}
+	return out, nil
+}
+
+// listAt appends the entries below the directory dirfd (whose path in the tree is rel) to out.
+// It holds one descriptor per level of the tree.
+func listAt(dirfd int, rel string, out *[]TreeEntry) error {
+	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	f := os.NewFile(uintptr(fd), rel)
+	names, err := f.Readdirnames(-1)
+	f.Close()
+	if err != nil {
+		return err
+	}
+	for _, name := range names {
+		p := name
+		if rel != "" {
+			p = rel + "/" + name
+		}
+		var st unix.Stat_t
+		if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return fmt.Errorf("%s: %w", p, err)
+		}
+		e := TreeEntry{Path: p, Type: typeOfMode(st.Mode)}
+		switch e.Type {
+		case EntryFile:
+			e.Size = st.Size
+		case EntrySymlink:
+			if e.Target, err = readlinkat(dirfd, name); err != nil {
+				return fmt.Errorf("%s: %w", p, err)
+			}
+		case EntryCharDev, EntryBlockDev:
+			e.Rdev = st.Rdev
+		case EntryDir:
+			*out = append(*out, e)
+			sub, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			if err != nil {
+				return fmt.Errorf("%s: %w", p, err)
+			}
+			err = listAt(sub, p, out)
+			unix.Close(sub)
+			if err != nil {
+				return err
+			}
+			continue
+		case 0:
+			return fmt.Errorf("%s: unknown file type %o", p, st.Mode&unix.S_IFMT)
+		}
+		*out = append(*out, e)
+	}
+	return nil
+}
+
+// typeOfMode maps the type bits of a stat mode to an entry type (0: unknown).
+func typeOfMode(mode uint32) EntryType {
+	switch mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		return EntryFile
+	case unix.S_IFDIR:
+		return EntryDir
+	case unix.S_IFLNK:
+		return EntrySymlink
+	case unix.S_IFIFO:
+		return EntryFIFO
+	case unix.S_IFSOCK:
+		return EntrySocket
+	case unix.S_IFCHR:
+		return EntryCharDev
+	case unix.S_IFBLK:
+		return EntryBlockDev
+	}
+	return 0
+}
+
+// mode is the stat type bits of a special entry type.
+func (t EntryType) mode() uint32 {
+	switch t {
+	case EntryFIFO:
+		return unix.S_IFIFO
+	case EntrySocket:
+		return unix.S_IFSOCK
+	case EntryCharDev:
+		return unix.S_IFCHR
+	case EntryBlockDev:
+		return unix.S_IFBLK
+	}
+	return 0
+}
