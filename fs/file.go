@@ -2,12 +2,15 @@ package fs
 
 import (
 	"context"
+	"fmt"
+	"io"
 	"os"
 	"syscall"
 	"time"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
+	"github.com/mtcfs/mtcfs/tiers"
 	"golang.org/x/sys/unix"
 )
 
@@ -21,6 +24,7 @@ type fileNode struct {
 	backing   string // spool file; "" once removed. GUARDED_BY(mu)
 	nlink     int    // names in the tree. GUARDED_BY(mu)
 	opens     int    // open handles. GUARDED_BY(mu)
+	writers   int    // open handles that may write. GUARDED_BY(mu)
 	accounted int64  // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
 	// limit is the largest size a control file may reach (0: none); such files never use
 	// passthrough, so that every write passes the check.
@@ -86,6 +90,9 @@ func (f *fileNode) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.Set
 }
 
 func (f *fileNode) setattr(fh gofs.FileHandle, in *fuse.SetAttrIn) syscall.Errno {
+	if f.isFrozen() {
+		return syscall.EROFS
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.backing == "" {
@@ -145,6 +152,9 @@ func (f *fileNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uin
 }
 
 func (f *fileNode) open(flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	if f.isFrozen() && (flags&syscall.O_ACCMODE != syscall.O_RDONLY || flags&syscall.O_TRUNC != 0) {
+		return nil, 0, syscall.EROFS
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.backing == "" {
@@ -156,11 +166,13 @@ func (f *fileNode) open(flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if err != nil {
 		return nil, 0, toErrno("open", err)
 	}
-	return f.openFd(fd, flags)
+	name, parent := f.Parent()
+	return f.openFd(fd, flags, parent != nil && parent.IsRoot() && tiers.CommitsOnClose(name))
 }
 
-// openFd makes a handle of fd, an open descriptor of the spool file. Caller holds mu.
-func (f *fileNode) openFd(fd int, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+// openFd makes a handle of fd, an open descriptor of the spool file; commitsOnClose says the
+// file is a top-level name whose close may commit a step (tiers.CommitsOnClose). Caller holds mu.
+func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&syscall.O_TRUNC != 0 && flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 		if err := unix.Ftruncate(fd, 0); err != nil {
 			unix.Close(fd)
@@ -172,7 +184,48 @@ func (f *fileNode) openFd(fd int, flags uint32) (gofs.FileHandle, uint32, syscal
 	h := &fileHandle{node: f, fd: fd, writable: flags&syscall.O_ACCMODE != syscall.O_RDONLY}
 	// Nobody but the kernel changes a file's bytes, so its page cache stays valid across opens.
 	// (go-fuse drops the flag when it sets up passthrough.)
-	return h, fuse.FOPEN_KEEP_CACHE, 0
+	fflags := uint32(fuse.FOPEN_KEEP_CACHE)
+	if h.writable {
+		f.writers++
+		h.commitsOnClose = f.fs.events != nil && commitsOnClose
+	}
+	if !h.commitsOnClose {
+		// close(2) then costs no round trip to the agent; the release that follows is
+		// asynchronous and reports the close (Closed).
+		fflags |= fuse.FOPEN_NOFLUSH
+	}
+	return h, fflags, 0
+}
+
+
+
+// exportTo gives the file's bytes a name in a sealed tree (rel, for messages): link makes a hard
+// link to the spool file (no byte copied). A file still open for writing is copied instead
+// (create makes the new file), so that writes through those descriptors — which the kernel may
+// send straight to the spool file (passthrough) — cannot change the checkpoint; copied says so.
+func (f *fileNode) exportTo(rel string, link func(src string) error, create func() (*os.File, error)) (copied bool, err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.backing == "" {
+		return false, fmt.Errorf("%s: %w", rel, os.ErrNotExist)
+	}
+	if f.writers == 0 {
+		return false, link(f.backing)
+	}
+	src, err := os.Open(f.backing)
+	if err != nil {
+		return false, err
+	}
+	defer src.Close()
+	dst, err := create()
+	if err != nil {
+		return false, err
+	}
+	_, err = io.Copy(dst, src) // copy_file_range on tmpfs: no byte enters the Go heap
+	if cerr := dst.Close(); err == nil {
+		err = cerr
+	}
+	return true, err
 }
 
 func (f *fileNode) addLink() bool {
@@ -236,6 +289,10 @@ type fileHandle struct {
 	node     *fileNode
 	fd       int
 	writable bool
+	// commitsOnClose: the kernel sends FLUSH at each close(2) of this handle's descriptors, and
+	// the first one reports the commit (Events.Flushed) before close returns.
+	commitsOnClose bool
+	flushed        bool // GUARDED_BY(node.mu); no longer counted in node.writers
 }
 
 var (
@@ -259,9 +316,13 @@ func (h *fileHandle) Read(ctx context.Context, dest []byte, off int64) (fuse.Rea
 	return fuse.ReadResultFd(uintptr(h.fd), off, len(dest)), 0
 }
 
-// charge checks a write, copy or allocation that makes the file end at end: the size limit of
-// control files (EFBIG, reported as TooLarge), then the agent-side budget.
+// charge checks a write, copy or allocation that makes the file end at end: a committed file
+// is immutable (EROFS), then the size limit of control files (EFBIG, reported as TooLarge),
+// then the agent-side budget.
 func (h *fileHandle) charge(end int64) syscall.Errno {
+	if h.node.isFrozen() {
+		return syscall.EROFS
+	}
 	if l := h.node.limit; l > 0 && end > l {
 		h.node.tooLarge()
 		return syscall.EFBIG
@@ -289,17 +350,37 @@ func (h *fileHandle) Fsync(ctx context.Context, flags uint32) syscall.Errno {
 	return toErrno("fsync", unix.Fsync(h.fd))
 }
 
-// Flush answers ENOSYS on purpose: the kernel then stops sending FLUSH for this mount (it
-// writes dirty pages itself before that point anyway), which takes one round trip to the agent
-// off every close(2). The caller of close never sees ENOSYS. Close-after-write is observed at
-// RELEASE instead.
-func (h *fileHandle) Flush(ctx context.Context) syscall.Errno { return syscall.ENOSYS }
+// Flush is only sent for handles that may commit a step when closed (every other open carries
+// FOPEN_NOFLUSH, so that close(2) costs no round trip to the agent). It reports the close to
+// the listener, which records the commit before close(2) returns. From then on the handle no
+// longer counts as a writer: the file is linked, not copied, into the checkpoint (writes through
+// a duplicate of the descriptor after that are the job's bug, caught by the hash check).
+func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
+	if !h.commitsOnClose {
+		return 0
+	}
+	f := h.node
+	f.mu.Lock()
+	first := !h.flushed
+	if first {
+		h.flushed = true
+		f.writers--
+	}
+	f.mu.Unlock()
+	if first {
+		f.fs.events.Flushed(f.Path(nil))
+	}
+	return 0
+}
 
 func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	err := unix.Close(h.fd)
 	f := h.node
 	f.mu.Lock()
 	f.opens--
+	if h.writable && !h.flushed {
+		f.writers--
+	}
 	f.maybeFree()
 	f.mu.Unlock()
 	if h.writable && f.fs.events != nil {
@@ -309,6 +390,9 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 }
 
 func (h *fileHandle) Allocate(ctx context.Context, off uint64, size uint64, mode uint32) syscall.Errno {
+	if h.node.isFrozen() {
+		return syscall.EROFS
+	}
 	if mode&unix.FALLOC_FL_KEEP_SIZE == 0 {
 		if errno := h.charge(int64(off + size)); errno != 0 {
 			return errno

@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
+	"path"
 	"strings"
 	"syscall"
 
@@ -31,8 +31,25 @@ func entryType(in *gofs.Inode) layout.EntryType {
 		return layout.EntryDir
 	case *symlinkNode:
 		return layout.EntrySymlink
+	case *specialNode:
+		return specialType(in.StableAttr().Mode)
 	}
 	return layout.EntryFile
+}
+
+// specialType is the entry type of a special node's stat type bits.
+func specialType(mode uint32) layout.EntryType {
+	switch mode & syscall.S_IFMT {
+	case syscall.S_IFIFO:
+		return layout.EntryFIFO
+	case syscall.S_IFSOCK:
+		return layout.EntrySocket
+	case syscall.S_IFCHR:
+		return layout.EntryCharDev
+	case syscall.S_IFBLK:
+		return layout.EntryBlockDev
+	}
+	return 0
 }
 
 func (ns *namespace) List() ([]tiers.DirEntry, error) {
@@ -80,6 +97,7 @@ func (ns *namespace) install(name string, ch *gofs.Inode) error {
 		return fmt.Errorf("replace %s: %w", name, syscall.EISDIR)
 	}
 	ns.root.AddChild(name, ch, true)
+	ns.m.sealedTop.Delete(name)
 	if old != nil {
 		dropped(old)
 	}
@@ -119,11 +137,22 @@ func (ns *namespace) Symlink(target, name string) error {
 }
 
 func (ns *namespace) Rename(oldName, newName string) error {
-	// The same checks as a rename(2) through the mount; no event (the agent made this change).
-	if errno := ns.root.Rename(context.Background(), oldName, ns.root, newName, 0); errno != 0 {
+	// The same checks as a rename(2) through the mount, except that the agent may move
+	// committed checkpoints; no event (the agent made this change).
+	src, dst, errno := ns.root.checkRename(oldName, ns.root, newName, 0)
+	if errno != 0 {
 		return fmt.Errorf("rename %s to %s: %w", oldName, newName, errno)
 	}
+	if src == dst {
+		return nil
+	}
+	ns.root.applyRename(context.Background(), oldName, ns.root, newName, src, dst, 0, false)
 	ns.root.MvChild(oldName, ns.root.EmbeddedInode(), newName, true)
+	if _, sealed := ns.m.sealedTop.LoadAndDelete(oldName); sealed {
+		ns.m.sealedTop.Store(newName, struct{}{})
+	} else {
+		ns.m.sealedTop.Delete(newName)
+	}
 	ns.changed(oldName, newName)
 	return nil
 }
@@ -136,6 +165,7 @@ func (ns *namespace) Remove(name string) error {
 	if ch.IsDir() {
 		ns.root.subdirs.Add(-1)
 	}
+	ns.m.sealedTop.Delete(name)
 	if _, live := ns.root.RmChild(name); live {
 		ns.root.NotifyDelete(name, ch)
 	}
@@ -166,53 +196,81 @@ func dropTree(in *gofs.Inode) {
 	}
 }
 
-func (ns *namespace) Export(name, dst string) ([]layout.TreeEntry, error) {
+func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
+	var info tiers.SealInfo
 	ch := ns.root.GetChild(name)
 	if ch == nil {
-		return nil, fmt.Errorf("export %s: %w", name, os.ErrNotExist)
+		return info, fmt.Errorf("seal %s: %w", name, os.ErrNotExist)
 	}
-	var out []layout.TreeEntry
-	var walk func(in *gofs.Inode, rel, abs string) error
-	walk = func(in *gofs.Inode, rel, abs string) error {
-		switch n := in.Operations().(type) {
-		case *dirNode:
-			if err := os.Mkdir(abs, 0o700); err != nil {
-				return err
-			}
-			if rel != "" {
-				out = append(out, layout.TreeEntry{Path: rel, Type: layout.EntryDir})
-			}
-			for cn, c := range in.Children() {
-				if err := walk(c, filepath.Join(rel, cn), filepath.Join(abs, cn)); err != nil {
-					return err
+	freeze(ch)
+	ns.m.sealedTop.Store(name, struct{}{})
+	if fn, ok := ch.Operations().(*fileNode); ok {
+		copied, err := fn.exportTo(dst, func(src string) error { return os.Link(src, dst) }, func() (*os.File, error) {
+			return os.OpenFile(dst, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		})
+		if err != nil {
+			return info, fmt.Errorf("seal %s: %w", name, err)
+		}
+		if copied {
+			info.Copied++
+		}
+		return info, nil
+	}
+	if err := os.Mkdir(dst, 0o700); err != nil {
+		return info, fmt.Errorf("seal %s: %w", name, err)
+	}
+	d, err := layout.OpenDir(dst)
+	if err != nil {
+		return info, fmt.Errorf("seal %s: %w", name, err)
+	}
+	defer d.Close()
+	var walk func(in *gofs.Inode, rel string) error
+	walk = func(in *gofs.Inode, rel string) error {
+		for cn, c := range in.Children() {
+			p := path.Join(rel, cn)
+			var err error
+			switch n := c.Operations().(type) {
+			case *dirNode:
+				if err = d.Mkdir(p, 0o700); err == nil {
+					err = walk(c, p)
+				}
+			case *symlinkNode:
+				err = d.Symlink(n.target, p)
+			case *specialNode:
+				err = d.Create(layout.TreeEntry{Path: p, Type: specialType(c.StableAttr().Mode), Rdev: uint64(n.rdev)}, 0o600)
+			case *fileNode:
+				var copied bool
+				copied, err = n.exportTo(p, func(src string) error { return d.Link(src, p) }, func() (*os.File, error) {
+					return d.Open(p, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+				})
+				if copied {
+					info.Copied++
 				}
 			}
-		case *symlinkNode:
-			if err := os.Symlink(n.target, abs); err != nil {
+			if err != nil {
 				return err
 			}
-			out = append(out, layout.TreeEntry{Path: rel, Type: layout.EntrySymlink, Target: n.target})
-		case *fileNode:
-			n.mu.Lock()
-			p := n.backing
-			n.mu.Unlock()
-			var st unix.Stat_t
-			if err := unix.Stat(p, &st); err != nil {
-				return err
-			}
-			if err := os.Link(p, abs); err != nil {
-				return err
-			}
-			out = append(out, layout.TreeEntry{Path: rel, Type: layout.EntryFile, Size: st.Size})
 		}
 		return nil
 	}
-	if err := walk(ch, "", dst); err != nil {
+	if err := walk(ch, ""); err != nil {
 		os.RemoveAll(dst)
-		return nil, fmt.Errorf("export %s: %w", name, err)
+		return info, fmt.Errorf("seal %s: %w", name, err)
 	}
-	return out, nil
+	return info, nil
 }
+
+// freeze marks every node of the tree at in as part of a committed checkpoint.
+func freeze(in *gofs.Inode) {
+	if m, ok := in.Operations().(interface{ freeze() }); ok {
+		m.freeze()
+	}
+	for _, c := range in.Children() {
+		freeze(c)
+	}
+}
+
+func (m *meta) freeze() { m.frozen.Store(true) }
 
 func (ns *namespace) SpoolFile(path string) (string, error) {
 	in := ns.root.EmbeddedInode()
@@ -237,56 +295,22 @@ func (ns *namespace) Import(src, name string) error {
 	if ns.root.GetChild(name) != nil {
 		return fmt.Errorf("import %s: %w", name, os.ErrExist)
 	}
+	ctx := context.Background()
 	var created []*gofs.Inode
-	var build func(p string) (*gofs.Inode, error)
-	build = func(p string) (*gofs.Inode, error) {
-		fi, err := os.Lstat(p)
+	newFile := func(link func(filesDir string) (string, error), size int64) (*gofs.Inode, error) {
+		bp, err := link(ns.m.spool.FilesDir())
 		if err != nil {
 			return nil, err
 		}
-		ctx := context.Background()
-		mode := uint32(fi.Mode().Perm())
-		switch {
-		case fi.IsDir():
-			d := &dirNode{fs: ns.m}
-			d.init(ctx, mode|0o755)
-			in := ns.root.NewPersistentInode(ctx, d, gofs.StableAttr{Mode: syscall.S_IFDIR, Ino: ns.m.newIno()})
-			ents, err := os.ReadDir(p)
-			if err != nil {
-				return nil, err
-			}
-			for _, e := range ents {
-				c, err := build(filepath.Join(p, e.Name()))
-				if err != nil {
-					return nil, err
-				}
-				in.AddChild(e.Name(), c, false)
-				if c.IsDir() {
-					d.subdirs.Add(1)
-				}
-			}
-			return in, nil
-		case fi.Mode()&os.ModeSymlink != 0:
-			target, err := os.Readlink(p)
-			if err != nil {
-				return nil, err
-			}
-			return ns.root.NewPersistentInode(ctx, newSymlink(ctx, target), gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: ns.m.newIno()}), nil
-		case fi.Mode().IsRegular():
-			bp, err := ns.m.spool.LinkFile(p)
-			if err != nil {
-				return nil, err
-			}
-			fn := &fileNode{fs: ns.m, backing: bp, nlink: 1}
-			fn.init(ctx, mode|0o644)
-			fn.chargeTo(fi.Size(), true)
-			in := ns.root.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: ns.m.newIno()})
-			created = append(created, in)
-			return in, nil
-		}
-		return nil, fmt.Errorf("%s: unsupported file type %v", p, fi.Mode().Type())
+		fn := &fileNode{fs: ns.m, backing: bp, nlink: 1}
+		fn.init(ctx, 0o644)
+		fn.freeze()
+		fn.chargeTo(size, true)
+		in := ns.root.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: ns.m.newIno()})
+		created = append(created, in)
+		return in, nil
 	}
-	top, err := build(src)
+	top, err := ns.importTree(ctx, src, newFile)
 	if err == nil && !ns.root.AddChild(name, top, false) {
 		err = os.ErrExist
 	}
@@ -299,6 +323,71 @@ func (ns *namespace) Import(src, name string) error {
 	if top.IsDir() {
 		ns.root.subdirs.Add(1)
 	}
+	ns.m.sealedTop.Store(name, struct{}{})
 	ns.changed(name)
 	return nil
+}
+
+// importTree builds frozen nodes for the spool tree (or file) at src; newFile makes a file node
+// whose backing file link creates.
+func (ns *namespace) importTree(ctx context.Context, src string, newFile func(link func(string) (string, error), size int64) (*gofs.Inode, error)) (*gofs.Inode, error) {
+	fi, err := os.Lstat(src)
+	if err != nil {
+		return nil, err
+	}
+	if fi.Mode().IsRegular() {
+		return newFile(func(string) (string, error) { return ns.m.spool.LinkFile(src) }, fi.Size())
+	}
+	if !fi.IsDir() {
+		return nil, fmt.Errorf("%s: unsupported file type %v", src, fi.Mode().Type())
+	}
+	d, err := layout.OpenDir(src)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	entries, err := d.List()
+	if err != nil {
+		return nil, err
+	}
+	newDir := func() (*gofs.Inode, *dirNode) {
+		dn := &dirNode{fs: ns.m}
+		dn.init(ctx, 0o755)
+		dn.freeze()
+		return ns.root.NewPersistentInode(ctx, dn, gofs.StableAttr{Mode: syscall.S_IFDIR, Ino: ns.m.newIno()}), dn
+	}
+	top, _ := newDir()
+	dirs := map[string]*gofs.Inode{"": top}
+	for _, e := range entries { // a directory is listed before what it holds
+		var in *gofs.Inode
+		switch e.Type {
+		case layout.EntryDir:
+			in, _ = newDir()
+			dirs[e.Path] = in
+		case layout.EntrySymlink:
+			l := newSymlink(ctx, e.Target)
+			l.freeze()
+			in = ns.root.NewPersistentInode(ctx, l, gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: ns.m.newIno()})
+		case layout.EntryFile:
+			rel := e.Path
+			in, err = newFile(func(filesDir string) (string, error) { return ns.m.spool.LinkFileAt(d, rel) }, e.Size)
+			if err != nil {
+				return nil, err
+			}
+		default: // FIFO, socket, device
+			sn := newSpecialNode(ctx, e.Type.Mode()|0o644, uint32(e.Rdev))
+			sn.freeze()
+			in = ns.root.NewPersistentInode(ctx, sn, gofs.StableAttr{Mode: e.Type.Mode(), Ino: ns.m.newIno()})
+		}
+		parentPath, base := path.Split(e.Path)
+		parent := dirs[strings.TrimSuffix(parentPath, "/")]
+		if parent == nil {
+			return nil, fmt.Errorf("%s: listed before its directory", e.Path)
+		}
+		parent.AddChild(base, in, false)
+		if in.IsDir() {
+			parent.Operations().(*dirNode).subdirs.Add(1)
+		}
+	}
+	return top, nil
 }

@@ -34,6 +34,10 @@ func (r *recorder) add(s string) {
 }
 func (r *recorder) Closed(path string)   { r.add("closed " + path) }
 func (r *recorder) TooLarge(path string) { r.add("toolarge " + path) }
+func (r *recorder) Flushed(path string)  { r.add("flushed " + path) }
+func (r *recorder) Created(path string, typ layout.EntryType) {
+	r.add("created " + path + " " + typ.String())
+}
 func (r *recorder) Renamed(oldPath, newPath string, typ layout.EntryType) {
 	r.add("renamed " + oldPath + " " + newPath + " " + typ.String())
 	if r.ns != nil && !filepathHasDir(newPath) {
@@ -171,13 +175,16 @@ func TestNamespace(t *testing.T) {
 			_, err = ns.ReadFile("status.txt", 2)
 			require.True(t, errors.Is(err, syscall.EFBIG))
 
-			// Export a tree written through the mount, import it under another name.
+			// Seal a tree written through the mount, import it under another name.
 			require.NoError(t, os.MkdirAll(p("5/state/sub"), 0o755))
 			require.NoError(t, os.WriteFile(p("5/state/sub/w"), []byte("weights"), 0o644))
 			require.NoError(t, os.Symlink("sub/w", p("5/state/link")))
 			require.NoError(t, os.Mkdir(p("5/empty"), 0o755))
 			sealed := filepath.Join(spool.Dir(), "sealed") // hard links stay inside the spool
-			ents, err := ns.Export("5", sealed)
+			info, err := ns.Seal("5", sealed)
+			require.NoError(t, err)
+			require.Zero(t, info.Copied, "nothing was open for writing")
+			ents, err := layout.ListTree(sealed)
 			require.NoError(t, err)
 			var paths []string
 			for _, e := range ents {

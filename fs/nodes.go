@@ -12,6 +12,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -22,6 +23,14 @@ type mtfs struct {
 	events      tiers.Events // nil: nobody listens
 	nextIno     atomic.Uint64
 	parked      sync.Map // request cancel channel -> event to emit when the request succeeded
+	// sealedTop holds the top-level names of committed checkpoints (the trees Seal and Import
+	// made): the job can neither remove, rename nor replace them.
+	sealedTop sync.Map // name -> struct{}
+}
+
+func (m *mtfs) isSealedTop(name string) bool {
+	_, ok := m.sealedTop.Load(name)
+	return ok
 }
 
 func (m *mtfs) newIno() uint64 { return m.nextIno.Add(1) }
@@ -37,7 +46,24 @@ type meta struct {
 	mtime time.Time
 	ctime time.Time
 	xattr map[string][]byte // GUARDED_BY(mu)
+	// frozen marks a node of a committed checkpoint (see Namespace.Seal): its bytes, attributes
+	// and (for a directory) entries are immutable to the job; only the agent changes them.
+	frozen atomic.Bool
 }
+
+// nameMax is NAME_MAX, the longest name statfs reports and the kernel lets through to us only
+// up to 1024 bytes (FUSE_NAME_MAX): longer names must fail here, before anything is created.
+const nameMax = 255
+
+// checkName refuses names longer than nameMax.
+func checkName(name string) syscall.Errno {
+	if len(name) > nameMax {
+		return syscall.ENAMETOOLONG
+	}
+	return 0
+}
+
+func (m *meta) isFrozen() bool { return m.frozen.Load() }
 
 // init sets up a new node's meta: owned by the caller, all times now.
 func (m *meta) init(ctx context.Context, mode uint32) {
@@ -103,6 +129,9 @@ func (m *meta) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, 
 }
 
 func (m *meta) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
+	if m.isFrozen() {
+		return syscall.EROFS
+	}
 	if len(data) > maxXattrValue {
 		return syscall.E2BIG
 	}
@@ -124,6 +153,9 @@ func (m *meta) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 }
 
 func (m *meta) Removexattr(ctx context.Context, attr string) syscall.Errno {
+	if m.isFrozen() {
+		return syscall.EROFS
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if _, ok := m.xattr[attr]; !ok {
@@ -166,6 +198,7 @@ type dirNode struct {
 }
 
 var (
+	_ = (gofs.NodeLookuper)((*dirNode)(nil))
 	_ = (gofs.NodeGetattrer)((*dirNode)(nil))
 	_ = (gofs.NodeSetattrer)((*dirNode)(nil))
 	_ = (gofs.NodeCreater)((*dirNode)(nil))
@@ -216,9 +249,47 @@ func (d *dirNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.Att
 	return 0
 }
 
+// Lookup finds a child; it is where names longer than NAME_MAX are refused, as tmpfs does.
+func (d *dirNode) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
+	if errno := checkName(name); errno != 0 {
+		return nil, errno
+	}
+	ch := d.GetChild(name)
+	if ch == nil {
+		return nil, syscall.ENOENT
+	}
+	return ch, d.fillEntry(ctx, ch, out)
+}
+
+// checkNew vets a name the job is about to create in d.
+func (d *dirNode) checkNew(name string) syscall.Errno {
+	if errno := checkName(name); errno != 0 {
+		return errno
+	}
+	if d.isFrozen() {
+		return syscall.EROFS
+	}
+	if d.GetChild(name) != nil {
+		return syscall.EEXIST
+	}
+	return 0
+}
+
+// checkRemove vets removing (or replacing, or renaming away) the entry name of d: nothing inside
+// a committed checkpoint, nor a committed checkpoint at the top, may go.
+func (d *dirNode) checkRemove(name string) syscall.Errno {
+	if d.isFrozen() || (d.IsRoot() && d.fs.isSealedTop(name)) {
+		return syscall.EROFS
+	}
+	return 0
+}
+
 func (d *dirNode) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
 	if _, ok := in.GetSize(); ok {
 		return syscall.EISDIR
+	}
+	if d.isFrozen() {
+		return syscall.EROFS
 	}
 	d.mu.Lock()
 	d.setattr(in)
@@ -251,13 +322,22 @@ func (d *dirNode) newDir(ctx context.Context, mode uint32) *gofs.Inode {
 }
 
 func (d *dirNode) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
-	if d.GetChild(name) != nil {
-		return nil, syscall.EEXIST
+	if errno := d.checkNew(name); errno != 0 {
+		return nil, errno
 	}
 	ch := d.newDir(ctx, mode)
 	d.subdirs.Add(1)
 	d.touch(true)
+	d.created(name, layout.EntryDir)
 	return ch, d.fillEntry(ctx, ch, out)
+}
+
+// created tells the listener about a name the job made whole at the top (mkdir, symlink, mknod,
+// link): it may be a control file of the wrong type, or a pytorch .save linked into place.
+func (d *dirNode) created(name string, typ layout.EntryType) {
+	if d.IsRoot() && d.fs.events != nil {
+		d.fs.events.Created(name, typ)
+	}
 }
 
 // fillEntry fills out.Attr from the new child.
@@ -271,8 +351,8 @@ func (d *dirNode) fillEntry(ctx context.Context, ch *gofs.Inode, out *fuse.Entry
 }
 
 func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode uint32, out *fuse.EntryOut) (*gofs.Inode, gofs.FileHandle, uint32, syscall.Errno) {
-	if d.GetChild(name) != nil {
-		return nil, nil, 0, syscall.EEXIST
+	if errno := d.checkNew(name); errno != 0 {
+		return nil, nil, 0, errno
 	}
 	fn, fd, err := d.newFile(ctx, name, mode)
 	if err != nil {
@@ -280,7 +360,7 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 	}
 	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
 	fn.mu.Lock()
-	fh, fflags, errno := fn.openFd(fd, flags)
+	fh, fflags, errno := fn.openFd(fd, flags, d.IsRoot() && tiers.CommitsOnClose(name))
 	fn.mu.Unlock()
 	if errno != 0 {
 		fn.dropLink()
@@ -290,14 +370,26 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 	return ch, fh, fflags, d.fillEntry(ctx, ch, out)
 }
 
-// Mknod creates regular files only (what mknod(2) with S_IFREG and some copy tools do); device
-// nodes, fifos and sockets have no place in a checkpoint.
+// Mknod creates regular files (what mknod(2) with S_IFREG and some copy tools do), FIFOs,
+// sockets (bind(2) of a unix socket) and device nodes, as tmpfs does. The kernel checks
+// CAP_MKNOD for devices; an agent that could not create one in its spool (not root) refuses
+// them, so that a checkpoint never holds an entry it cannot seal.
 func (d *dirNode) Mknod(ctx context.Context, name string, mode uint32, dev uint32, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
-	if mode&syscall.S_IFMT != syscall.S_IFREG && mode&syscall.S_IFMT != 0 {
-		return nil, syscall.EPERM
+	if errno := d.checkNew(name); errno != 0 {
+		return nil, errno
 	}
-	if d.GetChild(name) != nil {
-		return nil, syscall.EEXIST
+	typ := mode & syscall.S_IFMT
+	switch typ {
+	case 0, syscall.S_IFREG:
+	case syscall.S_IFIFO, syscall.S_IFSOCK:
+		return d.newSpecial(ctx, name, mode, 0, out)
+	case syscall.S_IFCHR, syscall.S_IFBLK:
+		if !canMknodDevices() {
+			return nil, syscall.EPERM
+		}
+		return d.newSpecial(ctx, name, mode, dev, out)
+	default:
+		return nil, syscall.EINVAL
 	}
 	fn, fd, err := d.newFile(ctx, name, mode)
 	if err != nil {
@@ -310,36 +402,39 @@ func (d *dirNode) Mknod(ctx context.Context, name string, mode uint32, dev uint3
 }
 
 func (d *dirNode) Symlink(ctx context.Context, target, name string, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
-	if d.GetChild(name) != nil {
-		return nil, syscall.EEXIST
+	if errno := d.checkNew(name); errno != 0 {
+		return nil, errno
 	}
 	l := newSymlink(ctx, target)
 	d.inherit(&l.meta, false)
 	ch := d.NewPersistentInode(ctx, l, gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: d.fs.newIno()})
 	d.touch(true)
+	d.created(name, layout.EntrySymlink)
 	return ch, d.fillEntry(ctx, ch, out)
 }
 
+// Link gives target another name in d. Linking a file of a committed checkpoint elsewhere is
+// allowed (a job may reuse unchanged shards); the file stays immutable under every name.
 func (d *dirNode) Link(ctx context.Context, target gofs.InodeEmbedder, name string, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
-	if d.GetChild(name) != nil {
-		return nil, syscall.EEXIST
+	if errno := d.checkNew(name); errno != 0 {
+		return nil, errno
 	}
-	if l, ok := target.(*symlinkNode); ok {
-		l.mu.Lock()
-		l.nlink++
-		l.mu.Unlock()
-		d.touch(true)
-		return l.EmbeddedInode(), d.fillEntry(ctx, l.EmbeddedInode(), out)
-	}
-	fn, ok := target.(*fileNode)
-	if !ok {
+	switch n := target.(type) {
+	case *symlinkNode:
+		n.addLink()
+	case *specialNode:
+		n.addLink()
+	case *fileNode:
+		if !n.addLink() {
+			return nil, syscall.ENOENT
+		}
+	default:
 		return nil, syscall.EPERM
 	}
-	if !fn.addLink() {
-		return nil, syscall.ENOENT
-	}
 	d.touch(true)
-	return fn.EmbeddedInode(), d.fillEntry(ctx, fn.EmbeddedInode(), out)
+	in := target.EmbeddedInode()
+	d.created(name, entryType(in))
+	return in, d.fillEntry(ctx, in, out)
 }
 
 func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
@@ -349,6 +444,9 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 	}
 	if ch.IsDir() {
 		return syscall.EISDIR
+	}
+	if errno := d.checkRemove(name); errno != 0 {
+		return errno
 	}
 	dropped(ch)
 	d.touch(true)
@@ -363,6 +461,9 @@ func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 	if !ch.IsDir() {
 		return syscall.ENOTDIR
 	}
+	if errno := d.checkRemove(name); errno != 0 {
+		return errno
+	}
 	if len(ch.Children()) > 0 {
 		return syscall.ENOTEMPTY
 	}
@@ -373,37 +474,67 @@ func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 }
 
 func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeEmbedder, newName string, flags uint32) syscall.Errno {
-	src := d.GetChild(name)
-	if src == nil {
-		return syscall.ENOENT
-	}
 	np, ok := newParent.(*dirNode)
 	if !ok {
 		return syscall.ENOTDIR
 	}
-	dst := np.GetChild(newName)
+	if errno := checkName(newName); errno != 0 {
+		return errno
+	}
+	src, dst, errno := d.checkRename(name, np, newName, flags)
+	if errno != 0 || src == dst {
+		return errno
+	}
+	if errno := d.checkRemove(name); errno != 0 {
+		return errno
+	}
+	if dst != nil || np.isFrozen() {
+		if errno := np.checkRemove(newName); errno != 0 {
+			return errno
+		}
+	}
+	d.applyRename(ctx, name, np, newName, src, dst, flags, true)
+	return 0
+}
+
+// checkRename makes the checks rename(2) makes on tmpfs and returns the source and the entry the
+// rename replaces or exchanges with (nil: none). src == dst means there is nothing to do.
+func (d *dirNode) checkRename(name string, np *dirNode, newName string, flags uint32) (src, dst *gofs.Inode, errno syscall.Errno) {
+	src = d.GetChild(name)
+	if src == nil {
+		return nil, nil, syscall.ENOENT
+	}
+	dst = np.GetChild(newName)
 	switch {
 	case flags&^(unix.RENAME_NOREPLACE|unix.RENAME_EXCHANGE) != 0:
-		return syscall.EINVAL
+		return nil, nil, syscall.EINVAL
 	case flags&unix.RENAME_EXCHANGE != 0:
 		if dst == nil {
-			return syscall.ENOENT
+			return nil, nil, syscall.ENOENT
 		}
 	case dst == src:
-		return 0 // rename onto a hard link of itself: nothing happens
+		return src, dst, 0 // rename onto a hard link of itself: nothing happens
 	case dst != nil && flags&unix.RENAME_NOREPLACE != 0:
-		return syscall.EEXIST
+		return nil, nil, syscall.EEXIST
 	case dst != nil && src.IsDir() && !dst.IsDir():
-		return syscall.ENOTDIR
+		return nil, nil, syscall.ENOTDIR
 	case dst != nil && !src.IsDir() && dst.IsDir():
-		return syscall.EISDIR
+		return nil, nil, syscall.EISDIR
 	case dst != nil && dst.IsDir() && len(dst.Children()) > 0:
-		return syscall.ENOTEMPTY
-	case dst != nil:
+		return nil, nil, syscall.ENOTEMPTY
+	}
+	return src, dst, 0
+}
+
+// applyRename does the bookkeeping of a checked rename; go-fuse moves the entries after a
+// successful Rename returns (or the agent does, see namespace.Rename). event reports it to the
+// listener once it is done.
+func (d *dirNode) applyRename(ctx context.Context, name string, np *dirNode, newName string, src, dst *gofs.Inode, flags uint32, event bool) {
+	if dst != nil && flags&unix.RENAME_EXCHANGE == 0 {
 		dropped(dst) // go-fuse replaces the entry after we return
 	}
 	d.countRename(np, src, dst, flags&unix.RENAME_EXCHANGE != 0)
-	if d.fs.events != nil {
+	if event && d.fs.events != nil {
 		oldPath, newPath, typ := joinPath(d.Path(nil), name), joinPath(np.Path(nil), newName), entryType(src)
 		d.fs.park(ctx, func() { d.fs.events.Renamed(oldPath, newPath, typ) })
 	}
@@ -414,7 +545,6 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 	if m, ok := src.Operations().(interface{ touch(bool) }); ok {
 		m.touch(false)
 	}
-	return 0
 }
 
 // countRename keeps the subdirectory counts of both parents right across a rename.
@@ -465,9 +595,9 @@ func dropped(ch *gofs.Inode) {
 		n.removed = true
 		n.mu.Unlock()
 	case *symlinkNode:
-		n.mu.Lock()
-		n.nlink--
-		n.mu.Unlock()
+		n.dropLink()
+	case *specialNode:
+		n.dropLink()
 	}
 }
 
@@ -477,8 +607,8 @@ func dropped(ch *gofs.Inode) {
 type symlinkNode struct {
 	gofs.Inode
 	meta
+	links
 	target string
-	nlink  int // GUARDED_BY(mu)
 }
 
 var (
@@ -488,7 +618,8 @@ var (
 )
 
 func newSymlink(ctx context.Context, target string) *symlinkNode {
-	l := &symlinkNode{target: target, nlink: 1}
+	l := &symlinkNode{target: target}
+	l.nlink.Store(1)
 	l.init(ctx, 0o777)
 	return l
 }
@@ -500,14 +631,17 @@ func (l *symlinkNode) Readlink(ctx context.Context) ([]byte, syscall.Errno) {
 func (l *symlinkNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
 	l.mu.Lock()
 	l.fill(&out.Attr)
-	out.Nlink = uint32(l.nlink)
 	l.mu.Unlock()
+	out.Nlink = l.count()
 	out.Size = uint64(len(l.target))
 	out.Blksize = 4096
 	return 0
 }
 
 func (l *symlinkNode) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	if l.isFrozen() {
+		return syscall.EROFS
+	}
 	l.mu.Lock()
 	mode := l.mode
 	l.setattr(in)

@@ -210,6 +210,11 @@ func (d *Dir) Link(src, rel string) error {
 	return d.at("link", rel, func(dirfd int, name string) error { return unix.Linkat(unix.AT_FDCWD, src, dirfd, name, 0) })
 }
 
+// LinkTo gives the file rel the absolute path dst (a hard link).
+func (d *Dir) LinkTo(rel, dst string) error {
+	return d.at("link", rel, func(dirfd int, name string) error { return unix.Linkat(dirfd, name, unix.AT_FDCWD, dst, 0) })
+}
+
 // Create makes the non-file entry e (a directory, symlink or special file) in the tree; its
 // parent must exist. Regular files are written with Open.
 func (d *Dir) Create(e TreeEntry, perm uint32) error {
@@ -219,7 +224,7 @@ func (d *Dir) Create(e TreeEntry, perm uint32) error {
 	case EntrySymlink:
 		return d.Symlink(e.Target, e.Path)
 	case EntryFIFO, EntrySocket, EntryCharDev, EntryBlockDev:
-		return d.Mknod(e.Path, e.Type.mode()|perm&0o7777, e.Rdev)
+		return d.Mknod(e.Path, e.Type.Mode()|perm&0o7777, e.Rdev)
 	}
 	return fmt.Errorf("create %s: a %v is not created this way", d.errPath(e.Path), e.Type)
 }
@@ -321,8 +326,8 @@ func typeOfMode(mode uint32) EntryType {
 	return 0
 }
 
-// mode is the stat type bits of a special entry type.
-func (t EntryType) mode() uint32 {
+// Mode is the stat type bits of a special entry type (0 for the others).
+func (t EntryType) Mode() uint32 {
 	switch t {
 	case EntryFIFO:
 		return unix.S_IFIFO

@@ -156,9 +156,10 @@ func (ns *dirNamespace) Remove(name string) error {
 	return os.RemoveAll(ns.path(name))
 }
 
-func (ns *dirNamespace) Export(name, dst string) ([]layout.TreeEntry, error) {
-	ns.record("export", name)
-	return linkTree(ns.path(name), dst)
+func (ns *dirNamespace) Seal(name, dst string) (tiers.SealInfo, error) {
+	ns.record("seal", name)
+	_, err := linkTree(ns.path(name), dst)
+	return tiers.SealInfo{}, err
 }
 
 func (ns *dirNamespace) SpoolFile(path string) (string, error) {

@@ -53,6 +53,13 @@ func (r *Replicator) handshake() {
 	for _, w := range warnings {
 		r.errLine(cfg, w)
 	}
+	r.mu.Lock()
+	lost := r.lostCommits
+	r.lostCommits = nil
+	r.mu.Unlock()
+	for _, msg := range lost {
+		r.errLine(cfg, msg)
+	}
 	if err := r.ns.Remove(layout.ReplicatorYAMLName); err != nil {
 		r.log.Error("delete replicator.yaml", "err", err)
 	}

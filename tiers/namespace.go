@@ -5,7 +5,8 @@ import "github.com/mtcfs/mtcfs/layout"
 // Namespace is the part of the mounted tree the replicator manages: the names at the top of
 // CHECKPOINT_DIR. Package fs implements it over its inode tree. Every change is visible to the
 // kernel (its caches invalidated) before the call returns. Never call it from a FUSE request's
-// goroutine: invalidations wait for the kernel, which may be waiting for that request.
+// goroutine — invalidations wait for the kernel, which may be waiting for that request — except
+// Seal, which makes no invalidation.
 type Namespace interface {
 	// List returns the top-level entries.
 	List() ([]DirEntry, error)
@@ -19,16 +20,27 @@ type Namespace interface {
 	Rename(oldName, newName string) error
 	// Remove deletes a top-level entry and everything below it; a missing name is not an error.
 	Remove(name string) error
-	// Export hard-links the tree at the top-level name into dst (a new directory inside the
-	// spool) without copying bytes, and lists what it linked. A regular file at name is linked
-	// as the file dst.
-	Export(name, dst string) ([]layout.TreeEntry, error)
+	// Seal makes the tree at the top-level name a committed checkpoint: from now on the job can
+	// change nothing in it (EROFS), and it is hard-linked into dst (a new path inside the spool)
+	// without copying bytes — except files still open for writing, which are copied so that
+	// writes through those descriptors cannot reach the checkpoint. A regular file at name
+	// becomes the file dst. Seal may run on a FUSE request's goroutine: the replicator records
+	// a commit with it before the job's rename (or close) returns.
+	Seal(name, dst string) (SealInfo, error)
 	// SpoolFile returns the spool file that holds the bytes of the regular file at path
 	// ("a/b/c", relative to the top), for reading them without going through the mount.
 	SpoolFile(path string) (string, error)
 	// Import makes the spool tree at src (a file or a directory) visible as the top-level name,
-	// sharing its bytes (hard links). It fails if name exists.
+	// sharing its bytes (hard links), immutable to the job like a sealed tree. It fails if name
+	// exists.
 	Import(src, name string) error
+}
+
+// SealInfo says what Seal did besides linking.
+type SealInfo struct {
+	// Copied counts files that were open for writing and were copied: the job's tree then
+	// diverges from the checkpoint, whose namespace entry must be rebuilt from the sealed copy.
+	Copied int
 }
 
 // DirEntry is one top-level name.
@@ -48,6 +60,21 @@ type Events interface {
 	Renamed(oldPath, newPath string, typ layout.EntryType)
 	// TooLarge: a write to path was refused with EFBIG (see WriteLimit).
 	TooLarge(path string)
+	// Created: the job made path, of type typ, whole in one call (mkdir, symlink, mknod, link):
+	// reported for top-level names only.
+	Created(path string, typ layout.EntryType)
+	// Flushed: the job closed a descriptor of path, opened for writing, where CommitsOnClose
+	// said so. It is called synchronously, before close(2) returns to the job.
+	Flushed(path string)
+}
+
+// CommitsOnClose reports whether closing the top-level name after writing it may commit a step
+// (framework pytorch's "<job>-sS-nR-wW.save" files): the fs layer then lets the kernel tell it
+// about each close (FLUSH) instead of only the asynchronous release, so that the commit is
+// recorded before close(2) returns.
+func CommitsOnClose(name string) bool {
+	m, ok := layout.ParseMarkerName(name)
+	return ok && m.Kind == layout.MarkerSave
 }
 
 // WriteLimit is the size limit of a file created at the top-level name, 0 for none. Control

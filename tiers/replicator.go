@@ -41,9 +41,11 @@ type JaxInit struct {
 //
 // Goroutines (all stopped by Close; those that must finish committed work do not use Start's
 // context, see each):
-//   - the control loop: consumes events in order, runs handshakes, detects commits;
+//   - the control loop: consumes events in order, runs handshakes;
 //   - the sealer: seals committed steps one by one (never on the control loop, so that a new
-//     replicator.yaml is answered within a second even while a large step is hashed);
+//     replicator.yaml is answered within a second even while a large step is hashed). Commits
+//     are recorded in the spool on the job's own request, before its rename or close returns
+//     (recordCommit), and queued for the sealer;
 //   - the syncer: pushes each sealed step to the peers and syncs it with the coordinator, in
 //     order (a slow peer delays the sync of later steps, not their sealing);
 //   - the prehasher, hashing files as the job closes them, and earlyWorkers early pushers
@@ -64,9 +66,9 @@ type Replicator struct {
 	// lineMu serialises appends to replicator.errors and replicator.failed.
 	lineMu sync.Mutex
 
-	queue   eventQueue
-	commits chan commit
-	sealed  chan sealedStep // from the sealer to the syncer
+	queue  fifo[event]
+	sealQ  fifo[pendingCommit] // recorded commits, to the sealer
+	sealed chan sealedStep     // from the sealer to the syncer
 	// prehash carries paths of files the job closed after writing; they are hashed in the
 	// background so that sealing their step only combines digests.
 	prehash chan string
@@ -76,10 +78,15 @@ type Replicator struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	mu            sync.Mutex
-	inc           *incarnation      // GUARDED_BY(mu); nil before the first valid handshake
-	metas         map[string]string // GUARDED_BY(mu); .meta name → hash, for every .meta held
-	pending       map[string]bool   // GUARDED_BY(mu); top-level names queued for sealing
+	mu      sync.Mutex
+	inc     *incarnation      // GUARDED_BY(mu); nil before the first valid handshake
+	metas   map[string]string // GUARDED_BY(mu); .meta name → hash, for every .meta held
+	pending map[string]bool   // GUARDED_BY(mu); top-level names queued for sealing
+	// pendingChanged is closed (and replaced) whenever a name leaves pending.
+	pendingChanged chan struct{} // GUARDED_BY(mu)
+	// lostCommits are steps a previous agent recorded as committed that could not be sealed:
+	// reported to the job at the next handshake, never dropped silently.
+	lostCommits   []string          // GUARDED_BY(mu)
 	inFlight      map[string]int    // GUARDED_BY(mu); data names being sealed or restored
 	replicaHolds  map[string]func() // GUARDED_BY(mu); replicated data waiting for its .meta
 	backup        *Progress         // GUARDED_BY(mu); the running backup
@@ -119,8 +126,9 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 		cfg.Logger = slog.Default()
 	}
 	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, lastReplicated: -1,
-		early: map[string]*earlyGroup{}, peerDown: map[int]time.Time{}}
+		early: map[string]*earlyGroup{}, peerDown: map[int]time.Time{}, pendingChanged: make(chan struct{})}
 	r.queue.init()
+	r.sealQ.init()
 	return r
 }
 
@@ -129,9 +137,11 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	r.ns = ns
 	r.ctx, r.cancel = context.WithCancel(ctx)
-	r.commits = make(chan commit, 1024)
 	r.prehash = make(chan string, 4096)
 	r.earlyQ = make(chan earlyPush, 4096)
+	if err := r.adoptCommits(); err != nil {
+		return err
+	}
 	if err := r.adopt(r.ctx); err != nil {
 		return err
 	}
@@ -161,22 +171,29 @@ func (r *Replicator) Close() {
 	}
 	r.queue.close()
 	r.cancel()  // restores and backups stop; sealing runs on its own context and finishes
-	r.wg.Wait() // the control loop closes r.commits, so the sealer drains what was committed
+	r.wg.Wait() // the control loop closes sealQ, so the sealer drains what was committed
 }
 
-// Events (called on FUSE request goroutines: record and return).
+// Events (called on FUSE request goroutines: record and return; a commit is recorded in the
+// spool before returning).
 
 func (r *Replicator) Closed(path string) { r.queue.push(event{kind: evClosed, path: path}) }
 func (r *Replicator) Renamed(oldPath, newPath string, typ layout.EntryType) {
-	r.queue.push(event{kind: evRenamed, path: newPath, old: oldPath, typ: typ})
+	ev := event{kind: evRenamed, path: newPath, old: oldPath, typ: typ}
+	r.recordCommit(ev)
+	r.queue.push(ev)
 }
 func (r *Replicator) TooLarge(path string) { r.queue.push(event{kind: evTooLarge, path: path}) }
+func (r *Replicator) Created(path string, typ layout.EntryType) {
+	r.queue.push(event{kind: evCreated, path: path, typ: typ})
+}
+func (r *Replicator) Flushed(path string) { r.recordCommit(event{kind: evClosed, path: path}) }
 
 var _ Events = (*Replicator)(nil)
 
 func (r *Replicator) controlLoop() {
 	defer r.wg.Done()
-	defer close(r.commits)
+	defer r.sealQ.close()
 	defer close(r.prehash)
 	for {
 		ev, ok := r.queue.pop()
@@ -201,14 +218,20 @@ func (r *Replicator) handle(ev event) {
 		}
 		return
 	}
+	isYAML := ev.path == layout.ReplicatorYAMLName
 	switch {
-	case ev.kind == evTooLarge && (ev.path == layout.ReplicatorYAMLName || ev.path == layout.ReplicatorYAMLTmpName):
+	case ev.kind == evTooLarge && (isYAML || ev.path == layout.ReplicatorYAMLTmpName):
 		r.ns.Remove(ev.path)
 		r.failLine(nil, fmt.Sprintf("%s: larger than %d bytes; discarded", layout.ReplicatorYAMLName, MaxConfigSize))
-	case ev.path == layout.ReplicatorYAMLName && (ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == layout.EntryFile)):
+	case isYAML && (ev.kind == evRenamed || ev.kind == evCreated) && ev.typ != layout.EntryFile:
+		// A directory or symlink would otherwise sit there forever while the job waits for the
+		// file to be consumed.
+		r.ns.Remove(ev.path)
+		r.failLine(nil, fmt.Sprintf("%s: is a %v; write it as a regular file (a symlink is not followed); removed", layout.ReplicatorYAMLName, ev.typ))
+	case isYAML && (ev.kind == evClosed || ev.kind == evRenamed || ev.kind == evCreated):
 		r.handshake()
-	default:
-		r.detectCommit(ev)
+	case ev.kind == evClosed || ev.kind == evCreated:
+		r.recordCommit(ev) // pytorch .save: normally recorded at its flush already
 	}
 }
 
@@ -239,54 +262,60 @@ const (
 	evClosed = iota
 	evRenamed
 	evTooLarge
+	evCreated
 )
 
-// eventQueue is an unbounded FIFO: pushing never blocks a FUSE request.
-type eventQueue struct {
+// fifo is an unbounded queue: pushing never blocks (a FUSE request, in particular). Items pushed
+// after close are dropped.
+type fifo[T any] struct {
 	mu     sync.Mutex
-	items  []event
-	closed bool
+	items  []T  // GUARDED_BY(mu)
+	closed bool // GUARDED_BY(mu)
 	signal chan struct{}
 }
 
-func (q *eventQueue) init() { q.signal = make(chan struct{}, 1) }
+func (q *fifo[T]) init() { q.signal = make(chan struct{}, 1) }
 
-func (q *eventQueue) push(ev event) {
+func (q *fifo[T]) push(v T) {
 	q.mu.Lock()
 	if !q.closed {
-		q.items = append(q.items, ev)
+		q.items = append(q.items, v)
 	}
 	q.mu.Unlock()
+	q.wake()
+}
+
+func (q *fifo[T]) wake() {
 	select {
 	case q.signal <- struct{}{}:
 	default:
 	}
 }
 
-func (q *eventQueue) close() {
+func (q *fifo[T]) close() {
 	q.mu.Lock()
 	q.closed = true
 	q.mu.Unlock()
-	select {
-	case q.signal <- struct{}{}:
-	default:
-	}
+	q.wake()
 }
 
-// pop waits for the next event; ok is false once the queue is closed and drained.
-func (q *eventQueue) pop() (event, bool) {
+// pop waits for the next item; ok is false once the queue is closed and drained.
+func (q *fifo[T]) pop() (T, bool) {
 	for {
 		q.mu.Lock()
 		if len(q.items) > 0 {
-			ev := q.items[0]
+			v := q.items[0]
+			var zero T
+			q.items[0] = zero
 			q.items = q.items[1:]
 			q.mu.Unlock()
-			return ev, true
+			return v, true
 		}
 		closed := q.closed
 		q.mu.Unlock()
 		if closed {
-			return event{}, false
+			var zero T
+			return zero, false
 		}
 		<-q.signal
 	}

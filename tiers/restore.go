@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -119,7 +118,7 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 func (r *Replicator) waitSealed(ctx context.Context) error {
 	for {
 		r.mu.Lock()
-		n := len(r.pending)
+		n, changed := len(r.pending), r.pendingChanged
 		r.mu.Unlock()
 		if n == 0 {
 			return nil
@@ -127,7 +126,7 @@ func (r *Replicator) waitSealed(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case <-time.After(5 * time.Millisecond):
+		case <-changed:
 		}
 	}
 }

@@ -1,78 +1,34 @@
 package tiers
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
-	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
 
-// commit is a step that the job finished for one worker; name is its top-level name.
-type commit struct {
-	inc    *incarnation
-	step   int64
-	worker int
-	name   string
-	group  string // the name the step was saved under before the rename that committed it
-	at     time.Time
-}
-
-// detectCommit recognises the commit signals of SPEC §3: a directory renamed to a bare
-// decimal (Orbax, NeMo), or for framework pytorch a closed or renamed-in .save of this node.
-func (r *Replicator) detectCommit(ev event) {
-	inc := r.current()
-	if inc == nil {
-		return
-	}
-	cfg := inc.Config
-	c := commit{inc: inc, name: ev.path, at: r.cfg.Now()}
-	switch {
-	case cfg.Framework != FrameworkPyTorch && ev.kind == evRenamed && ev.typ == layout.EntryDir:
-		step, ok := layout.ParseStepDir(ev.path)
-		if !ok {
-			return
-		}
-		c.step, c.group = step, ev.old
-	case cfg.Framework == FrameworkPyTorch && (ev.kind == evClosed || ev.kind == evRenamed):
-		m, ok := layout.ParseMarkerName(ev.path)
-		if !ok || m.Kind != layout.MarkerSave || m.Job != cfg.JobName || m.Node != cfg.NodeRank || m.Worker >= cfg.WorkersPerNode {
-			return
-		}
-		c.step, c.worker = m.Step, m.Worker
-	default:
-		return
-	}
-	r.mu.Lock()
-	if r.pending[c.name] {
-		r.mu.Unlock()
-		return // a close after the rename of the same .save
-	}
-	r.pending[c.name] = true
-	if g := r.early[c.group]; g != nil && g.inc == inc {
-		g.committed = true
-	}
-	r.mu.Unlock()
-	r.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name)
-	r.commits <- c
-}
-
-// sealer seals committed steps in order. It uses no cancellable context: a committed step is
-// sealed even when the incarnation that committed it is over or the agent is stopping. Sealed
-// steps go to the syncer, so that a slow peer delays the replication of later steps but not
-// their sealing.
+// sealer seals recorded commits in order. It uses no cancellable context: a committed step is
+// sealed even when the incarnation that committed it is over or the agent is stopping (what it
+// cannot finish stays recorded in the spool for the next agent). Sealed steps go to the
+// syncer, so that a slow peer delays the replication of later steps but not their sealing.
 func (r *Replicator) sealer() {
 	defer r.wg.Done()
 	defer close(r.sealed)
-	for c := range r.commits {
-		dataName, meta, err := r.seal(context.Background(), c)
-		r.mu.Lock()
-		delete(r.pending, c.name)
-		r.mu.Unlock()
+	for {
+		pc, ok := r.sealQ.pop()
+		if !ok {
+			return
+		}
+		c := pc.commit
+		err := pc.err
+		var dataName, meta string
+		if err == nil {
+			dataName, meta, err = r.seal(c)
+		}
+		r.donePending(c.name)
 		if err != nil {
 			r.log.Error("seal failed", "step", c.step, "worker", c.worker, "err", err)
 			r.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
@@ -125,47 +81,48 @@ func (r *Replicator) syncer() {
 	}
 }
 
-// seal turns the committed tree into <hash>.data and writes its .meta (SPEC §3). The bytes
-// are not copied: the tree is hard-linked into spool/staging, hashed there, renamed into
-// spool/sealed, and the namespace entry renamed.
-func (r *Replicator) seal(ctx context.Context, c commit) (dataName, meta string, err error) {
+// seal turns a recorded commit into <hash>.data and writes its .meta (SPEC §3). No byte is
+// copied: the record's tree is hashed where it is and renamed into spool/sealed, and the
+// namespace entry renamed — or, when Seal had to copy files the job still had open for writing,
+// replaced by the sealed copy (the job's descriptors keep their detached files).
+func (r *Replicator) seal(c commit) (dataName, meta string, err error) {
 	cfg := c.inc.Config
-	staging := r.spoolDir("staging", randomID())
-	if err := os.MkdirAll(filepath.Dir(staging), 0o700); err != nil {
-		return "", "", err
-	}
-	if _, err := r.ns.Export(c.name, staging); err != nil {
-		return "", "", err
-	}
-	hash, dir, err := layout.HashDataCached(ctx, staging, &r.digests)
+	dataName, err = r.hashRecord(c.dir)
 	if err != nil {
-		os.RemoveAll(staging)
 		return "", "", err
 	}
-	dataName = layout.DataName(hash, dir)
 	content := strings.TrimSuffix(dataName, ".data")
 	r.publishMu.Lock()
 	defer r.publishMu.Unlock()
-	sealed := r.spoolDir("sealed", dataName)
-	if _, err := os.Lstat(sealed); err == nil {
-		os.RemoveAll(staging)
-		r.incLine(c.inc, fmt.Sprintf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
-	} else if err := os.Rename(staging, sealed); err != nil {
-		os.RemoveAll(staging)
+	dup, err := r.moveRecord(c.dir, dataName)
+	if err != nil {
 		return "", "", err
 	}
-	if r.hasName(dataName) {
+	if dup {
+		r.incLine(c.inc, fmt.Sprintf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
+	}
+	sealed := r.spoolDir("sealed", dataName)
+	switch {
+	case r.hasName(dataName):
 		r.ns.Remove(c.name)
-	} else if err := r.ns.Rename(c.name, dataName); err != nil {
-		// The job (or a new handshake) removed the name meanwhile: the sealed copy is the truth.
-		if err := r.ns.Import(sealed, dataName); err != nil && !errors.Is(err, os.ErrExist) {
+	case c.sealed.Copied > 0:
+		r.ns.Remove(c.name)
+		if err := r.ns.Import(sealed, dataName); err != nil {
 			return "", "", err
+		}
+	default:
+		if err := r.ns.Rename(c.name, dataName); err != nil {
+			// The job (or a new handshake) removed the name meanwhile: the sealed copy is the truth.
+			if err := r.ns.Import(sealed, dataName); err != nil && !errors.Is(err, os.ErrExist) {
+				return "", "", err
+			}
 		}
 	}
 	meta = layout.MarkerName{Job: cfg.JobName, Step: c.step, Node: cfg.NodeRank, Worker: c.worker, Kind: layout.MarkerMeta}.String()
 	if err := r.writeMeta(meta, content); err != nil {
 		return "", "", err
 	}
+	os.RemoveAll(c.dir) // the .meta is in the spool: the record has served
 	r.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", r.cfg.Now().Sub(c.at).String())
 	return dataName, meta, nil
 }
@@ -176,11 +133,7 @@ func (r *Replicator) writeMeta(name, content string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	tmp := filepath.Join(dir, "."+name+".tmp")
-	if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
+	if err := writeFileAtomic(filepath.Join(dir, name), []byte(content)); err != nil {
 		return err
 	}
 	if err := r.ns.WriteFile(name, []byte(content)); err != nil {

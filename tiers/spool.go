@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"golang.org/x/sys/unix"
 )
 
@@ -140,6 +141,21 @@ func (s *Spool) LinkFile(src string) (string, error) {
 	for {
 		p := filepath.Join(s.FilesDir(), strconv.FormatUint(s.nextID.Add(1), 10))
 		err := os.Link(src, p)
+		if errors.Is(err, os.ErrExist) {
+			continue
+		}
+		if err != nil {
+			return "", fmt.Errorf("link spool file: %w", err)
+		}
+		return p, nil
+	}
+}
+
+// LinkFileAt is LinkFile for the file rel of the tree d (paths of any length).
+func (s *Spool) LinkFileAt(d *layout.Dir, rel string) (string, error) {
+	for {
+		p := filepath.Join(s.FilesDir(), strconv.FormatUint(s.nextID.Add(1), 10))
+		err := d.LinkTo(rel, p)
 		if errors.Is(err, os.ErrExist) {
 			continue
 		}

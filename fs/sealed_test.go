@@ -1,0 +1,233 @@
+package fs
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/layout"
+)
+
+// errnoOf returns the errno inside err (0 for nil).
+func errnoOf(err error) syscall.Errno {
+	var e syscall.Errno
+	if errors.As(err, &e) {
+		return e
+	}
+	if err != nil {
+		return syscall.Errno(0xffff)
+	}
+	return 0
+}
+
+// TestSealedTreeIsImmutable: once the replicator sealed a committed step (SPEC §10), the job can
+// read it, map it and link its files elsewhere, but not change it in any way.
+func TestSealedTreeIsImmutable(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, srv, _, spool := mountWithEvents(t, mode)
+			p := func(n string) string { return filepath.Join(dir, n) }
+			require.NoError(t, os.MkdirAll(p("5/state"), 0o755))
+			require.NoError(t, os.WriteFile(p("5/state/a"), []byte("weights"), 0o644))
+			require.NoError(t, os.Mkdir(p("5/empty"), 0o755))
+			require.NoError(t, os.WriteFile(p("other"), []byte("x"), 0o644))
+			info, err := srv.Namespace().Seal("5", filepath.Join(spool.Dir(), "rec"))
+			require.NoError(t, err)
+			require.Zero(t, info.Copied)
+
+			erofs := func(what string, err error) {
+				t.Helper()
+				require.Equal(t, syscall.EROFS, errnoOf(err), "%s: got %v, want EROFS", what, err)
+			}
+			_, err = os.OpenFile(p("5/state/a"), os.O_WRONLY|os.O_APPEND, 0)
+			erofs("open for append", err)
+			_, err = os.OpenFile(p("5/state/a"), os.O_RDONLY|os.O_TRUNC, 0)
+			erofs("open with O_TRUNC", err)
+			erofs("truncate", os.Truncate(p("5/state/a"), 1))
+			_, err = os.Create(p("5/state/new"))
+			erofs("create", err)
+			erofs("mkdir", os.Mkdir(p("5/d2"), 0o755))
+			erofs("symlink", os.Symlink("a", p("5/state/l")))
+			erofs("mkfifo", syscall.Mkfifo(p("5/state/f"), 0o644))
+			erofs("link into", os.Link(p("other"), p("5/state/b")))
+			erofs("unlink", os.Remove(p("5/state/a")))
+			erofs("rmdir", os.Remove(p("5/empty")))
+			erofs("rename inside", os.Rename(p("5/state/a"), p("5/state/b")))
+			erofs("rename out", os.Rename(p("5/state/a"), p("moved")))
+			erofs("rename in", os.Rename(p("other"), p("5/state/other")))
+			erofs("rename over", os.Rename(p("other"), p("5/state/a")))
+			erofs("rename the step", os.Rename(p("5"), p("6")))
+			erofs("chmod", os.Chmod(p("5/state/a"), 0o600))
+			erofs("chown", os.Chown(p("5/state/a"), 1000, 1000))
+			erofs("chmod dir", os.Chmod(p("5/state"), 0o700))
+			erofs("utimes", unix.UtimesNano(p("5/state/a"), []unix.Timespec{{Sec: 1}, {Sec: 2}}))
+
+			// Reads, mmap and hard links elsewhere work; the linked name is just as immutable.
+			got, err := os.ReadFile(p("5/state/a"))
+			require.NoError(t, err)
+			require.Equal(t, "weights", string(got))
+			f, err := os.Open(p("5/state/a"))
+			require.NoError(t, err)
+			m, err := unix.Mmap(int(f.Fd()), 0, 7, unix.PROT_READ, unix.MAP_SHARED)
+			require.NoError(t, err)
+			require.Equal(t, "weights", string(m))
+			unix.Munmap(m)
+			f.Close()
+			require.NoError(t, os.Link(p("5/state/a"), p("alias")))
+			_, err = os.OpenFile(p("alias"), os.O_WRONLY, 0)
+			erofs("write through another name", err)
+
+			// The agent itself still moves and removes committed trees.
+			ns := srv.Namespace()
+			require.NoError(t, ns.Rename("5", "Dabc.data"))
+			got, err = os.ReadFile(p("Dabc.data/state/a"))
+			require.NoError(t, err)
+			require.Equal(t, "weights", string(got))
+			require.NoError(t, ns.Remove("Dabc.data"))
+			require.NoError(t, os.Remove(p("alias")), "a name outside the checkpoint can go")
+		})
+	}
+}
+
+// TestSealCopiesFilesOpenForWriting: a file the job still has open for writing when its step is
+// committed is copied into the checkpoint, so that later writes through that descriptor (which
+// passthrough sends to the spool file without asking the agent) cannot change the checkpoint.
+// Without passthrough they fail.
+func TestSealCopiesFilesOpenForWriting(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, srv, _, spool := mountWithEvents(t, mode)
+			p := func(n string) string { return filepath.Join(dir, n) }
+			require.NoError(t, os.Mkdir(p("7"), 0o755))
+			require.NoError(t, os.WriteFile(p("7/closed"), []byte("closed"), 0o644))
+			w, err := os.OpenFile(p("7/open"), os.O_RDWR|os.O_CREATE, 0o644)
+			require.NoError(t, err)
+			defer w.Close()
+			_, err = w.WriteString("before")
+			require.NoError(t, err)
+			rec := filepath.Join(spool.Dir(), "rec")
+			info, err := srv.Namespace().Seal("7", rec)
+			require.NoError(t, err)
+			require.Equal(t, 1, info.Copied)
+
+			_, err = w.WriteAt([]byte("AFTER!"), 0)
+			if srv.Passthrough() {
+				require.NoError(t, err, "passthrough writes go to the job's own file")
+			} else {
+				require.Equal(t, syscall.EROFS, errnoOf(err))
+			}
+			got, err := os.ReadFile(filepath.Join(rec, "open"))
+			require.NoError(t, err)
+			require.Equal(t, "before", string(got), "the checkpoint keeps the bytes of the commit")
+			var st syscall.Stat_t
+			require.NoError(t, syscall.Stat(filepath.Join(rec, "closed"), &st))
+			require.Equal(t, uint64(2), uint64(st.Nlink), "a closed file is linked, not copied")
+		})
+	}
+}
+
+// TestNameMax: names longer than NAME_MAX (255 bytes, what statfs says) fail with ENAMETOOLONG
+// for every way of creating, finding or renaming to them, and nothing is created.
+func TestNameMax(t *testing.T) {
+	dir, _ := testMount(t, PassthroughAuto, 64<<20)
+	p := func(n string) string { return filepath.Join(dir, n) }
+	ok, long := strings.Repeat("n", 255), strings.Repeat("n", 256)
+	require.NoError(t, os.WriteFile(p(ok), []byte("x"), 0o644))
+	require.NoError(t, os.WriteFile(p("f"), []byte("x"), 0o644))
+	tooLong := func(what string, err error) {
+		t.Helper()
+		require.Equal(t, syscall.ENAMETOOLONG, errnoOf(err), "%s: got %v", what, err)
+	}
+	_, err := os.Create(p(long))
+	tooLong("create", err)
+	tooLong("mkdir", os.Mkdir(p(long), 0o755))
+	tooLong("symlink", os.Symlink("f", p(long)))
+	tooLong("link", os.Link(p("f"), p(long)))
+	tooLong("rename", os.Rename(p("f"), p(long)))
+	tooLong("mkfifo", syscall.Mkfifo(p(long), 0o644))
+	_, err = os.Stat(p(long))
+	tooLong("stat", err)
+	ents, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Len(t, ents, 2, "nothing was created")
+	var st unix.Statfs_t
+	require.NoError(t, unix.Statfs(dir, &st))
+	require.Equal(t, int64(255), st.Namelen)
+}
+
+// TestSpecialFiles: FIFOs, sockets and device nodes behave as on tmpfs, and a sealed tree holds
+// them (type and device number), so that replication and backups carry them.
+func TestSpecialFiles(t *testing.T) {
+	dir, srv, _, spool := mountWithEvents(t, PassthroughAuto)
+	p := func(n string) string { return filepath.Join(dir, n) }
+	require.NoError(t, os.Mkdir(p("3"), 0o755))
+	require.NoError(t, syscall.Mkfifo(p("3/fifo"), 0o640))
+	require.NoError(t, syscall.Mknod(p("3/sock"), syscall.S_IFSOCK|0o600, 0))
+	require.NoError(t, syscall.Mknod(p("3/chr"), syscall.S_IFCHR|0o600, int(unix.Mkdev(1, 3))))
+	require.NoError(t, os.Link(p("3/fifo"), p("3/fifo2")))
+	var st syscall.Stat_t
+	require.NoError(t, syscall.Lstat(p("3/fifo"), &st))
+	require.Equal(t, uint32(syscall.S_IFIFO|0o640), st.Mode)
+	require.Equal(t, uint64(2), uint64(st.Nlink))
+	require.NoError(t, syscall.Lstat(p("3/chr"), &st))
+	require.Equal(t, uint32(syscall.S_IFCHR), st.Mode&syscall.S_IFMT)
+	require.Equal(t, unix.Mkdev(1, 3), uint64(st.Rdev))
+
+	// A FIFO works: a writer and a reader meet in the kernel.
+	done := make(chan string)
+	go func() {
+		b, _ := os.ReadFile(p("3/fifo"))
+		done <- string(b)
+	}()
+	require.NoError(t, os.WriteFile(p("3/fifo"), []byte("through the pipe"), 0))
+	require.Equal(t, "through the pipe", <-done)
+
+	rec := filepath.Join(spool.Dir(), "rec")
+	_, err := srv.Namespace().Seal("3", rec)
+	require.NoError(t, err)
+	ents, err := layout.ListTree(rec)
+	require.NoError(t, err)
+	types := map[string]layout.EntryType{}
+	for _, e := range ents {
+		types[e.Path] = e.Type
+		if e.Path == "chr" {
+			require.Equal(t, unix.Mkdev(1, 3), e.Rdev)
+		}
+	}
+	require.Equal(t, map[string]layout.EntryType{"fifo": layout.EntryFIFO, "fifo2": layout.EntryFIFO, "sock": layout.EntrySocket, "chr": layout.EntryCharDev}, types)
+
+	require.NoError(t, srv.Namespace().Import(rec, "copy"))
+	require.NoError(t, syscall.Lstat(p("copy/chr"), &st))
+	require.Equal(t, uint32(syscall.S_IFCHR), st.Mode&syscall.S_IFMT)
+	require.Equal(t, unix.Mkdev(1, 3), uint64(st.Rdev))
+	require.NoError(t, syscall.Lstat(p("copy/sock"), &st))
+	require.Equal(t, uint32(syscall.S_IFSOCK), st.Mode&syscall.S_IFMT)
+}
+
+// TestCreatedAndFlushedEvents: names made whole at the top are reported (a directory named
+// replicator.yaml must not be waited for forever), and closing a top-level .save reports the
+// flush before close(2) returns, so that its commit is recorded by then.
+func TestCreatedAndFlushedEvents(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, _, rec, _ := mountWithEvents(t, mode)
+			p := func(n string) string { return filepath.Join(dir, n) }
+			require.NoError(t, os.Mkdir(p("replicator.yaml"), 0o755))
+			rec.waitFor(t, "created replicator.yaml directory")
+			require.NoError(t, os.Symlink("x", p("link")))
+			rec.waitFor(t, "created link symlink")
+
+			require.NoError(t, os.WriteFile(p("job-s1-n0-w0.save"), []byte("state"), 0o644))
+			require.True(t, rec.has("flushed job-s1-n0-w0.save"), "the flush is reported before close returns")
+			require.NoError(t, os.WriteFile(p("plain"), []byte("state"), 0o644))
+			rec.waitFor(t, "closed plain")
+			require.False(t, rec.has("flushed plain"), "other files are not flushed")
+		})
+	}
+}

@@ -1,0 +1,271 @@
+package tiers
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
+)
+
+// A commit is recorded in the spool before the job's commit signal returns (SPEC §10): the
+// rename of a step directory, or the close of a pytorch .save, waits until the committed tree is
+// frozen in the namespace and hard-linked into spool/commits/<id>/data, and commit.json says
+// what it is. From then on the step survives a crash of the agent: the sealer turns the record
+// into sealed data and a .meta in the background, and an agent that finds records left by its
+// predecessor (adoptCommits) seals them before anything else.
+//
+// Layout of one record, spool/commits/<seq>-<rand>/ (seq orders records by commit time):
+//
+//	data          the committed tree (or file), hard links to the job's bytes
+//	commit.json   commitRecord; written last, atomically: a record without it is incomplete
+//	sealed-as     the data name, written once hashed and before data is moved to spool/sealed
+
+const (
+	commitsDir       = "commits"
+	commitDataName   = "data"
+	commitRecordName = "commit.json"
+	commitSealedAs   = "sealed-as"
+)
+
+// commit is a step that the job finished for one worker; name is its top-level name.
+type commit struct {
+	inc    *incarnation
+	step   int64
+	worker int
+	name   string
+	group  string // the name the step was saved under before the rename that committed it
+	at     time.Time
+	dir    string   // the record in spool/commits
+	sealed SealInfo // what Seal did
+}
+
+// commitRecord is commit.json: enough to name the step's .meta after a crash.
+type commitRecord struct {
+	Job         string    `json:"job"`
+	Incarnation string    `json:"incarnation"`
+	Rank        int       `json:"rank"`
+	Worker      int       `json:"worker"`
+	Step        int64     `json:"step"`
+	Name        string    `json:"name"`
+	At          time.Time `json:"at"`
+}
+
+func (rec commitRecord) meta() string {
+	return layout.MarkerName{Job: rec.Job, Step: rec.Step, Node: rec.Rank, Worker: rec.Worker, Kind: layout.MarkerMeta}.String()
+}
+
+var commitSeq atomic.Uint64
+
+// commitOf recognises the commit signals of SPEC §3 for inc: a directory renamed to a bare
+// decimal (Orbax, NeMo), or for framework pytorch a .save of this node closed after writing,
+// renamed in or linked in.
+func (r *Replicator) commitOf(inc *incarnation, ev event) (commit, bool) {
+	cfg := inc.Config
+	c := commit{inc: inc, name: ev.path, at: r.cfg.Now()}
+	switch {
+	case strings.Contains(ev.path, "/"):
+		return c, false
+	case cfg.Framework != FrameworkPyTorch && ev.kind == evRenamed && ev.typ == layout.EntryDir:
+		step, ok := layout.ParseStepDir(ev.path)
+		if !ok {
+			return c, false
+		}
+		c.step, c.group = step, ev.old
+	case cfg.Framework == FrameworkPyTorch && (ev.kind == evClosed || ev.kind == evRenamed ||
+		(ev.kind == evCreated && ev.typ == layout.EntryFile)):
+		m, ok := layout.ParseMarkerName(ev.path)
+		if !ok || m.Kind != layout.MarkerSave || m.Job != cfg.JobName || m.Node != cfg.NodeRank || m.Worker >= cfg.WorkersPerNode {
+			return c, false
+		}
+		c.step, c.worker = m.Step, m.Worker
+	default:
+		return c, false
+	}
+	return c, true
+}
+
+// recordCommit records the commit ev signals, if it is one, before returning: it may run on the
+// FUSE request of the commit itself. Failures are reported by the sealer, off this goroutine.
+func (r *Replicator) recordCommit(ev event) {
+	inc := r.current()
+	if inc == nil {
+		return
+	}
+	c, ok := r.commitOf(inc, ev)
+	if !ok {
+		return
+	}
+	r.mu.Lock()
+	if r.pending[c.name] {
+		r.mu.Unlock()
+		return // a close after the flush or rename of the same .save
+	}
+	r.pending[c.name] = true
+	if g := r.early[c.group]; g != nil && g.inc == inc {
+		g.committed = true
+	}
+	r.mu.Unlock()
+	err := r.writeCommitRecord(&c)
+	if errors.Is(err, os.ErrNotExist) && ev.kind == evClosed {
+		// The release of a .save that was already committed (and sealed) at its flush.
+		r.donePending(c.name)
+		return
+	}
+	r.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name, "err", err)
+	r.sealQ.push(pendingCommit{commit: c, err: err})
+}
+
+// writeCommitRecord freezes and links the committed tree into a new record and writes its
+// commit.json.
+func (r *Replicator) writeCommitRecord(c *commit) error {
+	root := r.spoolDir(commitsDir)
+	if err := os.MkdirAll(root, 0o700); err != nil {
+		return err
+	}
+	c.dir = filepath.Join(root, fmt.Sprintf("%020d-%s", uint64(c.at.UnixNano())+commitSeq.Add(1), randomID()))
+	if err := os.Mkdir(c.dir, 0o700); err != nil {
+		return err
+	}
+	var err error
+	if c.sealed, err = r.ns.Seal(c.name, filepath.Join(c.dir, commitDataName)); err != nil {
+		os.RemoveAll(c.dir)
+		return err
+	}
+	cfg := c.inc.Config
+	rec := commitRecord{Job: cfg.JobName, Incarnation: c.inc.ID, Rank: cfg.NodeRank, Worker: c.worker, Step: c.step, Name: c.name, At: c.at.UTC()}
+	data, _ := json.Marshal(rec)
+	if err := writeFileAtomic(filepath.Join(c.dir, commitRecordName), data); err != nil {
+		os.RemoveAll(c.dir)
+		return err
+	}
+	return nil
+}
+
+// writeFileAtomic writes data to p through a temporary name beside it.
+func writeFileAtomic(p string, data []byte) error {
+	tmp := filepath.Join(filepath.Dir(p), "."+filepath.Base(p)+".tmp")
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, p); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+// donePending forgets that name waits for sealing and wakes waitSealed.
+func (r *Replicator) donePending(name string) {
+	r.mu.Lock()
+	delete(r.pending, name)
+	close(r.pendingChanged)
+	r.pendingChanged = make(chan struct{})
+	r.mu.Unlock()
+}
+
+// adoptCommits seals the commits a previous agent recorded but did not seal (it was killed or
+// stopped first): each becomes sealed data with its .meta in the spool, in commit order, before
+// adoption publishes what the spool holds. A record without commit.json was not complete when
+// the job's rename could have returned, and is dropped.
+func (r *Replicator) adoptCommits() error {
+	root := r.spoolDir(commitsDir)
+	ents, err := os.ReadDir(root)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	sort.Slice(ents, func(i, j int) bool { return ents[i].Name() < ents[j].Name() })
+	for _, e := range ents {
+		dir := filepath.Join(root, e.Name())
+		if err := r.adoptCommit(dir); err != nil {
+			r.log.Error("a commit recorded by the previous agent could not be sealed", "record", dir, "err", err)
+			r.lostCommits = append(r.lostCommits, fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (r *Replicator) adoptCommit(dir string) error {
+	raw, err := os.ReadFile(filepath.Join(dir, commitRecordName))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil // incomplete: the commit never returned
+	}
+	if err != nil {
+		return err
+	}
+	var rec commitRecord
+	if err := json.Unmarshal(raw, &rec); err != nil || layout.ValidateJobName(rec.Job) != nil {
+		return fmt.Errorf("%s: bad record %q", commitRecordName, raw)
+	}
+	dataName, err := r.hashRecord(dir)
+	if err == nil {
+		_, err = r.moveRecord(dir, dataName)
+	}
+	if err != nil {
+		return fmt.Errorf("step %d of job %s: %w", rec.Step, rec.Job, err)
+	}
+	if err := writeFileAtomic(r.spoolDir("meta", rec.meta()), []byte(strings.TrimSuffix(dataName, ".data"))); err != nil {
+		return err
+	}
+	r.log.Info("sealed a step committed before the restart", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "data", dataName)
+	return nil
+}
+
+// hashRecord returns the data name of the record at dir, hashing its data (and noting the name
+// in sealed-as, so that the record stays usable once the data moved), or reading sealed-as when
+// the data was already moved into spool/sealed.
+func (r *Replicator) hashRecord(dir string) (string, error) {
+	data := filepath.Join(dir, commitDataName)
+	if _, err := os.Lstat(data); errors.Is(err, os.ErrNotExist) {
+		raw, err := os.ReadFile(filepath.Join(dir, commitSealedAs))
+		if err != nil {
+			return "", fmt.Errorf("the record holds neither data nor a sealed name: %w", err)
+		}
+		if name := string(raw); layout.IsDataName(name) {
+			return name, nil
+		}
+		return "", fmt.Errorf("%s: bad data name %q", commitSealedAs, raw)
+	}
+	// No cancellable context: a committed step is sealed even while the agent stops.
+	hash, isDir, err := layout.HashDataCached(context.Background(), data, &r.digests)
+	if err != nil {
+		return "", err
+	}
+	name := layout.DataName(hash, isDir)
+	return name, writeFileAtomic(filepath.Join(dir, commitSealedAs), []byte(name))
+}
+
+// moveRecord moves the data of the record at dir into spool/sealed as name; dup says the same
+// content was there already (the record's copy is dropped). Callers hold publishMu, unless
+// nothing else runs yet (adoption).
+func (r *Replicator) moveRecord(dir, name string) (dup bool, err error) {
+	data := filepath.Join(dir, commitDataName)
+	sealed := r.spoolDir("sealed", name)
+	if _, err := os.Lstat(data); errors.Is(err, os.ErrNotExist) {
+		_, err := os.Lstat(sealed) // moved before a crash
+		return false, err
+	}
+	if _, err := os.Lstat(sealed); err == nil {
+		return true, os.RemoveAll(data)
+	}
+	return false, os.Rename(data, sealed)
+}
+
+// pendingCommit is a recorded commit waiting for the sealer (err: the record failed).
+type pendingCommit struct {
+	commit
+	err error
+}
