@@ -197,8 +197,6 @@ func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileH
 	return h, fflags, 0
 }
 
-
-
 // exportTo gives the file's bytes a name in a sealed tree (rel, for messages): link makes a hard
 // link to the spool file (no byte copied). A file still open for writing is copied instead
 // (create makes the new file), so that writes through those descriptors — which the kernel may
