@@ -47,6 +47,9 @@ func (r *Replicator) adopt(ctx context.Context) error {
 				err = layout.VerifyData(ctx, r.spoolDir("sealed", dataName), h, dir)
 			}
 			if err == nil {
+				r.markVerified(dataName)
+			}
+			if err == nil {
 				if err = r.ns.Import(r.spoolDir("sealed", dataName), dataName); errors.Is(err, os.ErrExist) {
 					err = nil
 				}
@@ -55,6 +58,9 @@ func (r *Replicator) adopt(ctx context.Context) error {
 		}
 		if err != nil || !verified[dataName] {
 			r.log.Warn("dropping spool data that does not verify", "meta", name, "err", err)
+			if err != nil {
+				r.startupError(fmt.Sprintf("%s in this node's RAM was dropped when the agent restarted: %v (it is restored from a peer or a backup if one holds it)", name, err))
+			}
 			os.Remove(r.spoolDir("meta", name))
 			continue
 		}

@@ -45,6 +45,9 @@ type commit struct {
 	at     time.Time
 	dir    string   // the record in spool/commits
 	sealed SealInfo // what Seal did
+	// atClose: committed by closing a .save; a duplicate of that descriptor, or a mapping of
+	// the file, could still write, so the sealed data is not trusted without a hash check.
+	atClose bool
 }
 
 // commitRecord is commit.json: enough to name the step's .meta after a crash.
@@ -103,6 +106,7 @@ func (r *Replicator) recordCommit(ev event) {
 	if !ok {
 		return
 	}
+	c.atClose = ev.kind == evClosed
 	r.mu.Lock()
 	if r.pending[c.name] {
 		r.mu.Unlock()
@@ -189,7 +193,7 @@ func (r *Replicator) adoptCommits() error {
 		dir := filepath.Join(root, e.Name())
 		if err := r.adoptCommit(dir); err != nil {
 			r.log.Error("a commit recorded by the previous agent could not be sealed", "record", dir, "err", err)
-			r.lostCommits = append(r.lostCommits, fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
+			r.startupError(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
 		}
 		if err := os.RemoveAll(dir); err != nil {
 			return err
@@ -214,6 +218,7 @@ func (r *Replicator) adoptCommit(dir string) error {
 	if err == nil {
 		_, err = r.moveRecord(dir, dataName)
 	}
+	// Adoption verifies it again like every .meta it finds; nothing to mark here.
 	if err != nil {
 		return fmt.Errorf("step %d of job %s: %w", rec.Step, rec.Job, err)
 	}

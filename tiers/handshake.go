@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sort"
 	"strconv"
 	"strings"
 
@@ -54,12 +55,13 @@ func (r *Replicator) handshake() {
 		r.errLine(cfg, w)
 	}
 	r.mu.Lock()
-	lost := r.lostCommits
-	r.lostCommits = nil
+	lost := r.startupErrors
+	r.startupErrors = nil
 	r.mu.Unlock()
 	for _, msg := range lost {
 		r.errLine(cfg, msg)
 	}
+	r.freeOtherJobs(cfg)
 	if err := r.ns.Remove(layout.ReplicatorYAMLName); err != nil {
 		r.log.Error("delete replicator.yaml", "err", err)
 	}
@@ -102,6 +104,31 @@ func (r *Replicator) cleanNamespace() {
 			r.log.Error("clean namespace", "name", n, "err", err)
 		}
 	}
+}
+
+// freeOtherJobs frees what this node's RAM holds of other jobs (a mount path reused by another
+// job): it is never restored for this one and must not take this job's budget (SPEC §10).
+func (r *Replicator) freeOtherJobs(cfg *Config) {
+	var names []string
+	r.mu.Lock()
+	for name := range r.metas {
+		if m, ok := layout.ParseMarkerName(name); ok && m.Job != cfg.JobName {
+			names = append(names, name)
+			delete(r.metas, name)
+		}
+	}
+	r.mu.Unlock()
+	if len(names) == 0 {
+		return
+	}
+	sort.Strings(names)
+	for _, name := range names {
+		os.Remove(r.spoolDir("meta", name))
+		r.ns.Remove(name)
+	}
+	r.retain(cfg) // frees the data no kept .meta names
+	r.log.Warn("freed checkpoints of other jobs", "metas", names, "job", cfg.JobName)
+	r.errLine(cfg, fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName))
 }
 
 // partialConfig recovers job name, rank and nodes from an invalid yaml for the failure line.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -39,7 +40,8 @@ const (
 // §4): the data first, so that the .meta never names data the peer lacks; in data-parallel mode
 // only the .meta, since column-mates hold equivalent data. It reports whether every peer
 // acknowledged a verified replica (true when there are no peers): only those count.
-func (r *Replicator) replicate(c commit, dataName, meta string) bool {
+func (r *Replicator) replicate(s sealedStep) bool {
+	c, dataName, meta := s.commit, s.dataName, s.meta
 	cfg := c.inc.Config
 	peers := cfg.Peers()
 	if len(peers) == 0 {
@@ -61,7 +63,7 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 		r.mu.Unlock()
 		var err error
 		for attempt, wait := 1, pushBackoff; ; attempt, wait = attempt+1, wait*2 {
-			err = r.pushStep(c, peer, dataName, meta, early)
+			err = r.pushStep(c, peer, dataName, meta, early, s.restored && slices.Contains(s.holders, peer))
 			if err == nil || attempt >= attempts || c.inc.ctx.Err() != nil {
 				break
 			}
@@ -100,8 +102,10 @@ func (r *Replicator) replicate(c commit, dataName, meta string) bool {
 	return all
 }
 
-func (r *Replicator) pushStep(c commit, peer int, dataName, meta string, early *earlyGroup) error {
-	if c.inc.Config.AssumeDataParallelism == 0 {
+// pushStep pushes a step's data, then its .meta, to peer; with metaOnly (the peer holds the data
+// already) only the .meta.
+func (r *Replicator) pushStep(c commit, peer int, dataName, meta string, early *earlyGroup, metaOnly bool) error {
+	if c.inc.Config.AssumeDataParallelism == 0 && !metaOnly {
 		var err error
 		src := r.spoolDir("sealed", dataName)
 		if et, ok := r.earlyTransport(c.inc.Config); ok && early != nil {
@@ -148,6 +152,8 @@ func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, na
 		os.RemoveAll(path) // already held (same content sealed here or replicated before)
 	} else if err := os.Rename(path, sealed); err != nil {
 		return err
+	} else {
+		r.markVerified(name) // the transport verified it on arrival
 	}
 	if !r.hasName(name) {
 		if err := r.ns.Import(sealed, name); err != nil {

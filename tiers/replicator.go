@@ -68,7 +68,7 @@ type Replicator struct {
 
 	queue  fifo[event]
 	sealQ  fifo[pendingCommit] // recorded commits, to the sealer
-	sealed chan sealedStep     // from the sealer to the syncer
+	syncQ  fifo[sealedStep]    // sealed (or restored) steps, to the syncer
 	// prehash carries paths of files the job closed after writing; they are hashed in the
 	// background so that sealing their step only combines digests.
 	prehash chan string
@@ -84,9 +84,14 @@ type Replicator struct {
 	pending map[string]bool   // GUARDED_BY(mu); top-level names queued for sealing
 	// pendingChanged is closed (and replaced) whenever a name leaves pending.
 	pendingChanged chan struct{} // GUARDED_BY(mu)
-	// lostCommits are steps a previous agent recorded as committed that could not be sealed:
-	// reported to the job at the next handshake, never dropped silently.
-	lostCommits   []string          // GUARDED_BY(mu)
+	// startupErrors say what the agent found broken in the spool a previous agent left (a
+	// recorded commit it could not seal, data failing its hash): reported to the job at the next
+	// handshake, never dropped silently.
+	startupErrors []string // GUARDED_BY(mu)
+	// verified holds the data names whose content this agent hashed itself (sealing, adoption,
+	// arrival from a peer or a backup) and that the job cannot have changed since (the fs layer
+	// makes committed trees immutable): a restore from RAM uses them without hashing them again.
+	verified      map[string]bool   // GUARDED_BY(mu)
 	inFlight      map[string]int    // GUARDED_BY(mu); data names being sealed or restored
 	replicaHolds  map[string]func() // GUARDED_BY(mu); replicated data waiting for its .meta
 	backup        *Progress         // GUARDED_BY(mu); the running backup
@@ -126,9 +131,10 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 		cfg.Logger = slog.Default()
 	}
 	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, lastReplicated: -1,
-		early: map[string]*earlyGroup{}, peerDown: map[int]time.Time{}, pendingChanged: make(chan struct{})}
+		early: map[string]*earlyGroup{}, peerDown: map[int]time.Time{}, pendingChanged: make(chan struct{}), verified: map[string]bool{}}
 	r.queue.init()
 	r.sealQ.init()
+	r.syncQ.init()
 	return r
 }
 
@@ -151,7 +157,6 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 			return err
 		}
 	}
-	r.sealed = make(chan sealedStep, 1024)
 	r.wg.Add(4 + earlyWorkers)
 	go r.controlLoop()
 	go r.sealer()
@@ -233,6 +238,25 @@ func (r *Replicator) handle(ev event) {
 	case ev.kind == evClosed || ev.kind == evCreated:
 		r.recordCommit(ev) // pytorch .save: normally recorded at its flush already
 	}
+}
+
+func (r *Replicator) isVerified(dataName string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.verified[dataName]
+}
+
+func (r *Replicator) markVerified(dataName string) {
+	r.mu.Lock()
+	r.verified[dataName] = true
+	r.mu.Unlock()
+}
+
+// startupError records a problem found in the spool at start, for the next handshake.
+func (r *Replicator) startupError(msg string) {
+	r.mu.Lock()
+	r.startupErrors = append(r.startupErrors, msg)
+	r.mu.Unlock()
 }
 
 func (r *Replicator) current() *incarnation {

@@ -576,10 +576,11 @@ func TestRestartAdoptsSealedStep(t *testing.T) {
 	if h2.exists(layout.ReplicatorErrorsName) {
 		t.Errorf("replicator.errors = %q", h2.read(layout.ReplicatorErrorsName))
 	}
-	// The sync follows the .meta (sealing publishes first), so wait for it.
+	// The restored step is synced first (it is protected again without waiting for a save),
+	// then step 8; the sync follows the .meta (sealing publishes first), so wait for it.
 	h2.eventually("step 8's sync", func() string {
-		if syncs, _ := h2.coord.syncLog(); len(syncs) != 1 || syncs[0].Step != 8 {
-			return fmt.Sprintf("syncs %+v, want only step 8's", syncs)
+		if syncs, _ := h2.coord.syncLog(); len(syncs) != 2 || syncs[0].Step != 7 || syncs[1].Step != 8 {
+			return fmt.Sprintf("syncs %+v, want the restored step 7's, then step 8's", syncs)
 		}
 		return ""
 	})

@@ -90,6 +90,22 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 	if superseded() {
 		return
 	}
+	if plan.Found {
+		// The restored step is protected again without waiting for a new save (SPEC §10): it is
+		// pushed to this node's peers (only the .meta to a peer that held the data at the
+		// restore) and synced, so that "latest replicated on every node" covers it. Queued
+		// before the markers appear, it is synced before any step the job saves next.
+		for w := 0; w < cfg.WorkersPerNode; w++ {
+			hash := plan.Data[Slot{cfg.NodeRank, w}]
+			r.syncQ.push(sealedStep{
+				commit:   commit{inc: inc, step: plan.Step, worker: w, at: r.cfg.Now()},
+				dataName: hash + ".data",
+				meta:     layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String(),
+				restored: true,
+				holders:  plan.Holders[hash],
+			})
+		}
+	}
 	// The state is "running" before the job can see a marker, so status never lags behind it.
 	r.mu.Lock()
 	inc.restored, inc.phase = plan.Step, "running"
@@ -155,6 +171,7 @@ func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan Res
 			} else if err := os.Rename(incoming, sealed); err != nil {
 				return err
 			}
+			r.markVerified(dataName) // checked on arrival
 		} else if _, err := os.Lstat(sealed); err != nil {
 			return errNotInRAM
 		}
@@ -164,6 +181,18 @@ func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan Res
 			}
 		}
 		return r.writeMeta(meta, hash)
+	}
+	// First this node's own RAM. Data this agent sealed or verified is immutable to the job and
+	// trusted; anything else is hashed first, and a copy that fails is reported and replaced
+	// from the next source, never used and never silently dropped.
+	if _, err := os.Lstat(sealed); err == nil && !r.isVerified(dataName) {
+		if err := r.verifyInRAM(ctx, plan.Step, dataName); err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			r.errLine(cfg, fmt.Sprintf("step %d: the copy of %s in this node's RAM fails its check (%v); restoring it from a peer or a backup instead", plan.Step, dataName, err))
+			r.dropData(dataName)
+		}
 	}
 	err := publish("")
 	if !errors.Is(err, errNotInRAM) {
@@ -193,10 +222,16 @@ func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan Res
 		}
 		r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "err", err)
 	}
-	if plan.Backup == "" || r.cfg.Store == nil {
-		return fmt.Errorf("%s is not in this node's RAM nor a peer's, and the plan names no backup", dataName)
+	// Last, a backup: the plan's, or (when the plan found the step in RAM) the newest backup
+	// holding exactly this data for this slot.
+	backup := plan.Backup
+	if backup == "" && r.cfg.Store != nil {
+		backup = r.findBackupOf(ctx, cfg, plan.Step, Slot{cfg.NodeRank, w}, hash)
 	}
-	incoming, err := r.download(ctx, cfg, plan, hash)
+	if backup == "" || r.cfg.Store == nil {
+		return fmt.Errorf("%s is not in this node's RAM nor a peer's, and no complete backup holds it", dataName)
+	}
+	incoming, err := r.download(ctx, cfg, plan.Step, backup, hash)
 	if incoming != "" {
 		defer os.RemoveAll(filepath.Dir(incoming))
 	}
@@ -204,6 +239,53 @@ func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan Res
 		return err
 	}
 	return publish(incoming)
+}
+
+// verifyInRAM hashes data held in this node's spool before a restore uses it, showing the
+// progress as a restore from "RAM (verifying)".
+func (r *Replicator) verifyInRAM(ctx context.Context, step int64, dataName string) error {
+	p := &Progress{Kind: "restore", Step: step, Source: "RAM (verifying)", Started: r.cfg.Now()}
+	r.setRestoreProgress(p)
+	defer r.setRestoreProgress(nil)
+	h, dir, _ := layout.ParseDataName(dataName)
+	if err := layout.VerifyData(ctx, r.spoolDir("sealed", dataName), h, dir); err != nil {
+		return err
+	}
+	r.markVerified(dataName)
+	return nil
+}
+
+// dropData removes data from the spool and the namespace (it failed its check).
+func (r *Replicator) dropData(dataName string) {
+	r.publishMu.Lock()
+	defer r.publishMu.Unlock()
+	os.RemoveAll(r.spoolDir("sealed", dataName))
+	r.ns.Remove(dataName)
+	r.mu.Lock()
+	delete(r.verified, dataName)
+	r.mu.Unlock()
+}
+
+// findBackupOf returns the newest backup of the job with a complete step holding hash for slot
+// ("" if none, or the store cannot say).
+func (r *Replicator) findBackupOf(ctx context.Context, cfg *Config, step int64, slot Slot, hash string) string {
+	names, err := r.cfg.Store.Backups(ctx, cfg.JobName)
+	if err != nil {
+		r.log.Warn("list backups", "err", err)
+		return ""
+	}
+	for _, name := range names {
+		steps, err := r.cfg.Store.CompleteSteps(ctx, cfg.JobName, name, cfg.Nodes, cfg.WorkersPerNode)
+		if err != nil {
+			continue
+		}
+		for _, s := range steps {
+			if s.Step == step && s.Data[slot] == hash {
+				return name
+			}
+		}
+	}
+	return ""
 }
 
 var errNotInRAM = errors.New("not in RAM")
@@ -215,20 +297,20 @@ func (r *Replicator) setRestoreProgress(p *Progress) {
 	r.mu.Unlock()
 }
 
-// download fetches hash's data from the plan's backup into a new directory under
-// spool/incoming and verifies it against its hash; progress shows in mtcfs status.
-func (r *Replicator) download(ctx context.Context, cfg *Config, plan RestorePlan, hash string) (string, error) {
+// download fetches hash's data from a backup into a new directory under spool/incoming and
+// verifies it against its hash; progress shows in mtcfs status.
+func (r *Replicator) download(ctx context.Context, cfg *Config, step int64, backup, hash string) (string, error) {
 	dataName := hash + ".data"
-	p := &Progress{Kind: "restore", Step: plan.Step, Source: "backup " + plan.Backup, Started: r.cfg.Now()}
+	p := &Progress{Kind: "restore", Step: step, Source: "backup " + backup, Started: r.cfg.Now()}
 	r.setRestoreProgress(p)
 	defer r.setRestoreProgress(nil)
 	incoming := r.spoolDir("incoming", randomID(), dataName)
 	if err := os.MkdirAll(filepath.Dir(incoming), 0o700); err != nil {
 		return "", err
 	}
-	r.log.Info("downloading from backup", "backup", plan.Backup, "data", dataName)
-	if err := r.cfg.Store.Download(ctx, cfg.JobName, plan.Backup, hash, incoming, p.update); err != nil {
-		return incoming, fmt.Errorf("download %s from backup %s: %w", dataName, plan.Backup, err)
+	r.log.Info("downloading from backup", "backup", backup, "data", dataName)
+	if err := r.cfg.Store.Download(ctx, cfg.JobName, backup, hash, incoming, p.update); err != nil {
+		return incoming, fmt.Errorf("download %s from backup %s: %w", dataName, backup, err)
 	}
 	h, dir, _ := layout.ParseDataName(dataName)
 	if err := layout.VerifyData(ctx, incoming, h, dir); err != nil {

@@ -16,7 +16,7 @@ import (
 // syncer, so that a slow peer delays the replication of later steps but not their sealing.
 func (r *Replicator) sealer() {
 	defer r.wg.Done()
-	defer close(r.sealed)
+	defer r.syncQ.close()
 	for {
 		pc, ok := r.sealQ.pop()
 		if !ok {
@@ -34,14 +34,18 @@ func (r *Replicator) sealer() {
 			r.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
 			continue
 		}
-		r.sealed <- sealedStep{commit: c, dataName: dataName, meta: meta}
+		r.syncQ.push(sealedStep{commit: c, dataName: dataName, meta: meta})
 	}
 }
 
-// sealedStep is a sealed commit waiting for replication and sync.
+// sealedStep is a sealed commit waiting for replication and sync, or a restored step to protect
+// again (restored: holders are the ranks that held its data in RAM at the restore, which need
+// only its .meta).
 type sealedStep struct {
 	commit
 	dataName, meta string
+	restored       bool
+	holders        []int
 }
 
 // syncer replicates sealed steps and syncs each step with the coordinator once every worker of
@@ -58,8 +62,12 @@ func (r *Replicator) syncer() {
 		failed  bool
 	}
 	steps := map[stepKey]*progress{}
-	for s := range r.sealed {
-		ok := r.replicate(s.commit, s.dataName, s.meta)
+	for {
+		s, ok := r.syncQ.pop()
+		if !ok {
+			return
+		}
+		ok = r.replicate(s)
 		k := stepKey{s.inc, s.step}
 		p := steps[k]
 		if p == nil {
@@ -100,6 +108,8 @@ func (r *Replicator) seal(c commit) (dataName, meta string, err error) {
 	}
 	if dup {
 		r.incLine(c.inc, fmt.Sprintf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
+	} else if !c.atClose {
+		r.markVerified(dataName) // hashed just now, and frozen since the commit
 	}
 	sealed := r.spoolDir("sealed", dataName)
 	switch {
@@ -244,6 +254,9 @@ func (r *Replicator) retain(cfg *Config) {
 		}
 		os.RemoveAll(r.spoolDir("sealed", e.Name()))
 		r.ns.Remove(e.Name())
+		r.mu.Lock()
+		delete(r.verified, e.Name())
+		r.mu.Unlock()
 		r.log.Info("freed", "data", e.Name())
 	}
 }

@@ -1,15 +1,19 @@
 package tiers
 
 import (
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
 	"golang.org/x/sys/unix"
@@ -43,6 +47,12 @@ type Spool struct {
 	// used counts accounted bytes when !ownMount (see Reserve).
 	used atomic.Int64
 
+	// lock is the spool's root directory, opened and flock'ed while a mount path owns the spool
+	// (nil otherwise); ownerMu guards owner, the record last written to owner.json.
+	lock    *os.File
+	ownerMu sync.Mutex
+	owner   Owner
+
 	closeOnce sync.Once
 }
 
@@ -52,21 +62,160 @@ type SpoolConfig struct {
 	Budget int64  // bytes
 	// MountTmpfs asks for a dedicated tmpfs of Budget bytes at Dir (needs CAP_SYS_ADMIN).
 	MountTmpfs bool
+	// MountPath is the directory the spool serves. When set, the spool records it (resolved,
+	// see ResolveMountPath) in owner.json and is locked for as long as it is open, so that
+	// `mtcfs spool` and other agents see that it is in use. Empty: an anonymous spool (tests).
+	MountPath string
+}
+
+// OwnerFile is the name, in the spool's root, of the record saying whom the spool belongs to.
+const OwnerFile = "owner.json"
+
+// Owner is what a spool records about the mount it belongs to (OwnerFile).
+type Owner struct {
+	MountPath string    `json:"mount_path"`    // absolute, symlinks resolved
+	Job       string    `json:"job,omitempty"` // the job whose data it holds, once known
+	PID       int       `json:"pid"`           // the agent that last opened it
+	LastUsed  time.Time `json:"last_used"`     // last open, job change or release
+}
+
+// DefaultSpoolRoot is the directory that holds the default spools of this user: shared by root
+// agents, per user otherwise (SPEC §10), so that users never collide.
+func DefaultSpoolRoot() string {
+	if os.Geteuid() == 0 {
+		return filepath.Join("/dev/shm", "mtcfs")
+	}
+	return filepath.Join("/dev/shm", "mtcfs-"+strconv.Itoa(os.Geteuid()))
 }
 
 // DefaultSpoolDir derives a spool directory from the mount path, so that several agents on one
-// machine never share a spool and a restarted agent finds its predecessor's data.
+// machine never share a spool and a restarted agent finds its predecessor's data. The path is
+// resolved first (ResolveMountPath): a mount reached through a symlink has the same spool.
 func DefaultSpoolDir(mountPath string) string {
-	abs, err := filepath.Abs(mountPath)
-	if err != nil {
-		abs = mountPath
-	}
+	abs := ResolveMountPath(mountPath)
 	sum := sha256.Sum256([]byte(abs))
 	base := filepath.Base(abs)
 	if base == "/" || base == "." {
 		base = "root"
 	}
-	return filepath.Join("/dev/shm", "mtcfs", base+"-"+hex.EncodeToString(sum[:6]))
+	return filepath.Join(DefaultSpoolRoot(), base+"-"+hex.EncodeToString(sum[:6]))
+}
+
+// ResolveMountPath returns the absolute path of p with every symlink resolved, as the kernel
+// would follow it to mount on p. Unlike filepath.EvalSymlinks it never stats the last
+// component, which may be a stale FUSE mount answering ENOTCONN: it resolves the parent and
+// reads the last component as a link itself. A path that does not exist (or whose parent does
+// not) is returned absolute and cleaned, for the caller's own checks to report.
+func ResolveMountPath(p string) string {
+	abs, err := filepath.Abs(p)
+	if err != nil {
+		return filepath.Clean(p)
+	}
+	cur := abs
+	for hops := 0; hops < 40; hops++ {
+		dir, last := filepath.Split(strings.TrimRight(cur, "/"))
+		switch last {
+		case "":
+			return "/"
+		case ".", "..":
+			if r, err := filepath.EvalSymlinks(cur); err == nil {
+				return r
+			}
+			return filepath.Clean(cur)
+		}
+		if dir == "" {
+			dir = "/"
+		}
+		parent, err := filepath.EvalSymlinks(dir)
+		if err != nil {
+			return filepath.Clean(cur)
+		}
+		resolved := filepath.Join(parent, last)
+		target, err := os.Readlink(resolved)
+		if err != nil {
+			// EINVAL: not a symlink. ENOENT: not there (yet). ENOTCONN: a stale mount.
+			return resolved
+		}
+		if filepath.IsAbs(target) {
+			cur = target
+		} else {
+			cur = parent + "/" + target // not cleaned: ".." must apply after resolving
+		}
+	}
+	return filepath.Clean(cur) // a symlink loop: mounting on it will report ELOOP
+}
+
+// ReadOwner reads the owner record of the spool at spoolDir. A spool made before spools
+// recorded their owner has none: the error then wraps os.ErrNotExist.
+func ReadOwner(spoolDir string) (Owner, error) {
+	var o Owner
+	data, err := os.ReadFile(filepath.Join(spoolDir, OwnerFile))
+	if err != nil {
+		return o, err
+	}
+	if err := json.Unmarshal(data, &o); err != nil {
+		return o, fmt.Errorf("spool owner record %s: %w", filepath.Join(spoolDir, OwnerFile), err)
+	}
+	return o, nil
+}
+
+// ErrSpoolInUse is returned when another process holds a spool's lock (LockSpool).
+var ErrSpoolInUse = errors.New("spool is in use by a running mtcfs agent")
+
+// LockSpool takes the lock a running agent holds on its spool (an exclusive flock on the
+// spool's root directory), without waiting: ErrSpoolInUse when an agent (or another mtcfs
+// command) holds it. The lock goes away when the returned file is closed or its process dies.
+func LockSpool(dir string) (*os.File, error) {
+	f, err := os.OpenFile(dir, os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return nil, ErrSpoolInUse
+		}
+		return nil, fmt.Errorf("lock spool %s: %w", dir, err)
+	}
+	// A lock taken on a directory that was replaced meanwhile (freed, or a tmpfs mounted over
+	// it) locks nothing anyone else looks at.
+	var a, b unix.Stat_t
+	if unix.Fstat(int(f.Fd()), &a) != nil || unix.Stat(dir, &b) != nil || a.Dev != b.Dev || a.Ino != b.Ino {
+		f.Close()
+		return nil, fmt.Errorf("lock spool %s: %w", dir, errSpoolReplaced)
+	}
+	return f, nil
+}
+
+var errSpoolReplaced = errors.New("the directory changed while it was being locked")
+
+// lockOwned locks dir for a spool that a mount path owns, waiting a little for a command that
+// holds the lock briefly (mtcfs spool free, or a starting agent reaping spools).
+func lockOwned(dir string) (*os.File, error) {
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		f, err := LockSpool(dir)
+		if err == nil {
+			return f, nil
+		}
+		if !errors.Is(err, ErrSpoolInUse) && !errors.Is(err, errSpoolReplaced) {
+			return nil, err
+		}
+		if time.Now().After(deadline) {
+			if errors.Is(err, ErrSpoolInUse) {
+				who := "another process"
+				if o, e := ReadOwner(dir); e == nil {
+					who = fmt.Sprintf("the agent of %s (pid %d)", o.MountPath, o.PID)
+				}
+				return nil, fmt.Errorf("spool %s is in use by %s: stop that agent, or give this mount its own --spool DIR", dir, who)
+			}
+			return nil, err
+		}
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return nil, err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // OpenSpool prepares the spool directory. An existing tmpfs mount at Dir (left by an agent that
@@ -79,16 +228,48 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		return nil, fmt.Errorf("create spool directory: %w", err)
 	}
 	s := &Spool{dir: cfg.Dir, budget: cfg.Budget}
+	owned := cfg.MountPath != ""
+	if owned {
+		// Before anything changes: an agent still using the spool must not see its tmpfs
+		// resized or its files cleared under it, and two starting agents must not both mount.
+		lock, err := lockOwned(cfg.Dir)
+		if err != nil {
+			return nil, err
+		}
+		s.lock = lock
+	}
 	if cfg.MountTmpfs {
 		opts := "size=" + strconv.FormatInt(cfg.Budget, 10) + ",mode=0700"
 		if isTmpfsMount(cfg.Dir) {
 			if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT, opts); err != nil {
+				s.unlock()
 				return nil, fmt.Errorf("resize spool tmpfs at %s to %s: %w (is more already in use?)", cfg.Dir, FormatSize(cfg.Budget), err)
 			}
-		} else if err := unix.Mount("mtcfs-spool", cfg.Dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
-			return nil, fmt.Errorf("mount spool tmpfs at %s: %w", cfg.Dir, err)
+		} else {
+			if err := unix.Mount("mtcfs-spool", cfg.Dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+				s.unlock()
+				return nil, fmt.Errorf("mount spool tmpfs at %s: %w", cfg.Dir, err)
+			}
+			if owned {
+				// What others open at cfg.Dir is now the new tmpfs: hold the lock there.
+				lock, err := LockSpool(cfg.Dir)
+				if err != nil {
+					unix.Unmount(cfg.Dir, unix.MNT_DETACH)
+					s.unlock()
+					return nil, fmt.Errorf("lock the new spool tmpfs at %s: %w", cfg.Dir, err)
+				}
+				s.unlock()
+				s.lock = lock
+			}
 		}
 		s.ownMount = true
+	}
+	if owned {
+		if err := s.recordOwner(ResolveMountPath(cfg.MountPath)); err != nil {
+			// Keep whatever the spool holds: it may be a predecessor's checkpoints.
+			s.unlock()
+			return nil, fmt.Errorf("%w (is the spool %s full? mtcfs spool list shows it)", err, cfg.Dir)
+		}
 	}
 	if err := os.MkdirAll(s.FilesDir(), 0o700); err != nil {
 		s.Close()
@@ -108,6 +289,65 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 
 // Dir is the spool's root directory.
 func (s *Spool) Dir() string { return s.dir }
+
+// recordOwner writes owner.json for mountPath. The job recorded by a previous agent stays (the
+// replicator compares it with its own job before adopting anything, see Owner and SetJob).
+func (s *Spool) recordOwner(mountPath string) error {
+	prev, err := ReadOwner(s.dir)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		// A torn or foreign record says nothing: start a new one.
+		prev = Owner{}
+	}
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	s.owner = Owner{MountPath: mountPath, Job: prev.Job, PID: os.Getpid()}
+	return s.writeOwnerLocked()
+}
+
+// Owner returns the spool's owner record. Right after OpenSpool, Job is the job recorded by the
+// agent that used the spool before (empty for a new spool or one that never saw a job).
+func (s *Spool) Owner() Owner {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	return s.owner
+}
+
+// SetJob records the job whose data the spool holds from now on. It is an error on a spool
+// opened without a MountPath (nothing is recorded there).
+func (s *Spool) SetJob(job string) error {
+	if s.lock == nil {
+		return errors.New("spool has no owner record (opened without a mount path)")
+	}
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	s.owner.Job = job
+	return s.writeOwnerLocked()
+}
+
+func (s *Spool) writeOwnerLocked() error {
+	s.owner.LastUsed = time.Now().UTC().Truncate(time.Millisecond)
+	data, err := json.MarshalIndent(s.owner, "", "  ")
+	if err != nil {
+		return err
+	}
+	var rnd [6]byte
+	rand.Read(rnd[:])
+	tmp := filepath.Join(s.dir, "."+OwnerFile+".tmp-"+hex.EncodeToString(rnd[:]))
+	if err := os.WriteFile(tmp, append(data, '\n'), 0o600); err != nil {
+		return fmt.Errorf("record spool owner: %w", err)
+	}
+	if err := os.Rename(tmp, filepath.Join(s.dir, OwnerFile)); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("record spool owner: %w", err)
+	}
+	return nil
+}
+
+func (s *Spool) unlock() {
+	if s.lock != nil {
+		s.lock.Close()
+	}
+}
 
 // FilesDir holds the backing files of open-ended (not yet sealed) files.
 func (s *Spool) FilesDir() string { return filepath.Join(s.dir, "files") }
@@ -209,7 +449,13 @@ func (s *Spool) Detach() error { return s.close(false) }
 func (s *Spool) close(discard bool) error {
 	var err error
 	s.closeOnce.Do(func() {
+		defer s.unlock() // last: nobody may take the spool before it is gone or recorded
 		if !discard {
+			if s.lock != nil {
+				s.ownerMu.Lock()
+				err = s.writeOwnerLocked() // the time it was last used
+				s.ownerMu.Unlock()
+			}
 			return
 		}
 		if s.ownMount {

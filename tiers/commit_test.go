@@ -1,0 +1,205 @@
+package tiers_test
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/mtcfs/mtcfs/layout"
+)
+
+// snapshotSpool copies the harness's spool to a new root, as a kill -9 would leave it at this
+// moment (the running agent goes on with the original), and returns the new root.
+func snapshotSpool(t *testing.T, h *harness) string {
+	t.Helper()
+	root := t.TempDir()
+	if err := copyTreeLinks(filepath.Join(h.cfg.root, "spool"), filepath.Join(root, "spool")); err != nil {
+		t.Fatal(err)
+	}
+	return root
+}
+
+// copyTreeLinks copies a spool tree: bytes, directories and symlinks.
+func copyTreeLinks(src, dst string) error { return copyTree(src, dst) }
+
+// A step whose commit rename returned is restored after the agent is killed at any point of its
+// sealing (SPEC §10): the commit is recorded in the spool before the rename returns.
+func TestCommitSurvivesAKillAtEveryPointOfSealing(t *testing.T) {
+	for _, point := range []string{"right after the rename", "after hashing, before the .meta"} {
+		t.Run(point, func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t, harnessConfig{})
+			h.start(baseYAML, "job")
+			block := make(chan struct{})
+			defer close(block)
+			blocked := make(chan string, 1)
+			h.ns.setHook(func(op, name string) {
+				// The sealer's first namespace call comes after it hashed the record and moved the
+				// data into spool/sealed; Seal itself runs on the rename.
+				if op == "list" && point != "right after the rename" {
+					select {
+					case blocked <- "list":
+						<-block
+					default:
+					}
+				}
+				if op == "seal" && point == "right after the rename" {
+					// Let Seal finish (the rename returns), but keep the sealer from starting by
+					// snapshotting before the sealer can run: block the next namespace call.
+					h.ns.setHook(func(op, name string) {
+						select {
+						case blocked <- op:
+							<-block
+						default:
+						}
+					})
+				}
+			})
+			files := checkpointFiles("7")
+			hash := h.orbaxSave(7, files)
+			<-blocked
+			root := snapshotSpool(t, h)
+			if recs, _ := filepath.Glob(filepath.Join(root, "spool", "commits", "*", "commit.json")); len(recs) != 1 {
+				t.Fatalf("the killed agent's spool holds %d commit records, want 1", len(recs))
+			}
+			h2 := newHarness(t, harnessConfig{root: root})
+			h2.yamlOrbax(baseYAML)
+			restore := marker("job", 7, 0, 0, layout.MarkerRestore)
+			h2.waitMarkers(restore)
+			h2.checkRestoreLink(restore, hash, files)
+			if got := h2.spoolGlob("commits/*"); len(got) != 0 {
+				t.Errorf("records left after recovery: %q", got)
+			}
+		})
+	}
+}
+
+// A record the killed agent did not finish writing (no commit.json: the rename had not
+// returned) is dropped, and one that cannot be sealed is reported to the job, not dropped
+// silently.
+func TestIncompleteAndBrokenCommitRecords(t *testing.T) {
+	t.Parallel()
+	root := t.TempDir()
+	commits := filepath.Join(root, "spool", "commits")
+	// Incomplete: data but no commit.json.
+	inc := filepath.Join(commits, "00000000000000000001-aa")
+	if err := os.MkdirAll(filepath.Join(inc, "data", "state"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(inc, "data", "state", "a"), []byte("x"), 0o600)
+	// Broken: a commit.json whose data vanished and was never sealed.
+	broken := filepath.Join(commits, "00000000000000000002-bb")
+	os.MkdirAll(broken, 0o700)
+	os.WriteFile(filepath.Join(broken, "commit.json"), []byte(`{"job":"job","incarnation":"x","rank":0,"worker":0,"step":9,"name":"9"}`), 0o600)
+
+	h := newHarness(t, harnessConfig{root: root})
+	h.yamlOrbax(baseYAML)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	errs := h.lines(layout.ReplicatorErrorsName)
+	if len(errs) != 1 || !strings.Contains(errs[0], "step 9 of job job") || !strings.Contains(errs[0], "could not be sealed") {
+		t.Fatalf("replicator.errors = %q, want one line about step 9", errs)
+	}
+	if got := h.spoolGlob("commits/*"); len(got) != 0 {
+		t.Errorf("records left: %q", got)
+	}
+	if got := h.spoolGlob("meta/*"); len(got) != 0 {
+		t.Errorf("metas: %q", got)
+	}
+}
+
+// Data that fails its hash when the agent restarts is reported in replicator.errors and the
+// step is restored from the backup instead — never a silent fresh start (SPEC §10).
+func TestCorruptedRAMIsReportedAndRestoredFromBackup(t *testing.T) {
+	t.Parallel()
+	store := newFakeStore(t)
+	h := newHarness(t, harnessConfig{store: store})
+	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
+	files := checkpointFiles("4")
+	hash := h.orbaxSave(4, files)
+	h.waitSealed("job", 4, "4")
+	h.eventually("the backup of step 4", func() string {
+		names, _ := store.Backups(t.Context(), "job")
+		for _, n := range names {
+			if steps, _ := store.CompleteSteps(t.Context(), "job", n, 1, 1); len(steps) > 0 && steps[0].Step == 4 {
+				return ""
+			}
+		}
+		return "no complete backup of step 4 yet"
+	})
+	h.close()
+	// The RAM copy goes bad while no agent runs.
+	victim := filepath.Join(h.cfg.root, "spool", "sealed", hash+".data", "state", "array_0")
+	if err := os.WriteFile(victim, []byte("flipped"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h2 := newHarness(t, h.cfg)
+	h2.yamlOrbax(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"))
+	restore := marker("job", 4, 0, 0, layout.MarkerRestore)
+	h2.waitMarkers(restore)
+	h2.checkRestoreLink(restore, hash, files)
+	errs := h2.lines(layout.ReplicatorErrorsName)
+	if !slices.ContainsFunc(errs, func(l string) bool { return strings.Contains(l, "job-s4-n0-w0.meta") && strings.Contains(l, "dropped") }) {
+		t.Errorf("replicator.errors = %q, want a line saying step 4's RAM copy was dropped", errs)
+	}
+}
+
+// A mount reused by another job frees the first job's checkpoints at the new job's handshake:
+// they are never restored for it and do not take its budget (SPEC §10).
+func TestOtherJobsDataIsFreed(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	hash := h.orbaxSave(3, checkpointFiles("3"))
+	h.waitSealed("job", 3, "3")
+	h2 := h.restart()
+	h2.yamlOrbax(strings.Replace(baseYAML, "job-name: job", "job-name: other", 1))
+	h2.waitMarkers(marker("other", 0, 0, 0, layout.MarkerRestore))
+	if got := h2.spoolGlob("sealed/*"); len(got) != 0 {
+		t.Errorf("spool still holds %q of job 'job'", got)
+	}
+	if h2.exists(hash+".data") || h2.exists(marker("job", 3, 0, 0, layout.MarkerMeta)) {
+		t.Errorf("namespace still shows job 'job': %q", h2.names())
+	}
+	errs := h2.lines(layout.ReplicatorErrorsName)
+	if len(errs) != 1 || !strings.Contains(errs[0], "job-s3-n0-w0.meta") || !strings.Contains(errs[0], "freed") {
+		t.Errorf("replicator.errors = %q, want one line naming the freed checkpoint", errs)
+	}
+}
+
+// Data whose integrity the agent cannot vouch for (a .save committed at its close: a duplicate
+// descriptor could still write) is hashed before a restore uses it; a copy that fails is
+// reported and restored from the backup (SPEC §10).
+func TestUnverifiedRAMIsCheckedAtRestore(t *testing.T) {
+	t.Parallel()
+	store := newFakeStore(t)
+	h := newHarness(t, harnessConfig{store: store})
+	doc := withKeys("framework: pytorch", "backup-interval-steps: 1", "-backup-interval-minutes")
+	h.start(doc, "job")
+	save := marker("job", 2, 0, 0, layout.MarkerSave)
+	h.writeFile(save, "torch state")
+	hash := h.waitSealed("job", 2, save)
+	h.eventually("the backup of step 2", func() string {
+		names, _ := store.Backups(t.Context(), "job")
+		for _, n := range names {
+			if steps, _ := store.CompleteSteps(t.Context(), "job", n, 1, 1); len(steps) > 0 && steps[0].Step == 2 {
+				return ""
+			}
+		}
+		return "no complete backup of step 2 yet"
+	})
+	if err := os.WriteFile(filepath.Join(h.cfg.root, "spool", "sealed", hash+".data"), []byte("torch STATE"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h.yamlNemo(doc) // the job restarts; the agent does not
+	restore := marker("job", 2, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore)
+	if got := h.read(restore); got != "torch state" {
+		t.Fatalf("restored %q, want the backed-up bytes", got)
+	}
+	errs := h.lines(layout.ReplicatorErrorsName)
+	if !slices.ContainsFunc(errs, func(l string) bool { return strings.Contains(l, "fails its check") }) {
+		t.Errorf("replicator.errors = %q, want a line about the RAM copy failing its check", errs)
+	}
+}

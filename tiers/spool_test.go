@@ -1,0 +1,227 @@
+package tiers_test
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// TestSpoolOwnerRecorded: a spool opened for a mount path records it (resolved), the agent's
+// pid and when it was used; SetJob records the job; a later agent sees the previous job.
+func TestSpoolOwnerRecorded(t *testing.T) {
+	for _, tmpfs := range []bool{false, true} {
+		name := "plain"
+		if tmpfs {
+			name = "tmpfs"
+		}
+		t.Run(name, func(t *testing.T) {
+			if tmpfs && os.Geteuid() != 0 {
+				t.Skip("needs root to mount a tmpfs")
+			}
+			base := t.TempDir()
+			mnt, link, dir := filepath.Join(base, "mnt"), filepath.Join(base, "link"), filepath.Join(base, "spool")
+			mustMkdir(t, mnt)
+			mustSymlink(t, "mnt", link)
+			t.Cleanup(func() { unmountAll(dir) })
+
+			before := time.Now().Add(-time.Second)
+			s := openOwned(t, dir, link, tmpfs)
+			o, err := tiers.ReadOwner(dir)
+			if err != nil {
+				t.Fatalf("ReadOwner: %v", err)
+			}
+			if o.MountPath != mnt || o.Job != "" || o.PID != os.Getpid() || o.LastUsed.Before(before) {
+				t.Fatalf("owner after open = %+v, want mount %s, no job, pid %d, used after %v", o, mnt, os.Getpid(), before)
+			}
+			if got := s.Owner(); got != o {
+				t.Fatalf("Owner() = %+v, file says %+v", got, o)
+			}
+			if err := s.SetJob("llama"); err != nil {
+				t.Fatalf("SetJob: %v", err)
+			}
+			o2, err := tiers.ReadOwner(dir)
+			if err != nil || o2.Job != "llama" || o2.MountPath != mnt || o2.LastUsed.Before(o.LastUsed) {
+				t.Fatalf("owner after SetJob = %+v, %v; want job llama, mount %s", o2, err, mnt)
+			}
+			noTempFiles(t, dir)
+			if err := s.Detach(); err != nil {
+				t.Fatalf("Detach: %v", err)
+			}
+
+			// The next agent on the mount sees which job the data belongs to.
+			s2 := openOwned(t, dir, mnt, tmpfs)
+			if got := s2.Owner(); got.Job != "llama" || got.MountPath != mnt {
+				t.Fatalf("reopened spool's owner = %+v, want the previous job llama on %s", got, mnt)
+			}
+			if err := s2.SetJob("other"); err != nil {
+				t.Fatal(err)
+			}
+			if o3, _ := tiers.ReadOwner(dir); o3.Job != "other" {
+				t.Fatalf("job after the second SetJob = %q, want other", o3.Job)
+			}
+			noTempFiles(t, dir)
+			if err := s2.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tiers.ReadOwner(dir); !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("ReadOwner of a discarded spool: %v, want not-exist", err)
+			}
+		})
+	}
+}
+
+// TestSpoolLockedWhileOpen: an owned spool is locked while open, so a second agent and mtcfs
+// spool commands see it in use; Detach and Close release it.
+func TestSpoolLockedWhileOpen(t *testing.T) {
+	base := t.TempDir()
+	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	mustMkdir(t, mnt)
+	s := openOwned(t, dir, mnt, false)
+	if f, err := tiers.LockSpool(dir); !errors.Is(err, tiers.ErrSpoolInUse) {
+		if f != nil {
+			f.Close()
+		}
+		t.Fatalf("LockSpool of an open spool: %v, want ErrSpoolInUse", err)
+	}
+	_, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: dir, Budget: 64 << 20, MountPath: mnt})
+	if err == nil || !strings.Contains(err.Error(), "in use") || !strings.Contains(err.Error(), mnt) {
+		t.Fatalf("second OpenSpool of an open spool: %v, want an in-use error naming %s", err, mnt)
+	}
+	if err := s.Detach(); err != nil {
+		t.Fatal(err)
+	}
+	f, err := tiers.LockSpool(dir)
+	if err != nil {
+		t.Fatalf("LockSpool after Detach: %v", err)
+	}
+	f.Close()
+	s2 := openOwned(t, dir, mnt, false)
+	if err := s2.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSpoolWithoutMountPath: an anonymous spool (tests, tools) records nothing and locks
+// nothing.
+func TestSpoolWithoutMountPath(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "spool")
+	s, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: dir, Budget: 64 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := tiers.ReadOwner(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("ReadOwner of an anonymous spool: %v, want not-exist", err)
+	}
+	if err := s.SetJob("j"); err == nil {
+		t.Fatal("SetJob on an anonymous spool succeeded")
+	}
+	f, err := tiers.LockSpool(dir)
+	if err != nil {
+		t.Fatalf("LockSpool of an anonymous spool: %v", err)
+	}
+	f.Close()
+}
+
+// TestResolveMountPath: symlinks anywhere in the path are resolved; paths that do not exist
+// come back absolute.
+func TestResolveMountPath(t *testing.T) {
+	base, err := filepath.EvalSymlinks(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	real := filepath.Join(base, "a", "mnt")
+	mustMkdir(t, real)
+	mustSymlink(t, real, filepath.Join(base, "abs"))           // absolute target
+	mustSymlink(t, "a/mnt", filepath.Join(base, "rel"))        // relative target
+	mustSymlink(t, "rel", filepath.Join(base, "chain"))        // a link to a link
+	mustSymlink(t, "a", filepath.Join(base, "dirlink"))        // a link in the parent
+	mustSymlink(t, "../a/mnt", filepath.Join(base, "a", "up")) // ".." in the target
+	mustSymlink(t, "nowhere", filepath.Join(base, "dangling")) // target missing
+	mustSymlink(t, "a/mnt", filepath.Join(base, "mntlink"))
+	mustSymlink(t, "mntlink/../mnt", filepath.Join(base, "dotdot")) // ".." after a link: base/a/mnt, not base/mnt
+	mustSymlink(t, "loop", filepath.Join(base, "loop"))
+	t.Chdir(base)
+	cases := map[string]string{
+		real:                                  real,
+		"a/mnt":                               real,
+		filepath.Join(base, "abs"):            real,
+		filepath.Join(base, "rel"):            real,
+		filepath.Join(base, "chain"):          real,
+		filepath.Join(base, "dirlink", "mnt"): real,
+		"dirlink/mnt/":                        real,
+		filepath.Join(base, "a", "up"):        real,
+		filepath.Join(base, "dotdot"):         real,
+		filepath.Join(base, "missing"):        filepath.Join(base, "missing"),
+		"missing/deeper":                      filepath.Join(base, "missing", "deeper"),
+		filepath.Join(base, "dangling"):       filepath.Join(base, "nowhere"),
+		filepath.Join(base, "loop"):           filepath.Join(base, "loop"),
+		"/":                                   "/",
+	}
+	for in, want := range cases {
+		if got := tiers.ResolveMountPath(in); got != want {
+			t.Errorf("ResolveMountPath(%q) = %q, want %q", in, got, want)
+		}
+	}
+	if a, b := tiers.DefaultSpoolDir(filepath.Join(base, "abs")), tiers.DefaultSpoolDir(real); a != b {
+		t.Errorf("default spool through a symlink %s differs from the real directory's %s", a, b)
+	}
+	if a, b := tiers.DefaultSpoolDir(real), tiers.DefaultSpoolDir(filepath.Join(base, "a")); a == b {
+		t.Errorf("two mount paths share the default spool %s", a)
+	}
+	if d := tiers.DefaultSpoolDir(real); filepath.Dir(d) != tiers.DefaultSpoolRoot() || !strings.HasPrefix(filepath.Base(d), "mnt-") {
+		t.Errorf("DefaultSpoolDir(%s) = %s, want %s/mnt-<hash>", real, d, tiers.DefaultSpoolRoot())
+	}
+}
+
+func openOwned(t *testing.T, dir, mountPath string, tmpfs bool) *tiers.Spool {
+	t.Helper()
+	s, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: dir, Budget: 64 << 20, MountTmpfs: tmpfs, MountPath: mountPath})
+	if err != nil {
+		t.Fatalf("OpenSpool: %v", err)
+	}
+	return s
+}
+
+func noTempFiles(t *testing.T, dir string) {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if strings.Contains(e.Name(), tiers.OwnerFile) && e.Name() != tiers.OwnerFile {
+			t.Errorf("temporary file %s left in the spool", e.Name())
+		}
+	}
+}
+
+func mustMkdir(t *testing.T, p string) {
+	t.Helper()
+	if err := os.MkdirAll(p, 0o755); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func mustSymlink(t *testing.T, target, link string) {
+	t.Helper()
+	if err := os.Symlink(target, link); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// unmountAll detaches every mount at p (a test's spool tmpfs), also after a failure.
+func unmountAll(p string) {
+	for i := 0; i < 8; i++ {
+		if unix.Unmount(p, unix.MNT_DETACH) != nil {
+			return
+		}
+	}
+}
