@@ -66,9 +66,9 @@ type Replicator struct {
 	// lineMu serialises appends to replicator.errors and replicator.failed.
 	lineMu sync.Mutex
 
-	queue  fifo[event]
-	sealQ  fifo[pendingCommit] // recorded commits, to the sealer
-	syncQ  fifo[sealedStep]    // sealed (or restored) steps, to the syncer
+	queue fifo[event]
+	sealQ fifo[pendingCommit] // recorded commits, to the sealer
+	syncQ fifo[sealedStep]    // sealed (or restored) steps, to the syncer
 	// prehash carries paths of files the job closed after writing; they are hashed in the
 	// background so that sealing their step only combines digests.
 	prehash chan string
