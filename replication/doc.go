@@ -17,9 +17,22 @@
 //     Fetch verifies the same way before the data is renamed into place.
 //   - Names from peers are validated before anything is written: data names must match
 //     ^D?[0-9a-f]{64}\.data$, .meta names must parse (layout.ParseMarkerName) and name the
-//     caller's job, paths are relative without empty, "." or ".." elements, and symlink targets
-//     are relative and resolve inside the tree (following the tree's own links). Files are
-//     created with O_NOFOLLOW, never below a symlink.
+//     caller's job; paths are relative without empty, "." or ".." elements, elements of at most
+//     NAME_MAX bytes, paths of at most maxPathLen (8 × PATH_MAX: longer than PATH_MAX is legal,
+//     see below); no path is listed twice or below a non-directory; symlink targets are
+//     non-empty; special entries have a known type. Symlink targets are otherwise kept verbatim
+//     (absolute, dangling or leading out of the tree, as the job made them).
+//   - Nothing is ever written outside the transfer's directory. Every entry is created and every
+//     file opened relative to a descriptor of its parent directory, itself opened from its own
+//     parent without following a symlink (layout.Dir: openat2 RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS,
+//     or O_NOFOLLOW element by element): a symlink inside a tree is never followed, whatever its
+//     target, and paths longer than PATH_MAX once prefixed with where the tree lives work. The
+//     sender reads its tree the same way.
+//   - Trees carry every entry type layout.TreeHash covers: regular files, directories, symlinks,
+//     FIFOs, sockets and device nodes (type and device number; no content). A receiver or
+//     fetcher that cannot create a device node (mknod needs CAP_MKNOD outside a user namespace)
+//     refuses the whole transfer with FailedPrecondition before any byte moves, rather than
+//     accept a tree it cannot hold.
 //   - Every call is authenticated with an HMAC-SHA256 over the caller's job, incarnation, rank,
 //     instance, the time and the method, keyed by the job's shared secret (see Authenticate);
 //     refusals are Unauthenticated and logged with the peer's address.
@@ -52,8 +65,9 @@
 // # Wire format
 //
 // A push of one data name is one transfer: a sender-chosen id, one or more PushFiles streams that
-// each start with the same PushHeader (identity + Manifest), then Chunks {file index, offset,
-// bytes, CRC-32C}. The bytes of all files, concatenated in manifest order, are cut into as many
+// each start with the same PushHeader (identity + Manifest: files with sizes and digests,
+// directories, symlinks with targets, special entries with type and device number), then
+// Chunks {file index, offset, bytes, CRC-32C}. The bytes of all files, concatenated in manifest order, are cut into as many
 // contiguous shares as there are streams, so one large file is spread over all of them and each
 // stream reads sequentially. When all streams ended, Commit verifies and accepts. Fetch streams
 // carry the Manifest and then the chunks of the share the fetcher asked for. Chunk messages
@@ -62,10 +76,15 @@
 // socket buffer, and the receiver writes from gRPC's receive buffers with pwritev.
 //
 // The generated code in peerpb is committed; after editing peerpb/peer.proto, regenerate it from
-// the module root with protoc (apt-get install protobuf-compiler) and the plugins
-// (go install google.golang.org/protobuf/cmd/protoc-gen-go@latest
-// google.golang.org/grpc/cmd/protoc-gen-go-grpc@latest):
+// the module root with protoc (apt-get install protobuf-compiler: 3.21.12 on Debian 12) and the
+// plugins at the versions named at the top of the generated files
+// (go install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
+// google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2), then goimports peer.pb.go:
 //
 //	protoc --proto_path=replication/peerpb --go_out=replication/peerpb --go_opt=paths=source_relative \
 //	  --go-grpc_out=replication/peerpb --go-grpc_opt=paths=source_relative replication/peerpb/peer.proto
+//
+// Field 6 of Manifest (specials) was added after the first release: an older receiver ignores
+// it, and then refuses a tree holding specials as not hashing to its name (DataLoss); trees
+// without specials travel as before in both directions.
 package replication

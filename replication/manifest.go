@@ -5,10 +5,9 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io/fs"
+	"math"
 	"math/bits"
 	"os"
-	"path"
-	"path/filepath"
 	"slices"
 	"strings"
 
@@ -28,12 +27,17 @@ const (
 // Limits on what a manifest may describe. They bound the work and memory a peer can cause; real
 // checkpoints are far inside them.
 const (
-	maxEntries  = 1 << 20 // files + directories + symlinks
-	maxPathLen  = 4096    // PATH_MAX
-	maxNameLen  = 255     // NAME_MAX, one path element
-	maxTotal    = 1 << 50 // bytes, so that sums cannot overflow
-	maxMetaSize = 65      // "D" + 64 hex digits
-	maxSymlinks = 40      // links followed while resolving one target, as Linux's MAXSYMLINKS
+	maxEntries = 1 << 20 // files + directories + symlinks + specials
+	// maxPathLen bounds a path inside a tree. It is not PATH_MAX: a job may create paths relative
+	// to a deep working directory, and a legal ~4 KiB path in the mount is longer still once
+	// prefixed with where the tree lives; layout.Dir handles any length. Eight times PATH_MAX
+	// keeps the depth of a tree (one descriptor per level while it is created and listed)
+	// bounded.
+	maxPathLen   = 8 * 4096
+	maxNameLen   = 255     // NAME_MAX, one path element
+	maxTargetLen = 4095    // a symlink's target: PATH_MAX less the NUL, what symlink(2) takes
+	maxTotal     = 1 << 50 // bytes, so that sums cannot overflow
+	maxMetaSize  = 65      // "D" + 64 hex digits
 )
 
 // manifest is a Manifest that passed checkManifest.
@@ -64,12 +68,44 @@ func (m *manifest) presume(idx []uint32) error {
 // sent reports whether file i travels in the push.
 func (m *manifest) sent(i int) bool { return m.presumed == nil || !m.presumed[i] }
 
-// localPath returns where file i of the data lives when the data itself is at root.
-func (m *manifest) localPath(root string, i int) string {
-	if m.kind != kindTree {
-		return root
+// specialTypes maps the wire's special types to layout's.
+var specialTypes = map[peerpb.SpecialType]layout.EntryType{
+	peerpb.SpecialType_SPECIAL_TYPE_FIFO:         layout.EntryFIFO,
+	peerpb.SpecialType_SPECIAL_TYPE_SOCKET:       layout.EntrySocket,
+	peerpb.SpecialType_SPECIAL_TYPE_CHAR_DEVICE:  layout.EntryCharDev,
+	peerpb.SpecialType_SPECIAL_TYPE_BLOCK_DEVICE: layout.EntryBlockDev,
+}
+
+// wireSpecialType is the wire's name for a special entry type (UNSPECIFIED for others).
+func wireSpecialType(t layout.EntryType) peerpb.SpecialType {
+	for w, e := range specialTypes {
+		if e == t {
+			return w
+		}
 	}
-	return filepath.Join(root, filepath.FromSlash(m.pb.Files[i].Path))
+	return peerpb.SpecialType_SPECIAL_TYPE_UNSPECIFIED
+}
+
+// entries returns what the manifest of a tree lists, as layout entries: the files first, entry i
+// being file i (with its digest), then the directories, symlinks and special entries.
+func (m *manifest) entries() []layout.TreeEntry {
+	pb := m.pb
+	out := make([]layout.TreeEntry, 0, len(pb.Files)+len(pb.Dirs)+len(pb.Symlinks)+len(pb.Specials))
+	for _, f := range pb.Files {
+		e := layout.TreeEntry{Path: f.Path, Type: layout.EntryFile, Size: f.Size}
+		copy(e.Digest[:], f.Blake3) // checkManifest checked its length
+		out = append(out, e)
+	}
+	for _, d := range pb.Dirs {
+		out = append(out, layout.TreeEntry{Path: d, Type: layout.EntryDir})
+	}
+	for _, l := range pb.Symlinks {
+		out = append(out, layout.TreeEntry{Path: l.Path, Type: layout.EntrySymlink, Target: l.Target})
+	}
+	for _, sp := range pb.Specials {
+		out = append(out, layout.TreeEntry{Path: sp.Path, Type: specialTypes[sp.Type], Rdev: sp.Rdev})
+	}
+	return out
 }
 
 // parseDataName tells the kind of the data a name stands for and, for .data names, the hash the
@@ -107,7 +143,7 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 		return nil, err
 	}
 	m := &manifest{pb: pb, kind: kind}
-	if n := len(pb.Files) + len(pb.Dirs) + len(pb.Symlinks); n > maxEntries {
+	if n := len(pb.Files) + len(pb.Dirs) + len(pb.Symlinks) + len(pb.Specials); n > maxEntries {
 		return nil, errInvalid("%s: %d entries, at most %d allowed", pb.DataName, n, maxEntries)
 	}
 	if !isHex64(pb.TreeHash) {
@@ -127,7 +163,7 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 	}
 
 	if kind != kindTree {
-		if len(pb.Files) != 1 || pb.Files[0].Path != "" || len(pb.Dirs) != 0 || len(pb.Symlinks) != 0 {
+		if len(pb.Files) != 1 || pb.Files[0].Path != "" || len(pb.Dirs) != 0 || len(pb.Symlinks) != 0 || len(pb.Specials) != 0 {
 			return nil, errInvalid("%s names a single file: want exactly one file with an empty path", pb.DataName)
 		}
 		switch d := hex.EncodeToString(pb.Files[0].Blake3); {
@@ -139,25 +175,19 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 		return m, nil
 	}
 
-	entries := make([]layout.TreeEntry, 0, len(pb.Files)+len(pb.Dirs)+len(pb.Symlinks))
-	for _, f := range pb.Files {
-		entries = append(entries, layout.TreeEntry{Path: f.Path, Type: layout.EntryFile, Size: f.Size, Digest: layout.FileDigest(f.Blake3)})
-	}
-	for _, d := range pb.Dirs {
-		entries = append(entries, layout.TreeEntry{Path: d, Type: layout.EntryDir})
-	}
-	links := make(map[string]string, len(pb.Symlinks))
 	for _, l := range pb.Symlinks {
-		entries = append(entries, layout.TreeEntry{Path: l.Path, Type: layout.EntrySymlink, Target: l.Target})
-		links[l.Path] = l.Target
-	}
-	for _, e := range entries {
-		if err := checkPath(e.Path); err != nil {
+		if err := checkSymlinkTarget(l.Path, l.Target); err != nil {
 			return nil, errInvalid("%s: %v", pb.DataName, err)
 		}
 	}
-	for _, l := range pb.Symlinks {
-		if err := checkSymlinkTarget(l.Path, l.Target, links); err != nil {
+	for _, sp := range pb.Specials {
+		if err := checkSpecial(sp); err != nil {
+			return nil, errInvalid("%s: %v", pb.DataName, err)
+		}
+	}
+	entries := m.entries()
+	for _, e := range entries {
+		if err := checkPath(e.Path); err != nil {
 			return nil, errInvalid("%s: %v", pb.DataName, err)
 		}
 	}
@@ -192,47 +222,29 @@ func checkPath(p string) error {
 	return nil
 }
 
-// checkSymlinkTarget refuses a symlink whose target is absolute or leads out of the tree. The
-// target is resolved the way the kernel would, element by element from the link's directory,
-// following the tree's own symlinks (links maps their paths to targets): a lexical check alone
-// is not enough, since "up -> ../.." inside "a/b" is harmless but "x -> a/b/up/.." is not.
-func checkSymlinkTarget(link, target string, links map[string]string) error {
-	if target == "" || len(target) > maxPathLen || strings.IndexByte(target, 0) >= 0 {
-		return fmt.Errorf("symlink %q: target %q is empty, too long or holds a NUL byte", link, target)
+// checkSymlinkTarget accepts any target a symlink can hold: it is kept verbatim, even absolute,
+// dangling or leading out of the tree (the job made it so, and a restore must give it back).
+// That is safe because nothing that handles a tree follows a symlink inside it: the receiver
+// creates every entry relative to its parent's descriptor without following links (layout.Dir),
+// and TreeHash refuses an entry below a non-directory.
+func checkSymlinkTarget(link, target string) error {
+	if target == "" || len(target) > maxTargetLen || strings.IndexByte(target, 0) >= 0 {
+		return fmt.Errorf("symlink %q: target %.40q is empty, longer than %d bytes or holds a NUL byte", link, target, maxTargetLen)
 	}
-	if strings.HasPrefix(target, "/") {
-		return fmt.Errorf("symlink %q: target %q is absolute", link, target)
-	}
-	cur := strings.Split(path.Dir(link), "/") // the directory holding the link
-	if cur[0] == "." {
-		cur = cur[:0]
-	}
-	todo := strings.Split(target, "/")
-	followed := 0
-	for len(todo) > 0 {
-		elem := todo[0]
-		todo = todo[1:]
-		switch elem {
-		case "", ".":
-		case "..":
-			if len(cur) == 0 {
-				return fmt.Errorf("symlink %q: target %q leads out of the tree", link, target)
-			}
-			cur = cur[:len(cur)-1]
-		default:
-			t, isLink := links[strings.Join(append(cur, elem), "/")]
-			if !isLink {
-				cur = append(cur, elem)
-				continue
-			}
-			if followed++; followed > maxSymlinks {
-				return fmt.Errorf("symlink %q: target %q: more than %d levels of symlinks", link, target, maxSymlinks)
-			}
-			if strings.HasPrefix(t, "/") {
-				return fmt.Errorf("symlink %q: target %q passes through %q, whose target %q is absolute", link, target, elem, t)
-			}
-			todo = append(strings.Split(t, "/"), todo...)
-		}
+	return nil
+}
+
+// checkSpecial accepts a FIFO, socket or device entry of a known type whose device number can
+// be created (mknod takes 32 bits; a FIFO or socket has none).
+func checkSpecial(sp *peerpb.Special) error {
+	t, ok := specialTypes[sp.Type]
+	switch {
+	case !ok:
+		return fmt.Errorf("special entry %q: unknown type %v", sp.Path, sp.Type)
+	case (t == layout.EntryCharDev || t == layout.EntryBlockDev) && sp.Rdev > math.MaxUint32:
+		return fmt.Errorf("%v %q: device number %#x does not fit in 32 bits", t, sp.Path, sp.Rdev)
+	case t != layout.EntryCharDev && t != layout.EntryBlockDev && sp.Rdev != 0:
+		return fmt.Errorf("%v %q: has a device number", t, sp.Path)
 	}
 	return nil
 }
@@ -257,21 +269,32 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *layo
 	case kind == kindTree && !info.IsDir(), kind != kindTree && !info.Mode().IsRegular():
 		return nil, fmt.Errorf("%s: a %v cannot be sent as %s", src, info.Mode().Type(), dataName)
 	case kind == kindTree:
-		if entries, err = layout.ListTree(src); err != nil {
-			return nil, fmt.Errorf("list %s: %w", src, err)
+		// Listed and read relative to the tree's root: no path length limit, no symlink followed.
+		d, err := layout.OpenDir(src)
+		if err != nil {
+			return nil, err
+		}
+		defer d.Close()
+		if entries, err = d.List(); err != nil {
+			return nil, err
+		}
+		if err := d.HashEntries(ctx, entries, digests); err != nil {
+			return nil, fmt.Errorf("hash %s: %w", src, err)
 		}
 	default:
 		entries = []layout.TreeEntry{{Type: layout.EntryFile, Size: info.Size()}} // src itself
-	}
-	if err := layout.HashEntries(ctx, src, entries, digests); err != nil {
-		return nil, fmt.Errorf("hash %s: %w", src, err)
+		if err := layout.HashEntries(ctx, src, entries, digests); err != nil {
+			return nil, fmt.Errorf("hash %s: %w", src, err)
+		}
 	}
 	for _, e := range entries {
-		switch e.Type {
-		case layout.EntryDir:
+		switch {
+		case e.Type == layout.EntryDir:
 			pb.Dirs = append(pb.Dirs, e.Path)
-		case layout.EntrySymlink:
+		case e.Type == layout.EntrySymlink:
 			pb.Symlinks = append(pb.Symlinks, &peerpb.Symlink{Path: e.Path, Target: e.Target})
+		case e.Type.Special():
+			pb.Specials = append(pb.Specials, &peerpb.Special{Path: e.Path, Type: wireSpecialType(e.Type), Rdev: e.Rdev})
 		default:
 			pb.Files = append(pb.Files, &peerpb.File{Path: e.Path, Size: e.Size, Blake3: e.Digest[:]})
 		}

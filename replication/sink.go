@@ -9,9 +9,9 @@ import (
 	"io"
 	"io/fs"
 	"os"
-	"path"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -27,10 +27,19 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 // sink receives the files of one manifest into a private directory and verifies them. Both ends
 // use it: the receiver of a push and the caller of a fetch. Chunks may arrive from several
 // streams at once; verify runs after every stream ended.
+//
+// Every entry of a tree is created and opened relative to a descriptor of its parent directory
+// (layout.Dir), never through a path that the kernel resolves from outside: paths may be longer
+// than PATH_MAX, and no symlink inside the tree is ever followed, whatever the peer sent.
 type sink struct {
 	m    *manifest
 	tmp  string // private directory (mode 0700), removed by discard
 	root string // tmp/<data name>: the data itself
+	// dir is root open as a tree, for a directory's data; nil for a single file and once the
+	// sink was discarded. Holders of dirMu.RLock may use it: discard closes it under the write
+	// lock, so its descriptor number is never reused under a concurrent open.
+	dirMu sync.RWMutex
+	dir   *layout.Dir // GUARDED_BY(dirMu)
 	// dropped holds why discard was called; writes fail from then on.
 	dropped atomic.Pointer[error]
 	files   []sinkFile
@@ -51,7 +60,8 @@ type sinkFile struct {
 type span struct{ lo, hi int64 }
 
 // newSink creates a private directory in dir (named prefix + random) holding the manifest's
-// directories, symlinks and empty files.
+// directories, symlinks, special entries and empty files (but not the files m presumes: adopt
+// links those in).
 func newSink(dir, prefix string, m *manifest) (*sink, error) {
 	tmp, err := os.MkdirTemp(dir, prefix)
 	if err != nil {
@@ -65,44 +75,131 @@ func newSink(dir, prefix string, m *manifest) (*sink, error) {
 	return s, nil
 }
 
-func (s *sink) create() error {
-	if s.m.kind == kindTree {
-		if err := os.Mkdir(s.root, 0o755); err != nil {
-			return err
-		}
-		// Dirs are in listing order, so parents come first; MkdirAll covers parents a manifest
-		// left implicit. Nothing below root is a symlink yet, and checkManifest refused entries
-		// below symlinks, so no path here leaves the tree.
-		for _, d := range s.m.pb.Dirs {
-			if err := os.MkdirAll(filepath.Join(s.root, filepath.FromSlash(d)), 0o755); err != nil {
-				return err
-			}
-		}
-		for _, f := range s.m.pb.Files {
-			if err := os.MkdirAll(filepath.Join(s.root, filepath.FromSlash(path.Dir(f.Path))), 0o755); err != nil {
-				return err
-			}
-		}
-		for _, l := range s.m.pb.Symlinks {
-			p := filepath.Join(s.root, filepath.FromSlash(l.Path))
-			if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-				return err
-			}
-			if err := os.Symlink(l.Target, p); err != nil {
-				return err
-			}
-		}
+// openFile opens file i of the data with flags (O_NOFOLLOW implied).
+func (s *sink) openFile(i int, flags int, perm uint32) (*os.File, error) {
+	if s.m.kind != kindTree {
+		return os.OpenFile(s.root, flags|syscall.O_NOFOLLOW, os.FileMode(perm))
 	}
-	for i := range s.m.pb.Files {
-		f, err := os.OpenFile(s.m.localPath(s.root, i), os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o644)
+	s.dirMu.RLock()
+	defer s.dirMu.RUnlock()
+	if s.dir == nil {
+		return nil, errors.New("the transfer's directory is gone")
+	}
+	return s.dir.Open(s.m.pb.Files[i].Path, flags, perm)
+}
+
+func (s *sink) create() error {
+	if s.m.kind != kindTree {
+		f, err := s.openFile(0, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 		if err != nil {
 			return err
 		}
-		if err := f.Close(); err != nil {
-			return err
+		return f.Close()
+	}
+	if err := os.Mkdir(s.root, 0o755); err != nil {
+		return err
+	}
+	d, err := layout.OpenDir(s.root)
+	if err != nil {
+		return err
+	}
+	s.dirMu.Lock()
+	s.dir = d
+	s.dirMu.Unlock()
+	return buildTree(d, s.m) // nothing discards the sink before newSink returns it
+}
+
+// buildTree creates the entries of m's tree in root, an empty directory: directories (also those
+// the manifest leaves implicit), empty regular files (except the presumed ones), symlinks and
+// special entries. Entries are made in path order, each relative to a descriptor of its parent,
+// which is opened from its own parent's descriptor without following a symlink: the work is
+// linear in the total length of the paths, whatever their depth, and an entry listed below a
+// symlink or a file (checkManifest refuses that already) fails here too instead of landing
+// wherever the link points.
+func buildTree(root *layout.Dir, m *manifest) error {
+	type item struct {
+		e    layout.TreeEntry
+		skip bool // a presumed file: only its parent directories are made
+	}
+	entries := m.entries()
+	items := make([]item, len(entries))
+	for i, e := range entries {
+		items[i] = item{e: e, skip: i < len(m.pb.Files) && !m.sent(i)} // entry i < len(Files) is file i
+	}
+	slices.SortFunc(items, func(a, b item) int { return strings.Compare(a.e.Path, b.e.Path) })
+
+	// open[k] is the directory named by the first k elements of names; open[0] is root.
+	open := []*layout.Dir{root}
+	var names []string
+	defer func() {
+		for _, d := range open[1:] {
+			d.Close()
+		}
+	}()
+	for _, it := range items {
+		elems := strings.Split(it.e.Path, "/")
+		parent, base := elems[:len(elems)-1], elems[len(elems)-1]
+		keep := 0
+		for keep < len(names) && keep < len(parent) && names[keep] == parent[keep] {
+			keep++
+		}
+		for _, d := range open[keep+1:] {
+			d.Close()
+		}
+		open, names = open[:keep+1], names[:keep]
+		for _, name := range parent[keep:] {
+			top := open[len(open)-1]
+			sub, err := top.OpenDir(name)
+			if errors.Is(err, fs.ErrNotExist) { // a directory the manifest left implicit
+				if err = top.Mkdir(name, 0o755); err == nil {
+					sub, err = top.OpenDir(name)
+				}
+			}
+			if err != nil {
+				return fmt.Errorf("%q: parent %q: %w", it.e.Path, strings.Join(append(names, name), "/"), unwrapPath(err))
+			}
+			open, names = append(open, sub), append(names, name)
+		}
+		top := open[len(open)-1]
+		var err error
+		switch e := it.e; {
+		case e.Type == layout.EntryFile:
+			if it.skip {
+				continue
+			}
+			var f *os.File
+			if f, err = top.Open(base, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644); err == nil {
+				err = f.Close()
+			}
+		case e.Type == layout.EntryDir:
+			err = top.Mkdir(base, 0o755)
+		case e.Type == layout.EntrySymlink:
+			err = top.Symlink(e.Target, base)
+		case e.Type.Special():
+			err = top.Create(layout.TreeEntry{Path: base, Type: e.Type, Rdev: e.Rdev}, 0o644)
+			if err != nil && (e.Type == layout.EntryCharDev || e.Type == layout.EntryBlockDev) && errors.Is(err, unix.EPERM) {
+				return errPrecondition("%v %q (%d:%d) cannot be created here: %v; holding a checkpoint with device nodes "+
+					"needs an agent allowed to mknod them (CAP_MKNOD outside a user namespace)",
+					e.Type, e.Path, unix.Major(e.Rdev), unix.Minor(e.Rdev), unwrapPath(err))
+			}
+		default:
+			err = fmt.Errorf("unknown entry type %v", e.Type)
+		}
+		if err != nil {
+			return fmt.Errorf("%q: %w", it.e.Path, unwrapPath(err))
 		}
 	}
 	return nil
+}
+
+// unwrapPath drops the path of an *fs.PathError, which for a deep tree repeats a long prefix the
+// caller names better.
+func unwrapPath(err error) error {
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		return fmt.Errorf("%s: %w", pe.Op, pe.Err)
+	}
+	return err
 }
 
 // write checks one chunk and writes it in place with pwritev, straight from the buffers it
@@ -136,7 +233,7 @@ func (s *sink) write(c *inChunk) error {
 		return errInvalid("%q: %v", meta.Path, err)
 	}
 	if sf.f == nil {
-		f, err := os.OpenFile(s.m.localPath(s.root, int(c.file)), os.O_WRONLY|syscall.O_NOFOLLOW, 0)
+		f, err := s.openFile(int(c.file), os.O_WRONLY, 0)
 		if err != nil {
 			sf.mu.Unlock()
 			if derr := s.droppedErr(); derr != nil {
@@ -215,20 +312,27 @@ func pwritev(f *os.File, pieces [][]byte, off int64) error {
 	return werr
 }
 
-// adopt makes file i a hard link to src, an early file already verified to have digest d and
-// the manifest's size, instead of receiving its bytes. Call it before any chunk arrives.
+// adopt makes file i, a presumed file (which newSink did not create), a hard link to src, an
+// early file already verified to have digest d and the manifest's size, instead of receiving
+// its bytes. Call it before any chunk arrives.
 func (s *sink) adopt(i int, src string, d layout.FileDigest) error {
-	dst := s.m.localPath(s.root, i)
-	if err := os.Remove(dst); err != nil {
-		return err
+	if s.m.kind != kindTree {
+		return fmt.Errorf("%s: only the files of a tree are adopted", s.m.pb.DataName)
 	}
-	if err := os.Link(src, dst); err != nil {
+	s.dirMu.RLock()
+	err := errors.New("the transfer's directory is gone")
+	if s.dir != nil {
+		err = s.dir.Link(src, s.m.pb.Files[i].Path)
+	}
+	s.dirMu.RUnlock()
+	if err != nil {
 		return err
 	}
 	if s.adopted == nil {
 		s.adopted = &layout.DigestCache{}
 	}
-	if err := s.adopted.Remember(dst, d); err != nil {
+	// src and the link are one inode: the digest is remembered by inode, size and mtime.
+	if err := s.adopted.Remember(src, d); err != nil {
 		return err
 	}
 	size := s.m.pb.Files[i].Size
@@ -355,6 +459,12 @@ func (s *sink) droppedErr() error {
 // goes. Only the first reason is kept.
 func (s *sink) discard(reason error) error {
 	s.dropped.CompareAndSwap(nil, &reason)
+	s.dirMu.Lock()
+	if s.dir != nil {
+		s.dir.Close()
+		s.dir = nil
+	}
+	s.dirMu.Unlock()
 	for i := range s.files {
 		sf := &s.files[i]
 		sf.mu.Lock()

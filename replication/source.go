@@ -6,6 +6,8 @@ import (
 	"hash/crc32"
 	"io"
 	"os"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // Chunk sizes. Measured with bench/peerbench (bench/RESULTS.md): see DefaultChunkSize.
@@ -26,11 +28,26 @@ const (
 // chunks of at most chunkSize bytes, in order. Each chunk is read (pread) into a buffer from
 // chunkBuffers that send passes on to gRPC without a copy (see peerCodec). progress is called
 // after each chunk. It returns the bytes sent.
+//
+// The files of a tree are opened relative to root's descriptor (layout.Dir): their paths may be
+// longer than PATH_MAX below root, and no symlink inside the tree is followed.
 func sendShare(ctx context.Context, root string, m *manifest, pieces []piece, chunkSize int,
 	send func(*outChunk) error, progress func()) (int64, error) {
+	if len(pieces) == 0 {
+		return 0, nil
+	}
+	open := func(int) (*os.File, error) { return os.Open(root) } // a single file: root itself
+	if m.kind == kindTree {
+		d, err := layout.OpenDir(root)
+		if err != nil {
+			return 0, err
+		}
+		defer d.Close()
+		open = func(i int) (*os.File, error) { return d.Open(m.pb.Files[i].Path, os.O_RDONLY, 0) }
+	}
 	var sent int64
 	for _, p := range pieces {
-		if err := sendPiece(ctx, root, m, p, chunkSize, send, progress); err != nil {
+		if err := sendPiece(ctx, open, m, p, chunkSize, send, progress); err != nil {
 			return sent, err
 		}
 		sent += p.n
@@ -38,16 +55,18 @@ func sendShare(ctx context.Context, root string, m *manifest, pieces []piece, ch
 	return sent, nil
 }
 
-func sendPiece(ctx context.Context, root string, m *manifest, p piece, chunkSize int,
+func sendPiece(ctx context.Context, open func(int) (*os.File, error), m *manifest, p piece, chunkSize int,
 	send func(*outChunk) error, progress func()) error {
 	meta := m.pb.Files[p.file]
-	f, err := os.Open(m.localPath(root, p.file))
+	f, err := open(p.file)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
 	if info, err := f.Stat(); err != nil {
 		return err
+	} else if !info.Mode().IsRegular() {
+		return errCorrupt("%s: %q changed since it was hashed: no longer a regular file", m.pb.DataName, meta.Path)
 	} else if info.Size() != meta.Size {
 		return errCorrupt("%s: %q changed since it was hashed: %d bytes, was %d", m.pb.DataName, meta.Path, info.Size(), meta.Size)
 	}

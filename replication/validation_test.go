@@ -105,16 +105,45 @@ func TestHeaderValidation(t *testing.T) {
 		{"empty file path in a tree", func(h *peerpb.PushHeader) { h.Manifest.Files = []*peerpb.File{file("")} }, codes.InvalidArgument},
 		{"NUL in a path", func(h *peerpb.PushHeader) { h.Manifest.Files = []*peerpb.File{file("a\x00b")} }, codes.InvalidArgument},
 		{"directory climbing out", func(h *peerpb.PushHeader) { h.Manifest.Dirs = append(h.Manifest.Dirs, "a/../../x") }, codes.InvalidArgument},
-		{"absolute symlink target", func(h *peerpb.PushHeader) {
-			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "evil", Target: "/etc/shadow"})
+		{"path past the length cap", func(h *peerpb.PushHeader) {
+			h.Manifest.Dirs = append(h.Manifest.Dirs, strings.Repeat(strings.Repeat("d", 200)+"/", maxPathLen/201+1)+"x")
 		}, codes.InvalidArgument},
-		{"symlink climbing out", func(h *peerpb.PushHeader) {
-			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "state/evil", Target: "../../outside"})
+		{"element past NAME_MAX", func(h *peerpb.PushHeader) {
+			h.Manifest.Dirs = append(h.Manifest.Dirs, strings.Repeat("d", 256))
 		}, codes.InvalidArgument},
-		{"symlink climbing out through another symlink", func(h *peerpb.PushHeader) {
-			h.Manifest.Symlinks = append(h.Manifest.Symlinks,
-				&peerpb.Symlink{Path: "deep/a/up", Target: "../.."},
-				&peerpb.Symlink{Path: "evil", Target: "deep/a/up/../x"})
+		{"empty symlink target", func(h *peerpb.PushHeader) {
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "evil", Target: ""})
+		}, codes.InvalidArgument},
+		{"NUL in a symlink target", func(h *peerpb.PushHeader) {
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "evil", Target: "a\x00b"})
+		}, codes.InvalidArgument},
+		{"file below a symlink", func(h *peerpb.PushHeader) {
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "zz", Target: "/etc"})
+			h.Manifest.Files = append(h.Manifest.Files, file("zz/passwd"))
+		}, codes.InvalidArgument},
+		{"directory below a symlink", func(h *peerpb.PushHeader) {
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "zz", Target: "/etc"})
+			h.Manifest.Dirs = append(h.Manifest.Dirs, "zz/cron.d")
+		}, codes.InvalidArgument},
+		{"symlink below a FIFO", func(h *peerpb.PushHeader) {
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz", Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO})
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "zz/l", Target: "x"})
+		}, codes.InvalidArgument},
+		{"special of unknown type", func(h *peerpb.PushHeader) {
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz", Type: 99})
+		}, codes.InvalidArgument},
+		{"special of unspecified type", func(h *peerpb.PushHeader) {
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz"})
+		}, codes.InvalidArgument},
+		{"FIFO with a device number", func(h *peerpb.PushHeader) {
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz", Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO, Rdev: 1})
+		}, codes.InvalidArgument},
+		{"device number past 32 bits", func(h *peerpb.PushHeader) {
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz", Type: peerpb.SpecialType_SPECIAL_TYPE_CHAR_DEVICE, Rdev: 1 << 32})
+		}, codes.InvalidArgument},
+		{"special in a single-file manifest", func(h *peerpb.PushHeader) {
+			h.Manifest = &peerpb.Manifest{DataName: strings.Repeat("0", 64) + ".data", TreeHash: strings.Repeat("0", 64), Files: []*peerpb.File{file("")},
+				Specials: []*peerpb.Special{{Path: "p", Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO}}}
 		}, codes.InvalidArgument},
 		{"upper-case data name", func(h *peerpb.PushHeader) { h.Manifest.DataName = strings.ToUpper(name[:65]) + ".data" }, codes.InvalidArgument},
 		{"data name with a path", func(h *peerpb.PushHeader) { h.Manifest.DataName = "../" + name }, codes.InvalidArgument},
@@ -206,29 +235,26 @@ func TestChunkValidation(t *testing.T) {
 	p.requireNoIncoming(t)
 }
 
+// Symlink targets are kept verbatim (absolute, dangling or leading out of the tree, as the job
+// made them); only what symlink(2) cannot hold is refused.
 func TestCheckSymlinkTarget(t *testing.T) {
-	links := map[string]string{"a/b/up": "../..", "a/loop": "../loop2", "loop2": "a/loop", "a/abs": "/x", "a/self": "."}
 	cases := []struct {
-		link, target string
-		ok           bool
+		target string
+		ok     bool
 	}{
-		{"l", "a/b/c", true},
-		{"a/b/l", "../../c", true},
-		{"a/b/l", "../../../c", false},
-		{"l", "/etc", false},
-		{"l", "..", false},
-		{"l", "a/b/up", true},     // resolves to the root itself
-		{"l", "a/b/up/..", false}, // the root's parent
-		{"l", "a/b/up/a/b/up/x", true},
-		{"l", "a/loop", false}, // too many levels
-		{"l", "a/abs", false},  // through an absolute link
-		{"l", "a/self/../b", true},
-		{"l", "a//b", true},
-		{"l", "", false},
+		{"a/b/c", true},
+		{"../../../outside", true},
+		{"/etc/passwd", true},
+		{"no/such/file", true},
+		{"..", true},
+		{strings.Repeat("x", maxTargetLen), true},
+		{strings.Repeat("x", maxTargetLen+1), false},
+		{"", false},
+		{"a\x00b", false},
 	}
 	for _, tc := range cases {
-		err := checkSymlinkTarget(tc.link, tc.target, links)
-		require.Equal(t, tc.ok, err == nil, "%s -> %s: %v", tc.link, tc.target, err)
+		err := checkSymlinkTarget("l", tc.target)
+		require.Equal(t, tc.ok, err == nil, "-> %.40q: %v", tc.target, err)
 	}
 }
 

@@ -32,9 +32,66 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type SpecialType int32
+
+const (
+	SpecialType_SPECIAL_TYPE_UNSPECIFIED  SpecialType = 0 // never valid
+	SpecialType_SPECIAL_TYPE_FIFO         SpecialType = 1
+	SpecialType_SPECIAL_TYPE_SOCKET       SpecialType = 2
+	SpecialType_SPECIAL_TYPE_CHAR_DEVICE  SpecialType = 3
+	SpecialType_SPECIAL_TYPE_BLOCK_DEVICE SpecialType = 4
+)
+
+// Enum value maps for SpecialType.
+var (
+	SpecialType_name = map[int32]string{
+		0: "SPECIAL_TYPE_UNSPECIFIED",
+		1: "SPECIAL_TYPE_FIFO",
+		2: "SPECIAL_TYPE_SOCKET",
+		3: "SPECIAL_TYPE_CHAR_DEVICE",
+		4: "SPECIAL_TYPE_BLOCK_DEVICE",
+	}
+	SpecialType_value = map[string]int32{
+		"SPECIAL_TYPE_UNSPECIFIED":  0,
+		"SPECIAL_TYPE_FIFO":         1,
+		"SPECIAL_TYPE_SOCKET":       2,
+		"SPECIAL_TYPE_CHAR_DEVICE":  3,
+		"SPECIAL_TYPE_BLOCK_DEVICE": 4,
+	}
+)
+
+func (x SpecialType) Enum() *SpecialType {
+	p := new(SpecialType)
+	*p = x
+	return p
+}
+
+func (x SpecialType) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (SpecialType) Descriptor() protoreflect.EnumDescriptor {
+	return file_peer_proto_enumTypes[0].Descriptor()
+}
+
+func (SpecialType) Type() protoreflect.EnumType {
+	return &file_peer_proto_enumTypes[0]
+}
+
+func (x SpecialType) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use SpecialType.Descriptor instead.
+func (SpecialType) EnumDescriptor() ([]byte, []int) {
+	return file_peer_proto_rawDescGZIP(), []int{0}
+}
+
 // Manifest describes the data being moved. For a directory ("D<hash>.data") it lists every
-// directory, regular file and symlink below the root; for a single file (a "<hash>.data" file or a
-// .meta) it holds exactly one file, with an empty path.
+// directory, regular file, symlink, FIFO, socket and device node below the root; for a single file
+// (a "<hash>.data" file or a .meta) it holds exactly one file, with an empty path. Paths are
+// relative, slash-separated, without empty, "." or ".." elements, and may be longer than PATH_MAX;
+// no entry lies below a non-directory.
 type Manifest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// "<hash>.data", "D<hash>.data" or "<job>-s<S>-n<R>-w<W>.meta".
@@ -45,8 +102,12 @@ type Manifest struct {
 	// Regular files in strictly increasing byte order of path; a Chunk names a file by its index here.
 	Files []*File `protobuf:"bytes,3,rep,name=files,proto3" json:"files,omitempty"`
 	// Every directory (relative path), including empty ones.
-	Dirs          []string   `protobuf:"bytes,4,rep,name=dirs,proto3" json:"dirs,omitempty"`
-	Symlinks      []*Symlink `protobuf:"bytes,5,rep,name=symlinks,proto3" json:"symlinks,omitempty"`
+	Dirs     []string   `protobuf:"bytes,4,rep,name=dirs,proto3" json:"dirs,omitempty"`
+	Symlinks []*Symlink `protobuf:"bytes,5,rep,name=symlinks,proto3" json:"symlinks,omitempty"`
+	// FIFOs, sockets and device nodes: entries without content, kept as what they are (their type,
+	// and a device's number), like tar does. A receiver that cannot create device nodes (no
+	// CAP_MKNOD) refuses a transfer listing one with FAILED_PRECONDITION.
+	Specials      []*Special `protobuf:"bytes,6,rep,name=specials,proto3" json:"specials,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -116,6 +177,13 @@ func (x *Manifest) GetSymlinks() []*Symlink {
 	return nil
 }
 
+func (x *Manifest) GetSpecials() []*Special {
+	if x != nil {
+		return x.Specials
+	}
+	return nil
+}
+
 type File struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"` // relative, slash-separated, no "." or ".." elements
@@ -177,9 +245,11 @@ func (x *File) GetBlake3() []byte {
 }
 
 type Symlink struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
-	Target        string                 `protobuf:"bytes,2,opt,name=target,proto3" json:"target,omitempty"` // relative, and resolving inside the tree
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Path  string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	// Verbatim, as the job made it: non-empty, and it may be absolute, dangling or point out of the
+	// tree. Nothing that handles a tree follows a symlink inside it.
+	Target        string `protobuf:"bytes,2,opt,name=target,proto3" json:"target,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -228,6 +298,67 @@ func (x *Symlink) GetTarget() string {
 	return ""
 }
 
+// Special is a FIFO, socket or device node of a tree.
+type Special struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	Type          SpecialType            `protobuf:"varint,2,opt,name=type,proto3,enum=mtcfs.replication.v1.SpecialType" json:"type,omitempty"`
+	Rdev          uint64                 `protobuf:"varint,3,opt,name=rdev,proto3" json:"rdev,omitempty"` // the device number (st_rdev) of a device node; 0 for a FIFO or a socket
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Special) Reset() {
+	*x = Special{}
+	mi := &file_peer_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Special) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Special) ProtoMessage() {}
+
+func (x *Special) ProtoReflect() protoreflect.Message {
+	mi := &file_peer_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Special.ProtoReflect.Descriptor instead.
+func (*Special) Descriptor() ([]byte, []int) {
+	return file_peer_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *Special) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *Special) GetType() SpecialType {
+	if x != nil {
+		return x.Type
+	}
+	return SpecialType_SPECIAL_TYPE_UNSPECIFIED
+}
+
+func (x *Special) GetRdev() uint64 {
+	if x != nil {
+		return x.Rdev
+	}
+	return 0
+}
+
 // PushHeader opens every PushFiles stream of a transfer.
 type PushHeader struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -256,7 +387,7 @@ type PushHeader struct {
 
 func (x *PushHeader) Reset() {
 	*x = PushHeader{}
-	mi := &file_peer_proto_msgTypes[3]
+	mi := &file_peer_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -268,7 +399,7 @@ func (x *PushHeader) String() string {
 func (*PushHeader) ProtoMessage() {}
 
 func (x *PushHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[3]
+	mi := &file_peer_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -281,7 +412,7 @@ func (x *PushHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PushHeader.ProtoReflect.Descriptor instead.
 func (*PushHeader) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{3}
+	return file_peer_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *PushHeader) GetTransferId() string {
@@ -360,7 +491,7 @@ type Chunk struct {
 
 func (x *Chunk) Reset() {
 	*x = Chunk{}
-	mi := &file_peer_proto_msgTypes[4]
+	mi := &file_peer_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -372,7 +503,7 @@ func (x *Chunk) String() string {
 func (*Chunk) ProtoMessage() {}
 
 func (x *Chunk) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[4]
+	mi := &file_peer_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -385,7 +516,7 @@ func (x *Chunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Chunk.ProtoReflect.Descriptor instead.
 func (*Chunk) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{4}
+	return file_peer_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Chunk) GetFile() uint32 {
@@ -429,7 +560,7 @@ type PushMessage struct {
 
 func (x *PushMessage) Reset() {
 	*x = PushMessage{}
-	mi := &file_peer_proto_msgTypes[5]
+	mi := &file_peer_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -441,7 +572,7 @@ func (x *PushMessage) String() string {
 func (*PushMessage) ProtoMessage() {}
 
 func (x *PushMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[5]
+	mi := &file_peer_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -454,7 +585,7 @@ func (x *PushMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PushMessage.ProtoReflect.Descriptor instead.
 func (*PushMessage) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{5}
+	return file_peer_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *PushMessage) GetKind() isPushMessage_Kind {
@@ -507,7 +638,7 @@ type PushReply struct {
 
 func (x *PushReply) Reset() {
 	*x = PushReply{}
-	mi := &file_peer_proto_msgTypes[6]
+	mi := &file_peer_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -519,7 +650,7 @@ func (x *PushReply) String() string {
 func (*PushReply) ProtoMessage() {}
 
 func (x *PushReply) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[6]
+	mi := &file_peer_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -532,7 +663,7 @@ func (x *PushReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PushReply.ProtoReflect.Descriptor instead.
 func (*PushReply) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{6}
+	return file_peer_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *PushReply) GetBytes() int64 {
@@ -551,7 +682,7 @@ type CommitRequest struct {
 
 func (x *CommitRequest) Reset() {
 	*x = CommitRequest{}
-	mi := &file_peer_proto_msgTypes[7]
+	mi := &file_peer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -563,7 +694,7 @@ func (x *CommitRequest) String() string {
 func (*CommitRequest) ProtoMessage() {}
 
 func (x *CommitRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[7]
+	mi := &file_peer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -576,7 +707,7 @@ func (x *CommitRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitRequest.ProtoReflect.Descriptor instead.
 func (*CommitRequest) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{7}
+	return file_peer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CommitRequest) GetTransferId() string {
@@ -594,7 +725,7 @@ type CommitReply struct {
 
 func (x *CommitReply) Reset() {
 	*x = CommitReply{}
-	mi := &file_peer_proto_msgTypes[8]
+	mi := &file_peer_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -606,7 +737,7 @@ func (x *CommitReply) String() string {
 func (*CommitReply) ProtoMessage() {}
 
 func (x *CommitReply) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[8]
+	mi := &file_peer_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -619,7 +750,7 @@ func (x *CommitReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitReply.ProtoReflect.Descriptor instead.
 func (*CommitReply) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{8}
+	return file_peer_proto_rawDescGZIP(), []int{9}
 }
 
 type AbandonRequest struct {
@@ -631,7 +762,7 @@ type AbandonRequest struct {
 
 func (x *AbandonRequest) Reset() {
 	*x = AbandonRequest{}
-	mi := &file_peer_proto_msgTypes[9]
+	mi := &file_peer_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -643,7 +774,7 @@ func (x *AbandonRequest) String() string {
 func (*AbandonRequest) ProtoMessage() {}
 
 func (x *AbandonRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[9]
+	mi := &file_peer_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -656,7 +787,7 @@ func (x *AbandonRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbandonRequest.ProtoReflect.Descriptor instead.
 func (*AbandonRequest) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{9}
+	return file_peer_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *AbandonRequest) GetTransferId() string {
@@ -674,7 +805,7 @@ type AbandonReply struct {
 
 func (x *AbandonReply) Reset() {
 	*x = AbandonReply{}
-	mi := &file_peer_proto_msgTypes[10]
+	mi := &file_peer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -686,7 +817,7 @@ func (x *AbandonReply) String() string {
 func (*AbandonReply) ProtoMessage() {}
 
 func (x *AbandonReply) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[10]
+	mi := &file_peer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -699,7 +830,7 @@ func (x *AbandonReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbandonReply.ProtoReflect.Descriptor instead.
 func (*AbandonReply) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{10}
+	return file_peer_proto_rawDescGZIP(), []int{11}
 }
 
 type FetchRequest struct {
@@ -714,7 +845,7 @@ type FetchRequest struct {
 
 func (x *FetchRequest) Reset() {
 	*x = FetchRequest{}
-	mi := &file_peer_proto_msgTypes[11]
+	mi := &file_peer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -726,7 +857,7 @@ func (x *FetchRequest) String() string {
 func (*FetchRequest) ProtoMessage() {}
 
 func (x *FetchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[11]
+	mi := &file_peer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -739,7 +870,7 @@ func (x *FetchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FetchRequest.ProtoReflect.Descriptor instead.
 func (*FetchRequest) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{11}
+	return file_peer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *FetchRequest) GetDataName() string {
@@ -783,7 +914,7 @@ type FetchMessage struct {
 
 func (x *FetchMessage) Reset() {
 	*x = FetchMessage{}
-	mi := &file_peer_proto_msgTypes[12]
+	mi := &file_peer_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -795,7 +926,7 @@ func (x *FetchMessage) String() string {
 func (*FetchMessage) ProtoMessage() {}
 
 func (x *FetchMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[12]
+	mi := &file_peer_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -808,7 +939,7 @@ func (x *FetchMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FetchMessage.ProtoReflect.Descriptor instead.
 func (*FetchMessage) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{12}
+	return file_peer_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *FetchMessage) GetKind() isFetchMessage_Kind {
@@ -861,7 +992,7 @@ type DropRequest struct {
 
 func (x *DropRequest) Reset() {
 	*x = DropRequest{}
-	mi := &file_peer_proto_msgTypes[13]
+	mi := &file_peer_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -873,7 +1004,7 @@ func (x *DropRequest) String() string {
 func (*DropRequest) ProtoMessage() {}
 
 func (x *DropRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[13]
+	mi := &file_peer_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -886,7 +1017,7 @@ func (x *DropRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DropRequest.ProtoReflect.Descriptor instead.
 func (*DropRequest) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{13}
+	return file_peer_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DropRequest) GetGroup() string {
@@ -904,7 +1035,7 @@ type DropReply struct {
 
 func (x *DropReply) Reset() {
 	*x = DropReply{}
-	mi := &file_peer_proto_msgTypes[14]
+	mi := &file_peer_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -916,7 +1047,7 @@ func (x *DropReply) String() string {
 func (*DropReply) ProtoMessage() {}
 
 func (x *DropReply) ProtoReflect() protoreflect.Message {
-	mi := &file_peer_proto_msgTypes[14]
+	mi := &file_peer_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -929,7 +1060,7 @@ func (x *DropReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DropReply.ProtoReflect.Descriptor instead.
 func (*DropReply) Descriptor() ([]byte, []int) {
-	return file_peer_proto_rawDescGZIP(), []int{14}
+	return file_peer_proto_rawDescGZIP(), []int{15}
 }
 
 var File_peer_proto protoreflect.FileDescriptor
@@ -937,20 +1068,25 @@ var File_peer_proto protoreflect.FileDescriptor
 const file_peer_proto_rawDesc = "" +
 	"\n" +
 	"\n" +
-	"peer.proto\x12\x14mtcfs.replication.v1\"\xc5\x01\n" +
+	"peer.proto\x12\x14mtcfs.replication.v1\"\x80\x02\n" +
 	"\bManifest\x12\x1b\n" +
 	"\tdata_name\x18\x01 \x01(\tR\bdataName\x12\x1b\n" +
 	"\ttree_hash\x18\x02 \x01(\tR\btreeHash\x120\n" +
 	"\x05files\x18\x03 \x03(\v2\x1a.mtcfs.replication.v1.FileR\x05files\x12\x12\n" +
 	"\x04dirs\x18\x04 \x03(\tR\x04dirs\x129\n" +
-	"\bsymlinks\x18\x05 \x03(\v2\x1d.mtcfs.replication.v1.SymlinkR\bsymlinks\"F\n" +
+	"\bsymlinks\x18\x05 \x03(\v2\x1d.mtcfs.replication.v1.SymlinkR\bsymlinks\x129\n" +
+	"\bspecials\x18\x06 \x03(\v2\x1d.mtcfs.replication.v1.SpecialR\bspecials\"F\n" +
 	"\x04File\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x03R\x04size\x12\x16\n" +
 	"\x06blake3\x18\x03 \x01(\fR\x06blake3\"5\n" +
 	"\aSymlink\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +
-	"\x06target\x18\x02 \x01(\tR\x06target\"\xcb\x02\n" +
+	"\x06target\x18\x02 \x01(\tR\x06target\"h\n" +
+	"\aSpecial\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x125\n" +
+	"\x04type\x18\x02 \x01(\x0e2!.mtcfs.replication.v1.SpecialTypeR\x04type\x12\x12\n" +
+	"\x04rdev\x18\x03 \x01(\x04R\x04rdev\"\xcb\x02\n" +
 	"\n" +
 	"PushHeader\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
@@ -996,7 +1132,13 @@ const file_peer_proto_rawDesc = "" +
 	"\x04kind\"#\n" +
 	"\vDropRequest\x12\x14\n" +
 	"\x05group\x18\x01 \x01(\tR\x05group\"\v\n" +
-	"\tDropReply2\x9f\x03\n" +
+	"\tDropReply*\x98\x01\n" +
+	"\vSpecialType\x12\x1c\n" +
+	"\x18SPECIAL_TYPE_UNSPECIFIED\x10\x00\x12\x15\n" +
+	"\x11SPECIAL_TYPE_FIFO\x10\x01\x12\x17\n" +
+	"\x13SPECIAL_TYPE_SOCKET\x10\x02\x12\x1c\n" +
+	"\x18SPECIAL_TYPE_CHAR_DEVICE\x10\x03\x12\x1d\n" +
+	"\x19SPECIAL_TYPE_BLOCK_DEVICE\x10\x042\x9f\x03\n" +
 	"\x04Peer\x12Q\n" +
 	"\tPushFiles\x12!.mtcfs.replication.v1.PushMessage\x1a\x1f.mtcfs.replication.v1.PushReply(\x01\x12P\n" +
 	"\x06Commit\x12#.mtcfs.replication.v1.CommitRequest\x1a!.mtcfs.replication.v1.CommitReply\x12S\n" +
@@ -1016,47 +1158,52 @@ func file_peer_proto_rawDescGZIP() []byte {
 	return file_peer_proto_rawDescData
 }
 
-var file_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_peer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_peer_proto_goTypes = []any{
-	(*Manifest)(nil),       // 0: mtcfs.replication.v1.Manifest
-	(*File)(nil),           // 1: mtcfs.replication.v1.File
-	(*Symlink)(nil),        // 2: mtcfs.replication.v1.Symlink
-	(*PushHeader)(nil),     // 3: mtcfs.replication.v1.PushHeader
-	(*Chunk)(nil),          // 4: mtcfs.replication.v1.Chunk
-	(*PushMessage)(nil),    // 5: mtcfs.replication.v1.PushMessage
-	(*PushReply)(nil),      // 6: mtcfs.replication.v1.PushReply
-	(*CommitRequest)(nil),  // 7: mtcfs.replication.v1.CommitRequest
-	(*CommitReply)(nil),    // 8: mtcfs.replication.v1.CommitReply
-	(*AbandonRequest)(nil), // 9: mtcfs.replication.v1.AbandonRequest
-	(*AbandonReply)(nil),   // 10: mtcfs.replication.v1.AbandonReply
-	(*FetchRequest)(nil),   // 11: mtcfs.replication.v1.FetchRequest
-	(*FetchMessage)(nil),   // 12: mtcfs.replication.v1.FetchMessage
-	(*DropRequest)(nil),    // 13: mtcfs.replication.v1.DropRequest
-	(*DropReply)(nil),      // 14: mtcfs.replication.v1.DropReply
+	(SpecialType)(0),       // 0: mtcfs.replication.v1.SpecialType
+	(*Manifest)(nil),       // 1: mtcfs.replication.v1.Manifest
+	(*File)(nil),           // 2: mtcfs.replication.v1.File
+	(*Symlink)(nil),        // 3: mtcfs.replication.v1.Symlink
+	(*Special)(nil),        // 4: mtcfs.replication.v1.Special
+	(*PushHeader)(nil),     // 5: mtcfs.replication.v1.PushHeader
+	(*Chunk)(nil),          // 6: mtcfs.replication.v1.Chunk
+	(*PushMessage)(nil),    // 7: mtcfs.replication.v1.PushMessage
+	(*PushReply)(nil),      // 8: mtcfs.replication.v1.PushReply
+	(*CommitRequest)(nil),  // 9: mtcfs.replication.v1.CommitRequest
+	(*CommitReply)(nil),    // 10: mtcfs.replication.v1.CommitReply
+	(*AbandonRequest)(nil), // 11: mtcfs.replication.v1.AbandonRequest
+	(*AbandonReply)(nil),   // 12: mtcfs.replication.v1.AbandonReply
+	(*FetchRequest)(nil),   // 13: mtcfs.replication.v1.FetchRequest
+	(*FetchMessage)(nil),   // 14: mtcfs.replication.v1.FetchMessage
+	(*DropRequest)(nil),    // 15: mtcfs.replication.v1.DropRequest
+	(*DropReply)(nil),      // 16: mtcfs.replication.v1.DropReply
 }
 var file_peer_proto_depIdxs = []int32{
-	1,  // 0: mtcfs.replication.v1.Manifest.files:type_name -> mtcfs.replication.v1.File
-	2,  // 1: mtcfs.replication.v1.Manifest.symlinks:type_name -> mtcfs.replication.v1.Symlink
-	0,  // 2: mtcfs.replication.v1.PushHeader.manifest:type_name -> mtcfs.replication.v1.Manifest
-	3,  // 3: mtcfs.replication.v1.PushMessage.header:type_name -> mtcfs.replication.v1.PushHeader
-	4,  // 4: mtcfs.replication.v1.PushMessage.chunk:type_name -> mtcfs.replication.v1.Chunk
-	0,  // 5: mtcfs.replication.v1.FetchMessage.manifest:type_name -> mtcfs.replication.v1.Manifest
-	4,  // 6: mtcfs.replication.v1.FetchMessage.chunk:type_name -> mtcfs.replication.v1.Chunk
-	5,  // 7: mtcfs.replication.v1.Peer.PushFiles:input_type -> mtcfs.replication.v1.PushMessage
-	7,  // 8: mtcfs.replication.v1.Peer.Commit:input_type -> mtcfs.replication.v1.CommitRequest
-	9,  // 9: mtcfs.replication.v1.Peer.Abandon:input_type -> mtcfs.replication.v1.AbandonRequest
-	13, // 10: mtcfs.replication.v1.Peer.Drop:input_type -> mtcfs.replication.v1.DropRequest
-	11, // 11: mtcfs.replication.v1.Peer.Fetch:input_type -> mtcfs.replication.v1.FetchRequest
-	6,  // 12: mtcfs.replication.v1.Peer.PushFiles:output_type -> mtcfs.replication.v1.PushReply
-	8,  // 13: mtcfs.replication.v1.Peer.Commit:output_type -> mtcfs.replication.v1.CommitReply
-	10, // 14: mtcfs.replication.v1.Peer.Abandon:output_type -> mtcfs.replication.v1.AbandonReply
-	14, // 15: mtcfs.replication.v1.Peer.Drop:output_type -> mtcfs.replication.v1.DropReply
-	12, // 16: mtcfs.replication.v1.Peer.Fetch:output_type -> mtcfs.replication.v1.FetchMessage
-	12, // [12:17] is the sub-list for method output_type
-	7,  // [7:12] is the sub-list for method input_type
-	7,  // [7:7] is the sub-list for extension type_name
-	7,  // [7:7] is the sub-list for extension extendee
-	0,  // [0:7] is the sub-list for field type_name
+	2,  // 0: mtcfs.replication.v1.Manifest.files:type_name -> mtcfs.replication.v1.File
+	3,  // 1: mtcfs.replication.v1.Manifest.symlinks:type_name -> mtcfs.replication.v1.Symlink
+	4,  // 2: mtcfs.replication.v1.Manifest.specials:type_name -> mtcfs.replication.v1.Special
+	0,  // 3: mtcfs.replication.v1.Special.type:type_name -> mtcfs.replication.v1.SpecialType
+	1,  // 4: mtcfs.replication.v1.PushHeader.manifest:type_name -> mtcfs.replication.v1.Manifest
+	5,  // 5: mtcfs.replication.v1.PushMessage.header:type_name -> mtcfs.replication.v1.PushHeader
+	6,  // 6: mtcfs.replication.v1.PushMessage.chunk:type_name -> mtcfs.replication.v1.Chunk
+	1,  // 7: mtcfs.replication.v1.FetchMessage.manifest:type_name -> mtcfs.replication.v1.Manifest
+	6,  // 8: mtcfs.replication.v1.FetchMessage.chunk:type_name -> mtcfs.replication.v1.Chunk
+	7,  // 9: mtcfs.replication.v1.Peer.PushFiles:input_type -> mtcfs.replication.v1.PushMessage
+	9,  // 10: mtcfs.replication.v1.Peer.Commit:input_type -> mtcfs.replication.v1.CommitRequest
+	11, // 11: mtcfs.replication.v1.Peer.Abandon:input_type -> mtcfs.replication.v1.AbandonRequest
+	15, // 12: mtcfs.replication.v1.Peer.Drop:input_type -> mtcfs.replication.v1.DropRequest
+	13, // 13: mtcfs.replication.v1.Peer.Fetch:input_type -> mtcfs.replication.v1.FetchRequest
+	8,  // 14: mtcfs.replication.v1.Peer.PushFiles:output_type -> mtcfs.replication.v1.PushReply
+	10, // 15: mtcfs.replication.v1.Peer.Commit:output_type -> mtcfs.replication.v1.CommitReply
+	12, // 16: mtcfs.replication.v1.Peer.Abandon:output_type -> mtcfs.replication.v1.AbandonReply
+	16, // 17: mtcfs.replication.v1.Peer.Drop:output_type -> mtcfs.replication.v1.DropReply
+	14, // 18: mtcfs.replication.v1.Peer.Fetch:output_type -> mtcfs.replication.v1.FetchMessage
+	14, // [14:19] is the sub-list for method output_type
+	9,  // [9:14] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_peer_proto_init() }
@@ -1064,11 +1211,11 @@ func file_peer_proto_init() {
 	if File_peer_proto != nil {
 		return
 	}
-	file_peer_proto_msgTypes[5].OneofWrappers = []any{
+	file_peer_proto_msgTypes[6].OneofWrappers = []any{
 		(*PushMessage_Header)(nil),
 		(*PushMessage_Chunk)(nil),
 	}
-	file_peer_proto_msgTypes[12].OneofWrappers = []any{
+	file_peer_proto_msgTypes[13].OneofWrappers = []any{
 		(*FetchMessage_Manifest)(nil),
 		(*FetchMessage_Chunk)(nil),
 	}
@@ -1077,13 +1224,14 @@ func file_peer_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_peer_proto_rawDesc), len(file_peer_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   15,
+			NumEnums:      1,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_peer_proto_goTypes,
 		DependencyIndexes: file_peer_proto_depIdxs,
+		EnumInfos:         file_peer_proto_enumTypes,
 		MessageInfos:      file_peer_proto_msgTypes,
 	}.Build()
 	File_peer_proto = out.File
