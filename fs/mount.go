@@ -94,8 +94,17 @@ func (s *Server) Unmount() error {
 	return nil
 }
 
-// CheckMountable explains, in words a user can act on, why dir cannot be mounted.
+// CheckMountable explains, in words a user can act on, why dir cannot be mounted. Symlinks are
+// followed: the directory they lead to is what would be mounted on.
 func CheckMountable(dir string) error {
+	if real := tiers.ResolveMountPath(dir); real != dir {
+		if a, _ := filepath.Abs(dir); a != real { // reached through a symlink
+			if _, err := os.Lstat(real); errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("mount point %s leads to %s, which does not exist; create it first (mkdir -p %s)", dir, real, real)
+			}
+			dir = real
+		}
+	}
 	fi, err := os.Stat(dir)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
@@ -121,12 +130,11 @@ func CheckMountable(dir string) error {
 }
 
 // DetachStale removes a FUSE mount left at dir by an agent that died: such a mount answers
-// every access with ENOTCONN. A live mount at dir is an error: another agent serves it.
+// every access with ENOTCONN. A live mount at dir is an error: another agent serves it. A
+// symlink is resolved first (without touching a stale mount at its end), so a mount reached
+// through a link counts as the mount itself.
 func DetachStale(dir string) (bool, error) {
-	abs, err := filepath.Abs(dir)
-	if err != nil {
-		return false, err
-	}
+	abs := tiers.ResolveMountPath(dir)
 	if !isFuseMountPoint(abs) {
 		return false, nil
 	}
@@ -134,7 +142,11 @@ func DetachStale(dir string) (bool, error) {
 	// attribute cache for a while after the agent died).
 	var st unix.Statfs_t
 	if err := unix.Statfs(abs, &st); err == nil {
-		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", abs)
+		what := abs
+		if a, _ := filepath.Abs(dir); a != abs {
+			what = fmt.Sprintf("%s (the target of %s)", abs, dir)
+		}
+		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", what)
 	} else if !errors.Is(err, unix.ENOTCONN) && !errors.Is(err, unix.ECONNABORTED) {
 		return false, fmt.Errorf("check mount %s: %w", abs, err)
 	}
@@ -201,12 +213,10 @@ func unescapeMountPath(s string) string {
 	return b.String()
 }
 
-// Mount serves an empty mtcfs filesystem at dir until Unmount.
+// Mount serves an empty mtcfs filesystem at dir until Unmount. A symlink is resolved: the
+// filesystem is mounted on the directory it leads to, and Server.Dir names that directory.
 func Mount(dir string, opts Options) (*Server, error) {
-	abs, err := filepath.Abs(dir)
-	if err != nil {
-		return nil, err
-	}
+	abs := tiers.ResolveMountPath(dir)
 	if err := CheckMountable(abs); err != nil {
 		return nil, err
 	}

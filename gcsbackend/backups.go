@@ -13,13 +13,19 @@ import (
 )
 
 // Backups reads and writes the SPEC §6 backup layout (see the package
-// documentation) in Store. The zero Parallelism is usable; Backups holds no
-// other state and is safe for concurrent use.
+// documentation) in Store. The zero values of the options are usable;
+// Backups holds no other state and is safe for concurrent use.
 type Backups struct {
 	Store ObjectStore
 	// Parallelism bounds the concurrent object transfers or reads of one
 	// call; 0 means DefaultParallelism.
 	Parallelism int
+	// LeftoverAge is how long CleanLeftovers waits before it removes a
+	// temporary whose writer's liveness it cannot check; 0 means
+	// DefaultLeftoverAge.
+	LeftoverAge time.Duration
+
+	now func() time.Time // tests: the clock of CleanLeftovers
 }
 
 // DefaultParallelism keeps enough requests in flight to hide GCS latency
@@ -380,9 +386,10 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 
 	// Presence, size and the store's CRC32C, from the listing alone.
 	type check struct {
-		hash string
-		name string
-		want manifestFile
+		hash   string
+		object string
+		name   string // for messages
+		want   manifestFile
 	}
 	var reads []check
 	for i, m := range manifests {
@@ -391,15 +398,19 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		}
 		h := hashes[i]
 		for _, f := range m.Files {
-			name := dataObject(h, f.Path)
-			a, ok := index[name]
+			object := f.object(h)
+			a, ok := index[object]
+			name := object
+			if f.Object != "" {
+				name = fmt.Sprintf("%s (file %.80q)", name, f.Path)
+			}
 			switch {
 			case !ok:
 				note(h, "%s missing", name)
 			case a.Size != f.Size:
 				note(h, "%s has %d bytes, manifest says %d", name, a.Size, f.Size)
 			case deep:
-				reads = append(reads, check{h, name, f})
+				reads = append(reads, check{h, object, name, f})
 			case a.CRC32C != uint32(f.CRC32C):
 				note(h, "%s has crc32c %08x, manifest says %08x", name, a.CRC32C, uint32(f.CRC32C))
 			}
@@ -411,7 +422,7 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 
 	err = forEach(ctx, b.parallelism(), len(reads), func(ctx context.Context, i int) error {
 		c := reads[i]
-		r, err := b.Store.Open(ctx, dir+c.name, 0, -1)
+		r, err := b.Store.Open(ctx, dir+c.object, 0, -1)
 		if IsNotFound(err) {
 			note(c.hash, "%s missing", c.name)
 			return nil

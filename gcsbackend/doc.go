@@ -30,21 +30,53 @@
 //	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data/<files…> a checkpoint directory, or
 //	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data          a single-file checkpoint
 //	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data.manifest mtcfs's sidecar (below)
+//	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data.long/<h> files whose names cannot be objects (below)
 //
 // The first four are exactly what the reference system writes, so existing
 // tools can read mtcfs backups. An object store cannot say whether a
 // directory tree is complete, so mtcfs adds one sidecar object per data,
-// <hash>.data.manifest: JSON listing every directory and every file's relative
-// path, size and CRC32C (format in manifest). It is deterministic — two nodes
-// uploading identical data write identical manifests, so their create-if-absent
-// uploads do not conflict. A backup written without manifests (by another
-// tool) is reported incomplete, because its completeness cannot be proven.
+// <hash>.data.manifest: JSON listing every directory, every file's relative
+// path, size and CRC32C, and what an object store cannot hold: symlinks
+// (path and verbatim target) and FIFOs, sockets and device nodes (path,
+// type, device number). Its format (manifest.go) is "mtcfs-manifest-v1" for
+// a tree of plain files and directories stored under their own names, and
+// "mtcfs-manifest-v2" when it holds more, which a v1 reader refuses instead
+// of calling the tree complete. It is deterministic — two nodes uploading identical data to one store write
+// identical manifests, so their create-if-absent uploads do not conflict. A
+// backup written without manifests (by another tool) is reported
+// incomplete, because its completeness cannot be proven.
+//
+// Upload reads the source with layout.Dir, the walk the tree hash uses:
+// paths of any length (beyond PATH_MAX once prefixed with the spool), no
+// symlink followed. Download rebuilds the tree the same way under a
+// temporary directory: directories, files, then symlinks and special files
+// (device nodes need CAP_MKNOD), so the restored tree has the source's tree
+// hash.
+//
+// Names (SPEC §10): a file whose object name <job>/<backup>/<hash>.data/<path>
+// cannot be stored as it is — longer than 1024 bytes with the gs:// prefix,
+// not UTF-8, holding a control character or a segment with the reserved
+// ".mtcfs-tmp-" prefix — is stored as <hash>.data.long/<64 hex digits of
+// BLAKE3-256(path)>, and its manifest entry records that object name
+// ("object"); Verify, Download and `mtcfs backups verify` read it from
+// there. The sibling prefix cannot collide with a path of the tree. Tools
+// that do not read manifests see such files only under their mapped names.
+//
+// Leftovers: writes that go through temporary names (file:// temporary files,
+// gs:// composite-upload parts, kept under <job>/.mtcfs-tmp-…/) name their
+// writer: host (boot id and pid namespace), pid and process start time.
+// CleanLeftovers removes a job's temporaries whose writer is provably gone
+// (same host, pid gone or reused) at once, and those whose writer it cannot
+// check once idle for LeftoverAge (default 1 h); it never removes a live
+// writer's temporaries, nor any object (leftovers.go). Temporaries are
+// hidden from listings and never change what Verify or List report.
 //
 // Ordering is what makes partial backups harmless: Upload writes the data
 // objects, then the manifest, then the .meta last. A .meta therefore only
 // exists once the data it names is fully present, and Verify (a step is
 // complete when every rank×worker .meta is present and names data whose every
-// manifest entry is present with the right size and CRC32C) never mistakes an
+// manifest file is present with the right size and CRC32C; symlinks and
+// special files are present by virtue of the manifest) never mistakes an
 // interrupted upload for a checkpoint. Download verifies every byte against
 // the manifest before the restored tree appears under its final name.
 //
@@ -62,7 +94,7 @@
 // of GCSOptions.PartSize, several at a time (Backups.Parallelism requests in
 // flight per call): uploads as parallel composite uploads (the parts'
 // CRC32Cs taken in parallel and combined into the file's, then temporary
-// part objects under a reserved ".mtcfs-tmp-" prefix, composed into the
+// part objects under <job>/.mtcfs-tmp-<writer>-<random>/, composed into the
 // final name with its CRC32C, then deleted), downloads as ranged reads of
 // one pinned generation written in place, whose CRC32Cs are combined
 // (crc32cCombine) and checked against the manifest. Memory stays at one copy

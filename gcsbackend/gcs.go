@@ -2,8 +2,6 @@ package gcsbackend
 
 import (
 	"context"
-	cryptorand "crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -13,6 +11,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"cloud.google.com/go/storage"
@@ -355,7 +354,7 @@ func (s *gcsStore) attrs(o *storage.ObjectAttrs) ObjectAttrs {
 }
 
 func (s *gcsStore) Stat(ctx context.Context, name string) (ObjectAttrs, error) {
-	if err := ValidateName(name); err != nil {
+	if err := s.validName(name); err != nil {
 		return ObjectAttrs{}, err
 	}
 	o, err := s.statKey(ctx, name, s.key(name))
@@ -437,7 +436,7 @@ func hasTempSegment(name string) bool {
 }
 
 func (s *gcsStore) Delete(ctx context.Context, name string) error {
-	if err := ValidateName(name); err != nil {
+	if err := s.validName(name); err != nil {
 		return err
 	}
 	return s.deleteKey(ctx, name, s.key(name), 0)
@@ -471,7 +470,7 @@ func (s *gcsStore) deleteKey(ctx context.Context, name, key string, gen int64) e
 // Open reads a range. The returned reader resumes after transient errors
 // from where it was, on the generation it started with.
 func (s *gcsStore) Open(ctx context.Context, name string, off, length int64) (io.ReadCloser, error) {
-	if err := ValidateName(name); err != nil {
+	if err := s.validName(name); err != nil {
 		return nil, err
 	}
 	if off < 0 {
@@ -633,7 +632,7 @@ func (r *gcsReader) Close() error {
 }
 
 func (s *gcsStore) Put(ctx context.Context, req PutRequest) error {
-	if err := ValidateName(req.Name); err != nil {
+	if err := s.validName(req.Name); err != nil {
 		return err
 	}
 	if req.Size < 0 {
@@ -919,12 +918,113 @@ func (e *permanentError) Error() string { return e.err.Error() }
 func (e *permanentError) Unwrap() error { return e.err }
 
 // tempArea returns a fresh GCS name prefix for the temporary objects of one
-// upload: "<prefix>/.mtcfs-tmp-<random>/". The temporary prefix can never be
-// an object name (ValidateName) and listings hide it.
-func (s *gcsStore) tempArea() string {
-	var rnd [12]byte
-	cryptorand.Read(rnd[:]) // never fails
-	return s.key(tempPrefix + hex.EncodeToString(rnd[:]) + "/")
+// upload: "<prefix>/<dir>.mtcfs-tmp-<writer>-<random>/" (see leftovers.go).
+// The temporary prefix can never be an object name (ValidateName) and
+// listings hide it. dir is "" or a store name ending in "/".
+func (s *gcsStore) tempArea(dir string) string {
+	return s.key(dir + newTempName() + "/")
+}
+
+// maxName is the longest store name that fits GCS's limit on object names
+// once the prefix is added (nameBudgeter).
+func (s *gcsStore) maxName() int {
+	if s.prefix == "" {
+		return maxObjectName
+	}
+	return maxObjectName - len(s.prefix) - 1
+}
+
+// validName checks a store name, including its length with the prefix.
+func (s *gcsStore) validName(name string) error {
+	if err := ValidateName(name); err != nil {
+		return err
+	}
+	if len(name) > s.maxName() {
+		return fmt.Errorf("object name %.40q…: longer than %d bytes with the prefix of %s", name, maxObjectName, s)
+	}
+	return nil
+}
+
+// temporaries lists the temporary areas of composite uploads of objects
+// under dir, and those that earlier versions left at the store's root
+// (tempStore).
+func (s *gcsStore) temporaries(ctx context.Context, dir string) ([]temporary, error) {
+	if err := validatePrefix(dir); err != nil {
+		return nil, err
+	}
+	var out []temporary
+	bases := []string{s.key(dir), s.key("")}
+	if bases[0] == bases[1] {
+		bases = bases[:1]
+	}
+	for _, base := range bases {
+		areas := map[string]*temporary{}
+		var order []string
+		err := s.retry(ctx, "list", dir+tempPrefix, func(a *attempt) error {
+			areas, order = map[string]*temporary{}, nil
+			c, err := s.client(a.ctx)
+			if err != nil {
+				return err
+			}
+			q := &storage.Query{Prefix: base + tempPrefix}
+			if err := q.SetAttrSelection([]string{"Name", "Updated"}); err != nil {
+				return err
+			}
+			it := c.Bucket(s.bucket).Retryer(storage.WithPolicy(storage.RetryNever)).Objects(a.ctx, q)
+			for {
+				o, err := it.Next()
+				if err == iterator.Done {
+					return nil
+				}
+				if err != nil {
+					return err
+				}
+				a.wd.touch()
+				seg, _, ok := strings.Cut(strings.TrimPrefix(o.Name, base), "/")
+				if !ok || !isTempName(seg) {
+					continue // a temporary area is a prefix
+				}
+				t := areas[seg]
+				if t == nil {
+					t = &temporary{seg: seg}
+					areas[seg] = t
+					order = append(order, seg)
+				}
+				t.keys = append(t.keys, o.Name)
+				if o.Updated.After(t.newest) {
+					t.newest = o.Updated
+				}
+			}
+		})
+		if err != nil {
+			return nil, s.mapErr("list", dir, err)
+		}
+		for _, seg := range order {
+			out = append(out, *areas[seg])
+		}
+	}
+	return out, nil
+}
+
+// removeTemporary deletes the objects of one temporary area (tempStore).
+// A running upload that still needed them fails its compose: nothing is
+// published.
+func (s *gcsStore) removeTemporary(ctx context.Context, t temporary) (int, error) {
+	var n atomic.Int64
+	err := forEach(ctx, 8, len(t.keys), func(ctx context.Context, i int) error {
+		if !hasTempSegment(t.keys[i]) {
+			return fmt.Errorf("remove gs://%s/%s: not a temporary object", s.bucket, t.keys[i])
+		}
+		err := s.deleteKey(ctx, s.rel(t.keys[i]), t.keys[i], 0)
+		if IsNotFound(err) {
+			return nil
+		}
+		if err == nil {
+			n.Add(1)
+		}
+		return err
+	})
+	return int(n.Load()), err
 }
 
 // nameLimiter delays a write to a name written less than an interval ago

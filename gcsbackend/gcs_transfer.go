@@ -21,13 +21,13 @@ import (
 // Upload (parallel composite upload): the parts' CRC32Cs are taken first,
 // the parts read in parallel, and combined (crc32cCombine) into the whole
 // file's, so the file is read twice in all: once for the CRC32Cs, once to
-// send it. Each part becomes a temporary object <prefix>/.mtcfs-tmp-<random>/<n>
-// with its own CRC32C; Compose (at most 32 sources per call, in levels beyond
+// send it. Each part becomes a temporary object
+// <prefix>/<TempDir>.mtcfs-tmp-<writer>-<random>/<n> with its own CRC32C; Compose (at most 32 sources per call, in levels beyond
 // that) joins them into the final name with ifGenerationMatch=0 and the whole
 // file's CRC32C, which GCS checks and which is checked again on the composed
 // object's attributes. The temporary objects are deleted afterwards, on
-// failure too; a crash can leave some behind, invisible to listings (a
-// lifecycle rule on the prefix can expire them).
+// failure too; a crash can leave some behind, invisible to listings, which
+// Backups.CleanLeftovers removes once their writer is gone (leftovers.go).
 //
 // Download: the object's generation and size are read first; each range is
 // read from that generation, its CRC32C taken as it streams to the file, and
@@ -56,7 +56,7 @@ func (s *gcsStore) putFile(ctx context.Context, t fileTransfer) error {
 // into the whole file's), then once more to upload it. It returns the
 // CRC32C.
 func (s *gcsStore) uploadFile(ctx context.Context, t fileTransfer, crcKnown bool) (uint32, error) {
-	if err := ValidateName(t.Name); err != nil {
+	if err := s.validName(t.Name); err != nil {
 		return 0, err
 	}
 	prog := newPartProgress(t.Progress)
@@ -100,7 +100,7 @@ func (s *gcsStore) uploadFile(ctx context.Context, t fileTransfer, crcKnown bool
 	default:
 		return 0, s.conflict(t.Name, o, t.Size, t.CRC32C)
 	}
-	area := s.tempArea()
+	area := s.tempArea(t.TempDir)
 	var temps []string // every temporary object that may exist
 	for i := range parts {
 		parts[i].key = fmt.Sprintf("%s%05d", area, i)
@@ -256,7 +256,7 @@ func (s *gcsStore) deleteTemps(ctx context.Context, name string, keys []string) 
 }
 
 func (s *gcsStore) getFile(ctx context.Context, t fileTransfer) (int64, uint32, error) {
-	if err := ValidateName(t.Name); err != nil {
+	if err := s.validName(t.Name); err != nil {
 		return 0, 0, err
 	}
 	key := s.key(t.Name)

@@ -2,8 +2,6 @@ package gcsbackend
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -25,7 +23,8 @@ import (
 // exists, which is the create-if-absent primitive a rename lacks. The
 // directory is fsynced afterwards so the new name survives a crash. Temporary
 // files are never listed and their names are not valid object names; a crash
-// can leave one behind, and it is harmless.
+// can leave one behind, which is harmless and which CleanLeftovers removes
+// (the name records its writer, see leftovers.go).
 //
 // CRC32C storage: Put records the CRC32C in the xattr crcXattr together with
 // the size and mtime it describes, and Stat/List return it from there (a
@@ -170,10 +169,8 @@ func (s *localDir) writeTemp(ctx context.Context, dst string, req PutRequest) (t
 // createTemp creates an unused temporary file in dir, creating dir if needed.
 // It retries because a concurrent Delete may prune dir the moment it exists.
 func createTemp(dir string) (*os.File, error) {
-	var rnd [8]byte
 	for attempt := 0; ; attempt++ {
-		rand.Read(rnd[:])
-		f, err := os.OpenFile(filepath.Join(dir, tempPrefix+hex.EncodeToString(rnd[:])), os.O_RDWR|os.O_CREATE|os.O_EXCL, filePerm)
+		f, err := os.OpenFile(filepath.Join(dir, newTempName()), os.O_RDWR|os.O_CREATE|os.O_EXCL, filePerm)
 		if err == nil || attempt == 5 || !(errors.Is(err, fs.ErrNotExist) || errors.Is(err, fs.ErrExist)) {
 			return f, err
 		}
@@ -399,6 +396,9 @@ func (s *localDir) walk(ctx context.Context, dir string, objects []ObjectAttrs) 
 		if err := ctx.Err(); err != nil {
 			return err
 		}
+		if isTempName(d.Name()) && d.IsDir() {
+			return fs.SkipDir // not ours, and nothing in it is an object
+		}
 		if isTempName(d.Name()) || !d.Type().IsRegular() {
 			return nil
 		}
@@ -444,6 +444,9 @@ func (s *localDir) holdsObject(p string) (bool, error) {
 			}
 			return err
 		}
+		if isTempName(d.Name()) && d.IsDir() {
+			return fs.SkipDir
+		}
 		if d.Type().IsRegular() && !isTempName(d.Name()) {
 			return found
 		}
@@ -486,4 +489,64 @@ func (s *localDir) pruneEmptyDirs(dir string) {
 		}
 		dir = filepath.Dir(dir)
 	}
+}
+
+// temporaries lists the temporary files below dir (tempStore): each is one
+// Put's. Directories named like temporaries are not ours and are left alone.
+func (s *localDir) temporaries(ctx context.Context, dir string) ([]temporary, error) {
+	if err := validatePrefix(dir); err != nil {
+		return nil, err
+	}
+	var out []temporary
+	err := filepath.WalkDir(s.path(dir), func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				return nil
+			}
+			return err
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if !isTempName(d.Name()) {
+			return nil
+		}
+		if d.IsDir() {
+			return fs.SkipDir
+		}
+		if !d.Type().IsRegular() {
+			return nil
+		}
+		fi, err := d.Info()
+		if errors.Is(err, fs.ErrNotExist) { // linked and removed by its writer
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		out = append(out, temporary{seg: d.Name(), newest: fi.ModTime(), keys: []string{p}})
+		return nil
+	})
+	return out, err
+}
+
+// removeTemporary deletes a temporary file (tempStore). A writer that still
+// meant to publish it then fails its link or rename: nothing is published.
+func (s *localDir) removeTemporary(ctx context.Context, t temporary) (int, error) {
+	n := 0
+	for _, p := range t.keys {
+		if !isTempName(filepath.Base(p)) || !strings.HasPrefix(p, s.root+string(filepath.Separator)) {
+			return n, fmt.Errorf("remove %s: not a temporary file of %s", p, s)
+		}
+		err := os.Remove(p)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		n++
+		s.pruneEmptyDirs(filepath.Dir(p))
+	}
+	return n, nil
 }

@@ -8,10 +8,14 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
-	"sort"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // UploadRequest describes one slot's contribution to a backup.
@@ -78,15 +82,29 @@ func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 
 // uploadData uploads req.Source as dir/<hash>.data, then its manifest.
 func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest) error {
-	m, locals, err := scanSource(req.Source, req.Hash)
+	src, err := openSource(req.Source, req.Hash)
 	if err != nil {
 		return err
 	}
+	defer src.close()
+	m := src.m
+	if m.Kind == kindDir {
+		budget := b.nameBudget()
+		for i := range m.Files {
+			m.Files[i].Object = mappedObject(dir, req.Hash, string(m.Files[i].Path), budget)
+		}
+	}
+	// Never write a manifest that a reader would refuse (encode then picks
+	// the lowest format that holds it).
+	m.Format = manifestFormatV2
+	if err := m.check(req.Hash); err != nil {
+		return fmt.Errorf("%s: %w", req.Source, err)
+	}
 	prog := newProgress(m.total(), req.Progress)
 	slots := make(chan struct{}, b.parallelism())
-	err = forEach(ctx, b.parallelism(), len(locals), func(ctx context.Context, i int) error {
+	err = forEach(ctx, b.parallelism(), len(m.Files), func(ctx context.Context, i int) error {
 		f := &m.Files[i]
-		crc, err := b.uploadFile(ctx, dir+dataObject(req.Hash, f.Path), locals[i], f.Size, prog, slots)
+		crc, err := b.uploadFile(ctx, req.Job, dir+f.object(req.Hash), func() (*os.File, error) { return src.open(string(f.Path)) }, f.Size, prog, slots)
 		f.CRC32C = crc32cHex(crc)
 		return err
 	})
@@ -100,18 +118,19 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	return PutBytes(ctx, b.Store, dir+manifestName(req.Hash), data, true)
 }
 
-// uploadFile streams the local file to the object name and returns its
-// CRC32C. size is what the scan saw; a different size now means the file is
-// changing under us. slots bounds the requests in flight across the files of
-// one Upload, for stores that split a file (filePutter).
-func (b *Backups) uploadFile(ctx context.Context, name, local string, size int64, prog *progress, slots chan struct{}) (uint32, error) {
-	f, err := os.Open(local)
+// uploadFile streams the local file open returns to the object name and
+// returns its CRC32C. size is what the listing saw; a different size now
+// means the file is changing under us. slots bounds the requests in flight
+// across the files of one Upload, for stores that split a file (filePutter),
+// whose temporary objects go under job.
+func (b *Backups) uploadFile(ctx context.Context, job, name string, open func() (*os.File, error), size int64, prog *progress, slots chan struct{}) (uint32, error) {
+	f, err := open()
 	if err != nil {
 		return 0, err
 	}
 	defer f.Close()
 	if fp, ok := b.Store.(filePutter); ok {
-		return fp.putLocal(ctx, fileTransfer{Name: name, File: f, Size: size, Progress: prog.add, Slots: slots})
+		return fp.putLocal(ctx, fileTransfer{Name: name, File: f, Size: size, Progress: prog.add, Slots: slots, TempDir: job + "/"})
 	}
 	// One pass: the CRC32C of the bytes as they go to the store, which checks its own.
 	h := crc32.New(crcTable)
@@ -122,70 +141,114 @@ func (b *Backups) uploadFile(ctx context.Context, name, local string, size int64
 	return h.Sum32(), nil
 }
 
-// scanSource describes the local data at src as a manifest without CRCs,
-// returning the local path of each manifest file. Only regular files and
-// directories can be restored faithfully, so anything else is an error.
-func scanSource(src, hash string) (*manifest, []string, error) {
+// source is the local data of an upload, described as a manifest without
+// CRCs, and how to open each of its files.
+type source struct {
+	m    *manifest
+	dir  *layout.Dir // nil for a single file
+	path string
+}
+
+func (s *source) open(rel string) (*os.File, error) {
+	if s.dir == nil {
+		return os.Open(s.path)
+	}
+	return s.dir.Open(rel, os.O_RDONLY, 0)
+}
+
+func (s *source) close() {
+	if s.dir != nil {
+		s.dir.Close()
+	}
+}
+
+// openSource lists the local data at src (a directory for a "D" hash, else a
+// regular file) the way the tree hash does (layout.Dir: paths of any length,
+// no symlink followed): directories, regular files, symlinks and special
+// files, sorted by path so the manifest is deterministic.
+func openSource(src, hash string) (*source, error) {
 	fi, err := os.Stat(src)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	kind := kindOf(hash)
-	m := &manifest{Format: manifestFormat, Kind: kind, Files: []manifestFile{}}
+	m := &manifest{Kind: kind, Files: []manifestFile{}}
 	switch {
 	case fi.IsDir() != (kind == kindDir):
-		return nil, nil, fmt.Errorf("hash %s names a %s, but %s is not one (directories take the D prefix)", hash, kind, src)
+		return nil, fmt.Errorf("hash %s names a %s, but %s is not one (directories take the D prefix)", hash, kind, src)
 	case kind == kindFile && !fi.Mode().IsRegular():
-		return nil, nil, fmt.Errorf("%s is not a regular file", src)
+		return nil, fmt.Errorf("%s is not a regular file", src)
 	case kind == kindFile:
 		m.Files = append(m.Files, manifestFile{Size: fi.Size()})
-		return m, []string{src}, nil
+		return &source{m: m, path: src}, nil
 	}
-	err = filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || p == src {
-			return err
-		}
-		rel, err := filepath.Rel(src, p)
-		if err != nil {
-			return err
-		}
-		rel = filepath.ToSlash(rel)
-		if err := ValidateName(rel); err != nil {
-			return err
-		}
-		switch {
-		case d.IsDir():
-			m.Dirs = append(m.Dirs, rel)
-		case d.Type().IsRegular():
-			info, err := d.Info()
-			if err != nil {
-				return err
-			}
-			m.Files = append(m.Files, manifestFile{Path: rel, Size: info.Size()})
-		default:
-			return fmt.Errorf("%s is neither a regular file nor a directory (%s); backups hold only those", p, d.Type())
-		}
-		return nil
-	})
+	d, err := layout.OpenDir(src)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
-	// Walk order is per directory; sort globally so the manifest is
-	// deterministic whatever the names.
-	sort.Strings(m.Dirs)
-	sort.Slice(m.Files, func(i, j int) bool { return m.Files[i].Path < m.Files[j].Path })
-	locals := make([]string, len(m.Files))
-	for i, f := range m.Files {
-		locals[i] = filepath.Join(src, filepath.FromSlash(f.Path))
+	entries, err := d.List()
+	if err != nil {
+		d.Close()
+		return nil, err
 	}
-	return m, locals, nil
+	slices.SortFunc(entries, func(a, b layout.TreeEntry) int { return strings.Compare(a.Path, b.Path) })
+	for _, e := range entries {
+		p := text(e.Path)
+		switch e.Type {
+		case layout.EntryDir:
+			m.Dirs = append(m.Dirs, p)
+		case layout.EntryFile:
+			m.Files = append(m.Files, manifestFile{Path: p, Size: e.Size})
+		case layout.EntrySymlink:
+			m.Symlinks = append(m.Symlinks, manifestSymlink{Path: p, Target: text(e.Target)})
+		default:
+			t, ok := specialName(e.Type)
+			if !ok {
+				d.Close()
+				return nil, fmt.Errorf("%s/%s: a %v cannot be backed up", src, e.Path, e.Type)
+			}
+			m.Specials = append(m.Specials, manifestSpecial{Path: p, Type: t, Rdev: e.Rdev})
+		}
+	}
+	return &source{m: m, dir: d, path: src}, nil
+}
+
+// specialName and specialType translate special entry types to manifest
+// spellings and back.
+func specialName(t layout.EntryType) (string, bool) {
+	switch t {
+	case layout.EntryFIFO:
+		return specialFIFO, true
+	case layout.EntrySocket:
+		return specialSocket, true
+	case layout.EntryCharDev:
+		return specialCharDev, true
+	case layout.EntryBlockDev:
+		return specialBlockDev, true
+	}
+	return "", false
+}
+
+func specialType(name string) layout.EntryType {
+	switch name {
+	case specialFIFO:
+		return layout.EntryFIFO
+	case specialSocket:
+		return layout.EntrySocket
+	case specialCharDev:
+		return layout.EntryCharDev
+	case specialBlockDev:
+		return layout.EntryBlockDev
+	}
+	return 0
 }
 
 // DownloadRequest describes fetching one data from a backup.
 type DownloadRequest struct {
 	Job, Backup, Hash string
 	// Dest is the path the data gets: a directory for a "D" hash, else a
-	// file. It must not exist; its parent must.
+	// file. It must not exist; its parent must. The tree below it may hold
+	// paths of any length.
 	Dest string
 	// Progress is as for UploadRequest.
 	Progress func(done, total int64)
@@ -262,22 +325,36 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 	return err
 }
 
-// fetchTree downloads a directory data's files into root in parallel.
+// fetchTree rebuilds a directory data below root: directories, then files
+// (downloaded in parallel), then symlinks and special files. Everything is
+// created through layout.Dir, so paths of any length work and no symlink the
+// tree holds is ever followed.
 func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, root string, prog *progress, slots chan struct{}) error {
-	for _, d := range m.Dirs {
-		if err := os.MkdirAll(filepath.Join(root, filepath.FromSlash(d)), dirPerm); err != nil {
+	d, err := layout.OpenDir(root)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	for _, p := range m.Dirs {
+		if err := d.MkdirAll(string(p), dirPerm); err != nil {
 			return err
 		}
 	}
-	return forEach(ctx, b.parallelism(), len(m.Files), func(ctx context.Context, i int) error {
+	// The manifest lists every directory, but a tree is still restorable
+	// if it lists only what they hold.
+	mkParent := func(p text) error {
+		parent := path.Dir(string(p))
+		if parent == "." {
+			return nil
+		}
+		return d.MkdirAll(parent, dirPerm)
+	}
+	err = forEach(ctx, b.parallelism(), len(m.Files), func(ctx context.Context, i int) error {
 		mf := m.Files[i]
-		p := filepath.Join(root, filepath.FromSlash(mf.Path))
-		// The manifest lists every directory, but a tree is still
-		// restorable if it lists only files.
-		if err := os.MkdirAll(filepath.Dir(p), dirPerm); err != nil {
+		if err := mkParent(mf.Path); err != nil {
 			return err
 		}
-		f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL, filePerm)
+		f, err := d.Open(string(mf.Path), os.O_WRONLY|os.O_CREATE|os.O_EXCL, filePerm)
 		if err != nil {
 			return err
 		}
@@ -287,12 +364,32 @@ func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, 
 		}
 		return err
 	})
+	if err != nil {
+		return err
+	}
+	for _, l := range m.Symlinks {
+		if err := mkParent(l.Path); err != nil {
+			return err
+		}
+		if err := d.Create(layout.TreeEntry{Path: string(l.Path), Type: layout.EntrySymlink, Target: string(l.Target)}, 0); err != nil {
+			return err
+		}
+	}
+	for _, s := range m.Specials {
+		if err := mkParent(s.Path); err != nil {
+			return err
+		}
+		if err := d.Create(layout.TreeEntry{Path: string(s.Path), Type: specialType(s.Type), Rdev: s.Rdev}, filePerm); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // fetch copies one data object to the new, empty file f, verifying it
 // against its manifest entry. slots is as for uploadFile.
 func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, f *os.File, prog *progress, slots chan struct{}) error {
-	name := dir + dataObject(hash, mf.Path)
+	name := dir + mf.object(hash)
 	var n int64
 	var crc uint32
 	if fg, ok := b.Store.(fileGetter); ok {
@@ -336,6 +433,9 @@ type fileTransfer struct {
 	// Slots bounds the requests in flight across all files of one Upload or
 	// Download: each request holds one slot while it runs.
 	Slots chan struct{}
+	// TempDir is the store name prefix ("" or ending in "/") under which an
+	// upload in parts keeps its temporary objects (putLocal only).
+	TempDir string
 }
 
 // filePutter is implemented by stores that upload a local file themselves.

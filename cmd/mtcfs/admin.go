@@ -9,7 +9,6 @@ import (
 	"io"
 	"net/http"
 	"os"
-	"path/filepath"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -46,7 +45,7 @@ func cmdStatus(args []string) int {
 		addrs = addrs[:0]
 		for _, a := range agents {
 			if len(pos) == 1 {
-				if abs, _ := filepath.Abs(pos[0]); abs != a.Dir {
+				if tiers.ResolveMountPath(pos[0]) != a.Dir { // agents register the resolved path
 					continue
 				}
 			}

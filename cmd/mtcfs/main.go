@@ -21,6 +21,9 @@ Usage:
   mtcfs status [DIR] [--http HOST:PORT] [--json]
   mtcfs backups list|verify [NAME] --backup URL --job NAME
   mtcfs restore-version set NAME|clear --backup URL --job NAME
+  mtcfs spool list [--json]               kept RAM spools: mount path, job, steps, bytes, agent
+  mtcfs spool free PATH|--orphaned        free a mount's (or a spool directory's) kept spool,
+                                          or every spool whose mount directory is gone
   mtcfs version
 
 Run "mtcfs COMMAND --help" for the flags of a command.
@@ -68,6 +71,8 @@ func run(args []string) int {
 		return cmdBackups(args[1:])
 	case "restore-version":
 		return cmdRestoreVersion(args[1:])
+	case "spool":
+		return cmdSpool(args[1:])
 	case "version", "--version":
 		fmt.Println("mtcfs", version)
 		return 0

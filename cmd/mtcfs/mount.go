@@ -196,16 +196,23 @@ func runMount(cfg mountConfig) error {
 	if detached, err := mfs.DetachStale(cfg.dir); err != nil {
 		return err
 	} else if detached {
-		slog.Warn("detached a stale mount left by an agent that died", "dir", cfg.dir)
+		slog.Warn("detached a stale mount left by an agent that died", "dir", tiers.ResolveMountPath(cfg.dir))
 	}
 	if err := mfs.CheckMountable(cfg.dir); err != nil {
 		return err
 	}
+	// The directory the mount lands on: a symlink is followed, so a mount reached through a
+	// link is the same mount (refused above while live; same default spool).
+	cfg.dir = tiers.ResolveMountPath(cfg.dir)
 	backups, err := openBackups(cfg.backupURL)
 	if err != nil {
 		return err
 	}
-	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: cfg.spoolDir, Budget: cfg.budget, MountTmpfs: os.Geteuid() == 0})
+	if abs, err := filepath.Abs(cfg.spoolDir); err == nil {
+		cfg.spoolDir = abs
+	}
+	reapOrphanedSpools(cfg.spoolDir)
+	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: cfg.spoolDir, Budget: cfg.budget, MountTmpfs: os.Geteuid() == 0, MountPath: cfg.dir})
 	if err != nil {
 		return err
 	}
@@ -218,7 +225,7 @@ func runMount(cfg mountConfig) error {
 	}
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: peers.coord, Peers: peers, JaxInit: cfg.jaxInit})
 	var ready atomic.Bool
-	info := agentInfo{PID: os.Getpid(), Version: version}
+	info := agentInfo{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
 	var shown atomic.Pointer[agentInfo] // what /status shows; info is completed below
 	shown.Store(&agentInfo{PID: info.PID, Version: info.Version})
 	if cfg.httpAddr != "" {
@@ -289,16 +296,48 @@ func unmountBounded(srv *mfs.Server, sigs <-chan os.Signal) error {
 }
 
 // releaseSpool keeps the spool for the next agent when it holds committed checkpoints (so a
-// restarted agent restores from RAM), and frees it otherwise.
+// restarted agent restores from RAM), and frees it otherwise — also when its mount directory is
+// gone, since no agent would ever adopt it then.
 func releaseSpool(spool *tiers.Spool) {
-	if ents, _ := os.ReadDir(filepath.Join(spool.Dir(), "meta")); len(ents) > 0 {
-		spool.Detach()
-		slog.Info("spool kept for the next agent on this mount: it holds committed checkpoints", "spool", spool.Dir(), "metas", len(ents))
-		return
+	metas, _ := os.ReadDir(filepath.Join(spool.Dir(), "meta"))
+	pending := pendingCommits(spool.Dir())
+	mountPath := spool.Owner().MountPath
+	if len(metas)+pending > 0 {
+		state := mountExists
+		if mountPath != "" {
+			state = mountPathState(mountPath)
+		}
+		if state == mountExists {
+			spool.Detach()
+			target := mountPath
+			if target == "" {
+				target = spool.Dir()
+			}
+			slog.Info("spool kept for the next agent on this mount: it holds committed checkpoints; free it with: mtcfs spool free "+shellQuote(target),
+				"spool", spool.Dir(), "mount", mountPath, "metas", len(metas), "unsealed_commits", pending)
+			return
+		}
+		slog.Warn("freeing the spool although it holds committed checkpoints: its mount directory is "+state+", so no agent would adopt them",
+			"spool", spool.Dir(), "mount", mountPath, "metas", len(metas))
 	}
 	if err := spool.Close(); err != nil {
 		slog.Error("release spool", "err", err)
 	}
+}
+
+// shellQuote quotes p for a command line a user copies, when it needs quoting.
+func shellQuote(p string) string {
+	if p != "" && strings.Trim(p, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-+=,:@") == "" {
+		return p
+	}
+	return "'" + strings.ReplaceAll(p, "'", `'\''`) + "'"
+}
+
+// pendingCommits counts the commit records (spool/commits/*/commit.json) not yet turned into a
+// .meta: a commit that returned to the job must survive the stop as well.
+func pendingCommits(spoolDir string) int {
+	recs, _ := filepath.Glob(filepath.Join(spoolDir, "commits", "*", "commit.json"))
+	return len(recs)
 }
 
 // serveHTTP serves /livez (the process runs), /readyz (the filesystem is mounted) and /status

@@ -1,12 +1,14 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -21,6 +23,10 @@ type agentInfo struct {
 	HTTP        string `json:"http"`
 	Version     string `json:"version"`
 	Passthrough bool   `json:"passthrough"`
+	SpoolDir    string `json:"spool_dir,omitempty"`
+	// StartTime is the agent process's start time (field 22 of /proc/PID/stat, clock ticks
+	// since boot): a file whose pid now names a process with another start time is stale.
+	StartTime uint64 `json:"start_time,omitempty"`
 }
 
 // statusReply is the /status document.
@@ -43,14 +49,21 @@ func agentsDir() string {
 func registerAgent(info agentInfo) (unregister func()) {
 	dir := agentsDir()
 	p := filepath.Join(dir, strconv.Itoa(info.PID)+".json")
+	if info.StartTime == 0 {
+		info.StartTime, _ = procStartTime(info.PID)
+	}
 	data, _ := json.Marshal(info)
 	if err := os.MkdirAll(dir, 0o755); err == nil {
-		os.WriteFile(p, data, 0o644)
+		tmp := p + ".tmp"
+		if os.WriteFile(tmp, data, 0o644) == nil {
+			os.Rename(tmp, p)
+		}
 	}
 	return func() { os.Remove(p) }
 }
 
-// localAgents lists the agents running on this machine, dropping files of dead ones.
+// localAgents lists the agents running on this machine, removing the files of agents that are
+// gone: their pid is dead, or now names another process (pid reuse).
 func localAgents() ([]agentInfo, error) {
 	ents, err := os.ReadDir(agentsDir())
 	if os.IsNotExist(err) {
@@ -61,19 +74,88 @@ func localAgents() ([]agentInfo, error) {
 	}
 	var out []agentInfo
 	for _, e := range ents {
+		if !strings.HasSuffix(e.Name(), ".json") {
+			continue
+		}
 		p := filepath.Join(agentsDir(), e.Name())
 		data, err := os.ReadFile(p)
 		var info agentInfo
-		if err != nil || json.Unmarshal(data, &info) != nil || !strings.HasSuffix(e.Name(), ".json") {
+		if err != nil || json.Unmarshal(data, &info) != nil || info.PID <= 0 {
 			continue
 		}
-		if unix.Kill(info.PID, 0) == unix.ESRCH {
+		if !agentAlive(info, p) {
 			os.Remove(p)
 			continue
 		}
 		out = append(out, info)
 	}
 	return out, nil
+}
+
+// agentAlive reports whether the process that wrote the registry file p still runs.
+func agentAlive(info agentInfo, p string) bool {
+	if unix.Kill(info.PID, 0) == unix.ESRCH {
+		return false
+	}
+	start, err := procStartTime(info.PID)
+	if err != nil {
+		return !os.IsNotExist(err) // gone between the two looks; otherwise we cannot tell
+	}
+	if info.StartTime != 0 {
+		return start == info.StartTime
+	}
+	// A file written by an agent that did not record its start time: the process must have
+	// started before the file was written.
+	fi, err := os.Stat(p)
+	if err != nil {
+		return true
+	}
+	started, ok := bootTime()
+	if !ok {
+		return true
+	}
+	started = started.Add(time.Duration(start) * time.Second / clockTicks)
+	return !started.After(fi.ModTime().Add(time.Second))
+}
+
+// clockTicks is USER_HZ, the unit of /proc/PID/stat times: 100 on every Linux architecture
+// Go supports.
+const clockTicks = 100
+
+// procStartTime reads field 22 (starttime) of /proc/pid/stat.
+func procStartTime(pid int) (uint64, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name (field 2) is in parentheses and may hold spaces and parentheses: the
+	// fields after it start after the last ')'.
+	i := bytes.LastIndexByte(data, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	fields := strings.Fields(string(data[i+1:]))
+	const idx = 22 - 3 // fields[0] is field 3 (state)
+	if len(fields) <= idx {
+		return 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	return strconv.ParseUint(fields[idx], 10, 64)
+}
+
+// bootTime is the btime line of /proc/stat.
+func bootTime() (time.Time, bool) {
+	data, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return time.Time{}, false
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "btime "); ok {
+			if n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64); err == nil {
+				return time.Unix(n, 0), true
+			}
+		}
+	}
+	return time.Time{}, false
 }
 
 func (a agentInfo) String() string {

@@ -1,0 +1,357 @@
+package main
+
+// Kept spools (SPEC §10): mtcfs spool list|free, reaping at agent start, the stop log line; and
+// the agent registry surviving pid reuse, and mounts reached through a symlink.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// keptSpoolNode runs an agent on a new node, saves step 10 of job, and stops the agent
+// cleanly, so that the node's spool is kept holding that step.
+func keptSpoolNode(t *testing.T, job string) (repNode, *agent) {
+	t.Helper()
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 10))
+	waitStepSealed(t, n.dir, job, 10)
+	stopAgent(t, a)
+	require.True(t, isMounted(n.spool), "a spool holding a checkpoint is kept on a clean stop\n%s", a.log())
+	return n, a
+}
+
+// spoolList runs mtcfs spool list --json.
+func spoolList(t *testing.T) []spoolInfo {
+	t.Helper()
+	out, code := runMtcfs(t, "spool", "list", "--json")
+	require.Equal(t, 0, code, "spool list: %s", out)
+	var list []spoolInfo
+	require.NoError(t, json.Unmarshal([]byte(out), &list), "spool list --json printed %s", out)
+	return list
+}
+
+func findSpool(list []spoolInfo, dir string) (spoolInfo, bool) {
+	for _, s := range list {
+		if s.Dir == dir {
+			return s, true
+		}
+	}
+	return spoolInfo{}, false
+}
+
+// TestSpoolListAndFree: a live agent's spool is listed as served and cannot be freed; after a
+// clean stop the log says how to free it, the list shows mount path, job, steps and bytes,
+// and mtcfs spool free MOUNT-PATH frees it.
+func TestSpoolListAndFree(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "llama"
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 10))
+	waitStepSealed(t, n.dir, job, 10)
+
+	s, ok := findSpool(spoolList(t), n.spool)
+	require.True(t, ok, "the live agent's spool %s is not listed", n.spool)
+	assert.Equal(t, n.dir, s.MountPath)
+	assert.True(t, s.InUse, "the spool of a running agent counts as in use")
+	assert.Equal(t, a.cmd.Process.Pid, s.AgentPID)
+	assert.Equal(t, mountExists, s.MountState)
+	for _, p := range []string{n.dir, n.spool} {
+		out, code := runMtcfs(t, "spool", "free", p)
+		assert.Equal(t, 1, code, "free %s while its agent runs: %s", p, out)
+		assert.Contains(t, out, "in use by the running mtcfs agent pid "+strconv.Itoa(a.cmd.Process.Pid))
+		assert.Contains(t, out, "stop that agent first")
+	}
+	require.True(t, isMounted(n.spool), "a refused free unmounted the spool")
+	out, code := runMtcfs(t, "spool", "free", "--orphaned")
+	require.Equal(t, 0, code, "%s", out)
+	require.NotContains(t, out, n.spool, "--orphaned freed a spool whose mount directory exists")
+
+	stopAgent(t, a)
+	require.True(t, isMounted(n.spool), "a spool holding a checkpoint is kept on a clean stop")
+	require.Contains(t, a.log(), "free it with: mtcfs spool free "+n.dir, "the stop log line says how to free the kept spool")
+
+	s, ok = findSpool(spoolList(t), n.spool)
+	require.True(t, ok, "the kept spool %s is not listed", n.spool)
+	assert.Equal(t, n.dir, s.MountPath)
+	assert.Equal(t, job, s.Job)
+	assert.Equal(t, []int64{10}, s.Steps)
+	assert.Equal(t, []string{job + "-s10-n0-w0.meta"}, s.Metas)
+	assert.Greater(t, s.Bytes, int64(3*(96<<10)), "the step's files are in the spool")
+	assert.True(t, s.Tmpfs)
+	assert.False(t, s.InUse, "no agent serves the kept spool")
+	assert.Equal(t, mountExists, s.MountState)
+	assert.True(t, s.MountExists)
+
+	text, code := runMtcfs(t, "spool", "list")
+	require.Equal(t, 0, code, "%s", text)
+	var line string
+	for _, l := range strings.Split(text, "\n") {
+		if strings.HasPrefix(l, n.spool+" ") {
+			line = l
+		}
+	}
+	require.NotEmpty(t, line, "spool list does not show %s:\n%s", n.spool, text)
+	for _, want := range []string{n.dir, job, " 10 ", "none", "exists"} {
+		assert.Contains(t, line, want, "spool list line for the kept spool")
+	}
+
+	out, code = runMtcfs(t, "spool", "free", n.dir)
+	require.Equal(t, 0, code, "%s", out)
+	assert.Contains(t, out, "freed spool "+n.spool)
+	assert.False(t, isMounted(n.spool), "free left the spool mounted")
+	assert.NoDirExists(t, n.spool)
+	_, ok = findSpool(spoolList(t), n.spool)
+	assert.False(t, ok, "a freed spool is still listed")
+
+	out, code = runMtcfs(t, "spool", "free", n.dir)
+	assert.Equal(t, 1, code, "%s", out)
+	assert.Contains(t, out, "no mtcfs spool found for "+n.dir)
+	for _, args := range [][]string{{"spool", "free"}, {"spool", "free", n.dir, "--orphaned"}, {"spool", "frob"}} {
+		out, code = runMtcfs(t, args...)
+		assert.Equal(t, 2, code, "mtcfs %v: %s", args, out)
+	}
+}
+
+// TestSpoolFreeOrphaned: --orphaned frees the kept spools whose mount directory is gone or is
+// no longer a directory, and leaves the one whose mount directory exists and the one a live
+// agent uses (even when its record names a mount path that is gone).
+func TestSpoolFreeOrphaned(t *testing.T) {
+	needRoot(t)
+	gone, _ := keptSpoolNode(t, "gone")
+	notDir, _ := keptSpoolNode(t, "notdir")
+	kept, _ := keptSpoolNode(t, "kept")
+	live := newRepNode(t)
+	la := live.start(t)
+	tamperOwner(t, live.spool, filepath.Join(filepath.Dir(live.dir), "no-such-mount"))
+	// Last, as any agent starting on this machine from now on reaps these two.
+	require.NoError(t, os.Remove(gone.dir))
+	require.NoError(t, os.Remove(notDir.dir))
+	require.NoError(t, os.WriteFile(notDir.dir, []byte("a file now"), 0o644))
+
+	list := spoolList(t)
+	for _, c := range []struct {
+		n     repNode
+		state string
+	}{{gone, mountGone}, {notDir, mountNotDir}, {kept, mountExists}, {live, mountGone}} {
+		s, ok := findSpool(list, c.n.spool)
+		require.True(t, ok, "spool %s not listed", c.n.spool)
+		assert.Equal(t, c.state, s.MountState, "mount state of %s", c.n.spool)
+	}
+
+	out, code := runMtcfs(t, "spool", "free", "--orphaned")
+	require.Equal(t, 0, code, "%s", out)
+	for _, n := range []repNode{gone, notDir} {
+		assert.Contains(t, out, "freed spool "+n.spool)
+		assert.False(t, isMounted(n.spool), "orphaned spool %s still mounted", n.spool)
+		assert.NoDirExists(t, n.spool)
+	}
+	assert.NotContains(t, out, kept.spool)
+	assert.True(t, isMounted(kept.spool), "--orphaned freed a spool whose mount directory exists")
+	assert.NotContains(t, out, live.spool)
+	assert.True(t, isMounted(live.spool), "--orphaned freed a live agent's spool")
+	_, err := os.ReadDir(live.dir)
+	assert.NoError(t, err, "the live agent still serves")
+	stopAgent(t, la)
+}
+
+// TestSpoolReapedAtMount: a starting agent frees the kept spools whose mount directory was
+// removed, logs what it freed, and leaves a kept spool whose mount directory exists and a
+// live agent's spool alone.
+func TestSpoolReapedAtMount(t *testing.T) {
+	needRoot(t)
+	gone, _ := keptSpoolNode(t, "reapme")
+	kept, _ := keptSpoolNode(t, "keepme")
+	live := newRepNode(t)
+	live.start(t)
+	tamperOwner(t, live.spool, filepath.Join(filepath.Dir(live.dir), "no-such-mount"))
+	nb := newRepNode(t)
+	require.NoError(t, os.Remove(gone.dir)) // last: any agent starting from now on reaps it
+
+	b := nb.start(t)
+	log := b.log()
+	require.Contains(t, log, "reaped a kept spool whose mount directory no longer exists")
+	var line string
+	for _, l := range strings.Split(log, "\n") {
+		if strings.Contains(l, "reaped a kept spool") && strings.Contains(l, "spool="+gone.spool+" ") {
+			line = l
+		}
+	}
+	require.NotEmpty(t, line, "no reap line for %s:\n%s", gone.spool, log)
+	assert.Contains(t, line, "mount="+gone.dir)
+	assert.Contains(t, line, "job=reapme")
+	assert.Regexp(t, `bytes=[1-9]\d*`, line)
+	assert.False(t, isMounted(gone.spool), "the orphaned spool is still mounted")
+	assert.NoDirExists(t, gone.spool)
+	assert.True(t, isMounted(kept.spool), "a kept spool whose mount directory exists was reaped")
+	assert.NotContains(t, log, "spool="+kept.spool)
+	assert.True(t, isMounted(live.spool), "a live agent's spool was reaped")
+	assert.NotContains(t, log, "spool="+live.spool)
+}
+
+// tamperOwner makes a spool's owner record name another mount path, as if its mount directory
+// were gone: what a reaper must still not free while an agent uses the spool.
+func tamperOwner(t *testing.T, spool, mountPath string) {
+	t.Helper()
+	p := filepath.Join(spool, "owner.json")
+	data, err := os.ReadFile(p)
+	require.NoError(t, err)
+	var rec map[string]any
+	require.NoError(t, json.Unmarshal(data, &rec))
+	rec["mount_path"] = mountPath
+	data, err = json.Marshal(rec)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(p, data, 0o600))
+}
+
+// TestStatusPidReuse: a registry file whose pid now belongs to another process (another start
+// time, or a process younger than the file) is dropped and mtcfs status still answers; an
+// agent that is alive but does not answer is reported while the others are still printed.
+func TestStatusPidReuse(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	sleep := exec.Command("sleep", "300")
+	require.NoError(t, sleep.Start())
+	t.Cleanup(func() { sleep.Process.Kill(); sleep.Wait() })
+	pid := sleep.Process.Pid
+	start, err := procStartTime(pid)
+	require.NoError(t, err)
+	regFile := filepath.Join(agentsDir(), strconv.Itoa(pid)+".json")
+	t.Cleanup(func() { os.Remove(regFile) })
+	writeReg := func(info agentInfo, mtime time.Time) {
+		t.Helper()
+		data, err := json.Marshal(info)
+		require.NoError(t, err)
+		require.NoError(t, os.MkdirAll(agentsDir(), 0o755))
+		require.NoError(t, os.WriteFile(regFile, data, 0o644))
+		require.NoError(t, os.Chtimes(regFile, mtime, mtime))
+	}
+	// A dead agent that served the same directory; its pid now runs sleep.
+	dead := agentInfo{PID: pid, Dir: n.dir, HTTP: "127.0.0.1:1", Version: "dev"}
+	header := fmt.Sprintf("agent pid %d,", a.cmd.Process.Pid)
+
+	for _, c := range []struct {
+		name  string
+		start uint64
+		mtime time.Time
+	}{
+		{"another start time", start + 1, time.Now()},
+		{"no start time, file older than the process", 0, time.Now().Add(-time.Hour)},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			info := dead
+			info.StartTime = c.start
+			writeReg(info, c.mtime)
+			out, code := runMtcfs(t, "status", n.dir)
+			require.Equal(t, 0, code, "status with a reused pid in the registry:\n%s", out)
+			assert.Contains(t, out, header)
+			assert.NoFileExists(t, regFile, "the stale registry file is removed")
+		})
+	}
+
+	// The same pid with its real start time is a live agent that does not answer: said so,
+	// the others still printed, exit 1.
+	info := dead
+	info.StartTime = start
+	writeReg(info, time.Now())
+	out, code := runMtcfs(t, "status", n.dir)
+	assert.Equal(t, 1, code, "%s", out)
+	assert.Contains(t, out, header, "the answering agent is still printed")
+	assert.Contains(t, out, "agent at 127.0.0.1:1")
+	assert.FileExists(t, regFile, "a live agent's registry file is kept")
+}
+
+// TestMountThroughSymlink: mounting a symlink to a live mount is refused like the real path; a
+// symlink to a fresh directory mounts on that directory, under the directory's own name.
+func TestMountThroughSymlink(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	real, link := filepath.Join(base, "mnt"), filepath.Join(base, "link")
+	require.NoError(t, os.Mkdir(real, 0o755))
+	require.NoError(t, os.Symlink("mnt", link))
+	t.Cleanup(func() { forceUnmount(real) })
+
+	a := startAgent(t, link, filepath.Join(base, "spool"))
+	assert.True(t, isMounted(real), "the agent mounted on the symlink's target")
+	assert.False(t, isMounted(link), "nothing is mounted on the symlink itself")
+	require.NoError(t, os.WriteFile(filepath.Join(link, "f"), []byte("via link"), 0o644))
+	got, err := os.ReadFile(filepath.Join(real, "f"))
+	require.NoError(t, err)
+	assert.Equal(t, "via link", string(got))
+	s, ok := findSpool(spoolList(t), filepath.Join(base, "spool"))
+	require.True(t, ok)
+	assert.Equal(t, real, s.MountPath, "the spool records the resolved mount path")
+	out, code := runMtcfs(t, "status", link)
+	require.Equal(t, 0, code, "status through the link: %s", out)
+	assert.Contains(t, out, "mount "+real)
+
+	t.Cleanup(func() { forceUnmount(filepath.Join(base, "spool2")) }) // if a second agent got that far
+	for _, dir := range []string{real, link} {
+		out, code := runBounded(t, 20*time.Second, "mount", dir, "--spool", filepath.Join(base, "spool2"), "--memory", "64MiB", "--backup", "file://"+filepath.Join(base, "backup"))
+		assert.Equal(t, 1, code, "a second agent on %s: %s", dir, out)
+		assert.Contains(t, out, "is already a live FUSE mount")
+		assert.Equal(t, 1, fuseMountsAt(real), "a second mount is stacked on %s", real)
+	}
+	_, err = os.ReadDir(real)
+	require.NoError(t, err, "the first agent still serves")
+
+	// Through the link, a stale mount left by a killed agent is detached like at the real path.
+	killAgent(t, a)
+	b := startAgent(t, link, filepath.Join(base, "spool"))
+	assert.Contains(t, b.log(), "detached a stale mount")
+	assert.Equal(t, 1, fuseMountsAt(real))
+	_, err = os.ReadDir(real)
+	require.NoError(t, err, "the new agent serves")
+	stopAgent(t, b)
+	assert.Equal(t, 0, fuseMountsAt(real), "mount left behind after SIGTERM")
+}
+
+// runBounded runs mtcfs and kills it if it does not exit within d (a mount that wrongly
+// succeeded would serve forever); what it mounted is detached by the caller's cleanup.
+func runBounded(t *testing.T, d time.Duration, args ...string) (string, int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, binPath, args...).CombinedOutput()
+	if ctx.Err() != nil {
+		t.Errorf("mtcfs %v did not exit within %v:\n%s", args, d, out)
+		return string(out), -1
+	}
+	if ee, ok := err.(*exec.ExitError); ok {
+		return string(out), ee.ExitCode()
+	}
+	require.NoError(t, err)
+	return string(out), 0
+}
+
+func fuseMountsAt(p string) int {
+	data, _ := os.ReadFile("/proc/self/mounts")
+	n := 0
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) > 2 && f[1] == p && strings.HasPrefix(f[2], "fuse") {
+			n++
+		}
+	}
+	return n
+}
