@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // The fixed names of CHECKPOINT_DIR (SPEC §1). Clients hard-code them, so
@@ -214,3 +215,10 @@ func ValidateJobName(name string) error {
 	}
 	return nil
 }
+
+// backupNameLayout is the reference system's backup name: the UTC minute it was taken.
+const backupNameLayout = "2006-01-02_15-04"
+
+// BackupName names a backup taken at t: its UTC minute, YYYY-MM-DD_HH-MM (SPEC §6). Names
+// sort in time order.
+func BackupName(t time.Time) string { return t.UTC().Format(backupNameLayout) }

@@ -3,6 +3,7 @@ package layout
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
 var (
@@ -226,5 +227,12 @@ func TestValidateJobName(t *testing.T) {
 		if err == nil || err.Error() != tt.want {
 			t.Errorf("ValidateJobName(%q) = %v, want %q", tt.name, err, tt.want)
 		}
+	}
+}
+
+func TestBackupNameIsTheUTCMinute(t *testing.T) {
+	local := time.Date(2030, 1, 2, 8, 34, 59, 999, time.FixedZone("UTC+5:30", 5*3600+1800))
+	if got := BackupName(local); got != "2030-01-02_03-04" {
+		t.Errorf("BackupName(%v) = %q, want 2030-01-02_03-04", local, got)
 	}
 }

@@ -141,9 +141,9 @@ type JobCoordinator struct {
 	synced   []int64              // GUARDED_BY(mu); by rank: the highest step reported, -1 for none
 	ahead    int                  // GUARDED_BY(mu); a rank with the highest synced step
 	rounds   map[int64]*syncRound // GUARDED_BY(mu); the pending steps and the latest finished ones
-	pinned   string               // GUARDED_BY(mu); restore.version in force until its one-shot deletion
-	schedule tiers.BackupSchedule // GUARDED_BY(mu)
-	floor    string               // GUARDED_BY(mu); the newest backup name known to exist or decided
+	pinned  string      // GUARDED_BY(mu); restore.version in force until its one-shot deletion
+	backups backupState // GUARDED_BY(mu); see backups.go
+	floor   string      // GUARDED_BY(mu); the newest backup name known to exist or decided
 	// replicated is the highest step every rank reported replicated, -1 for none.
 	replicated int64 // GUARDED_BY(mu)
 }
@@ -153,7 +153,6 @@ type JobCoordinator struct {
 type syncRound struct {
 	step    int64
 	arrived int         // ranks that reported the step
-	running bool        // some rank reported a backup still running
 	missing []int       // ranks that reported the step not replicated
 	stop    func() bool // stops the lag timer; nil when the round finished on creation
 	done    chan struct{}
@@ -195,7 +194,7 @@ func NewJobCoordinator(cfg *tiers.Config, opts Options) (*JobCoordinator, error)
 	for r := range c.synced {
 		c.synced[r] = -1
 	}
-	c.schedule.Every, c.schedule.Steps = cfg.BackupInterval()
+	c.backups.init(cfg.BackupInterval())
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	return c, nil
 }
@@ -210,6 +209,9 @@ func (c *JobCoordinator) Close() {
 		if r.stop != nil {
 			r.stop()
 		}
+	}
+	if c.backups.stopTimer != nil {
+		c.backups.stopTimer()
 	}
 }
 
@@ -278,15 +280,18 @@ func (c *JobCoordinator) computePlan() {
 	// Backup names stay unique across incarnations within one minute: start from the newest
 	// name the store already has.
 	var newest string
+	backedUp := int64(-1)
 	if c.store != nil && err == nil {
 		if names, lerr := c.store.Backups(c.ctx, c.cfg.JobName); lerr == nil && len(names) > 0 {
 			newest = names[0]
 		}
+		backedUp = c.newestBackedUp(c.ctx)
 	}
 	c.mu.Lock()
 	c.plan, c.planErr = plan, err
 	c.pinned = plan.Pinned
 	c.floor = max(c.floor, newest)
+	c.backupsAfterPlan(plan, backedUp)
 	c.mu.Unlock()
 	close(c.planned)
 	if err != nil {
@@ -485,7 +490,6 @@ func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, err
 		return r, nil
 	}
 	r.arrived++
-	r.running = r.running || rep.BackupRunning
 	if !rep.Replicated {
 		r.missing = append(r.missing, rank)
 	}
@@ -533,16 +537,8 @@ func (c *JobCoordinator) complete(r *syncRound) {
 	} else {
 		c.log.Warn("step not replicated", "step", r.step, "ranks", r.missing)
 	}
-	if c.store != nil {
-		now := c.clock.Now()
-		// A minute that already has a backup (from an earlier incarnation) counts like a
-		// running backup: the sync is counted, the backup waits for the next minute.
-		busy := r.running || tiers.BackupName(now) <= c.floor
-		if dec.Backup = c.schedule.Due(now, busy); dec.Backup != "" {
-			c.floor = dec.Backup
-		}
-	}
 	c.finish(r, dec, nil)
+	c.backupSynced(r.step)
 	// Every rank reported r.step, so every earlier round is finished and no rank can ask for
 	// it again (all are past it).
 	for step := range c.rounds {
@@ -702,6 +698,14 @@ func (l LocalClient) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.
 		return tiers.SyncDecision{}, err
 	}
 	return c.Sync(ctx, rank, rep)
+}
+
+func (l LocalClient) Backups(ctx context.Context, inc tiers.Incarnation, rep tiers.BackupReport) (tiers.BackupOrder, error) {
+	c, rank, err := l.coordinator(inc, false)
+	if err != nil {
+		return tiers.BackupOrder{}, err
+	}
+	return c.Backups(ctx, rank, rep)
 }
 
 func (l LocalClient) coordinator(inc tiers.Incarnation, negotiate bool) (*JobCoordinator, int, error) {

@@ -121,11 +121,23 @@ func (s *CoordinatorService) Sync(ctx context.Context, req *peerpb.SyncRequest) 
 	if req.GetStep() < 0 {
 		return nil, errInvalid("sync of step %d: steps are ≥ 0", req.GetStep())
 	}
-	dec, err := c.Sync(ctx, inc.Config.NodeRank, tiers.SyncReport{Step: req.GetStep(), BackupRunning: req.GetBackupRunning(), Replicated: req.GetReplicated()})
+	dec, err := c.Sync(ctx, inc.Config.NodeRank, tiers.SyncReport{Step: req.GetStep(), Replicated: req.GetReplicated()})
 	if err != nil {
 		return nil, coordinatorStatus(err)
 	}
-	return &peerpb.SyncReply{Backup: dec.Backup, Replicated: dec.Replicated}, nil
+	return &peerpb.SyncReply{Replicated: dec.Replicated}, nil
+}
+
+func (s *CoordinatorService) Backups(ctx context.Context, req *peerpb.BackupsRequest) (*peerpb.BackupsReply, error) {
+	c, inc, err := s.admit(ctx, req.GetCaller(), false)
+	if err != nil {
+		return nil, err
+	}
+	order, err := c.Backups(ctx, inc.Config.NodeRank, tiers.BackupReport{Done: req.GetDone(), Failed: req.GetFailed(), Err: req.GetError()})
+	if err != nil {
+		return nil, coordinatorStatus(err)
+	}
+	return &peerpb.BackupsReply{Backup: order.Backup, Step: order.Step}, nil
 }
 
 // admit authenticates a call, checks that its request speaks for the authenticated agent and
@@ -393,7 +405,7 @@ func (r *RemoteCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep
 	if err != nil {
 		return tiers.SyncDecision{}, err
 	}
-	req := &peerpb.SyncRequest{Caller: caller, Step: rep.Step, BackupRunning: rep.BackupRunning, Replicated: rep.Replicated}
+	req := &peerpb.SyncRequest{Caller: caller, Step: rep.Step, Replicated: rep.Replicated}
 	var reply *peerpb.SyncReply
 	err = r.call(ctx, inc, "Sync", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) (err error) {
 		reply, err = c.Sync(ctx, req, opt)
@@ -402,7 +414,29 @@ func (r *RemoteCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep
 	if err != nil {
 		return tiers.SyncDecision{}, err
 	}
-	return tiers.SyncDecision{Backup: reply.GetBackup(), Replicated: reply.GetReplicated()}, nil
+	return tiers.SyncDecision{Replicated: reply.GetReplicated()}, nil
+}
+
+// Backups waits for a backup order as JobCoordinator.Backups does; when ctx ends first, it
+// returns the zero order and no error.
+func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, rep tiers.BackupReport) (tiers.BackupOrder, error) {
+	caller, err := callerToPB(inc)
+	if err != nil {
+		return tiers.BackupOrder{}, err
+	}
+	req := &peerpb.BackupsRequest{Caller: caller, Done: rep.Done, Failed: rep.Failed, Error: rep.Err}
+	var reply *peerpb.BackupsReply
+	err = r.call(ctx, inc, "Backups", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) (err error) {
+		reply, err = c.Backups(ctx, req, opt)
+		return err
+	})
+	if err != nil {
+		if ctx.Err() != nil {
+			return tiers.BackupOrder{}, nil
+		}
+		return tiers.BackupOrder{}, err
+	}
+	return tiers.BackupOrder{Backup: reply.GetBackup(), Step: reply.GetStep()}, nil
 }
 
 // call makes one RPC, authenticated as inc's agent, retrying while it fails with UNAVAILABLE

@@ -139,30 +139,44 @@ func TestCoordinatorServiceThreeRanks(t *testing.T) {
 		require.NoError(t, result(t, ch, "Restored"))
 	}
 
-	// Syncs: a backup every 2 steps, the same decision for every rank.
-	for i, want := range []string{"", "2030-01-02_03-02", "", "2030-01-02_03-04"} {
+	// Syncs: the same decision for every rank; a backup every 2 steps, ordered through Backups
+	// and complete once every rank reported its part done. The restored step is in no backup,
+	// so the first synced step is backed up at once.
+	var done string // the last order, reported done by every rank with its next call
+	for i, want := range []string{"2030-01-02_03-01", "", "2030-01-02_03-03", ""} {
 		clock.Advance(time.Minute)
 		step := int64(11 + i)
 		decs := make([]tiers.SyncDecision, nodes)
+		orders := make([]tiers.BackupOrder, nodes)
 		for r := range nodes {
 			wg.Go(func() {
 				var err error
 				// Step 12 is not replicated on rank 2: the decision carries that to every rank.
 				decs[r], err = j.clients[r].Sync(ctx, j.incs[r], tiers.SyncReport{Step: step, Replicated: step != 12 || r != 2})
 				assert.NoError(t, err, "step %d rank %d", step, r)
+				short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+				defer cancel()
+				orders[r], err = j.clients[r].Backups(short, j.incs[r], tiers.BackupReport{Done: done})
+				assert.NoError(t, err, "step %d rank %d", step, r)
 			})
 		}
 		wg.Wait()
 		for r, d := range decs {
-			assert.Equal(t, want, d.Backup, "step %d rank %d", step, r)
 			assert.Equal(t, step != 12, d.Replicated, "step %d rank %d: replicated", step, r)
+			assert.Equal(t, want, orders[r].Backup, "step %d rank %d: backup order", step, r)
+			if want != "" {
+				assert.Equal(t, step, orders[r].Step, "rank %d", r)
+			}
+		}
+		if want != "" {
+			done = want
 		}
 	}
 
 	// A repeated report (a retried request) gets the same decision.
 	dec, err := j.clients[1].Sync(ctx, j.incs[1], tiers.SyncReport{Step: 14})
 	require.NoError(t, err)
-	assert.Equal(t, "2030-01-02_03-04", dec.Backup)
+	assert.True(t, dec.Replicated)
 
 	// A call of an incarnation that never negotiated is refused, and matches the coordinator's
 	// error.

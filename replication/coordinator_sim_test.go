@@ -44,6 +44,7 @@ type simResult struct {
 	plans []tiers.RestorePlan
 	decs  [][]tiers.SyncDecision // by rank, by sync
 	errs  []error                // by rank: the first error
+	order tiers.BackupOrder      // rank 0's backup order after the run
 }
 
 // run plays the job once against a fresh Job: every node negotiates, passes the barrier and
@@ -83,6 +84,9 @@ func (j simJob) run(syncs int) simResult {
 	}
 	res.first = phase(0, 1)
 	res.total = res.first + phase(1, syncs)
+	expired, cancel := context.WithCancel(context.Background())
+	cancel()
+	res.order, _ = client.Backups(expired, j.incs[0], tiers.BackupReport{})
 	return res
 }
 
@@ -97,17 +101,13 @@ func (r simResult) check(t *testing.T) {
 		require.True(t, p.Found && p.Step == 100, "rank %d: plan %+v, want step 100", rank, p)
 		require.Equal(t, dataOf(rank, 100), p.Data[tiers.Slot{Rank: rank}], "rank %d restores its own data", rank)
 	}
-	backups := 0
 	for i, d := range r.decs[0] {
-		if d.Backup != "" {
-			backups++
-		}
 		for rank := range r.decs {
 			require.Equal(t, d, r.decs[rank][i], "rank %d, sync %d: every node gets rank 0's decision", rank, i)
 		}
 	}
 	if len(r.decs[0]) >= 5 {
-		assert.Positive(t, backups, "backup-interval-steps 5 over %d syncs decides a backup", len(r.decs[0]))
+		assert.NotEmpty(t, r.order.Backup, "backup-interval-steps 5 over %d syncs orders a backup", len(r.decs[0]))
 	}
 }
 

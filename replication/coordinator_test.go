@@ -242,18 +242,14 @@ type syncResult struct {
 	err error
 }
 
-// syncAll syncs step from every rank concurrently; running names the ranks still backing up.
-func syncAll(t *testing.T, c *JobCoordinator, nodes int, step int64, running ...int) []syncResult {
+// syncAll syncs step from every rank concurrently.
+func syncAll(t *testing.T, c *JobCoordinator, nodes int, step int64) []syncResult {
 	t.Helper()
 	out := make([]syncResult, nodes)
 	var wg sync.WaitGroup
 	for r := range nodes {
 		wg.Go(func() {
-			rep := tiers.SyncReport{Step: step}
-			for _, x := range running {
-				rep.BackupRunning = rep.BackupRunning || x == r
-			}
-			out[r].dec, out[r].err = c.Sync(t.Context(), r, rep)
+			out[r].dec, out[r].err = c.Sync(t.Context(), r, tiers.SyncReport{Step: step})
 		})
 	}
 	wg.Wait()
@@ -547,76 +543,6 @@ func TestCoordinatorRestoredBarrier(t *testing.T) {
 
 // --- sync ------------------------------------------------------------------------------------
 
-func TestCoordinatorSyncDecisions(t *testing.T) {
-	t.Parallel()
-	type step struct {
-		advance time.Duration // clock moves before the sync
-		running []int         // ranks still uploading a backup
-		want    string        // the backup's HH-MM, "" for none
-	}
-	tests := []struct {
-		name    string
-		minutes float64
-		steps   int
-		noStore bool
-		stored  []string // backup names already in the store
-		syncs   []step
-	}{
-		{
-			name: "every 2 steps", steps: 2,
-			syncs: []step{{0, nil, ""}, {time.Minute, nil, "03-01"}, {time.Minute, nil, ""}, {time.Minute, nil, "03-03"}},
-		},
-		{
-			name: "every 5 minutes from the first sync", minutes: 5,
-			syncs: []step{{0, nil, ""}, {4 * time.Minute, nil, ""}, {time.Minute, nil, "03-05"}, {time.Minute, nil, ""}, {4 * time.Minute, nil, "03-10"}},
-		},
-		{
-			name: "never while any node is still backing up", steps: 1,
-			syncs: []step{{0, nil, "03-00"}, {time.Minute, []int{2}, ""}, {time.Minute, []int{0, 1}, ""}, {time.Minute, nil, "03-03"}},
-		},
-		{
-			name: "a minute that has a backup from an earlier incarnation waits", steps: 1,
-			stored: []string{"2030-01-02_03-00"},
-			syncs:  []step{{0, nil, ""}, {30 * time.Second, nil, ""}, {30 * time.Second, nil, "03-01"}},
-		},
-		{
-			name: "no backup tier, no backups", steps: 1, noStore: true,
-			syncs: []step{{0, nil, ""}, {time.Minute, nil, ""}},
-		},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			t.Parallel()
-			const nodes = 3
-			cfg := testConfig(nodes)
-			cfg.BackupIntervalMinutes, cfg.BackupIntervalSteps = tt.minutes, tt.steps
-			clock := newFakeClock()
-			opts := Options{Clock: clock}
-			if !tt.noStore {
-				store := &fakeStore{backups: map[string][]tiers.BackupStep{}}
-				for _, n := range tt.stored {
-					store.backups[n] = nil
-				}
-				opts.Store = store
-			}
-			c := newCoordinator(t, cfg, opts)
-			negotiateAll(t, c, []tiers.Inventory{own(0), own(1), own(2)})
-			for i, s := range tt.syncs {
-				clock.Advance(s.advance)
-				step := int64(100 + i)
-				want := ""
-				if s.want != "" {
-					want = "2030-01-02_" + s.want
-				}
-				for r, res := range syncAll(t, c, nodes, step, s.running...) {
-					require.NoError(t, res.err, "step %d rank %d", step, r)
-					assert.Equal(t, want, res.dec.Backup, "step %d (sync %d) rank %d", step, i, r)
-				}
-			}
-		})
-	}
-}
-
 func TestCoordinatorRestoreVersionIsOneShot(t *testing.T) {
 	t.Parallel()
 	const pin = "2030-01-01_00-01"
@@ -812,9 +738,11 @@ func TestCoordinatorLocalClientIncarnations(t *testing.T) {
 	for _, inc := range incs {
 		wg.Go(func() {
 			assert.NoError(t, client.Restored(t.Context(), inc))
-			d, err := client.Sync(t.Context(), inc, tiers.SyncReport{Step: 21})
+			_, err := client.Sync(t.Context(), inc, tiers.SyncReport{Step: 21})
 			assert.NoError(t, err)
-			assert.Equal(t, "2030-01-02_03-00", d.Backup)
+			o, err := client.Backups(expired(t), inc, tiers.BackupReport{})
+			assert.NoError(t, err)
+			assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 21}, o)
 		})
 	}
 	wg.Wait()
@@ -837,9 +765,11 @@ func TestCoordinatorLocalClientIncarnations(t *testing.T) {
 	// Still 03:00: the previous incarnation took that minute's backup.
 	for r, inc := range next {
 		wg.Go(func() {
-			d, err := client.Sync(t.Context(), inc, tiers.SyncReport{Step: 22})
+			_, err := client.Sync(t.Context(), inc, tiers.SyncReport{Step: 22})
 			assert.NoError(t, err, "rank %d", r)
-			assert.Empty(t, d.Backup, "rank %d: the minute's name is taken", r)
+			o, err := client.Backups(expired(t), inc, tiers.BackupReport{})
+			assert.NoError(t, err)
+			assert.Empty(t, o.Backup, "rank %d: the minute's name is taken", r)
 		})
 	}
 	wg.Wait()

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -290,7 +291,7 @@ type fakeStore struct {
 	downloads  int            // GUARDED_BY(mu)
 	clears     int            // GUARDED_BY(mu)
 	// beforeUpload, when set, runs at the start of Upload (without mu); an error fails it.
-	beforeUpload func(tiers.Upload) error // GUARDED_BY(mu)
+	beforeUpload func(context.Context, tiers.Upload) error // GUARDED_BY(mu)
 }
 
 var _ tiers.BackupStore = (*fakeStore)(nil)
@@ -372,7 +373,7 @@ func (s *fakeStore) Upload(ctx context.Context, req tiers.Upload) error {
 		s.uploadErr("upload of step %d: source %s: %v", req.Step, req.Source, err)
 	}
 	if before != nil {
-		if err := before(req); err != nil {
+		if err := before(ctx, req); err != nil {
 			return err
 		}
 	}
@@ -441,13 +442,29 @@ func (s *fakeStore) ClearRestoreVersion(ctx context.Context, job string) error {
 	return nil
 }
 
+// CleanLeftovers removes the fake's temporaries (".tmp-*") left by an upload cut short.
+func (s *fakeStore) CleanLeftovers(ctx context.Context, job string) (int, error) {
+	n := 0
+	err := filepath.WalkDir(filepath.Join(s.root, job), func(p string, d fs.DirEntry, err error) error {
+		if err == nil && strings.HasPrefix(d.Name(), ".tmp-") {
+			n++
+			return os.RemoveAll(p)
+		}
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil
+		}
+		return err
+	})
+	return n, err
+}
+
 func (s *fakeStore) setPin(name string) {
 	s.mu.Lock()
 	s.pin = name
 	s.mu.Unlock()
 }
 
-func (s *fakeStore) setBeforeUpload(f func(tiers.Upload) error) {
+func (s *fakeStore) setBeforeUpload(f func(context.Context, tiers.Upload) error) {
 	s.mu.Lock()
 	s.beforeUpload = f
 	s.mu.Unlock()
@@ -509,10 +526,17 @@ func (s *fakeStore) addBackup(t *testing.T, job, backup string, step int64, data
 
 // --- fakeClock and recordingCoordinator -----------------------------------------------------
 
-// fakeClock is a settable clock shared by the replicator and the coordinator.
+// fakeClock is a settable clock shared by the replicator and the coordinator (a
+// replication.Clock): timers fire, each in its own goroutine, when Set passes their deadline.
 type fakeClock struct {
-	mu  sync.Mutex
-	now time.Time // GUARDED_BY(mu)
+	mu     sync.Mutex
+	now    time.Time    // GUARDED_BY(mu)
+	timers []*fakeTimer // GUARDED_BY(mu)
+}
+
+type fakeTimer struct {
+	at time.Time
+	f  func()
 }
 
 func newFakeClock(t time.Time) *fakeClock { return &fakeClock{now: t} }
@@ -526,12 +550,44 @@ func (c *fakeClock) Now() time.Time {
 func (c *fakeClock) Set(t time.Time) {
 	c.mu.Lock()
 	c.now = t
+	var due []*fakeTimer
+	kept := c.timers[:0]
+	for _, x := range c.timers {
+		if x.at.After(t) {
+			kept = append(kept, x)
+		} else {
+			due = append(due, x)
+		}
+	}
+	c.timers = kept
 	c.mu.Unlock()
+	for _, x := range due {
+		go x.f()
+	}
 }
 
-// recordingCoordinator wraps a LocalCoordinator and records every Sync and its decision.
+func (c *fakeClock) AfterFunc(d time.Duration, f func()) func() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	x := &fakeTimer{at: c.now.Add(d), f: f}
+	c.timers = append(c.timers, x)
+	return func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		for i, y := range c.timers {
+			if y == x {
+				c.timers = slices.Delete(c.timers, i, i+1)
+				return true
+			}
+		}
+		return false
+	}
+}
+
+// recordingCoordinator wraps the job's coordinator (one node: the agent's own) and records every
+// Sync and its decision.
 type recordingCoordinator struct {
-	*tiers.LocalCoordinator
+	tiers.Coordinator
 
 	mu        sync.Mutex
 	syncs     []tiers.SyncReport   // GUARDED_BY(mu)
@@ -539,7 +595,7 @@ type recordingCoordinator struct {
 }
 
 func (c *recordingCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
-	dec, err := c.LocalCoordinator.Sync(ctx, inc, rep)
+	dec, err := c.Coordinator.Sync(ctx, inc, rep)
 	c.mu.Lock()
 	c.syncs = append(c.syncs, rep)
 	c.decisions = append(c.decisions, dec)
@@ -562,7 +618,8 @@ type harnessConfig struct {
 	clock   *fakeClock        // nil: a fixed clock at baseTime
 	env     map[string]string // for $VAR expansion
 	jaxInit *tiers.JaxInit
-	// coord replaces the one-node LocalCoordinator (multi-node tests); peers is the transport.
+	drain   time.Duration // the replicator's DrainTimeout; 0: the default
+	// coord replaces the agent's own coordinator (multi-node tests); peers is the transport.
 	coord tiers.Coordinator
 	peers tiers.PeerTransport
 }
@@ -603,18 +660,19 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 		t.Fatalf("OpenSpool: %v", err)
 	}
 	h := &harness{t: t, cfg: cfg, ns: ns, spool: spool}
-	local := &tiers.LocalCoordinator{Now: cfg.clock.Now}
+	opts := replication.Options{Clock: cfg.clock}
 	rcfg := tiers.ReplicatorConfig{
-		Spool:   spool,
-		Getenv:  func(k string) string { return cfg.env[k] },
-		Now:     cfg.clock.Now,
-		Logger:  slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
-		JaxInit: cfg.jaxInit,
+		Spool:        spool,
+		Getenv:       func(k string) string { return cfg.env[k] },
+		Now:          cfg.clock.Now,
+		Logger:       slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
+		JaxInit:      cfg.jaxInit,
+		DrainTimeout: cfg.drain,
 	}
 	if cfg.store != nil {
-		local.Store, rcfg.Store = cfg.store, cfg.store // no typed nil in the interfaces
+		opts.Store, rcfg.Store = cfg.store, cfg.store // no typed nil in the interfaces
 	}
-	h.coord = &recordingCoordinator{LocalCoordinator: local}
+	h.coord = &recordingCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(opts)}}
 	rcfg.Coordinator = h.coord
 	if cfg.coord != nil {
 		rcfg.Coordinator = cfg.coord

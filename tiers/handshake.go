@@ -62,6 +62,9 @@ func (r *Replicator) handshake() {
 		r.errLine(cfg, msg)
 	}
 	r.freeOtherJobs(cfg)
+	if err := r.cfg.Spool.SetJob(cfg.JobName); err != nil {
+		r.log.Debug("spool owner record", "err", err) // a spool opened without a mount path has none
+	}
 	if err := r.ns.Remove(layout.ReplicatorYAMLName); err != nil {
 		r.log.Error("delete replicator.yaml", "err", err)
 	}

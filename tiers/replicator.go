@@ -27,6 +27,8 @@ type ReplicatorConfig struct {
 	// JaxInit, when set, is written to jax-init-info.txt at start so that an unmodified
 	// Orbax/MaxText job learns its process id and coordinator (SPEC §1).
 	JaxInit *JaxInit
+	// DrainTimeout is how long Close lets a running backup finish; 0 means DefaultDrainTimeout.
+	DrainTimeout time.Duration
 }
 
 // JaxInit is the content of jax-init-info.txt.
@@ -50,8 +52,9 @@ type JaxInit struct {
 //     order (a slow peer delays the sync of later steps, not their sealing);
 //   - the prehasher, hashing files as the job closes them, and earlyWorkers early pushers
 //     sending them to the peers before their step commits;
-//   - per incarnation, a restore goroutine (cancelled by the next handshake);
-//   - at most one backup goroutine at a time.
+//   - per incarnation, a restore goroutine (cancelled by the next handshake), and once the
+//     incarnation negotiated, a backup loop taking the coordinator's orders (at most one backup
+//     runs at a time; Close lets it finish for DrainTimeout).
 //
 // LOCK ORDERING: publishMu before lineMu before mu. mu is never held across Namespace or
 // BackupStore calls.
@@ -95,6 +98,8 @@ type Replicator struct {
 	inFlight      map[string]int    // GUARDED_BY(mu); data names being sealed or restored
 	replicaHolds  map[string]func() // GUARDED_BY(mu); replicated data waiting for its .meta
 	backup        *Progress         // GUARDED_BY(mu); the running backup
+	backups       sync.WaitGroup    // running backups, for Close to drain
+	stopping      bool              // GUARDED_BY(mu); Close began: no new backup starts
 	lastBackup    string            // GUARDED_BY(mu)
 	restore       *Progress         // GUARDED_BY(mu); the running restore
 	recentErrors  []string          // GUARDED_BY(mu)
@@ -168,13 +173,29 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	return nil
 }
 
-// Close stops the replicator's goroutines: running restores and backups are cancelled; steps
-// already committed are sealed first.
+// Close stops the replicator's goroutines: a running backup gets DrainTimeout to finish (then it
+// is cut short, and left incomplete: its .meta, uploaded last, is missing); running restores
+// are cancelled; steps already committed are sealed first.
 func (r *Replicator) Close() {
 	if r.cancel == nil {
 		return
 	}
 	r.queue.close()
+	r.mu.Lock()
+	r.stopping = true
+	running := r.backup
+	r.mu.Unlock()
+	if running != nil {
+		drain := r.cfg.DrainTimeout
+		if drain <= 0 {
+			drain = DefaultDrainTimeout
+		}
+		r.log.Info("stopping: letting the running backup finish", "backup", running.Backup, "step", running.Step, "drain_timeout", drain.String())
+		if !r.drainBackups(drain) {
+			r.log.Warn("the running backup did not finish within the drain time: cut short, it stays incomplete and the next agent retries it",
+				"backup", running.Backup, "step", running.Step, "drain_timeout", drain.String())
+		}
+	}
 	r.cancel()  // restores and backups stop; sealing runs on its own context and finishes
 	r.wg.Wait() // the control loop closes sealQ, so the sealer drains what was committed
 }

@@ -5,6 +5,7 @@ package tiers_test
 // adoption after an agent restart (§7).
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -620,26 +621,6 @@ func TestRestartDropsCorruptedSpoolData(t *testing.T) {
 	h2.checkEmptyMarker(marker("job", 0, 0, 0, layout.MarkerRestore))
 }
 
-func TestMultiNodeJobWithoutPeerServiceFails(t *testing.T) {
-	t.Parallel()
-	h := newHarness(t, harnessConfig{})
-	h.yamlOrbax(withKeys("nodes: 2", "peer-ranks: [1]"))
-	h.waitGone(layout.ReplicatorYAMLName)
-	h.waitExists(layout.ReplicatorFailedName)
-	lines := h.lines(layout.ReplicatorFailedName)
-	re := regexp.MustCompile(`^` + lineTime + ` job=job node=0/2 FATAL restore negotiation failed: .*no peers configured`)
-	if len(lines) != 1 || !re.MatchString(lines[0]) {
-		t.Fatalf("replicator.failed = %q, want one line matching %s", lines, re)
-	}
-	time.Sleep(20 * time.Millisecond)
-	if m := h.markers(); len(m) != 0 || h.exists(layout.PrerestoreName) {
-		t.Errorf("a failed negotiation published markers %q or replicator.prerestore", m)
-	}
-	if st := h.r.Status(); st.Phase != "failed" {
-		t.Errorf("status phase %q, want failed", st.Phase)
-	}
-}
-
 func TestCommittedStepSurvivesTheJobDeletingIt(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessConfig{})
@@ -706,7 +687,7 @@ func TestBackupAfterEveryStep(t *testing.T) {
 	var wantWrites []string
 	for i, u := range uploads {
 		step := int64(i + 1)
-		name := tiers.BackupName(minute(step))
+		name := layout.BackupName(minute(step))
 		if u.Job != "job" || u.Backup != name || u.Step != step || u.Slot != (tiers.Slot{}) || u.Hash != hashes[step] {
 			t.Errorf("upload %d = %+v, want job step %d slot n0-w0 hash %s to backup %s", i, u, step, hashes[step], name)
 		}
@@ -725,8 +706,8 @@ func TestBackupAfterEveryStep(t *testing.T) {
 	if !slices.Equal(gotWrites, wantWrites) {
 		t.Errorf("objects written %q, want data before .meta: %q", gotWrites, wantWrites)
 	}
-	if st := h.r.Status(); st.LastBackup != tiers.BackupName(minute(3)) {
-		t.Errorf("status last backup %q, want %q", st.LastBackup, tiers.BackupName(minute(3)))
+	if st := h.r.Status(); st.LastBackup != layout.BackupName(minute(3)) {
+		t.Errorf("status last backup %q, want %q", st.LastBackup, layout.BackupName(minute(3)))
 	}
 }
 
@@ -754,14 +735,14 @@ func TestRestoreFromBackup(t *testing.T) {
 	}{
 		{"newest complete backup", func(*testing.T, *fakeStore, map[int64]string) {}, 2},
 		{"newest lacks its data", func(t *testing.T, s *fakeStore, h map[int64]string) {
-			s.deleteObject(t, "job", tiers.BackupName(minute(2)), h[2]+".data")
+			s.deleteObject(t, "job", layout.BackupName(minute(2)), h[2]+".data")
 		}, 1},
 		{"newest lacks its .meta", func(t *testing.T, s *fakeStore, h map[int64]string) {
-			s.deleteObject(t, "job", tiers.BackupName(minute(2)), marker("job", 2, 0, 0, layout.MarkerMeta))
+			s.deleteObject(t, "job", layout.BackupName(minute(2)), marker("job", 2, 0, 0, layout.MarkerMeta))
 		}, 1},
 		{"no backup is complete", func(t *testing.T, s *fakeStore, h map[int64]string) {
-			s.deleteObject(t, "job", tiers.BackupName(minute(2)), h[2]+".data")
-			s.deleteObject(t, "job", tiers.BackupName(minute(1)), h[1]+".data")
+			s.deleteObject(t, "job", layout.BackupName(minute(2)), h[2]+".data")
+			s.deleteObject(t, "job", layout.BackupName(minute(1)), h[1]+".data")
 		}, 0},
 	}
 	for _, tc := range tests {
@@ -778,7 +759,7 @@ func TestRestoreFromBackup(t *testing.T) {
 			}
 			restore := marker("job", tc.step, 0, 0, layout.MarkerRestore)
 			h.waitMarkers(restore)
-			h.checkPrerestore(map[string]any{"restore-step": int(tc.step), "restore-backup": tiers.BackupName(minute(tc.step))})
+			h.checkPrerestore(map[string]any{"restore-step": int(tc.step), "restore-backup": layout.BackupName(minute(tc.step))})
 			h.checkPublishOrder()
 			h.checkRestoreLink(restore, hashes[tc.step], files[tc.step])
 			if got := h.read(marker("job", tc.step, 0, 0, layout.MarkerMeta)); got != hashes[tc.step] {
@@ -803,8 +784,8 @@ func TestPinnedBackupUnusable(t *testing.T) {
 	}{
 		{"missing", func(*testing.T, *fakeStore, map[int64]string) string { return "2029-12-31_23-59" }, "does not exist"},
 		{"incomplete", func(t *testing.T, s *fakeStore, h map[int64]string) string {
-			s.deleteObject(t, "job", tiers.BackupName(minute(1)), h[1]+".data")
-			return tiers.BackupName(minute(1))
+			s.deleteObject(t, "job", layout.BackupName(minute(1)), h[1]+".data")
+			return layout.BackupName(minute(1))
 		}, "incomplete"},
 	}
 	for _, tc := range tests {
@@ -853,7 +834,7 @@ func TestPinnedBackupWinsOverRAM(t *testing.T) {
 	files1 := checkpointFiles("1")
 	hash1 := h.saveAndBackUp(1, files1)
 	h.saveAndBackUp(2, checkpointFiles("2"))
-	store.setPin(tiers.BackupName(minute(1)) + "\n")
+	store.setPin(layout.BackupName(minute(1)) + "\n")
 
 	// The job restarts on the same agent, which holds step 2 in RAM.
 	h.cfg.clock.Set(minute(5))
@@ -950,7 +931,7 @@ func TestRetentionAtBackupEndKeepsAStepSealedMeanwhile(t *testing.T) {
 	h := newHarness(t, harnessConfig{store: store}) // the clock stands still: one backup only
 	h.start(backupYAML, "job")
 	gate := make(chan struct{})
-	store.setBeforeUpload(func(u tiers.Upload) error {
+	store.setBeforeUpload(func(_ context.Context, u tiers.Upload) error {
 		if u.Step == 1 {
 			<-gate
 		}
@@ -1005,7 +986,7 @@ func TestRetentionDuringRestoreKeepsTheRestoredData(t *testing.T) {
 	h.saveAndBackUp(2, checkpointFiles("2")) // step 1 leaves RAM
 
 	gate := make(chan struct{})
-	store.setBeforeUpload(func(u tiers.Upload) error {
+	store.setBeforeUpload(func(_ context.Context, u tiers.Upload) error {
 		if u.Step == 3 {
 			<-gate
 		}
@@ -1022,7 +1003,7 @@ func TestRetentionDuringRestoreKeepsTheRestoredData(t *testing.T) {
 	})
 
 	// The job restarts pinned to step 1's backup; the restore stops between bringIn and the .meta.
-	store.setPin(tiers.BackupName(minute(1)))
+	store.setPin(layout.BackupName(minute(1)))
 	hook, entered, release := blockOnce("write", marker("job", 1, 0, 0, layout.MarkerMeta))
 	h.ns.setHook(hook)
 	h.yamlOrbax(backupYAML)
@@ -1031,7 +1012,7 @@ func TestRetentionDuringRestoreKeepsTheRestoredData(t *testing.T) {
 	before := removals() // incarnation 1 freed step 1 once already
 	close(gate)          // the old incarnation's backup ends and runs retention
 	h.eventually("the old incarnation's backup to end", func() string {
-		if st := h.r.Status(); st.LastBackup != tiers.BackupName(minute(3)) {
+		if st := h.r.Status(); st.LastBackup != layout.BackupName(minute(3)) {
 			return "last backup " + st.LastBackup
 		}
 		return ""
@@ -1058,7 +1039,7 @@ func TestConcurrentErrorLinesAreAllKept(t *testing.T) {
 	h := newHarness(t, harnessConfig{store: store})
 	h.start(backupYAML, "job")
 	gate := make(chan struct{})
-	store.setBeforeUpload(func(u tiers.Upload) error {
+	store.setBeforeUpload(func(_ context.Context, u tiers.Upload) error {
 		<-gate
 		return errors.New("injected upload failure")
 	})

@@ -53,6 +53,10 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 	if superseded() {
 		return
 	}
+	if r.cfg.Store != nil {
+		r.wg.Add(1)
+		go r.backupLoop(inc)
+	}
 	for _, line := range plan.Errors {
 		r.errLine(cfg, line)
 	}

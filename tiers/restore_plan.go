@@ -62,6 +62,9 @@ type BackupStore interface {
 	// RestoreVersion reads <job>/restore.version; ok is false when it does not exist.
 	RestoreVersion(ctx context.Context, job string) (name string, ok bool, err error)
 	ClearRestoreVersion(ctx context.Context, job string) error
+	// CleanLeftovers removes what uploads of the job that were cut short (a crash, a stop) left
+	// behind, never touching an upload still running elsewhere; it returns how many it removed.
+	CleanLeftovers(ctx context.Context, job string) (int, error)
 	String() string
 }
 

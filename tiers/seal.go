@@ -166,8 +166,8 @@ func (r *Replicator) hasName(name string) bool {
 }
 
 // afterSeal syncs a step every worker of this node sealed and replicated (replicated: all
-// succeeded), starts a backup when the coordinator says one is due, and frees what retention no
-// longer needs.
+// succeeded) and frees what retention no longer needs. (Backups are ordered by the coordinator
+// on its own clock, see backupLoop.)
 func (r *Replicator) afterSeal(c commit, replicated bool) {
 	cfg := c.inc.Config
 	r.mu.Lock()
@@ -175,12 +175,11 @@ func (r *Replicator) afterSeal(c commit, replicated bool) {
 	if current && c.step > r.lastCommitted {
 		r.lastCommitted = c.step
 	}
-	running := r.backup != nil
 	r.mu.Unlock()
 	if !current {
 		return // an older incarnation's step: sealed and kept, but not synced
 	}
-	dec, err := r.cfg.Coordinator.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, BackupRunning: running, Replicated: replicated})
+	dec, err := r.cfg.Coordinator.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
 	if err != nil {
 		r.incLine(c.inc, fmt.Sprintf("sync of step %d failed: %v", c.step, err))
 		return
@@ -191,9 +190,6 @@ func (r *Replicator) afterSeal(c commit, replicated bool) {
 			r.lastReplicated = c.step
 		}
 		r.mu.Unlock()
-	}
-	if dec.Backup != "" {
-		r.startBackup(c.inc, c.step, dec.Backup)
 	}
 	r.retain(cfg)
 }

@@ -70,3 +70,7 @@ func (s backupStore) RestoreVersion(ctx context.Context, job string) (string, bo
 func (s backupStore) ClearRestoreVersion(ctx context.Context, job string) error {
 	return s.b.ClearRestoreVersion(ctx, job)
 }
+
+func (s backupStore) CleanLeftovers(ctx context.Context, job string) (int, error) {
+	return s.b.CleanLeftovers(ctx, job)
+}

@@ -25,15 +25,14 @@ import (
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
-// clusterCoordinator is the tiers.Coordinator the replicator uses. A one-node job is
-// coordinated locally. In a multi-node job the rank-0 agent coordinates in process and serves
-// the coordinator to the other ranks over gRPC; they find it through the agent registry in the
+// clusterCoordinator is the tiers.Coordinator the replicator uses. The rank-0 agent coordinates
+// in process (a one-node job is just that) and serves the coordinator to the other ranks over
+// gRPC; they find it through the agent registry in the
 // backup location, so nothing but a shared --backup needs configuring (SPEC §4, §7).
 //
 // peerService (below) moves the data: replicas pushed to peers, early files, fetches for a
 // restore.
 type clusterCoordinator struct {
-	local    *tiers.LocalCoordinator
 	objects  gcsbackend.ObjectStore
 	job      *replication.Job
 	addr     string         // what this agent registers: --advertise, else where its gRPC server listens
@@ -155,7 +154,7 @@ type peerAuth struct {
 }
 
 // newPeerService listens on listen and prepares the coordinator; start serves.
-func newPeerService(addrs peerAddrs, local *tiers.LocalCoordinator, objects gcsbackend.ObjectStore, store tiers.BackupStore, auth peerAuth) (*peerService, error) {
+func newPeerService(addrs peerAddrs, objects gcsbackend.ObjectStore, store tiers.BackupStore, auth peerAuth) (*peerService, error) {
 	sec, err := newSecrets(auth.secretFile, objects)
 	if err != nil {
 		return nil, err
@@ -175,7 +174,7 @@ func newPeerService(addrs peerAddrs, local *tiers.LocalCoordinator, objects gcsb
 		server, dial = auth.tls.TransportCredentials(slog.Default())
 		opts = append(opts, grpc.Creds(server))
 	}
-	c := &clusterCoordinator{local: local, objects: objects, addr: addr, static: addrs.static, instance: newInstanceID(),
+	c := &clusterCoordinator{objects: objects, addr: addr, static: addrs.static, instance: newInstanceID(),
 		secrets: sec, dial: dial, remotes: map[string]*replication.RemoteCoordinator{}, registered: map[string]gcsbackend.Registration{},
 		job: replication.NewJob(replication.Options{Store: store, Log: slog.Default(), LagTimeout: addrs.lagTimeout})}
 	svc, err := replication.NewCoordinatorService(replication.CoordinatorServiceConfig{Job: c.job, Secrets: sec.lookup, Instance: c.instance})
@@ -316,13 +315,10 @@ func (p *peerService) Fetch(ctx context.Context, inc tiers.Incarnation, rank int
 	})
 }
 
-// pick returns the coordinator for inc: local for one node, the in-process job on rank 0, the
-// rank-0 agent over gRPC otherwise.
+// pick returns the coordinator for inc: the in-process job on rank 0 (the only rank of a
+// one-node job), the rank-0 agent over gRPC otherwise.
 func (c *clusterCoordinator) pick(ctx context.Context, inc tiers.Incarnation) (tiers.Coordinator, error) {
 	cfg := inc.Config
-	if cfg.Nodes == 1 {
-		return c.local, nil
-	}
 	if cfg.NodeRank == 0 {
 		return replication.LocalClient{Job: c.job}, nil
 	}
@@ -391,4 +387,12 @@ func (c *clusterCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, re
 		return tiers.SyncDecision{}, err
 	}
 	return co.Sync(ctx, inc, rep)
+}
+
+func (c *clusterCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, rep tiers.BackupReport) (tiers.BackupOrder, error) {
+	co, err := c.pick(ctx, inc)
+	if err != nil {
+		return tiers.BackupOrder{}, err
+	}
+	return co.Backups(ctx, inc, rep)
 }

@@ -117,7 +117,6 @@ func TestGCSBackupEndToEnd(t *testing.T) {
 		meta := filepath.Join(c.nodes[r].dir, fmt.Sprintf("gjob-s0-n%d-w0.meta", r))
 		repWait(t, 15*time.Second, fmt.Sprintf("rank %d to seal step 0", r), func() bool { return pathExists(meta) })
 	}
-	time.Sleep(150 * time.Millisecond) // the backup clock started at the first sync
 	c.all(t, func(r int) error { return clients[r].Save(ctx, 10) })
 	name := waitCompleteBackup(t, c.nodes[0], "gjob", 10)
 

@@ -25,7 +25,7 @@ import (
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION]"
 
 type mountConfig struct {
 	dir         string
@@ -43,6 +43,7 @@ type mountConfig struct {
 	lagTimeout  time.Duration
 	secretFile  string
 	peerTLS     *replication.TLSConfigs
+	drain       time.Duration
 }
 
 // syncLagTimeoutEnv overrides the coordinator's sync lag timeout (replication.DefaultLagTimeout),
@@ -68,6 +69,7 @@ func cmdMount(args []string) int {
 	logFormat := fset.String("log-format", "text", "log format: json (keys severity, message) or text")
 	debugFuse := fset.Bool("debug-fuse", false, "log every FUSE request (very verbose)")
 	xattrs := fset.Bool("xattrs", false, "support extended attributes (costs a round trip to the agent per write)")
+	drain := fset.Duration("drain-timeout", tiers.DefaultDrainTimeout, "on SIGTERM/SIGINT, how long a running backup may finish before it is cut short (left incomplete, retried by the next agent)")
 	pos, err := parseFlags(fset, args)
 	if err != nil {
 		return flagError(fset, err)
@@ -80,7 +82,10 @@ func cmdMount(args []string) int {
 	if len(pos) != 1 {
 		return flagError(fset, fmt.Errorf("want exactly one mount directory, got %d arguments", len(pos)))
 	}
-	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile}
+	if *drain < 0 {
+		return flagError(fset, fmt.Errorf("--drain-timeout %v: want a duration ≥ 0, such as 30s", *drain))
+	}
+	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile, drain: *drain}
 	switch {
 	case (*rank >= 0) != (*jaxCoord != ""):
 		return flagError(fset, errors.New("--rank and --jax-coordinator go together"))
@@ -219,11 +224,11 @@ func runMount(cfg mountConfig) error {
 	defer releaseSpool(spool)
 
 	store := backupStore{backups}
-	peers, err := newPeerService(peerAddrs{listen: cfg.listen, advertise: cfg.advertise, static: cfg.peers, lagTimeout: cfg.lagTimeout}, &tiers.LocalCoordinator{Store: store}, backups.Store, store, peerAuth{secretFile: cfg.secretFile, tls: cfg.peerTLS})
+	peers, err := newPeerService(peerAddrs{listen: cfg.listen, advertise: cfg.advertise, static: cfg.peers, lagTimeout: cfg.lagTimeout}, backups.Store, store, peerAuth{secretFile: cfg.secretFile, tls: cfg.peerTLS})
 	if err != nil {
 		return err
 	}
-	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: peers.coord, Peers: peers, JaxInit: cfg.jaxInit})
+	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: peers.coord, Peers: peers, JaxInit: cfg.jaxInit, DrainTimeout: cfg.drain})
 	var ready atomic.Bool
 	info := agentInfo{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
 	var shown atomic.Pointer[agentInfo] // what /status shows; info is completed below

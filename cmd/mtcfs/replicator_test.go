@@ -31,11 +31,11 @@ import (
 const (
 	clientPoll    = 20 * time.Millisecond
 	clientTimeout = 20 * time.Second
-	// fastBackupMinutes makes a backup due on the first sync at least 60 ms after the clock
-	// started (the coordinator's first sync). The scripted clients always write
-	// backup-interval-minutes, so backup-interval-steps cannot be used through them (the parser
-	// rejects both keys together).
-	fastBackupMinutes = 0.001
+	// fastBackupMinutes orders a backup 1.2 s after the clock started (the coordinator's first
+	// sync): tests that save twice at once get one backup, of the second step (a backup per UTC
+	// minute at most). The scripted clients always write backup-interval-minutes, so
+	// backup-interval-steps cannot be used through them (the parser rejects both keys together).
+	fastBackupMinutes = 0.02
 )
 
 // repNode is one simulated machine: a mount directory, its spool and a backup location.
@@ -327,7 +327,6 @@ func TestRestoreFromBackup(t *testing.T) {
 	require.False(t, found)
 	require.NoError(t, o.Save(ctx, 0))
 	waitStepSealed(t, n.dir, job, 0) // the first sync starts the backup clock
-	time.Sleep(150 * time.Millisecond)
 	require.NoError(t, o.Save(ctx, 10))
 	name := waitCompleteBackup(t, n, job, 10)
 	assert.NoFileExists(t, filepath.Join(n.backupRoot, job, name, job+"-s0-n0-w0.meta"), "step 0 was not due for a backup")
@@ -521,7 +520,6 @@ func TestStatusJSON(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, o.Save(ctx, 0))
 	waitStepSealed(t, n.dir, job, 0)
-	time.Sleep(150 * time.Millisecond)
 	require.NoError(t, o.Save(ctx, 10))
 	waitStepSealed(t, n.dir, job, 10)
 	hash, err := os.ReadFile(metaPath(n.dir, job, 10))

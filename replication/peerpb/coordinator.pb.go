@@ -622,8 +622,6 @@ type SyncRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Caller *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
 	Step   int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
-	// The caller is still uploading an earlier backup.
-	BackupRunning bool `protobuf:"varint,3,opt,name=backup_running,json=backupRunning,proto3" json:"backup_running,omitempty"`
 	// Every peer this node replicates to acknowledged a verified replica of the step (or the
 	// job has no peers).
 	Replicated    bool `protobuf:"varint,4,opt,name=replicated,proto3" json:"replicated,omitempty"`
@@ -675,13 +673,6 @@ func (x *SyncRequest) GetStep() int64 {
 	return 0
 }
 
-func (x *SyncRequest) GetBackupRunning() bool {
-	if x != nil {
-		return x.BackupRunning
-	}
-	return false
-}
-
 func (x *SyncRequest) GetReplicated() bool {
 	if x != nil {
 		return x.Replicated
@@ -691,8 +682,6 @@ func (x *SyncRequest) GetReplicated() bool {
 
 type SyncReply struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The backup this step must be uploaded to; empty when none is due.
-	Backup string `protobuf:"bytes,1,opt,name=backup,proto3" json:"backup,omitempty"`
 	// Every node reported the step replicated: losing any one node cannot lose it.
 	Replicated    bool `protobuf:"varint,2,opt,name=replicated,proto3" json:"replicated,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -729,18 +718,135 @@ func (*SyncReply) Descriptor() ([]byte, []int) {
 	return file_coordinator_proto_rawDescGZIP(), []int{11}
 }
 
-func (x *SyncReply) GetBackup() string {
+func (x *SyncReply) GetReplicated() bool {
+	if x != nil {
+		return x.Replicated
+	}
+	return false
+}
+
+type BackupsRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Caller *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	// The backup the caller finished uploading its part of (its .meta is in), if any.
+	Done string `protobuf:"bytes,2,opt,name=done,proto3" json:"done,omitempty"`
+	// The backup the caller failed to upload its part of, if any, and why.
+	Failed        string `protobuf:"bytes,3,opt,name=failed,proto3" json:"failed,omitempty"`
+	Error         string `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BackupsRequest) Reset() {
+	*x = BackupsRequest{}
+	mi := &file_coordinator_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BackupsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BackupsRequest) ProtoMessage() {}
+
+func (x *BackupsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_coordinator_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BackupsRequest.ProtoReflect.Descriptor instead.
+func (*BackupsRequest) Descriptor() ([]byte, []int) {
+	return file_coordinator_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *BackupsRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *BackupsRequest) GetDone() string {
+	if x != nil {
+		return x.Done
+	}
+	return ""
+}
+
+func (x *BackupsRequest) GetFailed() string {
+	if x != nil {
+		return x.Failed
+	}
+	return ""
+}
+
+func (x *BackupsRequest) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+type BackupsReply struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The backup the caller must upload its part of, and the step; empty when none (the wait
+	// ended first).
+	Backup        string `protobuf:"bytes,1,opt,name=backup,proto3" json:"backup,omitempty"`
+	Step          int64  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BackupsReply) Reset() {
+	*x = BackupsReply{}
+	mi := &file_coordinator_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BackupsReply) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BackupsReply) ProtoMessage() {}
+
+func (x *BackupsReply) ProtoReflect() protoreflect.Message {
+	mi := &file_coordinator_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BackupsReply.ProtoReflect.Descriptor instead.
+func (*BackupsReply) Descriptor() ([]byte, []int) {
+	return file_coordinator_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *BackupsReply) GetBackup() string {
 	if x != nil {
 		return x.Backup
 	}
 	return ""
 }
 
-func (x *SyncReply) GetReplicated() bool {
+func (x *BackupsReply) GetStep() int64 {
 	if x != nil {
-		return x.Replicated
+		return x.Step
 	}
-	return false
+	return 0
 }
 
 var File_coordinator_proto protoreflect.FileDescriptor
@@ -791,23 +897,30 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x04plan\x18\x01 \x01(\v2!.mtcfs.replication.v1.RestorePlanR\x04plan\"G\n" +
 	"\x0fRestoredRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\"\x0f\n" +
-	"\rRestoredReply\"\x9e\x01\n" +
+	"\rRestoredReply\"}\n" +
 	"\vSyncRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\x12\x12\n" +
-	"\x04step\x18\x02 \x01(\x03R\x04step\x12%\n" +
-	"\x0ebackup_running\x18\x03 \x01(\bR\rbackupRunning\x12\x1e\n" +
+	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x1e\n" +
 	"\n" +
 	"replicated\x18\x04 \x01(\bR\n" +
-	"replicated\"C\n" +
-	"\tSyncReply\x12\x16\n" +
-	"\x06backup\x18\x01 \x01(\tR\x06backup\x12\x1e\n" +
+	"replicatedJ\x04\b\x03\x10\x04\"1\n" +
+	"\tSyncReply\x12\x1e\n" +
 	"\n" +
 	"replicated\x18\x02 \x01(\bR\n" +
-	"replicated2\x8c\x02\n" +
+	"replicatedJ\x04\b\x01\x10\x02\"\x88\x01\n" +
+	"\x0eBackupsRequest\x124\n" +
+	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\x12\x12\n" +
+	"\x04done\x18\x02 \x01(\tR\x04done\x12\x16\n" +
+	"\x06failed\x18\x03 \x01(\tR\x06failed\x12\x14\n" +
+	"\x05error\x18\x04 \x01(\tR\x05error\":\n" +
+	"\fBackupsReply\x12\x16\n" +
+	"\x06backup\x18\x01 \x01(\tR\x06backup\x12\x12\n" +
+	"\x04step\x18\x02 \x01(\x03R\x04step2\xe1\x02\n" +
 	"\vCoordinator\x12Y\n" +
 	"\tNegotiate\x12&.mtcfs.replication.v1.NegotiateRequest\x1a$.mtcfs.replication.v1.NegotiateReply\x12V\n" +
 	"\bRestored\x12%.mtcfs.replication.v1.RestoredRequest\x1a#.mtcfs.replication.v1.RestoredReply\x12J\n" +
-	"\x04Sync\x12!.mtcfs.replication.v1.SyncRequest\x1a\x1f.mtcfs.replication.v1.SyncReplyB+Z)github.com/mtcfs/mtcfs/replication/peerpbb\x06proto3"
+	"\x04Sync\x12!.mtcfs.replication.v1.SyncRequest\x1a\x1f.mtcfs.replication.v1.SyncReply\x12S\n" +
+	"\aBackups\x12$.mtcfs.replication.v1.BackupsRequest\x1a\".mtcfs.replication.v1.BackupsReplyB+Z)github.com/mtcfs/mtcfs/replication/peerpbb\x06proto3"
 
 var (
 	file_coordinator_proto_rawDescOnce sync.Once
@@ -821,7 +934,7 @@ func file_coordinator_proto_rawDescGZIP() []byte {
 	return file_coordinator_proto_rawDescData
 }
 
-var file_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_coordinator_proto_goTypes = []any{
 	(*JobShape)(nil),         // 0: mtcfs.replication.v1.JobShape
 	(*Caller)(nil),           // 1: mtcfs.replication.v1.Caller
@@ -835,31 +948,36 @@ var file_coordinator_proto_goTypes = []any{
 	(*RestoredReply)(nil),    // 9: mtcfs.replication.v1.RestoredReply
 	(*SyncRequest)(nil),      // 10: mtcfs.replication.v1.SyncRequest
 	(*SyncReply)(nil),        // 11: mtcfs.replication.v1.SyncReply
-	nil,                      // 12: mtcfs.replication.v1.Inventory.MetasEntry
-	nil,                      // 13: mtcfs.replication.v1.RestorePlan.HoldersEntry
+	(*BackupsRequest)(nil),   // 12: mtcfs.replication.v1.BackupsRequest
+	(*BackupsReply)(nil),     // 13: mtcfs.replication.v1.BackupsReply
+	nil,                      // 14: mtcfs.replication.v1.Inventory.MetasEntry
+	nil,                      // 15: mtcfs.replication.v1.RestorePlan.HoldersEntry
 }
 var file_coordinator_proto_depIdxs = []int32{
 	0,  // 0: mtcfs.replication.v1.Caller.shape:type_name -> mtcfs.replication.v1.JobShape
-	12, // 1: mtcfs.replication.v1.Inventory.metas:type_name -> mtcfs.replication.v1.Inventory.MetasEntry
+	14, // 1: mtcfs.replication.v1.Inventory.metas:type_name -> mtcfs.replication.v1.Inventory.MetasEntry
 	3,  // 2: mtcfs.replication.v1.RestorePlan.data:type_name -> mtcfs.replication.v1.SlotData
-	13, // 3: mtcfs.replication.v1.RestorePlan.holders:type_name -> mtcfs.replication.v1.RestorePlan.HoldersEntry
+	15, // 3: mtcfs.replication.v1.RestorePlan.holders:type_name -> mtcfs.replication.v1.RestorePlan.HoldersEntry
 	1,  // 4: mtcfs.replication.v1.NegotiateRequest.caller:type_name -> mtcfs.replication.v1.Caller
 	2,  // 5: mtcfs.replication.v1.NegotiateRequest.inventory:type_name -> mtcfs.replication.v1.Inventory
 	5,  // 6: mtcfs.replication.v1.NegotiateReply.plan:type_name -> mtcfs.replication.v1.RestorePlan
 	1,  // 7: mtcfs.replication.v1.RestoredRequest.caller:type_name -> mtcfs.replication.v1.Caller
 	1,  // 8: mtcfs.replication.v1.SyncRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	4,  // 9: mtcfs.replication.v1.RestorePlan.HoldersEntry.value:type_name -> mtcfs.replication.v1.Ranks
-	6,  // 10: mtcfs.replication.v1.Coordinator.Negotiate:input_type -> mtcfs.replication.v1.NegotiateRequest
-	8,  // 11: mtcfs.replication.v1.Coordinator.Restored:input_type -> mtcfs.replication.v1.RestoredRequest
-	10, // 12: mtcfs.replication.v1.Coordinator.Sync:input_type -> mtcfs.replication.v1.SyncRequest
-	7,  // 13: mtcfs.replication.v1.Coordinator.Negotiate:output_type -> mtcfs.replication.v1.NegotiateReply
-	9,  // 14: mtcfs.replication.v1.Coordinator.Restored:output_type -> mtcfs.replication.v1.RestoredReply
-	11, // 15: mtcfs.replication.v1.Coordinator.Sync:output_type -> mtcfs.replication.v1.SyncReply
-	13, // [13:16] is the sub-list for method output_type
-	10, // [10:13] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	1,  // 9: mtcfs.replication.v1.BackupsRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	4,  // 10: mtcfs.replication.v1.RestorePlan.HoldersEntry.value:type_name -> mtcfs.replication.v1.Ranks
+	6,  // 11: mtcfs.replication.v1.Coordinator.Negotiate:input_type -> mtcfs.replication.v1.NegotiateRequest
+	8,  // 12: mtcfs.replication.v1.Coordinator.Restored:input_type -> mtcfs.replication.v1.RestoredRequest
+	10, // 13: mtcfs.replication.v1.Coordinator.Sync:input_type -> mtcfs.replication.v1.SyncRequest
+	12, // 14: mtcfs.replication.v1.Coordinator.Backups:input_type -> mtcfs.replication.v1.BackupsRequest
+	7,  // 15: mtcfs.replication.v1.Coordinator.Negotiate:output_type -> mtcfs.replication.v1.NegotiateReply
+	9,  // 16: mtcfs.replication.v1.Coordinator.Restored:output_type -> mtcfs.replication.v1.RestoredReply
+	11, // 17: mtcfs.replication.v1.Coordinator.Sync:output_type -> mtcfs.replication.v1.SyncReply
+	13, // 18: mtcfs.replication.v1.Coordinator.Backups:output_type -> mtcfs.replication.v1.BackupsReply
+	15, // [15:19] is the sub-list for method output_type
+	11, // [11:15] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_coordinator_proto_init() }
@@ -873,7 +991,7 @@ func file_coordinator_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_coordinator_proto_rawDesc), len(file_coordinator_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   14,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

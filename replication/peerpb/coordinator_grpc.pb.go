@@ -34,6 +34,7 @@ const (
 	Coordinator_Negotiate_FullMethodName = "/mtcfs.replication.v1.Coordinator/Negotiate"
 	Coordinator_Restored_FullMethodName  = "/mtcfs.replication.v1.Coordinator/Restored"
 	Coordinator_Sync_FullMethodName      = "/mtcfs.replication.v1.Coordinator/Sync"
+	Coordinator_Backups_FullMethodName   = "/mtcfs.replication.v1.Coordinator/Backups"
 )
 
 // CoordinatorClient is the client API for Coordinator service.
@@ -52,6 +53,9 @@ type CoordinatorClient interface {
 	// Sync reports a committed step and returns the job's decision for it once every rank
 	// reported it.
 	Sync(ctx context.Context, in *SyncRequest, opts ...grpc.CallOption) (*SyncReply, error)
+	// Backups reports the outcome of the caller's last backup (if any) and waits until there is a
+	// backup the caller must take, or the call's deadline passes (then it returns no backup).
+	Backups(ctx context.Context, in *BackupsRequest, opts ...grpc.CallOption) (*BackupsReply, error)
 }
 
 type coordinatorClient struct {
@@ -92,6 +96,16 @@ func (c *coordinatorClient) Sync(ctx context.Context, in *SyncRequest, opts ...g
 	return out, nil
 }
 
+func (c *coordinatorClient) Backups(ctx context.Context, in *BackupsRequest, opts ...grpc.CallOption) (*BackupsReply, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BackupsReply)
+	err := c.cc.Invoke(ctx, Coordinator_Backups_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // CoordinatorServer is the server API for Coordinator service.
 // All implementations must embed UnimplementedCoordinatorServer
 // for forward compatibility.
@@ -108,6 +122,9 @@ type CoordinatorServer interface {
 	// Sync reports a committed step and returns the job's decision for it once every rank
 	// reported it.
 	Sync(context.Context, *SyncRequest) (*SyncReply, error)
+	// Backups reports the outcome of the caller's last backup (if any) and waits until there is a
+	// backup the caller must take, or the call's deadline passes (then it returns no backup).
+	Backups(context.Context, *BackupsRequest) (*BackupsReply, error)
 	mustEmbedUnimplementedCoordinatorServer()
 }
 
@@ -126,6 +143,9 @@ func (UnimplementedCoordinatorServer) Restored(context.Context, *RestoredRequest
 }
 func (UnimplementedCoordinatorServer) Sync(context.Context, *SyncRequest) (*SyncReply, error) {
 	return nil, status.Error(codes.Unimplemented, "method Sync not implemented")
+}
+func (UnimplementedCoordinatorServer) Backups(context.Context, *BackupsRequest) (*BackupsReply, error) {
+	return nil, status.Error(codes.Unimplemented, "method Backups not implemented")
 }
 func (UnimplementedCoordinatorServer) mustEmbedUnimplementedCoordinatorServer() {}
 func (UnimplementedCoordinatorServer) testEmbeddedByValue()                     {}
@@ -202,6 +222,24 @@ func _Coordinator_Sync_Handler(srv interface{}, ctx context.Context, dec func(in
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Coordinator_Backups_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BackupsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CoordinatorServer).Backups(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Coordinator_Backups_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CoordinatorServer).Backups(ctx, req.(*BackupsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Coordinator_ServiceDesc is the grpc.ServiceDesc for Coordinator service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -220,6 +258,10 @@ var Coordinator_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Sync",
 			Handler:    _Coordinator_Sync_Handler,
+		},
+		{
+			MethodName: "Backups",
+			Handler:    _Coordinator_Backups_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

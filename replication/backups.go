@@ -1,0 +1,230 @@
+package replication
+
+// Backup orders (SPEC §6, §10). The coordinator decides backups on its own clock, not only when
+// a step is synced: the newest step every node synced that is not in a complete backup yet is
+// ordered at most one interval after the clock started (the first sync, then each order), so a
+// job that saves once still gets its backup. Nodes learn orders through Backups, a call each
+// node keeps waiting, and report the outcome in their next call. A node that failed re-runs the
+// same order (same name: its uploads are create-if-absent, so it completes what it started)
+// after a backoff, unless a newer step is waiting by then, which gets a new order. An order is
+// complete when every node reported its part done; only then does the next one start, so at
+// most one backup of the job runs at a time.
+
+import (
+	"context"
+	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// backupRetryMax caps the wait before a failed order is given again.
+const backupRetryMax = time.Minute
+
+// backupState is the backup part of a JobCoordinator; every field is GUARDED_BY its mu.
+type backupState struct {
+	every time.Duration // backup-interval-minutes, 0: none
+	steps int           // backup-interval-steps, 0: none
+
+	latest   int64 // the highest step every rank synced, -1: none
+	backedUp int64 // the highest step known to be in a complete backup, -1: none
+	// clockFrom starts the interval clock: the first sync, then each order. The zero time
+	// makes the next backup due at once (a restored step that no backup holds yet).
+	clockFrom time.Time
+	started   bool // the clock runs
+	synced    int  // syncs since the last order
+
+	order     *backupOrder  // the backup being taken, nil when none
+	changed   chan struct{} // closed and replaced whenever order changes: wakes waiting calls
+	stopTimer func() bool
+}
+
+// backupOrder is one backup of the job: every node uploads its part of step to name.
+type backupOrder struct {
+	name     string
+	step     int64
+	done     []bool // by rank
+	ndone    int
+	retryAt  time.Time // non-zero: a node failed; the order is given again then
+	attempts int
+}
+
+func (b *backupState) init(every time.Duration, steps int) {
+	b.every, b.steps = every, steps
+	b.latest, b.backedUp = -1, -1
+	b.changed = make(chan struct{})
+}
+
+// wake tells every waiting Backups call that the order changed. Called with mu held.
+func (b *backupState) wake() {
+	close(b.changed)
+	b.changed = make(chan struct{})
+}
+
+// backupsAfterPlan sets up the schedule once the plan is known: the highest step already in a
+// complete backup, and whether the restored step still needs one (then it is due as soon as it
+// is synced). Called with mu held.
+func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64) {
+	b := &c.backups
+	b.backedUp = backedUp
+	if plan.Backup != "" {
+		b.backedUp = max(b.backedUp, plan.Step)
+	}
+	if plan.Found && plan.Step > b.backedUp {
+		b.started, b.clockFrom, b.synced = true, time.Time{}, b.steps
+	}
+}
+
+// newestBackedUp returns the highest complete step of the job's newest backup that has one
+// (-1: none, or the store cannot say), looking at a few of the newest backups only.
+func (c *JobCoordinator) newestBackedUp(ctx context.Context) int64 {
+	const look = 5
+	names, err := c.store.Backups(ctx, c.cfg.JobName)
+	if err != nil {
+		c.log.Warn("list backups", "err", err)
+		return -1
+	}
+	for i, name := range names {
+		if i == look {
+			break
+		}
+		steps, err := c.store.CompleteSteps(ctx, c.cfg.JobName, name, c.cfg.Nodes, c.cfg.WorkersPerNode)
+		if err == nil && len(steps) > 0 {
+			return steps[0].Step
+		}
+	}
+	return -1
+}
+
+// backupSynced records that every rank synced step and orders a backup if one is due. Called
+// with mu held.
+func (c *JobCoordinator) backupSynced(step int64) {
+	b := &c.backups
+	now := c.clock.Now()
+	if !b.started {
+		b.started, b.clockFrom = true, now
+	}
+	b.latest = max(b.latest, step)
+	b.synced++
+	c.considerBackup(now)
+}
+
+// considerBackup orders a backup when one is due, gives a failed order again when its backoff
+// passed, and otherwise arms the timer for the next moment something may become due. Called
+// with mu held.
+func (c *JobCoordinator) considerBackup(now time.Time) {
+	b := &c.backups
+	if c.store == nil || c.ctx.Err() != nil {
+		return
+	}
+	if o := b.order; o != nil {
+		switch {
+		case o.retryAt.IsZero():
+		case now.Before(o.retryAt):
+			c.armBackupTimer(now, o.retryAt)
+		case b.latest > o.step && layout.BackupName(now) > c.floor:
+			c.log.Info("backup superseded by a newer step", "backup", o.name, "step", o.step, "newer", b.latest)
+			c.orderBackup(now, layout.BackupName(now))
+		default:
+			o.retryAt = time.Time{}
+			c.log.Info("backup ordered again", "backup", o.name, "step", o.step, "attempt", o.attempts+1)
+			b.wake()
+		}
+		return
+	}
+	if b.latest < 0 || b.latest <= b.backedUp {
+		return
+	}
+	due := (b.steps > 0 && b.synced >= b.steps) || (b.every > 0 && !now.Before(b.clockFrom.Add(b.every)))
+	if !due {
+		if b.every > 0 {
+			c.armBackupTimer(now, b.clockFrom.Add(b.every))
+		}
+		return
+	}
+	name := layout.BackupName(now)
+	if name <= c.floor {
+		// This minute has a backup already (names must be unique): the next minute.
+		c.armBackupTimer(now, now.UTC().Truncate(time.Minute).Add(time.Minute))
+		return
+	}
+	c.orderBackup(now, name)
+}
+
+// orderBackup makes a new order for the latest step. Called with mu held.
+func (c *JobCoordinator) orderBackup(now time.Time, name string) {
+	b := &c.backups
+	b.order = &backupOrder{name: name, step: b.latest, done: make([]bool, c.cfg.Nodes)}
+	c.floor = name
+	b.clockFrom, b.synced = now, 0
+	b.wake()
+	c.log.Info("backup ordered", "backup", name, "step", b.latest)
+}
+
+// armBackupTimer makes considerBackup run at at (replacing an earlier timer). Called with mu held.
+func (c *JobCoordinator) armBackupTimer(now, at time.Time) {
+	b := &c.backups
+	if b.stopTimer != nil {
+		b.stopTimer()
+	}
+	b.stopTimer = c.clock.AfterFunc(max(at.Sub(now), 0), func() {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.considerBackup(c.clock.Now())
+	})
+}
+
+// Backups records rank's report on its last order and waits until there is an order rank has
+// not done, or ctx ends (the zero order, no error), or the incarnation ends (ErrClosed).
+func (c *JobCoordinator) Backups(ctx context.Context, rank int, rep tiers.BackupReport) (tiers.BackupOrder, error) {
+	if err := c.checkRank(rank); err != nil {
+		return tiers.BackupOrder{}, err
+	}
+	c.mu.Lock()
+	c.backupReport(rank, rep)
+	for {
+		b := &c.backups
+		if o := b.order; o != nil && !o.done[rank] && o.retryAt.IsZero() {
+			c.mu.Unlock()
+			return tiers.BackupOrder{Backup: o.name, Step: o.step}, nil
+		}
+		changed := b.changed
+		c.mu.Unlock()
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return tiers.BackupOrder{}, nil
+		case <-c.ctx.Done():
+			return tiers.BackupOrder{}, ErrClosed
+		}
+		c.mu.Lock()
+	}
+}
+
+// backupReport applies a node's report to the current order. Called with mu held.
+func (c *JobCoordinator) backupReport(rank int, rep tiers.BackupReport) {
+	b := &c.backups
+	o := b.order
+	if o == nil {
+		return
+	}
+	now := c.clock.Now()
+	switch {
+	case rep.Done == o.name && !o.done[rank]:
+		o.done[rank] = true
+		if o.ndone++; o.ndone < c.cfg.Nodes {
+			return
+		}
+		b.backedUp = max(b.backedUp, o.step)
+		b.order = nil
+		b.wake()
+		c.log.Info("backup complete", "backup", o.name, "step", o.step)
+		c.considerBackup(now)
+	case rep.Failed == o.name && o.retryAt.IsZero():
+		o.attempts++
+		o.retryAt = now.Add(min(time.Second<<min(o.attempts-1, 6), backupRetryMax))
+		c.log.Warn("backup failed on a node; it is ordered again", "backup", o.name, "step", o.step, "rank", rank,
+			"err", rep.Err, "retry_in", o.retryAt.Sub(now).String())
+		c.armBackupTimer(now, o.retryAt)
+	}
+}

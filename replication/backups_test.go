@@ -1,0 +1,207 @@
+package replication
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// expired is a context that has already ended: Backups then returns at once with the order the
+// caller should take, if any.
+func expired(t *testing.T) context.Context {
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	return ctx
+}
+
+// orderOf returns rank's current order (without waiting) after applying rep.
+func orderOf(t *testing.T, c *JobCoordinator, rank int, rep tiers.BackupReport) tiers.BackupOrder {
+	t.Helper()
+	o, err := c.Backups(expired(t), rank, rep)
+	require.NoError(t, err)
+	return o
+}
+
+// eventuallyOrder waits (timers fire in their own goroutines) until rank has an order.
+func eventuallyOrder(t *testing.T, c *JobCoordinator, rank int) tiers.BackupOrder {
+	t.Helper()
+	var o tiers.BackupOrder
+	require.Eventually(t, func() bool { o = orderOf(t, c, rank, tiers.BackupReport{}); return o.Backup != "" }, 5*time.Second, time.Millisecond)
+	return o
+}
+
+// backupJob is a coordinator of a job of nodes whose every rank negotiated with invs.
+func backupJob(t *testing.T, nodes int, minutes float64, steps int, store *fakeStore, invs []tiers.Inventory) (*JobCoordinator, *fakeClock) {
+	t.Helper()
+	cfg := testConfig(nodes)
+	cfg.BackupIntervalMinutes, cfg.BackupIntervalSteps = minutes, steps
+	clock := newFakeClock()
+	opts := Options{Clock: clock}
+	if store != nil {
+		opts.Store = store
+	}
+	c := newCoordinator(t, cfg, opts)
+	if invs == nil {
+		for r := range nodes {
+			invs = append(invs, own(r))
+		}
+	}
+	for _, res := range negotiateAll(t, c, invs) {
+		require.NoError(t, res.err)
+	}
+	return c, clock
+}
+
+func allDone(t *testing.T, c *JobCoordinator, nodes int, name string) {
+	t.Helper()
+	for r := range nodes {
+		orderOf(t, c, r, tiers.BackupReport{Done: name})
+	}
+}
+
+// A job that saves once still gets its backup: the order comes on the coordinator's clock, one
+// interval after the first sync, without another sync (SPEC §10).
+func TestBackupOrderedOnTheClock(t *testing.T) {
+	t.Parallel()
+	const nodes = 2
+	c, clock := backupJob(t, nodes, 5, 0, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
+	for _, res := range syncAll(t, c, nodes, 100) {
+		require.NoError(t, res.err)
+	}
+	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "the clock starts at the first sync")
+	clock.Advance(4*time.Minute + 59*time.Second)
+	time.Sleep(20 * time.Millisecond)
+	assert.Empty(t, orderOf(t, c, 1, tiers.BackupReport{}).Backup, "not due before the interval")
+	clock.Advance(time.Second)
+	for r := range nodes {
+		assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-05", Step: 100}, eventuallyOrder(t, c, r), "rank %d", r)
+	}
+	// A waiting call is woken by the order.
+	allDone(t, c, nodes, "2030-01-02_03-05")
+	waiting := make(chan tiers.BackupOrder, 1)
+	go func() {
+		o, _ := c.Backups(t.Context(), 0, tiers.BackupReport{})
+		waiting <- o
+	}()
+	for _, res := range syncAll(t, c, nodes, 101) {
+		require.NoError(t, res.err)
+	}
+	clock.Advance(5 * time.Minute)
+	select {
+	case o := <-waiting:
+		assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-10", Step: 101}, o)
+	case <-time.After(5 * time.Second):
+		t.Fatal("a waiting Backups call was not woken by the order")
+	}
+	// Nothing new to back up: no order, however long.
+	allDone(t, c, nodes, "2030-01-02_03-10")
+	clock.Advance(time.Hour)
+	time.Sleep(20 * time.Millisecond)
+	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup)
+}
+
+// Orders every N steps, one at a time (never while one runs), one per UTC minute.
+func TestBackupOrdersEveryNSteps(t *testing.T) {
+	t.Parallel()
+	const nodes = 3
+	c, clock := backupJob(t, nodes, 0, 2, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
+	sync := func(step int64) {
+		for _, res := range syncAll(t, c, nodes, step) {
+			require.NoError(t, res.err)
+		}
+	}
+	sync(100)
+	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup)
+	sync(101)
+	first := orderOf(t, c, 0, tiers.BackupReport{})
+	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 101}, first)
+	// Ranks 0 and 1 finish; rank 2 is still uploading when two more steps are synced.
+	orderOf(t, c, 0, tiers.BackupReport{Done: first.Backup})
+	assert.Empty(t, orderOf(t, c, 1, tiers.BackupReport{Done: first.Backup}).Backup, "done: nothing more for rank 1")
+	clock.Advance(time.Minute)
+	sync(102)
+	sync(103)
+	assert.Equal(t, first, orderOf(t, c, 2, tiers.BackupReport{}), "rank 2 still has the running order")
+	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "never a second backup while one runs")
+	// Rank 2 finishes: the step that became due meanwhile is ordered at once.
+	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-01", Step: 103}, orderOf(t, c, 2, tiers.BackupReport{Done: first.Backup}))
+	// One per UTC minute: due again, but 03-01 is taken until the clock reaches 03:02.
+	allDone(t, c, nodes, "2030-01-02_03-01")
+	sync(104)
+	sync(105)
+	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "the minute has a backup")
+	clock.Advance(time.Minute)
+	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-02", Step: 105}, eventuallyOrder(t, c, 1))
+}
+
+// A failed (or cut short) backup is ordered again after a backoff, to the same name, and only
+// to the ranks that did not finish; a newer step waiting by then gets a new order instead.
+func TestBackupRetries(t *testing.T) {
+	t.Parallel()
+	const nodes = 2
+	c, clock := backupJob(t, nodes, 0, 1, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
+	for _, res := range syncAll(t, c, nodes, 100) {
+		require.NoError(t, res.err)
+	}
+	o := orderOf(t, c, 0, tiers.BackupReport{})
+	require.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 100}, o)
+	orderOf(t, c, 0, tiers.BackupReport{Done: o.Backup})
+	assert.Empty(t, orderOf(t, c, 1, tiers.BackupReport{Failed: o.Backup, Err: "disk full"}).Backup, "not at once")
+	clock.Advance(time.Second)
+	assert.Equal(t, o, eventuallyOrder(t, c, 1), "the same order again for the rank that failed")
+	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "rank 0 is done with it")
+	// It fails again, and a newer step is synced before the retry: the retry becomes an order
+	// of that step (in the next minute: 03-00 is taken).
+	orderOf(t, c, 1, tiers.BackupReport{Failed: o.Backup})
+	for _, res := range syncAll(t, c, nodes, 101) {
+		require.NoError(t, res.err)
+	}
+	clock.Advance(time.Minute)
+	want := tiers.BackupOrder{Backup: "2030-01-02_03-01", Step: 101}
+	assert.Equal(t, want, eventuallyOrder(t, c, 0))
+	assert.Equal(t, want, orderOf(t, c, 1, tiers.BackupReport{}))
+}
+
+// A restored step no backup holds is backed up as soon as it is synced (it was committed before
+// the restart); one restored from a backup is not backed up again.
+func TestBackupOfARestoredStep(t *testing.T) {
+	t.Parallel()
+	const nodes = 2
+	invs := []tiers.Inventory{own(0, 50), own(1, 50)}
+	c, _ := backupJob(t, nodes, 30, 0, &fakeStore{backups: map[string][]tiers.BackupStep{}}, invs)
+	for _, res := range syncAll(t, c, nodes, 50) { // the re-protection sync of the restored step
+		require.NoError(t, res.err)
+	}
+	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 50}, orderOf(t, c, 0, tiers.BackupReport{}))
+
+	data := map[tiers.Slot]string{{Rank: 0}: dataOf(0, 50), {Rank: 1}: dataOf(1, 50)}
+	store := &fakeStore{backups: map[string][]tiers.BackupStep{"2030-01-01_00-00": {{Step: 50, Data: data}}}}
+	c2, _ := backupJob(t, nodes, 30, 0, store, invs)
+	for _, res := range syncAll(t, c2, nodes, 50) {
+		require.NoError(t, res.err)
+	}
+	assert.Empty(t, orderOf(t, c2, 0, tiers.BackupReport{}).Backup, "step 50 is in a complete backup")
+}
+
+// Without a backup tier nothing is ordered, and the call waits until its context ends.
+func TestNoBackupTierNoOrders(t *testing.T) {
+	t.Parallel()
+	c, clock := backupJob(t, 1, 0, 1, nil, nil)
+	for _, res := range syncAll(t, c, 1, 100) {
+		require.NoError(t, res.err)
+	}
+	clock.Advance(time.Hour)
+	ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+	defer cancel()
+	o, err := c.Backups(ctx, 0, tiers.BackupReport{})
+	require.NoError(t, err)
+	assert.Empty(t, o.Backup)
+	c.Close()
+	_, err = c.Backups(t.Context(), 0, tiers.BackupReport{})
+	assert.ErrorIs(t, err, ErrClosed)
+}

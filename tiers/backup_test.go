@@ -1,0 +1,145 @@
+package tiers_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// completeStep reports whether store holds a complete backup of step, and its name.
+func completeStep(t *testing.T, store *fakeStore, job string, step int64) (string, bool) {
+	names, _ := store.Backups(context.Background(), job)
+	for _, n := range names {
+		steps, _ := store.CompleteSteps(context.Background(), job, n, 1, 1)
+		for _, s := range steps {
+			if s.Step == step {
+				return n, true
+			}
+		}
+	}
+	return "", false
+}
+
+// A job that saves once gets its backup one interval after the commit, without saving again
+// (SPEC §10: backups run on their clock).
+func TestBackupOfAJobThatSavesOnce(t *testing.T) {
+	t.Parallel()
+	store := newFakeStore(t)
+	clock := newFakeClock(baseTime)
+	h := newHarness(t, harnessConfig{store: store, clock: clock})
+	h.start(withKeys("backup-interval-minutes: 5"), "job")
+	h.orbaxSave(3, checkpointFiles("3"))
+	h.waitSealed("job", 3, "3")
+	h.eventually("step 3's sync", func() string {
+		if syncs, _ := h.coord.syncLog(); len(syncs) != 1 {
+			return "not synced"
+		}
+		return ""
+	})
+	time.Sleep(20 * time.Millisecond)
+	if _, ok := completeStep(t, store, "job", 3); ok {
+		t.Fatal("backed up before the interval passed")
+	}
+	clock.Set(baseTime.Add(5 * time.Minute))
+	h.eventually("the backup of step 3", func() string {
+		if name, ok := completeStep(t, store, "job", 3); !ok || name != "2030-01-02_03-05" {
+			return "no complete backup 2030-01-02_03-05 of step 3"
+		}
+		return ""
+	})
+}
+
+// On a stop, a running backup is given the drain time to finish (SPEC §10).
+func TestCloseDrainsTheRunningBackup(t *testing.T) {
+	t.Parallel()
+	store := newFakeStore(t)
+	h := newHarness(t, harnessConfig{store: store, drain: time.Minute})
+	started, release := make(chan struct{}), make(chan struct{})
+	store.setBeforeUpload(func(ctx context.Context, u tiers.Upload) error {
+		close(started)
+		select {
+		case <-release:
+			return nil
+		case <-ctx.Done(): // the stop cut the upload short
+			return ctx.Err()
+		}
+	})
+	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	<-started
+	closed := make(chan struct{})
+	go func() { h.close(); close(closed) }()
+	select {
+	case <-closed:
+		t.Fatal("Close returned while the backup was still running")
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(release)
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return once the backup finished")
+	}
+	if _, ok := completeStep(t, store, "job", 1); !ok {
+		t.Fatal("the drained backup is not complete")
+	}
+}
+
+// A backup still running when the drain time is over is cut short and left incomplete (its
+// .meta, uploaded last, is missing); the next agent backs the step up again.
+func TestBackupCutShortIsRetriedByTheNextAgent(t *testing.T) {
+	t.Parallel()
+	store := newFakeStore(t)
+	cfg := harnessConfig{store: store, drain: 50 * time.Millisecond}
+	h := newHarness(t, cfg)
+	started := make(chan struct{}, 1)
+	store.setBeforeUpload(func(ctx context.Context, u tiers.Upload) error {
+		select {
+		case started <- struct{}{}:
+		default:
+		}
+		<-ctx.Done()
+		return ctx.Err()
+	})
+	doc := withKeys("backup-interval-steps: 100", "-backup-interval-minutes")
+	h.start(doc, "job")
+	h.orbaxSave(1, checkpointFiles("1")) // not due (every 100 steps)...
+	h.waitSealed("job", 1, "1")
+	h.close()
+	store.setBeforeUpload(nil)
+
+	// ... but after a restart the restored step is in no backup: backed up at once.
+	h2 := newHarness(t, harnessConfig{root: h.cfg.root, store: store, drain: 50 * time.Millisecond})
+	store.setBeforeUpload(func(ctx context.Context, u tiers.Upload) error {
+		select {
+		case started <- struct{}{}:
+		default:
+		}
+		<-ctx.Done()
+		return ctx.Err()
+	})
+	h2.yamlOrbax(doc)
+	h2.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore))
+	<-started
+	h2.close() // cut short after 50ms
+	if _, ok := completeStep(t, store, "job", 1); ok {
+		t.Fatal("a cut-short backup looks complete")
+	}
+	store.setBeforeUpload(nil)
+	h3 := newHarness(t, harnessConfig{root: h.cfg.root, store: store})
+	h3.yamlOrbax(doc)
+	h3.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore))
+	h3.eventually("the retried backup of step 1", func() string {
+		if _, ok := completeStep(t, store, "job", 1); !ok {
+			return "step 1 is in no complete backup"
+		}
+		return ""
+	})
+	if errs := h3.lines(layout.ReplicatorErrorsName); len(errs) != 0 && !strings.Contains(strings.Join(errs, "\n"), "backup") {
+		t.Errorf("replicator.errors = %q", errs)
+	}
+}
