@@ -154,6 +154,8 @@ func (s *fakeStore) ClearRestoreVersion(ctx context.Context, job string) error {
 
 func (s *fakeStore) String() string { return "fake://backups" }
 
+func (s *fakeStore) CleanLeftovers(ctx context.Context, job string) (int, error) { return 0, nil }
+
 func (s *fakeStore) counts() (pinReads, clears int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
