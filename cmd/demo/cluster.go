@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
@@ -85,22 +84,17 @@ func (d *demo) runCluster(ctx context.Context) error {
 		return err
 	}
 	note("fresh start on all ranks (the agents registered in %s/%s/agents)", backups, clusterJob)
-	for _, s := range []int64{0, 100} {
-		if s == 100 {
-			time.Sleep(1500 * time.Millisecond) // the backup interval (1.2 s) has passed
-		}
-		if err := all(func(r int) error { return clients[r].Save(ctx, s) }); err != nil {
-			return err
-		}
-		note("all ranks saved step %d", s)
+	if err := all(func(r int) error { return clients[r].Save(ctx, 100) }); err != nil {
+		return err
 	}
+	note("all ranks saved step 100")
 	if err := waitFor(30*time.Second, "a complete backup of step 100", func() bool {
 		out, err := exec.Command(d.bin, "backups", "list", "--backup", "file://"+backups, "--job", clusterJob).Output()
-		return err == nil && strings.Contains(string(out), "complete")
+		return err == nil && completeBackupOf(string(out), 100)
 	}); err != nil {
 		return err
 	}
-	note("rank 0 decided a backup; every node uploaded its part of step 100")
+	note("rank 0's clock ordered a backup of step 100; every node uploaded its part")
 	d.show("mtcfs backups list", d.bin, "backups", "list", "--backup", "file://"+backups, "--job", clusterJob)
 	if err := all(func(r int) error { return clients[r].Save(ctx, 200) }); err != nil {
 		return err
@@ -128,16 +122,23 @@ func (d *demo) runCluster(ctx context.Context) error {
 
 	say("9. every agent is lost: all RAM is gone; new agents start")
 	for r := range n {
-		d.cluster[r].stop()
+		d.cluster[r].stop() // a running backup gets --drain-timeout to finish
 		unix.Unmount(spools[r], unix.MNT_DETACH)
 		os.RemoveAll(spools[r])
 	}
+	// The restored step 200 is in no backup, so the coordinator ordered one at once — in the
+	// next UTC minute at the earliest, since this one already has the backup of step 100.
+	want, how := int64(100), "from the backup of step 100, the newest complete one (the backup ordered for the restored step 200 waits for a new UTC minute, or was cut short by the stop: incomplete backups are never restored)"
+	if out, err := exec.Command(d.bin, "backups", "list", "--backup", "file://"+backups, "--job", clusterJob).Output(); err == nil && completeBackupOf(string(out), 200) {
+		want, how = 200, "from the backup the coordinator ordered for the restored step 200"
+	}
+	d.show("mtcfs backups list", d.bin, "backups", "list", "--backup", "file://"+backups, "--job", clusterJob)
 	for r := range n {
 		if err := start(r); err != nil {
 			return err
 		}
 	}
-	if err := restoreAll(100, "from the backup (step 200 was never backed up)"); err != nil {
+	if err := restoreAll(want, how); err != nil {
 		return err
 	}
 	for r := range n {

@@ -29,6 +29,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -91,9 +93,6 @@ func (d *demo) run() error {
 	}
 	note("nothing to restore: the agent answered with an empty %s-s0-n0-w0.restore", job)
 	for _, s := range []int64{0, 100, 200} {
-		if s == 100 {
-			time.Sleep(1500 * time.Millisecond) // backup-interval-minutes: 0.02 (1.2 s) has passed
-		}
 		start := time.Now()
 		if err := c.Save(ctx, s); err != nil {
 			return err
@@ -102,7 +101,7 @@ func (d *demo) run() error {
 		note("saved step %d: %d MiB in %v (%.2f GB/s), committed by renaming %d.orbax-checkpoint-tmp → %d",
 			s, stepBytes>>20, took.Round(time.Millisecond), float64(stepBytes)/took.Seconds()/1e9, s, s)
 		if s == 100 {
-			if err := d.waitBackup(ctx); err != nil {
+			if err := d.waitBackup(ctx, 100); err != nil {
 				return err
 			}
 		}
@@ -195,15 +194,29 @@ func (d *demo) restore(ctx context.Context, want int64, from string) error {
 	return nil
 }
 
-func (d *demo) waitBackup(ctx context.Context) error {
+// waitBackup waits for a complete backup of step: the coordinator orders it on its own clock,
+// backup-interval-minutes (0.02: 1.2 s) after its first sync, without another save.
+func (d *demo) waitBackup(ctx context.Context, step int64) error {
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
 		out, err := exec.Command(d.bin, "backups", "list", "--backup", "file://"+d.backups, "--job", job).Output()
-		if err == nil && strings.Contains(string(out), "complete") {
-			note("the coordinator found a backup due: step 100 uploaded to file://%s (data first, .meta last)", d.backups)
+		if err == nil && completeBackupOf(string(out), step) {
+			note("the coordinator's clock ordered a backup of the newest step, %d (1.2 s after its first sync, no further save needed): uploaded to file://%s (data first, .meta last)", step, d.backups)
 			return nil
 		}
 	}
-	return errors.New("no complete backup within 30s")
+	return fmt.Errorf("no complete backup of step %d within 30s", step)
+}
+
+// completeBackupOf reports whether a `mtcfs backups list` table shows a complete backup whose
+// steps include step.
+func completeBackupOf(table string, step int64) bool {
+	for _, line := range strings.Split(table, "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 3 && f[1] == "complete" && slices.Contains(strings.Split(f[2], ","), strconv.FormatInt(step, 10)) {
+			return true
+		}
+	}
+	return false
 }
 
 func (d *demo) show(title string, name string, args ...string) {
