@@ -58,6 +58,7 @@ func (r *Replicator) adopt(ctx context.Context) error {
 		}
 		if err != nil || !verified[dataName] {
 			r.log.Warn("dropping spool data that does not verify", "meta", name, "err", err)
+			r.metrics.error(errKindVerify)
 			if err != nil {
 				r.startupError(fmt.Sprintf("%s in this node's RAM was dropped when the agent restarted: %v (it is restored from a peer or a backup if one holds it)", name, err))
 			}

@@ -90,7 +90,12 @@ func (r *Replicator) takeBackup(inc *incarnation, o BackupOrder) (err error) {
 		r.log.Info("removed leftovers of backups cut short", "objects", n)
 	}
 	if err = r.runBackup(cfg, p); err == nil {
-		r.log.Info("backup complete", "backup", o.Backup, "step", o.Step, "bytes", p.Done(), "took", r.cfg.Now().Sub(p.Started).String())
+		took := r.cfg.Now().Sub(p.Started)
+		r.log.Info("backup complete", "backup", o.Backup, "step", o.Step, "bytes", p.Done(), "took", took.String())
+		r.metrics.backedUp(took.Seconds(), p.Done())
+		r.mu.Lock()
+		r.lastBackedUp = max(r.lastBackedUp, o.Step)
+		r.mu.Unlock()
 		return nil
 	}
 	if r.ctx.Err() != nil {
@@ -99,6 +104,7 @@ func (r *Replicator) takeBackup(inc *incarnation, o BackupOrder) (err error) {
 		return err
 	}
 	r.log.Error("backup failed", "backup", o.Backup, "step", o.Step, "err", err)
+	r.metrics.error(errKindBackup)
 	r.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried): %v", o.Backup, o.Step, err))
 	return err
 }

@@ -124,6 +124,9 @@ func (r *Replicator) recordCommit(ev event) {
 		return
 	}
 	r.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name, "err", err)
+	if err == nil {
+		r.metrics.committed()
+	}
 	r.sealQ.push(pendingCommit{commit: c, err: err})
 }
 
@@ -193,6 +196,7 @@ func (r *Replicator) adoptCommits() error {
 		dir := filepath.Join(root, e.Name())
 		if err := r.adoptCommit(dir); err != nil {
 			r.log.Error("a commit recorded by the previous agent could not be sealed", "record", dir, "err", err)
+			r.metrics.error(errKindSeal)
 			r.startupError(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
 		}
 		if err := os.RemoveAll(dir); err != nil {

@@ -46,6 +46,7 @@ func (r *Replicator) handshake() {
 		r.failLine(partialConfig(data, r.cfg.Getenv), err.Error())
 		r.ns.Remove(layout.ReplicatorYAMLName)
 		r.log.Error("invalid replicator.yaml", "err", err)
+		r.metrics.error(errKindConfig)
 		return
 	}
 	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring"}

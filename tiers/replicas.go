@@ -50,11 +50,12 @@ func (r *Replicator) replicate(s sealedStep) bool {
 	if r.cfg.Peers == nil {
 		return false
 	}
-	start := r.cfg.Now()
 	all := true
+	dataBytes := int64(-1) // the data's size, once needed
 	early := r.takeEarly(c)
 	defer r.dropAbandoned(c.inc)
 	for _, peer := range peers {
+		peerStart := r.cfg.Now()
 		attempts := pushAttempts
 		r.mu.Lock()
 		if r.cfg.Now().Before(r.peerDown[peer]) {
@@ -87,6 +88,7 @@ func (r *Replicator) replicate(s sealedStep) bool {
 		r.mu.Unlock()
 		if err != nil {
 			all = false
+			r.metrics.error(errKindReplication)
 			r.incLine(c.inc, fmt.Sprintf("replicating step %d to rank %d failed: %v", c.step, peer, err))
 			if et, ok := r.earlyTransport(c.inc.Config); ok && early != nil {
 				r.dropEarlyOn(et, c.inc, peer, c.group)
@@ -97,7 +99,15 @@ func (r *Replicator) replicate(s sealedStep) bool {
 		if cfg.AssumeDataParallelism > 0 {
 			sent = meta // column-mates hold the data
 		}
-		r.log.Info("replicated", "step", c.step, "data", sent, "to", peer, "took", r.cfg.Now().Sub(start).String())
+		took := r.cfg.Now().Sub(peerStart)
+		r.log.Info("replicated", "step", c.step, "data", sent, "to", peer, "took", took.String())
+		r.metrics.replicated(took.Seconds())
+		if cfg.AssumeDataParallelism == 0 && !(s.restored && slices.Contains(s.holders, peer)) {
+			if dataBytes < 0 {
+				dataBytes = treeBytes(r.spoolDir("sealed", dataName))
+			}
+			r.metrics.moved("peer", "out", dataBytes)
+		}
 	}
 	return all
 }
@@ -154,6 +164,7 @@ func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, na
 		return err
 	} else {
 		r.markVerified(name) // the transport verified it on arrival
+		r.metrics.moved("peer", "in", treeBytes(sealed))
 	}
 	if !r.hasName(name) {
 		if err := r.ns.Import(sealed, name); err != nil {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // ReplicatorConfig wires a Replicator.
@@ -29,6 +30,8 @@ type ReplicatorConfig struct {
 	JaxInit *JaxInit
 	// DrainTimeout is how long Close lets a running backup finish; 0 means DefaultDrainTimeout.
 	DrainTimeout time.Duration
+	// Registerer, when set, gets the replicator's Prometheus metrics (see Metrics).
+	Registerer prometheus.Registerer
 }
 
 // JaxInit is the content of jax-init-info.txt.
@@ -77,9 +80,10 @@ type Replicator struct {
 	prehash chan string
 	digests layout.DigestCache
 
-	ctx    context.Context
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	ctx     context.Context
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+	metrics *Metrics // nil: none
 
 	mu      sync.Mutex
 	inc     *incarnation      // GUARDED_BY(mu); nil before the first valid handshake
@@ -104,6 +108,8 @@ type Replicator struct {
 	restore       *Progress         // GUARDED_BY(mu); the running restore
 	recentErrors  []string          // GUARDED_BY(mu)
 	lastCommitted int64             // GUARDED_BY(mu); highest complete step of the incarnation
+	lastSealed    int64             // GUARDED_BY(mu); highest step sealed by this agent (-1: none)
+	lastBackedUp  int64             // GUARDED_BY(mu); highest step whose part this node backed up (-1: none)
 	// lastReplicated is the highest step of the incarnation the coordinator reported replicated
 	// on every node (-1: none yet).
 	lastReplicated int64 // GUARDED_BY(mu)
@@ -136,7 +142,10 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 		cfg.Logger = slog.Default()
 	}
 	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, lastReplicated: -1,
-		early: map[string]*earlyGroup{}, peerDown: map[int]time.Time{}, pendingChanged: make(chan struct{}), verified: map[string]bool{}}
+		early: map[string]*earlyGroup{}, peerDown: map[int]time.Time{}, pendingChanged: make(chan struct{}), verified: map[string]bool{}, lastSealed: -1, lastBackedUp: -1}
+	if cfg.Registerer != nil {
+		r.metrics = NewMetrics(cfg.Registerer, r)
+	}
 	r.queue.init()
 	r.sealQ.init()
 	r.syncQ.init()

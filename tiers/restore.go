@@ -36,6 +36,7 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 		if ctx.Err() != nil {
 			return // superseded by a new replicator.yaml or the agent stopping: not the job's failure
 		}
+		r.metrics.error(errKindRestore)
 		r.failLine(cfg, msg)
 		r.setPhase(inc, "failed")
 	}
@@ -162,6 +163,7 @@ func (r *Replicator) setPhase(inc *incarnation, phase string) {
 // at the spool happens under publishMu, so a retention already running finishes first.
 func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan RestorePlan, w int, hash string) error {
 	cfg := inc.Config
+	slotStart := r.cfg.Now()
 	dataName := hash + ".data"
 	defer r.hold(dataName)()
 	meta := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
@@ -194,12 +196,16 @@ func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan Res
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
+			r.metrics.error(errKindVerify)
 			r.errLine(cfg, fmt.Sprintf("step %d: the copy of %s in this node's RAM fails its check (%v); restoring it from a peer or a backup instead", plan.Step, dataName, err))
 			r.dropData(dataName)
 		}
 	}
 	err := publish("")
 	if !errors.Is(err, errNotInRAM) {
+		if err == nil {
+			r.metrics.restored("ram", r.cfg.Now().Sub(slotStart).Seconds())
+		}
 		return err
 	}
 	// Then from a peer that holds it, in RAM.
@@ -221,7 +227,10 @@ func (r *Replicator) restoreSlot(ctx context.Context, inc *incarnation, plan Res
 		}
 		os.RemoveAll(dir)
 		if err == nil {
-			r.log.Info("restored from a peer", "data", dataName, "peer", holder, "took", r.cfg.Now().Sub(start).String())
+			took := r.cfg.Now().Sub(start)
+			r.log.Info("restored from a peer", "data", dataName, "peer", holder, "took", took.String())
+			r.metrics.restored("peer", took.Seconds())
+			r.metrics.moved("peer", "in", p.Done())
 			return nil
 		}
 		r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "err", err)
@@ -321,5 +330,7 @@ func (r *Replicator) download(ctx context.Context, cfg *Config, step int64, back
 		return incoming, err
 	}
 	r.log.Info("restored from backup", "data", dataName, "bytes", p.Done())
+	r.metrics.restored("backup", r.cfg.Now().Sub(p.Started).Seconds())
+	r.metrics.moved("backup", "in", p.Done())
 	return incoming, nil
 }

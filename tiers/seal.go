@@ -31,6 +31,7 @@ func (r *Replicator) sealer() {
 		r.donePending(c.name)
 		if err != nil {
 			r.log.Error("seal failed", "step", c.step, "worker", c.worker, "err", err)
+			r.metrics.error(errKindSeal)
 			r.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
 			continue
 		}
@@ -133,7 +134,14 @@ func (r *Replicator) seal(c commit) (dataName, meta string, err error) {
 		return "", "", err
 	}
 	os.RemoveAll(c.dir) // the .meta is in the spool: the record has served
-	r.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", r.cfg.Now().Sub(c.at).String())
+	took := r.cfg.Now().Sub(c.at)
+	r.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", took.String())
+	r.metrics.sealed(took.Seconds())
+	r.mu.Lock()
+	if r.inc == c.inc {
+		r.lastSealed = max(r.lastSealed, c.step)
+	}
+	r.mu.Unlock()
 	return dataName, meta, nil
 }
 
@@ -181,6 +189,7 @@ func (r *Replicator) afterSeal(c commit, replicated bool) {
 	}
 	dec, err := r.cfg.Coordinator.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
 	if err != nil {
+		r.metrics.error(errKindSync)
 		r.incLine(c.inc, fmt.Sprintf("sync of step %d failed: %v", c.step, err))
 		return
 	}

@@ -44,6 +44,9 @@ type Status struct {
 	Phase       string `json:"phase"` // idle, restoring, running, failed
 	Restored    int64  `json:"restored_step"`
 	Committed   int64  `json:"latest_committed_step"`
+	Sealed      int64  `json:"latest_sealed_step"`
+	// BackedUp is the newest step whose part this node uploaded to a backup (-1: none yet).
+	BackedUp int64 `json:"latest_backed_up_step"`
 	// Replicated is the newest step the coordinator reported held by every node's peers
 	// (-1: none in this incarnation). Losing any one node cannot lose it.
 	Replicated  int64         `json:"latest_replicated_step"`
@@ -95,7 +98,8 @@ func (r *Replicator) Status() Status {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	st := Status{Phase: "idle", Rank: -1, Restore: r.restore.view(), Backup: r.backup.view(), LastBackup: r.lastBackup,
-		Committed: r.lastCommitted, Replicated: r.lastReplicated, Errors: append([]string(nil), r.recentErrors...)}
+		Committed: r.lastCommitted, Sealed: r.lastSealed, BackedUp: r.lastBackedUp, Replicated: r.lastReplicated,
+		Errors: append([]string(nil), r.recentErrors...)}
 	if inc := r.inc; inc != nil {
 		st.Incarnation, st.Job, st.Framework = inc.ID, inc.Config.JobName, inc.Config.Framework
 		st.Rank, st.Nodes, st.Phase, st.Restored = inc.Config.NodeRank, inc.Config.Nodes, inc.phase, inc.restored

@@ -23,6 +23,9 @@ import (
 	"github.com/mtcfs/mtcfs/gcsbackend"
 	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
 const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION]"
@@ -228,13 +231,19 @@ func runMount(cfg mountConfig) error {
 	if err != nil {
 		return err
 	}
-	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: peers.coord, Peers: peers, JaxInit: cfg.jaxInit, DrainTimeout: cfg.drain})
+	metrics := prometheus.NewRegistry()
+	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "mtcfs_build_info", Help: "Always 1; the agent's version is a label.",
+			ConstLabels: prometheus.Labels{"version": version}}, func() float64 { return 1 }))
+	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: peers.coord, Peers: peers, JaxInit: cfg.jaxInit,
+		DrainTimeout: cfg.drain, Registerer: metrics})
 	var ready atomic.Bool
 	info := agentInfo{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
 	var shown atomic.Pointer[agentInfo] // what /status shows; info is completed below
 	shown.Store(&agentInfo{PID: info.PID, Version: info.Version})
 	if cfg.httpAddr != "" {
-		addr, stop, err := serveHTTP(cfg.httpAddr, &ready, func() any { return statusReply{agentInfo: *shown.Load(), Status: rep.Status()} })
+		addr, stop, err := serveHTTP(cfg.httpAddr, &ready, func() any { return statusReply{agentInfo: *shown.Load(), Status: rep.Status()} },
+			promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
 		if err != nil {
 			return err
 		}
@@ -345,9 +354,9 @@ func pendingCommits(spoolDir string) int {
 	return len(recs)
 }
 
-// serveHTTP serves /livez (the process runs), /readyz (the filesystem is mounted) and /status
-// (JSON for mtcfs status). It returns the address it listens on.
-func serveHTTP(addr string, ready *atomic.Bool, status func() any) (string, func(), error) {
+// serveHTTP serves /livez (the process runs), /readyz (the filesystem is mounted), /status
+// (JSON for mtcfs status) and /metrics (Prometheus). It returns the address it listens on.
+func serveHTTP(addr string, ready *atomic.Bool, status func() any, metrics http.Handler) (string, func(), error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return "", nil, fmt.Errorf("--http %s: %w", addr, err)
@@ -369,9 +378,10 @@ func serveHTTP(addr string, ready *atomic.Bool, status func() any) (string, func
 		enc.SetIndent("", "  ")
 		enc.Encode(status())
 	})
+	mux.Handle("/metrics", metrics)
 	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go hs.Serve(ln)
-	slog.Info("http endpoints", "addr", ln.Addr().String(), "paths", "/livez /readyz /status")
+	slog.Info("http endpoints", "addr", ln.Addr().String(), "paths", "/livez /readyz /status /metrics")
 	return ln.Addr().String(), func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
