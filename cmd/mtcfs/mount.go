@@ -17,8 +17,6 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	mfs "github.com/mtcfs/mtcfs/fs"
 	"github.com/mtcfs/mtcfs/gcsbackend"
 	"github.com/mtcfs/mtcfs/replication"
@@ -28,7 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--go-memory-limit auto|off|SIZE]"
 
 type mountConfig struct {
 	dir         string
@@ -72,6 +70,7 @@ func cmdMount(args []string) int {
 	logFormat := fset.String("log-format", "text", "log format: json (keys severity, message) or text")
 	debugFuse := fset.Bool("debug-fuse", false, "log every FUSE request (very verbose)")
 	xattrs := fset.Bool("xattrs", false, "support extended attributes (costs a round trip to the agent per write)")
+	goMem := fset.String("go-memory-limit", "auto", "the Go runtime's soft memory limit: auto (90% of what a memory cgroup limit leaves beside --memory; none without one), off, or a size; GOMEMLIMIT wins")
 	drain := fset.Duration("drain-timeout", tiers.DefaultDrainTimeout, "on SIGTERM/SIGINT, how long a running backup may finish before it is cut short (left incomplete, retried by the next agent)")
 	pos, err := parseFlags(fset, args)
 	if err != nil {
@@ -127,10 +126,19 @@ func cmdMount(args []string) int {
 	if cfg.passthrough, err = mfs.ParsePassthroughMode(*passthrough); err != nil {
 		return flagError(fset, err)
 	}
+	limits := readMemoryLimits("/proc/self/cgroup", "/sys/fs/cgroup")
 	if *memory == "" {
-		cfg.budget = defaultBudget()
+		cfg.budget = limits.defaultBudget()
 	} else if cfg.budget, err = tiers.ParseSize(*memory); err != nil {
 		return flagError(fset, fmt.Errorf("--memory: %w", err))
+	}
+	if err := limits.checkBudget(cfg.budget); err != nil {
+		return flagError(fset, err)
+	}
+	if limit, why, err := goMemoryLimit(*goMem, cfg.budget, limits); err != nil {
+		return flagError(fset, err)
+	} else if limit > 0 {
+		slog.Info("Go memory limit", "limit", tiers.FormatSize(limit), "from", why)
 	}
 	if cfg.spoolDir == "" {
 		cfg.spoolDir = tiers.DefaultSpoolDir(cfg.dir)
@@ -185,15 +193,6 @@ func parsePeers(s string) (map[int]string, error) {
 		peers[rank] = addr
 	}
 	return peers, nil
-}
-
-// defaultBudget is half of physical memory, what a default tmpfs gets.
-func defaultBudget() int64 {
-	var si unix.Sysinfo_t
-	if unix.Sysinfo(&si) != nil {
-		return 1 << 30
-	}
-	return int64(si.Totalram) * int64(si.Unit) / 2
 }
 
 func runMount(cfg mountConfig) error {
