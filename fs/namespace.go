@@ -224,24 +224,29 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 		return info, fmt.Errorf("seal %s: %w", name, err)
 	}
 	defer d.Close()
-	var walk func(in *gofs.Inode, rel string) error
-	walk = func(in *gofs.Inode, rel string) error {
+	// Each directory of the copy is opened once and its entries made relative to it, so that a
+	// file costs one linkat: this runs before the job's rename returns.
+	var walk func(in *gofs.Inode, d *layout.Dir) error
+	walk = func(in *gofs.Inode, d *layout.Dir) error {
 		for cn, c := range in.Children() {
-			p := path.Join(rel, cn)
 			var err error
 			switch n := c.Operations().(type) {
 			case *dirNode:
-				if err = d.Mkdir(p, 0o700); err == nil {
-					err = walk(c, p)
+				var sub *layout.Dir
+				if err = d.Mkdir(cn, 0o700); err == nil {
+					if sub, err = d.OpenDir(cn); err == nil {
+						err = walk(c, sub)
+						sub.Close()
+					}
 				}
 			case *symlinkNode:
-				err = d.Symlink(n.target, p)
+				err = d.Symlink(n.target, cn)
 			case *specialNode:
-				err = d.Create(layout.TreeEntry{Path: p, Type: specialType(c.StableAttr().Mode), Rdev: uint64(n.rdev)}, 0o600)
+				err = d.Create(layout.TreeEntry{Path: cn, Type: specialType(c.StableAttr().Mode), Rdev: uint64(n.rdev)}, 0o600)
 			case *fileNode:
 				var copied bool
-				copied, err = n.exportTo(p, func(src string) error { return d.Link(src, p) }, func() (*os.File, error) {
-					return d.Open(p, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+				copied, err = n.exportTo(cn, func(src string) error { return d.Link(src, cn) }, func() (*os.File, error) {
+					return d.Open(cn, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 				})
 				if copied {
 					info.Copied++
@@ -253,7 +258,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 		}
 		return nil
 	}
-	if err := walk(ch, ""); err != nil {
+	if err := walk(ch, d); err != nil {
 		os.RemoveAll(dst)
 		return info, fmt.Errorf("seal %s: %w", name, err)
 	}
