@@ -1,0 +1,1130 @@
+package main
+
+// Replays of the observations of issue 9 against SPEC §10 ("Guarantees a user can rely on"):
+// each test does, with real agents, real FUSE mounts, tmpfs spools and file:// backups, what
+// was once observed to lose or silently change a committed checkpoint, and checks that it now
+// behaves as §10 says. One test per observation, named after the guarantee; the comment of
+// each quotes the observation it replays. (Observation 7, ENOSPC, and pjdfstest live
+// elsewhere.)
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/internal/jobsim"
+)
+
+// TestGuaranteeSealedDataIsImmutable replays observation 1 of issue 9: "Appending to a file
+// inside a committed <hash>.data, truncating it, creating or unlinking entries there all return
+// 0. The next restore by the same agent served the changed bytes without a hash check; after an
+// agent restart the data failed verification and was dropped, and the job silently restarted
+// from scratch." SPEC §10: inside <hash>.data every change fails (EROFS, or EPERM for unlink
+// and rename); reads, mmap and open descriptors keep working; restores serve the committed
+// bytes, by the same agent and after a restart; and data that fails its hash at restore (here
+// a byte flipped in the spool behind the agent's back) is reported in replicator.errors and
+// restored from the next source, the backup — never a silent fresh start.
+func TestGuaranteeSealedDataIsImmutable(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "sealed"
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, job, fastBackupMinutes)
+	_, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found)
+	require.NoError(t, o.Save(ctx, 10))
+	waitStepSealed(t, n.dir, job, 10)
+	// The backup used at the end; taken now, so that no restore below orders another one that
+	// a kill -9 could cut short (the next one would wait for the next UTC minute).
+	backup := waitCompleteBackup(t, n, job, 10)
+	hash, err := os.ReadFile(metaPath(n.dir, job, 10))
+	require.NoError(t, err)
+	data := filepath.Join(n.dir, string(hash)+".data")
+
+	var big jobsim.File
+	for _, f := range o.Tree(10) {
+		if f.Size > big.Size {
+			big = f
+		}
+	}
+	file := filepath.Join(data, filepath.FromSlash(big.Path))
+	sub := filepath.Dir(file)
+	want, err := os.ReadFile(file)
+	require.NoError(t, err)
+	held, err := os.Open(file) // a descriptor opened before the attempts keeps working
+	require.NoError(t, err)
+	defer held.Close()
+	other := filepath.Join(n.dir, "scratch")
+	require.NoError(t, os.WriteFile(other, []byte("not part of the checkpoint"), 0o644))
+
+	rofs := []syscall.Errno{syscall.EROFS}
+	rofsOrPerm := []syscall.Errno{syscall.EROFS, syscall.EPERM}
+	for _, c := range []struct {
+		what string
+		do   func() error
+		want []syscall.Errno
+	}{
+		{"append", func() error {
+			f, err := os.OpenFile(file, os.O_WRONLY|os.O_APPEND, 0)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			if _, err := f.Write([]byte("tampered")); err != nil {
+				return err
+			}
+			return f.Sync()
+		}, rofs},
+		{"pwrite through O_RDWR", func() error {
+			f, err := os.OpenFile(file, os.O_RDWR, 0)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			_, err = f.WriteAt([]byte("X"), 0)
+			return err
+		}, rofs},
+		{"open with O_TRUNC", func() error {
+			f, err := os.OpenFile(file, os.O_WRONLY|os.O_TRUNC, 0)
+			if err == nil {
+				f.Close()
+			}
+			return err
+		}, rofs},
+		{"truncate", func() error { return os.Truncate(file, 1) }, rofs},
+		{"chmod", func() error { return os.Chmod(file, 0o666) }, rofs},
+		{"create at the top of the checkpoint", func() error { return os.WriteFile(filepath.Join(data, "new"), []byte("x"), 0o644) }, rofs},
+		{"create in a subdirectory", func() error { return os.WriteFile(filepath.Join(sub, "new"), []byte("x"), 0o644) }, rofs},
+		{"mkdir", func() error { return os.Mkdir(filepath.Join(sub, "newdir"), 0o755) }, rofs},
+		{"symlink", func() error { return os.Symlink("x", filepath.Join(sub, "link")) }, rofs},
+		{"mkfifo", func() error { return unix.Mkfifo(filepath.Join(sub, "fifo"), 0o644) }, rofs},
+		{"hard link in", func() error { return os.Link(other, filepath.Join(sub, "linked")) }, rofs},
+		{"unlink", func() error { return os.Remove(file) }, rofsOrPerm},
+		{"rename inside", func() error { return os.Rename(file, file+".moved") }, rofsOrPerm},
+		{"rename out", func() error { return os.Rename(file, filepath.Join(n.dir, "stolen")) }, rofsOrPerm},
+		{"rename over", func() error { return os.Rename(other, file) }, rofsOrPerm},
+		{"rename the checkpoint", func() error { return os.Rename(data, filepath.Join(n.dir, "moved.data")) }, rofsOrPerm},
+	} {
+		requireErrno(t, c.do(), c.what, c.want...)
+	}
+	require.False(t, t.Failed(), "the sealed checkpoint accepted changes")
+
+	got, err := os.ReadFile(file)
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(want, got), "the sealed file changed")
+	got, err = io.ReadAll(held)
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(want, got), "reading through a descriptor opened before the attempts")
+	f, err := os.Open(file)
+	require.NoError(t, err)
+	m, err := unix.Mmap(int(f.Fd()), 0, len(want), unix.PROT_READ, unix.MAP_SHARED)
+	require.NoError(t, err, "mmap of a sealed file")
+	require.True(t, bytes.Equal(want, m), "mmap of the sealed file")
+	require.NoError(t, unix.Munmap(m))
+	f.Close()
+
+	// The job restarts on the same agent, then after kill -9 of the agent on a new one: both
+	// restore the committed bytes (VerifyRestored also refuses any entry the save did not
+	// write), and nothing is reported.
+	restore := func(who string) *jobsim.Orbax {
+		t.Helper()
+		o := orbaxClient(t, n.dir, job, fastBackupMinutes)
+		step, found, err := o.Start(ctx)
+		require.NoError(t, err)
+		require.True(t, found && step == 10, "%s restored step %d (found %v), want 10", who, step, found)
+		require.NoError(t, o.VerifyRestored(ctx, 10), who)
+		return o
+	}
+	o = restore("the same agent")
+	require.Empty(t, o.Errors(), "replicator.errors")
+	killAgent(t, a)
+	b := n.start(t)
+	require.Contains(t, b.log(), "adopted from spool")
+	require.NotContains(t, b.log(), "does not verify")
+	o = restore("the agent restarted after kill -9")
+	require.Empty(t, o.Errors(), "replicator.errors")
+
+	// A byte of the step flips in the spool, behind the agent's back. The next agent's
+	// restore must notice, say so, and take step 10 from the backup.
+	spoolFile := filepath.Join(n.spool, "sealed", string(hash)+".data", filepath.FromSlash(big.Path))
+	sf, err := os.OpenFile(spoolFile, os.O_RDWR, 0)
+	require.NoError(t, err, "the step's file in the spool")
+	_, err = sf.WriteAt([]byte{want[len(want)/2] ^ 0x40}, int64(len(want)/2))
+	require.NoError(t, err)
+	require.NoError(t, sf.Close())
+	killAgent(t, b)
+	c := n.start(t)
+	o = restore("the agent restarted on a damaged spool")
+	pre, err := os.ReadFile(filepath.Join(n.dir, "replicator.prerestore"))
+	require.NoError(t, err)
+	require.Contains(t, string(pre), "restore-backup: "+backup, "the damaged step comes from the backup\n%s", c.log())
+	require.NotEmpty(t, o.Errors(), "the damaged copy in RAM is reported in replicator.errors\n%s", c.log())
+	t.Logf("replicator.errors: %q", o.Errors())
+}
+
+// TestGuaranteeReturnedCommitSurvivesKill9 replays observation 2 of issue 9: "The job's rename of
+// 20.orbax-checkpoint-tmp → 20 returned 0; the agent was killed before sealing finished (the
+// window lasts as long as hashing lags …); the restarted agent wiped staging and restored step
+// 10." SPEC §10: once the commit rename (or a pytorch .save close) returned, the step restores
+// byte-exact after kill -9 of the agent and a restart on the same spool. Step 20 is large, so
+// that hashing it takes a while, and the agent is killed the moment the rename (or close)
+// returns; the test checks that it was: the commit was still unsealed in the spool.
+func TestGuaranteeReturnedCommitSurvivesKill9(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	n.args = []string{"--memory", "512MiB"}
+	const job = "durable"
+	a := n.start(t)
+	small := orbaxClient(t, n.dir, job, 60)
+	_, _, err := small.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, small.Save(ctx, 10))
+	waitStepSealed(t, n.dir, job, 10)
+
+	// Step 20 as Orbax writes it, with a large state file closed just before the commit rename:
+	// hashing it lags the rename by tens of milliseconds.
+	step20 := tree{
+		"_CHECKPOINT_METADATA":                fileEnt([]byte(`{"item_handlers": {}, "commit_timestamp_nsecs": 20}`)),
+		"commit_success.txt":                  fileEnt([]byte("Checkpoint commit was successful to 20")),
+		"process_metadata/mesh_metadata.json": fileEnt([]byte("[0, 1, 2, 3]")),
+		"state/_METADATA":                     fileEnt([]byte(`{"tree_metadata": {}}`)),
+		"state/ocdbt.process_0/d/0001":        fileEnt(randomBytes(1, 1<<20)),
+		"state/ocdbt.process_0/d/0002":        fileEnt(randomBytes(2, 32<<20)),
+	}
+	require.NoError(t, saveTree(n.dir, 20, step20, "state/ocdbt.process_0/d/0002"))
+	require.NoError(t, a.cmd.Process.Kill()) // the moment rename(20.orbax-checkpoint-tmp, 20) returned
+	a.wait(10 * time.Second)
+	recs := unsealedCommits(n.spool)
+	require.NotEmpty(t, recs, "the agent had sealed step 20 before it was killed: the test missed the window; make the step larger\n%s", a.log())
+	t.Logf("killed the agent with %d unsealed commit(s)", len(recs))
+
+	b := n.start(t)
+	require.Contains(t, b.log(), "sealed a step committed before the restart")
+	o := orbaxClient(t, n.dir, job, 60)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found && step == 20, "restored step %d (found %v) after kill -9 right after the commit, want 20\n%s", step, found, b.log())
+	require.NoError(t, sameTree(filepath.Join(n.dir, "20"), step20))
+	require.Empty(t, o.Errors(), "replicator.errors")
+
+	// framework pytorch: a .save file commits at its close.
+	const pt = "torch"
+	markers := pytorchStart(t, n.dir, pt)
+	require.Equal(t, map[string]string{pt + "-s0-n0-w0.restore": ""}, markers, "a new job starts fresh")
+	save := func(step int64, data []byte) {
+		t.Helper()
+		f, err := os.Create(filepath.Join(n.dir, fmt.Sprintf("%s-s%d-n0-w0.save", pt, step)))
+		require.NoError(t, err)
+		for off := 0; off < len(data); off += 1 << 20 {
+			_, err := f.Write(data[off:min(off+1<<20, len(data))])
+			require.NoError(t, err)
+		}
+		require.NoError(t, f.Close())
+	}
+	save(10, randomBytes(10, 1<<20))
+	waitStepSealed(t, n.dir, pt, 10)
+	want := randomBytes(20, 32<<20)
+	save(20, want)
+	require.NoError(t, b.cmd.Process.Kill())
+	b.wait(10 * time.Second)
+	recs = unsealedCommits(n.spool)
+	require.NotEmpty(t, recs, "the agent had sealed the .save before it was killed: the test missed the window\n%s", b.log())
+
+	c := n.start(t)
+	require.Contains(t, c.log(), "sealed a step committed before the restart")
+	markers = pytorchStart(t, n.dir, pt)
+	marker := pt + "-s20-n0-w0.restore"
+	require.Contains(t, markers, marker, "restored %v after kill -9 right after the close, want step 20\n%s", markers, c.log())
+	got, err := os.ReadFile(filepath.Join(n.dir, marker))
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(want, got), "the restored .save differs from what the job wrote (%d bytes, want %d)", len(got), len(want))
+	require.NoFileExists(t, filepath.Join(n.dir, "replicator.errors"))
+	stopAgent(t, c)
+}
+
+// TestGuaranteeNames replays observation 3 of issue 9: "Names over 255 bytes are accepted
+// (statfs says 255), then sealing fails (file name too long). A legal path near 4096 bytes fails
+// at seal (the staging prefix is longer than the mount's), and a path whose object name exceeds
+// 1024 bytes seals but never backs up." SPEC §10: NAME_MAX is 255 and longer names fail with
+// ENAMETOOLONG before anything is created; any legal path inside a step is sealed, replicated
+// and backed up (long object names are mapped, not refused). The deep path is 4095 bytes from
+// / once committed (21 bytes longer while it sits in <step>.orbax-checkpoint-tmp, so the job
+// makes it relative to directory descriptors, as a job that chdirs down would).
+func TestGuaranteeNames(t *testing.T) {
+	needRoot(t)
+	const job = "names"
+	trees := func(rank int, dir string) tree {
+		tr := tree{
+			"_CHECKPOINT_METADATA":              fileEnt([]byte("{}")),
+			"rank":                              fileEnt([]byte(fmt.Sprint(rank))),
+			"state/" + strings.Repeat("n", 255): fileEnt(randomBytes(uint64(100+rank), 1000)),
+		}
+		// A path of about 960 bytes: short enough for any filesystem, but its backup object
+		// <job>/<backup>/<hash>.data/<path> is longer than GCS's 1024 bytes.
+		long := "long"
+		for i := range 3 {
+			long += "/" + fmt.Sprintf("c%d", i) + strings.Repeat("l", 248)
+		}
+		tr[long+"/"+strings.Repeat("f", 200)] = fileEnt(randomBytes(uint64(200+rank), 4096))
+		// The deep path: dir + "/20/" + deep is 4095 bytes, the longest path the kernel takes.
+		budget := unix.PathMax - 1 - len(dir+"/20/")
+		deep := ""
+		for i := 0; ; i++ {
+			rest := budget - len(deep)
+			if deep != "" {
+				rest--
+			}
+			if rest <= 255 {
+				deep = path.Join(deep, strings.Repeat("z", rest))
+				break
+			}
+			deep = path.Join(deep, fmt.Sprintf("deep%02d", i)+strings.Repeat("d", 194))
+		}
+		if len(dir+"/20/"+deep) != unix.PathMax-1 {
+			panic(fmt.Sprintf("deep path of %d bytes", len(dir+"/20/"+deep)))
+		}
+		tr[deep] = fileEnt(randomBytes(uint64(300+rank), 64<<10))
+		return tr
+	}
+
+	// NAME_MAX on a plain mount, before the job.
+	n := newRepNode(t)
+	a := n.start(t)
+	var st unix.Statfs_t
+	require.NoError(t, unix.Statfs(n.dir, &st))
+	require.EqualValues(t, 255, st.Namelen, "statfs f_namelen")
+	ok, tooLong := strings.Repeat("a", 255), strings.Repeat("b", 256)
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "src"), []byte("x"), 0o644))
+	for _, c := range []struct {
+		what string
+		do   func(name string) error
+	}{
+		{"create", func(name string) error { return os.WriteFile(filepath.Join(n.dir, name), []byte("x"), 0o644) }},
+		{"mkdir", func(name string) error { return os.Mkdir(filepath.Join(n.dir, name), 0o755) }},
+		{"symlink", func(name string) error { return os.Symlink("src", filepath.Join(n.dir, name)) }},
+		{"mkfifo", func(name string) error { return unix.Mkfifo(filepath.Join(n.dir, name), 0o644) }},
+		{"hard link", func(name string) error { return os.Link(filepath.Join(n.dir, "src"), filepath.Join(n.dir, name)) }},
+		{"rename", func(name string) error {
+			if err := os.WriteFile(filepath.Join(n.dir, "tmp"), nil, 0o644); err != nil {
+				return err
+			}
+			return os.Rename(filepath.Join(n.dir, "tmp"), filepath.Join(n.dir, name))
+		}},
+	} {
+		require.NoError(t, c.do(ok), "%s with a 255-byte name", c.what)
+		require.NoError(t, os.Remove(filepath.Join(n.dir, ok)))
+		err := c.do(tooLong)
+		require.True(t, errors.Is(err, syscall.ENAMETOOLONG), "%s with a 256-byte name: got %v, want ENAMETOOLONG", c.what, err)
+		ents, err := os.ReadDir(n.dir)
+		require.NoError(t, err)
+		for _, e := range ents {
+			require.LessOrEqual(t, len(e.Name()), 255, "%s with a 256-byte name created an entry", c.what)
+		}
+	}
+	stopAgent(t, a)
+
+	c, name := tierRoundTrip(t, job, trees)
+	// Both long paths of each rank's data were stored under mapped names.
+	for r := range 2 {
+		hash, err := os.ReadFile(rankMetaPath(c.nodes[r].dir, job, 20, r))
+		require.NoError(t, err)
+		mapped, err := os.ReadDir(filepath.Join(c.backup, job, name, string(hash)+".data.long"))
+		require.NoError(t, err, "rank %d's long names in the backup", r)
+		assert.Len(t, mapped, 2, "rank %d: the two paths whose object names are too long are mapped", r)
+	}
+}
+
+// TestGuaranteeRestoredStepIsProtectedAgain replays observation 4 of issue 9: "After node 1
+// lost its RAM and restored step 10 from node 0, node 0's replica was not re-pushed to node 1;
+// losing node 0 next (no save between) lost step 10." SPEC §10: after a restore the step is
+// re-replicated to the node's peers without waiting for a new save, and "latest replicated on
+// every node" reflects it. Two nodes replicate to each other; node 1 is lost and restores step
+// 10 from node 0; with no save in between node 0 is lost; every node restores step 10, node 0
+// from node 1's re-pushed replica (not from the backup the coordinator orders meanwhile).
+func TestGuaranteeRestoredStepIsProtectedAgain(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	const job = "again"
+	c := newClusterWith(t, 2, func(int) []string { return []string{"--http", "127.0.0.1:0"} })
+	client := func(r int) *jobsim.Orbax {
+		o := orbaxClient(t, c.nodes[r].dir, job, 60)
+		o.Rank, o.Nodes, o.PeerRanks = r, 2, []int{1 - r}
+		return o
+	}
+	start := func(want int64) {
+		t.Helper()
+		c.all(t, func(r int) error {
+			o := client(r)
+			step, found, err := o.Start(ctx)
+			if err != nil {
+				return err
+			}
+			if want < 0 {
+				if found {
+					return fmt.Errorf("a fresh job restored step %d", step)
+				}
+				return nil
+			}
+			if !found || step != want {
+				return fmt.Errorf("restored step %d (found %v), want %d", step, found, want)
+			}
+			return o.VerifyRestored(ctx, want)
+		})
+	}
+	waitProtected := func(why string) {
+		t.Helper()
+		repWait(t, 30*time.Second, "step 10 replicated on every node "+why, func() bool {
+			for r := range 2 {
+				if !replicaHeld(c.nodes[1-r], job, 10, r) || agentStatus(t, c.agents[r]).Replicated < 10 {
+					return false
+				}
+			}
+			return true
+		})
+	}
+	loseNode := func(r int) {
+		t.Helper()
+		killAgent(t, c.agents[r])
+		forceUnmount(c.nodes[r].dir)
+		c.nodes[r].dropSpool(t)
+		c.agents[r] = c.nodes[r].start(t)
+	}
+
+	start(-1)
+	c.all(t, func(r int) error { return client(r).Save(ctx, 10) })
+	waitProtected("after the save")
+
+	loseNode(1)
+	start(10)
+	require.Contains(t, c.agents[1].log(), "restored from a peer")
+	// No save: the restored step must be pushed again, from node 0 to node 1 in particular.
+	waitProtected("after node 1's restore")
+
+	loseNode(0)
+	start(10)
+	require.Contains(t, c.agents[0].log(), "restored from a peer", "node 0 gets its step from node 1's replica")
+	pre, err := os.ReadFile(filepath.Join(c.nodes[0].dir, "replicator.prerestore"))
+	require.NoError(t, err)
+	require.Contains(t, string(pre), "restore-step: 10")
+	require.NotContains(t, string(pre), "restore-backup", "step 10 must come from node 1's replica, not from a backup")
+}
+
+// TestGuaranteeBackupsRunOnTheirClock replays observation 5 of issue 9: "Backups only start at
+// commits. A job that saves once never gets a backup; a backup cut short by SIGTERM is not
+// redone; kill -9 during a file:// backup leaves .mtcfs-tmp-* files forever." SPEC §10: the
+// newest committed step not in a complete backup is backed up at most backup-interval after its
+// commit, whether or not the job saves again; a backup that was cut short (SIGTERM, crash) is
+// retried, and leftovers of a cut-short backup are removed by the next agent; on SIGTERM a
+// running backup gets --drain-timeout and is otherwise left clearly incomplete. The three
+// cases are separate jobs; a retry by a new agent waits for the next UTC minute (backup names
+// are unique per minute), so this test takes up to a minute.
+func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
+	needRoot(t)
+	// A step whose file:// backup takes a while: 96 MiB in 6 files, each written and fsynced.
+	large := jobsim.Content{Files: 6, FileSize: 16 << 20}
+	const retryWait = 100 * time.Second
+
+	t.Run("a job that saves once", func(t *testing.T) {
+		ctx := repCtx(t)
+		n := newRepNode(t)
+		a := n.start(t)
+		o := orbaxClient(t, n.dir, "once", fastBackupMinutes)
+		_, _, err := o.Start(ctx)
+		require.NoError(t, err)
+		require.NoError(t, o.Save(ctx, 10))
+		waitCompleteBackup(t, n, "once", 10)
+		require.Equal(t, 1, strings.Count(a.log(), `msg="step committed"`), "the job saved once")
+		stopAgent(t, a)
+	})
+
+	// The two interrupted backups run side by side (with the default -parallel of 2 on 2
+	// CPUs): each retry waits for the next UTC minute, and so they wait together.
+	t.Run("cut short by SIGTERM", func(t *testing.T) {
+		t.Parallel()
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		defer cancel()
+		n := newRepNode(t)
+		n.args = []string{"--memory", "512MiB", "--drain-timeout", "100ms"}
+		a := n.start(t)
+		o := orbaxClient(t, n.dir, "cut", fastBackupMinutes)
+		o.Content = large
+		_, _, err := o.Start(ctx)
+		require.NoError(t, err)
+		require.NoError(t, o.Save(ctx, 10))
+		var m []string
+		repWait(t, 20*time.Second, "the backup of step 10 to start", func() bool {
+			m = backupStartedRE.FindStringSubmatch(a.log())
+			return m != nil
+		})
+		cut := m[1]
+		stopAgent(t, a)
+		require.Contains(t, a.log(), "the running backup did not finish within the drain time")
+		require.Contains(t, a.log(), "backup left incomplete")
+		require.NotContains(t, a.log(), `msg="backup complete"`)
+		require.Equal(t, "INCOMPLETE", backupStatus(t, n, "cut", cut), "the backup cut short by SIGTERM")
+
+		b := n.start(t)
+		o = orbaxClient(t, n.dir, "cut", fastBackupMinutes)
+		o.Content = large
+		step, found, err := o.Start(ctx)
+		require.NoError(t, err)
+		require.True(t, found && step == 10, "restored step %d (found %v), want 10 from RAM", step, found)
+		name := waitBackupOf(t, n, "cut", 10, retryWait)
+		t.Logf("backup %s cut short by SIGTERM, done again as %s by the next agent", cut, name)
+		require.NotEqual(t, cut, name)
+		require.Equal(t, "INCOMPLETE", backupStatus(t, n, "cut", cut), "the cut-short backup stays incomplete")
+		stopAgent(t, b)
+	})
+
+	t.Run("kill -9 during a file:// backup", func(t *testing.T) {
+		t.Parallel()
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		defer cancel()
+		n := newRepNode(t)
+		n.args = []string{"--memory", "512MiB"}
+		a := n.start(t)
+		o := orbaxClient(t, n.dir, "crash", fastBackupMinutes)
+		o.Content = large
+		_, _, err := o.Start(ctx)
+		require.NoError(t, err)
+		require.NoError(t, o.Save(ctx, 10))
+		repWait(t, 20*time.Second, "the backup to write a temporary file", func() bool { return len(backupLeftovers(n.backupRoot)) > 0 })
+		killAgent(t, a)
+		left := backupLeftovers(n.backupRoot)
+		require.NotEmpty(t, left, "kill -9 came between two files of the backup: no temporary file left to clean\n%s", a.log())
+		t.Logf("kill -9 left %d temporary file(s), e.g. %s", len(left), left[0])
+
+		b := n.start(t)
+		o = orbaxClient(t, n.dir, "crash", fastBackupMinutes)
+		o.Content = large
+		step, found, err := o.Start(ctx)
+		require.NoError(t, err)
+		require.True(t, found && step == 10, "restored step %d (found %v), want 10 from RAM", step, found)
+		name := waitBackupOf(t, n, "crash", 10, retryWait)
+		t.Logf("after kill -9 the next agent backed step 10 up as %s", name)
+		require.Empty(t, backupLeftovers(n.backupRoot), "the next agent removes what the killed one left")
+		require.Contains(t, b.log(), "removed leftovers of backups cut short")
+		stopAgent(t, b)
+	})
+}
+
+// TestGuaranteeSymlinksAndFIFOsInEveryTier replays observation 6 of issue 9: "A step holding a
+// symlink replicates but can never be backed up (gcsbackend refuses symlinks while replication
+// and the tree hash carry them)." SPEC §10: FIFOs behave as on tmpfs and any legal tree can be
+// sealed, replicated and backed up; docs/semantics.md: symlinks are kept verbatim (never
+// followed) and FIFOs as what they are, in all three tiers. The step is restored from the
+// backup with every symlink and the FIFO intact.
+func TestGuaranteeSymlinksAndFIFOsInEveryTier(t *testing.T) {
+	needRoot(t)
+	tierRoundTrip(t, "links", func(rank int, _ string) tree {
+		return tree{
+			"_CHECKPOINT_METADATA": fileEnt([]byte("{}")),
+			"rank":                 fileEnt([]byte(fmt.Sprint(rank))),
+			"state/data":           fileEnt(randomBytes(uint64(400+rank), 256<<10)),
+			"state/latest":         linkEnt("data"),
+			"state/up":             linkEnt("../_CHECKPOINT_METADATA"),
+			"state/dangling":       linkEnt("no/such/file"),
+			"absolute":             linkEnt("/etc/hostname"),
+			"state/pipe":           fifoEnt(),
+			"empty":                dirEnt(),
+		}
+	})
+}
+
+// TestGuaranteeKeptSpoolsAreOwned replays observation 8 of issue 9: "A spool with a .meta is
+// kept after a clean stop even when its mount directory is gone; another job mounting the same
+// path adopted the old job's step, never freed it, and it counted against the new job's budget.
+// No command lists or frees kept spools." SPEC §10: a spool records the mount path and job it
+// belongs to; it is never adopted by another job; mtcfs spool list|free shows and frees kept
+// spools; spools of mount paths that no longer exist are reaped.
+func TestGuaranteeKeptSpoolsAreOwned(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t) // --memory 64MiB
+	a := n.start(t)
+	old := orbaxClient(t, n.dir, "old", 60)
+	old.Content = jobsim.Content{Files: 4, FileSize: 8 << 20} // half the budget
+	_, _, err := old.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, old.Save(ctx, 10))
+	waitStepSealed(t, n.dir, "old", 10)
+	stopAgent(t, a)
+	require.True(t, isMounted(n.spool), "a spool holding a checkpoint is kept on a clean stop")
+	require.Contains(t, a.log(), "free it with: mtcfs spool free "+n.dir)
+	s, ok := findSpool(spoolList(t), n.spool)
+	require.True(t, ok, "mtcfs spool list does not show the kept spool %s", n.spool)
+	assert.Equal(t, n.dir, s.MountPath)
+	assert.Equal(t, "old", s.Job)
+	assert.Equal(t, []int64{10}, s.Steps)
+	assert.False(t, s.InUse)
+
+	// The mount directory is removed, and another job mounts a directory made again at the
+	// same path (so the same spool).
+	require.NoError(t, os.Remove(n.dir))
+	s, ok = findSpool(spoolList(t), n.spool)
+	if ok { // else an agent started meanwhile on this machine reaped it: just as good
+		assert.Equal(t, mountGone, s.MountState)
+	}
+	require.NoError(t, os.Mkdir(n.dir, 0o755))
+	b := n.start(t)
+	o := orbaxClient(t, n.dir, "new", 60)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found, "the new job restored step %d of the old one\n%s", step, b.log())
+	freed := strings.Join(o.Errors(), "\n")
+	if strings.Contains(b.log(), "adopted from spool") {
+		// The agent could not know the job before the handshake; the handshake frees it.
+		assert.Contains(t, freed, "this node's RAM held checkpoints of other jobs (old-s10-n0-w0.meta); they were freed")
+		t.Logf("the old job's step was adopted at start and freed at the handshake: %s", freed)
+	} else {
+		t.Logf("the old job's spool was gone before the new agent started (reaped): %s", freed)
+	}
+	assert.NoFileExists(t, metaPath(n.dir, "old", 10))
+	// The whole budget is the new job's: 48 of 64 MiB fit (the old step took 32).
+	var st unix.Statfs_t
+	require.NoError(t, unix.Statfs(n.dir, &st))
+	used := int64(st.Blocks-st.Bfree) * st.Bsize
+	assert.Less(t, used, int64(8<<20), "bytes in use after the new job's handshake")
+	big := filepath.Join(n.dir, "big")
+	require.NoError(t, os.WriteFile(big, make([]byte, 48<<20), 0o644), "the new job's write of 48 MiB")
+	require.NoError(t, os.Remove(big))
+
+	// mtcfs spool list shows the new job's kept spool, and mtcfs spool free frees it.
+	require.NoError(t, o.Save(ctx, 10))
+	waitStepSealed(t, n.dir, "new", 10)
+	stopAgent(t, b)
+	s, ok = findSpool(spoolList(t), n.spool)
+	require.True(t, ok, "mtcfs spool list does not show the kept spool %s", n.spool)
+	assert.Equal(t, "new", s.Job)
+	assert.Equal(t, []int64{10}, s.Steps)
+	assert.Equal(t, mountExists, s.MountState)
+	out, code := runMtcfs(t, "spool", "free", n.dir)
+	require.Equal(t, 0, code, "%s", out)
+	assert.Contains(t, out, "freed spool "+n.spool)
+	assert.False(t, isMounted(n.spool))
+	assert.NoDirExists(t, n.spool)
+
+	// A kept spool whose mount directory is gone is reaped by the next agent that starts on the
+	// machine.
+	g := newRepNode(t)
+	ga := g.start(t)
+	og := orbaxClient(t, g.dir, "gone", 60)
+	_, _, err = og.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, og.Save(ctx, 10))
+	waitStepSealed(t, g.dir, "gone", 10)
+	stopAgent(t, ga)
+	require.True(t, isMounted(g.spool))
+	require.NoError(t, os.Remove(g.dir))
+	c := n.start(t)
+	if !strings.Contains(c.log(), "spool="+g.spool+" ") {
+		_, e := os.Lstat(g.spool) // else another agent starting on the machine reaped it first
+		require.True(t, errors.Is(e, os.ErrNotExist), "the spool of a removed mount directory was not reaped\n%s", c.log())
+	} else {
+		assert.Contains(t, c.log(), "reaped a kept spool whose mount directory no longer exists")
+	}
+	assert.False(t, isMounted(g.spool))
+	assert.NoDirExists(t, g.spool)
+	assert.NotContains(t, c.log(), "adopted from spool", "the freed spool came back")
+	stopAgent(t, c)
+}
+
+// TestGuaranteeControlFilesOfTheWrongType replays the smaller POSIX findings of observation 9
+// of issue 9: "replicator.yaml as a directory or symlink is ignored forever (the client waits
+// 300 s) … mounting through a symlink to a live mount stacks a second agent on top." SPEC §2
+// (the yaml is consumed within a second or two) and the README: a yaml of the wrong type is
+// removed and reported in replicator.failed; a second mount through a symlink is refused.
+func TestGuaranteeControlFilesOfTheWrongType(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	yaml := filepath.Join(n.dir, "replicator.yaml")
+	failed := filepath.Join(n.dir, "replicator.failed")
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "real.yaml"),
+		[]byte("job-name: linked\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 30\n"), 0o644))
+
+	for _, c := range []struct {
+		what string
+		make func() error
+		want string
+	}{
+		{"directory", func() error { return os.Mkdir(yaml, 0o755) }, "is a directory"},
+		{"symlink to a valid yaml", func() error { return os.Symlink("real.yaml", yaml) }, "is a symlink"},
+		{"dangling symlink", func() error { return os.Symlink("nowhere", yaml) }, "is a symlink"},
+	} {
+		require.NoError(t, c.make(), c.what)
+		start := time.Now()
+		// What the client does next: wait (polling) until the yaml is gone, then read
+		// replicator.failed.
+		repWait(t, 5*time.Second, "replicator.yaml ("+c.what+") to be removed and reported", func() bool {
+			return !pathExists(yaml) && pathExists(failed)
+		})
+		t.Logf("replicator.yaml as a %s: removed after %v", c.what, time.Since(start).Round(time.Millisecond))
+		line, err := os.ReadFile(failed)
+		require.NoError(t, err)
+		require.NoError(t, os.Remove(failed))
+		assert.Contains(t, string(line), "FATAL replicator.yaml: "+c.want, c.what)
+		assert.NoFileExists(t, filepath.Join(n.dir, "replicator.prerestore"), "a yaml of the wrong type starts nothing")
+	}
+	// The symlink was not followed: the job it names never started.
+	require.NotContains(t, a.log(), "job=linked")
+
+	// The agent still answers a real client.
+	o := orbaxClient(t, n.dir, "afterwards", 60)
+	_, found, err := o.Start(ctx)
+	require.NoError(t, err, "%s", a.log())
+	require.False(t, found)
+
+	// A second agent on the live mount, reached through a symlink, is refused.
+	link := filepath.Join(filepath.Dir(n.dir), "link")
+	require.NoError(t, os.Symlink(n.dir, link))
+	spool2 := filepath.Join(filepath.Dir(n.dir), "spool2")
+	t.Cleanup(func() { forceUnmount(n.dir); forceUnmount(spool2) }) // if a second agent got that far
+	out, code := runBounded(t, 20*time.Second, "mount", link, "--spool", spool2, "--memory", "64MiB", "--backup", n.backupURL())
+	assert.Equal(t, 1, code, "a second agent through %s: %s", link, out)
+	assert.Contains(t, out, "is already a live FUSE mount")
+	require.Equal(t, 1, fuseMountsAt(n.dir), "a second mount is stacked on %s", n.dir)
+	_, err = os.ReadDir(n.dir)
+	require.NoError(t, err, "the first agent still serves")
+	stopAgent(t, a)
+}
+
+// Helpers.
+
+// requireErrno checks that err is one of want.
+func requireErrno(t *testing.T, err error, what string, want ...syscall.Errno) {
+	t.Helper()
+	for _, e := range want {
+		if errors.Is(err, e) {
+			return
+		}
+	}
+	t.Errorf("%s: got %v, want one of %v", what, err, want)
+}
+
+// randomBytes returns size pseudo-random bytes drawn from seed.
+func randomBytes(seed uint64, size int) []byte {
+	b := make([]byte, size)
+	rand.NewChaCha8([32]byte{byte(seed), byte(seed >> 8), byte(seed >> 16), byte(seed >> 24)}).Read(b)
+	return b
+}
+
+// unsealedCommits lists the commit records in a spool that were not sealed yet (SPEC §10: the
+// commit is recorded in the spool before the rename returns; sealing may finish later).
+func unsealedCommits(spool string) []string {
+	recs, _ := filepath.Glob(filepath.Join(spool, "commits", "*", "commit.json"))
+	return recs
+}
+
+// pytorchStart is the start-up of a one-node framework "pytorch" job: it writes replicator.yaml
+// directly (open, write, close), waits until the agent consumed it and for the restore
+// markers, and returns them (name → symlink target, "" for an empty file).
+func pytorchStart(t *testing.T, dir, job string) map[string]string {
+	t.Helper()
+	yaml := filepath.Join(dir, "replicator.yaml")
+	repWait(t, 10*time.Second, "replicator.yaml to be absent", func() bool { return !pathExists(yaml) })
+	require.NoError(t, os.WriteFile(yaml, []byte(fmt.Sprintf(
+		"job-name: %s\nframework: pytorch\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60\n", job)), 0o644))
+	var markers map[string]string
+	repWait(t, 20*time.Second, "the restore markers of job "+job, func() bool {
+		require.NoFileExists(t, filepath.Join(dir, "replicator.failed"))
+		names, _ := filepath.Glob(filepath.Join(dir, job+"-s*-n0-w0.restore"))
+		if len(names) == 0 || pathExists(yaml) {
+			return false
+		}
+		markers = map[string]string{}
+		for _, p := range names {
+			target, _ := os.Readlink(p)
+			markers[filepath.Base(p)] = target
+		}
+		return true
+	})
+	return markers
+}
+
+func rankMetaPath(dir, job string, step int64, rank int) string {
+	return filepath.Join(dir, fmt.Sprintf("%s-s%d-n%d-w0.meta", job, step, rank))
+}
+
+// rankData returns the <hash>.data path rank's .meta of step names in dir.
+func rankData(t *testing.T, dir, job string, step int64, rank int) string {
+	t.Helper()
+	hash, err := os.ReadFile(rankMetaPath(dir, job, step, rank))
+	require.NoError(t, err)
+	return filepath.Join(dir, string(hash)+".data")
+}
+
+// tierRoundTrip saves trees(rank, mount directory) as step 20 of a two-node job whose nodes replicate to each
+// other and back up to a shared file:// location, and follows it through every tier: each
+// node seals it (the sealed tree is the saved one), the other node holds a verified replica
+// of it (the same tree), a complete backup holds it, and after both nodes lost their RAM every
+// node restores step 20 from that backup, byte-exact. It returns the cluster (agents running)
+// and the backup's name.
+func tierRoundTrip(t *testing.T, job string, trees func(rank int, dir string) tree) (*cluster, string) {
+	t.Helper()
+	ctx := repCtx(t)
+	c := newCluster(t, 2)
+	tree_ := func(r int) tree { return trees(r, c.nodes[r].dir) }
+	client := func(r int) *jobsim.Orbax {
+		o := orbaxClient(t, c.nodes[r].dir, job, fastBackupMinutes)
+		o.Rank, o.Nodes, o.PeerRanks = r, 2, []int{1 - r}
+		return o
+	}
+	c.all(t, func(r int) error {
+		_, found, err := client(r).Start(ctx)
+		if err == nil && found {
+			err = errors.New("a fresh job restored a step")
+		}
+		return err
+	})
+	c.all(t, func(r int) error { return saveTree(c.nodes[r].dir, 20, tree_(r)) })
+	for r := range 2 {
+		meta := rankMetaPath(c.nodes[r].dir, job, 20, r)
+		repWait(t, 15*time.Second, fmt.Sprintf("rank %d to seal step 20", r), func() bool { return pathExists(meta) })
+		require.NoError(t, sameTree(rankData(t, c.nodes[r].dir, job, 20, r), tree_(r)), "rank %d's sealed step", r)
+	}
+	for r := range 2 {
+		peer := c.nodes[1-r]
+		repWait(t, 20*time.Second, fmt.Sprintf("rank %d's replica on rank %d", r, 1-r), func() bool { return replicaHeld(peer, job, 20, r) })
+		require.NoError(t, sameTree(rankData(t, peer.dir, job, 20, r), tree_(r)), "rank %d's replica on rank %d", r, 1-r)
+	}
+	name := waitCompleteBackup(t, c.nodes[0], job, 20)
+
+	for r := range 2 {
+		stopAgent(t, c.agents[r])
+		c.nodes[r].dropSpool(t)
+	}
+	for r := range 2 {
+		c.agents[r] = c.nodes[r].start(t)
+	}
+	c.all(t, func(r int) error {
+		o := client(r)
+		step, found, err := o.Start(ctx)
+		if err != nil {
+			return err
+		}
+		if !found || step != 20 {
+			return fmt.Errorf("restored step %d (found %v) from the backup, want 20", step, found)
+		}
+		pre, err := os.ReadFile(filepath.Join(c.nodes[r].dir, "replicator.prerestore"))
+		if err != nil {
+			return err
+		}
+		if !strings.Contains(string(pre), "restore-backup: "+name) {
+			return fmt.Errorf("replicator.prerestore %q does not name backup %s", pre, name)
+		}
+		if errs := o.Errors(); len(errs) > 0 {
+			return fmt.Errorf("replicator.errors: %q", errs)
+		}
+		return sameTree(filepath.Join(c.nodes[r].dir, "20"), tree_(r))
+	})
+	return c, name
+}
+
+// backupStatus returns the status column (complete, INCOMPLETE) mtcfs backups list gives the
+// backup name of job, "" when it is not listed.
+func backupStatus(t *testing.T, n repNode, job, name string) string {
+	t.Helper()
+	out, code := runMtcfs(t, "backups", "list", "--backup", n.backupURL(), "--job", job)
+	require.Equal(t, 0, code, "backups list: %s", out)
+	for _, l := range strings.Split(out, "\n") {
+		if f := strings.Fields(l); len(f) > 1 && f[0] == name {
+			return f[1]
+		}
+	}
+	return ""
+}
+
+// waitBackupOf is waitCompleteBackup with a longer limit: a backup retried by a new agent waits
+// for the next UTC minute (backup names are unique per minute, SPEC §6).
+func waitBackupOf(t *testing.T, n repNode, job string, step int64, d time.Duration) string {
+	t.Helper()
+	var name string
+	repWait(t, d, fmt.Sprintf("a complete backup of step %d of job %s", step, job), func() bool {
+		out, code := runMtcfs(t, "backups", "list", "--backup", n.backupURL(), "--job", job)
+		require.Equal(t, 0, code, "backups list: %s", out)
+		for _, m := range backupLineRE.FindAllStringSubmatch(out, -1) {
+			if m[2] == "complete" && m[3] == fmt.Sprint(step) {
+				name = m[1]
+				return true
+			}
+		}
+		return false
+	})
+	return name
+}
+
+// backupLeftovers lists the temporary files (.mtcfs-tmp-*) below a file:// backup location.
+func backupLeftovers(root string) []string {
+	var out []string
+	filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err == nil && strings.HasPrefix(d.Name(), ".mtcfs-tmp-") {
+			out = append(out, p)
+		}
+		return nil
+	})
+	return out
+}
+
+var backupStartedRE = regexp.MustCompile(`msg="backup started" backup=(\S+) step=10 `)
+
+// Hand-made checkpoint trees, made and read relative to directory descriptors.
+
+// A hand-made checkpoint tree: slash-separated paths relative to the step directory. Parents
+// are created as needed, directories with mode 0755.
+type tree map[string]entry
+
+type entry struct {
+	kind   byte   // 'd' directory, 'f' regular file, 'l' symlink, 'p' FIFO
+	data   []byte // of a file
+	target string // of a symlink
+}
+
+func dirEnt() entry               { return entry{kind: 'd'} }
+func fileEnt(data []byte) entry   { return entry{kind: 'f', data: data} }
+func linkEnt(target string) entry { return entry{kind: 'l', target: target} }
+func fifoEnt() entry              { return entry{kind: 'p'} }
+func (e entry) String() string    { return fmt.Sprintf("%c(%d bytes, %q)", e.kind, len(e.data), e.target) }
+
+// paths returns tr's paths, sorted.
+func (tr tree) paths() []string {
+	var ps []string
+	for p := range tr {
+		ps = append(ps, p)
+	}
+	sort.Strings(ps)
+	return ps
+}
+
+// withParents adds the directories tr's paths imply.
+func (tr tree) withParents() tree {
+	out := tree{}
+	for p := range tr {
+		for d := path.Dir(p); d != "."; d = path.Dir(d) {
+			out[d] = dirEnt()
+		}
+	}
+	for p, e := range tr {
+		out[p] = e
+	}
+	return out
+}
+
+// openDirAt opens the directory rel below the directory fd dirfd, component by component,
+// creating missing ones when create is set; paths may be longer than PATH_MAX. The caller
+// closes the returned descriptor.
+func openDirAt(dirfd int, rel string, create bool) (int, error) {
+	fd, err := unix.Dup(dirfd)
+	if err != nil {
+		return -1, err
+	}
+	for _, c := range strings.Split(rel, "/") {
+		if c == "" || c == "." {
+			continue
+		}
+		if create {
+			if err := unix.Mkdirat(fd, c, 0o755); err != nil && !errors.Is(err, unix.EEXIST) {
+				unix.Close(fd)
+				return -1, fmt.Errorf("mkdir %s of %s: %w", c[:min(len(c), 20)], rel[:min(len(rel), 40)], err)
+			}
+		}
+		next, err := unix.Openat(fd, c, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		unix.Close(fd)
+		if err != nil {
+			return -1, fmt.Errorf("open %s of %s: %w", c[:min(len(c), 20)], rel[:min(len(rel), 40)], err)
+		}
+		fd = next
+	}
+	return fd, nil
+}
+
+// makeTree creates tr below the directory root, relative to directory descriptors (so the
+// full paths may exceed PATH_MAX while they are made), in the order of order (then the rest,
+// sorted): the job's last write comes last.
+func makeTree(root string, tr tree, order ...string) error {
+	rootFd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(rootFd)
+	var ps []string
+	for _, p := range tr.paths() {
+		if !slices.Contains(order, p) {
+			ps = append(ps, p)
+		}
+	}
+	for _, p := range append(ps, order...) {
+		e := tr[p]
+		parent, base := "", p
+		if i := strings.LastIndexByte(p, '/'); i >= 0 {
+			parent, base = p[:i], p[i+1:]
+		}
+		fd, err := openDirAt(rootFd, parent, true)
+		if err != nil {
+			return err
+		}
+		switch e.kind {
+		case 'd':
+			err = unix.Mkdirat(fd, base, 0o755)
+			if errors.Is(err, unix.EEXIST) {
+				err = nil
+			}
+		case 'f':
+			var ffd int
+			if ffd, err = unix.Openat(fd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC, 0o644); err == nil {
+				f := os.NewFile(uintptr(ffd), base)
+				_, err = f.Write(e.data)
+				if cerr := f.Close(); err == nil {
+					err = cerr
+				}
+			}
+		case 'l':
+			err = unix.Symlinkat(e.target, fd, base)
+		case 'p':
+			err = unix.Mknodat(fd, base, unix.S_IFIFO|0o644, 0)
+		default:
+			err = fmt.Errorf("unknown kind %c", e.kind)
+		}
+		unix.Close(fd)
+		if err != nil {
+			return fmt.Errorf("make %c %s (%d bytes): %w", e.kind, p[max(0, len(p)-60):], len(p), err)
+		}
+	}
+	return nil
+}
+
+// saveTree saves tr as an Orbax step does: mkdir <step>.orbax-checkpoint-tmp, write the tree,
+// rename it to <step>, which commits it.
+func saveTree(dir string, step int64, tr tree, order ...string) error {
+	tmp := filepath.Join(dir, fmt.Sprintf("%d.orbax-checkpoint-tmp", step))
+	if err := os.Mkdir(tmp, 0o755); err != nil {
+		return err
+	}
+	if err := makeTree(tmp, tr, order...); err != nil {
+		return err
+	}
+	return os.Rename(tmp, filepath.Join(dir, fmt.Sprint(step)))
+}
+
+// readTree reads the tree below root (followed when it is a symlink, as a restoring job reads
+// through the <step> symlink) relative to directory descriptors; nothing below root is
+// followed and FIFOs are not opened.
+func readTree(root string) (tree, error) {
+	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	tr := tree{}
+	return tr, readTreeAt(fd, "", tr)
+}
+
+func readTreeAt(fd int, rel string, tr tree) error {
+	d := os.NewFile(uintptr(fd), "dir")
+	defer d.Close()
+	ents, err := d.ReadDir(-1)
+	if err != nil {
+		return err
+	}
+	for _, de := range ents {
+		name := de.Name()
+		p := name
+		if rel != "" {
+			p = rel + "/" + name
+		}
+		var st unix.Stat_t
+		if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return err
+		}
+		switch st.Mode & unix.S_IFMT {
+		case unix.S_IFDIR:
+			tr[p] = dirEnt()
+			sub, err := unix.Openat(fd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			if err := readTreeAt(sub, p, tr); err != nil {
+				return err
+			}
+		case unix.S_IFREG:
+			ffd, err := unix.Openat(fd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			f := os.NewFile(uintptr(ffd), name)
+			data, err := io.ReadAll(f)
+			f.Close()
+			if err != nil {
+				return err
+			}
+			tr[p] = fileEnt(data)
+		case unix.S_IFLNK:
+			buf := make([]byte, unix.PathMax)
+			n, err := unix.Readlinkat(fd, name, buf)
+			if err != nil {
+				return err
+			}
+			tr[p] = linkEnt(string(buf[:n]))
+		case unix.S_IFIFO:
+			tr[p] = fifoEnt()
+		default:
+			tr[p] = entry{kind: '?'}
+		}
+	}
+	return nil
+}
+
+// sameTree compares the tree at root with want (and the directories it implies), entry by
+// entry and byte by byte.
+func sameTree(root string, want tree) error {
+	got, err := readTree(root)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", root, err)
+	}
+	want = want.withParents()
+	var problems []string
+	short := func(p string) string {
+		if len(p) > 80 {
+			return fmt.Sprintf("%s…%s (%d bytes)", p[:30], p[len(p)-40:], len(p))
+		}
+		return p
+	}
+	for _, p := range want.paths() {
+		g, ok := got[p]
+		switch w := want[p]; {
+		case !ok:
+			problems = append(problems, "missing "+short(p))
+		case g.kind != w.kind || g.target != w.target || !bytes.Equal(g.data, w.data):
+			problems = append(problems, fmt.Sprintf("%s is %v, want %v", short(p), g, w))
+		}
+	}
+	for _, p := range got.paths() {
+		if _, ok := want[p]; !ok {
+			problems = append(problems, "unexpected "+short(p))
+		}
+	}
+	if len(problems) > 0 {
+		return fmt.Errorf("%s differs from the saved tree: %s", root, strings.Join(problems, "; "))
+	}
+	return nil
+}
