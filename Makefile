@@ -4,7 +4,7 @@ BIN       := bin/mtcfs
 GOFLAGS   ?=
 TEST_TIMEOUT ?= 15m
 
-.PHONY: all build demo test vet bench fuzz proto clean check-mounts clean-test-mounts
+.PHONY: all build demo test vet bench fuzz proto clean check-mounts clean-test-mounts image
 
 all: build
 
@@ -19,14 +19,16 @@ vet:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { echo "gofmt needed:"; gofmt -l $$(git ls-files '*.go'); exit 1; }
 	$(GO) vet ./...
 
-# The whole suite under the race detector, then the concurrency tests again on one P, then a
-# check that no test left a mount behind. Tests unmount what they mount, also when they fail;
+# The whole suite under the race detector, then the concurrency tests again on one P, then the
+# deploy module's checks (manifests, image, pods in mount namespaces), then a check that no test
+# left a mount behind. Tests unmount what they mount, also when they fail;
 # a test binary killed by -timeout cannot, so its leftovers (mounts under a test's temporary
 # directory) are detached lazily before the check, and the check then reports them.
 test: vet
 	@status=0; \
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./... || status=$$?; \
 	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent|Stress|Early|SlowPeer|CoordinatorSync' ./... || status=$$?; fi; \
+	(cd deploy && $(GO) vet ./... && $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...) || status=$$?; \
 	$(MAKE) --no-print-directory clean-test-mounts; \
 	$(MAKE) --no-print-directory check-mounts || status=1; \
 	exit $$status
@@ -38,6 +40,18 @@ clean-test-mounts:
 
 check-mounts:
 	@if awk '($$3 == "fuse.mtcfs" || $$1 == "mtcfs-spool") && $$2 ~ "^$(or $(TMPDIR),/tmp)/(Test|mtcfs-)"' /proc/mounts | grep .; then echo "tests left mounts behind"; exit 1; fi
+
+# The agent's image, built offline: the static agent and the CA certificates on an empty root
+# (deploy/Containerfile.prebuilt), by buildah or podman. Not part of make test. With registry
+# access, deploy/Containerfile builds the same image in a golang stage (deploy/README.md).
+IMAGE ?= mtcfs:dev
+image:
+	@tool=$$(command -v buildah || command -v podman) || { \
+		echo "make image: neither buildah nor podman is installed; it needs one of them to build an image without pulling anything (apt-get install buildah)."; \
+		echo "With registry access: docker build -f deploy/Containerfile -t $(IMAGE) ."; exit 1; }; \
+	rm -rf deploy/.image && GO=$(GO) sh deploy/stage-image.sh deploy/.image && \
+	$$tool build -f deploy/Containerfile.prebuilt -t $(IMAGE) deploy/.image && \
+	echo "built $(IMAGE) with $$tool: $$($$tool images --format '{{.Size}}' $(IMAGE) | head -n1)"
 
 bench: build
 	$(GO) run ./bench/fsbench -mtcfs $(BIN) -out bench/RESULTS.md
