@@ -85,14 +85,26 @@ func (f Flags) has(name string) bool { _, ok := f[name]; return ok }
 // and flag values, as the flag package reads them: -x or --x, -x=v, -x v for a non-boolean. An
 // unknown flag is an error. (The agent itself checks the values: Check.)
 func (f Flags) Split(args []string) (pos []string, vals map[string]string, err error) {
+	idx, vals, err := f.split(args)
+	for _, i := range idx {
+		pos = append(pos, args[i])
+	}
+	return pos, vals, err
+}
+
+// split is Split with the positional arguments given by their index in args.
+func (f Flags) split(args []string) (pos []int, vals map[string]string, err error) {
 	vals = map[string]string{}
 	for i := 0; i < len(args); i++ {
 		a := args[i]
 		if a == "--" {
-			return append(pos, args[i+1:]...), vals, nil
+			for j := i + 1; j < len(args); j++ {
+				pos = append(pos, j)
+			}
+			return pos, vals, nil
 		}
 		if len(a) < 2 || a[0] != '-' {
-			pos = append(pos, a)
+			pos = append(pos, i)
 			continue
 		}
 		name, val, hasVal := strings.Cut(strings.TrimPrefix(strings.TrimPrefix(a, "-"), "-"), "=")
@@ -124,12 +136,12 @@ func Check(bin string, flags Flags, argv []string) error {
 	if len(argv) < 2 || filepath.Base(argv[0]) != "mtcfs" || argv[1] != "mount" {
 		return fmt.Errorf("%q: want a command line mtcfs mount DIR [flags]", argv)
 	}
-	pos, _, err := flags.Split(argv[2:])
+	pos, _, err := flags.split(argv[2:])
 	if err != nil {
 		return err
 	}
 	if len(pos) != 1 {
-		return fmt.Errorf("%q: want exactly one mount directory, got %q", argv, pos)
+		return fmt.Errorf("%q: want exactly one mount directory, got %d positional arguments", argv, len(pos))
 	}
 	tmp, err := os.MkdirTemp("", "mtcfs-flagcheck-")
 	if err != nil {
@@ -138,12 +150,7 @@ func Check(bin string, flags Flags, argv []string) error {
 	defer os.RemoveAll(tmp)
 	absent := filepath.Join(tmp, "absent")
 	args := append([]string(nil), argv[1:]...)
-	for i, a := range args {
-		if a == pos[0] && i > 0 {
-			args[i] = absent
-			break
-		}
-	}
+	args[1+pos[0]] = absent
 	cmd := exec.Command(bin, args...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out

@@ -119,6 +119,7 @@ var kinds = map[string]func() metav1.Object{
 	"v1/Namespace":                    func() metav1.Object { return &corev1.Namespace{} },
 	"v1/ServiceAccount":               func() metav1.Object { return &corev1.ServiceAccount{} },
 	"v1/ConfigMap":                    func() metav1.Object { return &corev1.ConfigMap{} },
+	"v1/ResourceQuota":                func() metav1.Object { return &corev1.ResourceQuota{} },
 	"v1/Service":                      func() metav1.Object { return &corev1.Service{} },
 	"v1/Pod":                          func() metav1.Object { return &corev1.Pod{} },
 	"apps/v1/DaemonSet":               func() metav1.Object { return &appsv1.DaemonSet{} },

@@ -96,8 +96,8 @@ func Check(docs []Doc, agent AgentFlags) []error {
 			fail("%s: volume %s (CHECKPOINT_DIR %s) has mountPropagation %s: a trainer needs HostToContainer to see the agent's mount, and a new one after the agent restarts", tr.where, m.Name, tr.dir, prop(m))
 		}
 		vol := volume(&tr.pod.Spec, m.Name)
-		served := false
-		for _, a := range agents {
+		var served *Agent
+		for i, a := range agents {
 			avol := volume(&a.Pod.Spec, a.DirMount.Name)
 			_, arel := mountOf(&a.Container.VolumeMounts, a.Dir)
 			same := false
@@ -108,15 +108,36 @@ func Check(docs []Doc, agent AgentFlags) []error {
 				same = path.Clean(vol.HostPath.Path) == path.Clean(avol.HostPath.Path)
 			}
 			if same && arel == rel {
-				served = true
+				served = &agents[i]
 			}
 		}
-		if !served {
+		switch {
+		case served == nil:
 			fail("%s: no agent mounts CHECKPOINT_DIR %s (volume %s): the agent's mount directory must be the same place of the same volume or hostPath", tr.where, tr.dir, m.Name)
+		case served.Pod != tr.pod && !waitsForReady(tr.pod, node, agentHTTPPort(*served)):
+			// A sidecar's startupProbe holds the trainer back; with the node agent, the pod must
+			// wait itself, or the job writes into the node's plain directory under the mount.
+			fail("%s: nothing holds the trainer back until the node agent answers %s: add an init container that waits for http://$(HOST_IP):%d%s", tr.where, readyz, agentHTTPPort(*served), readyz)
 		}
 	}
 	errs = append(errs, checkMonitoring(docs, agents)...)
 	return errs
+}
+
+// waitsForReady reports whether an init container of pod polls the agent's /readyz on port.
+func waitsForReady(pod *corev1.Pod, node Node, port int) bool {
+	for i := range pod.Spec.InitContainers {
+		c := &pod.Spec.InitContainers[i]
+		env, err := Env(pod, c, node)
+		if err != nil {
+			continue
+		}
+		argv, err := CommandLine(c, env)
+		if err == nil && !IsSidecar(&pod.Spec, c) && strings.Contains(strings.Join(argv, " "), fmt.Sprintf(":%d%s", port, readyz)) {
+			return true
+		}
+	}
+	return false
 }
 
 func prop(m *corev1.VolumeMount) corev1.MountPropagationMode {
