@@ -505,8 +505,13 @@ func (pd *pod) waitStarted(c *corev1.Container, p *proc) error {
 	if pr == nil {
 		pr = c.ReadinessProbe
 	}
-	period := time.Duration(max(pr.PeriodSeconds, 1)) * time.Second
-	threshold := max(pr.FailureThreshold, 3)
+	period, threshold := 10*time.Second, int32(3) // the API's defaults
+	if pr.PeriodSeconds > 0 {
+		period = time.Duration(pr.PeriodSeconds) * time.Second
+	}
+	if pr.FailureThreshold > 0 {
+		threshold = pr.FailureThreshold
+	}
 	var err error
 	for i := int32(0); i < threshold; i++ {
 		if p.exited() {
