@@ -138,12 +138,12 @@ type JobCoordinator struct {
 	restored  []bool            // GUARDED_BY(mu); by rank
 	nRestored int               // GUARDED_BY(mu)
 
-	synced   []int64              // GUARDED_BY(mu); by rank: the highest step reported, -1 for none
-	ahead    int                  // GUARDED_BY(mu); a rank with the highest synced step
-	rounds   map[int64]*syncRound // GUARDED_BY(mu); the pending steps and the latest finished ones
-	pinned  string      // GUARDED_BY(mu); restore.version in force until its one-shot deletion
-	backups backupState // GUARDED_BY(mu); see backups.go
-	floor   string      // GUARDED_BY(mu); the newest backup name known to exist or decided
+	synced  []int64              // GUARDED_BY(mu); by rank: the highest step reported, -1 for none
+	ahead   int                  // GUARDED_BY(mu); a rank with the highest synced step
+	rounds  map[int64]*syncRound // GUARDED_BY(mu); the pending steps and the latest finished ones
+	pinned  string               // GUARDED_BY(mu); restore.version in force until its one-shot deletion
+	backups backupState          // GUARDED_BY(mu); see backups.go
+	floor   string               // GUARDED_BY(mu); the newest backup name known to exist or decided
 	// replicated is the highest step every rank reported replicated, -1 for none.
 	replicated int64 // GUARDED_BY(mu)
 }

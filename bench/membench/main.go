@@ -41,14 +41,12 @@ func main() {
 }
 
 type sample struct {
-	files            int
-	rss, heap        [3]int64 // before, written, sealed
-	write, seal      time.Duration
-	rename           time.Duration // the commit rename itself (the commit is recorded before it returns)
-	perFileRSS       float64 // sealed − before, per file
-	perFileHeap      float64
-	writtenPerFile   float64
-	writtenHeapPerFl float64
+	files       int
+	rss, heap   [3]int64 // before, written, sealed
+	write, seal time.Duration
+	rename      time.Duration // the commit rename itself (the commit is recorded before it returns)
+	perFileRSS  float64       // sealed − before, per file
+	perFileHeap float64
 }
 
 func run(ctx context.Context, binPath, counts string, size int, out string) error {
