@@ -215,17 +215,18 @@ func TestGuaranteeReturnedCommitSurvivesKill9(t *testing.T) {
 	require.NoError(t, a.cmd.Process.Kill()) // the moment rename(20.orbax-checkpoint-tmp, 20) returned
 	a.wait(10 * time.Second)
 	recs := unsealedCommits(n.spool)
-	require.NotEmpty(t, recs, "the agent had sealed step 20 before it was killed: the test missed the window; make the step larger\n%s", a.log())
+	require.NotEmpty(t, recs, "no unsealed commit of step 20 in the spool after kill -9: either the commit was not recorded before the rename returned, "+
+		"or the agent had sealed it already (the test missed the window: make the step larger)\n%s", a.log())
 	t.Logf("killed the agent with %d unsealed commit(s)", len(recs))
 
 	b := n.start(t)
-	require.Contains(t, b.log(), "sealed a step committed before the restart")
 	o := orbaxClient(t, n.dir, job, 60)
 	step, found, err := o.Start(ctx)
 	require.NoError(t, err)
 	require.True(t, found && step == 20, "restored step %d (found %v) after kill -9 right after the commit, want 20\n%s", step, found, b.log())
 	require.NoError(t, sameTree(filepath.Join(n.dir, "20"), step20))
 	require.Empty(t, o.Errors(), "replicator.errors")
+	assert.Contains(t, b.log(), "sealed a step committed before the restart")
 
 	// framework pytorch: a .save file commits at its close.
 	const pt = "torch"
@@ -248,10 +249,10 @@ func TestGuaranteeReturnedCommitSurvivesKill9(t *testing.T) {
 	require.NoError(t, b.cmd.Process.Kill())
 	b.wait(10 * time.Second)
 	recs = unsealedCommits(n.spool)
-	require.NotEmpty(t, recs, "the agent had sealed the .save before it was killed: the test missed the window\n%s", b.log())
+	require.NotEmpty(t, recs, "no unsealed commit of the .save in the spool after kill -9: either the commit was not recorded before close returned, "+
+		"or the agent had sealed it already (the test missed the window: make the file larger)\n%s", b.log())
 
 	c := n.start(t)
-	require.Contains(t, c.log(), "sealed a step committed before the restart")
 	markers = pytorchStart(t, n.dir, pt)
 	marker := pt + "-s20-n0-w0.restore"
 	require.Contains(t, markers, marker, "restored %v after kill -9 right after the close, want step 20\n%s", markers, c.log())
@@ -259,6 +260,7 @@ func TestGuaranteeReturnedCommitSurvivesKill9(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, bytes.Equal(want, got), "the restored .save differs from what the job wrote (%d bytes, want %d)", len(got), len(want))
 	require.NoFileExists(t, filepath.Join(n.dir, "replicator.errors"))
+	assert.Contains(t, c.log(), "sealed a step committed before the restart")
 	stopAgent(t, c)
 }
 
@@ -464,7 +466,7 @@ func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 		defer cancel()
 		n := newRepNode(t)
-		n.args = []string{"--memory", "512MiB", "--drain-timeout", "100ms"}
+		n.args = []string{"--memory", "512MiB", "--drain-timeout", "1ms"} // not 0s: that means the default, 30s
 		a := n.start(t)
 		o := orbaxClient(t, n.dir, "cut", fastBackupMinutes)
 		o.Content = large
