@@ -21,6 +21,12 @@ func (e *eventFS) Rename(cancel <-chan struct{}, in *fuse.RenameIn, oldName, new
 	return st
 }
 
+// Release frees a file's bytes through the node's handle; what the handle parked (see
+// mtfs.afterRelease) runs once go-fuse has also unregistered the passthrough backing file.
+func (e *eventFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
+	e.m.release(cancel, func() { e.RawFileSystem.Release(cancel, in) })
+}
+
 // park stores ev for the request running on ctx; it is called by node methods.
 func (m *mtfs) park(ctx context.Context, ev func()) {
 	if m.events == nil {

@@ -24,6 +24,7 @@ type fileNode struct {
 	backing   string // spool file; "" once removed. GUARDED_BY(mu)
 	nlink     int    // names in the tree. GUARDED_BY(mu)
 	opens     int    // open handles. GUARDED_BY(mu)
+	releasing int    // handles whose RELEASE request is still running (space.go). GUARDED_BY(mu)
 	writers   int    // open handles that may write. GUARDED_BY(mu)
 	accounted int64  // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
 	// limit is the largest size a control file may reach (0: none); such files never use
@@ -83,7 +84,7 @@ func (f *fileNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.At
 }
 
 func (f *fileNode) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
-	if errno := f.setattr(fh, in); errno != 0 {
+	if errno := retryNoSpace(f.fs, func() syscall.Errno { return f.setattr(fh, in) }); errno != 0 {
 		return errno
 	}
 	return f.Getattr(ctx, fh, out)
@@ -148,6 +149,9 @@ func (f *fileNode) chargeTo(size int64, exact bool) error {
 }
 
 func (f *fileNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	if flags&syscall.O_ACCMODE != syscall.O_RDONLY {
+		f.fs.awaitReleases(nil) // space.go
+	}
 	return f.open(flags)
 }
 
@@ -201,7 +205,16 @@ func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileH
 // link to the spool file (no byte copied). A file still open for writing is copied instead
 // (create makes the new file), so that writes through those descriptors — which the kernel may
 // send straight to the spool file (passthrough) — cannot change the checkpoint; copied says so.
+//
+// A writer whose close(2) returned before the commit may still have its RELEASE under way (see
+// space.go): exportTo waits for it as awaitReleases does, so that a just-closed file is linked,
+// not copied.
 func (f *fileNode) exportTo(rel string, link func(src string) error, create func() (*os.File, error)) (copied bool, err error) {
+	f.fs.settle(func() bool {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		return f.writers == 0
+	})
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.backing == "" {
@@ -237,14 +250,21 @@ func (f *fileNode) addLink() bool {
 	return true
 }
 
-func (f *fileNode) dropLink() {
+// dropLink removes one name; it reports whether that was the last one while handles remain
+// (the file is doomed: its bytes go when the handles are released, see space.go).
+func (f *fileNode) dropLink() (doomed bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.nlink > 0 {
 		f.nlink--
 	}
 	f.ctime = time.Now()
+	doomed = f.nlink == 0 && (f.opens > 0 || f.releasing > 0)
+	if doomed {
+		f.fs.doom(f)
+	}
 	f.maybeFree()
+	return doomed
 }
 
 // maybeFree removes the spool file once no name and no open handle refers to it. Caller holds mu.
@@ -252,9 +272,20 @@ func (f *fileNode) maybeFree() {
 	if f.nlink > 0 || f.opens > 0 || f.backing == "" {
 		return
 	}
-	os.Remove(f.backing)
 	f.fs.spool.Reserve(-f.accounted)
+	os.Remove(f.backing)
 	f.accounted, f.backing = 0, ""
+}
+
+// released runs when the RELEASE request of one of f's handles is done (see space.go).
+func (f *fileNode) released() {
+	f.mu.Lock()
+	f.releasing--
+	gone := f.nlink == 0 && f.opens == 0 && f.releasing == 0
+	f.mu.Unlock()
+	if gone {
+		f.fs.undoom(f)
+	}
 }
 
 func (f *fileNode) CopyFileRange(ctx context.Context, fhIn gofs.FileHandle, offIn uint64, out *gofs.Inode, fhOut gofs.FileHandle, offOut uint64, length uint64, flags uint64) (uint32, syscall.Errno) {
@@ -263,13 +294,18 @@ func (f *fileNode) CopyFileRange(ctx context.Context, fhIn gofs.FileHandle, offI
 	if !ok1 || !ok2 || flags != 0 {
 		return 0, syscall.EINVAL
 	}
-	if errno := hout.charge(int64(offOut + length)); errno != 0 {
+	var n int
+	errno := retryNoSpace(f.fs, func() syscall.Errno {
+		if errno := hout.charge(int64(offOut + length)); errno != 0 {
+			return errno
+		}
+		oi, oo := int64(offIn), int64(offOut)
+		var err error
+		n, err = unix.CopyFileRange(hin.fd, &oi, hout.fd, &oo, int(length), 0)
+		return toErrno("copy_file_range", err)
+	})
+	if errno != 0 {
 		return 0, errno
-	}
-	oi, oo := int64(offIn), int64(offOut)
-	n, err := unix.CopyFileRange(hin.fd, &oi, hout.fd, &oo, int(length), 0)
-	if err != nil {
-		return 0, toErrno("copy_file_range", err)
 	}
 	return uint32(n), 0
 }
@@ -334,14 +370,36 @@ func (h *fileHandle) charge(end int64) syscall.Errno {
 }
 
 func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
-	if errno := h.charge(off + int64(len(data))); errno != 0 {
+	var n int
+	errno := retryNoSpace(h.node.fs, func() syscall.Errno {
+		if errno := h.charge(off + int64(len(data))); errno != 0 {
+			return errno
+		}
+		var err error
+		n, err = unix.Pwrite(h.fd, data, off)
+		if err != nil && n <= 0 {
+			return toErrno("write", err)
+		}
+		return 0
+	})
+	if errno != 0 {
 		return 0, errno
 	}
-	n, err := unix.Pwrite(h.fd, data, off)
-	if err != nil && n <= 0 {
-		return 0, toErrno("write", err)
-	}
 	return uint32(n), 0
+}
+
+// retryNoSpace runs op once more if it failed with ENOSPC and a deleted file's bytes were freed
+// since it started, waiting for the releases that are pending (space.go).
+func retryNoSpace(m *mtfs, op func() syscall.Errno) syscall.Errno {
+	gen := m.freedGen.Load()
+	errno := op()
+	if errno == syscall.ENOSPC {
+		m.awaitReleases(nil)
+		if m.freedGen.Load() != gen {
+			errno = op()
+		}
+	}
+	return errno
 }
 
 func (h *fileHandle) Fsync(ctx context.Context, flags uint32) syscall.Errno {
@@ -376,11 +434,13 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	f := h.node
 	f.mu.Lock()
 	f.opens--
+	f.releasing++
 	if h.writable && !h.flushed {
 		f.writers--
 	}
 	f.maybeFree()
 	f.mu.Unlock()
+	f.fs.afterRelease(ctx, f.released)
 	if h.writable && f.fs.events != nil {
 		f.fs.events.Closed(f.Path(nil))
 	}
@@ -391,12 +451,14 @@ func (h *fileHandle) Allocate(ctx context.Context, off uint64, size uint64, mode
 	if h.node.isFrozen() {
 		return syscall.EROFS
 	}
-	if mode&unix.FALLOC_FL_KEEP_SIZE == 0 {
-		if errno := h.charge(int64(off + size)); errno != 0 {
-			return errno
+	return retryNoSpace(h.node.fs, func() syscall.Errno {
+		if mode&unix.FALLOC_FL_KEEP_SIZE == 0 {
+			if errno := h.charge(int64(off + size)); errno != 0 {
+				return errno
+			}
 		}
-	}
-	return toErrno("fallocate", unix.Fallocate(h.fd, mode, int64(off), int64(size)))
+		return toErrno("fallocate", unix.Fallocate(h.fd, mode, int64(off), int64(size)))
+	})
 }
 
 func (h *fileHandle) Lseek(ctx context.Context, off uint64, whence uint32) (uint64, syscall.Errno) {

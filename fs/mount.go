@@ -224,7 +224,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 		opts.CacheTimeout = 5 * time.Second
 	}
 	root := os.Geteuid() == 0
-	m := &mtfs{spool: opts.Spool, events: opts.Events}
+	m := &mtfs{spool: opts.Spool, events: opts.Events, doomed: map[*fileNode]bool{}, relCh: make(chan struct{})}
 	m.nextIno.Store(1)
 	rootNode := &dirNode{fs: m}
 	rootNode.init(context.Background(), 0o755)

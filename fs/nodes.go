@@ -26,6 +26,17 @@ type mtfs struct {
 	// sealedTop holds the top-level names of committed checkpoints (the trees Seal and Import
 	// made): the job can neither remove, rename nor replace them.
 	sealedTop sync.Map // name -> struct{}
+
+	// Files whose last name is gone while handles remain, and the RELEASE requests running;
+	// see space.go.
+	relMu     sync.Mutex
+	doomed    map[*fileNode]bool // -> found really open; GUARDED_BY(relMu)
+	ndoomed   atomic.Int32       // len(doomed), read without relMu
+	relCh     chan struct{}      // closed when a doomed file was freed; GUARDED_BY(relMu)
+	releasing atomic.Int32       // RELEASE requests running
+	freedGen  atomic.Uint64      // counts doomed files freed
+	// parkedRelease maps a RELEASE's cancel channel to a func to run once it is done.
+	parkedRelease sync.Map
 }
 
 func (m *mtfs) isSealedTop(name string) bool {
@@ -354,6 +365,7 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 	if errno := d.checkNew(name); errno != 0 {
 		return nil, nil, 0, errno
 	}
+	d.fs.awaitReleases(nil) // space.go
 	fn, fd, err := d.newFile(ctx, name, mode)
 	if err != nil {
 		return nil, nil, 0, toErrno("create", err)
@@ -448,8 +460,11 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 	if errno := d.checkRemove(name); errno != 0 {
 		return errno
 	}
-	dropped(ch)
+	doomed := dropped(ch)
 	d.touch(true)
+	if doomed != nil {
+		d.fs.awaitReleases(doomed) // space.go
+	}
 	return 0
 }
 
@@ -493,7 +508,9 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 			return errno
 		}
 	}
-	d.applyRename(ctx, name, np, newName, src, dst, flags, true)
+	if doomed := d.applyRename(ctx, name, np, newName, src, dst, flags, true); doomed != nil {
+		d.fs.awaitReleases(doomed) // space.go
+	}
 	return 0
 }
 
@@ -528,10 +545,11 @@ func (d *dirNode) checkRename(name string, np *dirNode, newName string, flags ui
 
 // applyRename does the bookkeeping of a checked rename; go-fuse moves the entries after a
 // successful Rename returns (or the agent does, see namespace.Rename). event reports it to the
-// listener once it is done.
-func (d *dirNode) applyRename(ctx context.Context, name string, np *dirNode, newName string, src, dst *gofs.Inode, flags uint32, event bool) {
+// listener once it is done. It returns the replaced file if that was its last name while it
+// still has handles (see space.go).
+func (d *dirNode) applyRename(ctx context.Context, name string, np *dirNode, newName string, src, dst *gofs.Inode, flags uint32, event bool) (doomed *fileNode) {
 	if dst != nil && flags&unix.RENAME_EXCHANGE == 0 {
-		dropped(dst) // go-fuse replaces the entry after we return
+		doomed = dropped(dst) // go-fuse replaces the entry after we return
 	}
 	d.countRename(np, src, dst, flags&unix.RENAME_EXCHANGE != 0)
 	if event && d.fs.events != nil {
@@ -545,6 +563,7 @@ func (d *dirNode) applyRename(ctx context.Context, name string, np *dirNode, new
 	if m, ok := src.Operations().(interface{ touch(bool) }); ok {
 		m.touch(false)
 	}
+	return doomed
 }
 
 // countRename keeps the subdirectory counts of both parents right across a rename.
@@ -585,11 +604,14 @@ func (d *dirNode) newFile(ctx context.Context, name string, mode uint32) (*fileN
 	return fn, fd, err
 }
 
-// dropped tells a node that one of its names is going away.
-func dropped(ch *gofs.Inode) {
+// dropped tells a node that one of its names is going away. It returns the file if that was
+// its last name while it still has handles (see space.go), nil otherwise.
+func dropped(ch *gofs.Inode) (doomed *fileNode) {
 	switch n := ch.Operations().(type) {
 	case *fileNode:
-		n.dropLink()
+		if n.dropLink() {
+			return n
+		}
 	case *dirNode:
 		n.mu.Lock()
 		n.removed = true
@@ -599,6 +621,7 @@ func dropped(ch *gofs.Inode) {
 	case *specialNode:
 		n.dropLink()
 	}
+	return nil
 }
 
 // ---------------------------------------------------------------------------------------------
