@@ -143,3 +143,27 @@ func TestBackupCutShortIsRetriedByTheNextAgent(t *testing.T) {
 		t.Errorf("replicator.errors = %q", errs)
 	}
 }
+
+// A negative drain time (--drain-timeout 0s) cuts a running backup short at once.
+func TestCloseWithoutDrain(t *testing.T) {
+	t.Parallel()
+	store := newFakeStore(t)
+	h := newHarness(t, harnessConfig{store: store, drain: -1})
+	started := make(chan struct{})
+	store.setBeforeUpload(func(ctx context.Context, u tiers.Upload) error {
+		close(started)
+		<-ctx.Done()
+		return ctx.Err()
+	})
+	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	<-started
+	begin := time.Now()
+	h.close()
+	if took := time.Since(begin); took > 5*time.Second {
+		t.Fatalf("Close took %v with no drain time", took)
+	}
+	if _, ok := completeStep(t, store, "job", 1); ok {
+		t.Fatal("the backup cut short looks complete")
+	}
+}

@@ -28,7 +28,8 @@ type ReplicatorConfig struct {
 	// JaxInit, when set, is written to jax-init-info.txt at start so that an unmodified
 	// Orbax/MaxText job learns its process id and coordinator (SPEC §1).
 	JaxInit *JaxInit
-	// DrainTimeout is how long Close lets a running backup finish; 0 means DefaultDrainTimeout.
+	// DrainTimeout is how long Close lets a running backup finish; 0 means DefaultDrainTimeout,
+	// a negative value none (the backup is cut short at once).
 	DrainTimeout time.Duration
 	// Registerer, when set, gets the replicator's Prometheus metrics (see Metrics).
 	Registerer prometheus.Registerer
@@ -196,9 +197,10 @@ func (r *Replicator) Close() {
 	r.mu.Unlock()
 	if running != nil {
 		drain := r.cfg.DrainTimeout
-		if drain <= 0 {
+		if drain == 0 {
 			drain = DefaultDrainTimeout
 		}
+		drain = max(drain, 0)
 		r.log.Info("stopping: letting the running backup finish", "backup", running.Backup, "step", running.Step, "drain_timeout", drain.String())
 		if !r.drainBackups(drain) {
 			r.log.Warn("the running backup did not finish within the drain time: cut short, it stays incomplete and the next agent retries it",

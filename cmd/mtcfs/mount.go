@@ -87,6 +87,9 @@ func cmdMount(args []string) int {
 	if *drain < 0 {
 		return flagError(fset, fmt.Errorf("--drain-timeout %v: want a duration ≥ 0, such as 30s", *drain))
 	}
+	if *drain == 0 {
+		*drain = -1 // tiers reads 0 as "the default": 0s means no drain at all
+	}
 	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile, drain: *drain}
 	switch {
 	case (*rank >= 0) != (*jaxCoord != ""):
