@@ -4,12 +4,17 @@ BIN       := bin/mtcfs
 GOFLAGS   ?=
 TEST_TIMEOUT ?= 15m
 
-.PHONY: all build demo test vet bench fuzz proto clean check-mounts clean-test-mounts image
+.PHONY: all build install demo test vet bench fuzz proto clean check-mounts clean-test-mounts image
 
 all: build
 
 build:
 	$(GO) build -o $(BIN) ./cmd/mtcfs
+
+# Puts mtcfs on PATH: /usr/local/bin as root; PREFIX=$$HOME/.local for a user (~/.local/bin).
+PREFIX ?= /usr/local
+install: build
+	install -D -m 0755 $(BIN) $(PREFIX)/bin/mtcfs
 
 demo: build
 	@[ "$$(id -u)" = 0 ] || { echo "make demo mounts FUSE and a tmpfs: run it as root"; exit 1; }

@@ -53,6 +53,16 @@ type Options struct {
 	// Events receives the job's changes (commits, closes); nil for a plain filesystem.
 	Events tiers.Events
 	Debug  bool
+	// Owner sets the owner, group and permission bits of the mount's root; each nil field
+	// takes the mount point directory's own (SPEC §10), so a job running as the directory's
+	// owner can write into a mount a root agent serves.
+	Owner RootOwner
+}
+
+// RootOwner overrides the mount root's attributes (nil: the mount point's).
+type RootOwner struct {
+	UID, GID *uint32
+	Mode     *uint32 // permission bits, e.g. 0o755
 }
 
 // Server is a mounted mtcfs filesystem.
@@ -117,7 +127,14 @@ func CheckMountable(dir string) error {
 		return fmt.Errorf("mount point %s is not a directory", dir)
 	}
 	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
-	if err != nil {
+	switch {
+	case errors.Is(err, os.ErrPermission):
+		mode := ""
+		if fi, err := os.Stat("/dev/fuse"); err == nil {
+			mode = fmt.Sprintf(" (mode %04o)", fi.Mode().Perm())
+		}
+		return fmt.Errorf("cannot open /dev/fuse%s: your user may not use FUSE here; run as root, or have an administrator allow it (chmod 0666 /dev/fuse, the default on most distributions, or a udev rule)", mode)
+	case err != nil:
 		return fmt.Errorf("cannot open /dev/fuse (%w): load the fuse kernel module (modprobe fuse), or in a container pass the device (/dev/fuse) and run privileged", err)
 	}
 	f.Close()
@@ -228,6 +245,9 @@ func Mount(dir string, opts Options) (*Server, error) {
 	m.nextIno.Store(1)
 	rootNode := &dirNode{fs: m}
 	rootNode.init(context.Background(), 0o755)
+	if err := rootNode.takeOwner(abs, opts.Owner); err != nil {
+		return nil, err
+	}
 
 	timeout := opts.CacheTimeout
 	fsOpts := &gofs.Options{
@@ -273,6 +293,26 @@ func Mount(dir string, opts Options) (*Server, error) {
 	slog.Info("mounted", "dir", abs, "passthrough", s.passthrough, "spool", opts.Spool.Dir(),
 		"budget", tiers.FormatSize(opts.Spool.Budget()), "budget_enforced_by", map[bool]string{true: "tmpfs", false: "agent"}[opts.Spool.KernelEnforced()])
 	return s, nil
+}
+
+// takeOwner gives the root the owner, group and permission bits of the mount point dir, or those
+// o sets.
+func (d *dirNode) takeOwner(dir string, o RootOwner) error {
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return fmt.Errorf("mount point %s: %w", dir, err)
+	}
+	d.uid, d.gid, d.mode = st.Uid, st.Gid, st.Mode&07777
+	if o.UID != nil {
+		d.uid = *o.UID
+	}
+	if o.GID != nil {
+		d.gid = *o.GID
+	}
+	if o.Mode != nil {
+		d.mode = *o.Mode & 07777
+	}
+	return nil
 }
 
 // probePassthrough asks the kernel to register a spool file as a passthrough backing file, the

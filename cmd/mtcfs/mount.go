@@ -26,7 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--go-memory-limit auto|off|SIZE]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--go-memory-limit auto|off|SIZE] [--uid N --gid N --mode OCTAL]"
 
 type mountConfig struct {
 	dir         string
@@ -45,6 +45,35 @@ type mountConfig struct {
 	secretFile  string
 	peerTLS     *replication.TLSConfigs
 	drain       time.Duration
+	owner       mfs.RootOwner
+}
+
+// parseOwner turns --uid, --gid and --mode (-1 and "": not given) into the mount root's owner.
+func parseOwner(uid, gid int, mode string) (mfs.RootOwner, error) {
+	var o mfs.RootOwner
+	for _, f := range []struct {
+		name string
+		v    int
+		dst  **uint32
+	}{{"--uid", uid, &o.UID}, {"--gid", gid, &o.GID}} {
+		switch {
+		case f.v == -1:
+		case f.v < 0 || f.v > 1<<32-2:
+			return o, fmt.Errorf("%s %d: want a numeric id from 0 to 4294967294", f.name, f.v)
+		default:
+			v := uint32(f.v)
+			*f.dst = &v
+		}
+	}
+	if mode != "" {
+		m, err := strconv.ParseUint(mode, 8, 32)
+		if err != nil || m > 0o7777 {
+			return o, fmt.Errorf("--mode %q: want octal permission bits such as 0755 or 0770", mode)
+		}
+		v := uint32(m)
+		o.Mode = &v
+	}
+	return o, nil
 }
 
 // syncLagTimeoutEnv overrides the coordinator's sync lag timeout (replication.DefaultLagTimeout),
@@ -70,6 +99,9 @@ func cmdMount(args []string) int {
 	logFormat := fset.String("log-format", "text", "log format: json (keys severity, message) or text")
 	debugFuse := fset.Bool("debug-fuse", false, "log every FUSE request (very verbose)")
 	xattrs := fset.Bool("xattrs", false, "support extended attributes (costs a round trip to the agent per write)")
+	uid := fset.Int("uid", -1, "owner of the mount root (default: the mount point directory's owner)")
+	gid := fset.Int("gid", -1, "group of the mount root (default: the mount point directory's group)")
+	mode := fset.String("mode", "", "permission bits of the mount root in octal, e.g. 0770 (default: the mount point directory's)")
 	goMem := fset.String("go-memory-limit", "auto", "the Go runtime's soft memory limit: auto (90% of what a memory cgroup limit leaves beside --memory; none without one), off, or a size; GOMEMLIMIT wins")
 	drain := fset.Duration("drain-timeout", tiers.DefaultDrainTimeout, "on SIGTERM/SIGINT, how long a running backup may finish before it is cut short (left incomplete, retried by the next agent)")
 	pos, err := parseFlags(fset, args)
@@ -91,6 +123,9 @@ func cmdMount(args []string) int {
 		*drain = -1 // tiers reads 0 as "the default": 0s means no drain at all
 	}
 	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile, drain: *drain}
+	if cfg.owner, err = parseOwner(*uid, *gid, *mode); err != nil {
+		return flagError(fset, err)
+	}
 	switch {
 	case (*rank >= 0) != (*jaxCoord != ""):
 		return flagError(fset, errors.New("--rank and --jax-coordinator go together"))
@@ -253,7 +288,7 @@ func runMount(cfg mountConfig) error {
 		info.HTTP = addr
 	}
 
-	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Events: rep, Debug: cfg.debugFuse, Xattrs: cfg.xattrs})
+	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Events: rep, Debug: cfg.debugFuse, Xattrs: cfg.xattrs, Owner: cfg.owner})
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,190 @@
+package main
+
+// Ownership and non-root use (SPEC §10): a job running as another uid writes into a mount a root
+// agent serves, and an ordinary user mounts for development through fusermount3.
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// asUser runs a shell script in dir as uid:gid (no supplementary groups) and returns its output.
+func asUser(t *testing.T, uid, gid int, dir, script string) (string, error) {
+	t.Helper()
+	cmd := exec.Command("setpriv", fmt.Sprintf("--reuid=%d", uid), fmt.Sprintf("--regid=%d", gid), "--clear-groups", "sh", "-ec", script)
+	cmd.Dir = dir
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// orbaxSaveScript is the file-system side of an Orbax job's start-up and one save of step 1, in
+// shell, so that it can run as another user.
+const orbaxSaveScript = `
+printf 'job-name: uidjob\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60' > replicator.yaml.tmp
+mv replicator.yaml.tmp replicator.yaml
+i=0; while [ -e replicator.yaml ]; do i=$((i+1)); [ $i -lt 500 ] || { echo "yaml not consumed"; exit 1; }; sleep 0.02; done
+i=0; while [ ! -e uidjob-s0-n0-w0.restore ]; do i=$((i+1)); [ $i -lt 500 ] || { echo "no marker"; exit 1; }; sleep 0.02; done
+rm -f uidjob-s0-n0-w0.restore replicator.errors
+mkdir -p 1.orbax-checkpoint-tmp/state
+echo '{"step": 1}' > 1.orbax-checkpoint-tmp/_CHECKPOINT_METADATA
+head -c 65536 /dev/zero | tr '\0' 'w' > 1.orbax-checkpoint-tmp/state/array
+mv 1.orbax-checkpoint-tmp 1
+i=0; while [ ! -e uidjob-s1-n0-w0.meta ]; do i=$((i+1)); [ $i -lt 500 ] || { echo "not sealed"; exit 1; }; sleep 0.02; done
+echo saved
+`
+
+// TestJobRunningAsAnotherUser: a root agent serving a directory that belongs to uid 1000 gives
+// the mount root to uid 1000, whose job saves through the replicator protocol and restores; with
+// --uid naming someone else, the same job is refused (EACCES), as on that directory.
+func TestJobRunningAsAnotherUser(t *testing.T) {
+	needRoot(t)
+	if _, err := exec.LookPath("setpriv"); err != nil {
+		t.Fatalf("setpriv (util-linux) is needed: %v", err)
+	}
+	n := newRepNode(t)
+	for p := filepath.Dir(n.dir); p != os.TempDir(); p = filepath.Dir(p) { // t.TempDir makes them 0700
+		require.NoError(t, os.Chmod(p, 0o755))
+	}
+	require.NoError(t, os.Chown(n.dir, 1000, 1000))
+	a := n.start(t)
+	var st syscall.Stat_t
+	require.NoError(t, syscall.Stat(n.dir, &st))
+	require.Equal(t, uint32(1000), st.Uid, "the root belongs to the mount point's owner")
+	require.Equal(t, uint32(0o755), st.Mode&0o7777)
+
+	out, err := asUser(t, 1000, 1000, n.dir, orbaxSaveScript)
+	require.NoError(t, err, "the job as uid 1000: %s\n%s", out, a.log())
+	require.Contains(t, out, "saved")
+	// The job restarts: the restore marker and the sealed data are readable by it.
+	out, err = asUser(t, 1000, 1000, n.dir, `
+printf 'job-name: uidjob\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60' > replicator.yaml
+i=0; while [ ! -e uidjob-s1-n0-w0.restore ]; do i=$((i+1)); [ $i -lt 500 ] || { echo "no marker"; exit 1; }; sleep 0.02; done
+mv uidjob-s1-n0-w0.restore 1
+cat 1/_CHECKPOINT_METADATA
+wc -c < 1/state/array`)
+	require.NoError(t, err, "%s\n%s", out, a.log())
+	assert.Contains(t, out, `{"step": 1}`)
+	assert.Contains(t, out, "65536")
+	stopAgent(t, a)
+	n.dropSpool(t)
+
+	// --uid names another owner: uid 1000 may not create anything at the top.
+	a = n.start(t, "--uid", "2000", "--mode", "0755")
+	out, err = asUser(t, 1000, 1000, n.dir, "echo x > file")
+	require.Error(t, err, "uid 1000 wrote into a root owned by uid 2000: %s", out)
+	assert.Contains(t, out, "Permission denied")
+	require.NoError(t, syscall.Stat(n.dir, &st))
+	require.Equal(t, uint32(2000), st.Uid)
+	stopAgent(t, a)
+}
+
+// TestNonRootDevelopment: an ordinary user mounts with `mtcfs mount DIR` through fusermount3: the
+// root is theirs, the default spool is per user, `mtcfs status` finds the agent, SIGTERM
+// unmounts; with /dev/fuse closed to them the error says so and how to fix it.
+func TestNonRootDevelopment(t *testing.T) {
+	needRoot(t) // to hand /dev/fuse to the user for the test and take it back
+	if _, err := exec.LookPath("fusermount3"); err != nil {
+		t.Fatalf("fusermount3 is needed (apt-get install fuse3): %v", err)
+	}
+	const uid, gid = 65534, 65534
+	base := t.TempDir()
+	for _, p := range []string{filepath.Dir(base), base} { // t.TempDir makes both 0700
+		require.NoError(t, os.Chmod(p, 0o755))
+	}
+	bin := filepath.Join(base, "mtcfs")
+	data, err := os.ReadFile(binPath)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(bin, data, 0o755))
+	home := filepath.Join(base, "home")
+	dir := filepath.Join(home, "ckpt")
+	require.NoError(t, os.MkdirAll(dir, 0o755))
+	for _, p := range []string{home, dir} {
+		require.NoError(t, os.Chown(p, uid, gid))
+	}
+	t.Cleanup(func() {
+		exec.Command("fusermount3", "-u", "-z", dir).Run()
+		os.RemoveAll(fmt.Sprintf("/dev/shm/mtcfs-%d", uid))
+		os.RemoveAll(fmt.Sprintf("/tmp/mtcfs-%d", uid))
+	})
+	env := []string{"HOME=" + home, "PATH=/usr/bin:/bin:/usr/sbin:/sbin"}
+	run := func(args ...string) *exec.Cmd {
+		cmd := exec.Command(bin, args...)
+		cmd.Env = env
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: gid}}
+		return cmd
+	}
+
+	fi, err := os.Stat("/dev/fuse")
+	require.NoError(t, err)
+	oldMode := fi.Mode().Perm()
+	t.Cleanup(func() { os.Chmod("/dev/fuse", oldMode) })
+
+	// /dev/fuse closed to the user: a clear message.
+	require.NoError(t, os.Chmod("/dev/fuse", 0o600))
+	out, err := run("mount", dir, "--memory", "64MiB").CombinedOutput()
+	require.Error(t, err)
+	assert.Contains(t, string(out), "cannot open /dev/fuse (mode 0600): your user may not use FUSE here")
+
+	// /dev/fuse open to everyone, as on most distributions.
+	require.NoError(t, os.Chmod("/dev/fuse", 0o666))
+	cmd := run("mount", dir, "--memory", "64MiB")
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	done := make(chan error, 1)
+	serving := make(chan string, 1)
+	var log strings.Builder
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			log.WriteString(sc.Text() + "\n")
+			if strings.Contains(sc.Text(), "serving") {
+				select {
+				case serving <- sc.Text():
+				default:
+				}
+			}
+		}
+		io.Copy(io.Discard, stderr)
+	}()
+	go func() { done <- cmd.Wait() }()
+	t.Cleanup(func() { cmd.Process.Kill() })
+	select {
+	case <-serving:
+	case err := <-done:
+		t.Fatalf("the agent exited: %v\n%s", err, log.String())
+	case <-time.After(20 * time.Second):
+		t.Fatalf("the agent did not serve within 20s\n%s", log.String())
+	}
+	require.True(t, isMounted(dir))
+	// A user's FUSE mount is the user's alone (no allow_other): even root may not look in.
+	out2, err := asUser(t, uid, gid, home, "stat -c 'owner %u' ckpt && cd ckpt && mkdir -p a/b && echo hello > a/b/f && cat a/b/f")
+	require.NoError(t, err, out2)
+	assert.Contains(t, out2, fmt.Sprintf("owner %d", uid), "the root is the user's")
+	assert.Contains(t, out2, "hello")
+	spools, _ := filepath.Glob(fmt.Sprintf("/dev/shm/mtcfs-%d/*", uid))
+	assert.NotEmpty(t, spools, "the default spool is per user, under /dev/shm/mtcfs-%d", uid)
+	statusOut, err := run("status").CombinedOutput()
+	require.NoError(t, err, "mtcfs status as the user: %s", statusOut)
+	assert.Contains(t, string(statusOut), "mount "+dir)
+
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case err := <-done:
+		require.NoError(t, err, log.String())
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the agent did not stop\n%s", log.String())
+	}
+	assert.False(t, isMounted(dir), "unmounted through fusermount3")
+}
