@@ -88,6 +88,9 @@ const (
 	OpSave    OpType = iota // every rank saves the next step
 	OpRestart               // the job restarts on every rank (a new replicator.yaml), no kill
 	OpKill                  // a kill of Kill.Kind, with the save (or restart) that leads to it, then recovery
+	// OpBackup waits until the newest step saved everywhere is in a complete backup (SPEC §10:
+	// at most backup-interval after its commit, but at most one backup a UTC minute per job).
+	OpBackup
 )
 
 // KillSpec says whom to kill and when; which concrete moment is reached depends on the agents.
@@ -117,6 +120,8 @@ func (o Op) String() string {
 		return "save " + o.Shape.String()
 	case OpRestart:
 		return "restart job"
+	case OpBackup:
+		return "wait for a complete backup of the newest step"
 	}
 	k := o.Kill
 	s := fmt.Sprintf("kill %s rank %d", k.Kind, k.Victim)
@@ -322,8 +327,12 @@ func (p *Planner) draw(e int) Episode {
 			kinds[0] = MidBackup
 		}
 	}
-	if kinds[0] != MidBackup {
-		ep.Ops = append(ep.Ops, Op{Type: OpSave, Shape: drawShape(rng, sc, Small)})
+	// A job's first backup is due seconds after its first step. An episode that does not kill it
+	// (mid-backup) waits for it, and its next kill replaces the victim's node, so that the
+	// restore needs a peer's replica or the backup.
+	withBackup := kinds[0] != MidBackup
+	if withBackup {
+		ep.Ops = append(ep.Ops, Op{Type: OpSave, Shape: drawShape(rng, sc, Small)}, Op{Type: OpBackup})
 	}
 	for i, k := range kinds {
 		if i > 0 {
@@ -334,7 +343,11 @@ func (p *Planner) draw(e int) Episode {
 				ep.Ops = append(ep.Ops, Op{Type: OpRestart})
 			}
 		}
-		ep.Ops = append(ep.Ops, Op{Type: OpKill, Shape: drawShape(rng, sc, killShape(k, rng)), Kill: drawKill(rng, sc, k, nodes)})
+		op := Op{Type: OpKill, Shape: drawShape(rng, sc, killShape(k, rng)), Kill: drawKill(rng, sc, k, nodes)}
+		if i == 0 && withBackup {
+			op.Kill.Drop = true
+		}
+		ep.Ops = append(ep.Ops, op)
 	}
 	// The episode ends with a save the next agent must keep.
 	ep.Ops = append(ep.Ops, Op{Type: OpSave, Shape: drawShape(rng, sc, Small)})
