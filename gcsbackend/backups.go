@@ -2,6 +2,7 @@ package gcsbackend
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -117,6 +118,41 @@ func validateHash(hash string) error {
 		return fmt.Errorf("data hash %q: want 64 lowercase hex digits, prefixed with D for a directory", hash)
 	}
 	return nil
+}
+
+// shapeName is mtcfs's record of the job's shape in a backup, beside the reference layout:
+// {"format":"mtcfs-backup-v1","nodes":N,"workers":W}. Every node writes the same bytes,
+// create-if-absent. Verify uses it when the caller does not know the shape, instead of inferring
+// it from the .meta names present (which cannot see a whole missing rank).
+const shapeName = "mtcfs-backup.json"
+
+type backupShape struct {
+	Format  string `json:"format"`
+	Nodes   int    `json:"nodes"`
+	Workers int    `json:"workers"`
+}
+
+const shapeFormat = "mtcfs-backup-v1"
+
+func (b *Backups) putShape(ctx context.Context, dir string, nodes, workers int) error {
+	data, _ := json.Marshal(backupShape{Format: shapeFormat, Nodes: nodes, Workers: workers})
+	if err := PutBytes(ctx, b.Store, dir+shapeName, data, true); err != nil {
+		return fmt.Errorf("record the job's shape (%d nodes × %d workers): %w", nodes, workers, err)
+	}
+	return nil
+}
+
+// readShape returns the shape recorded in the backup at dir (ok false: none, or unreadable).
+func (b *Backups) readShape(ctx context.Context, dir string) (backupShape, bool) {
+	data, err := ReadSmall(ctx, b.Store, dir+shapeName, 4096)
+	if err != nil {
+		return backupShape{}, false
+	}
+	var s backupShape
+	if json.Unmarshal(data, &s) != nil || s.Format != shapeFormat || s.Nodes <= 0 || s.Workers <= 0 {
+		return backupShape{}, false
+	}
+	return s, true
 }
 
 // backupDir is the object-name prefix of one backup.
@@ -262,6 +298,16 @@ func (b *Backups) Verify(ctx context.Context, job, backup string, opts VerifyOpt
 	}
 
 	rep := BackupReport{Name: backup, Nodes: opts.Nodes, Workers: opts.Workers}
+	if _, listed := index[shapeName]; listed && (rep.Nodes <= 0 || rep.Workers <= 0) {
+		if s, ok := b.readShape(ctx, dir); ok {
+			if rep.Nodes <= 0 {
+				rep.Nodes = s.Nodes
+			}
+			if rep.Workers <= 0 {
+				rep.Workers = s.Workers
+			}
+		}
+	}
 	if rep.Nodes <= 0 {
 		rep.Nodes, rep.Inferred = maxRank+1, true
 	}

@@ -706,3 +706,30 @@ func TestForEach(t *testing.T) {
 	cancel()
 	assert.ErrorIs(t, forEach(cctx, 2, 10, func(context.Context, int) error { return nil }), context.Canceled)
 }
+
+// An upload that knows the job's shape records it in the backup, so that a backup missing the
+// whole highest rank is incomplete also to a reader that does not know the shape (mtcfs backups
+// list|verify, restore-version set).
+func TestRecordedShapeFindsAMissingHighestRank(t *testing.T) {
+	b := newTestBackups(t)
+	const backup = "2025-06-30_14-30"
+	src := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(src, "w"), []byte("weights"), 0o644))
+	for r := range 2 { // rank 2 of 3 never uploads
+		require.NoError(t, b.Upload(context.Background(), UploadRequest{
+			Job: testJob, Backup: backup, Step: 7, Slot: Slot{r, 0}, Hash: fakeHash(true, fmt.Sprint(r)), Source: src,
+			Nodes: 3, Workers: 1,
+		}))
+	}
+	r := verify(t, b, backup, VerifyOptions{})
+	assert.Equal(t, 3, r.Nodes, "the recorded shape, not the inferred one")
+	assert.False(t, r.Inferred)
+	require.Len(t, r.Steps, 1)
+	assert.Equal(t, []string{"n2-w0: .meta missing"}, r.Steps[0].Problems)
+	assert.False(t, r.Complete())
+	// Another shape in the same backup is refused (the ranks disagree on the job).
+	err := b.Upload(context.Background(), UploadRequest{Job: testJob, Backup: backup, Step: 7, Slot: Slot{2, 0},
+		Hash: fakeHash(true, "2"), Source: src, Nodes: 4, Workers: 1})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "shape")
+}

@@ -33,6 +33,10 @@ type UploadRequest struct {
 	// Progress, if set, is called with uploaded data bytes and their total,
 	// first with done = 0. Calls are serialised and done never decreases.
 	Progress func(done, total int64)
+	// Nodes and Workers, when set, are the job's node count and workers per node: Upload
+	// records them in the backup (see shapeName), so that a backup missing a whole rank's
+	// .meta is known incomplete without the caller knowing the shape.
+	Nodes, Workers int
 }
 
 // Upload adds one slot's step to a backup: every data file in parallel
@@ -67,6 +71,11 @@ func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 	}
 	dir := backupDir(req.Job, req.Backup)
 	meta := dir + metaName(req.Job, req.Step, req.Slot)
+	if req.Nodes > 0 && req.Workers > 0 {
+		if err := b.putShape(ctx, dir, req.Nodes, req.Workers); err != nil {
+			return fmt.Errorf("upload %s: %w", meta, err)
+		}
+	}
 	if req.Source == "" {
 		if _, err := b.Store.Stat(ctx, dir+manifestName(req.Hash)); err != nil {
 			return fmt.Errorf("upload %s: data %s is not in the backup: %w", meta, dataName(req.Hash), err)

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // DefaultDrainTimeout is how long Close lets a running backup finish (SPEC §10).
@@ -109,17 +111,30 @@ func (r *Replicator) takeBackup(inc *incarnation, o BackupOrder) (err error) {
 	return err
 }
 
-// runBackup uploads the data of p.Step for every worker of this node to p.Backup.
+// runBackup uploads the data of p.Step for every worker of this node to p.Backup. The data is
+// held for the whole upload (retention, or a restore dropping the step, cannot free it under it).
 func (r *Replicator) runBackup(cfg *Config, p *Progress) error {
 	r.log.Info("backup started", "backup", p.Backup, "step", p.Step, "store", r.cfg.Store.String())
-	var base int64
-	for w := 0; w < cfg.WorkersPerNode; w++ {
-		hash, ok := r.metaHash(cfg, p.Step, cfg.NodeRank, w)
+	hashes := make([]string, cfg.WorkersPerNode)
+	r.mu.Lock()
+	for w := range hashes {
+		name := layout.MarkerName{Job: cfg.JobName, Step: p.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
+		h, ok := r.metas[name]
 		if !ok {
+			r.mu.Unlock()
 			return fmt.Errorf("step %d worker %d is no longer in this node's RAM", p.Step, w)
 		}
+		hashes[w] = h
+	}
+	for _, h := range hashes {
+		defer r.holdLocked(h + ".data")()
+	}
+	r.mu.Unlock()
+	var base int64
+	for w, hash := range hashes {
 		err := r.cfg.Store.Upload(r.ctx, Upload{
 			Job: cfg.JobName, Backup: p.Backup, Step: p.Step, Slot: Slot{cfg.NodeRank, w}, Hash: hash,
+			Nodes: cfg.Nodes, Workers: cfg.WorkersPerNode,
 			Source: r.spoolDir("sealed", hash+".data"),
 			Progress: func(done, total int64) {
 				p.update(base+done, base+total)

@@ -199,7 +199,7 @@ func (r *Replicator) adoptCommits() error {
 			r.metrics.error(errKindSeal)
 			r.startupError(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
 		}
-		if err := os.RemoveAll(dir); err != nil {
+		if err := dropRecord(dir); err != nil {
 			return err
 		}
 	}
@@ -233,20 +233,30 @@ func (r *Replicator) adoptCommit(dir string) error {
 	return nil
 }
 
-// hashRecord returns the data name of the record at dir, hashing its data (and noting the name
-// in sealed-as, so that the record stays usable once the data moved), or reading sealed-as when
-// the data was already moved into spool/sealed.
+// dropRecord removes a commit record that has served: commit.json first, so that a record cut
+// short by a crash is an incomplete one (ignored), never one that lost its data.
+func dropRecord(dir string) error {
+	if err := os.Remove(filepath.Join(dir, commitRecordName)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return os.RemoveAll(dir)
+}
+
+// hashRecord returns the data name of the record at dir: the one noted in sealed-as once the
+// data was hashed (the data may since have moved into spool/sealed, or be half removed as a
+// duplicate: it is never hashed again), else the hash of its data, noted in sealed-as first.
 func (r *Replicator) hashRecord(dir string) (string, error) {
 	data := filepath.Join(dir, commitDataName)
-	if _, err := os.Lstat(data); errors.Is(err, os.ErrNotExist) {
-		raw, err := os.ReadFile(filepath.Join(dir, commitSealedAs))
-		if err != nil {
-			return "", fmt.Errorf("the record holds neither data nor a sealed name: %w", err)
-		}
+	if raw, err := os.ReadFile(filepath.Join(dir, commitSealedAs)); err == nil {
 		if name := string(raw); layout.IsDataName(name) {
 			return name, nil
 		}
 		return "", fmt.Errorf("%s: bad data name %q", commitSealedAs, raw)
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return "", err
+	}
+	if _, err := os.Lstat(data); errors.Is(err, os.ErrNotExist) {
+		return "", errors.New("the record holds neither data nor a sealed name")
 	}
 	// No cancellable context: a committed step is sealed even while the agent stops.
 	hash, isDir, err := layout.HashDataCached(context.Background(), data, &r.digests)

@@ -203,3 +203,37 @@ func TestUnverifiedRAMIsCheckedAtRestore(t *testing.T) {
 		t.Errorf("replicator.errors = %q, want a line about the RAM copy failing its check", errs)
 	}
 }
+
+// A record whose data was hashed (sealed-as written) is never hashed again: a kill while its
+// data was being removed as a duplicate, or moved, leaves a partial tree that must not be
+// sealed as a (truncated) checkpoint. And a record cut short while being removed after its
+// .meta was written is an incomplete one, not an error.
+func TestCommitRecordsCutShort(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	files := checkpointFiles("5")
+	hash := h.orbaxSave(5, files)
+	h.waitSealed("job", 5, "5")
+	h.close()
+	commits := filepath.Join(h.cfg.root, "spool", "commits")
+	// 1. A duplicate's data half removed: sealed-as names the data already sealed.
+	dup := filepath.Join(commits, "00000000000000000001-dup")
+	os.MkdirAll(filepath.Join(dup, "data", "state"), 0o700)
+	os.WriteFile(filepath.Join(dup, "data", "state", "array_0"), []byte("half of it"), 0o600)
+	os.WriteFile(filepath.Join(dup, "commit.json"), []byte(`{"job":"job","incarnation":"x","rank":0,"worker":0,"step":6,"name":"6"}`), 0o600)
+	os.WriteFile(filepath.Join(dup, "sealed-as"), []byte(hash+".data"), 0o600)
+	// 2. A served record cut short in its removal: commit.json is gone first.
+	served := filepath.Join(commits, "00000000000000000002-served")
+	os.MkdirAll(served, 0o700)
+	os.WriteFile(filepath.Join(served, "sealed-as"), []byte("D"+strings.Repeat("a", 64)+".data"), 0o600)
+
+	h2 := newHarness(t, harnessConfig{root: h.cfg.root})
+	h2.yamlOrbax(baseYAML)
+	restore := marker("job", 6, 0, 0, layout.MarkerRestore)
+	h2.waitMarkers(restore)
+	h2.checkRestoreLink(restore, hash, files)
+	if errs := h2.lines(layout.ReplicatorErrorsName); len(errs) != 0 {
+		t.Errorf("replicator.errors = %q, want none", errs)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -61,6 +62,7 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 	for _, line := range plan.Errors {
 		r.errLine(cfg, line)
 	}
+	r.dropAbandonedSteps(cfg, plan)
 	pre := "{}\n"
 	if plan.Found {
 		pre = fmt.Sprintf("{restore-step: %d}\n", plan.Step)
@@ -133,6 +135,34 @@ func (r *Replicator) restoreIncarnation(inc *incarnation) {
 		}
 	}
 	r.log.Info("restore markers published", "step", plan.Step, "found", plan.Found)
+}
+
+// dropAbandonedSteps forgets this job's steps newer than the one the job restores (all of them on
+// a fresh start): the job continues from the restored step and will save those step numbers
+// again, and a .meta of the old timeline must never combine with ones of the new into a step
+// that looks complete but mixes two saves. Every node drops them (all restore the same plan),
+// its own .meta files and the replicas it holds.
+func (r *Replicator) dropAbandonedSteps(cfg *Config, plan RestorePlan) {
+	var drop []string
+	r.mu.Lock()
+	for name := range r.metas {
+		m, ok := layout.ParseMarkerName(name)
+		if ok && m.Job == cfg.JobName && (!plan.Found || m.Step > plan.Step) {
+			drop = append(drop, name)
+			delete(r.metas, name)
+		}
+	}
+	r.mu.Unlock()
+	if len(drop) == 0 {
+		return
+	}
+	sort.Strings(drop)
+	for _, name := range drop {
+		os.Remove(r.spoolDir("meta", name))
+		r.ns.Remove(name)
+	}
+	r.log.Info("dropped the steps of an abandoned timeline: the job continues from the restored step", "restored", plan.Step, "found", plan.Found, "metas", drop)
+	r.retain(cfg) // frees their data
 }
 
 // waitSealed returns once no commit waits for sealing.

@@ -73,9 +73,12 @@ type Upload struct {
 	Job, Backup string
 	Step        int64
 	Slot        Slot
-	Hash        string // "D<hex>" or "<hex>"
-	Source      string // the sealed data in the spool
-	Progress    func(done, total int64)
+	// Nodes and Workers are the job's shape, recorded with the backup so that tools reading it
+	// know every rank it must hold.
+	Nodes, Workers int
+	Hash           string // "D<hex>" or "<hex>"
+	Source         string // the sealed data in the spool
+	Progress       func(done, total int64)
 }
 
 // ErrNoBackup means a named backup does not exist.
@@ -140,9 +143,12 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 }
 
 // clusterStep finds the highest step for which every slot has a .meta whose data some node
-// holds.
+// holds. When nodes disagree on a slot's .meta (the step was saved again and a peer still holds
+// the replica of the earlier save), the slot's own node wins: its .meta is of its newest commit
+// of the step; among replicas, the lowest rank's, so that the plan does not depend on order.
 func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int) (int64, map[Slot]string, bool) {
 	bySlot := map[int64]map[Slot]string{}
+	owned := map[int64]map[Slot]bool{} // the slot's .meta came from its own node
 	for _, inv := range invs {
 		for name, hash := range inv.Metas {
 			m, ok := layout.ParseMarkerName(name)
@@ -153,9 +159,14 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int) (int64
 				continue
 			}
 			if bySlot[m.Step] == nil {
-				bySlot[m.Step] = map[Slot]string{}
+				bySlot[m.Step], owned[m.Step] = map[Slot]string{}, map[Slot]bool{}
 			}
-			bySlot[m.Step][Slot{m.Node, m.Worker}] = hash
+			slot := Slot{m.Node, m.Worker}
+			if _, seen := bySlot[m.Step][slot]; seen && (owned[m.Step][slot] || inv.Rank != m.Node) {
+				continue // the owner's is kept; otherwise the first (lowest rank) replica
+			}
+			bySlot[m.Step][slot] = hash
+			owned[m.Step][slot] = inv.Rank == m.Node
 		}
 	}
 	steps := make([]int64, 0, len(bySlot))

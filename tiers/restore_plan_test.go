@@ -253,3 +253,21 @@ func TestPlanRestoreHoldersOfReplicatedData(t *testing.T) {
 		t.Errorf("holders of rank 1's data = %v, want [1 2]", h)
 	}
 }
+
+// When nodes disagree on a slot's .meta of a step (the step was saved again and a peer still
+// holds the replica of the earlier save), the slot's own node's .meta wins, whatever the order
+// the inventories arrive in.
+func TestPlanRestorePrefersTheOwnersMeta(t *testing.T) {
+	cfg := planConfig(2, 1)
+	own0 := tiers.Inventory{Rank: 0, Metas: map[string]string{metaOf(40, 0, 0): hx(2), metaOf(40, 1, 0): hx(11)}, Data: []string{hx(2), hx(11)}}
+	own1 := tiers.Inventory{Rank: 1, Metas: map[string]string{metaOf(40, 1, 0): hx(12), metaOf(40, 0, 0): hx(1)}, Data: []string{hx(12), hx(1)}}
+	for _, invs := range [][]tiers.Inventory{{own0, own1}, {own1, own0}} {
+		plan, err := tiers.PlanRestore(t.Context(), cfg, invs, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := slots("n0-w0", hx(2), "n1-w0", hx(12)); !plan.Found || plan.Step != 40 || !maps.Equal(plan.Data, want) {
+			t.Errorf("plan %+v, want step 40 with each node's own data %v", plan, want)
+		}
+	}
+}

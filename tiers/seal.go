@@ -133,7 +133,7 @@ func (r *Replicator) seal(c commit) (dataName, meta string, err error) {
 	if err := r.writeMeta(meta, content); err != nil {
 		return "", "", err
 	}
-	os.RemoveAll(c.dir) // the .meta is in the spool: the record has served
+	dropRecord(c.dir) // the .meta is in the spool: the record has served
 	took := r.cfg.Now().Sub(c.at)
 	r.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", took.String())
 	r.metrics.sealed(took.Seconds())

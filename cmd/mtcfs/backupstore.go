@@ -55,7 +55,7 @@ func (s backupStore) CompleteSteps(ctx context.Context, job, backup string, node
 func (s backupStore) Upload(ctx context.Context, u tiers.Upload) error {
 	return s.b.Upload(ctx, gcsbackend.UploadRequest{
 		Job: u.Job, Backup: u.Backup, Step: u.Step, Slot: gcsbackend.Slot{Rank: u.Slot.Rank, Worker: u.Slot.Worker},
-		Hash: u.Hash, Source: u.Source, Progress: u.Progress,
+		Hash: u.Hash, Source: u.Source, Progress: u.Progress, Nodes: u.Nodes, Workers: u.Workers,
 	})
 }
 

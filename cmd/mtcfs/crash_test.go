@@ -59,12 +59,11 @@ func TestCrashConsistency(t *testing.T) {
 	require.Equal(t, rep.TotalKills() > 0, rep.Recoveries > 0)
 }
 
-// TestCrashConsistencyStepSavedTwice replays, without timing, the failure the crash-consistency
-// run finds when a job saves a step number again after restoring an older step (as real
-// training does; the short run above never does, to keep `make test` green): the restore then
-// mixes two saves of the step, and a rank gets an older save than the one whose commit returned
-// on it with its RAM intact. It fails until that is fixed, so it runs only with
-// MTCFS_KNOWN_BUGS=1. The sequence (three nodes, rank r replicates to rank r+1):
+// TestCrashConsistencyStepSavedTwice replays, without timing, a failure the crash-consistency
+// run found when a job saves a step number again after restoring an older step (as real training
+// does): the restore mixed two saves of the step, and a rank got an older save than the one
+// whose commit returned on it with its RAM intact. The sequence (three nodes, rank r replicates
+// to rank r+1):
 //  1. every rank saves step 30;
 //  2. step 40, save A, returns on ranks 0 and 1 only (rank 2's save was cut short); rank 0's
 //     data of it reaches rank 1 as a replica (trio-s40-n0-w0.meta there names save A);
@@ -73,14 +72,13 @@ func TestCrashConsistency(t *testing.T) {
 //     push of save B to rank 1 fails;
 //  5. rank 1's agent restarts on its spool and the job restarts.
 //
-// Step 40 is then "complete" in the cluster and restored: rank 0 gets save A (the coordinator
-// takes rank 1's stale replica .meta over rank 0's own, whichever inventory comes last), rank 1
-// save A, rank 2 save B.
+// Step 40 was then "complete" in the cluster and restored: rank 0 got save A (the coordinator
+// took rank 1's stale replica .meta over rank 0's own), rank 1 save A, rank 2 save B. Two fixes
+// make it restore step 30 consistently: a restore drops the job's steps newer than the restored
+// one on every node (tiers.dropAbandonedSteps), and a slot's own node's .meta wins over a
+// replica (tiers.clusterStep).
 func TestCrashConsistencyStepSavedTwice(t *testing.T) {
 	needRoot(t)
-	if os.Getenv("MTCFS_KNOWN_BUGS") == "" {
-		t.Skip("known bug: a step saved twice restores a mix of both saves (MTCFS_KNOWN_BUGS=1 runs it)")
-	}
 	ctx := repCtx(t)
 	c := newCluster(t, 3)
 	saveA := jobsim.Content{Files: 2, FileSize: 100_000}
