@@ -1,0 +1,5 @@
+//go:build !race
+
+package planecodec
+
+const raceEnabled = false
