@@ -4,15 +4,15 @@ import (
 	"context"
 	"errors"
 	"io/fs"
-	"log/slog"
 	"syscall"
 
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // toErrno is the one place where errors become errno values for the kernel. Unknown errors are
-// logged and reported as EIO: a client must never see ENOSYS for something we implement.
-func toErrno(op string, err error) syscall.Errno {
+// logged (through the mount's logger) and reported as EIO: a client must never see ENOSYS for
+// something we implement.
+func (m *mtfs) toErrno(op string, err error) syscall.Errno {
 	if err == nil {
 		return 0
 	}
@@ -34,6 +34,6 @@ func toErrno(op string, err error) syscall.Errno {
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return syscall.EINTR
 	}
-	slog.Error("unexpected error, reporting EIO", "op", op, "err", err)
+	m.log.Error("unexpected error, reporting EIO", "op", op, "err", err)
 	return syscall.EIO
 }

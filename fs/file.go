@@ -66,7 +66,7 @@ func (f *fileNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.At
 		err = unix.Stat(f.backing, &st)
 	}
 	if err != nil {
-		return toErrno("getattr", err)
+		return f.fs.toErrno("getattr", err)
 	}
 	f.fill(&out.Attr)
 	out.Size = uint64(st.Size)
@@ -105,7 +105,7 @@ func (f *fileNode) setattr(fh gofs.FileHandle, in *fuse.SetAttrIn) syscall.Errno
 			return syscall.EFBIG
 		}
 		if err := f.chargeTo(int64(size), true); err != nil {
-			return toErrno("truncate", err)
+			return f.fs.toErrno("truncate", err)
 		}
 		var err error
 		if h, ok := fh.(*fileHandle); ok {
@@ -114,7 +114,7 @@ func (f *fileNode) setattr(fh gofs.FileHandle, in *fuse.SetAttrIn) syscall.Errno
 			err = unix.Truncate(f.backing, int64(size))
 		}
 		if err != nil {
-			return toErrno("truncate", err)
+			return f.fs.toErrno("truncate", err)
 		}
 	}
 	atime, aok := in.GetATime()
@@ -128,7 +128,7 @@ func (f *fileNode) setattr(fh gofs.FileHandle, in *fuse.SetAttrIn) syscall.Errno
 			ts[1] = unix.NsecToTimespec(mtime.UnixNano())
 		}
 		if err := unix.UtimesNanoAt(unix.AT_FDCWD, f.backing, ts, 0); err != nil {
-			return toErrno("utimens", err)
+			return f.fs.toErrno("utimens", err)
 		}
 	}
 	f.meta.setattr(in)
@@ -168,7 +168,7 @@ func (f *fileNode) open(flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	// of the inode and reuses it for later opens, which may want to write.
 	fd, err := unix.Open(f.backing, unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, 0, toErrno("open", err)
+		return nil, 0, f.fs.toErrno("open", err)
 	}
 	name, parent := f.Parent()
 	return f.openFd(fd, flags, parent != nil && parent.IsRoot() && tiers.CommitsOnClose(name))
@@ -180,7 +180,7 @@ func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileH
 	if flags&syscall.O_TRUNC != 0 && flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 		if err := unix.Ftruncate(fd, 0); err != nil {
 			unix.Close(fd)
-			return nil, 0, toErrno("open", err)
+			return nil, 0, f.fs.toErrno("open", err)
 		}
 		f.chargeTo(0, true)
 	}
@@ -302,7 +302,7 @@ func (f *fileNode) CopyFileRange(ctx context.Context, fhIn gofs.FileHandle, offI
 		oi, oo := int64(offIn), int64(offOut)
 		var err error
 		n, err = unix.CopyFileRange(hin.fd, &oi, hout.fd, &oo, int(length), 0)
-		return toErrno("copy_file_range", err)
+		return f.fs.toErrno("copy_file_range", err)
 	})
 	if errno != 0 {
 		return 0, errno
@@ -366,7 +366,7 @@ func (h *fileHandle) charge(end int64) syscall.Errno {
 	}
 	h.node.mu.Lock()
 	defer h.node.mu.Unlock()
-	return toErrno("write", h.node.chargeTo(end, false))
+	return h.node.fs.toErrno("write", h.node.chargeTo(end, false))
 }
 
 func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
@@ -378,7 +378,7 @@ func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32,
 		var err error
 		n, err = unix.Pwrite(h.fd, data, off)
 		if err != nil && n <= 0 {
-			return toErrno("write", err)
+			return h.node.fs.toErrno("write", err)
 		}
 		return 0
 	})
@@ -403,7 +403,7 @@ func retryNoSpace(m *mtfs, op func() syscall.Errno) syscall.Errno {
 }
 
 func (h *fileHandle) Fsync(ctx context.Context, flags uint32) syscall.Errno {
-	return toErrno("fsync", unix.Fsync(h.fd))
+	return h.node.fs.toErrno("fsync", unix.Fsync(h.fd))
 }
 
 // Flush is only sent for handles that may commit a step when closed (every other open carries
@@ -444,7 +444,7 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	if h.writable && f.fs.events != nil {
 		f.fs.events.Closed(f.Path(nil))
 	}
-	return toErrno("release", err)
+	return h.node.fs.toErrno("release", err)
 }
 
 func (h *fileHandle) Allocate(ctx context.Context, off uint64, size uint64, mode uint32) syscall.Errno {
@@ -457,14 +457,14 @@ func (h *fileHandle) Allocate(ctx context.Context, off uint64, size uint64, mode
 				return errno
 			}
 		}
-		return toErrno("fallocate", unix.Fallocate(h.fd, mode, int64(off), int64(size)))
+		return h.node.fs.toErrno("fallocate", unix.Fallocate(h.fd, mode, int64(off), int64(size)))
 	})
 }
 
 func (h *fileHandle) Lseek(ctx context.Context, off uint64, whence uint32) (uint64, syscall.Errno) {
 	n, err := unix.Seek(h.fd, int64(off), int(whence))
 	if err != nil {
-		return 0, toErrno("lseek", err)
+		return 0, h.node.fs.toErrno("lseek", err)
 	}
 	return uint64(n), 0
 }

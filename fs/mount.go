@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -53,6 +52,8 @@ type Options struct {
 	// Events receives the job's changes (commits, closes); nil for a plain filesystem.
 	Events tiers.Events
 	Debug  bool
+	// Logger receives the filesystem's log lines and go-fuse's own (default slog.Default()).
+	Logger *slog.Logger
 	// Owner sets the owner, group and permission bits of the mount's root; each nil field
 	// takes the mount point directory's own (SPEC §10), so a job running as the directory's
 	// owner can write into a mount a root agent serves.
@@ -241,7 +242,10 @@ func Mount(dir string, opts Options) (*Server, error) {
 		opts.CacheTimeout = 5 * time.Second
 	}
 	root := os.Geteuid() == 0
-	m := &mtfs{spool: opts.Spool, events: opts.Events, doomed: map[*fileNode]bool{}, relCh: make(chan struct{})}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	m := &mtfs{spool: opts.Spool, events: opts.Events, doomed: map[*fileNode]bool{}, relCh: make(chan struct{}), log: opts.Logger}
 	m.nextIno.Store(1)
 	rootNode := &dirNode{fs: m}
 	rootNode.init(context.Background(), 0o755)
@@ -256,7 +260,8 @@ func Mount(dir string, opts Options) (*Server, error) {
 		NegativeTimeout: &timeout,
 		RootStableAttr:  &gofs.StableAttr{Ino: 1},
 		NullPermissions: true, // a mode of 0 is 0, as on tmpfs
-		Logger:          log.New(os.Stderr, "go-fuse: ", 0),
+		// go-fuse's own lines go through the mount's logger, in its format (--log-format json).
+		Logger: slog.NewLogLogger(m.log.With("component", "go-fuse").Handler(), slog.LevelWarn),
 		MountOptions: fuse.MountOptions{
 			FsName:       "mtcfs",
 			Name:         "mtcfs",
@@ -290,7 +295,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 		return nil, errors.New("--passthrough=on: the kernel refused FUSE passthrough (needs Linux ≥ 6.9 and CAP_SYS_ADMIN); use --passthrough=auto or off")
 	}
 	s.passthrough = m.passthrough.Load()
-	slog.Info("mounted", "dir", abs, "passthrough", s.passthrough, "spool", opts.Spool.Dir(),
+	m.log.Info("mounted", "dir", abs, "passthrough", s.passthrough, "spool", opts.Spool.Dir(),
 		"budget", tiers.FormatSize(opts.Spool.Budget()), "budget_enforced_by", map[bool]string{true: "tmpfs", false: "agent"}[opts.Spool.KernelEnforced()])
 	return s, nil
 }

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"log/slog"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -23,6 +24,7 @@ type mtfs struct {
 	events      tiers.Events // nil: nobody listens
 	nextIno     atomic.Uint64
 	parked      sync.Map // request cancel channel -> event to emit when the request succeeded
+	log         *slog.Logger
 	// sealedTop holds the top-level names of committed checkpoints (the trees Seal and Import
 	// made): the job can neither remove, rename nor replace them.
 	sealedTop sync.Map // name -> struct{}
@@ -368,7 +370,7 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 	d.fs.awaitReleases(nil) // space.go
 	fn, fd, err := d.newFile(ctx, name, mode)
 	if err != nil {
-		return nil, nil, 0, toErrno("create", err)
+		return nil, nil, 0, d.fs.toErrno("create", err)
 	}
 	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
 	fn.mu.Lock()
@@ -405,7 +407,7 @@ func (d *dirNode) Mknod(ctx context.Context, name string, mode uint32, dev uint3
 	}
 	fn, fd, err := d.newFile(ctx, name, mode)
 	if err != nil {
-		return nil, toErrno("mknod", err)
+		return nil, d.fs.toErrno("mknod", err)
 	}
 	unix.Close(fd)
 	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
