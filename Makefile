@@ -61,12 +61,13 @@ image:
 bench: build
 	$(GO) run ./bench/fsbench -mtcfs $(BIN) -out bench/RESULTS.md
 
-# The peer protocol's generated code is committed; regenerate after editing peer.proto
-# (needs protoc and the protoc-gen-go / protoc-gen-go-grpc plugins, see replication/doc.go).
+# The peer and coordinator protocols' generated code is committed; regenerate after editing a
+# .proto (needs protoc and the protoc-gen-go / protoc-gen-go-grpc plugins, see replication/doc.go).
 proto:
 	protoc --proto_path=replication/peerpb --go_out=replication/peerpb --go_opt=paths=source_relative \
 		--go-grpc_out=replication/peerpb --go-grpc_opt=paths=source_relative \
 		replication/peerpb/peer.proto replication/peerpb/coordinator.proto
+	$(GO) run golang.org/x/tools/cmd/goimports@v0.41.0 -w replication/peerpb
 
 fuzz:
 	$(GO) test ./tiers -run '^$$' -fuzz FuzzParseConfig -fuzztime 60s

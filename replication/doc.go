@@ -75,14 +75,11 @@
 // copies gRPC's proto codec makes: gRPC copies the sender's pread buffer straight into its
 // socket buffer, and the receiver writes from gRPC's receive buffers with pwritev.
 //
-// The generated code in peerpb is committed; after editing peerpb/peer.proto, regenerate it from
-// the module root with protoc (apt-get install protobuf-compiler: 3.21.12 on Debian 12) and the
-// plugins at the versions named at the top of the generated files
-// (go install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
-// google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2), then goimports peer.pb.go:
-//
-//	protoc --proto_path=replication/peerpb --go_out=replication/peerpb --go_opt=paths=source_relative \
-//	  --go-grpc_out=replication/peerpb --go-grpc_opt=paths=source_relative replication/peerpb/peer.proto
+// The generated code in peerpb is committed; after editing peerpb/peer.proto or
+// peerpb/coordinator.proto, run `make proto` from the module root. It needs protoc (apt-get
+// install protobuf-compiler: 3.21.12 on Debian 12) and the plugins at the versions named at the
+// top of the generated files (go install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
+// google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.2), and formats the result with goimports.
 //
 // Field 6 of Manifest (specials) was added after the first release: an older receiver ignores
 // it, and then refuses a tree holding specials as not hashing to its name (DataLoss); trees
