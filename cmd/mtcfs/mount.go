@@ -233,6 +233,14 @@ func parsePeers(s string) (map[int]string, error) {
 	return peers, nil
 }
 
+func openBackups(url string) (*gcsbackend.Backups, error) {
+	store, err := gcsbackend.Open(url)
+	if err != nil {
+		return nil, fmt.Errorf("--backup %s: %w", url, err)
+	}
+	return &gcsbackend.Backups{Store: store}, nil
+}
+
 func runMount(cfg mountConfig) error {
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
@@ -263,7 +271,7 @@ func runMount(cfg mountConfig) error {
 	}
 	defer releaseSpool(spool)
 
-	store := backupStore{backups}
+	store := gcsbackend.TierStore(backups)
 	peers, err := newPeerService(peerAddrs{listen: cfg.listen, advertise: cfg.advertise, static: cfg.peers, lagTimeout: cfg.lagTimeout}, backups.Store, store, peerAuth{secretFile: cfg.secretFile, tls: cfg.peerTLS})
 	if err != nil {
 		return err

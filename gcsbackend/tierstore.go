@@ -1,0 +1,68 @@
+package gcsbackend
+
+import (
+	"context"
+	"fmt"
+	"sort"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// TierStore returns b as the backup tier the replicator depends on (tiers.BackupStore), for any
+// ObjectStore: file:// or gs://. Package tiers knows nothing of this package; the agent wires the
+// two together.
+func TierStore(b *Backups) tiers.BackupStore { return tierStore{b} }
+
+type tierStore struct{ b *Backups }
+
+func (s tierStore) String() string { return s.b.Store.String() }
+
+func (s tierStore) Backups(ctx context.Context, job string) ([]string, error) {
+	return s.b.Names(ctx, job)
+}
+
+func (s tierStore) CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]tiers.BackupStep, error) {
+	rep, err := s.b.Verify(ctx, job, backup, VerifyOptions{Nodes: nodes, Workers: workers})
+	if IsNotFound(err) {
+		return nil, fmt.Errorf("%s: %w", backup, tiers.ErrNoBackup)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []tiers.BackupStep
+	for _, st := range rep.Steps {
+		if !st.Complete {
+			continue
+		}
+		data := make(map[tiers.Slot]string, len(st.Data))
+		for slot, h := range st.Data {
+			data[tiers.Slot{Rank: slot.Rank, Worker: slot.Worker}] = h
+		}
+		out = append(out, tiers.BackupStep{Step: st.Step, Data: data})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Step > out[j].Step })
+	return out, nil
+}
+
+func (s tierStore) Upload(ctx context.Context, u tiers.Upload) error {
+	return s.b.Upload(ctx, UploadRequest{
+		Job: u.Job, Backup: u.Backup, Step: u.Step, Slot: Slot{Rank: u.Slot.Rank, Worker: u.Slot.Worker},
+		Hash: u.Hash, Source: u.Source, Progress: u.Progress, Nodes: u.Nodes, Workers: u.Workers,
+	})
+}
+
+func (s tierStore) Download(ctx context.Context, job, backup, hash, dest string, progress func(done, total int64)) error {
+	return s.b.Download(ctx, DownloadRequest{Job: job, Backup: backup, Hash: hash, Dest: dest, Progress: progress})
+}
+
+func (s tierStore) RestoreVersion(ctx context.Context, job string) (string, bool, error) {
+	return s.b.ReadRestoreVersion(ctx, job)
+}
+
+func (s tierStore) ClearRestoreVersion(ctx context.Context, job string) error {
+	return s.b.ClearRestoreVersion(ctx, job)
+}
+
+func (s tierStore) CleanLeftovers(ctx context.Context, job string) (int, error) {
+	return s.b.CleanLeftovers(ctx, job)
+}
