@@ -11,7 +11,7 @@ import (
 )
 
 // completeStep reports whether store holds a complete backup of step, and its name.
-func completeStep(t *testing.T, store *fakeStore, job string, step int64) (string, bool) {
+func completeStep(t *testing.T, store *testStore, job string, step int64) (string, bool) {
 	names, _ := store.Backups(context.Background(), job)
 	for _, n := range names {
 		steps, _ := store.CompleteSteps(context.Background(), job, n, 1, 1)
@@ -28,7 +28,7 @@ func completeStep(t *testing.T, store *fakeStore, job string, step int64) (strin
 // (SPEC §10: backups run on their clock).
 func TestBackupOfAJobThatSavesOnce(t *testing.T) {
 	t.Parallel()
-	store := newFakeStore(t)
+	store := newTestStore(t)
 	clock := newFakeClock(baseTime)
 	h := newHarness(t, harnessConfig{store: store, clock: clock})
 	h.start(withKeys("backup-interval-minutes: 5"), "job")
@@ -56,7 +56,7 @@ func TestBackupOfAJobThatSavesOnce(t *testing.T) {
 // On a stop, a running backup is given the drain time to finish (SPEC §10).
 func TestCloseDrainsTheRunningBackup(t *testing.T) {
 	t.Parallel()
-	store := newFakeStore(t)
+	store := newTestStore(t)
 	h := newHarness(t, harnessConfig{store: store, drain: time.Minute})
 	started, release := make(chan struct{}), make(chan struct{})
 	store.setBeforeUpload(func(ctx context.Context, u tiers.Upload) error {
@@ -93,7 +93,7 @@ func TestCloseDrainsTheRunningBackup(t *testing.T) {
 // .meta, uploaded last, is missing); the next agent backs the step up again.
 func TestBackupCutShortIsRetriedByTheNextAgent(t *testing.T) {
 	t.Parallel()
-	store := newFakeStore(t)
+	store := newTestStore(t)
 	cfg := harnessConfig{store: store, drain: 50 * time.Millisecond}
 	h := newHarness(t, cfg)
 	started := make(chan struct{}, 1)
@@ -147,7 +147,7 @@ func TestBackupCutShortIsRetriedByTheNextAgent(t *testing.T) {
 // A negative drain time (--drain-timeout 0s) cuts a running backup short at once.
 func TestCloseWithoutDrain(t *testing.T) {
 	t.Parallel()
-	store := newFakeStore(t)
+	store := newTestStore(t)
 	h := newHarness(t, harnessConfig{store: store, drain: -1})
 	started := make(chan struct{})
 	store.setBeforeUpload(func(ctx context.Context, u tiers.Upload) error {

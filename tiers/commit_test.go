@@ -113,7 +113,7 @@ func TestIncompleteAndBrokenCommitRecords(t *testing.T) {
 // step is restored from the backup instead — never a silent fresh start (SPEC §10).
 func TestCorruptedRAMIsReportedAndRestoredFromBackup(t *testing.T) {
 	t.Parallel()
-	store := newFakeStore(t)
+	store := newTestStore(t)
 	h := newHarness(t, harnessConfig{store: store})
 	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
 	files := checkpointFiles("4")
@@ -173,7 +173,7 @@ func TestOtherJobsDataIsFreed(t *testing.T) {
 // reported and restored from the backup (SPEC §10).
 func TestUnverifiedRAMIsCheckedAtRestore(t *testing.T) {
 	t.Parallel()
-	store := newFakeStore(t)
+	store := newTestStore(t)
 	h := newHarness(t, harnessConfig{store: store})
 	doc := withKeys("framework: pytorch", "backup-interval-steps: 1", "-backup-interval-minutes")
 	h.start(doc, "job")

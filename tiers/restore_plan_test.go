@@ -68,7 +68,7 @@ func TestPlanRestore(t *testing.T) {
 		nodes   int
 		workers int
 		invs    []tiers.Inventory
-		store   func(t *testing.T, s *fakeStore) // nil: no backup tier
+		store   func(t *testing.T, s *testStore) // nil: no backup tier
 		want    tiers.RestorePlan                // Holders are checked separately
 		errText string                           // the one line of Errors must contain it
 	}{
@@ -122,13 +122,13 @@ func TestPlanRestore(t *testing.T) {
 		{
 			name: "nothing in RAM and no backups", nodes: 1, workers: 1,
 			invs:  []tiers.Inventory{{Rank: 0}},
-			store: func(t *testing.T, s *fakeStore) {},
+			store: func(t *testing.T, s *testStore) {},
 			want:  tiers.RestorePlan{},
 		},
 		{
 			name: "nothing in RAM: the newest complete backup", nodes: 2, workers: 1,
 			invs: []tiers.Inventory{{Rank: 0}, {Rank: 1}},
-			store: func(t *testing.T, s *fakeStore) {
+			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
 				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40), "n1-w0", hx(41)))
 			},
@@ -137,7 +137,7 @@ func TestPlanRestore(t *testing.T) {
 		{
 			name: "incomplete newer backups are skipped", nodes: 2, workers: 1,
 			invs: []tiers.Inventory{{Rank: 0}, {Rank: 1}},
-			store: func(t *testing.T, s *fakeStore) {
+			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
 				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40))) // rank 1's .meta never arrived
 				s.addBackup(t, "job", b3, 5, slots("n0-w0", hx(50), "n1-w0", hx(51)))
@@ -148,7 +148,7 @@ func TestPlanRestore(t *testing.T) {
 		{
 			name: "within a backup, its highest complete step", nodes: 1, workers: 1,
 			invs: []tiers.Inventory{{Rank: 0}},
-			store: func(t *testing.T, s *fakeStore) {
+			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30)))
 				s.addBackup(t, "job", b1, 7, slots("n0-w0", hx(70)))
 				s.addBackup(t, "job", b1, 5, slots("n0-w0", hx(50)))
@@ -158,7 +158,7 @@ func TestPlanRestore(t *testing.T) {
 		{
 			name: "RAM wins over a newer backup", nodes: 1, workers: 1,
 			invs: []tiers.Inventory{oneNodeInv(2)},
-			store: func(t *testing.T, s *fakeStore) {
+			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", b1, 9, slots("n0-w0", hx(90)))
 			},
 			want: tiers.RestorePlan{Step: 2, Found: true, Data: slots("n0-w0", hx(2))},
@@ -166,19 +166,19 @@ func TestPlanRestore(t *testing.T) {
 		{
 			name: "pinned backup wins over RAM and newer backups", nodes: 1, workers: 1,
 			invs: []tiers.Inventory{oneNodeInv(8)},
-			store: func(t *testing.T, s *fakeStore) {
+			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30)))
 				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40)))
-				s.setPin(" " + b1 + "\n")
+				s.setPin(t, "job", " "+b1+"\n")
 			},
 			want: tiers.RestorePlan{Step: 3, Found: true, Backup: b1, Pinned: b1, Data: slots("n0-w0", hx(30))},
 		},
 		{
 			name: "pinned backup missing: start from scratch", nodes: 1, workers: 1,
 			invs: []tiers.Inventory{oneNodeInv(8)},
-			store: func(t *testing.T, s *fakeStore) {
+			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30)))
-				s.setPin("1999-01-01_00-00")
+				s.setPin(t, "job", "1999-01-01_00-00")
 			},
 			want:    tiers.RestorePlan{Pinned: "1999-01-01_00-00"},
 			errText: `"1999-01-01_00-00", which does not exist`,
@@ -186,10 +186,10 @@ func TestPlanRestore(t *testing.T) {
 		{
 			name: "pinned backup incomplete: start from scratch", nodes: 2, workers: 1,
 			invs: []tiers.Inventory{{Rank: 0}, {Rank: 1}},
-			store: func(t *testing.T, s *fakeStore) {
+			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
 				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40)))
-				s.setPin(b2)
+				s.setPin(t, "job", b2)
 			},
 			want:    tiers.RestorePlan{Pinned: b2},
 			errText: `"` + b2 + `", which is incomplete`,
@@ -200,7 +200,7 @@ func TestPlanRestore(t *testing.T) {
 			t.Parallel()
 			var store tiers.BackupStore
 			if tc.store != nil {
-				fs := newFakeStore(t)
+				fs := newTestStore(t)
 				tc.store(t, fs)
 				store = fs
 			}
