@@ -40,7 +40,7 @@ type mountConfig struct {
 	jaxInit     *tiers.JaxInit
 	listen      string
 	advertise   string
-	peers       map[int]string
+	peers       replication.Discovery // --peers; nil: the registry
 	lagTimeout  time.Duration
 	secretFile  string
 	peerTLS     *replication.TLSConfigs
@@ -136,15 +136,17 @@ func cmdMount(args []string) int {
 		cfg.jaxInit = &tiers.JaxInit{Rank: *rank, Coordinator: *jaxCoord}
 	}
 	if *advertise != "" {
-		if err := checkAddr(*advertise); err != nil {
+		if err := replication.CheckAddr(*advertise); err != nil {
 			return flagError(fset, fmt.Errorf("--advertise %q: %w", *advertise, err))
 		}
 		cfg.advertise = *advertise
 	}
 	if *peers != "" {
-		if cfg.peers, err = parsePeers(*peers); err != nil {
+		static, err := replication.ParseStaticPeers(*peers)
+		if err != nil {
 			return flagError(fset, fmt.Errorf("--peers: %w", err))
 		}
+		cfg.peers = static
 	}
 	if *tlsCert != "" || *tlsKey != "" || *tlsCA != "" {
 		if *tlsCert == "" || *tlsKey == "" || *tlsCA == "" {
@@ -189,48 +191,20 @@ func cmdMount(args []string) int {
 	return 0
 }
 
-// checkAddr accepts HOST:PORT with a non-empty host and a port 1–65535: an address another
-// agent can dial.
-func checkAddr(addr string) error {
-	host, port, err := net.SplitHostPort(addr)
+// readSecretFile reads --peer-secret-file ("": none, every job's secret is in the backup location).
+func readSecretFile(file string) ([]byte, error) {
+	if file == "" {
+		return nil, nil
+	}
+	data, err := os.ReadFile(file)
 	if err != nil {
-		return errors.New("want HOST:PORT")
+		return nil, fmt.Errorf("--peer-secret-file: %w", err)
 	}
-	if host == "" {
-		return errors.New("want HOST:PORT with a host other agents can reach")
+	secret := []byte(strings.TrimSpace(string(data)))
+	if len(secret) < 16 {
+		return nil, fmt.Errorf("--peer-secret-file %s: the secret must be at least 16 bytes", file)
 	}
-	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
-		return fmt.Errorf("port %q: want a number from 1 to 65535", port)
-	}
-	return nil
-}
-
-// parsePeers parses --peers: RANK=HOST:PORT entries separated by commas.
-func parsePeers(s string) (map[int]string, error) {
-	peers := map[int]string{}
-	for _, ent := range strings.Split(s, ",") {
-		ent = strings.TrimSpace(ent)
-		if ent == "" {
-			return nil, fmt.Errorf("empty entry in %q: want RANK=HOST:PORT,RANK=HOST:PORT,...", s)
-		}
-		rankStr, addr, ok := strings.Cut(ent, "=")
-		if !ok {
-			return nil, fmt.Errorf("entry %q: want RANK=HOST:PORT", ent)
-		}
-		rank, err := strconv.Atoi(strings.TrimSpace(rankStr))
-		if err != nil || rank < 0 {
-			return nil, fmt.Errorf("entry %q: rank %q is not a number ≥ 0", ent, rankStr)
-		}
-		if _, dup := peers[rank]; dup {
-			return nil, fmt.Errorf("rank %d is given twice", rank)
-		}
-		addr = strings.TrimSpace(addr)
-		if err := checkAddr(addr); err != nil {
-			return nil, fmt.Errorf("entry %q: address %q: %w", ent, addr, err)
-		}
-		peers[rank] = addr
-	}
-	return peers, nil
+	return secret, nil
 }
 
 func openBackups(url string) (*gcsbackend.Backups, error) {
@@ -272,15 +246,25 @@ func runMount(cfg mountConfig) error {
 	defer releaseSpool(spool)
 
 	store := gcsbackend.TierStore(backups)
-	peers, err := newPeerService(peerAddrs{listen: cfg.listen, advertise: cfg.advertise, static: cfg.peers, lagTimeout: cfg.lagTimeout}, backups.Store, store, peerAuth{secretFile: cfg.secretFile, tls: cfg.peerTLS})
+	secret, err := readSecretFile(cfg.secretFile)
 	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", cfg.listen)
+	if err != nil {
+		return fmt.Errorf("--listen %s: %w", cfg.listen, err)
+	}
+	node, err := replication.NewNode(replication.NodeConfig{Listener: ln, Advertise: cfg.advertise, Objects: gcsbackend.SmallObjects{Store: backups.Store},
+		Peers: cfg.peers, Secret: secret, TLS: cfg.peerTLS, Store: store, LagTimeout: cfg.lagTimeout})
+	if err != nil {
+		ln.Close()
 		return err
 	}
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "mtcfs_build_info", Help: "Always 1; the agent's version is a label.",
 			ConstLabels: prometheus.Labels{"version": version}}, func() float64 { return 1 }))
-	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: peers.coord, Peers: peers, JaxInit: cfg.jaxInit,
+	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
 		DrainTimeout: cfg.drain, Registerer: metrics})
 	var ready atomic.Bool
 	info := agentInfo{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
@@ -309,14 +293,12 @@ func runMount(cfg mountConfig) error {
 		return fmt.Errorf("start replicator: %w", err)
 	}
 	defer rep.Close()
-	// Replicas are taken only once the replicator runs (it publishes them in the namespace).
-	// Until then peers' calls wait in the listen queue, and rank 0's coordinator is reached
-	// in process by its own agent.
-	if err := peers.start(rep, spool); err != nil {
+	// Replicas are taken only once the replicator runs (see replication.Node.Start).
+	if err := node.Start(rep, spool); err != nil {
 		srv.Unmount()
 		return err
 	}
-	defer peers.stop()
+	defer node.Close()
 	unregister := registerAgent(info)
 	defer unregister()
 	ready.Store(true)

@@ -56,12 +56,6 @@ func TestPeerFlagErrors(t *testing.T) {
 	}
 }
 
-func TestParsePeers(t *testing.T) {
-	got, err := parsePeers(" 0=127.0.0.1:8470, 2=[::1]:9000,1=node-1.example:8470")
-	require.NoError(t, err)
-	require.Equal(t, map[int]string{0: "127.0.0.1:8470", 1: "node-1.example:8470", 2: "[::1]:9000"}, got)
-}
-
 // TestHelpShowsPeerFlags: --help documents both flags.
 func TestHelpShowsPeerFlags(t *testing.T) {
 	out, code := runMtcfs(t, "mount", "--help")

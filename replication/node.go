@@ -1,0 +1,435 @@
+package replication
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// NodeConfig configures a Node.
+type NodeConfig struct {
+	// Listener is where the node serves the other agents; Close closes it. Required.
+	Listener net.Listener
+	// Advertise is the address the other agents are told to call; "": the listener's address.
+	Advertise string
+	// Objects is the backup location. The node registers there (Registry) for every job of more
+	// than one node, and without Secret each job's secret is kept there (EnsureSecret). Nil: no
+	// registration; Peers and Secret are then required.
+	Objects Objects
+	// Peers finds the other agents; nil: the Registry in Objects.
+	Peers Discovery
+	// Secret, when set, is the shared secret of every job (at least 16 bytes); nil: each job's
+	// own, from Objects.
+	Secret []byte
+	// TLS, when set, makes every connection between agents mutual TLS; nil: plain TCP (calls
+	// still carry a MAC keyed by the job's secret).
+	TLS *TLSConfigs
+	// Store is the backup tier the coordinator consults when this node is rank 0 (nil: no
+	// backups).
+	Store tiers.BackupStore
+	// LagTimeout is the coordinator's sync lag timeout; 0: DefaultLagTimeout.
+	LagTimeout time.Duration
+	// Log receives the node's lines; nil: slog.Default().
+	Log *slog.Logger
+}
+
+// Node is one agent's end of the cluster its jobs run on. It serves the gRPC services the other
+// agents call — the job coordinator, when this agent is rank 0, and the receiver of replicas
+// and fetches — and is the client side of the replicator: the peer transport
+// (tiers.PeerTransport, tiers.EarlyTransport: pushes to peers, fetches from them) and the
+// coordinator (tiers.Coordinator: in process on rank 0, which is the only rank of a one-node
+// job, and over gRPC from every other rank). It finds the other agents through its Discovery and
+// registers itself in the backup location, and keeps each job's secret.
+//
+// Life cycle: NewNode, then tiers.NewReplicator with the node as its Coordinator and Peers, then
+// Start once the replicator runs, and Close. Goroutines: gRPC's, stopped by Close.
+type Node struct {
+	cfg      NodeConfig
+	log      *slog.Logger
+	peers    Discovery
+	registry *Registry // nil: no backup location
+	addr     string    // what the other agents are told: Advertise, else the listener's address
+	instance string    // random per process
+	secrets  *jobSecrets
+	dial     credentials.TransportCredentials // of every call to a peer: mutual TLS or plain TCP
+	job      *Job                             // the coordinator, when this node is rank 0
+	srv      *grpc.Server
+
+	sender atomic.Pointer[Sender] // set by Start
+	recv   *Receiver              // set by Start; read by Close after srv.Stop
+
+	mu         sync.Mutex
+	conns      map[string]*grpc.ClientConn   // GUARDED_BY(mu); by address
+	targets    map[peerKey]Peer              // GUARDED_BY(mu); found peers, until a call fails
+	remotes    map[string]*RemoteCoordinator // GUARDED_BY(mu); per job
+	registered map[string]Registration       // GUARDED_BY(mu); this node's, per job
+}
+
+var (
+	_ tiers.Coordinator    = (*Node)(nil)
+	_ tiers.PeerTransport  = (*Node)(nil)
+	_ tiers.EarlyTransport = (*Node)(nil)
+)
+
+// peerKey names one agent of a job.
+type peerKey struct {
+	job  string
+	rank int
+}
+
+// errNodeNotStarted fails a transfer asked for before Start.
+var errNodeNotStarted = status.Error(codes.Unavailable, "the peer service has not started yet")
+
+// NewNode prepares the node's server (the coordinator service) on cfg.Listener; Start serves.
+func NewNode(cfg NodeConfig) (*Node, error) {
+	if cfg.Listener == nil {
+		return nil, errors.New("node: Listener is required")
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	n := &Node{cfg: cfg, log: cfg.Log, peers: cfg.Peers, addr: cfg.Listener.Addr().String(), instance: newInstanceID(),
+		dial: insecure.NewCredentials(), conns: map[string]*grpc.ClientConn{}, targets: map[peerKey]Peer{},
+		remotes: map[string]*RemoteCoordinator{}, registered: map[string]Registration{}}
+	if cfg.Advertise != "" {
+		n.addr = cfg.Advertise
+	}
+	if cfg.Objects != nil {
+		n.registry = &Registry{Objects: cfg.Objects}
+		if n.peers == nil {
+			n.peers = *n.registry
+		}
+	}
+	switch {
+	case n.peers == nil:
+		return nil, errors.New("node: Peers is required without Objects")
+	case cfg.Secret == nil && cfg.Objects == nil:
+		return nil, errors.New("node: Secret is required without Objects")
+	case cfg.Secret != nil && len(cfg.Secret) < minSecretSize:
+		return nil, fmt.Errorf("node: the secret must be at least %d bytes", minSecretSize)
+	}
+	n.secrets = &jobSecrets{fixed: cfg.Secret, objects: cfg.Objects, byJob: map[string][]byte{}}
+	opts := ServerOptions()
+	if cfg.TLS != nil {
+		var server credentials.TransportCredentials
+		server, n.dial = cfg.TLS.TransportCredentials(n.log)
+		opts = append(opts, grpc.Creds(server))
+	}
+	n.job = NewJob(Options{Store: cfg.Store, Log: n.log, LagTimeout: cfg.LagTimeout})
+	svc, err := NewCoordinatorService(CoordinatorServiceConfig{Job: n.job, Secrets: n.secrets.lookup, Instance: n.instance, Logger: n.log})
+	if err != nil {
+		return nil, err
+	}
+	n.srv = grpc.NewServer(opts...)
+	svc.Register(n.srv)
+	return n, nil
+}
+
+func newInstanceID() string {
+	var b [8]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// Start adds the receiver of replicas (into rep's spool) and serves. Until then the other
+// agents' calls wait in the listen queue: replicas are taken only once the replicator runs (it
+// publishes them in the namespace), and rank 0's own agent reaches its coordinator in process.
+func (n *Node) Start(rep *tiers.Replicator, spool *tiers.Spool) error {
+	recv, err := NewReceiver(ReceiverConfig{
+		Dir:         filepath.Join(spool.Dir(), "peer-incoming"),
+		Secrets:     n.secrets.lookup,
+		Instance:    n.instance,
+		Accept:      rep.AcceptReplica,
+		Lookup:      func(ctx context.Context, job, name string) (string, error) { return rep.SealedPath(name) },
+		Digests:     rep.Digests(),
+		MaxIncoming: spool.Budget(),
+		Reserve:     spool.Reserve,
+		Logger:      n.log,
+	})
+	if err != nil {
+		return err
+	}
+	n.recv = recv
+	n.sender.Store(&Sender{Instance: n.instance, Secrets: n.secrets.lookup, Digests: rep.Digests()})
+	recv.Register(n.srv)
+	go n.srv.Serve(n.cfg.Listener)
+	_, static := n.peers.(StaticPeers)
+	n.log.Info("peer service", "addr", n.cfg.Listener.Addr().String(), "advertised", n.addr, "static_peers", static,
+		"tls", n.dial.Info().SecurityProtocol == "tls")
+	return nil
+}
+
+// Addr is the address the other agents are told to call.
+func (n *Node) Addr() string { return n.addr }
+
+// Close stops serving, closes every connection and leaves the registry: a peer must not keep
+// calling an agent that stopped. (A killed agent cannot; its successor's registration
+// supersedes it.)
+func (n *Node) Close() {
+	n.srv.Stop()
+	n.cfg.Listener.Close() // if Start never served it
+	if n.recv != nil {
+		n.recv.Close()
+	}
+	n.mu.Lock()
+	for _, c := range n.conns {
+		c.Close()
+	}
+	for _, r := range n.remotes {
+		r.Close()
+	}
+	regs := n.registered
+	n.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, reg := range regs {
+		if err := n.registry.Unregister(ctx, reg); err != nil {
+			n.log.Warn("leave the agent registry", "job", reg.Job, "err", err)
+		}
+	}
+}
+
+// --- the peer transport -------------------------------------------------------------------
+
+// call runs f on a connection to rank's agent of job, with ctx naming that agent as the call's
+// target (WithTarget). Where the agent is comes from Discovery once and is reused — every
+// closed file is pushed, and a registry lookup reads every rank's registration — until a call
+// fails for want of the peer (UNAVAILABLE, also a refusal as the wrong instance, or a stall):
+// then the next call looks again, and dials at once instead of after gRPC's reconnect backoff,
+// so a peer that restarted, moved or re-registered is found.
+func (n *Node) call(ctx context.Context, job string, rank int, f func(context.Context, *Sender, *grpc.ClientConn) error) error {
+	sender := n.sender.Load()
+	if sender == nil {
+		return errNodeNotStarted
+	}
+	key := peerKey{job, rank}
+	n.mu.Lock()
+	p, ok := n.targets[key]
+	n.mu.Unlock()
+	if !ok {
+		var err error
+		if p, err = n.peers.Find(ctx, job, rank); err != nil {
+			return err
+		}
+	}
+	n.mu.Lock()
+	n.targets[key] = p
+	conn, ok := n.conns[p.Addr]
+	if !ok {
+		var err error
+		conn, err = grpc.NewClient(p.Addr, append(DialOptions(), grpc.WithTransportCredentials(n.dial))...)
+		if err != nil {
+			n.mu.Unlock()
+			return err
+		}
+		n.conns[p.Addr] = conn
+	}
+	n.mu.Unlock()
+	err := f(WithTarget(ctx, p.Instance), sender, conn)
+	if status.Code(err) == codes.Unavailable || errors.Is(err, ErrStalled) {
+		conn.ResetConnectBackoff()
+		n.mu.Lock()
+		delete(n.targets, key)
+		n.mu.Unlock()
+	}
+	return err
+}
+
+func (n *Node) Push(ctx context.Context, inc tiers.Incarnation, rank int, name, path string) error {
+	return n.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, s *Sender, conn *grpc.ClientConn) error {
+		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, DataName: name, Source: path})
+	})
+}
+
+func (n *Node) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string, progress func(done, total int64)) error {
+	return n.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, s *Sender, conn *grpc.ClientConn) error {
+		return s.Fetch(ctx, conn, FetchRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, DataName: name, Dir: dir, Progress: progress})
+	})
+}
+
+// The early side of the transport: files pushed while their step is still being written, and
+// the sealed push that reuses them (see "Early files" in the package doc).
+
+func (n *Node) PushEarly(ctx context.Context, inc tiers.Incarnation, rank int, group, path string) (layout.FileDigest, error) {
+	var d layout.FileDigest
+	sender := n.sender.Load()
+	if sender == nil {
+		return d, errNodeNotStarted
+	}
+	hash, _, err := layout.HashDataCached(ctx, path, sender.Digests)
+	if err != nil {
+		return d, err
+	}
+	if _, err := hex.Decode(d[:], []byte(hash)); err != nil {
+		return d, err
+	}
+	return d, n.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, s *Sender, conn *grpc.ClientConn) error {
+		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, DataName: layout.DataName(hash, false), Source: path, EarlyGroup: group})
+	})
+}
+
+func (n *Node) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[layout.FileDigest]bool) error {
+	return n.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, s *Sender, conn *grpc.ClientConn) error {
+		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, DataName: name, Source: path, ConsumesGroup: group, Presumed: acked})
+	})
+}
+
+func (n *Node) DropEarly(ctx context.Context, inc tiers.Incarnation, rank int, group string) error {
+	return n.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, s *Sender, conn *grpc.ClientConn) error {
+		return s.Drop(ctx, conn, Identity{Job: inc.Config.JobName, Incarnation: inc.ID,
+			Rank: inc.Config.NodeRank, Instance: n.instance}, group)
+	})
+}
+
+// --- the coordinator ----------------------------------------------------------------------
+
+// coordinator returns the coordinator for inc: the in-process job on rank 0 (the only rank of
+// a one-node job), the rank-0 agent over gRPC otherwise.
+func (n *Node) coordinator(ctx context.Context, inc tiers.Incarnation) (tiers.Coordinator, error) {
+	job := inc.Config.JobName
+	if inc.Config.NodeRank == 0 {
+		return LocalClient{Job: n.job}, nil
+	}
+	n.mu.Lock()
+	r, ok := n.remotes[job]
+	n.mu.Unlock()
+	if ok {
+		return r, nil
+	}
+	secret, err := n.secrets.get(ctx, job) // store I/O: not under mu
+	if err != nil {
+		return nil, err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if r, ok := n.remotes[job]; ok {
+		return r, nil
+	}
+	r, err = NewRemoteCoordinator(RemoteCoordinatorConfig{
+		Secret: secret, Instance: n.instance, Logger: n.log,
+		DialOptions: append(DialOptions(), grpc.WithTransportCredentials(n.dial)),
+		Target: func(ctx context.Context) (string, string, error) {
+			p, err := n.peers.Find(ctx, job, 0)
+			return p.Addr, p.Instance, err
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	n.remotes[job] = r
+	return r, nil
+}
+
+// Negotiate registers this node for inc (a job of more than one node) and negotiates. Every
+// agent of the job registers where it listens, for this incarnation; a rank that reaches rank 0
+// before rank 0 started the incarnation is told to retry.
+func (n *Node) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {
+	co, err := n.coordinator(ctx, inc)
+	if err != nil {
+		return tiers.RestorePlan{}, err
+	}
+	if cfg := inc.Config; cfg.Nodes > 1 && n.registry != nil {
+		if _, err := n.secrets.get(ctx, cfg.JobName); err != nil {
+			return tiers.RestorePlan{}, err
+		}
+		reg := Registration{Job: cfg.JobName, Incarnation: inc.ID, InstanceID: n.instance,
+			Rank: cfg.NodeRank, Addr: n.addr, Updated: time.Now()}
+		if err := n.registry.Register(ctx, reg); err != nil {
+			return tiers.RestorePlan{}, fmt.Errorf("register in %s: %w", n.registry.Objects, err)
+		}
+		n.mu.Lock()
+		n.registered[cfg.JobName] = reg
+		n.mu.Unlock()
+	}
+	return co.Negotiate(ctx, inc, inv)
+}
+
+func (n *Node) Restored(ctx context.Context, inc tiers.Incarnation) error {
+	co, err := n.coordinator(ctx, inc)
+	if err != nil {
+		return err
+	}
+	return co.Restored(ctx, inc)
+}
+
+func (n *Node) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
+	co, err := n.coordinator(ctx, inc)
+	if err != nil {
+		return tiers.SyncDecision{}, err
+	}
+	return co.Sync(ctx, inc, rep)
+}
+
+func (n *Node) Backups(ctx context.Context, inc tiers.Incarnation, rep tiers.BackupReport) (tiers.BackupOrder, error) {
+	co, err := n.coordinator(ctx, inc)
+	if err != nil {
+		return tiers.BackupOrder{}, err
+	}
+	return co.Backups(ctx, inc, rep)
+}
+
+// --- secrets ------------------------------------------------------------------------------
+
+// jobSecrets holds the per-job shared secrets: the fixed one for every job, or the one the first
+// agent of the job created in the backup location.
+type jobSecrets struct {
+	fixed   []byte
+	objects Objects
+
+	mu    sync.Mutex
+	byJob map[string][]byte // GUARDED_BY(mu)
+}
+
+func (s *jobSecrets) get(ctx context.Context, job string) ([]byte, error) {
+	if s.fixed != nil {
+		return s.fixed, nil
+	}
+	s.mu.Lock()
+	sec, ok := s.byJob[job]
+	s.mu.Unlock()
+	if ok {
+		return sec, nil
+	}
+	// Not under mu: the store may be slow, and every peer call asks. Concurrent first calls
+	// all get the one secret EnsureSecret creates (create-if-absent).
+	sec, err := EnsureSecret(ctx, s.objects, job)
+	if err != nil {
+		return nil, fmt.Errorf("per-job secret in %s: %w", s.objects, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if prev, ok := s.byJob[job]; ok {
+		return prev, nil
+	}
+	s.byJob[job] = sec
+	return sec, nil
+}
+
+// lookup serves the gRPC side (a SecretFunc), which asks without a context.
+func (s *jobSecrets) lookup(job string) ([]byte, bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	sec, err := s.get(ctx, job)
+	return sec, err == nil
+}

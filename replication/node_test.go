@@ -1,0 +1,315 @@
+package replication
+
+// Nodes driven without the CLI: in-process agents, each a tiers.Replicator over a plain
+// directory namespace with its Node serving on loopback, forming one job through the registry
+// in a shared backup directory, as agents do through a shared --backup.
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// dirNamespace is a tiers.Namespace over a plain directory, playing package fs. Atomic writes
+// go through a scratch directory beside it. Directory, scratch and spool share one file system:
+// Seal and Import hard-link.
+type dirNamespace struct {
+	dir, scratch string
+	seq          atomic.Int64
+}
+
+var _ tiers.Namespace = (*dirNamespace)(nil)
+
+func newDirNamespace(t *testing.T, dir string) *dirNamespace {
+	ns := &dirNamespace{dir: dir, scratch: dir + ".scratch"}
+	require.NoError(t, os.MkdirAll(ns.dir, 0o755))
+	require.NoError(t, os.MkdirAll(ns.scratch, 0o755))
+	return ns
+}
+
+func (ns *dirNamespace) path(name string) string { return filepath.Join(ns.dir, name) }
+
+func (ns *dirNamespace) tmp() string {
+	return filepath.Join(ns.scratch, fmt.Sprint(ns.seq.Add(1)))
+}
+
+func (ns *dirNamespace) List() ([]tiers.DirEntry, error) {
+	des, err := os.ReadDir(ns.dir)
+	out := make([]tiers.DirEntry, 0, len(des))
+	for _, de := range des {
+		out = append(out, tiers.DirEntry{Name: de.Name(), Type: entryType(de.Type())})
+	}
+	return out, err
+}
+
+func entryType(m fs.FileMode) layout.EntryType {
+	switch {
+	case m.IsDir():
+		return layout.EntryDir
+	case m&fs.ModeSymlink != 0:
+		return layout.EntrySymlink
+	}
+	return layout.EntryFile
+}
+
+func (ns *dirNamespace) ReadFile(name string, limit int64) ([]byte, error) {
+	data, err := os.ReadFile(ns.path(name))
+	if int64(len(data)) > limit {
+		data = data[:limit]
+	}
+	return data, err
+}
+
+func (ns *dirNamespace) WriteFile(name string, data []byte) error {
+	tmp := ns.tmp()
+	if err := os.WriteFile(tmp, data, 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp, ns.path(name))
+}
+
+func (ns *dirNamespace) Symlink(target, name string) error {
+	tmp := ns.tmp()
+	if err := os.Symlink(target, tmp); err != nil {
+		return err
+	}
+	if fi, err := os.Lstat(ns.path(name)); err == nil && fi.IsDir() {
+		os.RemoveAll(ns.path(name))
+	}
+	return os.Rename(tmp, ns.path(name))
+}
+
+func (ns *dirNamespace) Rename(oldName, newName string) error {
+	return os.Rename(ns.path(oldName), ns.path(newName))
+}
+
+func (ns *dirNamespace) Remove(name string) error { return os.RemoveAll(ns.path(name)) }
+
+func (ns *dirNamespace) Seal(name, dst string) (tiers.SealInfo, error) {
+	return tiers.SealInfo{}, linkTree(ns.path(name), dst)
+}
+
+func (ns *dirNamespace) SpoolFile(path string) (string, error) {
+	_, err := os.Lstat(ns.path(path))
+	return ns.path(path), err
+}
+
+func (ns *dirNamespace) Import(src, name string) error {
+	if _, err := os.Lstat(ns.path(name)); err == nil {
+		return &os.PathError{Op: "import", Path: name, Err: fs.ErrExist}
+	}
+	tmp := ns.tmp()
+	if err := linkTree(src, tmp); err != nil {
+		return err
+	}
+	return os.Rename(tmp, ns.path(name))
+}
+
+// linkTree hard-links the file or tree src to dst, which must not exist.
+func linkTree(src, dst string) error {
+	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, p)
+		target := filepath.Join(dst, rel)
+		switch {
+		case d.IsDir():
+			return os.Mkdir(target, 0o755)
+		case d.Type()&fs.ModeSymlink != 0:
+			link, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			return os.Symlink(link, target)
+		}
+		return os.Link(p, target)
+	})
+}
+
+// logBuffer keeps an agent's log lines for the test to read.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer // GUARDED_BY(mu)
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// testAgent is one agent of the job: a replicator and its node.
+type testAgent struct {
+	t     *testing.T
+	log   *logBuffer
+	ns    *dirNamespace
+	spool *tiers.Spool
+	node  *Node
+	rep   *tiers.Replicator
+}
+
+var nsCount atomic.Int64
+
+// startTestAgent starts an agent whose spool is <root>/spool and whose namespace is new and
+// empty (a new mount), registered through the backup location objects.
+func startTestAgent(t *testing.T, objects Objects, root string) *testAgent {
+	t.Helper()
+	a := &testAgent{t: t, log: &logBuffer{}, ns: newDirNamespace(t, filepath.Join(root, fmt.Sprintf("ns%d", nsCount.Add(1))))}
+	log := slog.New(slog.NewTextHandler(io.MultiWriter(t.Output(), a.log), nil))
+	var err error
+	a.spool, err = tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(root, "spool"), Budget: 64 << 20})
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	a.node, err = NewNode(NodeConfig{Listener: ln, Objects: objects, Log: log})
+	require.NoError(t, err)
+	a.rep = tiers.NewReplicator(tiers.ReplicatorConfig{Spool: a.spool, Coordinator: a.node, Peers: a.node, Logger: log})
+	require.NoError(t, a.rep.Start(t.Context(), a.ns))
+	require.NoError(t, a.node.Start(a.rep, a.spool))
+	t.Cleanup(a.stop)
+	return a
+}
+
+// stop stops the agent (again: nothing); the spool is kept, as an agent that stops does.
+func (a *testAgent) stop() {
+	a.rep.Close()
+	a.node.Close()
+	a.spool.Detach()
+}
+
+// write creates a file in the namespace and reports its close, as package fs does.
+func (a *testAgent) write(name, content string) {
+	a.t.Helper()
+	require.NoError(a.t, os.MkdirAll(filepath.Dir(a.ns.path(name)), 0o755))
+	require.NoError(a.t, os.WriteFile(a.ns.path(name), []byte(content), 0o644))
+	a.rep.Closed(name)
+}
+
+func (a *testAgent) rename(oldName, newName string) {
+	a.t.Helper()
+	fi, err := os.Lstat(a.ns.path(oldName))
+	require.NoError(a.t, err)
+	require.NoError(a.t, os.Rename(a.ns.path(oldName), a.ns.path(newName)))
+	a.rep.Renamed(oldName, newName, entryType(fi.Mode()))
+}
+
+// start is the job starting on this rank (Orbax's replicator.yaml: written, then renamed).
+func (a *testAgent) start(job string, rank, nodes int) {
+	a.write(layout.ReplicatorYAMLTmpName, fmt.Sprintf("job-name: %s\nframework: orbax\nnode-rank: %d\nnodes: %d\npeer-ranks: [%d]\nbackup-interval-minutes: 60",
+		job, rank, nodes, (rank+1)%nodes))
+	a.rename(layout.ReplicatorYAMLTmpName, layout.ReplicatorYAMLName)
+}
+
+// save saves step as Orbax does: a temporary directory renamed to the step's name.
+func (a *testAgent) save(step int64, files map[string]string) {
+	tmp := fmt.Sprint(step) + layout.OrbaxTmpSuffix
+	for rel, content := range files {
+		a.write(tmp+"/"+rel, content)
+	}
+	a.rename(tmp, fmt.Sprint(step))
+}
+
+// waitFor waits until name exists in the agent's namespace.
+func (a *testAgent) waitFor(name string) {
+	a.t.Helper()
+	require.Eventually(a.t, func() bool {
+		_, err := os.Lstat(a.ns.path(name))
+		return err == nil
+	}, 30*time.Second, 10*time.Millisecond, "%s in %s", name, a.ns.dir)
+}
+
+func stepFiles(rank int, step int64) map[string]string {
+	tag := fmt.Sprintf("rank %d step %d ", rank, step)
+	return map[string]string{
+		"_CHECKPOINT_METADATA":            `{"step": ` + fmt.Sprint(step) + `}`,
+		"state/array_0":                   strings.Repeat(tag, 20000),
+		"state/commit_success.txt":        "ok",
+		"process_metadata/process_0.json": `{"tag": "` + tag + `"}`,
+	}
+}
+
+// TestNodesReplicateAndRestore: three agents find each other through the registry, negotiate
+// through rank 0's coordinator, and replicate every rank's step to the next rank. A node that is
+// replaced — its agent gone with its RAM — gets its step back from that peer at the next start,
+// verified, byte for byte.
+func TestNodesReplicateAndRestore(t *testing.T) {
+	t.Parallel()
+	const job, nodes = "trio", 3
+	objects := dirObjects(t, t.TempDir())
+	roots := make([]string, nodes)
+	agents := make([]*testAgent, nodes)
+	for r := range agents {
+		roots[r] = t.TempDir()
+		agents[r] = startTestAgent(t, objects, roots[r])
+	}
+	meta := func(step int64, rank int) string {
+		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerMeta}.String()
+	}
+	restore := func(step int64, rank int) string {
+		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerRestore}.String()
+	}
+	for r, a := range agents {
+		a.start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(restore(0, r)) // nothing to restore: every rank negotiated a fresh start
+	}
+	regs, err := Registry{Objects: objects}.Lookup(t.Context(), job)
+	require.NoError(t, err)
+	require.Len(t, regs, nodes, "every rank registers in the backup location")
+
+	for r, a := range agents {
+		a.save(10, stepFiles(r, 10))
+	}
+	for r := range agents {
+		// The replica of rank r's step is verified and published on rank r+1.
+		agents[(r+1)%nodes].waitFor(meta(10, r))
+	}
+
+	// Rank 1 is replaced: its agent stops and its spool is gone; a new one starts.
+	agents[1].stop()
+	require.NoError(t, os.RemoveAll(filepath.Join(roots[1], "spool")))
+	agents[1] = startTestAgent(t, objects, roots[1])
+	for r, a := range agents {
+		a.start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(restore(10, r))
+		got := map[string]string{}
+		root := a.ns.path(restore(10, r))
+		err := filepath.WalkDir(root+"/", func(p string, d fs.DirEntry, err error) error {
+			if err != nil || d.IsDir() {
+				return err
+			}
+			b, err := os.ReadFile(p)
+			got[strings.TrimPrefix(p, root+"/")] = string(b)
+			return err
+		})
+		require.NoError(t, err)
+		require.Equal(t, stepFiles(r, 10), got, "rank %d restores its own step 10", r)
+	}
+	require.Contains(t, agents[1].log.String(), "restored from a peer")
+	require.Contains(t, agents[1].log.String(), `msg="peer service" addr=`+agents[1].node.Addr()+" advertised="+agents[1].node.Addr()+" static_peers=false tls=false")
+}
