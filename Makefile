@@ -20,20 +20,26 @@ demo: build
 	@[ "$$(id -u)" = 0 ] || { echo "make demo mounts FUSE and a tmpfs: run it as root"; exit 1; }
 	$(GO) run ./cmd/demo -mtcfs $(BIN)
 
+# The modules beside the agent's: bench/ (the benchmarks, and the GCS emulator gcsbench runs in
+# process) and deploy/ (manifests, image, pods). Each has its own go.mod, so that the agent's
+# module requires neither; make vet and make test cover all of them.
+MODULES := bench deploy
+
 vet:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { echo "gofmt needed:"; gofmt -l $$(git ls-files '*.go'); exit 1; }
 	$(GO) vet ./...
+	@for m in $(MODULES); do echo "(cd $$m && $(GO) vet ./...)"; (cd $$m && $(GO) vet ./...) || exit 1; done
 
 # The whole suite under the race detector, then the concurrency tests again on one P, then the
-# deploy module's checks (manifests, image, pods in mount namespaces), then a check that no test
-# left a mount behind. Tests unmount what they mount, also when they fail;
+# other modules' tests (bench: its helpers; deploy: manifests, image, pods in mount namespaces),
+# then a check that no test left a mount behind. Tests unmount what they mount, also when they fail;
 # a test binary killed by -timeout cannot, so its leftovers (mounts under a test's temporary
 # directory) are detached lazily before the check, and the check then reports them.
 test: vet
 	@status=0; \
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./... || status=$$?; \
 	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent|Stress|Early|SlowPeer|CoordinatorSync' ./... || status=$$?; fi; \
-	(cd deploy && $(GO) vet ./... && $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...) || status=$$?; \
+	for m in $(MODULES); do (cd $$m && $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...) || status=$$?; done; \
 	$(MAKE) --no-print-directory clean-test-mounts; \
 	$(MAKE) --no-print-directory check-mounts || status=1; \
 	exit $$status
@@ -58,8 +64,9 @@ image:
 	$$tool build -f deploy/Containerfile.prebuilt -t $(IMAGE) deploy/.image && \
 	echo "built $(IMAGE) with $$tool: $$($$tool images --format '{{.Size}}' $(IMAGE) | head -n1)"
 
+# The benchmarks are a module of their own (bench/go.mod): they run from there.
 bench: build
-	$(GO) run ./bench/fsbench -mtcfs $(BIN) -out bench/RESULTS.md
+	cd bench && $(GO) run ./fsbench -mtcfs ../$(BIN) -out RESULTS.md
 
 # The peer and coordinator protocols' generated code is committed; regenerate after editing a
 # .proto (needs protoc and the protoc-gen-go / protoc-gen-go-grpc plugins, see replication/doc.go).

@@ -150,6 +150,31 @@ func runStoreConformance(t *testing.T, newStore func(t *testing.T) ObjectStore) 
 		assert.True(t, got == string(data[1<<20+5:2<<20+5]), "ranged read across buffer boundaries differs")
 	})
 
+	t.Run("UnseekableBody", func(t *testing.T) {
+		// A body that can be read only once, larger than a GCS upload chunk (onceChunkSize):
+		// it is sent in several requests, and published only whole.
+		s := newStore(t)
+		data := randomBytes(2*onceChunkSize+12345, 3)
+		crc := crcOf(data)
+		for _, tc := range []struct {
+			name string
+			crc  *uint32
+		}{{"without-crc", nil}, {"with-crc", &crc}} {
+			err := s.Put(ctx, PutRequest{Name: "once/" + tc.name, Body: io.MultiReader(bytes.NewReader(data)), Size: int64(len(data)), CRC32C: tc.crc})
+			require.NoError(t, err, tc.name)
+			a, err := s.Stat(ctx, "once/"+tc.name)
+			require.NoError(t, err)
+			assert.Equal(t, crc, a.CRC32C, tc.name)
+			assert.True(t, readRange(t, s, "once/"+tc.name, 0, -1) == string(data), "%s: content differs", tc.name)
+		}
+		wrong := crc ^ 1
+		err := s.Put(ctx, PutRequest{Name: "once/wrong", Body: io.MultiReader(bytes.NewReader(data)), Size: int64(len(data)), CRC32C: &wrong})
+		var ce *ChecksumError
+		assert.True(t, errors.As(err, &ce), "want *ChecksumError, got %v", err)
+		_, err = s.Stat(ctx, "once/wrong")
+		assert.True(t, IsNotFound(err), "nothing may be visible after a CRC mismatch, got %v", err)
+	})
+
 	t.Run("List", func(t *testing.T) {
 		s := newStore(t)
 		for _, n := range []string{"j/2025-01-01_00-00/a.meta", "j/2025-01-01_00-00/D1.data/x/y", "j/2025-01-01_00-00/D1.data/z",

@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fsouza/fake-gcs-server/fakestorage"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -100,8 +99,7 @@ func TestGCSFaultReplaceRace(t *testing.T) {
 	require.NoError(t, b.SetRestoreVersion(ctx, testJob, "2025-01-01_00-00"))
 	race := f.faults.add(1, uploadOf("restore.version"), func(w http.ResponseWriter, r *http.Request, next http.Handler) {
 		// Another writer gets in first.
-		f.srv.CreateObject(fakestorage.Object{ObjectAttrs: fakestorage.ObjectAttrs{BucketName: testBucket, Name: testJob + "/restore.version"},
-			Content: []byte("2025-05-05_05-05\n")})
+		f.srv.put(testBucket, testJob+"/restore.version", []byte("2025-05-05_05-05\n"))
 		next.ServeHTTP(w, r)
 	})
 	require.NoError(t, b.SetRestoreVersion(ctx, testJob, "2026-02-02_02-02"))

@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"cloud.google.com/go/storage"
-	"github.com/fsouza/fake-gcs-server/fakestorage"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/api/option"
@@ -27,25 +26,22 @@ import (
 
 const testBucket = "mtcfs-test"
 
-// fakeGCS is an in-process fake-gcs-server reached over loopback HTTP
+// fakeGCS is an in-memory GCS (gcsFake) reached over loopback HTTP
 // through faults, which can break chosen requests.
 type fakeGCS struct {
-	srv       *fakestorage.Server
+	srv       *gcsFake
 	url       string
 	faults    *faultInjector
 	client    *storage.Client
 	transport *http.Transport
 }
 
-// newFakeGCS starts an emulator with one empty bucket, testBucket. Server,
+// newFakeGCS starts a fake GCS with one empty bucket, testBucket. Server,
 // proxy and client are closed when t ends.
 func newFakeGCS(t *testing.T) *fakeGCS {
 	t.Helper()
-	srv, err := fakestorage.NewServerWithOptions(fakestorage.Options{NoListener: true})
-	require.NoError(t, err)
-	t.Cleanup(srv.Stop)
-	srv.CreateBucketWithOpts(fakestorage.CreateBucketOpts{Name: testBucket})
-	faults := &faultInjector{next: srv.HTTPHandler()}
+	srv := newGCSFake(testBucket)
+	faults := &faultInjector{next: srv}
 	ts := httptest.NewServer(faults)
 	t.Cleanup(ts.Close)
 	transport := &http.Transport{MaxIdleConnsPerHost: 64}
@@ -258,9 +254,9 @@ func TestGCSStoreNamesAndPrefix(t *testing.T) {
 	assert.Equal(t, "gs://mtcfs-test/a/b", s.String())
 	put(t, s, "job/x", "x")
 	// The object is "<prefix>/<name>" in the bucket.
-	obj, err := f.srv.GetObject(testBucket, "a/b/job/x")
-	require.NoError(t, err, "the prefix is prepended to object names")
-	assert.Equal(t, "x", string(obj.Content))
+	obj, ok := f.srv.object(testBucket, "a/b/job/x")
+	require.True(t, ok, "the prefix is prepended to object names")
+	assert.Equal(t, "x", string(obj))
 
 	// A store on the bucket root sees it under the full name.
 	root := f.store(t, "", testGCSOptions())
@@ -294,8 +290,8 @@ func TestGCSListHidesTemporaryObjects(t *testing.T) {
 	f := newFakeGCS(t)
 	s := f.store(t, "p", testGCSOptions())
 	put(t, s, "d/real", "r")
-	f.srv.CreateObject(fakestorage.Object{ObjectAttrs: fakestorage.ObjectAttrs{BucketName: testBucket, Name: "p/" + tempPrefix + "abc/00000"}, Content: []byte("part")})
-	f.srv.CreateObject(fakestorage.Object{ObjectAttrs: fakestorage.ObjectAttrs{BucketName: testBucket, Name: "p/d/" + tempPrefix + "x"}, Content: []byte("part")})
+	f.srv.put(testBucket, "p/"+tempPrefix+"abc/00000", []byte("part"))
+	f.srv.put(testBucket, "p/d/"+tempPrefix+"x", []byte("part"))
 	assert.Equal(t, []string{"d/real"}, listAll(t, s))
 	objs, prefixes, err := s.List(context.Background(), "", "/")
 	require.NoError(t, err)
@@ -399,10 +395,8 @@ func TestGCSBackupRoundTrip(t *testing.T) {
 
 func assertNoTemporaryObjects(t *testing.T, f *fakeGCS) {
 	t.Helper()
-	objs, _, err := f.srv.ListObjectsWithOptions(testBucket, fakestorage.ListOptions{})
-	require.NoError(t, err)
-	for _, o := range objs {
-		assert.NotContains(t, o.Name, tempPrefix, "temporary object left behind")
+	for _, name := range f.srv.names(testBucket) {
+		assert.NotContains(t, name, tempPrefix, "temporary object left behind")
 	}
 }
 
@@ -478,7 +472,7 @@ func newTestRealGCS(t *testing.T) ObjectStore {
 	return s
 }
 
-// TestBackupsOnGCSFake runs the Backups and registry tests that do not reach
+// TestBackupsOnGCSFake runs the Backups tests that do not reach
 // into file:// internals against the emulator.
 func TestBackupsOnGCSFake(t *testing.T) {
 	for _, tc := range []struct {
@@ -499,39 +493,8 @@ func TestBackupsOnGCSFake(t *testing.T) {
 		{"UploadRejectsBadRequests", TestUploadRejectsBadRequests},
 		{"NamesAndListOrder", TestNamesAndListOrder},
 		{"RestoreVersion", TestRestoreVersion},
-		{"RegistryRegisterAndLookup", TestRegistryRegisterAndLookup},
-		{"RegistrationFromOlderIncarnationIsSuperseded", TestRegistrationFromOlderIncarnationIsSuperseded},
-		{"RegistrationValidation", TestRegistrationValidation},
-		{"SecretTooShortIsRefused", TestSecretTooShortIsRefused},
-		{"SecretLostRaceReturnsWinners", TestSecretLostRaceReturnsWinners},
 	} {
 		runOnStore(t, tc.name, newTestFakeGCS, tc.test)
-	}
-}
-
-// TestGCSSecretEnsureConcurrent: agents with their own stores (own clients'
-// limiters, as on different machines) race to create the secret; all get
-// the winner's.
-func TestGCSSecretEnsureConcurrent(t *testing.T) {
-	f := newFakeGCS(t)
-	const agents = 8
-	secrets := make([][]byte, agents)
-	errs := make([]error, agents)
-	var wg sync.WaitGroup
-	start := make(chan struct{})
-	for i := range agents {
-		s := f.store(t, "shared", testGCSOptions())
-		wg.Go(func() {
-			<-start
-			secrets[i], errs[i] = EnsureSecret(context.Background(), s, testJob)
-		})
-	}
-	close(start)
-	wg.Wait()
-	for i := range agents {
-		require.NoError(t, errs[i], "agent %d", i)
-		assert.Len(t, secrets[i], SecretSize, "agent %d", i)
-		assert.Equal(t, secrets[0], secrets[i], "agent %d got the winner's secret", i)
 	}
 }
 
@@ -539,11 +502,10 @@ func TestGCSSecretEnsureConcurrent(t *testing.T) {
 // first use, honouring STORAGE_EMULATOR_HOST (and reading through the JSON
 // API, which the emulator needs).
 func TestOpenGSWithEmulatorEnv(t *testing.T) {
-	srv, err := fakestorage.NewServerWithOptions(fakestorage.Options{Scheme: "http", Host: "127.0.0.1"})
-	require.NoError(t, err)
-	t.Cleanup(srv.Stop)
-	srv.CreateBucket("env-bucket")
-	t.Setenv("STORAGE_EMULATOR_HOST", strings.TrimPrefix(srv.URL(), "http://"))
+	srv := newGCSFake("env-bucket")
+	ts := httptest.NewServer(srv)
+	t.Cleanup(ts.Close)
+	t.Setenv("STORAGE_EMULATOR_HOST", strings.TrimPrefix(ts.URL, "http://"))
 	resetShared := func() {
 		sharedClient.mu.Lock()
 		defer sharedClient.mu.Unlock()
@@ -560,9 +522,9 @@ func TestOpenGSWithEmulatorEnv(t *testing.T) {
 	put(t, s, "a/b", "through the environment")
 	assert.Equal(t, "through the environment", readRange(t, s, "a/b", 0, -1))
 	assert.Equal(t, "ough", readRange(t, s, "a/b", 3, 4))
-	obj, err := srv.GetObject("env-bucket", "some/prefix/a/b")
-	require.NoError(t, err)
-	assert.Equal(t, "through the environment", string(obj.Content))
+	obj, ok := srv.object("env-bucket", "some/prefix/a/b")
+	require.True(t, ok)
+	assert.Equal(t, "through the environment", string(obj))
 }
 
 // TestGCSNoGoroutineLeak: transfers that succeed, fail on the source, stall

@@ -5,10 +5,10 @@
 // the next rank and backup-interval-minutes 60 (no backup during the run). A plain Go TCP copy
 // of the same number of bytes on loopback is measured in the same run as the baseline.
 //
-// Run it as root from the module root, after building the agent:
+// Run it as root in bench/ (a module of its own), after building the agent (make build in the
+// repository root):
 //
-//	go build -o bin/mtcfs ./cmd/mtcfs
-//	go run ./bench/clusterbench -mtcfs bin/mtcfs -out bench/RESULTS.md
+//	go run ./clusterbench -mtcfs ../bin/mtcfs -out RESULTS.md
 //
 // Each repetition starts three fresh agents on fresh spools with a new job and backup
 // directory, and then:
@@ -72,7 +72,7 @@ type config struct {
 func main() {
 	var cfg config
 	var fileMiB int
-	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "bin/mtcfs", "mtcfs binary to benchmark (build it with: go build -o bin/mtcfs ./cmd/mtcfs)")
+	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "../bin/mtcfs", "mtcfs binary to benchmark (build it with make build in the repository root)")
 	flag.StringVar(&cfg.out, "out", "", "Markdown file whose clusterbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
 	flag.StringVar(&cfg.workDir, "workdir", os.TempDir(), "directory for mount points, spools and the shared backup location")
 	flag.IntVar(&cfg.reps, "reps", 3, "repetitions (at least 3)")

@@ -46,7 +46,7 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 	}
 
 	w("%s\n## Three-node job (clusterbench), latest run: %s\n\n", resultsSection.Begin(), env.Date.Format("2006-01-02 15:04 MST"))
-	w("- Command (as root, from the module root): `%s`\n", env.Command)
+	w("- Command (as root, in bench/): `%s`\n", env.Command)
 	w("- mtcfs: %s; three agents on 127.0.0.1, each `--memory %s --listen 127.0.0.1:0 --backup file://<shared dir>`, default passthrough\n", env.MTCFS, cfg.memory)
 	w("- Machine: %s\n", env.Machine)
 	w("- CPU competition: %s.\n", env.CPU)

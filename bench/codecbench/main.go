@@ -2,9 +2,9 @@
 // training run (planecodec/testdata, made by planecodec/testdata/gen.py), on random bytes and on
 // already compressed bytes, against plain zstd of the same chunks, in one run.
 //
-// Run it from the module root (no root needed):
+// Run it in bench/ (a module of its own; no root needed):
 //
-//	go run ./bench/codecbench -out bench/RESULTS.md
+//	go run ./codecbench -out RESULTS.md
 //
 // It takes under a minute on 2 CPUs. Without -out it only prints.
 //
@@ -64,7 +64,7 @@ func main() {
 	var cfg config
 	var chunkKiB int
 	flag.StringVar(&cfg.out, "out", "", "Markdown file whose codecbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
-	flag.StringVar(&cfg.testdata, "testdata", "planecodec/testdata", "directory of the training data (gen.py's output)")
+	flag.StringVar(&cfg.testdata, "testdata", "../planecodec/testdata", "directory of the training data (gen.py's output)")
 	flag.IntVar(&chunkKiB, "chunk-kib", 1024, "chunk length in KiB")
 	flag.IntVar(&cfg.reps, "reps", 7, "measured rounds of the speed measurements (at least 3)")
 	flag.DurationVar(&cfg.minTime, "min-time", 100*time.Millisecond, "least time of one speed sample")
@@ -599,7 +599,7 @@ func report(cfg config, env benchkit.Environment, took time.Duration, sizes []si
 	var b strings.Builder
 	w := func(format string, args ...any) { fmt.Fprintf(&b, format, args...) }
 	w("%s\n## Chunk codec (codecbench), latest run: %s\n\n", section.Begin(), env.Date.Format("2006-01-02 15:04 MST"))
-	w("- Command (from the module root): `%s`\n", env.Command)
+	w("- Command (in bench/): `%s`\n", env.Command)
 	w("- Machine: %s\n", env.Machine)
 	w("- CPU competition: %s.\n", env.CPU)
 	w("- Data: `planecodec/testdata` (a byte-level GPT trained 300 steps with AdamW by `gen.py`; its README has the details), 8 MiB of random bytes, and zstd output (SpeedBetterCompression, literals entropy coded) of the fp32 weights and moments. Chunks of %s, each encoded on its own; every encoded chunk was checked to decode to the original. The run took %s.\n\n",

@@ -6,10 +6,10 @@
 // `make test` runs the short version of the same scenarios (cmd/mtcfs TestCrashConsistency);
 // both drive internal/crashsim, so the scenarios, the kill moments and the checks are one code.
 //
-// Run it as root from the module root, after building the agent:
+// Run it as root in bench/ (a module of its own), after building the agent (make build in the
+// repository root):
 //
-//	go build -o bin/mtcfs ./cmd/mtcfs
-//	go run ./bench/crashbench -mtcfs bin/mtcfs -out bench/RESULTS.md
+//	go run ./crashbench -mtcfs ../bin/mtcfs -out RESULTS.md
 //
 // It takes about half an hour on 2 CPUs for 200 kills (a backup is due at most once a UTC
 // minute per job, and a mid-backup kill waits for one) and needs about 3 GiB of free RAM.
@@ -44,7 +44,7 @@ var resultsSection = benchkit.Section{
 }
 
 func main() {
-	bin := flag.String("mtcfs", "bin/mtcfs", "mtcfs binary (build it with: go build -o bin/mtcfs ./cmd/mtcfs)")
+	bin := flag.String("mtcfs", "../bin/mtcfs", "mtcfs binary (build it with make build in the repository root)")
 	out := flag.String("out", "", "Markdown file whose crashbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
 	kills := flag.Int("kills", 200, "kill at least this many agents")
 	seed := flag.Uint64("seed", 0, "seed of the decision sequence (0: from the clock); MTCFS_SEED=n in the test replays the same decisions at the short scale")
@@ -143,7 +143,7 @@ func render(env benchkit.Environment, rep *crashsim.Report, sc crashsim.Scale, l
 	w := func(format string, args ...any) { fmt.Fprintf(&b, format, args...) }
 	viol := rep.Violations()
 	w("%s\n## Crash consistency (crashbench), latest run: %s\n\n", resultsSection.Begin(), env.Date.Format("2006-01-02 15:04 MST"))
-	w("- Command (as root, from the module root): `%s`\n", env.Command)
+	w("- Command (as root, in bench/): `%s`\n", env.Command)
 	w("- mtcfs: %s; agents `--memory %s --http 127.0.0.1:0 --listen 127.0.0.1:0 --backup file://<per-job dir>`, default passthrough\n", env.MTCFS, sc.Memory)
 	w("- Machine: %s\n", env.Machine)
 	w("- CPU competition: %s.\n", env.CPU)

@@ -1,9 +1,9 @@
 // Command fsbench measures mtcfs against plain tmpfs, side by side in one run.
 //
-// Run it as root from the module root, after building the agent:
+// Run it as root in bench/ (a module of its own), after building the agent (make build in the
+// repository root):
 //
-//	go build -o bin/mtcfs ./cmd/mtcfs
-//	go run ./bench/fsbench -mtcfs bin/mtcfs -out bench/RESULTS.md
+//	go run ./fsbench -mtcfs ../bin/mtcfs -out RESULTS.md
 //
 // (make bench runs the same.) It mounts three targets under a temporary directory: a dedicated
 // tmpfs (size=4g), an mtcfs agent with --passthrough on and one with --passthrough off, each
@@ -51,7 +51,7 @@ type config struct {
 func main() {
 	var cfg config
 	var fileMiB, smallKiB int
-	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "bin/mtcfs", "mtcfs binary to benchmark (build it with: go build -o bin/mtcfs ./cmd/mtcfs)")
+	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "../bin/mtcfs", "mtcfs binary to benchmark (build it with make build in the repository root)")
 	flag.StringVar(&cfg.out, "out", "", "Markdown file whose generated section receives the results, e.g. bench/RESULTS.md (default: print only)")
 	flag.StringVar(&cfg.workDir, "workdir", os.TempDir(), "directory for the temporary mount points and spools")
 	flag.IntVar(&cfg.reps, "reps", 5, "measured rounds per workload (medians are reported; at least 3)")

@@ -76,7 +76,7 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 	var b strings.Builder
 	w := func(format string, args ...any) { fmt.Fprintf(&b, format, args...) }
 	w("%s\n## Latest run: %s\n\n", resultsSection.Begin(), env.Date.Format("2006-01-02 15:04 MST"))
-	w("- Command (as root, from the module root): `%s`\n", env.Command)
+	w("- Command (as root, in bench/): `%s`\n", env.Command)
 	w("- mtcfs: %s; agents run with `--memory %s`, baseline tmpfs mounted with `size=%s`\n", env.MTCFS, agentMemory, tmpfsSize)
 	w("- Machine: %s\n", env.Machine)
 	w("- CPU competition: %s.\n", env.CPU)

@@ -3,9 +3,9 @@
 // checked — against a naive single-stream copy with the same client library, one file after
 // another, in one run against one in-process fake-gcs-server.
 //
-// Run it from the module root (no root needed):
+// Run it in bench/ (a module of its own; no root needed):
 //
-//	go run ./bench/gcsbench -out bench/RESULTS.md
+//	go run ./gcsbench -out RESULTS.md
 //
 // It takes about 7 minutes on 2 CPUs (plus about 4 for the capped link; measured 2026-11-29) and needs about 6 GiB of free RAM (the emulator keeps
 // objects in memory). Without -out it only prints.
@@ -553,7 +553,7 @@ func renderSection(cfg config, env benchkit.Environment, raw, linked *scenario) 
 	var sb strings.Builder
 	w := func(format string, args ...any) { fmt.Fprintf(&sb, format, args...) }
 	w("%s\n## GCS backup store (gcsbench), latest run: %s\n\n", sec.Begin(), env.Date.Format("2006-01-02 15:04 MST"))
-	w("- Command (from the module root): `%s`\n", env.Command)
+	w("- Command (in bench/): `%s`\n", env.Command)
 	w("- Step: one %s file + %d × %s = %s of random bytes on tmpfs (`%s`); one in-process fake-gcs-server v1.56.1 (memory backend) on 127.0.0.1 for both sides; one storage.Client (JSON API).\n",
 		benchkit.FormatBytes(cfg.bigSize), cfg.files, benchkit.FormatBytes(cfg.fileSize), benchkit.FormatBytes(raw.stepBytes), cfg.shm)
 	w("- Machine: %s\n", env.Machine)

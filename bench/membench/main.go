@@ -4,7 +4,9 @@
 // written, and once the step is committed and sealed. The checkpoint bytes themselves live in the
 // tmpfs spool and are not counted by either.
 //
-//	go run ./bench/membench -mtcfs bin/mtcfs -out bench/RESULTS.md
+// Run it as root in bench/ (a module of its own), after make build in the repository root:
+//
+//	go run ./membench -mtcfs ../bin/mtcfs -out RESULTS.md
 package main
 
 import (
@@ -24,10 +26,10 @@ import (
 	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
 )
 
-var section = benchkit.Section{Name: "membench", Note: "written by go run ./bench/membench"}
+var section = benchkit.Section{Name: "membench", Note: "written by go run ./membench"}
 
 func main() {
-	bin := flag.String("mtcfs", "bin/mtcfs", "the mtcfs binary")
+	bin := flag.String("mtcfs", "../bin/mtcfs", "the mtcfs binary (make build in the repository root)")
 	counts := flag.String("files", "10000,100000", "comma-separated numbers of files per run")
 	size := flag.Int("size", 4096, "bytes per file")
 	out := flag.String("out", "", "update this results file (e.g. bench/RESULTS.md)")
@@ -75,7 +77,7 @@ func run(ctx context.Context, binPath, counts string, size int, out string) erro
 	env.CPU = cpu.OthersSummary(benchkit.CPUWording{Span: "the run", Us: "membench and the agents"})
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s\n## The agent's own memory per file (membench): %s\n\n", section.Begin(), env.Date.Format("2006-01-02 15:04 MST"))
-	fmt.Fprintf(&b, "- Command (as root, from the module root): `%s`\n- mtcfs: %s\n- Machine: %s\n- CPU competition: %s.\n\n", env.Command, env.MTCFS, env.Machine, env.CPU)
+	fmt.Fprintf(&b, "- Command (as root, in bench/): `%s`\n- mtcfs: %s\n- Machine: %s\n- CPU competition: %s.\n\n", env.Command, env.MTCFS, env.Machine, env.CPU)
 	fmt.Fprintf(&b, "An agent serves one step of N files of %d bytes written through the mount (100 directories), then the step is committed and sealed. RSS is the agent's VmRSS; heap is `go_memstats_heap_inuse_bytes`. The files' bytes live in the tmpfs spool and are in neither.\n\n", size)
 	b.WriteString("| files | RSS before | RSS written | RSS sealed | heap before | heap written | heap sealed | RSS per file | heap per file | write | commit rename | commit → .meta |\n|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, s := range samples {

@@ -3,9 +3,9 @@
 // BLAKE3-verified before it is accepted — against a plain Go TCP sender and receiver copying the
 // same bytes with no checks, in one run.
 //
-// Run it from the module root (no root needed):
+// Run it in bench/ (a module of its own; no root needed):
 //
-//	go run ./bench/peerbench -out bench/RESULTS.md
+//	go run ./peerbench -out RESULTS.md
 //
 // It takes about two minutes on 2 CPUs and needs about 3 GiB of free space in -shm. Without -out
 // it only prints.

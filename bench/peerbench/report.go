@@ -32,7 +32,7 @@ func renderSection(cfg config, env benchkit.Environment, treeBytes int64, varian
 	base := goodput("tcp1")
 
 	w("%s\n## Peer transfer (replication): latest run %s\n\n", sec.Begin(), env.Date.Format("2006-01-02 15:04 MST"))
-	w("- Command (from the module root): `%s`\n", env.Command)
+	w("- Command (in bench/): `%s`\n", env.Command)
 	w("- Tree: %d files × %s = %s of random bytes on tmpfs (`%s`); sender and receiver in one process over 127.0.0.1, writing to the same tmpfs.\n",
 		cfg.files, benchkit.FormatBytes(cfg.fileSize), benchkit.FormatBytes(treeBytes), cfg.shm)
 	w("- Machine: %s\n", env.Machine)

@@ -2,10 +2,10 @@
 // committed step, and backing it up — side by side with what the machine does without mtcfs,
 // in one run.
 //
-// Run it as root from the module root, after building the agent:
+// Run it as root in bench/ (a module of its own), after building the agent (make build in the
+// repository root):
 //
-//	go build -o bin/mtcfs ./cmd/mtcfs
-//	go run ./bench/replbench -mtcfs bin/mtcfs -out bench/RESULTS.md
+//	go run ./replbench -mtcfs ../bin/mtcfs -out RESULTS.md
 //
 // It takes one to two minutes on 2 CPUs and needs about 6 GiB of free RAM and 2 GiB of free disk
 // where -workdir lives (backups and copies go there). Without -out it only prints.
@@ -73,7 +73,7 @@ type config struct {
 func main() {
 	var cfg config
 	var fileMiB int
-	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "bin/mtcfs", "mtcfs binary to benchmark (build it with: go build -o bin/mtcfs ./cmd/mtcfs)")
+	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "../bin/mtcfs", "mtcfs binary to benchmark (build it with make build in the repository root)")
 	flag.StringVar(&cfg.out, "out", "", "Markdown file whose replbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
 	flag.StringVar(&cfg.workDir, "workdir", os.TempDir(), "directory (on disk) for mount points, spools, backups and cp -r copies")
 	flag.StringVar(&cfg.shmDir, "shm", "/dev/shm", "plain tmpfs holding the source tree (the read baseline and cp -r's source)")

@@ -69,7 +69,7 @@ func renderSection(cfg config, env environment, res *results, treeBytes int64) s
 	size := benchkit.FormatBytes(treeBytes)
 	shape := fmt.Sprintf("%d × %s", cfg.files, benchkit.FormatBytes(cfg.fileSize))
 	w("%s\n## Checkpoint path (replbench), latest run: %s\n\n", resultsSection.Begin(), env.Date.Format("2006-01-02 15:04 MST"))
-	w("- Command (as root, from the module root): `%s`\n", env.Command)
+	w("- Command (as root, in bench/): `%s`\n", env.Command)
 	w("- mtcfs: %s; agents run with `--memory %s`, `--http 127.0.0.1:0`, default passthrough (auto)\n", env.MTCFS, cfg.memory)
 	w("- Machine: %s\n", env.Machine)
 	w("- Storage: %s\n", env.storage)

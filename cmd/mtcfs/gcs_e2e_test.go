@@ -20,13 +20,18 @@ import (
 	"github.com/mtcfs/mtcfs/internal/jobsim"
 )
 
+// fakeGCSVersion is the fake-gcs-server release the end-to-end test runs; the agent's module does
+// not require the emulator, and bench/go.mod pins the same version for gcsbench.
+const fakeGCSVersion = "v1.56.1"
+
 var (
 	fakeGCSOnce sync.Once
 	fakeGCSBin  string
 	fakeGCSErr  error
 )
 
-// fakeGCSBinary builds the fake-gcs-server emulator (the version go.mod pins) once per run.
+// fakeGCSBinary builds the fake-gcs-server emulator (fakeGCSVersion, with the versions of its own
+// go.mod: go install pkg@version) once per run.
 func fakeGCSBinary(t *testing.T) string {
 	t.Helper()
 	fakeGCSOnce.Do(func() {
@@ -35,11 +40,13 @@ func fakeGCSBinary(t *testing.T) string {
 			fakeGCSErr = err
 			return
 		}
-		fakeGCSBin = filepath.Join(dir, "fake-gcs-server")
-		out, err := exec.Command("go", "build", "-o", fakeGCSBin, "github.com/fsouza/fake-gcs-server").CombinedOutput()
-		if err != nil {
-			fakeGCSErr = fmt.Errorf("go build fake-gcs-server: %v\n%s", err, out)
+		cmd := exec.Command("go", "install", "github.com/fsouza/fake-gcs-server@"+fakeGCSVersion)
+		cmd.Env = append(os.Environ(), "GOBIN="+dir)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			fakeGCSErr = fmt.Errorf("go install fake-gcs-server@%s: %v\n%s", fakeGCSVersion, err, out)
+			return
 		}
+		fakeGCSBin = filepath.Join(dir, "fake-gcs-server")
 	})
 	require.NoError(t, fakeGCSErr)
 	return fakeGCSBin

@@ -22,7 +22,7 @@ func AgentBinary(path string) (string, error) {
 		return "", err
 	}
 	if _, err := os.Stat(bin); err != nil {
-		return "", fmt.Errorf("mtcfs binary: %w (build it first: go build -o bin/mtcfs ./cmd/mtcfs)", err)
+		return "", fmt.Errorf("mtcfs binary: %w (build it first: make build in the repository root)", err)
 	}
 	return bin, nil
 }

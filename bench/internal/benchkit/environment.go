@@ -41,7 +41,7 @@ func DescribeEnvironment(prog, bin string) Environment {
 func commandLine(prog string) string {
 	name := os.Args[0]
 	if strings.Contains(name, "go-build") {
-		name = "go run ./bench/" + prog
+		name = "go run ./" + prog
 	}
 	parts := []string{name}
 	for _, a := range os.Args[1:] {
