@@ -16,19 +16,17 @@ package layout
 // Merkle tree, the result is still the plain BLAKE3 of the whole file, whatever
 // the segment size or the number of cores.
 //
-// Why BLAKE3 through lukechampine.com/blake3/guts: measured with the
-// BenchmarkHash* benchmarks (2-core Xeon with AVX-512 and SHA-NI, 256 MiB on
-// tmpfs, pread + hash, MB/s with one goroutine / two segments in parallel):
-// pread alone 6900-7500 / 11000-12000; this code 3100-3200 / 5400-5900;
-// zeebo/blake3 (AVX2 only, and no subtree API, so segments would change the
-// digest) 2600 / 4750; SHA-256 1550 / 2900; xxh3-128 (zeebo/xxh3, measured
-// apart) 5000 / 9100. Hashing a whole 1 GiB file after
-// its commit thus costs ~1.3x one plain read of it, the best of the 256-bit
-// hashes; hashing each file when it is closed is what takes that off the
-// commit path. xxh3 is faster, but it is a 128-bit non-cryptographic hash, and
-// widening it to the 256 bits a name promises would only be padding. Reads
-// use 256 KiB buffers: the buffer then stays in the core's L2 cache between
-// the copy and the hash, measured ~15% faster than 1 MiB or 4 MiB buffers.
+// Why BLAKE3 through lukechampine.com/blake3/guts: its subtree API lets the
+// segments of one file be hashed on several cores and still give the plain
+// BLAKE3 digest, and its SIMD kernels make hashing a file cost little more
+// than reading it, the cheapest of the 256-bit hashes compared
+// (BenchmarkHashFile and BenchmarkHashCandidates measure it against SHA-256
+// and the library's own streaming hasher). Hashing
+// each file when it is closed takes even that off the commit path. A faster
+// 128-bit non-cryptographic hash (xxh3) was rejected: widening it to the 256
+// bits a name promises would only be padding. Reads use 256 KiB buffers
+// (hashBufSize), which stay in the core's L2 cache between the copy and the
+// hash.
 //
 // What the hash covers: for every entry below the root, its path relative to
 // the root (slash-separated), its type (regular file, directory, symlink), and
