@@ -246,7 +246,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 				return nil, fmt.Errorf("resize spool tmpfs at %s to %s: %w (is more already in use?)", cfg.Dir, FormatSize(cfg.Budget), err)
 			}
 		} else {
-			if err := unix.Mount("mtcfs-spool", cfg.Dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+			if err := unix.Mount(spoolTmpfsSource, cfg.Dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 				s.unlock()
 				return nil, fmt.Errorf("mount spool tmpfs at %s: %w", cfg.Dir, err)
 			}

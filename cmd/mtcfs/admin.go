@@ -7,7 +7,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"net/http"
 	"os"
 	"sort"
 	"strings"
@@ -15,9 +14,16 @@ import (
 	"time"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
+	"github.com/mtcfs/mtcfs/internal/agents"
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
+
+// statusReply is the /status document.
+type statusReply struct {
+	agents.Info
+	tiers.Status
+}
 
 // cmdStatus prints what the local agents (or the one at --http) hold and do.
 func cmdStatus(args []string) int {
@@ -33,17 +39,17 @@ func cmdStatus(args []string) int {
 	}
 	addrs := []string{*addr}
 	if *addr == "" {
-		agents, err := localAgents()
+		list, err := agents.Local()
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "mtcfs status:", err)
 			return 1
 		}
-		if len(agents) == 0 {
+		if len(list) == 0 {
 			fmt.Fprintln(os.Stderr, "mtcfs status: no mtcfs agent is running on this machine (start one with mtcfs mount DIR, or pass --http HOST:PORT)")
 			return 1
 		}
 		addrs = addrs[:0]
-		for _, a := range agents {
+		for _, a := range list {
 			if len(pos) == 1 {
 				if tiers.ResolveMountPath(pos[0]) != a.Dir { // agents register the resolved path
 					continue
@@ -59,7 +65,7 @@ func cmdStatus(args []string) int {
 	var replies []json.RawMessage
 	code := 0
 	for _, a := range addrs {
-		body, err := fetchStatus(a)
+		body, err := agents.FetchStatus(a)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "mtcfs status: agent at %s: %v\n", a, err)
 			code = 1
@@ -82,23 +88,6 @@ func cmdStatus(args []string) int {
 		printStatus(os.Stdout, st)
 	}
 	return code
-}
-
-func fetchStatus(addr string) (json.RawMessage, error) {
-	c := http.Client{Timeout: 5 * time.Second}
-	resp, err := c.Get("http://" + addr + "/status")
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return nil, err
-	}
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(body)))
-	}
-	return body, nil
 }
 
 func printStatus(w io.Writer, st statusReply) {

@@ -30,6 +30,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mtcfs/mtcfs/internal/jobsim"
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // TestGuaranteeSealedDataIsImmutable replays observation 1 of issue 9: "Appending to a file
@@ -585,7 +586,7 @@ func TestGuaranteeKeptSpoolsAreOwned(t *testing.T) {
 	require.NoError(t, os.Remove(n.dir))
 	s, ok = findSpool(spoolList(t), n.spool)
 	if ok { // else an agent started meanwhile on this machine reaped it: just as good
-		assert.Equal(t, mountGone, s.MountState)
+		assert.Equal(t, tiers.MountGone, s.MountState)
 	}
 	require.NoError(t, os.Mkdir(n.dir, 0o755))
 	b := n.start(t)
@@ -619,7 +620,7 @@ func TestGuaranteeKeptSpoolsAreOwned(t *testing.T) {
 	require.True(t, ok, "mtcfs spool list does not show the kept spool %s", n.spool)
 	assert.Equal(t, "new", s.Job)
 	assert.Equal(t, []int64{10}, s.Steps)
-	assert.Equal(t, mountExists, s.MountState)
+	assert.Equal(t, tiers.MountExists, s.MountState)
 	out, code := runMtcfs(t, "spool", "free", n.dir)
 	require.Equal(t, 0, code, "%s", out)
 	assert.Contains(t, out, "freed spool "+n.spool)

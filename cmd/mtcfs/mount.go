@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -19,6 +17,7 @@ import (
 
 	mfs "github.com/mtcfs/mtcfs/fs"
 	"github.com/mtcfs/mtcfs/gcsbackend"
+	"github.com/mtcfs/mtcfs/internal/agents"
 	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
 	"github.com/prometheus/client_golang/prometheus"
@@ -166,16 +165,16 @@ func cmdMount(args []string) int {
 	if cfg.passthrough, err = mfs.ParsePassthroughMode(*passthrough); err != nil {
 		return flagError(fset, err)
 	}
-	limits := readMemoryLimits("/proc/self/cgroup", "/sys/fs/cgroup")
+	limits := tiers.ReadMemoryLimits("/proc/self/cgroup", "/sys/fs/cgroup")
 	if *memory == "" {
-		cfg.budget = limits.defaultBudget()
+		cfg.budget = limits.DefaultBudget()
 	} else if cfg.budget, err = tiers.ParseSize(*memory); err != nil {
 		return flagError(fset, fmt.Errorf("--memory: %w", err))
 	}
-	if err := limits.checkBudget(cfg.budget); err != nil {
+	if err := limits.CheckBudget(cfg.budget); err != nil {
 		return flagError(fset, err)
 	}
-	if limit, why, err := goMemoryLimit(*goMem, cfg.budget, limits); err != nil {
+	if limit, why, err := limits.SetGoMemoryLimit(*goMem, cfg.budget); err != nil {
 		return flagError(fset, err)
 	} else if limit > 0 {
 		slog.Info("Go memory limit", "limit", tiers.FormatSize(limit), "from", why)
@@ -238,12 +237,12 @@ func runMount(cfg mountConfig) error {
 	if abs, err := filepath.Abs(cfg.spoolDir); err == nil {
 		cfg.spoolDir = abs
 	}
-	reapOrphanedSpools(cfg.spoolDir)
+	localSpools.ReapOrphaned(cfg.spoolDir, slog.Default())
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: cfg.spoolDir, Budget: cfg.budget, MountTmpfs: os.Geteuid() == 0, MountPath: cfg.dir})
 	if err != nil {
 		return err
 	}
-	defer releaseSpool(spool)
+	defer spool.Release(slog.Default())
 
 	store := gcsbackend.TierStore(backups)
 	secret, err := readSecretFile(cfg.secretFile)
@@ -267,14 +266,14 @@ func runMount(cfg mountConfig) error {
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
 		DrainTimeout: cfg.drain, Registerer: metrics})
 	var ready atomic.Bool
-	info := agentInfo{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
-	var shown atomic.Pointer[agentInfo] // what /status shows; info is completed below
-	shown.Store(&agentInfo{PID: info.PID, Version: info.Version})
+	info := agents.Info{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
+	var shown atomic.Pointer[agents.Info] // what /status shows; info is completed below
+	shown.Store(&agents.Info{PID: info.PID, Version: info.Version})
 	if cfg.httpAddr != "" {
-		addr, stop, err := serveHTTP(cfg.httpAddr, &ready, func() any { return statusReply{agentInfo: *shown.Load(), Status: rep.Status()} },
-			promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}))
+		addr, stop, err := agents.Serve(cfg.httpAddr, &ready, func() any { return statusReply{Info: *shown.Load(), Status: rep.Status()} },
+			promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}), slog.Default())
 		if err != nil {
-			return err
+			return fmt.Errorf("--http %s: %w", cfg.httpAddr, err)
 		}
 		defer stop()
 		info.HTTP = addr
@@ -299,7 +298,7 @@ func runMount(cfg mountConfig) error {
 		return err
 	}
 	defer node.Close()
-	unregister := registerAgent(info)
+	unregister := agents.Register(info)
 	defer unregister()
 	ready.Store(true)
 	slog.Info("serving; stop with SIGINT or SIGTERM", "dir", srv.Dir(), "backup", store.String(), "version", version)
@@ -334,84 +333,4 @@ func unmountBounded(srv *mfs.Server, sigs <-chan os.Signal) error {
 	case <-time.After(30 * time.Second):
 		return errors.New("unmount did not finish within 30s")
 	}
-}
-
-// releaseSpool keeps the spool for the next agent when it holds committed checkpoints (so a
-// restarted agent restores from RAM), and frees it otherwise — also when its mount directory is
-// gone, since no agent would ever adopt it then.
-func releaseSpool(spool *tiers.Spool) {
-	metas, _ := os.ReadDir(filepath.Join(spool.Dir(), "meta"))
-	pending := pendingCommits(spool.Dir())
-	mountPath := spool.Owner().MountPath
-	if len(metas)+pending > 0 {
-		state := mountExists
-		if mountPath != "" {
-			state = mountPathState(mountPath)
-		}
-		if state == mountExists {
-			spool.Detach()
-			target := mountPath
-			if target == "" {
-				target = spool.Dir()
-			}
-			slog.Info("spool kept for the next agent on this mount: it holds committed checkpoints; free it with: mtcfs spool free "+shellQuote(target),
-				"spool", spool.Dir(), "mount", mountPath, "metas", len(metas), "unsealed_commits", pending)
-			return
-		}
-		slog.Warn("freeing the spool although it holds committed checkpoints: its mount directory is "+state+", so no agent would adopt them",
-			"spool", spool.Dir(), "mount", mountPath, "metas", len(metas))
-	}
-	if err := spool.Close(); err != nil {
-		slog.Error("release spool", "err", err)
-	}
-}
-
-// shellQuote quotes p for a command line a user copies, when it needs quoting.
-func shellQuote(p string) string {
-	if p != "" && strings.Trim(p, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-+=,:@") == "" {
-		return p
-	}
-	return "'" + strings.ReplaceAll(p, "'", `'\''`) + "'"
-}
-
-// pendingCommits counts the commit records (spool/commits/*/commit.json) not yet turned into a
-// .meta: a commit that returned to the job must survive the stop as well.
-func pendingCommits(spoolDir string) int {
-	recs, _ := filepath.Glob(filepath.Join(spoolDir, "commits", "*", "commit.json"))
-	return len(recs)
-}
-
-// serveHTTP serves /livez (the process runs), /readyz (the filesystem is mounted), /status
-// (JSON for mtcfs status) and /metrics (Prometheus). It returns the address it listens on.
-func serveHTTP(addr string, ready *atomic.Bool, status func() any, metrics http.Handler) (string, func(), error) {
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return "", nil, fmt.Errorf("--http %s: %w", addr, err)
-	}
-	mux := http.NewServeMux()
-	mux.HandleFunc("/livez", func(w http.ResponseWriter, r *http.Request) {
-		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
-		if !ready.Load() {
-			http.Error(w, "not mounted", http.StatusServiceUnavailable)
-			return
-		}
-		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("/status", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		enc := json.NewEncoder(w)
-		enc.SetIndent("", "  ")
-		enc.Encode(status())
-	})
-	mux.Handle("/metrics", metrics)
-	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go hs.Serve(ln)
-	slog.Info("http endpoints", "addr", ln.Addr().String(), "paths", "/livez /readyz /status /metrics")
-	return ln.Addr().String(), func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		defer cancel()
-		hs.Shutdown(ctx)
-	}, nil
 }

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mtcfs/mtcfs/internal/agents"
+	"github.com/mtcfs/mtcfs/tiers"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -37,22 +39,22 @@ func keptSpoolNode(t *testing.T, job string) (repNode, *agent) {
 }
 
 // spoolList runs mtcfs spool list --json.
-func spoolList(t *testing.T) []spoolInfo {
+func spoolList(t *testing.T) []tiers.SpoolInfo {
 	t.Helper()
 	out, code := runMtcfs(t, "spool", "list", "--json")
 	require.Equal(t, 0, code, "spool list: %s", out)
-	var list []spoolInfo
+	var list []tiers.SpoolInfo
 	require.NoError(t, json.Unmarshal([]byte(out), &list), "spool list --json printed %s", out)
 	return list
 }
 
-func findSpool(list []spoolInfo, dir string) (spoolInfo, bool) {
+func findSpool(list []tiers.SpoolInfo, dir string) (tiers.SpoolInfo, bool) {
 	for _, s := range list {
 		if s.Dir == dir {
 			return s, true
 		}
 	}
-	return spoolInfo{}, false
+	return tiers.SpoolInfo{}, false
 }
 
 // TestSpoolListAndFree: a live agent's spool is listed as served and cannot be freed; after a
@@ -75,7 +77,7 @@ func TestSpoolListAndFree(t *testing.T) {
 	assert.Equal(t, n.dir, s.MountPath)
 	assert.True(t, s.InUse, "the spool of a running agent counts as in use")
 	assert.Equal(t, a.cmd.Process.Pid, s.AgentPID)
-	assert.Equal(t, mountExists, s.MountState)
+	assert.Equal(t, tiers.MountExists, s.MountState)
 	for _, p := range []string{n.dir, n.spool} {
 		out, code := runMtcfs(t, "spool", "free", p)
 		assert.Equal(t, 1, code, "free %s while its agent runs: %s", p, out)
@@ -100,7 +102,7 @@ func TestSpoolListAndFree(t *testing.T) {
 	assert.Greater(t, s.Bytes, int64(3*(96<<10)), "the step's files are in the spool")
 	assert.True(t, s.Tmpfs)
 	assert.False(t, s.InUse, "no agent serves the kept spool")
-	assert.Equal(t, mountExists, s.MountState)
+	assert.Equal(t, tiers.MountExists, s.MountState)
 	assert.True(t, s.MountExists)
 
 	text, code := runMtcfs(t, "spool", "list")
@@ -153,7 +155,7 @@ func TestSpoolFreeOrphaned(t *testing.T) {
 	for _, c := range []struct {
 		n     repNode
 		state string
-	}{{gone, mountGone}, {notDir, mountNotDir}, {kept, mountExists}, {live, mountGone}} {
+	}{{gone, tiers.MountGone}, {notDir, tiers.MountNotDir}, {kept, tiers.MountExists}, {live, tiers.MountGone}} {
 		s, ok := findSpool(list, c.n.spool)
 		require.True(t, ok, "spool %s not listed", c.n.spool)
 		assert.Equal(t, c.state, s.MountState, "mount state of %s", c.n.spool)
@@ -235,20 +237,20 @@ func TestStatusPidReuse(t *testing.T) {
 	require.NoError(t, sleep.Start())
 	t.Cleanup(func() { sleep.Process.Kill(); sleep.Wait() })
 	pid := sleep.Process.Pid
-	start, err := procStartTime(pid)
+	start, err := agents.ProcStartTime(pid)
 	require.NoError(t, err)
-	regFile := filepath.Join(agentsDir(), strconv.Itoa(pid)+".json")
+	regFile := filepath.Join(agents.Dir(), strconv.Itoa(pid)+".json")
 	t.Cleanup(func() { os.Remove(regFile) })
-	writeReg := func(info agentInfo, mtime time.Time) {
+	writeReg := func(info agents.Info, mtime time.Time) {
 		t.Helper()
 		data, err := json.Marshal(info)
 		require.NoError(t, err)
-		require.NoError(t, os.MkdirAll(agentsDir(), 0o755))
+		require.NoError(t, os.MkdirAll(agents.Dir(), 0o755))
 		require.NoError(t, os.WriteFile(regFile, data, 0o644))
 		require.NoError(t, os.Chtimes(regFile, mtime, mtime))
 	}
 	// A dead agent that served the same directory; its pid now runs sleep.
-	dead := agentInfo{PID: pid, Dir: n.dir, HTTP: "127.0.0.1:1", Version: "dev"}
+	dead := agents.Info{PID: pid, Dir: n.dir, HTTP: "127.0.0.1:1", Version: "dev"}
 	header := fmt.Sprintf("agent pid %d,", a.cmd.Process.Pid)
 
 	for _, c := range []struct {

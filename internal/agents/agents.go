@@ -1,4 +1,8 @@
-package main
+// Package agents is the registry of the mtcfs agents running on this machine: each publishes a
+// small file about itself (pid, mount, HTTP address, spool) so that `mtcfs status` and
+// `mtcfs spool` find it without flags. Files of agents that are gone — their pid is dead, or now
+// names another process — are removed by whoever lists them.
+package agents
 
 import (
 	"bytes"
@@ -11,13 +15,11 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
-// agentInfo is what a running agent publishes about itself so that `mtcfs status` finds it
-// without flags.
-type agentInfo struct {
+// Info is what a running agent publishes about itself so that `mtcfs status` and `mtcfs spool`
+// find it without flags.
+type Info struct {
 	PID         int    `json:"pid"`
 	Dir         string `json:"dir"`
 	HTTP        string `json:"http"`
@@ -29,14 +31,8 @@ type agentInfo struct {
 	StartTime uint64 `json:"start_time,omitempty"`
 }
 
-// statusReply is the /status document.
-type statusReply struct {
-	agentInfo
-	tiers.Status
-}
-
-// agentsDir holds one small file per running agent on this machine.
-func agentsDir() string {
+// Dir holds one small file per running agent on this machine.
+func Dir() string {
 	if os.Geteuid() == 0 {
 		return "/run/mtcfs/agents"
 	}
@@ -46,11 +42,13 @@ func agentsDir() string {
 	return filepath.Join(os.TempDir(), "mtcfs-"+strconv.Itoa(os.Getuid()), "agents")
 }
 
-func registerAgent(info agentInfo) (unregister func()) {
-	dir := agentsDir()
+// Register publishes info (best effort: `mtcfs status` is a convenience) until unregister is
+// called. A zero StartTime is filled in from /proc.
+func Register(info Info) (unregister func()) {
+	dir := Dir()
 	p := filepath.Join(dir, strconv.Itoa(info.PID)+".json")
 	if info.StartTime == 0 {
-		info.StartTime, _ = procStartTime(info.PID)
+		info.StartTime, _ = ProcStartTime(info.PID)
 	}
 	data, _ := json.Marshal(info)
 	if err := os.MkdirAll(dir, 0o755); err == nil {
@@ -62,28 +60,28 @@ func registerAgent(info agentInfo) (unregister func()) {
 	return func() { os.Remove(p) }
 }
 
-// localAgents lists the agents running on this machine, removing the files of agents that are
+// Local lists the agents running on this machine, removing the files of agents that are
 // gone: their pid is dead, or now names another process (pid reuse).
-func localAgents() ([]agentInfo, error) {
-	ents, err := os.ReadDir(agentsDir())
+func Local() ([]Info, error) {
+	ents, err := os.ReadDir(Dir())
 	if os.IsNotExist(err) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, err
 	}
-	var out []agentInfo
+	var out []Info
 	for _, e := range ents {
 		if !strings.HasSuffix(e.Name(), ".json") {
 			continue
 		}
-		p := filepath.Join(agentsDir(), e.Name())
+		p := filepath.Join(Dir(), e.Name())
 		data, err := os.ReadFile(p)
-		var info agentInfo
+		var info Info
 		if err != nil || json.Unmarshal(data, &info) != nil || info.PID <= 0 {
 			continue
 		}
-		if !agentAlive(info, p) {
+		if !alive(info, p) {
 			os.Remove(p)
 			continue
 		}
@@ -92,12 +90,12 @@ func localAgents() ([]agentInfo, error) {
 	return out, nil
 }
 
-// agentAlive reports whether the process that wrote the registry file p still runs.
-func agentAlive(info agentInfo, p string) bool {
+// alive reports whether the process that wrote the registry file p still runs.
+func alive(info Info, p string) bool {
 	if unix.Kill(info.PID, 0) == unix.ESRCH {
 		return false
 	}
-	start, err := procStartTime(info.PID)
+	start, err := ProcStartTime(info.PID)
 	if err != nil {
 		return !os.IsNotExist(err) // gone between the two looks; otherwise we cannot tell
 	}
@@ -122,8 +120,8 @@ func agentAlive(info agentInfo, p string) bool {
 // Go supports.
 const clockTicks = 100
 
-// procStartTime reads field 22 (starttime) of /proc/pid/stat.
-func procStartTime(pid int) (uint64, error) {
+// ProcStartTime reads field 22 (starttime) of /proc/pid/stat: with the pid, it names one process.
+func ProcStartTime(pid int) (uint64, error) {
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return 0, err
@@ -156,8 +154,4 @@ func bootTime() (time.Time, bool) {
 		}
 	}
 	return time.Time{}, false
-}
-
-func (a agentInfo) String() string {
-	return fmt.Sprintf("pid %d at %s (http %s)", a.PID, a.Dir, a.HTTP)
 }

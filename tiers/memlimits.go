@@ -1,4 +1,4 @@
-package main
+package tiers
 
 import (
 	"bufio"
@@ -11,26 +11,24 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/mtcfs/mtcfs/tiers"
 )
 
-// memoryLimits is what bounds the agent's memory: the machine's RAM and, in a container (or
-// any memory cgroup with a limit), the cgroup's limit (0: none).
-type memoryLimits struct {
-	machine int64
-	cgroup  int64
+// MemoryLimits is what bounds the agent's memory, and so the spool's budget: the machine's RAM
+// and, in a container (or any memory cgroup with a limit), the cgroup's limit (0: none).
+type MemoryLimits struct {
+	Machine int64
+	Cgroup  int64
 }
 
-// readMemoryLimits reads the machine's RAM and this process's memory cgroup limit (v2 or v1)
+// ReadMemoryLimits reads the machine's RAM and this process's memory cgroup limit (v2 or v1)
 // under the cgroup file system root (normally /sys/fs/cgroup; a parameter for tests).
-func readMemoryLimits(procSelfCgroup, cgroupRoot string) memoryLimits {
-	var l memoryLimits
+func ReadMemoryLimits(procSelfCgroup, cgroupRoot string) MemoryLimits {
+	var l MemoryLimits
 	var si unix.Sysinfo_t
 	if unix.Sysinfo(&si) == nil {
-		l.machine = int64(si.Totalram) * int64(si.Unit)
+		l.Machine = int64(si.Totalram) * int64(si.Unit)
 	}
-	l.cgroup = cgroupMemoryLimit(procSelfCgroup, cgroupRoot)
+	l.Cgroup = cgroupMemoryLimit(procSelfCgroup, cgroupRoot)
 	return l
 }
 
@@ -86,12 +84,12 @@ func readLimit(p string) (int64, bool) {
 	return n, true
 }
 
-// defaultBudget is half of what the agent may use: the machine's RAM, or the cgroup's limit
+// DefaultBudget is half of what the agent may use: the machine's RAM, or the cgroup's limit
 // when it is lower (what a default tmpfs would get, within the container's share).
-func (l memoryLimits) defaultBudget() int64 {
-	avail := l.machine
-	if l.cgroup > 0 && (avail == 0 || l.cgroup < avail) {
-		avail = l.cgroup
+func (l MemoryLimits) DefaultBudget() int64 {
+	avail := l.Machine
+	if l.Cgroup > 0 && (avail == 0 || l.Cgroup < avail) {
+		avail = l.Cgroup
 	}
 	if avail <= 0 {
 		return 1 << 30
@@ -99,24 +97,24 @@ func (l memoryLimits) defaultBudget() int64 {
 	return avail / 2
 }
 
-// checkBudget refuses a --memory the machine or the cgroup cannot hold: the tmpfs would accept
+// CheckBudget refuses a --memory the machine or the cgroup cannot hold: the tmpfs would accept
 // it, and the node (or the container) would run out of memory at the first large checkpoint.
-func (l memoryLimits) checkBudget(budget int64) error {
+func (l MemoryLimits) CheckBudget(budget int64) error {
 	switch {
-	case l.machine > 0 && budget > l.machine:
-		return fmt.Errorf("--memory %s is more than this machine's memory (%s): give at most what the node can spare for checkpoints", tiers.FormatSize(budget), tiers.FormatSize(l.machine))
-	case l.cgroup > 0 && budget > l.cgroup:
-		return fmt.Errorf("--memory %s is more than this agent's memory cgroup limit (%s, e.g. the container's memory limit): raise the limit or lower --memory", tiers.FormatSize(budget), tiers.FormatSize(l.cgroup))
+	case l.Machine > 0 && budget > l.Machine:
+		return fmt.Errorf("--memory %s is more than this machine's memory (%s): give at most what the node can spare for checkpoints", FormatSize(budget), FormatSize(l.Machine))
+	case l.Cgroup > 0 && budget > l.Cgroup:
+		return fmt.Errorf("--memory %s is more than this agent's memory cgroup limit (%s, e.g. the container's memory limit): raise the limit or lower --memory", FormatSize(budget), FormatSize(l.Cgroup))
 	}
 	return nil
 }
 
-// goMemoryLimit decides the Go runtime's soft memory limit (the heap, not the spool, which is
+// SetGoMemoryLimit decides the Go runtime's soft memory limit (the heap, not the spool, which is
 // tmpfs) from --go-memory-limit: "auto" takes 90% of what the cgroup leaves once the spool's
 // budget is counted (the spool's pages may be charged to the same cgroup), none without a cgroup
 // limit; "off" sets none; a size sets that. GOMEMLIMIT in the environment wins over all of these
 // (the runtime applied it at start). It returns the limit set (0: none) and why.
-func goMemoryLimit(flag string, budget int64, l memoryLimits) (int64, string, error) {
+func (l MemoryLimits) SetGoMemoryLimit(flag string, budget int64) (int64, string, error) {
 	if v := os.Getenv("GOMEMLIMIT"); v != "" {
 		return debug.SetMemoryLimit(-1), "GOMEMLIMIT=" + v, nil
 	}
@@ -124,18 +122,18 @@ func goMemoryLimit(flag string, budget int64, l memoryLimits) (int64, string, er
 	case "off":
 		return 0, "off", nil
 	case "auto", "":
-		if l.cgroup == 0 {
+		if l.Cgroup == 0 {
 			return 0, "no cgroup memory limit", nil
 		}
-		left := l.cgroup - budget
+		left := l.Cgroup - budget
 		if left < 64<<20 {
-			return 0, "", fmt.Errorf("the memory cgroup limit (%s) leaves less than 64MiB for the agent beside --memory %s: raise the limit or lower --memory", tiers.FormatSize(l.cgroup), tiers.FormatSize(budget))
+			return 0, "", fmt.Errorf("the memory cgroup limit (%s) leaves less than 64MiB for the agent beside --memory %s: raise the limit or lower --memory", FormatSize(l.Cgroup), FormatSize(budget))
 		}
 		limit := left / 10 * 9
 		debug.SetMemoryLimit(limit)
 		return limit, "90% of the cgroup limit left beside --memory", nil
 	}
-	n, err := tiers.ParseSize(flag)
+	n, err := ParseSize(flag)
 	if err != nil {
 		return 0, "", errors.New("--go-memory-limit: want auto, off or a size such as 512MiB")
 	}

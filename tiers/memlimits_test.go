@@ -1,4 +1,4 @@
-package main
+package tiers
 
 import (
 	"os"
@@ -52,16 +52,16 @@ func TestCgroupMemoryLimit(t *testing.T) {
 
 // --memory above what the machine or the container has is refused, saying which.
 func TestBudgetChecks(t *testing.T) {
-	l := memoryLimits{machine: 16 << 30, cgroup: 4 << 30}
-	assert.NoError(t, l.checkBudget(2<<30))
-	err := l.checkBudget(8 << 30)
+	l := MemoryLimits{Machine: 16 << 30, Cgroup: 4 << 30}
+	assert.NoError(t, l.CheckBudget(2<<30))
+	err := l.CheckBudget(8 << 30)
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "cgroup limit (4GiB")
-	err = l.checkBudget(32 << 30)
+	err = l.CheckBudget(32 << 30)
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "this machine's memory (16GiB)")
-	assert.Equal(t, int64(2<<30), l.defaultBudget(), "half of the container's limit")
-	assert.Equal(t, int64(8<<30), memoryLimits{machine: 16 << 30}.defaultBudget())
+	assert.Equal(t, int64(2<<30), l.DefaultBudget(), "half of the container's limit")
+	assert.Equal(t, int64(8<<30), MemoryLimits{Machine: 16 << 30}.DefaultBudget())
 }
 
 func TestGoMemoryLimit(t *testing.T) {
@@ -69,20 +69,20 @@ func TestGoMemoryLimit(t *testing.T) {
 		t.Skip("GOMEMLIMIT is set in the environment")
 	}
 	defer debug.SetMemoryLimit(debug.SetMemoryLimit(-1))
-	l := memoryLimits{machine: 16 << 30, cgroup: 4 << 30}
-	got, why, err := goMemoryLimit("auto", 2<<30, l)
+	l := MemoryLimits{Machine: 16 << 30, Cgroup: 4 << 30}
+	got, why, err := l.SetGoMemoryLimit("auto", 2<<30)
 	require.NoError(t, err)
 	assert.Equal(t, int64(2<<30)/10*9, got, why)
 	assert.Equal(t, got, debug.SetMemoryLimit(-1))
-	got, _, err = goMemoryLimit("auto", 2<<30, memoryLimits{machine: 16 << 30})
+	got, _, err = MemoryLimits{Machine: 16 << 30}.SetGoMemoryLimit("auto", 2<<30)
 	require.NoError(t, err)
 	assert.Zero(t, got, "no cgroup limit: none")
-	_, _, err = goMemoryLimit("auto", 4<<30-10<<20, l)
+	_, _, err = l.SetGoMemoryLimit("auto", 4<<30-10<<20)
 	require.Error(t, err)
 	assert.True(t, strings.Contains(err.Error(), "leaves less than 64MiB"), err)
-	got, _, err = goMemoryLimit("512MiB", 2<<30, l)
+	got, _, err = l.SetGoMemoryLimit("512MiB", 2<<30)
 	require.NoError(t, err)
 	assert.Equal(t, int64(512<<20), got)
-	_, _, err = goMemoryLimit("lots", 2<<30, l)
+	_, _, err = l.SetGoMemoryLimit("lots", 2<<30)
 	require.Error(t, err)
 }

@@ -1,0 +1,606 @@
+package tiers
+
+// Kept spools (SPEC §10): an agent that stops cleanly keeps its spool when it holds committed
+// checkpoints, so that its successor on the same mount restores from RAM (Spool.Release). Spools
+// lists them and frees them (mtcfs spool list|free); a starting agent reaps those whose mount
+// directory is gone.
+
+import (
+	"bufio"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/layout"
+)
+
+// spoolTmpfsSource is the source name of the tmpfs mounts agents make for their spools
+// (OpenSpool).
+const spoolTmpfsSource = "mtcfs-spool"
+
+// SpoolInfo is one spool as `mtcfs spool list` shows it.
+type SpoolInfo struct {
+	Dir       string     `json:"spool"`
+	MountPath string     `json:"mount_path"` // "" when the spool predates owner records
+	Job       string     `json:"job"`
+	Steps     []int64    `json:"steps"`
+	Metas     []string   `json:"metas"`
+	Bytes     int64      `json:"bytes"`
+	Tmpfs     bool       `json:"tmpfs"`
+	UID       int        `json:"uid"`
+	LastUsed  *time.Time `json:"last_used,omitempty"`
+	// InUse: an agent holds the spool now (its lock, or a live agent registered with it).
+	InUse    bool `json:"in_use"`
+	AgentPID int  `json:"agent_pid,omitempty"`
+	// MountState is MountExists, MountGone, MountNotDir or MountUnknown (no owner record).
+	MountState  string `json:"mount_path_state"`
+	MountExists bool   `json:"mount_path_exists"`
+}
+
+// The states of a spool's mount directory (SpoolInfo.MountState).
+const (
+	MountExists  = "exists"
+	MountGone    = "gone"
+	MountNotDir  = "not a directory"
+	MountUnknown = "unknown"
+)
+
+// Orphaned: the spool's mount directory no longer exists, so no agent will ever adopt it.
+func (s SpoolInfo) Orphaned() bool { return s.MountState == MountGone || s.MountState == MountNotDir }
+
+// Describe names what a spool held, for messages and logs.
+func (s SpoolInfo) Describe() string {
+	mp, job := s.MountPath, s.Job
+	if mp == "" {
+		mp = "unknown"
+	}
+	if job == "" {
+		job = "none"
+	}
+	return fmt.Sprintf("mount %s, job %s, %d checkpoint(s), %s", mp, job, len(s.Metas), FormatSize(s.Bytes))
+}
+
+// SpoolUser is a running agent and the spool it serves (from the local agent registry).
+type SpoolUser struct {
+	PID      int
+	SpoolDir string
+}
+
+// Spools finds, describes and frees the spools of this machine: all of them as root, otherwise
+// the user's own.
+type Spools struct {
+	// Users lists the running agents; an error fails List. Nil: none known.
+	Users func() ([]SpoolUser, error)
+}
+
+func (h Spools) users() ([]SpoolUser, error) {
+	if h.Users == nil {
+		return nil, nil
+	}
+	return h.Users()
+}
+
+// Find returns the spools path names, among spools (from List) and beyond: path is a spool
+// directory, or a mount path whose spools (every spool recording it, and its default spool) are
+// meant.
+func (h Spools) Find(path string, spools []SpoolInfo) ([]SpoolInfo, error) {
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return nil, err
+	}
+	real := ResolveMountPath(path)
+	for _, s := range spools {
+		if s.Dir == abs || s.Dir == real {
+			return []SpoolInfo{s}, nil
+		}
+	}
+	var out []SpoolInfo
+	var notOurs error
+	seen := map[string]bool{}
+	for _, s := range spools {
+		if s.MountPath == real {
+			out = append(out, s)
+			seen[s.Dir] = true
+		}
+	}
+	// A spool that no discovery finds but that is unmistakably one (e.g. a non-root agent's
+	// --spool outside the default root, or a default spool made before owner records).
+	for _, d := range []string{real, DefaultSpoolDir(real)} {
+		if !seen[d] && looksLikeSpool(d) {
+			s, err := h.inspect(d, nil, nil)
+			if err != nil {
+				return nil, err
+			}
+			if s.UID != os.Geteuid() && os.Geteuid() != 0 {
+				notOurs = fmt.Errorf("spool %s belongs to uid %d: only that user or root can free it", d, s.UID)
+				continue
+			}
+			out = append(out, s)
+			seen[d] = true
+		}
+	}
+	if len(out) == 0 && notOurs != nil {
+		return nil, notOurs
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("no mtcfs spool found for %s: give a mount path or a spool directory that mtcfs spool list shows", path)
+	}
+	return out, nil
+}
+
+// FreeSpool unmounts and removes a spool that no agent uses. It holds the spool's lock while
+// doing so, so an agent starting on it meanwhile waits and then starts with an empty spool.
+func FreeSpool(s SpoolInfo) error {
+	if s.InUse {
+		return refusal(s)
+	}
+	if euid := os.Geteuid(); euid != 0 && s.UID != euid {
+		return fmt.Errorf("spool %s belongs to uid %d: only that user or root can free it", s.Dir, s.UID)
+	}
+	if !looksLikeSpool(s.Dir) {
+		return fmt.Errorf("%s does not look like an mtcfs spool (no %s, no %s tmpfs, unknown entries): not removing it", s.Dir, OwnerFile, spoolTmpfsSource)
+	}
+	lock, err := LockSpool(s.Dir)
+	if errors.Is(err, ErrSpoolInUse) {
+		return refusal(s)
+	}
+	if err != nil {
+		return err
+	}
+	defer lock.Close()
+	for i := 0; i < 8 && isSpoolTmpfs(s.Dir); i++ { // a spool mounted twice is unmounted twice
+		if err := unix.Unmount(s.Dir, unix.MNT_DETACH); err != nil {
+			return fmt.Errorf("unmount spool tmpfs %s: %w", s.Dir, err)
+		}
+	}
+	if err := os.RemoveAll(s.Dir); err != nil {
+		return fmt.Errorf("remove spool %s: %w", s.Dir, err)
+	}
+	return nil
+}
+
+func refusal(s SpoolInfo) error {
+	who := "a running mtcfs agent"
+	if s.AgentPID > 0 {
+		who = fmt.Sprintf("the running mtcfs agent pid %d", s.AgentPID)
+	}
+	mp := s.MountPath
+	if mp == "" {
+		mp = "its mount"
+	}
+	return fmt.Errorf("spool %s is in use by %s serving %s: stop that agent first (SIGTERM; it keeps the spool if it holds checkpoints), then free it", s.Dir, who, mp)
+}
+
+// ReapOrphaned frees, at agent start, the kept spools whose mount directory no longer exists:
+// no agent will ever adopt them. A spool in use is never touched, nor is own (the spool this
+// agent is about to open).
+func (h Spools) ReapOrphaned(own string, log *slog.Logger) {
+	spools, err := h.List()
+	if err != nil {
+		log.Warn("cannot look for orphaned spools", "err", err)
+		return
+	}
+	for _, s := range spools {
+		if s.Dir == own || !s.Orphaned() || s.InUse {
+			continue
+		}
+		if err := FreeSpool(s); err != nil {
+			if _, e := os.Lstat(s.Dir); errors.Is(e, fs.ErrNotExist) {
+				continue // another agent starting now reaped it first
+			}
+			log.Warn("cannot reap a spool whose mount directory is gone", "spool", s.Dir, "mount", s.MountPath, "err", err)
+			continue
+		}
+		log.Info("reaped a kept spool whose mount directory no longer exists", "spool", s.Dir, "mount", s.MountPath,
+			"mount_state", s.MountState, "job", s.Job, "steps", s.Steps, "bytes", s.Bytes)
+	}
+}
+
+// List finds the spools: the union of the spool tmpfs mounts, the directories with an owner
+// record under the default spool roots, and the spools of the running agents.
+func (h Spools) List() ([]SpoolInfo, error) {
+	agents, err := h.users()
+	if err != nil {
+		return nil, err
+	}
+	dirs := map[string]bool{}
+	for _, d := range spoolTmpfsMounts() {
+		dirs[d] = true
+	}
+	roots := []string{DefaultSpoolRoot()}
+	if os.Geteuid() == 0 {
+		more, _ := filepath.Glob("/dev/shm/mtcfs-*") // the per-user roots of non-root agents
+		roots = append(roots, more...)
+	}
+	for _, root := range roots {
+		ents, _ := os.ReadDir(root)
+		for _, e := range ents {
+			d := filepath.Join(root, e.Name())
+			if _, err := os.Lstat(filepath.Join(d, OwnerFile)); e.IsDir() && err == nil {
+				dirs[d] = true
+			}
+		}
+	}
+	for _, a := range agents {
+		if a.SpoolDir != "" {
+			dirs[a.SpoolDir] = true
+		}
+	}
+	procs := mountProcesses()
+	var out []SpoolInfo
+	for d := range dirs {
+		s, err := h.inspect(d, agents, procs)
+		if err != nil {
+			continue // vanished meanwhile, or not ours to read
+		}
+		if euid := os.Geteuid(); euid != 0 && s.UID != euid {
+			continue
+		}
+		out = append(out, s)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Dir < out[j].Dir })
+	return out, nil
+}
+
+// inspect describes the spool at dir. agents are the running agents and procs the running
+// mount processes (nil: look them up).
+func (h Spools) inspect(dir string, agents []SpoolUser, procs []mountProc) (SpoolInfo, error) {
+	s := SpoolInfo{Dir: dir, MountState: MountUnknown, Steps: []int64{}, Metas: []string{}}
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return s, err
+	}
+	s.UID = int(st.Uid)
+	if o, err := ReadOwner(dir); err == nil {
+		s.MountPath, s.Job = o.MountPath, o.Job
+		if !o.LastUsed.IsZero() {
+			lu := o.LastUsed
+			s.LastUsed = &lu
+		}
+		if o.PID > 0 {
+			s.AgentPID = o.PID
+		}
+	}
+	jobs := map[string]bool{}
+	steps := map[int64]bool{}
+	ents, _ := os.ReadDir(filepath.Join(dir, "meta"))
+	for _, e := range ents {
+		m, ok := layout.ParseMarkerName(e.Name())
+		if !ok || m.Kind != layout.MarkerMeta {
+			continue
+		}
+		s.Metas = append(s.Metas, e.Name())
+		steps[m.Step] = true
+		jobs[m.Job] = true
+	}
+	for st := range steps {
+		s.Steps = append(s.Steps, st)
+	}
+	sort.Slice(s.Steps, func(i, j int) bool { return s.Steps[i] < s.Steps[j] })
+	if s.Job == "" && len(jobs) == 1 { // a spool without an owner record: the .meta names tell
+		for j := range jobs {
+			s.Job = j
+		}
+	}
+	s.Tmpfs = isSpoolTmpfs(dir)
+	if s.Tmpfs {
+		var fsst unix.Statfs_t
+		if unix.Statfs(dir, &fsst) == nil {
+			s.Bytes = int64(fsst.Blocks-fsst.Bfree) * fsst.Bsize
+		}
+	} else {
+		s.Bytes = distinctFileBytes(dir)
+	}
+	if s.MountPath != "" {
+		s.MountState = mountPathState(s.MountPath)
+		s.MountExists = s.MountState == MountExists
+	}
+	s.InUse, s.AgentPID = h.user(s, agents, procs)
+	return s, nil
+}
+
+// user tells whether an agent uses the spool now and, if known, its pid: the spool's lock is
+// held, a live agent registered it, or an mtcfs mount process runs with it (agents that predate
+// spool locks and records; agents still starting).
+func (h Spools) user(s SpoolInfo, agents []SpoolUser, procs []mountProc) (bool, int) {
+	if agents == nil {
+		agents, _ = h.users()
+	}
+	if procs == nil {
+		procs = mountProcesses()
+	}
+	for _, a := range agents {
+		if a.SpoolDir == s.Dir {
+			return true, a.PID
+		}
+	}
+	lock, err := LockSpool(s.Dir)
+	if errors.Is(err, ErrSpoolInUse) {
+		return true, s.AgentPID // the pid recorded by the agent that opened it
+	}
+	if err == nil {
+		defer lock.Close()
+	}
+	for _, p := range procs {
+		for _, d := range p.spools {
+			if d == s.Dir {
+				return true, p.pid
+			}
+		}
+	}
+	return false, 0
+}
+
+// mountProc is a running "mtcfs mount" process and the spool directories it may use.
+type mountProc struct {
+	pid    int
+	spools []string
+}
+
+// mountProcesses finds the running "mtcfs mount" processes from their command lines: the
+// spool each uses is its --spool, or the default derived from its mount directory (as this
+// version derives it, and as versions that did not resolve symlinks did).
+func mountProcesses() []mountProc {
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	var out []mountProc
+	for _, p := range procs {
+		data, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		argv := strings.Split(strings.TrimRight(string(data), "\x00"), "\x00")
+		if len(argv) < 3 || !strings.Contains(filepath.Base(argv[0]), "mtcfs") || argv[1] != "mount" {
+			continue
+		}
+		pid, err := strconv.Atoi(filepath.Base(filepath.Dir(p)))
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		cwd, _ := os.Readlink(filepath.Join(filepath.Dir(p), "cwd"))
+		abs := func(x string) string {
+			if filepath.IsAbs(x) || cwd == "" {
+				return filepath.Clean(x)
+			}
+			return filepath.Join(cwd, x)
+		}
+		var spool, dir string
+		for i := 2; i < len(argv); i++ {
+			a := argv[i]
+			switch {
+			case a == "--spool" || a == "-spool":
+				if i+1 < len(argv) {
+					spool = argv[i+1]
+					i++
+				}
+			case strings.HasPrefix(a, "--spool=") || strings.HasPrefix(a, "-spool="):
+				_, spool, _ = strings.Cut(a, "=")
+			case strings.HasPrefix(a, "-"):
+				if !strings.Contains(a, "=") && i+1 < len(argv) && !strings.HasPrefix(argv[i+1], "-") && !isBoolMountFlag(a) {
+					i++ // the flag's value
+				}
+			case dir == "":
+				dir = a
+			}
+		}
+		mp := mountProc{pid: pid}
+		if spool != "" {
+			mp.spools = append(mp.spools, abs(spool))
+		} else if dir != "" {
+			d := abs(dir)
+			mp.spools = append(mp.spools, DefaultSpoolDir(d), legacyDefaultSpoolDir(d))
+		}
+		out = append(out, mp)
+	}
+	return out
+}
+
+func isBoolMountFlag(a string) bool {
+	switch strings.TrimLeft(a, "-") {
+	case "xattrs", "debug-fuse":
+		return true
+	}
+	return false
+}
+
+// legacyDefaultSpoolDir is the default spool of agents that did not resolve symlinks in the
+// mount path.
+func legacyDefaultSpoolDir(abs string) string {
+	sum := sha256.Sum256([]byte(abs))
+	base := filepath.Base(abs)
+	if base == "/" || base == "." {
+		base = "root"
+	}
+	return filepath.Join("/dev/shm", "mtcfs", base+"-"+hex.EncodeToString(sum[:6]))
+}
+
+// mountPathState says whether a spool's mount directory still exists. Anything but a clear
+// "not there" (ENOENT, ENOTDIR, or not a directory) counts as existing: a stale FUSE mount
+// answers ENOTCONN, an unreadable parent EACCES, and neither means the mount is gone.
+func mountPathState(p string) string {
+	fi, err := os.Lstat(p)
+	switch {
+	case err == nil && fi.IsDir():
+		return MountExists
+	case err == nil:
+		return MountNotDir
+	case errors.Is(err, fs.ErrNotExist), errors.Is(err, unix.ENOTDIR):
+		return MountGone
+	}
+	return MountExists
+}
+
+// looksLikeSpool guards the removal of a directory: it must be a spool tmpfs, or look exactly
+// like a spool: a files/ directory, nothing but directories besides the owner record (which,
+// when present, must parse and name another path as its mount), and not a FUSE mount.
+func looksLikeSpool(dir string) bool {
+	fi, err := os.Lstat(dir)
+	if err != nil || !fi.IsDir() {
+		return false
+	}
+	if isSpoolTmpfs(dir) {
+		return true
+	}
+	var fsst unix.Statfs_t
+	if unix.Statfs(dir, &fsst) != nil || fsst.Type == unix.FUSE_SUPER_MAGIC {
+		return false
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return false
+	}
+	hasFiles := false
+	for _, e := range ents {
+		switch name := e.Name(); {
+		case name == OwnerFile:
+			o, err := ReadOwner(dir)
+			if err != nil || o.MountPath == "" || o.MountPath == dir {
+				return false
+			}
+		case strings.HasPrefix(name, "."+OwnerFile+".tmp-"):
+		case !e.IsDir():
+			return false
+		case name == "files":
+			hasFiles = true
+		}
+	}
+	return hasFiles
+}
+
+// spoolTmpfsMounts lists the mount points of spool tmpfs mounts (source mtcfs-spool).
+func spoolTmpfsMounts() []string {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	var out []string
+	seen := map[string]bool{}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		// id parent major:minor root mountpoint options [optional...] - fstype source superopts
+		fields := strings.Fields(sc.Text())
+		sep := -1
+		for i, x := range fields {
+			if x == "-" {
+				sep = i
+				break
+			}
+		}
+		if sep < 5 || sep+2 >= len(fields) || fields[sep+1] != "tmpfs" || fields[sep+2] != spoolTmpfsSource {
+			continue
+		}
+		if p := unescapeMountinfo(fields[4]); !seen[p] {
+			seen[p] = true
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func isSpoolTmpfs(dir string) bool {
+	for _, p := range spoolTmpfsMounts() {
+		if p == dir {
+			return true
+		}
+	}
+	return false
+}
+
+// unescapeMountinfo undoes the octal escapes (\040 for a space) of /proc/self/mountinfo.
+func unescapeMountinfo(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// distinctFileBytes is the size of the distinct files below dir (hard links counted once: sealed data
+// shares its bytes with the files it was made from).
+func distinctFileBytes(dir string) int64 {
+	var total int64
+	seen := map[[2]uint64]bool{}
+	filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.Type().IsRegular() {
+			return nil
+		}
+		var st unix.Stat_t
+		if unix.Lstat(p, &st) != nil {
+			return nil
+		}
+		key := [2]uint64{uint64(st.Dev), st.Ino}
+		if !seen[key] {
+			seen[key] = true
+			total += st.Size
+		}
+		return nil
+	})
+	return total
+}
+
+// Release ends the agent's use of the spool: it keeps the spool for the next agent when it holds
+// committed checkpoints (so a restarted agent restores from RAM), and frees it otherwise — also
+// when its mount directory is gone, since no agent would ever adopt it then.
+func (s *Spool) Release(log *slog.Logger) {
+	metas, _ := os.ReadDir(filepath.Join(s.Dir(), "meta"))
+	pending := pendingCommits(s.Dir())
+	mountPath := s.Owner().MountPath
+	if len(metas)+pending > 0 {
+		state := MountExists
+		if mountPath != "" {
+			state = mountPathState(mountPath)
+		}
+		if state == MountExists {
+			s.Detach()
+			target := mountPath
+			if target == "" {
+				target = s.Dir()
+			}
+			log.Info("spool kept for the next agent on this mount: it holds committed checkpoints; free it with: mtcfs spool free "+shellQuote(target),
+				"spool", s.Dir(), "mount", mountPath, "metas", len(metas), "unsealed_commits", pending)
+			return
+		}
+		log.Warn("freeing the spool although it holds committed checkpoints: its mount directory is "+state+", so no agent would adopt them",
+			"spool", s.Dir(), "mount", mountPath, "metas", len(metas))
+	}
+	if err := s.Close(); err != nil {
+		log.Error("release spool", "err", err)
+	}
+}
+
+// shellQuote quotes p for a command line a user copies, when it needs quoting.
+func shellQuote(p string) string {
+	if p != "" && strings.Trim(p, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-+=,:@") == "" {
+		return p
+	}
+	return "'" + strings.ReplaceAll(p, "'", `'\''`) + "'"
+}
+
+// pendingCommits counts the commit records (spool/commits/*/commit.json) not yet turned into a
+// .meta: a commit that returned to the job must survive the stop as well.
+func pendingCommits(spoolDir string) int {
+	recs, _ := filepath.Glob(filepath.Join(spoolDir, commitsDir, "*", commitRecordName))
+	return len(recs)
+}

@@ -1,0 +1,152 @@
+package tiers
+
+import (
+	"bytes"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// TestSpoolsKeepFindFree: a spool on a plain directory (no tmpfs, no root needed) through its
+// life: in use while open (free refuses), kept on release while it holds a checkpoint and its
+// mount directory exists, described by Find, orphaned once the mount directory is gone, freed.
+func TestSpoolsKeepFindFree(t *testing.T) {
+	base := t.TempDir()
+	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	var spools Spools // no running agents known: the lock tells what is in use
+	var log bytes.Buffer
+	logger := slog.New(slog.NewTextHandler(&log, nil))
+
+	s, err := OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountPath: mnt})
+	require.NoError(t, err)
+	found, err := spools.Find(dir, nil)
+	require.NoError(t, err)
+	require.Len(t, found, 1)
+	assert.True(t, found[0].InUse, "an open spool is locked: in use")
+	err = FreeSpool(found[0])
+	require.ErrorContains(t, err, "is in use by")
+	assert.ErrorContains(t, err, "stop that agent first")
+	assert.DirExists(t, dir)
+
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "meta"), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "meta", "llama-s10-n0-w0.meta"), []byte("abc"), 0o600))
+	s.Release(logger)
+	assert.Contains(t, log.String(), "free it with: mtcfs spool free "+mnt, "a spool holding a checkpoint is kept")
+	assert.DirExists(t, dir)
+
+	found, err = spools.Find(dir, nil)
+	require.NoError(t, err)
+	require.Len(t, found, 1)
+	info := found[0]
+	assert.Equal(t, dir, info.Dir)
+	assert.Equal(t, mnt, info.MountPath)
+	assert.Equal(t, "llama", info.Job, "a spool without a recorded job: the .meta names tell")
+	assert.Equal(t, []int64{10}, info.Steps)
+	assert.Equal(t, []string{"llama-s10-n0-w0.meta"}, info.Metas)
+	assert.False(t, info.InUse)
+	assert.Equal(t, MountExists, info.MountState)
+	assert.False(t, info.Orphaned())
+	assert.Greater(t, info.Bytes, int64(3), "the .meta and the owner record")
+	assert.Equal(t, "mount "+mnt+", job llama, 1 checkpoint(s), "+FormatSize(info.Bytes), info.Describe())
+	_, err = spools.Find(mnt, nil)
+	assert.ErrorContains(t, err, "no mtcfs spool found for "+mnt, "the mount path finds only spools recording it, or its default spool")
+	found, err = spools.Find(mnt, []SpoolInfo{info})
+	require.NoError(t, err)
+	assert.Equal(t, []SpoolInfo{info}, found, "a listed spool recording the mount path")
+
+	// A running agent registered with the spool makes it in use, whatever its lock says.
+	busy := Spools{Users: func() ([]SpoolUser, error) { return []SpoolUser{{PID: 4242, SpoolDir: dir}}, nil }}
+	found, err = busy.Find(dir, nil)
+	require.NoError(t, err)
+	assert.True(t, found[0].InUse)
+	assert.Equal(t, 4242, found[0].AgentPID)
+	busy.ReapOrphaned("", logger)
+	assert.DirExists(t, dir, "a spool in use is never reaped")
+
+	require.NoError(t, os.Remove(mnt))
+	found, err = spools.Find(dir, nil)
+	require.NoError(t, err)
+	assert.Equal(t, MountGone, found[0].MountState)
+	assert.True(t, found[0].Orphaned())
+	require.NoError(t, FreeSpool(found[0]))
+	assert.NoDirExists(t, dir)
+}
+
+// A spool whose mount directory is gone is freed on release even though it holds a checkpoint:
+// no agent would ever adopt it.
+func TestSpoolReleaseFreesOrphan(t *testing.T) {
+	base := t.TempDir()
+	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	s, err := OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountPath: mnt})
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "meta"), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "meta", "llama-s10-n0-w0.meta"), []byte("abc"), 0o600))
+	require.NoError(t, os.Remove(mnt))
+	var log bytes.Buffer
+	s.Release(slog.New(slog.NewTextHandler(&log, nil)))
+	assert.Contains(t, log.String(), "its mount directory is gone, so no agent would adopt them")
+	assert.NoDirExists(t, dir)
+}
+
+// Only what looks exactly like a spool is ever removed.
+func TestLooksLikeSpool(t *testing.T) {
+	base := t.TempDir()
+	mk := func(name string, files ...string) string {
+		d := filepath.Join(base, name)
+		require.NoError(t, os.Mkdir(d, 0o755))
+		for _, f := range files {
+			p := filepath.Join(d, f)
+			if f[len(f)-1] == '/' {
+				require.NoError(t, os.MkdirAll(p, 0o755))
+			} else {
+				require.NoError(t, os.WriteFile(p, []byte(`{"mount_path":"/elsewhere"}`), 0o644))
+			}
+		}
+		return d
+	}
+	assert.True(t, looksLikeSpool(mk("spool", "files/", "meta/", "sealed/", OwnerFile)))
+	assert.True(t, looksLikeSpool(mk("old", "files/")), "a spool made before owner records")
+	assert.False(t, looksLikeSpool(mk("empty")), "no files/")
+	assert.False(t, looksLikeSpool(mk("home", "files/", "notes.txt")), "a regular file besides the owner record")
+	assert.False(t, looksLikeSpool(filepath.Join(base, "missing")))
+	self := mk("self", "files/")
+	require.NoError(t, os.WriteFile(filepath.Join(self, OwnerFile), []byte(`{"mount_path":"`+self+`"}`), 0o644))
+	assert.False(t, looksLikeSpool(self), "an owner record naming the directory itself as its mount")
+}
+
+func TestSpoolHelpers(t *testing.T) {
+	base := t.TempDir()
+	file := filepath.Join(base, "f")
+	require.NoError(t, os.WriteFile(file, nil, 0o644))
+	for p, want := range map[string]string{
+		base:                            MountExists,
+		file:                            MountNotDir,
+		filepath.Join(base, "missing"):  MountGone,
+		filepath.Join(file, "under"):    MountGone, // ENOTDIR
+		filepath.Join(base, "a", "b/c"): MountGone,
+	} {
+		assert.Equal(t, want, mountPathState(p), "%s", p)
+	}
+	for in, want := range map[string]string{
+		`/mnt/a\040b`:     "/mnt/a b",
+		`/plain`:          "/plain",
+		`/tab\011x\134y`:  "/tab\tx\\y",
+		`/not\9escape\04`: `/not\9escape\04`,
+	} {
+		assert.Equal(t, want, unescapeMountinfo(in), "%s", in)
+	}
+	assert.Equal(t, "/ckpt/run-1", shellQuote("/ckpt/run-1"))
+	assert.Equal(t, `'/ckpt/it'\''s here'`, shellQuote("/ckpt/it's here"))
+	assert.Equal(t, "''", shellQuote(""))
+
+	// Hard-linked files count once.
+	require.NoError(t, os.WriteFile(filepath.Join(base, "data"), make([]byte, 1000), 0o644))
+	require.NoError(t, os.Link(filepath.Join(base, "data"), filepath.Join(base, "link")))
+	assert.Equal(t, int64(1000), distinctFileBytes(base))
+}
