@@ -4,7 +4,10 @@
 // restore. It also holds the job coordinator: the rank-0 state machine (coordinator.go) and its
 // gRPC transport (coordinator_service.go: the Coordinator service rank 0 serves, and
 // RemoteCoordinator, the tiers.Coordinator other ranks use); the transfer code depends on neither.
-// cmd/mtcfs wires them into the agent (cluster.go).
+// Node (node.go) puts them together as an agent's end of the cluster: the server other agents
+// call, and the replicator's peer transport and coordinator; it finds the other agents through a
+// Discovery — StaticPeers, or the Registry of agents in the backup location (registry.go, which
+// also keeps each job's secret) — and can be driven without the CLI (node_test.go).
 //
 // # Guarantees
 //
