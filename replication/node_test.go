@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -168,6 +169,7 @@ type testAgent struct {
 	spool *tiers.Spool
 	node  *Node
 	rep   *tiers.Replicator
+	once  sync.Once
 }
 
 var nsCount atomic.Int64
@@ -176,14 +178,21 @@ var nsCount atomic.Int64
 // empty (a new mount), registered through the backup location objects.
 func startTestAgent(t *testing.T, objects Objects, root string) *testAgent {
 	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	return startTestAgentWith(t, NodeConfig{Listener: ln, Objects: objects}, root)
+}
+
+// startTestAgentWith starts an agent as startTestAgent does, with its node configured by cfg.
+func startTestAgentWith(t *testing.T, cfg NodeConfig, root string) *testAgent {
+	t.Helper()
 	a := &testAgent{t: t, log: &logBuffer{}, ns: newDirNamespace(t, filepath.Join(root, fmt.Sprintf("ns%d", nsCount.Add(1))))}
 	log := slog.New(slog.NewTextHandler(io.MultiWriter(t.Output(), a.log), nil))
 	var err error
 	a.spool, err = tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(root, "spool"), Budget: 64 << 20})
 	require.NoError(t, err)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	a.node, err = NewNode(NodeConfig{Listener: ln, Objects: objects, Log: log})
+	cfg.Log = log
+	a.node, err = NewNode(cfg)
 	require.NoError(t, err)
 	a.rep = tiers.NewReplicator(tiers.ReplicatorConfig{Spool: a.spool, Coordinator: a.node, Peers: a.node, Logger: log})
 	require.NoError(t, a.rep.Start(t.Context(), a.ns))
@@ -194,9 +203,11 @@ func startTestAgent(t *testing.T, objects Objects, root string) *testAgent {
 
 // stop stops the agent (again: nothing); the spool is kept, as an agent that stops does.
 func (a *testAgent) stop() {
-	a.rep.Close()
-	a.node.Close()
-	a.spool.Detach()
+	a.once.Do(func() {
+		a.rep.Close()
+		a.node.Close()
+		a.spool.Detach()
+	})
 }
 
 // write creates a file in the namespace and reports its close, as package fs does.
@@ -312,4 +323,51 @@ func TestNodesReplicateAndRestore(t *testing.T) {
 	}
 	require.Contains(t, agents[1].log.String(), "restored from a peer")
 	require.Contains(t, agents[1].log.String(), `msg="peer service" addr=`+agents[1].node.Addr()+" advertised="+agents[1].node.Addr()+" static_peers=false tls=false")
+}
+
+// TestNodesWithStaticPeers: without a backup location, two nodes given each other's address and
+// a shared secret form a job and replicate; nothing is registered anywhere.
+func TestNodesWithStaticPeers(t *testing.T) {
+	t.Parallel()
+	const job, nodes = "pair", 2
+	secret := []byte("a secret of the pair, 32 bytes..")
+	lns := make([]net.Listener, nodes)
+	peers := StaticPeers{}
+	for r := range lns {
+		var err error
+		lns[r], err = net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		peers[r] = lns[r].Addr().String()
+	}
+	agents := make([]*testAgent, nodes)
+	for r := range agents {
+		agents[r] = startTestAgentWith(t, NodeConfig{Listener: lns[r], Peers: peers, Secret: secret}, t.TempDir())
+		agents[r].start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(layout.MarkerName{Job: job, Step: 0, Node: r, Kind: layout.MarkerRestore}.String())
+		a.save(5, stepFiles(r, 5))
+	}
+	for r := range agents {
+		agents[1-r].waitFor(layout.MarkerName{Job: job, Step: 5, Node: r, Kind: layout.MarkerMeta}.String())
+	}
+	require.Contains(t, agents[0].log.String(), "static_peers=true")
+}
+
+func TestNewNodeRefusesIncompleteConfigs(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	for _, tc := range []struct {
+		cfg  NodeConfig
+		want string
+	}{
+		{NodeConfig{Peers: StaticPeers{}, Secret: coordSecret}, "Listener is required"},
+		{NodeConfig{Listener: ln, Secret: coordSecret}, "Peers is required without Objects"},
+		{NodeConfig{Listener: ln, Peers: StaticPeers{}}, "Secret is required without Objects"},
+		{NodeConfig{Listener: ln, Peers: StaticPeers{}, Secret: []byte("short")}, "at least 16 bytes"},
+	} {
+		_, err := NewNode(tc.cfg)
+		assert.ErrorContains(t, err, tc.want)
+	}
 }
