@@ -12,19 +12,21 @@ import (
 
 // adopt takes over the committed data a previous agent on this mount left in the spool (SPEC
 // §7): every .meta whose data verifies against its hash is published again, so a job that
-// restarts on this node restores from RAM. Everything else left behind is removed.
-func (r *Replicator) adopt(ctx context.Context) error {
+// restarts on this node restores from RAM. Everything else left behind is removed. It runs at
+// Start, before any other stage: nothing competes with it. Problems the job must hear of go to
+// report, for the next handshake.
+func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 	for _, d := range []string{"staging", "incoming"} {
-		if err := os.RemoveAll(r.spoolDir(d)); err != nil {
+		if err := os.RemoveAll(rt.spoolDir(d)); err != nil {
 			return err
 		}
 	}
 	for _, d := range []string{"sealed", "meta", "staging", "incoming"} {
-		if err := os.MkdirAll(r.spoolDir(d), 0o700); err != nil {
+		if err := os.MkdirAll(rt.spoolDir(d), 0o700); err != nil {
 			return err
 		}
 	}
-	ents, err := os.ReadDir(r.spoolDir("meta"))
+	ents, err := os.ReadDir(rt.spoolDir("meta"))
 	if err != nil {
 		return err
 	}
@@ -33,10 +35,10 @@ func (r *Replicator) adopt(ctx context.Context) error {
 		name := e.Name()
 		m, ok := layout.ParseMarkerName(name)
 		if !ok || m.Kind != layout.MarkerMeta {
-			os.Remove(r.spoolDir("meta", name))
+			os.Remove(rt.spoolDir("meta", name))
 			continue
 		}
-		content, err := os.ReadFile(r.spoolDir("meta", name))
+		content, err := os.ReadFile(rt.spoolDir("meta", name))
 		hash := strings.TrimSpace(string(content))
 		dataName := hash + ".data"
 		if err == nil && !verified[dataName] {
@@ -44,39 +46,39 @@ func (r *Replicator) adopt(ctx context.Context) error {
 			if !ok {
 				err = fmt.Errorf("bad hash %q", hash)
 			} else {
-				err = layout.VerifyData(ctx, r.spoolDir("sealed", dataName), h, dir)
+				err = layout.VerifyData(ctx, rt.spoolDir("sealed", dataName), h, dir)
 			}
 			if err == nil {
-				r.markVerified(dataName)
+				rt.markVerified(dataName)
 			}
 			if err == nil {
-				if err = r.ns.Import(r.spoolDir("sealed", dataName), dataName); errors.Is(err, os.ErrExist) {
+				if err = rt.ns.Import(rt.spoolDir("sealed", dataName), dataName); errors.Is(err, os.ErrExist) {
 					err = nil
 				}
 			}
 			verified[dataName] = err == nil
 		}
 		if err != nil || !verified[dataName] {
-			r.log.Warn("dropping spool data that does not verify", "meta", name, "err", err)
-			r.metrics.error(errKindVerify)
+			rt.log.Warn("dropping spool data that does not verify", "meta", name, "err", err)
+			rt.metrics.error(errKindVerify)
 			if err != nil {
-				r.startupError(fmt.Sprintf("%s in this node's RAM was dropped when the agent restarted: %v (it is restored from a peer or a backup if one holds it)", name, err))
+				report(fmt.Sprintf("%s in this node's RAM was dropped when the agent restarted: %v (it is restored from a peer or a backup if one holds it)", name, err))
 			}
-			os.Remove(r.spoolDir("meta", name))
+			os.Remove(rt.spoolDir("meta", name))
 			continue
 		}
-		if err := r.ns.WriteFile(name, []byte(hash)); err != nil {
+		if err := rt.ns.WriteFile(name, []byte(hash)); err != nil {
 			return err
 		}
-		r.mu.Lock()
-		r.metas[name] = hash
-		r.mu.Unlock()
-		r.log.Info("adopted from spool", "meta", name, "data", dataName)
+		rt.mu.Lock()
+		rt.metas[name] = hash
+		rt.mu.Unlock()
+		rt.log.Info("adopted from spool", "meta", name, "data", dataName)
 	}
-	sealed, _ := os.ReadDir(r.spoolDir("sealed"))
+	sealed, _ := os.ReadDir(rt.spoolDir("sealed"))
 	for _, e := range sealed {
 		if !verified[e.Name()] {
-			os.RemoveAll(r.spoolDir("sealed", e.Name()))
+			os.RemoveAll(rt.spoolDir("sealed", e.Name()))
 		}
 	}
 	return nil

@@ -4,9 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
-
-	"github.com/mtcfs/mtcfs/layout"
 )
 
 // DefaultDrainTimeout is how long Close lets a running backup finish (SPEC §10).
@@ -19,23 +18,56 @@ const backupPoll = time.Minute
 // errStopping refuses a backup order that arrives while the agent stops.
 var errStopping = errors.New("the agent is stopping")
 
-// backupLoop runs for the life of inc on a node with a backup tier: it waits for the backup
-// orders of the coordinator (which decides them on its own clock, SPEC §10), takes them one at a
-// time and reports each outcome in its next call. A backup outlives its incarnation: a job
-// restart does not cut it short.
-func (r *Replicator) backupLoop(inc *incarnation) {
-	defer r.wg.Done()
+// backupRunner takes the coordinator's backup orders (SPEC §6, §10): one loop per incarnation
+// that negotiated (start), at most one backup running at a time. A backup outlives its
+// incarnation: a job restart does not cut it short. Uploads run on the agent's context: Close
+// (stop) lets the running one finish for the drain time, then cancels it.
+type backupRunner struct {
+	*node
+	store     BackupStore // nil: no backup tier
+	coord     Coordinator
+	retention *retention // keeps the step being backed up
+	lines     *jobLines
+	drain     time.Duration
+
+	mu       sync.Mutex
+	running  *Progress // GUARDED_BY(mu); the running backup
+	last     string    // GUARDED_BY(mu); the last backup this node completed its part of
+	lastStep int64     // GUARDED_BY(mu); highest step whose part this node backed up (-1: none)
+	stopping bool      // GUARDED_BY(mu); Close began: no new backup starts
+	// active counts running backups, for stop to drain; no Add once stopping is set.
+	active sync.WaitGroup
+}
+
+func newBackupRunner(n *node, store BackupStore, coord Coordinator, rt *retention, lines *jobLines, drain time.Duration) *backupRunner {
+	if drain == 0 {
+		drain = DefaultDrainTimeout
+	}
+	return &backupRunner{node: n, store: store, coord: coord, retention: rt, lines: lines, drain: max(drain, 0), lastStep: -1}
+}
+
+// start runs inc's backup loop, on a node with a backup tier, until inc ends or the agent
+// stops.
+func (b *backupRunner) start(inc *incarnation) {
+	if b.store != nil {
+		b.tasks.Go(func() { b.loop(inc) })
+	}
+}
+
+// loop waits for the backup orders of the coordinator (which decides them on its own clock,
+// SPEC §10), takes them one at a time and reports each outcome in its next call.
+func (b *backupRunner) loop(inc *incarnation) {
 	var rep BackupReport
 	wait := time.Second
-	for inc.ctx.Err() == nil && !r.isStopping() {
+	for inc.ctx.Err() == nil && !b.isStopping() {
 		ctx, cancel := context.WithTimeout(inc.ctx, backupPoll)
-		order, err := r.cfg.Coordinator.Backups(ctx, inc.Incarnation, rep)
+		order, err := b.coord.Backups(ctx, inc.Incarnation, rep)
 		cancel()
 		if err != nil {
 			if inc.ctx.Err() != nil {
 				return
 			}
-			r.log.Warn("asking the coordinator for backup orders failed", "err", err, "retry_in", wait.String())
+			b.log.Warn("asking the coordinator for backup orders failed", "err", err, "retry_in", wait.String())
 			select {
 			case <-time.After(wait):
 			case <-inc.ctx.Done():
@@ -48,7 +80,7 @@ func (r *Replicator) backupLoop(inc *incarnation) {
 		if order.Backup == "" {
 			continue
 		}
-		if err := r.takeBackup(inc, order); err != nil {
+		if err := b.take(inc, order); err != nil {
 			rep = BackupReport{Failed: order.Backup, Err: err.Error()}
 		} else {
 			rep = BackupReport{Done: order.Backup}
@@ -56,86 +88,78 @@ func (r *Replicator) backupLoop(inc *incarnation) {
 	}
 }
 
-func (r *Replicator) isStopping() bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.stopping
+func (b *backupRunner) isStopping() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.stopping
 }
 
-// takeBackup uploads this node's part of an order: every worker's data of the step, each
-// followed by its .meta. Progress shows in mtcfs status, and retention keeps the step meanwhile.
-func (r *Replicator) takeBackup(inc *incarnation, o BackupOrder) (err error) {
+// take uploads this node's part of an order: every worker's data of the step, each followed by
+// its .meta. Progress shows in mtcfs status, and retention keeps the step meanwhile.
+func (b *backupRunner) take(inc *incarnation, o BackupOrder) (err error) {
 	cfg := inc.Config
-	p := &Progress{Kind: "backup", Step: o.Step, Backup: o.Backup, Started: r.cfg.Now()}
-	r.mu.Lock()
-	if r.stopping {
-		r.mu.Unlock()
+	p := &Progress{Kind: "backup", Step: o.Step, Backup: o.Backup, Started: b.now()}
+	b.mu.Lock()
+	if b.stopping {
+		b.mu.Unlock()
 		return errStopping
 	}
-	r.backup = p
-	r.backups.Add(1)
-	r.mu.Unlock()
+	b.running = p
+	b.active.Add(1)
+	b.mu.Unlock()
+	unkeep := b.retention.keepStep(o.Step)
 	defer func() {
-		r.mu.Lock()
-		r.backup = nil
+		unkeep()
+		b.mu.Lock()
+		b.running = nil
 		if err == nil {
-			r.lastBackup = o.Backup
+			b.last = o.Backup
 		}
-		r.mu.Unlock()
-		r.backups.Done()
-		r.retain(cfg)
+		b.mu.Unlock()
+		b.active.Done()
+		b.retention.retain(cfg)
 	}()
 	// What an earlier upload of this job left when it was cut short (a crash, a stop) goes first.
-	if n, err := r.cfg.Store.CleanLeftovers(r.ctx, cfg.JobName); err != nil {
-		r.log.Warn("removing leftovers of earlier backups", "err", err)
+	if n, err := b.store.CleanLeftovers(b.ctx, cfg.JobName); err != nil {
+		b.log.Warn("removing leftovers of earlier backups", "err", err)
 	} else if n > 0 {
-		r.log.Info("removed leftovers of backups cut short", "objects", n)
+		b.log.Info("removed leftovers of backups cut short", "objects", n)
 	}
-	if err = r.runBackup(cfg, p); err == nil {
-		took := r.cfg.Now().Sub(p.Started)
-		r.log.Info("backup complete", "backup", o.Backup, "step", o.Step, "bytes", p.Done(), "took", took.String())
-		r.metrics.backedUp(took.Seconds(), p.Done())
-		r.mu.Lock()
-		r.lastBackedUp = max(r.lastBackedUp, o.Step)
-		r.mu.Unlock()
+	if err = b.upload(cfg, p); err == nil {
+		took := b.now().Sub(p.Started)
+		b.log.Info("backup complete", "backup", o.Backup, "step", o.Step, "bytes", p.Done(), "took", took.String())
+		b.metrics.backedUp(took.Seconds(), p.Done())
+		b.mu.Lock()
+		b.lastStep = max(b.lastStep, o.Step)
+		b.mu.Unlock()
 		return nil
 	}
-	if r.ctx.Err() != nil {
+	if b.ctx.Err() != nil {
 		err = fmt.Errorf("cut short by the agent's stop (drain time over): %w", err)
-		r.log.Warn("backup left incomplete", "backup", o.Backup, "step", o.Step, "err", err)
+		b.log.Warn("backup left incomplete", "backup", o.Backup, "step", o.Step, "err", err)
 		return err
 	}
-	r.log.Error("backup failed", "backup", o.Backup, "step", o.Step, "err", err)
-	r.metrics.error(errKindBackup)
-	r.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried): %v", o.Backup, o.Step, err))
+	b.log.Error("backup failed", "backup", o.Backup, "step", o.Step, "err", err)
+	b.metrics.error(errKindBackup)
+	b.lines.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried): %v", o.Backup, o.Step, err))
 	return err
 }
 
-// runBackup uploads the data of p.Step for every worker of this node to p.Backup. The data is
+// upload uploads the data of p.Step for every worker of this node to p.Backup. The data is
 // held for the whole upload (retention, or a restore dropping the step, cannot free it under it).
-func (r *Replicator) runBackup(cfg *Config, p *Progress) error {
-	r.log.Info("backup started", "backup", p.Backup, "step", p.Step, "store", r.cfg.Store.String())
-	hashes := make([]string, cfg.WorkersPerNode)
-	r.mu.Lock()
-	for w := range hashes {
-		name := layout.MarkerName{Job: cfg.JobName, Step: p.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
-		h, ok := r.metas[name]
-		if !ok {
-			r.mu.Unlock()
-			return fmt.Errorf("step %d worker %d is no longer in this node's RAM", p.Step, w)
-		}
-		hashes[w] = h
+func (b *backupRunner) upload(cfg *Config, p *Progress) error {
+	b.log.Info("backup started", "backup", p.Backup, "step", p.Step, "store", b.store.String())
+	hashes, release, err := b.retention.holdStep(cfg, p.Step)
+	if err != nil {
+		return err
 	}
-	for _, h := range hashes {
-		defer r.holdLocked(h + ".data")()
-	}
-	r.mu.Unlock()
+	defer release()
 	var base int64
 	for w, hash := range hashes {
-		err := r.cfg.Store.Upload(r.ctx, Upload{
+		err := b.store.Upload(b.ctx, Upload{
 			Job: cfg.JobName, Backup: p.Backup, Step: p.Step, Slot: Slot{cfg.NodeRank, w}, Hash: hash,
 			Nodes: cfg.Nodes, Workers: cfg.WorkersPerNode,
-			Source: r.spoolDir("sealed", hash+".data"),
+			Source: b.spoolDir("sealed", hash+".data"),
 			Progress: func(done, total int64) {
 				p.update(base+done, base+total)
 			},
@@ -148,15 +172,31 @@ func (r *Replicator) runBackup(cfg *Config, p *Progress) error {
 	return nil
 }
 
-// drainBackups waits until the running backup (if any) finished, at most d, and says whether
-// it did.
-func (r *Replicator) drainBackups(d time.Duration) bool {
+// stop lets no new backup start and waits until the running one (if any) finished, at most the
+// drain time. Close calls it, then cancels the agent's context, which cuts an upload short.
+func (b *backupRunner) stop() {
+	b.mu.Lock()
+	b.stopping = true
+	running := b.running
+	b.mu.Unlock()
+	if running == nil {
+		return
+	}
+	b.log.Info("stopping: letting the running backup finish", "backup", running.Backup, "step", running.Step, "drain_timeout", b.drain.String())
 	done := make(chan struct{})
-	go func() { r.backups.Wait(); close(done) }()
+	go func() { b.active.Wait(); close(done) }()
 	select {
 	case <-done:
-		return true
-	case <-time.After(d):
-		return false
+	case <-time.After(b.drain):
+		b.log.Warn("the running backup did not finish within the drain time: cut short, it stays incomplete and the next agent retries it",
+			"backup", running.Backup, "step", running.Step, "drain_timeout", b.drain.String())
 	}
+}
+
+// status returns the running backup (nil: none), the last one completed and the highest step
+// backed up (-1: none).
+func (b *backupRunner) status() (running *Progress, last string, lastStep int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.running, b.last, b.lastStep
 }

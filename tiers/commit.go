@@ -5,10 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -20,7 +22,7 @@ import (
 // frozen in the namespace and hard-linked into spool/commits/<id>/data, and commit.json says
 // what it is. From then on the step survives a crash of the agent: the sealer turns the record
 // into sealed data and a .meta in the background, and an agent that finds records left by its
-// predecessor (adoptCommits) seals them before anything else.
+// predecessor (adoptRecords) seals them before anything else.
 //
 // Layout of one record, spool/commits/<seq>-<rand>/ (seq orders records by commit time):
 //
@@ -67,12 +69,30 @@ func (rec commitRecord) meta() string {
 
 var commitSeq atomic.Uint64
 
+// commitRecorder records the job's commits (SPEC §3) in the spool, on the job's own request,
+// and queues them for the sealer. It remembers which top-level names wait for sealing: those
+// are neither recorded twice nor cleaned from the namespace, and a restore waits for them.
+type commitRecorder struct {
+	*node
+	incs *incarnations
+	out  *fifo[pendingCommit] // to the sealer
+
+	mu      sync.Mutex
+	pending map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
+	// sealed is closed (and replaced) whenever a name leaves pending.
+	sealed chan struct{} // GUARDED_BY(mu)
+}
+
+func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit]) *commitRecorder {
+	return &commitRecorder{node: n, incs: incs, out: out, pending: map[string]bool{}, sealed: make(chan struct{})}
+}
+
 // commitOf recognises the commit signals of SPEC §3 for inc: a directory renamed to a bare
 // decimal (Orbax, NeMo), or for framework pytorch a .save of this node closed after writing,
 // renamed in or linked in.
-func (r *Replicator) commitOf(inc *incarnation, ev event) (commit, bool) {
+func (cr *commitRecorder) commitOf(inc *incarnation, ev event) (commit, bool) {
 	cfg := inc.Config
-	c := commit{inc: inc, name: ev.path, at: r.cfg.Now()}
+	c := commit{inc: inc, name: ev.path, at: cr.now()}
 	switch {
 	case strings.Contains(ev.path, "/"):
 		return c, false
@@ -95,45 +115,43 @@ func (r *Replicator) commitOf(inc *incarnation, ev event) (commit, bool) {
 	return c, true
 }
 
-// recordCommit records the commit ev signals, if it is one, before returning: it may run on the
-// FUSE request of the commit itself. Failures are reported by the sealer, off this goroutine.
-func (r *Replicator) recordCommit(ev event) {
-	inc := r.current()
+// record records the commit ev signals, if it is one, before returning: it may run on the FUSE
+// request of the commit itself. Failures are reported by the sealer, off this goroutine.
+func (cr *commitRecorder) record(ev event) {
+	inc := cr.incs.get()
 	if inc == nil {
 		return
 	}
-	c, ok := r.commitOf(inc, ev)
+	c, ok := cr.commitOf(inc, ev)
 	if !ok {
 		return
 	}
 	c.atClose = ev.kind == evClosed
-	r.mu.Lock()
-	if r.pending[c.name] {
-		r.mu.Unlock()
+	cr.mu.Lock()
+	if cr.pending[c.name] {
+		cr.mu.Unlock()
 		return // a close after the flush or rename of the same .save
 	}
-	r.pending[c.name] = true
-	if g := r.early[c.group]; g != nil && g.inc == inc {
-		g.committed = true
-	}
-	r.mu.Unlock()
-	err := r.writeCommitRecord(&c)
+	cr.pending[c.name] = true
+	cr.mu.Unlock()
+	inc.earlyCommitted(c.group)
+	err := cr.writeCommitRecord(&c)
 	if errors.Is(err, os.ErrNotExist) && ev.kind == evClosed {
 		// The release of a .save that was already committed (and sealed) at its flush.
-		r.donePending(c.name)
+		cr.done(c.name)
 		return
 	}
-	r.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name, "err", err)
+	cr.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name, "err", err)
 	if err == nil {
-		r.metrics.committed()
+		cr.metrics.committed()
 	}
-	r.sealQ.push(pendingCommit{commit: c, err: err})
+	cr.out.push(pendingCommit{commit: c, err: err})
 }
 
 // writeCommitRecord freezes and links the committed tree into a new record and writes its
 // commit.json.
-func (r *Replicator) writeCommitRecord(c *commit) error {
-	root := r.spoolDir(commitsDir)
+func (cr *commitRecorder) writeCommitRecord(c *commit) error {
+	root := cr.spoolDir(commitsDir)
 	if err := os.MkdirAll(root, 0o700); err != nil {
 		return err
 	}
@@ -142,7 +160,7 @@ func (r *Replicator) writeCommitRecord(c *commit) error {
 		return err
 	}
 	var err error
-	if c.sealed, err = r.ns.Seal(c.name, filepath.Join(c.dir, commitDataName)); err != nil {
+	if c.sealed, err = cr.ns.Seal(c.name, filepath.Join(c.dir, commitDataName)); err != nil {
 		os.RemoveAll(c.dir)
 		return err
 	}
@@ -154,6 +172,39 @@ func (r *Replicator) writeCommitRecord(c *commit) error {
 		return err
 	}
 	return nil
+}
+
+// done forgets that name waits for sealing and wakes waitSealed.
+func (cr *commitRecorder) done(name string) {
+	cr.mu.Lock()
+	delete(cr.pending, name)
+	close(cr.sealed)
+	cr.sealed = make(chan struct{})
+	cr.mu.Unlock()
+}
+
+// waitSealed returns once no commit waits for sealing, or ctx ends.
+func (cr *commitRecorder) waitSealed(ctx context.Context) error {
+	for {
+		cr.mu.Lock()
+		n, changed := len(cr.pending), cr.sealed
+		cr.mu.Unlock()
+		if n == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-changed:
+		}
+	}
+}
+
+// pendingNames returns the top-level names waiting for sealing.
+func (cr *commitRecorder) pendingNames() map[string]bool {
+	cr.mu.Lock()
+	defer cr.mu.Unlock()
+	return maps.Clone(cr.pending)
 }
 
 // writeFileAtomic writes data to p through a temporary name beside it.
@@ -169,21 +220,13 @@ func writeFileAtomic(p string, data []byte) error {
 	return nil
 }
 
-// donePending forgets that name waits for sealing and wakes waitSealed.
-func (r *Replicator) donePending(name string) {
-	r.mu.Lock()
-	delete(r.pending, name)
-	close(r.pendingChanged)
-	r.pendingChanged = make(chan struct{})
-	r.mu.Unlock()
-}
-
-// adoptCommits seals the commits a previous agent recorded but did not seal (it was killed or
+// adoptRecords seals the commits a previous agent recorded but did not seal (it was killed or
 // stopped first): each becomes sealed data with its .meta in the spool, in commit order, before
 // adoption publishes what the spool holds. A record without commit.json was not complete when
-// the job's rename could have returned, and is dropped.
-func (r *Replicator) adoptCommits() error {
-	root := r.spoolDir(commitsDir)
+// the job's rename could have returned, and is dropped. It runs at Start, before any other
+// stage; a record it cannot seal goes to report, for the next handshake.
+func (cr *commitRecorder) adoptRecords(report func(string)) error {
+	root := cr.spoolDir(commitsDir)
 	ents, err := os.ReadDir(root)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
@@ -194,10 +237,10 @@ func (r *Replicator) adoptCommits() error {
 	sort.Slice(ents, func(i, j int) bool { return ents[i].Name() < ents[j].Name() })
 	for _, e := range ents {
 		dir := filepath.Join(root, e.Name())
-		if err := r.adoptCommit(dir); err != nil {
-			r.log.Error("a commit recorded by the previous agent could not be sealed", "record", dir, "err", err)
-			r.metrics.error(errKindSeal)
-			r.startupError(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
+		if err := cr.adoptRecord(dir); err != nil {
+			cr.log.Error("a commit recorded by the previous agent could not be sealed", "record", dir, "err", err)
+			cr.metrics.error(errKindSeal)
+			report(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
 		}
 		if err := dropRecord(dir); err != nil {
 			return err
@@ -206,7 +249,7 @@ func (r *Replicator) adoptCommits() error {
 	return nil
 }
 
-func (r *Replicator) adoptCommit(dir string) error {
+func (cr *commitRecorder) adoptRecord(dir string) error {
 	raw, err := os.ReadFile(filepath.Join(dir, commitRecordName))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil // incomplete: the commit never returned
@@ -218,18 +261,18 @@ func (r *Replicator) adoptCommit(dir string) error {
 	if err := json.Unmarshal(raw, &rec); err != nil || layout.ValidateJobName(rec.Job) != nil {
 		return fmt.Errorf("%s: bad record %q", commitRecordName, raw)
 	}
-	dataName, err := r.hashRecord(dir)
+	dataName, err := hashRecord(dir, cr.digests)
 	if err == nil {
-		_, err = r.moveRecord(dir, dataName)
+		_, err = moveRecord(dir, cr.spoolDir("sealed", dataName))
 	}
 	// Adoption verifies it again like every .meta it finds; nothing to mark here.
 	if err != nil {
 		return fmt.Errorf("step %d of job %s: %w", rec.Step, rec.Job, err)
 	}
-	if err := writeFileAtomic(r.spoolDir("meta", rec.meta()), []byte(strings.TrimSuffix(dataName, ".data"))); err != nil {
+	if err := writeFileAtomic(cr.spoolDir("meta", rec.meta()), []byte(strings.TrimSuffix(dataName, ".data"))); err != nil {
 		return err
 	}
-	r.log.Info("sealed a step committed before the restart", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "data", dataName)
+	cr.log.Info("sealed a step committed before the restart", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "data", dataName)
 	return nil
 }
 
@@ -245,7 +288,7 @@ func dropRecord(dir string) error {
 // hashRecord returns the data name of the record at dir: the one noted in sealed-as once the
 // data was hashed (the data may since have moved into spool/sealed, or be half removed as a
 // duplicate: it is never hashed again), else the hash of its data, noted in sealed-as first.
-func (r *Replicator) hashRecord(dir string) (string, error) {
+func hashRecord(dir string, digests *layout.DigestCache) (string, error) {
 	data := filepath.Join(dir, commitDataName)
 	if raw, err := os.ReadFile(filepath.Join(dir, commitSealedAs)); err == nil {
 		if name := string(raw); layout.IsDataName(name) {
@@ -259,7 +302,7 @@ func (r *Replicator) hashRecord(dir string) (string, error) {
 		return "", errors.New("the record holds neither data nor a sealed name")
 	}
 	// No cancellable context: a committed step is sealed even while the agent stops.
-	hash, isDir, err := layout.HashDataCached(context.Background(), data, &r.digests)
+	hash, isDir, err := layout.HashDataCached(context.Background(), data, digests)
 	if err != nil {
 		return "", err
 	}
@@ -267,12 +310,11 @@ func (r *Replicator) hashRecord(dir string) (string, error) {
 	return name, writeFileAtomic(filepath.Join(dir, commitSealedAs), []byte(name))
 }
 
-// moveRecord moves the data of the record at dir into spool/sealed as name; dup says the same
-// content was there already (the record's copy is dropped). Callers hold publishMu, unless
-// nothing else runs yet (adoption).
-func (r *Replicator) moveRecord(dir, name string) (dup bool, err error) {
+// moveRecord moves the data of the record at dir to sealed (its place in spool/sealed); dup
+// says the same content was there already (the record's copy is dropped). Callers run it
+// inside retention.publish, unless nothing else runs yet (adoption).
+func moveRecord(dir, sealed string) (dup bool, err error) {
 	data := filepath.Join(dir, commitDataName)
-	sealed := r.spoolDir("sealed", name)
 	if _, err := os.Lstat(data); errors.Is(err, os.ErrNotExist) {
 		_, err := os.Lstat(sealed) // moved before a crash
 		return false, err
@@ -281,10 +323,4 @@ func (r *Replicator) moveRecord(dir, name string) (dup bool, err error) {
 		return true, os.RemoveAll(data)
 	}
 	return false, os.Rename(data, sealed)
-}
-
-// pendingCommit is a recorded commit waiting for the sealer (err: the record failed).
-type pendingCommit struct {
-	commit
-	err error
 }

@@ -34,11 +34,29 @@ const earlyWorkers = 4
 // it goes idle or the job restarts.
 const dropTimeout = 5 * time.Second
 
-// earlyGroup is what this node pushed early for one top-level directory of the current
-// incarnation.
+// earlyPushes hashes the files the job closes inside a step directory and pushes them to the
+// peers before the step commits. Its goroutines: the hasher (runHasher) ends when the control
+// loop closes hashQ, and then closes pushQ, which ends the earlyWorkers pushers (runPusher).
+// Pushes run on their incarnation's context. The groups pushed belong to their incarnation
+// (incarnation.early).
+type earlyPushes struct {
+	*node
+	transport PeerTransport // nil: no peers
+	incs      *incarnations
+	// hashQ carries paths of files the job closed after writing; they are hashed in the
+	// background so that sealing their step only combines digests.
+	hashQ chan string
+	pushQ chan earlyPush // hashed files, to the pushers
+}
+
+func newEarlyPushes(n *node, transport PeerTransport, incs *incarnations) *earlyPushes {
+	return &earlyPushes{node: n, transport: transport, incs: incs, hashQ: make(chan string, 4096), pushQ: make(chan earlyPush, 4096)}
+}
+
+// earlyGroup is what this node pushed early for one top-level directory of an incarnation.
 type earlyGroup struct {
 	inc       *incarnation
-	committed bool           // GUARDED_BY(Replicator.mu); renamed to a step, being sealed
+	committed bool           // GUARDED_BY(inc.mu); renamed to a step, being sealed
 	pending   sync.WaitGroup // early pushes queued or running
 	mu        sync.Mutex
 	acked     map[int]map[layout.FileDigest]bool // GUARDED_BY(mu); by peer rank
@@ -50,60 +68,79 @@ type earlyPush struct {
 	group, path string // path: the file in the spool
 }
 
-// earlyTransport returns the transport's early side when early pushes apply to inc: peers,
-// data replicated (not data-parallel), and commits that rename a directory.
-func (r *Replicator) earlyTransport(cfg *Config) (EarlyTransport, bool) {
-	et, ok := r.cfg.Peers.(EarlyTransport)
+// closed queues the file the job closed at path for hashing (and then an early push); called by
+// the control loop. A full queue drops it: the sealer hashes what was not hashed early.
+func (e *earlyPushes) closed(path string) {
+	select {
+	case e.hashQ <- path:
+	default:
+	}
+}
+
+// closeHasher ends the hasher; called by the control loop when it ends.
+func (e *earlyPushes) closeHasher() { close(e.hashQ) }
+
+// transportFor returns the transport's early side when early pushes apply to cfg: peers, data
+// replicated (not data-parallel), and commits that rename a directory.
+func (e *earlyPushes) transportFor(cfg *Config) (EarlyTransport, bool) {
+	et, ok := e.transport.(EarlyTransport)
 	if !ok || len(cfg.Peers()) == 0 || cfg.AssumeDataParallelism > 0 || cfg.Framework == FrameworkPyTorch {
 		return nil, false
 	}
 	return et, true
 }
 
-// queueEarly schedules an early push of the file the job closed at path (inside a top-level
-// directory), whose bytes are at spoolPath. Called by the prehasher once the file is hashed.
-func (r *Replicator) queueEarly(path, spoolPath string) {
-	inc := r.current()
+// runHasher hashes files the job closed after writing into the digest cache. A step whose files
+// were hashed this way seals in the time it takes to combine their digests.
+func (e *earlyPushes) runHasher() {
+	defer close(e.pushQ)
+	for path := range e.hashQ {
+		p, err := e.ns.SpoolFile(path)
+		if err != nil {
+			continue // gone or renamed meanwhile: the sealer hashes it if it matters
+		}
+		if err := e.digests.HashFileCached(e.ctx, p); err != nil {
+			if e.ctx.Err() == nil {
+				e.log.Debug("early hash failed", "path", path, "err", err)
+			}
+			continue
+		}
+		e.queue(path, p)
+	}
+}
+
+// queue schedules an early push of the file the job closed at path (inside a top-level
+// directory), whose bytes are at spoolPath.
+func (e *earlyPushes) queue(path, spoolPath string) {
+	inc := e.incs.get()
 	if inc == nil || inc.ctx.Err() != nil {
 		return
 	}
-	if _, ok := r.earlyTransport(inc.Config); !ok {
+	if _, ok := e.transportFor(inc.Config); !ok {
 		return
 	}
 	group, _, _ := strings.Cut(path, "/")
 	if _, committed := layout.ParseStepDir(group); committed || layout.IsDataName(group) {
 		return // written into a committed name: that is not a step being saved
 	}
-	r.mu.Lock()
-	if r.inc != inc {
-		r.mu.Unlock()
-		return
-	}
-	g := r.early[group]
-	if g == nil || g.inc != inc {
-		g = &earlyGroup{inc: inc, acked: map[int]map[layout.FileDigest]bool{}}
-		r.early[group] = g
-	}
-	g.pending.Add(1)
-	r.mu.Unlock()
+	g := inc.earlyGroup(group)
 	select {
-	case r.earlyQ <- earlyPush{g: g, group: group, path: spoolPath}:
+	case e.pushQ <- earlyPush{g: g, group: group, path: spoolPath}:
 	default:
 		g.pending.Done() // the queue is full: the file goes with the sealed data
 	}
 }
 
-// earlyPusher pushes queued files to every peer.
-func (r *Replicator) earlyPusher() {
-	defer r.wg.Done()
-	for p := range r.earlyQ {
+// runPusher pushes queued files to every peer.
+func (e *earlyPushes) runPusher() {
+	for p := range e.pushQ {
 		inc := p.g.inc
-		if et, ok := r.earlyTransport(inc.Config); ok && inc.ctx.Err() == nil {
+		if et, ok := e.transportFor(inc.Config); ok && inc.ctx.Err() == nil {
 			for _, peer := range inc.Config.Peers() {
 				d, err := et.PushEarly(inc.ctx, inc.Incarnation, peer, p.group, p.path)
 				if err != nil {
 					// Not fatal: the file is sent with the sealed data.
-					r.log.Debug("early push failed", "group", p.group, "to", peer, "err", err)
+					e.log.Debug("early push failed", "group", p.group, "to", peer, "err", err)
 					continue
 				}
 				p.g.mu.Lock()
@@ -118,21 +155,14 @@ func (r *Replicator) earlyPusher() {
 	}
 }
 
-// takeEarly removes and returns the early group a commit renamed from (nil if none), once its
-// queued pushes finished, so that the sealed push can count on them. The pushes run on the
+// take removes and returns the early group a commit renamed from (nil if none), once its queued
+// pushes finished, so that the sealed push can count on them. The pushes run on the
 // incarnation's context, so they end soon once it is over.
-func (r *Replicator) takeEarly(c commit) *earlyGroup {
+func (e *earlyPushes) take(c commit) *earlyGroup {
 	if c.group == "" {
 		return nil
 	}
-	r.mu.Lock()
-	g := r.early[c.group]
-	if g != nil && g.inc == c.inc {
-		delete(r.early, c.group)
-	} else {
-		g = nil
-	}
-	r.mu.Unlock()
+	g := c.inc.takeEarlyGroup(c.group)
 	if g != nil {
 		g.pending.Wait()
 	}
@@ -150,55 +180,98 @@ func (g *earlyGroup) ackedBy(peer int) map[layout.FileDigest]bool {
 	return out
 }
 
+// peers returns the ranks that acknowledged files of g.
+func (g *earlyGroup) peers() []int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var peers []int
+	for peer := range g.acked {
+		peers = append(peers, peer)
+	}
+	return peers
+}
+
 // dropAbandoned drops on the peers the early groups of inc, the current incarnation, whose
 // directory the job removed without committing it (an abandoned save). Groups still being
 // written, or committed and waiting to be sealed, stay. (A new incarnation starts with no
 // groups: the peers drop an earlier one's when they see the new one.)
-func (r *Replicator) dropAbandoned(inc *incarnation) {
-	et, ok := r.earlyTransport(inc.Config)
-	if !ok || r.current() != inc {
+func (e *earlyPushes) dropAbandoned(inc *incarnation) {
+	et, ok := e.transportFor(inc.Config)
+	if !ok || !e.incs.isCurrent(inc) {
 		return
 	}
-	ents, err := r.ns.List()
+	ents, err := e.ns.List()
 	if err != nil {
 		return
 	}
 	present := make(map[string]bool, len(ents))
-	for _, e := range ents {
-		present[e.Name] = true
+	for _, ent := range ents {
+		present[ent.Name] = true
 	}
-	abandoned := map[string]*earlyGroup{}
-	r.mu.Lock()
-	for name, g := range r.early {
-		if g.inc == inc && !g.committed && !present[name] {
-			abandoned[name] = g
-			delete(r.early, name)
-		}
-	}
-	r.mu.Unlock()
-	for name, g := range abandoned {
-		g.mu.Lock()
-		var peers []int
-		for peer := range g.acked {
-			peers = append(peers, peer)
-		}
-		g.mu.Unlock()
-		for _, peer := range peers {
-			if r.dropEarlyOn(et, inc, peer, name) == nil {
-				r.log.Info("abandoned step dropped on peer", "group", name, "peer", peer)
+	for name, g := range inc.abandonedEarlyGroups(present) {
+		for _, peer := range g.peers() {
+			if e.dropOn(et, inc, peer, name) == nil {
+				e.log.Info("abandoned step dropped on peer", "group", name, "peer", peer)
 			}
 		}
 	}
 }
 
-// dropEarlyOn asks peer to discard the early files of group, bounded by dropTimeout (a peer
-// that does not answer drops the group when it goes idle or the job restarts).
-func (r *Replicator) dropEarlyOn(et EarlyTransport, inc *incarnation, peer int, group string) error {
+// dropOn asks peer to discard the early files of group, bounded by dropTimeout (a peer that
+// does not answer drops the group when it goes idle or the job restarts).
+func (e *earlyPushes) dropOn(et EarlyTransport, inc *incarnation, peer int, group string) error {
 	ctx, cancel := context.WithTimeout(inc.ctx, dropTimeout)
 	defer cancel()
 	err := et.DropEarly(ctx, inc.Incarnation, peer, group)
 	if err != nil {
-		r.log.Debug("drop early files", "group", group, "on", peer, "err", err)
+		e.log.Debug("drop early files", "group", group, "on", peer, "err", err)
 	}
 	return err
+}
+
+// earlyGroup returns inc's group of the top-level name, made on first use, with one more push
+// pending (the caller queues it, or calls pending.Done).
+func (inc *incarnation) earlyGroup(name string) *earlyGroup {
+	inc.mu.Lock()
+	defer inc.mu.Unlock()
+	g := inc.early[name]
+	if g == nil {
+		g = &earlyGroup{inc: inc, acked: map[int]map[layout.FileDigest]bool{}}
+		inc.early[name] = g
+	}
+	g.pending.Add(1)
+	return g
+}
+
+// earlyCommitted marks the group of the name a step was saved under as committed (the rename
+// that committed it was recorded): it is no longer abandoned when its name leaves the namespace.
+func (inc *incarnation) earlyCommitted(name string) {
+	inc.mu.Lock()
+	if g := inc.early[name]; g != nil {
+		g.committed = true
+	}
+	inc.mu.Unlock()
+}
+
+// takeEarlyGroup removes and returns the group of name (nil if none).
+func (inc *incarnation) takeEarlyGroup(name string) *earlyGroup {
+	inc.mu.Lock()
+	defer inc.mu.Unlock()
+	g := inc.early[name]
+	delete(inc.early, name)
+	return g
+}
+
+// abandonedEarlyGroups removes and returns the groups not committed whose name is not present.
+func (inc *incarnation) abandonedEarlyGroups(present map[string]bool) map[string]*earlyGroup {
+	inc.mu.Lock()
+	defer inc.mu.Unlock()
+	abandoned := map[string]*earlyGroup{}
+	for name, g := range inc.early {
+		if !g.committed && !present[name] {
+			abandoned[name] = g
+			delete(inc.early, name)
+		}
+	}
+	return abandoned
 }

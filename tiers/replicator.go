@@ -42,96 +42,106 @@ type JaxInit struct {
 }
 
 // Replicator is the checkpoint brain of one node: it answers the job's replicator.yaml,
-// seals committed steps into content-addressed data, restores, and backs up. It receives the
-// job's actions as Events from package fs and changes the namespace through Namespace.
+// seals committed steps into content-addressed data, replicates them to peers, restores, and
+// backs up. It receives the job's actions as Events from package fs and changes the namespace
+// through Namespace.
 //
-// Goroutines (all stopped by Close; those that must finish committed work do not use Start's
-// context, see each):
-//   - the control loop: consumes events in order, runs handshakes;
-//   - the sealer: seals committed steps one by one (never on the control loop, so that a new
-//     replicator.yaml is answered within a second even while a large step is hashed). Commits
-//     are recorded in the spool on the job's own request, before its rename or close returns
-//     (recordCommit), and queued for the sealer;
-//   - the syncer: pushes each sealed step to the peers and syncs it with the coordinator, in
-//     order (a slow peer delays the sync of later steps, not their sealing);
-//   - the prehasher, hashing files as the job closes them, and earlyWorkers early pushers
-//     sending them to the peers before their step commits;
-//   - per incarnation, a restore goroutine (cancelled by the next handshake), and once the
-//     incarnation negotiated, a backup loop taking the coordinator's orders (at most one backup
-//     runs at a time; Close lets it finish for DrainTimeout).
+// It is a pipeline of stages, each owning its state and its lock, wired in NewReplicator:
 //
-// LOCK ORDERING: publishMu before lineMu before mu. mu is never held across Namespace or
-// BackupStore calls.
+//	retention  (retention.go)    what this node holds in RAM (.meta files and data), and what
+//	                             it may free; the other stages publish data through it
+//	recorder   (commit.go)       records a commit in the spool before the job's rename returns
+//	sealer     (seal.go)         turns a recorded commit into <hash>.data and its .meta
+//	syncer     (sync.go)         pushes a sealed step to the peers, through one pusher per peer
+//	           (push.go)         (one after the other); then syncs it with the coordinator
+//	backups    (backup.go)       takes the coordinator's backup orders
+//	handshake  (handshake.go)    answers replicator.yaml: ends the incarnation and starts the
+//	           (incarnation.go)  next one and its restore (restore.go), which starts its backup
+//	                             loop and queues the restored step to the syncer
+//	inbox      (inbox.go)        publishes the replicas peers push
+//
+// and beside them the early pushes (early.go: files sent to the peers while the job still
+// writes their step), the lines reported to the job (joblines.go) and adoption of what a
+// previous agent left in the spool (adopt.go, at Start).
+//
+// Goroutines, all started with node.tasks.Go and waited for by Close:
+//   - the control loop (run): handles the job's events in order and runs handshakes; it ends
+//     once Close closed the event queue and it handled what was queued, and then closes the
+//     sealer's queue and the hasher's channel;
+//   - the sealer: seals recorded commits one by one (never on the control loop, so that a new
+//     replicator.yaml is answered within a second even while a large step is hashed); it uses
+//     no cancellable context, drains its queue and then closes the syncer's;
+//   - the syncer: replicates and syncs sealed steps in order (a slow peer delays the sync of
+//     later steps, not their sealing); it drains its queue, and pushes end with their
+//     incarnation;
+//   - the hasher, hashing files as the job closes them, and earlyWorkers early pushers sending
+//     them to the peers before their step commits; each ends when its channel closes;
+//   - per incarnation, a restore goroutine and, once the incarnation negotiated, a backup loop;
+//     both end with the incarnation's context (the next handshake, or Close). Close lets a
+//     running backup finish for DrainTimeout first.
+//
+// The inbox's replica holds are timers, stopped by Close.
+//
+// LOCK ORDERING: retention.publishMu before jobLines.writeMu; retention.publishMu before
+// inbox.mu before retention.mu. Every other mutex is a leaf: nothing else is locked while it is
+// held. No lock but publishMu and writeMu is held across a Namespace, BackupStore,
+// PeerTransport or Coordinator call.
 type Replicator struct {
-	cfg ReplicatorConfig
-	log *slog.Logger
-	ns  Namespace
+	cfg   ReplicatorConfig
+	node  *node
+	queue *fifo[event] // the job's events, to the control loop; open from NewReplicator on
 
-	// publishMu makes "data appears in spool/sealed and gets its .meta" atomic with respect to
-	// retention, which would otherwise free data that has no .meta yet.
-	publishMu sync.Mutex
-	// lineMu serialises appends to replicator.errors and replicator.failed.
-	lineMu sync.Mutex
+	incs      *incarnations
+	lines     *jobLines
+	retention *retention
+	handshake *handshake
+	recorder  *commitRecorder
+	sealer    *sealer
+	early     *earlyPushes
+	syncer    *syncer
+	backups   *backupRunner
+	inbox     *inbox
 
-	queue fifo[event]
-	sealQ fifo[pendingCommit] // recorded commits, to the sealer
-	syncQ fifo[sealedStep]    // sealed (or restored) steps, to the syncer
-	// prehash carries paths of files the job closed after writing; they are hashed in the
-	// background so that sealing their step only combines digests.
-	prehash chan string
-	digests layout.DigestCache
+	cancel context.CancelFunc // ends node.ctx; nil before Start
+}
 
-	ctx     context.Context
-	cancel  context.CancelFunc
-	wg      sync.WaitGroup
+// node is what every stage shares. ns and ctx are set by Start before it starts any goroutine,
+// and before any handshake: no stage uses them earlier (an event that arrives before Start only
+// waits in the queue, and a commit needs an incarnation). Nothing in node changes after that.
+type node struct {
+	ns      Namespace
+	spool   *Spool
+	now     func() time.Time
+	log     *slog.Logger
 	metrics *Metrics // nil: none
-
-	mu      sync.Mutex
-	inc     *incarnation      // GUARDED_BY(mu); nil before the first valid handshake
-	metas   map[string]string // GUARDED_BY(mu); .meta name → hash, for every .meta held
-	pending map[string]bool   // GUARDED_BY(mu); top-level names queued for sealing
-	// pendingChanged is closed (and replaced) whenever a name leaves pending.
-	pendingChanged chan struct{} // GUARDED_BY(mu)
-	// startupErrors say what the agent found broken in the spool a previous agent left (a
-	// recorded commit it could not seal, data failing its hash): reported to the job at the next
-	// handshake, never dropped silently.
-	startupErrors []string // GUARDED_BY(mu)
-	// verified holds the data names whose content this agent hashed itself (sealing, adoption,
-	// arrival from a peer or a backup) and that the job cannot have changed since (the fs layer
-	// makes committed trees immutable): a restore from RAM uses them without hashing them again.
-	verified      map[string]bool   // GUARDED_BY(mu)
-	inFlight      map[string]int    // GUARDED_BY(mu); data names being sealed or restored
-	replicaHolds  map[string]func() // GUARDED_BY(mu); replicated data waiting for its .meta
-	backup        *Progress         // GUARDED_BY(mu); the running backup
-	backups       sync.WaitGroup    // running backups, for Close to drain
-	stopping      bool              // GUARDED_BY(mu); Close began: no new backup starts
-	lastBackup    string            // GUARDED_BY(mu)
-	restore       *Progress         // GUARDED_BY(mu); the running restore
-	recentErrors  []string          // GUARDED_BY(mu)
-	lastCommitted int64             // GUARDED_BY(mu); highest complete step of the incarnation
-	lastSealed    int64             // GUARDED_BY(mu); highest step sealed by this agent (-1: none)
-	lastBackedUp  int64             // GUARDED_BY(mu); highest step whose part this node backed up (-1: none)
-	// lastReplicated is the highest step of the incarnation the coordinator reported replicated
-	// on every node (-1: none yet).
-	lastReplicated int64 // GUARDED_BY(mu)
-	// early holds, by top-level name, the files pushed to peers before their step committed.
-	early  map[string]*earlyGroup // GUARDED_BY(mu)
-	earlyQ chan earlyPush
-	// peerDown holds, by rank, until when a peer whose pushes all failed gets fewer attempts per
-	// step (peerDownAttempts), so that a lost peer does not hold up every step for minutes.
-	peerDown map[int]time.Time // GUARDED_BY(mu)
+	// digests caches the digests of files hashed as the job closed them; sealing, adoption and
+	// the peer transport reuse them. It is safe for concurrent use.
+	digests *layout.DigestCache
+	// ctx is the agent's life (Start's context): cancelled by Close once the running backup had
+	// its drain time. Sealing never uses it.
+	ctx context.Context
+	// tasks counts every goroutine of the replicator, for Close.
+	tasks sync.WaitGroup
 }
 
-// incarnation is the state of one start of the job.
-type incarnation struct {
-	Incarnation
-	ctx      context.Context
-	cancel   context.CancelFunc
-	phase    string // "restoring", "running", "failed"
-	restored int64  // step restored (0: none)
+// spoolDir is a path in the spool.
+func (n *node) spoolDir(parts ...string) string {
+	return filepath.Join(append([]string{n.spool.Dir()}, parts...)...)
 }
 
-// NewReplicator makes a replicator; pass it to fs.Mount as the Events, then call Start.
+// hasName reports whether the namespace holds the top-level name.
+func (n *node) hasName(name string) bool {
+	ents, _ := n.ns.List()
+	for _, e := range ents {
+		if e.Name == name {
+			return true
+		}
+	}
+	return false
+}
+
+// NewReplicator makes a replicator; pass it to fs.Mount as the Events, then call Start. It wires
+// the stages: each gets the stages it hands work to or asks, nothing more.
 func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	if cfg.Getenv == nil {
 		cfg.Getenv = os.Getenv
@@ -142,28 +152,54 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	r := &Replicator{cfg: cfg, log: cfg.Logger, metas: map[string]string{}, pending: map[string]bool{}, inFlight: map[string]int{}, replicaHolds: map[string]func(){}, lastReplicated: -1,
-		early: map[string]*earlyGroup{}, peerDown: map[int]time.Time{}, pendingChanged: make(chan struct{}), verified: map[string]bool{}, lastSealed: -1, lastBackedUp: -1}
+	n := &node{spool: cfg.Spool, now: cfg.Now, log: cfg.Logger, digests: &layout.DigestCache{}}
+	r := &Replicator{cfg: cfg, node: n, queue: newFIFO[event]()}
 	if cfg.Registerer != nil {
-		r.metrics = NewMetrics(cfg.Registerer, r)
+		n.metrics = NewMetrics(cfg.Registerer, r)
 	}
-	r.queue.init()
-	r.sealQ.init()
-	r.syncQ.init()
+
+	// The queues between the stages: pushing never blocks (a FUSE request may push).
+	sealQ := newFIFO[pendingCommit]() // recorded commits, to the sealer
+	syncQ := newFIFO[sealedStep]()    // sealed or restored steps, to the syncer
+
+	// State the stages share: the job's incarnations, the lines reported to it, and what this
+	// node holds in RAM (retention).
+	r.incs = &incarnations{}
+	r.lines = &jobLines{node: n, incs: r.incs}
+	r.retention = newRetention(n, r.incs)
+
+	// A step's way: committed (recorded before the job's rename returns), sealed, pushed to the
+	// peers and synced with the coordinator, which then orders its backup.
+	r.recorder = newCommitRecorder(n, r.incs, sealQ)
+	r.sealer = &sealer{node: n, in: sealQ, out: syncQ, recorder: r.recorder, retention: r.retention, incs: r.incs,
+		lines: r.lines, lastSealed: -1}
+	r.early = newEarlyPushes(n, cfg.Peers, r.incs)
+	r.syncer = &syncer{node: n, in: syncQ, coord: cfg.Coordinator, incs: r.incs, retention: r.retention, lines: r.lines,
+		pushers: newPushers(n, cfg.Peers, r.early, r.lines)}
+	r.backups = newBackupRunner(n, cfg.Store, cfg.Coordinator, r.retention, r.lines, cfg.DrainTimeout)
+
+	// The start of each incarnation: the handshake answers replicator.yaml and starts the
+	// restore, which waits until what was committed before is sealed, restores, starts the
+	// incarnation's backup loop and queues the restored step to the syncer.
+	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines, retention: r.retention,
+		recorder: r.recorder, restorer: &restorer{node: n, coord: cfg.Coordinator, store: cfg.Store, peers: cfg.Peers,
+			incs: r.incs, lines: r.lines, retention: r.retention, recorder: r.recorder, backups: r.backups, synced: syncQ}}
+
+	// Replicas from peers land in the inbox.
+	r.inbox = newInbox(n, r.retention)
 	return r
 }
 
 // Start adopts committed data a previous agent left in the spool, writes jax-init-info.txt,
-// and starts serving events. ctx bounds the replicator's life.
+// and starts the stages' goroutines. ctx bounds the replicator's life.
 func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
-	r.ns = ns
-	r.ctx, r.cancel = context.WithCancel(ctx)
-	r.prehash = make(chan string, 4096)
-	r.earlyQ = make(chan earlyPush, 4096)
-	if err := r.adoptCommits(); err != nil {
+	n := r.node
+	n.ns = ns
+	n.ctx, r.cancel = context.WithCancel(ctx)
+	if err := r.recorder.adoptRecords(r.incs.startupError); err != nil {
 		return err
 	}
-	if err := r.adopt(r.ctx); err != nil {
+	if err := r.retention.adopt(n.ctx, r.incs.startupError); err != nil {
 		return err
 	}
 	if j := r.cfg.JaxInit; j != nil {
@@ -172,43 +208,28 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 			return err
 		}
 	}
-	r.wg.Add(4 + earlyWorkers)
-	go r.controlLoop()
-	go r.sealer()
-	go r.syncer()
-	go r.prehasher()
+	n.tasks.Go(r.run)
+	n.tasks.Go(r.sealer.run)
+	n.tasks.Go(r.syncer.run)
+	n.tasks.Go(r.early.runHasher)
 	for range earlyWorkers {
-		go r.earlyPusher()
+		n.tasks.Go(r.early.runPusher)
 	}
 	return nil
 }
 
 // Close stops the replicator's goroutines: a running backup gets DrainTimeout to finish (then it
 // is cut short, and left incomplete: its .meta, uploaded last, is missing); running restores
-// are cancelled; steps already committed are sealed first.
+// and pushes are cancelled; steps already committed are sealed first.
 func (r *Replicator) Close() {
 	if r.cancel == nil {
 		return
 	}
-	r.queue.close()
-	r.mu.Lock()
-	r.stopping = true
-	running := r.backup
-	r.mu.Unlock()
-	if running != nil {
-		drain := r.cfg.DrainTimeout
-		if drain == 0 {
-			drain = DefaultDrainTimeout
-		}
-		drain = max(drain, 0)
-		r.log.Info("stopping: letting the running backup finish", "backup", running.Backup, "step", running.Step, "drain_timeout", drain.String())
-		if !r.drainBackups(drain) {
-			r.log.Warn("the running backup did not finish within the drain time: cut short, it stays incomplete and the next agent retries it",
-				"backup", running.Backup, "step", running.Step, "drain_timeout", drain.String())
-		}
-	}
-	r.cancel()  // restores and backups stop; sealing runs on its own context and finishes
-	r.wg.Wait() // the control loop closes sealQ, so the sealer drains what was committed
+	r.queue.close()      // the control loop ends once it handled what was queued
+	r.backups.stop()     // no new backup starts; the running one gets the drain time
+	r.cancel()           // incarnations, restores, pushes and backups end; sealing does not
+	r.node.tasks.Wait()  // the control loop closes the sealer's queue: what was committed is sealed
+	r.inbox.stopTimers() // replica holds no longer matter
 }
 
 // Events (called on FUSE request goroutines: record and return; a commit is recorded in the
@@ -217,21 +238,35 @@ func (r *Replicator) Close() {
 func (r *Replicator) Closed(path string) { r.queue.push(event{kind: evClosed, path: path}) }
 func (r *Replicator) Renamed(oldPath, newPath string, typ layout.EntryType) {
 	ev := event{kind: evRenamed, path: newPath, old: oldPath, typ: typ}
-	r.recordCommit(ev)
+	r.recorder.record(ev)
 	r.queue.push(ev)
 }
 func (r *Replicator) TooLarge(path string) { r.queue.push(event{kind: evTooLarge, path: path}) }
 func (r *Replicator) Created(path string, typ layout.EntryType) {
 	r.queue.push(event{kind: evCreated, path: path, typ: typ})
 }
-func (r *Replicator) Flushed(path string) { r.recordCommit(event{kind: evClosed, path: path}) }
+func (r *Replicator) Flushed(path string) { r.recorder.record(event{kind: evClosed, path: path}) }
 
 var _ Events = (*Replicator)(nil)
 
-func (r *Replicator) controlLoop() {
-	defer r.wg.Done()
-	defer r.sealQ.close()
-	defer close(r.prehash)
+// AcceptReplica takes data or a .meta a peer pushed, already verified by the transport, and
+// publishes it in the spool and the namespace (SPEC §4: a replica appears only once verified).
+// path is moved, not copied.
+func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, name, path string) error {
+	return r.inbox.accept(job, rank, name, path)
+}
+
+// SealedPath is where this node holds the data name, for peers that fetch it.
+func (r *Replicator) SealedPath(name string) (string, error) { return r.retention.sealedPath(name) }
+
+// Digests is the cache of file digests computed when files were closed; the peer transport
+// reuses them instead of reading the data again.
+func (r *Replicator) Digests() *layout.DigestCache { return r.node.digests }
+
+// run is the control loop: it handles the job's events in order.
+func (r *Replicator) run() {
+	defer r.sealer.in.close()
+	defer r.early.closeHasher()
 	for {
 		ev, ok := r.queue.pop()
 		if !ok {
@@ -248,57 +283,25 @@ func (r *Replicator) handle(ev event) {
 		// hashed now, while the job writes the rest (and pushed to peers). Writers that close
 		// a temporary name and rename it (tensorstore) are caught at the rename.
 		if ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == layout.EntryFile) {
-			select {
-			case r.prehash <- ev.path:
-			default: // the sealer hashes what was not hashed early
-			}
+			r.early.closed(ev.path)
 		}
 		return
 	}
 	isYAML := ev.path == layout.ReplicatorYAMLName
 	switch {
 	case ev.kind == evTooLarge && (isYAML || ev.path == layout.ReplicatorYAMLTmpName):
-		r.ns.Remove(ev.path)
-		r.failLine(nil, fmt.Sprintf("%s: larger than %d bytes; discarded", layout.ReplicatorYAMLName, MaxConfigSize))
+		r.node.ns.Remove(ev.path)
+		r.lines.failLine(nil, fmt.Sprintf("%s: larger than %d bytes; discarded", layout.ReplicatorYAMLName, MaxConfigSize))
 	case isYAML && (ev.kind == evRenamed || ev.kind == evCreated) && ev.typ != layout.EntryFile:
 		// A directory or symlink would otherwise sit there forever while the job waits for the
 		// file to be consumed.
-		r.ns.Remove(ev.path)
-		r.failLine(nil, fmt.Sprintf("%s: is a %v; write it as a regular file (a symlink is not followed); removed", layout.ReplicatorYAMLName, ev.typ))
+		r.node.ns.Remove(ev.path)
+		r.lines.failLine(nil, fmt.Sprintf("%s: is a %v; write it as a regular file (a symlink is not followed); removed", layout.ReplicatorYAMLName, ev.typ))
 	case isYAML && (ev.kind == evClosed || ev.kind == evRenamed || ev.kind == evCreated):
-		r.handshake()
+		r.handshake.answer()
 	case ev.kind == evClosed || ev.kind == evCreated:
-		r.recordCommit(ev) // pytorch .save: normally recorded at its flush already
+		r.recorder.record(ev) // pytorch .save: normally recorded at its flush already
 	}
-}
-
-func (r *Replicator) isVerified(dataName string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.verified[dataName]
-}
-
-func (r *Replicator) markVerified(dataName string) {
-	r.mu.Lock()
-	r.verified[dataName] = true
-	r.mu.Unlock()
-}
-
-// startupError records a problem found in the spool at start, for the next handshake.
-func (r *Replicator) startupError(msg string) {
-	r.mu.Lock()
-	r.startupErrors = append(r.startupErrors, msg)
-	r.mu.Unlock()
-}
-
-func (r *Replicator) current() *incarnation {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.inc
-}
-
-func (r *Replicator) spoolDir(parts ...string) string {
-	return filepath.Join(append([]string{r.cfg.Spool.Dir()}, parts...)...)
 }
 
 func randomID() string {
@@ -320,59 +323,3 @@ const (
 	evTooLarge
 	evCreated
 )
-
-// fifo is an unbounded queue: pushing never blocks (a FUSE request, in particular). Items pushed
-// after close are dropped.
-type fifo[T any] struct {
-	mu     sync.Mutex
-	items  []T  // GUARDED_BY(mu)
-	closed bool // GUARDED_BY(mu)
-	signal chan struct{}
-}
-
-func (q *fifo[T]) init() { q.signal = make(chan struct{}, 1) }
-
-func (q *fifo[T]) push(v T) {
-	q.mu.Lock()
-	if !q.closed {
-		q.items = append(q.items, v)
-	}
-	q.mu.Unlock()
-	q.wake()
-}
-
-func (q *fifo[T]) wake() {
-	select {
-	case q.signal <- struct{}{}:
-	default:
-	}
-}
-
-func (q *fifo[T]) close() {
-	q.mu.Lock()
-	q.closed = true
-	q.mu.Unlock()
-	q.wake()
-}
-
-// pop waits for the next item; ok is false once the queue is closed and drained.
-func (q *fifo[T]) pop() (T, bool) {
-	for {
-		q.mu.Lock()
-		if len(q.items) > 0 {
-			v := q.items[0]
-			var zero T
-			q.items[0] = zero
-			q.items = q.items[1:]
-			q.mu.Unlock()
-			return v, true
-		}
-		closed := q.closed
-		q.mu.Unlock()
-		if closed {
-			var zero T
-			return zero, false
-		}
-		<-q.signal
-	}
-}

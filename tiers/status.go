@@ -1,11 +1,8 @@
 package tiers
 
 import (
-	"sort"
 	"sync/atomic"
 	"time"
-
-	"github.com/mtcfs/mtcfs/layout"
 )
 
 // Progress describes a running restore or backup; Done is updated as bytes move.
@@ -93,23 +90,29 @@ func (p *Progress) view() *ProgressView {
 		Done: p.Done(), Total: atomic.LoadInt64(&p.Total)}
 }
 
-// Status returns a snapshot for `mtcfs status`.
+// Status returns a snapshot for `mtcfs status`. Each stage is read under its own lock, one
+// after the other.
 func (r *Replicator) Status() Status {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	st := Status{Phase: "idle", Rank: -1, Restore: r.restore.view(), Backup: r.backup.view(), LastBackup: r.lastBackup,
-		Committed: r.lastCommitted, Sealed: r.lastSealed, BackedUp: r.lastBackedUp, Replicated: r.lastReplicated,
-		Errors: append([]string(nil), r.recentErrors...)}
-	if inc := r.inc; inc != nil {
+	st := Status{Phase: "idle", Rank: -1, Replicated: -1}
+	current, last := r.incs.both()
+	if last != nil {
+		last.mu.Lock()
+		st.Committed, st.Replicated = last.committed, last.replicated
+		last.mu.Unlock()
+	}
+	if inc := current; inc != nil {
 		st.Incarnation, st.Job, st.Framework = inc.ID, inc.Config.JobName, inc.Config.Framework
-		st.Rank, st.Nodes, st.Phase, st.Restored = inc.Config.NodeRank, inc.Config.Nodes, inc.phase, inc.restored
+		st.Rank, st.Nodes = inc.Config.NodeRank, inc.Config.Nodes
+		inc.mu.Lock()
+		st.Phase, st.Restored, st.Restore = inc.phase, inc.restored, inc.restore.view()
+		inc.mu.Unlock()
 	}
-	for name, hash := range r.metas {
-		if m, ok := layout.ParseMarkerName(name); ok {
-			st.Steps = append(st.Steps, StepInRAM{Meta: name, Step: m.Step, Rank: m.Node, Data: hash + ".data"})
-		}
-	}
-	sort.Slice(st.Steps, func(i, j int) bool { return st.Steps[i].Meta < st.Steps[j].Meta })
+	st.Sealed = r.sealer.latest()
+	var backup *Progress
+	backup, st.LastBackup, st.BackedUp = r.backups.status()
+	st.Backup = backup.view()
+	st.Errors = r.lines.recentErrors()
+	st.Steps = r.retention.steps()
 	if r.cfg.Store != nil {
 		st.BackupStore = r.cfg.Store.String()
 	}

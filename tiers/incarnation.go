@@ -1,0 +1,148 @@
+package tiers
+
+import (
+	"context"
+	"sync"
+)
+
+// incarnation is one start of the job (one valid replicator.yaml) and the state that lives and
+// dies with it. Its ctx ends when the next replicator.yaml arrives or the agent stops: its
+// restore, its backup loop, its pushes and its early pushes end with it. Sealing the steps it
+// committed does not: a committed step is never dropped (SPEC §2).
+type incarnation struct {
+	Incarnation
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu       sync.Mutex
+	phase    string // GUARDED_BY(mu); "restoring", "running", "failed"
+	restored int64  // GUARDED_BY(mu); step restored (0: none)
+	// committed is the highest step every worker of this node sealed (or the restored step).
+	committed int64 // GUARDED_BY(mu)
+	// replicated is the highest step the coordinator reported replicated on every node (-1:
+	// none yet).
+	replicated int64     // GUARDED_BY(mu)
+	restore    *Progress // GUARDED_BY(mu); the restore transfer running, for status
+	// early holds, by top-level name, the files pushed to peers before their step committed.
+	early map[string]*earlyGroup // GUARDED_BY(mu)
+}
+
+func newIncarnation(parent context.Context, cfg *Config) *incarnation {
+	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring", replicated: -1,
+		early: map[string]*earlyGroup{}}
+	inc.ctx, inc.cancel = context.WithCancel(parent)
+	return inc
+}
+
+func (inc *incarnation) setPhase(phase string) {
+	inc.mu.Lock()
+	inc.phase = phase
+	inc.mu.Unlock()
+}
+
+// setRestoreProgress shows p (nil: none) as the running restore in mtcfs status.
+func (inc *incarnation) setRestoreProgress(p *Progress) {
+	inc.mu.Lock()
+	inc.restore = p
+	inc.mu.Unlock()
+}
+
+// restoreDone records the outcome of the restore: the job runs from step (0: from scratch).
+func (inc *incarnation) restoreDone(step int64) {
+	inc.mu.Lock()
+	inc.restored, inc.phase = step, "running"
+	inc.committed = max(inc.committed, step)
+	inc.mu.Unlock()
+}
+
+// noteCommitted and noteReplicated raise the incarnation's latest steps.
+func (inc *incarnation) noteCommitted(step int64) {
+	inc.mu.Lock()
+	inc.committed = max(inc.committed, step)
+	inc.mu.Unlock()
+}
+
+func (inc *incarnation) noteReplicated(step int64) {
+	inc.mu.Lock()
+	inc.replicated = max(inc.replicated, step)
+	inc.mu.Unlock()
+}
+
+// incarnations knows the job's current incarnation.
+type incarnations struct {
+	mu sync.Mutex
+	// current is the running incarnation; nil before the first valid replicator.yaml, and from
+	// the moment a new one arrives until it is valid and set up.
+	current *incarnation // GUARDED_BY(mu)
+	// last is the newest valid incarnation, current or not: status shows its latest steps, and
+	// retention keeps them.
+	last *incarnation // GUARDED_BY(mu)
+	// startupErrors say what the agent found broken in the spool a previous agent left (a
+	// recorded commit it could not seal, data failing its hash): reported to the job at the next
+	// handshake, never dropped silently.
+	startupErrors []string // GUARDED_BY(mu)
+}
+
+func (s *incarnations) get() *incarnation {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.current
+}
+
+func (s *incarnations) isCurrent(inc *incarnation) bool { return s.get() == inc }
+
+// end ends the current incarnation, if any: its uncommitted work is abandoned.
+func (s *incarnations) end() {
+	s.mu.Lock()
+	if s.current != nil {
+		s.current.cancel()
+	}
+	s.current = nil
+	s.mu.Unlock()
+}
+
+// begin makes inc the current incarnation.
+func (s *incarnations) begin(inc *incarnation) {
+	s.mu.Lock()
+	s.current, s.last = inc, inc
+	s.mu.Unlock()
+}
+
+// both returns the current and the newest valid incarnation.
+func (s *incarnations) both() (current, last *incarnation) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.current, s.last
+}
+
+// startupError records a problem found in the spool at start, for the next handshake.
+func (s *incarnations) startupError(msg string) {
+	s.mu.Lock()
+	s.startupErrors = append(s.startupErrors, msg)
+	s.mu.Unlock()
+}
+
+// takeStartupErrors returns the startup errors not reported yet.
+func (s *incarnations) takeStartupErrors() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	msgs := s.startupErrors
+	s.startupErrors = nil
+	return msgs
+}
+
+// latest returns the newest valid incarnation's latest committed and replicated steps, and the
+// step the current one restored (0 before any valid incarnation, or while none is current).
+func (s *incarnations) latest() (committed, replicated, restored int64) {
+	current, last := s.both()
+	if last == nil {
+		return 0, -1, 0
+	}
+	last.mu.Lock()
+	committed, replicated = last.committed, last.replicated
+	if current == last {
+		restored = last.restored
+	}
+	last.mu.Unlock()
+	return committed, replicated, restored
+}

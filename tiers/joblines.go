@@ -1,0 +1,85 @@
+package tiers
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+
+	"github.com/mtcfs/mtcfs/layout"
+)
+
+// jobLines reports to the job: it appends lines to replicator.errors and replicator.failed
+// (SPEC §2.3), from any stage, and keeps the last ones for status.
+type jobLines struct {
+	*node
+	incs *incarnations
+
+	// writeMu serialises appends: each rewrites the whole file (read, append, write).
+	writeMu sync.Mutex
+	mu      sync.Mutex
+	recent  []string // GUARDED_BY(mu); the last lines reported, oldest first
+}
+
+// recentLines is how many reported lines status shows.
+const recentLines = 20
+
+// errLine appends a line to replicator.errors; failLine to replicator.failed (SPEC §2.3).
+func (l *jobLines) errLine(cfg *Config, msg string) {
+	l.appendLine(layout.ReplicatorErrorsName, "ERR", cfg, msg)
+}
+func (l *jobLines) failLine(cfg *Config, msg string) {
+	l.appendLine(layout.ReplicatorFailedName, "FATAL", cfg, msg)
+}
+
+// incLine reports an error of a background task of inc; once a newer incarnation started, the
+// line only goes to the log, since the first line of the new incarnation's replicator.errors
+// must be its own (SPEC §2).
+func (l *jobLines) incLine(inc *incarnation, msg string) {
+	if !l.incs.isCurrent(inc) {
+		l.log.Error("error of an earlier incarnation", "incarnation", inc.ID, "message", msg)
+		return
+	}
+	l.errLine(inc.Config, msg)
+}
+
+func (l *jobLines) appendLine(file, level string, cfg *Config, msg string) {
+	l.writeMu.Lock()
+	defer l.writeMu.Unlock()
+	job, rank, nodes := "?", "?", "?"
+	if cfg != nil {
+		if cfg.JobName != "" {
+			job = cfg.JobName
+		}
+		if cfg.NodeRank >= 0 {
+			rank = itoa(int64(cfg.NodeRank))
+		}
+		if cfg.Nodes >= 0 {
+			nodes = itoa(int64(cfg.Nodes))
+		}
+	}
+	msg = oneLine(msg)
+	line := fmt.Sprintf("%s job=%s node=%s/%s %s %s\n", l.now().UTC().Format("2006-01-02T15:04:05Z"), job, rank, nodes, level, msg)
+	old, err := l.ns.ReadFile(file, 1<<20)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		l.log.Error("read "+file, "err", err)
+	}
+	if err := l.ns.WriteFile(file, append(old, line...)); err != nil {
+		l.log.Error("write "+file, "err", err)
+	}
+	l.log.Warn("reported to the job", "file", file, "message", msg)
+	l.mu.Lock()
+	l.recent = append(l.recent, strings.TrimSpace(line))
+	if len(l.recent) > recentLines {
+		l.recent = l.recent[len(l.recent)-recentLines:]
+	}
+	l.mu.Unlock()
+}
+
+// recentErrors returns the last lines reported.
+func (l *jobLines) recentErrors() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.recent...)
+}

@@ -1,0 +1,153 @@
+package tiers
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+)
+
+// PeerTransport moves sealed data between the agents of a job (package replication implements
+// it over gRPC; cmd wires it). Both calls return only once the data was verified on arrival.
+type PeerTransport interface {
+	// Push sends the sealed data or .meta file at path, named name, to rank's agent.
+	Push(ctx context.Context, inc Incarnation, rank int, name, path string) error
+	// Fetch copies the data name that rank's agent holds into dir/name. progress, if not nil,
+	// is called with the bytes received so far and the total (safe for concurrent calls).
+	Fetch(ctx context.Context, inc Incarnation, rank int, name, dir string, progress func(done, total int64)) error
+}
+
+// pushAttempts is how often a push to one peer is tried before the step counts as not
+// replicated; pushBackoff is the wait before the second attempt, doubled each time.
+const (
+	pushAttempts = 3
+	pushBackoff  = 500 * time.Millisecond
+	// peerDownFor is how long a peer whose every attempt failed gets peerDownAttempts per step
+	// (two: the first may fail on a connection that broke before the peer came back).
+	peerDownFor      = 30 * time.Second
+	peerDownAttempts = 2
+)
+
+// pushers are the per-peer pushers of the syncer, by rank, made on first use. Only the syncer's
+// goroutine uses the map.
+type pushers struct {
+	*node
+	transport PeerTransport // nil: no peers
+	early     *earlyPushes
+	lines     *jobLines
+	byRank    map[int]*pusher
+}
+
+func newPushers(n *node, transport PeerTransport, early *earlyPushes, lines *jobLines) *pushers {
+	return &pushers{node: n, transport: transport, early: early, lines: lines, byRank: map[int]*pusher{}}
+}
+
+func (ps *pushers) to(rank int) *pusher {
+	p := ps.byRank[rank]
+	if p == nil {
+		p = &pusher{pushers: ps, rank: rank}
+		ps.byRank[rank] = p
+	}
+	return p
+}
+
+// pusher pushes sealed steps to one peer and owns what is known of that peer's health: a peer
+// whose every attempt failed is "down" for peerDownFor, and gets fewer attempts per step
+// meanwhile, so that a lost peer does not hold up every step for minutes. Pushes run on the
+// syncer's goroutine.
+type pusher struct {
+	*pushers
+	rank int
+
+	mu        sync.Mutex
+	downUntil time.Time // GUARDED_BY(mu)
+}
+
+// push pushes this node's data of a sealed step and its .meta to the peer (SPEC §4): the data
+// first, so that the .meta never names data the peer lacks; in data-parallel mode only the
+// .meta, since column-mates hold equivalent data. A failure is reported to the job. It returns
+// whether the peer acknowledged a verified replica. dataBytes is the size of the data (for the
+// metrics), computed once per step.
+func (p *pusher) push(s sealedStep, early *earlyGroup, dataBytes func() int64) bool {
+	c := s.commit
+	cfg := c.inc.Config
+	metaOnly := s.restored && slices.Contains(s.holders, p.rank)
+	start := p.now()
+	attempts := pushAttempts
+	if p.isDown() {
+		attempts = peerDownAttempts
+	}
+	var err error
+	for attempt, wait := 1, pushBackoff; ; attempt, wait = attempt+1, wait*2 {
+		err = p.pushStep(c, s.dataName, s.meta, early, metaOnly)
+		if err == nil || attempt >= attempts || c.inc.ctx.Err() != nil {
+			break
+		}
+		p.log.Warn("replication failed, retrying", "step", c.step, "to", p.rank, "attempt", attempt, "err", err)
+		select {
+		case <-time.After(wait):
+		case <-c.inc.ctx.Done():
+		}
+	}
+	if err != nil && c.inc.ctx.Err() != nil {
+		// The incarnation ended (a new replicator.yaml, or the agent stopping): not the
+		// peer's failure, and not news for the job.
+		return false
+	}
+	p.setDown(err != nil)
+	if err != nil {
+		p.metrics.error(errKindReplication)
+		p.lines.incLine(c.inc, fmt.Sprintf("replicating step %d to rank %d failed: %v", c.step, p.rank, err))
+		if et, ok := p.early.transportFor(cfg); ok && early != nil {
+			p.early.dropOn(et, c.inc, p.rank, c.group)
+		}
+		return false
+	}
+	sent := s.dataName
+	if cfg.AssumeDataParallelism > 0 {
+		sent = s.meta // column-mates hold the data
+	}
+	took := p.now().Sub(start)
+	p.log.Info("replicated", "step", c.step, "data", sent, "to", p.rank, "took", took.String())
+	p.metrics.replicated(took.Seconds())
+	if cfg.AssumeDataParallelism == 0 && !metaOnly {
+		p.metrics.moved("peer", "out", dataBytes())
+	}
+	return true
+}
+
+// pushStep pushes a step's data, then its .meta, to the peer; with metaOnly (the peer holds the
+// data already) only the .meta.
+func (p *pusher) pushStep(c commit, dataName, meta string, early *earlyGroup, metaOnly bool) error {
+	if c.inc.Config.AssumeDataParallelism == 0 && !metaOnly {
+		var err error
+		src := p.spoolDir("sealed", dataName)
+		if et, ok := p.early.transportFor(c.inc.Config); ok && early != nil {
+			err = et.PushConsuming(c.inc.ctx, c.inc.Incarnation, p.rank, dataName, src, c.group, early.ackedBy(p.rank))
+		} else {
+			err = p.transport.Push(c.inc.ctx, c.inc.Incarnation, p.rank, dataName, src)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return p.transport.Push(c.inc.ctx, c.inc.Incarnation, p.rank, meta, p.spoolDir("meta", meta))
+}
+
+func (p *pusher) isDown() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.now().Before(p.downUntil)
+}
+
+// setDown records the outcome of a push: down (every attempt failed) or up.
+func (p *pusher) setDown(down bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if down {
+		p.downUntil = p.now().Add(peerDownFor)
+	} else {
+		p.downUntil = time.Time{}
+	}
+}

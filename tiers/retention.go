@@ -1,0 +1,275 @@
+package tiers
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+
+	"github.com/mtcfs/mtcfs/layout"
+)
+
+// retention knows what this node holds in RAM — every .meta in spool/meta and the namespace,
+// and the data in spool/sealed they name — and frees what is no longer needed (SPEC §7 local
+// retention): it keeps the latest committed step, the latest replicated one (the step that
+// survives the loss of a node), any newer step, any step being backed up, and any data held
+// (being sealed, restored, backed up, or a replica waiting for its .meta).
+//
+// The publish protocol. Data appears in spool/sealed before a .meta names it (a seal moves the
+// record's data in, a restore or a replica moves what arrived in). retain decides what to free
+// from the .meta files it knows and from the holds, then lists spool/sealed: data that appeared
+// after it took that snapshot, with its .meta written after too, would look unnamed and be
+// freed. So every change that makes data appear and gives it its .meta runs inside publish,
+// and retain runs inside publish too: it sees the data with its .meta, or neither. Data whose
+// .meta comes in a later publish (a replica's .meta, pushed after its data) is held from its
+// own publish until then.
+type retention struct {
+	*node
+	incs *incarnations // for the latest committed, replicated and restored steps
+
+	// publishMu makes "data appears in spool/sealed and gets its .meta" atomic with respect to
+	// retain.
+	publishMu sync.Mutex
+
+	mu    sync.Mutex
+	metas map[string]string // GUARDED_BY(mu); .meta name → hash, for every .meta held
+	// verified holds the data names whose content this agent hashed itself (sealing, adoption,
+	// arrival from a peer or a backup) and that the job cannot have changed since (the fs layer
+	// makes committed trees immutable): a restore from RAM uses them without hashing them again.
+	verified  map[string]bool // GUARDED_BY(mu)
+	holds     map[string]int  // GUARDED_BY(mu); data names held, and by how many
+	backingUp map[int64]int   // GUARDED_BY(mu); steps being backed up, and by how many backups
+}
+
+func newRetention(n *node, incs *incarnations) *retention {
+	return &retention{node: n, incs: incs, metas: map[string]string{}, verified: map[string]bool{},
+		holds: map[string]int{}, backingUp: map[int64]int{}}
+}
+
+// publish runs f, which makes data appear in spool/sealed and writes the .meta naming it, so
+// that no retain runs in between (see retention). Nothing in f may call publish or retain.
+func (rt *retention) publish(f func() error) error {
+	rt.publishMu.Lock()
+	defer rt.publishMu.Unlock()
+	return f()
+}
+
+// writeMeta records a .meta in the spool (so a restarted agent finds it) and in the namespace.
+// Called inside publish.
+func (rt *retention) writeMeta(name, content string) error {
+	dir := rt.spoolDir("meta")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	if err := writeFileAtomic(filepath.Join(dir, name), []byte(content)); err != nil {
+		return err
+	}
+	if err := rt.ns.WriteFile(name, []byte(content)); err != nil {
+		return err
+	}
+	rt.mu.Lock()
+	rt.metas[name] = content
+	rt.mu.Unlock()
+	return nil
+}
+
+// hold protects data from retain until the returned release is called.
+func (rt *retention) hold(dataName string) (release func()) {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	return rt.holdLocked(dataName)
+}
+
+func (rt *retention) holdLocked(dataName string) (release func()) {
+	rt.holds[dataName]++
+	return func() {
+		rt.mu.Lock()
+		if rt.holds[dataName]--; rt.holds[dataName] <= 0 {
+			delete(rt.holds, dataName)
+		}
+		rt.mu.Unlock()
+	}
+}
+
+func (rt *retention) isHeld(dataName string) bool {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	return rt.holds[dataName] > 0
+}
+
+// keepStep keeps every .meta of step (and the data they name) until the returned release is
+// called: the step is being backed up.
+func (rt *retention) keepStep(step int64) (release func()) {
+	rt.mu.Lock()
+	rt.backingUp[step]++
+	rt.mu.Unlock()
+	return func() {
+		rt.mu.Lock()
+		if rt.backingUp[step]--; rt.backingUp[step] <= 0 {
+			delete(rt.backingUp, step)
+		}
+		rt.mu.Unlock()
+	}
+}
+
+// holdStep returns the hashes of this node's workers' data of step, each held until release is
+// called; an error if a worker's .meta is no longer here.
+func (rt *retention) holdStep(cfg *Config, step int64) (hashes []string, release func(), err error) {
+	hashes = make([]string, cfg.WorkersPerNode)
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	for w := range hashes {
+		name := layout.MarkerName{Job: cfg.JobName, Step: step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
+		h, ok := rt.metas[name]
+		if !ok {
+			return nil, nil, fmt.Errorf("step %d worker %d is no longer in this node's RAM", step, w)
+		}
+		hashes[w] = h
+	}
+	releases := make([]func(), len(hashes))
+	for i, h := range hashes {
+		releases[i] = rt.holdLocked(h + ".data")
+	}
+	return hashes, func() {
+		for _, r := range releases {
+			r()
+		}
+	}, nil
+}
+
+// retain frees this job's steps that are neither the latest complete one, newer than it
+// (still being saved), nor being backed up (SPEC §7 local retention), and the data no kept
+// .meta names.
+func (rt *retention) retain(cfg *Config) {
+	rt.publishMu.Lock()
+	defer rt.publishMu.Unlock()
+	keepFrom, floor, restored := rt.incs.latest()
+	// A newer step that did not replicate must not cost the one reported replicated: it is the
+	// step that survives the loss of a node (SPEC §7). Before the incarnation replicated any, the
+	// step every node restored plays that part.
+	if floor < 0 {
+		floor = restored
+	}
+	if floor > 0 && floor < keepFrom {
+		keepFrom = floor
+	}
+	var drop []string
+	keepHash := map[string]bool{}
+	rt.mu.Lock()
+	for name, hash := range rt.metas {
+		m, ok := layout.ParseMarkerName(name)
+		if ok && m.Job == cfg.JobName && m.Step < keepFrom && rt.backingUp[m.Step] == 0 {
+			drop = append(drop, name)
+		} else {
+			keepHash[hash] = true
+		}
+	}
+	for _, name := range drop {
+		delete(rt.metas, name)
+	}
+	rt.mu.Unlock()
+	for _, name := range drop {
+		os.Remove(rt.spoolDir("meta", name))
+		rt.ns.Remove(name)
+	}
+	// Data that no kept .meta names goes too.
+	ents, _ := os.ReadDir(rt.spoolDir("sealed"))
+	for _, e := range ents {
+		hash := strings.TrimSuffix(e.Name(), ".data")
+		if keepHash[hash] || rt.isHeld(e.Name()) {
+			continue
+		}
+		os.RemoveAll(rt.spoolDir("sealed", e.Name()))
+		rt.ns.Remove(e.Name())
+		rt.mu.Lock()
+		delete(rt.verified, e.Name())
+		rt.mu.Unlock()
+		rt.log.Info("freed", "data", e.Name())
+	}
+}
+
+// dropMetas forgets the .meta files whose names match (from the spool and the namespace) and
+// returns their names, sorted. The caller runs retain next to free their data.
+func (rt *retention) dropMetas(match func(layout.MarkerName) bool) []string {
+	var drop []string
+	rt.mu.Lock()
+	for name := range rt.metas {
+		if m, ok := layout.ParseMarkerName(name); ok && match(m) {
+			drop = append(drop, name)
+			delete(rt.metas, name)
+		}
+	}
+	rt.mu.Unlock()
+	sort.Strings(drop)
+	for _, name := range drop {
+		os.Remove(rt.spoolDir("meta", name))
+		rt.ns.Remove(name)
+	}
+	return drop
+}
+
+// dropData removes data from the spool and the namespace (it failed its check).
+func (rt *retention) dropData(dataName string) {
+	rt.publishMu.Lock()
+	defer rt.publishMu.Unlock()
+	os.RemoveAll(rt.spoolDir("sealed", dataName))
+	rt.ns.Remove(dataName)
+	rt.mu.Lock()
+	delete(rt.verified, dataName)
+	rt.mu.Unlock()
+}
+
+func (rt *retention) isVerified(dataName string) bool {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	return rt.verified[dataName]
+}
+
+func (rt *retention) markVerified(dataName string) {
+	rt.mu.Lock()
+	rt.verified[dataName] = true
+	rt.mu.Unlock()
+}
+
+// inventory lists what this node holds in RAM for the restore negotiation.
+func (rt *retention) inventory(rank int) Inventory {
+	inv := Inventory{Rank: rank, Metas: map[string]string{}}
+	rt.mu.Lock()
+	for k, v := range rt.metas {
+		inv.Metas[k] = v
+	}
+	rt.mu.Unlock()
+	ents, _ := os.ReadDir(rt.spoolDir("sealed"))
+	for _, e := range ents {
+		inv.Data = append(inv.Data, strings.TrimSuffix(e.Name(), ".data"))
+	}
+	return inv
+}
+
+// steps lists the .meta files held, for status.
+func (rt *retention) steps() []StepInRAM {
+	rt.mu.Lock()
+	var steps []StepInRAM
+	for name, hash := range rt.metas {
+		if m, ok := layout.ParseMarkerName(name); ok {
+			steps = append(steps, StepInRAM{Meta: name, Step: m.Step, Rank: m.Node, Data: hash + ".data"})
+		}
+	}
+	rt.mu.Unlock()
+	sort.Slice(steps, func(i, j int) bool { return steps[i].Meta < steps[j].Meta })
+	return steps
+}
+
+// sealedPath is where this node holds the data name.
+func (rt *retention) sealedPath(name string) (string, error) {
+	if !layout.IsDataName(name) {
+		return "", fmt.Errorf("%q: %w", name, os.ErrNotExist)
+	}
+	p := rt.spoolDir("sealed", name)
+	if _, err := os.Lstat(p); err != nil {
+		return "", err
+	}
+	return p, nil
+}
