@@ -26,6 +26,7 @@ type fileNode struct {
 	opens     int    // open handles. GUARDED_BY(mu)
 	releasing int    // handles whose RELEASE request is still running (space.go). GUARDED_BY(mu)
 	writers   int    // open handles that may write. GUARDED_BY(mu)
+	lingering bool   // keeps the bytes after the last name went (replacedByAgent). GUARDED_BY(mu)
 	accounted int64  // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
 	// limit is the largest size a control file may reach (0: none); such files never use
 	// passthrough, so that every write passes the check.
@@ -252,6 +253,25 @@ func (f *fileNode) addLink() bool {
 
 // dropLink removes one name; it reports whether that was the last one while handles remain
 // (the file is doomed: its bytes go when the handles are released, see space.go).
+// replacedByAgent drops the name the agent just gave to another node (namespace.install): the
+// bytes stay a moment, for a reader that resolved the name just before the kernel forgot it and
+// opens the old node now — it reads the old content, as with rename(2) over a file, not ENOENT.
+func (f *fileNode) replacedByAgent() {
+	f.mu.Lock()
+	f.lingering = true
+	f.mu.Unlock()
+	f.dropLink()
+	time.AfterFunc(replacedLinger, func() {
+		f.mu.Lock()
+		f.lingering = false
+		f.maybeFree()
+		f.mu.Unlock()
+	})
+}
+
+// replacedLinger is how long replacedByAgent keeps the old bytes (small control and .meta files).
+const replacedLinger = time.Second
+
 func (f *fileNode) dropLink() (doomed bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -269,7 +289,7 @@ func (f *fileNode) dropLink() (doomed bool) {
 
 // maybeFree removes the spool file once no name and no open handle refers to it. Caller holds mu.
 func (f *fileNode) maybeFree() {
-	if f.nlink > 0 || f.opens > 0 || f.backing == "" {
+	if f.nlink > 0 || f.opens > 0 || f.backing == "" || f.lingering {
 		return
 	}
 	f.fs.spool.Reserve(-f.accounted)

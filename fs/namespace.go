@@ -98,10 +98,16 @@ func (ns *namespace) install(name string, ch *gofs.Inode) error {
 	}
 	ns.root.AddChild(name, ch, true)
 	ns.m.sealedTop.Delete(name)
-	if old != nil {
-		dropped(old)
-	}
+	// The kernel forgets its entry for name before the old node lets go of its bytes: a reader
+	// racing the replacement opens the old content or the new, never nothing.
 	ns.changed(name)
+	if old != nil {
+		if fn, ok := old.Operations().(*fileNode); ok {
+			fn.replacedByAgent()
+		} else {
+			dropped(old)
+		}
+	}
 	return nil
 }
 

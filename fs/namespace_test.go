@@ -3,10 +3,12 @@ package fs
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -238,6 +240,45 @@ func TestNamespace(t *testing.T) {
 			}
 			sort.Strings(names)
 			require.Equal(t, []string{"Dabc.data", "job-s5-n0-w0.restore", "status.txt"}, names)
+		})
+	}
+}
+
+// A name the agent replaces (WriteFile over an existing file, as a .meta or replicator.errors is
+// rewritten) always resolves for a reader racing the replacement: it reads the old content or
+// the new one, never ENOENT.
+func TestReplacedNameNeverVanishes(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, srv, _, _ := mountWithEvents(t, mode)
+			ns := srv.Namespace()
+			require.NoError(t, ns.WriteFile("x.meta", []byte("v0")))
+			stop := make(chan struct{})
+			var misses, reads atomic.Int64
+			var wg sync.WaitGroup
+			for range 2 {
+				wg.Go(func() {
+					for {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						if _, err := os.ReadFile(filepath.Join(dir, "x.meta")); err != nil {
+							if misses.Add(1) == 1 {
+								t.Logf("first miss: %v", err)
+							}
+						}
+						reads.Add(1)
+					}
+				})
+			}
+			for i := range 2000 {
+				require.NoError(t, ns.WriteFile("x.meta", []byte(fmt.Sprintf("v%d", i))))
+			}
+			close(stop)
+			wg.Wait()
+			require.Zero(t, misses.Load(), "of %d reads racing 2000 replacements", reads.Load())
 		})
 	}
 }
