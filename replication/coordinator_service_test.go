@@ -154,7 +154,13 @@ func TestCoordinatorServiceThreeRanks(t *testing.T) {
 				// Step 12 is not replicated on rank 2: the decision carries that to every rank.
 				decs[r], err = j.clients[r].Sync(ctx, j.incs[r], tiers.SyncReport{Step: step, Replicated: step != 12 || r != 2})
 				assert.NoError(t, err, "step %d rank %d", step, r)
-				short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+				// With an order due, the call returns it at once: wait long enough for a loaded
+				// machine. Without one, it waits until its deadline: keep that short.
+				wait := 200 * time.Millisecond
+				if want != "" {
+					wait = 20 * time.Second
+				}
+				short, cancel := context.WithTimeout(ctx, wait)
 				defer cancel()
 				orders[r], err = j.clients[r].Backups(short, j.incs[r], tiers.BackupReport{Done: done})
 				assert.NoError(t, err, "step %d rank %d", step, r)
