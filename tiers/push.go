@@ -10,6 +10,8 @@ import (
 
 // PeerTransport moves sealed data between the agents of a job (package replication implements
 // it over gRPC; cmd wires it). Both calls return only once the data was verified on arrival.
+// Calls to different ranks must be able to run at once: a step is pushed to every peer in
+// parallel.
 type PeerTransport interface {
 	// Push sends the sealed data or .meta file at path, named name, to rank's agent.
 	Push(ctx context.Context, inc Incarnation, rank int, name, path string) error
@@ -54,8 +56,9 @@ func (ps *pushers) to(rank int) *pusher {
 
 // pusher pushes sealed steps to one peer and owns what is known of that peer's health: a peer
 // whose every attempt failed is "down" for peerDownFor, and gets fewer attempts per step
-// meanwhile, so that a lost peer does not hold up every step for minutes. Pushes run on the
-// syncer's goroutine.
+// meanwhile, so that a lost peer does not hold up every step for minutes. Each push runs on a
+// goroutine the syncer starts for it and waits for before the next step: one push to a peer at
+// a time.
 type pusher struct {
 	*pushers
 	rank int

@@ -52,8 +52,8 @@ type JaxInit struct {
 //	                             it may free; the other stages publish data through it
 //	recorder   (commit.go)       records a commit in the spool before the job's rename returns
 //	sealer     (seal.go)         turns a recorded commit into <hash>.data and its .meta
-//	syncer     (sync.go)         pushes a sealed step to the peers, through one pusher per peer
-//	           (push.go)         (one after the other); then syncs it with the coordinator
+//	syncer     (sync.go)         pushes a sealed step to the peers, to all at once, through one
+//	           (push.go)         pusher per peer; then syncs it with the coordinator
 //	backups    (backup.go)       takes the coordinator's backup orders
 //	handshake  (handshake.go)    answers replicator.yaml: ends the incarnation and starts the
 //	           (incarnation.go)  next one and its restore (restore.go), which starts its backup
@@ -72,7 +72,8 @@ type JaxInit struct {
 //     replicator.yaml is answered within a second even while a large step is hashed); it uses
 //     no cancellable context, drains its queue and then closes the syncer's;
 //   - the syncer: replicates and syncs sealed steps in order (a slow peer delays the sync of
-//     later steps, not their sealing); it drains its queue, and pushes end with their
+//     later steps, not their sealing); for each step it runs one push per peer, each on its
+//     own goroutine, and waits for all of them; it drains its queue, and pushes end with their
 //     incarnation;
 //   - the hasher, hashing files as the job closes them, and earlyWorkers early pushers sending
 //     them to the peers before their step commits; each ends when its channel closes;

@@ -913,8 +913,8 @@ func waitChan(t *testing.T, ch chan struct{}, what string) {
 	}
 }
 
-// Regression (seal.go, retain): retain took its keep-set of hashes under mu, then lists
-// spool/sealed without it. Data sealed in between (its hold already released, its .meta
+// Regression (retain, now in retention.go): retain took its keep-set of hashes under mu, then
+// listed spool/sealed without it. Data sealed in between (its hold already released, its .meta
 // already recorded, but after the snapshot) is neither in the keep-set nor in flight, so it is
 // deleted: the newest committed step loses its data while its .meta stays. Here the retention
 // that ends a backup races with the sealer.
@@ -965,7 +965,7 @@ func TestRetentionAtBackupEndKeepsAStepSealedMeanwhile(t *testing.T) {
 	}
 }
 
-// Regression (restore.go, bringIn / restoreIncarnation): bringIn released its hold on the data it
+// Regression (restore.go, bringIn, now restoreSlot): bringIn released its hold on the data it
 // brought in when it returns, but the .meta that protects the data from retention is written
 // only afterwards. A retention in that window (here the one that ends a backup of the previous
 // incarnation) frees the data, and the .restore marker then points at nothing.
@@ -1023,9 +1023,9 @@ func TestRetentionDuringRestoreKeepsTheRestoredData(t *testing.T) {
 	}
 }
 
-// Regression (handshake.go, appendLine): appending was a read-modify-write of the whole file with no
-// lock, and it runs on several goroutines (sealer, backup, restore, control loop). Two
-// concurrent appends lose one line.
+// Regression (appendLine, now in joblines.go): appending was a read-modify-write of the whole
+// file with no lock, and it runs on several goroutines (sealer, backup, restore, control loop).
+// Two concurrent appends lose one line.
 func TestConcurrentErrorLinesAreAllKept(t *testing.T) {
 	t.Parallel()
 	store := newTestStore(t)

@@ -9,7 +9,8 @@ import (
 // syncer replicates sealed steps to the peers and syncs each step with the coordinator once
 // every worker of this node sealed and replicated it, in order; then retention frees what it no
 // longer needs. A step counts as replicated only if every worker's replication did. Its
-// goroutine (run) ends once its queue is closed and drained; pushes end with their incarnation.
+// goroutine (run) ends once its queue is closed and drained; the pushes of a step run each on
+// its own goroutine, which the syncer waits for, and end with their incarnation.
 type syncer struct {
 	*node
 	in        *fifo[sealedStep] // from the sealer, and restored steps from the restorer
@@ -57,7 +58,7 @@ func (sy *syncer) run() {
 	}
 }
 
-// replicate pushes a sealed step to the step's peers (SPEC §4), one after the other, and
+// replicate pushes a sealed step to the step's peers (SPEC §4), to all of them at once, and
 // reports whether every peer acknowledged a verified replica (true when there are no peers):
 // only those count.
 func (sy *syncer) replicate(s sealedStep) bool {
@@ -72,9 +73,12 @@ func (sy *syncer) replicate(s sealedStep) bool {
 	defer sy.pushers.early.dropAbandoned(s.inc)
 	dataBytes := sync.OnceValue(func() int64 { return treeBytes(sy.spoolDir("sealed", s.dataName)) })
 	acked := make([]bool, len(peers))
+	var pushes sync.WaitGroup
 	for i, rank := range peers {
-		acked[i] = sy.pushers.to(rank).push(s, early, dataBytes)
+		p := sy.pushers.to(rank)
+		pushes.Go(func() { acked[i] = p.push(s, early, dataBytes) })
 	}
+	pushes.Wait()
 	return !slices.Contains(acked, false)
 }
 
