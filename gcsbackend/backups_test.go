@@ -17,6 +17,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sync/semaphore"
 )
 
 const testJob = "llama-7b"
@@ -413,26 +414,36 @@ func assertProgress(t *testing.T, calls []int64, total int64, tree map[string]st
 	assert.IsNonDecreasing(t, calls)
 }
 
-// recordingStore records successful Puts and can fail chosen ones.
+// recordingStore records successful Puts and PutFiles and can fail chosen
+// ones.
 type recordingStore struct {
 	ObjectStore
-	failOn string // substring of names whose Put fails
+	failOn string // substring of names whose Put or PutFile fails
 
 	mu   sync.Mutex
 	puts []string // GUARDED_BY(mu)
 }
 
-func (r *recordingStore) Put(ctx context.Context, req PutRequest) error {
-	if r.failOn != "" && strings.Contains(req.Name, r.failOn) {
+func (r *recordingStore) record(name string, put func() error) error {
+	if r.failOn != "" && strings.Contains(name, r.failOn) {
 		return errors.New("injected failure")
 	}
-	err := r.ObjectStore.Put(ctx, req)
+	err := put()
 	if err == nil {
 		r.mu.Lock()
-		r.puts = append(r.puts, req.Name)
+		r.puts = append(r.puts, name)
 		r.mu.Unlock()
 	}
 	return err
+}
+
+func (r *recordingStore) Put(ctx context.Context, req PutRequest) error {
+	return r.record(req.Name, func() error { return r.ObjectStore.Put(ctx, req) })
+}
+
+func (r *recordingStore) PutFile(ctx context.Context, t FileTransfer) (crc uint32, err error) {
+	err = r.record(t.Name, func() error { crc, err = r.ObjectStore.PutFile(ctx, t); return err })
+	return crc, err
 }
 
 func TestUploadWritesMetaLast(t *testing.T) {
@@ -710,6 +721,59 @@ func TestForEach(t *testing.T) {
 // An upload that knows the job's shape records it in the backup, so that a backup missing the
 // whole highest rank is incomplete also to a reader that does not know the shape (mtcfs backups
 // list|verify, restore-version set).
+// TestEachRequest: the parts of a file start in order, within the bound of
+// requests shared by the files of one transfer, and an error stops the rest.
+func TestEachRequest(t *testing.T) {
+	ctx := context.Background()
+	for _, units := range []int64{1, 2} {
+		shared := semaphore.NewWeighted(units)
+		var mu sync.Mutex
+		order := map[int][]int{}
+		var running, peak atomic.Int32
+		errs := make([]error, 3)
+		var wg sync.WaitGroup
+		for f := range errs {
+			wg.Go(func() {
+				tr := FileTransfer{Requests: shared}
+				errs[f] = tr.eachRequest(ctx, 20, func(ctx context.Context, i int) error {
+					n := running.Add(1)
+					for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+					}
+					mu.Lock()
+					order[f] = append(order[f], i)
+					mu.Unlock()
+					time.Sleep(100 * time.Microsecond)
+					running.Add(-1)
+					return nil
+				})
+			})
+		}
+		wg.Wait()
+		for f, err := range errs {
+			require.NoError(t, err, "file %d", f)
+			require.Len(t, order[f], 20, "file %d", f)
+			if units == 1 {
+				// One unit: part i+1 cannot be acquired before part i released it.
+				assert.IsIncreasing(t, order[f], "file %d: parts start in order", f)
+			}
+		}
+		assert.LessOrEqual(t, peak.Load(), int32(units), "requests of all files within the shared bound")
+	}
+
+	boom := errors.New("boom")
+	var calls atomic.Int32
+	tr := FileTransfer{Requests: semaphore.NewWeighted(1)}
+	err := tr.eachRequest(ctx, 100, func(ctx context.Context, i int) error {
+		calls.Add(1)
+		if i == 3 {
+			return boom
+		}
+		return nil
+	})
+	assert.ErrorIs(t, err, boom)
+	assert.Equal(t, int32(4), calls.Load(), "with one unit, nothing starts after the failing part")
+}
+
 func TestRecordedShapeFindsAMissingHighestRank(t *testing.T) {
 	b := newTestBackups(t)
 	const backup = "2025-06-30_14-30"

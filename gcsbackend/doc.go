@@ -98,5 +98,41 @@
 // final name with its CRC32C, then deleted), downloads as ranged reads of
 // one pinned generation written in place, whose CRC32Cs are combined
 // (crc32cCombine) and checked against the manifest. Memory stays at one copy
-// buffer per request in flight.
+// buffer per request in flight. Both are methods of ObjectStore (PutFile,
+// GetFile), which Backups calls for every data file; file:// streams a file
+// in one request.
+//
+// What the client library (cloud.google.com/go/storage v1.70.0) does here,
+// and what the store does itself, decided by the fault tests
+// (gcs_fault_test.go) run with the library's mechanism in place of the
+// store's:
+//
+//   - Requests, CRC32C and preconditions go through the library; so does the
+//     choice of errors worth retrying (storage.ShouldRetry) and the backoff
+//     (gax.Backoff, the library's own).
+//   - The retry loop is the store's: with the library's policy
+//     (Retryer, WithPolicy(RetryAlways), WithMaxAttempts, WithErrorFunc)
+//     a single-request upload (Writer.ChunkSize 0, which streams without a
+//     buffer) is never retried, so TestGCSFaultServerErrorBursts,
+//     TestGCSFaultLostAcknowledgement and TestGCSFaultCorruptUpload fail.
+//     Resumable uploads (a ChunkSize buffer per request in flight) are
+//     retried, but a 400 for a CRC32C damaged on the way still is not
+//     (TestGCSFaultCorruptUpload), and the 412 of a retry whose first attempt
+//     landed needs the store's Stat either way.
+//   - Stalls are the store's watchdog's: Writer.ChunkTransferTimeout applies
+//     only to the chunks of resumable uploads, not to single-request ones
+//     nor to metadata calls (TestGCSFaultStallForever's upload waits the
+//     stall out instead of failing, and so do TestGCSFaultStall's requests),
+//     and experimental.WithReadStallTimeout is not implemented for the JSON
+//     API and bounds only the wait for response headers, while the library's
+//     reader reopens a body that breaks after them without limit or backoff
+//     (TestGCSFaultBodyCutEveryTime and TestGCSFaultOpenBodyCutEveryTime
+//     never end; TestGCSNoGoroutineLeak's read that never answers does not
+//     fail).
+//   - Parallel transfers are the store's: transfermanager (a preview API)
+//     only downloads, inherits the reader's endless reconnects
+//     (TestGCSFaultBodyCutEveryTime, ranged), has no stall detection (its
+//     WithPerOpTimeout cancels every download in v1.70.0) and reports no
+//     bytes, only finished objects; the library's parallel composite upload
+//     (Writer.ParallelUploadConfig) is experimental and gRPC-only.
 package gcsbackend

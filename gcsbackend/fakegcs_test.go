@@ -244,8 +244,11 @@ func (g *gcsFake) multipartUpload(w http.ResponseWriter, r *http.Request, bucket
 			return
 		}
 	}
-	if meta.Name == "" {
-		meta.Name = r.URL.Query().Get("name")
+	if q := r.URL.Query().Get("name"); q != "" && meta.Name != "" && q != meta.Name {
+		apiError(w, http.StatusBadRequest, "object name %q in the metadata differs from name=%q", meta.Name, q)
+		return
+	} else if meta.Name == "" {
+		meta.Name = q
 	}
 	g.finish(w, bucket, meta, r.URL.Query(), data)
 }

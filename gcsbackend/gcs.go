@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
-	"math/rand/v2"
 	"net/http"
 	"os"
 	"strings"
@@ -15,6 +14,7 @@ import (
 	"time"
 
 	"cloud.google.com/go/storage"
+	"github.com/googleapis/gax-go/v2"
 	"google.golang.org/api/googleapi"
 	"google.golang.org/api/iterator"
 	"google.golang.org/api/option"
@@ -24,7 +24,8 @@ import (
 // object "<prefix>/a/b" in the bucket, the same layout as file://.
 //
 // Every request is retried by gcsStore itself, not by the client library
-// (whose retries are switched off per handle): one loop gives every call the
+// (whose retries are switched off per handle; doc.go says which fault tests
+// the library's retries and timeouts fail): one loop gives every call the
 // same backoff, the same stall detection (an attempt that moves no byte for
 // StallTimeout is abandoned) and the same idempotency rules:
 //
@@ -51,7 +52,7 @@ import (
 // GCS allows about one write per second to one object name; the store delays
 // a second write to a name it wrote less than NameWriteInterval ago.
 //
-// Large files go through putLocal and getFile (see gcs_transfer.go): parallel
+// Large files go through PutFile and GetFile (see gcs_transfer.go): parallel
 // composite uploads and parallel ranged downloads, streamed from and to the
 // local file.
 type gcsStore struct {
@@ -61,11 +62,7 @@ type gcsStore struct {
 	names          nameLimiter
 }
 
-var (
-	_ ObjectStore = (*gcsStore)(nil)
-	_ filePutter  = (*gcsStore)(nil)
-	_ fileGetter  = (*gcsStore)(nil)
-)
+var _ ObjectStore = (*gcsStore)(nil)
 
 // GCSOptions tunes a GCS store. The zero value gives the defaults.
 type GCSOptions struct {
@@ -270,9 +267,10 @@ func retryable(a *attempt, err error) bool {
 // op and name only label the error.
 func (s *gcsStore) retry(ctx context.Context, op, name string, fn func(a *attempt) error) error {
 	var err error
+	bo := s.backoff()
 	for n := 0; n < s.opts.MaxAttempts; n++ {
 		if n > 0 {
-			if werr := sleepCtx(ctx, s.backoff(n)); werr != nil {
+			if werr := gax.Sleep(ctx, bo.Pause()); werr != nil {
 				return fmt.Errorf("%s %s: %w (after %d attempts, last: %v)", op, s.url(name), werr, n, err)
 			}
 		}
@@ -297,24 +295,11 @@ func (s *gcsStore) retry(ctx context.Context, op, name string, fn func(a *attemp
 	return fmt.Errorf("%s %s: giving up after %d attempts: %w", op, s.url(name), s.opts.MaxAttempts, err)
 }
 
-func (s *gcsStore) backoff(n int) time.Duration {
-	d := s.opts.BackoffInitial
-	for i := 1; i < n && d < s.opts.BackoffMax; i++ {
-		d *= 2
-	}
-	d = min(d, s.opts.BackoffMax)
-	return d/2 + rand.N(d/2+1) // jitter, so that parallel retries spread out
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+// backoff is the pause between attempts: exponential from BackoffInitial to
+// BackoffMax with full jitter, so that parallel retries spread out (the
+// client library's own backoff).
+func (s *gcsStore) backoff() gax.Backoff {
+	return gax.Backoff{Initial: s.opts.BackoffInitial, Max: s.opts.BackoffMax, Multiplier: 2}
 }
 
 func httpCode(err error) int {
@@ -482,7 +467,7 @@ func (s *gcsStore) Open(ctx context.Context, name string, off, length int64) (io
 	// The reader outlives this call (see ObjectStore.Open): its context is
 	// cut loose from ctx and cancelled by Close.
 	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	r := &gcsReader{s: s, ctx: rctx, cancel: cancel, name: name, off: off, remaining: length}
+	r := &gcsReader{s: s, ctx: rctx, cancel: cancel, name: name, off: off, remaining: length, bo: s.backoff()}
 	if err := r.open(); err != nil {
 		cancel()
 		return nil, err
@@ -503,10 +488,11 @@ type gcsReader struct {
 	wd        *watchdog
 	rctx      context.Context // the current reader's attempt context
 	// failed counts the readers in a row that failed before delivering a
-	// byte; Read gives up at MaxAttempts. open's own retries start afresh
-	// each time, so they cannot bound a server that answers every request
-	// and breaks every body.
+	// byte; Read gives up at MaxAttempts, and backs off by bo between them.
+	// open's own retries start afresh each time, so they cannot bound a
+	// server that answers every request and breaks every body.
 	failed int
+	bo     gax.Backoff
 }
 
 // open (re)opens the object at r.off, retrying transient errors.
@@ -565,7 +551,7 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 			if r.failed > 0 {
 				// A server can accept every connection and break every body
 				// before its first byte: back off, as between attempts.
-				if err := sleepCtx(r.ctx, r.s.backoff(r.failed)); err != nil {
+				if err := gax.Sleep(r.ctx, r.bo.Pause()); err != nil {
 					return 0, err
 				}
 			}
@@ -579,7 +565,7 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 		n, err := r.r.Read(p)
 		if n > 0 {
 			r.wd.touch()
-			r.failed = 0
+			r.failed, r.bo = 0, r.s.backoff()
 			r.off += int64(n)
 			if r.remaining > 0 {
 				r.remaining -= int64(n)
@@ -1055,7 +1041,7 @@ func (l *nameLimiter) wait(ctx context.Context, name string, interval time.Durat
 			return nil
 		}
 		l.mu.Unlock()
-		if err := sleepCtx(ctx, next.Sub(now)); err != nil {
+		if err := gax.Sleep(ctx, next.Sub(now)); err != nil {
 			return err
 		}
 	}

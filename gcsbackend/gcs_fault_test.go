@@ -111,7 +111,8 @@ func TestGCSFaultReplaceRace(t *testing.T) {
 }
 
 // TestGCSFaultStall: requests that hang longer than the stall timeout are
-// abandoned and retried.
+// abandoned and retried — not waited out: a stalled request would be served
+// after long, so the round trip must end well before that.
 func TestGCSFaultStall(t *testing.T) {
 	f, b, tree, src := faultSetup(t, func(o *GCSOptions) { o.StallTimeout = 500 * time.Millisecond })
 	long := 10 * time.Second
@@ -121,7 +122,9 @@ func TestGCSFaultStall(t *testing.T) {
 		f.faults.add(2, isMediaRead, stall(long)),
 		f.faults.add(1, func(r *http.Request) bool { return r.Method == http.MethodGet && !isMediaRead(r) }, stall(long)),
 	}
+	start := time.Now()
 	roundTrip(t, b, tree, src)
+	assert.Less(t, time.Since(start), long, "stalled requests must be abandoned after StallTimeout, not waited out")
 	assertAllHit(t, f, rules...)
 }
 

@@ -8,6 +8,7 @@ import (
 	"hash/crc32"
 	"io"
 	"math/rand/v2"
+	"mime"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -21,6 +22,7 @@ import (
 	"cloud.google.com/go/storage"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sync/semaphore"
 	"google.golang.org/api/option"
 )
 
@@ -183,11 +185,17 @@ func serveThen(code int) func(http.ResponseWriter, *http.Request, http.Handler) 
 	}
 }
 
-// corruptRequest flips one byte in the middle of the request body.
+// corruptRequest flips one byte of the uploaded bytes: the last one before
+// the closing delimiter of a multipart upload (its metadata part stays
+// intact), else the middle one of the request body.
 func corruptRequest(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	body, _ := io.ReadAll(r.Body)
-	if len(body) > 0 {
-		body[len(body)/2] ^= 0x5a
+	i := len(body) / 2
+	if _, params, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err == nil && params["boundary"] != "" {
+		i = bytes.LastIndex(body, []byte("\r\n--"+params["boundary"]+"--")) - 1
+	}
+	if i >= 0 && i < len(body) {
+		body[i] ^= 0x5a
 	}
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.ContentLength = int64(len(body))
@@ -412,18 +420,21 @@ func TestGCSCompositeUploadCannotReplace(t *testing.T) {
 	fh, err := os.Open(file)
 	require.NoError(t, err)
 	defer fh.Close()
-	tr := fileTransfer{Name: "obj", File: fh, Size: int64(len(data)), CRC32C: crcOf(data), Slots: make(chan struct{}, 3)}
-	require.NoError(t, s.putFile(ctx, tr))
-	require.NoError(t, s.putFile(ctx, tr), "the same bytes again are a successful retry")
+	tr := FileTransfer{Name: "obj", File: fh, Size: int64(len(data)), Requests: semaphore.NewWeighted(3)}
+	crc, err := s.PutFile(ctx, tr)
+	require.NoError(t, err)
+	assert.Equal(t, crcOf(data), crc)
+	_, err = s.PutFile(ctx, tr)
+	require.NoError(t, err, "the same bytes again are a successful retry")
 
 	put(t, s, "other", "x")
 	other := tr
 	other.Name = "other"
-	err = s.putFile(ctx, other)
+	uploads := f.faults.add(1<<30, isUpload, func(w http.ResponseWriter, r *http.Request, next http.Handler) { next.ServeHTTP(w, r) })
+	_, err = s.PutFile(ctx, other)
 	var pe *PreconditionError
 	assert.True(t, errors.As(err, &pe), "want *PreconditionError, got %v", err)
-	// The emulator ignores compose preconditions: this holds because the
-	// store looks before uploading the parts (GCS also enforces it).
+	assert.Zero(t, f.faults.hits(uploads), "the store looks before it uploads any part (GCS would refuse the compose too)")
 	assert.Equal(t, "x", readRange(t, s, "other", 0, -1))
 	assertNoTemporaryObjects(t, f)
 }
@@ -616,10 +627,10 @@ func TestGCSPutWithCRCReadsOnce(t *testing.T) {
 	assert.True(t, IsNotFound(err), "nothing may be visible after a CRC mismatch, got %v", err)
 }
 
-// TestGCSPutLocal: putLocal takes the file's CRC32C itself (a large file's
+// TestGCSPutFile: PutFile takes the file's CRC32C itself (a large file's
 // from its parts, combined), returns it, and refuses a file whose size is
 // not the one scanned.
-func TestGCSPutLocal(t *testing.T) {
+func TestGCSPutFile(t *testing.T) {
 	ctx := context.Background()
 	f := newFakeGCS(t)
 	s := f.store(t, "", testGCSOptions()) // parts of 1 MiB from 2 MiB on
@@ -632,8 +643,8 @@ func TestGCSPutLocal(t *testing.T) {
 			require.NoError(t, err)
 			defer fh.Close()
 			name := fmt.Sprintf("obj-%d", size)
-			tr := fileTransfer{Name: name, File: fh, Size: int64(size), Slots: make(chan struct{}, 3)}
-			crc, err := s.putLocal(ctx, tr)
+			tr := FileTransfer{Name: name, File: fh, Size: int64(size), Requests: semaphore.NewWeighted(3)}
+			crc, err := s.PutFile(ctx, tr)
 			require.NoError(t, err)
 			assert.Equal(t, crcOf(data), crc)
 			o, err := s.Stat(ctx, name)
@@ -650,7 +661,7 @@ func TestGCSPutLocal(t *testing.T) {
 				}
 				tr := tr
 				tr.Name, tr.Size = name+"-"+tc.name, tc.size
-				_, err := s.putLocal(ctx, tr)
+				_, err := s.PutFile(ctx, tr)
 				require.Error(t, err, tc.name)
 				assert.Contains(t, err.Error(), "changed size", tc.name)
 				_, err = s.Stat(ctx, tr.Name)

@@ -16,7 +16,7 @@ import (
 // Large files move in parts of PartSize, several at a time, each streamed
 // straight between the local file (ReadAt/WriteAt) and GCS with one copy
 // buffer per request: memory use is bounded by the number of requests in
-// flight (fileTransfer.Slots), not by file sizes.
+// flight (FileTransfer.Requests), not by file sizes.
 //
 // Upload (parallel composite upload): the parts' CRC32Cs are taken first,
 // the parts read in parallel, and combined (crc32cCombine) into the whole
@@ -37,68 +37,49 @@ import (
 // maxComposeSources is GCS's limit on the sources of one compose.
 const maxComposeSources = 32
 
-// putLocal uploads t.File (filePutter): it takes the file's CRC32C itself,
-// ignoring t.CRC32C, and returns it.
-func (s *gcsStore) putLocal(ctx context.Context, t fileTransfer) (uint32, error) {
-	return s.uploadFile(ctx, t, false)
-}
-
-// putFile uploads t.File, whose CRC32C the caller took (t.CRC32C): a file
-// whose bytes do not match it fails the upload.
-func (s *gcsStore) putFile(ctx context.Context, t fileTransfer) error {
-	_, err := s.uploadFile(ctx, t, true)
-	return err
-}
-
-// uploadFile uploads t.File create-if-absent with its CRC32C, which GCS must
-// have before the first byte: unless crcKnown, the file is read once to take
-// it (a large file part by part, in parallel, the parts' CRC32Cs combined
-// into the whole file's), then once more to upload it. It returns the
-// CRC32C.
-func (s *gcsStore) uploadFile(ctx context.Context, t fileTransfer, crcKnown bool) (uint32, error) {
+// PutFile uploads t.File create-if-absent with its CRC32C, which GCS must
+// have before the first byte: the file is read once to take it (a large
+// file part by part, in parallel, the parts' CRC32Cs combined into the whole
+// file's), then once more to upload it.
+func (s *gcsStore) PutFile(ctx context.Context, t FileTransfer) (uint32, error) {
 	if err := s.validName(t.Name); err != nil {
 		return 0, err
 	}
+	t = t.withRequests()
 	prog := newPartProgress(t.Progress)
 	if t.Size < s.opts.ParallelThreshold {
-		err := withSlot(ctx, t.Slots, func() error {
-			if !crcKnown {
-				crc, err := fileCRC(ctx, t.File, 0, t.Size, t.Size)
-				if err != nil {
-					return err
-				}
-				t.CRC32C = crc
+		var crc uint32
+		err := t.request(ctx, func() error {
+			var err error
+			if crc, err = fileCRC(ctx, t.File, 0, t.Size, t.Size); err != nil {
+				return err
 			}
-			return s.write(ctx, writeRequest{name: t.Name, key: s.key(t.Name), size: t.Size, crc: t.CRC32C, crcKnown: true,
+			return s.write(ctx, writeRequest{name: t.Name, key: s.key(t.Name), size: t.Size, crc: crc, crcKnown: true,
 				body: sectionBody(t.File, 0, t.Size), ifAbsent: true, progress: prog.part(0)})
 		})
-		return t.CRC32C, err
+		return crc, err
 	}
 	parts := splitParts(t.Size, s.opts.PartSize)
-	if !crcKnown {
-		err := forEach(ctx, slotCount(t.Slots), len(parts), func(ctx context.Context, i int) error {
-			return withSlot(ctx, t.Slots, func() error {
-				var err error
-				parts[i].crc, err = fileCRC(ctx, t.File, parts[i].off, parts[i].size, t.Size)
-				return err
-			})
-		})
-		if err != nil {
-			return 0, err
-		}
-		t.CRC32C = combineParts(parts)
+	err := t.eachRequest(ctx, len(parts), func(ctx context.Context, i int) error {
+		var err error
+		parts[i].crc, err = fileCRC(ctx, t.File, parts[i].off, parts[i].size, t.Size)
+		return err
+	})
+	if err != nil {
+		return 0, err
 	}
+	crc := combineParts(parts)
 	// Look first: parts are costly, and an upload retried after a crash finds
 	// its object already there.
 	switch o, err := s.statKey(ctx, t.Name, s.key(t.Name)); {
 	case IsNotFound(err):
 	case err != nil:
 		return 0, err
-	case o.Size == t.Size && o.CRC32C == t.CRC32C:
+	case o.Size == t.Size && o.CRC32C == crc:
 		prog.part(0)(t.Size)
-		return t.CRC32C, nil
+		return crc, nil
 	default:
-		return 0, s.conflict(t.Name, o, t.Size, t.CRC32C)
+		return 0, s.conflict(t.Name, o, t.Size, crc)
 	}
 	area := s.tempArea(t.TempDir)
 	var temps []string // every temporary object that may exist
@@ -108,29 +89,15 @@ func (s *gcsStore) uploadFile(ctx context.Context, t fileTransfer, crcKnown bool
 	}
 	defer func() { s.deleteTemps(ctx, t.Name, temps) }()
 
-	err := forEach(ctx, slotCount(t.Slots), len(parts), func(ctx context.Context, i int) error {
-		return withSlot(ctx, t.Slots, func() error {
-			p := &parts[i]
-			if crcKnown {
-				// The part's CRC32C must be sent before its bytes: one read
-				// of the part (page cache or tmpfs) to take it.
-				crc, err := fileCRC(ctx, t.File, p.off, p.size, t.Size)
-				if err != nil {
-					return err
-				}
-				p.crc = crc
-			}
-			// A part that changed since its CRC32C was taken is refused
-			// (writeOnce, and GCS's own check): nothing is composed.
-			return s.write(ctx, writeRequest{name: t.Name, key: p.key, size: p.size, crc: p.crc, crcKnown: true,
-				body: sectionBody(t.File, p.off, p.size), ifAbsent: true, exclusive: true, progress: prog.part(i)})
-		})
+	err = t.eachRequest(ctx, len(parts), func(ctx context.Context, i int) error {
+		p := &parts[i]
+		// A part that changed since its CRC32C was taken is refused
+		// (writeOnce, and GCS's own check): nothing is composed.
+		return s.write(ctx, writeRequest{name: t.Name, key: p.key, size: p.size, crc: p.crc, crcKnown: true,
+			body: sectionBody(t.File, p.off, p.size), ifAbsent: true, exclusive: true, progress: prog.part(i)})
 	})
 	if err != nil {
 		return 0, err
-	}
-	if got := combineParts(parts); got != t.CRC32C {
-		return 0, fmt.Errorf("put %s: %s changed while being uploaded (crc32c %08x before, %08x now)", s.url(t.Name), t.File.Name(), t.CRC32C, got)
 	}
 	// Fold levels of at most maxComposeSources into temporary objects.
 	for level := 0; len(parts) > maxComposeSources; level++ {
@@ -149,7 +116,7 @@ func (s *gcsStore) uploadFile(ctx context.Context, t fileTransfer, crcKnown bool
 		}
 		parts = next
 	}
-	return t.CRC32C, s.compose(ctx, t.Name, part{key: s.key(t.Name), size: t.Size, crc: t.CRC32C}, parts, false)
+	return crc, s.compose(ctx, t.Name, part{key: s.key(t.Name), size: t.Size, crc: crc}, parts, false)
 }
 
 // fileCRC returns the CRC32C of [off, off+size) of f, a file of total bytes
@@ -255,10 +222,14 @@ func (s *gcsStore) deleteTemps(ctx context.Context, name string, keys []string) 
 	})
 }
 
-func (s *gcsStore) getFile(ctx context.Context, t fileTransfer) (int64, uint32, error) {
+// GetFile reads the object's generation and size first, then its ranges of
+// that generation in parallel, each written in place and retried from its
+// start; the ranges' CRC32Cs are combined into the object's.
+func (s *gcsStore) GetFile(ctx context.Context, t FileTransfer) (int64, uint32, error) {
 	if err := s.validName(t.Name); err != nil {
 		return 0, 0, err
 	}
+	t = t.withRequests()
 	key := s.key(t.Name)
 	o, err := s.statKey(ctx, t.Name, key)
 	if err != nil {
@@ -276,12 +247,10 @@ func (s *gcsStore) getFile(ctx context.Context, t fileTransfer) (int64, uint32, 
 	}
 	parts := splitParts(o.Size, partSize)
 	prog := newPartProgress(t.Progress)
-	err = forEach(ctx, slotCount(t.Slots), len(parts), func(ctx context.Context, i int) error {
-		return withSlot(ctx, t.Slots, func() error {
-			crc, err := s.readRange(ctx, t, key, o.Generation, parts[i], prog.part(i))
-			parts[i].crc = crc
-			return err
-		})
+	err = t.eachRequest(ctx, len(parts), func(ctx context.Context, i int) error {
+		crc, err := s.readRange(ctx, t, key, o.Generation, parts[i], prog.part(i))
+		parts[i].crc = crc
+		return err
 	})
 	if err != nil {
 		return 0, 0, err
@@ -291,7 +260,7 @@ func (s *gcsStore) getFile(ctx context.Context, t fileTransfer) (int64, uint32, 
 
 // readRange copies one range of generation gen into the file and returns
 // its CRC32C. An attempt that fails is started over from the range's start.
-func (s *gcsStore) readRange(ctx context.Context, t fileTransfer, key string, gen int64, p part, progress func(int64)) (uint32, error) {
+func (s *gcsStore) readRange(ctx context.Context, t FileTransfer, key string, gen int64, p part, progress func(int64)) (uint32, error) {
 	var crc uint32
 	err := s.retry(ctx, "read", t.Name, func(a *attempt) error {
 		h, err := s.handle(a.ctx, key)
@@ -337,26 +306,6 @@ func (s *gcsStore) readRange(ctx context.Context, t fileTransfer, key string, ge
 // sectionBody gives each attempt a fresh reader of [off, off+size) of f.
 func sectionBody(f *os.File, off, size int64) func() (io.Reader, error) {
 	return func() (io.Reader, error) { return io.NewSectionReader(f, off, size), nil }
-}
-
-func slotCount(slots chan struct{}) int {
-	if slots == nil {
-		return DefaultParallelism
-	}
-	return cap(slots)
-}
-
-// withSlot runs fn holding one of slots (none: unbounded).
-func withSlot(ctx context.Context, slots chan struct{}, fn func() error) error {
-	if slots != nil {
-		select {
-		case slots <- struct{}{}:
-			defer func() { <-slots }()
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	return fn()
 }
 
 // partProgress reports the bytes of parallel, retried parts: each part

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"io/fs"
 	"os"
@@ -121,6 +122,42 @@ func (s *localDir) Put(ctx context.Context, req PutRequest) error {
 		return fmt.Errorf("put %s: %w", req.Name, err)
 	}
 	return nil
+}
+
+// PutFile stores t.File through Put, reading it once: the CRC32C it returns
+// is the one of the bytes as they streamed to the store, which computes and
+// keeps its own. A file longer than t.Size fails Put's size check.
+func (s *localDir) PutFile(ctx context.Context, t FileTransfer) (uint32, error) {
+	t = t.withRequests()
+	h := crc32.New(crcTable)
+	body := &countingReader{r: io.TeeReader(io.NewSectionReader(t.File, 0, t.Size+1), h), report: t.progressOf()}
+	err := t.request(ctx, func() error { return s.Put(ctx, PutRequest{Name: t.Name, Body: body, Size: t.Size, IfAbsent: true}) })
+	return h.Sum32(), err
+}
+
+// GetFile copies the object into t.File in one stream.
+func (s *localDir) GetFile(ctx context.Context, t FileTransfer) (int64, uint32, error) {
+	t = t.withRequests()
+	var n int64
+	var crc uint32
+	err := t.request(ctx, func() error {
+		a, err := s.Stat(ctx, t.Name)
+		if err != nil {
+			return err
+		}
+		if a.Size != t.Size {
+			return fmt.Errorf("%s has %d bytes, want %d", t.Name, a.Size, t.Size)
+		}
+		r, err := s.Open(ctx, t.Name, 0, -1)
+		if err != nil {
+			return err
+		}
+		defer r.Close()
+		// One byte more than expected shows a file that grew meanwhile.
+		n, crc, err = copyCRC(ctx, io.NewOffsetWriter(t.File, 0), &countingReader{r: io.LimitReader(r, t.Size+1), report: t.progressOf()})
+		return err
+	})
+	return n, crc, err
 }
 
 // writeTemp streams req.Body into a new temporary file beside dst, checks size

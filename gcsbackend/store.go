@@ -46,6 +46,20 @@ type ObjectStore interface {
 	// Delete removes the object or returns *NotFoundError.
 	Delete(ctx context.Context, name string) error
 
+	// PutFile uploads t.Size bytes of the local file t.File to t.Name with
+	// the semantics of Put with IfAbsent, and returns their CRC32C, which it
+	// takes itself; a file that does not have t.Size bytes any more fails.
+	// Backups uploads every data file through it, so a store moves a file
+	// the best way it can (GCS: in parts, in parallel, see gcs_transfer.go)
+	// and a wrapper of a store must decide what to do with it.
+	PutFile(ctx context.Context, t FileTransfer) (crc uint32, err error)
+
+	// GetFile writes the object t.Name, which must have t.Size bytes, into
+	// the new, empty file t.File and returns the number of bytes and their
+	// CRC32C (the caller checks them against what it expects). GCS reads
+	// large objects as ranges in parallel.
+	GetFile(ctx context.Context, t FileTransfer) (n int64, crc uint32, err error)
+
 	// String returns the store's URL, as accepted by Open.
 	String() string
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"io"
 	"io/fs"
 	"os"
@@ -13,7 +12,9 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
+
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/sync/semaphore"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -46,16 +47,15 @@ type UploadRequest struct {
 // uploading identical data, succeeds; different content under an existing
 // name fails with *PreconditionError.
 //
-// A store may take each local file itself (filePutter) and bring files back
-// itself (fileGetter). GCS does both: it must have an upload's CRC32C before
-// the first byte, so it reads each file twice, streaming — once for the
-// CRC32C (a large file part by part, in parallel, the parts' CRC32Cs
-// combined into the whole file's) and once to upload it, as parallel parts
-// for a large file — and GCS checks the bytes it received against that
-// CRC32C; a file that changes in between fails the upload. Downloads are
-// parallel ranged reads. Other stores (file://) read each file once and the
-// manifest records the CRC32C of the bytes as they were streamed to the
-// store, which computes and keeps its own.
+// Every data file goes through the store's PutFile. GCS must have an
+// upload's CRC32C before the first byte, so it reads each file twice,
+// streaming — once for the CRC32C (a large file part by part, in parallel,
+// the parts' CRC32Cs combined into the whole file's) and once to upload it,
+// as parallel parts for a large file — and GCS checks the bytes it received
+// against that CRC32C; a file that changes in between fails the upload.
+// Downloads (GetFile) are parallel ranged reads there. file:// reads each
+// file once and the manifest records the CRC32C of the bytes as they were
+// streamed to the store, which computes and keeps its own.
 func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 	if err := validateJob(req.Job); err != nil {
 		return err
@@ -110,10 +110,16 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 		return fmt.Errorf("%s: %w", req.Source, err)
 	}
 	prog := newProgress(m.total(), req.Progress)
-	slots := make(chan struct{}, b.parallelism())
+	requests := semaphore.NewWeighted(int64(b.parallelism()))
 	err = forEach(ctx, b.parallelism(), len(m.Files), func(ctx context.Context, i int) error {
 		f := &m.Files[i]
-		crc, err := b.uploadFile(ctx, req.Job, dir+f.object(req.Hash), func() (*os.File, error) { return src.open(string(f.Path)) }, f.Size, prog, slots)
+		file, err := src.open(string(f.Path))
+		if err != nil {
+			return err
+		}
+		defer file.Close()
+		crc, err := b.Store.PutFile(ctx, FileTransfer{Name: dir + f.object(req.Hash), File: file, Size: f.Size,
+			Progress: prog.add, Requests: requests, TempDir: req.Job + "/"})
 		f.CRC32C = crc32cHex(crc)
 		return err
 	})
@@ -125,29 +131,6 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 		return err
 	}
 	return PutBytes(ctx, b.Store, dir+manifestName(req.Hash), data, true)
-}
-
-// uploadFile streams the local file open returns to the object name and
-// returns its CRC32C. size is what the listing saw; a different size now
-// means the file is changing under us. slots bounds the requests in flight
-// across the files of one Upload, for stores that split a file (filePutter),
-// whose temporary objects go under job.
-func (b *Backups) uploadFile(ctx context.Context, job, name string, open func() (*os.File, error), size int64, prog *progress, slots chan struct{}) (uint32, error) {
-	f, err := open()
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	if fp, ok := b.Store.(filePutter); ok {
-		return fp.putLocal(ctx, fileTransfer{Name: name, File: f, Size: size, Progress: prog.add, Slots: slots, TempDir: job + "/"})
-	}
-	// One pass: the CRC32C of the bytes as they go to the store, which checks its own.
-	h := crc32.New(crcTable)
-	body := &countingReader{r: io.TeeReader(f, h), p: prog}
-	if err := b.Store.Put(ctx, PutRequest{Name: name, Body: body, Size: size, IfAbsent: true}); err != nil {
-		return 0, err
-	}
-	return h.Sum32(), nil
 }
 
 // source is the local data of an upload, described as a manifest without
@@ -298,7 +281,7 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 		return err
 	}
 	prog := newProgress(m.total(), req.Progress)
-	slots := make(chan struct{}, b.parallelism())
+	requests := semaphore.NewWeighted(int64(b.parallelism()))
 	parent, pattern := filepath.Dir(req.Dest), "."+filepath.Base(req.Dest)+".tmp-*"
 
 	if m.Kind == kindFile {
@@ -307,7 +290,7 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 			return err
 		}
 		tmp := f.Name()
-		err = b.fetch(ctx, dir, req.Hash, m.Files[0], f, prog, slots)
+		err = b.fetch(ctx, dir, req.Hash, m.Files[0], f, prog, requests)
 		if cerr := f.Close(); err == nil {
 			err = cerr
 		}
@@ -324,7 +307,7 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 	if err != nil {
 		return err
 	}
-	err = b.fetchTree(ctx, dir, req.Hash, m, tmp, prog, slots)
+	err = b.fetchTree(ctx, dir, req.Hash, m, tmp, prog, requests)
 	if err == nil {
 		err = os.Rename(tmp, req.Dest)
 	}
@@ -338,7 +321,7 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 // (downloaded in parallel), then symlinks and special files. Everything is
 // created through layout.Dir, so paths of any length work and no symlink the
 // tree holds is ever followed.
-func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, root string, prog *progress, slots chan struct{}) error {
+func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, root string, prog *progress, requests *semaphore.Weighted) error {
 	d, err := layout.OpenDir(root)
 	if err != nil {
 		return err
@@ -367,7 +350,7 @@ func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, 
 		if err != nil {
 			return err
 		}
-		err = b.fetch(ctx, dir, hash, mf, f, prog, slots)
+		err = b.fetch(ctx, dir, hash, mf, f, prog, requests)
 		if cerr := f.Close(); err == nil {
 			err = cerr
 		}
@@ -396,27 +379,13 @@ func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, 
 }
 
 // fetch copies one data object to the new, empty file f, verifying it
-// against its manifest entry. slots is as for uploadFile.
-func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, f *os.File, prog *progress, slots chan struct{}) error {
+// against its manifest entry. requests bounds the requests in flight of one
+// Download.
+func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, f *os.File, prog *progress, requests *semaphore.Weighted) error {
 	name := dir + mf.object(hash)
-	var n int64
-	var crc uint32
-	if fg, ok := b.Store.(fileGetter); ok {
-		var err error
-		n, crc, err = fg.getFile(ctx, fileTransfer{Name: name, File: f, Size: mf.Size, Progress: prog.add, Slots: slots})
-		if err != nil {
-			return fmt.Errorf("fetch %s: %w", name, err)
-		}
-	} else {
-		r, err := b.Store.Open(ctx, name, 0, -1)
-		if err != nil {
-			return err
-		}
-		defer r.Close()
-		n, crc, err = copyCRC(ctx, f, &countingReader{r: r, p: prog})
-		if err != nil {
-			return fmt.Errorf("fetch %s: %w", name, err)
-		}
+	n, crc, err := b.Store.GetFile(ctx, FileTransfer{Name: name, File: f, Size: mf.Size, Progress: prog.add, Requests: requests})
+	if err != nil {
+		return fmt.Errorf("fetch %s: %w", name, err)
 	}
 	if n != mf.Size {
 		return fmt.Errorf("fetch %s: got %d bytes, manifest says %d", name, n, mf.Size)
@@ -427,40 +396,77 @@ func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, 
 	return nil
 }
 
-// fileTransfer is one local file moving to or from an object, for stores
-// that move a file better than Put and Open can (GCS: several ranges of it in
-// parallel, each retried from the file).
-type fileTransfer struct {
+// FileTransfer is one local file moving to or from an object (ObjectStore's
+// PutFile and GetFile).
+type FileTransfer struct {
 	Name string   // object name
-	File *os.File // read with ReadAt (put) or written with WriteAt (get)
-	// Size is the file's size (put) or the size the object must have (get).
+	File *os.File // read with ReadAt (PutFile) or written with WriteAt (GetFile)
+	// Size is the file's size (PutFile) or the size the object must have
+	// (GetFile).
 	Size int64
-	// CRC32C is the file's, computed beforehand (gcsStore.putFile only).
-	CRC32C uint32
-	// Progress is told the bytes moved; retried bytes are not counted twice.
+	// Progress, if set, is told the bytes moved; retried bytes are not
+	// counted twice.
 	Progress func(n int)
-	// Slots bounds the requests in flight across all files of one Upload or
-	// Download: each request holds one slot while it runs.
-	Slots chan struct{}
+	// Requests bounds the requests in flight across all files of one Upload
+	// or Download: each request holds one unit while it runs. nil: at most
+	// DefaultParallelism for this file.
+	Requests *semaphore.Weighted
 	// TempDir is the store name prefix ("" or ending in "/") under which an
-	// upload in parts keeps its temporary objects (putLocal only).
+	// upload in parts keeps its temporary objects.
 	TempDir string
 }
 
-// filePutter is implemented by stores that upload a local file themselves.
-// putLocal has the semantics of Put with IfAbsent; it takes the file's
-// CRC32C itself (t.CRC32C is ignored), checks that the file still has t.Size
-// bytes, and returns the CRC32C, which the manifest records.
-type filePutter interface {
-	putLocal(ctx context.Context, t fileTransfer) (uint32, error)
+// withRequests returns t with Requests set.
+func (t FileTransfer) withRequests() FileTransfer {
+	if t.Requests == nil {
+		t.Requests = semaphore.NewWeighted(DefaultParallelism)
+	}
+	return t
 }
 
-// fileGetter is implemented by stores that download to a local file
-// themselves. getFile writes the object into t.File and returns the number of
-// bytes and their CRC32C, which the caller checks; an object whose size is not
-// t.Size is an error.
-type fileGetter interface {
-	getFile(ctx context.Context, t fileTransfer) (n int64, crc uint32, err error)
+// request runs fn holding one unit of t.Requests (see withRequests).
+func (t FileTransfer) request(ctx context.Context, fn func() error) error {
+	if err := t.Requests.Acquire(ctx, 1); err != nil {
+		return err
+	}
+	defer t.Requests.Release(1)
+	return fn()
+}
+
+// eachRequest calls fn(ctx, i) for every i in [0, n), in order, each once it
+// holds one unit of t.Requests (see withRequests), so that the parts of a
+// file start in order and the requests of all files of one transfer stay
+// within the bound. The first error cancels the ctx the other calls see,
+// stops further calls, and is returned; so is the caller's cancellation.
+func (t FileTransfer) eachRequest(ctx context.Context, n int, fn func(ctx context.Context, i int) error) error {
+	cctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	g, gctx := errgroup.WithContext(cctx)
+	for i := range n {
+		if t.Requests.Acquire(gctx, 1) != nil {
+			break // cancelled: Wait or ctx says why
+		}
+		g.Go(func() error {
+			defer t.Requests.Release(1)
+			err := fn(gctx, i)
+			if err != nil {
+				cancel(err) // before the unit is released: no later part starts
+			}
+			return err
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return err
+	}
+	return ctx.Err()
+}
+
+// progressOf returns t.Progress, or a function that ignores its argument.
+func (t FileTransfer) progressOf() func(int) {
+	if t.Progress == nil {
+		return func(int) {}
+	}
+	return t.Progress
 }
 
 // progress totals the bytes moved by parallel transfers and reports them.
@@ -489,47 +495,30 @@ func (p *progress) add(n int) {
 	p.report(p.done, p.total)
 }
 
-// countingReader reports the bytes read through it to a progress.
+// countingReader reports the bytes read through it.
 type countingReader struct {
-	r io.Reader
-	p *progress
+	r      io.Reader
+	report func(n int)
 }
 
 func (c *countingReader) Read(b []byte) (int, error) {
 	n, err := c.r.Read(b)
-	c.p.add(n)
+	c.report(n)
 	return n, err
 }
 
-// forEach calls fn(ctx, i) for every i in [0, n) on at most par goroutines
-// and waits for them. The first error cancels the ctx the other calls see,
-// stops further calls, and is returned.
+// forEach calls fn(ctx, i) for every i in [0, n), at most par at a time (an
+// errgroup), and waits for them. The first error cancels the ctx the other
+// calls see, stops further calls, and is returned; so is the caller's
+// cancellation.
 func forEach(ctx context.Context, par, n int, fn func(ctx context.Context, i int) error) error {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	var (
-		next     atomic.Int64
-		wg       sync.WaitGroup
-		errOnce  sync.Once
-		firstErr error // written once under errOnce, read after wg.Wait
-	)
-	for range min(par, n) {
-		wg.Go(func() {
-			for {
-				i := int(next.Add(1) - 1)
-				if i >= n || ctx.Err() != nil {
-					return
-				}
-				if err := fn(ctx, i); err != nil {
-					errOnce.Do(func() { firstErr = err; cancel() })
-					return
-				}
-			}
-		})
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(max(par, 1))
+	for i := 0; i < n && gctx.Err() == nil; i++ {
+		g.Go(func() error { return fn(gctx, i) })
 	}
-	wg.Wait()
-	if firstErr != nil {
-		return firstErr
+	if err := g.Wait(); err != nil {
+		return err
 	}
-	return ctx.Err() // the caller's cancellation, if any
+	return ctx.Err()
 }

@@ -67,6 +67,7 @@ import (
 	"sync"
 	"syscall"
 
+	"golang.org/x/sync/errgroup"
 	"lukechampine.com/blake3"
 	"lukechampine.com/blake3/guts"
 )
@@ -258,34 +259,28 @@ func HashFile(ctx context.Context, r io.ReaderAt, size int64) (FileDigest, error
 	// values. The last one stays a node, because the root is built on it.
 	cvs := make([][8]uint32, nseg-1)
 	var last guts.Node
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	next := make(chan int64, nseg)
-	for i := range nseg {
-		next <- i
-	}
-	close(next)
-	var wg sync.WaitGroup
-	for range min(nseg, int64(cap(hashSlots))) {
-		wg.Go(func() {
-			for i := range next {
-				off := i * seg
-				n, err := hashSegment(ctx, r, off, min(seg, size-off))
-				if err != nil {
-					cancel(err)
-					return
-				}
-				if i == nseg-1 {
-					last = n
-				} else {
-					cvs[i] = guts.ChainingValue(n)
-				}
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(cap(hashSlots))
+	for i := int64(0); i < nseg && gctx.Err() == nil; i++ {
+		g.Go(func() error {
+			off := i * seg
+			n, err := hashSegment(gctx, r, off, min(seg, size-off))
+			if err != nil {
+				return err
 			}
+			if i == nseg-1 {
+				last = n
+			} else {
+				cvs[i] = guts.ChainingValue(n)
+			}
+			return nil
 		})
 	}
-	wg.Wait()
-	if err := context.Cause(ctx); err != nil {
+	if err := g.Wait(); err != nil {
 		return FileDigest{}, err
+	}
+	if err := context.Cause(ctx); err != nil {
+		return FileDigest{}, err // cancelled before every segment started
 	}
 	var t subtreeStack
 	for _, cv := range cvs {
@@ -424,41 +419,32 @@ func HashEntries(ctx context.Context, root string, entries []TreeEntry, cache *D
 
 // HashEntries is the package function HashEntries for a tree that is already open.
 func (d *Dir) HashEntries(ctx context.Context, entries []TreeEntry, cache *DigestCache) error {
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	idx := make(chan int)
-	var wg sync.WaitGroup
-	for range cap(hashSlots) {
-		wg.Go(func() {
-			for i := range idx {
-				e := &entries[i]
-				size, dg, err := hashFile(ctx, e.Path, cache, func() (*os.File, error) { return d.Open(e.Path, os.O_RDONLY, 0) })
-				if err != nil {
-					cancel(err)
-					continue
-				}
-				if size != e.Size {
-					cancel(fmt.Errorf("%s: %d bytes, want %d (changed while hashing?)", e.Path, size, e.Size))
-					continue
-				}
-				e.Digest = dg
-			}
-		})
-	}
-feed:
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(cap(hashSlots))
 	for i := range entries {
-		if entries[i].Type != EntryFile {
+		e := &entries[i]
+		if e.Type != EntryFile {
 			continue
 		}
-		select {
-		case idx <- i:
-		case <-ctx.Done():
-			break feed
+		if gctx.Err() != nil {
+			break
 		}
+		g.Go(func() error {
+			size, dg, err := hashFile(gctx, e.Path, cache, func() (*os.File, error) { return d.Open(e.Path, os.O_RDONLY, 0) })
+			if err != nil {
+				return err
+			}
+			if size != e.Size {
+				return fmt.Errorf("%s: %d bytes, want %d (changed while hashing?)", e.Path, size, e.Size)
+			}
+			e.Digest = dg
+			return nil
+		})
 	}
-	close(idx)
-	wg.Wait()
-	return context.Cause(ctx)
+	if err := g.Wait(); err != nil {
+		return err
+	}
+	return context.Cause(ctx) // cancelled before every file started
 }
 
 // ListTree lists the entries below dir with sizes, symlink targets and device numbers but no

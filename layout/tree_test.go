@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"hash"
 	"io"
 	"math/rand/v2"
@@ -595,6 +596,40 @@ func BenchmarkHashCandidates(b *testing.B) {
 					readSegments(b, f, workers, c.newHash)
 				}
 			})
+		}
+	}
+}
+
+// BenchmarkHashEntries hashes a tree of many small files (one per array
+// shard is the common case) on tmpfs, without a digest cache.
+func BenchmarkHashEntries(b *testing.B) {
+	if testing.Short() {
+		b.Skip("writes 10,000 files")
+	}
+	dir := "/dev/shm"
+	if _, err := os.Stat(dir); err != nil {
+		dir = b.TempDir()
+	}
+	root, err := os.MkdirTemp(dir, "mtcfs-hashentries-bench-*")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { os.RemoveAll(root) })
+	const files, size = 10000, 8 << 10
+	data := randomBytes(4, size)
+	for i := range files {
+		if err := os.WriteFile(filepath.Join(root, fmt.Sprintf("shard-%05d", i)), data, 0o644); err != nil {
+			b.Fatal(err)
+		}
+	}
+	entries, err := ListTree(root)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.SetBytes(files * size)
+	for b.Loop() {
+		if err := HashEntries(b.Context(), root, entries, nil); err != nil {
+			b.Fatal(err)
 		}
 	}
 }
