@@ -7,6 +7,8 @@ require (
 	github.com/fsouza/fake-gcs-server v1.56.1
 	github.com/klauspost/compress v1.20.1
 	github.com/mtcfs/mtcfs v0.0.0-00010101000000-000000000000
+	github.com/prometheus/client_model v0.6.3
+	github.com/prometheus/common v0.72.0
 	golang.org/x/sys v0.50.0
 	google.golang.org/api v0.307.0
 	google.golang.org/grpc v1.85.0
@@ -45,8 +47,6 @@ require (
 	github.com/pkg/xattr v0.4.12 // indirect
 	github.com/planetscale/vtprotobuf v0.6.1-0.20240319094008-0393e58bdf10 // indirect
 	github.com/prometheus/client_golang v1.25.0 // indirect
-	github.com/prometheus/client_model v0.6.3 // indirect
-	github.com/prometheus/common v0.72.0 // indirect
 	github.com/prometheus/procfs v0.22.0 // indirect
 	github.com/spiffe/go-spiffe/v2 v2.8.1 // indirect
 	go.opencensus.io v0.24.0 // indirect

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -10,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
 	"github.com/mtcfs/mtcfs/internal/jobsim"
 )
 
@@ -21,7 +21,7 @@ import (
 
 var dpSteps = []int64{10, 20, 30}
 
-const kSpoolDP = "spool-dp" // peak spool ÷ checkpoint bytes, data-parallel, worst node
+const kSpoolDP = "peak spool ÷ checkpoint bytes, data-parallel pair, worst node, ×"
 
 func (b *bench) dpClient(n node, job string) *jobsim.Orbax {
 	o := b.clientNoPeers(n, job)
@@ -72,18 +72,13 @@ func (s *spoolSampler) take() []int64 {
 	return peak
 }
 
-func (b *bench) dpPhase(ctx context.Context, rep int) error {
-	var nodes []node
-	for r := range 2 {
-		d := filepath.Join(b.repDir(rep), "dp", fmt.Sprintf("node%d", r))
-		nodes = append(nodes, node{rank: r, dir: filepath.Join(d, "mnt"), spool: filepath.Join(d, "spool")})
-	}
+// dpPhase runs the data-parallel pair of one repetition in ws, below dir.
+func (b *bench) dpPhase(ctx context.Context, ws *benchkit.Workspace, dir string, rep int) error {
+	nodes := nodes(dir, 2)
 	job := fmt.Sprintf("dp%s-%d", b.runID, rep+1)
 	stepBytes := treeBytes(b.dpClient(nodes[0], job).Tree(dpSteps[0]))
-	agents := make([]*agent, 2)
-	var err error
 	for _, n := range nodes {
-		if agents[n.rank], err = b.startAgent(ctx, rep, n); err != nil {
+		if _, err := b.startAgent(ctx, ws, dir, n, b.cfg.memory); err != nil {
 			return err
 		}
 	}
@@ -97,6 +92,7 @@ func (b *bench) dpPhase(ctx context.Context, rep int) error {
 	}
 	var base [2]int64
 	for r, n := range nodes {
+		var err error
 		if base[r], err = spoolUsed(n.spool); err != nil {
 			return err
 		}
@@ -122,11 +118,7 @@ func (b *bench) dpPhase(ctx context.Context, rep int) error {
 	for r := range 2 {
 		worst = max(worst, float64(peak[r]-base[r])/float64(stepBytes))
 	}
-	b.res.add(kSpoolDP, worst)
+	b.res.Add(kSpoolDP, worst)
 	fmt.Fprintf(os.Stderr, "clusterbench:   data-parallel pair: peak spool use ÷ checkpoint bytes, worst rank: %.2f\n", worst)
-	var stopErrs []error
-	for _, a := range agents {
-		stopErrs = append(stopErrs, a.stop())
-	}
-	return errors.Join(stopErrs...)
+	return nil
 }

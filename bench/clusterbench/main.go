@@ -44,12 +44,11 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"os"
-	"path/filepath"
-	"slices"
 	"time"
 
 	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
@@ -73,7 +72,7 @@ func main() {
 	var cfg config
 	var fileMiB int
 	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "../bin/mtcfs", "mtcfs binary to benchmark (build it with make build in the repository root)")
-	flag.StringVar(&cfg.out, "out", "", "Markdown file whose clusterbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	flag.StringVar(&cfg.out, "out", "", "Markdown file whose clusterbench section receives the results, e.g. RESULTS.md (default: print only)")
 	flag.StringVar(&cfg.workDir, "workdir", os.TempDir(), "directory for mount points, spools and the shared backup location")
 	flag.IntVar(&cfg.reps, "reps", 3, "repetitions (at least 3)")
 	flag.IntVar(&cfg.files, "files", 16, "state files per step and node")
@@ -86,104 +85,65 @@ func main() {
 	flag.Parse()
 	cfg.fileSize = int64(fileMiB) << 20
 	cfg.pairFileSize = int64(pairMiB) << 20
+	var invalid error
 	switch {
-	case flag.NArg() != 0:
-		fmt.Fprintf(os.Stderr, "clusterbench: unexpected arguments %q\n", flag.Args())
-		os.Exit(2)
 	case cfg.reps < 3:
-		fmt.Fprintln(os.Stderr, "clusterbench: -reps must be at least 3")
-		os.Exit(2)
+		invalid = errors.New("-reps must be at least 3")
 	case cfg.files <= 0 || cfg.fileSize <= 0:
-		fmt.Fprintln(os.Stderr, "clusterbench: -files and -file-mib must be positive")
-		os.Exit(2)
+		invalid = errors.New("-files and -file-mib must be positive")
 	}
-	if err := run(cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "clusterbench: %v\n", err)
-		os.Exit(1)
-	}
+	benchkit.Main("clusterbench", invalid, func(ctx context.Context) error { return run(ctx, cfg) })
 }
 
 // bench owns everything a run sets up.
 type bench struct {
-	cfg    config
-	bin    string
-	runID  string
-	base   string
-	agents []*agent // every agent started, live or killed
-	res    *results
+	cfg   config
+	bin   string
+	runID string
+	base  string // the run's temporary directory; each phase works in one of its own below it
+	res   *results
 }
 
-func run(cfg config) (err error) {
-	if os.Geteuid() != 0 {
-		return errors.New("run as root: the agents mount FUSE and their spool tmpfs")
+func run(ctx context.Context, cfg config) (err error) {
+	if err := benchkit.RequireRoot("the agents mount FUSE and their spool tmpfs"); err != nil {
+		return err
 	}
 	bin, err := benchkit.AgentBinary(cfg.mtcfsBin)
 	if err != nil {
 		return err
 	}
-	ctx, stopSignals := benchkit.CancelOnSignal("clusterbench")
-	defer stopSignals()
-
-	b := &bench{cfg: cfg, bin: bin, runID: time.Now().UTC().Format("150405"), res: newResults()}
-	if b.base, err = os.MkdirTemp(cfg.workDir, "clusterbench-"); err != nil {
+	ws := &benchkit.Workspace{}
+	defer func() { err = errors.Join(err, ws.Close()) }()
+	b := &bench{cfg: cfg, bin: bin, runID: time.Now().UTC().Format("150405"), res: &results{}}
+	if b.base, err = ws.TempDir(cfg.workDir, "clusterbench-"); err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, b.tearDown()) }()
 
 	env := benchkit.DescribeEnvironment("clusterbench", bin)
 	cpu := benchkit.StartCPUAccount()
 	for rep := range cfg.reps {
 		fmt.Fprintf(os.Stderr, "clusterbench: repetition %d of %d\n", rep+1, cfg.reps)
-		if err := b.repetition(ctx, rep); err != nil {
+		if err := b.phase(fmt.Sprintf("rep%d", rep+1), func(ws *benchkit.Workspace, dir string) error {
+			return b.repetition(ctx, ws, dir, rep)
+		}); err != nil {
 			return fmt.Errorf("repetition %d: %w", rep+1, err)
 		}
-		if err := b.dpPhase(ctx, rep); err != nil {
+		if err := b.phase(fmt.Sprintf("rep%d-dp", rep+1), func(ws *benchkit.Workspace, dir string) error {
+			return b.dpPhase(ctx, ws, dir, rep)
+		}); err != nil {
 			return fmt.Errorf("repetition %d, data-parallel phase: %w", rep+1, err)
 		}
 		if cfg.pairFiles > 0 {
-			if err := b.pairPhase(ctx, rep); err != nil {
+			if err := b.phase(fmt.Sprintf("rep%d-pair", rep+1), func(ws *benchkit.Workspace, dir string) error {
+				return b.pairPhase(ctx, ws, dir, rep)
+			}); err != nil {
 				return fmt.Errorf("repetition %d, pair phase: %w", rep+1, err)
 			}
 		}
-	}
-	if err := b.tearDown(); err != nil {
-		return err
 	}
 	env.CPU = cpu.OthersSummary(benchkit.CPUWording{
 		Span: "the run",
 		Us:   "clusterbench (clients, TCP copy) and the agents",
 	})
-	section := renderSection(cfg, env, b.res)
-	fmt.Print(section)
-	if cfg.out == "" {
-		return nil
-	}
-	if err := resultsSection.Update(cfg.out, section); err != nil {
-		return err
-	}
-	fmt.Fprintf(os.Stderr, "clusterbench: wrote results to %s\n", cfg.out)
-	return nil
+	return resultsSection.Publish(cfg.out, renderSection(cfg, env, b.res))
 }
-
-// tearDown stops every live agent, detaches whatever is still mounted below the temporary
-// directory (innermost first, reported as an error), and removes it. It may run more than once.
-func (b *bench) tearDown() error {
-	var errs []error
-	for i := len(b.agents) - 1; i >= 0; i-- {
-		errs = append(errs, b.agents[i].stop())
-	}
-	b.agents = nil
-	if b.base != "" {
-		left := benchkit.MountsUnder(b.base)
-		slices.Reverse(left)
-		for _, m := range left {
-			errs = append(errs, fmt.Errorf("%s was still mounted at the end", m), benchkit.Unmount(m))
-		}
-		errs = append(errs, benchkit.RemoveAllUnlessMounted(b.base))
-		b.base = ""
-	}
-	return errors.Join(errs...)
-}
-
-// repDir is the directory of one repetition: node directories and the backup location.
-func (b *bench) repDir(rep int) string { return filepath.Join(b.base, fmt.Sprintf("rep%d", rep+1)) }

@@ -35,42 +35,36 @@ const (
 	busyStep = 40
 )
 
-// Result keys.
+// Keys of the recorded samples: what each measures, and its unit, as the table of raw samples
+// shows them.
 const (
-	kRepl         = "repl"          // commit → replica .meta on the peer, ms (all ranks and steps)
-	kReplAgent    = "repl-agent"    // agent: replicated took, ms
-	kSave         = "save"          // Save of one step on one rank, ms
-	kSaveIdle     = "save-idle"     // Save with no replication anywhere (job without peers), ms
-	kSaveBusy     = "save-busy"     // Save of busyStep started when prevStep committed, ms
-	kSpoolPeak    = "spool-peak"    // peak spool used above the start, ÷ checkpoint bytes; max over nodes (steps 1-20)
-	kSpoolBusy    = "spool-busy"    // the same during the save-while-replicating phase (steps 30-40)
-	kRestore      = "restore"       // rank 1: Start → VerifyRestored done, ms
-	kRestoreStart = "restore-start" // rank 1: Start returned, ms after Start began
-	kRestoreAgent = "restore-agent" // agent: restored from a peer took, ms
-	kRestoreOther = "restore-other" // ranks 0 and 2: Start → VerifyRestored done, ms
-	kTCP          = "tcp"           // plain TCP copy of the checkpoint bytes on loopback, ms
-	kBound        = "bound"         // bytes ÷ TCP rate × 1.5 + 1 s, ms
+	kRepl         = "commit → replica .meta on the peer (every repetition: step 10 ranks 0-2, step 20 ranks 0-2), ms"
+	kReplAgent    = "sender: mtcfs_replication_duration_seconds of the step, ms"
+	kSave         = "Save of one step on one rank, ms"
+	kSaveIdle     = "idle Save (job without peers: nothing replicates anywhere), ms"
+	kSaveBusy     = "Save of step 40 started when step 30 committed (step 30 replicating), ms"
+	kSpoolPeak    = "peak spool ÷ checkpoint bytes, steps 1-20, worst node, ×"
+	kSpoolBusy    = "peak spool ÷ checkpoint bytes, steps 30-40 (save while replicating), worst node, ×"
+	kRestore      = "replaced rank 1: Start → VerifyRestored done, ms"
+	kRestoreStart = "replaced rank 1: Start returned, ms"
+	kRestoreAgent = "replaced rank 1: mtcfs_restore_duration_seconds{source=\"peer\"}, ms"
+	kRestoreOther = "ranks 0 and 2 from RAM: Start → VerifyRestored done, ms"
+	kTCP          = "plain TCP copy of one node's step on loopback, ms"
+	kBound        = "restore bound: bytes ÷ TCP rate × 1.5 + 1 s, ms"
 )
 
-func kSpoolNode(r int) string  { return fmt.Sprintf("spool-peak-n%d", r) }
-func kReplStep(s int64) string { return fmt.Sprintf("repl-s%d", s) }
+func kSpoolNode(r int) string {
+	return fmt.Sprintf("peak spool ÷ checkpoint bytes, steps 1-20, rank %d, ×", r)
+}
+func kReplStep(s int64) string {
+	return fmt.Sprintf("commit → replica .meta on the peer, step %d, ms", s)
+}
 
 type results struct {
-	mu        sync.Mutex           // add is called from every rank's goroutine
-	samples   map[string][]float64 // GUARDED_BY(mu) while ranks run
-	stepBytes int64                // one node's checkpoint bytes per step
-	pairBytes int64                // rank 0's step in the pair phase
+	benchkit.Samples       // Add is called from every rank's goroutine
+	stepBytes        int64 // one node's checkpoint bytes per step
+	pairBytes        int64 // rank 0's step in the pair phase
 }
-
-func newResults() *results { return &results{samples: map[string][]float64{}} }
-
-func (r *results) add(key string, v float64) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.samples[key] = append(r.samples[key], v)
-}
-
-func (r *results) median(key string) float64 { return benchkit.Median(r.samples[key]) }
 
 func (b *bench) client(n node, job string) *jobsim.Orbax {
 	o := b.clientNoPeers(n, job)
@@ -138,7 +132,8 @@ func spoolUsed(dir string) (int64, error) {
 	return int64(st.Blocks-st.Bfree) * st.Bsize, nil
 }
 
-func (b *bench) repetition(ctx context.Context, rep int) error {
+// repetition runs the three-node job of one repetition in ws, below dir.
+func (b *bench) repetition(ctx context.Context, ws *benchkit.Workspace, dir string, rep int) error {
 	stepBytes := treeBytes(b.client(node{rank: replacedRank}, "x").Tree(busyStep))
 	b.res.stepBytes = stepBytes
 
@@ -147,17 +142,17 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	if err != nil {
 		return fmt.Errorf("tcp copy: %w", err)
 	}
-	b.res.add(kTCP, ms(tcp))
+	b.res.Add(kTCP, ms(tcp))
 	bound := tcp.Seconds()*1.5 + 1 // bytes ÷ TCP rate × 1.5 + 1 s
-	b.res.add(kBound, bound*1e3)
+	b.res.Add(kBound, bound*1e3)
 	fmt.Fprintf(os.Stderr, "clusterbench:   TCP copy of %s: %.0f ms (%.2f GB/s); restore bound %.2f s\n",
 		benchkit.FormatBytes(stepBytes), ms(tcp), float64(stepBytes)/tcp.Seconds()/1e9, bound)
 
-	nodes := b.nodes(rep)
+	nodes := nodes(dir, 3)
 	job := fmt.Sprintf("cb%s-%d", b.runID, rep+1)
-	agents := make([]*agent, 3)
+	agents := make([]*benchkit.Agent, 3)
 	for _, n := range nodes { // rank 0 first: it coordinates
-		if agents[n.rank], err = b.startAgent(ctx, rep, n); err != nil {
+		if agents[n.rank], err = b.startAgent(ctx, ws, dir, n, b.cfg.memory); err != nil {
 			return err
 		}
 	}
@@ -180,7 +175,7 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 		if err := o.Save(ctx, idleStep); err != nil {
 			return err
 		}
-		b.res.add(kSaveIdle, ms(time.Since(start)))
+		b.res.Add(kSaveIdle, ms(time.Since(start)))
 		return nil
 	}); err != nil {
 		return err
@@ -203,8 +198,19 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	sampler := startSpoolSampler(ctx, []string{nodes[0].spool, nodes[1].spool, nodes[2].spool})
 	defer sampler.stop()
 
+	// The restored step is pushed to the peers again: once every node's peers hold it, each
+	// agent's next replication observation is of the step measured.
+	if err := waitReplicated(ctx, agents, idleStep); err != nil {
+		return err
+	}
 	for _, step := range steps {
 		lat := make([]float64, 3)
+		before := make([]benchkit.Histogram, 3)
+		for r, a := range agents {
+			if before[r], err = a.Histogram(replSeconds); err != nil {
+				return err
+			}
+		}
 		if err := allRanks(3, func(r int) error {
 			peer := nodes[(r+1)%3]
 			replica := filepath.Join(peer.dir, fmt.Sprintf("%s-s%d-n%d-w0.meta", job, step, r))
@@ -213,7 +219,7 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 				return err
 			}
 			commit := time.Now()
-			b.res.add(kSave, ms(commit.Sub(start)))
+			b.res.Add(kSave, ms(commit.Sub(start)))
 			if _, err := waitFile(ctx, replica, replWaitMax); err != nil {
 				return fmt.Errorf("%w; log of rank %d's agent:\n%s", err, r, agents[r].Log())
 			}
@@ -222,12 +228,22 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 		}); err != nil {
 			return err
 		}
-		for r := range 3 {
-			b.res.add(kRepl, lat[r])
-			b.res.add(kReplStep(step), lat[r])
-			if d, ok := agents[r].replicatedTook(step, 2*time.Second); ok {
-				b.res.add(kReplAgent, d)
+		for r, a := range agents {
+			b.res.Add(kRepl, lat[r])
+			b.res.Add(kReplStep(step), lat[r])
+			// The sender records the push once the peer acknowledged it, which may come after the
+			// replica's .meta is visible.
+			push, err := a.WaitObserved(ctx, before[r], 5*time.Second, replSeconds)
+			if err != nil {
+				return fmt.Errorf("rank %d, step %d: %w", r, step, err)
 			}
+			if push.Count != 1 {
+				return fmt.Errorf("rank %d, step %d: %d pushes observed, want 1", r, step, push.Count)
+			}
+			b.res.Add(kReplAgent, push.Sum*1e3)
+		}
+		if err := waitReplicated(ctx, agents, step); err != nil {
+			return err
 		}
 		fmt.Fprintf(os.Stderr, "clusterbench:   step %d: commit → replica .meta on the peer, ranks 0-2: %.0f %.0f %.0f ms\n", step, lat[0], lat[1], lat[2])
 	}
@@ -237,10 +253,10 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	worst := 0.0
 	for r := range 3 {
 		f := float64(peak[r]-base[r]) / float64(stepBytes)
-		b.res.add(kSpoolNode(r), f)
+		b.res.Add(kSpoolNode(r), f)
 		worst = max(worst, f)
 	}
-	b.res.add(kSpoolPeak, worst)
+	b.res.Add(kSpoolPeak, worst)
 	fmt.Fprintf(os.Stderr, "clusterbench:   peak spool use ÷ checkpoint bytes, steps 1-20, worst rank: %.2f\n", worst)
 
 	// Save while the previous step replicates: busyStep starts the moment prevStep committed.
@@ -254,7 +270,7 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 			return err
 		}
 		busy[r] = ms(time.Since(start))
-		b.res.add(kSaveBusy, busy[r])
+		b.res.Add(kSaveBusy, busy[r])
 		replica := filepath.Join(nodes[(r+1)%3].dir, fmt.Sprintf("%s-s%d-n%d-w0.meta", job, busyStep, r))
 		if _, err := waitFile(ctx, replica, replWaitMax); err != nil {
 			return fmt.Errorf("%w; log of rank %d's agent:\n%s", err, r, agents[r].Log())
@@ -271,14 +287,14 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	for r := range 3 {
 		busyWorst = max(busyWorst, float64(peak[r]-base[r])/float64(stepBytes))
 	}
-	b.res.add(kSpoolBusy, busyWorst)
+	b.res.Add(kSpoolBusy, busyWorst)
 	fmt.Fprintf(os.Stderr, "clusterbench:   peak spool use ÷ checkpoint bytes, steps 30-40 (save while replicating), worst rank: %.2f\n", busyWorst)
 
 	// Node replacement of rank 1.
-	if err := agents[replacedRank].kill(); err != nil {
+	if err := agents[replacedRank].Kill(); err != nil {
 		return err
 	}
-	if agents[replacedRank], err = b.startAgent(ctx, rep, nodes[replacedRank]); err != nil {
+	if agents[replacedRank], err = b.startAgent(ctx, ws, dir, nodes[replacedRank], b.cfg.memory); err != nil {
 		return err
 	}
 	want := int64(busyStep)
@@ -303,31 +319,49 @@ func (b *bench) repetition(ctx context.Context, rep int) error {
 	}); err != nil {
 		return err
 	}
-	d, ok := agents[replacedRank].peerRestoreTook(2 * time.Second)
-	if !ok {
-		return fmt.Errorf("rank %d did not restore from a peer; its log:\n%s", replacedRank, agents[replacedRank].Log())
+	// A fresh agent: its one restore from a peer (one worker) is the one observation.
+	fetch, err := agents[replacedRank].WaitObserved(ctx, benchkit.Histogram{}, 2*time.Second, restoreSeconds, "source", "peer")
+	if err != nil {
+		return fmt.Errorf("rank %d did not restore from a peer (%w); its log:\n%s", replacedRank, err, agents[replacedRank].Log())
 	}
-	b.res.add(kRestore, took[replacedRank])
-	b.res.add(kRestoreStart, startTook[replacedRank])
-	b.res.add(kRestoreAgent, d)
+	d := fetch.Sum * 1e3
+	b.res.Add(kRestore, took[replacedRank])
+	b.res.Add(kRestoreStart, startTook[replacedRank])
+	b.res.Add(kRestoreAgent, d)
 	for r := range 3 {
 		if r != replacedRank {
-			b.res.add(kRestoreOther, took[r])
+			b.res.Add(kRestoreOther, took[r])
 		}
 	}
 	fmt.Fprintf(os.Stderr, "clusterbench:   replaced rank %d: Start → verified %.0f ms (Start %.0f ms, agent's peer restore %.0f ms); ranks 0, 2 from RAM: %.0f %.0f ms\n",
 		replacedRank, took[replacedRank], startTook[replacedRank], d, took[0], took[2])
 
-	// End of the repetition: stop the agents, remove its directories.
-	var errs []error
-	for _, a := range agents {
-		errs = append(errs, a.stop())
+	return nil
+}
+
+// waitReplicated waits until every agent's /status reports step replicated on every node's
+// peers (or a newer one).
+func waitReplicated(ctx context.Context, agents []*benchkit.Agent, step int64) error {
+	deadline := time.Now().Add(replWaitMax)
+	for r, a := range agents {
+		for {
+			st, err := a.Status()
+			if err != nil {
+				return err
+			}
+			if st.Replicated >= step {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("rank %d: /status reports step %d replicated, want %d", r, st.Replicated, step)
+			}
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			time.Sleep(clientPoll)
+		}
 	}
-	b.agents = b.agents[:0]
-	if err := errors.Join(errs...); err != nil {
-		return err
-	}
-	return benchkit.RemoveAllUnlessMounted(b.repDir(rep))
+	return nil
 }
 
 func ms(d time.Duration) float64 { return float64(d) / 1e6 }

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -21,9 +20,9 @@ import (
 var pairSteps = []int64{10, 20, 30}
 
 const (
-	kPair     = "pair"      // commit → replica .meta, large step, ms
-	kPairSave = "pair-save" // rank 0's Save of the large step, ms
-	kPairTCP  = "pair-tcp"  // plain TCP copy of the large step's bytes, ms
+	kPair     = "pair phase: rank 0's commit → replica .meta on rank 1, large step, ms"
+	kPairSave = "pair phase: rank 0's Save of the large step, ms"
+	kPairTCP  = "pair phase: plain TCP copy of the large step, ms"
 )
 
 func (b *bench) pairClient(n node, job string) *jobsim.Orbax {
@@ -37,23 +36,20 @@ func (b *bench) pairClient(n node, job string) *jobsim.Orbax {
 	return o
 }
 
-func (b *bench) pairPhase(ctx context.Context, rep int) error {
-	var nodes []node
-	for r := range 2 {
-		d := filepath.Join(b.repDir(rep), "pair", fmt.Sprintf("node%d", r))
-		nodes = append(nodes, node{rank: r, dir: filepath.Join(d, "mnt"), spool: filepath.Join(d, "spool")})
-	}
+// pairPhase runs the pair of one repetition in ws, below dir.
+func (b *bench) pairPhase(ctx context.Context, ws *benchkit.Workspace, dir string, rep int) error {
+	nodes := nodes(dir, 2)
 	big := treeBytes(b.pairClient(nodes[0], "x").Tree(pairSteps[0]))
 	b.res.pairBytes = big
 	tcp, err := tcpCopy(big)
 	if err != nil {
 		return err
 	}
-	b.res.add(kPairTCP, ms(tcp))
+	b.res.Add(kPairTCP, ms(tcp))
 	job := fmt.Sprintf("pair%s-%d", b.runID, rep+1)
-	agents := make([]*agent, 2)
+	agents := make([]*benchkit.Agent, 2)
 	for _, n := range nodes {
-		if agents[n.rank], err = b.startAgentMem(ctx, rep, n, b.cfg.pairMemory); err != nil {
+		if agents[n.rank], err = b.startAgent(ctx, ws, dir, n, b.cfg.pairMemory); err != nil {
 			return err
 		}
 	}
@@ -77,7 +73,7 @@ func (b *bench) pairPhase(ctx context.Context, rep int) error {
 				return nil
 			}
 			commit := time.Now()
-			b.res.add(kPairSave, ms(commit.Sub(start)))
+			b.res.Add(kPairSave, ms(commit.Sub(start)))
 			if _, err := waitFile(ctx, replica, replWaitMax); err != nil {
 				return fmt.Errorf("%w; rank 0's log:\n%s", err, agents[0].Log())
 			}
@@ -86,12 +82,8 @@ func (b *bench) pairPhase(ctx context.Context, rep int) error {
 		}); err != nil {
 			return err
 		}
-		b.res.add(kPair, lat)
+		b.res.Add(kPair, lat)
 		fmt.Fprintf(os.Stderr, "clusterbench:   pair, step %d (%s on rank 0): commit → replica .meta on rank 1: %.0f ms\n", step, benchkit.FormatBytes(big), lat)
 	}
-	var stopErrs []error
-	for _, a := range agents {
-		stopErrs = append(stopErrs, a.stop())
-	}
-	return errors.Join(stopErrs...)
+	return nil
 }

@@ -2,7 +2,6 @@ package main
 
 import (
 	"fmt"
-	"slices"
 	"strings"
 
 	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
@@ -58,74 +57,46 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 		"The TCP baseline runs in each repetition right before its agents start.\n\n", cfg.reps)
 
 	w("| # | Measurement | mtcfs | baseline | target | verdict |\n|---|---|--:|--:|---|---|\n")
-	repl := res.median(kRepl)
+	repl := res.Median(kRepl)
 	w("| 1 | Replication in the three-node job: commit (Save returned, i.e. the rename) → replica's `.meta` in the next rank's mount (stat every 1 ms), %s step per node, all three replicating at once, median of %d (3 ranks × 2 steps × %d) | %s ms (%.2f GB/s) | — | the ≤ %g ms target is for 1 GiB to one peer: row 5 | — |\n",
-		size, len(res.samples[kRepl]), cfg.reps, benchkit.FormatValue(repl), gbps(repl), replTargetMs)
-	tcpRate := float64(res.stepBytes) / (res.median(kTCP) / 1e3)
-	restore, bound := res.median(kRestore), res.median(kBound)
+		size, len(res.Of(kRepl)), cfg.reps, benchkit.FormatValue(repl), gbps(repl), replTargetMs)
+	tcpRate := float64(res.stepBytes) / (res.Median(kTCP) / 1e3)
+	restore, bound := res.Median(kRestore), res.Median(kBound)
 	w("| 2 | Replaced node: rank %d's new client, Start → VerifyRestored done (every byte compared), while ranks 0 and 2 restore from RAM; median of %d | %.2f s (%.2f GB/s) | plain Go TCP copy on loopback %.0f ms (%.2f GB/s) | ≤ bytes ÷ TCP rate × %g + 1 s = %.2f s | %s |\n",
-		replacedRank, len(res.samples[kRestore]), restore/1e3, gbps(restore), res.median(kTCP), tcpRate/1e9,
+		replacedRank, len(res.Of(kRestore)), restore/1e3, gbps(restore), res.Median(kTCP), tcpRate/1e9,
 		restoreFactor, bound/1e3, verdict(count(restore <= bound)))
-	spool := res.median(kSpoolPeak)
-	spoolMax := slices.Max(res.samples[kSpoolPeak])
+	spool := res.Median(kSpoolPeak)
+	spoolMax := res.Max(kSpoolPeak)
 	w("| 3 | Peak spool use ÷ per-node checkpoint bytes while saving step N+1 with step N held and replicated (statfs every 10 ms; worst node per repetition), median of %d | %.2f× (max %.2f×) | — | ≤ %g× (one peer, not data-parallel) | %s |\n",
-		len(res.samples[kSpoolPeak]), spool, spoolMax, spoolTarget, verdict(count(spool <= spoolTarget)))
+		len(res.Of(kSpoolPeak)), spool, spoolMax, spoolTarget, verdict(count(spool <= spoolTarget)))
 	w("| 3b | The same while saving step %d the moment step %d committed (then steps %d, %d and %d and their replicas are all held until the job-wide sync of step %d frees the oldest) | %.2f× | — | (no separate target; the reference system sizes RAM at 6.6×) | — |\n",
-		busyStep, prevStep, steps[len(steps)-1], prevStep, busyStep, prevStep, res.median(kSpoolBusy))
-	if n := len(res.samples[kSpoolDP]); n > 0 {
-		dp := res.median(kSpoolDP)
+		busyStep, prevStep, steps[len(steps)-1], prevStep, busyStep, prevStep, res.Median(kSpoolBusy))
+	if n := len(res.Of(kSpoolDP)); n > 0 {
+		dp := res.Median(kSpoolDP)
 		w("| 3c | Peak spool use ÷ checkpoint bytes, data-parallel: two agents, `assume-data-parallelism: 2` (only `.meta` files travel), steps %v saved in turn (statfs every 10 ms; worst node per repetition), median of %d | %.2f× | — | ≤ %g× (data-parallel) | %s |\n",
 			dpSteps, n, dp, spoolDPTarget, verdict(count(dp <= spoolDPTarget)))
 	}
-	idle, busy := res.median(kSaveIdle), res.median(kSaveBusy)
+	idle, busy := res.Median(kSaveIdle), res.Median(kSaveBusy)
 	w("| 4 | Save of step %d started the moment step %d committed (step %d replicating, step %d's own files streaming as they close) ÷ an idle save (step %d of the same job run without peers: nothing replicates anywhere); medians of %d and %d | %.0f ms vs %.0f ms = %.2f× | idle save | ≤ %g× | %s |\n",
-		busyStep, prevStep, prevStep, busyStep, idleStep, len(res.samples[kSaveBusy]), len(res.samples[kSaveIdle]), busy, idle, busy/idle, busyTarget, verdict(count(busy/idle <= busyTarget)))
-	if n := len(res.samples[kPair]); n > 0 {
-		pair := res.median(kPair)
+		busyStep, prevStep, prevStep, busyStep, idleStep, len(res.Of(kSaveBusy)), len(res.Of(kSaveIdle)), busy, idle, busy/idle, busyTarget, verdict(count(busy/idle <= busyTarget)))
+	if n := len(res.Of(kPair)); n > 0 {
+		pair := res.Median(kPair)
 		pairSize := benchkit.FormatBytes(res.pairBytes)
 		w("| 5 | Replication, like for like: two agents, rank 0 saves a %s step (%d files written and closed one after the other) while rank 1 saves 4 KiB; rank 0's commit → its replica's `.meta` in rank 1's mount; median of %d | %.0f ms | rank 0's Save took %.0f ms; plain TCP copy of %s %.0f ms | ≤ %g ms after the commit | %s |\n",
-			pairSize, cfg.pairFiles, n, pair, res.median(kPairSave), pairSize, res.median(kPairTCP), replTargetMs, verdict(count(pair <= replTargetMs)))
+			pairSize, cfg.pairFiles, n, pair, res.Median(kPairSave), pairSize, res.Median(kPairTCP), replTargetMs, verdict(count(pair <= replTargetMs)))
 	}
 	w("\nTargets met: %d of %d.\n\n", met, total)
 
 	w("Figures without a target, to explain the ones above (medians):\n\n")
-	w("- Replication by step: step 10 (the first) %s ms, step 20 (written while step 10 is held) %s ms; the agent's own `replicated … took=` (from its start of the push to the peer's acknowledgement) %s ms.\n",
-		benchkit.FormatValue(res.median(kReplStep(10))), benchkit.FormatValue(res.median(kReplStep(20))), benchkit.FormatValue(res.median(kReplAgent)))
-	w("- A Save of one step on one rank (all three ranks saving at once, through the mounts) took %s ms.\n", benchkit.FormatValue(res.median(kSave)))
-	w("- Replaced node: its client's Start (yaml handshake, restore negotiation, peer fetch, marker) returned after %s ms; the agent logged `restored from a peer … took=%s ms`; "+
+	w("- Replication by step: step 10 (the first) %s ms, step 20 (written while step 10 is held) %s ms; the sender's own `mtcfs_replication_duration_seconds` (from its start of the push to the peer's acknowledgement) %s ms.\n",
+		benchkit.FormatValue(res.Median(kReplStep(10))), benchkit.FormatValue(res.Median(kReplStep(20))), benchkit.FormatValue(res.Median(kReplAgent)))
+	w("- A Save of one step on one rank (all three ranks saving at once, through the mounts) took %s ms.\n", benchkit.FormatValue(res.Median(kSave)))
+	w("- Replaced node: its client's Start (yaml handshake, restore negotiation, peer fetch, marker) returned after %s ms; its agent's `mtcfs_restore_duration_seconds{source=\"peer\"}` was %s ms; "+
 		"the rest is VerifyRestored reading and comparing %s through the mount. Ranks 0 and 2, restoring from RAM at the same time, took %s ms from Start to verified.\n",
-		benchkit.FormatValue(res.median(kRestoreStart)), benchkit.FormatValue(res.median(kRestoreAgent)), size, benchkit.FormatValue(res.median(kRestoreOther)))
+		benchkit.FormatValue(res.Median(kRestoreStart)), benchkit.FormatValue(res.Median(kRestoreAgent)), size, benchkit.FormatValue(res.Median(kRestoreOther)))
 	w("- Spool use is the spool tmpfs's used bytes minus those before the first save; it includes the node's own steps and the replica it receives from the previous rank.\n")
 
-	w("\n<details><summary>Raw samples, in order</summary>\n\n")
-	w("| Measurement | Unit | Samples |\n|---|---|---|\n")
-	for _, row := range []struct{ key, title, unit string }{
-		{kRepl, "commit → replica .meta on the peer (per repetition: step 10 ranks 0-2, step 20 ranks 0-2)", "ms"},
-		{kReplAgent, "agent: replicated took", "ms"},
-		{kSave, "Save of one step on one rank", "ms"},
-		{kSaveIdle, "idle Save (job without peers)", "ms"},
-		{kSaveBusy, "Save while the previous step replicates", "ms"},
-		{kPair, "pair phase: commit → replica .meta, large step", "ms"},
-		{kPairSave, "pair phase: rank 0's Save of the large step", "ms"},
-		{kPairTCP, "pair phase: plain TCP copy of the large step", "ms"},
-		{kRestore, "replaced rank 1: Start → VerifyRestored done", "ms"},
-		{kRestoreStart, "replaced rank 1: Start returned", "ms"},
-		{kRestoreAgent, "agent: restored from a peer took", "ms"},
-		{kRestoreOther, "ranks 0 and 2 from RAM: Start → VerifyRestored done", "ms"},
-		{kTCP, "plain TCP copy of " + size + " on loopback", "ms"},
-		{kBound, "restore bound: bytes ÷ TCP rate × 1.5 + 1 s", "ms"},
-		{kSpoolPeak, "peak spool ÷ checkpoint bytes, worst node", "×"},
-		{kSpoolBusy, "peak spool ÷ checkpoint bytes during the save-while-replicating phase, worst node", "×"},
-		{kSpoolDP, "peak spool ÷ checkpoint bytes, data-parallel pair, worst node", "×"},
-		{kSpoolNode(0), "peak spool ÷ checkpoint bytes, rank 0", "×"},
-		{kSpoolNode(1), "peak spool ÷ checkpoint bytes, rank 1", "×"},
-		{kSpoolNode(2), "peak spool ÷ checkpoint bytes, rank 2", "×"},
-	} {
-		if len(res.samples[row.key]) == 0 {
-			continue
-		}
-		w("| %s | %s | %s |\n", row.title, row.unit, benchkit.FormatSamples(res.samples[row.key]))
-	}
-	w("\n</details>\n%s\n", resultsSection.End())
+	w("%s", res.RawTable("Raw samples, in order"))
+	w("%s\n", resultsSection.End())
 	return b.String()
 }

@@ -27,6 +27,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
@@ -63,21 +64,18 @@ type config struct {
 func main() {
 	var cfg config
 	var chunkKiB int
-	flag.StringVar(&cfg.out, "out", "", "Markdown file whose codecbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	flag.StringVar(&cfg.out, "out", "", "Markdown file whose codecbench section receives the results, e.g. RESULTS.md (default: print only)")
 	flag.StringVar(&cfg.testdata, "testdata", "../planecodec/testdata", "directory of the training data (gen.py's output)")
 	flag.IntVar(&chunkKiB, "chunk-kib", 1024, "chunk length in KiB")
 	flag.IntVar(&cfg.reps, "reps", 7, "measured rounds of the speed measurements (at least 3)")
 	flag.DurationVar(&cfg.minTime, "min-time", 100*time.Millisecond, "least time of one speed sample")
 	flag.Parse()
 	cfg.chunk = chunkKiB << 10
+	var invalid error
 	if cfg.reps < 3 || cfg.chunk <= 0 || cfg.chunk > planecodec.MaxLen {
-		fmt.Fprintln(os.Stderr, "codecbench: -reps must be at least 3, -chunk-kib positive and at most 1 GiB")
-		os.Exit(2)
+		invalid = errors.New("-reps must be at least 3, -chunk-kib positive and at most 1 GiB")
 	}
-	if err := run(cfg); err != nil {
-		fmt.Fprintln(os.Stderr, "codecbench:", err)
-		os.Exit(1)
-	}
+	benchkit.Main("codecbench", invalid, func(context.Context) error { return run(cfg) })
 }
 
 // dataset is one kind of data, and the element width its planes are split by when it is known.

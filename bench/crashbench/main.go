@@ -23,6 +23,8 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -45,7 +47,7 @@ var resultsSection = benchkit.Section{
 
 func main() {
 	bin := flag.String("mtcfs", "../bin/mtcfs", "mtcfs binary (build it with make build in the repository root)")
-	out := flag.String("out", "", "Markdown file whose crashbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	out := flag.String("out", "", "Markdown file whose crashbench section receives the results, e.g. RESULTS.md (default: print only)")
 	kills := flag.Int("kills", 200, "kill at least this many agents")
 	seed := flag.Uint64("seed", 0, "seed of the decision sequence (0: from the clock); MTCFS_SEED=n in the test replays the same decisions at the short scale")
 	scale := flag.String("scale", "long", "long (the bench) or short (what make test runs)")
@@ -54,20 +56,26 @@ func main() {
 	logs := flag.String("logs", "", "directory receiving the full agent logs of every episode with a finding")
 	verbose := flag.Bool("v", false, "print every op, kill and recovery (the findings are always printed)")
 	flag.Parse()
-	if flag.NArg() != 0 {
-		fmt.Fprintf(os.Stderr, "crashbench: unexpected arguments %q\n", flag.Args())
-		os.Exit(2)
+	sc, invalid := scaleOf(*scale, *resave)
+	if *seed == 0 {
+		*seed = uint64(time.Now().UnixNano()%1_000_000_000) + 1000
 	}
+	benchkit.Main("crashbench", invalid, func(ctx context.Context) error {
+		return run(ctx, *bin, *out, *workDir, *logs, *seed, *kills, sc, *verbose)
+	})
+}
+
+// scaleOf is the scale named by -scale, with -resave's choice.
+func scaleOf(scale, resave string) (crashsim.Scale, error) {
 	sc := crashsim.Long
-	switch *scale {
+	switch scale {
 	case "long":
 	case "short":
 		sc = crashsim.Short
 	default:
-		fmt.Fprintf(os.Stderr, "crashbench: -scale %q: want long or short\n", *scale)
-		os.Exit(2)
+		return sc, fmt.Errorf("-scale %q: want long or short", scale)
 	}
-	switch *resave {
+	switch resave {
 	case "":
 	case "never":
 		sc.Resave = crashsim.ResaveNever
@@ -76,38 +84,25 @@ func main() {
 	case "always":
 		sc.Resave = crashsim.ResaveAlways
 	default:
-		fmt.Fprintf(os.Stderr, "crashbench: -resave %q: want never, half or always\n", *resave)
-		os.Exit(2)
+		return sc, fmt.Errorf("-resave %q: want never, half or always", resave)
 	}
-	if *seed == 0 {
-		*seed = uint64(time.Now().UnixNano()%1_000_000_000) + 1000
-	}
-	code, err := run(*bin, *out, *workDir, *logs, *seed, *kills, sc, *verbose)
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "crashbench: %v\n", err)
-	}
-	os.Exit(code)
+	return sc, nil
 }
 
-func run(binPath, out, workDir, logs string, seed uint64, kills int, sc crashsim.Scale, verbose bool) (int, error) {
+func run(ctx context.Context, binPath, out, workDir, logs string, seed uint64, kills int, sc crashsim.Scale, verbose bool) (err error) {
 	bin, err := benchkit.AgentBinary(binPath)
 	if err != nil {
-		return 1, err
+		return err
 	}
-	if os.Geteuid() != 0 {
-		return 1, fmt.Errorf("run it as root: the agents mount FUSE and a tmpfs spool")
+	if err := benchkit.RequireRoot("the agents mount FUSE and a tmpfs spool"); err != nil {
+		return err
 	}
-	ctx, stop := benchkit.CancelOnSignal("crashbench")
-	defer stop()
-	dir, err := os.MkdirTemp(workDir, "mtcfs-crashbench-")
+	ws := &benchkit.Workspace{}
+	defer func() { err = errors.Join(err, ws.Close()) }()
+	dir, err := ws.TempDir(workDir, "mtcfs-crashbench-")
 	if err != nil {
-		return 1, err
+		return err
 	}
-	defer func() {
-		if err := benchkit.RemoveAllUnlessMounted(dir); err != nil {
-			fmt.Fprintf(os.Stderr, "crashbench: %v\n", err)
-		}
-	}()
 	env := benchkit.DescribeEnvironment("crashbench", bin)
 	cpu := benchkit.StartCPUAccount()
 	fmt.Printf("crashbench: seed %d, scale %s, at least %d kills, in %s\n", seed, sc.Name, kills, dir)
@@ -119,23 +114,23 @@ func run(binPath, out, workDir, logs string, seed uint64, kills int, sc crashsim
 	}
 	rep, err := crashsim.Run(ctx, crashsim.Config{Bin: bin, WorkDir: dir, Seed: seed, Kills: kills, Scale: sc, Logf: logf, LogDir: logs})
 	if rep == nil {
-		return 1, err
+		return err
 	}
 	env.CPU = cpu.OthersSummary(benchkit.CPUWording{Span: "the run", Us: "crashbench and the agents"})
 	fmt.Print("\n" + rep.Summary())
 	if err != nil {
-		return 1, err // a cut-short run is not a result
+		return err // a cut-short run is not a result
 	}
 	if out != "" {
 		if err := resultsSection.Update(out, render(env, rep, sc, logs)); err != nil {
-			return 1, err
+			return err
 		}
 		fmt.Printf("wrote the crashbench section of %s\n", out)
 	}
 	if len(rep.Violations()) > 0 {
-		return 1, fmt.Errorf("%d invariant violations (seed %d)", len(rep.Violations()), seed)
+		return fmt.Errorf("%d invariant violations (seed %d)", len(rep.Violations()), seed)
 	}
-	return 0, nil
+	return nil
 }
 
 func render(env benchkit.Environment, rep *crashsim.Report, sc crashsim.Scale, logs string) string {

@@ -23,9 +23,9 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
-	"fmt"
 	"os"
 	"time"
 
@@ -52,7 +52,7 @@ func main() {
 	var cfg config
 	var fileMiB, smallKiB int
 	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "../bin/mtcfs", "mtcfs binary to benchmark (build it with make build in the repository root)")
-	flag.StringVar(&cfg.out, "out", "", "Markdown file whose generated section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	flag.StringVar(&cfg.out, "out", "", "Markdown file whose generated section receives the results, e.g. RESULTS.md (default: print only)")
 	flag.StringVar(&cfg.workDir, "workdir", os.TempDir(), "directory for the temporary mount points and spools")
 	flag.IntVar(&cfg.reps, "reps", 5, "measured rounds per workload (medians are reported; at least 3)")
 	flag.IntVar(&cfg.warmup, "warmup", 1, "unrecorded warm-up rounds per workload")
@@ -66,20 +66,11 @@ func main() {
 	flag.Parse()
 	cfg.fileSize = int64(fileMiB) << 20
 	cfg.smallSize = smallKiB << 10
-	if err := cfg.validate(); err != nil {
-		fmt.Fprintf(os.Stderr, "fsbench: %v\n", err)
-		os.Exit(2)
-	}
-	if err := run(cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "fsbench: %v\n", err)
-		os.Exit(1)
-	}
+	benchkit.Main("fsbench", cfg.validate(), func(ctx context.Context) error { return run(ctx, cfg) })
 }
 
 func (c config) validate() error {
 	switch {
-	case flag.NArg() != 0:
-		return fmt.Errorf("unexpected arguments %q", flag.Args())
 	case c.reps < 3:
 		return errors.New("-reps must be at least 3 for a meaningful median")
 	case c.warmup < 0:
@@ -92,9 +83,9 @@ func (c config) validate() error {
 	return nil
 }
 
-func run(cfg config) (err error) {
-	if os.Geteuid() != 0 {
-		return errors.New("run as root: fsbench mounts a tmpfs, and mtcfs --passthrough on needs CAP_SYS_ADMIN")
+func run(ctx context.Context, cfg config) (err error) {
+	if err := benchkit.RequireRoot("fsbench mounts a tmpfs, and mtcfs --passthrough on needs CAP_SYS_ADMIN"); err != nil {
+		return err
 	}
 	bin, err := benchkit.AgentBinary(cfg.mtcfsBin)
 	if err != nil {
@@ -105,30 +96,18 @@ func run(cfg config) (err error) {
 	if err != nil {
 		return err
 	}
-	ctx, stopSignals := benchkit.CancelOnSignal("fsbench")
-	defer stopSignals()
-
 	env := benchkit.DescribeEnvironment("fsbench", bin)
 	cpu := benchkit.StartCPUAccount()
 	targets, err := setUpTargets(ctx, bin, cfg.workDir)
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, targets.tearDown()) }()
+	defer func() { err = errors.Join(err, targets.ws.Close()) }()
 
 	res := newResults()
 	if err := runWorkloads(ctx, workloads, targets.list, cfg, res); err != nil {
 		return err
 	}
 	env.CPU = cpu.OthersSummary(benchkit.CPUWording{Span: "measurement", Us: "fsbench and the agents"}, targets.agents...)
-	section := renderSection(cfg, env, res)
-	fmt.Print(section)
-	if cfg.out == "" {
-		return nil
-	}
-	if err := resultsSection.Update(cfg.out, section); err != nil {
-		return err
-	}
-	fmt.Fprintf(os.Stderr, "fsbench: wrote results to %s\n", cfg.out)
-	return nil
+	return resultsSection.Publish(cfg.out, renderSection(cfg, env, res))
 }

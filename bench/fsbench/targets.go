@@ -31,28 +31,29 @@ type target struct {
 	dir  string
 }
 
-// targetSet owns the mounts and agent processes behind the targets.
+// targetSet owns the mounts and agent processes behind the targets; ws.Close stops the agents,
+// unmounts the tmpfs and removes the temporary directory.
 type targetSet struct {
-	base    string // temporary directory holding the mount points and spools
-	list    []*target
-	agents  []int          // pids of the running agents
-	closers []func() error // in setup order; tearDown runs them in reverse
+	ws     benchkit.Workspace
+	base   string // temporary directory holding the mount points and spools
+	list   []*target
+	agents []int // pids of the running agents
 }
 
 // setUpTargets mounts the baseline tmpfs and starts the two mtcfs agents under a new temporary
 // directory in workDir. On error, what was already set up is torn down.
 func setUpTargets(ctx context.Context, bin, workDir string) (*targetSet, error) {
-	base, err := os.MkdirTemp(workDir, "fsbench-")
-	if err != nil {
+	ts := &targetSet{}
+	var err error
+	if ts.base, err = ts.ws.TempDir(workDir, "fsbench-"); err != nil {
 		return nil, err
 	}
-	ts := &targetSet{base: base}
 	if err := ts.mountTmpfs(); err != nil {
-		return nil, errors.Join(err, ts.tearDown())
+		return nil, errors.Join(err, ts.ws.Close())
 	}
 	for _, a := range []struct{ name, mode string }{{passthroughTarget, "on"}, {fallbackTarget, "off"}} {
 		if err := ts.startAgent(ctx, bin, a.name, a.mode); err != nil {
-			return nil, errors.Join(err, ts.tearDown())
+			return nil, errors.Join(err, ts.ws.Close())
 		}
 	}
 	return ts, nil
@@ -66,14 +67,14 @@ func (ts *targetSet) mountTmpfs() error {
 	if err := unix.Mount("fsbench", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size="+tmpfsSize); err != nil {
 		return fmt.Errorf("mount tmpfs at %s: %w", dir, err)
 	}
-	ts.closers = append(ts.closers, func() error { return benchkit.Unmount(dir) })
+	ts.ws.Defer(func() error { return benchkit.Unmount(dir) })
 	ts.list = append(ts.list, &target{name: tmpfsTarget, dir: dir})
 	return nil
 }
 
 // startAgent runs "mtcfs mount" with the given --passthrough mode and waits until it serves.
 func (ts *targetSet) startAgent(ctx context.Context, bin, name, passthrough string) error {
-	a, err := benchkit.StartAgent(ctx, benchkit.AgentConfig{
+	a, err := ts.ws.StartAgent(ctx, benchkit.AgentConfig{
 		Bin:   bin,
 		Dir:   filepath.Join(ts.base, name),
 		Spool: filepath.Join(ts.base, "spool-"+name),
@@ -82,20 +83,7 @@ func (ts *targetSet) startAgent(ctx context.Context, bin, name, passthrough stri
 	if err != nil {
 		return fmt.Errorf("mtcfs --passthrough %s: %w", passthrough, err)
 	}
-	ts.closers = append(ts.closers, a.Stop)
 	ts.agents = append(ts.agents, a.Pid())
 	ts.list = append(ts.list, &target{name: name, dir: a.Dir})
 	return nil
-}
-
-// tearDown stops the agents, unmounts, and removes the temporary directory unless something is
-// still mounted below it.
-func (ts *targetSet) tearDown() error {
-	var errs []error
-	for i := len(ts.closers) - 1; i >= 0; i-- {
-		errs = append(errs, ts.closers[i]())
-	}
-	ts.closers = nil
-	errs = append(errs, benchkit.RemoveAllUnlessMounted(ts.base))
-	return errors.Join(errs...)
 }

@@ -12,13 +12,12 @@ package main
 import (
 	"bufio"
 	"context"
+	"errors"
 	"flag"
 	"fmt"
-	"io"
-	"net/http"
+	"math"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -32,14 +31,9 @@ func main() {
 	bin := flag.String("mtcfs", "../bin/mtcfs", "the mtcfs binary (make build in the repository root)")
 	counts := flag.String("files", "10000,100000", "comma-separated numbers of files per run")
 	size := flag.Int("size", 4096, "bytes per file")
-	out := flag.String("out", "", "update this results file (e.g. bench/RESULTS.md)")
+	out := flag.String("out", "", "update this results file (e.g. RESULTS.md)")
 	flag.Parse()
-	ctx, stop := benchkit.CancelOnSignal("membench")
-	defer stop()
-	if err := run(ctx, *bin, *counts, *size, *out); err != nil {
-		fmt.Fprintln(os.Stderr, "membench:", err)
-		os.Exit(1)
-	}
+	benchkit.Main("membench", nil, func(ctx context.Context) error { return run(ctx, *bin, *counts, *size, *out) })
 }
 
 type sample struct {
@@ -88,42 +82,41 @@ func run(ctx context.Context, binPath, counts string, size int, out string) erro
 	}
 	b.WriteString("\nPer file = (sealed − before) ÷ files. The sealed step keeps every file's node (name, attributes, spool link) in the agent's inode tree for as long as the step is held.\n")
 	b.WriteString(section.End() + "\n")
-	fmt.Print("\n" + b.String())
-	if out != "" {
-		return section.Update(out, b.String())
-	}
-	return nil
+	fmt.Println()
+	return section.Publish(out, b.String())
 }
 
-var httpRE = regexp.MustCompile(`msg="http endpoints" addr=(\S+)`)
-
-func measure(ctx context.Context, bin string, n, size int) (sample, error) {
-	s := sample{files: n}
-	base, err := os.MkdirTemp("", "mtcfs-membench")
+func measure(ctx context.Context, bin string, n, size int) (s sample, err error) {
+	s = sample{files: n}
+	ws := &benchkit.Workspace{}
+	defer func() { err = errors.Join(err, ws.Close()) }()
+	base, err := ws.TempDir("", "mtcfs-membench")
 	if err != nil {
 		return s, err
 	}
-	defer benchkit.RemoveAllUnlessMounted(base)
 	dir := filepath.Join(base, "mnt")
-	a, err := benchkit.StartAgent(ctx, benchkit.AgentConfig{Bin: bin, Dir: dir, Spool: filepath.Join(base, "spool"),
-		Flags: []string{"--memory", "4GiB", "--http", "127.0.0.1:0", "--backup", "file://" + filepath.Join(base, "backup")}})
+	a, err := ws.StartAgent(ctx, benchkit.AgentConfig{Bin: bin, Dir: dir, Spool: filepath.Join(base, "spool"),
+		Flags:      []string{"--memory", "4GiB", "--http", "127.0.0.1:0", "--backup", "file://" + filepath.Join(base, "backup")},
+		KeepsSpool: true}) // it holds the sealed step when stopped
 	if err != nil {
 		return s, err
 	}
-	defer a.Stop()
-	m := httpRE.FindStringSubmatch(a.Log())
-	if m == nil {
-		return s, fmt.Errorf("no http address in the agent's log")
-	}
-	addr := m[1]
 	read := func(i int) error {
 		time.Sleep(2 * time.Second) // let background hashing and GC settle
 		var err error
 		if s.rss[i], err = vmRSS(a.Pid()); err != nil {
 			return err
 		}
-		s.heap[i], err = heapInUse(addr)
-		return err
+		m, err := a.Metrics()
+		if err != nil {
+			return err
+		}
+		heap := m.Value("go_memstats_heap_inuse_bytes")
+		if math.IsNaN(heap) {
+			return errors.New("no go_memstats_heap_inuse_bytes on /metrics")
+		}
+		s.heap[i] = int64(heap)
+		return nil
 	}
 	yaml := "job-name: mem\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 600\n"
 	if err := os.WriteFile(filepath.Join(dir, "replicator.yaml"), []byte(yaml), 0o644); err != nil {
@@ -196,24 +189,4 @@ func vmRSS(pid int) (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("no VmRSS for pid %d", pid)
-}
-
-// heapInUse reads go_memstats_heap_inuse_bytes from the agent's /metrics.
-func heapInUse(addr string) (int64, error) {
-	resp, err := http.Get("http://" + addr + "/metrics")
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	for _, line := range strings.Split(string(body), "\n") {
-		if v, ok := strings.CutPrefix(line, "go_memstats_heap_inuse_bytes "); ok {
-			f, err := strconv.ParseFloat(v, 64)
-			return int64(f), err
-		}
-	}
-	return 0, fmt.Errorf("no go_memstats_heap_inuse_bytes on /metrics")
 }

@@ -44,10 +44,8 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"math"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"time"
@@ -74,7 +72,7 @@ func main() {
 	var cfg config
 	var fileMiB int
 	flag.StringVar(&cfg.mtcfsBin, "mtcfs", "../bin/mtcfs", "mtcfs binary to benchmark (build it with make build in the repository root)")
-	flag.StringVar(&cfg.out, "out", "", "Markdown file whose replbench section receives the results, e.g. bench/RESULTS.md (default: print only)")
+	flag.StringVar(&cfg.out, "out", "", "Markdown file whose replbench section receives the results, e.g. RESULTS.md (default: print only)")
 	flag.StringVar(&cfg.workDir, "workdir", os.TempDir(), "directory (on disk) for mount points, spools, backups and cp -r copies")
 	flag.StringVar(&cfg.shmDir, "shm", "/dev/shm", "plain tmpfs holding the source tree (the read baseline and cp -r's source)")
 	flag.IntVar(&cfg.reps, "reps", 5, "measured repetitions of the seal and backup items (at least 5)")
@@ -87,20 +85,11 @@ func main() {
 	flag.StringVar(&cfg.items, "items", "yaml,seal,backup", "comma-separated subset of yaml,seal,backup to run")
 	flag.Parse()
 	cfg.fileSize = int64(fileMiB) << 20
-	if err := cfg.validate(); err != nil {
-		fmt.Fprintf(os.Stderr, "replbench: %v\n", err)
-		os.Exit(2)
-	}
-	if err := run(cfg); err != nil {
-		fmt.Fprintf(os.Stderr, "replbench: %v\n", err)
-		os.Exit(1)
-	}
+	benchkit.Main("replbench", cfg.validate(), func(ctx context.Context) error { return run(ctx, cfg) })
 }
 
 func (c config) validate() error {
 	switch {
-	case flag.NArg() != 0:
-		return fmt.Errorf("unexpected arguments %q", flag.Args())
 	case c.reps < 5 || c.yamlReps < 5:
 		return errors.New("-reps and -yaml-reps must be at least 5")
 	case c.warmup < 0:
@@ -122,32 +111,29 @@ func (c config) runs(item string) bool { return slices.Contains(strings.Split(c.
 type bench struct {
 	cfg        config
 	bin        string
-	runID      string // distinguishes job names of this run
-	base       string // temporary directory under workDir
-	shm        string // temporary directory under shmDir
-	backupRoot string // the backup agents' file:// location
+	runID      string              // distinguishes job names of this run
+	ws         *benchkit.Workspace // the agents and temporary directories
+	base       string              // temporary directory under workDir
+	shm        string              // temporary directory under shmDir
+	backupRoot string              // the backup agents' file:// location
 	tree       *tree
-	agents     []*agent
-	res        *results
+	res        *benchkit.Samples
 }
 
-func run(cfg config) (err error) {
-	if os.Geteuid() != 0 {
-		return errors.New("run as root: the agents mount FUSE and their spool tmpfs")
+func run(ctx context.Context, cfg config) (err error) {
+	if err := benchkit.RequireRoot("the agents mount FUSE and their spool tmpfs"); err != nil {
+		return err
 	}
 	bin, err := benchkit.AgentBinary(cfg.mtcfsBin)
 	if err != nil {
 		return err
 	}
-	ctx, stopSignals := benchkit.CancelOnSignal("replbench")
-	defer stopSignals()
-
-	b := &bench{cfg: cfg, bin: bin, runID: time.Now().UTC().Format("150405"), res: newResults()}
-	if b.base, err = os.MkdirTemp(cfg.workDir, "replbench-"); err != nil {
+	b := &bench{cfg: cfg, bin: bin, runID: time.Now().UTC().Format("150405"), ws: &benchkit.Workspace{}, res: &benchkit.Samples{}}
+	defer func() { err = errors.Join(err, b.ws.Close()) }()
+	if b.base, err = b.ws.TempDir(cfg.workDir, "replbench-"); err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, b.tearDown()) }()
-	if b.shm, err = os.MkdirTemp(cfg.shmDir, "replbench-"); err != nil {
+	if b.shm, err = b.ws.TempDir(cfg.shmDir, "replbench-"); err != nil {
 		return err
 	}
 	b.backupRoot = filepath.Join(b.base, "backups")
@@ -161,7 +147,7 @@ func run(cfg config) (err error) {
 	if err := b.measure(ctx); err != nil {
 		return err
 	}
-	if err := b.tearDown(); err != nil { // stop every agent before accounting for their CPU
+	if err := b.ws.Close(); err != nil { // stop every agent before accounting for their CPU
 		return err
 	}
 	env.CPU = cpu.OthersSummary(benchkit.CPUWording{
@@ -169,16 +155,7 @@ func run(cfg config) (err error) {
 		Us:   "replbench, the agents, cp and sync",
 		Note: "; kernel work for our I/O, such as writeback, counts here",
 	})
-	section := renderSection(cfg, env, b.res, b.tree.total())
-	fmt.Print(section)
-	if cfg.out == "" {
-		return nil
-	}
-	if err := resultsSection.Update(cfg.out, section); err != nil {
-		return err
-	}
-	fmt.Fprintf(os.Stderr, "replbench: wrote results to %s\n", cfg.out)
-	return nil
+	return resultsSection.Publish(cfg.out, renderSection(cfg, env, b.res, b.tree.total()))
 }
 
 func (b *bench) measure(ctx context.Context) error {
@@ -212,30 +189,6 @@ func (b *bench) measure(ctx context.Context) error {
 	return nil
 }
 
-// tearDown stops every agent, detaches what they left mounted, and removes the temporary
-// directories unless something is still mounted below them (removing through a live mount
-// would delete its files). It may run more than once.
-func (b *bench) tearDown() error {
-	var errs []error
-	for i := len(b.agents) - 1; i >= 0; i-- {
-		errs = append(errs, b.agents[i].Stop())
-	}
-	for _, dir := range []string{b.base, b.shm} {
-		if dir == "" {
-			continue
-		}
-		// Last resort: innermost first.
-		left := benchkit.MountsUnder(dir)
-		slices.Reverse(left)
-		for _, m := range left {
-			errs = append(errs, fmt.Errorf("%s was still mounted at the end", m), benchkit.Unmount(m))
-		}
-		errs = append(errs, benchkit.RemoveAllUnlessMounted(dir))
-	}
-	b.base, b.shm = "", ""
-	return errors.Join(errs...)
-}
-
 // progress prints one repetition's figures to stderr.
 func (b *bench) progress(what string, rep int, v float64, unit string) {
 	tag := fmt.Sprintf("rep %d", rep+1)
@@ -247,21 +200,3 @@ func (b *bench) progress(what string, rep int, v float64, unit string) {
 	}
 	fmt.Fprintf(os.Stderr, "replbench:   %s: %s\n", tag, what)
 }
-
-// results holds the recorded samples: key → one value per measured repetition, in order.
-type results struct{ samples map[string][]float64 }
-
-func newResults() *results { return &results{samples: map[string][]float64{}} }
-
-func (r *results) add(key string, v float64) { r.samples[key] = append(r.samples[key], v) }
-
-func (r *results) median(key string) float64 { return benchkit.Median(r.samples[key]) }
-
-func (r *results) max(key string) float64 {
-	if len(r.samples[key]) == 0 {
-		return math.NaN()
-	}
-	return slices.Max(r.samples[key])
-}
-
-func numCPU() int { return runtime.NumCPU() }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"time"
 
@@ -15,24 +14,25 @@ import (
 	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
 )
 
-// Keys of the recorded samples (results.samples), one value per measured repetition.
+// Keys of the recorded samples, one value per measured repetition: what each measures, and its
+// unit, as the table of raw samples shows them.
 const (
-	kYAML         = "yaml"       // ms, rename(replicator.yaml.tmp → replicator.yaml) → yaml absent
-	kYAMLPoll     = "yaml_poll"  // µs, average interval of the stat poll in that repetition
-	kSeal         = "seal"       // ms, rename(N.orbax-checkpoint-tmp → N) → .meta exists
-	kSealAgent    = "seal_agent" // ms, the agent's own "step sealed … took="
-	kTmpfsRead    = "tmpfs_read" // ms, one read of the tree from /dev/shm
-	kSaveWrite    = "save_write" // ms, writing the step through the mount (mkdir to last close)
-	kSealNow      = "seal_now"   // ms, commit right after the last close → .meta exists
-	kSealNowAgent = "seal_now_agent"
-	kBackupCPU    = "backup_cpu"    // ms of CPU the agent used from the commit to the backup being complete
-	kCpCPU        = "cp_cpu"        // ms of CPU cp -r used
-	kCpSyncCPU    = "cp_sync_cpu"   // ms of CPU cp -r and sync used
-	kBackup       = "backup"        // ms, rename → backup's .meta exists in the backup directory
-	kBackupSealed = "backup_sealed" // ms, same repetition: rename → .meta in the mount
-	kBackupAgent  = "backup_agent"  // ms, the agent's own "backup complete … took="
-	kCp           = "cp"            // ms, cp -r
-	kCpSync       = "cp_sync"       // ms, cp -r + sync of its files and directories
+	kYAML         = "yaml consumed (rename of replicator.yaml.tmp → replicator.yaml absent), ms"
+	kYAMLPoll     = "yaml stat poll period, average, µs"
+	kSeal         = "commit → .meta in the mount, ms"
+	kSealAgent    = "agent: mtcfs_seal_duration_seconds, ms"
+	kTmpfsRead    = "read of the tree from tmpfs, ms"
+	kSaveWrite    = "write of the step through the mount (mkdir to the last close), ms"
+	kSealNow      = "committed right after the last close: commit → .meta, ms"
+	kSealNowAgent = "committed right after the last close: agent's mtcfs_seal_duration_seconds, ms"
+	kBackup       = "commit → backup .meta in the backup directory, ms"
+	kBackupSealed = "same repetitions: commit → .meta in the mount, ms"
+	kBackupAgent  = "agent: mtcfs_backup_duration_seconds, ms"
+	kCp           = "cp -r, ms"
+	kCpSync       = "cp -r + sync of its files and directories, ms"
+	kBackupCPU    = "agent CPU, commit → backup complete, ms"
+	kCpCPU        = "cp -r CPU, ms"
+	kCpSyncCPU    = "cp -r + sync CPU, ms"
 )
 
 // Poll periods: the yaml poll must resolve well below its 100 ms target, the others time
@@ -182,17 +182,19 @@ func (b *bench) measureYAML(ctx context.Context, a *agent) error {
 			return fmt.Errorf("yaml repetition %d: %w", i, err)
 		}
 		if i >= 0 {
-			b.res.add(kYAML, ms(lat))
-			b.res.add(kYAMLPoll, float64(period.Microseconds()))
+			b.res.Add(kYAML, ms(lat))
+			b.res.Add(kYAMLPoll, float64(period.Microseconds()))
 		}
 		b.progress("yaml consumed", i, ms(lat), "ms")
 	}
 	return nil
 }
 
-var sealedRE = func(step int64) *regexp.Regexp {
-	return regexp.MustCompile(fmt.Sprintf(`msg="step sealed" step=%d worker=0 data=\S+ took=(\S+)`, step))
-}
+// What the agent measures itself, from its /metrics (README: Metrics).
+const (
+	sealSeconds   = "mtcfs_seal_duration_seconds"   // commit → .meta, per step and worker
+	backupSeconds = "mtcfs_backup_duration_seconds" // this node's part of one backup
+)
 
 // measureSeal saves a new step of the tree per repetition through the agent's mount, lets the
 // files sit closed for -settle, and times the commit until the .meta appears. Beside it, in an
@@ -233,10 +235,9 @@ func (b *bench) measureSeal(ctx context.Context, a *agent) error {
 					return fmt.Errorf("read %d bytes of the tree, want %d", n, b.tree.total())
 				}
 			case "mtcfs":
-				if sealed, err = b.commitAndWaitSealed(a, job, step, tmp); err != nil {
+				if sealed, agentTook, err = b.commitAndWaitSealed(ctx, a, job, step, tmp); err != nil {
 					return err
 				}
-				agentTook, _ = a.logDuration(sealedRE(step), 5*time.Second)
 				time.Sleep(200 * time.Millisecond) // let retention free the previous step
 			}
 		}
@@ -248,22 +249,27 @@ func (b *bench) measureSeal(ctx context.Context, a *agent) error {
 		if tmp, err = b.tree.saveStep(a.Dir, now); err != nil {
 			return fmt.Errorf("save step %d: %w", now, err)
 		}
-		sealedNow, err := b.commitAndWaitSealed(a, job, now, tmp)
+		sealedNow, agentNow, err := b.commitAndWaitSealed(ctx, a, job, now, tmp)
 		if err != nil {
 			return err
 		}
-		agentNow, _ := a.logDuration(sealedRE(now), 5*time.Second)
 		time.Sleep(200 * time.Millisecond)
-		if strings.Contains(a.Log(), "not making progress") {
-			return fmt.Errorf("agent says training is not making progress: the stamped content did not change the hash")
+		st, err := a.Status()
+		if err != nil {
+			return err
+		}
+		for _, e := range st.Errors {
+			if strings.Contains(e, "not making progress") {
+				return fmt.Errorf("agent says training is not making progress: the stamped content did not change the hash (%s)", e)
+			}
 		}
 		if i >= 0 {
-			b.res.add(kSeal, ms(sealed))
-			b.res.add(kSealAgent, ms(agentTook))
-			b.res.add(kTmpfsRead, ms(read))
-			b.res.add(kSaveWrite, ms(save))
-			b.res.add(kSealNow, ms(sealedNow))
-			b.res.add(kSealNowAgent, ms(agentNow))
+			b.res.Add(kSeal, ms(sealed))
+			b.res.Add(kSealAgent, ms(agentTook))
+			b.res.Add(kTmpfsRead, ms(read))
+			b.res.Add(kSaveWrite, ms(save))
+			b.res.Add(kSealNow, ms(sealedNow))
+			b.res.Add(kSealNowAgent, ms(agentNow))
 		}
 		b.progress(fmt.Sprintf("commit→sealed %s (agent: %v), tmpfs read %v; write of the step %v; committed right after the close: sealed after %v (agent: %v)",
 			round(sealed), round(agentTook), round(read), round(save), round(sealedNow), round(agentNow)), i, 0, "")
@@ -271,44 +277,54 @@ func (b *bench) measureSeal(ctx context.Context, a *agent) error {
 	return nil
 }
 
-// commitAndWaitSealed renames tmp to the step's bare decimal and polls for the .meta. It
-// checks that the .meta names data present in the mount.
-func (b *bench) commitAndWaitSealed(a *agent, job string, step int64, tmp string) (time.Duration, error) {
+// commitAndWaitSealed renames tmp to the step's bare decimal and polls for the .meta, and
+// returns that time and the agent's own seal duration of the step (one observation of
+// sealSeconds). It checks that the .meta names data present in the mount.
+func (b *bench) commitAndWaitSealed(ctx context.Context, a *agent, job string, step int64, tmp string) (took, agentTook time.Duration, err error) {
 	dirfd, err := openDir(a.Dir)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	defer unix.Close(dirfd)
+	before, err := a.Histogram(sealSeconds)
+	if err != nil {
+		return 0, 0, err
+	}
 	meta := fmt.Sprintf("%s-s%d-n0-w0.meta", job, step)
 	if err := unix.Renameat(dirfd, filepath.Base(tmp), dirfd, fmt.Sprint(step)); err != nil {
-		return 0, fmt.Errorf("commit step %d: %w", step, err)
+		return 0, 0, fmt.Errorf("commit step %d: %w", step, err)
 	}
 	start := time.Now()
 	for {
 		ok, err := present(dirfd, meta)
 		if err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 		if ok {
 			break
 		}
 		if time.Since(start) > 5*time.Minute {
-			return 0, fmt.Errorf("%s did not appear within 5 minutes of the commit; agent log:\n%s", meta, a.Log())
+			return 0, 0, fmt.Errorf("%s did not appear within 5 minutes of the commit; agent log:\n%s", meta, a.Log())
 		}
 		nap(slowPoll)
 	}
-	took := time.Since(start)
+	took = time.Since(start)
 	hash, err := os.ReadFile(filepath.Join(a.Dir, meta))
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	if ok, err := present(dirfd, string(hash)+".data"); err != nil || !ok {
-		return 0, fmt.Errorf("%s names %s.data, which is not in the mount (%v)", meta, hash, err)
+		return 0, 0, fmt.Errorf("%s names %s.data, which is not in the mount (%v)", meta, hash, err)
 	}
-	return took, nil
+	seal, err := a.WaitObserved(ctx, before, 5*time.Second, sealSeconds)
+	if err != nil {
+		return 0, 0, err
+	}
+	if seal.Count != 1 {
+		return 0, 0, fmt.Errorf("step %d: the agent observed %d seals, want 1", step, seal.Count)
+	}
+	return took, seconds(seal.Sum), nil
 }
-
-var backupDoneRE = regexp.MustCompile(`msg="backup complete" backup=\S+ step=1 bytes=\d+ took=(\S+)`)
 
 // measureBackup runs per repetition, in an order rotating per repetition: a backup of the
 // tree by a fresh agent and job (see backupOnce), cp -r of the tree to the backup disk, and
@@ -343,14 +359,14 @@ func (b *bench) measureBackup(ctx context.Context) error {
 			}
 		}
 		if i >= 0 {
-			b.res.add(kBackup, ms(total))
-			b.res.add(kBackupSealed, ms(sealed))
-			b.res.add(kBackupAgent, ms(agentTook))
-			b.res.add(kCp, ms(cp))
-			b.res.add(kCpSync, ms(cpSync))
-			b.res.add(kBackupCPU, ms(agentCPU))
-			b.res.add(kCpCPU, ms(cpCPU))
-			b.res.add(kCpSyncCPU, ms(cpSyncCPU))
+			b.res.Add(kBackup, ms(total))
+			b.res.Add(kBackupSealed, ms(sealed))
+			b.res.Add(kBackupAgent, ms(agentTook))
+			b.res.Add(kCp, ms(cp))
+			b.res.Add(kCpSync, ms(cpSync))
+			b.res.Add(kBackupCPU, ms(agentCPU))
+			b.res.Add(kCpCPU, ms(cpCPU))
+			b.res.Add(kCpSyncCPU, ms(cpSyncCPU))
 		}
 		b.progress(fmt.Sprintf("commit→backup complete %v (sealed after %v, agent's upload %v, agent CPU %v), cp -r %v (CPU %v), cp -r + sync %v (CPU %v)",
 			round(total), round(sealed), round(agentTook), round(agentCPU), round(cp), round(cpCPU), round(cpSync), round(cpSyncCPU)), i, 0, "")
@@ -448,7 +464,7 @@ func (b *bench) backupOnce(ctx context.Context, n int) (total, sealed, agentTook
 
 	// The agent's view: /status names the backup once Upload returned.
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		st, err := a.status()
+		st, err := a.Status()
 		if err == nil && st.LastBackup == backupName {
 			break
 		}
@@ -457,7 +473,12 @@ func (b *bench) backupOnce(ctx context.Context, n int) (total, sealed, agentTook
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	agentTook, _ = a.logDuration(backupDoneRE, 5*time.Second)
+	// A fresh agent: its only backup (this node's part of it) is the one observation.
+	upload, err := a.WaitObserved(ctx, benchkit.Histogram{}, 5*time.Second, backupSeconds)
+	if err != nil {
+		return 0, 0, 0, 0, err
+	}
+	agentTook = seconds(upload.Sum / float64(upload.Count))
 	hash, err := os.ReadFile(filepath.Join(jobDir, backupName, meta))
 	if err != nil {
 		return 0, 0, 0, 0, err
@@ -489,6 +510,8 @@ func rotate(xs []string, k int) []string {
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
 func round(d time.Duration) time.Duration {
 	switch {

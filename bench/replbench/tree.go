@@ -9,9 +9,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sync"
+	"runtime"
 	"time"
 
+	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
 )
 
@@ -39,21 +40,13 @@ func newTree(dir string, files int, fileSize int64) (*tree, error) {
 	for i := range files {
 		t.files = append(t.files, fmt.Sprintf("state/shard_%02d", i))
 	}
-	var wg sync.WaitGroup
-	errs := make([]error, files)
-	sem := make(chan struct{}, max(2, numCPU()))
+	var g errgroup.Group
+	g.SetLimit(max(2, runtime.NumCPU()))
 	for i, rel := range t.files {
-		wg.Go(func() {
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			errs[i] = writeRandomFile(filepath.Join(t.root, rel), fileSize, uint64(i))
-		})
+		g.Go(func() error { return writeRandomFile(filepath.Join(t.root, rel), fileSize, uint64(i)) })
 	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			return nil, err
-		}
+	if err := g.Wait(); err != nil {
+		return nil, err
 	}
 	return t, nil
 }

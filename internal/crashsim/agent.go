@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 	"os"
 	"os/exec"
 	"regexp"
@@ -17,6 +16,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/internal/agents"
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // agent is one "mtcfs mount" process, started in its own process group so that a terminal's
@@ -204,43 +206,14 @@ func (a *agent) tail(n int) string {
 	return b.String()
 }
 
-// agentStatus is the part of /status the driver reads.
-type agentStatus struct {
-	Incarnation string `json:"incarnation"`
-	Phase       string `json:"phase"`
-	Committed   int64  `json:"latest_committed_step"`
-	Replicated  int64  `json:"latest_replicated_step"`
-	Restored    int64  `json:"restored_step"`
-	Backup      *struct {
-		Step   int64  `json:"step"`
-		Backup string `json:"backup"`
-	} `json:"backup"`
-	Restore *struct {
-		Step   int64  `json:"step"`
-		Source string `json:"source"`
-	} `json:"restore"`
-	Steps []struct {
-		Meta string `json:"meta"`
-		Step int64  `json:"step"`
-		Rank int    `json:"rank"`
-		Data string `json:"data"`
-	} `json:"steps_in_ram"`
-	Errors []string `json:"recent_errors"`
-}
-
-var statusClient = &http.Client{Timeout: 3 * time.Second}
-
-func (a *agent) status() (agentStatus, error) {
-	var st agentStatus
-	resp, err := statusClient.Get("http://" + a.http + "/status")
+// status returns the agent's /status document.
+func (a *agent) status() (tiers.Status, error) {
+	var st tiers.Status
+	raw, err := agents.FetchStatus(a.http)
 	if err != nil {
 		return st, err
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return st, fmt.Errorf("status: %s", resp.Status)
-	}
-	return st, json.NewDecoder(resp.Body).Decode(&st)
+	return st, json.Unmarshal(raw, &st)
 }
 
 // Mounts.

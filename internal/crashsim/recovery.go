@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/mtcfs/mtcfs/internal/jobsim"
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // recover brings the killed agents back — on the same spool, or after a node replacement on a
@@ -256,7 +257,7 @@ func (e *episode) waitProtected(step int64) error {
 		return nil
 	}
 	deadline := time.Now().Add(e.cfg.Scale.ProtectWait)
-	var sts []agentStatus
+	var sts []tiers.Status
 	for {
 		sts = sts[:0]
 		low := step

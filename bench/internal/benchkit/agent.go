@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"syscall"
@@ -37,14 +38,16 @@ type AgentConfig struct {
 	// spool holds checkpoints, for a successor on the same mount). Stop then detaches the spool
 	// without complaint; otherwise a spool left mounted is an error.
 	KeepsSpool bool
-	// Ready, if set, is a further condition on the agent's log before it counts as serving.
-	Ready func(log string) bool
 }
 
 // Agent is one running "mtcfs mount" process. Its methods are for the goroutine that started
-// it; only the log is written concurrently (by exec's copying goroutines).
+// it; only the log is written concurrently (by exec's copying goroutines). What a bench measures
+// of the agent it reads from the agent's /status and /metrics (observe.go), not from its log.
 type Agent struct {
 	Dir, Spool string // as configured
+	// HTTP is the address of the agent's /status and /metrics (--http, by default a free port
+	// on 127.0.0.1, which the agent logs).
+	HTTP       string
 	keepsSpool bool
 	cmd        *exec.Cmd
 	log        lockedBuffer // the agent's stdout and stderr
@@ -54,8 +57,8 @@ type Agent struct {
 }
 
 // StartAgent runs "mtcfs mount" in the foreground as a child and waits until it serves: it
-// logged "serving", cfg.Ready holds, and /proc/mounts shows its FUSE mount. If it does not come
-// up within 30s (or ctx ends first), StartAgent stops it and returns the error.
+// logged its HTTP address and "serving", and /proc/mounts shows its FUSE mount. If it does not
+// come up within 30s (or ctx ends first), StartAgent stops it and returns the error.
 //
 // The agent runs in its own process group: a terminal's Ctrl-C reaches the bench program only,
 // which then sends each agent exactly one SIGINT through Stop (mtcfs treats a second one as "exit
@@ -76,13 +79,16 @@ func StartAgent(ctx context.Context, cfg AgentConfig) (*Agent, error) {
 		a.waitErr = a.cmd.Wait()
 		close(a.exited)
 	}()
-	if err := a.waitServing(ctx, 30*time.Second, cfg.Ready); err != nil {
+	if err := a.waitServing(ctx, 30*time.Second); err != nil {
 		return nil, errors.Join(err, a.Stop())
 	}
 	return a, nil
 }
 
-func (a *Agent) waitServing(ctx context.Context, timeout time.Duration, ready func(string) bool) error {
+// httpAddrRE finds the address the agent serves /status and /metrics on in its log.
+var httpAddrRE = regexp.MustCompile(`msg="http endpoints" addr=(\S+)`)
+
+func (a *Agent) waitServing(ctx context.Context, timeout time.Duration) error {
 	deadline := time.After(timeout)
 	tick := time.NewTicker(10 * time.Millisecond)
 	defer tick.Stop()
@@ -96,7 +102,9 @@ func (a *Agent) waitServing(ctx context.Context, timeout time.Duration, ready fu
 			return fmt.Errorf("not mounted at %s after %v; its log:\n%s", a.Dir, timeout, a.log.String())
 		case <-tick.C:
 			log := a.log.String()
-			if strings.Contains(log, "serving") && (ready == nil || ready(log)) && MountType(a.Dir) == "fuse.mtcfs" {
+			m := httpAddrRE.FindStringSubmatch(log)
+			if m != nil && strings.Contains(log, "serving") && MountType(a.Dir) == "fuse.mtcfs" {
+				a.HTTP = m[1]
 				return nil
 			}
 		}
@@ -144,6 +152,39 @@ func (a *Agent) Stop() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// Kill replaces the agent's node, as a machine that is lost does: SIGKILL, then, once the
+// process is gone, its dead FUSE mount and its spool tmpfs are detached and the spool directory
+// removed (its RAM is lost). Stop does nothing afterwards.
+func (a *Agent) Kill() error {
+	if a.stopped {
+		return nil
+	}
+	a.stopped = true
+	if err := a.cmd.Process.Kill(); err != nil {
+		return fmt.Errorf("kill -9 %d: %w", a.Pid(), err)
+	}
+	select {
+	case <-a.exited:
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("agent %d still there 10s after SIGKILL", a.Pid())
+	}
+	var errs []error
+	for _, dir := range []string{a.Dir, a.Spool} {
+		for i := 0; i < 5 && MountType(dir) != ""; i++ {
+			if err := Unmount(dir); err != nil {
+				fmt.Fprintf(os.Stderr, "note: %v\n", err) // a dead FUSE mount is busy for a moment
+			}
+		}
+		if t := MountType(dir); t != "" {
+			errs = append(errs, fmt.Errorf("%s (%s) still mounted after the kill", dir, t))
+		}
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	return os.RemoveAll(a.Spool)
 }
 
 // leftover reports and unmounts what is still mounted at dir after its agent exited.

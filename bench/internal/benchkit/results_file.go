@@ -2,6 +2,7 @@ package benchkit
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 )
@@ -45,4 +46,18 @@ func (s Section) Update(path, text string) error {
 		return err
 	}
 	return os.Rename(tmp, path)
+}
+
+// Publish prints text, the section of this run, and with out set puts it in place of the
+// section in the file out, saying so on stderr.
+func (s Section) Publish(out, text string) error {
+	fmt.Print(text)
+	if out == "" {
+		return nil
+	}
+	if err := s.Update(out, text); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "%s: wrote results to %s\n", s.Name, out)
+	return nil
 }

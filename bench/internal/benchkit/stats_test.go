@@ -28,3 +28,24 @@ func TestMedianAndPercentile(t *testing.T) {
 		}
 	}
 }
+
+func TestSamples(t *testing.T) {
+	var s Samples
+	s.Add("b, ms", 3)
+	s.Add("a, ×", 1.5)
+	s.Add("b, ms", 1)
+	s.Add("b, ms", 2)
+	if got := s.Median("b, ms"); got != 2 {
+		t.Errorf("Median = %v, want 2", got)
+	}
+	if got := s.Max("b, ms"); got != 3 {
+		t.Errorf("Max = %v, want 3", got)
+	}
+	if got := s.Median("none"); !math.IsNaN(got) {
+		t.Errorf("Median of no values = %v, want NaN", got)
+	}
+	want := "\n<details><summary>Raw</summary>\n\n| Measurement | Samples |\n|---|---|\n| b, ms | 3.00 1.00 2.00 |\n| a, × | 1.50 |\n\n</details>\n"
+	if got := s.RawTable("Raw"); got != want {
+		t.Errorf("RawTable =\n%q\nwant (keys in the order of their first value, values as recorded)\n%q", got, want)
+	}
+}
