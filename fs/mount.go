@@ -72,7 +72,12 @@ type Server struct {
 	fuse        *fuse.Server
 	passthrough bool
 	ns          *namespace
+	requests    *requestCounts
 }
+
+// Requests returns how many FUSE requests of each operation ("lookup", "create", …) the mount
+// has served (also exported as mtcfs_fuse_requests_total when the Events accept it).
+func (s *Server) Requests() map[string]uint64 { return s.requests.snapshot() }
 
 // Namespace lets the replicator manage the top-level names of the mount.
 func (s *Server) Namespace() tiers.Namespace { return s.ns }
@@ -278,7 +283,9 @@ func Mount(dir string, opts Options) (*Server, error) {
 			Debug:                    opts.Debug,
 		},
 	}
-	srv, err := fuse.NewServer(&eventFS{RawFileSystem: gofs.NewNodeFS(rootNode, fsOpts), m: m}, abs, &fsOpts.MountOptions)
+	counts := &requestCounts{}
+	raw := &countingFS{RawFileSystem: &eventFS{RawFileSystem: gofs.NewNodeFS(rootNode, fsOpts), m: m}, n: counts}
+	srv, err := fuse.NewServer(raw, abs, &fsOpts.MountOptions)
 	if err != nil {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
@@ -286,7 +293,12 @@ func Mount(dir string, opts Options) (*Server, error) {
 	if err := srv.WaitMount(); err != nil {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
-	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}}
+	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}, requests: counts}
+	if o, ok := opts.Events.(interface {
+		ObserveFUSERequests(func() map[string]uint64)
+	}); ok {
+		o.ObserveFUSERequests(counts.snapshot)
+	}
 	if opts.Passthrough != PassthroughOff && root {
 		m.passthrough.Store(probePassthrough(srv, opts.Spool))
 	}

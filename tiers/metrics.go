@@ -2,6 +2,7 @@ package tiers
 
 import (
 	"os"
+	"sync/atomic"
 
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/prometheus/client_golang/prometheus"
@@ -18,6 +19,8 @@ type Metrics struct {
 	bytes     *prometheus.CounterVec   // tier: peer, backup; direction: in, out
 	errors    *prometheus.CounterVec   // kind
 	commits   prometheus.Counter
+	// fuseRequests reads the mount's request counts (see ObserveFUSERequests); nil until set.
+	fuseRequests atomic.Pointer[func() map[string]uint64]
 }
 
 // Error kinds of mtcfs_errors_total.
@@ -76,8 +79,35 @@ func NewMetrics(reg prometheus.Registerer, r *Replicator) *Metrics {
 	reg.MustRegister(m.seal, m.replicate, m.backup, m.restore, m.bytes, m.errors, m.commits,
 		gauge("mtcfs_ram_budget_bytes", "The RAM tier's budget (--memory).", func(s Status) float64 { return float64(s.Spool.Budget) }),
 		gauge("mtcfs_ram_used_bytes", "Bytes in use in the RAM tier.", func(s Status) float64 { return float64(s.Spool.Used) }),
+		fuseRequestsCollector{m},
 	)
 	return m
+}
+
+// ObserveFUSERequests makes the metrics export the mount's FUSE requests by operation as
+// mtcfs_fuse_requests_total{op}; fs.Mount calls it with a func that reads its counters.
+func (r *Replicator) ObserveFUSERequests(counts func() map[string]uint64) {
+	if m := r.node.metrics; m != nil {
+		m.fuseRequests.Store(&counts)
+	}
+}
+
+var fuseRequestsDesc = prometheus.NewDesc("mtcfs_fuse_requests_total",
+	"FUSE requests the mount served, by operation (lookup, getattr, create, release, …).", []string{"op"}, nil)
+
+// fuseRequestsCollector exports the counts the mount keeps itself (an atomic add per request).
+type fuseRequestsCollector struct{ m *Metrics }
+
+func (c fuseRequestsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- fuseRequestsDesc }
+
+func (c fuseRequestsCollector) Collect(ch chan<- prometheus.Metric) {
+	f := c.m.fuseRequests.Load()
+	if f == nil {
+		return
+	}
+	for op, n := range (*f)() {
+		ch <- prometheus.MustNewConstMetric(fuseRequestsDesc, prometheus.CounterValue, float64(n), op)
+	}
 }
 
 func (m *Metrics) sealed(seconds float64) {
