@@ -381,7 +381,13 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 		return nil, nil, 0, errno
 	}
 	d.touch(true)
-	return ch, fh, fflags, d.fillEntry(ctx, ch, out)
+	// The new handle's descriptor gives the attributes without walking the spool path.
+	var a fuse.AttrOut
+	if errno := fn.Getattr(ctx, fh, &a); errno != 0 {
+		return nil, nil, 0, errno
+	}
+	out.Attr = a.Attr
+	return ch, fh, fflags, 0
 }
 
 // Mknod creates regular files (what mknod(2) with S_IFREG and some copy tools do), FIFOs,
