@@ -23,26 +23,57 @@ const (
 	tmpfsTarget       = "tmpfs"
 	passthroughTarget = "passthrough"
 	fallbackTarget    = "fallback"
+	anchorTarget      = "anchor" // go-fuse's loopback example, see anchor.go
 )
 
 // A target is a directory the workloads run in.
 type target struct {
 	name string
 	dir  string
+	// agent, for an mtcfs target: its FUSE request counts are read from /metrics.
+	agent *benchkit.Agent
+	skip  map[string]bool // workloads not run on this target
+}
+
+// requests returns the FUSE requests the target's agent has served, by operation (nil, nil for
+// a target that is not an mtcfs agent).
+func (t *target) requests() (map[string]float64, error) {
+	if t.agent == nil {
+		return nil, nil
+	}
+	m, err := t.agent.Metrics()
+	if err != nil {
+		return nil, err
+	}
+	fam := m["mtcfs_fuse_requests_total"]
+	if fam == nil {
+		return nil, fmt.Errorf("the agent at %s exports no mtcfs_fuse_requests_total", t.dir)
+	}
+	out := map[string]float64{}
+	for _, mt := range fam.GetMetric() {
+		for _, l := range mt.GetLabel() {
+			if l.GetName() == "op" {
+				out[l.GetValue()] = mt.GetCounter().GetValue()
+			}
+		}
+	}
+	return out, nil
 }
 
 // targetSet owns the mounts and agent processes behind the targets; ws.Close stops the agents,
 // unmounts the tmpfs and removes the temporary directory.
 type targetSet struct {
-	ws     benchkit.Workspace
-	base   string // temporary directory holding the mount points and spools
-	list   []*target
-	agents []int // pids of the running agents
+	ws      benchkit.Workspace
+	base    string // temporary directory holding the mount points and spools
+	list    []*target
+	agents  []int // pids of the running agents
+	servers []int // pids of the other FUSE servers (the anchor)
 }
 
-// setUpTargets mounts the baseline tmpfs and starts the two mtcfs agents under a new temporary
-// directory in workDir. On error, what was already set up is torn down.
-func setUpTargets(ctx context.Context, bin, workDir string) (*targetSet, error) {
+// setUpTargets mounts the baseline tmpfs and starts the two mtcfs agents and the FUSE anchor
+// (unless noAnchor) under a new temporary directory in workDir. On error, what was already set
+// up is torn down.
+func setUpTargets(ctx context.Context, bin, workDir string, noAnchor bool) (*targetSet, error) {
 	ts := &targetSet{}
 	var err error
 	if ts.base, err = ts.ws.TempDir(workDir, "fsbench-"); err != nil {
@@ -54,6 +85,11 @@ func setUpTargets(ctx context.Context, bin, workDir string) (*targetSet, error) 
 	for _, a := range []struct{ name, mode string }{{passthroughTarget, "on"}, {fallbackTarget, "off"}} {
 		if err := ts.startAgent(ctx, bin, a.name, a.mode); err != nil {
 			return nil, errors.Join(err, ts.ws.Close())
+		}
+	}
+	if !noAnchor {
+		if err := ts.startAnchor(ctx); err != nil {
+			return nil, errors.Join(fmt.Errorf("FUSE anchor: %w", err), ts.ws.Close())
 		}
 	}
 	return ts, nil
@@ -84,6 +120,6 @@ func (ts *targetSet) startAgent(ctx context.Context, bin, name, passthrough stri
 		return fmt.Errorf("mtcfs --passthrough %s: %w", passthrough, err)
 	}
 	ts.agents = append(ts.agents, a.Pid())
-	ts.list = append(ts.list, &target{name: name, dir: a.Dir})
+	ts.list = append(ts.list, &target{name: name, dir: a.Dir, agent: a})
 	return nil
 }

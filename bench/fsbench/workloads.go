@@ -34,7 +34,17 @@ const (
 	smallWriteMBps  = "small-write-mbps"
 	smallReadFiles  = "small-read-files"
 	smallReadMBps   = "small-read-mbps"
+	// FUSE requests per create+close, from the agent's mtcfs_fuse_requests_total: the
+	// synchronous ones (the caller waits for each) and some ops one by one.
+	createSyncRequests = "create-sync-requests"
+	createRequestsOp   = "create-requests-" // + op
 )
+
+// createOps are the operations whose requests per create+close get a row of their own.
+var createOps = []string{"getattr", "lookup", "create", "flush", "release"}
+
+// asyncOps are the requests the caller does not wait for.
+var asyncOps = map[string]bool{"release": true, "releasedir": true, "forget": true}
 
 // statCachedBatchOf stats are timed together, so that reading the clock does not count per op.
 const statCachedBatchOf = 100
@@ -46,7 +56,7 @@ type record func(metric string, value float64)
 // that memory does not pile up across rounds.
 type workload struct {
 	name string
-	run  func(ctx context.Context, dir string, rec record) error
+	run  func(ctx context.Context, t *target, rec record) error
 }
 
 // bench holds what the workloads share.
@@ -98,6 +108,9 @@ func runWorkloads(ctx context.Context, ws []workload, targets []*target, cfg con
 		for r := range rounds {
 			for i := range targets {
 				t := targets[(i+r)%len(targets)]
+				if t.skip[w.name] {
+					continue
+				}
 				if err := ctx.Err(); err != nil {
 					return err
 				}
@@ -109,7 +122,7 @@ func runWorkloads(ctx context.Context, ws []workload, targets []*target, cfg con
 					}
 				}
 				start := time.Now()
-				if err := w.run(ctx, t.dir, rec); err != nil {
+				if err := w.run(ctx, t, rec); err != nil {
 					return fmt.Errorf("%s on %s: %w", w.name, t.name, err)
 				}
 				phase := "round " + fmt.Sprint(r-cfg.warmup+1)
@@ -132,7 +145,8 @@ func (b *bench) freshDir(dir, prefix string) (string, error) {
 }
 
 // sequential writes a new file, reads it twice, then overwrites it in place.
-func (b *bench) sequential(ctx context.Context, dir string, rec record) error {
+func (b *bench) sequential(ctx context.Context, t *target, rec record) error {
+	dir := t.dir
 	p := filepath.Join(dir, "seq.dat")
 	// Removing it frees the memory before the next target runs.
 	defer os.Remove(p)
@@ -162,14 +176,18 @@ func (b *bench) sequential(ctx context.Context, dir string, rec record) error {
 // createAndStat creates empty files in a fresh directory, timing each open(O_CREAT|O_EXCL) and
 // close; then stats each of them once right away, and once more after mtcfs's kernel cache for
 // entries and attributes has expired.
-func (b *bench) createAndStat(ctx context.Context, dir string, rec record) error {
-	d, err := b.freshDir(dir, "create")
+func (b *bench) createAndStat(ctx context.Context, t *target, rec record) error {
+	d, err := b.freshDir(t.dir, "create")
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(d)
 	paths := numberedPaths(d, b.cfg.creates)
 	lat := make([]float64, len(paths))
+	before, err := t.requests()
+	if err != nil {
+		return err
+	}
 	for i, p := range paths {
 		if i%256 == 0 && ctx.Err() != nil {
 			return ctx.Err()
@@ -186,6 +204,11 @@ func (b *bench) createAndStat(ctx context.Context, dir string, rec record) error
 	}
 	rec(createMedian, benchkit.Median(lat))
 	rec(createP99, benchkit.Percentile(lat, 0.99))
+	if before != nil {
+		if err := recordRequests(t, before, len(paths), rec); err != nil {
+			return err
+		}
+	}
 
 	statEach := func(medianKey, p99Key string) error {
 		var st unix.Stat_t
@@ -214,8 +237,8 @@ func (b *bench) createAndStat(ctx context.Context, dir string, rec record) error
 
 // statCached stats one file in a loop for cfg.statFor; the per-op time of each batch of
 // statCachedBatchOf calls is one sample, and the median sample is recorded.
-func (b *bench) statCached(ctx context.Context, dir string, rec record) error {
-	p := filepath.Join(dir, "stat-me")
+func (b *bench) statCached(ctx context.Context, t *target, rec record) error {
+	p := filepath.Join(t.dir, "stat-me")
 	if err := writeFile(p, unix.O_CREAT|unix.O_EXCL, 0, nil); err != nil {
 		return err
 	}
@@ -237,8 +260,8 @@ func (b *bench) statCached(ctx context.Context, dir string, rec record) error {
 
 // smallFiles writes many small files (create, one write, close) into a fresh directory, then
 // reads each back (open, read to EOF, close).
-func (b *bench) smallFiles(ctx context.Context, dir string, rec record) error {
-	d, err := b.freshDir(dir, "small")
+func (b *bench) smallFiles(ctx context.Context, t *target, rec record) error {
+	d, err := b.freshDir(t.dir, "small")
 	if err != nil {
 		return err
 	}
@@ -266,6 +289,34 @@ func (b *bench) smallFiles(ctx context.Context, dir string, rec record) error {
 		secs := time.Since(start).Seconds()
 		rec(ph.filesKey, float64(len(paths))/secs)
 		rec(ph.mbpsKey, totalBytes/secs/1e6)
+	}
+	return nil
+}
+
+// recordRequests records the FUSE requests per file the agent of t served since before, n
+// create+close calls ago. RELEASE is asynchronous: the last ones may still be under way, so the
+// agent is given a moment for them.
+func recordRequests(t *target, before map[string]float64, n int, rec record) error {
+	var after map[string]float64
+	for range 50 {
+		var err error
+		if after, err = t.requests(); err != nil {
+			return err
+		}
+		if after["release"]-before["release"] >= float64(n) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	sync := 0.0
+	for op, v := range after {
+		if !asyncOps[op] {
+			sync += v - before[op]
+		}
+	}
+	rec(createSyncRequests, sync/float64(n))
+	for _, op := range createOps {
+		rec(createRequestsOp+op, (after[op]-before[op])/float64(n))
 	}
 	return nil
 }
