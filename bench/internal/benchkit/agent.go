@@ -54,6 +54,7 @@ type Agent struct {
 	exited     chan struct{}
 	waitErr    error // set before exited is closed
 	stopped    bool
+	successor  bool // StopForSuccessor: the spool stays mounted
 }
 
 // StartAgent runs "mtcfs mount" in the foreground as a child and waits until it serves: it
@@ -145,13 +146,21 @@ func (a *Agent) Stop() error {
 	if !a.keepsSpool {
 		errs = append(errs, leftover(a.Spool))
 	}
-	for a.keepsSpool && MountType(a.Spool) != "" { // expected when the spool holds checkpoints: not an error
+	for a.keepsSpool && !a.successor && MountType(a.Spool) != "" { // expected when the spool holds checkpoints: not an error
 		if err := Unmount(a.Spool); err != nil {
 			errs = append(errs, err)
 			break
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// StopForSuccessor is Stop for an agent that a successor on the same spool replaces (a restart):
+// the spool tmpfs the agent kept stays mounted, with its checkpoints, for the next agent, whose
+// own Stop (or the Workspace) detaches it.
+func (a *Agent) StopForSuccessor() error {
+	a.successor = true
+	return a.Stop()
 }
 
 // Kill replaces the agent's node, as a machine that is lost does: SIGKILL, then, once the
