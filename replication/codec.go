@@ -58,6 +58,7 @@ const (
 	fieldChunkOff   = 2 // Chunk.offset
 	fieldChunkData  = 3 // Chunk.data
 	fieldChunkCRC32 = 4 // Chunk.crc32c
+	fieldChunkCodec = 5 // Chunk.codec
 )
 
 // outChunk is a Chunk being sent, as a PushMessage or FetchMessage (the chunk is field 2 of
@@ -67,6 +68,7 @@ type outChunk struct {
 	file   uint32
 	offset int64
 	crc    uint32
+	codec  uint32 // Chunk.codec: 0, or codecPlanes when buf holds a planecodec chunk
 	buf    *[]byte
 }
 
@@ -80,6 +82,10 @@ func (c *outChunk) encode() mem.BufferSlice {
 	if c.offset != 0 {
 		body = protowire.AppendTag(body, fieldChunkOff, protowire.VarintType)
 		body = protowire.AppendVarint(body, uint64(c.offset))
+	}
+	if c.codec != 0 {
+		body = protowire.AppendTag(body, fieldChunkCodec, protowire.VarintType)
+		body = protowire.AppendVarint(body, uint64(c.codec))
 	}
 	body = protowire.AppendTag(body, fieldChunkData, protowire.BytesType)
 	body = protowire.AppendVarint(body, uint64(len(data)))
@@ -106,6 +112,7 @@ type inChunk struct {
 	file   uint32
 	offset int64
 	crc    uint32
+	codec  uint32          // Chunk.codec
 	data   mem.BufferSlice // the chunk's bytes, in gRPC's receive buffers; we hold a reference
 	size   int
 }
@@ -182,6 +189,12 @@ func (c *inChunk) decode(r cursor) error {
 				return err
 			}
 			c.offset = int64(v)
+		case num == fieldChunkCodec && typ == protowire.VarintType:
+			v, err := r.varint()
+			if err != nil {
+				return err
+			}
+			c.codec = uint32(v)
 		case num == fieldChunkCRC32 && typ == protowire.Fixed32Type:
 			v, err := r.fixed(4)
 			if err != nil {

@@ -46,6 +46,10 @@ type NodeConfig struct {
 	Store tiers.BackupStore
 	// LagTimeout is the coordinator's sync lag timeout; 0: DefaultLagTimeout.
 	LagTimeout time.Duration
+	// Compression says when the chunks this node pushes, and asks for in fetches, travel
+	// compressed (mtcfs mount --peer-compress); the zero value is CompressAuto. A node always
+	// takes compressed chunks, and with CompressOff never serves them.
+	Compression Compression
 	// Log receives the node's lines; nil: slog.Default().
 	Log *slog.Logger
 }
@@ -161,19 +165,40 @@ func (n *Node) Start(rep *tiers.Replicator, spool *tiers.Spool) error {
 		Digests:     rep.Digests(),
 		MaxIncoming: spool.Budget(),
 		Reserve:     spool.Reserve,
+		Compression: n.cfg.Compression,
 		Logger:      n.log,
 	})
 	if err != nil {
 		return err
 	}
 	n.recv = recv
-	n.sender.Store(&Sender{Instance: n.instance, Secrets: n.secrets.lookup, Digests: rep.Digests()})
+	n.sender.Store(&Sender{Instance: n.instance, Secrets: n.secrets.lookup, Digests: rep.Digests(), Compress: n.cfg.Compression})
 	recv.Register(n.srv)
 	go n.srv.Serve(n.cfg.Listener)
 	_, static := n.peers.(StaticPeers)
 	n.log.Info("peer service", "addr", n.cfg.Listener.Addr().String(), "advertised", n.addr, "static_peers", static,
-		"tls", n.dial.Info().SecurityProtocol == "tls")
+		"tls", n.dial.Info().SecurityProtocol == "tls", "compression", n.cfg.Compression.String())
 	return nil
+}
+
+// PeerStats is what this node's pushes moved, and what it measured of the link to each peer.
+type PeerStats struct {
+	Compression      string // the mode: auto, on or off
+	BytesSent        int64  // chunk bytes pushed, as read
+	WireBytesSent    int64  // the same chunks' bytes on the wire
+	ChunksCompressed int64  // chunks pushed compressed
+	Links            []PeerLink
+}
+
+// PeerStats returns the counters and link measurements of this node's sender (zero before
+// Start).
+func (n *Node) PeerStats() PeerStats {
+	st := PeerStats{Compression: n.cfg.Compression.String()}
+	if s := n.sender.Load(); s != nil {
+		st.BytesSent, st.WireBytesSent, st.ChunksCompressed = s.BytesSent(), s.WireBytesSent(), s.ChunksCompressed()
+		st.Links = s.PeerLinks()
+	}
+	return st
 }
 
 // Addr is the address the other agents are told to call.

@@ -17,6 +17,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -61,6 +62,10 @@ type ReceiverConfig struct {
 	// IdleTimeout drops a transfer that received nothing for this long (a sender that died
 	// between streams, or never committed). Default 2 minutes.
 	IdleTimeout time.Duration
+	// Compression says whether Fetch compresses the chunks it serves to a fetcher that asks for
+	// it: CompressOff never does, CompressAuto and CompressOn do (the fetcher decides when to
+	// ask). Compressed pushes are taken whatever it says.
+	Compression Compression
 	// Logger receives refusals and discarded transfers. Default slog.Default().
 	Logger *slog.Logger
 	// Now is the clock for authentication; default time.Now.
@@ -99,6 +104,10 @@ type Receiver struct {
 	early   map[earlyKey]*earlyGroup // GUARDED_BY(mu)
 	lastInc map[rankKey]string       // GUARDED_BY(mu)
 	expiry  *time.Timer
+
+	// asOld makes the receiver behave, on the wire, as an agent older than chunk compression:
+	// no codec announced to pushers, accept_codecs of fetchers ignored. For tests.
+	asOld bool
 }
 
 var _ peerpb.PeerServer = (*Receiver)(nil)
@@ -255,7 +264,15 @@ func (r *Receiver) PushFiles(stream grpc.ClientStreamingServer[peerpb.PushMessag
 		return err
 	}
 	defer func() { r.leave(t, err) }()
+	if !r.asOld {
+		// The sender compresses only once it saw this (see codecsHeader).
+		if err := stream.SendHeader(metadata.Pairs(codecsHeader, codecPlanesName)); err != nil {
+			return fmt.Errorf("transfer %s: %w", t.id, err)
+		}
+	}
 
+	inf := getInflater()
+	defer putInflater(inf)
 	var n int64
 	msg := inMessage{header: &peerpb.PushHeader{}}
 	for {
@@ -267,8 +284,8 @@ func (r *Receiver) PushFiles(stream grpc.ClientStreamingServer[peerpb.PushMessag
 		if msg.isHeader {
 			return errInvalid("transfer %s: a second header on one stream", t.id)
 		}
-		err := t.sink.write(&msg.chunk)
-		n += int64(msg.chunk.size)
+		written, err := t.sink.write(&msg.chunk, inf)
+		n += written
 		msg.chunk.release()
 		if err != nil {
 			return fmt.Errorf("transfer %s: %w", t.id, err)
@@ -594,8 +611,12 @@ func (r *Receiver) Fetch(req *peerpb.FetchRequest, stream grpc.ServerStreamingSe
 	if err := stream.Send(&peerpb.FetchMessage{Kind: &peerpb.FetchMessage_Manifest{Manifest: m.pb}}); err != nil {
 		return err
 	}
-	_, err = sendShare(ctx, p, m, m.share(int(req.StreamIndex), int(req.StreamCount)), chunk,
-		func(c *outChunk) error { return stream.SendMsg(c) }, func() {})
+	out := chunkOut{send: func(c *outChunk) error { return stream.SendMsg(c) }}
+	defer out.release()
+	if !r.asOld && r.cfg.Compression != CompressOff && slices.Contains(req.AcceptCodecs, peerpb.ChunkCodec_CHUNK_CODEC_PLANES) {
+		out.compress = func() bool { return true }
+	}
+	_, err = sendShare(ctx, p, m, m.share(int(req.StreamIndex), int(req.StreamCount)), chunk, &out)
 	return err
 }
 

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -54,13 +55,38 @@ type Sender struct {
 	// Digests supplies file digests computed earlier (when the files were closed), so that a
 	// push does not read its files twice.
 	Digests *layout.DigestCache
+	// Compress says when chunks pushed to a peer, and asked of a peer in a fetch, are
+	// compressed (default CompressAuto: when the link to that peer is slower than the codec).
+	Compress Compression
+	// CodecRate is what one core compresses, in bytes/s, for CompressAuto's comparison; 0: measured
+	// on this machine on first use.
+	CodecRate float64
 
-	// bytesSent counts the chunk bytes pushed (not fetched) by this sender.
-	bytesSent atomic.Int64
+	// bytesSent counts the chunk bytes pushed (not fetched) by this sender, as read; wireSent
+	// the same chunks as they went on the wire, codedChunks those sent compressed.
+	bytesSent, wireSent, codedChunks atomic.Int64
+	// fetched, wireFetched and codedFetched count the same for the chunks fetched.
+	fetched, wireFetched, codedFetched atomic.Int64
+
+	linksMu sync.Mutex
+	links   map[string]*linkMeter // GUARDED_BY(linksMu); by connection target
 }
 
 // BytesSent returns the chunk bytes this sender pushed so far.
 func (s *Sender) BytesSent() int64 { return s.bytesSent.Load() }
+
+// WireBytesSent returns the bytes on the wire of the chunks this sender pushed so far: BytesSent
+// less what compression saved.
+func (s *Sender) WireBytesSent() int64 { return s.wireSent.Load() }
+
+// ChunksCompressed returns how many of the chunks this sender pushed went compressed.
+func (s *Sender) ChunksCompressed() int64 { return s.codedChunks.Load() }
+
+// Fetched returns the chunk bytes this sender fetched so far as written (original), as they
+// came on the wire, and how many chunks came compressed.
+func (s *Sender) Fetched() (bytes, wireBytes, chunksCompressed int64) {
+	return s.fetched.Load(), s.wireFetched.Load(), s.codedFetched.Load()
+}
 
 // PushRequest names the data to push and who pushes it.
 type PushRequest struct {
@@ -184,11 +210,31 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 	}
 	n := int(min(int64(s.streams()), max(1, (send+int64(chunk)-1)/int64(chunk))))
 
+	key := linkKey(conn)
+	compress := s.Compress != CompressOff && s.compressTo(key) // decided once per transfer
+	stats := make([]streamStats, n)
 	w := startWatchdog(ctx, s.stallTimeout())
+	start := time.Now()
 	err = runStreams(w.ctx, n, func(ctx context.Context, i int) error {
-		return pushStream(ctx, client, opts, header, req.Source, m, i, n, chunk, w.progress, &s.bytesSent)
+		return pushStream(ctx, client, opts, header, req.Source, m, i, n, chunk, w.progress, compress, &stats[i])
 	})
+	elapsed := time.Since(start)
 	w.stop()
+	var total streamStats
+	for _, st := range stats {
+		total.add(st)
+	}
+	s.bytesSent.Add(total.orig)
+	s.wireSent.Add(total.wire)
+	s.codedChunks.Add(total.coded)
+	if err == nil {
+		waitFrac := 0.0
+		if total.busy > 0 {
+			waitFrac = total.wait.Seconds() / total.busy.Seconds()
+		}
+		s.measure(key, linkSample{orig: total.orig, wire: total.wire, elapsed: elapsed, waitFrac: waitFrac,
+			compressed: compress && total.announced > 0})
+	}
 	if err != nil {
 		err = w.explain(err)
 		// The receiver drops the transfer when a stream fails; Abandon covers streams that
@@ -207,25 +253,61 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 	return nil
 }
 
+// streamStats is what one stream of a push counted.
+type streamStats struct {
+	orig, wire, coded int64
+	wait, busy        time.Duration // waiting for the network; the stream's whole time
+	announced         int           // streams on which the receiver announced the codec
+}
+
+func (t *streamStats) add(o streamStats) {
+	t.orig += o.orig
+	t.wire += o.wire
+	t.coded += o.coded
+	t.wait += o.wait
+	t.busy += o.busy
+	t.announced += o.announced
+}
+
 // pushStream sends the header and share i of n on one PushFiles stream, and checks that the
-// receiver wrote all of it.
+// receiver wrote all of it. With compress, chunks go compressed once the receiver announced
+// the codec (the first ones may go as they are meanwhile). It fills stats once the receiver
+// confirmed the bytes.
 func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallOption, header *peerpb.PushHeader,
-	src string, m *manifest, i, n, chunk int, progress func(), bytesSent *atomic.Int64) error {
+	src string, m *manifest, i, n, chunk int, progress func(), compress bool, stats *streamStats) error {
+	start := time.Now()
+	ctx, cancel := context.WithCancel(ctx)
+	var heard sync.WaitGroup
+	defer func() { cancel(); heard.Wait() }()
 	stream, err := client.PushFiles(ctx, opts...)
 	if err != nil {
 		return err
+	}
+	out := chunkOut{send: func(c *outChunk) error { return stream.SendMsg(c) }, progress: progress}
+	defer out.release()
+	var announced atomic.Bool
+	if compress {
+		// An older receiver sends its header only with its reply: chunks go as they are.
+		heard.Go(func() {
+			if md, err := stream.Header(); err == nil && slices.Contains(md.Get(codecsHeader), codecPlanesName) {
+				announced.Store(true)
+			}
+		})
+		out.compress = announced.Load
 	}
 	sent, err := func() (int64, error) {
 		if err := stream.Send(&peerpb.PushMessage{Kind: &peerpb.PushMessage_Header{Header: header}}); err != nil {
 			return 0, err
 		}
-		return sendShare(ctx, src, m, m.share(i, n), chunk, func(c *outChunk) error { return stream.SendMsg(c) }, progress)
+		return sendShare(ctx, src, m, m.share(i, n), chunk, &out)
 	}()
 	// io.EOF from Send means the receiver ended the stream: its status comes with the reply.
 	if err != nil && !errors.Is(err, io.EOF) {
 		return err
 	}
+	waitStart := time.Now()
 	reply, rerr := stream.CloseAndRecv()
+	heard.Wait()
 	if rerr != nil {
 		return rerr
 	}
@@ -235,7 +317,11 @@ func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallO
 	if reply.Bytes != sent {
 		return fmt.Errorf("stream %d: receiver wrote %d bytes, %d were sent", i, reply.Bytes, sent)
 	}
-	bytesSent.Add(sent)
+	*stats = streamStats{orig: out.orig, wire: out.wire, coded: out.coded,
+		wait: out.wait + time.Since(waitStart), busy: time.Since(start)}
+	if announced.Load() {
+		stats.announced = 1
+	}
 	return nil
 }
 
@@ -259,6 +345,12 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 	}
 	client := peerpb.NewPeerClient(conn)
 	n, chunk := s.streams(), s.chunkSize()
+	key := linkKey(conn)
+	var accept []peerpb.ChunkCodec
+	if s.Compress != CompressOff && s.compressTo(key) {
+		accept = []peerpb.ChunkCodec{peerpb.ChunkCodec_CHUNK_CODEC_PLANES}
+	}
+	var orig, wire, coded atomic.Int64
 
 	// The first manifest to arrive creates the sink; the others must equal it.
 	var (
@@ -305,12 +397,15 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 	}()
 
 	w := startWatchdog(ctx, s.stallTimeout())
+	start := time.Now()
 	err = runStreams(w.ctx, n, func(ctx context.Context, i int) error {
 		stream, err := client.Fetch(ctx, &peerpb.FetchRequest{DataName: req.DataName, StreamIndex: uint32(i),
-			StreamCount: uint32(n), ChunkSize: uint32(chunk)}, opts...)
+			StreamCount: uint32(n), ChunkSize: uint32(chunk), AcceptCodecs: accept}, opts...)
 		if err != nil {
 			return err
 		}
+		inf := getInflater()
+		defer putInflater(inf)
 		msg := inMessage{header: &peerpb.Manifest{}}
 		if err := stream.RecvMsg(&msg); err != nil {
 			return err
@@ -332,11 +427,16 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 			if msg.isHeader {
 				return errInvalid("a second manifest on one stream")
 			}
-			n := int64(msg.chunk.size)
-			err := into.write(&msg.chunk)
+			size, codec := int64(msg.chunk.size), msg.chunk.codec
+			n, err := into.write(&msg.chunk, inf)
 			msg.chunk.release()
 			if err != nil {
 				return err
+			}
+			orig.Add(n)
+			wire.Add(size)
+			if codec != 0 {
+				coded.Add(1)
 			}
 			w.progress()
 			if req.Progress != nil {
@@ -347,10 +447,16 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 			}
 		}
 	})
+	elapsed := time.Since(start)
 	w.stop()
+	s.fetched.Add(orig.Load())
+	s.wireFetched.Add(wire.Load())
+	s.codedFetched.Add(coded.Load())
 	if err != nil {
 		return w.explain(err)
 	}
+	s.measure(key, linkSample{orig: orig.Load(), wire: wire.Load(), elapsed: elapsed, waitFrac: -1,
+		compressed: coded.Load() > 0})
 	if err := sk.verify(ctx); err != nil {
 		return err
 	}

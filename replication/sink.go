@@ -202,19 +202,25 @@ func unwrapPath(err error) error {
 	return err
 }
 
-// write checks one chunk and writes it in place with pwritev, straight from the buffers it
-// arrived in. A chunk must lie inside its file and must not overlap bytes already received.
-func (s *sink) write(c *inChunk) error {
+// write checks one chunk and writes it in place with pwritev: a chunk as it is straight from
+// the buffers it arrived in, a compressed one (Chunk.codec) from its decoded form in inf. A
+// chunk must lie inside its file and must not overlap bytes already received. It returns the
+// original bytes written.
+func (s *sink) write(c *inChunk, inf *inflater) (int64, error) {
 	if err := s.droppedErr(); err != nil {
-		return err
+		return 0, err
 	}
 	if c.file >= uint32(len(s.files)) {
-		return errInvalid("chunk for file %d of %d", c.file, len(s.files))
+		return 0, errInvalid("chunk for file %d of %d", c.file, len(s.files))
 	}
 	meta := s.m.pb.Files[c.file]
 	n := int64(c.size)
-	if n == 0 || c.offset < 0 || c.offset > meta.Size-n {
-		return errInvalid("chunk of %d bytes at %d does not fit %q (%d bytes)", n, c.offset, meta.Path, meta.Size)
+	fits := n > 0 && c.offset >= 0 && c.offset <= meta.Size-n
+	if c.codec != 0 { // the decoded length is checked against the file before decoding
+		fits = n > 0 && c.offset >= 0 && c.offset < meta.Size
+	}
+	if !fits {
+		return 0, errInvalid("chunk of %d bytes at %d does not fit %q (%d bytes)", n, c.offset, meta.Path, meta.Size)
 	}
 	pieces := make([][]byte, len(c.data))
 	var crc uint32
@@ -223,23 +229,34 @@ func (s *sink) write(c *inChunk) error {
 		crc = crc32.Update(crc, castagnoli, pieces[i])
 	}
 	if crc != c.crc {
-		return errCorrupt("chunk of %q at %d (%d bytes): CRC32C %08x, sender said %08x", meta.Path, c.offset, n, crc, c.crc)
+		return 0, errCorrupt("chunk of %q at %d (%d bytes): CRC32C %08x, sender said %08x", meta.Path, c.offset, c.size, crc, c.crc)
+	}
+	switch c.codec {
+	case 0:
+	case codecPlanes:
+		plain, err := inf.decode(c, meta.Size-c.offset)
+		if err != nil {
+			return 0, errCorrupt("compressed chunk of %q at %d (%d bytes): %v", meta.Path, c.offset, c.size, err)
+		}
+		pieces, n = [][]byte{plain}, int64(len(plain))
+	default:
+		return 0, errInvalid("chunk of %q at %d: unknown codec %d", meta.Path, c.offset, c.codec)
 	}
 
 	sf := &s.files[c.file]
 	sf.mu.Lock()
 	if err := sf.claim(span{c.offset, c.offset + n}); err != nil {
 		sf.mu.Unlock()
-		return errInvalid("%q: %v", meta.Path, err)
+		return 0, errInvalid("%q: %v", meta.Path, err)
 	}
 	if sf.f == nil {
 		f, err := s.openFile(int(c.file), os.O_WRONLY, 0)
 		if err != nil {
 			sf.mu.Unlock()
 			if derr := s.droppedErr(); derr != nil {
-				return derr
+				return 0, derr
 			}
-			return fmt.Errorf("open %q: %w", meta.Path, err)
+			return 0, fmt.Errorf("open %q: %w", meta.Path, err)
 		}
 		sf.f = f
 	}
@@ -261,11 +278,11 @@ func (s *sink) write(c *inChunk) error {
 	}
 	if werr != nil {
 		if err := s.droppedErr(); err != nil {
-			return err
+			return 0, err
 		}
-		return fmt.Errorf("write %q at %d: %w", meta.Path, c.offset, werr)
+		return 0, fmt.Errorf("write %q at %d: %w", meta.Path, c.offset, werr)
 	}
-	return nil
+	return n, nil
 }
 
 // maxIovecs is IOV_MAX: the most buffers one pwritev takes.

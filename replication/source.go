@@ -6,8 +6,10 @@ import (
 	"hash/crc32"
 	"io"
 	"os"
+	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/planecodec"
 )
 
 // Chunk sizes. Measured with bench/peerbench (bench/RESULTS.md): see DefaultChunkSize.
@@ -24,15 +26,37 @@ const (
 	messageOverhead = 8 << 20
 )
 
-// sendShare reads the pieces of the data at root and hands them to send as CRC32C-stamped
+// chunkOut is where sendShare hands one stream's chunks, and what it counted of them.
+type chunkOut struct {
+	send     func(*outChunk) error
+	progress func() // after each chunk; nil: none
+	// compress, if set, is asked before each chunk whether to send it compressed; planecodec
+	// still keeps a chunk as it is where coding does not pay, and such a chunk goes as it is.
+	compress func() bool
+	enc      *planecodec.Encoder // from encoders, once a chunk was compressed
+
+	orig, wire int64         // chunk bytes read and sent
+	coded      int64         // chunks sent compressed
+	wait       time.Duration // spent in send: waiting for the network (flow control, the socket)
+}
+
+// release returns the encoder's scratch to the pool.
+func (o *chunkOut) release() {
+	if o.enc != nil {
+		encoders.Put(o.enc)
+		o.enc = nil
+	}
+}
+
+// sendShare reads the pieces of the data at root and hands them to out as CRC32C-stamped
 // chunks of at most chunkSize bytes, in order. Each chunk is read (pread) into a buffer from
-// chunkBuffers that send passes on to gRPC without a copy (see peerCodec). progress is called
-// after each chunk. It returns the bytes sent.
+// chunkBuffers that out.send passes on to gRPC without a copy (see peerCodec); a compressed
+// chunk is encoded into another buffer from chunkBuffers, passed on the same way. It returns
+// the bytes sent (as read).
 //
 // The files of a tree are opened relative to root's descriptor (layout.Dir): their paths may be
 // longer than PATH_MAX below root, and no symlink inside the tree is followed.
-func sendShare(ctx context.Context, root string, m *manifest, pieces []piece, chunkSize int,
-	send func(*outChunk) error, progress func()) (int64, error) {
+func sendShare(ctx context.Context, root string, m *manifest, pieces []piece, chunkSize int, out *chunkOut) (int64, error) {
 	if len(pieces) == 0 {
 		return 0, nil
 	}
@@ -47,7 +71,7 @@ func sendShare(ctx context.Context, root string, m *manifest, pieces []piece, ch
 	}
 	var sent int64
 	for _, p := range pieces {
-		if err := sendPiece(ctx, open, m, p, chunkSize, send, progress); err != nil {
+		if err := sendPiece(ctx, open, m, p, chunkSize, out); err != nil {
 			return sent, err
 		}
 		sent += p.n
@@ -55,8 +79,7 @@ func sendShare(ctx context.Context, root string, m *manifest, pieces []piece, ch
 	return sent, nil
 }
 
-func sendPiece(ctx context.Context, open func(int) (*os.File, error), m *manifest, p piece, chunkSize int,
-	send func(*outChunk) error, progress func()) error {
+func sendPiece(ctx context.Context, open func(int) (*os.File, error), m *manifest, p piece, chunkSize int, out *chunkOut) error {
 	meta := m.pb.Files[p.file]
 	f, err := open(p.file)
 	if err != nil {
@@ -83,11 +106,41 @@ func sendPiece(ctx context.Context, open func(int) (*os.File, error), m *manifes
 			return fmt.Errorf("read %q at %d: %w", meta.Path, off, err)
 		}
 		n := len(*buf)
-		if err := send(&outChunk{file: uint32(p.file), offset: off, crc: crc32.Checksum(*buf, castagnoli), buf: buf}); err != nil {
+		c := &outChunk{file: uint32(p.file), offset: off, buf: buf}
+		if out.compress != nil && out.compress() {
+			out.encode(c)
+		}
+		c.crc = crc32.Checksum(*c.buf, castagnoli)
+		wire := len(*c.buf)
+		start := time.Now()
+		if err := out.send(c); err != nil {
 			return err
 		}
-		progress()
+		out.wait += time.Since(start)
+		out.orig += int64(n)
+		out.wire += int64(wire)
+		if out.progress != nil {
+			out.progress()
+		}
 		off += int64(n)
 	}
 	return nil
+}
+
+// encode replaces c's bytes with their planecodec form where coding pays.
+func (o *chunkOut) encode(c *outChunk) {
+	if o.enc == nil {
+		o.enc = encoders.Get().(*planecodec.Encoder)
+	}
+	src := *c.buf
+	dst := chunkBuffers.Get(planecodec.MaxEncodedLen(len(src)))
+	coded, err := o.enc.Encode((*dst)[:0], src)
+	if err != nil || len(coded) >= len(src) {
+		chunkBuffers.Put(dst) // stored raw by the codec: sent as it is, which costs the receiver nothing
+		return
+	}
+	*dst = coded
+	chunkBuffers.Put(c.buf)
+	c.buf, c.codec = dst, codecPlanes
+	o.coded++
 }

@@ -82,6 +82,55 @@ func (SpecialType) EnumDescriptor() ([]byte, []int) {
 	return file_peer_proto_rawDescGZIP(), []int{0}
 }
 
+type ChunkCodec int32
+
+const (
+	ChunkCodec_CHUNK_CODEC_NONE ChunkCodec = 0
+	// data is one planecodec chunk (package planecodec: a self-describing 20-byte header with the
+	// original length and its own CRC-32C, then byte planes entropy coded with huff0); it decodes
+	// to the piece's original bytes, which must fit the file at offset.
+	ChunkCodec_CHUNK_CODEC_PLANES ChunkCodec = 1
+)
+
+// Enum value maps for ChunkCodec.
+var (
+	ChunkCodec_name = map[int32]string{
+		0: "CHUNK_CODEC_NONE",
+		1: "CHUNK_CODEC_PLANES",
+	}
+	ChunkCodec_value = map[string]int32{
+		"CHUNK_CODEC_NONE":   0,
+		"CHUNK_CODEC_PLANES": 1,
+	}
+)
+
+func (x ChunkCodec) Enum() *ChunkCodec {
+	p := new(ChunkCodec)
+	*p = x
+	return p
+}
+
+func (x ChunkCodec) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ChunkCodec) Descriptor() protoreflect.EnumDescriptor {
+	return file_peer_proto_enumTypes[1].Descriptor()
+}
+
+func (ChunkCodec) Type() protoreflect.EnumType {
+	return &file_peer_proto_enumTypes[1]
+}
+
+func (x ChunkCodec) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ChunkCodec.Descriptor instead.
+func (ChunkCodec) EnumDescriptor() ([]byte, []int) {
+	return file_peer_proto_rawDescGZIP(), []int{1}
+}
+
 // Manifest describes the data being moved. For a directory ("D<hash>.data") it lists every
 // directory, regular file, symlink, FIFO, socket and device node below the root; for a single file
 // (a "<hash>.data" file or a .meta) it holds exactly one file, with an empty path. Paths are
@@ -475,11 +524,16 @@ func (x *PushHeader) GetPresumed() []uint32 {
 
 // Chunk is a piece of one file.
 type Chunk struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	File          uint32                 `protobuf:"varint,1,opt,name=file,proto3" json:"file,omitempty"` // index into Manifest.files
-	Offset        int64                  `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
-	Data          []byte                 `protobuf:"bytes,3,opt,name=data,proto3" json:"data,omitempty"`
-	Crc32C        uint32                 `protobuf:"fixed32,4,opt,name=crc32c,proto3" json:"crc32c,omitempty"` // CRC-32C (Castagnoli) of data
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	File   uint32                 `protobuf:"varint,1,opt,name=file,proto3" json:"file,omitempty"`     // index into Manifest.files
+	Offset int64                  `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"` // of the piece's first original byte in the file
+	// The piece's bytes as they are (codec CHUNK_CODEC_NONE), or in the form codec names.
+	Data   []byte `protobuf:"bytes,3,opt,name=data,proto3" json:"data,omitempty"`
+	Crc32C uint32 `protobuf:"fixed32,4,opt,name=crc32c,proto3" json:"crc32c,omitempty"` // CRC-32C (Castagnoli) of data: the bytes on the wire, whatever the codec
+	// How data is encoded. A sender uses a codec only with a peer that announced it: the receiver
+	// of a push in the response header "mtcfs-chunk-codecs", the sender of a fetch when
+	// FetchRequest.accept_codecs listed it. An older peer knows neither and gets NONE only.
+	Codec         ChunkCodec `protobuf:"varint,5,opt,name=codec,proto3,enum=mtcfs.replication.v1.ChunkCodec" json:"codec,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -540,6 +594,13 @@ func (x *Chunk) GetCrc32C() uint32 {
 		return x.Crc32C
 	}
 	return 0
+}
+
+func (x *Chunk) GetCodec() ChunkCodec {
+	if x != nil {
+		return x.Codec
+	}
+	return ChunkCodec_CHUNK_CODEC_NONE
 }
 
 type PushMessage struct {
@@ -829,11 +890,15 @@ func (*AbandonReply) Descriptor() ([]byte, []int) {
 }
 
 type FetchRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	DataName      string                 `protobuf:"bytes,1,opt,name=data_name,json=dataName,proto3" json:"data_name,omitempty"` // "<hash>.data" or "D<hash>.data"
-	StreamIndex   uint32                 `protobuf:"varint,2,opt,name=stream_index,json=streamIndex,proto3" json:"stream_index,omitempty"`
-	StreamCount   uint32                 `protobuf:"varint,3,opt,name=stream_count,json=streamCount,proto3" json:"stream_count,omitempty"` // ≥ 1; every stream of one fetch must use the same count and chunk size
-	ChunkSize     uint32                 `protobuf:"varint,4,opt,name=chunk_size,json=chunkSize,proto3" json:"chunk_size,omitempty"`       // bytes; 0 = the server's default, capped by its maximum
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	DataName    string                 `protobuf:"bytes,1,opt,name=data_name,json=dataName,proto3" json:"data_name,omitempty"` // "<hash>.data" or "D<hash>.data"
+	StreamIndex uint32                 `protobuf:"varint,2,opt,name=stream_index,json=streamIndex,proto3" json:"stream_index,omitempty"`
+	StreamCount uint32                 `protobuf:"varint,3,opt,name=stream_count,json=streamCount,proto3" json:"stream_count,omitempty"` // ≥ 1; every stream of one fetch must use the same count and chunk size
+	ChunkSize   uint32                 `protobuf:"varint,4,opt,name=chunk_size,json=chunkSize,proto3" json:"chunk_size,omitempty"`       // bytes; 0 = the server's default, capped by its maximum
+	// Codecs the fetcher takes and asks for: the server may send any chunk in one of them (it
+	// keeps a chunk as it is where coding does not pay, or when it does not compress at all). An
+	// older server ignores the field and sends every chunk as it is.
+	AcceptCodecs  []ChunkCodec `protobuf:"varint,5,rep,packed,name=accept_codecs,json=acceptCodecs,proto3,enum=mtcfs.replication.v1.ChunkCodec" json:"accept_codecs,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -894,6 +959,13 @@ func (x *FetchRequest) GetChunkSize() uint32 {
 		return x.ChunkSize
 	}
 	return 0
+}
+
+func (x *FetchRequest) GetAcceptCodecs() []ChunkCodec {
+	if x != nil {
+		return x.AcceptCodecs
+	}
+	return nil
 }
 
 type FetchMessage struct {
@@ -1095,12 +1167,13 @@ const file_peer_proto_rawDesc = "" +
 	"\vearly_group\x18\a \x01(\tR\n" +
 	"earlyGroup\x12%\n" +
 	"\x0econsumes_group\x18\b \x01(\tR\rconsumesGroup\x12\x1a\n" +
-	"\bpresumed\x18\t \x03(\rR\bpresumed\"_\n" +
+	"\bpresumed\x18\t \x03(\rR\bpresumed\"\x97\x01\n" +
 	"\x05Chunk\x12\x12\n" +
 	"\x04file\x18\x01 \x01(\rR\x04file\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x12\n" +
 	"\x04data\x18\x03 \x01(\fR\x04data\x12\x16\n" +
-	"\x06crc32c\x18\x04 \x01(\aR\x06crc32c\"\x86\x01\n" +
+	"\x06crc32c\x18\x04 \x01(\aR\x06crc32c\x126\n" +
+	"\x05codec\x18\x05 \x01(\x0e2 .mtcfs.replication.v1.ChunkCodecR\x05codec\"\x86\x01\n" +
 	"\vPushMessage\x12:\n" +
 	"\x06header\x18\x01 \x01(\v2 .mtcfs.replication.v1.PushHeaderH\x00R\x06header\x123\n" +
 	"\x05chunk\x18\x02 \x01(\v2\x1b.mtcfs.replication.v1.ChunkH\x00R\x05chunkB\x06\n" +
@@ -1114,13 +1187,14 @@ const file_peer_proto_rawDesc = "" +
 	"\x0eAbandonRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\"\x0e\n" +
-	"\fAbandonReply\"\x90\x01\n" +
+	"\fAbandonReply\"\xd7\x01\n" +
 	"\fFetchRequest\x12\x1b\n" +
 	"\tdata_name\x18\x01 \x01(\tR\bdataName\x12!\n" +
 	"\fstream_index\x18\x02 \x01(\rR\vstreamIndex\x12!\n" +
 	"\fstream_count\x18\x03 \x01(\rR\vstreamCount\x12\x1d\n" +
 	"\n" +
-	"chunk_size\x18\x04 \x01(\rR\tchunkSize\"\x89\x01\n" +
+	"chunk_size\x18\x04 \x01(\rR\tchunkSize\x12E\n" +
+	"\raccept_codecs\x18\x05 \x03(\x0e2 .mtcfs.replication.v1.ChunkCodecR\facceptCodecs\"\x89\x01\n" +
 	"\fFetchMessage\x12<\n" +
 	"\bmanifest\x18\x01 \x01(\v2\x1e.mtcfs.replication.v1.ManifestH\x00R\bmanifest\x123\n" +
 	"\x05chunk\x18\x02 \x01(\v2\x1b.mtcfs.replication.v1.ChunkH\x00R\x05chunkB\x06\n" +
@@ -1133,7 +1207,11 @@ const file_peer_proto_rawDesc = "" +
 	"\x11SPECIAL_TYPE_FIFO\x10\x01\x12\x17\n" +
 	"\x13SPECIAL_TYPE_SOCKET\x10\x02\x12\x1c\n" +
 	"\x18SPECIAL_TYPE_CHAR_DEVICE\x10\x03\x12\x1d\n" +
-	"\x19SPECIAL_TYPE_BLOCK_DEVICE\x10\x042\x9f\x03\n" +
+	"\x19SPECIAL_TYPE_BLOCK_DEVICE\x10\x04*:\n" +
+	"\n" +
+	"ChunkCodec\x12\x14\n" +
+	"\x10CHUNK_CODEC_NONE\x10\x00\x12\x16\n" +
+	"\x12CHUNK_CODEC_PLANES\x10\x012\x9f\x03\n" +
 	"\x04Peer\x12Q\n" +
 	"\tPushFiles\x12!.mtcfs.replication.v1.PushMessage\x1a\x1f.mtcfs.replication.v1.PushReply(\x01\x12P\n" +
 	"\x06Commit\x12#.mtcfs.replication.v1.CommitRequest\x1a!.mtcfs.replication.v1.CommitReply\x12S\n" +
@@ -1153,52 +1231,55 @@ func file_peer_proto_rawDescGZIP() []byte {
 	return file_peer_proto_rawDescData
 }
 
-var file_peer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_peer_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
 var file_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_peer_proto_goTypes = []any{
 	(SpecialType)(0),       // 0: mtcfs.replication.v1.SpecialType
-	(*Manifest)(nil),       // 1: mtcfs.replication.v1.Manifest
-	(*File)(nil),           // 2: mtcfs.replication.v1.File
-	(*Symlink)(nil),        // 3: mtcfs.replication.v1.Symlink
-	(*Special)(nil),        // 4: mtcfs.replication.v1.Special
-	(*PushHeader)(nil),     // 5: mtcfs.replication.v1.PushHeader
-	(*Chunk)(nil),          // 6: mtcfs.replication.v1.Chunk
-	(*PushMessage)(nil),    // 7: mtcfs.replication.v1.PushMessage
-	(*PushReply)(nil),      // 8: mtcfs.replication.v1.PushReply
-	(*CommitRequest)(nil),  // 9: mtcfs.replication.v1.CommitRequest
-	(*CommitReply)(nil),    // 10: mtcfs.replication.v1.CommitReply
-	(*AbandonRequest)(nil), // 11: mtcfs.replication.v1.AbandonRequest
-	(*AbandonReply)(nil),   // 12: mtcfs.replication.v1.AbandonReply
-	(*FetchRequest)(nil),   // 13: mtcfs.replication.v1.FetchRequest
-	(*FetchMessage)(nil),   // 14: mtcfs.replication.v1.FetchMessage
-	(*DropRequest)(nil),    // 15: mtcfs.replication.v1.DropRequest
-	(*DropReply)(nil),      // 16: mtcfs.replication.v1.DropReply
+	(ChunkCodec)(0),        // 1: mtcfs.replication.v1.ChunkCodec
+	(*Manifest)(nil),       // 2: mtcfs.replication.v1.Manifest
+	(*File)(nil),           // 3: mtcfs.replication.v1.File
+	(*Symlink)(nil),        // 4: mtcfs.replication.v1.Symlink
+	(*Special)(nil),        // 5: mtcfs.replication.v1.Special
+	(*PushHeader)(nil),     // 6: mtcfs.replication.v1.PushHeader
+	(*Chunk)(nil),          // 7: mtcfs.replication.v1.Chunk
+	(*PushMessage)(nil),    // 8: mtcfs.replication.v1.PushMessage
+	(*PushReply)(nil),      // 9: mtcfs.replication.v1.PushReply
+	(*CommitRequest)(nil),  // 10: mtcfs.replication.v1.CommitRequest
+	(*CommitReply)(nil),    // 11: mtcfs.replication.v1.CommitReply
+	(*AbandonRequest)(nil), // 12: mtcfs.replication.v1.AbandonRequest
+	(*AbandonReply)(nil),   // 13: mtcfs.replication.v1.AbandonReply
+	(*FetchRequest)(nil),   // 14: mtcfs.replication.v1.FetchRequest
+	(*FetchMessage)(nil),   // 15: mtcfs.replication.v1.FetchMessage
+	(*DropRequest)(nil),    // 16: mtcfs.replication.v1.DropRequest
+	(*DropReply)(nil),      // 17: mtcfs.replication.v1.DropReply
 }
 var file_peer_proto_depIdxs = []int32{
-	2,  // 0: mtcfs.replication.v1.Manifest.files:type_name -> mtcfs.replication.v1.File
-	3,  // 1: mtcfs.replication.v1.Manifest.symlinks:type_name -> mtcfs.replication.v1.Symlink
-	4,  // 2: mtcfs.replication.v1.Manifest.specials:type_name -> mtcfs.replication.v1.Special
+	3,  // 0: mtcfs.replication.v1.Manifest.files:type_name -> mtcfs.replication.v1.File
+	4,  // 1: mtcfs.replication.v1.Manifest.symlinks:type_name -> mtcfs.replication.v1.Symlink
+	5,  // 2: mtcfs.replication.v1.Manifest.specials:type_name -> mtcfs.replication.v1.Special
 	0,  // 3: mtcfs.replication.v1.Special.type:type_name -> mtcfs.replication.v1.SpecialType
-	1,  // 4: mtcfs.replication.v1.PushHeader.manifest:type_name -> mtcfs.replication.v1.Manifest
-	5,  // 5: mtcfs.replication.v1.PushMessage.header:type_name -> mtcfs.replication.v1.PushHeader
-	6,  // 6: mtcfs.replication.v1.PushMessage.chunk:type_name -> mtcfs.replication.v1.Chunk
-	1,  // 7: mtcfs.replication.v1.FetchMessage.manifest:type_name -> mtcfs.replication.v1.Manifest
-	6,  // 8: mtcfs.replication.v1.FetchMessage.chunk:type_name -> mtcfs.replication.v1.Chunk
-	7,  // 9: mtcfs.replication.v1.Peer.PushFiles:input_type -> mtcfs.replication.v1.PushMessage
-	9,  // 10: mtcfs.replication.v1.Peer.Commit:input_type -> mtcfs.replication.v1.CommitRequest
-	11, // 11: mtcfs.replication.v1.Peer.Abandon:input_type -> mtcfs.replication.v1.AbandonRequest
-	15, // 12: mtcfs.replication.v1.Peer.Drop:input_type -> mtcfs.replication.v1.DropRequest
-	13, // 13: mtcfs.replication.v1.Peer.Fetch:input_type -> mtcfs.replication.v1.FetchRequest
-	8,  // 14: mtcfs.replication.v1.Peer.PushFiles:output_type -> mtcfs.replication.v1.PushReply
-	10, // 15: mtcfs.replication.v1.Peer.Commit:output_type -> mtcfs.replication.v1.CommitReply
-	12, // 16: mtcfs.replication.v1.Peer.Abandon:output_type -> mtcfs.replication.v1.AbandonReply
-	16, // 17: mtcfs.replication.v1.Peer.Drop:output_type -> mtcfs.replication.v1.DropReply
-	14, // 18: mtcfs.replication.v1.Peer.Fetch:output_type -> mtcfs.replication.v1.FetchMessage
-	14, // [14:19] is the sub-list for method output_type
-	9,  // [9:14] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	2,  // 4: mtcfs.replication.v1.PushHeader.manifest:type_name -> mtcfs.replication.v1.Manifest
+	1,  // 5: mtcfs.replication.v1.Chunk.codec:type_name -> mtcfs.replication.v1.ChunkCodec
+	6,  // 6: mtcfs.replication.v1.PushMessage.header:type_name -> mtcfs.replication.v1.PushHeader
+	7,  // 7: mtcfs.replication.v1.PushMessage.chunk:type_name -> mtcfs.replication.v1.Chunk
+	1,  // 8: mtcfs.replication.v1.FetchRequest.accept_codecs:type_name -> mtcfs.replication.v1.ChunkCodec
+	2,  // 9: mtcfs.replication.v1.FetchMessage.manifest:type_name -> mtcfs.replication.v1.Manifest
+	7,  // 10: mtcfs.replication.v1.FetchMessage.chunk:type_name -> mtcfs.replication.v1.Chunk
+	8,  // 11: mtcfs.replication.v1.Peer.PushFiles:input_type -> mtcfs.replication.v1.PushMessage
+	10, // 12: mtcfs.replication.v1.Peer.Commit:input_type -> mtcfs.replication.v1.CommitRequest
+	12, // 13: mtcfs.replication.v1.Peer.Abandon:input_type -> mtcfs.replication.v1.AbandonRequest
+	16, // 14: mtcfs.replication.v1.Peer.Drop:input_type -> mtcfs.replication.v1.DropRequest
+	14, // 15: mtcfs.replication.v1.Peer.Fetch:input_type -> mtcfs.replication.v1.FetchRequest
+	9,  // 16: mtcfs.replication.v1.Peer.PushFiles:output_type -> mtcfs.replication.v1.PushReply
+	11, // 17: mtcfs.replication.v1.Peer.Commit:output_type -> mtcfs.replication.v1.CommitReply
+	13, // 18: mtcfs.replication.v1.Peer.Abandon:output_type -> mtcfs.replication.v1.AbandonReply
+	17, // 19: mtcfs.replication.v1.Peer.Drop:output_type -> mtcfs.replication.v1.DropReply
+	15, // 20: mtcfs.replication.v1.Peer.Fetch:output_type -> mtcfs.replication.v1.FetchMessage
+	16, // [16:21] is the sub-list for method output_type
+	11, // [11:16] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_peer_proto_init() }
@@ -1219,7 +1300,7 @@ func file_peer_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_peer_proto_rawDesc), len(file_peer_proto_rawDesc)),
-			NumEnums:      1,
+			NumEnums:      2,
 			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
