@@ -6,10 +6,14 @@ import (
 	"io"
 	"os"
 	"path"
+	"path/filepath"
+	"runtime"
 	"strings"
+	"sync/atomic"
 	"syscall"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -230,10 +234,38 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 		return info, fmt.Errorf("seal %s: %w", name, err)
 	}
 	defer d.Close()
-	// Each directory of the copy is opened once and its entries made relative to it, so that a
-	// file costs one linkat: this runs before the job's rename returns.
+	// The spool's files are linked relative to its files directory, and each directory of the
+	// copy is opened once with its entries made relative to it, so that a file costs one linkat
+	// without a path to resolve: this runs before the job's rename returns. The files of a large
+	// directory are linked by sealWorkers goroutines (the kernel links into one directory from
+	// several threads; the agent's own work per file is a lock and a check).
+	files, err := layout.OpenDir(ns.m.spool.FilesDir())
+	if err != nil {
+		return info, fmt.Errorf("seal %s: %w", name, err)
+	}
+	defer files.Close()
+	var copied atomic.Int64
+	linkFile := func(n *fileNode, d *layout.Dir, cn string) error {
+		c, err := n.exportTo(cn, func(src string) error {
+			if dir, base := filepath.Split(src); filepath.Clean(dir) == files.Path() {
+				return d.LinkFrom(files, base, cn)
+			}
+			return d.Link(src, cn)
+		}, func() (*os.File, error) {
+			return d.Open(cn, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		})
+		if c {
+			copied.Add(1)
+		}
+		return err
+	}
 	var walk func(in *gofs.Inode, d *layout.Dir) error
 	walk = func(in *gofs.Inode, d *layout.Dir) error {
+		type fileAt struct {
+			n    *fileNode
+			name string
+		}
+		var fileList []fileAt
 		for cn, c := range in.Children() {
 			var err error
 			switch n := c.Operations().(type) {
@@ -250,26 +282,50 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 			case *specialNode:
 				err = d.Create(layout.TreeEntry{Path: cn, Type: specialType(c.StableAttr().Mode), Rdev: uint64(n.rdev)}, 0o600)
 			case *fileNode:
-				var copied bool
-				copied, err = n.exportTo(cn, func(src string) error { return d.Link(src, cn) }, func() (*os.File, error) {
-					return d.Open(cn, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
-				})
-				if copied {
-					info.Copied++
-				}
+				fileList = append(fileList, fileAt{n, cn})
 			}
 			if err != nil {
 				return err
 			}
 		}
-		return nil
+		if len(fileList) < sealParallelFrom {
+			for _, f := range fileList {
+				if err := linkFile(f.n, d, f.name); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		var g errgroup.Group
+		per := (len(fileList) + sealWorkers - 1) / sealWorkers
+		for w := 0; w < len(fileList); w += per {
+			part := fileList[w:min(w+per, len(fileList))]
+			g.Go(func() error {
+				for _, f := range part {
+					if err := linkFile(f.n, d, f.name); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+		}
+		return g.Wait()
 	}
-	if err := walk(ch, d); err != nil {
+	err = walk(ch, d)
+	info.Copied = int(copied.Load())
+	if err != nil {
 		os.RemoveAll(dst)
 		return info, fmt.Errorf("seal %s: %w", name, err)
 	}
 	return info, nil
 }
+
+// Seal links the files of one directory on sealWorkers goroutines once it holds
+// sealParallelFrom files or more.
+var (
+	sealWorkers      = min(4, max(2, runtime.GOMAXPROCS(0)))
+	sealParallelFrom = 256
+)
 
 // freeze marks every node of the tree at in as part of a committed checkpoint.
 func freeze(in *gofs.Inode) {
@@ -367,6 +423,15 @@ func (ns *namespace) importTree(ctx context.Context, src string, newFile func(li
 		dn.freeze()
 		return ns.root.NewPersistentInode(ctx, dn, gofs.StableAttr{Mode: syscall.S_IFDIR, Ino: ns.m.newIno()}), dn
 	}
+	// Each file gets a backing name in the spool's files directory, linked relative to that
+	// directory and to the file's own directory (opened once for the files that follow it).
+	files, err := layout.OpenDir(ns.m.spool.FilesDir())
+	if err != nil {
+		return nil, err
+	}
+	defer files.Close()
+	w := d.Walker()
+	defer w.Close()
 	top, _ := newDir()
 	dirs := map[string]*gofs.Inode{"": top}
 	for _, e := range entries { // a directory is listed before what it holds
@@ -381,7 +446,9 @@ func (ns *namespace) importTree(ctx context.Context, src string, newFile func(li
 			in = ns.root.NewPersistentInode(ctx, l, gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: ns.m.newIno()})
 		case layout.EntryFile:
 			rel := e.Path
-			in, err = newFile(func(filesDir string) (string, error) { return ns.m.spool.LinkFileAt(d, rel) }, e.Size)
+			in, err = newFile(func(string) (string, error) {
+				return ns.m.spool.LinkFileWith(func(name string) error { return w.LinkTo(rel, files, name) })
+			}, e.Size)
 			if err != nil {
 				return nil, err
 			}

@@ -210,9 +210,57 @@ func (d *Dir) Link(src, rel string) error {
 	return d.at("link", rel, func(dirfd int, name string) error { return unix.Linkat(unix.AT_FDCWD, src, dirfd, name, 0) })
 }
 
-// LinkTo gives the file rel the absolute path dst (a hard link).
-func (d *Dir) LinkTo(rel, dst string) error {
-	return d.at("link", rel, func(dirfd int, name string) error { return unix.Linkat(dirfd, name, unix.AT_FDCWD, dst, 0) })
+// LinkFrom gives the file srcName of the directory src the name rel in the tree (a hard link).
+// srcName is one path element: the kernel resolves no path on either side when rel is one too,
+// which is what makes a tree of many files cheap to link (one linkat each).
+func (d *Dir) LinkFrom(src *Dir, srcName, rel string) error {
+	if strings.Contains(srcName, "/") || srcName == "" {
+		return &os.PathError{Op: "link", Path: src.errPath(srcName), Err: unix.EINVAL}
+	}
+	return d.at("link", rel, func(dirfd int, name string) error { return unix.Linkat(src.fd, srcName, dirfd, name, 0) })
+}
+
+// A Walker links the files of a tree listed in order (List: a directory's entries follow it)
+// into another directory, opening the directory holding each file once for the files that
+// follow it in the same directory, instead of resolving every path from the root. It is for one
+// goroutine; Close releases it.
+type Walker struct {
+	d      *Dir
+	parent string // the directory open as fd ("" : none)
+	fd     int
+}
+
+// Walker returns a Walker over d.
+func (d *Dir) Walker() *Walker { return &Walker{d: d, fd: -1} }
+
+// LinkTo gives the file rel of the tree the name dstName in the directory dst (a hard link).
+func (w *Walker) LinkTo(rel string, dst *Dir, dstName string) error {
+	dir, base := path.Split(rel)
+	dir = strings.TrimSuffix(dir, "/")
+	fd := w.d.fd
+	if dir != "" {
+		if dir != w.parent || w.fd < 0 {
+			w.Close()
+			pfd, _, err := w.d.openParent(rel)
+			if err != nil {
+				return &os.PathError{Op: "link", Path: w.d.errPath(rel), Err: err}
+			}
+			w.parent, w.fd = dir, pfd
+		}
+		fd = w.fd
+	}
+	if err := unix.Linkat(fd, base, dst.fd, dstName, 0); err != nil {
+		return &os.PathError{Op: "link", Path: w.d.errPath(rel), Err: err}
+	}
+	return nil
+}
+
+// Close releases the directory the walker holds open.
+func (w *Walker) Close() {
+	if w.fd >= 0 {
+		w.d.closeParent(w.fd)
+	}
+	w.parent, w.fd = "", -1
 }
 
 // Create makes the non-file entry e (a directory, symlink or special file) in the tree; its
@@ -246,16 +294,29 @@ func readlinkat(dirfd int, name string) (string, error) {
 // digests: what a checkpoint tree holds (see TreeHash).
 func (d *Dir) List() ([]TreeEntry, error) {
 	var out []TreeEntry
-	err := listAt(d.fd, "", &out)
+	err := listAt(d.fd, "", &out, nil)
 	if err != nil {
 		return nil, fmt.Errorf("list %s: %w", d.path, err)
 	}
 	return out, nil
 }
 
-// listAt appends the entries below the directory dirfd (whose path in the tree is rel) to out.
-// It holds one descriptor per level of the tree.
-func listAt(dirfd int, rel string, out *[]TreeEntry) error {
+// listKeyed is List that also returns, for each entry, the identity and version of a regular
+// file as the listing's stat saw it (the zero key for other entries): a digest cached for that
+// key needs no open of the file.
+func (d *Dir) listKeyed() ([]TreeEntry, []digestKey, error) {
+	var out []TreeEntry
+	var keys []digestKey
+	if err := listAt(d.fd, "", &out, &keys); err != nil {
+		return nil, nil, fmt.Errorf("list %s: %w", d.path, err)
+	}
+	return out, keys, nil
+}
+
+// listAt appends the entries below the directory dirfd (whose path in the tree is rel) to out,
+// and with keys set each entry's digest key to keys. It holds one descriptor per level of the
+// tree.
+func listAt(dirfd int, rel string, out *[]TreeEntry, keys *[]digestKey) error {
 	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
@@ -287,11 +348,14 @@ func listAt(dirfd int, rel string, out *[]TreeEntry) error {
 			e.Rdev = st.Rdev
 		case EntryDir:
 			*out = append(*out, e)
+			if keys != nil {
+				*keys = append(*keys, digestKey{})
+			}
 			sub, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 			if err != nil {
 				return fmt.Errorf("%s: %w", p, err)
 			}
-			err = listAt(sub, p, out)
+			err = listAt(sub, p, out, keys)
 			unix.Close(sub)
 			if err != nil {
 				return err
@@ -301,6 +365,13 @@ func listAt(dirfd int, rel string, out *[]TreeEntry) error {
 			return fmt.Errorf("%s: unknown file type %o", p, st.Mode&unix.S_IFMT)
 		}
 		*out = append(*out, e)
+		if keys != nil {
+			var k digestKey
+			if e.Type == EntryFile {
+				k = digestKey{dev: st.Dev, ino: st.Ino, size: uint64(st.Size), mtime: st.Mtim.Nano()}
+			}
+			*keys = append(*keys, k)
+		}
 	}
 	return nil
 }

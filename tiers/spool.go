@@ -15,7 +15,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/mtcfs/mtcfs/layout"
 	"golang.org/x/sys/unix"
 )
 
@@ -277,7 +276,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 	}
 	// Open-ended files of a previous agent are garbage: the namespace that named them died with
 	// that agent. (Committed data is kept elsewhere in the spool and adopted by package tiers.)
-	if err := clearDir(s.FilesDir()); err != nil {
+	if err := s.clearFiles(); err != nil {
 		s.Close()
 		return nil, fmt.Errorf("clear stale spool files: %w", err)
 	}
@@ -391,18 +390,19 @@ func (s *Spool) LinkFile(src string) (string, error) {
 	}
 }
 
-// LinkFileAt is LinkFile for the file rel of the tree d (paths of any length).
-func (s *Spool) LinkFileAt(d *layout.Dir, rel string) (string, error) {
+// LinkFileWith is LinkFile for a caller that makes the link itself: link gives the file the
+// name (one path element) in FilesDir, and fails with EEXIST for a name in use.
+func (s *Spool) LinkFileWith(link func(name string) error) (string, error) {
 	for {
-		p := filepath.Join(s.FilesDir(), strconv.FormatUint(s.nextID.Add(1), 10))
-		err := d.LinkTo(rel, p)
+		name := strconv.FormatUint(s.nextID.Add(1), 10)
+		err := link(name)
 		if errors.Is(err, os.ErrExist) {
 			continue
 		}
 		if err != nil {
 			return "", fmt.Errorf("link spool file: %w", err)
 		}
-		return p, nil
+		return filepath.Join(s.FilesDir(), name), nil
 	}
 }
 
@@ -469,6 +469,41 @@ func (s *Spool) close(discard bool) error {
 		}
 	})
 	return err
+}
+
+// filesTrashPrefix names the directories that clearFiles moves a previous agent's files into.
+const filesTrashPrefix = ".files-trash-"
+
+// clearFiles empties FilesDir of what a previous agent left. On a spool of its own (the budget is
+// the tmpfs's) the directory is moved aside in one rename and removed in the background: a
+// restarted agent need not unlink a file for every file of its predecessor's checkpoints before
+// it serves (the committed data has names of its own elsewhere in the spool). An agent-accounted
+// budget is computed from what is left, so there the files are removed first.
+func (s *Spool) clearFiles() error {
+	if !s.ownMount {
+		return clearDir(s.FilesDir())
+	}
+	var rnd [6]byte
+	rand.Read(rnd[:])
+	trash := filepath.Join(s.dir, filesTrashPrefix+hex.EncodeToString(rnd[:]))
+	if err := os.Rename(s.FilesDir(), trash); err != nil {
+		return clearDir(s.FilesDir())
+	}
+	if err := os.Mkdir(s.FilesDir(), 0o700); err != nil {
+		return err
+	}
+	go removeTrash(s.dir) // also what an agent killed meanwhile left
+	return nil
+}
+
+// removeTrash removes the directories clearFiles moved aside in the spool at dir.
+func removeTrash(dir string) {
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), filesTrashPrefix) {
+			os.RemoveAll(filepath.Join(dir, e.Name()))
+		}
+	}
 }
 
 func clearDir(dir string) error {
