@@ -11,6 +11,10 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"golang.org/x/sync/semaphore"
+
+	"github.com/mtcfs/mtcfs/planecodec"
 )
 
 // Backups reads and writes the SPEC §6 backup layout (see the package
@@ -25,8 +29,15 @@ type Backups struct {
 	// temporary whose writer's liveness it cannot check; 0 means
 	// DefaultLeftoverAge.
 	LeftoverAge time.Duration
+	// Compress says how Upload stores data files: CompressOff (the zero
+	// value) as they are, CompressAuto compressed where that pays. Reads
+	// (Download, Verify, Export) understand both whatever it says. Every agent
+	// of a job should use the same setting: two nodes uploading identical
+	// data with different settings conflict on its objects.
+	Compress Compression
 
-	now func() time.Time // tests: the clock of CleanLeftovers
+	now             func() time.Time // tests: the clock of CleanLeftovers
+	chunkLenForTest int64            // tests: file bytes per compressed chunk
 }
 
 // DefaultParallelism keeps enough requests in flight to hide GCS latency
@@ -453,12 +464,12 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 			switch {
 			case !ok:
 				note(h, "%s missing", name)
-			case a.Size != f.Size:
-				note(h, "%s has %d bytes, manifest says %d", name, a.Size, f.Size)
+			case a.Size != f.storedSize():
+				note(h, "%s has %d bytes, manifest says %d", name, a.Size, f.storedSize())
 			case deep:
 				reads = append(reads, check{h, object, name, f})
-			case a.CRC32C != uint32(f.CRC32C):
-				note(h, "%s has crc32c %08x, manifest says %08x", name, a.CRC32C, uint32(f.CRC32C))
+			case a.CRC32C != f.storedCRC():
+				note(h, "%s has crc32c %08x, manifest says %08x", name, a.CRC32C, f.storedCRC())
 			}
 		}
 	}
@@ -466,8 +477,25 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		return problems, nil
 	}
 
+	requests := semaphore.NewWeighted(int64(b.parallelism()))
+	var codecs sync.Map // chunk length → *codec
 	err = forEach(ctx, b.parallelism(), len(reads), func(ctx context.Context, i int) error {
 		c := reads[i]
+		if c.want.compressed() {
+			cd, _ := codecs.LoadOrStore(c.want.ChunkLen, newCodec(c.want.ChunkLen))
+			crc, err := b.readCompressed(ctx, cd.(*codec), dir+c.object, c.want, requests, nil)
+			switch {
+			case IsNotFound(err):
+				note(c.hash, "%s missing", c.name)
+			case errors.Is(err, planecodec.ErrCorrupt), errors.Is(err, io.ErrUnexpectedEOF):
+				note(c.hash, "%s: %v", c.name, err)
+			case err != nil:
+				return err
+			case crc != uint32(c.want.CRC32C):
+				note(c.hash, "%s decompresses to bytes with crc32c %08x, manifest says %08x", c.name, crc, uint32(c.want.CRC32C))
+			}
+			return nil
+		}
 		r, err := b.Store.Open(ctx, dir+c.object, 0, -1)
 		if IsNotFound(err) {
 			note(c.hash, "%s missing", c.name)

@@ -660,7 +660,8 @@ func TestDecodeManifestRejectsUntrustedContent(t *testing.T) {
 	for _, tc := range []struct {
 		hash, json, wantErr string
 	}{
-		{dir, `{"format":"mtcfs-manifest-v3","kind":"dir","files":[]}`, "format"},
+		{dir, `{"format":"mtcfs-manifest-v4","kind":"dir","files":[]}`, "format"},
+		{file, `{"format":"mtcfs-manifest-v2","kind":"file","files":[{"path":"","size":1,"crc32c":"00000000","codec":"planecodec"}]}`, "compressed"},
 		{dir, `{"format":"mtcfs-manifest-v1","kind":"file","files":[{"path":"","size":1,"crc32c":"00000000"}]}`, "kind"},
 		{dir, `{"format":"mtcfs-manifest-v1","kind":"dir","files":[{"path":"../etc/passwd","size":1,"crc32c":"00000000"}]}`, ".."},
 		{dir, `{"format":"mtcfs-manifest-v1","kind":"dir","files":[{"path":"/abs","size":1,"crc32c":"00000000"}]}`, "absolute"},

@@ -46,6 +46,37 @@
 // backup written without manifests (by another tool) is reported
 // incomplete, because its completeness cannot be proven.
 //
+// Compression (SPEC §6, opt-in: Backups.Compress, mtcfs mount
+// --backup-compress auto). By default every data object holds a file's bytes
+// as they are. With CompressAuto, Upload cuts each file into chunks of
+// DefaultChunkLen (4 MiB) bytes and encodes each with planecodec (byte
+// planes, huff0; a chunk that does not pay is kept raw behind its 20-byte
+// header). If the whole file saves at least 1/64 its object, under its usual
+// name, is the concatenation of the encoded chunks:
+//
+//	chunk 0 | chunk 1 | … | chunk n-1   each one planecodec chunk: 20-byte header
+//	                                    ("MTPC", version, method, width, block log,
+//	                                    original length, payload length, CRC32C of
+//	                                    the stored bytes), then the payload
+//
+// chunk i holding the file's bytes [i·chunk_len, (i+1)·chunk_len). Otherwise
+// the object stays plain. The manifest entry of a compressed file keeps
+// "size" and "crc32c" of the file's bytes and adds "codec":"planecodec",
+// "stored_size", "stored_crc32c" (the object's own, which the store reports
+// and checks), "chunk_len" and "chunks" (the stored length of every chunk,
+// so that a restore reads ranges of whole chunks in parallel); a manifest
+// holding one is "mtcfs-manifest-v3", which older readers refuse. Upload
+// encodes each file twice, streaming — once to learn the object's size and
+// CRC32Cs, which the store needs before the first byte, once as the store
+// reads it (the GCS store takes its parts' CRC32Cs from the chunks'); at most
+// one chunk per CPU is encoded at a time, and a few encoded chunks are kept
+// for the store's small reads. Download and Verify with Deep decode every
+// chunk (its header against the manifest, its CRC32C) and check the
+// decoded file's size and CRC32C against the manifest; tiers then checks the
+// data's BLAKE3 tree hash. Export writes a backup's complete steps in the
+// plain reference layout to a local directory, for tools that read backups
+// directly.
+//
 // Upload reads the source with layout.Dir, the walk the tree hash uses:
 // paths of any length (beyond PATH_MAX once prefixed with the spool), no
 // symlink followed. Download rebuilds the tree the same way under a

@@ -6,7 +6,6 @@ import (
 	"hash/crc32"
 	"io"
 	"net/http"
-	"os"
 	"sync"
 	"time"
 
@@ -123,7 +122,10 @@ func (s *gcsStore) PutFile(ctx context.Context, t FileTransfer) (uint32, error) 
 // when it was scanned; the range must still hold size bytes, and the last one
 // (off+size == total) must still end the file: a file of another size is
 // changing under us.
-func fileCRC(ctx context.Context, f *os.File, off, size, total int64) (uint32, error) {
+func fileCRC(ctx context.Context, f LocalFile, off, size, total int64) (uint32, error) {
+	if v, ok := f.(*encodedFile); ok { // from the chunks' CRC32Cs, not by encoding it again
+		return v.rangeCRC(ctx, off, size)
+	}
 	limit := size
 	if off+size == total {
 		limit++ // one byte more: a file that grew
@@ -304,7 +306,7 @@ func (s *gcsStore) readRange(ctx context.Context, t FileTransfer, key string, ge
 }
 
 // sectionBody gives each attempt a fresh reader of [off, off+size) of f.
-func sectionBody(f *os.File, off, size int64) func() (io.Reader, error) {
+func sectionBody(f io.ReaderAt, off, size int64) func() (io.Reader, error) {
 	return func() (io.Reader, error) { return io.NewSectionReader(f, off, size), nil }
 }
 

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/mtcfs/mtcfs/planecodec"
 )
 
 // Manifest formats. A reader refuses formats it does not know rather than
@@ -20,9 +22,17 @@ import (
 // (written as {"base64": …}). A tree that needs none of these is written as
 // v1, byte for byte what earlier versions wrote, so agents of mixed versions
 // uploading the same data still write identical manifests.
+//
+// v3 adds compressed objects (Upload with Compress auto): a file entry with a
+// codec, whose object holds a sequence of planecodec chunks instead of the
+// file's bytes. A v1 or v2 reader refuses it rather than restoring the
+// stored bytes as the file. A manifest without a compressed object is written
+// as v1 or v2, so that backups taken with compression off, or whose data did
+// not compress, are byte for byte what earlier versions wrote.
 const (
 	manifestFormatV1 = "mtcfs-manifest-v1"
 	manifestFormatV2 = "mtcfs-manifest-v2"
+	manifestFormatV3 = "mtcfs-manifest-v3"
 )
 
 // manifest is the content of <hash>.data.manifest: everything needed to tell
@@ -50,12 +60,24 @@ type manifest struct {
 }
 
 type manifestFile struct {
-	Path   text      `json:"path"` // relative, "/"-separated; "" for kind "file"
-	Size   int64     `json:"size"`
+	Path text  `json:"path"` // relative, "/"-separated; "" for kind "file"
+	Size int64 `json:"size"`
+	// CRC32C is the CRC32C of the file's bytes, also when its object holds
+	// them compressed.
 	CRC32C crc32cHex `json:"crc32c"`
 	// Object (v2) is the object holding the bytes, relative to the backup,
 	// when it is not <hash>.data/<path>: always longObject(hash, path).
 	Object string `json:"object,omitempty"`
+
+	// Codec (v3) is how the object stores the file's bytes: "" as they are,
+	// codecPlanes as a sequence of planecodec chunks, chunk i holding the
+	// file's bytes [i·ChunkLen, (i+1)·ChunkLen) in Chunks[i] stored bytes.
+	// The object has StoredSize bytes and CRC32C StoredCRC32C.
+	Codec        string    `json:"codec,omitempty"`
+	StoredSize   int64     `json:"stored_size,omitempty"`
+	StoredCRC32C crc32cHex `json:"stored_crc32c,omitempty"`
+	ChunkLen     int64     `json:"chunk_len,omitempty"`
+	Chunks       []int64   `json:"chunks,omitempty"`
 }
 
 type manifestSymlink struct {
@@ -141,6 +163,16 @@ func kindOf(hash string) string {
 	return kindFile
 }
 
+// needsV3 reports whether the manifest holds a compressed object.
+func (m *manifest) needsV3() bool {
+	for _, f := range m.Files {
+		if f.compressed() {
+			return true
+		}
+	}
+	return false
+}
+
 // needsV2 reports whether the manifest holds anything a v1 reader would skip.
 func (m *manifest) needsV2() bool {
 	if len(m.Symlinks) > 0 || len(m.Specials) > 0 {
@@ -162,7 +194,10 @@ func (m *manifest) needsV2() bool {
 // encode sets the format (the lowest that holds the content) and encodes.
 func (m *manifest) encode() ([]byte, error) {
 	m.Format = manifestFormatV1
-	if m.needsV2() {
+	switch {
+	case m.needsV3():
+		m.Format = manifestFormatV3
+	case m.needsV2():
 		m.Format = manifestFormatV2
 	}
 	data, err := json.Marshal(m)
@@ -191,15 +226,23 @@ func decodeManifest(data []byte, hash string) (*manifest, error) {
 
 func (m *manifest) check(hash string) error {
 	switch m.Format {
-	case manifestFormatV1, manifestFormatV2:
+	case manifestFormatV1, manifestFormatV2, manifestFormatV3:
 	default:
-		return fmt.Errorf("format %q, want %q or %q", m.Format, manifestFormatV1, manifestFormatV2)
+		return fmt.Errorf("format %q, want %q, %q or %q (a newer mtcfs wrote it?)", m.Format, manifestFormatV1, manifestFormatV2, manifestFormatV3)
 	}
 	if m.Kind != kindOf(hash) {
 		return fmt.Errorf("kind %q, but the hash names a %s", m.Kind, kindOf(hash))
 	}
 	if m.Format == manifestFormatV1 && m.needsV2() {
 		return fmt.Errorf("format %s cannot hold symlinks, special files or mapped object names", manifestFormatV1)
+	}
+	if m.Format != manifestFormatV3 && m.needsV3() {
+		return fmt.Errorf("format %s cannot hold compressed objects", m.Format)
+	}
+	for _, f := range m.Files {
+		if err := f.checkCodec(); err != nil {
+			return fmt.Errorf("file %q: %w", f.Path, err)
+		}
 	}
 	if m.Kind == kindFile {
 		if len(m.Files) != 1 || m.Files[0].Path != "" || m.Files[0].Object != "" ||
@@ -316,6 +359,58 @@ func (m *manifest) total() int64 {
 		n += f.Size
 	}
 	return n
+}
+
+// compressed reports whether f's object holds its bytes encoded.
+func (f manifestFile) compressed() bool {
+	return f.Codec != "" || f.StoredSize != 0 || f.StoredCRC32C != 0 || f.ChunkLen != 0 || len(f.Chunks) != 0
+}
+
+// checkCodec checks the fields of a compressed object against each other.
+func (f manifestFile) checkCodec() error {
+	if !f.compressed() {
+		return nil
+	}
+	if f.Codec != codecPlanes {
+		return fmt.Errorf("codec %q, want %q (a newer mtcfs wrote it?)", f.Codec, codecPlanes)
+	}
+	if f.ChunkLen < minChunkLen || f.ChunkLen > maxChunkLen {
+		return fmt.Errorf("chunk length %d outside %d–%d", f.ChunkLen, minChunkLen, maxChunkLen)
+	}
+	if f.Size <= 0 || int64(len(f.Chunks)) != (f.Size+f.ChunkLen-1)/f.ChunkLen {
+		return fmt.Errorf("%d chunks for %d bytes in chunks of %d", len(f.Chunks), f.Size, f.ChunkLen)
+	}
+	var stored int64
+	for i, c := range f.Chunks {
+		if c < planecodecHeaderLen || c > int64(planecodec.MaxEncodedLen(int(f.chunkSize(i)))) {
+			return fmt.Errorf("chunk %d: %d bytes stored for %d", i, c, f.chunkSize(i))
+		}
+		stored += c
+	}
+	if stored != f.StoredSize {
+		return fmt.Errorf("chunks hold %d bytes, stored size says %d", stored, f.StoredSize)
+	}
+	return nil
+}
+
+// chunkSize is the number of the file's bytes in chunk i of a compressed object.
+func (f manifestFile) chunkSize(i int) int64 {
+	return min(f.ChunkLen, f.Size-int64(i)*f.ChunkLen)
+}
+
+// storedSize and storedCRC are the size and CRC32C the object must have.
+func (f manifestFile) storedSize() int64 {
+	if f.compressed() {
+		return f.StoredSize
+	}
+	return f.Size
+}
+
+func (f manifestFile) storedCRC() uint32 {
+	if f.compressed() {
+		return uint32(f.StoredCRC32C)
+	}
+	return uint32(f.CRC32C)
 }
 
 // object is the object holding file f of hash's data, relative to the backup.

@@ -111,6 +111,13 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	}
 	prog := newProgress(m.total(), req.Progress)
 	requests := semaphore.NewWeighted(int64(b.parallelism()))
+	var c *codec
+	var cache *chunkCache
+	if b.compress() {
+		c = newCodec(b.chunkLen())
+		cache = newChunkCache(b.parallelism()+2, &c.stored)
+		defer cache.drop()
+	}
 	err = forEach(ctx, b.parallelism(), len(m.Files), func(ctx context.Context, i int) error {
 		f := &m.Files[i]
 		file, err := src.open(string(f.Path))
@@ -118,8 +125,12 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 			return err
 		}
 		defer file.Close()
-		crc, err := b.Store.PutFile(ctx, FileTransfer{Name: dir + f.object(req.Hash), File: file, Size: f.Size,
-			Progress: prog.add, Requests: requests, TempDir: req.Job + "/"})
+		t := FileTransfer{Name: dir + f.object(req.Hash), File: file, Size: f.Size,
+			Progress: prog.add, Requests: requests, TempDir: req.Job + "/"}
+		if c != nil {
+			return b.putCompressed(ctx, c, cache, f, t)
+		}
+		crc, err := b.Store.PutFile(ctx, t)
 		f.CRC32C = crc32cHex(crc)
 		return err
 	})
@@ -131,6 +142,37 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 		return err
 	}
 	return PutBytes(ctx, b.Store, dir+manifestName(req.Hash), data, true)
+}
+
+// putCompressed uploads one file with compression on: compressed when that
+// pays (see encodedPlan.pays), else as it is. It encodes the file once to
+// learn the object's size and CRC32C, which the store needs before the first
+// byte, and again as the store reads it. It fills in f.
+func (b *Backups) putCompressed(ctx context.Context, c *codec, cache *chunkCache, f *manifestFile, t FileTransfer) error {
+	plan, err := c.planFile(ctx, t.File, t.Size)
+	if err != nil {
+		return fmt.Errorf("compress %s: %w", t.File.Name(), err)
+	}
+	if !plan.pays() {
+		crc, err := b.Store.PutFile(ctx, t)
+		f.CRC32C = crc32cHex(crc)
+		return err
+	}
+	view := &encodedFile{src: t.File, plan: plan, codec: c, cache: cache}
+	t.File, t.Size = view, plan.stored()
+	if t.Progress != nil {
+		t.Progress = newScaledProgress(plan.stored(), plan.size, t.Progress)
+	}
+	crc, err := b.Store.PutFile(ctx, t)
+	if err != nil {
+		return err
+	}
+	if crc != plan.storedCRC {
+		return fmt.Errorf("%s: the file changed during the upload (crc32c %08x, %08x before)", view.Name(), crc, plan.storedCRC)
+	}
+	*f = manifestFile{Path: f.Path, Size: plan.size, CRC32C: crc32cHex(plan.fileCRC), Object: f.Object,
+		Codec: codecPlanes, StoredSize: plan.stored(), StoredCRC32C: crc32cHex(plan.storedCRC), ChunkLen: plan.chunkLen, Chunks: plan.chunks()}
+	return nil
 }
 
 // source is the local data of an upload, described as a manifest without
@@ -383,6 +425,26 @@ func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, 
 // Download.
 func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, f *os.File, prog *progress, requests *semaphore.Weighted) error {
 	name := dir + mf.object(hash)
+	if mf.compressed() {
+		c := newCodec(mf.ChunkLen)
+		report := newScaledProgress(mf.Size, mf.Size, prog.add)
+		crc, err := b.readCompressed(ctx, c, name, mf, requests, func(p []byte, off int64) error {
+			if _, err := f.WriteAt(p, off); err != nil {
+				return err
+			}
+			if report != nil {
+				report(len(p))
+			}
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("fetch %s: %w", name, err)
+		}
+		if crc != uint32(mf.CRC32C) {
+			return &ChecksumError{Name: name + " (decompressed)", Want: uint32(mf.CRC32C), Got: crc}
+		}
+		return nil
+	}
 	n, crc, err := b.Store.GetFile(ctx, FileTransfer{Name: name, File: f, Size: mf.Size, Progress: prog.add, Requests: requests})
 	if err != nil {
 		return fmt.Errorf("fetch %s: %w", name, err)
@@ -399,8 +461,8 @@ func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, 
 // FileTransfer is one local file moving to or from an object (ObjectStore's
 // PutFile and GetFile).
 type FileTransfer struct {
-	Name string   // object name
-	File *os.File // read with ReadAt (PutFile) or written with WriteAt (GetFile)
+	Name string    // object name
+	File LocalFile // read with ReadAt (PutFile) or written with WriteAt (GetFile)
 	// Size is the file's size (PutFile) or the size the object must have
 	// (GetFile).
 	Size int64
@@ -414,6 +476,14 @@ type FileTransfer struct {
 	// TempDir is the store name prefix ("" or ending in "/") under which an
 	// upload in parts keeps its temporary objects.
 	TempDir string
+}
+
+// LocalFile is the local side of a FileTransfer: an *os.File, or a view of
+// one (the compressed form of a file, see encodedFile).
+type LocalFile interface {
+	io.ReaderAt
+	io.WriterAt
+	Name() string
 }
 
 // withRequests returns t with Requests set.

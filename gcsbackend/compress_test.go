@@ -1,0 +1,340 @@
+package gcsbackend
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/planecodec"
+)
+
+// trainingData returns a planecodec/testdata file (weights and Adam moments
+// of a real training run) repeated times times.
+func trainingData(t testing.TB, name string, times int) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("..", "planecodec", "testdata", name))
+	require.NoError(t, err)
+	return bytes.Repeat(b, times)
+}
+
+// compressedTree is a checkpoint as a trainer writes it: bf16 and fp32
+// weights and moments (compressible), random bytes (not), small metadata.
+func compressedTree(t testing.TB) map[string][]byte {
+	return map[string][]byte{
+		"state/weights_bf16":   trainingData(t, "weights_bf16.bin", 5), // 3.5 MiB: parts on the fake GCS
+		"state/adam_m_bf16":    trainingData(t, "adam_m_bf16.bin", 1),
+		"state/adam_v_bf16":    trainingData(t, "adam_v_bf16.bin", 1),
+		"state/weights_fp32":   trainingData(t, "weights_fp32.bin", 1),
+		"state/random":         randomBytes(1<<20+123, 5),
+		"_CHECKPOINT_METADATA": []byte(`{"step": 7}`),
+		"state/empty":          {},
+	}
+}
+
+func writeBinTree(t testing.TB, root string, files map[string][]byte) {
+	t.Helper()
+	for rel, content := range files {
+		p := filepath.Join(root, filepath.FromSlash(rel))
+		require.NoError(t, os.MkdirAll(filepath.Dir(p), 0o755))
+		require.NoError(t, os.WriteFile(p, content, 0o644))
+	}
+}
+
+func requireSameFiles(t *testing.T, want map[string][]byte, root string) {
+	t.Helper()
+	got := readTree(t, root)
+	require.Len(t, got, len(want), "files below %s", root)
+	for rel, content := range want {
+		g, ok := got[rel]
+		require.True(t, ok, "%s missing", rel)
+		require.True(t, bytes.Equal(content, []byte(g)), "%s differs (%d bytes, want %d)", rel, len(g), len(content))
+	}
+}
+
+// compressedBackups is a Backups with compression on and small chunks, so
+// that test files span many chunks and the GCS store's parts cut chunks.
+func compressedBackups(store ObjectStore) *Backups {
+	return &Backups{Store: store, Compress: CompressAuto, chunkLenForTest: 256 << 10}
+}
+
+func uploadTree(t *testing.T, b *Backups, backup string, step int64, slot Slot, files map[string][]byte) string {
+	t.Helper()
+	src := t.TempDir()
+	writeBinTree(t, src, files)
+	h := fakeHash(true, fmt.Sprint(backup, step, slot, b.Compress))
+	require.NoError(t, b.Upload(context.Background(), UploadRequest{Job: testJob, Backup: backup, Step: step, Slot: slot, Hash: h, Source: src}))
+	return h
+}
+
+func readTestManifest(t *testing.T, b *Backups, backup, hash string) *manifest {
+	t.Helper()
+	m, err := b.readManifest(context.Background(), backupDir(testJob, backup), hash)
+	require.NoError(t, err)
+	return m
+}
+
+// TestCompressedRoundTrip: with Compress auto the bf16 and fp32 files are
+// stored compressed, smaller, and recorded as such in a v3 manifest; random
+// bytes and small files stay plain; the backup verifies complete, cheaply and
+// deeply, and restores byte for byte, on file:// and on GCS.
+func TestCompressedRoundTrip(t *testing.T) {
+	for _, st := range []struct {
+		name     string
+		newStore func(*testing.T) ObjectStore
+	}{{"file", newTestLocalDir}, {"gcs", newTestFakeGCS}} {
+		t.Run(st.name, func(t *testing.T) {
+			ctx := context.Background()
+			b := compressedBackups(st.newStore(t))
+			files := compressedTree(t)
+			var done, total int64
+			src := t.TempDir()
+			writeBinTree(t, src, files)
+			h := fakeHash(true, "round trip")
+			require.NoError(t, b.Upload(ctx, UploadRequest{Job: testJob, Backup: "2026-01-01_00-00", Step: 7, Hash: h, Source: src,
+				Progress: func(d, tot int64) { assert.GreaterOrEqual(t, d, done); done, total = d, tot }}))
+			assert.Equal(t, total, done, "upload progress ends at the file bytes")
+
+			m := readTestManifest(t, b, "2026-01-01_00-00", h)
+			assert.Equal(t, manifestFormatV3, m.Format)
+			dir := backupDir(testJob, "2026-01-01_00-00")
+			for _, f := range m.Files {
+				a, err := b.Store.Stat(ctx, dir+f.object(h))
+				require.NoError(t, err)
+				switch {
+				case strings.Contains(string(f.Path), "bf16"):
+					require.Equal(t, codecPlanes, f.Codec, f.Path)
+					assert.Less(t, float64(a.Size), 0.75*float64(f.Size), "%s stored in %d bytes of %d", f.Path, a.Size, f.Size)
+					assert.Equal(t, f.StoredSize, a.Size)
+					assert.Equal(t, uint32(f.StoredCRC32C), a.CRC32C)
+				case strings.Contains(string(f.Path), "fp32"):
+					require.Equal(t, codecPlanes, f.Codec, f.Path)
+					assert.Less(t, float64(a.Size), 0.9*float64(f.Size), "%s stored in %d bytes of %d", f.Path, a.Size, f.Size)
+				default:
+					assert.Empty(t, f.Codec, "%s stays plain", f.Path)
+					assert.Equal(t, f.Size, a.Size)
+				}
+				assert.Equal(t, crc32.Checksum(files[string(f.Path)], crcTable), uint32(f.CRC32C), "%s: the manifest's crc32c is the plain bytes'", f.Path)
+			}
+
+			for _, deep := range []bool{false, true} {
+				rep, err := b.Verify(ctx, testJob, "2026-01-01_00-00", VerifyOptions{Nodes: 1, Workers: 1, Deep: deep})
+				require.NoError(t, err)
+				require.True(t, rep.Complete(), "deep %v: %+v", deep, rep.Steps)
+			}
+
+			// A reader with compression off restores it too.
+			plain := &Backups{Store: b.Store}
+			dest := filepath.Join(t.TempDir(), "restored")
+			done, total = 0, 0
+			require.NoError(t, plain.Download(ctx, DownloadRequest{Job: testJob, Backup: "2026-01-01_00-00", Hash: h, Dest: dest,
+				Progress: func(d, tot int64) { assert.GreaterOrEqual(t, d, done); done, total = d, tot }}))
+			assert.Equal(t, total, done, "download progress ends at the file bytes")
+			requireSameFiles(t, files, dest)
+		})
+	}
+}
+
+// TestCompressRandomData: data that does not compress is stored as it is —
+// not a byte larger, and readable by any tool — and the manifest keeps the
+// old format.
+func TestCompressRandomData(t *testing.T) {
+	ctx := context.Background()
+	b := compressedBackups(newTestLocalDir(t))
+	files := map[string][]byte{"a": randomBytes(3<<20, 1), "b": randomBytes(1<<20+7, 2)}
+	h := uploadTree(t, b, "2026-01-01_00-00", 1, Slot{}, files)
+	m := readTestManifest(t, b, "2026-01-01_00-00", h)
+	assert.Equal(t, manifestFormatV1, m.Format)
+	var plain, stored int64
+	for _, f := range m.Files {
+		a, err := b.Store.Stat(ctx, backupDir(testJob, "2026-01-01_00-00")+f.object(h))
+		require.NoError(t, err)
+		plain += f.Size
+		stored += a.Size
+		assert.Empty(t, f.Codec)
+	}
+	assert.LessOrEqual(t, float64(stored), 1.005*float64(plain), "random data stored in %d bytes of %d", stored, plain)
+}
+
+// TestCompressedCorruptChunk: a stored chunk damaged after the upload is
+// reported by Verify (cheap and deep), and refused by Download, which
+// leaves nothing at the destination.
+func TestCompressedCorruptChunk(t *testing.T) {
+	for _, st := range []struct {
+		name     string
+		newStore func(*testing.T) ObjectStore
+	}{{"file", newTestLocalDir}, {"gcs", newTestFakeGCS}} {
+		t.Run(st.name, func(t *testing.T) {
+			ctx := context.Background()
+			b := compressedBackups(st.newStore(t))
+			files := map[string][]byte{"w": trainingData(t, "weights_bf16.bin", 2)}
+			h := uploadTree(t, b, "2026-01-01_00-00", 1, Slot{}, files)
+			m := readTestManifest(t, b, "2026-01-01_00-00", h)
+			f := m.Files[0]
+			require.Equal(t, codecPlanes, f.Codec)
+			name := backupDir(testJob, "2026-01-01_00-00") + f.object(h)
+
+			// Flip one byte in the middle of the second chunk, size unchanged.
+			r, err := b.Store.Open(ctx, name, 0, -1)
+			require.NoError(t, err)
+			var buf bytes.Buffer
+			_, err = buf.ReadFrom(r)
+			r.Close()
+			require.NoError(t, err)
+			data := buf.Bytes()
+			data[f.Chunks[0]+f.Chunks[1]/2] ^= 0x10
+			require.NoError(t, PutBytes(ctx, b.Store, name, data, false))
+
+			for _, deep := range []bool{false, true} {
+				rep, err := b.Verify(ctx, testJob, "2026-01-01_00-00", VerifyOptions{Nodes: 1, Workers: 1, Deep: deep})
+				require.NoError(t, err)
+				require.False(t, rep.Complete(), "deep %v", deep)
+				assert.Contains(t, strings.Join(rep.Steps[0].Problems, "\n"), "w", "deep %v", deep)
+			}
+			dest := filepath.Join(t.TempDir(), "restored")
+			err = b.Download(ctx, DownloadRequest{Job: testJob, Backup: "2026-01-01_00-00", Hash: h, Dest: dest})
+			require.Error(t, err)
+			assert.ErrorIs(t, err, planecodec.ErrCorrupt)
+			assert.NoFileExists(t, dest)
+			assert.NoDirExists(t, dest)
+
+			// The deep check does not trust the store's CRC32C: make the
+			// manifest agree with the damaged object, and it still fails.
+			m.Files[0].StoredCRC32C = crc32cHex(crc32.Checksum(data, crcTable))
+			enc, err := m.encode()
+			require.NoError(t, err)
+			require.NoError(t, PutBytes(ctx, b.Store, backupDir(testJob, "2026-01-01_00-00")+manifestName(h), enc, false))
+			rep, err := b.Verify(ctx, testJob, "2026-01-01_00-00", VerifyOptions{Nodes: 1, Workers: 1})
+			require.NoError(t, err)
+			require.True(t, rep.Complete(), "the cheap check trusts the store's CRC32C")
+			rep, err = b.Verify(ctx, testJob, "2026-01-01_00-00", VerifyOptions{Nodes: 1, Workers: 1, Deep: true})
+			require.NoError(t, err)
+			require.False(t, rep.Complete(), "the deep check decodes every chunk")
+			err = b.Download(ctx, DownloadRequest{Job: testJob, Backup: "2026-01-01_00-00", Hash: h, Dest: dest})
+			assert.ErrorIs(t, err, planecodec.ErrCorrupt)
+		})
+	}
+}
+
+// TestOldManifestRestores: a backup written before compression existed (a
+// v1 manifest as earlier versions wrote it, plain objects) restores and
+// verifies with compression on, and compression off still writes exactly
+// that format.
+func TestOldManifestRestores(t *testing.T) {
+	ctx := context.Background()
+	store := newTestLocalDir(t)
+	h := fakeHash(true, "old")
+	dir := backupDir(testJob, "2025-06-01_00-00")
+	content := trainingData(t, "weights_bf16.bin", 1)
+	require.NoError(t, PutBytes(ctx, store, dir+dataObject(h, "state/w"), content, true))
+	old := fmt.Sprintf(`{"format":"mtcfs-manifest-v1","kind":"dir","dirs":["state"],"files":[{"path":"state/w","size":%d,"crc32c":"%08x"}]}`+"\n",
+		len(content), crc32.Checksum(content, crcTable))
+	require.NoError(t, PutBytes(ctx, store, dir+manifestName(h), []byte(old), true))
+	require.NoError(t, PutBytes(ctx, store, dir+metaName(testJob, 3, Slot{}), []byte(h), true))
+
+	b := compressedBackups(store)
+	rep, err := b.Verify(ctx, testJob, "2025-06-01_00-00", VerifyOptions{Deep: true})
+	require.NoError(t, err)
+	require.True(t, rep.Complete(), "%+v", rep.Steps)
+	dest := filepath.Join(t.TempDir(), "restored")
+	require.NoError(t, b.Download(ctx, DownloadRequest{Job: testJob, Backup: "2025-06-01_00-00", Hash: h, Dest: dest}))
+	requireSameFiles(t, map[string][]byte{"state/w": content}, dest)
+
+	// Compression off writes the old format, byte for byte.
+	off := &Backups{Store: store}
+	src := t.TempDir()
+	writeBinTree(t, src, map[string][]byte{"state/w": content})
+	h2 := fakeHash(true, "old, again")
+	require.NoError(t, off.Upload(ctx, UploadRequest{Job: testJob, Backup: "2025-06-01_00-01", Step: 3, Hash: h2, Source: src}))
+	got, err := ReadSmall(ctx, store, backupDir(testJob, "2025-06-01_00-01")+manifestName(h2), 1<<20)
+	require.NoError(t, err)
+	assert.Equal(t, old, string(got))
+}
+
+// TestManifestV3Checks: compressed entries are refused in older formats and
+// when their fields disagree.
+func TestManifestV3Checks(t *testing.T) {
+	h := fakeHash(false, "one file")
+	good := manifestFile{Size: 600 << 10, CRC32C: 1, Codec: codecPlanes, StoredSize: 280<<10 + 60, StoredCRC32C: 2,
+		ChunkLen: 256 << 10, Chunks: []int64{100<<10 + 20, 100<<10 + 20, 80<<10 + 20}}
+	m := &manifest{Kind: kindFile, Files: []manifestFile{good}}
+	data, err := m.encode()
+	require.NoError(t, err)
+	_, err = decodeManifest(data, h)
+	require.NoError(t, err)
+	assert.Contains(t, string(data), manifestFormatV3)
+
+	for name, edit := range map[string]func(f *manifestFile, m *manifest){
+		"v2 format":     func(f *manifestFile, m *manifest) { m.Format = manifestFormatV2 },
+		"unknown codec": func(f *manifestFile, m *manifest) { f.Codec = "zstd" },
+		"missing codec": func(f *manifestFile, m *manifest) { f.Codec = "" },
+		"chunk count":   func(f *manifestFile, m *manifest) { f.Chunks = f.Chunks[:2] },
+		"stored size":   func(f *manifestFile, m *manifest) { f.StoredSize++ },
+		"huge chunk":    func(f *manifestFile, m *manifest) { f.ChunkLen = 1 << 30 },
+		"chunk above file": func(f *manifestFile, m *manifest) {
+			f.Chunks[2] = 200 << 10
+			f.StoredSize = f.Chunks[0] + f.Chunks[1] + f.Chunks[2]
+		},
+	} {
+		f := good
+		f.Chunks = append([]int64(nil), good.Chunks...)
+		m := &manifest{Format: manifestFormatV3, Kind: kindFile, Files: []manifestFile{f}}
+		edit(&m.Files[0], m)
+		data, err := json.Marshal(m)
+		require.NoError(t, err)
+		_, err = decodeManifest(data, h)
+		assert.Error(t, err, name)
+	}
+}
+
+// TestExport: export writes the complete steps of a compressed backup in the
+// plain reference layout; a missing backup and a non-empty or unusable
+// destination are clear errors.
+func TestExport(t *testing.T) {
+	ctx := context.Background()
+	b := compressedBackups(newTestLocalDir(t))
+	files0 := compressedTree(t)
+	files1 := map[string][]byte{"model.safetensors": trainingData(t, "adam_v_bf16.bin", 2)}
+	h0 := uploadTree(t, b, "2026-01-01_00-00", 5, Slot{0, 0}, files0)
+	h1 := uploadTree(t, b, "2026-01-01_00-00", 5, Slot{1, 0}, files1)
+
+	out := filepath.Join(t.TempDir(), "export")
+	var last, total int64
+	rep, err := b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: out,
+		Progress: func(d, tot int64) { assert.GreaterOrEqual(t, d, last); last, total = d, tot }})
+	require.NoError(t, err)
+	assert.Equal(t, []int64{5}, rep.Steps)
+	assert.Equal(t, total, last)
+	assert.Equal(t, total, rep.Bytes)
+	requireSameFiles(t, files0, filepath.Join(out, h0+".data"))
+	requireSameFiles(t, files1, filepath.Join(out, h1+".data"))
+	for slot, h := range map[Slot]string{{0, 0}: h0, {1, 0}: h1} {
+		got, err := os.ReadFile(filepath.Join(out, metaName(testJob, 5, slot)))
+		require.NoError(t, err)
+		assert.Equal(t, h, string(got))
+	}
+	entries, err := os.ReadDir(out)
+	require.NoError(t, err)
+	assert.Len(t, entries, 4, "two .meta and two .data, nothing else")
+
+	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: out})
+	assert.ErrorContains(t, err, "not empty")
+	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-02-02_00-00", Dir: filepath.Join(t.TempDir(), "x")})
+	var nf *NotFoundError
+	assert.True(t, errors.As(err, &nf), "missing backup: %v", err)
+	file := filepath.Join(t.TempDir(), "file")
+	require.NoError(t, os.WriteFile(file, nil, 0o644))
+	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: file})
+	assert.ErrorContains(t, err, "not a directory")
+	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: filepath.Join(file, "sub")})
+	assert.Error(t, err)
+}
