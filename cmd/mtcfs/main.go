@@ -13,7 +13,7 @@ import (
 const usage = `mtcfs — multi-tier checkpointing filesystem
 
 Usage:
-  mtcfs mount DIR [--backup URL] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
+  mtcfs mount DIR [--backup URL] [--backup-compress auto|off] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
                   [--listen HOST:PORT] [--advertise HOST:PORT] [--peers RANK=HOST:PORT,...]
                   [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F]
                   [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]
@@ -21,6 +21,7 @@ Usage:
                   [--uid N --gid N --mode OCTAL]
   mtcfs status [DIR] [--http HOST:PORT] [--json]
   mtcfs backups list|verify [NAME] --backup URL --job NAME
+  mtcfs backups export NAME DIR --backup URL --job NAME   a backup's plain files, for other tools
   mtcfs restore-version set NAME|clear --backup URL --job NAME
   mtcfs spool list [--json]               kept RAM spools: mount path, job, steps, bytes, agent
   mtcfs spool free PATH|--orphaned        free a mount's (or a spool directory's) kept spool,

@@ -25,7 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--go-memory-limit auto|off|SIZE] [--uid N --gid N --mode OCTAL]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--backup-compress auto|off] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--go-memory-limit auto|off|SIZE] [--uid N --gid N --mode OCTAL]"
 
 type mountConfig struct {
 	dir         string
@@ -36,6 +36,7 @@ type mountConfig struct {
 	debugFuse   bool
 	xattrs      bool
 	backupURL   string
+	compress    gcsbackend.Compression
 	jaxInit     *tiers.JaxInit
 	listen      string
 	advertise   string
@@ -86,6 +87,7 @@ func cmdMount(args []string) int {
 	passthrough := fset.String("passthrough", "auto", "FUSE passthrough for file data: auto, on or off")
 	httpAddr := fset.String("http", "127.0.0.1:0", "serve /livez, /readyz and /status on HOST:PORT (port 0 picks a free port; \"\" turns it off)")
 	backup := fset.String("backup", gcsbackend.DefaultURL(), "backup location: file:///abs/dir or gs://bucket[/prefix]")
+	compress := fset.String("backup-compress", "off", "backup data: auto stores files compressed where that pays (float tensors; Orbax cannot open such objects directly, see mtcfs backups export), off keeps every object as the job wrote it; use the same on every agent of a job")
 	rank := fset.Int("rank", -1, "this node's rank, written to jax-init-info.txt with --jax-coordinator")
 	jaxCoord := fset.String("jax-coordinator", "", "JAX coordinator HOST:PORT for jax-init-info.txt (with --rank)")
 	listen := fset.String("listen", "127.0.0.1:0", "peer service address HOST:PORT, registered in the backup location for the other agents of a job (port 0 picks one)")
@@ -122,6 +124,9 @@ func cmdMount(args []string) int {
 		*drain = -1 // tiers reads 0 as "the default": 0s means no drain at all
 	}
 	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile, drain: *drain}
+	if cfg.compress, err = gcsbackend.ParseCompression(*compress); err != nil {
+		return flagError(fset, fmt.Errorf("--backup-compress: %w", err))
+	}
 	if cfg.owner, err = parseOwner(*uid, *gid, *mode); err != nil {
 		return flagError(fset, err)
 	}
@@ -234,6 +239,7 @@ func runMount(cfg mountConfig) error {
 	if err != nil {
 		return err
 	}
+	backups.Compress = cfg.compress
 	if abs, err := filepath.Abs(cfg.spoolDir); err == nil {
 		cfg.spoolDir = abs
 	}
