@@ -52,10 +52,11 @@ const (
 	// chunk length a (possibly hostile) manifest declares.
 	minChunkLen = 64 << 10
 	maxChunkLen = 16 << 20
-	// maxChunksPerRead bounds the chunks one ranged read of a compressed
-	// object covers (32 MiB of file bytes, DefaultGCSPartSize): a large file
-	// is read as several ranges in parallel.
-	maxChunksPerRead = 8
+	// chunksPerRead is the chunks one ranged read of a compressed object
+	// covers (32 MiB of file bytes, like the GCS store's DefaultGCSPartSize
+	// for plain files): a larger file is read as several ranges in parallel,
+	// a smaller one in one request.
+	chunksPerRead = 8
 )
 
 var planecodecHeaderLen = int64(planecodec.MaxEncodedLen(0))
@@ -86,10 +87,12 @@ func (bp *bufPool) get(n int) *[]byte {
 
 func (bp *bufPool) put(b *[]byte) { bp.p.Put(b) }
 
-// codec bounds the chunks encoded or decoded at once by one Upload, Download
-// or Verify to the number of CPUs: the work is CPU-bound, and so the memory
-// of the chunks in flight is bounded too (a file chunk and a stored chunk
-// each, plus the chunks an upload keeps in its cache).
+// codec bounds the files planned (encoded a first time) and the chunks
+// decoded at once by one Upload, Download or Verify to the number of CPUs:
+// the work is CPU-bound, and so the memory of the chunks in flight is bounded
+// too (a file chunk and a stored chunk each). Encoding again as the store
+// reads is bounded by the store's requests in flight, one chunk each, plus
+// the chunks an upload keeps in its cache.
 type codec struct {
 	chunkLen int64 // file bytes per chunk, when encoding
 	slots    *semaphore.Weighted
@@ -107,13 +110,9 @@ func newCodec(chunkLen int64) *codec {
 }
 
 // encodeChunk reads the file bytes [off, off+n) of r and encodes them into
-// *dst (a buffer of c.stored), holding a codec slot. It returns the stored
-// chunk and the CRC32C of the file bytes.
-func (c *codec) encodeChunk(ctx context.Context, r io.ReaderAt, off, n int64, dst *[]byte) ([]byte, uint32, error) {
-	if err := c.slots.Acquire(ctx, 1); err != nil {
-		return nil, 0, err
-	}
-	defer c.slots.Release(1)
+// *dst (a buffer of c.stored). It returns the stored chunk and the CRC32C of
+// the file bytes.
+func (c *codec) encodeChunk(r io.ReaderAt, off, n int64, dst *[]byte) ([]byte, uint32, error) {
 	pp := c.plain.get(int(n))
 	defer c.plain.put(pp)
 	plain := *pp
@@ -160,15 +159,24 @@ func (p *encodedPlan) chunks() []int64 {
 }
 
 // planFile encodes the size bytes of r chunk by chunk and returns the plan of
-// its compressed object.
+// its compressed object. It holds a codec slot for the whole file, so that
+// files are planned a few at a time and the first start uploading while
+// others are still being planned.
 func (c *codec) planFile(ctx context.Context, r io.ReaderAt, size int64) (*encodedPlan, error) {
+	if err := c.slots.Acquire(ctx, 1); err != nil {
+		return nil, err
+	}
+	defer c.slots.Release(1)
 	cl := c.chunkLen
 	n := (size + cl - 1) / cl
 	p := &encodedPlan{size: size, chunkLen: cl, offs: make([]int64, 1, n+1), crcs: make([]uint32, 0, n)}
 	dp := c.stored.get(0)
 	defer c.stored.put(dp)
 	for off := int64(0); off < size; off += cl {
-		chunk, plainCRC, err := c.encodeChunk(ctx, r, off, min(cl, size-off), dp)
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		chunk, plainCRC, err := c.encodeChunk(r, off, min(cl, size-off), dp)
 		if err != nil {
 			return nil, err
 		}
@@ -226,7 +234,8 @@ func (v *encodedFile) copyChunk(i int, p []byte, at int64) (int, error) {
 	}
 	dp := v.codec.stored.get(0)
 	off := int64(i) * v.plan.chunkLen
-	chunk, _, err := v.codec.encodeChunk(context.Background(), v.src, off, min(v.plan.chunkLen, v.plan.size-off), dp)
+	// No codec slot: the store's requests in flight bound these encodes.
+	chunk, _, err := v.codec.encodeChunk(v.src, off, min(v.plan.chunkLen, v.plan.size-off), dp)
 	if err == nil && int64(len(chunk)) != v.plan.offs[i+1]-v.plan.offs[i] {
 		err = fmt.Errorf("chunk %d encodes to %d bytes, %d before: the file changed during the upload", i, len(chunk), v.plan.offs[i+1]-v.plan.offs[i])
 	}
@@ -371,15 +380,10 @@ func (s *scaledProgress) add(n int) {
 // decodes it and hands the file bytes to out with their offset (out may be
 // nil). It returns the CRC32C of all the file bytes, which the caller checks.
 func (b *Backups) readCompressed(ctx context.Context, c *codec, name string, mf manifestFile, requests *semaphore.Weighted, out func(p []byte, off int64) error) (uint32, error) {
-	a, err := b.Store.Stat(ctx, name)
-	if err != nil {
-		return 0, err
-	}
-	if a.Size != mf.StoredSize {
-		return 0, fmt.Errorf("%s has %d bytes, manifest says %d", name, a.Size, mf.StoredSize)
-	}
+	// No Stat first (a round trip per file): every chunk is checked, and an
+	// object cut short ends a range early.
 	n := len(mf.Chunks)
-	per := min(maxChunksPerRead, max(1, (n+b.parallelism()-1)/b.parallelism()))
+	per := chunksPerRead
 	type rng struct {
 		first, last int    // chunks
 		off, size   int64  // stored bytes
@@ -396,7 +400,7 @@ func (b *Backups) readCompressed(ctx context.Context, c *codec, name string, mf 
 		ranges = append(ranges, r)
 	}
 	t := FileTransfer{Requests: requests}.withRequests()
-	err = t.eachRequest(ctx, len(ranges), func(ctx context.Context, k int) error {
+	err := t.eachRequest(ctx, len(ranges), func(ctx context.Context, k int) error {
 		r := &ranges[k]
 		body, err := b.Store.Open(ctx, name, r.off, r.size)
 		if err != nil {

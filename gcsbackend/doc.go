@@ -69,8 +69,9 @@
 // encodes each file twice, streaming — once to learn the object's size and
 // CRC32Cs, which the store needs before the first byte, once as the store
 // reads it (the GCS store takes its parts' CRC32Cs from the chunks'); at most
-// one chunk per CPU is encoded at a time, and a few encoded chunks are kept
-// for the store's small reads. Download and Verify with Deep decode every
+// one file per CPU is encoded the first time at once, and a few encoded
+// chunks are kept for the store's small reads. Reads take ranges of 8 whole
+// chunks (32 MiB of file bytes), several in parallel. Download and Verify with Deep decode every
 // chunk (its header against the manifest, its CRC32C) and check the
 // decoded file's size and CRC32C against the manifest; tiers then checks the
 // data's BLAKE3 tree hash. Export writes a backup's complete steps in the
