@@ -26,6 +26,11 @@
 //   - restore, mtcfs: Backups.Download (ranged reads in parallel, written with WriteAt, every
 //     file's CRC32C checked against the manifest, the tree renamed into place).
 //
+// A third scenario, on the same capped link (skipped with -compress-files 0 or -link-mbps 0; alone
+// with -compress-only, about 2 minutes), backs up and restores -compress-files × -compress-file-mib
+// of bf16 training data (planecodec/testdata, -testdata) with Backups.Compress off and auto side by
+// side, and writes its own section (gcsbench-compress): stored size ratio and time ratios.
+//
 // A second scenario (skipped with -link-mbps 0) models what makes parallel streams pay on real
 // GCS and is missing on loopback: a throughput cap per TCP connection and a round-trip time. The
 // same emulator is reached through internal/faultproxy with a Link on every connection — its own
@@ -99,6 +104,12 @@ type config struct {
 	linkBigSize  int64
 	linkFiles    int
 	linkFileSize int64
+
+	// The compressed-backup scenario (on the capped link); compressFiles 0 skips it.
+	compressFiles    int
+	compressFileSize int64
+	compressOnly     bool
+	testdata         string
 }
 
 func main() {
@@ -121,14 +132,21 @@ func main() {
 	flag.IntVar(&linkBigMiB, "link-big-mib", 192, "capped-link scenario: size of the big file in MiB")
 	flag.IntVar(&cfg.linkFiles, "link-files", 8, "capped-link scenario: number of smaller files")
 	flag.IntVar(&linkFileMiB, "link-file-mib", 8, "capped-link scenario: size of each smaller file in MiB")
+	var compressFileMiB int
+	flag.IntVar(&cfg.compressFiles, "compress-files", 8, "compressed-backup scenario (on the capped link): number of bf16 files; 0 skips the scenario")
+	flag.IntVar(&compressFileMiB, "compress-file-mib", 8, "compressed-backup scenario: size of each bf16 file in MiB")
+	flag.BoolVar(&cfg.compressOnly, "compress-only", false, "run only the compressed-backup scenario (its own section of -out)")
+	flag.StringVar(&cfg.testdata, "testdata", "../planecodec/testdata", "directory of planecodec's training data (the bf16 files)")
 	flag.Parse()
+	cfg.compressFileSize = int64(compressFileMiB) << 20
 	cfg.bigSize, cfg.fileSize = int64(bigMiB)<<20, int64(fileMiB)<<20
 	cfg.linkRate = int64(linkMBps * 1e6)
 	cfg.linkBigSize, cfg.linkFileSize = int64(linkBigMiB)<<20, int64(linkFileMiB)<<20
 	var invalid error
 	if cfg.reps < 3 || bigMiB < 1 || cfg.files < 0 || fileMiB < 1 || cfg.parallelism < 1 ||
-		linkMBps < 0 || cfg.linkRTT < 0 || linkBigMiB < 1 || cfg.linkFiles < 0 || linkFileMiB < 1 {
-		invalid = errors.New("want -reps ≥ 3, -big-mib ≥ 1, -files ≥ 0, -file-mib ≥ 1, -parallelism ≥ 1, -link-mbps ≥ 0, -link-rtt ≥ 0, -link-big-mib ≥ 1, -link-files ≥ 0, -link-file-mib ≥ 1")
+		linkMBps < 0 || cfg.linkRTT < 0 || linkBigMiB < 1 || cfg.linkFiles < 0 || linkFileMiB < 1 ||
+		cfg.compressFiles < 0 || compressFileMiB < 1 || (cfg.compressOnly && (cfg.compressFiles == 0 || linkMBps == 0)) {
+		invalid = errors.New("want -reps ≥ 3, -big-mib ≥ 1, -files ≥ 0, -file-mib ≥ 1, -parallelism ≥ 1, -link-mbps ≥ 0, -link-rtt ≥ 0, -link-big-mib ≥ 1, -link-files ≥ 0, -link-file-mib ≥ 1, -compress-files ≥ 0, -compress-file-mib ≥ 1; -compress-only needs -compress-files and -link-mbps above 0")
 	}
 	benchkit.Main(prog, invalid, func(ctx context.Context) error { return run(ctx, cfg) })
 }
@@ -179,6 +197,10 @@ func run(ctx context.Context, cfg config) error {
 		defer pprof.StopCPUProfile()
 	}
 
+	if cfg.compressOnly {
+		return publishCompressed(ctx, cfg, work, srv, client, env)
+	}
+
 	// Scenario 1: the raw emulator on loopback.
 	raw := &scenario{prefix: ""}
 	src := filepath.Join(work, "step")
@@ -206,7 +228,22 @@ func run(ctx context.Context, cfg config) error {
 		}
 	}
 
-	return resultsSection.Publish(cfg.out, renderSection(cfg, env, raw, linked))
+	if err := resultsSection.Publish(cfg.out, renderSection(cfg, env, raw, linked)); err != nil {
+		return err
+	}
+	if cfg.linkRate > 0 && cfg.compressFiles > 0 {
+		return publishCompressed(ctx, cfg, work, srv, client, env)
+	}
+	return nil
+}
+
+// publishCompressed runs the compressed-backup scenario and publishes its section.
+func publishCompressed(ctx context.Context, cfg config, work string, srv *fakestorage.Server, ctl *storage.Client, env benchkit.Environment) error {
+	res, err := runCompressed(ctx, cfg, work, srv, ctl)
+	if err != nil {
+		return fmt.Errorf("compressed backups: %w", err)
+	}
+	return compressSection.Publish(cfg.out, renderCompressed(cfg, env, res))
 }
 
 // newTransport is the HTTP transport of every client. Over plain HTTP the storage client speaks
