@@ -27,7 +27,7 @@
 //     file's CRC32C checked against the manifest, the tree renamed into place).
 //
 // A third scenario, on the same capped link (skipped with -compress-files 0 or -link-mbps 0; alone
-// with -compress-only, about 2 minutes), backs up and restores -compress-files × -compress-file-mib
+// with -compress-only, about a minute on 2 CPUs), backs up and restores -compress-files × -compress-file-mib
 // of bf16 training data (planecodec/testdata, -testdata) with Backups.Compress off and auto side by
 // side, and writes its own section (gcsbench-compress): stored size ratio and time ratios.
 //
