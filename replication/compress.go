@@ -92,8 +92,8 @@ const (
 	// autoPriorRatio is the ratio assumed before anything was sent compressed to a peer: what
 	// planecodec gets on a mix of bf16 and fp32 tensors (bench/RESULTS.md, codecbench).
 	autoPriorRatio = 1.3
-	// minLinkSample is the fewest wire bytes a transfer needs to count as a measurement: below,
-	// its time is mostly round trips and setup, not throughput.
+	// minLinkSample is the fewest bytes a transfer needs to count as a measurement: below, its
+	// time is mostly round trips, not throughput.
 	minLinkSample = 4 << 20
 	// rateWeight is the weight of a new measurement in the running estimates.
 	rateWeight = 0.5
@@ -118,6 +118,22 @@ type linkMeter struct {
 	ratio   float64 // GUARDED_BY(mu); original ÷ wire bytes of compressed transfers
 	samples int     // GUARDED_BY(mu)
 	changes int     // GUARDED_BY(mu); times the decision flipped
+	// silent is set when the peer's last push stream ended without announcing the codec (an
+	// agent older than compression): compressed pushes then send at once, without waiting.
+	silent bool // GUARDED_BY(mu)
+}
+
+func (m *linkMeter) setAnnounces(yes bool) {
+	m.mu.Lock()
+	m.silent = !yes
+	m.mu.Unlock()
+}
+
+// mayAnnounce says whether a push stream should wait for the codec's announcement.
+func (m *linkMeter) mayAnnounce() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return !m.silent
 }
 
 func blend(old, v float64) float64 {
@@ -130,7 +146,7 @@ func blend(old, v float64) float64 {
 // add takes a transfer's measurement into the estimates and revises the decision; codec is the
 // codec's rate (original bytes/s on one core).
 func (m *linkMeter) add(s linkSample, codec float64) {
-	if s.wire < minLinkSample || s.elapsed <= 0 {
+	if s.orig < minLinkSample || s.elapsed <= 0 {
 		return
 	}
 	secs := s.elapsed.Seconds()

@@ -70,13 +70,51 @@
 // A push of one data name is one transfer: a sender-chosen id, one or more PushFiles streams that
 // each start with the same PushHeader (identity + Manifest: files with sizes and digests,
 // directories, symlinks with targets, special entries with type and device number), then
-// Chunks {file index, offset, bytes, CRC-32C}. The bytes of all files, concatenated in manifest order, are cut into as many
+// Chunks {file index, offset, bytes, CRC-32C, codec}. The bytes of all files, concatenated in manifest order, are cut into as many
 // contiguous shares as there are streams, so one large file is spread over all of them and each
 // stream reads sequentially. When all streams ended, Commit verifies and accepts. Fetch streams
 // carry the Manifest and then the chunks of the share the fetcher asked for. Chunk messages
 // are encoded and decoded by peerCodec (codec.go) in that same protobuf format, without the
 // copies gRPC's proto codec makes: gRPC copies the sender's pread buffer straight into its
 // socket buffer, and the receiver writes from gRPC's receive buffers with pwritev.
+//
+// # Compression
+//
+// A chunk may travel compressed: Chunk.codec = CHUNK_CODEC_PLANES says its data is one
+// planecodec chunk (byte planes of the floats, entropy coded; package planecodec has the format)
+// that decodes to the piece's original bytes at Chunk.offset. Chunk.crc32c is the CRC-32C of
+// the bytes on the wire, compressed or not; the planecodec chunk carries its own CRC-32C of its
+// stored bytes, checked again before decoding, and its declared length must fit the file before
+// anything is decoded. At Commit (or at the end of a fetch) every file's BLAKE3 of the original
+// bytes and the tree hash are checked as for any transfer. PushReply.bytes counts original
+// bytes. A chunk whose coding would not pay goes as it is (codec 0), so the receiver neither
+// copies nor decodes it. The receiver gathers a compressed chunk out of gRPC's buffers into one
+// buffer and decodes it into another, both per stream, at most a chunk each, and pooled.
+//
+// Negotiation, so that agents older than the codec keep working in both directions: a
+// receiver announces the codecs it decodes in the response header "mtcfs-chunk-codecs"
+// ("planes"), which it sends as soon as a PushFiles stream joined its transfer; a sender
+// compresses only on streams where it arrived, and waits for it (up to a second, or a quarter of
+// the stall timeout) before its first chunk, unless that peer's last stream went through
+// without one. An older receiver sends its headers only with its reply, so it only ever gets
+// chunks as they are. A fetcher lists the codecs it takes in FetchRequest.accept_codecs; the
+// server compresses only then (and not with Compression off), and an older server ignores the
+// field.
+//
+// When (Compression, mtcfs mount --peer-compress): off never compresses; on compresses every
+// chunk where planecodec's sample says it pays; auto, the default, per peer: each transfer of at
+// least 4 MiB measures the link (wire bytes ÷ time from the receiver being ready to the last
+// stream's end; for a fetch, from the first manifest), and the decision is revised against one
+// core's compression speed c, measured once on this machine (Sender.CodecRate overrides it).
+// Uncompressed, compression turns on when r·L < 0.7·c (L the link's rate, r the ratio of the
+// earlier compressed transfers to that peer, 1.3 before there were any): the link is slower
+// than the codec even carrying compressed bytes. Compressed, it turns off when the original
+// bytes moved faster than 0.9·c, or the sender waited for the network less than a tenth of its
+// time (the codec was the bottleneck). Loopback and fast NICs stay uncompressed; a 1 GbE link
+// is compressed. A transfer follows the decision in force when it starts, for all its chunks,
+// so the first transfer to a peer goes uncompressed and measures the link. A fetch asks for
+// compression when the decision for that peer, learnt from pushes to it and earlier fetches,
+// says so. Sender.PeerLinks and Node.PeerStats report the measurements, decisions and bytes.
 //
 // The generated code in peerpb is committed; after editing peerpb/peer.proto or
 // peerpb/coordinator.proto, run `make proto` from the module root. It needs protoc (apt-get

@@ -68,6 +68,9 @@ type ReceiverConfig struct {
 	Compression Compression
 	// Logger receives refusals and discarded transfers. Default slog.Default().
 	Logger *slog.Logger
+	// asOld makes the receiver behave, on the wire, as an agent older than chunk compression:
+	// no codec announced to pushers, accept_codecs of fetchers ignored. For tests.
+	asOld bool
 	// Now is the clock for authentication; default time.Now.
 	Now func() time.Time
 }
@@ -104,10 +107,6 @@ type Receiver struct {
 	early   map[earlyKey]*earlyGroup // GUARDED_BY(mu)
 	lastInc map[rankKey]string       // GUARDED_BY(mu)
 	expiry  *time.Timer
-
-	// asOld makes the receiver behave, on the wire, as an agent older than chunk compression:
-	// no codec announced to pushers, accept_codecs of fetchers ignored. For tests.
-	asOld bool
 }
 
 var _ peerpb.PeerServer = (*Receiver)(nil)
@@ -264,7 +263,7 @@ func (r *Receiver) PushFiles(stream grpc.ClientStreamingServer[peerpb.PushMessag
 		return err
 	}
 	defer func() { r.leave(t, err) }()
-	if !r.asOld {
+	if !r.cfg.asOld {
 		// The sender compresses only once it saw this (see codecsHeader).
 		if err := stream.SendHeader(metadata.Pairs(codecsHeader, codecPlanesName)); err != nil {
 			return fmt.Errorf("transfer %s: %w", t.id, err)
@@ -613,7 +612,7 @@ func (r *Receiver) Fetch(req *peerpb.FetchRequest, stream grpc.ServerStreamingSe
 	}
 	out := chunkOut{send: func(c *outChunk) error { return stream.SendMsg(c) }}
 	defer out.release()
-	if !r.asOld && r.cfg.Compression != CompressOff && slices.Contains(req.AcceptCodecs, peerpb.ChunkCodec_CHUNK_CODEC_PLANES) {
+	if !r.cfg.asOld && r.cfg.Compression != CompressOff && slices.Contains(req.AcceptCodecs, peerpb.ChunkCodec_CHUNK_CODEC_PLANES) {
 		out.compress = func() bool { return true }
 	}
 	_, err = sendShare(ctx, p, m, m.share(int(req.StreamIndex), int(req.StreamCount)), chunk, &out)

@@ -130,6 +130,10 @@ func (s *Sender) streams() int {
 	return min(s.Streams, maxStreams)
 }
 
+// announceWait is how long the first chunk of a compressed push waits for the receiver's
+// announcement of the codec.
+func (s *Sender) announceWait() time.Duration { return min(time.Second, s.stallTimeout()/4) }
+
 func (s *Sender) stallTimeout() time.Duration {
 	if s.StallTimeout <= 0 {
 		return DefaultStallTimeout
@@ -214,16 +218,17 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 	compress := s.Compress != CompressOff && s.compressTo(key) // decided once per transfer
 	stats := make([]streamStats, n)
 	w := startWatchdog(ctx, s.stallTimeout())
-	start := time.Now()
+	peer := s.meter(key)
 	err = runStreams(w.ctx, n, func(ctx context.Context, i int) error {
-		return pushStream(ctx, client, opts, header, req.Source, m, i, n, chunk, w.progress, compress, &stats[i])
+		return pushStream(ctx, client, opts, header, req.Source, m, i, n, chunk, w.progress, compress, peer, s.announceWait(), &stats[i])
 	})
-	elapsed := time.Since(start)
 	w.stop()
 	var total streamStats
 	for _, st := range stats {
 		total.add(st)
 	}
+	// From when the receiver was ready (its transfer directory made) to the last stream's end.
+	elapsed := total.end.Sub(total.ready)
 	s.bytesSent.Add(total.orig)
 	s.wireSent.Add(total.wire)
 	s.codedChunks.Add(total.coded)
@@ -258,6 +263,9 @@ type streamStats struct {
 	orig, wire, coded int64
 	wait, busy        time.Duration // waiting for the network; the stream's whole time
 	announced         int           // streams on which the receiver announced the codec
+	// ready is when the receiver announced itself (set up to take the chunks), or the stream
+	// opened if it did not; end when it confirmed the bytes.
+	ready, end time.Time
 }
 
 func (t *streamStats) add(o streamStats) {
@@ -267,14 +275,22 @@ func (t *streamStats) add(o streamStats) {
 	t.wait += o.wait
 	t.busy += o.busy
 	t.announced += o.announced
+	if t.ready.IsZero() || o.ready.Before(t.ready) {
+		t.ready = o.ready
+	}
+	if o.end.After(t.end) {
+		t.end = o.end
+	}
 }
 
 // pushStream sends the header and share i of n on one PushFiles stream, and checks that the
-// receiver wrote all of it. With compress, chunks go compressed once the receiver announced
-// the codec (the first ones may go as they are meanwhile). It fills stats once the receiver
-// confirmed the bytes.
+// receiver wrote all of it. With compress, chunks go compressed once the receiver announced the
+// codec: the first waits for the announcement up to wait, unless peer is known not to make it
+// (an older agent sends its header only with its reply; chunks then go as they are). It fills
+// stats once the receiver confirmed the bytes.
 func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallOption, header *peerpb.PushHeader,
-	src string, m *manifest, i, n, chunk int, progress func(), compress bool, stats *streamStats) error {
+	src string, m *manifest, i, n, chunk int, progress func(), compress bool, peer *linkMeter, wait time.Duration,
+	stats *streamStats) error {
 	start := time.Now()
 	ctx, cancel := context.WithCancel(ctx)
 	var heard sync.WaitGroup
@@ -286,18 +302,31 @@ func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallO
 	out := chunkOut{send: func(c *outChunk) error { return stream.SendMsg(c) }, progress: progress}
 	defer out.release()
 	var announced atomic.Bool
+	var readyAt atomic.Int64 // Unix nanoseconds of the announcement
+	heardCh := make(chan struct{})
+	heard.Go(func() {
+		defer close(heardCh)
+		if md, err := stream.Header(); err == nil && slices.Contains(md.Get(codecsHeader), codecPlanesName) {
+			readyAt.Store(time.Now().UnixNano())
+			announced.Store(true)
+			peer.setAnnounces(true)
+		}
+	})
 	if compress {
-		// An older receiver sends its header only with its reply: chunks go as they are.
-		heard.Go(func() {
-			if md, err := stream.Header(); err == nil && slices.Contains(md.Get(codecsHeader), codecPlanesName) {
-				announced.Store(true)
-			}
-		})
 		out.compress = announced.Load
 	}
 	sent, err := func() (int64, error) {
 		if err := stream.Send(&peerpb.PushMessage{Kind: &peerpb.PushMessage_Header{Header: header}}); err != nil {
 			return 0, err
+		}
+		if compress && peer.mayAnnounce() {
+			t := time.NewTimer(wait)
+			select {
+			case <-heardCh:
+			case <-t.C:
+			case <-ctx.Done():
+			}
+			t.Stop()
 		}
 		return sendShare(ctx, src, m, m.share(i, n), chunk, &out)
 	}()
@@ -317,10 +346,16 @@ func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallO
 	if reply.Bytes != sent {
 		return fmt.Errorf("stream %d: receiver wrote %d bytes, %d were sent", i, reply.Bytes, sent)
 	}
+	if !announced.Load() {
+		peer.setAnnounces(false) // a stream that went through without it: an older agent
+	}
+	end := time.Now()
 	*stats = streamStats{orig: out.orig, wire: out.wire, coded: out.coded,
-		wait: out.wait + time.Since(waitStart), busy: time.Since(start)}
+		wait: out.wait + end.Sub(waitStart), busy: end.Sub(start), ready: start, end: end}
 	if announced.Load() {
 		stats.announced = 1
+		stats.ready = time.Unix(0, readyAt.Load())
+		stats.busy = end.Sub(stats.ready)
 	}
 	return nil
 }
@@ -358,7 +393,9 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 		first *peerpb.Manifest
 		sk    *sink // GUARDED_BY(mu) until every stream ended
 		total int64 // GUARDED_BY(mu) until every stream ended
-		done  atomic.Int64
+		// started is when the first manifest arrived; GUARDED_BY(mu) until every stream ended
+		started time.Time
+		done    atomic.Int64
 	)
 	open := func(pb *peerpb.Manifest) (*sink, error) {
 		mu.Lock()
@@ -382,7 +419,7 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 		if sk, err = newSink(req.Dir, ".fetch-", m); err != nil {
 			return nil, err
 		}
-		first, total = pb, m.total
+		first, total, started = pb, m.total, time.Now()
 		if req.Progress != nil {
 			req.Progress(0, total)
 		}
@@ -397,7 +434,6 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 	}()
 
 	w := startWatchdog(ctx, s.stallTimeout())
-	start := time.Now()
 	err = runStreams(w.ctx, n, func(ctx context.Context, i int) error {
 		stream, err := client.Fetch(ctx, &peerpb.FetchRequest{DataName: req.DataName, StreamIndex: uint32(i),
 			StreamCount: uint32(n), ChunkSize: uint32(chunk), AcceptCodecs: accept}, opts...)
@@ -447,8 +483,8 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 			}
 		}
 	})
-	elapsed := time.Since(start)
 	w.stop()
+	elapsed := time.Since(started) // from the first manifest: the server may have hashed the data first
 	s.fetched.Add(orig.Load())
 	s.wireFetched.Add(wire.Load())
 	s.codedFetched.Add(coded.Load())
