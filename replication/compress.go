@@ -210,7 +210,7 @@ func (s *Sender) PeerLinks() []PeerLink {
 	return out
 }
 
-// peerKey names the peer behind conn for the link meters.
+// linkKey names the peer behind conn for the link meters.
 func linkKey(conn grpc.ClientConnInterface) string {
 	if t, ok := conn.(interface{ Target() string }); ok {
 		return t.Target()
