@@ -25,27 +25,28 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--backup-compress auto|off] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--go-memory-limit auto|off|SIZE] [--uid N --gid N --mode OCTAL]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--backup-compress auto|off] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--peer-compress auto|on|off] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--go-memory-limit auto|off|SIZE] [--uid N --gid N --mode OCTAL]"
 
 type mountConfig struct {
-	dir         string
-	budget      int64
-	spoolDir    string
-	passthrough mfs.PassthroughMode
-	httpAddr    string
-	debugFuse   bool
-	xattrs      bool
-	backupURL   string
-	compress    gcsbackend.Compression
-	jaxInit     *tiers.JaxInit
-	listen      string
-	advertise   string
-	peers       replication.Discovery // --peers; nil: the registry
-	lagTimeout  time.Duration
-	secretFile  string
-	peerTLS     *replication.TLSConfigs
-	drain       time.Duration
-	owner       mfs.RootOwner
+	dir          string
+	budget       int64
+	spoolDir     string
+	passthrough  mfs.PassthroughMode
+	httpAddr     string
+	debugFuse    bool
+	xattrs       bool
+	backupURL    string
+	compress     gcsbackend.Compression
+	jaxInit      *tiers.JaxInit
+	listen       string
+	advertise    string
+	peers        replication.Discovery // --peers; nil: the registry
+	lagTimeout   time.Duration
+	secretFile   string
+	peerTLS      *replication.TLSConfigs
+	peerCompress replication.Compression
+	drain        time.Duration
+	owner        mfs.RootOwner
 }
 
 // parseOwner turns --uid, --gid and --mode (-1 and "": not given) into the mount root's owner.
@@ -87,6 +88,8 @@ func cmdMount(args []string) int {
 	passthrough := fset.String("passthrough", "auto", "FUSE passthrough for file data: auto, on or off")
 	httpAddr := fset.String("http", "127.0.0.1:0", "serve /livez, /readyz and /status on HOST:PORT (port 0 picks a free port; \"\" turns it off)")
 	backup := fset.String("backup", gcsbackend.DefaultURL(), "backup location: file:///abs/dir or gs://bucket[/prefix]")
+	peerCompress := replication.CompressAuto
+	fset.Var(&peerCompress, "peer-compress", "compress checkpoint chunks sent to peers: auto (only when the link to a peer is measured slower than this machine's codec; loopback and fast NICs stay uncompressed), on or off")
 	compress := fset.String("backup-compress", "off", "backup data: auto stores files compressed where that pays (float tensors; Orbax cannot open such objects directly, see mtcfs backups export), off keeps every object as the job wrote it; use the same on every agent of a job")
 	rank := fset.Int("rank", -1, "this node's rank, written to jax-init-info.txt with --jax-coordinator")
 	jaxCoord := fset.String("jax-coordinator", "", "JAX coordinator HOST:PORT for jax-init-info.txt (with --rank)")
@@ -123,7 +126,7 @@ func cmdMount(args []string) int {
 	if *drain == 0 {
 		*drain = -1 // tiers reads 0 as "the default": 0s means no drain at all
 	}
-	cfg := mountConfig{dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile, drain: *drain}
+	cfg := mountConfig{peerCompress: peerCompress, dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile, drain: *drain}
 	if cfg.compress, err = gcsbackend.ParseCompression(*compress); err != nil {
 		return flagError(fset, fmt.Errorf("--backup-compress: %w", err))
 	}
@@ -260,7 +263,7 @@ func runMount(cfg mountConfig) error {
 		return fmt.Errorf("--listen %s: %w", cfg.listen, err)
 	}
 	node, err := replication.NewNode(replication.NodeConfig{Listener: ln, Advertise: cfg.advertise, Objects: gcsbackend.SmallObjects{Store: backups.Store},
-		Peers: cfg.peers, Secret: secret, TLS: cfg.peerTLS, Store: store, LagTimeout: cfg.lagTimeout})
+		Peers: cfg.peers, Secret: secret, TLS: cfg.peerTLS, Store: store, LagTimeout: cfg.lagTimeout, Compression: cfg.peerCompress})
 	if err != nil {
 		ln.Close()
 		return err
@@ -268,7 +271,13 @@ func runMount(cfg mountConfig) error {
 	metrics := prometheus.NewRegistry()
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "mtcfs_build_info", Help: "Always 1; the agent's version is a label.",
-			ConstLabels: prometheus.Labels{"version": version}}, func() float64 { return 1 }))
+			ConstLabels: prometheus.Labels{"version": version}}, func() float64 { return 1 }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_peer_sent_bytes_total", Help: "Checkpoint bytes pushed to peers, as read from the spool."},
+			func() float64 { return float64(node.PeerStats().BytesSent) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_peer_wire_bytes_total", Help: "The same chunks' bytes on the wire (smaller when --peer-compress compressed them)."},
+			func() float64 { return float64(node.PeerStats().WireBytesSent) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_peer_chunks_compressed_total", Help: "Chunks pushed to peers compressed."},
+			func() float64 { return float64(node.PeerStats().ChunksCompressed) }))
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
 		DrainTimeout: cfg.drain, Registerer: metrics})
 	var ready atomic.Bool
