@@ -285,7 +285,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 	}
 	counts := &requestCounts{}
 	raw := &countingFS{RawFileSystem: &eventFS{RawFileSystem: gofs.NewNodeFS(rootNode, fsOpts), m: m}, n: counts}
-	srv, err := fuse.NewServer(raw, abs, &fsOpts.MountOptions)
+	srv, err := newServer(raw, abs, &fsOpts.MountOptions)
 	if err != nil {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
@@ -350,4 +350,57 @@ func probePassthrough(srv *fuse.Server, spool *tiers.Spool) bool {
 	}
 	srv.UnregisterBackingFd(id)
 	return true
+}
+
+// newServer mounts like fuse.NewServer, and keeps the FUSE device out of every process this one
+// starts. go-fuse's direct mount (v2.12) leaves its /dev/fuse descriptor without close-on-exec:
+// a child started later (a hook, a test's tool) inherits it, and when the agent dies the kernel
+// keeps the connection open for that child, whose own requests then wait forever (D state,
+// unkillable) instead of failing with ENOTCONN. The direct mount runs under syscall.ForkLock, as
+// os.Open does, so no fork in another goroutine copies the descriptor before it is marked; if
+// the direct mount fails, the fusermount path (which forks, and marks its descriptor itself)
+// runs outside the lock, as go-fuse's own fallback would.
+func newServer(raw fuse.RawFileSystem, dir string, opts *fuse.MountOptions) (*fuse.Server, error) {
+	if !opts.DirectMount {
+		srv, err := fuse.NewServer(raw, dir, opts)
+		if err == nil {
+			closeFUSEOnExec()
+		}
+		return srv, err
+	}
+	strict := *opts
+	strict.DirectMountStrict = true
+	syscall.ForkLock.RLock()
+	srv, err := fuse.NewServer(raw, dir, &strict)
+	if err == nil {
+		closeFUSEOnExec()
+	}
+	syscall.ForkLock.RUnlock()
+	if err == nil {
+		return srv, nil
+	}
+	fallback := *opts
+	fallback.DirectMount = false
+	srv, err2 := fuse.NewServer(raw, dir, &fallback)
+	if err2 != nil {
+		return nil, fmt.Errorf("%w (and through fusermount3: %v)", err, err2)
+	}
+	closeFUSEOnExec()
+	return srv, nil
+}
+
+// closeFUSEOnExec sets close-on-exec on every descriptor of this process open on /dev/fuse.
+func closeFUSEOnExec() {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		if target, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && target == "/dev/fuse" {
+			var fd int
+			if _, err := fmt.Sscan(e.Name(), &fd); err == nil {
+				syscall.CloseOnExec(fd)
+			}
+		}
+	}
 }
