@@ -79,6 +79,16 @@ func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...stri
 	}()
 	go func() { a.err = a.cmd.Wait(); close(a.done) }()
 	t.Cleanup(func() {
+		if t.Failed() {
+			// What the agent said last, and whether it was still running: a failed test's
+			// only view of an agent that died or misbehaved.
+			select {
+			case <-a.done:
+				t.Logf("agent on %s had exited (%v); its last log lines:\n%s", dir, a.err, a.tail(80))
+			default:
+				t.Logf("agent on %s (still running); its last log lines:\n%s", dir, a.tail(80))
+			}
+		}
 		a.cmd.Process.Kill()
 		<-a.done
 		forceUnmount(dir)
@@ -92,6 +102,13 @@ func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...stri
 		t.Fatalf("agent did not start serving within 15s\n%s", a.log())
 	}
 	return a
+}
+
+// tail returns the last n lines of the agent's log.
+func (a *agent) tail(n int) string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return strings.Join(a.logs[max(0, len(a.logs)-n):], "\n")
 }
 
 func (a *agent) log() string {
