@@ -3,8 +3,14 @@ GO        ?= go
 BIN       := bin/mtcfs
 GOFLAGS   ?=
 TEST_TIMEOUT ?= 15m
+# pjdfstest (fs/pjdfstest_test.go) runs on its own, without -race: the suite forks several
+# processes per assertion, and under -race beside the other packages it took over 15 min on a
+# 2-CPU VM with slow fork+exec (about 4.5 ms each). The race pass runs the same fs code.
+PJD_TIMEOUT ?= 20m
+# make test runs it on the default data path (passthrough); make pjdfstest on both.
+PJD_PATHS ?= on
 
-.PHONY: all build install demo test vet bench fuzz proto clean check-mounts clean-test-mounts image
+.PHONY: all build install demo test vet bench fuzz proto clean check-mounts clean-test-mounts image pjdfstest
 
 all: build
 
@@ -30,19 +36,26 @@ vet:
 	$(GO) vet ./...
 	@for m in $(MODULES); do echo "(cd $$m && $(GO) vet ./...)"; (cd $$m && $(GO) vet ./...) || exit 1; done
 
-# The whole suite under the race detector, then the concurrency tests again on one P, then the
+# The whole suite under the race detector (but pjdfstest), then the concurrency tests again on one
+# P, then pjdfstest in the mount on both data paths without -race, then the
 # other modules' tests (bench: its helpers; deploy: manifests, image, pods in mount namespaces),
 # then a check that no test left a mount behind. Tests unmount what they mount, also when they fail;
 # a test binary killed by -timeout cannot, so its leftovers (mounts under a test's temporary
 # directory) are detached lazily before the check, and the check then reports them.
 test: vet
 	@status=0; \
-	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./... || status=$$?; \
+	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -skip '^TestPjdfstest$$' ./... || status=$$?; \
 	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent|Stress|Early|SlowPeer|CoordinatorSync' ./... || status=$$?; fi; \
+	$(GO) test -count=1 -timeout $(PJD_TIMEOUT) -run '^TestPjdfstest$$/^$(PJD_PATHS)$$' ./fs || status=$$?; \
 	for m in $(MODULES); do (cd $$m && $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...) || status=$$?; done; \
 	$(MAKE) --no-print-directory clean-test-mounts; \
 	$(MAKE) --no-print-directory check-mounts || status=1; \
 	exit $$status
+
+# pjdfstest on both data paths (passthrough and the fallback), verbose: the figures of
+# bench/RESULTS.md's POSIX conformance section.
+pjdfstest:
+	$(GO) test -count=1 -timeout $(PJD_TIMEOUT) -run '^TestPjdfstest$$' -v ./fs
 
 # Test mounts live under the temporary directories go test makes (/tmp/Test*, /tmp/mtcfs-*).
 clean-test-mounts:

@@ -49,8 +49,10 @@ var pjdTodoFailures = map[string][]int{
 // test file with a failed assertion. Both data paths matter: they share the namespace code, but
 // reads, writes, truncation and attribute caching differ.
 //
-// Run time on the 2-core test machine, under -race: about 15 s to build the suite, then 2.5 min
-// for both data paths at once (prove -j4 each; one data path alone, without -race: 1.6 min).
+// Run time: the suite forks several processes per assertion, so it follows the machine's
+// fork+exec cost: on one 2-core VM 2.5 min for both data paths at once under -race, on another
+// (fork+exec of /bin/true 4.5 ms) 12.5 min beside a crashbench run. make test runs it on its
+// own, without -race (PJD_TIMEOUT).
 //
 // It needs root (the suite changes owners, creates device nodes and acts as other users) and,
 // to build the suite, autoconf, automake, gcc, make, perl (prove) and openssl (its name
