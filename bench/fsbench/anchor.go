@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -9,7 +8,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -63,7 +61,7 @@ func (ts *targetSet) startAnchor(ctx context.Context) error {
 	ts.ws.Defer(func() error { return benchkit.Unmount(data) })
 
 	cmd := exec.Command(bin, "-allow-other", "-directmount", "-q", dir, data)
-	var log lockedLog
+	var log benchkit.LockedBuffer
 	cmd.Stdout, cmd.Stderr = &log, &log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // a terminal's Ctrl-C reaches fsbench only
 	if err := cmd.Start(); err != nil {
@@ -109,22 +107,4 @@ func (ts *targetSet) startAnchor(ctx context.Context) error {
 	ts.servers = append(ts.servers, cmd.Process.Pid)
 	ts.list = append(ts.list, &target{name: anchorTarget, dir: dir, skip: map[string]bool{"sequential": true}})
 	return nil
-}
-
-// lockedLog collects a child's output, written by exec's copying goroutines.
-type lockedLog struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *lockedLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *lockedLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
 }

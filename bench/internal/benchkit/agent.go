@@ -50,7 +50,7 @@ type Agent struct {
 	HTTP       string
 	keepsSpool bool
 	cmd        *exec.Cmd
-	log        lockedBuffer // the agent's stdout and stderr
+	log        LockedBuffer // the agent's stdout and stderr
 	exited     chan struct{}
 	waitErr    error // set before exited is closed
 	stopped    bool
@@ -205,19 +205,19 @@ func leftover(dir string) error {
 	return errors.Join(fmt.Errorf("%s (%s) was still mounted after its agent exited", dir, fstype), Unmount(dir))
 }
 
-// lockedBuffer collects a child's output; exec writes to it from its own goroutines.
-type lockedBuffer struct {
+// LockedBuffer collects a child's output; exec writes to it from its own goroutines.
+type LockedBuffer struct {
 	mu  sync.Mutex
 	buf bytes.Buffer // GUARDED_BY(mu)
 }
 
-func (b *lockedBuffer) Write(p []byte) (int, error) {
+func (b *LockedBuffer) Write(p []byte) (int, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.Write(p)
 }
 
-func (b *lockedBuffer) String() string {
+func (b *LockedBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
