@@ -15,7 +15,6 @@ import (
 
 	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
 	"github.com/mtcfs/mtcfs/gcsbackend"
-	"github.com/mtcfs/mtcfs/internal/faultproxy"
 )
 
 // compressSection is the results-file section of this scenario, apart from gcsbench's main one so
@@ -79,19 +78,11 @@ func runCompressed(ctx context.Context, cfg config, work string, srv *fakestorag
 		return nil, err
 	}
 	srv.CreateBucket(bucket)
-	proxy, err := faultproxy.New("127.0.0.1:0", strings.TrimPrefix(srv.URL(), "http://"))
+	proxy, client, closeLink, err := cappedClient(ctx, cfg, srv)
 	if err != nil {
 		return nil, err
 	}
-	defer proxy.Close()
-	proxy.SetLinkBoth(faultproxy.Link{BytesPerSecond: cfg.linkRate, Latency: cfg.linkRTT / 2})
-	transport := newTransport()
-	defer transport.CloseIdleConnections()
-	client, err := newClient(ctx, "http://"+proxy.Addr(), transport)
-	if err != nil {
-		return nil, err
-	}
-	defer client.Close()
+	defer closeLink()
 
 	res := &compressResult{sc: &scenario{prefix: "bf16-"}, stored: map[gcsbackend.Compression]int64{}}
 	src := filepath.Join(work, "bf16-step")

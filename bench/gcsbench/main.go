@@ -269,19 +269,11 @@ func runLinked(ctx context.Context, cfg config, work string, srv *fakestorage.Se
 	if err := os.RemoveAll(filepath.Join(work, "step")); err != nil { // tmpfs is RAM
 		return nil, err
 	}
-	proxy, err := faultproxy.New("127.0.0.1:0", strings.TrimPrefix(srv.URL(), "http://"))
+	proxy, client, closeLink, err := cappedClient(ctx, cfg, srv)
 	if err != nil {
 		return nil, err
 	}
-	defer proxy.Close()
-	proxy.SetLinkBoth(faultproxy.Link{BytesPerSecond: cfg.linkRate, Latency: cfg.linkRTT / 2})
-	transport := newTransport()
-	defer transport.CloseIdleConnections()
-	client, err := newClient(ctx, "http://"+proxy.Addr(), transport)
-	if err != nil {
-		return nil, err
-	}
-	defer client.Close()
+	defer closeLink()
 
 	sc := &scenario{prefix: "link-"}
 	src := filepath.Join(work, "link-step")
@@ -664,4 +656,26 @@ func writeTable(sb *strings.Builder, sc *scenario, unit string, scale float64) {
 			w("| %s | %s | %s | %s | %s | %s | %s |\n", dir, label, part, benchkit.FormatValue(g), ratio, benchkit.FormatValue(cpu(v.key)), strings.Join(raw, " "))
 		}
 	}
+}
+
+// cappedClient is a storage client whose requests reach the emulator through a TCP proxy pacing
+// each connection at cfg.linkRate with cfg.linkRTT of round trip; closeLink undoes it all.
+func cappedClient(ctx context.Context, cfg config, srv *fakestorage.Server) (proxy *faultproxy.Proxy, client *storage.Client, closeLink func(), err error) {
+	proxy, err = faultproxy.New("127.0.0.1:0", strings.TrimPrefix(srv.URL(), "http://"))
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	proxy.SetLinkBoth(faultproxy.Link{BytesPerSecond: cfg.linkRate, Latency: cfg.linkRTT / 2})
+	transport := newTransport()
+	client, err = newClient(ctx, "http://"+proxy.Addr(), transport)
+	if err != nil {
+		transport.CloseIdleConnections()
+		proxy.Close()
+		return nil, nil, nil, err
+	}
+	return proxy, client, func() {
+		client.Close()
+		transport.CloseIdleConnections()
+		proxy.Close()
+	}, nil
 }
