@@ -1,11 +1,16 @@
 package fs
 
 import (
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/internal/fusectl"
 )
 
 // TestChildrenDoNotInheritTheFUSEDevice: a process started after the mount holds no descriptor
@@ -21,4 +26,17 @@ func TestChildrenDoNotInheritTheFUSEDevice(t *testing.T) {
 			require.NotContains(t, strings.Split(string(out), "\n"), "/dev/fuse", "descriptors of the child:\n%s", out)
 		})
 	}
+}
+
+// TestFusectlAbort: fusectl.Abort, which the agent tests use before detaching a dead agent's
+// mount, makes every access to the mount fail with ENOTCONN instead of waiting, and leaves no
+// fusectl mount behind.
+func TestFusectlAbort(t *testing.T) {
+	dir, _ := testMount(t, PassthroughAuto, 64<<20)
+	require.NoError(t, fusectl.Abort(dir))
+	_, err := os.Stat(filepath.Join(dir, "x"))
+	require.ErrorIs(t, err, syscall.ENOTCONN)
+	mounts, err := os.ReadFile("/proc/self/mounts")
+	require.NoError(t, err)
+	require.NotContains(t, string(mounts), " fusectl ")
 }

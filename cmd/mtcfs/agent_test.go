@@ -17,6 +17,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/internal/fusectl"
 )
 
 var binPath string
@@ -132,6 +134,7 @@ func (a *agent) wait(d time.Duration) int {
 }
 
 func forceUnmount(p string) {
+	fusectl.Abort(p) // nothing may stay blocked on a mount whose agent is gone
 	for isMounted(p) {
 		if unix.Unmount(p, unix.MNT_DETACH) != nil {
 			return

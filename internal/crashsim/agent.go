@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mtcfs/mtcfs/internal/agents"
+	"github.com/mtcfs/mtcfs/internal/fusectl"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -272,6 +273,7 @@ func mountsUnder(dir string) []string {
 
 // forceUnmount detaches everything mounted at dir.
 func forceUnmount(dir string) {
+	fusectl.Abort(dir) // nothing may stay blocked on a mount whose agent is gone
 	for mountsAt(dir) > 0 {
 		if unix.Unmount(dir, unix.MNT_DETACH) != nil {
 			return
