@@ -30,31 +30,32 @@ func TestCommitSurvivesAKillAtEveryPointOfSealing(t *testing.T) {
 	for _, point := range []string{"right after the rename", "after hashing, before the .meta"} {
 		t.Run(point, func(t *testing.T) {
 			t.Parallel()
-			h := newHarness(t, harnessConfig{})
-			h.start(baseYAML, "job")
 			block := make(chan struct{})
 			defer close(block)
 			blocked := make(chan string, 1)
+			hcfg := harnessConfig{}
+			if point == "right after the rename" {
+				// The rename returned (the record and its commit.json are written); the sealer
+				// stops before it touches the record, as a kill at that moment leaves it.
+				hcfg.beforeSeal = func(int64) {
+					select {
+					case blocked <- "seal":
+						<-block
+					default:
+					}
+				}
+			}
+			h := newHarness(t, hcfg)
+			h.start(baseYAML, "job")
 			h.ns.setHook(func(op, name string) {
 				// The sealer's first namespace call comes after it hashed the record and moved the
-				// data into spool/sealed; Seal itself runs on the rename.
+				// data into spool/sealed.
 				if op == "list" && point != "right after the rename" {
 					select {
 					case blocked <- "list":
 						<-block
 					default:
 					}
-				}
-				if op == "seal" && point == "right after the rename" {
-					// Let Seal finish (the rename returns), but keep the sealer from starting by
-					// snapshotting before the sealer can run: block the next namespace call.
-					h.ns.setHook(func(op, name string) {
-						select {
-						case blocked <- op:
-							<-block
-						default:
-						}
-					})
 				}
 			})
 			files := checkpointFiles("7")

@@ -368,6 +368,8 @@ type harnessConfig struct {
 	env     map[string]string // for $VAR expansion
 	jaxInit *tiers.JaxInit
 	drain   time.Duration // the replicator's DrainTimeout; 0: the default
+	// beforeSeal is the replicator's BeforeSeal hook (nil: none).
+	beforeSeal func(step int64)
 	// coord replaces the agent's own coordinator (multi-node tests); peers is the transport.
 	coord tiers.Coordinator
 	peers tiers.PeerTransport
@@ -417,6 +419,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 		Logger:       slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
 		JaxInit:      cfg.jaxInit,
 		DrainTimeout: cfg.drain,
+		BeforeSeal:   cfg.beforeSeal,
 	}
 	if cfg.store != nil {
 		opts.Store, rcfg.Store = cfg.store, cfg.store // no typed nil in the interfaces

@@ -33,6 +33,9 @@ type ReplicatorConfig struct {
 	DrainTimeout time.Duration
 	// Registerer, when set, gets the replicator's Prometheus metrics (see Metrics).
 	Registerer prometheus.Registerer
+	// BeforeSeal, when set, is called by the sealer before it touches a recorded commit of
+	// step: tests stop it there to take the spool as a kill -9 right after the rename leaves it.
+	BeforeSeal func(step int64)
 }
 
 // JaxInit is the content of jax-init-info.txt.
@@ -172,7 +175,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	// A step's way: committed (recorded before the job's rename returns), sealed, pushed to the
 	// peers and synced with the coordinator, which then orders its backup.
 	r.recorder = newCommitRecorder(n, r.incs, sealQ)
-	r.sealer = &sealer{node: n, in: sealQ, out: syncQ, recorder: r.recorder, retention: r.retention, incs: r.incs,
+	r.sealer = &sealer{node: n, in: sealQ, out: syncQ, beforeSeal: cfg.BeforeSeal, recorder: r.recorder, retention: r.retention, incs: r.incs,
 		lines: r.lines, lastSealed: -1}
 	r.early = newEarlyPushes(n, cfg.Peers, r.incs)
 	r.syncer = &syncer{node: n, in: syncQ, coord: cfg.Coordinator, incs: r.incs, retention: r.retention, lines: r.lines,

@@ -22,6 +22,8 @@ type sealer struct {
 	retention *retention           // publishes the data and its .meta
 	incs      *incarnations
 	lines     *jobLines
+	// beforeSeal is ReplicatorConfig.BeforeSeal (nil: none).
+	beforeSeal func(step int64)
 
 	mu sync.Mutex
 	// lastSealed is the highest step this agent sealed for the incarnation current at the time
@@ -55,6 +57,9 @@ func (s *sealer) run() {
 		c := pc.commit
 		err := pc.err
 		var dataName, meta string
+		if err == nil && s.beforeSeal != nil {
+			s.beforeSeal(c.step)
+		}
 		if err == nil {
 			dataName, meta, err = s.seal(c)
 		}
