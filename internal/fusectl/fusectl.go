@@ -24,14 +24,12 @@ func Abort(dir string) error {
 	if err != nil || !ok {
 		return err
 	}
-	if _, err := os.Stat(filepath.Join(connections, "version")); err != nil {
-		// fusectl has no "version" file; an empty directory means it is not mounted.
-		if ents, _ := os.ReadDir(connections); len(ents) == 0 {
-			if err := unix.Mount("fusectl", connections, "fusectl", 0, ""); err != nil {
-				return fmt.Errorf("mount fusectl: %w", err)
-			}
-			defer unix.Unmount(connections, 0)
+	if ents, _ := os.ReadDir(connections); len(ents) == 0 {
+		// Not mounted (a mounted fusectl lists this connection at least).
+		if err := unix.Mount("fusectl", connections, "fusectl", 0, ""); err != nil {
+			return fmt.Errorf("mount fusectl: %w", err)
 		}
+		defer unix.Unmount(connections, 0)
 	}
 	err = os.WriteFile(filepath.Join(connections, minor, "abort"), []byte("1"), 0)
 	if errors.Is(err, os.ErrNotExist) {
