@@ -924,14 +924,22 @@ func TestRetentionAtBackupEndKeepsAStepSealedMeanwhile(t *testing.T) {
 	h := newHarness(t, harnessConfig{store: store}) // the clock stands still: one backup only
 	h.start(backupYAML, "job")
 	gate := make(chan struct{})
+	uploading := make(chan struct{}, 1)
 	store.setBeforeUpload(func(_ context.Context, u tiers.Upload) error {
 		if u.Step == 1 {
+			select {
+			case uploading <- struct{}{}:
+			default:
+			}
 			<-gate
 		}
 		return nil
 	})
 	h.orbaxSave(1, checkpointFiles("1"))
 	h.waitSealed("job", 1, "1")
+	// Step 2 comes while step 1's backup runs (it holds step 1): wait for the upload to start,
+	// or step 2's sync may free step 1 before the backup order reaches the node.
+	waitChan(t, uploading, "the backup of step 1")
 	h.orbaxSave(2, checkpointFiles("2"))
 	h.waitSealed("job", 2, "2")
 	h.eventually("step 2's sync", func() string {
