@@ -189,10 +189,11 @@ type PeerLink struct {
 	Rate float64
 	// Ratio is original ÷ wire bytes of the transfers sent compressed (0: none yet).
 	Ratio float64
-	// Compressing is CompressAuto's current decision for the peer.
+	// Compressing says whether chunks to the peer go compressed: CompressAuto's current
+	// decision, or the fixed mode.
 	Compressing bool
 	Samples     int // transfers measured
-	Changes     int // times the decision flipped
+	Changes     int // times CompressAuto's decision flipped (0 in the fixed modes)
 }
 
 // PeerLinks returns the measurements of every peer this sender pushed to or fetched from,
@@ -203,8 +204,12 @@ func (s *Sender) PeerLinks() []PeerLink {
 	out := make([]PeerLink, 0, len(s.links))
 	for peer, m := range s.links {
 		m.mu.Lock()
-		out = append(out, PeerLink{Peer: peer, Rate: m.rate, Ratio: m.ratio, Compressing: m.on, Samples: m.samples, Changes: m.changes})
+		l := PeerLink{Peer: peer, Rate: m.rate, Ratio: m.ratio, Compressing: m.on, Samples: m.samples, Changes: m.changes}
 		m.mu.Unlock()
+		if s.Compress != CompressAuto { // what the sender does, not what auto would have chosen
+			l.Compressing, l.Changes = s.Compress == CompressOn, 0
+		}
+		out = append(out, l)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Peer < out[j].Peer })
 	return out

@@ -160,11 +160,23 @@ func TestPeerCompressEndToEnd(t *testing.T) {
 			compressed := value(t, fams, "mtcfs_peer_chunks_compressed_total", nil)
 			require.Positive(t, sent, "rank 0 pushed nothing")
 			if mode == "auto" {
-				// Loopback is faster than the codec: nothing is compressed.
-				assert.Zero(t, compressed)
-				assert.Equal(t, sent, wire)
+				// Whether auto compresses depends on what it measured: loopback is usually faster
+				// than the codec, but not on a loaded machine under -race (a CI run measured ~100
+				// MB/s and turned it on). The decision logic is TestCompressAuto's; here, chunks
+				// go compressed only after auto turned compression on for the peer, and bytes on
+				// the wire differ from bytes read only for them.
+				changes := value(t, fams, "mtcfs_peer_link_compress_changes_total", nil)
+				t.Logf("auto: %v chunks compressed, decision changed %v times, link %.0f MB/s", compressed, changes,
+					value(t, fams, "mtcfs_peer_link_rate_bytes", nil)/1e6)
+				if compressed == 0 {
+					assert.Equal(t, sent, wire)
+				} else {
+					assert.Positive(t, changes, "chunks went compressed but auto never turned compression on")
+					assert.LessOrEqual(t, wire, sent)
+				}
 				return
 			}
+			assert.Equal(t, 1.0, value(t, fams, "mtcfs_peer_link_compressing", nil), "--peer-compress on, yet the link is not reported compressing")
 			assert.Positive(t, compressed, "no chunk was compressed")
 			assert.Less(t, wire, 0.85*sent, "bytes on the wire (%v) against bytes read (%v)", wire, sent)
 

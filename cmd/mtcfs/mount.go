@@ -277,7 +277,8 @@ func runMount(cfg mountConfig) error {
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_peer_wire_bytes_total", Help: "The same chunks' bytes on the wire (smaller when --peer-compress compressed them)."},
 			func() float64 { return float64(node.PeerStats().WireBytesSent) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_peer_chunks_compressed_total", Help: "Chunks pushed to peers compressed."},
-			func() float64 { return float64(node.PeerStats().ChunksCompressed) }))
+			func() float64 { return float64(node.PeerStats().ChunksCompressed) }),
+		newPeerLinkCollector(func() []replication.PeerLink { return node.PeerStats().Links }))
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
 		DrainTimeout: cfg.drain, Registerer: metrics})
 	var ready atomic.Bool
