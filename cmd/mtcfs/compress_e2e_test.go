@@ -131,7 +131,7 @@ func TestCompressedBackupEndToEnd(t *testing.T) {
 // TestPeerCompressEndToEnd: two agents with --peer-compress on replicate a step of bf16 and fp32
 // tensors compressed (the metrics show chunks compressed and fewer bytes on the wire than read),
 // and after rank 1's machine is replaced the step comes back from its peer byte for byte. A
-// third agent pair with the default (auto) on loopback sends nothing compressed.
+// second pair with the default (auto) sends chunks compressed only once auto turned it on.
 func TestPeerCompressEndToEnd(t *testing.T) {
 	needRoot(t)
 	ctx := repCtx(t)
