@@ -1,6 +1,7 @@
 package replication
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
@@ -9,6 +10,8 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"syscall"
+	"time"
 
 	"google.golang.org/grpc/credentials"
 )
@@ -159,7 +162,56 @@ func (c TLSConfigs) TransportCredentials(log *slog.Logger) (server, client crede
 	if log == nil {
 		log = slog.Default()
 	}
-	return loggingServerCreds{TransportCredentials: credentials.NewTLS(c.Server), log: log}, credentials.NewTLS(c.Client)
+	return loggingServerCreds{TransportCredentials: credentials.NewTLS(c.Server), log: log}, alertingClientCreds{credentials.NewTLS(c.Client)}
+}
+
+// alertingClientCreds make a refused client certificate show in the call's error. Under TLS 1.3
+// the server verifies the client's certificate after the client's side of the handshake is done:
+// the client's handshake succeeds, the server sends an alert and closes, and gRPC's first
+// writes (its preface) race that alert. When a write loses the race it fails with a broken pipe
+// or a reset, and the call's error said nothing about TLS (half of the calls of
+// TestTLSRefusalSaysWhy before this); the server's alert is then read and reported with it.
+type alertingClientCreds struct {
+	credentials.TransportCredentials
+}
+
+func (c alertingClientCreds) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, info, err := c.TransportCredentials.ClientHandshake(ctx, authority, raw)
+	if err != nil {
+		return conn, info, err
+	}
+	return &alertConn{Conn: conn}, info, nil
+}
+
+func (c alertingClientCreds) Clone() credentials.TransportCredentials {
+	return alertingClientCreds{c.TransportCredentials.Clone()}
+}
+
+// alertWait bounds the wait for the alert behind a failed write: it is already in the socket's
+// receive queue when the write fails (the server sent it before closing).
+const alertWait = time.Second
+
+// alertConn is a client's TLS connection whose failed writes carry the server's TLS alert, when
+// the server sent one before closing.
+type alertConn struct {
+	net.Conn
+}
+
+func (c *alertConn) Write(p []byte) (int, error) {
+	n, err := c.Conn.Write(p)
+	if err == nil || !(errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)) {
+		return n, err
+	}
+	// The connection is dead: reading from it cannot take bytes anyone still wants. gRPC's own
+	// reader may hold the connection's read side; the deadline ends its wait too.
+	_ = c.Conn.SetReadDeadline(time.Now().Add(alertWait))
+	var one [1]byte
+	_, rerr := c.Conn.Read(one[:])
+	var op *net.OpError
+	if errors.As(rerr, &op) && op.Op == "remote error" {
+		return n, fmt.Errorf("%w, after the server's TLS alert: %w", err, rerr)
+	}
+	return n, err
 }
 
 // loggingServerCreds logs the handshakes the server refuses: gRPC itself drops them with no more
