@@ -272,13 +272,7 @@ func runMount(cfg mountConfig) error {
 	metrics.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "mtcfs_build_info", Help: "Always 1; the agent's version is a label.",
 			ConstLabels: prometheus.Labels{"version": version}}, func() float64 { return 1 }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_peer_sent_bytes_total", Help: "Checkpoint bytes pushed to peers, as read from the spool."},
-			func() float64 { return float64(node.PeerStats().BytesSent) }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_peer_wire_bytes_total", Help: "The same chunks' bytes on the wire (smaller when --peer-compress compressed them)."},
-			func() float64 { return float64(node.PeerStats().WireBytesSent) }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_peer_chunks_compressed_total", Help: "Chunks pushed to peers compressed."},
-			func() float64 { return float64(node.PeerStats().ChunksCompressed) }),
-		newPeerLinkCollector(func() []replication.PeerLink { return node.PeerStats().Links }))
+		node.Collector())
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
 		DrainTimeout: cfg.drain, Registerer: metrics})
 	var ready atomic.Bool
