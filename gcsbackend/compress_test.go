@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/planecodec"
 )
 
@@ -304,8 +305,8 @@ func TestExport(t *testing.T) {
 	b := compressedBackups(newTestLocalDir(t))
 	files0 := compressedTree(t)
 	files1 := map[string][]byte{"model.safetensors": trainingData(t, "adam_v_bf16.bin", 2)}
-	h0 := uploadTree(t, b, "2026-01-01_00-00", 5, Slot{0, 0}, files0)
-	h1 := uploadTree(t, b, "2026-01-01_00-00", 5, Slot{1, 0}, files1)
+	h0 := uploadHashedTree(t, b, "2026-01-01_00-00", 5, Slot{0, 0}, files0)
+	h1 := uploadHashedTree(t, b, "2026-01-01_00-00", 5, Slot{1, 0}, files1)
 
 	out := filepath.Join(t.TempDir(), "export")
 	var last, total int64
@@ -337,4 +338,26 @@ func TestExport(t *testing.T) {
 	assert.ErrorContains(t, err, "not a directory")
 	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: filepath.Join(file, "sub")})
 	assert.Error(t, err)
+
+	// A data whose content does not hash to its name (stored under a wrong name, or changed
+	// behind the manifest's back) is refused, and no .meta points at it.
+	uploadTree(t, b, "2026-01-02_00-00", 6, Slot{0, 0}, files1)
+	bad := filepath.Join(t.TempDir(), "bad")
+	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-02_00-00", Dir: bad})
+	assert.ErrorContains(t, err, "content hashes to")
+	metas, _ := filepath.Glob(filepath.Join(bad, "*.meta"))
+	assert.Empty(t, metas)
+}
+
+// uploadHashedTree is uploadTree with the tree's real BLAKE3 name, as the agent names data.
+func uploadHashedTree(t *testing.T, b *Backups, backup string, step int64, slot Slot, files map[string][]byte) string {
+	t.Helper()
+	src := t.TempDir()
+	writeBinTree(t, src, files)
+	h, isDir, err := layout.HashData(context.Background(), src)
+	require.NoError(t, err)
+	require.True(t, isDir)
+	h = strings.TrimSuffix(layout.DataName(h, isDir), ".data")
+	require.NoError(t, b.Upload(context.Background(), UploadRequest{Job: testJob, Backup: backup, Step: step, Slot: slot, Hash: h, Source: src}))
+	return h
 }

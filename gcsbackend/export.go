@@ -9,6 +9,8 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // ExportRequest describes copying one backup out of the store in the plain
@@ -40,9 +42,9 @@ type ExportReport struct {
 // minus mtcfs's own sidecar objects.
 //
 // Every file is checked against its manifest (size and CRC32C of the plain
-// bytes; compressed chunks also against their own CRC32C) as it is written;
-// the backup layer does not recompute data hashes (the caller may, see
-// layout.VerifyData). A step that is not complete is left out and reported;
+// bytes; compressed chunks also against their own CRC32C) as it is written,
+// and every data against its BLAKE3 name (layout.VerifyData) once all are
+// written, before the .meta files. A step that is not complete is left out and reported;
 // a backup without a complete step is an error, and so is a missing backup
 // (*NotFoundError).
 func (b *Backups) Export(ctx context.Context, req ExportRequest) (ExportReport, error) {
@@ -110,6 +112,15 @@ func (b *Backups) Export(ctx context.Context, req ExportRequest) (ExportReport, 
 			return rep, fmt.Errorf("export: %w", err)
 		}
 		rep.Bytes += totals[i]
+	}
+	// The manifests' CRC32Cs proved every file came out as stored; the hashes prove the trees
+	// are the checkpoints the job wrote, whatever the backup's history.
+	for _, h := range rep.Data {
+		p := filepath.Join(req.Dir, dataName(h))
+		hash, isDir, _ := layout.ParseDataName(dataName(h)) // Verify checked the names
+		if err := layout.VerifyData(ctx, p, hash, isDir); err != nil {
+			return rep, fmt.Errorf("export: %s: %w", p, err)
+		}
 	}
 	for _, m := range metas {
 		if err := os.WriteFile(filepath.Join(req.Dir, m.name), []byte(m.hash), 0o644); err != nil {

@@ -6,16 +6,13 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"os"
-	"path/filepath"
-	"sort"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
 	"github.com/mtcfs/mtcfs/internal/agents"
+	"github.com/mtcfs/mtcfs/internal/report"
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
@@ -40,26 +37,12 @@ func cmdStatus(args []string) int {
 	}
 	addrs := []string{*addr}
 	if *addr == "" {
-		list, err := agents.Local()
-		if err != nil {
+		dir := ""
+		if len(pos) == 1 {
+			dir = tiers.ResolveMountPath(pos[0]) // agents register the resolved path
+		}
+		if addrs, err = agents.StatusAddrs(dir); err != nil {
 			fmt.Fprintln(os.Stderr, "mtcfs status:", err)
-			return 1
-		}
-		if len(list) == 0 {
-			fmt.Fprintln(os.Stderr, "mtcfs status: no mtcfs agent is running on this machine (start one with mtcfs mount DIR, or pass --http HOST:PORT)")
-			return 1
-		}
-		addrs = addrs[:0]
-		for _, a := range list {
-			if len(pos) == 1 {
-				if tiers.ResolveMountPath(pos[0]) != a.Dir { // agents register the resolved path
-					continue
-				}
-			}
-			addrs = append(addrs, a.HTTP)
-		}
-		if len(addrs) == 0 {
-			fmt.Fprintf(os.Stderr, "mtcfs status: no running agent serves %s\n", pos[0])
 			return 1
 		}
 	}
@@ -86,50 +69,9 @@ func cmdStatus(args []string) int {
 			code = 1
 			continue
 		}
-		printStatus(os.Stdout, st)
+		report.Status(os.Stdout, st.Info, st.Status)
 	}
 	return code
-}
-
-func printStatus(w io.Writer, st statusReply) {
-	fmt.Fprintf(w, "agent pid %d, %s, mount %s (passthrough %v), http %s\n", st.PID, st.Version, st.Dir, st.Passthrough, st.HTTP)
-	fmt.Fprintf(w, "  spool      %s: %s of %s used\n", st.Spool.Dir, tiers.FormatSize(st.Spool.Used), tiers.FormatSize(st.Spool.Budget))
-	fmt.Fprintf(w, "  backups    %s", st.BackupStore)
-	if st.LastBackup != "" {
-		fmt.Fprintf(w, " (last: %s)", st.LastBackup)
-	}
-	fmt.Fprintln(w)
-	if st.Incarnation == "" {
-		fmt.Fprintln(w, "  job        none yet (waiting for replicator.yaml)")
-	} else {
-		fmt.Fprintf(w, "  job        %s (%s), node %d/%d, incarnation %s, %s\n", st.Job, st.Framework, st.Rank, st.Nodes, st.Incarnation, st.Phase)
-		repl := "none yet"
-		if st.Replicated >= 0 {
-			repl = fmt.Sprint(st.Replicated)
-		}
-		fmt.Fprintf(w, "  steps      restored %d, latest committed %d, latest replicated on every node %s\n", st.Restored, st.Committed, repl)
-	}
-	for _, s := range st.Steps {
-		fmt.Fprintf(w, "  in RAM     step %d node %d: %s\n", s.Step, s.Rank, s.Data)
-	}
-	for _, p := range []*tiers.ProgressView{st.Restore, st.Backup} {
-		if p == nil {
-			continue
-		}
-		pct := 0.0
-		if p.Total > 0 {
-			pct = 100 * float64(p.Done) / float64(p.Total)
-		}
-		what := p.Source
-		if p.Kind == "backup" {
-			what = "to " + p.Backup
-		}
-		fmt.Fprintf(w, "  %-10s step %d %s: %s of %s (%.0f%%), running %v\n", p.Kind, p.Step, what,
-			tiers.FormatSize(p.Done), tiers.FormatSize(p.Total), pct, time.Since(p.Started).Round(time.Second))
-	}
-	for _, e := range st.Errors {
-		fmt.Fprintf(w, "  error      %s\n", e)
-	}
 }
 
 // backupFlags are the flags shared by the backup-location commands.
@@ -197,48 +139,13 @@ func cmdBackups(args []string) int {
 		return 0
 	}
 	pin, pinned, _ := b.ReadRestoreVersion(ctx, job)
-	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "BACKUP\tSTATUS\tSTEPS\tNODES×WORKERS\tNOTE")
-	code = 0
-	for _, name := range names {
-		rep, err := b.Verify(ctx, job, name, gcsbackend.VerifyOptions{Deep: verb == "verify"})
-		if err != nil {
-			fmt.Fprintf(tw, "%s\terror\t\t\t%v\n", name, err)
-			code = 1
-			continue
-		}
-		status := "complete"
-		if !rep.Complete() {
-			status, code = "INCOMPLETE", 1
-		}
-		var steps []string
-		for _, s := range rep.Steps {
-			mark := ""
-			if !s.Complete {
-				mark = "(incomplete)"
-			}
-			steps = append(steps, fmt.Sprintf("%d%s", s.Step, mark))
-		}
-		note := ""
-		if pinned && pin == name {
-			note = "pinned by restore.version"
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d×%d\t%s\n", name, status, strings.Join(steps, ","), rep.Nodes, rep.Workers, note)
-		if verb == "verify" {
-			for _, s := range rep.Steps {
-				probs := append([]string(nil), s.Problems...)
-				sort.Strings(probs)
-				for _, p := range probs {
-					fmt.Fprintf(tw, "\t\tstep %d: %s\t\t\n", s.Step, p)
-				}
-			}
-		}
+	if !pinned {
+		pin = ""
 	}
-	tw.Flush()
-	if verb == "list" {
-		return 0
+	if !report.Backups(ctx, os.Stdout, b, job, names, verb == "verify", pin) && verb == "verify" {
+		return 1
 	}
-	return code
+	return 0
 }
 
 // cmdBackupsExport writes a backup's complete steps to DIR in the plain reference layout
@@ -272,14 +179,6 @@ func cmdBackupsExport(args []string) int {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "mtcfs backups export:", err)
 		return 1
-	}
-	for _, h := range rep.Data {
-		data := filepath.Join(dir, h+".data")
-		hash, isDir, _ := layout.ParseDataName(h + ".data") // Export checked the names
-		if err := layout.VerifyData(ctx, data, hash, isDir); err != nil {
-			fmt.Fprintf(os.Stderr, "mtcfs backups export: %s: %v\n", data, err)
-			return 1
-		}
 	}
 	for _, s := range rep.Skipped {
 		fmt.Fprintf(os.Stderr, "mtcfs backups export: step %d of backup %s is incomplete and was left out\n", s, name)

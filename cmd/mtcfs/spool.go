@@ -4,13 +4,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
-	"strconv"
-	"strings"
-	"text/tabwriter"
 
 	"github.com/mtcfs/mtcfs/internal/agents"
+	"github.com/mtcfs/mtcfs/internal/report"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -68,47 +65,8 @@ func cmdSpoolList(args []string) int {
 		fmt.Println(string(out))
 		return 0
 	}
-	printSpools(os.Stdout, spools)
+	report.Spools(os.Stdout, spools)
 	return 0
-}
-
-func printSpools(w io.Writer, spools []tiers.SpoolInfo) {
-	if len(spools) == 0 {
-		fmt.Fprintln(w, "no mtcfs spools on this machine")
-		return
-	}
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "SPOOL\tMOUNT PATH\tJOB\tSTEPS\tUSED\tAGENT\tMOUNT DIR")
-	freeable := false
-	for _, s := range spools {
-		mp, job, steps, agent := s.MountPath, s.Job, "-", "none"
-		if mp == "" {
-			mp = "?"
-		}
-		if job == "" {
-			job = "-"
-		}
-		if len(s.Steps) > 0 {
-			parts := make([]string, len(s.Steps))
-			for i, st := range s.Steps {
-				parts[i] = strconv.FormatInt(st, 10)
-			}
-			steps = strings.Join(parts, ",")
-		}
-		switch {
-		case s.InUse && s.AgentPID > 0:
-			agent = fmt.Sprintf("serving (pid %d)", s.AgentPID)
-		case s.InUse:
-			agent = "serving"
-		default:
-			freeable = true
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", s.Dir, mp, job, steps, tiers.FormatSize(s.Bytes), agent, s.MountState)
-	}
-	tw.Flush()
-	if freeable {
-		fmt.Fprintln(w, "free one with: mtcfs spool free MOUNT-PATH|SPOOL; all whose mount directory is gone: mtcfs spool free --orphaned")
-	}
 }
 
 func cmdSpoolFree(args []string) int {

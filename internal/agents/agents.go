@@ -7,6 +7,7 @@ package agents
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -88,6 +89,29 @@ func Local() ([]Info, error) {
 		out = append(out, info)
 	}
 	return out, nil
+}
+
+// StatusAddrs returns the HTTP addresses of the agents running on this machine, or of the one
+// serving dir when dir is not "" (a mount path resolved as agents register it). Finding none is
+// an error that says what to do.
+func StatusAddrs(dir string) ([]string, error) {
+	list, err := Local()
+	if err != nil {
+		return nil, err
+	}
+	if len(list) == 0 {
+		return nil, errors.New("no mtcfs agent is running on this machine (start one with mtcfs mount DIR, or pass --http HOST:PORT)")
+	}
+	var addrs []string
+	for _, a := range list {
+		if dir == "" || a.Dir == dir {
+			addrs = append(addrs, a.HTTP)
+		}
+	}
+	if len(addrs) == 0 {
+		return nil, fmt.Errorf("no running agent serves %s", dir)
+	}
+	return addrs, nil
 }
 
 // alive reports whether the process that wrote the registry file p still runs.

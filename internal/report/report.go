@@ -1,0 +1,151 @@
+// Package report prints what the mtcfs commands show people: an agent's status, the kept
+// spools and the backups of a job. The commands in cmd/mtcfs parse flags and fetch; the text
+// lives here, where its tests are.
+package report
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sort"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/mtcfs/mtcfs/gcsbackend"
+	"github.com/mtcfs/mtcfs/internal/agents"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// Status prints an agent's /status document (mtcfs status).
+func Status(w io.Writer, info agents.Info, st tiers.Status) {
+	fmt.Fprintf(w, "agent pid %d, %s, mount %s (passthrough %v), http %s\n", info.PID, info.Version, info.Dir, info.Passthrough, info.HTTP)
+	fmt.Fprintf(w, "  spool      %s: %s of %s used\n", st.Spool.Dir, tiers.FormatSize(st.Spool.Used), tiers.FormatSize(st.Spool.Budget))
+	store := st.BackupStore
+	if store == "" {
+		store = "none"
+	}
+	fmt.Fprintf(w, "  backups    %s", store)
+	if st.LastBackup != "" {
+		fmt.Fprintf(w, " (last: %s)", st.LastBackup)
+	}
+	fmt.Fprintln(w)
+	if st.Incarnation == "" {
+		fmt.Fprintln(w, "  job        none yet (waiting for replicator.yaml)")
+	} else {
+		fmt.Fprintf(w, "  job        %s (%s), node %d/%d, incarnation %s, %s\n", st.Job, st.Framework, st.Rank, st.Nodes, st.Incarnation, st.Phase)
+		repl := "none yet"
+		if st.Replicated >= 0 {
+			repl = fmt.Sprint(st.Replicated)
+		}
+		fmt.Fprintf(w, "  steps      restored %d, latest committed %d, latest replicated on every node %s\n", st.Restored, st.Committed, repl)
+	}
+	for _, s := range st.Steps {
+		fmt.Fprintf(w, "  in RAM     step %d node %d: %s\n", s.Step, s.Rank, s.Data)
+	}
+	for _, p := range []*tiers.ProgressView{st.Restore, st.Backup} {
+		if p == nil {
+			continue
+		}
+		pct := 0.0
+		if p.Total > 0 {
+			pct = 100 * float64(p.Done) / float64(p.Total)
+		}
+		what := p.Source
+		if p.Kind == "backup" {
+			what = "to " + p.Backup
+		}
+		fmt.Fprintf(w, "  %-10s step %d %s: %s of %s (%.0f%%), running %v\n", p.Kind, p.Step, what,
+			tiers.FormatSize(p.Done), tiers.FormatSize(p.Total), pct, time.Since(p.Started).Round(time.Second))
+	}
+	for _, e := range st.Errors {
+		fmt.Fprintf(w, "  error      %s\n", e)
+	}
+}
+
+// Spools prints the kept spools of this machine (mtcfs spool list).
+func Spools(w io.Writer, spools []tiers.SpoolInfo) {
+	if len(spools) == 0 {
+		fmt.Fprintln(w, "no mtcfs spools on this machine")
+		return
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "SPOOL\tMOUNT PATH\tJOB\tSTEPS\tUSED\tAGENT\tMOUNT DIR")
+	freeable := false
+	for _, s := range spools {
+		mp, job, steps, agent := s.MountPath, s.Job, "-", "none"
+		if mp == "" {
+			mp = "?"
+		}
+		if job == "" {
+			job = "-"
+		}
+		if len(s.Steps) > 0 {
+			parts := make([]string, len(s.Steps))
+			for i, st := range s.Steps {
+				parts[i] = strconv.FormatInt(st, 10)
+			}
+			steps = strings.Join(parts, ",")
+		}
+		switch {
+		case s.InUse && s.AgentPID > 0:
+			agent = fmt.Sprintf("serving (pid %d)", s.AgentPID)
+		case s.InUse:
+			agent = "serving"
+		default:
+			freeable = true
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", s.Dir, mp, job, steps, tiers.FormatSize(s.Bytes), agent, s.MountState)
+	}
+	tw.Flush()
+	if freeable {
+		fmt.Fprintln(w, "free one with: mtcfs spool free MOUNT-PATH|SPOOL; all whose mount directory is gone: mtcfs spool free --orphaned")
+	}
+}
+
+// Backups verifies the named backups of job (deep: every chunk read and checked, as mtcfs
+// backups verify does) and prints one row each, with the problems found when deep; pinned
+// names the backup restore.version pins (""). It reports whether every backup was complete
+// and readable.
+func Backups(ctx context.Context, w io.Writer, b *gcsbackend.Backups, job string, names []string, deep bool, pinned string) bool {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "BACKUP\tSTATUS\tSTEPS\tNODES×WORKERS\tNOTE")
+	ok := true
+	for _, name := range names {
+		rep, err := b.Verify(ctx, job, name, gcsbackend.VerifyOptions{Deep: deep})
+		if err != nil {
+			fmt.Fprintf(tw, "%s\terror\t\t\t%v\n", name, err)
+			ok = false
+			continue
+		}
+		status := "complete"
+		if !rep.Complete() {
+			status, ok = "INCOMPLETE", false
+		}
+		var steps []string
+		for _, s := range rep.Steps {
+			mark := ""
+			if !s.Complete {
+				mark = "(incomplete)"
+			}
+			steps = append(steps, fmt.Sprintf("%d%s", s.Step, mark))
+		}
+		note := ""
+		if pinned != "" && pinned == name {
+			note = "pinned by restore.version"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d×%d\t%s\n", name, status, strings.Join(steps, ","), rep.Nodes, rep.Workers, note)
+		if deep {
+			for _, s := range rep.Steps {
+				probs := append([]string(nil), s.Problems...)
+				sort.Strings(probs)
+				for _, p := range probs {
+					fmt.Fprintf(tw, "\t\tstep %d: %s\t\t\n", s.Step, p)
+				}
+			}
+		}
+	}
+	tw.Flush()
+	return ok
+}

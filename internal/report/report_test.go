@@ -1,0 +1,62 @@
+package report
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/internal/agents"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+func TestStatus(t *testing.T) {
+	info := agents.Info{PID: 42, Dir: "/ckpt", HTTP: "127.0.0.1:9100", Version: "v1", Passthrough: true}
+	spool := tiers.SpoolStatus{Dir: "/dev/shm/s", Budget: 4 << 30, Used: 1 << 30}
+
+	var idle strings.Builder
+	Status(&idle, info, tiers.Status{Spool: spool, Replicated: -1})
+	assert.Equal(t, `agent pid 42, v1, mount /ckpt (passthrough true), http 127.0.0.1:9100
+  spool      /dev/shm/s: 1GiB of 4GiB used
+  backups    none
+  job        none yet (waiting for replicator.yaml)
+`, idle.String())
+
+	var running strings.Builder
+	Status(&running, info, tiers.Status{Incarnation: "inc", Job: "j", Framework: "orbax", Rank: 1, Nodes: 2, Phase: "running",
+		Restored: 10, Committed: 30, Replicated: 20, Spool: spool, BackupStore: "file:///b", LastBackup: "2026-12-02_10-00",
+		Steps:  []tiers.StepInRAM{{Step: 30, Rank: 1, Data: "Dabc.data"}},
+		Backup: &tiers.ProgressView{Kind: "backup", Step: 30, Backup: "2026-12-02_11-00", Started: time.Now(), Done: 1 << 20, Total: 4 << 20},
+		Errors: []string{"step 20: sync failed"}})
+	out := running.String()
+	for _, want := range []string{
+		"  backups    file:///b (last: 2026-12-02_10-00)\n",
+		"  job        j (orbax), node 1/2, incarnation inc, running\n",
+		"  steps      restored 10, latest committed 30, latest replicated on every node 20\n",
+		"  in RAM     step 30 node 1: Dabc.data\n",
+		"  backup     step 30 to 2026-12-02_11-00: 1.0MiB of 4.0MiB (25%), running 0s\n",
+		"  error      step 20: sync failed\n",
+	} {
+		assert.Contains(t, out, want)
+	}
+}
+
+func TestSpools(t *testing.T) {
+	var none strings.Builder
+	Spools(&none, nil)
+	assert.Equal(t, "no mtcfs spools on this machine\n", none.String())
+
+	var b strings.Builder
+	Spools(&b, []tiers.SpoolInfo{
+		{Dir: "/dev/shm/a", MountPath: "/ckpt", Job: "j", Steps: []int64{10, 20}, Bytes: 2 << 20, InUse: true, AgentPID: 7, MountState: tiers.MountExists},
+		{Dir: "/dev/shm/b", Bytes: 0, MountState: tiers.MountUnknown},
+	})
+	lines := strings.Split(strings.TrimSpace(b.String()), "\n")
+	require.Len(t, lines, 4)
+	assert.Equal(t, []string{"SPOOL", "MOUNT", "PATH", "JOB", "STEPS", "USED", "AGENT", "MOUNT", "DIR"}, strings.Fields(lines[0]))
+	assert.Equal(t, []string{"/dev/shm/a", "/ckpt", "j", "10,20", "2.0MiB", "serving", "(pid", "7)", "exists"}, strings.Fields(lines[1]))
+	assert.Equal(t, []string{"/dev/shm/b", "?", "-", "-", "0B", "none", "unknown"}, strings.Fields(lines[2]))
+	assert.Contains(t, lines[3], "mtcfs spool free --orphaned", "a spool no agent serves can be freed: the hint says how")
+}
