@@ -39,15 +39,17 @@ vet:
 # The whole suite under the race detector (but pjdfstest), then the concurrency tests again on one
 # P, then pjdfstest in the mount on both data paths without -race, then the
 # other modules' tests (bench: its helpers; deploy: manifests, image, pods in mount namespaces),
-# then a check that no test left a mount behind. Tests unmount what they mount, also when they fail;
-# a test binary killed by -timeout cannot, so its leftovers (mounts under a test's temporary
-# directory) are detached lazily before the check, and the check then reports them.
+# then a check that no test left a mount behind. The other modules' packages run one at a time
+# (-p 1): two deploy packages each build the image's static agent, and on a cold build cache two
+# such builds side by side took 5 minutes where one after the other reuses the first's work.
+# Tests unmount what they mount, also when they fail; a test binary killed by -timeout cannot,
+# so its leftovers (mounts under a test's temporary directory) are detached lazily before the check, and the check then reports them.
 test: vet
 	@status=0; \
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -skip '^TestPjdfstest$$' ./... || status=$$?; \
 	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent|Stress|Early|SlowPeer|CoordinatorSync' ./... || status=$$?; fi; \
 	$(GO) test -count=1 -timeout $(PJD_TIMEOUT) -run '^TestPjdfstest$$/^$(PJD_PATHS)$$' ./fs || status=$$?; \
-	for m in $(MODULES); do (cd $$m && $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) ./...) || status=$$?; done; \
+	for m in $(MODULES); do (cd $$m && $(GO) test -p 1 -race -count=1 -timeout $(TEST_TIMEOUT) ./...) || status=$$?; done; \
 	$(MAKE) --no-print-directory clean-test-mounts; \
 	$(MAKE) --no-print-directory check-mounts || status=1; \
 	exit $$status
