@@ -18,6 +18,10 @@
 //   - plain TCP: one connection; per file a small header, then the bytes with io.Copy (which
 //     uses sendfile on the sender and splice on the receiver: the fastest plain Go copy). Also
 //     with four connections, the files spread over them.
+//   - minimal pipeline: the same TCP sender; the receiver reads 4 MiB chunks, computes each
+//     chunk's CRC32C and the file's BLAKE3 (checked against the source's), and writes with
+//     pwrite: the least any verified copy does. The report compares the default push's CPU per
+//     GiB with this one's (issue 12: at most 1.25×).
 //   - gRPC push: Sender.Push until it returns, i.e. the receiver verified every chunk's CRC-32C,
 //     re-read and hashed every file, checked the tree hash and moved the tree out of its
 //     incoming directory (Accept is a rename). The sender's file digests come from a
@@ -31,11 +35,13 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
 	"flag"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -51,6 +57,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"lukechampine.com/blake3"
 
 	"github.com/mtcfs/mtcfs/bench/internal/benchkit"
 	"github.com/mtcfs/mtcfs/layout"
@@ -104,6 +111,7 @@ type variant struct {
 	chunk    int    // gRPC chunk size, 0 for TCP
 	streams  int    // gRPC streams or TCP connections
 	cached   bool   // sender digests from the cache
+	checked  bool   // TCP: the minimal pipeline (CRC32C and BLAKE3 on arrival, pwrite)
 	run      func(ctx context.Context) error
 }
 
@@ -134,8 +142,10 @@ func run(ctx context.Context, cfg config) error {
 	defer b.close()
 
 	variants := []variant{
-		{key: "tcp1", transfer: "plain TCP", streams: 1, run: func(ctx context.Context) error { return b.plainTCP(ctx, 1) }},
-		{key: "tcp4", transfer: "plain TCP", streams: 4, run: func(ctx context.Context) error { return b.plainTCP(ctx, 4) }},
+		{key: "tcp1", transfer: "plain TCP", streams: 1, run: func(ctx context.Context) error { return b.plainTCP(ctx, 1, false) }},
+		{key: "tcp4", transfer: "plain TCP", streams: 4, run: func(ctx context.Context) error { return b.plainTCP(ctx, 4, false) }},
+		{key: "min1", transfer: minimalLabel, streams: 1, checked: true, run: func(ctx context.Context) error { return b.plainTCP(ctx, 1, true) }},
+		{key: "min4", transfer: minimalLabel, streams: 4, checked: true, run: func(ctx context.Context) error { return b.plainTCP(ctx, 4, true) }},
 	}
 	grpcVariant := func(chunk, streams int, cached bool) variant {
 		key := fmt.Sprintf("grpc-c%d-s%d-cached=%v", chunk, streams, cached)
@@ -244,6 +254,7 @@ type bench struct {
 	tcp      net.Listener
 	tcpWG    sync.WaitGroup
 	tcpFiles []tcpFile
+	sums     map[string][]byte // BLAKE3 of each source file, for the minimal pipeline
 }
 
 type tcpFile struct {
@@ -292,6 +303,9 @@ func startBench(work, name, src string, digests *layout.DigestCache) (*bench, er
 		}
 		b.tcpFiles = append(b.tcpFiles, tcpFile{de.Name(), info.Size()})
 	}
+	if b.sums, err = fileSums(src, b.tcpFiles); err != nil {
+		return nil, err
+	}
 	return b, nil
 }
 
@@ -314,17 +328,28 @@ func (b *bench) push(ctx context.Context, chunk, streams int, cached bool) error
 	return s.Push(ctx, b.conn, replication.PushRequest{Job: prog, Incarnation: "1", Rank: 0, DataName: b.name, Source: b.src})
 }
 
+// minimalLabel names the minimal pipeline (issue 12): what any verified peer copy must do at
+// least, with nothing of mtcfs's — sendfile on the sender; on the receiver CRC32C of every 4 MiB
+// chunk, BLAKE3 of every file checked against the sender's, and pwrite into tmpfs.
+const minimalLabel = "minimal pipeline: TCP, CRC32C + BLAKE3 on arrival, pwrite"
+
 // plainTCP copies the tree over conns connections, file i on connection i mod conns: per file
 // a header (name length, name, size) and the bytes. It returns when the receiver closed every
-// file.
-func (b *bench) plainTCP(ctx context.Context, conns int) error {
+// file. checked: the receiver runs the minimal pipeline instead of splicing.
+func (b *bench) plainTCP(ctx context.Context, conns int, checked bool) error {
 	if err := os.Mkdir(b.received, 0o755); err != nil {
 		return err
 	}
 	errs := make(chan error, 2*conns)
 	var wg sync.WaitGroup
 	for range conns {
-		wg.Go(func() { errs <- b.tcpReceive() })
+		wg.Go(func() {
+			if checked {
+				errs <- b.tcpReceiveChecked()
+			} else {
+				errs <- b.tcpReceive()
+			}
+		})
 	}
 	for c := range conns {
 		wg.Go(func() { errs <- b.tcpSend(ctx, c, conns) })
@@ -396,4 +421,79 @@ func (b *bench) tcpReceive() error {
 			return err
 		}
 	}
+}
+
+// tcpReceiveChecked is tcpReceive as the minimal pipeline: each file's bytes are read in 4 MiB
+// chunks, each chunk's CRC32C computed (as a receiver checks a chunk's), the file's BLAKE3
+// computed over the chunks and compared with the source's, and the chunks written with pwrite.
+func (b *bench) tcpReceiveChecked() error {
+	conn, err := b.tcp.Accept()
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	buf := make([]byte, 4<<20)
+	var crcs uint32 // what a receiver checks against the sender's; here, computed only
+	for {
+		var n [2]byte
+		if _, err := io.ReadFull(conn, n[:]); err == io.EOF {
+			break
+		} else if err != nil {
+			return err
+		}
+		hdr := make([]byte, int(binary.BigEndian.Uint16(n[:]))+8)
+		if _, err := io.ReadFull(conn, hdr); err != nil {
+			return err
+		}
+		name, size := filepath.Base(string(hdr[:len(hdr)-8])), int64(binary.BigEndian.Uint64(hdr[len(hdr)-8:]))
+		out, err := os.Create(filepath.Join(b.received, name))
+		if err != nil {
+			return err
+		}
+		h := blake3.New(32, nil)
+		for off := int64(0); off < size && err == nil; {
+			chunk := buf[:min(int64(len(buf)), size-off)]
+			if _, err = io.ReadFull(conn, chunk); err != nil {
+				break
+			}
+			crcs ^= crc32.Checksum(chunk, castagnoli)
+			h.Write(chunk)
+			if _, err = out.WriteAt(chunk, off); err != nil {
+				break
+			}
+			off += int64(len(chunk))
+		}
+		if cerr := out.Close(); err == nil {
+			err = cerr
+		}
+		if err == nil && !bytes.Equal(h.Sum(nil), b.sums[name]) {
+			err = fmt.Errorf("%s: BLAKE3 differs from the source's", name)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// fileSums returns the BLAKE3 of every file of dir (untimed, before the rounds): the digests the
+// minimal pipeline's receiver checks against, as a sender would announce them.
+func fileSums(dir string, files []tcpFile) (map[string][]byte, error) {
+	sums := map[string][]byte{}
+	for _, f := range files {
+		in, err := os.Open(filepath.Join(dir, f.name))
+		if err != nil {
+			return nil, err
+		}
+		h := blake3.New(32, nil)
+		_, err = io.Copy(h, in)
+		in.Close()
+		if err != nil {
+			return nil, err
+		}
+		sums[f.name] = h.Sum(nil)
+	}
+	return sums, nil
 }
