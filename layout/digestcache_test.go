@@ -21,7 +21,7 @@ func TestDigestCache(t *testing.T) {
 		t.Fatal(err)
 	}
 	var c DigestCache
-	if err := c.HashFileCached(ctx, p); err != nil {
+	if _, err := c.HashFileCached(ctx, p); err != nil {
 		t.Fatal(err)
 	}
 	want, _ := HashDir(ctx, filepath.Join(dir, "tree"))

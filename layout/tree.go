@@ -564,10 +564,11 @@ func (c *DigestCache) put(k digestKey, d FileDigest) {
 	c.m[k] = d
 }
 
-// HashFileCached hashes the regular file at p into the cache (used to hash files early).
-func (c *DigestCache) HashFileCached(ctx context.Context, p string) error {
-	_, _, err := hashPath(ctx, p, c)
-	return err
+// HashFileCached hashes the regular file at p into the cache (used to hash files early) and
+// returns its digest.
+func (c *DigestCache) HashFileCached(ctx context.Context, p string) (FileDigest, error) {
+	_, d, err := hashPath(ctx, p, c)
+	return d, err
 }
 
 // HashData hashes a checkpoint at p, a directory or a regular file (followed

@@ -43,14 +43,22 @@ type earlyPushes struct {
 	*node
 	transport PeerTransport // nil: no peers
 	incs      *incarnations
-	// hashQ carries paths of files the job closed after writing; they are hashed in the
-	// background so that sealing their step only combines digests.
-	hashQ chan string
+	// hashQ carries the files the job closed after writing; they are hashed in the background
+	// so that sealing their step only combines digests.
+	hashQ chan closedFile
 	pushQ chan earlyPush // hashed files, to the pushers
 }
 
+// closedFile is a file the job closed, to hash and, when g is set, to push early in g (which
+// counts it as pending from the moment the control loop saw the close).
+type closedFile struct {
+	path  string
+	g     *earlyGroup
+	group string
+}
+
 func newEarlyPushes(n *node, transport PeerTransport, incs *incarnations) *earlyPushes {
-	return &earlyPushes{node: n, transport: transport, incs: incs, hashQ: make(chan string, 4096), pushQ: make(chan earlyPush, 4096)}
+	return &earlyPushes{node: n, transport: transport, incs: incs, hashQ: make(chan closedFile, 4096), pushQ: make(chan earlyPush, 4096)}
 }
 
 // earlyGroup is what this node pushed early for one top-level directory of an incarnation.
@@ -60,6 +68,18 @@ type earlyGroup struct {
 	pending   sync.WaitGroup // early pushes queued or running
 	mu        sync.Mutex
 	acked     map[int]map[layout.FileDigest]bool // GUARDED_BY(mu); by peer rank
+	queued    map[layout.FileDigest]bool         // GUARDED_BY(mu); contents queued for a push
+}
+
+// firstOf reports whether no file with digest d was queued for a push in g yet, and records it.
+func (g *earlyGroup) firstOf(d layout.FileDigest) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.queued[d] {
+		return false
+	}
+	g.queued[d] = true
+	return true
 }
 
 // earlyPush is one closed file to push early.
@@ -70,10 +90,21 @@ type earlyPush struct {
 
 // closed queues the file the job closed at path for hashing (and then an early push); called by
 // the control loop. A full queue drops it: the sealer hashes what was not hashed early.
+//
+// The early push is counted in its group here, before the hash, and not once the file is
+// hashed: the commit that follows the close is handled after it, and the sealed push waits for
+// the group's pending pushes (take). Counted after the hash, a file still being hashed when the
+// step was pushed went twice: in the sealed push, and then early into a group of the old name
+// that nothing consumed (clusterbench's peers held one 16 MiB state file twice at their peak).
 func (e *earlyPushes) closed(path string) {
+	f := closedFile{path: path}
+	f.g, f.group = e.groupOf(path)
 	select {
-	case e.hashQ <- path:
+	case e.hashQ <- f:
 	default:
+		if f.g != nil {
+			f.g.pending.Done()
+		}
 	}
 }
 
@@ -94,41 +125,48 @@ func (e *earlyPushes) transportFor(cfg *Config) (EarlyTransport, bool) {
 // were hashed this way seals in the time it takes to combine their digests.
 func (e *earlyPushes) runHasher() {
 	defer close(e.pushQ)
-	for path := range e.hashQ {
-		p, err := e.ns.SpoolFile(path)
-		if err != nil {
-			continue // gone or renamed meanwhile: the sealer hashes it if it matters
-		}
-		if err := e.digests.HashFileCached(e.ctx, p); err != nil {
-			if e.ctx.Err() == nil {
-				e.log.Debug("early hash failed", "path", path, "err", err)
+	for f := range e.hashQ {
+		var d layout.FileDigest
+		p, err := e.ns.SpoolFile(f.path)
+		if err == nil {
+			if d, err = e.digests.HashFileCached(e.ctx, p); err != nil && e.ctx.Err() == nil {
+				e.log.Debug("early hash failed", "path", f.path, "err", err)
 			}
+		} // else gone or renamed meanwhile: the sealer hashes it if it matters
+		if f.g == nil {
 			continue
 		}
-		e.queue(path, p)
+		if err != nil || f.g.inc.ctx.Err() != nil || !f.g.firstOf(d) {
+			// The file goes with the sealed data, or its bytes are pushed already: a writer
+			// that closes a temporary name and renames it (tensorstore) reports the file twice,
+			// and identical files need to cross once.
+			f.g.pending.Done()
+			continue
+		}
+		select {
+		case e.pushQ <- earlyPush{g: f.g, group: f.group, path: p}:
+		default:
+			f.g.pending.Done() // the queue is full: the file goes with the sealed data
+		}
 	}
 }
 
-// queue schedules an early push of the file the job closed at path (inside a top-level
-// directory), whose bytes are at spoolPath.
-func (e *earlyPushes) queue(path, spoolPath string) {
+// groupOf returns the early group of the current incarnation that the file the job closed at
+// path (inside a top-level directory) is pushed in, with one more push pending, or nil when the
+// file is not pushed early.
+func (e *earlyPushes) groupOf(path string) (*earlyGroup, string) {
 	inc := e.incs.get()
 	if inc == nil || inc.ctx.Err() != nil {
-		return
+		return nil, ""
 	}
 	if _, ok := e.transportFor(inc.Config); !ok {
-		return
+		return nil, ""
 	}
 	group, _, _ := strings.Cut(path, "/")
 	if _, committed := layout.ParseStepDir(group); committed || layout.IsDataName(group) {
-		return // written into a committed name: that is not a step being saved
+		return nil, "" // written into a committed name: that is not a step being saved
 	}
-	g := inc.earlyGroup(group)
-	select {
-	case e.pushQ <- earlyPush{g: g, group: group, path: spoolPath}:
-	default:
-		g.pending.Done() // the queue is full: the file goes with the sealed data
-	}
+	return inc.earlyGroup(group), group
 }
 
 // runPusher pushes queued files to every peer.
@@ -236,7 +274,7 @@ func (inc *incarnation) earlyGroup(name string) *earlyGroup {
 	defer inc.mu.Unlock()
 	g := inc.early[name]
 	if g == nil {
-		g = &earlyGroup{inc: inc, acked: map[int]map[layout.FileDigest]bool{}}
+		g = &earlyGroup{inc: inc, acked: map[int]map[layout.FileDigest]bool{}, queued: map[layout.FileDigest]bool{}}
 		inc.early[name] = g
 	}
 	g.pending.Add(1)

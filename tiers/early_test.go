@@ -158,12 +158,13 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 		wg.Go(func() {
 			tmp := "1" + layout.OrbaxTmpSuffix
 			h.makeTree(tmp, files)
-			// Before the commit, the closed files reach the peer.
+			// Before the commit, the closed files reach the peer; checkpointFiles has three
+			// identical "ok" files, whose content crosses once: 5 distinct digests.
 			h.eventually("early pushes", func() string {
 				tr.mu.Lock()
 				defer tr.mu.Unlock()
-				if n := len(tr.early[fmt.Sprintf("%d/%s", 1-rank(h, hs), tmp)]); n < len(files) {
-					return fmt.Sprintf("%d of %d files pushed early", n, len(files))
+				if n := len(tr.early[fmt.Sprintf("%d/%s", 1-rank(h, hs), tmp)]); n < 5 {
+					return fmt.Sprintf("%d of 5 contents pushed early", n)
 				}
 				return ""
 			})
@@ -188,7 +189,6 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 	consum := slices.Clone(tr.consum)
 	tr.mu.Unlock()
 	slices.Sort(consum)
-	// checkpointFiles has three identical "ok" files: 5 distinct digests.
 	want := []string{"0/1" + layout.OrbaxTmpSuffix + ":5", "1/1" + layout.OrbaxTmpSuffix + ":5"}
 	if !slices.Equal(consum, want) {
 		t.Fatalf("consuming pushes %q, want %q", consum, want)
@@ -373,5 +373,105 @@ func TestMultiWorkerStepSyncsOnceAfterEveryPush(t *testing.T) {
 	defer counter.mu.Unlock()
 	if got := counter.syncs[3]; len(got) != 1 || got[0].Replicated {
 		t.Fatalf("syncs of step 3: %+v, want exactly one, not replicated", got)
+	}
+}
+
+// A file the job closed right before the commit, and still being hashed when the committed
+// step is pushed, crosses to the peer once: the sealed push waits for its early push instead
+// of sending it as well. (It went twice: clusterbench's peers held one 16 MiB state file in
+// both an early group of the old name, which nothing consumed, and the sealed push.)
+func TestLateEarlyFileIsNotSentTwice(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	h := hs[0]
+	tmp := "1" + layout.OrbaxTmpSuffix
+	files := map[string]string{"a": "alpha", "b": "bravo", "c": "charlie"}
+	hashing, release := make(chan struct{}), make(chan struct{})
+	h.ns.mu.Lock()
+	h.ns.spoolFiles = func(name string) {
+		if name == tmp+"/c" {
+			close(hashing)
+			<-release // the hasher resolved the file and hashes it for a while
+		}
+	}
+	h.ns.mu.Unlock()
+	h.writeFile(tmp+"/a", files["a"])
+	h.writeFile(tmp+"/b", files["b"])
+	h.eventually("a and b pushed early", func() string {
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		if n := len(tr.early["1/"+tmp]); n != 2 {
+			return fmt.Sprintf("%d pushed", n)
+		}
+		return ""
+	})
+	h.writeFile(tmp+"/c", files["c"])
+	<-hashing
+	h.rename(tmp, "1")
+	h.waitExists("job-s1-n0-w0.meta") // sealed: the sealer hashed c itself
+	// Give the replication the time it takes to reach the peer without waiting for c (it did
+	// before the fix, within milliseconds), then let the hash finish.
+	deadline := time.Now().Add(2 * time.Second)
+	for time.Now().Before(deadline) && !hs[1].exists("job-s1-n0-w0.meta") {
+		time.Sleep(10 * time.Millisecond)
+	}
+	close(release)
+	hs[1].waitExists("job-s1-n0-w0.meta")
+	h.eventually("step 1 pushed", func() string {
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		if len(tr.consum) == 0 {
+			return "no consuming push yet"
+		}
+		return ""
+	})
+	time.Sleep(100 * time.Millisecond) // a late early push of c would come now
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if want := []string{"1/" + tmp + ":3"}; !slices.Equal(tr.consum, want) {
+		t.Errorf("consuming pushes %q, want %q (c acknowledged early, not sent with the sealed data)", tr.consum, want)
+	}
+	if n := len(tr.early["1/"+tmp]); n != 3 {
+		t.Errorf("%d early pushes of the step's files, want 3 (each file once)", n)
+	}
+}
+
+// A writer that closes a temporary name and renames it onto the final one (tensorstore, and
+// jobsim's Orbax) reports the file at the close and again at the rename: its bytes are pushed
+// early once (they crossed twice, and the peer held the second copy beside the first).
+func TestEarlyFileRenamedByTheWriterIsPushedOnce(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	h := hs[0]
+	tmp := "1" + layout.OrbaxTmpSuffix
+	h.writeFile(tmp+"/state/a.__lock", "alpha")
+	pushed := func() int {
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		return len(tr.early["1/"+tmp])
+	}
+	h.eventually("a pushed early", func() string {
+		if n := pushed(); n != 1 {
+			return fmt.Sprintf("%d pushes", n)
+		}
+		return ""
+	})
+	h.rename(tmp+"/state/a.__lock", tmp+"/state/a")
+	h.writeFile(tmp+"/state/b", "bravo") // queued after the rename's report: once b is pushed, so would a have been
+	h.eventually("b pushed early", func() string {
+		if n := pushed(); n < 2 {
+			return fmt.Sprintf("%d pushes", n)
+		}
+		return ""
+	})
+	h.rename(tmp, "1")
+	hs[1].waitExists("job-s1-n0-w0.meta")
+	if n := pushed(); n != 2 {
+		t.Errorf("%d early pushes for two files, want 2", n)
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if want := []string{"1/" + tmp + ":2"}; !slices.Equal(tr.consum, want) {
+		t.Errorf("consuming pushes %q, want %q", tr.consum, want)
 	}
 }

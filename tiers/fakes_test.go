@@ -43,6 +43,10 @@ type dirNamespace struct {
 	mu   sync.Mutex
 	ops  []string              // GUARDED_BY(mu)
 	hook func(op, name string) // GUARDED_BY(mu); called before the operation, without mu
+	// spoolFiles, when set, makes SpoolFile answer as the mount does, with a path that stays
+	// valid when the job renames the file (a hard link in scratch), and then call it with the
+	// name asked for, without mu.
+	spoolFiles func(name string) // GUARDED_BY(mu)
 }
 
 var _ tiers.Namespace = (*dirNamespace)(nil)
@@ -168,7 +172,18 @@ func (ns *dirNamespace) SpoolFile(path string) (string, error) {
 	if _, err := os.Lstat(p); err != nil {
 		return "", err
 	}
-	return p, nil
+	ns.mu.Lock()
+	after := ns.spoolFiles
+	ns.mu.Unlock()
+	if after == nil {
+		return p, nil
+	}
+	stable := ns.tmpName()
+	if err := os.Link(p, stable); err != nil {
+		return "", err
+	}
+	after(path)
+	return stable, nil
 }
 
 func (ns *dirNamespace) Import(src, name string) error {
