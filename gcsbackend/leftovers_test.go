@@ -184,7 +184,9 @@ func TestLeftoverWriterProcess(t *testing.T) {
 		require.NoError(t, err)
 		s, err := NewGCS(client, testBucket, "backups/test", testGCSOptions())
 		require.NoError(t, err)
-		src := t.TempDir()
+		// The parent's directory: this process dies by SIGKILL, so its own t.TempDir would stay.
+		src := os.Getenv("MTCFS_TEST_LEFTOVER_SRC")
+		require.NotEmpty(t, src)
 		require.NoError(t, os.WriteFile(filepath.Join(src, "big"), randomBytes(3<<20, 9), 0o600))
 		fmt.Println("ready")
 		b := &Backups{Store: s, Parallelism: 1}
@@ -197,7 +199,7 @@ func TestLeftoverWriterProcess(t *testing.T) {
 func startWriter(t *testing.T, mode string) *exec.Cmd {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestLeftoverWriterProcess$")
-	cmd.Env = append(os.Environ(), "MTCFS_TEST_LEFTOVER_WRITER="+mode)
+	cmd.Env = append(os.Environ(), "MTCFS_TEST_LEFTOVER_WRITER="+mode, "MTCFS_TEST_LEFTOVER_SRC="+t.TempDir())
 	out, err := cmd.StdoutPipe()
 	require.NoError(t, err)
 	require.NoError(t, cmd.Start())

@@ -34,6 +34,9 @@ func TestMain(m *testing.M) {
 	}
 	code := m.Run()
 	os.RemoveAll(dir)
+	if fakeGCSDir != "" {
+		os.RemoveAll(fakeGCSDir)
+	}
 	os.Exit(code)
 }
 

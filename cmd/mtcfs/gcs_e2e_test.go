@@ -26,6 +26,7 @@ const fakeGCSVersion = "v1.56.1"
 
 var (
 	fakeGCSOnce sync.Once
+	fakeGCSDir  string // holds the binary; TestMain removes it
 	fakeGCSBin  string
 	fakeGCSErr  error
 )
@@ -40,6 +41,7 @@ func fakeGCSBinary(t *testing.T) string {
 			fakeGCSErr = err
 			return
 		}
+		fakeGCSDir = dir
 		cmd := exec.Command("go", "install", "github.com/fsouza/fake-gcs-server@"+fakeGCSVersion)
 		cmd.Env = append(os.Environ(), "GOBIN="+dir)
 		if out, err := cmd.CombinedOutput(); err != nil {
