@@ -24,8 +24,10 @@ type memTransport struct {
 	failTo map[int]bool
 	block  map[int]chan struct{}          // pushes to a rank wait until its channel is closed
 	early  map[string][]layout.FileDigest // "rank/group" → digests pushed early
-	consum []string                       // "rank/group:acked" of each consuming push
-	drops  []string                       // "rank/group"
+	// failEarly makes that many next early pushes fail (a peer briefly unreachable).
+	failEarly int
+	consum    []string // "rank/group:acked" of each consuming push
+	drops     []string // "rank/group"
 }
 
 var _ tiers.EarlyTransport = (*memTransport)(nil)
@@ -89,6 +91,15 @@ func (m *memTransport) PushEarly(ctx context.Context, inc tiers.Incarnation, ran
 	if _, err := m.target(rank); err != nil {
 		return layout.FileDigest{}, err
 	}
+	m.mu.Lock()
+	fail := m.failEarly > 0
+	if fail {
+		m.failEarly--
+	}
+	m.mu.Unlock()
+	if fail {
+		return layout.FileDigest{}, errors.New("injected: early push failed")
+	}
 	f, err := os.Open(path)
 	if err != nil {
 		return layout.FileDigest{}, err
@@ -121,6 +132,20 @@ func (m *memTransport) DropEarly(ctx context.Context, inc tiers.Incarnation, ran
 	m.drops = append(m.drops, fmt.Sprintf("%d/%s", rank, group))
 	m.mu.Unlock()
 	return nil
+}
+
+// earlyTo returns how many early pushes of group reached rank.
+func (m *memTransport) earlyTo(rank int, group string) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.early[fmt.Sprintf("%d/%s", rank, group)])
+}
+
+// consuming returns the consuming pushes so far ("rank/group:acked").
+func (m *memTransport) consuming() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.Clone(m.consum)
 }
 
 // newPair starts the agents of a two-node job whose ranks replicate to each other, coordinated
@@ -161,9 +186,7 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 			// Before the commit, the closed files reach the peer; checkpointFiles has three
 			// identical "ok" files, whose content crosses once: 5 distinct digests.
 			h.eventually("early pushes", func() string {
-				tr.mu.Lock()
-				defer tr.mu.Unlock()
-				if n := len(tr.early[fmt.Sprintf("%d/%s", 1-rank(h, hs), tmp)]); n < 5 {
+				if n := tr.earlyTo(1-rank(h, hs), tmp); n < 5 {
 					return fmt.Sprintf("%d of 5 contents pushed early", n)
 				}
 				return ""
@@ -185,9 +208,7 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 			return ""
 		})
 	}
-	tr.mu.Lock()
-	consum := slices.Clone(tr.consum)
-	tr.mu.Unlock()
+	consum := tr.consuming()
 	slices.Sort(consum)
 	want := []string{"0/1" + layout.OrbaxTmpSuffix + ":5", "1/1" + layout.OrbaxTmpSuffix + ":5"}
 	if !slices.Equal(consum, want) {
@@ -198,9 +219,7 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 	h := hs[0]
 	h.makeTree("2"+layout.OrbaxTmpSuffix, checkpointFiles("abandoned"))
 	h.eventually("early pushes of step 2", func() string {
-		tr.mu.Lock()
-		defer tr.mu.Unlock()
-		if len(tr.early["1/2"+layout.OrbaxTmpSuffix]) == 0 {
+		if tr.earlyTo(1, "2"+layout.OrbaxTmpSuffix) == 0 {
 			return "none yet"
 		}
 		return ""
@@ -398,9 +417,7 @@ func TestLateEarlyFileIsNotSentTwice(t *testing.T) {
 	h.writeFile(tmp+"/a", files["a"])
 	h.writeFile(tmp+"/b", files["b"])
 	h.eventually("a and b pushed early", func() string {
-		tr.mu.Lock()
-		defer tr.mu.Unlock()
-		if n := len(tr.early["1/"+tmp]); n != 2 {
+		if n := tr.earlyTo(1, tmp); n != 2 {
 			return fmt.Sprintf("%d pushed", n)
 		}
 		return ""
@@ -418,20 +435,16 @@ func TestLateEarlyFileIsNotSentTwice(t *testing.T) {
 	close(release)
 	hs[1].waitExists("job-s1-n0-w0.meta")
 	h.eventually("step 1 pushed", func() string {
-		tr.mu.Lock()
-		defer tr.mu.Unlock()
-		if len(tr.consum) == 0 {
+		if len(tr.consuming()) == 0 {
 			return "no consuming push yet"
 		}
 		return ""
 	})
 	time.Sleep(100 * time.Millisecond) // a late early push of c would come now
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	if want := []string{"1/" + tmp + ":3"}; !slices.Equal(tr.consum, want) {
-		t.Errorf("consuming pushes %q, want %q (c acknowledged early, not sent with the sealed data)", tr.consum, want)
+	if got, want := tr.consuming(), []string{"1/" + tmp + ":3"}; !slices.Equal(got, want) {
+		t.Errorf("consuming pushes %q, want %q (c acknowledged early, not sent with the sealed data)", got, want)
 	}
-	if n := len(tr.early["1/"+tmp]); n != 3 {
+	if n := tr.earlyTo(1, tmp); n != 3 {
 		t.Errorf("%d early pushes of the step's files, want 3 (each file once)", n)
 	}
 }
@@ -445,11 +458,7 @@ func TestEarlyFileRenamedByTheWriterIsPushedOnce(t *testing.T) {
 	h := hs[0]
 	tmp := "1" + layout.OrbaxTmpSuffix
 	h.writeFile(tmp+"/state/a.__lock", "alpha")
-	pushed := func() int {
-		tr.mu.Lock()
-		defer tr.mu.Unlock()
-		return len(tr.early["1/"+tmp])
-	}
+	pushed := func() int { return tr.earlyTo(1, tmp) }
 	h.eventually("a pushed early", func() string {
 		if n := pushed(); n != 1 {
 			return fmt.Sprintf("%d pushes", n)
@@ -469,9 +478,60 @@ func TestEarlyFileRenamedByTheWriterIsPushedOnce(t *testing.T) {
 	if n := pushed(); n != 2 {
 		t.Errorf("%d early pushes for two files, want 2", n)
 	}
+	if got, want := tr.consuming(), []string{"1/" + tmp + ":2"}; !slices.Equal(got, want) {
+		t.Errorf("consuming pushes %q, want %q", got, want)
+	}
+}
+
+// The early push of a file fails, and the writer then renames the file (a second report of the
+// same bytes, not pushed again): the file goes with the sealed data, and the replica is whole.
+func TestFailedEarlyFileGoesWithTheSealedData(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	h := hs[0]
+	tmp := "1" + layout.OrbaxTmpSuffix
 	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	if want := []string{"1/" + tmp + ":2"}; !slices.Equal(tr.consum, want) {
-		t.Errorf("consuming pushes %q, want %q", tr.consum, want)
+	tr.failEarly = 1
+	tr.mu.Unlock()
+	h.writeFile(tmp+"/state/a.__lock", "alpha")
+	h.eventually("a's early push failed", func() string {
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		if tr.failEarly != 0 {
+			return "not tried yet"
+		}
+		return ""
+	})
+	h.writeFile(tmp+"/state/b", "bravo")
+	h.eventually("b pushed early", func() string {
+		if n := tr.earlyTo(1, tmp); n != 1 {
+			return fmt.Sprintf("%d pushes", n)
+		}
+		return ""
+	})
+	h.rename(tmp+"/state/a.__lock", tmp+"/state/a")
+	h.eventually("the rename's report hashed", func() string {
+		if !slices.Contains(h.ns.opLog(), "spoolfile "+tmp+"/state/a") {
+			return "not yet"
+		}
+		return ""
+	})
+	h.rename(tmp, "1")
+	hs[1].waitExists("job-s1-n0-w0.meta")
+	if got, want := tr.consuming(), []string{"1/" + tmp + ":1"}; !slices.Equal(got, want) {
+		t.Errorf("consuming pushes %q, want %q (only b acknowledged early)", got, want)
+	}
+	data, err := os.ReadFile(hs[1].path("job-s1-n0-w0.meta"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	replica, err := hs[1].r.SealedPath(string(data) + ".data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]string{"state/a": "alpha", "state/b": "bravo"} {
+		if got, err := os.ReadFile(filepath.Join(replica, name)); err != nil || string(got) != want {
+			t.Errorf("replica %s: %q, %v; want %q", name, got, err, want)
+		}
 	}
 }
