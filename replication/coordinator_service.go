@@ -431,7 +431,11 @@ func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, 
 		return err
 	})
 	if err != nil {
-		if ctx.Err() != nil {
+		// The long poll ended without an order at the caller's deadline. The server ends the
+		// call at its copy of that deadline, which can pass a moment before ctx's does: the
+		// error then says DeadlineExceeded while ctx.Err() is still nil (agents logged it as a
+		// failed call and backed off, up to 30 s).
+		if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
 			return tiers.BackupOrder{}, nil
 		}
 		return tiers.BackupOrder{}, err
