@@ -482,7 +482,7 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 	err = forEach(ctx, b.parallelism(), len(reads), func(ctx context.Context, i int) error {
 		c := reads[i]
 		if c.want.compressed() {
-			cd, _ := codecs.LoadOrStore(c.want.ChunkLen, newCodec(c.want.ChunkLen))
+			cd, _ := codecs.LoadOrStore(c.want.ChunkLen, newCodec(c.want.ChunkLen, 0))
 			crc, err := b.readCompressed(ctx, cd.(*codec), dir+c.object, c.want, requests, nil)
 			switch {
 			case IsNotFound(err):

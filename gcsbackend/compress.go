@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"sort"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sync/semaphore"
 
@@ -90,20 +91,28 @@ func (bp *bufPool) put(b *[]byte) { bp.p.Put(b) }
 // codec bounds the files planned (encoded a first time) and the chunks
 // decoded at once by one Upload, Download or Verify to the number of CPUs:
 // the work is CPU-bound, and so the memory of the chunks in flight is bounded
-// too (a file chunk and a stored chunk each). Encoding again as the store
-// reads is bounded by the store's requests in flight, one chunk each, plus
-// the chunks an upload keeps in its cache.
+// too (a file chunk and a stored chunk each). The chunks a plan keeps for the
+// upload (so that it does not encode them again) are bounded by keep. Encoding
+// again as the store reads is bounded by the store's requests in flight, one
+// chunk each, plus the chunks an upload keeps in its cache.
 type codec struct {
 	chunkLen int64 // file bytes per chunk, when encoding
 	slots    *semaphore.Weighted
-	plain    bufPool   // file bytes of a chunk
-	stored   bufPool   // a stored chunk
-	enc      sync.Pool // *planecodec.Encoder
-	dec      sync.Pool // *planecodec.Decoder
+	keep     *semaphore.Weighted // stored chunks plans may keep at once; nil: none
+	plain    bufPool             // file bytes of a chunk
+	stored   bufPool             // a stored chunk
+	enc      sync.Pool           // *planecodec.Encoder
+	dec      sync.Pool           // *planecodec.Decoder
+	encodes  atomic.Int64        // chunks encoded, for tests
 }
 
-func newCodec(chunkLen int64) *codec {
+// newCodec returns a codec of chunkLen-byte chunks whose plans keep at most
+// keepChunks encoded chunks at once for their uploads (0 for readers).
+func newCodec(chunkLen int64, keepChunks int) *codec {
 	c := &codec{chunkLen: chunkLen, slots: semaphore.NewWeighted(int64(runtime.GOMAXPROCS(0)))}
+	if keepChunks > 0 {
+		c.keep = semaphore.NewWeighted(int64(keepChunks))
+	}
 	c.enc.New = func() any { return new(planecodec.Encoder) }
 	c.dec.New = func() any { return planecodec.NewDecoder(maxChunkLen) }
 	return c
@@ -122,6 +131,7 @@ func (c *codec) encodeChunk(r io.ReaderAt, off, n int64, dst *[]byte) ([]byte, u
 		}
 		return nil, 0, fmt.Errorf("read [%d, +%d): %w", off, n, err)
 	}
+	c.encodes.Add(1)
 	e := c.enc.Get().(*planecodec.Encoder)
 	defer c.enc.Put(e)
 	if cap(*dst) < planecodec.MaxEncodedLen(int(n)) {
@@ -132,14 +142,28 @@ func (c *codec) encodeChunk(r io.ReaderAt, off, n int64, dst *[]byte) ([]byte, u
 }
 
 // encodedPlan is what compressing a file gives, found by encoding it once
-// and keeping only the chunks' lengths and CRC32Cs.
+// and keeping the chunks' lengths and CRC32Cs, and as many of the encoded
+// chunks as the codec's keep budget allows: the upload sends those as they
+// are instead of encoding them again.
 type encodedPlan struct {
-	size      int64    // file bytes
-	chunkLen  int64    // file bytes per chunk
-	offs      []int64  // stored offset of chunk i; offs[len] = stored size
-	crcs      []uint32 // CRC32C of stored chunk i
-	storedCRC uint32   // of the whole object
-	fileCRC   uint32   // of the file's bytes
+	size      int64     // file bytes
+	chunkLen  int64     // file bytes per chunk
+	offs      []int64   // stored offset of chunk i; offs[len] = stored size
+	crcs      []uint32  // CRC32C of stored chunk i
+	storedCRC uint32    // of the whole object
+	fileCRC   uint32    // of the file's bytes
+	kept      []*[]byte // stored chunk i if kept (a buffer of codec.stored), else nil
+}
+
+// release gives the kept chunks back to c; the plan no longer has any.
+func (p *encodedPlan) release(c *codec) {
+	for i, b := range p.kept {
+		if b != nil {
+			c.stored.put(b)
+			c.keep.Release(1)
+			p.kept[i] = nil
+		}
+	}
 }
 
 func (p *encodedPlan) stored() int64 { return p.offs[len(p.offs)-1] }
@@ -159,20 +183,26 @@ func (p *encodedPlan) chunks() []int64 {
 }
 
 // planFile encodes the size bytes of r chunk by chunk and returns the plan of
-// its compressed object. It holds a codec slot for the whole file, so that
-// files are planned a few at a time and the first start uploading while
-// others are still being planned.
-func (c *codec) planFile(ctx context.Context, r io.ReaderAt, size int64) (*encodedPlan, error) {
+// its compressed object, keeping the encoded chunks the codec's keep budget
+// has room for (the caller releases them). It holds a codec slot for the
+// whole file, so that files are planned a few at a time and the first start
+// uploading while others are still being planned.
+func (c *codec) planFile(ctx context.Context, r io.ReaderAt, size int64) (_ *encodedPlan, err error) {
 	if err := c.slots.Acquire(ctx, 1); err != nil {
 		return nil, err
 	}
 	defer c.slots.Release(1)
 	cl := c.chunkLen
 	n := (size + cl - 1) / cl
-	p := &encodedPlan{size: size, chunkLen: cl, offs: make([]int64, 1, n+1), crcs: make([]uint32, 0, n)}
+	p := &encodedPlan{size: size, chunkLen: cl, offs: make([]int64, 1, n+1), crcs: make([]uint32, 0, n), kept: make([]*[]byte, n)}
+	defer func() {
+		if err != nil {
+			p.release(c)
+		}
+	}()
 	dp := c.stored.get(0)
-	defer c.stored.put(dp)
-	for off := int64(0); off < size; off += cl {
+	defer func() { c.stored.put(dp) }()
+	for i, off := 0, int64(0); off < size; i, off = i+1, off+cl {
 		if err := ctx.Err(); err != nil {
 			return nil, err
 		}
@@ -185,14 +215,20 @@ func (c *codec) planFile(ctx context.Context, r io.ReaderAt, size int64) (*encod
 		p.offs = append(p.offs, p.offs[len(p.offs)-1]+int64(len(chunk)))
 		p.storedCRC = crc32cCombine(p.storedCRC, crc, int64(len(chunk)))
 		p.fileCRC = crc32cCombine(p.fileCRC, plainCRC, min(cl, size-off))
+		if c.keep != nil && c.keep.TryAcquire(1) {
+			*dp = chunk
+			p.kept[i] = dp
+			dp = c.stored.get(0)
+		}
 	}
 	return p, nil
 }
 
 // encodedFile is the compressed object of a local file as a LocalFile that
-// ObjectStore.PutFile reads, encoding chunks again as they are read: the
-// object is never held whole. Chunks recently encoded are kept in cache, so
-// that the small sequential reads of one request encode each chunk once.
+// ObjectStore.PutFile reads: the chunks its plan kept as they are, the others
+// encoded again as they are read, so that the object is never held whole.
+// Chunks encoded again are kept in cache, so that the small sequential reads
+// of one request encode each chunk once.
 type encodedFile struct {
 	src   LocalFile
 	plan  *encodedPlan
@@ -229,6 +265,9 @@ func (v *encodedFile) ReadAt(p []byte, off int64) (int, error) {
 
 // copyChunk copies stored chunk i from its byte at into p.
 func (v *encodedFile) copyChunk(i int, p []byte, at int64) (int, error) {
+	if kept := v.plan.kept[i]; kept != nil {
+		return copy(p, (*kept)[at:]), nil
+	}
 	if n, ok := v.cache.copy(v, i, p, at); ok {
 		return n, nil
 	}

@@ -361,3 +361,76 @@ func uploadHashedTree(t *testing.T, b *Backups, backup string, step int64, slot 
 	require.NoError(t, b.Upload(context.Background(), UploadRequest{Job: testJob, Backup: backup, Step: step, Slot: slot, Hash: h, Source: src}))
 	return h
 }
+
+// TestPlanKeepsTheChunksItHasRoomFor: an upload sends the chunks its plan
+// kept as they are, and encodes only the others a second time; the object
+// it reads is the same either way, the budget comes back when the plan is
+// released, and a file that changes after its plan is caught on a chunk
+// encoded again.
+func TestPlanKeepsTheChunksItHasRoomFor(t *testing.T) {
+	const chunkLen = 64 << 10
+	data := trainingData(t, "weights_bf16.bin", 1)[:5*chunkLen+1000] // 6 chunks, the last short
+	path := filepath.Join(t.TempDir(), "weights_bf16")
+	require.NoError(t, os.WriteFile(path, data, 0o644))
+	f, err := os.Open(path)
+	require.NoError(t, err)
+	defer f.Close()
+
+	// The object as planecodec makes it, chunk by chunk.
+	var want []byte
+	var e planecodec.Encoder
+	for off := 0; off < len(data); off += chunkLen {
+		want, err = e.Encode(want, data[off:min(off+chunkLen, len(data))])
+		require.NoError(t, err)
+	}
+
+	c := newCodec(chunkLen, 4)
+	cache := newChunkCache(2, &c.stored)
+	defer cache.drop()
+	plan, err := c.planFile(context.Background(), f, int64(len(data)))
+	require.NoError(t, err)
+	require.Len(t, plan.kept, 6)
+	for i, k := range plan.kept {
+		assert.Equal(t, i < 4, k != nil, "chunk %d kept", i)
+	}
+	assert.False(t, c.keep.TryAcquire(1), "the budget is spent")
+	assert.Equal(t, int64(6), c.encodes.Load(), "the plan encodes every chunk once")
+	require.Equal(t, int64(len(want)), plan.stored())
+	assert.Equal(t, crc32.Checksum(want, crcTable), plan.storedCRC)
+
+	view := &encodedFile{src: f, plan: plan, codec: c, cache: cache}
+	got := make([]byte, plan.stored())
+	for off := 0; off < len(got); off += 1000 { // small reads, as a request's copy makes them
+		n, err := view.ReadAt(got[off:min(off+1000, len(got))], int64(off))
+		require.NoError(t, err)
+		require.Equal(t, min(1000, len(got)-off), n)
+	}
+	require.True(t, bytes.Equal(want, got), "the object read is planecodec's encoding of the file")
+	assert.Equal(t, int64(8), c.encodes.Load(), "only the 2 chunks not kept are encoded again")
+
+	plan.release(c)
+	assert.True(t, c.keep.TryAcquire(4), "releasing the plan gives its 4 chunks back")
+	c.keep.Release(4)
+
+	// The file changes after the plan (a chunk of other bytes, the same
+	// length): a kept chunk is sent as planned; a chunk encoded again differs
+	// from the plan, which the store's CRC32C check refuses.
+	plan, err = c.planFile(context.Background(), f, int64(len(data)))
+	require.NoError(t, err)
+	defer plan.release(c)
+	changed := bytes.Clone(data)
+	copy(changed[5*chunkLen:], randomBytes(1000, 9))
+	require.NoError(t, os.WriteFile(path, changed, 0o644)) // the same inode: f reads it
+	view = &encodedFile{src: f, plan: plan, codec: c, cache: cache}
+	kept := make([]byte, plan.offs[1])
+	_, err = view.ReadAt(kept, 0)
+	require.NoError(t, err)
+	assert.True(t, bytes.Equal(want[:plan.offs[1]], kept), "a kept chunk is the plan's bytes")
+	last := make([]byte, plan.offs[6]-plan.offs[5])
+	n, err := view.ReadAt(last, plan.offs[5])
+	if err == nil {
+		assert.NotEqual(t, plan.crcs[5], crc32.Checksum(last[:n], crcTable), "a changed chunk encoded again cannot pass as the plan's")
+	} else {
+		assert.Contains(t, err.Error(), "the file changed during the upload")
+	}
+}

@@ -66,11 +66,13 @@
 // and checks), "chunk_len" and "chunks" (the stored length of every chunk,
 // so that a restore reads ranges of whole chunks in parallel); a manifest
 // holding one is "mtcfs-manifest-v3", which older readers refuse. Upload
-// encodes each file twice, streaming — once to learn the object's size and
-// CRC32Cs, which the store needs before the first byte, once as the store
-// reads it (the GCS store takes its parts' CRC32Cs from the chunks'); at most
-// one file per CPU is encoded the first time at once, and a few encoded
-// chunks are kept for the store's small reads. Reads take ranges of 8 whole
+// encodes each file once to learn the object's size and CRC32Cs, which the
+// store needs before the first byte (the GCS store takes its parts' CRC32Cs
+// from the chunks'), at most one file per CPU at once; that first pass keeps
+// up to 2 encoded chunks per request in flight (64 MiB at the defaults) for
+// the store to send as they are, and the chunks beyond that budget, those of
+// large files, are encoded again as the store reads them, a few kept in cache
+// for its small reads. Reads take ranges of 8 whole
 // chunks (32 MiB of file bytes), several in parallel. Download and Verify with Deep decode every
 // chunk (its header against the manifest, its CRC32C) and check the
 // decoded file's size and CRC32C against the manifest; tiers then checks the

@@ -114,7 +114,7 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	var c *codec
 	var cache *chunkCache
 	if b.compress() {
-		c = newCodec(b.chunkLen())
+		c = newCodec(b.chunkLen(), keptChunks*b.parallelism())
 		cache = newChunkCache(b.parallelism()+2, &c.stored)
 		defer cache.drop()
 	}
@@ -144,16 +144,24 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	return PutBytes(ctx, b.Store, dir+manifestName(req.Hash), data, true)
 }
 
+// keptChunks is how many encoded chunks per request in flight an upload's
+// plans keep for the store to send as they are (64 MiB at the defaults):
+// enough for the files uploading at once when they are up to two chunks long.
+const keptChunks = 2
+
 // putCompressed uploads one file with compression on: compressed when that
 // pays (see encodedPlan.pays), else as it is. It encodes the file once to
 // learn the object's size and CRC32C, which the store needs before the first
-// byte, and again as the store reads it. It fills in f.
+// byte; the store then reads the chunks that plan kept, and the others are
+// encoded again as it reads them. It fills in f.
 func (b *Backups) putCompressed(ctx context.Context, c *codec, cache *chunkCache, f *manifestFile, t FileTransfer) error {
 	plan, err := c.planFile(ctx, t.File, t.Size)
 	if err != nil {
 		return fmt.Errorf("compress %s: %w", t.File.Name(), err)
 	}
+	defer plan.release(c)
 	if !plan.pays() {
+		plan.release(c)
 		crc, err := b.Store.PutFile(ctx, t)
 		f.CRC32C = crc32cHex(crc)
 		return err
@@ -426,7 +434,7 @@ func (b *Backups) fetchTree(ctx context.Context, dir, hash string, m *manifest, 
 func (b *Backups) fetch(ctx context.Context, dir, hash string, mf manifestFile, f *os.File, prog *progress, requests *semaphore.Weighted) error {
 	name := dir + mf.object(hash)
 	if mf.compressed() {
-		c := newCodec(mf.ChunkLen)
+		c := newCodec(mf.ChunkLen, 0)
 		report := newScaledProgress(mf.Size, mf.Size, prog.add)
 		crc, err := b.readCompressed(ctx, c, name, mf, requests, func(p []byte, off int64) error {
 			if _, err := f.WriteAt(p, off); err != nil {

@@ -289,7 +289,7 @@ func renderCompressed(cfg config, env benchkit.Environment, res *compressResult)
 	w("- Backup time, auto ÷ off: **%.3f**; target ≤ the size ratio: %s.\n", backupRatio, verdict(backupRatio))
 	w("- Restore time, auto ÷ off: **%.3f**; target ≤ the size ratio: %s.\n", restoreRatio, verdict(restoreRatio))
 	if backupRatio > sizeRatio || restoreRatio > sizeRatio {
-		w("- Reading: on a link-bound transfer only the bytes shrink; the round trips (manifest, .meta, one request per file, each %s here) and the emulator's and proxy's per-request work do not, and compression adds its CPU time (two encodes per backed-up byte, one decode per restored byte) on CPUs shared with the emulator, so a time ratio lands at or above the size ratio unless those are negligible beside the transfer.\n", cfg.linkRTT)
+		w("- Reading: on a link-bound transfer only the bytes shrink; the round trips (manifest, .meta, one request per file, each %s here) and the emulator's and proxy's per-request work do not, and compression adds its CPU time (an encode per backed-up byte, a second one for the chunks beyond the upload's budget of kept chunks — 2 per request in flight, all of them here; a decode per restored byte) on CPUs shared with the emulator, so a time ratio lands at or above the size ratio unless those are negligible beside the transfer.\n", cfg.linkRTT)
 	}
 	w("\n%s\n", sec.End())
 	return sb.String()
