@@ -206,6 +206,7 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	if err := r.retention.adopt(n.ctx, r.incs.startupError); err != nil {
 		return err
 	}
+	n.spool.RemoveTrash()
 	if j := r.cfg.JaxInit; j != nil {
 		content := []byte(strings.Join([]string{itoa(int64(j.Rank)), j.Coordinator, ""}, "\n"))
 		if err := ns.WriteFile(layout.JaxInitInfoName, content); err != nil {

@@ -475,7 +475,7 @@ func (s *Spool) close(discard bool) error {
 const filesTrashPrefix = ".files-trash-"
 
 // clearFiles empties FilesDir of what a previous agent left. On a spool of its own (the budget is
-// the tmpfs's) the directory is moved aside in one rename and removed in the background: a
+// the tmpfs's) the directory is moved aside in one rename and removed later (RemoveTrash): a
 // restarted agent need not unlink a file for every file of its predecessor's checkpoints before
 // it serves (the committed data has names of its own elsewhere in the spool). An agent-accounted
 // budget is computed from what is left, so there the files are removed first.
@@ -489,12 +489,14 @@ func (s *Spool) clearFiles() error {
 	if err := os.Rename(s.FilesDir(), trash); err != nil {
 		return clearDir(s.FilesDir())
 	}
-	if err := os.Mkdir(s.FilesDir(), 0o700); err != nil {
-		return err
-	}
-	go removeTrash(s.dir) // also what an agent killed meanwhile left
-	return nil
+	return os.Mkdir(s.FilesDir(), 0o700)
 }
+
+// RemoveTrash removes in the background the files clearFiles moved aside, and what an agent
+// killed before it got there left. The replicator calls it once it has adopted the committed
+// data, so that a restart's adoption (a read and a link per file) does not share the CPUs with
+// an unlink per file of the predecessor's checkpoints.
+func (s *Spool) RemoveTrash() { go removeTrash(s.dir) }
 
 // removeTrash removes the directories clearFiles moved aside in the spool at dir.
 func removeTrash(dir string) {

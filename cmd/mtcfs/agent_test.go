@@ -162,7 +162,8 @@ func needRoot(t *testing.T) {
 }
 
 // TestKillAndRestart kills an agent with SIGKILL, sees the dead mount answer ENOTCONN, and
-// checks that a new agent detaches it and serves again; SIGTERM then unmounts cleanly.
+// checks that a new agent detaches it, serves again and removes its predecessor's files;
+// SIGTERM then unmounts cleanly.
 func TestKillAndRestart(t *testing.T) {
 	needRoot(t)
 	base := t.TempDir()
@@ -183,6 +184,12 @@ func TestKillAndRestart(t *testing.T) {
 	got, err := os.ReadFile(filepath.Join(dir, "g"))
 	require.NoError(t, err)
 	require.Equal(t, "y", string(got))
+	// The killed agent's open-ended file "f" was moved aside at the new agent's start and is
+	// removed once the new agent has adopted what it keeps.
+	require.Eventually(t, func() bool {
+		trash, _ := filepath.Glob(filepath.Join(spool, ".files-trash-*"))
+		return len(trash) == 0
+	}, 10*time.Second, 20*time.Millisecond, "the predecessor's files are never removed")
 
 	require.NoError(t, b.cmd.Process.Signal(syscall.SIGTERM))
 	require.Equal(t, 0, b.wait(30*time.Second), "clean stop should exit 0\n%s", b.log())
