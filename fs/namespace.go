@@ -358,9 +358,19 @@ func (ns *namespace) SpoolFile(path string) (string, error) {
 	return fn.backing, nil
 }
 
-func (ns *namespace) Import(src, name string) error {
+func (ns *namespace) Import(src, name string) error { return ns.ImportVerified(src, name, nil) }
+
+func (ns *namespace) ImportVerified(src, name string, verify func() error) error {
 	if ns.root.GetChild(name) != nil {
 		return fmt.Errorf("import %s: %w", name, os.ErrExist)
+	}
+	// The tree is built (a link and a node per file) while verify reads the same files, and
+	// stays invisible until verify has passed.
+	verified := make(chan error, 1)
+	if verify == nil {
+		verified <- nil
+	} else {
+		go func() { verified <- verify() }()
 	}
 	ctx := context.Background()
 	var created []*gofs.Inode
@@ -378,12 +388,16 @@ func (ns *namespace) Import(src, name string) error {
 		return in, nil
 	}
 	top, err := ns.importTree(ctx, src, newFile)
-	if err == nil && !ns.root.AddChild(name, top, false) {
+	verr := <-verified
+	if err == nil && verr == nil && !ns.root.AddChild(name, top, false) {
 		err = os.ErrExist
 	}
-	if err != nil {
+	if err != nil || verr != nil {
 		for _, in := range created {
 			dropped(in)
+		}
+		if verr != nil {
+			return verr
 		}
 		return fmt.Errorf("import %s as %s: %w", src, name, err)
 	}

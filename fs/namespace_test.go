@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
@@ -281,4 +282,52 @@ func TestReplacedNameNeverVanishes(t *testing.T) {
 			require.Zero(t, misses.Load(), "of %d reads racing 2000 replacements", reads.Load())
 		})
 	}
+}
+
+// TestImportVerifiedShowsNothingUntilVerified: adoption builds a tree while its data is
+// verified; the name is invisible meanwhile, never appears if verification fails (nothing of
+// it stays in the spool), and appears with its bytes once it passed.
+func TestImportVerifiedShowsNothingUntilVerified(t *testing.T) {
+	dir, srv, _, spool := mountWithEvents(t, PassthroughOff)
+	ns := srv.Namespace()
+	src := filepath.Join(spool.Dir(), "sealed-test") // hard links stay inside the spool
+	require.NoError(t, os.MkdirAll(filepath.Join(src, "state"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(src, "state", "w"), []byte("weights"), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(src, "meta"), []byte("{}"), 0o644))
+	spoolFiles := func() int {
+		ents, err := os.ReadDir(spool.FilesDir())
+		require.NoError(t, err)
+		return len(ents)
+	}
+	before := spoolFiles()
+	invisible := func(name string) {
+		_, err := os.Lstat(filepath.Join(dir, name))
+		assert.ErrorIs(t, err, os.ErrNotExist, "%s visible before it verified", name)
+	}
+
+	bad := errors.New("content hashes to Dxyz, want Dabc")
+	err := ns.ImportVerified(src, "Dabc.data", func() error {
+		invisible("Dabc.data")
+		return bad
+	})
+	require.ErrorIs(t, err, bad, "the verification's own error")
+	invisible("Dabc.data")
+	require.Equal(t, before, spoolFiles(), "a tree that failed verification leaves no file in the spool")
+
+	ran := false
+	require.NoError(t, ns.ImportVerified(src, "Dabc.data", func() error {
+		time.Sleep(50 * time.Millisecond) // the tree is built meanwhile
+		invisible("Dabc.data")
+		ran = true
+		return nil
+	}))
+	require.True(t, ran)
+	w, err := os.ReadFile(filepath.Join(dir, "Dabc.data", "state", "w"))
+	require.NoError(t, err)
+	require.Equal(t, "weights", string(w))
+	require.Equal(t, before+2, spoolFiles(), "a link per file of the published tree")
+
+	err = ns.ImportVerified(src, "Dabc.data", func() error { return nil })
+	require.ErrorIs(t, err, os.ErrExist, "a name already there")
+	require.Equal(t, before+2, spoolFiles())
 }

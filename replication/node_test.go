@@ -110,6 +110,13 @@ func (ns *dirNamespace) SpoolFile(path string) (string, error) {
 	return ns.path(path), err
 }
 
+func (ns *dirNamespace) ImportVerified(src, name string, verify func() error) error {
+	if err := verify(); err != nil {
+		return err
+	}
+	return ns.Import(src, name)
+}
+
 func (ns *dirNamespace) Import(src, name string) error {
 	if _, err := os.Lstat(ns.path(name)); err == nil {
 		return &os.PathError{Op: "import", Path: name, Err: fs.ErrExist}

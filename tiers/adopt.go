@@ -46,15 +46,24 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 			if !ok {
 				err = fmt.Errorf("bad hash %q", hash)
 			} else {
-				err = layout.VerifyData(ctx, rt.spoolDir("sealed", dataName), h, dir)
+				// The namespace builds the tree while its data is verified (both take a
+				// system call or more per file); the name appears only once it verified.
+				p := rt.spoolDir("sealed", dataName)
+				passed := false
+				verify := func() error {
+					err := layout.VerifyData(ctx, p, h, dir)
+					passed = err == nil
+					return err
+				}
+				// A name already there is kept, as long as the data verifies.
+				if err = rt.ns.ImportVerified(p, dataName, verify); errors.Is(err, os.ErrExist) {
+					if err = nil; !passed {
+						err = verify()
+					}
+				}
 			}
 			if err == nil {
 				rt.markVerified(dataName)
-			}
-			if err == nil {
-				if err = rt.ns.Import(rt.spoolDir("sealed", dataName), dataName); errors.Is(err, os.ErrExist) {
-					err = nil
-				}
 			}
 			verified[dataName] = err == nil
 		}

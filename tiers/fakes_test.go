@@ -186,6 +186,14 @@ func (ns *dirNamespace) SpoolFile(path string) (string, error) {
 	return stable, nil
 }
 
+// ImportVerified verifies first: the fake has no tree to build meanwhile.
+func (ns *dirNamespace) ImportVerified(src, name string, verify func() error) error {
+	if err := verify(); err != nil {
+		return err
+	}
+	return ns.Import(src, name)
+}
+
 func (ns *dirNamespace) Import(src, name string) error {
 	ns.record("import", name)
 	if _, err := os.Lstat(ns.path(name)); err == nil {

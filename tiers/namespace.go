@@ -34,6 +34,10 @@ type Namespace interface {
 	// sharing its bytes (hard links), immutable to the job like a sealed tree. It fails if name
 	// exists.
 	Import(src, name string) error
+	// ImportVerified is Import of data not verified yet: verify runs while the tree is built,
+	// and the name appears only if it returns nil; else ImportVerified returns verify's error
+	// and leaves nothing behind.
+	ImportVerified(src, name string, verify func() error) error
 }
 
 // SealInfo says what Seal did besides linking.
