@@ -304,6 +304,20 @@ func hashSegment(ctx context.Context, r io.ReaderAt, off, length int64) (guts.No
 	defer hashBufs.Put(bufp)
 
 	base := uint64(off / guts.ChunkSize)
+	if length > guts.ChunkSize && length <= simdGroup {
+		// A small file (or a short segment): one read, and its chunks compressed side by side
+		// and merged by the library's vector code, instead of one chunk at a time. A step of
+		// many files of a few KiB hashes several times faster so (the restart handshake and the
+		// seal hash every file).
+		p := bufp[:length]
+		if n, err := r.ReadAt(p, off); n < len(p) {
+			if err == nil || err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return guts.Node{}, fmt.Errorf("hash file: read %d bytes at %d: %w", len(p), off, err)
+		}
+		return guts.CompressBuffer((*[simdGroup]byte)(bufp[:simdGroup]), int(length), &guts.IV, base, 0), nil
+	}
 	// The last chunk (possibly partial, empty only for an empty file) is kept
 	// as a node: it might be the root.
 	lastStart := max(0, (length-1)/guts.ChunkSize*guts.ChunkSize)

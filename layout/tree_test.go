@@ -92,7 +92,10 @@ func TestHashFileIsBLAKE3(t *testing.T) {
 			}
 		}
 		sizes := []int64{seg - 1, seg, seg + 1, 2 * seg, 3*seg + 5, 5*simdGroup + 3*k + 7,
-			hashBufSize - 1, hashBufSize, hashBufSize + 1, 2*hashBufSize + k}
+			hashBufSize - 1, hashBufSize, hashBufSize + 1, 2*hashBufSize + k,
+			// small files, hashed in one vector pass: every chunk count up to 16
+			k + 1, 2 * k, 3*k - 1, 4 * k, 5*k + 1, 7*k + 512, 8 * k, 9*k + 1, 11 * k, 13*k - 1,
+			15*k + 3, simdGroup - 1, simdGroup}
 		for _, size := range sizes {
 			data := randomBytes(uint64(size), size)
 			got, err := HashFile(t.Context(), bytes.NewReader(data), size)
