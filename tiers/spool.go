@@ -53,6 +53,8 @@ type Spool struct {
 	owner   Owner
 
 	closeOnce sync.Once
+	// trash is set while a predecessor's files, moved aside by clearFiles, wait for RemoveTrash.
+	trash atomic.Bool
 }
 
 // SpoolConfig says where the spool lives and how large it may grow.
@@ -451,6 +453,9 @@ func (s *Spool) close(discard bool) error {
 	s.closeOnce.Do(func() {
 		defer s.unlock() // last: nobody may take the spool before it is gone or recorded
 		if !discard {
+			if s.trash.Load() {
+				removeTrash(s.dir) // a kept spool keeps no garbage in RAM
+			}
 			if s.lock != nil {
 				s.ownerMu.Lock()
 				err = s.writeOwnerLocked() // the time it was last used
@@ -489,14 +494,21 @@ func (s *Spool) clearFiles() error {
 	if err := os.Rename(s.FilesDir(), trash); err != nil {
 		return clearDir(s.FilesDir())
 	}
+	s.trash.Store(true)
 	return os.Mkdir(s.FilesDir(), 0o700)
 }
 
 // RemoveTrash removes in the background the files clearFiles moved aside, and what an agent
 // killed before it got there left. The replicator calls it once it has adopted the committed
 // data, so that a restart's adoption (a read and a link per file) does not share the CPUs with
-// an unlink per file of the predecessor's checkpoints.
-func (s *Spool) RemoveTrash() { go removeTrash(s.dir) }
+// an unlink per file of the predecessor's checkpoints. Detach removes what is left of them, also
+// for an agent that fails before it adopted anything.
+func (s *Spool) RemoveTrash() {
+	go func() {
+		removeTrash(s.dir)
+		s.trash.Store(false)
+	}()
+}
 
 // removeTrash removes the directories clearFiles moved aside in the spool at dir.
 func removeTrash(dir string) {

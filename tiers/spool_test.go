@@ -225,3 +225,63 @@ func unmountAll(p string) {
 		}
 	}
 }
+
+// TestSpoolTrashWaitsForAdoption: a predecessor's open-ended files are moved aside when the
+// spool opens and stay until RemoveTrash (the replicator calls it after adopting); an agent
+// that stops before that (a failed start) removes them when it detaches the spool, so that a
+// kept spool holds no garbage in RAM.
+func TestSpoolTrashWaitsForAdoption(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount a tmpfs")
+	}
+	base := t.TempDir()
+	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	mustMkdir(t, mnt)
+	t.Cleanup(func() { unmountAll(dir) })
+	trash := func() int {
+		m, err := filepath.Glob(filepath.Join(dir, ".files-trash-*"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(m)
+	}
+	leave := func(s *tiers.Spool) {
+		t.Helper()
+		if err := os.WriteFile(filepath.Join(s.FilesDir(), "open-ended"), []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Detach(); err != nil {
+			t.Fatalf("Detach: %v", err)
+		}
+	}
+
+	leave(openOwned(t, dir, mnt, true))
+	s := openOwned(t, dir, mnt, true)
+	if ents, _ := os.ReadDir(s.FilesDir()); len(ents) != 0 {
+		t.Fatalf("files dir after open holds %d entries, want none", len(ents))
+	}
+	time.Sleep(50 * time.Millisecond)
+	if n := trash(); n != 1 {
+		t.Fatalf("%d trash directories before RemoveTrash, want 1 (removed during the adoption?)", n)
+	}
+	if err := s.Detach(); err != nil { // an agent that failed to start
+		t.Fatalf("Detach: %v", err)
+	}
+	if n := trash(); n != 0 {
+		t.Fatalf("%d trash directories left in a kept spool after Detach", n)
+	}
+
+	leave(openOwned(t, dir, mnt, true))
+	s = openOwned(t, dir, mnt, true)
+	s.RemoveTrash()
+	deadline := time.Now().Add(10 * time.Second)
+	for trash() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("RemoveTrash left the predecessor's files")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+}
