@@ -6,10 +6,13 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"os"
 	"runtime"
 	"sort"
 	"sync"
 	"sync/atomic"
+	"syscall"
+	"time"
 
 	"golang.org/x/sync/semaphore"
 
@@ -200,6 +203,16 @@ func (c *codec) planFile(ctx context.Context, r io.ReaderAt, size int64) (_ *enc
 			p.release(c)
 		}
 	}()
+	// The upload sends kept chunks as this pass read them: a file written meanwhile must not
+	// go out torn (the file's own CRC32C in the manifest would match the torn bytes).
+	before, statErr := fileVersion(r)
+	defer func() {
+		if err == nil && statErr == nil {
+			if after, e := fileVersion(r); e != nil || after != before {
+				err = fmt.Errorf("the file changed while it was encoded (%v, then %v)", before, after)
+			}
+		}
+	}()
 	dp := c.stored.get(0)
 	defer func() { c.stored.put(dp) }()
 	for i, off := 0, int64(0); off < size; i, off = i+1, off+cl {
@@ -222,6 +235,33 @@ func (c *codec) planFile(ctx context.Context, r io.ReaderAt, size int64) (_ *enc
 		}
 	}
 	return p, nil
+}
+
+// version is what changes when a file is written: its size, modification and change times.
+type version struct {
+	size         int64
+	mtime, ctime int64 // ns
+}
+
+func (v version) String() string {
+	return fmt.Sprintf("%d bytes, modified %s", v.size, time.Unix(0, v.mtime).UTC().Format(time.RFC3339Nano))
+}
+
+// fileVersion returns r's version if r is a file that can tell it (an *os.File).
+func fileVersion(r io.ReaderAt) (version, error) {
+	f, ok := r.(interface{ Stat() (os.FileInfo, error) })
+	if !ok {
+		return version{}, errors.ErrUnsupported
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		return version{}, err
+	}
+	v := version{size: fi.Size(), mtime: fi.ModTime().UnixNano()}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		v.ctime = st.Ctim.Nano()
+	}
+	return v, nil
 }
 
 // encodedFile is the compressed object of a local file as a LocalFile that

@@ -10,7 +10,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -433,4 +435,42 @@ func TestPlanKeepsTheChunksItHasRoomFor(t *testing.T) {
 	} else {
 		assert.Contains(t, err.Error(), "the file changed during the upload")
 	}
+}
+
+// writeDuringPlan is a file that is written (at its start) when its second chunk is read.
+type writeDuringPlan struct {
+	*os.File
+	chunkLen int64
+	once     sync.Once
+}
+
+func (w *writeDuringPlan) ReadAt(p []byte, off int64) (int, error) {
+	if off >= w.chunkLen {
+		w.once.Do(func() { w.File.WriteAt([]byte("torn"), 0) })
+	}
+	return w.File.ReadAt(p, off)
+}
+
+// TestPlanRefusesAFileWrittenMeanwhile: the upload sends the chunks the plan kept as the plan
+// read them, so a file written while it was being planned is refused (it would go out torn,
+// with a manifest whose CRC32C matches the torn bytes).
+func TestPlanRefusesAFileWrittenMeanwhile(t *testing.T) {
+	const chunkLen = 64 << 10
+	data := trainingData(t, "weights_bf16.bin", 1)[:3*chunkLen]
+	path := filepath.Join(t.TempDir(), "weights_bf16")
+	require.NoError(t, os.WriteFile(path, data, 0o644))
+	time.Sleep(20 * time.Millisecond) // past the file system's timestamp granularity
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer f.Close()
+
+	c := newCodec(chunkLen, 8)
+	plan, err := c.planFile(context.Background(), f, int64(len(data)))
+	require.NoError(t, err, "a file left alone")
+	plan.release(c)
+
+	time.Sleep(20 * time.Millisecond)
+	_, err = c.planFile(context.Background(), &writeDuringPlan{File: f, chunkLen: chunkLen}, int64(len(data)))
+	require.ErrorContains(t, err, "the file changed while it was encoded")
+	assert.True(t, c.keep.TryAcquire(8), "a refused plan keeps no chunk")
 }

@@ -70,9 +70,10 @@
 // store needs before the first byte (the GCS store takes its parts' CRC32Cs
 // from the chunks'), at most one file per CPU at once; that first pass keeps
 // up to 2 encoded chunks per request in flight (64 MiB at the defaults) for
-// the store to send as they are, and the chunks beyond that budget, those of
-// large files, are encoded again as the store reads them, a few kept in cache
-// for its small reads. Reads take ranges of 8 whole
+// the store to send as they are (a file whose size or times changed during
+// that pass is refused, not sent torn), and the chunks beyond that budget,
+// those of large files, are encoded again as the store reads them and checked
+// against the first pass, a few kept in cache for its small reads. Reads take ranges of 8 whole
 // chunks (32 MiB of file bytes), several in parallel. Download and Verify with Deep decode every
 // chunk (its header against the manifest, its CRC32C) and check the
 // decoded file's size and CRC32C against the manifest; tiers then checks the
