@@ -276,6 +276,10 @@ func (p *Proxy) serve(client *net.TCPConn) {
 		rst(client)
 		return
 	}
+	// The link of a connection is the one set when it was accepted: read it before the target
+	// sees the connection, so that a change made once the target has it applies to the next
+	// connection only.
+	links := [2]Link{p.link(Up), p.link(Down)}
 	target := p.Target()
 	s, err := net.DialTimeout("tcp", target, 10*time.Second)
 	if err != nil || target == "" {
@@ -299,7 +303,7 @@ func (p *Proxy) serve(client *net.TCPConn) {
 	seed := p.seed.Add(2)
 	var shapers [2]*shaper
 	for d, dst := range [2]*net.TCPConn{Up: server, Down: client} {
-		if l := p.link(Direction(d)); l.on() {
+		if l := links[d]; l.on() {
 			shapers[d] = newShaper(dst, l, connDead, pumpBuffer)
 		}
 	}
