@@ -141,6 +141,17 @@ func (m *memTransport) earlyTo(rank int, group string) int {
 	return len(m.early[fmt.Sprintf("%d/%s", rank, group)])
 }
 
+// waitEarlyTo waits until exactly n early pushes of group have reached rank.
+func (h *harness) waitEarlyTo(tr *memTransport, rank int, group string, n int, what string) {
+	h.t.Helper()
+	h.eventually(what, func() string {
+		if got := tr.earlyTo(rank, group); got != n {
+			return fmt.Sprintf("%d early pushes, want %d", got, n)
+		}
+		return ""
+	})
+}
+
 // consuming returns the consuming pushes so far ("rank/group:acked").
 func (m *memTransport) consuming() []string {
 	m.mu.Lock()
@@ -416,12 +427,7 @@ func TestLateEarlyFileIsNotSentTwice(t *testing.T) {
 	h.ns.mu.Unlock()
 	h.writeFile(tmp+"/a", files["a"])
 	h.writeFile(tmp+"/b", files["b"])
-	h.eventually("a and b pushed early", func() string {
-		if n := tr.earlyTo(1, tmp); n != 2 {
-			return fmt.Sprintf("%d pushed", n)
-		}
-		return ""
-	})
+	h.waitEarlyTo(tr, 1, tmp, 2, "a and b pushed early")
 	h.writeFile(tmp+"/c", files["c"])
 	<-hashing
 	h.rename(tmp, "1")
@@ -458,24 +464,13 @@ func TestEarlyFileRenamedByTheWriterIsPushedOnce(t *testing.T) {
 	h := hs[0]
 	tmp := "1" + layout.OrbaxTmpSuffix
 	h.writeFile(tmp+"/state/a.__lock", "alpha")
-	pushed := func() int { return tr.earlyTo(1, tmp) }
-	h.eventually("a pushed early", func() string {
-		if n := pushed(); n != 1 {
-			return fmt.Sprintf("%d pushes", n)
-		}
-		return ""
-	})
+	h.waitEarlyTo(tr, 1, tmp, 1, "a pushed early")
 	h.rename(tmp+"/state/a.__lock", tmp+"/state/a")
 	h.writeFile(tmp+"/state/b", "bravo") // queued after the rename's report: once b is pushed, so would a have been
-	h.eventually("b pushed early", func() string {
-		if n := pushed(); n < 2 {
-			return fmt.Sprintf("%d pushes", n)
-		}
-		return ""
-	})
+	h.waitEarlyTo(tr, 1, tmp, 2, "b pushed early")
 	h.rename(tmp, "1")
 	hs[1].waitExists("job-s1-n0-w0.meta")
-	if n := pushed(); n != 2 {
+	if n := tr.earlyTo(1, tmp); n != 2 {
 		t.Errorf("%d early pushes for two files, want 2", n)
 	}
 	if got, want := tr.consuming(), []string{"1/" + tmp + ":2"}; !slices.Equal(got, want) {
@@ -503,12 +498,7 @@ func TestFailedEarlyFileGoesWithTheSealedData(t *testing.T) {
 		return ""
 	})
 	h.writeFile(tmp+"/state/b", "bravo")
-	h.eventually("b pushed early", func() string {
-		if n := tr.earlyTo(1, tmp); n != 1 {
-			return fmt.Sprintf("%d pushes", n)
-		}
-		return ""
-	})
+	h.waitEarlyTo(tr, 1, tmp, 1, "b pushed early")
 	h.rename(tmp+"/state/a.__lock", tmp+"/state/a")
 	h.eventually("the rename's report hashed", func() string {
 		if !slices.Contains(h.ns.opLog(), "spoolfile "+tmp+"/state/a") {
