@@ -309,12 +309,8 @@ func hashSegment(ctx context.Context, r io.ReaderAt, off, length int64) (guts.No
 		// and merged by the library's vector code, instead of one chunk at a time. A step of
 		// many files of a few KiB hashes several times faster so (the restart handshake and the
 		// seal hash every file).
-		p := bufp[:length]
-		if n, err := r.ReadAt(p, off); n < len(p) {
-			if err == nil || err == io.EOF {
-				err = io.ErrUnexpectedEOF
-			}
-			return guts.Node{}, fmt.Errorf("hash file: read %d bytes at %d: %w", len(p), off, err)
+		if err := readFull(r, bufp[:length], off); err != nil {
+			return guts.Node{}, err
 		}
 		return guts.CompressBuffer((*[simdGroup]byte)(bufp[:simdGroup]), int(length), &guts.IV, base, 0), nil
 	}
@@ -328,11 +324,8 @@ func hashSegment(ctx context.Context, r io.ReaderAt, off, length int64) (guts.No
 		}
 		p := bufp[:min(hashBufSize, length-pos)]
 		end := pos + int64(len(p))
-		if n, err := r.ReadAt(p, off+pos); n < len(p) {
-			if err == nil || err == io.EOF {
-				err = io.ErrUnexpectedEOF
-			}
-			return guts.Node{}, fmt.Errorf("hash file: read %d bytes at %d: %w", len(p), off+pos, err)
+		if err := readFull(r, p, off+pos); err != nil {
+			return guts.Node{}, err
 		}
 		for pos < lastStart {
 			counter := base + uint64(pos/guts.ChunkSize)
@@ -354,6 +347,17 @@ func hashSegment(ctx context.Context, r io.ReaderAt, off, length int64) (guts.No
 		}
 	}
 	return guts.CompressChunk(nil, &guts.IV, base, 0), nil // empty file
+}
+
+// readFull reads len(p) bytes of r at off: fewer (the file shrank) is an error.
+func readFull(r io.ReaderAt, p []byte, off int64) error {
+	if n, err := r.ReadAt(p, off); n < len(p) {
+		if err == nil || err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return fmt.Errorf("hash file: read %d bytes at %d: %w", len(p), off, err)
+	}
+	return nil
 }
 
 // subtreeStack merges BLAKE3 subtrees pushed left to right, as the reference

@@ -55,9 +55,10 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 					passed = err == nil
 					return err
 				}
-				// A name already there is kept, as long as the data verifies.
-				if err = rt.ns.ImportVerified(p, dataName, verify); errors.Is(err, os.ErrExist) {
-					if err = nil; !passed {
+				err = rt.ns.ImportVerified(p, dataName, verify)
+				if errors.Is(err, os.ErrExist) { // a name already there is kept if the data verifies
+					err = nil
+					if !passed {
 						err = verify()
 					}
 				}
