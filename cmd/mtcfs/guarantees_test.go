@@ -174,6 +174,11 @@ func TestGuaranteeSealedDataIsImmutable(t *testing.T) {
 	require.NoError(t, sf.Close())
 	killAgent(t, b)
 	c := n.start(t)
+	// The damaged step never shows in the new agent's mount (its tree is built while it is
+	// verified, and dropped): only the restore from the backup brings the name back.
+	require.Contains(t, c.log(), "does not verify")
+	_, err = os.Lstat(filepath.Join(n.dir, string(hash)+".data"))
+	require.ErrorIs(t, err, os.ErrNotExist, "the damaged step is visible in the mount")
 	o = restore("the agent restarted on a damaged spool")
 	pre, err := os.ReadFile(filepath.Join(n.dir, "replicator.prerestore"))
 	require.NoError(t, err)
