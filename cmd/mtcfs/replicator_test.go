@@ -568,3 +568,49 @@ func TestStatusJSON(t *testing.T) {
 	assert.Contains(t, out, "job        "+job)
 	assert.Contains(t, out, "last: "+st.LastBackup)
 }
+
+// TestKillDuringAdoption: agents killed while they adopt a step of 10,000 small files (before,
+// while and after its tree is built and verified), one after the other; the next agent still
+// adopts the step and the job restores it from RAM, byte for byte, and the files every killed
+// agent had started to link are removed.
+func TestKillDuringAdoption(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "adoptkill"
+	a := n.start(t, "--memory", "256MiB")
+	o := orbaxClient(t, n.dir, job, 1000)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	tr := tree{"_CHECKPOINT_METADATA": fileEnt([]byte(`{"commit_timestamp_nsecs": 1}`))}
+	for i := range 10000 {
+		tr[fmt.Sprintf("d%02d/f%05d", i%20, i)] = fileEnt(randomBytes(uint64(i), 2048))
+	}
+	require.NoError(t, saveTree(n.dir, 10, tr.withParents()))
+	waitStepSealed(t, n.dir, job, 10)
+	killAgent(t, a)
+	for _, delay := range []time.Duration{50 * time.Millisecond, 150 * time.Millisecond, 300 * time.Millisecond} {
+		forceUnmount(n.dir)
+		cmd := exec.Command(binPath, "mount", n.dir, "--spool", n.spool, "--memory", "256MiB", "--backup", n.backupURL())
+		require.NoError(t, cmd.Start())
+		time.Sleep(delay)
+		require.NoError(t, cmd.Process.Kill())
+		cmd.Wait()
+		linked, _ := os.ReadDir(filepath.Join(n.spool, "files"))
+		t.Logf("killed %v after its start: %d files linked", delay, len(linked))
+	}
+	forceUnmount(n.dir)
+	c := n.start(t, "--memory", "256MiB")
+	o = orbaxClient(t, n.dir, job, 1000)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found && step == 10, "restored step %d (found %v)\n%s", step, found, c.log())
+	require.NoError(t, sameTree(filepath.Join(n.dir, "10"), tr.withParents()))
+	pre, err := os.ReadFile(filepath.Join(n.dir, "replicator.prerestore"))
+	require.NoError(t, err)
+	require.NotContains(t, string(pre), "restore-backup", "the step comes from RAM, not the backup")
+	require.Eventually(t, func() bool {
+		trash, _ := filepath.Glob(filepath.Join(n.spool, ".files-trash-*"))
+		return len(trash) == 0
+	}, 10*time.Second, 20*time.Millisecond, "the killed agents' files are never removed")
+}
