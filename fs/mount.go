@@ -285,13 +285,25 @@ func Mount(dir string, opts Options) (*Server, error) {
 	}
 	counts := &requestCounts{}
 	raw := &countingFS{RawFileSystem: &eventFS{RawFileSystem: gofs.NewNodeFS(rootNode, fsOpts), m: m}, n: counts}
-	srv, err := newServer(raw, abs, &fsOpts.MountOptions)
+	srv, fd, err := newServer(raw, abs, &fsOpts.MountOptions)
 	if err != nil {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
-	go srv.Serve()
+	served := make(chan struct{})
+	go func() {
+		srv.Serve()
+		close(served)
+	}()
 	if err := srv.WaitMount(); err != nil {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
+	}
+	// The kernel's settings are known once the mount is live (WaitMount waits for INIT).
+	if e := newEntryExpirer(srv, fd); e != nil {
+		m.expirer = e
+		go func() {
+			<-served
+			e.close()
+		}()
 	}
 	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}, requests: counts}
 	if o, ok := opts.Events.(interface {
@@ -359,48 +371,50 @@ func probePassthrough(srv *fuse.Server, spool *tiers.Spool) bool {
 // unkillable) instead of failing with ENOTCONN. The direct mount runs under syscall.ForkLock, as
 // os.Open does, so no fork in another goroutine copies the descriptor before it is marked; if
 // the direct mount fails, the fusermount path (which forks, and marks its descriptor itself)
-// runs outside the lock, as go-fuse's own fallback would.
-func newServer(raw fuse.RawFileSystem, dir string, opts *fuse.MountOptions) (*fuse.Server, error) {
+// runs outside the lock, as go-fuse's own fallback would. It also returns the mount's /dev/fuse
+// descriptor (mounts are serialized, so it is the one that appeared meanwhile), or -1 if it
+// cannot tell which it is.
+func newServer(raw fuse.RawFileSystem, dir string, opts *fuse.MountOptions) (*fuse.Server, int, error) {
+	deviceMu.Lock()
+	defer deviceMu.Unlock()
+	before := fuseDescriptors()
+	found := func() int {
+		after := fuseDescriptors()
+		closeFUSEOnExec(after)
+		return newDescriptor(before, after)
+	}
 	if !opts.DirectMount {
 		srv, err := fuse.NewServer(raw, dir, opts)
-		if err == nil {
-			closeFUSEOnExec()
+		if err != nil {
+			return nil, -1, err
 		}
-		return srv, err
+		return srv, found(), nil
 	}
 	strict := *opts
 	strict.DirectMountStrict = true
 	syscall.ForkLock.RLock()
 	srv, err := fuse.NewServer(raw, dir, &strict)
+	fd := -1
 	if err == nil {
-		closeFUSEOnExec()
+		fd = found()
 	}
 	syscall.ForkLock.RUnlock()
 	if err == nil {
-		return srv, nil
+		return srv, fd, nil
 	}
 	fallback := *opts
 	fallback.DirectMount = false
 	srv, err2 := fuse.NewServer(raw, dir, &fallback)
 	if err2 != nil {
-		return nil, fmt.Errorf("%w (and through fusermount3: %v)", err, err2)
+		return nil, -1, fmt.Errorf("%w (and through fusermount3: %v)", err, err2)
 	}
-	closeFUSEOnExec()
-	return srv, nil
+	return srv, found(), nil
 }
 
-// closeFUSEOnExec sets close-on-exec on every descriptor of this process open on /dev/fuse.
-func closeFUSEOnExec() {
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		return
-	}
-	for _, e := range ents {
-		if target, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && target == "/dev/fuse" {
-			var fd int
-			if _, err := fmt.Sscan(e.Name(), &fd); err == nil {
-				syscall.CloseOnExec(fd)
-			}
-		}
+// closeFUSEOnExec sets close-on-exec on the given descriptors (those of this process open on
+// /dev/fuse).
+func closeFUSEOnExec(fds map[int]bool) {
+	for fd := range fds {
+		syscall.CloseOnExec(fd)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"syscall"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
 
@@ -185,11 +186,16 @@ func (ns *namespace) Remove(name string) error {
 }
 
 // changed updates the root's times and makes the kernel drop what it cached about the root's
-// attributes (its nlink and mtime moved) and about the given names.
+// attributes (its nlink and mtime moved) and look the given names up again; where the kernel
+// can, the names' entries only expire (see entryExpirer), so that renaming a step of 100,000
+// files does not wait for the kernel to drop its cache of all of them.
 func (ns *namespace) changed(names ...string) {
 	ns.root.touch(true)
 	for _, n := range names {
-		ns.root.NotifyEntry(n)
+		// ENOENT: the kernel has no entry for the name, nothing to expire.
+		if e := ns.m.expirer; e == nil || expireFailed(e.expire(fuse.FUSE_ROOT_ID, n)) {
+			ns.root.NotifyEntry(n)
+		}
 	}
 	ns.root.NotifyContent(-1, 0) // attributes only
 }

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hanwen/go-fuse/v2/fuse"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -330,4 +331,59 @@ func TestImportVerifiedShowsNothingUntilVerified(t *testing.T) {
 	err = ns.ImportVerified(src, "Dabc.data", func() error { return nil })
 	require.ErrorIs(t, err, os.ErrExist, "a name already there")
 	require.Equal(t, before+2, spoolFiles())
+}
+
+// When the agent renames a step (a seal gives it its data name), the kernel keeps what it
+// cached below it: on a kernel that can expire an entry only, the new name's first lookup moves
+// the cached directory there and its files need no lookup again; the old name is gone at once.
+// Without that capability every file is looked up again (the kernel dropped them all).
+func TestRenameKeepsTheKernelCacheBelow(t *testing.T) {
+	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
+	ns := srv.Namespace()
+	p := func(n string) string { return filepath.Join(dir, n) }
+	const files = 200
+	require.NoError(t, os.Mkdir(p("7"), 0o755))
+	for i := range files {
+		require.NoError(t, os.WriteFile(p(fmt.Sprintf("7/f%d", i)), []byte{byte(i)}, 0o644))
+	}
+	for i := range files { // every entry in the kernel's cache (5 s)
+		_, err := os.Stat(p(fmt.Sprintf("7/f%d", i)))
+		require.NoError(t, err)
+	}
+	expireOnly := srv.fuse.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY != 0
+	require.Equal(t, expireOnly, srv.ns.m.expirer != nil, "the expirer is used exactly when the kernel offers it")
+	t.Logf("kernel can expire entries only: %v", expireOnly)
+
+	lookups := srv.Requests()["lookup"]
+	require.NoError(t, ns.Rename("7", "D7.data"))
+	for i := range files {
+		b, err := os.ReadFile(p(fmt.Sprintf("D7.data/f%d", i)))
+		require.NoError(t, err)
+		require.Equal(t, []byte{byte(i)}, b)
+	}
+	looked := srv.Requests()["lookup"] - lookups
+	if expireOnly {
+		require.LessOrEqual(t, looked, uint64(2), "the files' entries must survive the rename in the kernel's cache")
+	} else {
+		require.GreaterOrEqual(t, looked, uint64(files), "without FUSE_EXPIRE_ONLY the kernel drops the files' entries")
+	}
+	_, err := os.Stat(p("7"))
+	require.ErrorIs(t, err, os.ErrNotExist, "the old name must be gone through the mount")
+	names, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Len(t, names, 1)
+	require.Equal(t, "D7.data", names[0].Name())
+
+	// The old name asked for first, then the new: the kernel drops the stale subtree on the
+	// old name's lookup, and the new name's files are found again.
+	require.NoError(t, os.Mkdir(p("8"), 0o755))
+	require.NoError(t, os.WriteFile(p("8/x"), []byte("x"), 0o644))
+	_, err = os.Stat(p("8/x"))
+	require.NoError(t, err)
+	require.NoError(t, ns.Rename("8", "D8.data"))
+	_, err = os.Stat(p("8/x"))
+	require.ErrorIs(t, err, os.ErrNotExist)
+	b, err := os.ReadFile(p("D8.data/x"))
+	require.NoError(t, err)
+	require.Equal(t, "x", string(b))
 }

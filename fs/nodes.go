@@ -39,6 +39,9 @@ type mtfs struct {
 	freedGen  atomic.Uint64      // counts doomed files freed
 	// parkedRelease maps a RELEASE's cancel channel to a func to run once it is done.
 	parkedRelease sync.Map
+	// expirer, if the kernel can expire an entry without dropping what it cached below it,
+	// sends the namespace's invalidations of top-level names; set before Mount returns.
+	expirer *entryExpirer
 }
 
 func (m *mtfs) isSealedTop(name string) bool {
