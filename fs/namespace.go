@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 
@@ -26,6 +27,13 @@ import (
 type namespace struct {
 	m    *mtfs
 	root *dirNode
+
+	// stale maps a top-level name to the names the agent renamed it from while the kernel's
+	// entries only expired (see changed): the kernel may still hold the tree below under an
+	// old name until a lookup reaches it. Remove makes the kernel drop those too, so that a
+	// removed step's dentries, inodes and go-fuse nodes do not stay until memory pressure.
+	staleMu sync.Mutex
+	stale   map[string][]string // GUARDED_BY(staleMu)
 }
 
 var _ tiers.Namespace = (*namespace)(nil)
@@ -164,6 +172,16 @@ func (ns *namespace) Rename(oldName, newName string) error {
 	} else {
 		ns.m.sealedTop.Delete(newName)
 	}
+	if ns.m.expirer != nil {
+		ns.staleMu.Lock()
+		if ns.stale == nil {
+			ns.stale = map[string][]string{}
+		}
+		// A replaced entry's old names stay listed: invalidating them later is harmless.
+		ns.stale[newName] = append(append(ns.stale[newName], ns.stale[oldName]...), oldName)
+		delete(ns.stale, oldName)
+		ns.staleMu.Unlock()
+	}
 	ns.changed(oldName, newName)
 	return nil
 }
@@ -179,6 +197,15 @@ func (ns *namespace) Remove(name string) error {
 	ns.m.sealedTop.Delete(name)
 	if _, live := ns.root.RmChild(name); live {
 		ns.root.NotifyDelete(name, ch)
+	}
+	ns.staleMu.Lock()
+	stale := ns.stale[name]
+	delete(ns.stale, name)
+	ns.staleMu.Unlock()
+	for _, old := range stale {
+		// A full invalidation: the kernel drops the entry and everything below it. If a
+		// new entry has taken the old name since, it is only looked up again.
+		ns.root.NotifyEntry(old)
 	}
 	dropTree(ch)
 	ns.changed()

@@ -387,3 +387,34 @@ func TestRenameKeepsTheKernelCacheBelow(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "x", string(b))
 }
+
+// A step the agent renamed and later removes without anybody having looked up its new name:
+// the kernel still holds its tree under the old, expired name. Remove makes the kernel drop it
+// (it forgets the files), so a removed step's entries do not stay cached until memory pressure.
+func TestRemoveDropsTheTreeKeptUnderAnOldName(t *testing.T) {
+	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
+	if srv.ns.m.expirer == nil {
+		t.Skip("the kernel cannot expire entries only (FUSE_EXPIRE_ONLY, Linux 6.2+): names are invalidated at once")
+	}
+	ns := srv.Namespace()
+	p := func(n string) string { return filepath.Join(dir, n) }
+	const files = 100
+	require.NoError(t, os.Mkdir(p("9"), 0o755))
+	for i := range files {
+		require.NoError(t, os.WriteFile(p(fmt.Sprintf("9/f%d", i)), nil, 0o644))
+	}
+	forgets := srv.Requests()["forget"]
+	require.NoError(t, ns.Rename("9", "a9.data"))
+	require.NoError(t, ns.Rename("a9.data", "b9.data")) // renamed twice: both old names tracked
+	require.NoError(t, ns.Remove("b9.data"))
+	deadline := time.Now().Add(10 * time.Second)
+	for srv.Requests()["forget"]-forgets < files && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	require.GreaterOrEqual(t, srv.Requests()["forget"]-forgets, uint64(files), "the kernel must forget the removed step's files")
+	srv.ns.staleMu.Lock()
+	require.Empty(t, srv.ns.stale, "nothing left to invalidate")
+	srv.ns.staleMu.Unlock()
+	_, err := os.Stat(p("9"))
+	require.ErrorIs(t, err, os.ErrNotExist)
+}
