@@ -1,0 +1,134 @@
+package layout
+
+import (
+	"fmt"
+	"io/fs"
+	"math/rand/v2"
+	"os"
+	"path"
+	"path/filepath"
+	"slices"
+	"testing"
+)
+
+// The listing (several goroutines over subdirectories) gives what a walk on one thread gives:
+// every entry once with its type, size and target, each directory right before its own
+// entries, and the digest key of each file from its own stat.
+func TestListMatchesAWalk(t *testing.T) {
+	root := t.TempDir()
+	rng := rand.New(rand.NewPCG(7, 7))
+	var mk func(dir string, depth int)
+	mk = func(dir string, depth int) {
+		for i := range 2 + rng.IntN(6) {
+			p := filepath.Join(dir, fmt.Sprintf("n%d", i))
+			switch k := rng.IntN(5); {
+			case k == 0 && depth < 4:
+				if err := os.Mkdir(p, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				mk(p, depth+1)
+			case k == 1:
+				if err := os.Symlink(fmt.Sprintf("target-%d", rng.IntN(100)), p); err != nil {
+					t.Fatal(err)
+				}
+			default:
+				if err := os.WriteFile(p, make([]byte, rng.IntN(100)), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	for i := range 30 {
+		d := filepath.Join(root, fmt.Sprintf("d%d", i))
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		mk(d, 0)
+	}
+	if err := os.WriteFile(filepath.Join(root, "top"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	var want []string
+	wantKey := map[string]digestKey{}
+	err := filepath.WalkDir(root, func(p string, de fs.DirEntry, err error) error {
+		if err != nil || p == root {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		info, err := os.Lstat(p)
+		if err != nil {
+			return err
+		}
+		desc := rel + " " + info.Mode().Type().String()
+		switch {
+		case info.Mode().IsRegular():
+			desc += fmt.Sprint(" ", info.Size())
+			wantKey[rel], _ = digestKeyOf(info)
+		case info.Mode().Type() == fs.ModeSymlink:
+			tgt, _ := os.Readlink(p)
+			desc += " " + tgt
+		}
+		want = append(want, desc)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	d, err := OpenDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	entries, keys, err := d.listKeyed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(keys) != len(entries) {
+		t.Fatalf("%d keys for %d entries", len(keys), len(entries))
+	}
+	var got []string
+	seen := map[string]int{} // directory -> index
+	for i, e := range entries {
+		desc := e.Path + " " + map[EntryType]os.FileMode{EntryFile: 0, EntryDir: fs.ModeDir, EntrySymlink: fs.ModeSymlink}[e.Type].String()
+		switch e.Type {
+		case EntryFile:
+			desc += fmt.Sprint(" ", e.Size)
+			if keys[i] != wantKey[e.Path] {
+				t.Errorf("%s: key %+v, want %+v", e.Path, keys[i], wantKey[e.Path])
+			}
+		case EntrySymlink:
+			desc += " " + e.Target
+		}
+		if e.Type != EntryFile && keys[i] != (digestKey{}) {
+			t.Errorf("%s: a %v with a digest key", e.Path, e.Type)
+		}
+		got = append(got, desc)
+		if parent := path.Dir(e.Path); parent != "." {
+			j, ok := seen[parent]
+			if !ok {
+				t.Fatalf("%s listed before its directory", e.Path)
+			}
+			// Everything between the parent and this entry lies below the parent.
+			for _, between := range entries[j+1 : i] {
+				if !isBelow(between.Path, parent) {
+					t.Fatalf("%s listed apart from its directory %s (%s between)", e.Path, parent, between.Path)
+				}
+			}
+		}
+		if e.Type == EntryDir {
+			seen[e.Path] = i
+		}
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("listing differs from the walk:\n got %q\nwant %q", got, want)
+	}
+
+}
+
+func isBelow(p, dir string) bool {
+	return len(p) > len(dir) && p[:len(dir)] == dir && p[len(dir)] == '/'
+}
