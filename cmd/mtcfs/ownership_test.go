@@ -17,6 +17,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // asUser runs a shell script in dir as uid:gid (no supplementary groups) and returns its output.
@@ -144,11 +145,18 @@ func TestNonRootDevelopment(t *testing.T) {
 	require.NoError(t, cmd.Start())
 	done := make(chan error, 1)
 	serving := make(chan string, 1)
+	mounted := make(chan string, 1)
 	var log strings.Builder
 	go func() {
 		sc := bufio.NewScanner(stderr)
 		for sc.Scan() {
 			log.WriteString(sc.Text() + "\n")
+			if strings.Contains(sc.Text(), "msg=mounted") {
+				select {
+				case mounted <- sc.Text():
+				default:
+				}
+			}
 			if strings.Contains(sc.Text(), "serving") {
 				select {
 				case serving <- sc.Text():
@@ -168,6 +176,18 @@ func TestNonRootDevelopment(t *testing.T) {
 		t.Fatalf("the agent did not serve within 20s\n%s", log.String())
 	}
 	require.True(t, isMounted(dir))
+	// The fusermount3 path finds the mount's /dev/fuse descriptor too: a seal's rename of a
+	// step only expires the kernel's entry (FUSE_EXPIRE_ONLY, Linux 6.2+).
+	var uts unix.Utsname
+	require.NoError(t, unix.Uname(&uts))
+	var major, minor int
+	fmt.Sscanf(unix.ByteSliceToString(uts.Release[:]), "%d.%d", &major, &minor)
+	select {
+	case line := <-mounted:
+		assert.Contains(t, line, fmt.Sprintf("expire_only=%v", major > 6 || major == 6 && minor >= 2), "kernel %d.%d", major, minor)
+	default:
+		t.Error("no \"mounted\" line before \"serving\"")
+	}
 	// A user's FUSE mount is the user's alone (no allow_other): even root may not look in.
 	out2, err := asUser(t, uid, gid, home, "stat -c 'owner %u' ckpt && cd ckpt && mkdir -p a/b && echo hello > a/b/f && cat a/b/f")
 	require.NoError(t, err, out2)
