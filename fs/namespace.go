@@ -393,17 +393,29 @@ func (ns *namespace) SpoolFile(path string) (string, error) {
 
 func (ns *namespace) Import(src, name string) error { return ns.ImportVerified(src, name, nil) }
 
-func (ns *namespace) ImportVerified(src, name string, verify func() error) error {
+func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeEntry) error) error {
 	if ns.root.GetChild(name) != nil {
 		return fmt.Errorf("import %s: %w", name, os.ErrExist)
 	}
+	fi, err := os.Lstat(src)
+	if err != nil {
+		return err
+	}
+	var entries []layout.TreeEntry
+	if fi.IsDir() {
+		// One listing for both: the tree is built from what verify hashes.
+		if entries, err = layout.ListTree(src); err != nil {
+			return err
+		}
+	}
 	// The tree is built (a link and a node per file) while verify reads the same files, and
-	// stays invisible until verify has passed.
+	// stays invisible until verify has passed. verify only fills in the entries' digests;
+	// building the tree reads their other fields.
 	verified := make(chan error, 1)
 	if verify == nil {
 		verified <- nil
 	} else {
-		go func() { verified <- verify() }()
+		go func() { verified <- verify(entries) }()
 	}
 	ctx := context.Background()
 	var created []*gofs.Inode
@@ -420,7 +432,7 @@ func (ns *namespace) ImportVerified(src, name string, verify func() error) error
 		created = append(created, in)
 		return in, nil
 	}
-	top, err := ns.importTree(ctx, src, newFile)
+	top, err := ns.importTree(ctx, src, fi, entries, newFile)
 	verr := <-verified
 	if err == nil && verr == nil && !ns.root.AddChild(name, top, false) {
 		err = os.ErrExist
@@ -442,13 +454,10 @@ func (ns *namespace) ImportVerified(src, name string, verify func() error) error
 	return nil
 }
 
-// importTree builds frozen nodes for the spool tree (or file) at src; newFile makes a file node
-// whose backing file link creates.
-func (ns *namespace) importTree(ctx context.Context, src string, newFile func(link func(string) (string, error), size int64) (*gofs.Inode, error)) (*gofs.Inode, error) {
-	fi, err := os.Lstat(src)
-	if err != nil {
-		return nil, err
-	}
+// importTree builds frozen nodes for the spool tree (or file) at src, whose Lstat is fi and, for
+// a directory, whose listing is entries; newFile makes a file node whose backing file link
+// creates.
+func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo, entries []layout.TreeEntry, newFile func(link func(string) (string, error), size int64) (*gofs.Inode, error)) (*gofs.Inode, error) {
 	if fi.Mode().IsRegular() {
 		return newFile(func(string) (string, error) { return ns.m.spool.LinkFile(src) }, fi.Size())
 	}
@@ -460,10 +469,6 @@ func (ns *namespace) importTree(ctx context.Context, src string, newFile func(li
 		return nil, err
 	}
 	defer d.Close()
-	entries, err := d.List()
-	if err != nil {
-		return nil, err
-	}
 	newDir := func() (*gofs.Inode, *dirNode) {
 		dn := &dirNode{fs: ns.m}
 		dn.init(ctx, 0o755)

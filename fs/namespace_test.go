@@ -307,8 +307,14 @@ func TestImportVerifiedShowsNothingUntilVerified(t *testing.T) {
 	}
 
 	bad := errors.New("content hashes to Dxyz, want Dabc")
-	err := ns.ImportVerified(src, "Dabc.data", func() error {
+	err := ns.ImportVerified(src, "Dabc.data", func(listing []layout.TreeEntry) error {
 		invisible("Dabc.data")
+		var paths []string
+		for _, e := range listing {
+			paths = append(paths, e.Path)
+		}
+		sort.Strings(paths)
+		assert.Equal(t, []string{"meta", "state", "state/w"}, paths, "verify gets the listing the tree is built from")
 		return bad
 	})
 	require.ErrorIs(t, err, bad, "the verification's own error")
@@ -316,7 +322,7 @@ func TestImportVerifiedShowsNothingUntilVerified(t *testing.T) {
 	require.Equal(t, before, spoolFiles(), "a tree that failed verification leaves no file in the spool")
 
 	ran := false
-	require.NoError(t, ns.ImportVerified(src, "Dabc.data", func() error {
+	require.NoError(t, ns.ImportVerified(src, "Dabc.data", func([]layout.TreeEntry) error {
 		time.Sleep(50 * time.Millisecond) // the tree is built meanwhile
 		invisible("Dabc.data")
 		ran = true
@@ -328,7 +334,7 @@ func TestImportVerifiedShowsNothingUntilVerified(t *testing.T) {
 	require.Equal(t, "weights", string(w))
 	require.Equal(t, before+2, spoolFiles(), "a link per file of the published tree")
 
-	err = ns.ImportVerified(src, "Dabc.data", func() error { return nil })
+	err = ns.ImportVerified(src, "Dabc.data", func([]layout.TreeEntry) error { return nil })
 	require.ErrorIs(t, err, os.ErrExist, "a name already there")
 	require.Equal(t, before+2, spoolFiles())
 }

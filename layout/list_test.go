@@ -1,6 +1,7 @@
 package layout
 
 import (
+	"errors"
 	"fmt"
 	"io/fs"
 	"math/rand/v2"
@@ -131,4 +132,58 @@ func TestListMatchesAWalk(t *testing.T) {
 
 func isBelow(p, dir string) bool {
 	return len(p) > len(dir) && p[:len(dir)] == dir && p[len(dir)] == '/'
+}
+
+// VerifyListed, given the listing a caller built something from, decides as VerifyData does.
+func TestVerifyListedAgreesWithVerifyData(t *testing.T) {
+	root := t.TempDir()
+	for i := range 40 {
+		p := filepath.Join(root, fmt.Sprintf("d%d", i%4), fmt.Sprintf("f%d", i))
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, randomBytes(uint64(i), int64(100+i*500)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	hash, dir, err := HashData(t.Context(), root)
+	if err != nil || !dir {
+		t.Fatal(err, dir)
+	}
+	entries, err := ListTree(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := VerifyListed(t.Context(), root, entries, hash); err != nil {
+		t.Fatalf("a tree against its own hash: %v", err)
+	}
+	for _, e := range entries {
+		if e.Type == EntryFile && e.Digest == (FileDigest{}) {
+			t.Fatalf("%s: no digest filled in", e.Path)
+		}
+	}
+	// One byte changed, size kept.
+	p := filepath.Join(root, "d1", "f5")
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b[len(b)/2] ^= 1
+	if err := os.WriteFile(p, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	entries, err = ListTree(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var listed, full *HashMismatchError
+	if err := VerifyListed(t.Context(), root, entries, hash); !errors.As(err, &listed) {
+		t.Fatalf("VerifyListed of a changed tree: %v, want a mismatch", err)
+	}
+	if err := VerifyData(t.Context(), root, hash, true); !errors.As(err, &full) {
+		t.Fatalf("VerifyData of a changed tree: %v, want a mismatch", err)
+	}
+	if *listed != *full {
+		t.Fatalf("VerifyListed says %+v, VerifyData %+v", *listed, *full)
+	}
 }

@@ -651,6 +651,24 @@ func VerifyData(ctx context.Context, p, hash string, dir bool) error {
 	return nil
 }
 
+// VerifyListed is VerifyData of the directory root whose listing (ListTree's) is entries: it
+// hashes the files the listing names, fills in their digests, and checks the tree hash
+// against hash, without listing root again.
+func VerifyListed(ctx context.Context, root string, entries []TreeEntry, hash string) error {
+	if err := HashEntries(ctx, root, entries, nil); err != nil {
+		return fmt.Errorf("hash dir %s: %w", root, err)
+	}
+	got, err := TreeHash(entries)
+	if err != nil {
+		return err
+	}
+	if got != hash {
+		return &HashMismatchError{Path: root, Want: strings.TrimSuffix(DataName(hash, true), ".data"),
+			Got: strings.TrimSuffix(DataName(got, true), ".data")}
+	}
+	return nil
+}
+
 // Remember records that the regular file at p, as it is now, has digest d: the caller knows it
 // (it verified the file) and promises that the file is not written again.
 func (c *DigestCache) Remember(p string, d FileDigest) error {

@@ -110,8 +110,8 @@ func (ns *dirNamespace) SpoolFile(path string) (string, error) {
 	return ns.path(path), err
 }
 
-func (ns *dirNamespace) ImportVerified(src, name string, verify func() error) error {
-	if err := verify(); err != nil {
+func (ns *dirNamespace) ImportVerified(src, name string, verify func([]layout.TreeEntry) error) error {
+	if err := verify(nil); err != nil {
 		return err
 	}
 	return ns.Import(src, name)

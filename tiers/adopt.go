@@ -50,8 +50,13 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 				// system call or more per file); the name appears only once it verified.
 				p := rt.spoolDir("sealed", dataName)
 				passed := false
-				verify := func() error {
-					err := layout.VerifyData(ctx, p, h, dir)
+				verify := func(listing []layout.TreeEntry) error {
+					var err error
+					if listing != nil && dir {
+						err = layout.VerifyListed(ctx, p, listing, h) // the listing the tree is built from
+					} else {
+						err = layout.VerifyData(ctx, p, h, dir)
+					}
 					passed = err == nil
 					return err
 				}
@@ -59,7 +64,7 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 				if errors.Is(err, os.ErrExist) { // a name already there is kept if the data verifies
 					err = nil
 					if !passed {
-						err = verify()
+						err = verify(nil)
 					}
 				}
 			}

@@ -26,8 +26,8 @@ func (nopNamespace) Remove(string) error                    { return nil }
 func (nopNamespace) Seal(string, string) (SealInfo, error)  { return SealInfo{}, nil }
 func (nopNamespace) SpoolFile(string) (string, error)       { return "", os.ErrNotExist }
 func (nopNamespace) Import(string, string) error            { return nil }
-func (nopNamespace) ImportVerified(_, _ string, verify func() error) error {
-	return verify()
+func (nopNamespace) ImportVerified(_, _ string, verify func([]layout.TreeEntry) error) error {
+	return verify(nil)
 }
 
 // manualTimers replaces time.AfterFunc: timers fire when the test says so.

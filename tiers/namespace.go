@@ -36,8 +36,11 @@ type Namespace interface {
 	Import(src, name string) error
 	// ImportVerified is Import of data not verified yet: verify runs while the tree is built,
 	// and the name appears only if it returns nil; else ImportVerified returns verify's error
-	// and leaves nothing behind.
-	ImportVerified(src, name string, verify func() error) error
+	// and leaves nothing behind. verify gets the listing of src the tree is built from
+	// (layout.ListTree's), to hash what is imported without listing it again, or nil when src is
+	// not a directory or holds nothing (verify then reads src itself); it may fill in the
+	// entries' digests.
+	ImportVerified(src, name string, verify func(listing []layout.TreeEntry) error) error
 }
 
 // SealInfo says what Seal did besides linking.
