@@ -187,3 +187,35 @@ func TestVerifyListedAgreesWithVerifyData(t *testing.T) {
 		t.Fatalf("VerifyListed says %+v, VerifyData %+v", *listed, *full)
 	}
 }
+
+// TreeHash does not depend on the order of its entries, nor on which parents are listed: a
+// tree of many entries, shuffled, with some levels of directories left out, hashes as the
+// whole sorted listing does.
+func TestTreeHashAnyOrderAndImpliedLevels(t *testing.T) {
+	var full []TreeEntry
+	for i := range 20 {
+		a := fmt.Sprintf("a%02d", i)
+		full = append(full, TreeEntry{Path: a, Type: EntryDir}, TreeEntry{Path: a + "/b", Type: EntryDir}, TreeEntry{Path: a + "/b/c", Type: EntryDir})
+		for j := range 50 {
+			full = append(full, TreeEntry{Path: fmt.Sprintf("%s/b/c/f%02d", a, j), Type: EntryFile, Size: int64(j), Digest: FileDigest{byte(i), byte(j)}})
+		}
+		full = append(full, TreeEntry{Path: a + "/l", Type: EntrySymlink, Target: "b/c/f00"})
+	}
+	want, err := TreeHash(full)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rng := rand.New(rand.NewPCG(3, 4))
+	for range 5 {
+		var some []TreeEntry
+		for _, e := range full {
+			if e.Type != EntryDir || rng.IntN(2) == 0 { // every directory here holds something
+				some = append(some, e)
+			}
+		}
+		rng.Shuffle(len(some), func(i, j int) { some[i], some[j] = some[j], some[i] })
+		if got, err := TreeHash(some); err != nil || got != want {
+			t.Fatalf("shuffled, %d of %d entries: %s, %v; want %s", len(some), len(full), got, err, want)
+		}
+	}
+}
