@@ -132,7 +132,12 @@ func CheckMountable(dir string) error {
 	case !fi.IsDir():
 		return fmt.Errorf("mount point %s is not a directory", dir)
 	}
+	deviceMu.Lock() // a mount running meanwhile must not take this descriptor for its own
 	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
+	if err == nil {
+		f.Close()
+	}
+	deviceMu.Unlock()
 	switch {
 	case errors.Is(err, os.ErrPermission):
 		mode := ""
@@ -143,7 +148,6 @@ func CheckMountable(dir string) error {
 	case err != nil:
 		return fmt.Errorf("cannot open /dev/fuse (%w): load the fuse kernel module (modprobe fuse), or in a container pass the device (/dev/fuse) and run privileged", err)
 	}
-	f.Close()
 	if os.Geteuid() != 0 {
 		if _, err := exec.LookPath("fusermount3"); err != nil {
 			return errors.New("not running as root and fusermount3 is not installed: run as root, or install it (apt-get install fuse3)")
@@ -295,6 +299,9 @@ func Mount(dir string, opts Options) (*Server, error) {
 		close(served)
 	}()
 	if err := srv.WaitMount(); err != nil {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	// The kernel's settings are known once the mount is live (WaitMount waits for INIT).
@@ -371,9 +378,10 @@ func probePassthrough(srv *fuse.Server, spool *tiers.Spool) bool {
 // unkillable) instead of failing with ENOTCONN. The direct mount runs under syscall.ForkLock, as
 // os.Open does, so no fork in another goroutine copies the descriptor before it is marked; if
 // the direct mount fails, the fusermount path (which forks, and marks its descriptor itself)
-// runs outside the lock, as go-fuse's own fallback would. It also returns the mount's /dev/fuse
-// descriptor (mounts are serialized, so it is the one that appeared meanwhile), or -1 if it
-// cannot tell which it is.
+// runs outside the lock, as go-fuse's own fallback would. It also returns a duplicate of the
+// mount's /dev/fuse descriptor (close-on-exec; the caller closes it), taken while mounts and
+// CheckMountable's probe are serialized, so that the one descriptor that appeared is the
+// mount's; -1 if it cannot tell which it is.
 func newServer(raw fuse.RawFileSystem, dir string, opts *fuse.MountOptions) (*fuse.Server, int, error) {
 	deviceMu.Lock()
 	defer deviceMu.Unlock()
@@ -381,7 +389,7 @@ func newServer(raw fuse.RawFileSystem, dir string, opts *fuse.MountOptions) (*fu
 	found := func() int {
 		after := fuseDescriptors()
 		closeFUSEOnExec(after)
-		return newDescriptor(before, after)
+		return dupFUSEDevice(newDescriptor(before, after))
 	}
 	if !opts.DirectMount {
 		srv, err := fuse.NewServer(raw, dir, opts)

@@ -187,6 +187,10 @@ func (ns *namespace) Rename(oldName, newName string) error {
 }
 
 func (ns *namespace) Remove(name string) error {
+	ns.staleMu.Lock()
+	stale := ns.stale[name]
+	delete(ns.stale, name)
+	ns.staleMu.Unlock()
 	ch := ns.root.GetChild(name)
 	if ch == nil {
 		return nil
@@ -198,14 +202,13 @@ func (ns *namespace) Remove(name string) error {
 	if _, live := ns.root.RmChild(name); live {
 		ns.root.NotifyDelete(name, ch)
 	}
-	ns.staleMu.Lock()
-	stale := ns.stale[name]
-	delete(ns.stale, name)
-	ns.staleMu.Unlock()
 	for _, old := range stale {
-		// A full invalidation: the kernel drops the entry and everything below it. If a
-		// new entry has taken the old name since, it is only looked up again.
-		ns.root.NotifyEntry(old)
+		// A full invalidation: the kernel drops the entry and everything below it. Not for
+		// a name a new entry has taken since: the kernel looked that name up to create it,
+		// which dropped the stale tree already, and would now drop the new one's.
+		if ns.root.GetChild(old) == nil {
+			ns.root.NotifyEntry(old)
+		}
 	}
 	dropTree(ch)
 	ns.changed()
@@ -410,7 +413,7 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 	}
 	// The tree is built (a link and a node per file) while verify reads the same files, and
 	// stays invisible until verify has passed. verify only fills in the entries' digests;
-	// building the tree reads their other fields.
+	// building the tree reads their other fields (importTree).
 	verified := make(chan error, 1)
 	if verify == nil {
 		verified <- nil
@@ -486,7 +489,10 @@ func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo,
 	defer w.Close()
 	top, _ := newDir()
 	dirs := map[string]*gofs.Inode{"": top}
-	for _, e := range entries { // a directory is listed before what it holds
+	for i := range entries { // a directory is listed before what it holds
+		// Through a pointer, reading only the fields verify does not write (a copy of the
+		// entry would read its Digest while verify fills it in).
+		e := &entries[i]
 		var in *gofs.Inode
 		switch e.Type {
 		case layout.EntryDir:

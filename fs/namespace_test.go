@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -423,4 +424,101 @@ func TestRemoveDropsTheTreeKeptUnderAnOldName(t *testing.T) {
 	srv.ns.staleMu.Unlock()
 	_, err := os.Stat(p("9"))
 	require.ErrorIs(t, err, os.ErrNotExist)
+}
+
+// Adoption's own verification (layout.VerifyListed, filling in the digests of the listing the
+// tree is built from) runs while the tree is built; under -race this also checks that building
+// the tree does not read what the verification writes.
+func TestImportVerifiedWithTheListingsVerification(t *testing.T) {
+	dir, srv, _, spool := mountWithEvents(t, PassthroughAuto)
+	ns := srv.Namespace()
+	src := filepath.Join(spool.Dir(), "sealed-listed")
+	for i := range 300 {
+		p := filepath.Join(src, fmt.Sprintf("d%d", i%5), fmt.Sprintf("f%03d", i))
+		require.NoError(t, os.MkdirAll(filepath.Dir(p), 0o755))
+		require.NoError(t, os.WriteFile(p, bytes.Repeat([]byte{byte(i)}, 1+i*37), 0o644))
+	}
+	hash, isDir, err := layout.HashData(t.Context(), src)
+	require.NoError(t, err)
+	require.True(t, isDir)
+	verify := func(want string) func([]layout.TreeEntry) error {
+		return func(listing []layout.TreeEntry) error {
+			if len(listing) != 305 { // runs on another goroutine: no require here
+				return fmt.Errorf("a listing of %d entries, want 5 directories and 300 files", len(listing))
+			}
+			return layout.VerifyListed(t.Context(), src, listing, want)
+		}
+	}
+	var mismatch *layout.HashMismatchError
+	require.ErrorAs(t, ns.ImportVerified(src, "Dbad.data", verify(strings.Repeat("0", 64))), &mismatch)
+	_, err = os.Lstat(filepath.Join(dir, "Dbad.data"))
+	require.ErrorIs(t, err, os.ErrNotExist)
+
+	require.NoError(t, ns.ImportVerified(src, "D"+hash+".data", verify(hash)))
+	for _, i := range []int{0, 151, 299} {
+		b, err := os.ReadFile(filepath.Join(dir, "D"+hash+".data", fmt.Sprintf("d%d", i%5), fmt.Sprintf("f%03d", i)))
+		require.NoError(t, err)
+		require.Equal(t, bytes.Repeat([]byte{byte(i)}, 1+i*37), b)
+	}
+}
+
+// Removing a renamed step does not make the kernel drop a new entry that took the step's old
+// name since (the job saved a step of that name again): its cached files are not looked up
+// again.
+func TestRemoveLeavesANewEntryOfTheOldName(t *testing.T) {
+	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
+	if srv.ns.m.expirer == nil {
+		t.Skip("the kernel cannot expire entries only (FUSE_EXPIRE_ONLY, Linux 6.2+): names are invalidated at once")
+	}
+	ns := srv.Namespace()
+	p := func(n string) string { return filepath.Join(dir, n) }
+	require.NoError(t, os.Mkdir(p("9"), 0o755))
+	require.NoError(t, os.WriteFile(p("9/old"), nil, 0o644))
+	require.NoError(t, ns.Rename("9", "a9.data"))
+	const files = 50
+	require.NoError(t, os.Mkdir(p("9"), 0o755)) // the job's new entry of the old name
+	for i := range files {
+		require.NoError(t, os.WriteFile(p(fmt.Sprintf("9/f%d", i)), nil, 0o644))
+	}
+	stat := func() {
+		for i := range files {
+			_, err := os.Stat(p(fmt.Sprintf("9/f%d", i)))
+			require.NoError(t, err)
+		}
+	}
+	stat()
+	require.NoError(t, ns.Remove("a9.data"))
+	lookups := srv.Requests()["lookup"]
+	stat()
+	require.Zero(t, srv.Requests()["lookup"]-lookups, "the new 9's entries stay cached")
+}
+
+// The descriptor the expirer writes on is the FUSE device's, never another file's.
+func TestDupFUSEDeviceTakesOnlyTheDevice(t *testing.T) {
+	require.Equal(t, -1, dupFUSEDevice(-1))
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	defer w.Close()
+	require.Equal(t, -1, dupFUSEDevice(int(w.Fd())), "a pipe is not the FUSE device")
+	null, err := os.OpenFile("/dev/null", os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer null.Close()
+	require.Equal(t, -1, dupFUSEDevice(int(null.Fd())), "nor another character device")
+	dev, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
+	if err != nil {
+		t.Skipf("cannot open /dev/fuse: %v", err)
+	}
+	defer dev.Close()
+	dup := dupFUSEDevice(int(dev.Fd()))
+	require.GreaterOrEqual(t, dup, 0)
+	require.NotEqual(t, int(dev.Fd()), dup)
+	flags, err := unix.FcntlInt(uintptr(dup), unix.F_GETFD, 0)
+	require.NoError(t, err)
+	require.NotZero(t, flags&unix.FD_CLOEXEC, "close-on-exec")
+	unix.Close(dup)
+
+	require.Equal(t, 7, newDescriptor(map[int]bool{3: true}, map[int]bool{3: true, 7: true}))
+	require.Equal(t, -1, newDescriptor(map[int]bool{3: true}, map[int]bool{3: true}), "none appeared")
+	require.Equal(t, -1, newDescriptor(nil, map[int]bool{5: true, 7: true}), "two appeared: which is it?")
 }

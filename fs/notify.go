@@ -50,22 +50,40 @@ func expireFailed(err error) bool { return err != nil && !errors.Is(err, unix.EN
 // close releases the duplicate; once it is closed, expire fails with os.ErrClosed.
 func (e *entryExpirer) close() { e.f.Close() }
 
-// newEntryExpirer returns an expirer for srv's connection, whose /dev/fuse descriptor is fd, or
-// nil if the kernel cannot expire an entry only (the caller then invalidates entries as go-fuse
-// does).
-func newEntryExpirer(srv *fuse.Server, fd int) *entryExpirer {
-	if fd < 0 || srv.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY == 0 {
+// newEntryExpirer returns an expirer for srv's connection, given dup, a duplicate of its
+// /dev/fuse descriptor (newServer's; -1 if none), or nil if the kernel cannot expire an entry
+// only (the caller then invalidates entries as go-fuse does). It owns dup either way.
+func newEntryExpirer(srv *fuse.Server, dup int) *entryExpirer {
+	if dup < 0 {
 		return nil
 	}
-	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
+	if srv.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY == 0 {
+		unix.Close(dup)
 		return nil
 	}
 	return &entryExpirer{f: os.NewFile(uintptr(dup), "/dev/fuse")}
 }
 
-// deviceMu serializes mounts within the process, so that the /dev/fuse descriptor that appears
-// during one is that mount's.
+// dupFUSEDevice duplicates fd (close-on-exec) if it is open on the FUSE device (character
+// device 10:229), and returns -1 otherwise or for fd < 0.
+func dupFUSEDevice(fd int) int {
+	if fd < 0 {
+		return -1
+	}
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return -1
+	}
+	var st unix.Stat_t
+	if unix.Fstat(dup, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR || unix.Major(st.Rdev) != 10 || unix.Minor(st.Rdev) != 229 {
+		unix.Close(dup)
+		return -1
+	}
+	return dup
+}
+
+// deviceMu serializes mounts within the process (and CheckMountable's probe of /dev/fuse), so
+// that the /dev/fuse descriptor that appears during one is that mount's.
 var deviceMu sync.Mutex
 
 // fuseDescriptors lists the descriptors of this process open on /dev/fuse.
