@@ -446,7 +446,7 @@ func TestImportVerifiedWithTheListingsVerification(t *testing.T) {
 			if len(listing) != 305 { // runs on another goroutine: no require here
 				return fmt.Errorf("a listing of %d entries, want 5 directories and 300 files", len(listing))
 			}
-			return layout.VerifyListed(t.Context(), src, listing, want)
+			return layout.VerifyListed(t.Context(), src, listing, want, true)
 		}
 	}
 	var mismatch *layout.HashMismatchError

@@ -154,7 +154,7 @@ func TestVerifyListedAgreesWithVerifyData(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := VerifyListed(t.Context(), root, entries, hash); err != nil {
+	if err := VerifyListed(t.Context(), root, entries, hash, true); err != nil {
 		t.Fatalf("a tree against its own hash: %v", err)
 	}
 	for _, e := range entries {
@@ -177,7 +177,7 @@ func TestVerifyListedAgreesWithVerifyData(t *testing.T) {
 		t.Fatal(err)
 	}
 	var listed, full *HashMismatchError
-	if err := VerifyListed(t.Context(), root, entries, hash); !errors.As(err, &listed) {
+	if err := VerifyListed(t.Context(), root, entries, hash, true); !errors.As(err, &listed) {
 		t.Fatalf("VerifyListed of a changed tree: %v, want a mismatch", err)
 	}
 	if err := VerifyData(t.Context(), root, hash, true); !errors.As(err, &full) {

@@ -431,8 +431,14 @@ func hashDirCached(ctx context.Context, dir string, cache *DigestCache) (string,
 	if err != nil {
 		return "", fmt.Errorf("hash dir: %w", err)
 	}
+	return d.treeHash(ctx, entries, keys, cache)
+}
+
+// treeHash hashes the files of entries, a listing of d (keys and cache as for hashEntries),
+// and returns the tree's hash.
+func (d *Dir) treeHash(ctx context.Context, entries []TreeEntry, keys []digestKey, cache *DigestCache) (string, error) {
 	if err := d.hashEntries(ctx, entries, keys, cache); err != nil {
-		return "", fmt.Errorf("hash dir %s: %w", dir, err)
+		return "", fmt.Errorf("hash dir %s: %w", d.path, err)
 	}
 	return TreeHash(entries)
 }
@@ -662,7 +668,14 @@ func (e *HashMismatchError) Error() string {
 // It is what a receiver, a restore, restart adoption and `backups verify` use
 // before data may serve a restore.
 func VerifyData(ctx context.Context, p, hash string, dir bool) error {
-	got, gotDir, err := HashData(ctx, p)
+	return VerifyListed(ctx, p, nil, hash, dir)
+}
+
+// VerifyListed is VerifyData given listing, ListTree's listing of p when p is a directory
+// (the one a caller builds something from): the files it names are hashed, their digests
+// filled in, without listing p again. With a nil listing, or dir false, it is VerifyData.
+func VerifyListed(ctx context.Context, p string, listing []TreeEntry, hash string, dir bool) error {
+	got, gotDir, err := hashListed(ctx, p, listing, dir)
 	if err != nil {
 		return err
 	}
@@ -673,22 +686,19 @@ func VerifyData(ctx context.Context, p, hash string, dir bool) error {
 	return nil
 }
 
-// VerifyListed is VerifyData of the directory root whose listing (ListTree's) is entries: it
-// hashes the files the listing names, fills in their digests, and checks the tree hash
-// against hash, without listing root again.
-func VerifyListed(ctx context.Context, root string, entries []TreeEntry, hash string) error {
-	if err := HashEntries(ctx, root, entries, nil); err != nil {
-		return fmt.Errorf("hash dir %s: %w", root, err)
+// hashListed is HashData of p, hashing the files listing names when p is a directory so
+// listed.
+func hashListed(ctx context.Context, p string, listing []TreeEntry, dir bool) (string, bool, error) {
+	if listing == nil || !dir {
+		return HashData(ctx, p)
 	}
-	got, err := TreeHash(entries)
+	d, err := OpenDir(p)
 	if err != nil {
-		return err
+		return "", false, fmt.Errorf("hash dir: %w", err)
 	}
-	if got != hash {
-		return &HashMismatchError{Path: root, Want: strings.TrimSuffix(DataName(hash, true), ".data"),
-			Got: strings.TrimSuffix(DataName(got, true), ".data")}
-	}
-	return nil
+	defer d.Close()
+	got, err := d.treeHash(ctx, listing, nil, nil)
+	return got, true, err
 }
 
 // Remember records that the regular file at p, as it is now, has digest d: the caller knows it

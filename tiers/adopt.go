@@ -51,12 +51,7 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 				p := rt.spoolDir("sealed", dataName)
 				passed := false
 				verify := func(listing []layout.TreeEntry) error {
-					var err error
-					if listing != nil && dir {
-						err = layout.VerifyListed(ctx, p, listing, h) // the listing the tree is built from
-					} else {
-						err = layout.VerifyData(ctx, p, h, dir)
-					}
+					err := layout.VerifyListed(ctx, p, listing, h, dir) // the listing the tree is built from
 					passed = err == nil
 					return err
 				}
