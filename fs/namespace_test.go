@@ -395,14 +395,21 @@ func TestRenameKeepsTheKernelCacheBelow(t *testing.T) {
 	require.Equal(t, "x", string(b))
 }
 
-// A step the agent renamed and later removes without anybody having looked up its new name:
-// the kernel still holds its tree under the old, expired name. Remove makes the kernel drop it
-// (it forgets the files), so a removed step's entries do not stay cached until memory pressure.
-func TestRemoveDropsTheTreeKeptUnderAnOldName(t *testing.T) {
+// mountExpiring mounts like mountWithEvents, for a test of what the kernel keeps when the agent
+// only expires its entries; it skips where the kernel cannot (FUSE_EXPIRE_ONLY, Linux 6.2+).
+func mountExpiring(t *testing.T) (string, *Server) {
 	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
 	if srv.ns.m.expirer == nil {
 		t.Skip("the kernel cannot expire entries only (FUSE_EXPIRE_ONLY, Linux 6.2+): names are invalidated at once")
 	}
+	return dir, srv
+}
+
+// A step the agent renamed and later removes without anybody having looked up its new name:
+// the kernel still holds its tree under the old, expired name. Remove makes the kernel drop it
+// (it forgets the files), so a removed step's entries do not stay cached until memory pressure.
+func TestRemoveDropsTheTreeKeptUnderAnOldName(t *testing.T) {
+	dir, srv := mountExpiring(t)
 	ns := srv.Namespace()
 	p := func(n string) string { return filepath.Join(dir, n) }
 	const files = 100
@@ -466,10 +473,7 @@ func TestImportVerifiedWithTheListingsVerification(t *testing.T) {
 // name since (the job saved a step of that name again): its cached files are not looked up
 // again.
 func TestRemoveLeavesANewEntryOfTheOldName(t *testing.T) {
-	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
-	if srv.ns.m.expirer == nil {
-		t.Skip("the kernel cannot expire entries only (FUSE_EXPIRE_ONLY, Linux 6.2+): names are invalidated at once")
-	}
+	dir, srv := mountExpiring(t)
 	ns := srv.Namespace()
 	p := func(n string) string { return filepath.Join(dir, n) }
 	require.NoError(t, os.Mkdir(p("9"), 0o755))
@@ -521,4 +525,30 @@ func TestDupFUSEDeviceTakesOnlyTheDevice(t *testing.T) {
 	require.Equal(t, 7, newDescriptor(map[int]bool{3: true}, map[int]bool{3: true, 7: true}))
 	require.Equal(t, -1, newDescriptor(map[int]bool{3: true}, map[int]bool{3: true}), "none appeared")
 	require.Equal(t, -1, newDescriptor(nil, map[int]bool{5: true, 7: true}), "two appeared: which is it?")
+}
+
+// Names as long as a name may be (255 bytes) go through the expiry the agent writes itself: a
+// step of such a name renamed by the agent is gone under it at once, found under the new one,
+// and a removal after that leaves nothing of it; a 256-byte name never gets that far.
+func TestExpiryOfTheLongestNames(t *testing.T) {
+	dir, srv := mountExpiring(t)
+	ns := srv.Namespace()
+	long := strings.Repeat("s", 255)
+	require.NoError(t, os.Mkdir(filepath.Join(dir, long), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, long, "f"), []byte("x"), 0o644))
+	_, err := os.Stat(filepath.Join(dir, long, "f"))
+	require.NoError(t, err)
+	newName := strings.Repeat("d", 250) + ".data"
+	require.NoError(t, srv.ns.m.expirer.expire(fuse.FUSE_ROOT_ID, long), "the kernel takes a 255-byte name")
+	require.NoError(t, ns.Rename(long, newName))
+	_, err = os.Stat(filepath.Join(dir, long))
+	require.ErrorIs(t, err, os.ErrNotExist)
+	b, err := os.ReadFile(filepath.Join(dir, newName, "f"))
+	require.NoError(t, err)
+	require.Equal(t, "x", string(b))
+	require.NoError(t, ns.Remove(newName))
+	_, err = os.Stat(filepath.Join(dir, newName))
+	require.ErrorIs(t, err, os.ErrNotExist)
+	err = os.Mkdir(filepath.Join(dir, long+"s"), 0o755)
+	require.ErrorIs(t, err, syscall.ENAMETOOLONG)
 }

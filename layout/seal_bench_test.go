@@ -15,15 +15,7 @@ func BenchmarkHashDirCached(b *testing.B) {
 	if testing.Short() {
 		b.Skip("writes 100,000 files")
 	}
-	dir := "/dev/shm"
-	if _, err := os.Stat(dir); err != nil {
-		dir = b.TempDir()
-	}
-	root, err := os.MkdirTemp(dir, "mtcfs-hashdircached-bench-*")
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { os.RemoveAll(root) })
+	root := benchTmpfs(b, "mtcfs-hashdircached-bench-*")
 	const dirs, perDir = 100, 1000
 	data := randomBytes(5, 4096)
 	for i := range dirs {
