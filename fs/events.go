@@ -21,20 +21,49 @@ func (e *eventFS) Rename(cancel <-chan struct{}, in *fuse.RenameIn, oldName, new
 	return st
 }
 
+// Mkdir, Symlink, Mknod and Link at the root report the new name (dirNode.created) once go-fuse
+// has added it to the tree.
+func (e *eventFS) Mkdir(cancel <-chan struct{}, in *fuse.MkdirIn, name string, out *fuse.EntryOut) fuse.Status {
+	st := e.RawFileSystem.Mkdir(cancel, in, name, out)
+	e.m.emitParked(cancel, st)
+	return st
+}
+
+func (e *eventFS) Symlink(cancel <-chan struct{}, h *fuse.InHeader, target, name string, out *fuse.EntryOut) fuse.Status {
+	st := e.RawFileSystem.Symlink(cancel, h, target, name, out)
+	e.m.emitParked(cancel, st)
+	return st
+}
+
+func (e *eventFS) Mknod(cancel <-chan struct{}, in *fuse.MknodIn, name string, out *fuse.EntryOut) fuse.Status {
+	st := e.RawFileSystem.Mknod(cancel, in, name, out)
+	e.m.emitParked(cancel, st)
+	return st
+}
+
+func (e *eventFS) Link(cancel <-chan struct{}, in *fuse.LinkIn, name string, out *fuse.EntryOut) fuse.Status {
+	st := e.RawFileSystem.Link(cancel, in, name, out)
+	e.m.emitParked(cancel, st)
+	return st
+}
+
 // Release frees a file's bytes through the node's handle; what the handle parked (see
 // mtfs.afterRelease) runs once go-fuse has also unregistered the passthrough backing file.
 func (e *eventFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
 	e.m.release(cancel, func() { e.RawFileSystem.Release(cancel, in) })
 }
 
-// park stores ev for the request running on ctx; it is called by node methods.
+// park stores ev for the request running on ctx; it is called by node methods. Without a
+// request (a call that did not come through the kernel) ev runs at once.
 func (m *mtfs) park(ctx context.Context, ev func()) {
 	if m.events == nil {
 		return
 	}
 	if c, ok := ctx.(*fuse.Context); ok && c.Cancel != nil {
 		m.parked.Store(c.Cancel, ev)
+		return
 	}
+	ev()
 }
 
 func (m *mtfs) emitParked(cancel <-chan struct{}, st fuse.Status) {

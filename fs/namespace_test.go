@@ -42,21 +42,37 @@ func (r *recorder) TooLarge(path string) { r.add("toolarge " + path) }
 func (r *recorder) Flushed(path string)  { r.add("flushed " + path) }
 func (r *recorder) Created(path string, typ layout.EntryType) {
 	r.add("created " + path + " " + typ.String())
+	r.checkListed(path)
 }
 func (r *recorder) Renamed(oldPath, newPath string, typ layout.EntryType) {
 	r.add("renamed " + oldPath + " " + newPath + " " + typ.String())
-	if r.ns != nil && !filepathHasDir(newPath) {
-		ents, _ := r.ns.List()
-		found := false
-		for _, e := range ents {
-			found = found || e.Name == newPath
-		}
-		if !found {
-			r.mu.Lock()
-			r.early = append(r.early, newPath)
-			r.mu.Unlock()
+	r.checkListed(newPath)
+}
+
+// checkListed remembers a top-level name that the namespace does not list yet.
+func (r *recorder) checkListed(name string) {
+	r.mu.Lock()
+	ns := r.ns
+	r.mu.Unlock()
+	if ns == nil || filepathHasDir(name) {
+		return
+	}
+	ents, _ := ns.List()
+	for _, e := range ents {
+		if e.Name == name {
+			return
 		}
 	}
+	r.mu.Lock()
+	r.early = append(r.early, name)
+	r.mu.Unlock()
+}
+
+// earlyNames returns the names reported before the namespace held them.
+func (r *recorder) earlyNames() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.early...)
 }
 
 func filepathHasDir(p string) bool { return filepath.Dir(p) != "." }
@@ -101,7 +117,9 @@ func mountWithEvents(t *testing.T, mode PassthroughMode) (string, *Server, *reco
 		spool.Close()
 		t.Fatal(err)
 	}
-	rec.ns = srv.Namespace()
+	rec.mu.Lock()
+	rec.ns = srv.Namespace() // a probe at mount can already report events
+	rec.mu.Unlock()
 	t.Cleanup(func() {
 		if err := srv.Unmount(); err != nil {
 			t.Errorf("unmount: %v", err)
@@ -150,7 +168,7 @@ func TestEvents(t *testing.T) {
 			fi, err := yf.Stat()
 			require.NoError(t, err)
 			require.LessOrEqual(t, fi.Size(), int64(tiers.MaxConfigSize))
-			require.Empty(t, rec.early, "rename events must come after the namespace changed")
+			require.Empty(t, rec.earlyNames(), "rename events must come after the namespace changed")
 		})
 	}
 }

@@ -344,15 +344,17 @@ func (d *dirNode) Mkdir(ctx context.Context, name string, mode uint32, out *fuse
 	ch := d.newDir(ctx, mode)
 	d.subdirs.Add(1)
 	d.touch(true)
-	d.created(name, layout.EntryDir)
+	d.created(ctx, name, layout.EntryDir)
 	return ch, d.fillEntry(ctx, ch, out)
 }
 
 // created tells the listener about a name the job made whole at the top (mkdir, symlink, mknod,
-// link): it may be a control file of the wrong type, or a pytorch .save linked into place.
-func (d *dirNode) created(name string, typ layout.EntryType) {
+// link): it may be a control file of the wrong type, or a pytorch .save linked into place. The
+// event is parked until go-fuse has added the new entry to the root (eventFS), so that a
+// listener removing it at once finds it there.
+func (d *dirNode) created(ctx context.Context, name string, typ layout.EntryType) {
 	if d.IsRoot() && d.fs.events != nil {
-		d.fs.events.Created(name, typ)
+		d.fs.park(ctx, func() { d.fs.events.Created(name, typ) })
 	}
 }
 
@@ -432,7 +434,7 @@ func (d *dirNode) Symlink(ctx context.Context, target, name string, out *fuse.En
 	d.inherit(&l.meta, false)
 	ch := d.NewPersistentInode(ctx, l, gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: d.fs.newIno()})
 	d.touch(true)
-	d.created(name, layout.EntrySymlink)
+	d.created(ctx, name, layout.EntrySymlink)
 	return ch, d.fillEntry(ctx, ch, out)
 }
 
@@ -456,7 +458,7 @@ func (d *dirNode) Link(ctx context.Context, target gofs.InodeEmbedder, name stri
 	}
 	d.touch(true)
 	in := target.EmbeddedInode()
-	d.created(name, entryType(in))
+	d.created(ctx, name, entryType(in))
 	return in, d.fillEntry(ctx, in, out)
 }
 

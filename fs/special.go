@@ -73,7 +73,7 @@ func (d *dirNode) newSpecial(ctx context.Context, name string, mode, rdev uint32
 	d.inherit(&n.meta, false)
 	ch := d.NewPersistentInode(ctx, n, gofs.StableAttr{Mode: mode & syscall.S_IFMT, Ino: d.fs.newIno()})
 	d.touch(true)
-	d.created(name, specialType(mode))
+	d.created(ctx, name, specialType(mode))
 	return ch, d.fillEntry(ctx, ch, out)
 }
 
