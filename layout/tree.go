@@ -708,6 +708,19 @@ func (c *DigestCache) Remember(p string, d FileDigest) error {
 	if err != nil {
 		return err
 	}
+	return c.remember(p, info, d)
+}
+
+// RememberFile is Remember for a file that is open: its identity and version as they are now.
+func (c *DigestCache) RememberFile(f *os.File, d FileDigest) error {
+	info, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	return c.remember(f.Name(), info, d)
+}
+
+func (c *DigestCache) remember(p string, info os.FileInfo, d FileDigest) error {
 	if !info.Mode().IsRegular() {
 		return fmt.Errorf("%s is a %v, not a regular file", p, info.Mode().Type())
 	}

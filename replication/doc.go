@@ -12,9 +12,12 @@
 // # Guarantees
 //
 //   - Nothing unverified becomes visible. A push is assembled in a private directory under the
-//     receiver's incoming directory. Every chunk's CRC-32C is checked on arrival; at Commit every
-//     file's size and BLAKE3 digest, and the tree on disk hashed with layout.TreeHash, must match
-//     the name it was sent under. Only then is Accept called, and only Accept's success makes
+//     receiver's incoming directory. Every chunk's CRC-32C is checked on arrival, and its bytes
+//     are hashed then, into their file's BLAKE3 (layout.ArrivalHash: from the buffers they
+//     arrived in, before they are written; bytes that no single chunk held whole are read back
+//     once the file is complete). At Commit every file's size and BLAKE3 digest, and the tree on
+//     disk hashed with layout.TreeHash, must match the name it was sent under; a file changed
+//     on disk after its last chunk (its mtime moved) is read and hashed again. Only then is Accept called, and only Accept's success makes
 //     Commit succeed: that success is the acknowledgement that a replica exists. A transfer that
 //     fails any check, loses a stream, is abandoned or stays idle is discarded with its directory.
 //     Fetch verifies the same way before the data is renamed into place.

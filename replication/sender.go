@@ -29,7 +29,8 @@ const (
 	DefaultStreams = 4
 	// DefaultStallTimeout is how long a transfer may make no progress before it fails.
 	DefaultStallTimeout = 30 * time.Second
-	// minVerifyRate is the slowest a receiver is assumed to re-read and hash data at Commit
+	// minVerifyRate is the slowest a receiver is assumed to hash data at Commit (files it could
+	// not hash as they arrived are read back)
 	// (bytes/s); Commit's deadline allows for it on top of the stall timeout.
 	minVerifyRate = 64 << 20
 )
@@ -249,7 +250,7 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 		cancel()
 		return err
 	}
-	// The receiver re-reads and hashes everything before it answers.
+	// The receiver checks every digest (and hashes what it could not as it arrived) before it answers.
 	cctx, cancel := context.WithTimeout(ctx, s.stallTimeout()+time.Duration(m.total/minVerifyRate)*time.Second)
 	defer cancel()
 	if _, err := client.Commit(cctx, &peerpb.CommitRequest{TransferId: header.TransferId}, opts...); err != nil {

@@ -43,9 +43,10 @@ type sink struct {
 	// dropped holds why discard was called; writes fail from then on.
 	dropped atomic.Pointer[error]
 	files   []sinkFile
-	// adopted knows the digests of the files adopt linked in (verified when they arrived as
-	// early files, and not written since); nil when there are none.
-	adopted *layout.DigestCache
+	// known holds the digests verify need not read the files for: those of the files adopt
+	// linked in (verified when they arrived as early files, and not written since) and of the
+	// files hashed as their chunks arrived (sinkFile.hash).
+	known *layout.DigestCache
 }
 
 // sinkFile tracks what arrived for one file.
@@ -55,6 +56,9 @@ type sinkFile struct {
 	have    []span   // GUARDED_BY(mu); sorted, disjoint, merged ranges written or being written
 	done    int64    // GUARDED_BY(mu); bytes written
 	writers int      // GUARDED_BY(mu); writes in progress
+	// hash is the file's digest being computed from the chunks as they arrive, while their
+	// bytes are still in the CPU's caches; nil until the first chunk.
+	hash *layout.ArrivalHash // GUARDED_BY(mu)
 }
 
 type span struct{ lo, hi int64 }
@@ -67,7 +71,7 @@ func newSink(dir, prefix string, m *manifest) (*sink, error) {
 	if err != nil {
 		return nil, fmt.Errorf("create incoming directory: %w", err)
 	}
-	s := &sink{m: m, tmp: tmp, root: filepath.Join(tmp, m.pb.DataName), files: make([]sinkFile, len(m.pb.Files))}
+	s := &sink{m: m, tmp: tmp, root: filepath.Join(tmp, m.pb.DataName), files: make([]sinkFile, len(m.pb.Files)), known: &layout.DigestCache{}}
 	if err := s.create(); err != nil {
 		s.discard(err)
 		return nil, fmt.Errorf("create %s: %w", m.pb.DataName, err)
@@ -250,7 +254,8 @@ func (s *sink) write(c *inChunk, inf *inflater) (int64, error) {
 		return 0, errInvalid("%q: %v", meta.Path, err)
 	}
 	if sf.f == nil {
-		f, err := s.openFile(int(c.file), os.O_WRONLY, 0)
+		// Read and write: the hash reads back the bytes no single chunk held whole.
+		f, err := s.openFile(int(c.file), os.O_RDWR, 0)
 		if err != nil {
 			sf.mu.Unlock()
 			if derr := s.droppedErr(); derr != nil {
@@ -260,10 +265,14 @@ func (s *sink) write(c *inChunk, inf *inflater) (int64, error) {
 		}
 		sf.f = f
 	}
-	f := sf.f
+	if sf.hash == nil {
+		sf.hash = layout.NewArrivalHash(meta.Size)
+	}
+	f, h := sf.f, sf.hash
 	sf.writers++
 	sf.mu.Unlock()
 
+	h.Add(pieces, c.offset) // before pwritev, which consumes pieces
 	werr := pwritev(f, pieces, c.offset)
 
 	sf.mu.Lock()
@@ -271,6 +280,14 @@ func (s *sink) write(c *inChunk, inf *inflater) (int64, error) {
 	sf.writers--
 	sf.done += n
 	if sf.done == meta.Size && sf.writers == 0 && sf.f != nil {
+		if werr == nil {
+			// Every byte was written, each exactly once (claim): the digest of what arrived
+			// is the file's. verify finds it by the file's identity and version; should
+			// anything change the file after this, it misses and reads the file instead.
+			if d, err := sf.hash.Finish(context.Background(), sf.f); err == nil {
+				s.known.RememberFile(sf.f, d)
+			}
+		}
 		if err := sf.f.Close(); err != nil && werr == nil {
 			werr = err
 		}
@@ -345,11 +362,8 @@ func (s *sink) adopt(i int, src string, d layout.FileDigest) error {
 	if err != nil {
 		return err
 	}
-	if s.adopted == nil {
-		s.adopted = &layout.DigestCache{}
-	}
 	// src and the link are one inode: the digest is remembered by inode, size and mtime.
-	if err := s.adopted.Remember(src, d); err != nil {
+	if err := s.known.Remember(src, d); err != nil {
 		return err
 	}
 	size := s.m.pb.Files[i].Size
@@ -429,7 +443,7 @@ func (s *sink) verify(ctx context.Context) error {
 			}
 		}
 	}
-	if err := layout.HashEntries(ctx, s.root, entries, s.adopted); err != nil {
+	if err := layout.HashEntries(ctx, s.root, entries, s.known); err != nil {
 		if ctx.Err() != nil {
 			return err
 		}

@@ -23,7 +23,7 @@
 //     pwrite: the least any verified copy does. The report compares the default push's CPU per
 //     GiB with this one's (issue 12: at most 1.25×).
 //   - gRPC push: Sender.Push until it returns, i.e. the receiver verified every chunk's CRC-32C,
-//     re-read and hashed every file, checked the tree hash and moved the tree out of its
+//     hashed every file (as its chunks arrived), checked the digests and the tree hash and moved the tree out of its
 //     incoming directory (Accept is a rename). The sender's file digests come from a
 //     layout.DigestCache filled beforehand, as in the agent, where files are hashed when the job
 //     closes them; one variant leaves the cache out, so the push hashes the files first.

@@ -1,0 +1,106 @@
+package layout
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"lukechampine.com/blake3"
+)
+
+// TestArrivalHashIsBLAKE3: whatever ranges the bytes arrive in, in whatever order, cut into
+// whatever pieces, with some ranges never added (Finish reads them back), the digest is the
+// file's plain BLAKE3.
+func TestArrivalHashIsBLAKE3(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 12))
+	sizes := []int64{0, 1, 1023, 1024, 1025, 2048, 16<<10 - 1, 16 << 10, 16<<10 + 1, 16<<10 + 1024, 16<<10 + 1025,
+		48 << 10, 64<<10 - 1, 64 << 10, 64<<10 + 1, 128 << 10, 3<<20 + 12345, 4 << 20, 9<<20 + 1}
+	for range 20 {
+		sizes = append(sizes, rng.Int64N(6<<20))
+	}
+	for _, size := range sizes {
+		data := make([]byte, size)
+		for i := range data {
+			data[i] = byte(rng.Uint32())
+		}
+		want := FileDigest(blake3.Sum256(data))
+		for trial := range 4 {
+			h := NewArrivalHash(size)
+			// Cut the file into ranges: aligned chunks of a push (trial 0), or random ones.
+			var cuts []int64
+			for off := int64(0); off < size; {
+				n := int64(4 << 20)
+				if trial > 0 {
+					n = 1 + rng.Int64N(300<<10)
+				}
+				n = min(n, size-off)
+				cuts = append(cuts, off)
+				off += n
+			}
+			cuts = append(cuts, size)
+			order := rng.Perm(len(cuts) - 1)
+			var wg sync.WaitGroup
+			for _, k := range order {
+				lo, hi := cuts[k], cuts[k+1]
+				if trial == 3 && k%3 == 1 {
+					continue // never arrives through Add: written some other way
+				}
+				// The range's bytes as several buffers, like gRPC's.
+				var pieces [][]byte
+				for p := lo; p < hi; {
+					n := min(hi-p, 1+rng.Int64N(100<<10))
+					if trial == 0 {
+						n = hi - p
+					}
+					pieces = append(pieces, data[p:p+n])
+					p += n
+				}
+				wg.Go(func() { h.Add(pieces, lo) })
+			}
+			wg.Wait()
+			got, err := h.Finish(context.Background(), bytes.NewReader(data))
+			require.NoError(t, err)
+			require.Equal(t, want, got, "%d bytes, trial %d", size, trial)
+			if trial == 0 && size > 0 {
+				require.Zero(t, h.Missing(), "%d bytes in aligned 4 MiB ranges: nothing to read back", size)
+			}
+		}
+	}
+}
+
+// TestArrivalHashReadsBackOnlyWhatItMissed: a range that splits a segment leaves that segment to
+// Finish, and only that one; a short file fails Finish.
+func TestArrivalHashReadsBackOnlyWhatItMissed(t *testing.T) {
+	size := int64(1 << 20)
+	data := bytes.Repeat([]byte("0123456789abcdef"), int(size/16))
+	h := NewArrivalHash(size)
+	h.Add([][]byte{data[:100_000]}, 0)
+	h.Add([][]byte{data[100_000:]}, 100_000)
+	require.Equal(t, int64(arrivalSegment), h.Missing(), "only the segment split at 100,000 is missing")
+	got, err := h.Finish(context.Background(), bytes.NewReader(data))
+	require.NoError(t, err)
+	require.Equal(t, FileDigest(blake3.Sum256(data)), got)
+
+	h = NewArrivalHash(size)
+	h.Add([][]byte{data[:500_000]}, 0)
+	_, err = h.Finish(context.Background(), bytes.NewReader(data[:600_000]))
+	require.ErrorContains(t, err, "read")
+}
+
+func BenchmarkArrivalHash(b *testing.B) {
+	data := make([]byte, 4<<20)
+	for i := range data {
+		data[i] = byte(i * 7)
+	}
+	b.SetBytes(int64(len(data)))
+	for b.Loop() {
+		h := NewArrivalHash(int64(len(data)))
+		h.Add([][]byte{data}, 0)
+		if _, err := h.Finish(context.Background(), bytes.NewReader(nil)); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
