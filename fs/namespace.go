@@ -398,7 +398,7 @@ func (ns *namespace) Import(src, name string) error { return ns.ImportVerified(s
 
 func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeEntry) error) error {
 	if ns.root.GetChild(name) != nil {
-		return fmt.Errorf("import %s: %w", name, os.ErrExist)
+		return fmt.Errorf("import %s: %w", name, tiers.ErrNameTaken)
 	}
 	fi, err := os.Lstat(src)
 	if err != nil {
@@ -438,7 +438,7 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 	top, err := ns.importTree(ctx, src, fi, entries, newFile)
 	verr := <-verified
 	if err == nil && verr == nil && !ns.root.AddChild(name, top, false) {
-		err = os.ErrExist
+		err = tiers.ErrNameTaken
 	}
 	if err != nil || verr != nil {
 		for _, in := range created {

@@ -56,7 +56,7 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 					return err
 				}
 				err = rt.ns.ImportVerified(p, dataName, verify)
-				if errors.Is(err, os.ErrExist) { // a name already there is kept if the data verifies
+				if errors.Is(err, ErrNameTaken) { // a name already there is kept if the data verifies
 					err = nil
 					if !passed {
 						err = verify(nil)

@@ -47,6 +47,8 @@ type dirNamespace struct {
 	// valid when the job renames the file (a hard link in scratch), and then call it with the
 	// name asked for, without mu.
 	spoolFiles func(name string) // GUARDED_BY(mu)
+	// failImport, when set, may fail an Import of name before it does anything.
+	failImport func(name string) error
 }
 
 var _ tiers.Namespace = (*dirNamespace)(nil)
@@ -196,8 +198,13 @@ func (ns *dirNamespace) ImportVerified(src, name string, verify func([]layout.Tr
 
 func (ns *dirNamespace) Import(src, name string) error {
 	ns.record("import", name)
+	if ns.failImport != nil {
+		if err := ns.failImport(name); err != nil {
+			return err
+		}
+	}
 	if _, err := os.Lstat(ns.path(name)); err == nil {
-		return &os.PathError{Op: "import", Path: name, Err: fs.ErrExist}
+		return fmt.Errorf("import %s: %w", name, tiers.ErrNameTaken)
 	}
 	tmp := ns.tmpName()
 	if _, err := linkTree(src, tmp); err != nil {
@@ -396,6 +403,8 @@ type harnessConfig struct {
 	// coord replaces the agent's own coordinator (multi-node tests); peers is the transport.
 	coord tiers.Coordinator
 	peers tiers.PeerTransport
+	// importErr, when set, may fail the namespace's imports (dirNamespace.failImport).
+	importErr func(name string) error
 }
 
 // baseTime is where fake clocks start: a whole UTC minute.
@@ -429,6 +438,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
+	ns.failImport = cfg.importErr
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(cfg.root, "spool"), Budget: 64 << 20})
 	if err != nil {
 		t.Fatalf("OpenSpool: %v", err)

@@ -1,6 +1,11 @@
 package tiers
 
-import "github.com/mtcfs/mtcfs/layout"
+import (
+	"fmt"
+	"os"
+
+	"github.com/mtcfs/mtcfs/layout"
+)
 
 // Namespace is the part of the mounted tree the replicator manages: the names at the top of
 // CHECKPOINT_DIR. Package fs implements it over its inode tree. Every change is visible to the
@@ -31,8 +36,8 @@ type Namespace interface {
 	// ("a/b/c", relative to the top), for reading them without going through the mount.
 	SpoolFile(path string) (string, error)
 	// Import makes the spool tree at src (a file or a directory) visible as the top-level name,
-	// sharing its bytes (hard links), immutable to the job like a sealed tree. It fails if name
-	// exists.
+	// sharing its bytes (hard links), immutable to the job like a sealed tree. It fails with
+	// ErrNameTaken if name exists.
 	Import(src, name string) error
 	// ImportVerified is Import of data not verified yet: verify runs while the tree is built,
 	// and the name appears only if it returns nil; else ImportVerified returns verify's error
@@ -42,6 +47,11 @@ type Namespace interface {
 	// entries' digests.
 	ImportVerified(src, name string, verify func(listing []layout.TreeEntry) error) error
 }
+
+// ErrNameTaken is the error (wrapped) of an Import or ImportVerified whose name exists already.
+// It is an os.ErrExist, but other failures of an import can be too (a link whose new name was
+// taken): only this one says that the name is there.
+var ErrNameTaken = fmt.Errorf("the name exists in the namespace: %w", os.ErrExist)
 
 // SealInfo says what Seal did besides linking.
 type SealInfo struct {

@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -585,6 +586,42 @@ func TestRestartAdoptsSealedStep(t *testing.T) {
 		}
 		return ""
 	})
+}
+
+// TestRestartDoesNotTakeAFailedImportForATakenName: an adoption whose import fails with an
+// EEXIST of its own (a link whose new name was taken) is a failed import, not the data's name
+// being there already. Before ErrNameTaken the agent took any os.ErrExist for the latter,
+// verified the spool copy and published the .meta of data the namespace did not hold.
+func TestRestartDoesNotTakeAFailedImportForATakenName(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	hash := h.orbaxSave(7, checkpointFiles("7"))
+	h.waitSealed("job", 7, "7")
+
+	cfg := h.cfg
+	cfg.importErr = func(name string) error {
+		if name == hash+".data" {
+			return &os.LinkError{Op: "link", Old: "spool/files/x", New: "spool/files/y", Err: syscall.EEXIST}
+		}
+		return nil
+	}
+	h.close()
+	h2 := newHarness(t, cfg) // empty namespace, same spool
+	meta := marker("job", 7, 0, 0, layout.MarkerMeta)
+	if got := h2.names(); slices.Contains(got, meta) {
+		t.Fatalf("after a failed import the namespace = %q: it publishes %s without its data", got, meta)
+	}
+	if d, m := h2.spoolGlob("*.data"), h2.spoolGlob("*.meta"); len(d)+len(m) != 0 {
+		t.Errorf("spool still holds %q %q after dropping the step it could not import", d, m)
+	}
+	// The job starts from nothing (a peer or a backup would have it) and is told why.
+	h2.start(baseYAML, "job")
+	h2.checkPrerestore(map[string]any{})
+	h2.checkEmptyMarker(marker("job", 0, 0, 0, layout.MarkerRestore))
+	if !h2.exists(layout.ReplicatorErrorsName) || !strings.Contains(h2.read(layout.ReplicatorErrorsName), "file exists") {
+		t.Errorf("the dropped step is not reported with its cause")
+	}
 }
 
 func TestRestartDropsCorruptedSpoolData(t *testing.T) {

@@ -3,7 +3,6 @@ package tiers
 import (
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 	"sync"
 
@@ -124,7 +123,7 @@ func (s *sealer) publish(c commit, dataName, meta string) error {
 	default:
 		if err := s.ns.Rename(c.name, dataName); err != nil {
 			// The job (or a new handshake) removed the name meanwhile: the sealed copy is the truth.
-			if err := s.ns.Import(sealed, dataName); err != nil && !errors.Is(err, os.ErrExist) {
+			if err := s.ns.Import(sealed, dataName); err != nil && !errors.Is(err, ErrNameTaken) {
 				return err
 			}
 		}
