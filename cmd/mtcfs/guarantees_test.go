@@ -721,6 +721,28 @@ func TestGuaranteeControlFilesOfTheWrongType(t *testing.T) {
 	stopAgent(t, a)
 }
 
+// TestGuaranteeSaveLinkedIntoPlace: a framework-pytorch job that writes its state under a
+// temporary name and links it into place as the .save (link(2), then unlink of the temporary
+// name) commits that step, every time. The agent hears of the link and seals the .save; until
+// 177b63c it could hear of it before go-fuse had added the name, and the seal found nothing
+// (the race that made TestGuaranteeControlFilesOfTheWrongType flaky).
+func TestGuaranteeSaveLinkedIntoPlace(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	const pt = "linked"
+	pytorchStart(t, n.dir, pt)
+	for step := int64(1); step <= 30; step++ {
+		tmp := filepath.Join(n.dir, fmt.Sprintf("state-%d.tmp", step))
+		require.NoError(t, os.WriteFile(tmp, randomBytes(uint64(step), 4096), 0o644))
+		require.NoError(t, os.Link(tmp, filepath.Join(n.dir, fmt.Sprintf("%s-s%d-n0-w0.save", pt, step))))
+		require.NoError(t, os.Remove(tmp))
+		waitStepSealed(t, n.dir, pt, step)
+	}
+	require.NoFileExists(t, filepath.Join(n.dir, "replicator.errors"), "%s", a.log())
+	stopAgent(t, a)
+}
+
 // Helpers.
 
 // requireErrno checks that err is one of want.
