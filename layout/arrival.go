@@ -21,19 +21,24 @@ const arrivalSegment = 64 << 10
 // ranges of any size and in any order, from the buffers they arrived in: the bytes are hashed
 // while they are still in the CPU's caches instead of being read back from the spool. Add may
 // run concurrently for disjoint ranges; the digest is the same as HashFile's.
+//
+// Its memory follows what arrived, not the size the sender declared: segments hashed in order
+// from the start are folded at once (a stack of at most 64 chaining values); only those that
+// arrived ahead of a gap are kept, 32 bytes (plus a map entry) per 64 KiB.
 type ArrivalHash struct {
 	size    int64
+	nseg    int64
 	mu      sync.Mutex
-	cvs     [][8]uint32 // GUARDED_BY(mu); chaining values of the segments but the last
-	last    guts.Node   // GUARDED_BY(mu); the last segment's node (it may be the root)
-	have    []uint64    // GUARDED_BY(mu); bit i: segment i was hashed
-	missing int         // GUARDED_BY(mu); segments not hashed yet
+	prefix  subtreeStack        // GUARDED_BY(mu); segments [0, next) folded
+	next    int64               // GUARDED_BY(mu); the first segment not folded yet
+	ahead   map[int64][8]uint32 // GUARDED_BY(mu); chaining values of segments past next (but the last)
+	last    guts.Node           // GUARDED_BY(mu); the last segment's node (it may be the root)
+	hasLast bool                // GUARDED_BY(mu)
 }
 
 // NewArrivalHash starts the digest of a file of size bytes.
 func NewArrivalHash(size int64) *ArrivalHash {
-	n := arrivalSegments(size)
-	return &ArrivalHash{size: size, cvs: make([][8]uint32, n-1), have: make([]uint64, (n+63)/64), missing: int(n)}
+	return &ArrivalHash{size: size, nseg: arrivalSegments(size)}
 }
 
 func arrivalSegments(size int64) int64 { return max(1, (size+arrivalSegment-1)/arrivalSegment) }
@@ -75,16 +80,35 @@ func (h *ArrivalHash) Add(data [][]byte, off int64) {
 func (h *ArrivalHash) put(i int64, n guts.Node) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.have[i/64]&(1<<(i%64)) != 0 {
-		return
+	switch {
+	case h.has(i):
+	case i == h.nseg-1:
+		h.last, h.hasLast = n, true
+	case i == h.next:
+		h.prefix.push(guts.ChainingValue(n), 0) // heights in units of segments: all equal
+		for h.next++; h.next < h.nseg-1; h.next++ {
+			cv, ok := h.ahead[h.next]
+			if !ok {
+				break
+			}
+			delete(h.ahead, h.next)
+			h.prefix.push(cv, 0)
+		}
+	default:
+		if h.ahead == nil {
+			h.ahead = map[int64][8]uint32{}
+		}
+		h.ahead[i] = guts.ChainingValue(n)
 	}
-	h.have[i/64] |= 1 << (i % 64)
-	h.missing--
-	if i == int64(len(h.cvs)) {
-		h.last = n
-	} else {
-		h.cvs[i] = guts.ChainingValue(n)
+}
+
+// has reports whether segment i was hashed. REQUIRES h.mu
+func (h *ArrivalHash) has(i int64) bool {
+	if i == h.nseg-1 {
+		return h.hasLast
 	}
+	_, ahead := h.ahead[i]
+	return i < h.next || ahead
 }
 
 // Missing returns how many bytes Finish would read back.
@@ -92,8 +116,8 @@ func (h *ArrivalHash) Missing() int64 {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	var n int64
-	for i := range arrivalSegments(h.size) {
-		if h.have[i/64]&(1<<(i%64)) == 0 {
+	for i := h.next; i < h.nseg; i++ {
+		if !h.has(i) {
 			n += min(arrivalSegment, h.size-i*arrivalSegment)
 		}
 	}
@@ -104,9 +128,12 @@ func (h *ArrivalHash) Missing() int64 {
 // file as written). Call it once every byte was added or written.
 func (h *ArrivalHash) Finish(ctx context.Context, r io.ReaderAt) (FileDigest, error) {
 	var buf *[arrivalSegment]byte
-	for i := range arrivalSegments(h.size) {
+	h.mu.Lock()
+	from := h.next
+	h.mu.Unlock()
+	for i := from; i < h.nseg; i++ {
 		h.mu.Lock()
-		has := h.have[i/64]&(1<<(i%64)) != 0
+		has := h.has(i)
 		h.mu.Unlock()
 		if has {
 			continue
@@ -127,13 +154,10 @@ func (h *ArrivalHash) Finish(ctx context.Context, r io.ReaderAt) (FileDigest, er
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.missing != 0 {
-		return FileDigest{}, fmt.Errorf("arrival hash: %d segments missing", h.missing)
+	if h.next != h.nseg-1 || !h.hasLast {
+		return FileDigest{}, fmt.Errorf("arrival hash: segments %d to %d missing", h.next, h.nseg-1)
 	}
-	var t subtreeStack
-	for _, cv := range h.cvs {
-		t.push(cv, 0) // heights in units of segments: all equal
-	}
+	t := h.prefix // Finish may be called again: fold a copy
 	return rootDigest(t.fold(h.last)), nil
 }
 

@@ -104,3 +104,35 @@ func BenchmarkArrivalHash(b *testing.B) {
 		}
 	}
 }
+
+// TestArrivalHashMemoryFollowsWhatArrived: the hash holds what arrived ahead of a gap, not what
+// the sender declared. A peer that declares a file of 1 PiB and sends one 4 MiB chunk costs 64
+// chaining values (before, 512 GiB allocated at the first chunk: the agent died); bytes that
+// arrive in order are folded at once.
+func TestArrivalHashMemoryFollowsWhatArrived(t *testing.T) {
+	chunk := make([]byte, 4<<20)
+	h := NewArrivalHash(1 << 50)
+	h.Add([][]byte{chunk}, 1<<40)
+	h.mu.Lock()
+	require.Len(t, h.ahead, 64)
+	h.mu.Unlock()
+
+	h = NewArrivalHash(64 << 20)
+	for off := int64(0); off < 64<<20; off += 4 << 20 {
+		h.Add([][]byte{chunk}, off)
+		h.mu.Lock()
+		require.Empty(t, h.ahead, "in order, at %d", off)
+		h.mu.Unlock()
+	}
+	// Out of order: kept until the gap closes, then folded.
+	h = NewArrivalHash(12 << 20)
+	h.Add([][]byte{chunk}, 4<<20)
+	h.mu.Lock()
+	require.Len(t, h.ahead, 64)
+	h.mu.Unlock()
+	h.Add([][]byte{chunk}, 0)
+	h.mu.Lock()
+	require.Empty(t, h.ahead)
+	require.Equal(t, int64(128), h.next)
+	h.mu.Unlock()
+}
