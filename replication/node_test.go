@@ -119,7 +119,7 @@ func (ns *dirNamespace) ImportVerified(src, name string, verify func([]layout.Tr
 
 func (ns *dirNamespace) Import(src, name string) error {
 	if _, err := os.Lstat(ns.path(name)); err == nil {
-		return &os.PathError{Op: "import", Path: name, Err: fs.ErrExist}
+		return fmt.Errorf("import %s: %w", name, tiers.ErrNameTaken)
 	}
 	tmp := ns.tmp()
 	if err := linkTree(src, tmp); err != nil {

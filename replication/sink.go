@@ -61,6 +61,8 @@ type sinkFile struct {
 	// complete. It holds 32 bytes per 64 KiB of the file on the heap while the file is in
 	// flight (a stream sends its files one after the other).
 	hash *layout.ArrivalHash // GUARDED_BY(mu)
+	// failed says a write of this file failed: what it holds is not what arrived.
+	failed bool // GUARDED_BY(mu)
 }
 
 type span struct{ lo, hi int64 }
@@ -281,11 +283,14 @@ func (s *sink) write(c *inChunk, inf *inflater) (int64, error) {
 	defer sf.mu.Unlock()
 	sf.writers--
 	sf.done += n
+	sf.failed = sf.failed || werr != nil
 	if sf.done == meta.Size && sf.writers == 0 && sf.f != nil {
-		if werr == nil {
+		if !sf.failed {
 			// Every byte was written, each exactly once (claim): the digest of what arrived
 			// is the file's. verify finds it by the file's identity and version; should
 			// anything change the file after this, it misses and reads the file instead.
+			// After a failed write it reads the file (a failed write fails its stream and
+			// the transfer anyway).
 			if d, err := sf.hash.Finish(context.Background(), sf.f); err == nil {
 				s.known.RememberFile(sf.f, d)
 			}

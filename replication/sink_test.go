@@ -1,6 +1,7 @@
 package replication
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"hash/crc32"
@@ -10,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
@@ -94,4 +96,50 @@ func TestSinkHashesChunksAsTheyArrive(t *testing.T) {
 	require.Equal(t, codes.DataLoss, status.Code(err), "%v", err)
 	require.ErrorContains(t, err, "hashes to")
 	require.NoError(t, s.discard(errors.New("test done")))
+}
+
+// TestSinkDoesNotTrustTheHashOfAFailedWrite: when a chunk's write fails (EFBIG here, ENOSPC on a
+// full tmpfs alike) and other chunks complete the file, the digest of what arrived is not the
+// file's: verify must read the file and refuse it. (Found by review: the arrival hash counted
+// the failed chunk's bytes and verify accepted a file with a hole. A failed write also fails its
+// stream and the transfer; this is the check behind that.) Not parallel: the file size limit is
+// the process's.
+func TestSinkDoesNotTrustTheHashOfAFailedWrite(t *testing.T) {
+	const mib = 1 << 20
+	src := t.TempDir()
+	data := make([]byte, 3*mib)
+	for i := range data {
+		data[i] = byte(i*7 + 1)
+	}
+	require.NoError(t, os.WriteFile(filepath.Join(src, "f"), data, 0o644))
+	hash, err := layout.HashDir(t.Context(), src)
+	require.NoError(t, err)
+	m, err := buildManifest(t.Context(), src, layout.DataName(hash, true), peerJob, nil)
+	require.NoError(t, err)
+	s, err := newSink(t.TempDir(), incomingPrefix, m)
+	require.NoError(t, err)
+	defer s.discard(errors.New("test done"))
+
+	chunk := func(off int64) *inChunk {
+		b := data[off : off+mib]
+		return &inChunk{file: 0, offset: off, crc: crc32.Checksum(b, castagnoli), data: mem.BufferSlice{mem.SliceBuffer(b)}, size: mib}
+	}
+	_, err = s.write(chunk(2*mib), nil) // the tail: the file has its full size from now on
+	require.NoError(t, err)
+
+	var old unix.Rlimit
+	require.NoError(t, unix.Getrlimit(unix.RLIMIT_FSIZE, &old))
+	require.NoError(t, unix.Setrlimit(unix.RLIMIT_FSIZE, &unix.Rlimit{Cur: mib, Max: old.Max}))
+	_, werr := s.write(chunk(mib), nil)
+	require.NoError(t, unix.Setrlimit(unix.RLIMIT_FSIZE, &old))
+	require.Error(t, werr, "the middle chunk's write must fail for this test")
+
+	_, err = s.write(chunk(0), nil) // completes the file
+	require.NoError(t, err)
+
+	onDisk, err := os.ReadFile(filepath.Join(s.root, "f"))
+	require.NoError(t, err)
+	require.False(t, bytes.Equal(onDisk, data), "the file on disk lacks the failed chunk")
+	err = s.verify(context.Background())
+	require.Equal(t, codes.DataLoss, status.Code(err), "verify must refuse a file whose bytes differ from the manifest's digest: %v", err)
 }
