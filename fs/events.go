@@ -16,33 +16,29 @@ type eventFS struct {
 }
 
 func (e *eventFS) Rename(cancel <-chan struct{}, in *fuse.RenameIn, oldName, newName string) fuse.Status {
-	st := e.RawFileSystem.Rename(cancel, in, oldName, newName)
-	e.m.emitParked(cancel, st)
-	return st
+	return e.emit(cancel, e.RawFileSystem.Rename(cancel, in, oldName, newName))
 }
 
 // Mkdir, Symlink, Mknod and Link at the root report the new name (dirNode.created) once go-fuse
 // has added it to the tree.
 func (e *eventFS) Mkdir(cancel <-chan struct{}, in *fuse.MkdirIn, name string, out *fuse.EntryOut) fuse.Status {
-	st := e.RawFileSystem.Mkdir(cancel, in, name, out)
-	e.m.emitParked(cancel, st)
-	return st
+	return e.emit(cancel, e.RawFileSystem.Mkdir(cancel, in, name, out))
 }
 
 func (e *eventFS) Symlink(cancel <-chan struct{}, h *fuse.InHeader, target, name string, out *fuse.EntryOut) fuse.Status {
-	st := e.RawFileSystem.Symlink(cancel, h, target, name, out)
-	e.m.emitParked(cancel, st)
-	return st
+	return e.emit(cancel, e.RawFileSystem.Symlink(cancel, h, target, name, out))
 }
 
 func (e *eventFS) Mknod(cancel <-chan struct{}, in *fuse.MknodIn, name string, out *fuse.EntryOut) fuse.Status {
-	st := e.RawFileSystem.Mknod(cancel, in, name, out)
-	e.m.emitParked(cancel, st)
-	return st
+	return e.emit(cancel, e.RawFileSystem.Mknod(cancel, in, name, out))
 }
 
 func (e *eventFS) Link(cancel <-chan struct{}, in *fuse.LinkIn, name string, out *fuse.EntryOut) fuse.Status {
-	st := e.RawFileSystem.Link(cancel, in, name, out)
+	return e.emit(cancel, e.RawFileSystem.Link(cancel, in, name, out))
+}
+
+// emit sends what the request parked, if its operation succeeded, and returns its status.
+func (e *eventFS) emit(cancel <-chan struct{}, st fuse.Status) fuse.Status {
 	e.m.emitParked(cancel, st)
 	return st
 }
