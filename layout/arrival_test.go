@@ -11,10 +11,10 @@ import (
 	"lukechampine.com/blake3"
 )
 
-// TestArrivalHashIsBLAKE3: whatever ranges the bytes arrive in, in whatever order, cut into
+// TestArrivalHashIsBLAKE3WithConcurrentAdds: whatever ranges the bytes arrive in, in whatever order, cut into
 // whatever pieces, with some ranges never added (Finish reads them back), the digest is the
 // file's plain BLAKE3.
-func TestArrivalHashIsBLAKE3(t *testing.T) {
+func TestArrivalHashIsBLAKE3WithConcurrentAdds(t *testing.T) {
 	rng := rand.New(rand.NewPCG(7, 12))
 	sizes := []int64{0, 1, 1023, 1024, 1025, 2048, 16<<10 - 1, 16 << 10, 16<<10 + 1, 16<<10 + 1024, 16<<10 + 1025,
 		48 << 10, 64<<10 - 1, 64 << 10, 64<<10 + 1, 128 << 10, 3<<20 + 12345, 4 << 20, 9<<20 + 1}
