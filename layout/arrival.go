@@ -22,23 +22,28 @@ const arrivalSegment = 64 << 10
 // while they are still in the CPU's caches instead of being read back from the spool. Add may
 // run concurrently for disjoint ranges; the digest is the same as HashFile's.
 //
-// Its memory follows what arrived, not the size the sender declared: segments hashed in order
-// from the start are folded at once (a stack of at most 64 chaining values); only those that
-// arrived ahead of a gap are kept, 32 bytes (plus a map entry) per 64 KiB.
+// Its memory follows how the bytes arrived, not the size the sender declared: hashed segments
+// are kept as aligned blocks of 2^k segments (each a subtree of BLAKE3's tree), and two sibling
+// blocks are merged into their parent as soon as both are there, so a run of consecutive
+// segments costs at most two chaining values per level, wherever it starts.
 type ArrivalHash struct {
 	size    int64
 	nseg    int64
 	mu      sync.Mutex
-	prefix  subtreeStack        // GUARDED_BY(mu); segments [0, next) folded
-	next    int64               // GUARDED_BY(mu); the first segment not folded yet
-	ahead   map[int64][8]uint32 // GUARDED_BY(mu); chaining values of segments past next (but the last)
-	last    guts.Node           // GUARDED_BY(mu); the last segment's node (it may be the root)
-	hasLast bool                // GUARDED_BY(mu)
+	blocks  map[arrivalBlock][8]uint32 // GUARDED_BY(mu); disjoint, none holding the last segment
+	last    guts.Node                  // GUARDED_BY(mu); the last segment's node (it may be the root)
+	hasLast bool                       // GUARDED_BY(mu)
+}
+
+// arrivalBlock is the segments [index<<level, (index+1)<<level).
+type arrivalBlock struct {
+	level uint8
+	index int64
 }
 
 // NewArrivalHash starts the digest of a file of size bytes.
 func NewArrivalHash(size int64) *ArrivalHash {
-	return &ArrivalHash{size: size, nseg: arrivalSegments(size)}
+	return &ArrivalHash{size: size, nseg: arrivalSegments(size), blocks: map[arrivalBlock][8]uint32{}}
 }
 
 func arrivalSegments(size int64) int64 { return max(1, (size+arrivalSegment-1)/arrivalSegment) }
@@ -80,35 +85,61 @@ func (h *ArrivalHash) Add(data [][]byte, off int64) {
 func (h *ArrivalHash) put(i int64, n guts.Node) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	switch {
-	case h.has(i):
-	case i == h.nseg-1:
-		h.last, h.hasLast = n, true
-	case i == h.next:
-		h.prefix.push(guts.ChainingValue(n), 0) // heights in units of segments: all equal
-		for h.next++; h.next < h.nseg-1; h.next++ {
-			cv, ok := h.ahead[h.next]
-			if !ok {
-				break
-			}
-			delete(h.ahead, h.next)
-			h.prefix.push(cv, 0)
-		}
-	default:
-		if h.ahead == nil {
-			h.ahead = map[int64][8]uint32{}
-		}
-		h.ahead[i] = guts.ChainingValue(n)
+	if _, ok := h.blockAt(i); ok {
+		return
 	}
+	if i == h.nseg-1 {
+		h.last, h.hasLast = n, true
+		return
+	}
+	b, cv := arrivalBlock{0, i}, guts.ChainingValue(n)
+	for {
+		// The parent is a subtree of the file's tree only if it ends before the last segment,
+		// which stays a node of its own (it may be the root).
+		if parentEnd := (b.index>>1 + 1) << (b.level + 1); parentEnd > h.nseg-1 {
+			break
+		}
+		sib := arrivalBlock{b.level, b.index ^ 1}
+		scv, ok := h.blocks[sib]
+		if !ok {
+			break
+		}
+		delete(h.blocks, sib)
+		if b.index&1 == 0 {
+			cv = guts.ChainingValue(guts.ParentNode(cv, scv, &guts.IV, 0))
+		} else {
+			cv = guts.ChainingValue(guts.ParentNode(scv, cv, &guts.IV, 0))
+		}
+		b = arrivalBlock{b.level + 1, b.index >> 1}
+	}
+	h.blocks[b] = cv
 }
 
-// has reports whether segment i was hashed. REQUIRES h.mu
-func (h *ArrivalHash) has(i int64) bool {
+// blockAt returns the block that holds segment i, if segment i was hashed (the last segment:
+// level 0, with the zero value). REQUIRES h.mu
+func (h *ArrivalHash) blockAt(i int64) (arrivalBlock, bool) {
 	if i == h.nseg-1 {
-		return h.hasLast
+		return arrivalBlock{0, i}, h.hasLast
 	}
-	_, ahead := h.ahead[i]
-	return i < h.next || ahead
+	for l := range uint8(bits.Len64(uint64(h.nseg))) { // no block is larger than the file
+		b := arrivalBlock{l, i >> l}
+		if _, ok := h.blocks[b]; ok {
+			return b, true
+		}
+	}
+	return arrivalBlock{}, false
+}
+
+// gaps calls f with each segment not hashed yet, in order. REQUIRES h.mu
+func (h *ArrivalHash) gaps(f func(i int64)) {
+	for i := int64(0); i < h.nseg; {
+		if b, ok := h.blockAt(i); ok {
+			i = (b.index + 1) << b.level
+			continue
+		}
+		f(i)
+		i++
+	}
 }
 
 // Missing returns how many bytes Finish would read back.
@@ -116,48 +147,46 @@ func (h *ArrivalHash) Missing() int64 {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	var n int64
-	for i := h.next; i < h.nseg; i++ {
-		if !h.has(i) {
-			n += min(arrivalSegment, h.size-i*arrivalSegment)
-		}
-	}
+	h.gaps(func(i int64) { n += min(arrivalSegment, h.size-i*arrivalSegment) })
 	return n
 }
 
 // Finish returns the file's digest, reading the segments that no Add held whole from r (the
 // file as written). Call it once every byte was added or written.
 func (h *ArrivalHash) Finish(ctx context.Context, r io.ReaderAt) (FileDigest, error) {
-	var buf *[arrivalSegment]byte
 	h.mu.Lock()
-	from := h.next
+	var missing []int64
+	h.gaps(func(i int64) { missing = append(missing, i) })
 	h.mu.Unlock()
-	for i := from; i < h.nseg; i++ {
-		h.mu.Lock()
-		has := h.has(i)
-		h.mu.Unlock()
-		if has {
-			continue
+	if len(missing) > 0 {
+		buf := arrivalScratch.Get().(*[arrivalSegment]byte)
+		defer arrivalScratch.Put(buf)
+		for _, i := range missing {
+			if err := ctx.Err(); err != nil {
+				return FileDigest{}, context.Cause(ctx)
+			}
+			lo := i * arrivalSegment
+			p := buf[:min(arrivalSegment, h.size-lo)]
+			if err := readFull(r, p, lo); err != nil {
+				return FileDigest{}, err
+			}
+			h.put(i, hashBytes(p, uint64(lo/guts.ChunkSize)))
 		}
-		if err := ctx.Err(); err != nil {
-			return FileDigest{}, context.Cause(ctx)
-		}
-		if buf == nil {
-			buf = arrivalScratch.Get().(*[arrivalSegment]byte)
-			defer arrivalScratch.Put(buf)
-		}
-		lo := i * arrivalSegment
-		p := buf[:min(arrivalSegment, h.size-lo)]
-		if err := readFull(r, p, lo); err != nil {
-			return FileDigest{}, err
-		}
-		h.put(i, hashBytes(p, uint64(lo/guts.ChunkSize)))
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.next != h.nseg-1 || !h.hasLast {
-		return FileDigest{}, fmt.Errorf("arrival hash: segments %d to %d missing", h.next, h.nseg-1)
+	var t subtreeStack
+	for i := int64(0); i < h.nseg-1; {
+		b, ok := h.blockAt(i)
+		if !ok {
+			return FileDigest{}, fmt.Errorf("arrival hash: segment %d of %d missing", i, h.nseg)
+		}
+		t.push(h.blocks[b], int(b.level)) // heights in units of segments
+		i = (b.index + 1) << b.level
 	}
-	t := h.prefix // Finish may be called again: fold a copy
+	if !h.hasLast {
+		return FileDigest{}, fmt.Errorf("arrival hash: the last segment (%d) is missing", h.nseg-1)
+	}
 	return rootDigest(t.fold(h.last)), nil
 }
 

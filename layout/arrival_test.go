@@ -105,34 +105,33 @@ func BenchmarkArrivalHash(b *testing.B) {
 	}
 }
 
-// TestArrivalHashMemoryFollowsWhatArrived: the hash holds what arrived ahead of a gap, not what
-// the sender declared. A peer that declares a file of 1 PiB and sends one 4 MiB chunk costs 64
-// chaining values (before, 512 GiB allocated at the first chunk: the agent died); bytes that
-// arrive in order are folded at once.
+// TestArrivalHashMemoryFollowsWhatArrived: the hash holds what arrived, merged into aligned
+// blocks, not a slot for every segment the sender declared. A peer that declares a file of 1 PiB
+// and sends one 4 MiB chunk costs one chaining value (at first the hash allocated 512 GiB at the
+// first chunk, and the agent died); a run of chunks, in order or from the middle of the file,
+// costs at most two per level of the tree.
 func TestArrivalHashMemoryFollowsWhatArrived(t *testing.T) {
+	blocks := func(h *ArrivalHash) int {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		return len(h.blocks)
+	}
 	chunk := make([]byte, 4<<20)
 	h := NewArrivalHash(1 << 50)
 	h.Add([][]byte{chunk}, 1<<40)
-	h.mu.Lock()
-	require.Len(t, h.ahead, 64)
-	h.mu.Unlock()
+	require.Equal(t, 1, blocks(h), "64 aligned segments are one block")
 
-	h = NewArrivalHash(64 << 20)
-	for off := int64(0); off < 64<<20; off += 4 << 20 {
-		h.Add([][]byte{chunk}, off)
-		h.mu.Lock()
-		require.Empty(t, h.ahead, "in order, at %d", off)
-		h.mu.Unlock()
+	// 1 GiB in order, and 1 GiB from an offset that is not a power of two (a stream's share).
+	for _, start := range []int64{0, 3 << 30} {
+		h = NewArrivalHash(8 << 30)
+		for off := start; off < start+1<<30; off += 4 << 20 {
+			h.Add([][]byte{chunk}, off)
+			require.LessOrEqual(t, blocks(h), 2*18, "from %d, at %d", start, off)
+		}
 	}
-	// Out of order: kept until the gap closes, then folded.
-	h = NewArrivalHash(12 << 20)
+	// Out of order: two runs, merged once the gap closes.
+	h = NewArrivalHash(12<<20 + 1)
 	h.Add([][]byte{chunk}, 4<<20)
-	h.mu.Lock()
-	require.Len(t, h.ahead, 64)
-	h.mu.Unlock()
 	h.Add([][]byte{chunk}, 0)
-	h.mu.Lock()
-	require.Empty(t, h.ahead)
-	require.Equal(t, int64(128), h.next)
-	h.mu.Unlock()
+	require.Equal(t, 1, blocks(h), "segments 0-127 are one block")
 }

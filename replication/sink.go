@@ -58,8 +58,7 @@ type sinkFile struct {
 	writers int      // GUARDED_BY(mu); writes in progress
 	// hash is the file's digest being computed from the chunks as they arrive, while their
 	// bytes are still in the CPU's caches; nil before the first chunk and once the file is
-	// complete. It holds 32 bytes per 64 KiB of the file on the heap while the file is in
-	// flight (a stream sends its files one after the other).
+	// complete. What it holds is a few chaining values per run of chunks that arrived.
 	hash *layout.ArrivalHash // GUARDED_BY(mu)
 	// failed says a write of this file failed: what it holds is not what arrived.
 	failed bool // GUARDED_BY(mu)
@@ -295,7 +294,7 @@ func (s *sink) write(c *inChunk, inf *inflater) (int64, error) {
 				s.known.RememberFile(sf.f, d)
 			}
 		}
-		sf.hash = nil // its chaining values (32 bytes per 64 KiB) are needed no longer
+		sf.hash = nil // needed no longer
 		if err := sf.f.Close(); err != nil && werr == nil {
 			werr = err
 		}
