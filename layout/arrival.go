@@ -48,7 +48,10 @@ func NewArrivalHash(size int64) *ArrivalHash {
 
 func arrivalSegments(size int64) int64 { return max(1, (size+arrivalSegment-1)/arrivalSegment) }
 
-var arrivalScratch = sync.Pool{New: func() any { return new([arrivalSegment]byte) }}
+var (
+	arrivalScratch = sync.Pool{New: func() any { return new([arrivalSegment]byte) }}
+	groupScratch   = sync.Pool{New: func() any { return new([simdGroup]byte) }}
+)
 
 // Add hashes the segments of the file's bytes [off, off+len) that data, its pieces concatenated,
 // holds whole. Bytes past the file's size are ignored.
@@ -142,8 +145,8 @@ func (h *ArrivalHash) gaps(f func(i int64)) {
 	}
 }
 
-// Missing returns how many bytes Finish would read back.
-func (h *ArrivalHash) Missing() int64 {
+// missing returns how many bytes Finish would read back (for tests).
+func (h *ArrivalHash) missing() int64 {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	var n int64
@@ -221,10 +224,11 @@ func gather(dst []byte, data [][]byte, off int64) []byte {
 	return out
 }
 
-// hashBytes returns the node of the BLAKE3 subtree of p, a whole segment whose first chunk is
-// chunk number base of the file: complete groups of simdGroup bytes through the vector code, the
-// group holding the last chunk as the final node (it may be the root). Every group starts at a
-// multiple of simdGroup, so each is a node of BLAKE3's tree.
+// hashBytes returns the node of the BLAKE3 subtree of p, whose first chunk is chunk number base
+// of the file; p is a power-of-two number of chunks, or the end of the file. Complete groups of
+// simdGroup bytes go through the vector code, and the group holding the last chunk is the final
+// node (it may be the root). Every group starts at a multiple of simdGroup, so each is a node of
+// BLAKE3's tree. HashFile's segments and ArrivalHash's both come here.
 func hashBytes(p []byte, base uint64) guts.Node {
 	if len(p) <= guts.ChunkSize {
 		return guts.CompressChunk(p, &guts.IV, base, 0)
@@ -241,12 +245,13 @@ func hashBytes(p []byte, base uint64) guts.Node {
 	switch {
 	case len(tail) <= guts.ChunkSize:
 		last = guts.CompressChunk(tail, &guts.IV, counter, 0)
-	case len(tail) == simdGroup:
-		last = guts.CompressBuffer((*[simdGroup]byte)(tail), simdGroup, &guts.IV, counter, 0)
-	default:
-		var g [simdGroup]byte // the vector code reads a whole group
+	case cap(tail) >= simdGroup: // the vector code reads a whole group; it hashes len(tail)
+		last = guts.CompressBuffer((*[simdGroup]byte)(tail[:simdGroup]), len(tail), &guts.IV, counter, 0)
+	default: // rare (a buffer ending within a group): not a 16 KiB array in every call's frame
+		g := groupScratch.Get().(*[simdGroup]byte)
 		copy(g[:], tail)
-		last = guts.CompressBuffer(&g, len(tail), &guts.IV, counter, 0)
+		last = guts.CompressBuffer(g, len(tail), &guts.IV, counter, 0)
+		groupScratch.Put(g)
 	}
 	return t.fold(last)
 }

@@ -65,7 +65,7 @@ func TestArrivalHashIsBLAKE3WithConcurrentAdds(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, want, got, "%d bytes, trial %d", size, trial)
 			if trial == 0 && size > 0 {
-				require.Zero(t, h.Missing(), "%d bytes in aligned 4 MiB ranges: nothing to read back", size)
+				require.Zero(t, h.missing(), "%d bytes in aligned 4 MiB ranges: nothing to read back", size)
 			}
 		}
 	}
@@ -79,7 +79,7 @@ func TestArrivalHashReadsBackOnlyWhatItMissed(t *testing.T) {
 	h := NewArrivalHash(size)
 	h.Add([][]byte{data[:100_000]}, 0)
 	h.Add([][]byte{data[100_000:]}, 100_000)
-	require.Equal(t, int64(arrivalSegment), h.Missing(), "only the segment split at 100,000 is missing")
+	require.Equal(t, int64(arrivalSegment), h.missing(), "only the segment split at 100,000 is missing")
 	got, err := h.Finish(context.Background(), bytes.NewReader(data))
 	require.NoError(t, err)
 	require.Equal(t, FileDigest(blake3.Sum256(data)), got)

@@ -315,7 +315,9 @@ func HashFile(ctx context.Context, r io.ReaderAt, size int64) (FileDigest, error
 // hashSegment hashes length bytes of r at off as the BLAKE3 subtree whose
 // first chunk is chunk number off/ChunkSize of the file, and returns the
 // subtree's root node, not yet finalised (the caller decides whether it is the
-// root of the whole file). off is a multiple of the segment size.
+// root of the whole file). off is a multiple of the segment size. It reads
+// hashBufSize bytes at a time; each buffer but the last is a complete subtree
+// (hashBytes).
 func hashSegment(ctx context.Context, r io.ReaderAt, off, length int64) (guts.Node, error) {
 	select {
 	case hashSlots <- struct{}{}:
@@ -327,49 +329,21 @@ func hashSegment(ctx context.Context, r io.ReaderAt, off, length int64) (guts.No
 	defer hashBufs.Put(bufp)
 
 	base := uint64(off / guts.ChunkSize)
-	if length > guts.ChunkSize && length <= simdGroup {
-		// A small file (or a short segment): one read, and its chunks compressed side by side
-		// and merged by the library's vector code, instead of one chunk at a time. A step of
-		// many files of a few KiB hashes several times faster so (the restart handshake and the
-		// seal hash every file).
-		if err := readFull(r, bufp[:length], off); err != nil {
-			return guts.Node{}, err
-		}
-		return guts.CompressBuffer((*[simdGroup]byte)(bufp[:simdGroup]), int(length), &guts.IV, base, 0), nil
-	}
-	// The last chunk (possibly partial, empty only for an empty file) is kept
-	// as a node: it might be the root.
-	lastStart := max(0, (length-1)/guts.ChunkSize*guts.ChunkSize)
 	var t subtreeStack
-	for pos := int64(0); pos < length; {
+	for pos := int64(0); ; {
 		if err := ctx.Err(); err != nil {
 			return guts.Node{}, context.Cause(ctx)
 		}
 		p := bufp[:min(hashBufSize, length-pos)]
-		end := pos + int64(len(p))
 		if err := readFull(r, p, off+pos); err != nil {
 			return guts.Node{}, err
 		}
-		for pos < lastStart {
-			counter := base + uint64(pos/guts.ChunkSize)
-			if len(p) >= simdGroup && pos%simdGroup == 0 && pos+simdGroup <= lastStart {
-				n := guts.CompressBuffer((*[simdGroup]byte)(p), simdGroup, &guts.IV, counter, 0)
-				t.push(guts.ChainingValue(n), bits.TrailingZeros(guts.MaxSIMD))
-				p, pos = p[simdGroup:], pos+simdGroup
-				continue
-			}
-			if len(p) == 0 {
-				break // read the next buffer
-			}
-			n := guts.CompressChunk(p[:guts.ChunkSize], &guts.IV, counter, 0)
-			t.push(guts.ChainingValue(n), 0)
-			p, pos = p[guts.ChunkSize:], pos+guts.ChunkSize
+		n := hashBytes(p, base+uint64(pos/guts.ChunkSize))
+		if pos += int64(len(p)); pos >= length {
+			return t.fold(n), nil // the last buffer (empty only for an empty file)
 		}
-		if end == length { // p holds exactly the last chunk
-			return t.fold(guts.CompressChunk(p, &guts.IV, base+uint64(lastStart/guts.ChunkSize), 0)), nil
-		}
+		t.push(guts.ChainingValue(n), bits.TrailingZeros(hashBufSize/guts.ChunkSize))
 	}
-	return guts.CompressChunk(nil, &guts.IV, base, 0), nil // empty file
 }
 
 // readFull reads len(p) bytes of r at off: fewer (the file shrank) is an error.
