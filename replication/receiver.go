@@ -98,10 +98,11 @@ type Receiver struct {
 	mu        sync.Mutex
 	transfers map[string]*transfer // GUARDED_BY(mu); by transfer id
 	// dropped remembers recently failed transfers by id, so that a stream arriving late for
-	// one is refused instead of starting it afresh. Entries older than IdleTimeout go.
-	dropped  map[string]time.Time // GUARDED_BY(mu)
-	inFlight int64                // GUARDED_BY(mu); declared bytes of the transfers
-	closed   bool                 // GUARDED_BY(mu)
+	// one is refused instead of starting it afresh, with the transfer's own reason (and its
+	// code: the sender may hear of the late stream first). Entries older than IdleTimeout go.
+	dropped  map[string]droppedTransfer // GUARDED_BY(mu)
+	inFlight int64                      // GUARDED_BY(mu); declared bytes of the transfers
+	closed   bool                       // GUARDED_BY(mu)
 	// early holds the early files pushed before their step committed (see early.go); lastInc
 	// the incarnation each sender rank last pushed from; expiry drops idle groups.
 	early   map[earlyKey]*earlyGroup // GUARDED_BY(mu)
@@ -136,6 +137,12 @@ type transfer struct {
 	gone       bool        // GUARDED_BY(Receiver.mu); discarded or accepted
 	timer      *time.Timer // GUARDED_BY(Receiver.mu); idle check
 	started    time.Time
+}
+
+// droppedTransfer is when a transfer was discarded, and why.
+type droppedTransfer struct {
+	at     time.Time
+	reason error
 }
 
 // NewReceiver checks cfg and prepares cfg.Dir.
@@ -177,7 +184,7 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	if err := os.Mkdir(filepath.Join(cfg.Dir, earlyDirName), 0o700); err != nil {
 		return nil, fmt.Errorf("receiver: %w", err)
 	}
-	r := &Receiver{cfg: cfg, log: cfg.Logger, transfers: map[string]*transfer{}, dropped: map[string]time.Time{},
+	r := &Receiver{cfg: cfg, log: cfg.Logger, transfers: map[string]*transfer{}, dropped: map[string]droppedTransfer{},
 		early: map[earlyKey]*earlyGroup{}, lastInc: map[rankKey]string{}}
 	r.mu.Lock()
 	r.expiry = time.AfterFunc(earlyIdle/4, r.expireEarly)
@@ -350,9 +357,13 @@ func (r *Receiver) join(ctx context.Context, from Identity, h *peerpb.PushHeader
 		}
 		return t, nil
 	}
-	if _, ok := r.dropped[h.TransferId]; ok {
+	if d, ok := r.dropped[h.TransferId]; ok {
 		r.mu.Unlock()
-		return nil, errAborted("transfer %s failed already", h.TransferId)
+		code := status.Code(d.reason)
+		if code == codes.OK || code == codes.Unknown {
+			code = codes.Aborted
+		}
+		return nil, withCode(code, "transfer %s failed already: %v", h.TransferId, d.reason)
 	}
 	if free := r.cfg.MaxIncoming - r.inFlight; reserve > free {
 		r.mu.Unlock()
@@ -464,12 +475,12 @@ func (r *Receiver) discard(t *transfer, reason error) error {
 	reserved, early := t.reserved, t.early
 	t.timer.Stop()
 	now := time.Now()
-	for id, when := range r.dropped {
-		if now.Sub(when) > r.cfg.IdleTimeout {
+	for id, d := range r.dropped {
+		if now.Sub(d.at) > r.cfg.IdleTimeout {
 			delete(r.dropped, id)
 		}
 	}
-	r.dropped[t.id] = now
+	r.dropped[t.id] = droppedTransfer{now, reason}
 	s := t.sink
 	r.mu.Unlock()
 	if r.cfg.Reserve != nil {

@@ -296,3 +296,24 @@ func TestSinkClaim(t *testing.T) {
 	require.NoError(t, sf.claim(span{45, 46}))
 	require.Equal(t, []span{{0, 41}, {45, 46}, {50, 60}}, sf.have)
 }
+
+// TestLateStreamGetsTheTransfersReason: a stream that joins a transfer the receiver has dropped
+// is refused with the transfer's own reason and code, not a bare Aborted. The sender returns the
+// first error any of its streams gets, and a late stream's can be the first: TestDeviceNodesNeedMknod
+// saw Aborted "failed already" instead of the FailedPrecondition of the tree it cannot hold
+// (once in 8 runs of go test -race ./replication -count=8).
+func TestLateStreamGetsTheTransfersReason(t *testing.T) {
+	src, name := makeTree(t, rand.New(rand.NewPCG(61, 62)), 1000)
+	p := startPeer(t, nil)
+	raw := newRawPeer(t, dial(t, p.addr))
+	h := validHeader(t, name, src)
+	bad := &peerpb.Chunk{File: 0, Offset: 0, Data: []byte{1}, Crc32C: 12345}
+	err := raw.push(t.Context(), h, []*peerpb.Chunk{bad}, raw.creds(1))
+	require.Equal(t, codes.DataLoss, status.Code(err), "%v", err)
+
+	err = raw.pushHeader(t.Context(), h, raw.creds(1)) // the second stream, late
+	require.Equal(t, codes.DataLoss, status.Code(err), "%v", err)
+	require.ErrorContains(t, err, "failed already")
+	require.ErrorContains(t, err, "CRC32C")
+	require.Empty(t, p.acceptedCalls())
+}
