@@ -30,6 +30,7 @@ type recorder struct {
 	ns     tiers.Namespace
 	events []string
 	early  []string
+	opened atomic.Int64 // OpenedForWriting calls
 }
 
 func (r *recorder) add(s string) {
@@ -39,6 +40,7 @@ func (r *recorder) add(s string) {
 }
 func (r *recorder) Closed(path string)   { r.add("closed " + path) }
 func (r *recorder) TooLarge(path string) { r.add("toolarge " + path) }
+func (r *recorder) OpenedForWriting()    { r.opened.Add(1) }
 func (r *recorder) Flushed(path string)  { r.add("flushed " + path) }
 func (r *recorder) Created(path string, typ layout.EntryType) {
 	r.add("created " + path + " " + typ.String())
@@ -86,6 +88,18 @@ func (r *recorder) has(s string) bool {
 		}
 	}
 	return false
+}
+
+func (r *recorder) count(s string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, e := range r.events {
+		if e == s {
+			n++
+		}
+	}
+	return n
 }
 
 func (r *recorder) waitFor(t *testing.T, s string) {

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -217,6 +218,31 @@ func TestSpecialFiles(t *testing.T) {
 // replicator.yaml of the wrong type as soon as it hears of it, and when the event came before
 // go-fuse had added the entry, there was nothing to remove yet and the job waited forever
 // (a CI run of 4a558fb, about 3 runs in 40 of TestGuaranteeControlFilesOfTheWrongType).
+// Every open for writing is reported before open(2) returns (pushes yield to the job's saves
+// with it, tiers/yield.go), and each is followed by a Closed; read-only opens are not.
+func TestOpenedForWritingEvents(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, _, rec, _ := mountWithEvents(t, mode)
+			p := filepath.Join(dir, "f")
+			f, err := os.Create(p)
+			require.NoError(t, err)
+			require.EqualValues(t, 1, rec.opened.Load(), "a create counts as an open for writing")
+			require.NoError(t, f.Close())
+			rec.waitFor(t, "closed f")
+			r, err := os.Open(p)
+			require.NoError(t, err)
+			require.NoError(t, r.Close())
+			require.EqualValues(t, 1, rec.opened.Load(), "a read-only open is not an open for writing")
+			w, err := os.OpenFile(p, os.O_RDWR, 0)
+			require.NoError(t, err)
+			require.EqualValues(t, 2, rec.opened.Load())
+			require.NoError(t, w.Close())
+			require.Eventually(t, func() bool { return rec.count("closed f") == 2 }, 5*time.Second, 5*time.Millisecond, "a Closed for each open for writing")
+		})
+	}
+}
+
 func TestCreatedAndFlushedEvents(t *testing.T) {
 	for _, mode := range modes {
 		t.Run(string(mode), func(t *testing.T) {

@@ -56,6 +56,10 @@
 //     ReceiverConfig.Reserve allows): a header past it is refused with ResourceExhausted.
 //   - A transfer that stops moving (a peer that hangs, a black-holed link) fails after
 //     Sender.StallTimeout with ErrStalled; a reset connection fails at once.
+//   - A receiver may hold a push stream of 1 MiB or more before it reads a chunk
+//     (ReceiverConfig.Yield: the agent's job is saving on a busy node), for less than the
+//     idle and stall timeouts; it announces its codecs only after that, so the sender's link
+//     measurement does not count the wait.
 //
 // # Early files
 //

@@ -166,6 +166,7 @@ func (n *Node) Start(rep *tiers.Replicator, spool *tiers.Spool) error {
 		MaxIncoming: spool.Budget(),
 		Reserve:     spool.Reserve,
 		Compression: n.cfg.Compression,
+		Yield:       rep.YieldToSaves,
 		Logger:      n.log,
 	})
 	if err != nil {

@@ -66,6 +66,11 @@ type ReceiverConfig struct {
 	// it: CompressOff never does, CompressAuto and CompressOn do (the fetcher decides when to
 	// ask). Compressed pushes are taken whatever it says.
 	Compression Compression
+	// Yield, when set, is called on each push stream once it joined its transfer and before its
+	// chunks are read: the agent holds a push back there while its own job saves on a busy node
+	// (tiers.Replicator.YieldToSaves). It must return well within IdleTimeout and the sender's
+	// stall timeout. Transfers below yieldMinBytes (a .meta) and fetches never wait.
+	Yield func(ctx context.Context)
 	// Logger receives refusals and discarded transfers. Default slog.Default().
 	Logger *slog.Logger
 	// asOld makes the receiver behave, on the wire, as an agent older than chunk compression:
@@ -113,6 +118,9 @@ type Receiver struct {
 var _ peerpb.PeerServer = (*Receiver)(nil)
 
 // transfer is one push in progress.
+// yieldMinBytes is the smallest transfer ReceiverConfig.Yield holds back.
+const yieldMinBytes = 1 << 20
+
 type transfer struct {
 	id   string
 	from Identity
@@ -270,6 +278,12 @@ func (r *Receiver) PushFiles(stream grpc.ClientStreamingServer[peerpb.PushMessag
 		return err
 	}
 	defer func() { r.leave(t, err) }()
+	if r.cfg.Yield != nil && t.m.total >= yieldMinBytes {
+		// Before the codecs header: the sender measures its link from that header on, and
+		// time held here is not the link's.
+		r.cfg.Yield(ctx)
+		t.lastActive.Store(time.Now().UnixNano())
+	}
 	if !r.cfg.asOld {
 		// The sender compresses only once it saw this (see codecsHeader).
 		if err := stream.SendHeader(metadata.Pairs(codecsHeader, codecPlanesName)); err != nil {

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -377,4 +378,51 @@ func TestAcceptFailureFailsCommit(t *testing.T) {
 	err := testSender(1).Push(t.Context(), dial(t, p.addr), pushReq(name, src))
 	require.ErrorContains(t, err, "sealed area full")
 	p.requireNoIncoming(t)
+}
+
+// A receiver holds a push stream in ReceiverConfig.Yield (its job is saving) before it reads a
+// chunk, and before it announces its codecs (the sender's link measurement starts there);
+// transfers below yieldMinBytes are not held.
+func TestReceiverYieldsBeforeReadingChunks(t *testing.T) {
+	rnd := rand.New(rand.NewPCG(3, 9))
+	src, name := makeTree(t, rnd, 6<<20) // ≥ 4 MiB: the link is measured
+	release := make(chan struct{})
+	var held atomic.Int32
+	p := startPeer(t, func(c *ReceiverConfig) {
+		c.Yield = func(ctx context.Context) {
+			held.Add(1)
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+	})
+	s := testSender(4)
+	done := make(chan error, 1)
+	go func() { done <- s.Push(t.Context(), dial(t, p.addr), pushReq(name, src)) }()
+	require.Eventually(t, func() bool { return held.Load() == 4 }, 5*time.Second, time.Millisecond, "every stream is held")
+	select {
+	case err := <-done:
+		t.Fatalf("the push ended while the receiver held it: %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	require.Empty(t, p.acceptedCalls())
+	close(release)
+	require.NoError(t, <-done)
+	require.Equal(t, []accepted{{peerJob, 1, name}}, p.acceptedCalls())
+	// The link was measured from the announcement, after the hold: the time held is not
+	// the link's (the 500 ms above would make these 6 MiB look like a 13 MB/s link).
+	links := s.PeerLinks()
+	require.Len(t, links, 1)
+	require.Equal(t, 1, links[0].Samples)
+	require.Greater(t, links[0].Rate, 30e6, "link rate %v B/s measured across the hold", links[0].Rate)
+
+	// A small transfer (a .meta, a small file) is not held.
+	held.Store(0)
+	small := filepath.Join(t.TempDir(), "small")
+	require.NoError(t, os.WriteFile(small, make([]byte, yieldMinBytes-1), 0o644))
+	hash, _, err := layout.HashData(t.Context(), small)
+	require.NoError(t, err)
+	require.NoError(t, s.Push(t.Context(), dial(t, p.addr), pushReq(layout.DataName(hash, false), small)))
+	require.Zero(t, held.Load())
 }

@@ -175,6 +175,7 @@ func (e *earlyPushes) runPusher() {
 		inc := p.g.inc
 		if et, ok := e.transportFor(inc.Config); ok && inc.ctx.Err() == nil {
 			for _, peer := range inc.Config.Peers() {
+				e.yield.wait(inc.ctx, e.yield.limit)
 				d, err := et.PushEarly(inc.ctx, inc.Incarnation, peer, p.group, p.path)
 				if err != nil {
 					// Not fatal: the file is sent with the sealed data.

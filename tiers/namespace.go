@@ -70,6 +70,9 @@ type DirEntry struct {
 // on FUSE request goroutines after the change is complete in the namespace: implementations
 // record the event and return at once, and do the work on their own goroutine.
 type Events interface {
+	// OpenedForWriting: the job opened (or created) a file for writing; Closed follows when
+	// that handle goes away. Pushes yield to the job's saves with these (yield.go).
+	OpenedForWriting()
 	// Closed: the last reference to a handle opened for writing went away. path is relative
 	// to the mount root ("a/b/c").
 	Closed(path string)

@@ -126,6 +126,7 @@ func (p *pusher) pushStep(c commit, dataName, meta string, early *earlyGroup, me
 	if c.inc.Config.AssumeDataParallelism == 0 && !metaOnly {
 		var err error
 		src := p.spoolDir("sealed", dataName)
+		p.yield.wait(c.inc.ctx, p.yield.limit)
 		if et, ok := p.early.transportFor(c.inc.Config); ok && early != nil {
 			err = et.PushConsuming(c.inc.ctx, c.inc.Incarnation, p.rank, dataName, src, c.group, early.ackedBy(p.rank))
 		} else {

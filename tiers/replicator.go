@@ -126,6 +126,8 @@ type node struct {
 	ctx context.Context
 	// tasks counts every goroutine of the replicator, for Close.
 	tasks sync.WaitGroup
+	// yield holds pushes back while the job saves on a busy node (yield.go).
+	yield *yielder
 }
 
 // spoolDir is a path in the spool.
@@ -156,7 +158,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	n := &node{spool: cfg.Spool, now: cfg.Now, log: cfg.Logger, digests: &layout.DigestCache{}}
+	n := &node{spool: cfg.Spool, now: cfg.Now, log: cfg.Logger, digests: &layout.DigestCache{}, yield: newYielder(nil)}
 	r := &Replicator{cfg: cfg, node: n, queue: newFIFO[event]()}
 	if cfg.Registerer != nil {
 		n.metrics = NewMetrics(cfg.Registerer, r)
@@ -240,7 +242,18 @@ func (r *Replicator) Close() {
 // Events (called on FUSE request goroutines: record and return; a commit is recorded in the
 // spool before returning).
 
-func (r *Replicator) Closed(path string) { r.queue.push(event{kind: evClosed, path: path}) }
+func (r *Replicator) OpenedForWriting() { r.node.yield.opened() }
+
+// YieldToSaves returns once a push stream from a peer may be received: at once, unless this
+// node's job is saving while its CPUs are contended (see yield.go); at most 10 s later.
+func (r *Replicator) YieldToSaves(ctx context.Context) {
+	r.node.yield.wait(ctx, r.node.yield.receiveLimit)
+}
+
+func (r *Replicator) Closed(path string) {
+	r.node.yield.closed()
+	r.queue.push(event{kind: evClosed, path: path})
+}
 func (r *Replicator) Renamed(oldPath, newPath string, typ layout.EntryType) {
 	ev := event{kind: evRenamed, path: newPath, old: oldPath, typ: typ}
 	r.recorder.record(ev)

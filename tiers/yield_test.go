@@ -1,0 +1,196 @@
+package tiers
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func TestParseCPUIdle(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want time.Duration
+		ok   bool
+	}{
+		{"cpu  4705 356 584 3699176 1234 0 111 0 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n", (3699176 + 1234) * 10 * time.Millisecond, true},
+		{"cpu 1 2 3 4", 0, false},
+		{"cpu 1 2 3 4 5", 90 * time.Millisecond, true},
+		{"cpu0 1 2 3 4 5 6 7\n", 0, false},
+		{"cpu 1 2 3 x 5 6 7\n", 0, false},
+		{"cpu 1 2 3 -4 5 6 7\n", 0, false},
+		{"", 0, false},
+	} {
+		got, ok := parseCPUIdle([]byte(tc.in))
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("parseCPUIdle(%q) = %v, %v; want %v, %v", tc.in, got, ok, tc.want, tc.ok)
+		}
+	}
+	// The kernel running the tests: its /proc/stat parses, and idle time only grows.
+	a, ok := procCPUIdle()
+	if !ok {
+		t.Fatal("/proc/stat does not parse")
+	}
+	time.Sleep(30 * time.Millisecond)
+	if b, _ := procCPUIdle(); b < a {
+		t.Fatalf("idle time went back from %v to %v", a, b)
+	}
+}
+
+func TestYielderKnowsWhenTheJobSaves(t *testing.T) {
+	now := time.Unix(1000, 0)
+	y := newYielder(nil)
+	y.now = func() time.Time { return now }
+	if y.saving(now) {
+		t.Fatal("saving before any open")
+	}
+	y.opened()
+	if !y.saving(now) {
+		t.Fatal("not saving with a file just opened for writing")
+	}
+	now = now.Add(5 * time.Second) // one large file being written
+	if !y.saving(now) {
+		t.Fatal("not saving with a file open for writing for 5s")
+	}
+	y.closed()
+	if y.saving(now) {
+		t.Fatal("saving 5s after the only open, with nothing open")
+	}
+	y.opened()
+	y.closed()
+	now = now.Add(savingGap / 2)
+	if !y.saving(now) {
+		t.Fatal("not saving between two files (an open just before)")
+	}
+	now = now.Add(savingGap)
+	if y.saving(now) {
+		t.Fatal("saving after the gap, with nothing open")
+	}
+	// A descriptor the job keeps open (a log) stops counting as a save after savingOpenFor.
+	y.opened()
+	now = now.Add(savingOpenFor + time.Second)
+	if y.saving(now) {
+		t.Fatal("a handle open for longer than savingOpenFor counts as a save")
+	}
+	y.closed()
+	// A close without its open (opened before the agent listened) does not go negative.
+	y.closed()
+	if n := y.writers.Load(); n != 0 {
+		t.Fatalf("writers = %d after an unmatched close, want 0", n)
+	}
+}
+
+// idleClock is a CPU idle source: the cumulative idle time grows by cpus idle CPUs per wall
+// second, or is unknown.
+type idleClock struct {
+	mu    sync.Mutex
+	cpus  float64
+	known bool
+	at    time.Time
+	idle  time.Duration
+	calls atomic.Int64
+}
+
+func (c *idleClock) read() (time.Duration, bool) {
+	c.calls.Add(1)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := time.Now()
+	if !c.at.IsZero() {
+		c.idle += time.Duration(c.cpus * float64(now.Sub(c.at)))
+	}
+	c.at = now
+	return c.idle, c.known
+}
+
+func (c *idleClock) set(cpus float64) {
+	c.read()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.cpus = cpus
+}
+
+// waitAsync runs y.wait and returns a channel closed when it returned.
+func waitAsync(ctx context.Context, y *yielder) chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		y.wait(ctx, y.limit)
+		close(done)
+	}()
+	return done
+}
+
+func returned(done chan struct{}, within time.Duration) bool {
+	select {
+	case <-done:
+		return true
+	case <-time.After(within):
+		return false
+	}
+}
+
+func TestYielderHoldsPushesWhileTheJobSavesOnABusyNode(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		idle *idleClock
+	}{
+		{"half a CPU idle", &idleClock{cpus: 0.5, known: true}},
+		{"idle time unknown", &idleClock{cpus: 8}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			y := newYielder(tc.idle.read)
+			y.opened() // the job writes a file
+			done := waitAsync(t.Context(), y)
+			if returned(done, 300*time.Millisecond) {
+				t.Fatal("a push started while the job was saving on a contended node")
+			}
+			y.closed() // the save ended
+			if !returned(done, 10*time.Second) {
+				t.Fatal("the push still waits after the save ended")
+			}
+			if y.waitedSeconds() <= 0 {
+				t.Fatal("the wait was not counted")
+			}
+		})
+	}
+}
+
+func TestYielderGoesWithSpareCPUs(t *testing.T) {
+	p := &idleClock{cpus: 0.5, known: true}
+	y := newYielder(p.read)
+	y.opened()
+	done := waitAsync(t.Context(), y)
+	if returned(done, 100*time.Millisecond) {
+		t.Fatal("a push started while the job was saving on a contended node")
+	}
+	p.set(1.5) // a CPU and a half to spare
+	if !returned(done, 10*time.Second) {
+		t.Fatal("the push still waits with spare CPUs")
+	}
+	// Not saving: no wait, the pressure is not even read.
+	y.closed()
+	y.lastOpen.Store(0)
+	calls := p.calls.Load()
+	y.wait(t.Context(), y.limit)
+	if n := p.calls.Load() - calls; n != 0 {
+		t.Fatalf("the idle time was read %d times with no save under way", n)
+	}
+}
+
+func TestYielderWaitIsBounded(t *testing.T) {
+	y := newYielder((&idleClock{known: true}).read)
+	y.limit = 50 * time.Millisecond
+	y.opened() // and never closed: a job that keeps saving
+	if !returned(waitAsync(t.Context(), y), 10*time.Second) {
+		t.Fatal("a push waited past the limit")
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	y.limit = time.Hour
+	y.opened()
+	done := waitAsync(ctx, y)
+	cancel()
+	if !returned(done, 10*time.Second) {
+		t.Fatal("a push waits on after its context ended")
+	}
+}
