@@ -35,9 +35,11 @@ import (
 // while this node's goes on.
 //
 // A push waits at most maxYield before it starts, and a push stream at most maxReceiveYield
-// before its chunks are read (well within the sender's stall timeout, 30 s by default), so
-// replication cannot be held back for ever. A transfer in progress is never paused between
-// chunks. Restores never wait: the job waits for them.
+// before its chunks are read (well within the sender's stall timeout, 30 s by default); and
+// nothing waits once the save has gone on for maxYield (a job that never stops opening files
+// would otherwise hold every push that long), so replication cannot be held back for ever. A
+// transfer in progress is never paused between chunks. Restores never wait: the job waits for
+// them.
 const (
 	savingOpenFor   = 30 * time.Second
 	savingGap       = 50 * time.Millisecond
@@ -57,9 +59,10 @@ type yielder struct {
 	// cpuIdle returns the cumulative idle time of all CPUs; false if unknown.
 	cpuIdle func() (time.Duration, bool)
 
-	writers  atomic.Int64 // handles open for writing on the mount
-	lastOpen atomic.Int64 // UnixNano of the newest open for writing
-	waited   atomic.Int64 // nanoseconds pushes spent waiting, for the metrics
+	writers     atomic.Int64 // handles open for writing on the mount
+	lastOpen    atomic.Int64 // UnixNano of the newest open for writing
+	savingSince atomic.Int64 // UnixNano of the open that started the current save
+	waited      atomic.Int64 // nanoseconds pushes spent waiting, for the metrics
 
 	mu        sync.Mutex
 	sampledAt time.Time     // GUARDED_BY(mu)
@@ -77,8 +80,12 @@ func newYielder(cpuIdle func() (time.Duration, bool)) *yielder {
 // opened and closed count the job's handles open for writing (Events.OpenedForWriting and
 // Events.Closed).
 func (y *yielder) opened() {
+	now := y.now()
+	if !y.saving(now) {
+		y.savingSince.Store(now.UnixNano())
+	}
 	y.writers.Add(1)
-	y.lastOpen.Store(y.now().UnixNano())
+	y.lastOpen.Store(now.UnixNano())
 }
 
 func (y *yielder) closed() {
@@ -116,12 +123,13 @@ func (y *yielder) isContended(now time.Time) bool {
 }
 
 // wait returns once a push may start: at once unless the job is saving on a contended node,
-// then when either stops, after limit, or when ctx ends.
+// then when either stops, after limit, once the save is limit old, or when ctx ends.
 func (y *yielder) wait(ctx context.Context, limit time.Duration) {
 	start := y.now()
 	for {
 		now := y.now()
-		if !y.saving(now) || now.Sub(start) >= limit || !y.isContended(now) {
+		if !y.saving(now) || now.Sub(start) >= limit || now.Sub(time.Unix(0, y.savingSince.Load())) >= y.limit ||
+			!y.isContended(now) {
 			break
 		}
 		t := time.NewTimer(idleWindow)

@@ -185,6 +185,45 @@ func TestYielderWaitIsBounded(t *testing.T) {
 	if !returned(waitAsync(t.Context(), y), 10*time.Second) {
 		t.Fatal("a push waited past the limit")
 	}
+	// A job that never stops opening files: once its save is y.limit old, nothing waits.
+	y.limit = 200 * time.Millisecond
+	y.closed()
+	y.lastOpen.Store(0) // the first save is over
+	stop := make(chan struct{})
+	opener := make(chan struct{})
+	go func() {
+		defer close(opener)
+		for {
+			y.opened()
+			y.closed()
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}()
+	waits := make(chan time.Duration, 1)
+	go func() {
+		start := time.Now()
+		time.Sleep(100 * time.Millisecond) // into the save
+		y.wait(t.Context(), time.Hour)
+		waits <- time.Since(start)
+	}()
+	select {
+	case d := <-waits:
+		if !y.saving(time.Now()) {
+			t.Fatal("the job stopped saving")
+		}
+		if d < y.limit {
+			t.Fatalf("the push went %v into a save, before the save was %v old", d, y.limit)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a push waits on in a save older than the limit")
+	}
+	close(stop)
+	<-opener
+
 	ctx, cancel := context.WithCancel(t.Context())
 	y.limit = time.Hour
 	y.opened()
