@@ -161,12 +161,17 @@ func (m *memTransport) consuming() []string {
 
 // newPair starts the agents of a two-node job whose ranks replicate to each other, coordinated
 // by an in-process replication.Job.
-func newPair(t *testing.T) ([]*harness, *memTransport) {
+func newPair(t *testing.T) ([]*harness, *memTransport) { return newPairWith(t, harnessConfig{}) }
+
+// newPairWith is newPair with both harnesses made from cfg (its coordinator and transport
+// are the pair's).
+func newPairWith(t *testing.T, cfg harnessConfig) ([]*harness, *memTransport) {
 	job := replication.NewJob(replication.Options{LagTimeout: 10 * time.Second})
 	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]layout.FileDigest{}}
 	var hs []*harness
 	for rank := range 2 {
-		h := newHarness(t, harnessConfig{coord: replication.LocalClient{Job: job}, peers: tr})
+		cfg.coord, cfg.peers = replication.LocalClient{Job: job}, tr
+		h := newHarness(t, cfg)
 		tr.nodes[rank] = h
 		hs = append(hs, h)
 	}
@@ -254,6 +259,64 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 }
 
 func rank(h *harness, hs []*harness) int { return slices.Index(hs, h) }
+
+// idleSource is a replicator's CPUIdle whose CPUs idle at a settable rate.
+type idleSource struct {
+	mu   sync.Mutex
+	cpus float64 // idle CPUs from now on
+	at   time.Time
+	sum  time.Duration
+}
+
+func (s *idleSource) read() (time.Duration, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := time.Now()
+	if !s.at.IsZero() {
+		s.sum += time.Duration(s.cpus * float64(now.Sub(s.at)))
+	}
+	s.at = now
+	return s.sum, true
+}
+
+func (s *idleSource) set(cpus float64) {
+	s.read()
+	s.mu.Lock()
+	s.cpus = cpus
+	s.mu.Unlock()
+}
+
+// Pushes wait while the job saves on a node without an idle CPU: the early pushes of a step
+// whose files the job closed, and a committed step's push, go once the save is over (the job's
+// last file closed), and at once when a CPU idles.
+func TestPushesYieldToTheJobsSave(t *testing.T) {
+	t.Parallel()
+	idle := &idleSource{}
+	hs, tr := newPairWith(t, harnessConfig{cpuIdle: idle.read})
+	h := hs[0]
+	tmp := "1" + layout.OrbaxTmpSuffix
+	release := h.holdOpen(tmp+"/state/held", "held") // the job writes a large file meanwhile
+	h.makeTree(tmp, checkpointFiles("yield"))
+	time.Sleep(300 * time.Millisecond)
+	if n := tr.earlyTo(1, tmp); n != 0 {
+		t.Fatalf("%d early pushes while the job was saving on a busy node", n)
+	}
+	release()
+	h.waitEarlyTo(tr, 1, tmp, 6, "the early pushes once the save is over") // 5 contents and held's
+
+	// The commit's push waits for the next save, and goes when a CPU idles.
+	release = h.holdOpen("2"+layout.OrbaxTmpSuffix+"/a", "a")
+	h.rename(tmp, "1")
+	h.waitExists("job-s1-n0-w0.meta")
+	replica := "job-s1-n0-w0.meta"
+	time.Sleep(300 * time.Millisecond)
+	if hs[1].exists(replica) {
+		t.Fatal("step 1 was pushed while the job was saving on a busy node")
+	}
+	idle.set(2)
+	hs[1].waitExists(replica)
+	release()
+}
 
 // A step whose push fails on any node is synced but not counted as replicated, on every node.
 func TestReplicationFailureIsNotCounted(t *testing.T) {

@@ -405,6 +405,8 @@ type harnessConfig struct {
 	peers tiers.PeerTransport
 	// importErr, when set, may fail the namespace's imports (dirNamespace.failImport).
 	importErr func(name string) error
+	// cpuIdle is the replicator's CPUIdle (nil: /proc/stat).
+	cpuIdle func() (time.Duration, bool)
 }
 
 // baseTime is where fake clocks start: a whole UTC minute.
@@ -453,6 +455,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 		JaxInit:      cfg.jaxInit,
 		DrainTimeout: cfg.drain,
 		BeforeSeal:   cfg.beforeSeal,
+		CPUIdle:      cfg.cpuIdle,
 	}
 	if cfg.store != nil {
 		opts.Store, rcfg.Store = cfg.store, cfg.store // no typed nil in the interfaces
@@ -483,9 +486,11 @@ func (h *harness) restart() *harness {
 
 func (h *harness) path(name string) string { return filepath.Join(h.ns.dir, name) }
 
-// writeFile creates a file (and its parent directories) in the namespace and reports the close.
+// writeFile creates a file (and its parent directories) in the namespace and reports the open
+// for writing and the close, as package fs does.
 func (h *harness) writeFile(name, content string) {
 	h.t.Helper()
+	h.r.OpenedForWriting()
 	p := h.path(name)
 	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
 		h.t.Fatal(err)
@@ -494,6 +499,17 @@ func (h *harness) writeFile(name, content string) {
 		h.t.Fatal(err)
 	}
 	h.r.Closed(name)
+}
+
+// holdOpen reports an open for writing of name, as a job that writes it for a while; release
+// writes content and reports the close.
+func (h *harness) holdOpen(name, content string) (release func()) {
+	h.t.Helper()
+	h.r.OpenedForWriting()
+	return func() {
+		h.writeFile(name, content)
+		h.r.Closed(name)
+	}
 }
 
 // rename renames in the namespace and reports it with the type of what was renamed.

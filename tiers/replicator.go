@@ -36,6 +36,9 @@ type ReplicatorConfig struct {
 	// BeforeSeal, when set, is called by the sealer before it touches a recorded commit of
 	// step: tests stop it there to take the spool as a kill -9 right after the rename leaves it.
 	BeforeSeal func(step int64)
+	// CPUIdle returns the cumulative idle time of all CPUs (false: unknown), for pushes to
+	// yield to the job's saves on a busy node (yield.go); nil reads /proc/stat. Tests set it.
+	CPUIdle func() (time.Duration, bool)
 }
 
 // JaxInit is the content of jax-init-info.txt.
@@ -158,7 +161,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	n := &node{spool: cfg.Spool, now: cfg.Now, log: cfg.Logger, digests: &layout.DigestCache{}, yield: newYielder(nil)}
+	n := &node{spool: cfg.Spool, now: cfg.Now, log: cfg.Logger, digests: &layout.DigestCache{}, yield: newYielder(cfg.CPUIdle)}
 	r := &Replicator{cfg: cfg, node: n, queue: newFIFO[event]()}
 	if cfg.Registerer != nil {
 		n.metrics = NewMetrics(cfg.Registerer, r)
