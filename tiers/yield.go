@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"math"
 	"os"
 	"strconv"
 	"sync"
@@ -18,10 +19,10 @@ import (
 // starts (an early file to one peer, or a sealed step's data), it waits while the job is
 // saving and the node's CPUs are contended; on a node with spare CPUs it goes at once.
 //
-//   - Saving: the job has a file open for writing on the mount, opened in the last
-//     savingOpenFor (a descriptor held for longer, such as a log file, does not count past
-//     that), or opened one within the last savingGap (the gap between one file's close and the
-//     next one's open).
+//   - Saving: the job has a file open for writing on the mount and opened one in the last
+//     savingOpenFor (a descriptor it keeps open, such as a log, counts until savingOpenFor after
+//     its newest open, not for ever), or it opened one within the last savingGap (the gap
+//     between one file's close and the next one's open).
 //   - Contended: less than one CPU's worth of time was idle over the newest window of
 //     idleWindow (/proc/stat: idle and iowait of all CPUs). A push needs about a CPU at each
 //     end; taking it from a save whose CPUs are busy slows the save. (The kernel's pressure
@@ -36,8 +37,9 @@ import (
 //
 // A push waits at most maxYield before it starts, and a push stream at most maxReceiveYield
 // before its chunks are read (well within the sender's stall timeout, 30 s by default); and
-// nothing waits once the save has gone on for maxYield (a job that never stops opening files
-// would otherwise hold every push that long), so replication cannot be held back for ever. A
+// nothing waits once the save has gone on for maxYield (a save runs from an open until the job
+// opened and closed nothing for savingQuiet; a job that never stops opening files would
+// otherwise hold every push that long), so replication cannot be held back for ever. A
 // transfer in progress is never paused between chunks. Restores never wait: the job waits for
 // them.
 const (
@@ -50,9 +52,11 @@ const (
 )
 
 // yielder tracks the job's saves and the idle CPUs for the pushes (see above). Its clock is
-// the wall clock (time.Now), not the replicator's: idle time is measured in real time.
+// the wall clock's monotonic reading (time.Now), not the replicator's: idle time is measured in
+// real time, and a step of the wall clock must not make a save look endless or over.
 type yielder struct {
-	now func() time.Time
+	now  func() time.Time
+	base time.Time // times below are nanoseconds since base
 	// limit and receiveLimit are the longest a push waits to start and to be received
 	// (maxYield, maxReceiveYield).
 	limit, receiveLimit time.Duration
@@ -60,44 +64,71 @@ type yielder struct {
 	cpuIdle func() (time.Duration, bool)
 
 	writers     atomic.Int64 // handles open for writing on the mount
-	lastOpen    atomic.Int64 // UnixNano of the newest open for writing
-	savingSince atomic.Int64 // UnixNano of the open that started the current save
+	lastOpen    atomic.Int64 // the newest open for writing
+	lastClose   atomic.Int64 // the newest close of a handle open for writing
+	savingSince atomic.Int64 // the open that started the current save
 	waited      atomic.Int64 // nanoseconds pushes spent waiting, for the metrics
 
 	mu        sync.Mutex
-	sampledAt time.Time     // GUARDED_BY(mu)
+	sampledAt time.Time     // GUARDED_BY(mu); zero: no baseline
 	idle      time.Duration // GUARDED_BY(mu); the cumulative idle time at sampledAt
 	contended bool          // GUARDED_BY(mu); over the last window
 }
 
+// never is the time of what has not happened: long enough ago for every comparison.
+const never = math.MinInt64 / 2
+
 func newYielder(cpuIdle func() (time.Duration, bool)) *yielder {
+	return newYielderClock(cpuIdle, time.Now)
+}
+
+func newYielderClock(cpuIdle func() (time.Duration, bool), now func() time.Time) *yielder {
 	if cpuIdle == nil {
 		cpuIdle = procCPUIdle
 	}
-	return &yielder{now: time.Now, limit: maxYield, receiveLimit: maxReceiveYield, cpuIdle: cpuIdle}
+	y := &yielder{now: now, base: now(), limit: maxYield, receiveLimit: maxReceiveYield, cpuIdle: cpuIdle}
+	y.lastOpen.Store(never)
+	y.lastClose.Store(never)
+	y.savingSince.Store(never)
+	return y
 }
+
+// at is t as the yielder stores times.
+func (y *yielder) at(t time.Time) int64 { return int64(t.Sub(y.base)) }
+
+// savingQuiet is how long the job must have neither opened nor closed a file for writing before
+// its next open starts a new save (for the bound on a save's waits): the gaps between the files
+// of one save (the job computing or serialising the next one) are shorter.
+const savingQuiet = time.Second
 
 // opened and closed count the job's handles open for writing (Events.OpenedForWriting and
 // Events.Closed).
 func (y *yielder) opened() {
-	now := y.now()
-	if !y.saving(now) {
-		y.savingSince.Store(now.UnixNano())
+	now := y.at(y.now())
+	if y.writers.Load() <= 0 && now-max(y.lastOpen.Load(), y.lastClose.Load()) >= int64(savingQuiet) {
+		y.savingSince.Store(now)
 	}
 	y.writers.Add(1)
-	y.lastOpen.Store(now.UnixNano())
+	y.lastOpen.Store(now)
 }
 
 func (y *yielder) closed() {
+	y.lastClose.Store(y.at(y.now()))
 	if y.writers.Add(-1) < 0 {
 		y.writers.Add(1) // a close without its open (an open before the agent listened)
 	}
 }
 
-// saving reports whether the job is writing a checkpoint on this node now.
+// saving reports whether the job is writing a checkpoint on this node now. A descriptor that
+// stays open for writing (a log) counts until savingOpenFor after the job's newest open.
 func (y *yielder) saving(now time.Time) bool {
-	since := now.Sub(time.Unix(0, y.lastOpen.Load()))
+	since := time.Duration(y.at(now) - y.lastOpen.Load())
 	return since < savingGap || (y.writers.Load() > 0 && since < savingOpenFor)
+}
+
+// saveAge is how long the current save has been going on.
+func (y *yielder) saveAge(now time.Time) time.Duration {
+	return time.Duration(y.at(now) - y.savingSince.Load())
 }
 
 // isContended reports whether less than minIdleCPUs were idle over the newest window, sampling
@@ -109,7 +140,10 @@ func (y *yielder) isContended(now time.Time) bool {
 		idle, ok := y.cpuIdle()
 		switch {
 		case !ok:
+			// Unknown: the job comes first. No baseline: the next reading starts a window.
 			y.contended = true
+			y.sampledAt = time.Time{}
+			return true
 		case !y.sampledAt.IsZero() && el < 10*idleWindow:
 			y.contended = float64(idle-y.idle) < minIdleCPUs*float64(el)
 		default:
@@ -123,25 +157,27 @@ func (y *yielder) isContended(now time.Time) bool {
 }
 
 // wait returns once a push may start: at once unless the job is saving on a contended node,
-// then when either stops, after limit, once the save is limit old, or when ctx ends.
-func (y *yielder) wait(ctx context.Context, limit time.Duration) {
+// then when either stops, after limit, once the save is limit old, or when ctx ends. It
+// returns how long it waited.
+func (y *yielder) wait(ctx context.Context, limit time.Duration) time.Duration {
 	start := y.now()
 	for {
 		now := y.now()
-		if !y.saving(now) || now.Sub(start) >= limit || now.Sub(time.Unix(0, y.savingSince.Load())) >= y.limit ||
-			!y.isContended(now) {
+		if !y.saving(now) || now.Sub(start) >= limit || y.saveAge(now) >= y.limit || !y.isContended(now) {
 			break
 		}
 		t := time.NewTimer(idleWindow)
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			y.waited.Add(int64(y.now().Sub(start)))
-			return
 		case <-t.C:
+			continue
 		}
+		break
 	}
-	y.waited.Add(int64(y.now().Sub(start)))
+	waited := y.now().Sub(start)
+	y.waited.Add(int64(waited))
+	return waited
 }
 
 // waitedSeconds is the time pushes spent waiting for the job's saves.

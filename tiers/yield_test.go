@@ -40,8 +40,7 @@ func TestParseCPUIdle(t *testing.T) {
 
 func TestYielderKnowsWhenTheJobSaves(t *testing.T) {
 	now := time.Unix(1000, 0)
-	y := newYielder(nil)
-	y.now = func() time.Time { return now }
+	y := newYielderClock(nil, func() time.Time { return now })
 	if y.saving(now) {
 		t.Fatal("saving before any open")
 	}
@@ -170,7 +169,7 @@ func TestYielderGoesWithSpareCPUs(t *testing.T) {
 	}
 	// Not saving: no wait, the pressure is not even read.
 	y.closed()
-	y.lastOpen.Store(0)
+	y.lastOpen.Store(never)
 	calls := p.calls.Load()
 	y.wait(t.Context(), y.limit)
 	if n := p.calls.Load() - calls; n != 0 {
@@ -188,7 +187,8 @@ func TestYielderWaitIsBounded(t *testing.T) {
 	// A job that never stops opening files: once its save is y.limit old, nothing waits.
 	y.limit = 200 * time.Millisecond
 	y.closed()
-	y.lastOpen.Store(0) // the first save is over
+	y.lastOpen.Store(never) // the first save is over
+	y.lastClose.Store(never)
 	stop := make(chan struct{})
 	opener := make(chan struct{})
 	go func() {
@@ -231,5 +231,32 @@ func TestYielderWaitIsBounded(t *testing.T) {
 	cancel()
 	if !returned(done, 10*time.Second) {
 		t.Fatal("a push waits on after its context ended")
+	}
+}
+
+// A save is one from its first open until the job has neither opened nor closed a file for
+// writing for savingQuiet: the gaps between its files (longer than savingGap, when the job
+// computes the next one) do not start a new save, so the bound on a save's waits holds.
+func TestYielderSaveSpansTheGapsBetweenFiles(t *testing.T) {
+	now := time.Unix(1000, 0)
+	y := newYielderClock(nil, func() time.Time { return now })
+	y.opened()
+	y.closed()
+	start := now
+	for range 5 {
+		now = now.Add(200 * time.Millisecond) // the job prepares the next file
+		if y.saving(now) {
+			t.Fatal("saving in a gap with nothing open")
+		}
+		y.opened()
+		y.closed()
+	}
+	if got := y.saveAge(now); got != now.Sub(start) {
+		t.Fatalf("save age %v after files 200 ms apart, want %v", got, now.Sub(start))
+	}
+	now = now.Add(savingQuiet)
+	y.opened()
+	if got := y.saveAge(now); got != 0 {
+		t.Fatalf("save age %v after %v without a file, want a new save", got, savingQuiet)
 	}
 }
