@@ -72,6 +72,11 @@ func (c *Compression) Set(s string) error {
 // ever gets chunks as they are.
 const codecsHeader = "mtcfs-chunk-codecs"
 
+// heldHeader, in the same response header, says that the receiver held the stream before it
+// announced itself (ReceiverConfig.Yield): chunks sent before the announcement crossed while
+// it was held, and do not measure the link.
+const heldHeader = "mtcfs-held"
+
 // codecPlanesName is the codec's name in codecsHeader.
 const codecPlanesName = "planes"
 

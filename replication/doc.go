@@ -58,8 +58,9 @@
 //     Sender.StallTimeout with ErrStalled; a reset connection fails at once.
 //   - A receiver may hold a push stream of 1 MiB or more before it reads a chunk
 //     (ReceiverConfig.Yield: the agent's job is saving on a busy node), for less than the
-//     idle and stall timeouts; it announces its codecs only after that, so the sender's link
-//     measurement does not count the wait.
+//     idle and stall timeouts; it announces its codecs only after that, saying it held the
+//     stream (header mtcfs-held), so the sender measures its link neither by the wait nor by
+//     the chunks that filled the flow-control window meanwhile.
 //
 // # Early files
 //

@@ -51,6 +51,14 @@ type manifest struct {
 	sendTotal int64
 }
 
+// toSend is the bytes a push sends: the files not presumed.
+func (m *manifest) toSend() int64 {
+	if m.presumed != nil {
+		return m.sendTotal
+	}
+	return m.total
+}
+
 // presume marks the files listed in idx (strictly increasing indices) as not sent.
 func (m *manifest) presume(idx []uint32) error {
 	m.presumed = make([]bool, len(m.pb.Files))

@@ -68,9 +68,10 @@ type ReceiverConfig struct {
 	Compression Compression
 	// Yield, when set, is called on each push stream once it joined its transfer and before its
 	// chunks are read: the agent holds a push back there while its own job saves on a busy node
-	// (tiers.Replicator.YieldToSaves). It must return well within IdleTimeout and the sender's
-	// stall timeout. Transfers below yieldMinBytes (a .meta) and fetches never wait.
-	Yield func(ctx context.Context)
+	// (tiers.Replicator.YieldToSaves), and reports whether it held it. It must return well
+	// within IdleTimeout and the sender's stall timeout. Transfers that send less than
+	// yieldMinBytes (a .meta, a step whose files went early) and fetches never wait.
+	Yield func(ctx context.Context) bool
 	// Logger receives refusals and discarded transfers. Default slog.Default().
 	Logger *slog.Logger
 	// asOld makes the receiver behave, on the wire, as an agent older than chunk compression:
@@ -278,15 +279,21 @@ func (r *Receiver) PushFiles(stream grpc.ClientStreamingServer[peerpb.PushMessag
 		return err
 	}
 	defer func() { r.leave(t, err) }()
-	if r.cfg.Yield != nil && t.m.total >= yieldMinBytes {
+	held := false
+	if r.cfg.Yield != nil && t.m.toSend() >= yieldMinBytes {
 		// Before the codecs header: the sender measures its link from that header on, and
-		// time held here is not the link's.
-		r.cfg.Yield(ctx)
+		// time held here is not the link's; the header says the stream was held, so that the
+		// sender does not count the chunks that filled the flow-control window meanwhile.
+		held = r.cfg.Yield(ctx)
 		t.lastActive.Store(time.Now().UnixNano())
 	}
 	if !r.cfg.asOld {
 		// The sender compresses only once it saw this (see codecsHeader).
-		if err := stream.SendHeader(metadata.Pairs(codecsHeader, codecPlanesName)); err != nil {
+		md := metadata.Pairs(codecsHeader, codecPlanesName)
+		if held {
+			md.Set(heldHeader, "1")
+		}
+		if err := stream.SendHeader(md); err != nil {
 			return fmt.Errorf("transfer %s: %w", t.id, err)
 		}
 	}

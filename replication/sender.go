@@ -209,10 +209,7 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 	}
 	client := peerpb.NewPeerClient(conn)
 	chunk := s.chunkSize()
-	send := m.total
-	if m.presumed != nil {
-		send = m.sendTotal
-	}
+	send := m.toSend()
 	n := int(min(int64(s.streams()), max(1, (send+int64(chunk)-1)/int64(chunk))))
 
 	key := linkKey(conn)
@@ -236,9 +233,9 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 	if err == nil {
 		waitFrac := 0.0
 		if total.busy > 0 {
-			waitFrac = total.wait.Seconds() / total.busy.Seconds()
+			waitFrac = total.sampleWait.Seconds() / total.busy.Seconds()
 		}
-		s.measure(key, linkSample{orig: total.orig, wire: total.wire, elapsed: elapsed, waitFrac: waitFrac,
+		s.measure(key, linkSample{orig: total.sampleOrig, wire: total.sampleWire, elapsed: elapsed, waitFrac: waitFrac,
 			compressed: compress && total.announced > 0})
 	}
 	if err != nil {
@@ -262,8 +259,11 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 // streamStats is what one stream of a push counted.
 type streamStats struct {
 	orig, wire, coded int64
-	wait, busy        time.Duration // waiting for the network; the stream's whole time
-	announced         int           // streams on which the receiver announced the codec
+	// sampleOrig, sampleWire and sampleWait are what the link is measured by: the bytes and the
+	// time waiting for the network from ready on. busy is the stream's time from ready on.
+	sampleOrig, sampleWire int64
+	sampleWait, busy       time.Duration
+	announced              int // streams on which the receiver announced the codec
 	// ready is when the receiver announced itself (set up to take the chunks), or the stream
 	// opened if it did not; end when it confirmed the bytes.
 	ready, end time.Time
@@ -273,7 +273,9 @@ func (t *streamStats) add(o streamStats) {
 	t.orig += o.orig
 	t.wire += o.wire
 	t.coded += o.coded
-	t.wait += o.wait
+	t.sampleOrig += o.sampleOrig
+	t.sampleWire += o.sampleWire
+	t.sampleWait += o.sampleWait
 	t.busy += o.busy
 	t.announced += o.announced
 	if t.ready.IsZero() || o.ready.Before(t.ready) {
@@ -302,17 +304,19 @@ func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallO
 	}
 	out := chunkOut{send: func(c *outChunk) error { return stream.SendMsg(c) }, progress: progress}
 	defer out.release()
-	var announced atomic.Bool
+	var announced, held atomic.Bool
 	var readyAt atomic.Int64 // Unix nanoseconds of the announcement
 	heardCh := make(chan struct{})
 	heard.Go(func() {
 		defer close(heardCh)
 		if md, err := stream.Header(); err == nil && slices.Contains(md.Get(codecsHeader), codecPlanesName) {
+			held.Store(len(md.Get(heldHeader)) > 0)
 			readyAt.Store(time.Now().UnixNano())
 			announced.Store(true)
 			peer.setAnnounces(true)
 		}
 	})
+	out.announced = announced.Load
 	if compress {
 		out.compress = announced.Load
 	}
@@ -352,11 +356,21 @@ func pushStream(ctx context.Context, client peerpb.PeerClient, opts []grpc.CallO
 	}
 	end := time.Now()
 	*stats = streamStats{orig: out.orig, wire: out.wire, coded: out.coded,
-		wait: out.wait + end.Sub(waitStart), busy: end.Sub(start), ready: start, end: end}
+		sampleOrig: out.orig, sampleWire: out.wire, sampleWait: out.wait + end.Sub(waitStart),
+		busy: end.Sub(start), ready: start, end: end}
 	if announced.Load() {
 		stats.announced = 1
 		stats.ready = time.Unix(0, readyAt.Load())
 		stats.busy = end.Sub(stats.ready)
+		if held.Load() {
+			// Only what crossed after the announcement: the receiver held the stream before
+			// it while the flow-control window filled. (All of it before: nothing to measure.)
+			b := out.before
+			if !b.taken {
+				b.orig, b.wire, b.wait = out.orig, out.wire, out.wait
+			}
+			stats.sampleOrig, stats.sampleWire, stats.sampleWait = out.orig-b.orig, out.wire-b.wire, stats.sampleWait-b.wait
+		}
 	}
 	return nil
 }

@@ -38,6 +38,18 @@ type chunkOut struct {
 	orig, wire int64         // chunk bytes read and sent
 	coded      int64         // chunks sent compressed
 	wait       time.Duration // spent in send: waiting for the network (flow control, the socket)
+
+	// announced, if set, says whether the receiver has announced itself (its codecs header);
+	// before it returns true the receiver may be holding the stream (ReceiverConfig.Yield)
+	// while chunks fill the flow-control window. before is orig, wire and wait as they were
+	// when the first chunk after the announcement was sent: what crossed before it is not
+	// the link's measure.
+	announced func() bool
+	before    struct {
+		orig, wire int64
+		wait       time.Duration
+		taken      bool
+	}
 }
 
 // release returns the encoder's scratch to the pool.
@@ -112,6 +124,9 @@ func sendPiece(ctx context.Context, open func(int) (*os.File, error), m *manifes
 		}
 		c.crc = crc32.Checksum(*c.buf, castagnoli)
 		wire := len(*c.buf)
+		if out.announced != nil && !out.before.taken && out.announced() {
+			out.before.orig, out.before.wire, out.before.wait, out.before.taken = out.orig, out.wire, out.wait, true
+		}
 		start := time.Now()
 		if err := out.send(c); err != nil {
 			return err

@@ -381,41 +381,64 @@ func TestAcceptFailureFailsCommit(t *testing.T) {
 }
 
 // A receiver holds a push stream in ReceiverConfig.Yield (its job is saving) before it reads a
-// chunk, and before it announces its codecs (the sender's link measurement starts there);
-// transfers below yieldMinBytes are not held.
+// chunk, and before it announces its codecs; the sender measures its link only by what crossed
+// after the announcement (while held, chunks fill the flow-control window); transfers below
+// yieldMinBytes are not held.
 func TestReceiverYieldsBeforeReadingChunks(t *testing.T) {
 	rnd := rand.New(rand.NewPCG(3, 9))
-	src, name := makeTree(t, rnd, 6<<20) // ≥ 4 MiB: the link is measured
-	release := make(chan struct{})
+	var release chan struct{}
 	var held atomic.Int32
 	p := startPeer(t, func(c *ReceiverConfig) {
-		c.Yield = func(ctx context.Context) {
+		c.IdleTimeout = 10 * time.Second // longer than the holds (the agent's: 2 min, holds ≤ 10 s)
+		c.Yield = func(ctx context.Context) bool {
 			held.Add(1)
 			select {
 			case <-release:
 			case <-ctx.Done():
 			}
+			return true
 		}
 	})
-	s := testSender(4)
-	done := make(chan error, 1)
-	go func() { done <- s.Push(t.Context(), dial(t, p.addr), pushReq(name, src)) }()
-	require.Eventually(t, func() bool { return held.Load() == 4 }, 5*time.Second, time.Millisecond, "every stream is held")
-	select {
-	case err := <-done:
-		t.Fatalf("the push ended while the receiver held it: %v", err)
-	case <-time.After(500 * time.Millisecond):
+	// push sends a tree with one file of big bytes over streams, held for hold.
+	push := func(s *Sender, streams int, big int, hold time.Duration) {
+		t.Helper()
+		src, name := makeTree(t, rnd, big)
+		release = make(chan struct{})
+		held.Store(0)
+		before := len(p.acceptedCalls())
+		done := make(chan error, 1)
+		go func() { done <- s.Push(t.Context(), dial(t, p.addr), pushReq(name, src)) }()
+		require.Eventually(t, func() bool { return held.Load() == int32(streams) }, 5*time.Second, time.Millisecond,
+			"every stream is held")
+		select {
+		case err := <-done:
+			t.Fatalf("the push ended while the receiver held it: %v", err)
+		case <-time.After(hold):
+		}
+		require.Len(t, p.acceptedCalls(), before, "accepted while held")
+		close(release)
+		require.NoError(t, <-done)
+		require.Equal(t, accepted{peerJob, 1, name}, p.acceptedCalls()[before])
 	}
-	require.Empty(t, p.acceptedCalls())
-	close(release)
-	require.NoError(t, <-done)
-	require.Equal(t, []accepted{{peerJob, 1, name}}, p.acceptedCalls())
-	// The link was measured from the announcement, after the hold: the time held is not
-	// the link's (the 500 ms above would make these 6 MiB look like a 13 MB/s link).
+
+	// 6 MiB on 4 streams: every stream's share fits its flow-control window (4 MiB), so it
+	// all crossed while held; nothing is left to measure the link by. (Counted from the
+	// announcement, these bytes made a loopback link of 24-72 GB/s.)
+	s := testSender(4)
+	push(s, 4, 6<<20, 500*time.Millisecond)
 	links := s.PeerLinks()
 	require.Len(t, links, 1)
+	require.Zero(t, links[0].Samples, "a link measured by bytes that crossed while the stream was held: %+v", links[0])
+
+	// 24 MiB on one stream: 4 MiB cross while held, the rest after; the link is measured by
+	// those, from the announcement: the 2 s held are not the link's (counted, they would make
+	// it a link of at most 12.6 MB/s; loopback under -race with GOMAXPROCS=1 does 60+).
+	s = testSender(1)
+	push(s, 1, 24<<20, 2*time.Second)
+	links = s.PeerLinks()
+	require.Len(t, links, 1)
 	require.Equal(t, 1, links[0].Samples)
-	require.Greater(t, links[0].Rate, 30e6, "link rate %v B/s measured across the hold", links[0].Rate)
+	require.Greater(t, links[0].Rate, 25e6, "link rate %v B/s measured across the hold", links[0].Rate)
 
 	// A small transfer (a .meta, a small file) is not held.
 	held.Store(0)

@@ -81,7 +81,7 @@ func NewMetrics(reg prometheus.Registerer, r *Replicator) *Metrics {
 		gauge("mtcfs_ram_used_bytes", "Bytes in use in the RAM tier.", func(s Status) float64 { return float64(s.Spool.Used) }),
 		fuseRequestsCollector{m},
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_replication_yield_seconds_total",
-			Help: "Time pushes to peers waited before starting because the job was saving on a busy node."}, r.node.yield.waitedSeconds),
+			Help: "Time pushes to peers waited before starting, and pushes from peers before they were read, because the job was saving on a busy node."}, r.node.yield.waitedSeconds),
 	)
 	return m
 }

@@ -248,9 +248,10 @@ func (r *Replicator) Close() {
 func (r *Replicator) OpenedForWriting() { r.node.yield.opened() }
 
 // YieldToSaves returns once a push stream from a peer may be received: at once, unless this
-// node's job is saving while its CPUs are contended (see yield.go); at most 10 s later.
-func (r *Replicator) YieldToSaves(ctx context.Context) {
-	r.node.yield.wait(ctx, r.node.yield.receiveLimit)
+// node's job is saving while its CPUs are contended (see yield.go); at most 10 s later. It
+// reports whether it held the stream at all.
+func (r *Replicator) YieldToSaves(ctx context.Context) bool {
+	return r.node.yield.wait(ctx, r.node.yield.receiveLimit) > 0
 }
 
 func (r *Replicator) Closed(path string) {
