@@ -158,12 +158,15 @@ func (y *yielder) isContended(now time.Time) bool {
 
 // wait returns once a push may start: at once unless the job is saving on a contended node,
 // then when either stops, after limit, once the save is limit old, or when ctx ends. It
-// returns how long it waited.
+// returns how long it waited: 0 when it went at once.
 func (y *yielder) wait(ctx context.Context, limit time.Duration) time.Duration {
 	start := y.now()
-	for {
+	for slept := false; ; slept = true {
 		now := y.now()
 		if !y.saving(now) || now.Sub(start) >= limit || y.saveAge(now) >= y.limit || !y.isContended(now) {
+			if !slept {
+				return 0
+			}
 			break
 		}
 		t := time.NewTimer(idleWindow)

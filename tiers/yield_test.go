@@ -167,11 +167,13 @@ func TestYielderGoesWithSpareCPUs(t *testing.T) {
 	if !returned(done, 10*time.Second) {
 		t.Fatal("the push still waits with spare CPUs")
 	}
-	// Not saving: no wait, the pressure is not even read.
+	// Not saving: no wait (reported as none), the idle time is not even read.
 	y.closed()
 	y.lastOpen.Store(never)
 	calls := p.calls.Load()
-	y.wait(t.Context(), y.limit)
+	if d := y.wait(t.Context(), y.limit); d != 0 {
+		t.Fatalf("wait reported %v with no save under way", d)
+	}
 	if n := p.calls.Load() - calls; n != 0 {
 		t.Fatalf("the idle time was read %d times with no save under way", n)
 	}
