@@ -22,7 +22,9 @@ import (
 //   - Saving: the job has a file open for writing on the mount and opened one in the last
 //     savingOpenFor (a descriptor it keeps open, such as a log, counts until savingOpenFor after
 //     its newest open, not for ever), or it opened one within the last savingGap (the gap
-//     between one file's close and the next one's open).
+//     between one file's close and the next one's open). With a descriptor held open all
+//     along, no new save begins (see savingQuiet), so once that is maxYield old nothing waits:
+//     such a job's saves are not protected, and its replication is as without the yield.
 //   - Contended: less than one CPU's worth of time was idle over the newest window of
 //     idleWindow (/proc/stat: idle and iowait of all CPUs). A push needs about a CPU at each
 //     end; taking it from a save whose CPUs are busy slows the save. (The kernel's pressure

@@ -262,3 +262,20 @@ func TestYielderSaveSpansTheGapsBetweenFiles(t *testing.T) {
 		t.Fatalf("save age %v after %v without a file, want a new save", got, savingQuiet)
 	}
 }
+
+// A job that keeps a descriptor open for writing all along (a log in the mount): its saves
+// count as one, which is soon older than the bound, so pushes do not wait (rather than wait
+// 30 s after every open).
+func TestYielderWithADescriptorHeldOpen(t *testing.T) {
+	now := time.Unix(1000, 0)
+	y := newYielderClock((&idleClock{known: true}).read, func() time.Time { return now })
+	y.opened() // the log, never closed
+	now = now.Add(time.Minute)
+	y.opened() // a file of a save
+	if !y.saving(now) {
+		t.Fatal("not saving with a file just opened")
+	}
+	if d := y.wait(t.Context(), time.Hour); d != 0 {
+		t.Fatalf("a push waited %v with a log held open for a minute", d)
+	}
+}
