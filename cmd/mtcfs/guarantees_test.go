@@ -485,6 +485,13 @@ func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
 			return m != nil
 		})
 		cut := m[1]
+		// Stopped once the backup wrote its first object: stopped before it, the backup leaves
+		// nothing at all (no partial backup to call incomplete; CI saw that once, with the
+		// SIGTERM 1 ms after "backup started"), which is not the case this test is about.
+		repWait(t, 20*time.Second, "the backup's first object", func() bool {
+			_, err := os.Stat(filepath.Join(n.backupRoot, "cut", cut, "mtcfs-backup.json"))
+			return err == nil
+		})
 		stopAgent(t, a)
 		require.Contains(t, a.log(), "the running backup did not finish within the drain time")
 		require.Contains(t, a.log(), "backup left incomplete")
