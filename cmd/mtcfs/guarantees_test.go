@@ -523,7 +523,20 @@ func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
 		_, _, err := o.Start(ctx)
 		require.NoError(t, err)
 		require.NoError(t, o.Save(ctx, 10))
-		repWait(t, 20*time.Second, "the backup to write a temporary file", func() bool { return len(backupLeftovers(n.backupRoot)) > 0 })
+		// The agent is stopped (SIGSTOP) once a temporary file of the backup exists, and killed
+		// only if one still does: each file is renamed into place when written, so one seen a
+		// moment before the kill may be gone by then (CI saw that once).
+		repWait(t, 20*time.Second, "the backup stopped while it writes a temporary file", func() bool {
+			if len(backupLeftovers(n.backupRoot)) == 0 {
+				return false
+			}
+			require.NoError(t, a.cmd.Process.Signal(syscall.SIGSTOP))
+			if len(backupLeftovers(n.backupRoot)) > 0 {
+				return true
+			}
+			require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
+			return false
+		})
 		killAgent(t, a)
 		left := backupLeftovers(n.backupRoot)
 		require.NotEmpty(t, left, "kill -9 came between two files of the backup: no temporary file left to clean\n%s", a.log())
