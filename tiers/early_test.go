@@ -260,39 +260,13 @@ func TestEarlyPushBeforeCommit(t *testing.T) {
 
 func rank(h *harness, hs []*harness) int { return slices.Index(hs, h) }
 
-// idleSource is a replicator's CPUIdle whose CPUs idle at a settable rate.
-type idleSource struct {
-	mu   sync.Mutex
-	cpus float64 // idle CPUs from now on
-	at   time.Time
-	sum  time.Duration
-}
-
-func (s *idleSource) read() (time.Duration, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := time.Now()
-	if !s.at.IsZero() {
-		s.sum += time.Duration(s.cpus * float64(now.Sub(s.at)))
-	}
-	s.at = now
-	return s.sum, true
-}
-
-func (s *idleSource) set(cpus float64) {
-	s.read()
-	s.mu.Lock()
-	s.cpus = cpus
-	s.mu.Unlock()
-}
-
 // Pushes wait while the job saves on a node without an idle CPU: the early pushes of a step
 // whose files the job closed, and a committed step's push, go once the save is over (the job's
 // last file closed), and at once when a CPU idles.
 func TestPushesYieldToTheJobsSave(t *testing.T) {
 	t.Parallel()
-	idle := &idleSource{}
-	hs, tr := newPairWith(t, harnessConfig{cpuIdle: idle.read})
+	idle := tiers.NewIdleClock(0)
+	hs, tr := newPairWith(t, harnessConfig{cpuIdle: idle.Read})
 	h := hs[0]
 	tmp := "1" + layout.OrbaxTmpSuffix
 	release := h.holdOpen(tmp+"/state/held", "held") // the job writes a large file meanwhile
@@ -313,7 +287,7 @@ func TestPushesYieldToTheJobsSave(t *testing.T) {
 	if hs[1].exists(replica) {
 		t.Fatal("step 1 was pushed while the job was saving on a busy node")
 	}
-	idle.set(2)
+	idle.Set(2)
 	hs[1].waitExists(replica)
 	release()
 }

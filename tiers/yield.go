@@ -163,14 +163,9 @@ func (y *yielder) isContended(now time.Time) bool {
 // returns how long it waited: 0 when it went at once.
 func (y *yielder) wait(ctx context.Context, limit time.Duration) time.Duration {
 	start := y.now()
-	for slept := false; ; slept = true {
-		now := y.now()
-		if !y.saving(now) || now.Sub(start) >= limit || y.saveAge(now) >= y.limit || !y.isContended(now) {
-			if !slept {
-				return 0
-			}
-			break
-		}
+	slept := false
+	for now := start; y.saving(now) && now.Sub(start) < limit && y.saveAge(now) < y.limit && y.isContended(now); now = y.now() {
+		slept = true
 		t := time.NewTimer(idleWindow)
 		select {
 		case <-ctx.Done():
@@ -179,6 +174,9 @@ func (y *yielder) wait(ctx context.Context, limit time.Duration) time.Duration {
 			continue
 		}
 		break
+	}
+	if !slept {
+		return 0
 	}
 	waited := y.now().Sub(start)
 	y.waited.Add(int64(waited))
