@@ -118,10 +118,10 @@ type Receiver struct {
 
 var _ peerpb.PeerServer = (*Receiver)(nil)
 
-// transfer is one push in progress.
 // yieldMinBytes is the smallest transfer ReceiverConfig.Yield holds back.
 const yieldMinBytes = 1 << 20
 
+// transfer is one push in progress.
 type transfer struct {
 	id   string
 	from Identity
