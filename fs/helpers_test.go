@@ -34,7 +34,7 @@ func testMountSpool(t testing.TB, mode PassthroughMode, cfg tiers.SpoolConfig, m
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts := Options{Spool: spool, Passthrough: mode}
+	opts := Options{Spool: spool, Passthrough: mode, InProcess: true}
 	for _, m := range mods {
 		m(&opts)
 	}

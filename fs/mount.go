@@ -58,6 +58,10 @@ type Options struct {
 	// takes the mount point directory's own (SPEC §10), so a job running as the directory's
 	// owner can write into a mount a root agent serves.
 	Owner RootOwner
+	// InProcess is set when the process that mounts also opens files on the mount (tests;
+	// the agent never does, see Mount): Mount then runs go-fuse's poll hack before it
+	// returns.
+	InProcess bool
 }
 
 // RootOwner overrides the mount root's attributes (nil: the mount point's).
@@ -298,13 +302,24 @@ func Mount(dir string, opts Options) (*Server, error) {
 		srv.Serve()
 		close(served)
 	}()
-	if err := srv.WaitMount(); err != nil {
-		if fd >= 0 {
-			unix.Close(fd)
+	// NewServer returns once the mount is live and INIT answered. go-fuse's WaitMount adds its
+	// poll hack: this process opens a file on the mount so that the kernel learns, before any
+	// file of the mount is opened in this process, that the filesystem does not poll (Go's
+	// runtime would otherwise block its only P in an epoll_ctl that waits for the mount). The
+	// agent never opens its own mount, and for it that open is a hazard: a SIGKILL that lands
+	// while the open's request is read but not answered leaves the thread waiting for an
+	// answer no thread of the dying process will give, in uninterruptible sleep, and the
+	// process never exits nor releases the mount (seen in TestKillDuringAdoption). Only a
+	// process that opens files on its own mount (tests) asks for the hack.
+	if opts.InProcess {
+		if err := srv.WaitMount(); err != nil {
+			srv.Unmount()
+			if fd >= 0 {
+				unix.Close(fd)
+			}
+			return nil, fmt.Errorf("mount %s: %w", abs, err)
 		}
-		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
-	// The kernel's settings are known once the mount is live (WaitMount waits for INIT).
 	if e := newEntryExpirer(srv, fd); e != nil {
 		m.expirer = e
 		go func() {

@@ -126,7 +126,7 @@ func mountWithEvents(t *testing.T, mode PassthroughMode) (string, *Server, *reco
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(base, "spool"), Budget: 64 << 20, MountTmpfs: true})
 	require.NoError(t, err)
 	rec := &recorder{}
-	srv, err := Mount(dir, Options{Spool: spool, Passthrough: mode, Events: rec})
+	srv, err := Mount(dir, Options{Spool: spool, Passthrough: mode, Events: rec, InProcess: true})
 	if err != nil {
 		spool.Close()
 		t.Fatal(err)

@@ -35,7 +35,7 @@ func TestRootTakesTheMountPointsOwner(t *testing.T) {
 			spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(base, "spool"), Budget: 64 << 20, MountTmpfs: true})
 			require.NoError(t, err)
 			defer spool.Close()
-			srv, err := Mount(dir, Options{Spool: spool, Owner: tc.owner})
+			srv, err := Mount(dir, Options{Spool: spool, Owner: tc.owner, InProcess: true})
 			require.NoError(t, err)
 			defer srv.Unmount()
 			var st syscall.Stat_t

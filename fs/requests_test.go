@@ -64,3 +64,23 @@ func TestRequestCounts(t *testing.T) {
 		})
 	}
 }
+
+// TestMountDoesNotTouchItself: a mount made for an agent (InProcess false) has served no request
+// when Mount returns, so the agent's own process never waits on its mount (a SIGKILL during such
+// a wait leaves it unkillable, see Mount). With InProcess (go-fuse's poll hack) the mount's own
+// open is seen, which shows the count would catch one.
+func TestMountDoesNotTouchItself(t *testing.T) {
+	for _, inProcess := range []bool{false, true} {
+		t.Run(fmt.Sprint("InProcess=", inProcess), func(t *testing.T) {
+			ev := &countsEvents{}
+			testMount(t, PassthroughOff, 16<<20, func(o *Options) { o.Events = ev; o.InProcess = inProcess })
+			served := ev.counts()
+			if inProcess && served["getattr"] == 0 {
+				t.Errorf("with the poll hack, the mount's own open should be counted (a GETATTR of the root at least); counted: %v", served)
+			}
+			if !inProcess && len(served) != 0 {
+				t.Errorf("the mount served requests before anyone used it: %v", served)
+			}
+		})
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -95,7 +96,13 @@ func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...stri
 			}
 		}
 		a.cmd.Process.Kill()
-		<-a.done
+		select {
+		case <-a.done:
+		case <-time.After(killedExitTimeout):
+			t.Errorf("agent on %s did not exit within %v of SIGKILL; its threads:\n%s", dir, killedExitTimeout, threadStacks(a.cmd.Process.Pid))
+			forceUnmount(dir) // aborting its connection frees a thread that waits on the mount
+			<-a.done
+		}
 		forceUnmount(dir)
 		forceUnmount(spool)
 	})
@@ -134,6 +141,39 @@ func (a *agent) wait(d time.Duration) int {
 		return ee.ExitCode()
 	}
 	return 0
+}
+
+// killedExitTimeout bounds how long a test waits for an agent it sent SIGKILL to exit.
+const killedExitTimeout = 10 * time.Second
+
+// killAndWait sends SIGKILL to an agent started with cmd (not yet waited for) on mount dir, and
+// fails the test if it does not exit: a process that waits on its own mount when the kill lands
+// never exits, and holds the mount hung. It then aborts the connection so the process ends.
+func killAndWait(t *testing.T, cmd *exec.Cmd, dir string) {
+	t.Helper()
+	require.NoError(t, cmd.Process.Kill())
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(killedExitTimeout):
+		stacks := threadStacks(cmd.Process.Pid)
+		forceUnmount(dir)
+		<-done
+		t.Fatalf("the agent did not exit within %v of SIGKILL; its threads:\n%s", killedExitTimeout, stacks)
+	}
+}
+
+// threadStacks returns the state and kernel stack of every thread of process pid.
+func threadStacks(pid int) string {
+	var b strings.Builder
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*", pid))
+	for _, task := range tasks {
+		st, _ := os.ReadFile(filepath.Join(task, "stat"))
+		stack, _ := os.ReadFile(filepath.Join(task, "stack"))
+		fmt.Fprintf(&b, "%s %s\n%s", task, st, stack)
+	}
+	return b.String()
 }
 
 func forceUnmount(p string) {

@@ -569,6 +569,26 @@ func TestStatusJSON(t *testing.T) {
 	assert.Contains(t, out, "last: "+st.LastBackup)
 }
 
+// TestKillDuringStartup: agents SIGKILLed at points spread over their start (spool, listener,
+// mount, adoption, serving) each exit at once. A kill that lands while the agent's own process
+// waits on its mount (go-fuse's poll hack did, as the mount went live) leaves that thread
+// waiting for an answer no one will give: the agent never exits and its mount hangs.
+func TestKillDuringStartup(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	t.Cleanup(func() { forceUnmount(n.dir); forceUnmount(n.spool) })
+	for i := range 25 {
+		delay := time.Duration(i) * 8 * time.Millisecond
+		forceUnmount(n.dir)
+		cmd := exec.Command(binPath, "mount", n.dir, "--spool", n.spool, "--memory", "64MiB", "--backup", n.backupURL())
+		require.NoError(t, cmd.Start())
+		time.Sleep(delay)
+		killAndWait(t, cmd, n.dir)
+	}
+	forceUnmount(n.dir)
+	n.start(t) // and the next agent starts on what they left
+}
+
 // TestKillDuringAdoption: agents killed while they adopt a step of 10,000 small files (before,
 // while and after its tree is built and verified), one after the other; the next agent still
 // adopts the step and the job restores it from RAM, byte for byte, and the files every killed
@@ -594,8 +614,7 @@ func TestKillDuringAdoption(t *testing.T) {
 		cmd := exec.Command(binPath, "mount", n.dir, "--spool", n.spool, "--memory", "256MiB", "--backup", n.backupURL())
 		require.NoError(t, cmd.Start())
 		time.Sleep(delay)
-		require.NoError(t, cmd.Process.Kill())
-		cmd.Wait()
+		killAndWait(t, cmd, n.dir)
 		linked, _ := os.ReadDir(filepath.Join(n.spool, "files"))
 		t.Logf("killed %v after its start: %d files linked", delay, len(linked))
 	}
