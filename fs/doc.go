@@ -21,7 +21,10 @@
 // # Deadlocks and contexts
 //
 // The agent process must never touch its own mount (a FUSE request served by the process that
-// waits on it deadlocks). Request contexts are cancelled when the caller is interrupted; work
+// waits on it deadlocks, and a SIGKILL that lands during such a wait leaves the process
+// unkillable, its mount hung). That is why Mount skips go-fuse's poll hack, an open of the
+// mount from the mounting process, unless Options.InProcess asks for it (tests, which open
+// files on their own mount). Request contexts are cancelled when the caller is interrupted; work
 // that outlives a request is started on the agent's own context, never on the request's.
 //
 // # Errors
