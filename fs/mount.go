@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/mtcfs/mtcfs/internal/fusectl"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -164,6 +166,15 @@ func CheckMountable(dir string) error {
 // every access with ENOTCONN. A live mount at dir is an error: another agent serves it. A
 // symlink is resolved first (without touching a stale mount at its end), so a mount reached
 // through a link counts as the mount itself.
+//
+// A mount can also hang rather than answer ENOTCONN: an agent killed while one of its threads
+// waited in the kernel (for the lock of a directory the job held while it waited on the agent,
+// when the agent told the kernel to drop a name it had cached) never finishes exiting, so the
+// kernel keeps the connection open, and every access waits, the job's included. When the mount
+// does not answer within staleAnswerTimeout and no "mtcfs mount" process for dir runs any more,
+// its connection is aborted (as root; fusectl), which frees every waiter and lets the killed
+// agent exit, and the mount is detached. If such a process still runs (stopped, or too busy
+// to answer), DetachStale names it and touches nothing.
 func DetachStale(dir string) (bool, error) {
 	abs := tiers.ResolveMountPath(dir)
 	if !isFuseMountPoint(abs) {
@@ -171,14 +182,23 @@ func DetachStale(dir string) (bool, error) {
 	}
 	// statfs always reaches the FUSE server (stat of the root may be answered from the kernel's
 	// attribute cache for a while after the agent died).
-	var st unix.Statfs_t
-	if err := unix.Statfs(abs, &st); err == nil {
+	err := statfsWithin(abs, staleAnswerTimeout)
+	switch {
+	case err == nil:
 		what := abs
 		if a, _ := filepath.Abs(dir); a != abs {
 			what = fmt.Sprintf("%s (the target of %s)", abs, dir)
 		}
 		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", what)
-	} else if !errors.Is(err, unix.ENOTCONN) && !errors.Is(err, unix.ECONNABORTED) {
+	case errors.Is(err, errNoAnswer):
+		if pid := mountProcessFor(abs); pid > 0 {
+			return false, fmt.Errorf("%s is a FUSE mount that does not answer (nothing within %v), and the agent process %d that mounted it still runs (stopped? see its state in /proc/%d/status); stop it first", abs, staleAnswerTimeout, pid, pid)
+		}
+		if err := fusectl.Abort(abs); err != nil {
+			return false, fmt.Errorf("%s is a FUSE mount that does not answer and whose agent is gone; aborting its connection failed: %w (as root: echo 1 > /sys/fs/fuse/connections/<its device minor>/abort, then umount -l %s)", abs, err, abs)
+		}
+		slog.Warn("aborted the connection of a mount that did not answer: its agent is gone and a thread of it (or of a job) waited on the mount", "dir", abs, "waited", staleAnswerTimeout)
+	case !errors.Is(err, unix.ENOTCONN) && !errors.Is(err, unix.ECONNABORTED):
 		return false, fmt.Errorf("check mount %s: %w", abs, err)
 	}
 	if os.Geteuid() == 0 {
@@ -191,6 +211,65 @@ func DetachStale(dir string) (bool, error) {
 		return false, fmt.Errorf("detach stale mount %s: %s", abs, strings.TrimSpace(string(out)))
 	}
 	return true, nil
+}
+
+// staleAnswerTimeout is how long DetachStale waits for a mount to answer before it looks for
+// the agent that should.
+var staleAnswerTimeout = 5 * time.Second
+
+// errNoAnswer: the mount did not answer in time.
+var errNoAnswer = errors.New("the mount did not answer")
+
+// statfsWithin runs statfs on p, giving up after d with errNoAnswer (the call itself goes on in
+// the background until the mount answers or its connection is aborted).
+func statfsWithin(p string, d time.Duration) error {
+	done := make(chan error, 1)
+	go func() {
+		var st unix.Statfs_t
+		done <- unix.Statfs(p, &st)
+	}()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-t.C:
+		return errNoAnswer
+	}
+}
+
+// mountProcessFor returns the pid of a running "mtcfs mount" process (not this one) whose
+// arguments name abs, or 0. A killed agent whose exit hangs has no command line any more (its
+// main thread is gone), so it does not count.
+func mountProcessFor(abs string) int {
+	cmdlines, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, p := range cmdlines {
+		pid, err := strconv.Atoi(filepath.Base(filepath.Dir(p)))
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		data, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		argv := strings.Split(strings.TrimRight(string(data), "\x00"), "\x00")
+		if len(argv) < 3 || !strings.Contains(filepath.Base(argv[0]), "mtcfs") || argv[1] != "mount" {
+			continue
+		}
+		cwd, _ := os.Readlink(filepath.Join("/proc", strconv.Itoa(pid), "cwd"))
+		for _, a := range argv[2:] {
+			if strings.HasPrefix(a, "-") {
+				continue
+			}
+			if !filepath.IsAbs(a) {
+				a = filepath.Join(cwd, a)
+			}
+			if filepath.Clean(a) == abs || tiers.ResolveMountPath(a) == abs {
+				return pid
+			}
+		}
+	}
+	return 0
 }
 
 // isFuseMountPoint reports whether a FUSE filesystem is mounted exactly at abs.

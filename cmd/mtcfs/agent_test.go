@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
@@ -235,6 +236,32 @@ func TestKillAndRestart(t *testing.T) {
 	require.Equal(t, 0, b.wait(30*time.Second), "clean stop should exit 0\n%s", b.log())
 	require.False(t, isMounted(dir), "mount left behind after SIGTERM")
 	require.False(t, isMounted(spool), "spool left mounted after SIGTERM")
+}
+
+// TestStoppedAgentsMountIsNotTakenOver: a mount whose agent is stopped (SIGSTOP) does not
+// answer; a second agent started on it waits a few seconds for an answer, then refuses, naming
+// the stopped agent, and leaves the mount alone: it is not stale, its agent may resume. (A mount
+// that does not answer and that no agent process claims any more is aborted and replaced:
+// fs's TestDetachStaleAbortsAMountThatDoesNotAnswer.)
+func TestStoppedAgentsMountIsNotTakenOver(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	dir, spool := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	a := startAgent(t, dir, spool)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "f"), []byte("x"), 0o644))
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGSTOP))
+	t.Cleanup(func() { a.cmd.Process.Signal(syscall.SIGCONT) })
+
+	out, code := runMtcfs(t, "mount", dir, "--spool", filepath.Join(base, "spool2"), "--memory", "64MiB")
+	require.NotEqual(t, 0, code, out)
+	assert.Contains(t, out, "does not answer")
+	assert.Contains(t, out, fmt.Sprintf("agent process %d that mounted it still runs", a.cmd.Process.Pid))
+
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
+	got, err := os.ReadFile(filepath.Join(dir, "f"))
+	require.NoError(t, err, "the resumed agent serves its mount again")
+	assert.Equal(t, "x", string(got))
 }
 
 // TestHealthAndJSONLogs checks /livez, /readyz and the structured log keys.
