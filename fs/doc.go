@@ -24,7 +24,8 @@
 // waits on it deadlocks, and a SIGKILL that lands during such a wait leaves the process
 // unkillable, its mount hung). That is why Mount skips go-fuse's poll hack, an open of the
 // mount from the mounting process, unless Options.InProcess asks for it (tests, which open
-// files on their own mount). Request contexts are cancelled when the caller is interrupted; work
+// files on their own mount). For the same reason the notifications that take a directory's
+// lock in the kernel are written by a helper process (notifier.go). Request contexts are cancelled when the caller is interrupted; work
 // that outlives a request is started on the agent's own context, never on the request's.
 //
 // # Errors

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -172,7 +173,7 @@ func (ns *namespace) Rename(oldName, newName string) error {
 	} else {
 		ns.m.sealedTop.Delete(newName)
 	}
-	if ns.m.expirer != nil {
+	if e := ns.m.notifier; e != nil && e.expireOnly {
 		ns.staleMu.Lock()
 		if ns.stale == nil {
 			ns.stale = map[string][]string{}
@@ -200,14 +201,18 @@ func (ns *namespace) Remove(name string) error {
 	}
 	ns.m.sealedTop.Delete(name)
 	if _, live := ns.root.RmChild(name); live {
-		ns.root.NotifyDelete(name, ch)
+		if e := ns.m.notifier; e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, name)) {
+			ns.root.NotifyDelete(name, ch)
+		}
 	}
 	for _, old := range stale {
 		// A full invalidation: the kernel drops the entry and everything below it. Not for
 		// a name a new entry has taken since: the kernel looked that name up to create it,
 		// which dropped the stale tree already, and would now drop the new one's.
 		if ns.root.GetChild(old) == nil {
-			ns.root.NotifyEntry(old)
+			if e := ns.m.notifier; e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, old)) {
+				ns.root.NotifyEntry(old)
+			}
 		}
 	}
 	dropTree(ch)
@@ -217,13 +222,22 @@ func (ns *namespace) Remove(name string) error {
 
 // changed updates the root's times and makes the kernel drop what it cached about the root's
 // attributes (its nlink and mtime moved) and look the given names up again; where the kernel
-// can, the names' entries only expire (see entryExpirer), so that renaming a step of 100,000
+// can, the names' entries only expire (see entryNotifier), so that renaming a step of 100,000
 // files does not wait for the kernel to drop its cache of all of them.
 func (ns *namespace) changed(names ...string) {
 	ns.root.touch(true)
 	for _, n := range names {
-		// ENOENT: the kernel has no entry for the name, nothing to expire.
-		if e := ns.m.expirer; e == nil || expireFailed(e.expire(fuse.FUSE_ROOT_ID, n)) {
+		e := ns.m.notifier
+		var err error
+		switch {
+		case e == nil:
+			err = errors.ErrUnsupported
+		case e.expireOnly:
+			err = e.expire(fuse.FUSE_ROOT_ID, n)
+		default:
+			err = e.invalidate(fuse.FUSE_ROOT_ID, n)
+		}
+		if notifyFailed(err) {
 			ns.root.NotifyEntry(n)
 		}
 	}

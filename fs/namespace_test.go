@@ -390,7 +390,9 @@ func TestRenameKeepsTheKernelCacheBelow(t *testing.T) {
 		require.NoError(t, err)
 	}
 	expireOnly := srv.fuse.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY != 0
-	require.Equal(t, expireOnly, srv.ns.m.expirer != nil, "the expirer is used exactly when the kernel offers it")
+	require.NotNil(t, srv.ns.m.notifier, "the mount's /dev/fuse descriptor was found")
+	require.Equal(t, expireOnly, srv.ns.m.notifier.expireOnly, "entries expire exactly when the kernel offers it")
+	require.True(t, srv.ns.m.notifier.usesHelper(), "the notifications go through the helper process")
 	t.Logf("kernel can expire entries only: %v", expireOnly)
 
 	lookups := srv.Requests()["lookup"]
@@ -431,7 +433,7 @@ func TestRenameKeepsTheKernelCacheBelow(t *testing.T) {
 // only expires its entries; it skips where the kernel cannot (FUSE_EXPIRE_ONLY, Linux 6.2+).
 func mountExpiring(t *testing.T) (string, *Server) {
 	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
-	if srv.ns.m.expirer == nil {
+	if srv.ns.m.notifier == nil || !srv.ns.m.notifier.expireOnly {
 		t.Skip("the kernel cannot expire entries only (FUSE_EXPIRE_ONLY, Linux 6.2+): names are invalidated at once")
 	}
 	return dir, srv
@@ -529,7 +531,7 @@ func TestRemoveLeavesANewEntryOfTheOldName(t *testing.T) {
 	require.Zero(t, srv.Requests()["lookup"]-lookups, "the new 9's entries stay cached")
 }
 
-// The descriptor the expirer writes on is the FUSE device's, never another file's.
+// The descriptor the notifier writes on is the FUSE device's, never another file's.
 func TestDupFUSEDeviceTakesOnlyTheDevice(t *testing.T) {
 	require.Equal(t, -1, dupFUSEDevice(-1))
 	r, w, err := os.Pipe()
@@ -571,7 +573,7 @@ func TestExpiryOfTheLongestNames(t *testing.T) {
 	_, err := os.Stat(filepath.Join(dir, long, "f"))
 	require.NoError(t, err)
 	newName := strings.Repeat("d", 250) + ".data"
-	require.NoError(t, srv.ns.m.expirer.expire(fuse.FUSE_ROOT_ID, long), "the kernel takes a 255-byte name")
+	require.NoError(t, srv.ns.m.notifier.expire(fuse.FUSE_ROOT_ID, long), "the kernel takes a 255-byte name")
 	require.NoError(t, ns.Rename(long, newName))
 	_, err = os.Stat(filepath.Join(dir, long))
 	require.ErrorIs(t, err, os.ErrNotExist)

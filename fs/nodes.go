@@ -39,10 +39,14 @@ type mtfs struct {
 	freedGen  atomic.Uint64      // counts doomed files freed
 	// parkedRelease maps a RELEASE's cancel channel to a func to run once it is done.
 	parkedRelease sync.Map
-	// expirer, if the kernel can expire an entry without dropping what it cached below it,
-	// sends the namespace's invalidations of top-level names; set before Mount returns.
-	expirer *entryExpirer
+	// notifier sends the namespace's invalidations of top-level names (nil: go-fuse's calls
+	// do); set before Mount returns.
+	notifier *entryNotifier
 }
+
+// lookupHook, when set (tests only), runs at the start of every LOOKUP the mount serves, with
+// the name looked up: a test stalls one to hold the directory's lock in the kernel.
+var lookupHook atomic.Pointer[func(name string)]
 
 func (m *mtfs) isSealedTop(name string) bool {
 	_, ok := m.sealedTop.Load(name)
@@ -269,6 +273,9 @@ func (d *dirNode) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.Att
 func (d *dirNode) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
 	if errno := checkName(name); errno != 0 {
 		return nil, errno
+	}
+	if h := lookupHook.Load(); h != nil {
+		(*h)(name)
 	}
 	ch := d.GetChild(name)
 	if ch == nil {

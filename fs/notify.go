@@ -3,6 +3,7 @@ package fs
 import (
 	"encoding/binary"
 	"errors"
+	"log/slog"
 	"os"
 	"strconv"
 	"sync"
@@ -11,26 +12,42 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// entryExpirer tells the kernel that a name of the mount has changed without making it drop
-// what it cached below that name: FUSE_NOTIFY_INVAL_ENTRY with FUSE_EXPIRE_ONLY (protocol 7.38,
-// Linux 6.2+). go-fuse v2.12 sends this notification with its flags at 0 and has no way to set
-// them, and a plain invalidation of a step's directory makes the kernel drop every dentry and
-// inode below it before it answers, holding the lock of the mount's root: 0.4 s for a step of
-// 100,000 files, during which the job's own lookups and creates at the root wait, and the seal
-// with them. Expired, the entry is looked up again the next time a path walk reaches it, which
-// is all the correctness needs; if the directory it led to now has another name (a seal renames
-// the step to its data name), the kernel moves the cached dentry there on that lookup, and drops
-// the subtree only if the old name is asked for again.
+// entryNotifier tells the kernel that a name of the mount has changed, with
+// FUSE_NOTIFY_INVAL_ENTRY, which it writes itself (go-fuse v2.12 cannot set the notification's
+// flags), through a helper process where it can (notifier.go explains why).
 //
-// The expirer writes the notification itself on a duplicate of the mount's /dev/fuse
-// descriptor (a notification is one write(2) of a header and its arguments; the kernel takes
-// it from any descriptor of the connection, beside go-fuse's own writes).
-type entryExpirer struct {
-	f *os.File // a duplicate of the mount's /dev/fuse descriptor, close-on-exec
+// Where the kernel can (FUSE_EXPIRE_ONLY, protocol 7.38, Linux 6.2+), a name's entry only
+// expires, without the kernel dropping what it cached below that name. A plain invalidation of
+// a step's directory makes the kernel drop every dentry and inode below it before it answers,
+// holding the lock of the mount's root: 0.4 s for a step of 100,000 files, during which the
+// job's own lookups and creates at the root wait, and the seal with them. Expired, the entry is
+// looked up again the next time a path walk reaches it, which is all the correctness needs; if
+// the directory it led to now has another name (a seal renames the step to its data name), the
+// kernel moves the cached dentry there on that lookup, and drops the subtree only if the old
+// name is asked for again.
+//
+// A notification is one write(2) of a header and its arguments; the kernel takes it from any
+// descriptor of the connection, beside go-fuse's own writes.
+type entryNotifier struct {
+	f          *os.File // a duplicate of the mount's /dev/fuse descriptor, close-on-exec
+	expireOnly bool     // the kernel can expire an entry only
+	mu         sync.Mutex
+	helper     *notifierHelper // GUARDED_BY(mu); nil: the notifications are written here
 }
 
-// expire sends the notification for name in the directory of node id parent.
-func (e *entryExpirer) expire(parent uint64, name string) error {
+// expire sends the notification that expires name in the directory of node id parent (only
+// when expireOnly).
+func (e *entryNotifier) expire(parent uint64, name string) error {
+	return e.send(parent, name, fuse.EXPIRE_ONLY)
+}
+
+// invalidate makes the kernel drop name in the directory of node id parent, and everything it
+// cached below it.
+func (e *entryNotifier) invalidate(parent uint64, name string) error {
+	return e.send(parent, name, 0)
+}
+
+func (e *entryNotifier) send(parent uint64, name string, flags uint32) error {
 	const header = 16 // struct fuse_out_header: len, error (the notify code), unique (0)
 	msg := make([]byte, header+16+len(name)+1)
 	binary.NativeEndian.PutUint32(msg[0:], uint32(len(msg)))
@@ -38,30 +55,60 @@ func (e *entryExpirer) expire(parent uint64, name string) error {
 	// struct fuse_notify_inval_entry_out: parent, namelen, flags; then the name and a NUL.
 	binary.NativeEndian.PutUint64(msg[header:], parent)
 	binary.NativeEndian.PutUint32(msg[header+8:], uint32(len(name)))
-	binary.NativeEndian.PutUint32(msg[header+12:], fuse.EXPIRE_ONLY)
+	binary.NativeEndian.PutUint32(msg[header+12:], flags)
 	copy(msg[header+16:], name)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.helper != nil {
+		err, ok := e.helper.send(msg)
+		if ok {
+			return err
+		}
+		e.helper.close()
+		e.helper = nil
+		slog.Warn("the FUSE notification helper is gone; the agent writes its notifications itself from now on (a kill -9 of the agent may then leave its mount hung, see mtcfs mount's takeover of such a mount)")
+	}
 	_, err := e.f.Write(msg)
 	return err
 }
 
-// expireFailed reports whether err, from expire, leaves the entry to invalidate another way.
-func expireFailed(err error) bool { return err != nil && !errors.Is(err, unix.ENOENT) }
+// usesHelper reports whether the notifications go through the helper process.
+func (e *entryNotifier) usesHelper() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.helper != nil
+}
 
-// close releases the duplicate; once it is closed, expire fails with os.ErrClosed.
-func (e *entryExpirer) close() { e.f.Close() }
+// notifyFailed reports whether err, from expire or invalidate, leaves the entry to invalidate
+// another way (ENOENT: the kernel has no entry for the name, nothing to do).
+func notifyFailed(err error) bool { return err != nil && !errors.Is(err, unix.ENOENT) }
 
-// newEntryExpirer returns an expirer for srv's connection, given dup, a duplicate of its
-// /dev/fuse descriptor (newServer's; -1 if none), or nil if the kernel cannot expire an entry
-// only (the caller then invalidates entries as go-fuse does). It owns dup either way.
-func newEntryExpirer(srv *fuse.Server, dup int) *entryExpirer {
+// close stops the helper and releases the duplicate; then every notification fails with
+// os.ErrClosed.
+func (e *entryNotifier) close() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.helper != nil {
+		e.helper.close()
+		e.helper = nil
+	}
+	e.f.Close()
+}
+
+// newEntryNotifier returns the notifier for srv's connection mounted at dir, given dup, a
+// duplicate of its /dev/fuse descriptor (newServer's; -1 if none), or nil without one (the
+// caller then invalidates entries as go-fuse does). It owns dup either way.
+func newEntryNotifier(srv *fuse.Server, dup int, dir string, log *slog.Logger) *entryNotifier {
 	if dup < 0 {
 		return nil
 	}
-	if srv.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY == 0 {
-		unix.Close(dup)
-		return nil
+	e := &entryNotifier{f: os.NewFile(uintptr(dup), "/dev/fuse"), expireOnly: srv.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY != 0}
+	h, err := startNotifier(dup, dir)
+	if err != nil {
+		log.Warn("no FUSE notification helper; the agent writes its notifications itself (a kill -9 of the agent may then leave its mount hung, see mtcfs mount's takeover of such a mount)", "err", err)
 	}
-	return &entryExpirer{f: os.NewFile(uintptr(dup), "/dev/fuse")}
+	e.helper = h
+	return e
 }
 
 // dupFUSEDevice duplicates fd (close-on-exec) if it is open on the FUSE device (character

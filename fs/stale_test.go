@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -76,4 +78,80 @@ func TestDetachStaleAbortsAMountThatDoesNotAnswer(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Error("the access that waited on the mount is still waiting after the abort")
 	}
+}
+
+// TestNotificationsWaitInTheHelper: a notification about a name at the root waits for the root's
+// lock while a job's lookup there holds it and waits for the agent. That wait happens in the
+// helper process, never in a thread of the mounting process, so a SIGKILL of the agent finds
+// none of its threads stuck in the kernel (see notifier.go); once the lookup is answered the
+// notification goes through.
+func TestNotificationsWaitInTheHelper(t *testing.T) {
+	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
+	e := srv.ns.m.notifier
+	if e == nil || !e.usesHelper() {
+		t.Fatal("the mount has no notification helper")
+	}
+	helper := e.helper.cmd.Process.Pid
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	hook := func(name string) {
+		if name == "stalled" {
+			once.Do(func() { close(entered) })
+			<-release
+		}
+	}
+	lookupHook.Store(&hook)
+	t.Cleanup(func() { lookupHook.Store(nil) })
+	released := false
+	defer func() {
+		if !released {
+			close(release)
+		}
+	}()
+
+	go os.Stat(filepath.Join(dir, "stalled")) // the job's lookup: holds the root's lock, waits for the agent
+	select {
+	case <-entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the stalled lookup never reached the agent")
+	}
+	done := make(chan struct{})
+	go func() {
+		srv.ns.changed("other")
+		close(done)
+	}()
+	const inval = "fuse_reverse_inval_entry"
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(kernelStacks(helper), inval) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the helper never waited in %s; its threads:\n%s", inval, kernelStacks(helper))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if s := kernelStacks(os.Getpid()); strings.Contains(s, inval) {
+		t.Fatalf("a thread of the mounting process waits in %s:\n%s", inval, s)
+	}
+	select {
+	case <-done:
+		t.Fatal("the notification went through while the root's lock was held")
+	default:
+	}
+	close(release)
+	released = true
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the notification still waits after the lookup was answered")
+	}
+}
+
+// kernelStacks returns the kernel stacks of every thread of process pid.
+func kernelStacks(pid int) string {
+	var b strings.Builder
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stack", pid))
+	for _, p := range tasks {
+		st, _ := os.ReadFile(p)
+		b.Write(st)
+	}
+	return b.String()
 }

@@ -216,7 +216,16 @@ func TestKillAndRestart(t *testing.T) {
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGKILL))
 	a.wait(10 * time.Second)
 
-	_, err := os.Stat(filepath.Join(dir, "f"))
+	// The agent's notification helper (fs/notifier.go) keeps the connection up until it sees
+	// the agent gone, a moment later; a request made meanwhile fails with ECONNABORTED when the
+	// helper exits. Within a second every access fails at once with ENOTCONN.
+	var err error
+	for deadline := time.Now().Add(time.Second); ; time.Sleep(10 * time.Millisecond) {
+		_, err = os.Stat(filepath.Join(dir, "f"))
+		if !errors.Is(err, syscall.ECONNABORTED) || time.Now().After(deadline) {
+			break
+		}
+	}
 	require.True(t, errors.Is(err, syscall.ENOTCONN), "a killed agent's mount should answer ENOTCONN, got %v", err)
 
 	b := startAgent(t, dir, spool)
