@@ -168,21 +168,23 @@ func CheckMountable(dir string) error {
 // through a link counts as the mount itself.
 //
 // A mount can also hang rather than answer ENOTCONN: an agent killed while one of its threads
-// waited in the kernel (for the lock of a directory the job held while it waited on the agent,
-// when the agent told the kernel to drop a name it had cached) never finishes exiting, so the
-// kernel keeps the connection open, and every access waits, the job's included. When the mount
-// does not answer within staleAnswerTimeout and no "mtcfs mount" process for dir runs any more,
-// its connection is aborted (as root; fusectl), which frees every waiter and lets the killed
-// agent exit, and the mount is detached. If such a process still runs (stopped, or too busy
-// to answer), DetachStale names it and touches nothing.
-func DetachStale(dir string) (bool, error) {
+// waited in the kernel on its own mount never finishes exiting (the notification helper,
+// notifier.go, keeps the agent's own threads out of such waits; an agent that wrote its
+// notifications itself, or an older version, could be caught), so the kernel keeps the
+// connection open, and every access waits, the job's included. When the mount leaves a statfs
+// unanswered for takeoverAfter and no "mtcfs mount" process for dir runs any more, its
+// connection is aborted (fusectl), which frees every waiter and lets the killed agent exit, and
+// the mount is detached. If such a process still runs (stopped, or too busy to answer),
+// DetachStale names it and touches nothing. (An agent in another PID namespace is not seen:
+// takeoverAfter, 30 s by default, is what keeps a live but stalled one from being taken over.)
+func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 	abs := tiers.ResolveMountPath(dir)
 	if !isFuseMountPoint(abs) {
 		return false, nil
 	}
 	// statfs always reaches the FUSE server (stat of the root may be answered from the kernel's
 	// attribute cache for a while after the agent died).
-	err := statfsWithin(abs, staleAnswerTimeout)
+	err := statfsWithin(abs, takeoverAfter)
 	switch {
 	case err == nil:
 		what := abs
@@ -192,12 +194,12 @@ func DetachStale(dir string) (bool, error) {
 		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", what)
 	case errors.Is(err, errNoAnswer):
 		if pid := mountProcessFor(abs); pid > 0 {
-			return false, fmt.Errorf("%s is a FUSE mount that does not answer (nothing within %v), and the agent process %d that mounted it still runs (stopped? see its state in /proc/%d/status); stop it first", abs, staleAnswerTimeout, pid, pid)
+			return false, fmt.Errorf("%s is a FUSE mount that does not answer (nothing within %v), and the agent process %d that mounted it still runs (stopped? see its state in /proc/%d/status); stop it first", abs, takeoverAfter, pid, pid)
 		}
 		if err := fusectl.Abort(abs); err != nil {
 			return false, fmt.Errorf("%s is a FUSE mount that does not answer and whose agent is gone; aborting its connection failed: %w (as root: echo 1 > /sys/fs/fuse/connections/<its device minor>/abort, then umount -l %s)", abs, err, abs)
 		}
-		slog.Warn("aborted the connection of a mount that did not answer: its agent is gone and a thread of it (or of a job) waited on the mount", "dir", abs, "waited", staleAnswerTimeout)
+		slog.Warn("aborted the connection of a mount that did not answer: its agent is gone and a thread of it (or of a job) waited on the mount", "dir", abs, "waited", takeoverAfter)
 	case !errors.Is(err, unix.ENOTCONN) && !errors.Is(err, unix.ECONNABORTED):
 		return false, fmt.Errorf("check mount %s: %w", abs, err)
 	}
@@ -213,9 +215,9 @@ func DetachStale(dir string) (bool, error) {
 	return true, nil
 }
 
-// staleAnswerTimeout is how long DetachStale waits for a mount to answer before it looks for
-// the agent that should.
-var staleAnswerTimeout = 5 * time.Second
+// DefaultTakeoverAfter is how long DetachStale lets a mount leave a request unanswered before
+// it looks for the agent that should answer (mtcfs mount --takeover-after).
+const DefaultTakeoverAfter = 30 * time.Second
 
 // errNoAnswer: the mount did not answer in time.
 var errNoAnswer = errors.New("the mount did not answer")
@@ -239,16 +241,21 @@ func statfsWithin(p string, d time.Duration) error {
 }
 
 // mountProcessFor returns the pid of a running "mtcfs mount" process (not this one) whose
-// arguments name abs, or 0. A killed agent whose exit hangs has no command line any more (its
-// main thread is gone), so it does not count.
+// arguments name abs, or 0. A process that is exiting (a zombie, or SIGKILL pending: a killed
+// agent whose exit waits on a thread stuck in the kernel) does not count. Only processes whose
+// name says mtcfs are read further (reading a command line takes the process's memory lock).
 func mountProcessFor(abs string) int {
-	cmdlines, _ := filepath.Glob("/proc/[0-9]*/cmdline")
-	for _, p := range cmdlines {
-		pid, err := strconv.Atoi(filepath.Base(filepath.Dir(p)))
+	comms, _ := filepath.Glob("/proc/[0-9]*/comm")
+	for _, c := range comms {
+		proc := filepath.Dir(c)
+		pid, err := strconv.Atoi(filepath.Base(proc))
 		if err != nil || pid == os.Getpid() {
 			continue
 		}
-		data, err := os.ReadFile(p)
+		if comm, err := os.ReadFile(c); err != nil || !strings.Contains(string(comm), "mtcfs") || exiting(proc) {
+			continue
+		}
+		data, err := os.ReadFile(filepath.Join(proc, "cmdline"))
 		if err != nil {
 			continue
 		}
@@ -256,7 +263,7 @@ func mountProcessFor(abs string) int {
 		if len(argv) < 3 || !strings.Contains(filepath.Base(argv[0]), "mtcfs") || argv[1] != "mount" {
 			continue
 		}
-		cwd, _ := os.Readlink(filepath.Join("/proc", strconv.Itoa(pid), "cwd"))
+		cwd, _ := os.Readlink(filepath.Join(proc, "cwd"))
 		for _, a := range argv[2:] {
 			if strings.HasPrefix(a, "-") {
 				continue
@@ -270,6 +277,30 @@ func mountProcessFor(abs string) int {
 		}
 	}
 	return 0
+}
+
+// exiting reports whether the process whose /proc directory is proc is a zombie or dead, or has
+// SIGKILL pending (for the whole process or its main thread).
+func exiting(proc string) bool {
+	data, err := os.ReadFile(filepath.Join(proc, "status"))
+	if err != nil {
+		return true
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		k, v, _ := strings.Cut(line, ":")
+		v = strings.TrimSpace(v)
+		switch k {
+		case "State":
+			if strings.HasPrefix(v, "Z") || strings.HasPrefix(v, "X") {
+				return true
+			}
+		case "SigPnd", "ShdPnd":
+			if mask, err := strconv.ParseUint(v, 16, 64); err == nil && mask&(1<<(unix.SIGKILL-1)) != 0 {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // isFuseMountPoint reports whether a FUSE filesystem is mounted exactly at abs.

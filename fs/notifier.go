@@ -31,11 +31,14 @@ import (
 // and exits; the last descriptor closed, the kernel aborts the connection and the mount answers
 // ENOTCONN as after any kill. If a job's request still waited unread when the agent died (all
 // its reading threads busy), the helper's write would wait for it: the helper then aborts the
-// connection itself (as root, fusectl) a second after the agent is gone.
+// connection itself (fusectl; a user's own mount where fusectl is mounted) a second after the
+// agent is gone, and again every second while that write waits.
 //
 // The helper is this same executable, started again with notifierEnv set (see init); it holds
-// nothing but its socket to the agent and the cloned descriptor, and ignores the job-control
-// signals, so that a Ctrl-C to the agent's terminal leaves it to the agent to stop. Where it
+// nothing but its socket to the agent, the cloned descriptor and the pipe (no stdout, stderr or
+// working directory of the agent's), and ignores the job-control signals, so that a Ctrl-C to
+// the agent's terminal leaves it to the agent to stop. It runs the agent's own executable as it
+// was started (/proc/self/exe), even after an upgrade replaced the file. Where it
 // cannot be started, the agent writes the notifications itself, as before.
 
 const notifierEnv = "MTCFS_FUSE_NOTIFIER"
@@ -60,9 +63,13 @@ type notifierHelper struct {
 // startNotifier starts a helper that writes notifications on a clone of the mount's /dev/fuse
 // descriptor fd, for the mount at dir.
 func startNotifier(fd int, dir string) (*notifierHelper, error) {
-	exe, err := os.Executable()
-	if err != nil {
-		return nil, err
+	// The running executable itself, even if its file was replaced (an upgrade in place) or
+	// removed since: a newer or older binary at its path might not be this helper.
+	exe := "/proc/self/exe"
+	if _, err := os.Stat(exe); err != nil {
+		if exe, err = os.Executable(); err != nil {
+			return nil, err
+		}
 	}
 	// No mount may take the clone for its own device meanwhile (see newServer).
 	deviceMu.Lock()
@@ -90,11 +97,13 @@ func startNotifier(fd int, dir string) (*notifierHelper, error) {
 	}
 	defer lifeR.Close()
 	cmd := &exec.Cmd{
-		Path:        exe,
-		Args:        []string{"mtcfs-fuse-notifier", dir},
-		Env:         append(os.Environ(), notifierEnv+"=1"),
-		ExtraFiles:  []*os.File{theirs, cloneFile, lifeR}, // fds 3, 4 and 5
-		Stderr:      os.Stderr,
+		Path:       exe,
+		Args:       []string{"mtcfs-fuse-notifier", dir},
+		Env:        append(os.Environ(), notifierEnv+"=1"),
+		ExtraFiles: []*os.File{theirs, cloneFile, lifeR}, // fds 3, 4 and 5
+		Dir:        "/",
+		// No stdout or stderr: a helper that outlives the agent for a moment must not hold a
+		// supervisor's pipe open. (It prints nothing; the agent logs what goes wrong with it.)
 		SysProcAttr: &syscall.SysProcAttr{Setpgid: true},
 	}
 	if err := cmd.Start(); err != nil {
@@ -133,26 +142,33 @@ func (h *notifierHelper) close() {
 // It returns the exit code.
 func runNotifier() int {
 	signal.Ignore(syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGQUIT, syscall.SIGPIPE)
+	// Its name in ps and top (it runs from init, on the main thread): "exe" otherwise, from
+	// /proc/self/exe.
+	name := []byte("mtcfs-notifier\x00")
+	unix.Prctl(unix.PR_SET_NAME, uintptr(unsafe.Pointer(&name[0])), 0, 0, 0)
 	conn, dev, life := os.NewFile(3, "notifier"), os.NewFile(4, "/dev/fuse"), os.NewFile(5, "life")
 	if conn == nil || dev == nil || life == nil {
 		return 2
 	}
-	var writing atomic.Bool
+	var writing, agentGone atomic.Bool
 	go func() {
 		var b [1]byte
 		life.Read(b[:]) // returns once the agent has closed its end: stopped, or gone
-		time.Sleep(time.Second)
-		if writing.Load() && len(os.Args) > 1 && os.Geteuid() == 0 {
+		agentGone.Store(true)
+		for time.Sleep(time.Second); writing.Load(); time.Sleep(time.Second) {
 			// A write still waits, for a request no one will read: abort the connection,
-			// which ends it and the write.
-			fusectl.Abort(os.Args[1])
+			// which ends it and the write. (fusectl's files belong to the user who mounted:
+			// a user's helper may abort its own mount where fusectl is mounted.)
+			if len(os.Args) > 1 {
+				fusectl.Abort(os.Args[1])
+			}
 		}
 	}()
 	buf := make([]byte, 4096)
 	for {
 		n, err := conn.Read(buf)
-		if err != nil || n == 0 {
-			return 0
+		if err != nil || n == 0 || agentGone.Load() {
+			return 0 // nobody needs a notification any more once the agent is gone
 		}
 		writing.Store(true)
 		_, err = dev.Write(buf[:n])

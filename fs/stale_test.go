@@ -48,9 +48,6 @@ func hungMount(t *testing.T) string {
 // process claims is aborted and detached, and what waited on it is freed.
 func TestDetachStaleAbortsAMountThatDoesNotAnswer(t *testing.T) {
 	dir := hungMount(t)
-	old := staleAnswerTimeout
-	staleAnswerTimeout = 300 * time.Millisecond
-	t.Cleanup(func() { staleAnswerTimeout = old })
 
 	waiter := make(chan error, 1)
 	go func() { // a job's access, waiting on the mount
@@ -63,7 +60,7 @@ func TestDetachStaleAbortsAMountThatDoesNotAnswer(t *testing.T) {
 	case <-time.After(200 * time.Millisecond):
 	}
 
-	detached, err := DetachStale(dir)
+	detached, err := DetachStale(dir, 300*time.Millisecond)
 	if err != nil || !detached {
 		t.Fatalf("DetachStale = %v, %v; want the hung mount detached", detached, err)
 	}

@@ -248,7 +248,7 @@ func TestKillAndRestart(t *testing.T) {
 }
 
 // TestStoppedAgentsMountIsNotTakenOver: a mount whose agent is stopped (SIGSTOP) does not
-// answer; a second agent started on it waits a few seconds for an answer, then refuses, naming
+// answer; a second agent started on it waits --takeover-after for an answer, then refuses, naming
 // the stopped agent, and leaves the mount alone: it is not stale, its agent may resume. (A mount
 // that does not answer and that no agent process claims any more is aborted and replaced:
 // fs's TestDetachStaleAbortsAMountThatDoesNotAnswer.)
@@ -262,7 +262,7 @@ func TestStoppedAgentsMountIsNotTakenOver(t *testing.T) {
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGSTOP))
 	t.Cleanup(func() { a.cmd.Process.Signal(syscall.SIGCONT) })
 
-	out, code := runMtcfs(t, "mount", dir, "--spool", filepath.Join(base, "spool2"), "--memory", "64MiB")
+	out, code := runMtcfs(t, "mount", dir, "--spool", filepath.Join(base, "spool2"), "--memory", "64MiB", "--takeover-after", "2s")
 	require.NotEqual(t, 0, code, out)
 	assert.Contains(t, out, "does not answer")
 	assert.Contains(t, out, fmt.Sprintf("agent process %d that mounted it still runs", a.cmd.Process.Pid))
@@ -321,6 +321,7 @@ func TestMountErrors(t *testing.T) {
 		{"budget too small", []string{"mount", base, "--memory", "1MiB", "--spool", filepath.Join(base, "s")}, 1, "below the minimum"},
 		{"budget above the machine", []string{"mount", base, "--memory", "1000TiB"}, 2, "more than this machine's memory"},
 		{"bad drain timeout", []string{"mount", base, "--drain-timeout", "-1s"}, 2, "want a duration ≥ 0"},
+		{"bad takeover time", []string{"mount", base, "--takeover-after", "0s"}, 2, "want a duration > 0"},
 		{"bad go memory limit", []string{"mount", base, "--go-memory-limit", "lots"}, 2, "want auto, off or a size"},
 		{"bad log format", []string{"mount", base, "--log-format", "xml"}, 2, "want json or text"},
 		{"bad passthrough", []string{"mount", base, "--passthrough", "maybe"}, 2, "want auto, on or off"},

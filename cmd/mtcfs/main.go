@@ -17,7 +17,7 @@ Usage:
                   [--listen HOST:PORT] [--advertise HOST:PORT] [--peers RANK=HOST:PORT,...]
                   [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F]
                   [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]
-                  [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--go-memory-limit auto|off|SIZE]
+                  [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--takeover-after DURATION] [--go-memory-limit auto|off|SIZE]
                   [--uid N --gid N --mode OCTAL]
   mtcfs status [DIR] [--http HOST:PORT] [--json]
   mtcfs backups list|verify [NAME] --backup URL --job NAME

@@ -25,7 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
-const mountSynopsis = "mtcfs mount DIR [--backup URL] [--backup-compress auto|off] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--peer-compress auto|on|off] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--go-memory-limit auto|off|SIZE] [--uid N --gid N --mode OCTAL]"
+const mountSynopsis = "mtcfs mount DIR [--backup URL] [--backup-compress auto|off] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--peer-compress auto|on|off] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--takeover-after DURATION] [--go-memory-limit auto|off|SIZE] [--uid N --gid N --mode OCTAL]"
 
 type mountConfig struct {
 	dir          string
@@ -46,6 +46,7 @@ type mountConfig struct {
 	peerTLS      *replication.TLSConfigs
 	peerCompress replication.Compression
 	drain        time.Duration
+	takeover     time.Duration
 	owner        mfs.RootOwner
 }
 
@@ -108,6 +109,7 @@ func cmdMount(args []string) int {
 	mode := fset.String("mode", "", "permission bits of the mount root in octal, e.g. 0770 (default: the mount point directory's)")
 	goMem := fset.String("go-memory-limit", "auto", "the Go runtime's soft memory limit: auto (90% of what a memory cgroup limit leaves beside --memory; none without one), off, or a size; GOMEMLIMIT wins")
 	drain := fset.Duration("drain-timeout", tiers.DefaultDrainTimeout, "on SIGTERM/SIGINT, how long a running backup may finish before it is cut short (left incomplete, retried by the next agent)")
+	takeover := fset.Duration("takeover-after", mfs.DefaultTakeoverAfter, "how long a mount already at DIR may leave a request unanswered before it is taken over (its connection aborted, as root) when no mtcfs mount process for DIR runs")
 	pos, err := parseFlags(fset, args)
 	if err != nil {
 		return flagError(fset, err)
@@ -126,7 +128,10 @@ func cmdMount(args []string) int {
 	if *drain == 0 {
 		*drain = -1 // tiers reads 0 as "the default": 0s means no drain at all
 	}
-	cfg := mountConfig{peerCompress: peerCompress, dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile, drain: *drain}
+	if *takeover <= 0 {
+		return flagError(fset, fmt.Errorf("--takeover-after %v: want a duration > 0, such as 30s", *takeover))
+	}
+	cfg := mountConfig{peerCompress: peerCompress, dir: pos[0], spoolDir: *spoolDir, httpAddr: *httpAddr, debugFuse: *debugFuse, backupURL: *backup, xattrs: *xattrs, listen: *listen, secretFile: *secretFile, drain: *drain, takeover: *takeover}
 	if cfg.compress, err = gcsbackend.ParseCompression(*compress); err != nil {
 		return flagError(fset, fmt.Errorf("--backup-compress: %w", err))
 	}
@@ -227,7 +232,7 @@ func runMount(cfg mountConfig) error {
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	defer signal.Stop(sigs)
 
-	if detached, err := mfs.DetachStale(cfg.dir); err != nil {
+	if detached, err := mfs.DetachStale(cfg.dir, cfg.takeover); err != nil {
 		return err
 	} else if detached {
 		slog.Warn("detached a stale mount left by an agent that died", "dir", tiers.ResolveMountPath(cfg.dir))

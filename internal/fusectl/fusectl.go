@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -44,15 +45,41 @@ func connectionOf(dir string) (string, bool, error) {
 	if err != nil {
 		return "", false, err
 	}
-	for _, line := range strings.Split(string(data), "\n") {
+	minor, ok := connectionIn(string(data), dir)
+	return minor, ok, nil
+}
+
+// connectionIn finds dir's FUSE connection in the text of a mountinfo file, whose mount points
+// escape a space, tab, newline and backslash in octal (\040).
+func connectionIn(mountinfo, dir string) (string, bool) {
+	for _, line := range strings.Split(mountinfo, "\n") {
 		// 36 35 0:43 / /mnt rw,... shared:1 - fuse.mtcfs mtcfs rw,...
 		pre, post, found := strings.Cut(line, " - ")
 		f, g := strings.Fields(pre), strings.Fields(post)
-		if !found || len(f) < 5 || len(g) < 1 || f[4] != dir || !strings.HasPrefix(g[0], "fuse") {
+		if !found || len(f) < 5 || len(g) < 1 || unescape(f[4]) != dir || !strings.HasPrefix(g[0], "fuse") {
 			continue
 		}
 		_, minor, ok := strings.Cut(f[2], ":")
-		return minor, ok, nil
+		return minor, ok
 	}
-	return "", false, nil
+	return "", false
+}
+
+// unescape undoes mountinfo's octal escapes.
+func unescape(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
 }
