@@ -163,6 +163,7 @@ func runNotifier() int {
 				fusectl.Abort(os.Args[1])
 			}
 		}
+		os.Exit(0) // nothing waits any more; the socket may not have ended yet
 	}()
 	buf := make([]byte, 4096)
 	for {

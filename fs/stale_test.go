@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/hanwen/go-fuse/v2/fuse"
 	"github.com/mtcfs/mtcfs/internal/fusectl"
 )
 
@@ -151,4 +152,73 @@ func kernelStacks(pid int) string {
 		b.Write(st)
 	}
 	return b.String()
+}
+
+// TestHelperAbortsWhenTheAgentIsGoneMidWrite: the helper's write waits for the root's lock, held
+// by a job's lookup that no one will answer, when the agent goes away (here: its end of the
+// helper's life pipe is closed, as the kernel does when the agent exits). The helper then aborts
+// the connection, which ends the lookup and its own write, and exits; the mount answers ENOTCONN.
+func TestHelperAbortsWhenTheAgentIsGoneMidWrite(t *testing.T) {
+	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
+	e := srv.ns.m.notifier
+	if e == nil || !e.usesHelper() {
+		t.Fatal("the mount has no notification helper")
+	}
+	h := e.helper
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	hook := func(name string) {
+		if name == "stalled" {
+			once.Do(func() { close(entered) })
+			<-release
+		}
+	}
+	lookupHook.Store(&hook)
+	t.Cleanup(func() { lookupHook.Store(nil); close(release) })
+
+	job := make(chan error, 1)
+	go func() {
+		_, err := os.Stat(filepath.Join(dir, "stalled"))
+		job <- err
+	}()
+	select {
+	case <-entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the stalled lookup never reached the agent")
+	}
+	sent := make(chan error, 1)
+	go func() { sent <- e.expire(fuse.FUSE_ROOT_ID, "other") }()
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(kernelStacks(h.cmd.Process.Pid), "fuse_reverse_inval_entry") {
+		if time.Now().After(deadline) {
+			t.Fatal("the helper never waited for the root's lock")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	h.life.Close() // the agent is gone, as far as the helper can tell
+
+	select {
+	case err := <-job:
+		if !errors.Is(err, unix.ECONNABORTED) && !errors.Is(err, unix.ENOTCONN) {
+			t.Errorf("the job's lookup returned %v, want the connection aborted", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the job's lookup still waits: the helper did not abort the connection")
+	}
+	select {
+	case <-sent:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the notification still waits after the abort")
+	}
+	pid := h.cmd.Process.Pid // reaped by startNotifier's cmd.Wait once it exits
+	for deadline := time.Now().Add(5 * time.Second); unix.Kill(pid, 0) == nil; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Error("the helper did not exit")
+			break
+		}
+	}
+	var st unix.Statfs_t // statfs always asks the server (a stat may come from the kernel's cache)
+	if err := unix.Statfs(dir, &st); !errors.Is(err, unix.ENOTCONN) {
+		t.Errorf("the mount answers %v after the abort, want ENOTCONN", err)
+	}
 }
