@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -193,7 +192,7 @@ func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 		}
 		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", what)
 	case errors.Is(err, errNoAnswer):
-		if pid := mountProcessFor(abs); pid > 0 {
+		if pid := tiers.MountProcessFor(abs); pid > 0 {
 			return false, fmt.Errorf("%s is a FUSE mount that does not answer (nothing within %v), and the agent process %d that mounted it still runs (stopped? see its state in /proc/%d/status); stop it first", abs, takeoverAfter, pid, pid)
 		}
 		if err := fusectl.Abort(abs); err != nil {
@@ -240,69 +239,6 @@ func statfsWithin(p string, d time.Duration) error {
 	}
 }
 
-// mountProcessFor returns the pid of a running "mtcfs mount" process (not this one) whose
-// arguments name abs, or 0. A process that is exiting (a zombie, or SIGKILL pending: a killed
-// agent whose exit waits on a thread stuck in the kernel) does not count. Only processes whose
-// name says mtcfs are read further (reading a command line takes the process's memory lock).
-func mountProcessFor(abs string) int {
-	comms, _ := filepath.Glob("/proc/[0-9]*/comm")
-	for _, c := range comms {
-		proc := filepath.Dir(c)
-		pid, err := strconv.Atoi(filepath.Base(proc))
-		if err != nil || pid == os.Getpid() {
-			continue
-		}
-		if comm, err := os.ReadFile(c); err != nil || !strings.Contains(string(comm), "mtcfs") || exiting(proc) {
-			continue
-		}
-		data, err := os.ReadFile(filepath.Join(proc, "cmdline"))
-		if err != nil {
-			continue
-		}
-		argv := strings.Split(strings.TrimRight(string(data), "\x00"), "\x00")
-		if len(argv) < 3 || !strings.Contains(filepath.Base(argv[0]), "mtcfs") || argv[1] != "mount" {
-			continue
-		}
-		cwd, _ := os.Readlink(filepath.Join(proc, "cwd"))
-		for _, a := range argv[2:] {
-			if strings.HasPrefix(a, "-") {
-				continue
-			}
-			if !filepath.IsAbs(a) {
-				a = filepath.Join(cwd, a)
-			}
-			if filepath.Clean(a) == abs || tiers.ResolveMountPath(a) == abs {
-				return pid
-			}
-		}
-	}
-	return 0
-}
-
-// exiting reports whether the process whose /proc directory is proc is a zombie or dead, or has
-// SIGKILL pending (for the whole process or its main thread).
-func exiting(proc string) bool {
-	data, err := os.ReadFile(filepath.Join(proc, "status"))
-	if err != nil {
-		return true
-	}
-	for _, line := range strings.Split(string(data), "\n") {
-		k, v, _ := strings.Cut(line, ":")
-		v = strings.TrimSpace(v)
-		switch k {
-		case "State":
-			if strings.HasPrefix(v, "Z") || strings.HasPrefix(v, "X") {
-				return true
-			}
-		case "SigPnd", "ShdPnd":
-			if mask, err := strconv.ParseUint(v, 16, 64); err == nil && mask&(1<<(unix.SIGKILL-1)) != 0 {
-				return true
-			}
-		}
-	}
-	return false
-}
-
 // isFuseMountPoint reports whether a FUSE filesystem is mounted exactly at abs.
 func isFuseMountPoint(abs string) bool {
 	f, err := os.Open("/proc/self/mountinfo")
@@ -327,31 +263,11 @@ func isFuseMountPoint(abs string) bool {
 		if sep < 0 || sep+1 >= len(fields) {
 			continue
 		}
-		if unescapeMountPath(fields[4]) == abs && strings.HasPrefix(fields[sep+1], "fuse") {
+		if fusectl.UnescapePath(fields[4]) == abs && strings.HasPrefix(fields[sep+1], "fuse") {
 			return true
 		}
 	}
 	return false
-}
-
-// unescapeMountPath undoes the octal escapes (\040 for a space) of /proc/self/mountinfo.
-func unescapeMountPath(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			var v int
-			if _, err := fmt.Sscanf(s[i+1:i+4], "%03o", &v); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // Mount serves an empty mtcfs filesystem at dir until Unmount. A symlink is resolved: the

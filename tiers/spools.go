@@ -22,6 +22,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mtcfs/mtcfs/internal/fusectl"
 	"github.com/mtcfs/mtcfs/layout"
 )
 
@@ -345,6 +346,7 @@ func (h Spools) user(s SpoolInfo, agents []SpoolUser, procs []mountProc) (bool, 
 // mountProc is a running "mtcfs mount" process and the spool directories it may use.
 type mountProc struct {
 	pid    int
+	dir    string // its mount directory, absolute ("" if its command line names none)
 	spools []string
 }
 
@@ -394,6 +396,9 @@ func mountProcesses() []mountProc {
 			}
 		}
 		mp := mountProc{pid: pid}
+		if dir != "" {
+			mp.dir = abs(dir)
+		}
 		if spool != "" {
 			mp.spools = append(mp.spools, abs(spool))
 		} else if dir != "" {
@@ -403,6 +408,42 @@ func mountProcesses() []mountProc {
 		out = append(out, mp)
 	}
 	return out
+}
+
+// MountProcessFor returns the pid of a running "mtcfs mount" process (not this one) whose mount
+// directory is dir (absolute, symlinks resolved as ResolveMountPath does), or 0. A process that is
+// exiting (a zombie, or SIGKILL pending: a killed agent whose exit waits on a thread stuck in the
+// kernel) does not count.
+func MountProcessFor(dir string) int {
+	for _, mp := range mountProcesses() {
+		if mp.dir == "" || (mp.dir != dir && ResolveMountPath(mp.dir) != dir) {
+			continue
+		}
+		if status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", mp.pid)); err == nil && !exitingStatus(string(status)) {
+			return mp.pid
+		}
+	}
+	return 0
+}
+
+// exitingStatus reports whether a /proc/PID/status text is of a zombie or dead process, or of
+// one with SIGKILL pending (for the whole process, ShdPnd, or its main thread, SigPnd).
+func exitingStatus(status string) bool {
+	for _, line := range strings.Split(status, "\n") {
+		k, v, _ := strings.Cut(line, ":")
+		v = strings.TrimSpace(v)
+		switch k {
+		case "State":
+			if strings.HasPrefix(v, "Z") || strings.HasPrefix(v, "X") {
+				return true
+			}
+		case "SigPnd", "ShdPnd":
+			if mask, err := strconv.ParseUint(v, 16, 64); err == nil && mask&(1<<(unix.SIGKILL-1)) != 0 {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 func isBoolMountFlag(a string) bool {
@@ -501,7 +542,7 @@ func spoolTmpfsMounts() []string {
 		if sep < 5 || sep+2 >= len(fields) || fields[sep+1] != "tmpfs" || fields[sep+2] != spoolTmpfsSource {
 			continue
 		}
-		if p := unescapeMountinfo(fields[4]); !seen[p] {
+		if p := fusectl.UnescapePath(fields[4]); !seen[p] {
 			seen[p] = true
 			out = append(out, p)
 		}
@@ -516,25 +557,6 @@ func isSpoolTmpfs(dir string) bool {
 		}
 	}
 	return false
-}
-
-// unescapeMountinfo undoes the octal escapes (\040 for a space) of /proc/self/mountinfo.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // distinctFileBytes is the size of the distinct files below dir (hard links counted once: sealed data

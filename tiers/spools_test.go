@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/mtcfs/mtcfs/internal/fusectl"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -139,7 +140,7 @@ func TestSpoolHelpers(t *testing.T) {
 		`/tab\011x\134y`:  "/tab\tx\\y",
 		`/not\9escape\04`: `/not\9escape\04`,
 	} {
-		assert.Equal(t, want, unescapeMountinfo(in), "%s", in)
+		assert.Equal(t, want, fusectl.UnescapePath(in), "%s", in)
 	}
 	assert.Equal(t, "/ckpt/run-1", shellQuote("/ckpt/run-1"))
 	assert.Equal(t, `'/ckpt/it'\''s here'`, shellQuote("/ckpt/it's here"))
@@ -149,4 +150,26 @@ func TestSpoolHelpers(t *testing.T) {
 	require.NoError(t, os.WriteFile(filepath.Join(base, "data"), make([]byte, 1000), 0o644))
 	require.NoError(t, os.Link(filepath.Join(base, "data"), filepath.Join(base, "link")))
 	assert.Equal(t, int64(1000), distinctFileBytes(base))
+}
+
+// TestExitingStatus: a zombie, a dead process, or one with SIGKILL pending (for the process or
+// its main thread) is exiting; a stopped or running one with other signals pending is not.
+func TestExitingStatus(t *testing.T) {
+	status := func(state, sigPnd, shdPnd string) string {
+		return "Name:\tmtcfs\nState:\t" + state + "\nTgid:\t42\nSigPnd:\t" + sigPnd + "\nShdPnd:\t" + shdPnd + "\nSigBlk:\t0000000000000000\n"
+	}
+	for _, c := range []struct {
+		state, sigPnd, shdPnd string
+		want                  bool
+	}{
+		{"S (sleeping)", "0000000000000000", "0000000000000000", false},
+		{"T (stopped)", "0000000000000000", "0000000000040000", false}, // SIGCONT pending
+		{"Z (zombie)", "0000000000000000", "0000000000000000", true},
+		{"X (dead)", "0000000000000000", "0000000000000000", true},
+		{"D (disk sleep)", "0000000000000000", "0000000000000100", true}, // SIGKILL, whole process
+		{"S (sleeping)", "0000000000000100", "0000000000000000", true},   // SIGKILL, main thread
+		{"S (sleeping)", "0000000000000080", "0000000000000200", false},  // SIGSEGV, SIGUSR1
+	} {
+		assert.Equal(t, c.want, exitingStatus(status(c.state, c.sigPnd, c.shdPnd)), "%+v", c)
+	}
 }

@@ -56,7 +56,7 @@ func connectionIn(mountinfo, dir string) (string, bool) {
 		// 36 35 0:43 / /mnt rw,... shared:1 - fuse.mtcfs mtcfs rw,...
 		pre, post, found := strings.Cut(line, " - ")
 		f, g := strings.Fields(pre), strings.Fields(post)
-		if !found || len(f) < 5 || len(g) < 1 || unescape(f[4]) != dir || !strings.HasPrefix(g[0], "fuse") {
+		if !found || len(f) < 5 || len(g) < 1 || UnescapePath(f[4]) != dir || !strings.HasPrefix(g[0], "fuse") {
 			continue
 		}
 		_, minor, ok := strings.Cut(f[2], ":")
@@ -65,8 +65,9 @@ func connectionIn(mountinfo, dir string) (string, bool) {
 	return "", false
 }
 
-// unescape undoes mountinfo's octal escapes.
-func unescape(s string) string {
+// UnescapePath undoes the octal escapes (\040 for a space, \011, \012, \134) of a path in
+// /proc/self/mountinfo or /proc/self/mounts.
+func UnescapePath(s string) string {
 	if !strings.Contains(s, `\`) {
 		return s
 	}
