@@ -24,7 +24,9 @@ func hungMount(t *testing.T) string {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root to mount")
 	}
-	dir := filepath.Join(t.TempDir(), "mnt")
+	// A space in the path: mountinfo escapes it (\040), and the abort must find the mount all
+	// the same.
+	dir := filepath.Join(t.TempDir(), "hung mnt")
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -90,42 +92,14 @@ func TestNotificationsWaitInTheHelper(t *testing.T) {
 		t.Fatal("the mount has no notification helper")
 	}
 	helper := e.helper.cmd.Process.Pid
-	entered, release := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	hook := func(name string) {
-		if name == "stalled" {
-			once.Do(func() { close(entered) })
-			<-release
-		}
-	}
-	lookupHook.Store(&hook)
-	t.Cleanup(func() { lookupHook.Store(nil) })
-	released := false
-	defer func() {
-		if !released {
-			close(release)
-		}
-	}()
-
-	go os.Stat(filepath.Join(dir, "stalled")) // the job's lookup: holds the root's lock, waits for the agent
-	select {
-	case <-entered:
-	case <-time.After(5 * time.Second):
-		t.Fatal("the stalled lookup never reached the agent")
-	}
+	_, release := stallLookup(t, dir)
 	done := make(chan struct{})
 	go func() {
 		srv.ns.changed("other")
 		close(done)
 	}()
 	const inval = "fuse_reverse_inval_entry"
-	deadline := time.Now().Add(5 * time.Second)
-	for !strings.Contains(kernelStacks(helper), inval) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the helper never waited in %s; its threads:\n%s", inval, kernelStacks(helper))
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitInKernel(t, helper, inval)
 	if s := kernelStacks(os.Getpid()); strings.Contains(s, inval) {
 		t.Fatalf("a thread of the mounting process waits in %s:\n%s", inval, s)
 	}
@@ -134,12 +108,50 @@ func TestNotificationsWaitInTheHelper(t *testing.T) {
 		t.Fatal("the notification went through while the root's lock was held")
 	default:
 	}
-	close(release)
-	released = true
+	release()
 	select {
 	case <-done:
 	case <-time.After(5 * time.Second):
 		t.Fatal("the notification still waits after the lookup was answered")
+	}
+}
+
+// stallLookup makes a job's lookup of "stalled" at the root of the mount at dir wait in the
+// mount's LOOKUP (lookupHook) until release, or the test's end: the kernel holds the root's lock
+// meanwhile. It returns once the lookup has reached the mount; job receives the lookup's error.
+func stallLookup(t *testing.T, dir string) (job <-chan error, release func()) {
+	t.Helper()
+	entered, released := make(chan struct{}), make(chan struct{})
+	var enter, free sync.Once
+	hook := func(name string) {
+		if name == "stalled" {
+			enter.Do(func() { close(entered) })
+			<-released
+		}
+	}
+	lookupHook.Store(&hook)
+	release = func() { free.Do(func() { close(released) }) }
+	t.Cleanup(func() { lookupHook.Store(nil); release() })
+	errc := make(chan error, 1)
+	go func() {
+		_, err := os.Stat(filepath.Join(dir, "stalled"))
+		errc <- err
+	}()
+	select {
+	case <-entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the stalled lookup never reached the agent")
+	}
+	return errc, release
+}
+
+// waitInKernel waits until a thread of process pid waits in the kernel function fn.
+func waitInKernel(t *testing.T, pid int, fn string) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(kernelStacks(pid), fn); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d never waited in %s; its threads:\n%s", pid, fn, kernelStacks(pid))
+		}
 	}
 }
 
@@ -165,36 +177,10 @@ func TestHelperAbortsWhenTheAgentIsGoneMidWrite(t *testing.T) {
 		t.Fatal("the mount has no notification helper")
 	}
 	h := e.helper
-	entered, release := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	hook := func(name string) {
-		if name == "stalled" {
-			once.Do(func() { close(entered) })
-			<-release
-		}
-	}
-	lookupHook.Store(&hook)
-	t.Cleanup(func() { lookupHook.Store(nil); close(release) })
-
-	job := make(chan error, 1)
-	go func() {
-		_, err := os.Stat(filepath.Join(dir, "stalled"))
-		job <- err
-	}()
-	select {
-	case <-entered:
-	case <-time.After(5 * time.Second):
-		t.Fatal("the stalled lookup never reached the agent")
-	}
+	job, _ := stallLookup(t, dir)
 	sent := make(chan error, 1)
 	go func() { sent <- e.expire(fuse.FUSE_ROOT_ID, "other") }()
-	deadline := time.Now().Add(5 * time.Second)
-	for !strings.Contains(kernelStacks(h.cmd.Process.Pid), "fuse_reverse_inval_entry") {
-		if time.Now().After(deadline) {
-			t.Fatal("the helper never waited for the root's lock")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitInKernel(t, h.cmd.Process.Pid, "fuse_reverse_inval_entry")
 	h.life.Close() // the agent is gone, as far as the helper can tell
 
 	select {
