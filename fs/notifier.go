@@ -31,7 +31,7 @@ import (
 // and exits; the last descriptor closed, the kernel aborts the connection and the mount answers
 // ENOTCONN as after any kill. If a job's request still waited unread when the agent died (all
 // its reading threads busy), the helper's write would wait for it: the helper then aborts the
-// connection itself (fusectl; a user's own mount where fusectl is mounted) a second after the
+// connection itself (fusectl, as root; a user's helper tries too, untested) a second after the
 // agent is gone, and again every second while that write waits.
 //
 // The helper is this same executable, started again with notifierEnv set (see init); it holds
@@ -157,8 +157,8 @@ func runNotifier() int {
 		agentGone.Store(true)
 		for time.Sleep(time.Second); writing.Load(); time.Sleep(time.Second) {
 			// A write still waits, for a request no one will read: abort the connection,
-			// which ends it and the write. (fusectl's files belong to the user who mounted:
-			// a user's helper may abort its own mount where fusectl is mounted.)
+			// which ends it and the write. (A user's helper tries too: fusectl's files are
+			// said to belong to the user who mounted; not tried here.)
 			if len(os.Args) > 1 {
 				fusectl.Abort(os.Args[1])
 			}
