@@ -115,6 +115,16 @@ func (d *Dir) Open(rel string, flags int, perm uint32) (*os.File, error) {
 	return os.NewFile(uintptr(fd), d.errPath(rel)), nil
 }
 
+// openRaw opens the file at rel for reading as a bare descriptor (hashFile's), non-blocking so
+// that a FIFO where a file was listed cannot block the open.
+func (d *Dir) openRaw(rel string) (int, error) {
+	fd, err := d.openAt(rel, unix.O_RDONLY|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return -1, &os.PathError{Op: "open", Path: d.errPath(rel), Err: err}
+	}
+	return fd, nil
+}
+
 // OpenDir opens the directory at rel as a Dir of its own.
 func (d *Dir) OpenDir(rel string) (*Dir, error) {
 	fd, err := d.openAt(rel, unix.O_RDONLY|unix.O_DIRECTORY, 0)

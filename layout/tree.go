@@ -69,6 +69,7 @@ import (
 	"syscall"
 
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/sys/unix"
 	"lukechampine.com/blake3"
 	"lukechampine.com/blake3/guts"
 )
@@ -423,7 +424,7 @@ func (d *Dir) treeHash(ctx context.Context, entries []TreeEntry, keys []digestKe
 // whose size is not its entry's fails. cache may be nil.
 func HashEntries(ctx context.Context, root string, entries []TreeEntry, cache *DigestCache) error {
 	if len(entries) == 1 && entries[0].Path == "" {
-		size, d, err := hashFile(ctx, root, cache, func() (*os.File, error) { return os.Open(root) })
+		size, d, err := hashFile(ctx, root, cache, func() (int, error) { return openRaw(root) })
 		if err == nil && size != entries[0].Size {
 			err = fmt.Errorf("%s: %d bytes, want %d (changed while hashing?)", root, size, entries[0].Size)
 		}
@@ -481,7 +482,7 @@ func (d *Dir) hashEntries(ctx context.Context, entries []TreeEntry, keys []diges
 					return nil
 				}
 				e := &entries[todo[j]]
-				size, dg, err := hashFile(gctx, e.Path, cache, func() (*os.File, error) { return d.Open(e.Path, os.O_RDONLY, 0) })
+				size, dg, err := hashFile(gctx, e.Path, cache, func() (int, error) { return d.openRaw(e.Path) })
 				if err != nil {
 					return err
 				}
@@ -513,35 +514,100 @@ func ListTree(dir string) ([]TreeEntry, error) {
 // hashPath hashes the regular file at name, returning its size and digest. With a cache, a
 // digest computed earlier for the same file (same inode, size and mtime) is reused.
 func hashPath(ctx context.Context, name string, cache *DigestCache) (int64, FileDigest, error) {
-	return hashFile(ctx, name, cache, func() (*os.File, error) { return os.Open(name) })
+	return hashFile(ctx, name, cache, func() (int, error) { return openRaw(name) })
 }
 
-// hashFile hashes the regular file open returns (name is for messages), as hashPath.
-func hashFile(ctx context.Context, name string, cache *DigestCache, open func() (*os.File, error)) (int64, FileDigest, error) {
-	f, err := open()
+// openRaw opens the file at name for hashFile. O_NONBLOCK: a FIFO put where a file was listed
+// fails to hash (not a regular file) instead of blocking the open.
+func openRaw(name string) (int, error) {
+	for {
+		fd, err := unix.Open(name, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return -1, &os.PathError{Op: "open", Path: name, Err: err}
+		}
+		return fd, nil
+	}
+}
+
+// hashFile hashes the regular file open returns (name is for messages), as hashPath. It works on
+// the bare descriptor, not an *os.File: a restart verifies every file of every step this way,
+// and for files of a few KiB os.NewFile, its Stat and its Close cost as much CPU as the hashing
+// (issue 12's restart handshake over 100,000 files).
+func hashFile(ctx context.Context, name string, cache *DigestCache, open func() (int, error)) (int64, FileDigest, error) {
+	fd, err := open()
 	if err != nil {
 		return 0, FileDigest{}, err
 	}
-	defer f.Close()
-	info, err := f.Stat()
-	if err != nil {
-		return 0, FileDigest{}, err
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := fstatRetry(fd, &st); err != nil {
+		return 0, FileDigest{}, &os.PathError{Op: "stat", Path: name, Err: err}
 	}
-	if !info.Mode().IsRegular() {
-		return 0, FileDigest{}, fmt.Errorf("%s is a %v, not a regular file", name, info.Mode().Type())
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return 0, FileDigest{}, fmt.Errorf("%s is a %v, not a regular file", name, fileModeType(st.Mode))
 	}
-	key, keyed := digestKeyOf(info)
-	if d, ok := cache.get(key); keyed && ok {
-		return info.Size(), d, nil
+	key := digestKey{dev: st.Dev, ino: st.Ino, size: uint64(st.Size), mtime: st.Mtim.Nano()}
+	if d, ok := cache.get(key); ok {
+		return st.Size, d, nil
 	}
-	d, err := HashFile(ctx, f, info.Size())
+	d, err := HashFile(ctx, fdReader(fd), st.Size)
 	if err != nil {
 		return 0, FileDigest{}, fmt.Errorf("%s: %w", name, err)
 	}
-	if keyed {
-		cache.put(key, d)
+	cache.put(key, d)
+	return st.Size, d, nil
+}
+
+func fstatRetry(fd int, st *unix.Stat_t) error {
+	for {
+		if err := unix.Fstat(fd, st); err != unix.EINTR {
+			return err
+		}
 	}
-	return info.Size(), d, nil
+}
+
+// fileModeType is the type bits of a stat mode as os.FileMode, for messages.
+func fileModeType(mode uint32) os.FileMode {
+	switch mode & unix.S_IFMT {
+	case unix.S_IFDIR:
+		return os.ModeDir
+	case unix.S_IFLNK:
+		return os.ModeSymlink
+	case unix.S_IFIFO:
+		return os.ModeNamedPipe
+	case unix.S_IFSOCK:
+		return os.ModeSocket
+	case unix.S_IFCHR:
+		return os.ModeDevice | os.ModeCharDevice
+	case unix.S_IFBLK:
+		return os.ModeDevice
+	}
+	return os.ModeIrregular
+}
+
+// fdReader reads a descriptor with pread(2), as *os.File's ReadAt does, without the runtime
+// poller's bookkeeping (hashFile's files are regular files: pread never waits for the poller).
+type fdReader int
+
+func (r fdReader) ReadAt(p []byte, off int64) (int, error) {
+	n := 0
+	for n < len(p) {
+		m, err := unix.Pread(int(r), p[n:], off+int64(n))
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		if m == 0 {
+			return n, io.EOF
+		}
+		n += m
+	}
+	return n, nil
 }
 
 // DigestCache remembers file digests by file identity and version (device, inode, size,

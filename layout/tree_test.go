@@ -394,6 +394,46 @@ func TestHashDirCountsSpecialFiles(t *testing.T) {
 	}
 }
 
+// A file listed as a regular file and replaced before it is hashed by a FIFO (or grown) fails the
+// hash with a message instead of blocking the open of the FIFO for ever or hashing what the
+// listing did not see.
+func TestHashEntriesRefusesWhatTheListingDidNotSee(t *testing.T) {
+	root := makeTree(t, []treeNode{{path: "d/a", content: "x"}, {path: "d/b", content: "y"}})
+	entries, err := ListTree(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(root, "d/a")); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(filepath.Join(root, "d/a"), 0o644); err != nil {
+		t.Skipf("mkfifo: %v", err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- HashEntries(t.Context(), root, entries, nil) }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "not a regular file") {
+			t.Fatalf("HashEntries with a FIFO where a file was listed = %v, want 'not a regular file'", err)
+		}
+	case <-time.After(10 * time.Second):
+		// Unblock the open so the goroutine ends, then fail.
+		if f, err := os.OpenFile(filepath.Join(root, "d/a"), os.O_WRONLY, 0); err == nil {
+			f.Close()
+		}
+		t.Fatal("HashEntries blocked for 10 s opening a FIFO where a file was listed")
+	}
+	if err := os.Remove(filepath.Join(root, "d/a")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(root, "d/a"), []byte("xx"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := HashEntries(t.Context(), root, entries, nil); err == nil || !strings.Contains(err.Error(), "2 bytes, want 1") {
+		t.Fatalf("HashEntries of a file grown since the listing = %v, want a size mismatch", err)
+	}
+}
+
 // A tree whose paths are longer than PATH_MAX once prefixed with where it lives is listed,
 // hashed, created and read like any other.
 func TestDirLongPaths(t *testing.T) {
