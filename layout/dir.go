@@ -6,6 +6,7 @@ import (
 	"os"
 	"path"
 	"runtime"
+	"slices"
 	"strings"
 
 	"golang.org/x/sync/errgroup"
@@ -341,8 +342,24 @@ func listAt(dirfd int, rel string, out *[]TreeEntry, keys *[]digestKey) error {
 	if err != nil {
 		return err
 	}
+	// Sized once: appending 100,000 entries of 88 bytes grew and copied the slice some twenty
+	// times (a fifth of a CPU-second in a profile of a restart's adoption).
+	n := root.count()
+	*out = slices.Grow(*out, n)
+	if keys != nil {
+		*keys = slices.Grow(*keys, n)
+	}
 	root.flatten(out, keys)
 	return nil
+}
+
+// count is the number of entries flatten appends.
+func (l *dirListing) count() int {
+	n := len(l.entries)
+	for _, sub := range l.subs {
+		n += sub.count()
+	}
+	return n
 }
 
 // dirListing is one directory's entries, and the listing of each subdirectory among them.
