@@ -28,6 +28,10 @@ type fileNode struct {
 	writers   int    // open handles that may write. GUARDED_BY(mu)
 	lingering bool   // keeps the bytes after the last name went (replacedByAgent). GUARDED_BY(mu)
 	accounted int64  // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
+	// borrowed: backing is a file of a sealed record in the spool (a step imported at a restart
+	// or from a peer), which owns that name: the node never removes it, and gets a spool file
+	// name of its own before it gets a second name (addLink). GUARDED_BY(mu)
+	borrowed bool
 	// limit is the largest size a control file may reach (0: none); such files never use
 	// passthrough, so that every write passes the check.
 	limit int64
@@ -243,15 +247,25 @@ func (f *fileNode) exportTo(rel string, link func(src string) error, create func
 	return true, err
 }
 
-func (f *fileNode) addLink() bool {
+func (f *fileNode) addLink() syscall.Errno {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.nlink == 0 {
-		return false
+	if f.nlink == 0 || f.backing == "" {
+		return syscall.ENOENT
+	}
+	if f.borrowed {
+		// The new name may outlive the sealed record (a later step reusing an unchanged
+		// shard, kept after the record's step is dropped): the bytes get a spool file name
+		// of their own first.
+		p, err := f.fs.spool.LinkFile(f.backing)
+		if err != nil {
+			return f.fs.toErrno("link", err)
+		}
+		f.backing, f.borrowed = p, false
 	}
 	f.nlink++
 	f.ctime = time.Now()
-	return true
+	return 0
 }
 
 // dropLink removes one name; it reports whether that was the last one while handles remain
@@ -296,7 +310,9 @@ func (f *fileNode) maybeFree() {
 		return
 	}
 	f.fs.spool.Reserve(-f.accounted)
-	os.Remove(f.backing)
+	if !f.borrowed {
+		os.Remove(f.backing)
+	}
 	f.accounted, f.backing = 0, ""
 }
 

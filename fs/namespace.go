@@ -436,12 +436,12 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 	}
 	ctx := context.Background()
 	var created []*gofs.Inode
-	newFile := func(link func(filesDir string) (string, error), size int64) (*gofs.Inode, error) {
-		bp, err := link(ns.m.spool.FilesDir())
+	newFile := func(link func() (backing string, borrowed bool, err error), size int64) (*gofs.Inode, error) {
+		bp, borrowed, err := link()
 		if err != nil {
 			return nil, err
 		}
-		fn := &fileNode{fs: ns.m, backing: bp, nlink: 1}
+		fn := &fileNode{fs: ns.m, backing: bp, borrowed: borrowed, nlink: 1}
 		fn.init(ctx, 0o644)
 		fn.freeze()
 		fn.chargeTo(size, true)
@@ -471,12 +471,23 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 	return nil
 }
 
+// borrowPathMax bounds the backing paths importTree borrows: each open and stat of the node
+// passes its backing path to the kernel in one call (PATH_MAX, 4096 bytes with the NUL).
+const borrowPathMax = unix.PathMax
+
 // importTree builds frozen nodes for the spool tree (or file) at src, whose Lstat is fi and, for
 // a directory, whose listing is entries; newFile makes a file node whose backing file link
-// creates.
-func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo, entries []layout.TreeEntry, newFile func(link func(string) (string, error), size int64) (*gofs.Inode, error)) (*gofs.Inode, error) {
+// gives.
+//
+// A file's node borrows the sealed record's own name for it as its backing file (the record is
+// immutable, and the namespace drops the step before the record goes, see package tiers'
+// retention) instead of a hard link in the spool's files directory: a restart adopting a step of
+// 100,000 files spent half a CPU-second on those links (issue 12). Only a path too long to
+// open in one call (a tree deep enough to pass PATH_MAX once prefixed with the spool) gets a
+// link of its own, made relative to its directory.
+func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo, entries []layout.TreeEntry, newFile func(link func() (string, bool, error), size int64) (*gofs.Inode, error)) (*gofs.Inode, error) {
 	if fi.Mode().IsRegular() {
-		return newFile(func(string) (string, error) { return ns.m.spool.LinkFile(src) }, fi.Size())
+		return newFile(func() (string, bool, error) { return src, true, nil }, fi.Size())
 	}
 	if !fi.IsDir() {
 		return nil, fmt.Errorf("%s: unsupported file type %v", src, fi.Mode().Type())
@@ -492,15 +503,29 @@ func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo,
 		dn.freeze()
 		return ns.root.NewPersistentInode(ctx, dn, gofs.StableAttr{Mode: syscall.S_IFDIR, Ino: ns.m.newIno()}), dn
 	}
-	// Each file gets a backing name in the spool's files directory, linked relative to that
-	// directory and to the file's own directory (opened once for the files that follow it).
-	files, err := layout.OpenDir(ns.m.spool.FilesDir())
-	if err != nil {
-		return nil, err
+	// A path too long to borrow gets a backing name in the spool's files directory, linked
+	// relative to that directory and to the file's own directory (opened once for the files that
+	// follow it).
+	var files *layout.Dir
+	var w *layout.Walker
+	defer func() {
+		if w != nil {
+			w.Close()
+			files.Close()
+		}
+	}()
+	linkLong := func(rel string) (string, bool, error) {
+		if w == nil {
+			f, err := layout.OpenDir(ns.m.spool.FilesDir())
+			if err != nil {
+				return "", false, err
+			}
+			files, w = f, d.Walker()
+		}
+		p, err := ns.m.spool.LinkFileWith(func(name string) error { return w.LinkTo(rel, files, name) })
+		return p, false, err
 	}
-	defer files.Close()
-	w := d.Walker()
-	defer w.Close()
+	prefix := src + "/"
 	top, _ := newDir()
 	dirs := map[string]*gofs.Inode{"": top}
 	for i := range entries { // a directory is listed before what it holds
@@ -518,8 +543,11 @@ func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo,
 			in = ns.root.NewPersistentInode(ctx, l, gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: ns.m.newIno()})
 		case layout.EntryFile:
 			rel := e.Path
-			in, err = newFile(func(string) (string, error) {
-				return ns.m.spool.LinkFileWith(func(name string) error { return w.LinkTo(rel, files, name) })
+			in, err = newFile(func() (string, bool, error) {
+				if len(prefix)+len(rel) < borrowPathMax {
+					return prefix + rel, true, nil
+				}
+				return linkLong(rel)
 			}, e.Size)
 			if err != nil {
 				return nil, err

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -353,6 +354,9 @@ func TestImportVerifiedShowsNothingUntilVerified(t *testing.T) {
 	require.ErrorIs(t, err, bad, "the verification's own error")
 	invisible("Dabc.data")
 	require.Equal(t, before, spoolFiles(), "a tree that failed verification leaves no file in the spool")
+	w, err := os.ReadFile(filepath.Join(src, "state", "w"))
+	require.NoError(t, err, "the record's own files stay: the nodes dropped only borrowed them")
+	require.Equal(t, "weights", string(w))
 
 	ran := false
 	require.NoError(t, ns.ImportVerified(src, "Dabc.data", func([]layout.TreeEntry) error {
@@ -362,14 +366,88 @@ func TestImportVerifiedShowsNothingUntilVerified(t *testing.T) {
 		return nil
 	}))
 	require.True(t, ran)
-	w, err := os.ReadFile(filepath.Join(dir, "Dabc.data", "state", "w"))
+	w, err = os.ReadFile(filepath.Join(dir, "Dabc.data", "state", "w"))
 	require.NoError(t, err)
 	require.Equal(t, "weights", string(w))
-	require.Equal(t, before+2, spoolFiles(), "a link per file of the published tree")
+	require.Equal(t, before, spoolFiles(), "the published tree's files borrow the record's names: no link in the spool")
 
 	err = ns.ImportVerified(src, "Dabc.data", func([]layout.TreeEntry) error { return nil })
 	require.ErrorIs(t, err, os.ErrExist, "a name already there")
-	require.Equal(t, before+2, spoolFiles())
+	require.Equal(t, before, spoolFiles())
+}
+
+// An imported step's files borrow the sealed record's names: removing the step from the
+// namespace leaves the record whole, and a hard link the job made to one of its files (a later
+// step reusing an unchanged shard) keeps its bytes after the record is gone.
+func TestImportedFilesBorrowTheRecordsNames(t *testing.T) {
+	for _, mode := range []PassthroughMode{PassthroughOff, PassthroughAuto} {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, srv, _, spool := mountWithEvents(t, mode)
+			ns := srv.Namespace()
+			src := filepath.Join(spool.Dir(), "sealed-test")
+			require.NoError(t, os.MkdirAll(filepath.Join(src, "state"), 0o755))
+			require.NoError(t, os.WriteFile(filepath.Join(src, "state", "w"), []byte("weights"), 0o644))
+			require.NoError(t, os.WriteFile(filepath.Join(src, "state", "v"), []byte("values"), 0o644))
+			single := filepath.Join(spool.Dir(), "sealed-single")
+			require.NoError(t, os.WriteFile(single, []byte("one file"), 0o644))
+			// A path too long to borrow (PATH_MAX once prefixed with the record) gets a
+			// spool file name of its own.
+			deep := "deep"
+			for len(src)+len(deep) < unix.PathMax {
+				deep += "/" + strings.Repeat("d", 200)
+			}
+			sd, err := layout.OpenDir(src)
+			require.NoError(t, err)
+			defer sd.Close()
+			require.NoError(t, sd.MkdirAll(deep, 0o755))
+			df, err := sd.Open(deep+"/f", os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o644)
+			require.NoError(t, err)
+			_, err = df.WriteString("deep file")
+			require.NoError(t, err)
+			require.NoError(t, df.Close())
+			filesBefore, err := os.ReadDir(spool.FilesDir())
+			require.NoError(t, err)
+			require.NoError(t, ns.Import(src, "Dabc.data"))
+			require.NoError(t, ns.Import(single, "Fdef.data"))
+			filesAfter, err := os.ReadDir(spool.FilesDir())
+			require.NoError(t, err)
+			require.Len(t, filesAfter, len(filesBefore)+1, "one link: the file whose path is too long to borrow")
+			md, err := layout.OpenDir(filepath.Join(dir, "Dabc.data"))
+			require.NoError(t, err)
+			defer md.Close()
+			mf, err := md.Open(deep+"/f", os.O_RDONLY, 0)
+			require.NoError(t, err)
+			got, err := io.ReadAll(mf)
+			mf.Close()
+			require.NoError(t, err)
+			require.Equal(t, "deep file", string(got))
+
+			// The job reuses a shard of the imported step in a new step, and reads it.
+			require.NoError(t, os.Mkdir(filepath.Join(dir, "2.orbax-checkpoint-tmp"), 0o755))
+			reused := filepath.Join(dir, "2.orbax-checkpoint-tmp", "w")
+			require.NoError(t, os.Link(filepath.Join(dir, "Dabc.data", "state", "w"), reused))
+			f, err := os.Open(filepath.Join(dir, "Dabc.data", "state", "v"))
+			require.NoError(t, err)
+			defer f.Close()
+
+			// Retention drops the step: the namespace's name first, then the record.
+			require.NoError(t, ns.Remove("Dabc.data"))
+			require.NoError(t, ns.Remove("Fdef.data"))
+			for _, p := range []string{filepath.Join(src, "state", "w"), filepath.Join(src, "state", "v"), single} {
+				_, err := os.Stat(p)
+				require.NoError(t, err, "the namespace removed %s, which the record owns", p)
+			}
+			require.NoError(t, os.RemoveAll(src))
+			require.NoError(t, os.Remove(single))
+
+			w, err := os.ReadFile(reused)
+			require.NoError(t, err, "a name the job gave an imported file outlives the record")
+			require.Equal(t, "weights", string(w))
+			v, err := io.ReadAll(f)
+			require.NoError(t, err, "a descriptor open before the record went")
+			require.Equal(t, "values", string(v))
+		})
+	}
 }
 
 // When the agent renames a step (a seal gives it its data name), the kernel keeps what it

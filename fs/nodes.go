@@ -457,8 +457,8 @@ func (d *dirNode) Link(ctx context.Context, target gofs.InodeEmbedder, name stri
 	case *specialNode:
 		n.addLink()
 	case *fileNode:
-		if !n.addLink() {
-			return nil, syscall.ENOENT
+		if errno := n.addLink(); errno != 0 {
+			return nil, errno
 		}
 	default:
 		return nil, syscall.EPERM

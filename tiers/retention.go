@@ -181,8 +181,9 @@ func (rt *retention) retain(cfg *Config) {
 		if keepHash[hash] || rt.isHeld(e.Name()) {
 			continue
 		}
-		os.RemoveAll(rt.spoolDir("sealed", e.Name()))
+		// The name first: the namespace's nodes of an imported step borrow the record's files.
 		rt.ns.Remove(e.Name())
+		os.RemoveAll(rt.spoolDir("sealed", e.Name()))
 		rt.mu.Lock()
 		delete(rt.verified, e.Name())
 		rt.mu.Unlock()
@@ -214,8 +215,8 @@ func (rt *retention) dropMetas(match func(layout.MarkerName) bool) []string {
 func (rt *retention) dropData(dataName string) {
 	rt.publishMu.Lock()
 	defer rt.publishMu.Unlock()
+	rt.ns.Remove(dataName) // first: its nodes may borrow the record's files (fs.importTree)
 	os.RemoveAll(rt.spoolDir("sealed", dataName))
-	rt.ns.Remove(dataName)
 	rt.mu.Lock()
 	delete(rt.verified, dataName)
 	rt.mu.Unlock()
