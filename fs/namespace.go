@@ -420,14 +420,19 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 	}
 	var entries []layout.TreeEntry
 	if fi.IsDir() {
-		// One listing for both: the tree is built from what verify hashes.
-		if entries, err = layout.ListTree(src); err != nil {
+		// One listing for both: the tree is built from what verify hashes. A listing that
+		// verify hashes needs no stat of each file: the hash's own stat gives the sizes.
+		list := layout.ListTree
+		if verify != nil {
+			list = layout.ListTreeUnsized
+		}
+		if entries, err = list(src); err != nil {
 			return err
 		}
 	}
-	// The tree is built (a link and a node per file) while verify reads the same files, and
-	// stays invisible until verify has passed. verify only fills in the entries' digests;
-	// building the tree reads their other fields (importTree).
+	// The tree is built (a node per file) while verify reads the same files, and stays
+	// invisible until verify has passed. verify fills in the entries' digests and sizes;
+	// building the tree reads their other fields (importTree), and the sizes once verify is done.
 	verified := make(chan error, 1)
 	if verify == nil {
 		verified <- nil
@@ -436,7 +441,12 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 	}
 	ctx := context.Background()
 	var created []*gofs.Inode
-	newFile := func(link func() (backing string, borrowed bool, err error), size int64) (*gofs.Inode, error) {
+	type fileAt struct {
+		n     *fileNode
+		entry int // in entries; -1: src itself
+	}
+	var files []fileAt
+	newFile := func(link func() (backing string, borrowed bool, err error), entry int) (*gofs.Inode, error) {
 		bp, borrowed, err := link()
 		if err != nil {
 			return nil, err
@@ -444,15 +454,24 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 		fn := &fileNode{fs: ns.m, backing: bp, borrowed: borrowed, nlink: 1}
 		fn.init(ctx, 0o644)
 		fn.freeze()
-		fn.chargeTo(size, true)
+		files = append(files, fileAt{fn, entry})
 		in := ns.root.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: ns.m.newIno()})
 		created = append(created, in)
 		return in, nil
 	}
 	top, err := ns.importTree(ctx, src, fi, entries, newFile)
 	verr := <-verified
-	if err == nil && verr == nil && !ns.root.AddChild(name, top, false) {
-		err = tiers.ErrNameTaken
+	if err == nil && verr == nil {
+		for _, f := range files { // an agent-accounted budget counts the bytes (before any open)
+			size := fi.Size()
+			if f.entry >= 0 {
+				size = entries[f.entry].Size
+			}
+			f.n.chargeTo(size, true)
+		}
+		if !ns.root.AddChild(name, top, false) {
+			err = tiers.ErrNameTaken
+		}
 	}
 	if err != nil || verr != nil {
 		for _, in := range created {
@@ -477,7 +496,8 @@ const borrowPathMax = unix.PathMax
 
 // importTree builds frozen nodes for the spool tree (or file) at src, whose Lstat is fi and, for
 // a directory, whose listing is entries; newFile makes a file node whose backing file link
-// gives.
+// gives, for entries[entry] (-1: src itself). It reads no entry's Size: verify may be filling
+// them in meanwhile.
 //
 // A file's node borrows the sealed record's own name for it as its backing file (the record is
 // immutable, and the namespace drops the step before the record goes, see package tiers'
@@ -485,9 +505,9 @@ const borrowPathMax = unix.PathMax
 // 100,000 files spent half a CPU-second on those links (issue 12). Only a path too long to
 // open in one call (a tree deep enough to pass PATH_MAX once prefixed with the spool) gets a
 // link of its own, made relative to its directory.
-func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo, entries []layout.TreeEntry, newFile func(link func() (string, bool, error), size int64) (*gofs.Inode, error)) (*gofs.Inode, error) {
+func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo, entries []layout.TreeEntry, newFile func(link func() (string, bool, error), entry int) (*gofs.Inode, error)) (*gofs.Inode, error) {
 	if fi.Mode().IsRegular() {
-		return newFile(func() (string, bool, error) { return src, true, nil }, fi.Size())
+		return newFile(func() (string, bool, error) { return src, true, nil }, -1)
 	}
 	if !fi.IsDir() {
 		return nil, fmt.Errorf("%s: unsupported file type %v", src, fi.Mode().Type())
@@ -548,7 +568,7 @@ func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo,
 					return prefix + rel, true, nil
 				}
 				return linkLong(rel)
-			}, e.Size)
+			}, i)
 			if err != nil {
 				return nil, err
 			}

@@ -307,7 +307,7 @@ func readlinkat(dirfd int, name string) (string, error) {
 // digests: what a checkpoint tree holds (see TreeHash).
 func (d *Dir) List() ([]TreeEntry, error) {
 	var out []TreeEntry
-	err := listAt(d.fd, "", &out, nil)
+	err := listAt(d.fd, "", &out, nil, listSized)
 	if err != nil {
 		return nil, fmt.Errorf("list %s: %w", d.path, err)
 	}
@@ -320,7 +320,7 @@ func (d *Dir) List() ([]TreeEntry, error) {
 func (d *Dir) listKeyed() ([]TreeEntry, []digestKey, error) {
 	var out []TreeEntry
 	var keys []digestKey
-	if err := listAt(d.fd, "", &out, &keys); err != nil {
+	if err := listAt(d.fd, "", &out, &keys, listKeyed); err != nil {
 		return nil, nil, fmt.Errorf("list %s: %w", d.path, err)
 	}
 	return out, keys, nil
@@ -331,11 +331,11 @@ func (d *Dir) listKeyed() ([]TreeEntry, []digestKey, error) {
 // subdirectories are listed by up to GOMAXPROCS goroutines (a step of 100,000 files costs one
 // stat per file: on one thread that was most of a seal's hash), each holding one descriptor per
 // level of the tree; the result is in the order a walk on one thread gives.
-func listAt(dirfd int, rel string, out *[]TreeEntry, keys *[]digestKey) error {
+func listAt(dirfd int, rel string, out *[]TreeEntry, keys *[]digestKey, mode listMode) error {
 	var g errgroup.Group
 	g.SetLimit(runtime.GOMAXPROCS(0) - 1) // the caller's goroutine lists too
 	root := &dirListing{}
-	err := root.list(&g, dirfd, rel, keys != nil)
+	err := root.list(&g, dirfd, rel, mode)
 	if gerr := g.Wait(); err == nil {
 		err = gerr
 	}
@@ -362,6 +362,28 @@ func (l *dirListing) count() int {
 	return n
 }
 
+// ListUnsized is List without a stat of each regular file: their Size is -1, to be filled in
+// by HashEntries (the stat of the descriptor it hashes), before which TreeHash refuses them.
+// For a listing that is hashed anyway, such as the verification of a restarted agent's steps,
+// it saves a system call per file; the file type comes from the directory entry (a stat only
+// where the filesystem does not give it).
+func (d *Dir) ListUnsized() ([]TreeEntry, error) {
+	var out []TreeEntry
+	if err := listAt(d.fd, "", &out, nil, listUnsized); err != nil {
+		return nil, fmt.Errorf("list %s: %w", d.path, err)
+	}
+	return out, nil
+}
+
+// listMode says what a listing reads of each entry.
+type listMode int
+
+const (
+	listSized   listMode = iota // a stat of every entry: types and sizes
+	listKeyed                   // and each regular file's digest key
+	listUnsized                 // regular files from the directory entry alone: Size -1
+)
+
 // dirListing is one directory's entries, and the listing of each subdirectory among them.
 type dirListing struct {
 	entries []TreeEntry
@@ -371,25 +393,41 @@ type dirListing struct {
 
 // list fills l with the directory dirfd (at rel in the tree) and, through g when it has a
 // goroutine free and inline otherwise, with its subdirectories. dirfd stays the caller's.
-func (l *dirListing) list(g *errgroup.Group, dirfd int, rel string, keyed bool) error {
+func (l *dirListing) list(g *errgroup.Group, dirfd int, rel string, mode listMode) error {
 	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
 	f := os.NewFile(uintptr(fd), rel)
-	names, err := f.Readdirnames(-1)
+	var names []string
+	var types []os.FileMode // listUnsized: each name's type as its directory entry gives it
+	if mode == listUnsized {
+		var ents []os.DirEntry
+		ents, err = f.ReadDir(-1) // os lstats the entries whose type the filesystem omits
+		names, types = make([]string, len(ents)), make([]os.FileMode, len(ents))
+		for i, e := range ents {
+			names[i], types[i] = e.Name(), e.Type()
+		}
+	} else {
+		names, err = f.Readdirnames(-1)
+	}
 	f.Close()
 	if err != nil {
 		return err
 	}
+	keyed := mode == listKeyed
 	l.entries = make([]TreeEntry, 0, len(names))
 	if keyed {
 		l.keys = make([]digestKey, 0, len(names))
 	}
-	for _, name := range names {
+	for i, name := range names {
 		p := name
 		if rel != "" {
 			p = rel + "/" + name
+		}
+		if types != nil && types[i].IsRegular() {
+			l.entries = append(l.entries, TreeEntry{Path: p, Type: EntryFile, Size: -1})
+			continue
 		}
 		var st unix.Stat_t
 		if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
@@ -419,7 +457,7 @@ func (l *dirListing) list(g *errgroup.Group, dirfd int, rel string, keyed bool) 
 			l.subs[len(l.entries)] = sl
 			listSub := func() error {
 				defer unix.Close(sub)
-				return sl.list(g, sub, p, keyed)
+				return sl.list(g, sub, p, mode)
 			}
 			if !g.TryGo(listSub) {
 				if err := listSub(); err != nil {

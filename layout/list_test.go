@@ -9,6 +9,7 @@ import (
 	"path"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"testing"
 )
 
@@ -216,6 +217,93 @@ func TestTreeHashAnyOrderAndImpliedLevels(t *testing.T) {
 		rng.Shuffle(len(some), func(i, j int) { some[i], some[j] = some[j], some[i] })
 		if got, err := TreeHash(some); err != nil || got != want {
 			t.Fatalf("shuffled, %d of %d entries: %s, %v; want %s", len(some), len(full), got, err, want)
+		}
+	}
+}
+
+// An unsized listing is the sized one with each regular file's Size left at -1 (no stat of it),
+// in the same order; TreeHash refuses it until HashEntries has filled the sizes in from the
+// files it hashed, and VerifyListed decides on it as on the sized listing, also for a file that
+// grew or shrank since the tree's hash was taken.
+func TestUnsizedListing(t *testing.T) {
+	root := t.TempDir()
+	for i := range 30 {
+		p := filepath.Join(root, fmt.Sprintf("d%d", i%3), fmt.Sprintf("f%d", i))
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, randomBytes(uint64(i), int64(i*300)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Symlink("d0/f0", filepath.Join(root, "link")); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(filepath.Join(root, "d1", "fifo"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sized, err := ListTree(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unsized, err := ListTreeUnsized(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(unsized) != len(sized) {
+		t.Fatalf("%d unsized entries, %d sized", len(unsized), len(sized))
+	}
+	files := 0
+	for i, u := range unsized {
+		want := sized[i]
+		if want.Type == EntryFile {
+			files++
+			want.Size = -1
+		}
+		if u != want {
+			t.Fatalf("entry %d: unsized %+v, sized %+v", i, u, sized[i])
+		}
+	}
+	if files != 30 {
+		t.Fatalf("%d files listed, want 30", files)
+	}
+	if _, err := TreeHash(unsized); err == nil {
+		t.Fatal("TreeHash of a listing without sizes succeeded")
+	}
+	hash, dir, err := HashData(t.Context(), root)
+	if err != nil || !dir {
+		t.Fatal(err, dir)
+	}
+	if err := VerifyListed(t.Context(), root, unsized, hash, true); err != nil {
+		t.Fatalf("VerifyListed of an unsized listing against the tree's own hash: %v", err)
+	}
+	for i, e := range unsized {
+		if e.Size != sized[i].Size {
+			t.Fatalf("%s: size %d filled in, want %d", e.Path, e.Size, sized[i].Size)
+		}
+	}
+	for _, change := range []func(p string, b []byte) []byte{
+		func(p string, b []byte) []byte { return append(b, 'x') }, // grew
+		func(p string, b []byte) []byte { return b[:len(b)-1] },   // shrank
+	} {
+		p := filepath.Join(root, "d1", "f7")
+		orig, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, change(p, orig), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		unsized, err := ListTreeUnsized(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var mismatch *HashMismatchError
+		if err := VerifyListed(t.Context(), root, unsized, hash, true); !errors.As(err, &mismatch) {
+			t.Fatalf("VerifyListed of a tree with a file of another size: %v, want a mismatch", err)
+		}
+		if err := os.WriteFile(p, orig, 0o644); err != nil {
+			t.Fatal(err)
 		}
 	}
 }

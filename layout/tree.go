@@ -421,7 +421,8 @@ func (d *Dir) treeHash(ctx context.Context, entries []TreeEntry, keys []digestKe
 // HashEntries fills in the Digest of every file entry, the files living below root (an entry
 // with an empty Path is root itself, a regular file), several files at a time: many small
 // files are the common case (one per array shard), and each still draws from hashSlots. A file
-// whose size is not its entry's fails. cache may be nil.
+// whose size is not its entry's fails; an entry of size -1 (an unsized listing's) gets the
+// file's. cache may be nil.
 func HashEntries(ctx context.Context, root string, entries []TreeEntry, cache *DigestCache) error {
 	if len(entries) == 1 && entries[0].Path == "" {
 		size, d, err := hashFile(ctx, root, cache, func() (int, error) { return openRaw(root) })
@@ -486,10 +487,10 @@ func (d *Dir) hashEntries(ctx context.Context, entries []TreeEntry, keys []diges
 				if err != nil {
 					return err
 				}
-				if size != e.Size {
+				if e.Size >= 0 && size != e.Size {
 					return fmt.Errorf("%s: %d bytes, want %d (changed while hashing?)", e.Path, size, e.Size)
 				}
-				e.Digest = dg
+				e.Digest, e.Size = dg, size // an unsized listing's (Dir.ListUnsized) size too
 			}
 		})
 	}
@@ -497,6 +498,16 @@ func (d *Dir) hashEntries(ctx context.Context, entries []TreeEntry, keys []diges
 		return err
 	}
 	return context.Cause(ctx) // cancelled before every file was hashed
+}
+
+// ListTreeUnsized is ListTree without regular files' sizes (Dir.ListUnsized).
+func ListTreeUnsized(dir string) ([]TreeEntry, error) {
+	d, err := OpenDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	return d.ListUnsized()
 }
 
 // ListTree lists the entries below dir with sizes, symlink targets and device numbers but no
