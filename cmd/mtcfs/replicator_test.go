@@ -247,6 +247,76 @@ func TestOrbaxLifecycle(t *testing.T) {
 	require.NoError(t, o.VerifyRestored(ctx, 30))
 }
 
+// TestReuseOfAnAdoptedShard: after a restart the job saves a step that hard-links a file of the
+// step it restored (an unchanged shard) instead of writing it again. Retention then drops the old
+// step, record and all; the new step keeps the shard's bytes, survives a SIGKILL of the agent,
+// verifies when the next agent adopts it, and serves the same bytes. (An adopted step's
+// files borrow its sealed record's names; the job's link gives the shard a name of its own.)
+func TestReuseOfAnAdoptedShard(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "reuse"
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, job, 0)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 10))
+	waitStepSealed(t, n.dir, job, 10)
+	stopAgent(t, a)
+
+	b := n.start(t)
+	require.Contains(t, b.log(), "adopted from spool")
+	o = orbaxClient(t, n.dir, job, 0)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found, "restart restored nothing\n%s", b.log())
+	require.EqualValues(t, 10, step)
+	hash10, err := os.ReadFile(metaPath(n.dir, job, 10))
+	require.NoError(t, err)
+	data10 := filepath.Join(n.dir, strings.TrimSpace(string(hash10))+".data")
+	var shard string // the largest file of step 10
+	var shardSize int64
+	require.NoError(t, filepath.WalkDir(data10, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.Type().IsRegular() {
+			return err
+		}
+		info, err := d.Info()
+		if err == nil && info.Size() > shardSize {
+			shard, shardSize = p, info.Size()
+		}
+		return err
+	}))
+	require.NotEmpty(t, shard)
+	want, err := os.ReadFile(shard)
+	require.NoError(t, err)
+
+	tmp := filepath.Join(n.dir, "20.orbax-checkpoint-tmp")
+	require.NoError(t, os.Mkdir(tmp, 0o755))
+	require.NoError(t, os.Link(shard, filepath.Join(tmp, "reused")))
+	require.NoError(t, os.WriteFile(filepath.Join(tmp, "new"), []byte("step 20"), 0o644))
+	require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "20")))
+	waitStepSealed(t, n.dir, job, 20)
+	repWait(t, 10*time.Second, "retention to drop step 10", func() bool {
+		return !pathExists(metaPath(n.dir, job, 10)) && !pathExists(data10)
+	})
+	hash20, err := os.ReadFile(metaPath(n.dir, job, 20))
+	require.NoError(t, err)
+	reused := filepath.Join(n.dir, strings.TrimSpace(string(hash20))+".data", "reused")
+	got, err := os.ReadFile(reused)
+	require.NoError(t, err, "the shard step 20 reused, once step 10 is gone")
+	require.Equal(t, want, got)
+
+	killAgent(t, b)
+	c := n.start(t)
+	require.Contains(t, c.log(), "adopted from spool")
+	require.NotContains(t, c.log(), "dropping spool data that does not verify")
+	require.FileExists(t, metaPath(n.dir, job, 20), "step 20 adopted")
+	got, err = os.ReadFile(reused)
+	require.NoError(t, err)
+	require.Equal(t, want, got, "the reused shard after the SIGKILL and the adoption")
+}
+
 // TestRestartRightAfterSIGKILL: an agent started right after its predecessor was SIGKILLed
 // detaches the stale mount (SPEC §8), also while the kernel still caches the root's attributes
 // (the job was using the directory a moment ago).
