@@ -462,12 +462,18 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 	top, err := ns.importTree(ctx, src, fi, entries, newFile)
 	verr := <-verified
 	if err == nil && verr == nil {
-		for _, f := range files { // an agent-accounted budget counts the bytes (before any open)
+		// An agent-accounted budget counts the bytes (before any open), also past the budget:
+		// they are in the spool already (tiers.Spool.Charge).
+		for _, f := range files {
+			if ns.m.spool.KernelEnforced() {
+				break
+			}
 			size := fi.Size()
 			if f.entry >= 0 {
 				size = entries[f.entry].Size
 			}
-			f.n.chargeTo(size, true)
+			ns.m.spool.Charge(size - f.n.accounted)
+			f.n.accounted = size
 		}
 		if !ns.root.AddChild(name, top, false) {
 			err = tiers.ErrNameTaken

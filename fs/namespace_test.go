@@ -664,3 +664,51 @@ func TestExpiryOfTheLongestNames(t *testing.T) {
 	err = os.Mkdir(filepath.Join(dir, long+"s"), 0o755)
 	require.ErrorIs(t, err, syscall.ENAMETOOLONG)
 }
+
+// On a spool whose budget the agent accounts for (a user's agent: no tmpfs of its own), the
+// committed data a predecessor left is counted once: by the nodes that import it, not also by
+// the starting spool's scan (a restart counted 19 MiB of checkpoints as 38 MiB used, for good).
+// Its bytes are counted even past the budget (they are in the spool already), and go with the
+// step's removal.
+func TestImportedDataIsChargedOnce(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mount tests need root")
+	}
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	spoolDir := filepath.Join(base, "spool")
+	const budget = 16 << 20
+	rec := filepath.Join(spoolDir, "sealed", "Dabc.data")
+	require.NoError(t, os.MkdirAll(filepath.Join(rec, "state"), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(rec, "state", "w"), make([]byte, 12<<20), 0o600))
+	require.NoError(t, os.WriteFile(filepath.Join(rec, "meta"), make([]byte, 6<<20), 0o600)) // 18 MiB: past the budget
+	commit := filepath.Join(spoolDir, "commits", "c1", "data")
+	require.NoError(t, os.MkdirAll(commit, 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(commit, "f"), make([]byte, 1<<20), 0o600))
+	require.NoError(t, os.MkdirAll(filepath.Join(spoolDir, "meta"), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(spoolDir, "meta", "x.meta"), []byte("Dabc"), 0o600))
+
+	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: spoolDir, Budget: budget, MountTmpfs: false})
+	require.NoError(t, err)
+	require.False(t, spool.KernelEnforced())
+	_, used := spool.Usage()
+	require.Less(t, used, int64(4096), "the records a restart adopts are left to the namespace to charge")
+	srv, err := Mount(dir, Options{Spool: spool, Passthrough: PassthroughOff, InProcess: true})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		require.NoError(t, srv.Unmount())
+		spool.Close()
+	})
+	ns := srv.Namespace()
+	require.NoError(t, ns.ImportVerified(rec, "Dabc.data", func(listing []layout.TreeEntry) error {
+		return layout.HashEntries(t.Context(), rec, listing, nil) // fills in the sizes, as the verification does
+	}))
+	_, used = spool.Usage()
+	require.InDelta(t, float64(18<<20), float64(used), 4096, "the imported step, counted once and past the budget")
+	err = os.WriteFile(filepath.Join(dir, "new"), []byte("x"), 0o644)
+	require.ErrorIs(t, err, syscall.ENOSPC, "a write with the budget taken by imported data")
+	require.NoError(t, ns.Remove("Dabc.data"))
+	_, used = spool.Usage()
+	require.Less(t, used, int64(4096), "the step's removal refunds what its import charged")
+}

@@ -26,8 +26,8 @@ import (
 // step was abandoned), when a push from another incarnation of the same sender rank arrives (the
 // job restarted), after earlyIdle without activity (checked every earlyIdle/4), and when the
 // receiver closes. Its bytes stay charged to ReceiverConfig.Reserve while it is held; the files a
-// consuming push takes move to that push's charge (adoptEarly): refunded if it fails, kept by
-// the accepted data if it succeeds.
+// consuming push takes move to that push's charge (adoptEarly), refunded when the push fails or
+// is accepted (the accepted data is accounted for by whoever Accept handed it to).
 
 // earlyDirName is the directory in ReceiverConfig.Dir holding early files.
 const earlyDirName = "early"

@@ -56,7 +56,8 @@ type ReceiverConfig struct {
 	// go past it is refused with ResourceExhausted before anything is written. Required.
 	MaxIncoming int64
 	// Reserve, when set, is charged with the declared bytes of each new transfer (and refunded
-	// when one is discarded); an error refuses it with ResourceExhausted. tiers.Spool.Reserve
+	// when one is discarded, or accepted: from then on whoever Accept handed the data to
+	// accounts for it); an error refuses it with ResourceExhausted. tiers.Spool.Reserve
 	// fits. The bytes of an accepted transfer stay charged: they now belong to Accept's caller.
 	Reserve func(delta int64) error
 	// IdleTimeout drops a transfer that received nothing for this long (a sender that died
@@ -561,10 +562,16 @@ func (r *Receiver) Commit(ctx context.Context, req *peerpb.CommitRequest) (*peer
 	t.gone = true
 	delete(r.transfers, t.id)
 	r.inFlight -= t.reserved
-	early := t.early
+	early, reserved := t.early, t.reserved
 	r.mu.Unlock()
 	for _, p := range early {
-		os.Remove(p) // the accepted data holds its own links; the bytes stay charged to it
+		os.Remove(p) // the accepted data holds its own links
+	}
+	if t.earlyGroup == "" && r.cfg.Reserve != nil {
+		// Accepted data is accounted for by whoever Accept handed it to (tiers: the
+		// namespace charges the files it imports); kept here too, it was counted twice and
+		// never refunded. An early file's charge went to its group (keepEarly).
+		r.cfg.Reserve(-reserved)
 	}
 	if t.consumes != "" {
 		r.consumeEarly(t, t.consumes)
