@@ -286,7 +286,8 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 	if !s.ownMount {
 		// The committed data a predecessor left is not counted here: the namespace charges
 		// each file of it when the replicator adopts it (counted here too, a restart doubled
-		// it, for good: 19 MiB of checkpoints showed as 38 MiB used).
+		// it, for good: 19 MiB of checkpoints showed as 38 MiB used). Nor is what the start
+		// removes without a refund (adoptedDirs).
 		s.used.Store(dirUsage(s.dir, adoptedDirs...))
 	}
 	return s, nil
@@ -412,9 +413,10 @@ func (s *Spool) LinkFileWith(link func(name string) error) (string, error) {
 	}
 }
 
-// adoptedDirs are the spool directories whose data a starting agent adopts into its namespace
-// (commit records, sealed records; package tiers' adopt): dirUsage leaves them to it.
-var adoptedDirs = []string{"commits", "sealed"}
+// adoptedDirs are the spool directories a starting agent adopts into its namespace (commit and
+// sealed records: the namespace's nodes charge their files) or empties (staging, incoming; the
+// peer receiver's peer-incoming): the starting count leaves them out.
+var adoptedDirs = []string{"commits", "sealed", "staging", "incoming", "peer-incoming"}
 
 // Charge accounts for delta more bytes whatever the budget: bytes that are in the spool already
 // (data imported into the namespace) are counted even past it, so that new writes fail instead.
