@@ -465,8 +465,12 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 		// An agent-accounted budget counts the bytes (before any open), also past the budget:
 		// they are in the spool already (tiers.Spool.Charge).
 		for _, f := range files {
-			if ns.m.spool.KernelEnforced() {
+			if f.entry >= 0 && entries[f.entry].Size < 0 {
+				err = fmt.Errorf("%s: verified without its size", entries[f.entry].Path) // a verify that did not hash the listing
 				break
+			}
+			if ns.m.spool.KernelEnforced() {
+				continue
 			}
 			size := fi.Size()
 			if f.entry >= 0 {
@@ -475,7 +479,7 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 			ns.m.spool.Charge(size - f.n.accounted)
 			f.n.accounted = size
 		}
-		if !ns.root.AddChild(name, top, false) {
+		if err == nil && !ns.root.AddChild(name, top, false) {
 			err = tiers.ErrNameTaken
 		}
 	}

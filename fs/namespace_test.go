@@ -357,13 +357,19 @@ func TestImportVerifiedShowsNothingUntilVerified(t *testing.T) {
 	w, err := os.ReadFile(filepath.Join(src, "state", "w"))
 	require.NoError(t, err, "the record's own files stay: the nodes dropped only borrowed them")
 	require.Equal(t, "weights", string(w))
+	// A verify that passes without hashing the listing leaves the files' sizes unknown (the
+	// listing of a verified import stats no file): refused, not published.
+	err = ns.ImportVerified(src, "Dabc.data", func([]layout.TreeEntry) error { return nil })
+	require.ErrorContains(t, err, "verified without its size")
+	invisible("Dabc.data")
+	require.Equal(t, before, spoolFiles())
 
 	ran := false
-	require.NoError(t, ns.ImportVerified(src, "Dabc.data", func([]layout.TreeEntry) error {
+	require.NoError(t, ns.ImportVerified(src, "Dabc.data", func(listing []layout.TreeEntry) error {
 		time.Sleep(50 * time.Millisecond) // the tree is built meanwhile
 		invisible("Dabc.data")
 		ran = true
-		return nil
+		return layout.HashEntries(t.Context(), src, listing, nil) // as the real verification, it fills in the sizes
 	}))
 	require.True(t, ran)
 	w, err = os.ReadFile(filepath.Join(dir, "Dabc.data", "state", "w"))

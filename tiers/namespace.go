@@ -36,15 +36,17 @@ type Namespace interface {
 	// ("a/b/c", relative to the top), for reading them without going through the mount.
 	SpoolFile(path string) (string, error)
 	// Import makes the spool tree at src (a file or a directory) visible as the top-level name,
-	// sharing its bytes (hard links), immutable to the job like a sealed tree. It fails with
-	// ErrNameTaken if name exists.
+	// sharing its bytes (src's own files, or hard links of them), immutable to the job like a
+	// sealed tree: src must stay until the name is removed. It fails with ErrNameTaken if name
+	// exists.
 	Import(src, name string) error
 	// ImportVerified is Import of data not verified yet: verify runs while the tree is built,
 	// and the name appears only if it returns nil; else ImportVerified returns verify's error
 	// and leaves nothing behind. verify gets the listing of src the tree is built from
-	// (layout.ListTree's), to hash what is imported without listing it again, or nil when src is
-	// not a directory or holds nothing (verify then reads src itself); it may fill in the
-	// entries' digests.
+	// (layout.ListTreeUnsized's: regular files' sizes are -1), to hash what is imported without
+	// listing it again, or nil when src is not a directory or holds nothing (verify then reads
+	// src itself); when it gets a listing it must fill in the entries' digests and sizes
+	// (layout.HashEntries, VerifyListed do).
 	ImportVerified(src, name string, verify func(listing []layout.TreeEntry) error) error
 }
 
