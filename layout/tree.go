@@ -558,7 +558,7 @@ func hashFile(ctx context.Context, name string, cache *DigestCache, open func() 
 		return 0, FileDigest{}, &os.PathError{Op: "stat", Path: name, Err: err}
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return 0, FileDigest{}, fmt.Errorf("%s is a %v, not a regular file", name, fileModeType(st.Mode))
+		return 0, FileDigest{}, fmt.Errorf("%s is a %v, not a regular file", name, typeOfMode(st.Mode))
 	}
 	key := digestKey{dev: st.Dev, ino: st.Ino, size: uint64(st.Size), mtime: st.Mtim.Nano()}
 	if d, ok := cache.get(key); ok {
@@ -578,25 +578,6 @@ func fstatRetry(fd int, st *unix.Stat_t) error {
 			return err
 		}
 	}
-}
-
-// fileModeType is the type bits of a stat mode as os.FileMode, for messages.
-func fileModeType(mode uint32) os.FileMode {
-	switch mode & unix.S_IFMT {
-	case unix.S_IFDIR:
-		return os.ModeDir
-	case unix.S_IFLNK:
-		return os.ModeSymlink
-	case unix.S_IFIFO:
-		return os.ModeNamedPipe
-	case unix.S_IFSOCK:
-		return os.ModeSocket
-	case unix.S_IFCHR:
-		return os.ModeDevice | os.ModeCharDevice
-	case unix.S_IFBLK:
-		return os.ModeDevice
-	}
-	return os.ModeIrregular
 }
 
 // fdReader reads a descriptor with pread(2), as *os.File's ReadAt does, without the runtime
