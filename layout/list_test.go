@@ -9,8 +9,10 @@ import (
 	"path"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // The listing (several goroutines over subdirectories) gives what a walk on one thread gives:
@@ -303,6 +305,123 @@ func TestUnsizedListing(t *testing.T) {
 			t.Fatalf("VerifyListed of a tree with a file of another size: %v, want a mismatch", err)
 		}
 		if err := os.WriteFile(p, orig, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// hashStatless gives the size and digest hashFile gives, for files below, at and above its one
+// read, with the production segment size and with one smaller than the read buffer.
+func TestStatlessHashIsHashFile(t *testing.T) {
+	for _, seg := range []int64{segmentSize, 2 << 10} {
+		t.Run(fmt.Sprintf("segment %d", seg), func(t *testing.T) {
+			setSegmentSize(t, seg)
+			limit := min(int64(hashBufSize), segmentSize)
+			root := t.TempDir()
+			for i, size := range []int64{0, 1, 1023, 1024, 1025, 4096, limit - 1, limit, limit + 1, 3*limit + 7} {
+				p := filepath.Join(root, fmt.Sprintf("f%d", i))
+				if err := os.WriteFile(p, randomBytes(uint64(i), size), 0o644); err != nil {
+					t.Fatal(err)
+				}
+				wantSize, want, err := hashPath(t.Context(), p, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				gotSize, got, err := hashStatless(t.Context(), p, func() (int, error) { return openRaw(p) })
+				if err != nil || gotSize != wantSize || got != want {
+					t.Errorf("%d bytes: hashStatless = %d, %v, %v; hashFile = %d, %v", size, gotSize, got, err, wantSize, want)
+				}
+			}
+		})
+	}
+}
+
+// A read that stops short before a file's end makes hashStatless hash a prefix. VerifyListed
+// must not report that as a mismatch: it hashes the tree again with a stat of each file, and
+// the listing ends up with the true sizes. A tree that really differs is still a mismatch.
+func TestVerifyListedRetriesAShortRead(t *testing.T) {
+	root := makeTree(t, []treeNode{{path: "d/a", content: "0123456789"}, {path: "d/b", content: "abcdefgh"}, {path: "e", content: "xyz"}})
+	hash := hashDir(t, root)
+	short := 0
+	old := statlessRead
+	statlessRead = func(fd int, p []byte) (int, error) {
+		n, err := old(fd, p)
+		if n == 10 { // d/a only: half of it
+			short++
+			return 5, err
+		}
+		return n, err
+	}
+	t.Cleanup(func() { statlessRead = old })
+
+	listing, err := ListTreeUnsized(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := VerifyListed(t.Context(), root, listing, hash, true); err != nil {
+		t.Fatalf("VerifyListed with a read cut short = %v, want the tree verified on its second pass", err)
+	}
+	if short != 1 {
+		t.Fatalf("the short read was taken %d times, want once (the first pass only)", short)
+	}
+	sizes := map[string]int64{}
+	for _, e := range listing {
+		sizes[e.Path] = e.Size
+	}
+	if sizes["d/a"] != 10 || sizes["d/b"] != 8 || sizes["e"] != 3 {
+		t.Fatalf("sizes after the second pass: %v, want d/a 10, d/b 8, e 3", sizes)
+	}
+
+	if err := os.WriteFile(filepath.Join(root, "e"), []byte("xyZ"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	listing, err = ListTreeUnsized(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mm *HashMismatchError
+	if err := VerifyListed(t.Context(), root, listing, hash, true); !errors.As(err, &mm) {
+		t.Fatalf("VerifyListed of a changed tree = %v, want a *HashMismatchError", err)
+	}
+}
+
+// What is not a regular file where the unsized listing saw one (a FIFO, a directory) fails to
+// hash by name, as hashFile's stat says, instead of hashing as empty or blocking.
+func TestStatlessRefusesWhatIsNoFile(t *testing.T) {
+	root := makeTree(t, []treeNode{{path: "a", content: "x"}, {path: "b", content: "y"}})
+	hash := hashDir(t, root)
+	for _, c := range []struct {
+		name string
+		make func(p string) error
+	}{
+		{"fifo", func(p string) error { return syscall.Mkfifo(p, 0o644) }},
+		{"directory", func(p string) error { return os.Mkdir(p, 0o755) }},
+	} {
+		listing, err := ListTreeUnsized(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := filepath.Join(root, "a")
+		if err := os.Remove(p); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.make(p); err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() { done <- VerifyListed(t.Context(), root, listing, hash, true) }()
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), "not a regular file") {
+				t.Errorf("%s where a file was listed: VerifyListed = %v, want 'not a regular file'", c.name, err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s where a file was listed: VerifyListed blocked for 10 s", c.name)
+		}
+		if err := os.Remove(p); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte("x"), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -46,7 +46,7 @@ func BenchmarkHashDirCached(b *testing.B) {
 			b.Fatal(err)
 		}
 		t1 := time.Now()
-		if err := d.hashEntries(b.Context(), entries, keys, cache); err != nil {
+		if err := d.hashEntries(b.Context(), entries, keys, cache, false); err != nil {
 			b.Fatal(err)
 		}
 		t2 := time.Now()
