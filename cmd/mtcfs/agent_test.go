@@ -323,6 +323,7 @@ func TestMountErrors(t *testing.T) {
 		{"bad drain timeout", []string{"mount", base, "--drain-timeout", "-1s"}, 2, "want a duration ≥ 0"},
 		{"bad takeover time", []string{"mount", base, "--takeover-after", "0s"}, 2, "want a duration > 0"},
 		{"bad go memory limit", []string{"mount", base, "--go-memory-limit", "lots"}, 2, "want auto, off or a size"},
+		{"bad heap huge pages", []string{"mount", base, "--heap-huge-pages", "lots"}, 2, "want a size such as 128MiB, or off"},
 		{"bad log format", []string{"mount", base, "--log-format", "xml"}, 2, "want json or text"},
 		{"bad passthrough", []string{"mount", base, "--passthrough", "maybe"}, 2, "want auto, on or off"},
 		{"unknown flag", []string{"mount", base, "--frobnicate"}, 2, "flag provided but not defined"},

@@ -18,6 +18,7 @@ Usage:
                   [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F]
                   [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]
                   [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--takeover-after DURATION] [--go-memory-limit auto|off|SIZE]
+                  [--heap-huge-pages SIZE|off]
                   [--uid N --gid N --mode OCTAL]
   mtcfs status [DIR] [--http HOST:PORT] [--json]
   mtcfs backups list|verify [NAME] --backup URL --job NAME
