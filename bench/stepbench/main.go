@@ -5,7 +5,8 @@
 // agent is stopped (SIGINT, it keeps its spool), a new one is started, and the job writes
 // replicator.yaml as soon as the mount is back; the bench times yaml written → .restore symlink
 // (the job's restart handshake, which includes the new agent's adoption of the spool) and the
-// agent's own process start → serving.
+// agent's own process start → serving, and the restarted agent's CPU and minor page faults
+// until the .restore symlink appeared.
 //
 // With -before OLD, every repetition runs OLD and -mtcfs back to back (the first one rotating),
 // so that a change is measured before and after in the same run. -floor times the system calls
@@ -76,9 +77,19 @@ const (
 	mServing    = "restart: process start → serving (adoption included)"
 	mHandshake  = "restart handshake: replicator.yaml written as soon as the mount is back → .restore symlink"
 	mRestoreRAM = "mtcfs_restore_duration_seconds{source=\"ram\"}"
+	mCPU        = "restarted agent's CPU, process start → .restore (user + system)"
+	mFaults     = "restarted agent's minor page faults, process start → .restore"
 )
 
-var metricOrder = []string{mRename, mMeta, mSeal, mHandshake, mServing, mRestoreRAM, mWrite}
+var metricOrder = []string{mRename, mMeta, mSeal, mHandshake, mServing, mCPU, mFaults, mRestoreRAM, mWrite}
+
+// value writes a metric's value with its unit.
+func value(m string, v float64) string {
+	if m == mFaults {
+		return fmt.Sprintf("%.0f", v)
+	}
+	return fmt.Sprintf("%.3f s", v)
+}
 
 func run(ctx context.Context, targets []target, n, size, reps int, floor bool, out string) error {
 	for i := range targets {
@@ -101,8 +112,8 @@ func run(ctx context.Context, targets []target, n, size, reps int, floor bool, o
 			for _, m := range metricOrder {
 				samples[i].Add(m, s[m])
 			}
-			fmt.Printf("rep %d %-8s rename %6.3fs  →.meta %6.3fs  seal %6.3fs  handshake %6.3fs  serving %6.3fs  write %6.2fs\n", r+1, targets[i].label,
-				s[mRename], s[mMeta], s[mSeal], s[mHandshake], s[mServing], s[mWrite])
+			fmt.Printf("rep %d %-8s rename %6.3fs  →.meta %6.3fs  seal %6.3fs  handshake %6.3fs  serving %6.3fs  cpu %6.3fs  faults %6.0f  write %6.2fs\n", r+1, targets[i].label,
+				s[mRename], s[mMeta], s[mSeal], s[mHandshake], s[mServing], s[mCPU], s[mFaults], s[mWrite])
 		}
 	}
 	var fl []floorResult
@@ -144,7 +155,7 @@ func run(ctx context.Context, targets []target, n, size, reps int, floor bool, o
 	for _, m := range metricOrder {
 		fmt.Fprintf(&b, "| %s |", m)
 		for i := range targets {
-			fmt.Fprintf(&b, " %.3f s |", samples[i].Median(m))
+			fmt.Fprintf(&b, " %s |", value(m, samples[i].Median(m)))
 		}
 		if len(targets) > 1 {
 			fmt.Fprintf(&b, " %.2f× |", samples[len(targets)-1].Median(m)/samples[0].Median(m))
@@ -172,7 +183,7 @@ func run(ctx context.Context, targets []target, n, size, reps int, floor bool, o
 		for i := range targets {
 			var vs []string
 			for _, v := range samples[i].Of(m) {
-				vs = append(vs, fmt.Sprintf("%.3f", v))
+				vs = append(vs, strings.TrimSuffix(value(m, v), " s"))
 			}
 			fmt.Fprintf(&b, " %s |", strings.Join(vs, " "))
 		}
@@ -289,6 +300,12 @@ func measure(ctx context.Context, bin string, n, size int) (s map[string]float64
 		return s, err
 	}
 	s[mHandshake] = time.Since(w.at).Seconds()
+	s[mCPU] = benchkit.ProcessCPU(a2.Pid()).Seconds()
+	faults, err := benchkit.ProcessMinorFaults(a2.Pid())
+	if err != nil {
+		return s, err
+	}
+	s[mFaults] = float64(faults)
 	if target, err := os.Readlink(marker); err != nil || !strings.HasPrefix(target, "D") {
 		return s, fmt.Errorf("restore marker %s → %q (%v): not the sealed step", marker, target, err)
 	}

@@ -90,17 +90,36 @@ func ownCPU() time.Duration {
 // ProcessCPU reads a running process's user and system time (all its threads) from
 // /proc/PID/stat; its resolution is 10 ms.
 func ProcessCPU(pid int) time.Duration {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	f, err := procStat(pid)
 	if err != nil {
-		return 0
-	}
-	// pid (comm) state ppid ... utime stime: fields 14 and 15; comm may contain spaces.
-	_, rest, ok := strings.Cut(string(data), ") ")
-	f := strings.Fields(rest)
-	if !ok || len(f) < 13 {
 		return 0
 	}
 	utime, _ := strconv.ParseInt(f[11], 10, 64)
 	stime, _ := strconv.ParseInt(f[12], 10, 64)
 	return time.Duration(utime+stime) * time.Second / clockTick
+}
+
+// ProcessMinorFaults reads a running process's minor page faults (all its threads) from
+// /proc/PID/stat.
+func ProcessMinorFaults(pid int) (int64, error) {
+	f, err := procStat(pid)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(f[7], 10, 64)
+}
+
+// procStat is /proc/PID/stat's fields after the command name: f[0] is field 3 (state).
+func procStat(pid int) ([]string, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil, err
+	}
+	// pid (comm) state ppid ... minflt (10) ... utime stime (14, 15); comm may contain spaces.
+	_, rest, ok := strings.Cut(string(data), ") ")
+	f := strings.Fields(rest)
+	if !ok || len(f) < 13 {
+		return nil, fmt.Errorf("/proc/%d/stat: %d fields after the command name", pid, len(f))
+	}
+	return f, nil
 }
