@@ -324,6 +324,7 @@ func TestMountErrors(t *testing.T) {
 		{"bad takeover time", []string{"mount", base, "--takeover-after", "0s"}, 2, "want a duration > 0"},
 		{"bad go memory limit", []string{"mount", base, "--go-memory-limit", "lots"}, 2, "want auto, off or a size"},
 		{"bad heap huge pages", []string{"mount", base, "--heap-huge-pages", "lots"}, 2, "want a size such as 128MiB, or off"},
+		{"heap huge pages above the machine", []string{"mount", base, "--heap-huge-pages", "1000TiB"}, 2, "more than this machine's memory"},
 		{"bad log format", []string{"mount", base, "--log-format", "xml"}, 2, "want json or text"},
 		{"bad passthrough", []string{"mount", base, "--passthrough", "maybe"}, 2, "want auto, on or off"},
 		{"unknown flag", []string{"mount", base, "--frobnicate"}, 2, "flag provided but not defined"},

@@ -198,6 +198,11 @@ func cmdMount(args []string) int {
 		if cfg.heapHugePages, err = tiers.ParseSize(*hugeHeap); err != nil {
 			return flagError(fset, fmt.Errorf("--heap-huge-pages %q: want a size such as 128MiB, or off", *hugeHeap))
 		}
+		// The agent allocates that much address space at start: more than the machine has is a
+		// typo, and would end the process in the runtime instead of here.
+		if limits.Machine > 0 && cfg.heapHugePages > limits.Machine {
+			return flagError(fset, fmt.Errorf("--heap-huge-pages %s: more than this machine's memory (%s)", *hugeHeap, tiers.FormatSize(limits.Machine)))
+		}
 	}
 	if cfg.spoolDir == "" {
 		cfg.spoolDir = tiers.DefaultSpoolDir(cfg.dir)
