@@ -50,3 +50,10 @@ func flagError(fs *flag.FlagSet, err error) int {
 	fs.Usage()
 	return 2
 }
+
+// flagSet reports whether the command line gave the flag name.
+func flagSet(fset *flag.FlagSet, name string) bool {
+	set := false
+	fset.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}

@@ -108,7 +108,7 @@ func cmdMount(args []string) int {
 	uid := fset.Int("uid", -1, "owner of the mount root (default: the mount point directory's owner)")
 	gid := fset.Int("gid", -1, "group of the mount root (default: the mount point directory's group)")
 	mode := fset.String("mode", "", "permission bits of the mount root in octal, e.g. 0770 (default: the mount point directory's)")
-	hugeHeap := fset.String("heap-huge-pages", "128MiB", "how much of the agent's Go heap asks the kernel for transparent huge pages (a restart builds its metadata, some 1 KB per adopted file, in fresh memory; 4 KiB page faults were a sixth of its CPU): a size, or off; resident memory may exceed the Go runtime's count by up to that much")
+	hugeHeap := fset.String("heap-huge-pages", "128MiB", "how much of the agent's Go heap asks the kernel for transparent huge pages (a restart builds its metadata, some 1 KB per adopted file, in fresh memory; 4 KiB page faults were a sixth of its CPU): a size, or off; resident memory may exceed the Go runtime's count by up to that much; without the flag, a quarter of the Go memory limit where that is less")
 	goMem := fset.String("go-memory-limit", "auto", "the Go runtime's soft memory limit: auto (90% of what a memory cgroup limit leaves beside --memory; none without one), off, or a size; GOMEMLIMIT wins")
 	drain := fset.Duration("drain-timeout", tiers.DefaultDrainTimeout, "on SIGTERM/SIGINT, how long a running backup may finish before it is cut short (left incomplete, retried by the next agent)")
 	takeover := fset.Duration("takeover-after", mfs.DefaultTakeoverAfter, "how long a mount already at DIR may leave a request unanswered before it is taken over (its connection aborted, as root) when no mtcfs mount process for DIR runs")
@@ -189,10 +189,11 @@ func cmdMount(args []string) int {
 	if err := limits.CheckBudget(cfg.budget); err != nil {
 		return flagError(fset, err)
 	}
-	if limit, why, err := limits.SetGoMemoryLimit(*goMem, cfg.budget); err != nil {
+	goLimit, why, err := limits.SetGoMemoryLimit(*goMem, cfg.budget)
+	if err != nil {
 		return flagError(fset, err)
-	} else if limit > 0 {
-		slog.Info("Go memory limit", "limit", tiers.FormatSize(limit), "from", why)
+	} else if goLimit > 0 {
+		slog.Info("Go memory limit", "limit", tiers.FormatSize(goLimit), "from", why)
 	}
 	if *hugeHeap != "off" {
 		if cfg.heapHugePages, err = tiers.ParseSize(*hugeHeap); err != nil {
@@ -202,6 +203,9 @@ func cmdMount(args []string) int {
 		// typo, and would end the process in the runtime instead of here.
 		if limits.Machine > 0 && cfg.heapHugePages > limits.Machine {
 			return flagError(fset, fmt.Errorf("--heap-huge-pages %s: more than this machine's memory (%s)", *hugeHeap, tiers.FormatSize(limits.Machine)))
+		}
+		if !flagSet(fset, "heap-huge-pages") {
+			cfg.heapHugePages = defaultHeapHugePages(cfg.heapHugePages, goLimit)
 		}
 	}
 	if cfg.spoolDir == "" {
@@ -213,6 +217,16 @@ func cmdMount(args []string) int {
 		return 1
 	}
 	return 0
+}
+
+// defaultHeapHugePages is --heap-huge-pages when it is not given: def, or a quarter of the Go
+// memory limit (goLimit, 0: none) when that is less. The marked range may stay resident in
+// whole huge pages; in a small container it must not take the room the limit leaves the heap.
+func defaultHeapHugePages(def, goLimit int64) int64 {
+	if goLimit > 0 {
+		return min(def, goLimit/4)
+	}
+	return def
 }
 
 // readSecretFile reads --peer-secret-file ("": none, every job's secret is in the backup location).
