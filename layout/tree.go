@@ -594,11 +594,13 @@ func hashOpen(ctx context.Context, name string, cache *DigestCache, fd int) (int
 // the buffer, or whose read fails (a directory or a FIFO where a file was listed), is hashed by
 // hashOpen on the same descriptor, which stats it.
 //
-// What it gives up is a proof of type and of end: a read cut short by something else (a
-// device where a file was listed, a file system that returns short reads) hashes a prefix. That
-// can only produce a digest that does not match, never a match for the wrong bytes, so the
-// caller hashes a tree that fails to match again with hashFile before it reports a mismatch
-// (VerifyListed).
+// What it gives up is a proof of type and of end for a file that reads as non-empty: a read cut
+// short by something else (a file system that returns short reads, a device put where a file
+// was listed) hashes a prefix. A tree's hash covers each file's size and digest, so that passes
+// only if the prefix is byte for byte the file the tree recorded, with its size; otherwise the
+// tree does not match, and the caller hashes it again with hashFile before it reports a
+// mismatch (VerifyListed). A read of nothing is stat'd (an empty file is rare, and /dev/null
+// reads as one).
 func hashStatless(ctx context.Context, name string, open func() (int, error)) (int64, FileDigest, error) {
 	fd, err := open()
 	if err != nil {
@@ -613,7 +615,7 @@ func hashStatless(ctx context.Context, name string, open func() (int, error)) (i
 	bufp := hashBufs.Get().(*[hashBufSize]byte)
 	buf := bufp[:min(hashBufSize, segmentSize)] // one segment: the digest is hashBytes' node
 	n, err := statlessRead(fd, buf)
-	short := err == nil && n < len(buf)
+	short := err == nil && n > 0 && n < len(buf)
 	var d FileDigest
 	if short {
 		d = rootDigest(hashBytes(buf[:n], 0))
