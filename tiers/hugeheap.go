@@ -32,13 +32,21 @@ func HugePageHeap(size int64) (int64, error) {
 	if huge <= 0 || size < 2*huge {
 		return 0, nil
 	}
+	// The Go runtime ends the process when it cannot map what make asks for (an address-space
+	// limit, strict overcommit): a mapping of the same size, made and dropped first, finds out.
+	probe, err := unix.Mmap(-1, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
+	if err != nil {
+		return 0, fmt.Errorf("map %d bytes: %w", size, err)
+	}
+	if err := unix.Munmap(probe); err != nil {
+		return 0, fmt.Errorf("unmap: %w", err)
+	}
 	block := make([]byte, size)
 	start := uintptr(unsafe.Pointer(unsafe.SliceData(block)))
 	off := int64((huge - int64(start%uintptr(huge))) % huge) // to the first whole huge page
 	n := (size - off) / huge * huge
-	err := unix.Madvise(block[off:off+n], unix.MADV_HUGEPAGE)
+	err = unix.Madvise(block[off:off+n], unix.MADV_HUGEPAGE)
 	runtime.KeepAlive(block)
-	block = nil
 	runtime.GC() // the block's pages return to the heap now, before the agent allocates anything large
 	if err != nil {
 		return 0, fmt.Errorf("madvise MADV_HUGEPAGE: %w", err)
