@@ -153,6 +153,17 @@ func (f *fileNode) chargeTo(size int64, exact bool) error {
 	return nil
 }
 
+// chargeImported is chargeTo for a file whose bytes are in the spool already (an imported
+// step's, before any open): an agent-accounted budget counts them even past the budget
+// (tiers.Spool.Charge), so that new writes fail instead.
+func (f *fileNode) chargeImported(size int64) {
+	if f.fs.spool.KernelEnforced() {
+		return
+	}
+	f.fs.spool.Charge(size - f.accounted)
+	f.accounted = size
+}
+
 func (f *fileNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 		f.fs.awaitReleases(nil) // space.go

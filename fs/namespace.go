@@ -463,22 +463,16 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 	top, err := ns.importTree(ctx, src, fi, entries, newFile)
 	verr := <-verified
 	if err == nil && verr == nil {
-		// An agent-accounted budget counts the bytes (before any open), also past the budget:
-		// they are in the spool already (tiers.Spool.Charge).
 		for _, f := range files {
 			if f.entry >= 0 && entries[f.entry].Size < 0 {
 				err = fmt.Errorf("%s: verified without its size", entries[f.entry].Path) // a verify that did not hash the listing
 				break
 			}
-			if ns.m.spool.KernelEnforced() {
-				continue
-			}
 			size := fi.Size()
 			if f.entry >= 0 {
 				size = entries[f.entry].Size
 			}
-			ns.m.spool.Charge(size - f.n.accounted)
-			f.n.accounted = size
+			f.n.chargeImported(size)
 		}
 		if err == nil && !ns.root.AddChild(name, top, false) {
 			err = tiers.ErrNameTaken

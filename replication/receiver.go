@@ -58,7 +58,7 @@ type ReceiverConfig struct {
 	// Reserve, when set, is charged with the declared bytes of each new transfer (and refunded
 	// when one is discarded, or accepted: from then on whoever Accept handed the data to
 	// accounts for it); an error refuses it with ResourceExhausted. tiers.Spool.Reserve
-	// fits. The bytes of an accepted transfer stay charged: they now belong to Accept's caller.
+	// fits.
 	Reserve func(delta int64) error
 	// IdleTimeout drops a transfer that received nothing for this long (a sender that died
 	// between streams, or never committed). Default 2 minutes.
