@@ -15,7 +15,7 @@ import (
 // transparent huge pages (madvise MADV_HUGEPAGE), where the system leaves that choice to each
 // program (/sys/kernel/mm/transparent_hugepage/enabled "madvise", a common default) and the Go
 // runtime asks for none on its heap. A restart builds its namespace, listings and nodes for
-// every adopted file in fresh memory: 23,000 faults of 4 KiB pages, each a few µs on a virtual
+// every adopted file in fresh memory: 23,000 faults of 4 KiB pages, some 12 µs each on a virtual
 // machine, were a sixth of the CPU of adopting 100,000 files (issue 12); with 2 MiB pages they
 // are some 3,000.
 //
