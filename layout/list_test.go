@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // The listing (several goroutines over subdirectories) gives what a walk on one thread gives:
@@ -310,7 +312,7 @@ func TestUnsizedListing(t *testing.T) {
 	}
 }
 
-// hashStatless gives the size and digest hashFile gives, for files below, at and above its one
+// hashStatlessFd gives the size and digest hashFile gives, for files below, at and above its one
 // read, with the production segment size and with one smaller than the read buffer.
 func TestStatlessHashIsHashFile(t *testing.T) {
 	for _, seg := range []int64{segmentSize, 2 << 10} {
@@ -327,16 +329,21 @@ func TestStatlessHashIsHashFile(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				gotSize, got, err := hashStatless(t.Context(), p, func() (int, error) { return openRaw(p) })
+				fd, err := openRaw(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				gotSize, got, err := hashStatlessFd(t.Context(), p, fd)
+				unix.Close(fd)
 				if err != nil || gotSize != wantSize || got != want {
-					t.Errorf("%d bytes: hashStatless = %d, %v, %v; hashFile = %d, %v", size, gotSize, got, err, wantSize, want)
+					t.Errorf("%d bytes: hashStatlessFd = %d, %v, %v; hashFile = %d, %v", size, gotSize, got, err, wantSize, want)
 				}
 			}
 		})
 	}
 }
 
-// A read that stops short before a file's end makes hashStatless hash a prefix. VerifyListed
+// A read that stops short before a file's end makes hashStatlessFd hash a prefix. VerifyListed
 // must not report that as a mismatch: it hashes the tree again with a stat of each file, and
 // the listing ends up with the true sizes. A tree that really differs is still a mismatch.
 func TestVerifyListedRetriesAShortRead(t *testing.T) {

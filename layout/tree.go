@@ -449,8 +449,8 @@ func (d *Dir) HashEntries(ctx context.Context, entries []TreeEntry, cache *Diges
 // it (listKeyed): a file whose digest the cache holds for that key is not even opened. This is
 // what makes sealing a step of many small files, hashed as the job closed them, cost one stat
 // per file (the listing's) instead of an open, a stat and a close more. With statless (and no
-// cache), an unsized entry is hashed by hashStatless: its digest may be wrong in the one way
-// hashStatless says, so a caller passing it checks a mismatch again without (VerifyListed).
+// cache), an unsized entry is hashed by hashStatlessFd: its digest may be wrong in the one way
+// hashStatlessFd says, so a caller passing it checks a mismatch again without (VerifyListed).
 func (d *Dir) hashEntries(ctx context.Context, entries []TreeEntry, keys []digestKey, cache *DigestCache, statless bool) error {
 	if keys != nil && cache != nil {
 		cache.mu.Lock()
@@ -474,33 +474,78 @@ func (d *Dir) hashEntries(ctx context.Context, entries []TreeEntry, keys []diges
 	}
 	// A few workers take the files in turn; a goroutine per file cost more than the hashing of
 	// a small file: each grew its stack for the vector code (runtime.copystack was a fifth of
-	// the CPU of a restart adopting 100,000 files of 4 KiB).
+	// the CPU of a restart adopting 100,000 files of 4 KiB). With many files, each worker opens
+	// and closes them through an io_uring of its own, a batch per system call (uring.go).
+	hashOne := func(ctx context.Context, e *TreeEntry, fd int) error {
+		var size int64
+		var dg FileDigest
+		var err error
+		if statless && cache == nil && e.Size < 0 {
+			size, dg, err = hashStatlessFd(ctx, e.Path, fd)
+		} else {
+			size, dg, err = hashOpen(ctx, e.Path, cache, fd)
+		}
+		if err != nil {
+			return err
+		}
+		if e.Size >= 0 && size != e.Size {
+			return fmt.Errorf("%s: %d bytes, want %d (changed while hashing?)", e.Path, size, e.Size)
+		}
+		e.Digest, e.Size = dg, size // an unsized listing's (Dir.ListUnsized) size too
+		return nil
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	var next atomic.Int64
+	batched := len(todo) >= ringFrom
 	for range min(cap(hashSlots), len(todo)) {
 		g.Go(func() error {
+			var b *batchOpener
+			if batched {
+				b = newBatchOpener(d)
+			}
+			if b == nil {
+				for {
+					j := next.Add(1) - 1
+					if j >= int64(len(todo)) || gctx.Err() != nil {
+						return nil
+					}
+					e := &entries[todo[j]]
+					fd, err := d.openRaw(e.Path)
+					if err == nil {
+						err = hashOne(gctx, e, fd)
+						unix.Close(fd)
+					}
+					if err != nil {
+						return err
+					}
+				}
+			}
+			defer b.free()
 			for {
-				j := next.Add(1) - 1
+				j := next.Add(ringBatch) - ringBatch
 				if j >= int64(len(todo)) || gctx.Err() != nil {
 					return nil
 				}
-				e := &entries[todo[j]]
-				open := func() (int, error) { return d.openRaw(e.Path) }
-				var size int64
-				var dg FileDigest
+				batch := todo[j:min(j+ringBatch, int64(len(todo)))]
+				fds := b.open(len(batch), func(k int) string { return entries[batch[k]].Path })
 				var err error
-				if statless && cache == nil && e.Size < 0 {
-					size, dg, err = hashStatless(gctx, e.Path, open)
-				} else {
-					size, dg, err = hashFile(gctx, e.Path, cache, open)
+				for k, i := range batch {
+					fd := fds[k]
+					if err == nil { // after an error the batch's descriptors are only closed
+						if fd < 0 { // the ring did not open it: the plain call says why
+							fd, err = d.openRaw(entries[i].Path)
+						}
+						if err == nil {
+							err = hashOne(gctx, &entries[i], fd)
+						}
+					}
+					if fd >= 0 {
+						b.close(fd)
+					}
 				}
 				if err != nil {
 					return err
 				}
-				if e.Size >= 0 && size != e.Size {
-					return fmt.Errorf("%s: %d bytes, want %d (changed while hashing?)", e.Path, size, e.Size)
-				}
-				e.Digest, e.Size = dg, size // an unsized listing's (Dir.ListUnsized) size too
 			}
 		})
 	}
@@ -587,12 +632,12 @@ func hashOpen(ctx context.Context, name string, cache *DigestCache, fd int) (int
 	return st.Size, d, nil
 }
 
-// hashStatless is hashFile without the stat for a file smaller than one read buffer, the
+// hashStatlessFd is hashOpen without the stat for a file smaller than one read buffer, the
 // common case of a step of many files (a restart verifies 100,000 such files; the stat was a
 // tenth of its CPU): one pread that returns less than it asked for gives the file's bytes and
 // size together, since a read of a regular file stops short only at its end. A file that fills
 // the buffer, or whose read fails (a directory or a FIFO where a file was listed), is hashed by
-// hashOpen on the same descriptor, which stats it.
+// hashOpen on the same descriptor, which stats it. fd stays the caller's.
 //
 // What it gives up is a proof of type and of end for a file that reads as non-empty: a read cut
 // short by something else (a file system that returns short reads, a device put where a file
@@ -601,12 +646,7 @@ func hashOpen(ctx context.Context, name string, cache *DigestCache, fd int) (int
 // tree does not match, and the caller hashes it again with hashFile before it reports a
 // mismatch (VerifyListed). A read of nothing is stat'd (an empty file is rare, and /dev/null
 // reads as one).
-func hashStatless(ctx context.Context, name string, open func() (int, error)) (int64, FileDigest, error) {
-	fd, err := open()
-	if err != nil {
-		return 0, FileDigest{}, err
-	}
-	defer unix.Close(fd)
+func hashStatlessFd(ctx context.Context, name string, fd int) (int64, FileDigest, error) {
 	select {
 	case hashSlots <- struct{}{}:
 	case <-ctx.Done():
@@ -628,7 +668,7 @@ func hashStatless(ctx context.Context, name string, open func() (int, error)) (i
 	return hashOpen(ctx, name, nil, fd)
 }
 
-// statlessRead is hashStatless' read; a test makes it stop short.
+// statlessRead is hashStatlessFd's read; a test makes it stop short.
 var statlessRead = preadOnce
 
 // preadOnce is one pread(2) of p at offset 0, retried only when interrupted before it read.
@@ -777,7 +817,7 @@ func VerifyData(ctx context.Context, p, hash string, dir bool) error {
 // filled in, without listing p again. With a nil listing, or dir false, it is VerifyData.
 //
 // A listing without sizes (ListTreeUnsized, all its files of size -1) gets them filled in, and
-// its small files are hashed without a stat (hashStatless); a tree that does not match that
+// its small files are hashed without a stat (hashStatlessFd); a tree that does not match that
 // way is hashed again with a stat of every file before its mismatch is reported, so a short read
 // that was not a file's end costs time, never a wrongly refused tree.
 func VerifyListed(ctx context.Context, p string, listing []TreeEntry, hash string, dir bool) error {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash"
 	"io"
+	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -655,7 +656,8 @@ func BenchmarkHashCandidates(b *testing.B) {
 }
 
 // BenchmarkHashEntries hashes a tree of many small files (one per array
-// shard is the common case) on tmpfs, without a digest cache.
+// shard is the common case) on tmpfs, without a digest cache, opening the
+// files one by one and through rings (uring.go).
 func BenchmarkHashEntries(b *testing.B) {
 	if testing.Short() {
 		b.Skip("writes 10,000 files")
@@ -672,10 +674,67 @@ func BenchmarkHashEntries(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	b.SetBytes(files * size)
-	for b.Loop() {
-		if err := HashEntries(b.Context(), root, entries, nil); err != nil {
+	forEachOpener(b, func(b *testing.B) {
+		b.SetBytes(files * size)
+		for b.Loop() {
+			if err := HashEntries(b.Context(), root, entries, nil); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+// BenchmarkVerifyUnsized is a restart's verification of a step (VerifyListed of
+// an unsized listing) of 10,000 files of 4 KiB in 10 directories, on tmpfs.
+func BenchmarkVerifyUnsized(b *testing.B) {
+	if testing.Short() {
+		b.Skip("writes 10,000 files")
+	}
+	root := benchTmpfs(b, "mtcfs-verify-bench-*")
+	const files, size = 10000, 4 << 10
+	data := randomBytes(5, size)
+	for i := range files {
+		dir := filepath.Join(root, fmt.Sprintf("d%d", i%10))
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			b.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("shard-%05d", i)), data, 0o644); err != nil {
 			b.Fatal(err)
 		}
 	}
+	hash, _, err := HashData(b.Context(), root)
+	if err != nil {
+		b.Fatal(err)
+	}
+	forEachOpener(b, func(b *testing.B) {
+		b.SetBytes(files * size)
+		for b.Loop() {
+			listing, err := ListTreeUnsized(root)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := VerifyListed(b.Context(), root, listing, hash, true); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+// forEachOpener runs f with files opened one by one and, where the kernel
+// allows io_uring, through rings.
+func forEachOpener(b *testing.B, f func(b *testing.B)) {
+	from := ringFrom
+	b.Cleanup(func() { ringFrom = from })
+	b.Run("opens=plain", func(b *testing.B) {
+		ringFrom = math.MaxInt
+		f(b)
+	})
+	b.Run("opens=ring", func(b *testing.B) {
+		ringFrom = from
+		made := ringsMade.Load()
+		f(b)
+		if ringsMade.Load() == made {
+			b.Fatal("no ring was set up")
+		}
+	})
 }
