@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -320,7 +321,7 @@ func TestStatlessHashIsHashFile(t *testing.T) {
 			setSegmentSize(t, seg)
 			limit := min(int64(hashBufSize), segmentSize)
 			root := t.TempDir()
-			for i, size := range []int64{0, 1, 1023, 1024, 1025, 4096, limit - 1, limit, limit + 1, 3*limit + 7} {
+			for i, size := range []int64{0, 1, 1023, 1024, 1025, 4096, limit - 1, limit, limit + 1, 2 * limit, 2*limit + 1, 3*limit + 7, hashBufSize + 1} {
 				p := filepath.Join(root, fmt.Sprintf("f%d", i))
 				if err := os.WriteFile(p, randomBytes(uint64(i), size), 0o644); err != nil {
 					t.Fatal(err)
@@ -337,6 +338,47 @@ func TestStatlessHashIsHashFile(t *testing.T) {
 				unix.Close(fd)
 				if err != nil || gotSize != wantSize || got != want {
 					t.Errorf("%d bytes: hashStatlessFd = %d, %v, %v; hashFile = %d, %v", size, gotSize, got, err, wantSize, want)
+				}
+			}
+		})
+	}
+}
+
+// hashStatlessFd reads each byte of a file larger than its one read once: the bytes of that read
+// are not read again by the hash of the rest (they were, until this test).
+func TestStatlessReadsEachByteOnce(t *testing.T) {
+	for _, seg := range []int64{segmentSize, 2 << 10} {
+		t.Run(fmt.Sprintf("segment %d", seg), func(t *testing.T) {
+			setSegmentSize(t, seg)
+			var read atomic.Int64
+			pread = func(fd int, p []byte, off int64) (int, error) {
+				n, err := unix.Pread(fd, p, off)
+				read.Add(int64(max(n, 0)))
+				return n, err
+			}
+			t.Cleanup(func() { pread = unix.Pread })
+			limit := min(int64(hashBufSize), segmentSize)
+			for i, size := range []int64{limit, limit + 1, 3*limit + 7, 3*hashBufSize + 5} {
+				p := filepath.Join(t.TempDir(), "f")
+				if err := os.WriteFile(p, randomBytes(uint64(i), size), 0o644); err != nil {
+					t.Fatal(err)
+				}
+				_, want, err := hashPath(t.Context(), p, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				fd, err := openRaw(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				read.Store(0)
+				gotSize, got, err := hashStatlessFd(t.Context(), p, fd)
+				unix.Close(fd)
+				if err != nil || gotSize != size || got != want {
+					t.Fatalf("%d bytes: hashStatlessFd = %d, %v, %v; want %d, %v", size, gotSize, got, err, size, want)
+				}
+				if n := read.Load(); n != size {
+					t.Errorf("%d bytes: hashStatlessFd read %d bytes", size, n)
 				}
 			}
 		})

@@ -263,6 +263,13 @@ var hashSlots = make(chan struct{}, runtime.GOMAXPROCS(0))
 // fails if r has fewer than size bytes (the file shrank) or ctx is done; it
 // does not notice bytes past size.
 func HashFile(ctx context.Context, r io.ReaderAt, size int64) (FileDigest, error) {
+	return hashFileFrom(ctx, r, size, nil)
+}
+
+// hashFileFrom is HashFile; first, when set, is the node of the file's first
+// min(hashBufSize, segmentSize) bytes, already read and hashed (hashStatlessFd), size being
+// larger than that: those bytes are not read again.
+func hashFileFrom(ctx context.Context, r io.ReaderAt, size int64, first *guts.Node) (FileDigest, error) {
 	seg := segmentSize
 	if seg < guts.ChunkSize || seg&(seg-1) != 0 {
 		return FileDigest{}, fmt.Errorf("hash file: segment size %d is not a power of two ≥ %d", seg, guts.ChunkSize)
@@ -270,9 +277,12 @@ func HashFile(ctx context.Context, r io.ReaderAt, size int64) (FileDigest, error
 	if size < 0 {
 		return FileDigest{}, fmt.Errorf("hash file: negative size %d", size)
 	}
+	if first != nil && size <= min(hashBufSize, seg) {
+		return FileDigest{}, fmt.Errorf("hash file: %d bytes, no more than the first node's", size)
+	}
 	nseg := max(1, (size+seg-1)/seg)
 	if nseg == 1 {
-		root, err := hashSegment(ctx, r, 0, size)
+		root, err := hashSegmentFrom(ctx, r, 0, size, first)
 		if err != nil {
 			return FileDigest{}, err
 		}
@@ -288,7 +298,11 @@ func HashFile(ctx context.Context, r io.ReaderAt, size int64) (FileDigest, error
 	for i := int64(0); i < nseg && gctx.Err() == nil; i++ {
 		g.Go(func() error {
 			off := i * seg
-			n, err := hashSegment(gctx, r, off, min(seg, size-off))
+			var from *guts.Node
+			if i == 0 {
+				from = first
+			}
+			n, err := hashSegmentFrom(gctx, r, off, min(seg, size-off), from)
 			if err != nil {
 				return err
 			}
@@ -320,6 +334,16 @@ func HashFile(ctx context.Context, r io.ReaderAt, size int64) (FileDigest, error
 // hashBufSize bytes at a time; each buffer but the last is a complete subtree
 // (hashBytes).
 func hashSegment(ctx context.Context, r io.ReaderAt, off, length int64) (guts.Node, error) {
+	return hashSegmentFrom(ctx, r, off, length, nil)
+}
+
+// hashSegmentFrom is hashSegment; first, when set (off is 0), is the node of the segment's first
+// min(hashBufSize, segmentSize) bytes, which are not read again: the whole segment's node when
+// a segment is no longer, else a complete subtree to start from.
+func hashSegmentFrom(ctx context.Context, r io.ReaderAt, off, length int64, first *guts.Node) (guts.Node, error) {
+	if first != nil && length <= hashBufSize {
+		return *first, nil
+	}
 	select {
 	case hashSlots <- struct{}{}:
 	case <-ctx.Done():
@@ -331,7 +355,12 @@ func hashSegment(ctx context.Context, r io.ReaderAt, off, length int64) (guts.No
 
 	base := uint64(off / guts.ChunkSize)
 	var t subtreeStack
-	for pos := int64(0); ; {
+	pos := int64(0)
+	if first != nil {
+		t.push(guts.ChainingValue(*first), bits.TrailingZeros(hashBufSize/guts.ChunkSize))
+		pos = hashBufSize
+	}
+	for {
 		if err := ctx.Err(); err != nil {
 			return guts.Node{}, context.Cause(ctx)
 		}
@@ -656,25 +685,58 @@ func hashStatlessFd(ctx context.Context, name string, fd int) (int64, FileDigest
 	buf := bufp[:min(hashBufSize, segmentSize)] // one segment: the digest is hashBytes' node
 	n, err := statlessRead(fd, buf)
 	short := err == nil && n > 0 && n < len(buf)
+	full := err == nil && n == len(buf)
 	var d FileDigest
-	if short {
+	var first guts.Node
+	switch {
+	case short:
 		d = rootDigest(hashBytes(buf[:n], 0))
+	case full:
+		first = hashBytes(buf, 0)
 	}
 	hashBufs.Put(bufp)
 	<-hashSlots
 	if short {
 		return int64(n), d, nil
 	}
+	if full {
+		return hashOpenFrom(ctx, name, fd, int64(n), &first)
+	}
 	return hashOpen(ctx, name, nil, fd)
+}
+
+// hashOpenFrom is hashOpen (without a cache) of a file whose first n bytes hashStatlessFd has
+// read and hashed to first: they are not read again unless the file is no longer than that.
+func hashOpenFrom(ctx context.Context, name string, fd int, n int64, first *guts.Node) (int64, FileDigest, error) {
+	var st unix.Stat_t
+	if err := fstatRetry(fd, &st); err != nil {
+		return 0, FileDigest{}, &os.PathError{Op: "stat", Path: name, Err: err}
+	}
+	switch {
+	case st.Mode&unix.S_IFMT != unix.S_IFREG:
+		return 0, FileDigest{}, fmt.Errorf("%s is a %v, not a regular file", name, typeOfMode(st.Mode))
+	case st.Size == n:
+		return st.Size, rootDigest(*first), nil
+	case st.Size < n: // shrank since the read: hash what it holds now
+		return hashOpen(ctx, name, nil, fd)
+	}
+	d, err := hashFileFrom(ctx, fdReader(fd), st.Size, first)
+	if err != nil {
+		return 0, FileDigest{}, fmt.Errorf("%s: %w", name, err)
+	}
+	return st.Size, d, nil
 }
 
 // statlessRead is hashStatlessFd's read; a test makes it stop short.
 var statlessRead = preadOnce
 
+// pread is unix.Pread; a test counts the bytes read.
+var pread = unix.Pread
+
 // preadOnce is one pread(2) of p at offset 0, retried only when interrupted before it read.
 func preadOnce(fd int, p []byte) (int, error) {
 	for {
-		n, err := unix.Pread(fd, p, 0)
+		n, err := pread(fd, p, 0)
 		if err != unix.EINTR {
 			return n, err
 		}
@@ -696,7 +758,7 @@ type fdReader int
 func (r fdReader) ReadAt(p []byte, off int64) (int, error) {
 	n := 0
 	for n < len(p) {
-		m, err := unix.Pread(int(r), p[n:], off+int64(n))
+		m, err := pread(int(r), p[n:], off+int64(n))
 		if err == unix.EINTR {
 			continue
 		}
