@@ -525,8 +525,9 @@ func (d *Dir) hashEntries(ctx context.Context, entries []TreeEntry, keys []diges
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	var next atomic.Int64
-	batched := len(todo) >= ringFrom
-	for range min(cap(hashSlots), len(todo)) {
+	workers := min(cap(hashSlots), len(todo))
+	batched := len(todo) >= ringFrom && ringFDsFit(workers)
+	for range workers {
 		g.Go(func() error {
 			var b *batchOpener
 			if batched {
@@ -665,8 +666,9 @@ func hashOpen(ctx context.Context, name string, cache *DigestCache, fd int) (int
 // common case of a step of many files (a restart verifies 100,000 such files; the stat was a
 // tenth of its CPU): one pread that returns less than it asked for gives the file's bytes and
 // size together, since a read of a regular file stops short only at its end. A file that fills
-// the buffer, or whose read fails (a directory or a FIFO where a file was listed), is hashed by
-// hashOpen on the same descriptor, which stats it. fd stays the caller's.
+// the buffer is stat'd and hashed on from that buffer (hashOpenFrom); one whose read fails (a
+// directory or a FIFO where a file was listed) is hashed by hashOpen on the same descriptor,
+// which stats it. fd stays the caller's.
 //
 // What it gives up is a proof of type and of end for a file that reads as non-empty: a read cut
 // short by something else (a file system that returns short reads, a device put where a file
@@ -706,7 +708,7 @@ func hashStatlessFd(ctx context.Context, name string, fd int) (int64, FileDigest
 }
 
 // hashOpenFrom is hashOpen (without a cache) of a file whose first n bytes hashStatlessFd has
-// read and hashed to first: they are not read again unless the file is no longer than that.
+// read and hashed to first: they are not read again, unless the file has shrunk since.
 func hashOpenFrom(ctx context.Context, name string, fd int, n int64, first *guts.Node) (int64, FileDigest, error) {
 	var st unix.Stat_t
 	if err := fstatRetry(fd, &st); err != nil {

@@ -30,7 +30,7 @@ func withOpener(t *testing.T, f func(t *testing.T, ring bool)) {
 		}
 		t.Fatalf("newRing: %v", err)
 	} else {
-		r.free()
+		r.release()
 	}
 	t.Run("ring", func(t *testing.T) {
 		made := ringsMade.Load()
@@ -51,10 +51,14 @@ func openFDs(t *testing.T) int {
 	return len(ents)
 }
 
-// ringTree writes a tree of more files than ringFrom (sizes around the read buffer, some empty,
-// one below a path longer than PATH_MAX) and returns its root and its hash.
+// ringTree lowers ringFrom for the test, writes a tree of more files than that (sizes around the
+// read buffer, some empty, one below a path longer than PATH_MAX) and returns its root and its
+// hash.
 func ringTree(t *testing.T) (string, string) {
 	t.Helper()
+	from := ringFrom
+	ringFrom = 64
+	t.Cleanup(func() { ringFrom = from })
 	root := t.TempDir()
 	sizes := []int64{0, 1, 4096, hashBufSize - 1, hashBufSize, hashBufSize + 1, 3*hashBufSize + 5}
 	for i := range 3 * ringFrom {
@@ -134,6 +138,94 @@ func TestRingHashesAsPlainOpens(t *testing.T) {
 			t.Fatalf("%d descriptors open after hashing, %d before", got, fds)
 		}
 	})
+}
+
+// A restart's statless hashing (hashEntries of an unsized listing, no second pass) gives through
+// rings the digests and sizes a sized listing's hashing gives.
+func TestRingStatlessDigests(t *testing.T) {
+	root, _ := ringTree(t)
+	want, err := ListTree(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := HashEntries(t.Context(), root, want, nil); err != nil {
+		t.Fatal(err)
+	}
+	withOpener(t, func(t *testing.T, ring bool) {
+		d, err := OpenDir(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.Close()
+		got, err := d.ListUnsized()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.hashEntries(t.Context(), got, nil, nil, true); err != nil {
+			t.Fatal(err)
+		}
+		for i := range want {
+			if got[i] != want[i] {
+				t.Fatalf("entry %d: statless %+v, want %+v", i, got[i], want[i])
+			}
+		}
+	})
+}
+
+// A ring that refuses its closes (as a kernel without IORING_OP_CLOSE would) or whose
+// io_uring_enter starts failing leaks no descriptor and hashes every file right: refused closes
+// are done with close(2), and after a failed enter the worker opens and closes files itself.
+func TestRingFailuresLeakNothing(t *testing.T) {
+	root, _ := ringTree(t)
+	want, err := ListTree(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := HashEntries(t.Context(), root, want, nil); err != nil {
+		t.Fatal(err)
+	}
+	var enters atomic.Int64
+	for _, c := range []struct {
+		name  string
+		setup func()
+	}{
+		{"closes refused", func() { closeOp = 250 }},
+		{"first enter fails", func() { enterErr = func() unix.Errno { return unix.EPERM } }},
+		{"later enters fail", func() {
+			enters.Store(0)
+			enterErr = func() unix.Errno {
+				if enters.Add(1) > 5 {
+					return unix.EPERM
+				}
+				return 0
+			}
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Cleanup(func() { closeOp, enterErr = uringOpClose, nil })
+			c.setup()
+			made := ringsMade.Load()
+			fds := openFDs(t)
+			got, err := ListTree(root)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := HashEntries(t.Context(), root, got, nil); err != nil {
+				t.Fatal(err)
+			}
+			if ringsMade.Load() == made {
+				t.Fatal("no ring was set up")
+			}
+			for i := range want {
+				if got[i] != want[i] {
+					t.Fatalf("entry %d: %+v, want %+v", i, got[i], want[i])
+				}
+			}
+			if n := openFDs(t); n != fds {
+				t.Fatalf("%d descriptors open after hashing, %d before", n, fds)
+			}
+		})
+	}
 }
 
 // A file that is not what the listing says fails the same way through rings as through plain
