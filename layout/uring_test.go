@@ -102,26 +102,27 @@ func ringTree(t *testing.T) (string, string) {
 	return root, hash
 }
 
+// hashedTree is root's listing with its digests (HashEntries of ListTree).
+func hashedTree(t *testing.T, root string) []TreeEntry {
+	t.Helper()
+	entries, err := ListTree(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := HashEntries(t.Context(), root, entries, nil); err != nil {
+		t.Fatal(err)
+	}
+	return entries
+}
+
 // Files opened through rings hash exactly as files opened one by one, for a sized listing
 // (HashEntries) and for a restart's unsized one (VerifyListed), and no descriptor stays open.
 func TestRingHashesAsPlainOpens(t *testing.T) {
 	root, hash := ringTree(t)
-	want, err := ListTree(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := HashEntries(t.Context(), root, want, nil); err != nil {
-		t.Fatal(err)
-	}
+	want := hashedTree(t, root)
 	withOpener(t, func(t *testing.T, ring bool) {
 		fds := openFDs(t)
-		sized, err := ListTree(root)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := HashEntries(t.Context(), root, sized, nil); err != nil {
-			t.Fatal(err)
-		}
+		sized := hashedTree(t, root)
 		unsized, err := ListTreeUnsized(root)
 		if err != nil {
 			t.Fatal(err)
@@ -144,13 +145,7 @@ func TestRingHashesAsPlainOpens(t *testing.T) {
 // rings the digests and sizes a sized listing's hashing gives.
 func TestRingStatlessDigests(t *testing.T) {
 	root, _ := ringTree(t)
-	want, err := ListTree(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := HashEntries(t.Context(), root, want, nil); err != nil {
-		t.Fatal(err)
-	}
+	want := hashedTree(t, root)
 	withOpener(t, func(t *testing.T, ring bool) {
 		d, err := OpenDir(root)
 		if err != nil {
@@ -177,13 +172,7 @@ func TestRingStatlessDigests(t *testing.T) {
 // are done with close(2), and after a failed enter the worker opens and closes files itself.
 func TestRingFailuresLeakNothing(t *testing.T) {
 	root, _ := ringTree(t)
-	want, err := ListTree(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := HashEntries(t.Context(), root, want, nil); err != nil {
-		t.Fatal(err)
-	}
+	want := hashedTree(t, root)
 	var enters atomic.Int64
 	for _, c := range []struct {
 		name  string
@@ -206,13 +195,7 @@ func TestRingFailuresLeakNothing(t *testing.T) {
 			c.setup()
 			made := ringsMade.Load()
 			fds := openFDs(t)
-			got, err := ListTree(root)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := HashEntries(t.Context(), root, got, nil); err != nil {
-				t.Fatal(err)
-			}
+			got := hashedTree(t, root)
 			if ringsMade.Load() == made {
 				t.Fatal("no ring was set up")
 			}
