@@ -529,40 +529,27 @@ func (d *Dir) hashEntries(ctx context.Context, entries []TreeEntry, keys []diges
 	batched := len(todo) >= ringFrom && ringFDsFit(workers)
 	for range workers {
 		g.Go(func() error {
-			var b *batchOpener
+			// Without a ring (few files, or none to be had) a worker takes one file at a time:
+			// a batch would give one worker all of a few large files.
+			b, step := plainOpener(d), int64(1)
 			if batched {
-				b = newBatchOpener(d)
-			}
-			if b == nil {
-				for {
-					j := next.Add(1) - 1
-					if j >= int64(len(todo)) || gctx.Err() != nil {
-						return nil
-					}
-					e := &entries[todo[j]]
-					fd, err := d.openRaw(e.Path)
-					if err == nil {
-						err = hashOne(gctx, e, fd)
-						unix.Close(fd)
-					}
-					if err != nil {
-						return err
-					}
+				if rb := newBatchOpener(d); rb != nil {
+					b, step = rb, ringBatch
 				}
 			}
 			defer b.free()
 			for {
-				j := next.Add(ringBatch) - ringBatch
+				j := next.Add(step) - step
 				if j >= int64(len(todo)) || gctx.Err() != nil {
 					return nil
 				}
-				batch := todo[j:min(j+ringBatch, int64(len(todo)))]
+				batch := todo[j:min(j+step, int64(len(todo)))]
 				fds := b.open(len(batch), func(k int) string { return entries[batch[k]].Path })
 				var err error
 				for k, i := range batch {
 					fd := fds[k]
 					if err == nil { // after an error the batch's descriptors are only closed
-						if fd < 0 { // the ring did not open it: the plain call says why
+						if fd < 0 { // not opened by a ring: the plain call opens it, or says why not
 							fd, err = d.openRaw(entries[i].Path)
 						}
 						if err == nil {
@@ -643,6 +630,12 @@ func hashFile(ctx context.Context, name string, cache *DigestCache, open func() 
 
 // hashOpen is hashFile of the descriptor fd, which stays the caller's.
 func hashOpen(ctx context.Context, name string, cache *DigestCache, fd int) (int64, FileDigest, error) {
+	return hashOpenFrom(ctx, name, cache, fd, 0, nil)
+}
+
+// hashOpenFrom is hashOpen of a file whose first n bytes hashStatlessFd has read and hashed to
+// first (nil: none): they are not read again, unless the file has shrunk since.
+func hashOpenFrom(ctx context.Context, name string, cache *DigestCache, fd int, n int64, first *guts.Node) (int64, FileDigest, error) {
 	var st unix.Stat_t
 	if err := fstatRetry(fd, &st); err != nil {
 		return 0, FileDigest{}, &os.PathError{Op: "stat", Path: name, Err: err}
@@ -654,7 +647,16 @@ func hashOpen(ctx context.Context, name string, cache *DigestCache, fd int) (int
 	if d, ok := cache.get(key); ok {
 		return st.Size, d, nil
 	}
-	d, err := HashFile(ctx, fdReader(fd), st.Size)
+	var d FileDigest
+	var err error
+	switch {
+	case first != nil && st.Size == n:
+		d = rootDigest(*first)
+	case first != nil && st.Size < n: // shrank since the read: hash what it holds now
+		d, err = HashFile(ctx, fdReader(fd), st.Size)
+	default:
+		d, err = hashFileFrom(ctx, fdReader(fd), st.Size, first)
+	}
 	if err != nil {
 		return 0, FileDigest{}, fmt.Errorf("%s: %w", name, err)
 	}
@@ -702,31 +704,9 @@ func hashStatlessFd(ctx context.Context, name string, fd int) (int64, FileDigest
 		return int64(n), d, nil
 	}
 	if full {
-		return hashOpenFrom(ctx, name, fd, int64(n), &first)
+		return hashOpenFrom(ctx, name, nil, fd, int64(n), &first)
 	}
 	return hashOpen(ctx, name, nil, fd)
-}
-
-// hashOpenFrom is hashOpen (without a cache) of a file whose first n bytes hashStatlessFd has
-// read and hashed to first: they are not read again, unless the file has shrunk since.
-func hashOpenFrom(ctx context.Context, name string, fd int, n int64, first *guts.Node) (int64, FileDigest, error) {
-	var st unix.Stat_t
-	if err := fstatRetry(fd, &st); err != nil {
-		return 0, FileDigest{}, &os.PathError{Op: "stat", Path: name, Err: err}
-	}
-	switch {
-	case st.Mode&unix.S_IFMT != unix.S_IFREG:
-		return 0, FileDigest{}, fmt.Errorf("%s is a %v, not a regular file", name, typeOfMode(st.Mode))
-	case st.Size == n:
-		return st.Size, rootDigest(*first), nil
-	case st.Size < n: // shrank since the read: hash what it holds now
-		return hashOpen(ctx, name, nil, fd)
-	}
-	d, err := hashFileFrom(ctx, fdReader(fd), st.Size, first)
-	if err != nil {
-		return 0, FileDigest{}, fmt.Errorf("%s: %w", name, err)
-	}
-	return st.Size, d, nil
 }
 
 // statlessRead is hashStatlessFd's read; a test makes it stop short.

@@ -279,8 +279,8 @@ const ringBatch = 32
 var ringFrom = 512
 
 // batchOpener opens files of a Dir for one hashing worker, ringBatch at a time, and closes
-// them; it is not safe for concurrent use. After a failure of its ring it opens nothing (the
-// caller opens each file itself) and closes with close(2).
+// them; it is not safe for concurrent use. Without a ring (plainOpener, or after a failure of
+// its ring) it opens nothing (the caller opens each file itself) and closes with close(2).
 type batchOpener struct {
 	d     *Dir
 	r     *ring // nil once it failed
@@ -300,6 +300,9 @@ func newBatchOpener(d *Dir) *batchOpener {
 	return &batchOpener{d: d, r: r, how: unix.OpenHow{Flags: unix.O_RDONLY | unix.O_NONBLOCK | unix.O_CLOEXEC,
 		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS}}
 }
+
+// plainOpener is a batchOpener without a ring.
+func plainOpener(d *Dir) *batchOpener { return &batchOpener{d: d} }
 
 // ringFDsFit says whether workers hashing workers may each hold a batch of descriptors (and a
 // batch waiting to be closed) well within the process's limit; the plain path holds one each.
