@@ -662,14 +662,8 @@ func BenchmarkHashEntries(b *testing.B) {
 	if testing.Short() {
 		b.Skip("writes 10,000 files")
 	}
-	root := benchTmpfs(b, "mtcfs-hashentries-bench-*")
 	const files, size = 10000, 8 << 10
-	data := randomBytes(4, size)
-	for i := range files {
-		if err := os.WriteFile(filepath.Join(root, fmt.Sprintf("shard-%05d", i)), data, 0o644); err != nil {
-			b.Fatal(err)
-		}
-	}
+	root := benchShards(b, "mtcfs-hashentries-bench-*", files, size, 1)
 	entries, err := ListTree(root)
 	if err != nil {
 		b.Fatal(err)
@@ -690,18 +684,8 @@ func BenchmarkVerifyUnsized(b *testing.B) {
 	if testing.Short() {
 		b.Skip("writes 10,000 files")
 	}
-	root := benchTmpfs(b, "mtcfs-verify-bench-*")
 	const files, size = 10000, 4 << 10
-	data := randomBytes(5, size)
-	for i := range files {
-		dir := filepath.Join(root, fmt.Sprintf("d%d", i%10))
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			b.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("shard-%05d", i)), data, 0o644); err != nil {
-			b.Fatal(err)
-		}
-	}
+	root := benchShards(b, "mtcfs-verify-bench-*", files, size, 10)
 	hash, _, err := HashData(b.Context(), root)
 	if err != nil {
 		b.Fatal(err)
@@ -718,6 +702,26 @@ func BenchmarkVerifyUnsized(b *testing.B) {
 			}
 		}
 	})
+}
+
+// benchShards writes files files of size bytes each (the same bytes) in dirs directories of a
+// new tmpfs directory named after pattern, and returns it.
+func benchShards(b *testing.B, pattern string, files, size, dirs int) string {
+	root := benchTmpfs(b, pattern)
+	data := randomBytes(uint64(size), int64(size))
+	for i := range files {
+		dir := root
+		if dirs > 1 {
+			dir = filepath.Join(root, fmt.Sprintf("d%d", i%dirs))
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("shard-%05d", i)), data, 0o644); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return root
 }
 
 // forEachOpener runs f with files opened one by one and, where the kernel
