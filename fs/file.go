@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -96,11 +97,14 @@ func (f *fileNode) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.Set
 }
 
 func (f *fileNode) setattr(fh gofs.FileHandle, in *fuse.SetAttrIn) syscall.Errno {
-	if f.isFrozen() {
-		return syscall.EROFS
-	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.isFrozen() { // under mu, for the reason open gives: a truncate must not reach a linked file
+		return syscall.EROFS
+	}
+	if hook := frozenChecked.Load(); hook != nil {
+		(*hook)(f)
+	}
 	if f.backing == "" {
 		return syscall.ENOENT
 	}
@@ -172,11 +176,18 @@ func (f *fileNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uin
 }
 
 func (f *fileNode) open(flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	// Checked under mu, as the writer is counted: Seal marks a file frozen before exportTo takes
+	// mu to link it, so an open that takes mu after the link sees the mark, and one that took it
+	// before is a writer that exportTo copies around. Checked before taking mu, a writer could
+	// be counted after the link and write into the checkpoint through passthrough.
 	if f.isFrozen() && (flags&syscall.O_ACCMODE != syscall.O_RDONLY || flags&syscall.O_TRUNC != 0) {
 		return nil, 0, syscall.EROFS
 	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
+	if hook := frozenChecked.Load(); hook != nil {
+		(*hook)(f)
+	}
 	if f.backing == "" {
 		return nil, 0, syscall.ENOENT
 	}
@@ -219,6 +230,10 @@ func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileH
 	}
 	return h, fflags, 0
 }
+
+// frozenChecked, when set (tests), runs in open and setattr after their frozen check, with mu
+// held.
+var frozenChecked atomic.Pointer[func(*fileNode)]
 
 // exportTo gives the file's bytes a name in a sealed tree (rel, for messages): link makes a hard
 // link to the spool file (no byte copied). A file still open for writing is copied instead

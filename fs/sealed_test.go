@@ -5,10 +5,12 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
@@ -264,5 +266,83 @@ func TestCreatedAndFlushedEvents(t *testing.T) {
 			rec.waitFor(t, "closed plain")
 			require.False(t, rec.has("flushed plain"), "other files are not flushed")
 		})
+	}
+}
+
+// TestChangeRacingSealCannotReachTheCheckpoint: an open for writing or a truncate that checked
+// the frozen mark just before the commit froze and linked the file must not change the linked
+// file afterwards (through passthrough an open's writes would go into the checkpoint). Each is
+// held right after its check while the seal runs; whatever the seal put into the record (the
+// commit's bytes, or the truncated file when the truncate came first) must not change after the
+// seal returned.
+func TestChangeRacingSealCannotReachTheCheckpoint(t *testing.T) {
+	type result struct {
+		f   *os.File
+		err error
+	}
+	changes := map[string]func(path string) result{
+		"open for writing": func(path string) result {
+			f, err := os.OpenFile(path, os.O_WRONLY, 0)
+			return result{f, err}
+		},
+		"truncate": func(path string) result { return result{nil, os.Truncate(path, 2)} },
+	}
+	for _, mode := range modes {
+		for what, change := range changes {
+			t.Run(string(mode)+"/"+what, func(t *testing.T) {
+				dir, srv, _, spool := mountWithEvents(t, mode)
+				p := func(n string) string { return filepath.Join(dir, n) }
+				require.NoError(t, os.Mkdir(p("4"), 0o755))
+				require.NoError(t, os.WriteFile(p("4/a"), []byte("commit"), 0o644))
+
+				checked, release := make(chan struct{}), make(chan struct{})
+				var once sync.Once
+				hook := func(*fileNode) {
+					once.Do(func() {
+						close(checked)
+						<-release
+					})
+				}
+				frozenChecked.Store(&hook)
+				t.Cleanup(func() { frozenChecked.Store(nil) })
+
+				done := make(chan result, 1)
+				go func() { done <- change(p("4/a")) }()
+				<-checked
+				rec := filepath.Join(spool.Dir(), "rec")
+				sealed := make(chan []byte, 1)
+				go func() {
+					_, err := srv.Namespace().Seal("4", rec)
+					assert.NoError(t, err)
+					got, err := os.ReadFile(filepath.Join(rec, "a"))
+					assert.NoError(t, err)
+					sealed <- got
+				}()
+				// Give the seal time to link the file if nothing holds it back (what happened
+				// before the fix); then let the change go on.
+				var atSeal []byte
+				select {
+				case atSeal = <-sealed:
+				case <-time.After(300 * time.Millisecond):
+				}
+				close(release)
+				r := <-done
+				if atSeal == nil {
+					atSeal = <-sealed
+				}
+				if r.f != nil {
+					_, err := r.f.WriteAt([]byte("AFTER!"), 0)
+					if srv.Passthrough() {
+						require.NoError(t, err)
+					}
+					require.NoError(t, r.f.Close())
+				} else if r.err != nil {
+					require.Equal(t, syscall.EROFS, errnoOf(r.err))
+				}
+				got, err := os.ReadFile(filepath.Join(rec, "a"))
+				require.NoError(t, err)
+				require.Equal(t, string(atSeal), string(got), "the checkpoint changed after its seal")
+			})
+		}
 	}
 }
