@@ -244,12 +244,16 @@ var frozenChecked atomic.Pointer[func(*fileNode)]
 // space.go): exportTo waits for it as awaitReleases does, so that a just-closed file is linked,
 // not copied.
 func (f *fileNode) exportTo(rel string, link func(src string) error, create func() (*os.File, error)) (copied bool, err error) {
-	f.fs.settle(func() bool {
-		f.mu.Lock()
-		defer f.mu.Unlock()
-		return f.writers == 0
-	})
 	f.mu.Lock()
+	if f.writers != 0 { // the common case takes the lock once
+		f.mu.Unlock()
+		f.fs.settle(func() bool {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			return f.writers == 0
+		})
+		f.mu.Lock()
+	}
 	defer f.mu.Unlock()
 	if f.backing == "" {
 		return false, fmt.Errorf("%s: %w", rel, os.ErrNotExist)

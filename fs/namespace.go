@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"path"
-	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
@@ -262,7 +261,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	if ch == nil {
 		return info, fmt.Errorf("seal %s: %w", name, os.ErrNotExist)
 	}
-	freeze(ch)
+	children := freeze(ch)
 	ns.m.sealedTop.Store(name, struct{}{})
 	if fn, ok := ch.Operations().(*fileNode); ok {
 		copied, err := fn.exportTo(dst, func(src string) error { return os.Link(src, dst) }, func() (*os.File, error) {
@@ -283,21 +282,23 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	if err != nil {
 		return info, fmt.Errorf("seal %s: %w", name, err)
 	}
-	defer d.Close()
 	// The spool's files are linked relative to its files directory, and each directory of the
 	// copy is opened once with its entries made relative to it, so that a file costs one linkat
-	// without a path to resolve: this runs before the job's rename returns. The files of a large
-	// directory are linked by sealWorkers goroutines (the kernel links into one directory from
-	// several threads; the agent's own work per file is a lock and a check).
+	// without a path to resolve: this runs before the job's rename returns. The walk makes the
+	// directories, symlinks and special files, and hands each directory's files, in parts of up
+	// to sealPart, to sealWorkers goroutines: consecutive directories are linked on different
+	// threads, which do not then wait for each other's lock on the same directory.
 	files, err := layout.OpenDir(ns.m.spool.FilesDir())
 	if err != nil {
+		d.Close()
 		return info, fmt.Errorf("seal %s: %w", name, err)
 	}
 	defer files.Close()
+	filesPrefix := files.Path() + "/"
 	var copied atomic.Int64
 	linkFile := func(n *fileNode, d *layout.Dir, cn string) error {
 		c, err := n.exportTo(cn, func(src string) error {
-			if dir, base := filepath.Split(src); filepath.Clean(dir) == files.Path() {
+			if base, ok := strings.CutPrefix(src, filesPrefix); ok && !strings.Contains(base, "/") {
 				return d.LinkFrom(files, base, cn)
 			}
 			return d.Link(src, cn)
@@ -309,28 +310,46 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 		}
 		return err
 	}
-	var walk func(in *gofs.Inode, d *layout.Dir) error
-	walk = func(in *gofs.Inode, d *layout.Dir) error {
-		type fileAt struct {
-			n    *fileNode
-			name string
+	g, gctx := errgroup.WithContext(context.Background())
+	g.SetLimit(sealWorkers)
+	// A sealDir is a directory of the copy, closed when the walk and every part linked into it
+	// are done with it: the open directories are the walk's path and the parts in hand.
+	type sealDir struct {
+		d    *layout.Dir
+		refs atomic.Int32
+	}
+	release := func(sd *sealDir) {
+		if sd.refs.Add(-1) == 0 {
+			sd.d.Close()
 		}
+	}
+	type fileAt struct {
+		n    *fileNode
+		name string
+	}
+	var walk func(in *gofs.Inode, sd *sealDir) error
+	walk = func(in *gofs.Inode, sd *sealDir) error {
 		var fileList []fileAt
-		for cn, c := range in.Children() {
+		for cn, c := range children[in] {
+			if gctx.Err() != nil {
+				return nil // a part failed: g.Wait reports it
+			}
 			var err error
 			switch n := c.Operations().(type) {
 			case *dirNode:
 				var sub *layout.Dir
-				if err = d.Mkdir(cn, 0o700); err == nil {
-					if sub, err = d.OpenDir(cn); err == nil {
-						err = walk(c, sub)
-						sub.Close()
+				if err = sd.d.Mkdir(cn, 0o700); err == nil {
+					if sub, err = sd.d.OpenDir(cn); err == nil {
+						subDir := &sealDir{d: sub}
+						subDir.refs.Store(1)
+						err = walk(c, subDir)
+						release(subDir)
 					}
 				}
 			case *symlinkNode:
-				err = d.Symlink(n.target, cn)
+				err = sd.d.Symlink(n.target, cn)
 			case *specialNode:
-				err = d.Create(layout.TreeEntry{Path: cn, Type: specialType(c.StableAttr().Mode), Rdev: uint64(n.rdev)}, 0o600)
+				err = sd.d.Create(layout.TreeEntry{Path: cn, Type: specialType(c.StableAttr().Mode), Rdev: uint64(n.rdev)}, 0o600)
 			case *fileNode:
 				fileList = append(fileList, fileAt{n, cn})
 			}
@@ -338,30 +357,29 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 				return err
 			}
 		}
-		if len(fileList) < sealParallelFrom {
-			for _, f := range fileList {
-				if err := linkFile(f.n, d, f.name); err != nil {
-					return err
-				}
-			}
-			return nil
-		}
-		var g errgroup.Group
-		per := (len(fileList) + sealWorkers - 1) / sealWorkers
-		for w := 0; w < len(fileList); w += per {
-			part := fileList[w:min(w+per, len(fileList))]
+		parts := (len(fileList) + sealPart - 1) / sealPart
+		for p := range parts {
+			part := fileList[p*len(fileList)/parts : (p+1)*len(fileList)/parts]
+			sd.refs.Add(1)
 			g.Go(func() error {
+				defer release(sd)
 				for _, f := range part {
-					if err := linkFile(f.n, d, f.name); err != nil {
+					if err := linkFile(f.n, sd.d, f.name); err != nil {
 						return err
 					}
 				}
 				return nil
 			})
 		}
-		return g.Wait()
+		return nil
 	}
-	err = walk(ch, d)
+	top := &sealDir{d: d}
+	top.refs.Store(1)
+	err = walk(ch, top)
+	release(top)
+	if gerr := g.Wait(); err == nil {
+		err = gerr
+	}
 	info.Copied = int(copied.Load())
 	if err != nil {
 		os.RemoveAll(dst)
@@ -370,21 +388,34 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	return info, nil
 }
 
-// Seal links the files of one directory on sealWorkers goroutines once it holds
-// sealParallelFrom files or more.
+// Seal links files on sealWorkers goroutines, a directory's files in parts of at most sealPart.
 var (
-	sealWorkers      = min(4, max(2, runtime.GOMAXPROCS(0)))
-	sealParallelFrom = 256
+	sealWorkers = min(4, max(2, runtime.GOMAXPROCS(0)))
+	sealPart    = 1024
 )
 
-// freeze marks every node of the tree at in as part of a committed checkpoint.
-func freeze(in *gofs.Inode) {
-	if m, ok := in.Operations().(interface{ freeze() }); ok {
-		m.freeze()
+// freeze marks every node of the tree at in as part of a committed checkpoint, and returns the
+// entries of each directory as it marked them: Seal copies those, so that every node in the
+// copy was marked before the copy has it (an entry a racing create adds after the mark stays
+// out of the checkpoint), and the tree's entries are gathered once.
+func freeze(in *gofs.Inode) map[*gofs.Inode]map[string]*gofs.Inode {
+	children := map[*gofs.Inode]map[string]*gofs.Inode{}
+	var mark func(in *gofs.Inode)
+	mark = func(in *gofs.Inode) {
+		if m, ok := in.Operations().(interface{ freeze() }); ok {
+			m.freeze()
+		}
+		if !in.IsDir() {
+			return
+		}
+		ch := in.Children()
+		children[in] = ch
+		for _, c := range ch {
+			mark(c)
+		}
 	}
-	for _, c := range in.Children() {
-		freeze(c)
-	}
+	mark(in)
+	return children
 }
 
 func (m *meta) freeze() { m.frozen.Store(true) }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -12,13 +13,13 @@ import (
 	"github.com/mtcfs/mtcfs/layout"
 )
 
-// TestSealManyFiles: a directory with more files than sealParallelFrom is linked by several
+// TestSealManyFiles: a directory with more files than sealPart is linked in parts by several
 // goroutines, relative to the spool's files directory; the record is the same tree, every file a
 // hard link (no copy), and a file open for writing among them is still copied.
 func TestSealManyFiles(t *testing.T) {
 	dir, srv, _, spool := mountWithEvents(t, PassthroughAuto)
 	p := func(n string) string { return filepath.Join(dir, n) }
-	n := sealParallelFrom*2 + 7
+	n := sealPart*2 + 7
 	require.NoError(t, os.MkdirAll(p("9/big"), 0o755))
 	require.NoError(t, os.MkdirAll(p("9/small/empty"), 0o755))
 	for i := range n {
@@ -54,4 +55,60 @@ func TestSealManyFiles(t *testing.T) {
 	var st syscall.Stat_t
 	require.NoError(t, syscall.Stat(filepath.Join(rec, "big/open"), &st))
 	require.Equal(t, uint64(1), uint64(st.Nlink), "the open file is a copy")
+}
+
+// TestSealManyDirectories: the files of many directories, linked by several goroutines a part at
+// a time, make the same tree, and every directory the seal opened is closed again; when a link
+// fails midway, the seal reports it, leaves no partial record and no descriptor behind.
+func TestSealManyDirectories(t *testing.T) {
+	dir, srv, _, spool := mountWithEvents(t, PassthroughAuto)
+	p := func(n string) string { return filepath.Join(dir, n) }
+	// openIn counts this process's descriptors open on rec or below (a removed directory's
+	// link reads "<path> (deleted)").
+	openIn := func(rec string) int {
+		ents, err := os.ReadDir("/proc/self/fd")
+		require.NoError(t, err)
+		n := 0
+		for _, e := range ents {
+			if target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err == nil && strings.HasPrefix(target, rec) {
+				n++
+			}
+		}
+		return n
+	}
+	build := func(top string, dirs, perDir int) {
+		for d := range dirs {
+			sub := p(fmt.Sprintf("%s/d%02d/inner", top, d))
+			require.NoError(t, os.MkdirAll(sub, 0o755))
+			for i := range perDir {
+				require.NoError(t, os.WriteFile(filepath.Join(filepath.Dir(sub), fmt.Sprintf("f%d", i)), []byte(fmt.Sprint(d, i)), 0o644))
+			}
+			require.NoError(t, os.WriteFile(filepath.Join(sub, "x"), []byte("x"), 0o644))
+		}
+	}
+	build("3", 40, 30)
+	rec := filepath.Join(spool.Dir(), "rec3")
+	info, err := srv.Namespace().Seal("3", rec)
+	require.NoError(t, err)
+	require.Zero(t, info.Copied)
+	require.Zero(t, openIn(rec), "the seal left descriptors open")
+	want, err := layout.ListTree(p("3"))
+	require.NoError(t, err)
+	got, err := layout.ListTree(rec)
+	require.NoError(t, err)
+	require.Len(t, got, 40*(2+30+1))
+	require.ElementsMatch(t, want, got)
+
+	// A spool file gone from under the agent: its link fails, and the seal with it.
+	build("5", 40, 30)
+	victim, err := srv.Namespace().SpoolFile("5/d17/f3")
+	require.NoError(t, err)
+	require.NoError(t, os.Remove(victim))
+	rec = filepath.Join(spool.Dir(), "rec5")
+	_, err = srv.Namespace().Seal("5", rec)
+	require.ErrorIs(t, err, syscall.ENOENT)
+	require.Contains(t, err.Error(), "f3")
+	require.NoFileExists(t, rec)
+	require.NoDirExists(t, rec)
+	require.Zero(t, openIn(rec), "the failed seal left descriptors open")
 }
