@@ -363,6 +363,9 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 			sd.refs.Add(1)
 			g.Go(func() error {
 				defer release(sd)
+				if gctx.Err() != nil {
+					return nil // another part failed: the record is dropped
+				}
 				for _, f := range part {
 					if err := linkFile(f.n, sd.d, f.name); err != nil {
 						return err
