@@ -328,6 +328,14 @@ func runMount(cfg mountConfig) error {
 		info.HTTP = addr
 	}
 
+	// What the job may have written into the directory while no agent was mounted on it (see
+	// answerHidden): opened before the mount hides it.
+	under, err := os.Open(cfg.dir)
+	if err != nil {
+		slog.Warn("cannot open the mount directory before mounting", "err", err)
+	} else {
+		defer under.Close()
+	}
 	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Events: rep, Debug: cfg.debugFuse, Xattrs: cfg.xattrs, Owner: cfg.owner})
 	if err != nil {
 		return err
@@ -347,6 +355,10 @@ func runMount(cfg mountConfig) error {
 		return err
 	}
 	defer node.Close()
+	if under != nil {
+		answerHidden(under, srv.Namespace(), rep)
+		under.Close()
+	}
 	unregister := agents.Register(info)
 	defer unregister()
 	ready.Store(true)

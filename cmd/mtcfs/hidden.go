@@ -1,0 +1,97 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// hiddenYAMLWait is how long answerHidden waits for a hidden replicator.yaml that does not parse
+// to become whole (the job may still be writing it through a descriptor opened before the mount).
+var hiddenYAMLWait = time.Second
+
+// answerHidden looks at what the job wrote into the mount directory while no agent was mounted
+// on it — between the detach of a dead agent's mount and this agent's mount, or before the first
+// agent started — which the mount now hides from the job and from the agent alike. under is that
+// directory, opened before the mount. A replicator.yaml found there is taken into the namespace
+// and answered as if the job had written it through the mount (a job that wrote it there waits
+// for its .restore), then removed from under the mount, so that no later agent answers it again.
+// Other entries are reported.
+func answerHidden(under *os.File, ns tiers.Namespace, events interface{ Closed(path string) }) {
+	names, err := under.Readdirnames(-1)
+	if err != nil {
+		slog.Warn("cannot list the mount directory under the mount", "err", err)
+		return
+	}
+	var others []string
+	for _, name := range names {
+		if name != layout.ReplicatorYAMLName {
+			others = append(others, name)
+			continue
+		}
+		data, err := readHiddenYAML(under)
+		if err != nil {
+			slog.Warn("cannot read the replicator.yaml written under the mount", "err", err)
+			continue
+		}
+		if _, err := ns.ReadFile(layout.ReplicatorYAMLName, tiers.MaxConfigSize); err == nil {
+			slog.Warn("removed a replicator.yaml written into the mount directory while no agent was mounted on it: the job has written one through the mount since")
+		} else if err := ns.WriteFile(layout.ReplicatorYAMLName, data); err != nil {
+			slog.Error("cannot take in the replicator.yaml written under the mount", "err", err)
+			continue
+		} else {
+			slog.Warn("answering a replicator.yaml written into the mount directory while no agent was mounted on it (the mount hid it from the job)", "bytes", len(data))
+			events.Closed(layout.ReplicatorYAMLName)
+		}
+		if err := unix.Unlinkat(int(under.Fd()), layout.ReplicatorYAMLName, 0); err != nil {
+			slog.Warn("cannot remove the replicator.yaml under the mount", "err", err)
+		}
+	}
+	if len(others) > 0 {
+		if len(others) > 10 {
+			others = append(others[:10], "…")
+		}
+		slog.Warn("the mount hides entries of the mount directory (written while no agent was mounted on it)", "count", len(names), "names", others)
+	}
+}
+
+// readHiddenYAML reads replicator.yaml from under (at most MaxConfigSize+1 bytes: the handshake
+// reports a larger one), waiting up to hiddenYAMLWait while what it reads changes and does not
+// parse yet.
+func readHiddenYAML(under *os.File) ([]byte, error) {
+	read := func() ([]byte, error) {
+		fd, err := unix.Openat(int(under.Fd()), layout.ReplicatorYAMLName, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return nil, &os.PathError{Op: "open", Path: layout.ReplicatorYAMLName, Err: err}
+		}
+		f := os.NewFile(uintptr(fd), layout.ReplicatorYAMLName)
+		defer f.Close()
+		if fi, err := f.Stat(); err != nil {
+			return nil, err
+		} else if !fi.Mode().IsRegular() {
+			return nil, errors.New("replicator.yaml is not a regular file")
+		}
+		return io.ReadAll(io.LimitReader(f, tiers.MaxConfigSize+1))
+	}
+	data, err := read()
+	for deadline := time.Now().Add(hiddenYAMLWait); err == nil && time.Now().Before(deadline); {
+		if _, _, perr := tiers.ParseConfig(data, os.Getenv); perr == nil {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+		var again []byte
+		if again, err = read(); err == nil && bytes.Equal(again, data) && len(data) > 0 {
+			break // unchanged: as the job wrote it (the handshake reports what is wrong)
+		}
+		data = again
+	}
+	return data, err
+}

@@ -1,0 +1,53 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// TestYAMLWrittenBeforeTheMount: a job that wrote replicator.yaml into the mount directory while
+// no agent was mounted on it (a restarted job between the detach of its dead agent's mount and
+// the successor's mount, or a job started before its agent) waits for its .restore, and the mount
+// hides the file from it. The agent answers that yaml as if written through the mount, removes
+// it from under the mount, and reports the other entries it hides; an invalid one is reported
+// in replicator.failed as usual.
+func TestYAMLWrittenBeforeTheMount(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	yaml := "job-name: gap\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 600\n"
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "replicator.yaml"), []byte(yaml), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "stray"), []byte("x"), 0o644))
+	a := n.start(t)
+	repWait(t, 10*time.Second, "the fresh-start marker", func() bool {
+		return pathExists(filepath.Join(n.dir, "gap-s0-n0-w0.restore"))
+	})
+	assert.Contains(t, a.log(), "answering a replicator.yaml written into the mount directory")
+	assert.Contains(t, a.log(), "the mount hides entries")
+	assert.Contains(t, a.log(), "stray")
+	stopAgent(t, a)
+	ents, err := os.ReadDir(n.dir)
+	require.NoError(t, err)
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	assert.Equal(t, []string{"stray"}, names, "the hidden yaml is removed once answered; other entries stay")
+
+	// An invalid yaml written the same way is answered with replicator.failed.
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "replicator.yaml"), []byte("job-name: gap\nframework: orbax\nbackup-interval-minutes: 600\n"), 0o644))
+	b := n.start(t)
+	repWait(t, 10*time.Second, "replicator.failed", func() bool {
+		data, err := os.ReadFile(filepath.Join(n.dir, "replicator.failed"))
+		return err == nil && len(data) > 0
+	})
+	errs, err := os.ReadFile(filepath.Join(n.dir, "replicator.failed"))
+	require.NoError(t, err)
+	assert.Contains(t, string(errs), "nodes: required", "the missing key is named\n%s", b.log())
+	stopAgent(t, b)
+	assert.NoFileExists(t, filepath.Join(n.dir, "replicator.yaml"))
+}
