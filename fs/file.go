@@ -231,6 +231,10 @@ func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileH
 	return h, fflags, 0
 }
 
+// errUnlinked is exportTo's error for a file the job unlinked: an unlink that passed its check
+// before the commit froze the directory can still be on its way when Seal reaches the file.
+var errUnlinked = fmt.Errorf("unlinked by the job: %w", os.ErrNotExist)
+
 // frozenChecked, when set (tests), runs in open and setattr after their frozen check, with mu
 // held.
 var frozenChecked atomic.Pointer[func(*fileNode)]
@@ -255,8 +259,8 @@ func (f *fileNode) exportTo(rel string, link func(src string) error, create func
 		f.mu.Lock()
 	}
 	defer f.mu.Unlock()
-	if f.backing == "" {
-		return false, fmt.Errorf("%s: %w", rel, os.ErrNotExist)
+	if f.backing == "" || f.nlink == 0 {
+		return false, fmt.Errorf("%s: %w", rel, errUnlinked)
 	}
 	if f.writers == 0 {
 		return false, link(f.backing)

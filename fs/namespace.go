@@ -308,6 +308,9 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 		if c {
 			copied.Add(1)
 		}
+		if errors.Is(err, errUnlinked) {
+			return nil // the job's unlink came first: the file is not part of the commit
+		}
 		return err
 	}
 	g, gctx := errgroup.WithContext(context.Background())

@@ -291,6 +291,10 @@ func TestChangeRacingSealCannotReachTheCheckpoint(t *testing.T) {
 		for what, change := range changes {
 			t.Run(string(mode)+"/"+what, func(t *testing.T) {
 				dir, srv, _, spool := mountWithEvents(t, mode)
+				if what == "open for writing" && !srv.Passthrough() {
+					// Each write checks the mark itself there: the open alone changes nothing.
+					t.Skip("without passthrough a write through the handle is refused (TestSealCopiesFilesOpenForWriting)")
+				}
 				p := func(n string) string { return filepath.Join(dir, n) }
 				require.NoError(t, os.Mkdir(p("4"), 0o755))
 				require.NoError(t, os.WriteFile(p("4/a"), []byte("commit"), 0o644))
