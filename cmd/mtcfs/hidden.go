@@ -14,6 +14,11 @@ import (
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
+// hiddenYAMLMaxAge is how old a hidden replicator.yaml may be and still be answered: one left
+// from a job long gone (its handshake would free the checkpoints of the job the spool holds) is
+// only reported.
+var hiddenYAMLMaxAge = 10 * time.Minute
+
 // hiddenYAMLWait is how long answerHidden waits for a hidden replicator.yaml that does not parse
 // to become whole (the job may still be writing it through a descriptor opened before the mount).
 var hiddenYAMLWait = time.Second
@@ -37,9 +42,14 @@ func answerHidden(under *os.File, ns tiers.Namespace, events interface{ Closed(p
 			others = append(others, name)
 			continue
 		}
-		data, err := readHiddenYAML(under)
+		data, st, err := readHiddenYAML(under)
 		if err != nil {
 			slog.Warn("cannot read the replicator.yaml written under the mount", "err", err)
+			continue
+		}
+		if age := time.Since(time.Unix(st.Mtim.Unix())); age > hiddenYAMLMaxAge {
+			slog.Warn("the mount hides a replicator.yaml too old to answer; remove it from the mount directory while no agent is mounted on it",
+				"modified", time.Unix(st.Mtim.Unix()).UTC().Format(time.RFC3339), "max_age", hiddenYAMLMaxAge.String())
 			continue
 		}
 		if _, err := ns.ReadFile(layout.ReplicatorYAMLName, tiers.MaxConfigSize); err == nil {
@@ -51,22 +61,28 @@ func answerHidden(under *os.File, ns tiers.Namespace, events interface{ Closed(p
 			slog.Warn("answering a replicator.yaml written into the mount directory while no agent was mounted on it (the mount hid it from the job)", "bytes", len(data))
 			events.Closed(layout.ReplicatorYAMLName)
 		}
-		if err := unix.Unlinkat(int(under.Fd()), layout.ReplicatorYAMLName, 0); err != nil {
+		// Only the file read: a job still writing through a descriptor of the directory opened
+		// before the mount may have replaced it since (its yaml is then left, and reported).
+		var now unix.Stat_t
+		if err := unix.Fstatat(int(under.Fd()), layout.ReplicatorYAMLName, &now, unix.AT_SYMLINK_NOFOLLOW); err != nil || now.Dev != st.Dev || now.Ino != st.Ino {
+			slog.Warn("the replicator.yaml under the mount was replaced after it was read; left there", "err", err)
+		} else if err := unix.Unlinkat(int(under.Fd()), layout.ReplicatorYAMLName, 0); err != nil {
 			slog.Warn("cannot remove the replicator.yaml under the mount", "err", err)
 		}
 	}
 	if len(others) > 0 {
-		if len(others) > 10 {
+		count := len(others)
+		if count > 10 {
 			others = append(others[:10], "…")
 		}
-		slog.Warn("the mount hides entries of the mount directory (written while no agent was mounted on it)", "count", len(names), "names", others)
+		slog.Warn("the mount hides entries of the mount directory (written while no agent was mounted on it)", "count", count, "names", others)
 	}
 }
 
 // readHiddenYAML reads replicator.yaml from under (at most MaxConfigSize+1 bytes: the handshake
 // reports a larger one), waiting up to hiddenYAMLWait while what it reads changes and does not
-// parse yet.
-func readHiddenYAML(under *os.File) ([]byte, error) {
+// parse yet; st is the file's as read last.
+func readHiddenYAML(under *os.File) (data []byte, st unix.Stat_t, err error) {
 	read := func() ([]byte, error) {
 		fd, err := unix.Openat(int(under.Fd()), layout.ReplicatorYAMLName, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 		if err != nil {
@@ -74,14 +90,15 @@ func readHiddenYAML(under *os.File) ([]byte, error) {
 		}
 		f := os.NewFile(uintptr(fd), layout.ReplicatorYAMLName)
 		defer f.Close()
-		if fi, err := f.Stat(); err != nil {
+		if err := unix.Fstat(fd, &st); err != nil {
 			return nil, err
-		} else if !fi.Mode().IsRegular() {
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFREG {
 			return nil, errors.New("replicator.yaml is not a regular file")
 		}
 		return io.ReadAll(io.LimitReader(f, tiers.MaxConfigSize+1))
 	}
-	data, err := read()
+	data, err = read()
 	for deadline := time.Now().Add(hiddenYAMLWait); err == nil && time.Now().Before(deadline); {
 		if _, _, perr := tiers.ParseConfig(data, os.Getenv); perr == nil {
 			break
@@ -93,5 +110,5 @@ func readHiddenYAML(under *os.File) ([]byte, error) {
 		}
 		data = again
 	}
-	return data, err
+	return data, st, err
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -15,7 +16,7 @@ import (
 // the successor's mount, or a job started before its agent) waits for its .restore, and the mount
 // hides the file from it. The agent answers that yaml as if written through the mount, removes
 // it from under the mount, and reports the other entries it hides; an invalid one is reported
-// in replicator.failed as usual.
+// in replicator.failed as usual, and one older than hiddenYAMLMaxAge is only reported.
 func TestYAMLWrittenBeforeTheMount(t *testing.T) {
 	needRoot(t)
 	n := newRepNode(t)
@@ -50,4 +51,17 @@ func TestYAMLWrittenBeforeTheMount(t *testing.T) {
 	assert.Contains(t, string(errs), "nodes: required", "the missing key is named\n%s", b.log())
 	stopAgent(t, b)
 	assert.NoFileExists(t, filepath.Join(n.dir, "replicator.yaml"))
+
+	// One left from long ago is not answered (its handshake would end the spool's job): it is
+	// reported and left where it is.
+	old := filepath.Join(n.dir, "replicator.yaml")
+	require.NoError(t, os.WriteFile(old, []byte(strings.ReplaceAll(yaml, "gap", "ancient")), 0o644))
+	long := time.Now().Add(-2 * hiddenYAMLMaxAge)
+	require.NoError(t, os.Chtimes(old, long, long))
+	c := n.start(t)
+	assert.Contains(t, c.log(), "too old to answer")
+	time.Sleep(300 * time.Millisecond)
+	assert.NoFileExists(t, filepath.Join(n.dir, "ancient-s0-n0-w0.restore"))
+	stopAgent(t, c)
+	assert.FileExists(t, old)
 }

@@ -340,6 +340,12 @@ func runMount(cfg mountConfig) error {
 	if err != nil {
 		return err
 	}
+	if under != nil {
+		// Before the replicator starts: its control loop then takes this yaml's close before any
+		// event of the job's, and a yaml the job writes through the mount meanwhile wins.
+		answerHidden(under, srv.Namespace(), rep)
+		under.Close()
+	}
 	info.Dir, info.Passthrough = srv.Dir(), srv.Passthrough()
 	shown.Store(&info)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -355,10 +361,6 @@ func runMount(cfg mountConfig) error {
 		return err
 	}
 	defer node.Close()
-	if under != nil {
-		answerHidden(under, srv.Namespace(), rep)
-		under.Close()
-	}
 	unregister := agents.Register(info)
 	defer unregister()
 	ready.Store(true)
