@@ -38,44 +38,48 @@ func answerHidden(under *os.File, ns tiers.Namespace, events interface{ Closed(p
 	}
 	var others []string
 	for _, name := range names {
-		if name != layout.ReplicatorYAMLName {
-			others = append(others, name)
-			continue
-		}
-		data, st, err := readHiddenYAML(under)
-		if err != nil {
-			slog.Warn("cannot read the replicator.yaml written under the mount", "err", err)
-			continue
-		}
-		if age := time.Since(time.Unix(st.Mtim.Unix())); age > hiddenYAMLMaxAge {
-			slog.Warn("the mount hides a replicator.yaml too old to answer; remove it from the mount directory while no agent is mounted on it",
-				"modified", time.Unix(st.Mtim.Unix()).UTC().Format(time.RFC3339), "max_age", hiddenYAMLMaxAge.String())
-			continue
-		}
-		if _, err := ns.ReadFile(layout.ReplicatorYAMLName, tiers.MaxConfigSize); err == nil {
-			slog.Warn("removed a replicator.yaml written into the mount directory while no agent was mounted on it: the job has written one through the mount since")
-		} else if err := ns.WriteFile(layout.ReplicatorYAMLName, data); err != nil {
-			slog.Error("cannot take in the replicator.yaml written under the mount", "err", err)
-			continue
+		if name == layout.ReplicatorYAMLName {
+			takeHiddenYAML(under, ns, events)
 		} else {
-			slog.Warn("answering a replicator.yaml written into the mount directory while no agent was mounted on it (the mount hid it from the job)", "bytes", len(data))
-			events.Closed(layout.ReplicatorYAMLName)
-		}
-		// Only the file read: a job still writing through a descriptor of the directory opened
-		// before the mount may have replaced it since (its yaml is then left, and reported).
-		var now unix.Stat_t
-		if err := unix.Fstatat(int(under.Fd()), layout.ReplicatorYAMLName, &now, unix.AT_SYMLINK_NOFOLLOW); err != nil || now.Dev != st.Dev || now.Ino != st.Ino {
-			slog.Warn("the replicator.yaml under the mount was replaced after it was read; left there", "err", err)
-		} else if err := unix.Unlinkat(int(under.Fd()), layout.ReplicatorYAMLName, 0); err != nil {
-			slog.Warn("cannot remove the replicator.yaml under the mount", "err", err)
+			others = append(others, name)
 		}
 	}
-	if len(others) > 0 {
-		count := len(others)
+	if count := len(others); count > 0 {
 		if count > 10 {
 			others = append(others[:10], "…")
 		}
 		slog.Warn("the mount hides entries of the mount directory (written while no agent was mounted on it)", "count", count, "names", others)
+	}
+}
+
+// takeHiddenYAML is answerHidden for the replicator.yaml under the mount.
+func takeHiddenYAML(under *os.File, ns tiers.Namespace, events interface{ Closed(path string) }) {
+	data, st, err := readHiddenYAML(under)
+	if err != nil {
+		slog.Warn("cannot read the replicator.yaml written under the mount", "err", err)
+		return
+	}
+	if modified := time.Unix(st.Mtim.Unix()); time.Since(modified) > hiddenYAMLMaxAge {
+		slog.Warn("the mount hides a replicator.yaml too old to answer; remove it from the mount directory while no agent is mounted on it",
+			"modified", modified.UTC().Format(time.RFC3339), "max_age", hiddenYAMLMaxAge.String())
+		return
+	}
+	if _, err := ns.ReadFile(layout.ReplicatorYAMLName, tiers.MaxConfigSize); err == nil {
+		slog.Warn("removing a replicator.yaml written into the mount directory while no agent was mounted on it: the job has written one through the mount since")
+	} else if err := ns.WriteFile(layout.ReplicatorYAMLName, data); err != nil {
+		slog.Error("cannot take in the replicator.yaml written under the mount", "err", err)
+		return
+	} else {
+		slog.Warn("answering a replicator.yaml written into the mount directory while no agent was mounted on it (the mount hid it from the job)", "bytes", len(data))
+		events.Closed(layout.ReplicatorYAMLName)
+	}
+	// Only the file read: a job still writing through a descriptor of the directory opened
+	// before the mount may have replaced it since (its yaml is then left, and reported).
+	var now unix.Stat_t
+	if err := unix.Fstatat(int(under.Fd()), layout.ReplicatorYAMLName, &now, unix.AT_SYMLINK_NOFOLLOW); err != nil || now.Dev != st.Dev || now.Ino != st.Ino {
+		slog.Warn("the replicator.yaml under the mount was replaced after it was read; left there", "err", err)
+	} else if err := unix.Unlinkat(int(under.Fd()), layout.ReplicatorYAMLName, 0); err != nil {
+		slog.Warn("cannot remove the replicator.yaml under the mount", "err", err)
 	}
 }
 

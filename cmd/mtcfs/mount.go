@@ -329,22 +329,21 @@ func runMount(cfg mountConfig) error {
 	}
 
 	// What the job may have written into the directory while no agent was mounted on it (see
-	// answerHidden): opened before the mount hides it.
-	under, err := os.Open(cfg.dir)
-	if err != nil {
-		slog.Warn("cannot open the mount directory before mounting", "err", err)
-	} else {
-		defer under.Close()
-	}
+	// answerHidden): opened before the mount hides it, looked at before the replicator starts
+	// (its control loop then takes a hidden yaml's close before any event of the job's, and a
+	// yaml the job writes through the mount meanwhile wins).
+	under, uerr := os.Open(cfg.dir)
 	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Events: rep, Debug: cfg.debugFuse, Xattrs: cfg.xattrs, Owner: cfg.owner})
+	if uerr != nil {
+		slog.Warn("cannot open the mount directory before mounting", "err", uerr)
+	} else {
+		if err == nil {
+			answerHidden(under, srv.Namespace(), rep)
+		}
+		under.Close()
+	}
 	if err != nil {
 		return err
-	}
-	if under != nil {
-		// Before the replicator starts: its control loop then takes this yaml's close before any
-		// event of the job's, and a yaml the job writes through the mount meanwhile wins.
-		answerHidden(under, srv.Namespace(), rep)
-		under.Close()
 	}
 	info.Dir, info.Passthrough = srv.Dir(), srv.Passthrough()
 	shown.Store(&info)
