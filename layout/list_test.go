@@ -323,19 +323,8 @@ func TestStatlessHashIsHashFile(t *testing.T) {
 			root := t.TempDir()
 			for i, size := range []int64{0, 1, 1023, 1024, 1025, 4096, limit - 1, limit, limit + 1, 2 * limit, 2*limit + 1, 3*limit + 7, hashBufSize + 1} {
 				p := filepath.Join(root, fmt.Sprintf("f%d", i))
-				if err := os.WriteFile(p, randomBytes(uint64(i), size), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				wantSize, want, err := hashPath(t.Context(), p, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				fd, err := openRaw(p)
-				if err != nil {
-					t.Fatal(err)
-				}
-				gotSize, got, err := hashStatlessFd(t.Context(), p, fd)
-				unix.Close(fd)
+				wantSize, want := writeHashed(t, p, randomBytes(uint64(i), size))
+				gotSize, got, err := statlessOf(t, p)
 				if err != nil || gotSize != wantSize || got != want {
 					t.Errorf("%d bytes: hashStatlessFd = %d, %v, %v; hashFile = %d, %v", size, gotSize, got, err, wantSize, want)
 				}
@@ -360,20 +349,9 @@ func TestStatlessReadsEachByteOnce(t *testing.T) {
 			limit := min(int64(hashBufSize), segmentSize)
 			for i, size := range []int64{limit, limit + 1, 3*limit + 7, 3*hashBufSize + 5} {
 				p := filepath.Join(t.TempDir(), "f")
-				if err := os.WriteFile(p, randomBytes(uint64(i), size), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				_, want, err := hashPath(t.Context(), p, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				fd, err := openRaw(p)
-				if err != nil {
-					t.Fatal(err)
-				}
+				_, want := writeHashed(t, p, randomBytes(uint64(i), size))
 				read.Store(0)
-				gotSize, got, err := hashStatlessFd(t.Context(), p, fd)
-				unix.Close(fd)
+				gotSize, got, err := statlessOf(t, p)
 				if err != nil || gotSize != size || got != want {
 					t.Fatalf("%d bytes: hashStatlessFd = %d, %v, %v; want %d, %v", size, gotSize, got, err, size, want)
 				}
@@ -474,4 +452,28 @@ func TestStatlessRefusesWhatIsNoFile(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// writeHashed writes data to p and returns hashFile's size and digest of it.
+func writeHashed(t *testing.T, p string, data []byte) (int64, FileDigest) {
+	t.Helper()
+	if err := os.WriteFile(p, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	size, d, err := hashPath(t.Context(), p, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return size, d
+}
+
+// statlessOf is hashStatlessFd of the file p.
+func statlessOf(t *testing.T, p string) (int64, FileDigest, error) {
+	t.Helper()
+	fd, err := openRaw(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	return hashStatlessFd(t.Context(), p, fd)
 }
