@@ -80,7 +80,8 @@ type GCSOptions struct {
 	// ParallelThreshold: files of at least this size are moved in parts.
 	// Default 2 × PartSize.
 	ParallelThreshold int64
-	// NameWriteInterval is the minimum time between two writes to one name.
+	// NameWriteInterval is the minimum time from the end of one write to a
+	// name to the start of the next.
 	// Default 1 s, GCS's documented limit.
 	NameWriteInterval time.Duration
 }
@@ -431,9 +432,11 @@ func (s *gcsStore) Delete(ctx context.Context, name string) error {
 // retry means an earlier attempt whose answer was lost deleted it.
 func (s *gcsStore) deleteKey(ctx context.Context, name, key string, gen int64) error {
 	if !hasTempSegment(key) { // temporary names are ours alone
-		if err := s.names.wait(ctx, key, s.opts.NameWriteInterval); err != nil {
+		done, err := s.names.wait(ctx, key, s.opts.NameWriteInterval)
+		if err != nil {
 			return err
 		}
+		defer done()
 	}
 	err := s.retry(ctx, "delete", name, func(a *attempt) error {
 		h, err := s.handle(a.ctx, key)
@@ -732,9 +735,11 @@ func (s *gcsStore) write(ctx context.Context, req writeRequest) error {
 	}
 	err := s.retry(ctx, "put", req.name, func(a *attempt) error {
 		if !req.exclusive {
-			if err := s.names.wait(a.ctx, req.key, s.opts.NameWriteInterval); err != nil {
+			done, err := s.names.wait(a.ctx, req.key, s.opts.NameWriteInterval)
+			if err != nil {
 				return err
 			}
+			defer done()
 		}
 		sent, err := s.writeOnce(a, req, gen)
 		if httpCode(err) != http.StatusPreconditionFailed {
@@ -1014,13 +1019,18 @@ func (s *gcsStore) removeTemporary(ctx context.Context, t temporary) (int, error
 }
 
 // nameLimiter delays a write to a name written less than an interval ago
-// (GCS: about one write per second per object name).
+// (GCS: about one write per second per object name). The interval counts
+// from the end of the previous write: a request that started on time but
+// reached the server late, or took long, still leaves the server a full
+// interval between the two changes.
 type nameLimiter struct {
 	mu   sync.Mutex
 	last map[string]time.Time // GUARDED_BY(mu): when each name was last written
 }
 
-func (l *nameLimiter) wait(ctx context.Context, name string, interval time.Duration) error {
+// wait returns once name may be written, with done, which the caller calls
+// when the write has ended (whatever its outcome).
+func (l *nameLimiter) wait(ctx context.Context, name string, interval time.Duration) (done func(), err error) {
 	for {
 		l.mu.Lock()
 		now := time.Now()
@@ -1038,11 +1048,15 @@ func (l *nameLimiter) wait(ctx context.Context, name string, interval time.Durat
 		if !now.Before(next) {
 			l.last[name] = now
 			l.mu.Unlock()
-			return nil
+			return func() {
+				l.mu.Lock()
+				l.last[name] = time.Now()
+				l.mu.Unlock()
+			}, nil
 		}
 		l.mu.Unlock()
 		if err := gax.Sleep(ctx, next.Sub(now)); err != nil {
-			return err
+			return nil, err
 		}
 	}
 }

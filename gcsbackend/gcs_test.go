@@ -308,28 +308,37 @@ func TestGCSListHidesTemporaryObjects(t *testing.T) {
 }
 
 // TestGCSNameWriteInterval: a second write to one name waits out the
-// interval (GCS: one write per second per name).
+// interval (GCS: one write per second per name), counted from the end of
+// the previous write: each upload here takes 100 ms at the server, so an
+// interval counted from the previous write's start would leave the server
+// only 200 ms between the end of one and the arrival of the next.
 func TestGCSNameWriteInterval(t *testing.T) {
 	f := newFakeGCS(t)
 	opts := testGCSOptions()
 	opts.NameWriteInterval = 300 * time.Millisecond
 	s := f.store(t, "", opts)
 	var mu sync.Mutex
-	var arrivals []time.Time
+	var arrivals, ends []time.Time
 	f.faults.add(1000, uploadOf("same"), func(w http.ResponseWriter, r *http.Request, next http.Handler) {
 		mu.Lock()
 		arrivals = append(arrivals, time.Now())
 		mu.Unlock()
+		time.Sleep(100 * time.Millisecond)
 		next.ServeHTTP(w, r)
+		mu.Lock()
+		ends = append(ends, time.Now())
+		mu.Unlock()
 	})
 	for i := range 3 {
 		put(t, s, "same", fmt.Sprint("version ", i))
 	}
 	put(t, s, "other", "not limited by same")
+	mu.Lock()
+	defer mu.Unlock()
 	require.Len(t, arrivals, 3)
 	for i := 1; i < len(arrivals); i++ {
-		assert.GreaterOrEqual(t, arrivals[i].Sub(arrivals[i-1]), opts.NameWriteInterval-5*time.Millisecond,
-			"write %d to the same name came too soon after the previous one", i)
+		assert.GreaterOrEqual(t, arrivals[i].Sub(ends[i-1]), opts.NameWriteInterval,
+			"write %d to the same name came too soon after the previous one ended", i)
 	}
 	assert.Equal(t, "version 2", readRange(t, s, "same", 0, -1))
 }

@@ -171,9 +171,11 @@ func combineParts(parts []part) uint32 {
 func (s *gcsStore) compose(ctx context.Context, name string, dst part, srcs []part, exclusive bool) error {
 	err := s.retry(ctx, "compose", name, func(a *attempt) error {
 		if !exclusive {
-			if err := s.names.wait(a.ctx, dst.key, s.opts.NameWriteInterval); err != nil {
+			done, err := s.names.wait(a.ctx, dst.key, s.opts.NameWriteInterval)
+			if err != nil {
 				return err
 			}
+			defer done()
 		}
 		c, err := s.client(a.ctx)
 		if err != nil {
