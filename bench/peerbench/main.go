@@ -111,7 +111,7 @@ type variant struct {
 	chunk    int    // gRPC chunk size, 0 for TCP
 	streams  int    // gRPC streams or TCP connections
 	cached   bool   // sender digests from the cache
-	checked  bool   // TCP: the minimal pipeline (CRC32C and BLAKE3 on arrival, pwrite)
+	checked  bool   // the minimal pipeline's receiver (CRC32C and BLAKE3 on arrival, pwrite), over TCP or gRPC
 	run      func(ctx context.Context) error
 }
 
@@ -146,6 +146,7 @@ func run(ctx context.Context, cfg config) error {
 		{key: "tcp4", transfer: "plain TCP", streams: 4, run: func(ctx context.Context) error { return b.plainTCP(ctx, 4, false) }},
 		{key: "min1", transfer: minimalLabel, streams: 1, checked: true, run: func(ctx context.Context) error { return b.plainTCP(ctx, 1, true) }},
 		{key: "min4", transfer: minimalLabel, streams: 4, checked: true, run: func(ctx context.Context) error { return b.plainTCP(ctx, 4, true) }},
+		{key: "gmin1", transfer: grpcMinimalLabel, chunk: replication.DefaultChunkSize, streams: 1, checked: true, run: b.grpcMinimal},
 	}
 	grpcVariant := func(chunk, streams int, cached bool) variant {
 		key := fmt.Sprintf("grpc-c%d-s%d-cached=%v", chunk, streams, cached)
@@ -251,6 +252,8 @@ type bench struct {
 	srv  *grpc.Server
 	conn *grpc.ClientConn
 
+	grpcMin *grpcMin // the gRPC minimal pipeline (grpcmin.go)
+
 	tcp      net.Listener
 	tcpWG    sync.WaitGroup
 	tcpFiles []tcpFile
@@ -306,10 +309,16 @@ func startBench(work, name, src string, digests *layout.DigestCache) (*bench, er
 	if b.sums, err = fileSums(src, b.tcpFiles); err != nil {
 		return nil, err
 	}
+	if b.grpcMin, err = startGRPCMin(b); err != nil {
+		return nil, err
+	}
 	return b, nil
 }
 
 func (b *bench) close() {
+	if b.grpcMin != nil {
+		b.grpcMin.close()
+	}
 	b.conn.Close()
 	b.srv.Stop()
 	b.recv.Close()
