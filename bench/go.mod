@@ -5,6 +5,7 @@ go 1.26.8
 require (
 	cloud.google.com/go/storage v1.70.0
 	github.com/fsouza/fake-gcs-server v1.56.1
+	github.com/hanwen/go-fuse/v2 v2.12.1
 	github.com/klauspost/compress v1.20.1
 	github.com/mtcfs/mtcfs v0.0.0-00010101000000-000000000000
 	github.com/prometheus/client_model v0.6.3

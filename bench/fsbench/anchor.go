@@ -40,32 +40,74 @@ func buildLoopback(ctx context.Context, dir string) (string, error) {
 	return bin, nil
 }
 
-// startAnchor mounts a tmpfs for the loopback's backing directory and starts the loopback server
-// on a mount point of its own; ws.Close stops it (one SIGINT, on which it unmounts) and
-// unmounts the tmpfs.
+// The data-path anchor is bench/fuseanchor: go-fuse's loopback node and file types with
+// passthrough turned off, mounted with mtcfs's data-path settings (1 MiB requests, the page
+// cache kept across opens). It runs the sequential workloads, where it shows what any go-fuse
+// server without passthrough costs on this machine, beside mtcfs's fallback.
+const fuseAnchorPkg = "github.com/mtcfs/mtcfs/bench/fuseanchor"
+
+// buildFuseAnchor builds bench/fuseanchor into dir and returns the binary's path.
+func buildFuseAnchor(ctx context.Context, dir string) (string, error) {
+	root, err := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "github.com/mtcfs/mtcfs/bench").Output()
+	if err != nil {
+		return "", fmt.Errorf("find the bench module (run fsbench in bench/): %w", err)
+	}
+	bin := filepath.Join(dir, "fuseanchor")
+	cmd := exec.CommandContext(ctx, "go", "build", "-C", strings.TrimSpace(string(root)), "-o", bin, fuseAnchorPkg)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("build %s: %v\n%s", fuseAnchorPkg, err, out)
+	}
+	return bin, nil
+}
+
+// startAnchor starts go-fuse's loopback example (the FUSE anchor of the metadata and
+// small-file workloads).
 func (ts *targetSet) startAnchor(ctx context.Context) error {
 	bin, err := buildLoopback(ctx, ts.base)
 	if err != nil {
 		return err
 	}
-	data := filepath.Join(ts.base, "anchor-data")
-	dir := filepath.Join(ts.base, anchorTarget)
+	return ts.startServer(ctx, anchorTarget, "fuse.loopback", map[string]bool{"sequential": true},
+		func(dir, data string) *exec.Cmd {
+			return exec.Command(bin, "-allow-other", "-directmount", "-q", dir, data)
+		})
+}
+
+// startDataAnchor starts bench/fuseanchor (the FUSE anchor of the sequential workloads).
+func (ts *targetSet) startDataAnchor(ctx context.Context) error {
+	bin, err := buildFuseAnchor(ctx, ts.base)
+	if err != nil {
+		return err
+	}
+	return ts.startServer(ctx, dataAnchorTarget, "fuse.fuseanchor", map[string]bool{"create": true, "stat": true, "small": true},
+		func(dir, data string) *exec.Cmd { return exec.Command(bin, dir, data) })
+}
+
+// startServer mounts a tmpfs for a FUSE server's backing directory and starts the server (the
+// command cmd returns for the mount point and the backing directory) on a mount point of its
+// own, named name; it waits until a mount of type fsType is there. ws.Close stops the server
+// (one SIGINT, on which it unmounts) and unmounts the tmpfs. The target skips the workloads in
+// skip.
+func (ts *targetSet) startServer(ctx context.Context, name, fsType string, skip map[string]bool, command func(dir, data string) *exec.Cmd) error {
+	data := filepath.Join(ts.base, name+"-data")
+	dir := filepath.Join(ts.base, name)
 	for _, d := range []string{data, dir} {
 		if err := os.Mkdir(d, 0o755); err != nil {
 			return err
 		}
 	}
-	if err := unix.Mount("fsbench-anchor", data, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size="+tmpfsSize); err != nil {
+	if err := unix.Mount("fsbench-"+name, data, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size="+tmpfsSize); err != nil {
 		return fmt.Errorf("mount tmpfs at %s: %w", data, err)
 	}
 	ts.ws.Defer(func() error { return benchkit.Unmount(data) })
 
-	cmd := exec.Command(bin, "-allow-other", "-directmount", "-q", dir, data)
+	cmd := command(dir, data)
+	bin := filepath.Base(cmd.Path)
 	var log benchkit.LockedBuffer
 	cmd.Stdout, cmd.Stderr = &log, &log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // a terminal's Ctrl-C reaches fsbench only
 	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("start %s: %w", bin, err)
+		return fmt.Errorf("start %s: %w", cmd.Path, err)
 	}
 	exited := make(chan struct{})
 	var waitErr error // set before exited is closed
@@ -76,7 +118,7 @@ func (ts *targetSet) startAnchor(ctx context.Context) error {
 	stop := func() error {
 		select {
 		case <-exited:
-			return errors.Join(fmt.Errorf("loopback exited early (%v): %s", waitErr, log.String()), benchkit.Unmount(dir))
+			return errors.Join(fmt.Errorf("%s exited early (%v): %s", bin, waitErr, log.String()), benchkit.Unmount(dir))
 		default:
 		}
 		cmd.Process.Signal(os.Interrupt)
@@ -87,24 +129,24 @@ func (ts *targetSet) startAnchor(ctx context.Context) error {
 			<-exited
 		}
 		if benchkit.MountType(dir) != "" {
-			return errors.Join(errors.New("the loopback server left its mount behind"), benchkit.Unmount(dir))
+			return errors.Join(fmt.Errorf("%s left its mount behind", bin), benchkit.Unmount(dir))
 		}
 		return nil
 	}
 	ts.ws.Defer(stop)
-	for deadline := time.Now().Add(30 * time.Second); benchkit.MountType(dir) != "fuse.loopback"; {
+	for deadline := time.Now().Add(30 * time.Second); benchkit.MountType(dir) != fsType; {
 		select {
 		case <-exited:
-			return fmt.Errorf("loopback exited before mounting (%v): %s", waitErr, log.String())
+			return fmt.Errorf("%s exited before mounting (%v): %s", bin, waitErr, log.String())
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-time.After(20 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("loopback not mounted at %s after 30s: %s", dir, log.String())
+			return fmt.Errorf("%s not mounted at %s after 30s: %s", bin, dir, log.String())
 		}
 	}
 	ts.servers = append(ts.servers, cmd.Process.Pid)
-	ts.list = append(ts.list, &target{name: anchorTarget, dir: dir, skip: map[string]bool{"sequential": true}})
+	ts.list = append(ts.list, &target{name: name, dir: dir, skip: skip})
 	return nil
 }

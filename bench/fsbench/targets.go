@@ -23,7 +23,8 @@ const (
 	tmpfsTarget       = "tmpfs"
 	passthroughTarget = "passthrough"
 	fallbackTarget    = "fallback"
-	anchorTarget      = "anchor" // go-fuse's loopback example, see anchor.go
+	anchorTarget      = "anchor"      // go-fuse's loopback example, see anchor.go
+	dataAnchorTarget  = "data-anchor" // bench/fuseanchor, see anchor.go
 )
 
 // A target is a directory the workloads run in.
@@ -67,11 +68,11 @@ type targetSet struct {
 	base    string // temporary directory holding the mount points and spools
 	list    []*target
 	agents  []int // pids of the running agents
-	servers []int // pids of the other FUSE servers (the anchor)
+	servers []int // pids of the other FUSE servers (the anchors)
 }
 
-// setUpTargets mounts the baseline tmpfs and starts the two mtcfs agents and the FUSE anchor
-// (unless noAnchor) under a new temporary directory in workDir. On error, what was already set
+// setUpTargets mounts the baseline tmpfs and starts the two mtcfs agents and the two FUSE
+// anchors (unless noAnchor) under a new temporary directory in workDir. On error, what was already set
 // up is torn down.
 func setUpTargets(ctx context.Context, bin, workDir string, noAnchor bool) (*targetSet, error) {
 	ts := &targetSet{}
@@ -90,6 +91,9 @@ func setUpTargets(ctx context.Context, bin, workDir string, noAnchor bool) (*tar
 	if !noAnchor {
 		if err := ts.startAnchor(ctx); err != nil {
 			return nil, errors.Join(fmt.Errorf("FUSE anchor: %w", err), ts.ws.Close())
+		}
+		if err := ts.startDataAnchor(ctx); err != nil {
+			return nil, errors.Join(fmt.Errorf("data-path anchor: %w", err), ts.ws.Close())
 		}
 	}
 	return ts, nil
