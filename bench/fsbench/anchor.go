@@ -40,10 +40,12 @@ func buildLoopback(ctx context.Context, dir string) (string, error) {
 	return bin, nil
 }
 
-// The data-path anchor is bench/fuseanchor: go-fuse's loopback node and file types with
-// passthrough turned off, mounted with mtcfs's data-path settings (1 MiB requests, the page
-// cache kept across opens). It runs the sequential workloads, where it shows what any go-fuse
-// server without passthrough costs on this machine, beside mtcfs's fallback.
+// The go-fuse floor is bench/fuseanchor, mounted with mtcfs's settings (1 MiB requests, the page
+// cache kept across opens, 5 s timeouts), in two processes: go-fuse's loopback node and file
+// types with passthrough turned off, over a tmpfs of its own, for the sequential workloads; and
+// a tree of go-fuse's in-memory nodes, which answers creates, lookups and getattrs with no
+// system call behind them, for the create, stat and small-file workloads. Each row shows the
+// least a go-fuse server without passthrough costs on this machine.
 const fuseAnchorPkg = "github.com/mtcfs/mtcfs/bench/fuseanchor"
 
 // buildFuseAnchor builds bench/fuseanchor into dir and returns the binary's path.
@@ -67,39 +69,47 @@ func (ts *targetSet) startAnchor(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	return ts.startServer(ctx, anchorTarget, "fuse.loopback", map[string]bool{"sequential": true},
+	return ts.startServer(ctx, anchorTarget, "fuse.loopback", true, map[string]bool{"sequential": true},
 		func(dir, data string) *exec.Cmd {
 			return exec.Command(bin, "-allow-other", "-directmount", "-q", dir, data)
 		})
 }
 
-// startDataAnchor starts bench/fuseanchor (the FUSE anchor of the sequential workloads).
-func (ts *targetSet) startDataAnchor(ctx context.Context) error {
+// startFloor starts the two processes of the go-fuse floor (bench/fuseanchor).
+func (ts *targetSet) startFloor(ctx context.Context) error {
 	bin, err := buildFuseAnchor(ctx, ts.base)
 	if err != nil {
 		return err
 	}
-	return ts.startServer(ctx, dataAnchorTarget, "fuse.fuseanchor", map[string]bool{"create": true, "stat": true, "small": true},
+	err = ts.startServer(ctx, floorDataTarget, "fuse.fuseanchor", true, map[string]bool{"create": true, "stat": true, "small": true},
 		func(dir, data string) *exec.Cmd { return exec.Command(bin, dir, data) })
+	if err != nil {
+		return err
+	}
+	return ts.startServer(ctx, floorMemTarget, "fuse.fuseanchor", false, map[string]bool{"sequential": true},
+		func(dir, _ string) *exec.Cmd { return exec.Command(bin, "-mem", dir) })
 }
 
-// startServer mounts a tmpfs for a FUSE server's backing directory and starts the server (the
-// command cmd returns for the mount point and the backing directory) on a mount point of its
-// own, named name; it waits until a mount of type fsType is there. ws.Close stops the server
-// (one SIGINT, on which it unmounts) and unmounts the tmpfs. The target skips the workloads in
-// skip.
-func (ts *targetSet) startServer(ctx context.Context, name, fsType string, skip map[string]bool, command func(dir, data string) *exec.Cmd) error {
+// startServer starts a FUSE server (the command cmd returns for the mount point and the backing
+// directory) on a mount point of its own, named name, with a tmpfs of its own as the backing
+// directory if backed; it waits until a mount of type fsType is there. ws.Close stops the
+// server (one SIGINT, on which it unmounts) and unmounts the tmpfs. The target skips the
+// workloads in skip.
+func (ts *targetSet) startServer(ctx context.Context, name, fsType string, backed bool, skip map[string]bool, command func(dir, data string) *exec.Cmd) error {
 	data := filepath.Join(ts.base, name+"-data")
 	dir := filepath.Join(ts.base, name)
-	for _, d := range []string{data, dir} {
-		if err := os.Mkdir(d, 0o755); err != nil {
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		return err
+	}
+	if backed {
+		if err := os.Mkdir(data, 0o755); err != nil {
 			return err
 		}
+		if err := unix.Mount("fsbench-"+name, data, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size="+tmpfsSize); err != nil {
+			return fmt.Errorf("mount tmpfs at %s: %w", data, err)
+		}
+		ts.ws.Defer(func() error { return benchkit.Unmount(data) })
 	}
-	if err := unix.Mount("fsbench-"+name, data, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size="+tmpfsSize); err != nil {
-		return fmt.Errorf("mount tmpfs at %s: %w", data, err)
-	}
-	ts.ws.Defer(func() error { return benchkit.Unmount(data) })
 
 	cmd := command(dir, data)
 	bin := filepath.Base(cmd.Path)

@@ -7,10 +7,11 @@
 //
 // (make bench runs the same.) It mounts its targets under a temporary directory: a dedicated
 // tmpfs (size=4g), an mtcfs agent with --passthrough on and one with --passthrough off, each
-// agent with its own spool, and two FUSE anchors over tmpfs of their own (anchor.go; -no-anchor
-// skips them): go-fuse's own loopback example server, which runs the metadata and small-file
-// workloads, and bench/fuseanchor (go-fuse's loopback without passthrough, with mtcfs's
-// data-path mount settings), which runs the sequential ones beside mtcfs's fallback. For the mtcfs targets the create workload also reports the FUSE requests per
+// agent with its own spool, and two references (anchor.go; -no-anchor skips them): a FUSE anchor,
+// go-fuse's own loopback example server over a tmpfs of its own, which runs the metadata and
+// small-file workloads; and the go-fuse floor, bench/fuseanchor with mtcfs's mount settings and
+// no passthrough, as a loopback of a tmpfs for the sequential workloads and as an in-memory tree
+// for the others. For the mtcfs targets the create workload also reports the FUSE requests per
 // create+close, from the agents' mtcfs_fuse_requests_total. Every workload runs -warmup unrecorded rounds and then -reps
 // measured rounds; a round visits every target, in an order rotated from round to round, so
 // that drift of the machine (a VM's slow first touch of memory, a noisy neighbour) hits all
@@ -50,7 +51,7 @@ type config struct {
 	statFor    time.Duration // how long the cached-stat loop runs per sample
 	cacheWait  time.Duration // wait for mtcfs's entry and attribute cache to expire
 	workloads  string        // comma-separated names; "" runs all
-	noAnchor   bool          // skip the FUSE anchors (go-fuse's loopback example, bench/fuseanchor)
+	noAnchor   bool          // skip the FUSE anchor and the go-fuse floor
 }
 
 func main() {
@@ -68,7 +69,7 @@ func main() {
 	flag.DurationVar(&cfg.statFor, "stat-for", time.Second, "duration of the cached-stat loop per round and target")
 	flag.DurationVar(&cfg.cacheWait, "cache-wait", 5500*time.Millisecond, "wait before the cold stat pass; longer than mtcfs's kernel cache timeout (5s)")
 	flag.StringVar(&cfg.workloads, "workloads", "", "comma-separated subset of sequential,create,stat,small to run (default: all)")
-	flag.BoolVar(&cfg.noAnchor, "no-anchor", false, "do not run the FUSE anchors (go-fuse's loopback example server and bench/fuseanchor, built with the go command)")
+	flag.BoolVar(&cfg.noAnchor, "no-anchor", false, "do not run the FUSE anchor and the go-fuse floor (go-fuse's loopback example server and bench/fuseanchor, built with the go command)")
 	flag.Parse()
 	cfg.fileSize = int64(fileMiB) << 20
 	cfg.smallSize = smallKiB << 10

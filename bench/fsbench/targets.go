@@ -23,8 +23,9 @@ const (
 	tmpfsTarget       = "tmpfs"
 	passthroughTarget = "passthrough"
 	fallbackTarget    = "fallback"
-	anchorTarget      = "anchor"      // go-fuse's loopback example, see anchor.go
-	dataAnchorTarget  = "data-anchor" // bench/fuseanchor, see anchor.go
+	anchorTarget      = "anchor"         // go-fuse's loopback example, see anchor.go
+	floorDataTarget   = "floor-loopback" // the go-fuse floor's sequential rows: bench/fuseanchor DIR
+	floorMemTarget    = "floor-memory"   // its other rows: bench/fuseanchor -mem (see anchor.go)
 )
 
 // A target is a directory the workloads run in.
@@ -71,8 +72,8 @@ type targetSet struct {
 	servers []int // pids of the other FUSE servers (the anchors)
 }
 
-// setUpTargets mounts the baseline tmpfs and starts the two mtcfs agents and the two FUSE
-// anchors (unless noAnchor) under a new temporary directory in workDir. On error, what was already set
+// setUpTargets mounts the baseline tmpfs and starts the two mtcfs agents, the FUSE anchor and
+// the two servers of the go-fuse floor (unless noAnchor) under a new temporary directory in workDir. On error, what was already set
 // up is torn down.
 func setUpTargets(ctx context.Context, bin, workDir string, noAnchor bool) (*targetSet, error) {
 	ts := &targetSet{}
@@ -92,8 +93,8 @@ func setUpTargets(ctx context.Context, bin, workDir string, noAnchor bool) (*tar
 		if err := ts.startAnchor(ctx); err != nil {
 			return nil, errors.Join(fmt.Errorf("FUSE anchor: %w", err), ts.ws.Close())
 		}
-		if err := ts.startDataAnchor(ctx); err != nil {
-			return nil, errors.Join(fmt.Errorf("data-path anchor: %w", err), ts.ws.Close())
+		if err := ts.startFloor(ctx); err != nil {
+			return nil, errors.Join(fmt.Errorf("go-fuse floor: %w", err), ts.ws.Close())
 		}
 	}
 	return ts, nil

@@ -1,23 +1,32 @@
-// Command fuseanchor is fsbench's FUSE anchor for mtcfs's fallback data path: go-fuse's own
-// loopback filesystem (fs.LoopbackNode and fs.LoopbackFile, unchanged) with passthrough turned
-// off, mounted with the data-path settings mtcfs uses, so that every read and write goes
-// through the server as on mtcfs without passthrough (--passthrough off, or a non-root agent).
+// Command fuseanchor serves fsbench's go-fuse floor: the least a go-fuse server without
+// passthrough does, mounted with the settings mtcfs mounts with, so that what mtcfs adds on top
+// of FUSE and go-fuse can be told apart from what they cost on this machine.
 //
-//	fuseanchor MOUNTPOINT DIR
+//	fuseanchor MOUNTPOINT DIR    go-fuse's loopback of DIR, passthrough off
+//	fuseanchor -mem MOUNTPOINT   an in-memory tree of go-fuse's own nodes
 //
-// It serves DIR at MOUNTPOINT until SIGINT or SIGTERM, then unmounts. It must run as root
-// (direct mount). What it shares with mtcfs: requests of up to 1 MiB (MaxWrite, MaxReadAhead),
-// default_permissions, the kernel page cache kept across opens (FOPEN_KEEP_CACHE) and not
-// dropped on a new mtime (ExplicitDataCacheControl), 5 s entry and attribute timeouts. What it
-// does not have: mtcfs's spool budget, hashing, commit tracking and replication. Each WRITE is
-// a pwrite into DIR's file, as mtcfs's is into its spool file.
-//
-// go-fuse's loopback example (fsbench's other anchor) cannot serve this row: it registers every
+// The loopback mode (fsbench's sequential workloads) serves go-fuse's own loopback filesystem
+// (fs.LoopbackNode and fs.LoopbackFile, unchanged) with passthrough turned off: every read and
+// write goes through the server, as on mtcfs without passthrough (--passthrough off, or a
+// non-root agent), and each WRITE is a pwrite into DIR's file, as mtcfs's is into its spool.
+// go-fuse's loopback example (fsbench's FUSE anchor) cannot serve these rows: it registers every
 // file for passthrough when it runs as root, and it asks for 128 KiB requests.
+//
+// The memory mode (create, stat and small-file workloads) keeps directories and files as go-fuse
+// inodes (files are fs.MemRegularFile, their bytes on the Go heap): a create, a lookup or a
+// getattr is answered without a system call behind it, so these rows show FUSE's round trips
+// and go-fuse's request loop alone.
+//
+// Both modes share mtcfs's mount settings: requests of up to 1 MiB (MaxWrite, MaxReadAhead),
+// default_permissions, the kernel page cache kept across opens (FOPEN_KEEP_CACHE) and not
+// dropped on a new mtime (ExplicitDataCacheControl), 5 s entry, attribute and negative-entry
+// timeouts. Neither has mtcfs's spool budget, hashing, commit tracking or replication. It runs
+// until SIGINT or SIGTERM, then unmounts; it must run as root (direct mount).
 package main
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"os/signal"
@@ -60,34 +69,90 @@ func (n *node) Create(ctx context.Context, name string, flags, mode uint32, out 
 }
 
 func main() {
-	if len(os.Args) != 3 {
-		fmt.Fprintln(os.Stderr, "usage: fuseanchor MOUNTPOINT DIR")
+	mem := flag.Bool("mem", false, "serve an in-memory tree instead of a loopback of DIR")
+	flag.Usage = func() {
+		fmt.Fprintln(os.Stderr, "usage: fuseanchor MOUNTPOINT DIR | fuseanchor -mem MOUNTPOINT")
+	}
+	flag.Parse()
+	var root fs.InodeEmbedder
+	switch {
+	case *mem && flag.NArg() == 1:
+		root = &memDir{}
+	case !*mem && flag.NArg() == 2:
+		var err error
+		if root, err = loopback(flag.Arg(1)); err != nil {
+			fmt.Fprintln(os.Stderr, "fuseanchor:", err)
+			os.Exit(1)
+		}
+	default:
+		flag.Usage()
 		os.Exit(2)
 	}
-	if err := run(os.Args[1], os.Args[2]); err != nil {
+	if err := serve(flag.Arg(0), root, flag.Arg(flag.NArg()-1)); err != nil {
 		fmt.Fprintln(os.Stderr, "fuseanchor:", err)
 		os.Exit(1)
 	}
 }
 
-func run(mountpoint, dir string) error {
+// loopback returns go-fuse's loopback root of dir, its nodes wrapped to hide passthrough.
+func loopback(dir string) (fs.InodeEmbedder, error) {
 	root, err := fs.NewLoopbackRoot(dir)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	lb, ok := root.(*fs.LoopbackNode)
 	if !ok {
-		return fmt.Errorf("go-fuse's loopback root is a %T, not a *fs.LoopbackNode", root)
+		return nil, fmt.Errorf("go-fuse's loopback root is a %T, not a *fs.LoopbackNode", root)
 	}
 	top := &node{lb}
 	lb.RootData.RootNode = top
+	return top, nil
+}
+
+// memDir is a directory of the in-memory tree; go-fuse's inode tree holds its children, and
+// lists and looks them up itself.
+type memDir struct{ fs.Inode }
+
+var (
+	_ fs.NodeMkdirer   = (*memDir)(nil)
+	_ fs.NodeCreater   = (*memDir)(nil)
+	_ fs.NodeUnlinker  = (*memDir)(nil)
+	_ fs.NodeRmdirer   = (*memDir)(nil)
+	_ fs.NodeGetattrer = (*memDir)(nil)
+)
+
+func (d *memDir) Getattr(ctx context.Context, fh fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	out.Mode = syscall.S_IFDIR | 0o755
+	out.Nlink = 2
+	return 0
+}
+
+func (d *memDir) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.EntryOut) (*fs.Inode, syscall.Errno) {
+	out.Mode = syscall.S_IFDIR | mode&0o7777
+	out.Nlink = 2
+	return d.NewInode(ctx, &memDir{}, fs.StableAttr{Mode: syscall.S_IFDIR}), 0
+}
+
+func (d *memDir) Create(ctx context.Context, name string, flags, mode uint32, out *fuse.EntryOut) (*fs.Inode, fs.FileHandle, uint32, syscall.Errno) {
+	f := &fs.MemRegularFile{Attr: fuse.Attr{Mode: syscall.S_IFREG | mode&0o7777, Nlink: 1}}
+	out.Attr = f.Attr
+	return d.NewInode(ctx, f, fs.StableAttr{Mode: syscall.S_IFREG}), nil, fuse.FOPEN_KEEP_CACHE, 0
+}
+
+// Unlink and Rmdir only agree: go-fuse then drops the child from the tree.
+func (d *memDir) Unlink(ctx context.Context, name string) syscall.Errno { return 0 }
+func (d *memDir) Rmdir(ctx context.Context, name string) syscall.Errno  { return 0 }
+
+// serve mounts root at mountpoint with mtcfs's mount settings and serves until a signal.
+func serve(mountpoint string, root fs.InodeEmbedder, name string) error {
 	timeout := 5 * time.Second
-	server, err := fs.Mount(mountpoint, top, &fs.Options{
+	server, err := fs.Mount(mountpoint, root, &fs.Options{
 		EntryTimeout:    &timeout,
 		AttrTimeout:     &timeout,
+		NegativeTimeout: &timeout,
 		NullPermissions: true,
 		MountOptions: fuse.MountOptions{
-			FsName:                   dir,
+			FsName:                   name,
 			Name:                     "fuseanchor",
 			DirectMount:              true,
 			AllowOther:               true,
