@@ -7,12 +7,10 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	mfs "github.com/mtcfs/mtcfs/fs"
@@ -262,9 +260,8 @@ func runMount(cfg mountConfig) error {
 			slog.Debug("Go heap huge pages", "marked", tiers.FormatSize(n), "thp", tiers.TransparentHugePages())
 		}
 	}
-	sigs := make(chan os.Signal, 2)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
-	defer signal.Stop(sigs)
+	sigs, stopSignals := notifyStop()
+	defer stopSignals()
 
 	if detached, err := mfs.DetachStale(cfg.dir, cfg.takeover); err != nil {
 		return err
@@ -368,11 +365,11 @@ func runMount(cfg mountConfig) error {
 	done := make(chan struct{})
 	go func() { srv.Wait(); close(done) }()
 	select {
-	case sig := <-sigs:
+	case first := <-sigs:
 		ready.Store(false)
-		slog.Info("stopping", "signal", sig.String())
+		slog.Info("stopping", "signal", first.sig.String())
 		rep.Close()
-		if err := unmountBounded(srv, sigs); err != nil {
+		if err := unmountBounded(srv, sigs, first); err != nil {
 			return err
 		}
 	case <-done:
@@ -380,19 +377,4 @@ func runMount(cfg mountConfig) error {
 	}
 	slog.Info("unmounted", "dir", srv.Dir())
 	return nil
-}
-
-// unmountBounded unmounts, retrying while the mount is busy for a few seconds; a second signal
-// or the deadline detaches it lazily instead.
-func unmountBounded(srv *mfs.Server, sigs <-chan os.Signal) error {
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Unmount() }()
-	select {
-	case err := <-errc:
-		return err
-	case <-sigs:
-		return errors.New("second signal: exiting without waiting for the unmount")
-	case <-time.After(30 * time.Second):
-		return errors.New("unmount did not finish within 30s")
-	}
 }

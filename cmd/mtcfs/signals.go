@@ -1,0 +1,71 @@
+package main
+
+import (
+	"errors"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	mfs "github.com/mtcfs/mtcfs/fs"
+)
+
+// repeatWindow is how soon after the first stop signal the same signal counts as part of the
+// same request to stop rather than as a second one. Some senders deliver one stop twice: GNU
+// timeout(1) signals the command and then its whole process group, which holds the command, so
+// the agent gets two SIGTERMs microseconds apart. A person pressing Ctrl-C again to force the
+// exit does so later than this.
+const repeatWindow = 500 * time.Millisecond
+
+// stopSignal is a SIGINT or SIGTERM with the time it arrived.
+type stopSignal struct {
+	sig os.Signal
+	at  time.Time
+}
+
+// notifyStop delivers SIGINT and SIGTERM, each stamped when it arrived (a signal may wait in
+// the channel while the agent stops its replicator); stop ends the delivery.
+func notifyStop() (sigs <-chan stopSignal, stop func()) {
+	raw := make(chan os.Signal, 4)
+	signal.Notify(raw, syscall.SIGINT, syscall.SIGTERM)
+	out := make(chan stopSignal, 4)
+	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case s := <-raw:
+				select {
+				case out <- stopSignal{sig: s, at: time.Now()}:
+				default: // four are waiting already: the agent is stopping
+				}
+			case <-done:
+				return
+			}
+		}
+	}()
+	return out, func() {
+		signal.Stop(raw)
+		close(done)
+	}
+}
+
+// unmountBounded unmounts, retrying while the mount is busy for a few seconds; a second signal
+// (not a repeat of the first within repeatWindow) or the deadline detaches it lazily instead.
+func unmountBounded(srv *mfs.Server, sigs <-chan stopSignal, first stopSignal) error {
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Unmount() }()
+	deadline := time.After(30 * time.Second)
+	for {
+		select {
+		case err := <-errc:
+			return err
+		case s := <-sigs:
+			if s.sig == first.sig && s.at.Sub(first.at) < repeatWindow {
+				continue
+			}
+			return errors.New("second signal: exiting without waiting for the unmount")
+		case <-deadline:
+			return errors.New("unmount did not finish within 30s")
+		}
+	}
+}
