@@ -438,6 +438,12 @@ func (s *gcsStore) deleteKey(ctx context.Context, name, key string, gen int64) e
 		}
 		defer done()
 	}
+	return s.deleteNow(ctx, name, key, gen)
+}
+
+// deleteNow is deleteKey without waiting for the name: for a write that
+// holds it (nameLimiter.wait) and withdraws what it wrote.
+func (s *gcsStore) deleteNow(ctx context.Context, name, key string, gen int64) error {
 	err := s.retry(ctx, "delete", name, func(a *attempt) error {
 		h, err := s.handle(a.ctx, key)
 		if err != nil {
@@ -889,7 +895,7 @@ func (s *gcsStore) writeOnce(a *attempt, req writeRequest, gen int64) (uint32, e
 		// Only reachable when the server did not check a CRC32C before
 		// publishing (none was known, or an emulator that does not check):
 		// withdraw exactly what we wrote.
-		s.deleteKey(context.WithoutCancel(a.ctx), req.name, req.key, o.Generation)
+		s.deleteNow(context.WithoutCancel(a.ctx), req.name, req.key, o.Generation) // the write holds the name
 		return crc, &permanentError{fmt.Errorf("put %s: stored %d bytes with crc32c %08x, sent %d with crc32c %08x: %w",
 			s.url(req.name), o.Size, o.CRC32C, sent, crc, &ChecksumError{Name: req.name, Want: crc, Got: o.CRC32C})}
 	}
@@ -1022,36 +1028,61 @@ func (s *gcsStore) removeTemporary(ctx context.Context, t temporary) (int, error
 // (GCS: about one write per second per object name). The interval counts
 // from the end of the previous write: a request that started on time but
 // reached the server late, or took long, still leaves the server a full
-// interval between the two changes.
+// interval between the two changes. A write to a name that another write
+// holds waits for that one to end, then for the interval.
 type nameLimiter struct {
 	mu   sync.Mutex
-	last map[string]time.Time // GUARDED_BY(mu): when each name was last written
+	last map[string]nameState // GUARDED_BY(mu)
+}
+
+// nameState is a name's last write: when it ended, and, while one runs, a
+// channel closed when it ends.
+type nameState struct {
+	ended time.Time
+	busy  chan struct{}
 }
 
 // wait returns once name may be written, with done, which the caller calls
-// when the write has ended (whatever its outcome).
+// when the write has ended, whatever its outcome (more calls do nothing).
+// Until then the caller holds the name: a write of its own to the name
+// inside that time must not wait again (see deleteNow).
 func (l *nameLimiter) wait(ctx context.Context, name string, interval time.Duration) (done func(), err error) {
 	for {
 		l.mu.Lock()
 		now := time.Now()
 		if l.last == nil {
-			l.last = make(map[string]time.Time)
+			l.last = make(map[string]nameState)
 		}
 		if len(l.last) > 4096 { // forget names whose interval has passed
-			for n, t := range l.last {
-				if now.Sub(t) >= interval {
+			for n, st := range l.last {
+				if st.busy == nil && now.Sub(st.ended) >= interval {
 					delete(l.last, n)
 				}
 			}
 		}
-		next := l.last[name].Add(interval)
-		if !now.Before(next) {
-			l.last[name] = now
+		st := l.last[name]
+		if busy := st.busy; busy != nil {
 			l.mu.Unlock()
+			select {
+			case <-busy:
+				continue
+			case <-ctx.Done():
+				return nil, context.Cause(ctx)
+			}
+		}
+		next := st.ended.Add(interval)
+		if !now.Before(next) {
+			busy := make(chan struct{})
+			l.last[name] = nameState{ended: st.ended, busy: busy}
+			l.mu.Unlock()
+			var once sync.Once
 			return func() {
-				l.mu.Lock()
-				l.last[name] = time.Now()
-				l.mu.Unlock()
+				once.Do(func() {
+					l.mu.Lock()
+					l.last[name] = nameState{ended: time.Now()}
+					l.mu.Unlock()
+					close(busy)
+				})
 			}, nil
 		}
 		l.mu.Unlock()

@@ -206,7 +206,7 @@ func (s *gcsStore) compose(ctx context.Context, name string, dst part, srcs []pa
 		if o.Size != dst.size || o.CRC32C != dst.crc {
 			// GCS refuses a compose whose CRC32C differs from the one sent;
 			// a server that does not (the emulator) is caught here.
-			s.deleteKey(context.WithoutCancel(a.ctx), name, dst.key, o.Generation)
+			s.deleteNow(context.WithoutCancel(a.ctx), name, dst.key, o.Generation) // the compose holds the name
 			return &permanentError{&ChecksumError{Name: name, Want: dst.crc, Got: o.CRC32C}}
 		}
 		return nil
