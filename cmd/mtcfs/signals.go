@@ -2,12 +2,11 @@ package main
 
 import (
 	"errors"
+	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
 	"time"
-
-	mfs "github.com/mtcfs/mtcfs/fs"
 )
 
 // repeatWindow is how soon after the first stop signal the same signal counts as part of the
@@ -49,9 +48,12 @@ func notifyStop() (sigs <-chan stopSignal, stop func()) {
 	}
 }
 
+// unmounter is what unmountBounded stops: the mount (mfs.Server).
+type unmounter interface{ Unmount() error }
+
 // unmountBounded unmounts, retrying while the mount is busy for a few seconds; a second signal
 // (not a repeat of the first within repeatWindow) or the deadline detaches it lazily instead.
-func unmountBounded(srv *mfs.Server, sigs <-chan stopSignal, first stopSignal) error {
+func unmountBounded(srv unmounter, sigs <-chan stopSignal, first stopSignal) error {
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Unmount() }()
 	deadline := time.After(30 * time.Second)
@@ -60,7 +62,8 @@ func unmountBounded(srv *mfs.Server, sigs <-chan stopSignal, first stopSignal) e
 		case err := <-errc:
 			return err
 		case s := <-sigs:
-			if s.sig == first.sig && s.at.Sub(first.at) < repeatWindow {
+			if sameStop(first, s) {
+				slog.Info("repeated stop signal ignored", "signal", s.sig.String(), "after", s.at.Sub(first.at).String())
 				continue
 			}
 			return errors.New("second signal: exiting without waiting for the unmount")
@@ -68,4 +71,9 @@ func unmountBounded(srv *mfs.Server, sigs <-chan stopSignal, first stopSignal) e
 			return errors.New("unmount did not finish within 30s")
 		}
 	}
+}
+
+// sameStop reports whether s repeats first: the same signal, within repeatWindow.
+func sameStop(first, s stopSignal) bool {
+	return s.sig == first.sig && s.at.Sub(first.at) < repeatWindow
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -11,41 +12,88 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// TestStopSignalDeliveredTwice: GNU timeout(1) signals the command and then its process group,
-// so the agent gets two SIGTERMs microseconds apart. That is one request to stop: the agent
-// waits for its unmount and exits 0. A second signal after repeatWindow still ends the wait
-// for an unmount that cannot finish (a file held open in the mount).
-func TestStopSignalDeliveredTwice(t *testing.T) {
+// fakeMount is an unmounter whose Unmount returns when released.
+type fakeMount struct{ release chan error }
+
+func (m fakeMount) Unmount() error { return <-m.release }
+
+// TestUnmountBoundedRepeatedSignal: while the unmount runs, the same signal again within
+// repeatWindow of the first is part of the same stop (GNU timeout(1) sends the command one
+// SIGTERM and its process group another); a later one, or another signal, ends the wait.
+func TestUnmountBoundedRepeatedSignal(t *testing.T) {
+	t0 := time.Now()
+	first := stopSignal{sig: syscall.SIGTERM, at: t0}
+	run := func(more ...stopSignal) (error, bool) {
+		m := fakeMount{release: make(chan error, 1)}
+		sigs := make(chan stopSignal, len(more))
+		for _, s := range more {
+			sigs <- s
+		}
+		errc := make(chan error, 1)
+		go func() { errc <- unmountBounded(m, sigs, first) }()
+		select {
+		case err := <-errc:
+			return err, true // returned before the unmount ended
+		case <-time.After(200 * time.Millisecond):
+		}
+		m.release <- errors.New("unmounted")
+		return <-errc, false
+	}
+
+	err, early := run(stopSignal{sig: syscall.SIGTERM, at: t0.Add(time.Millisecond)})
+	assert.False(t, early, "a repeat 1 ms later must not end the wait: %v", err)
+	assert.EqualError(t, err, "unmounted")
+
+	err, early = run(stopSignal{sig: syscall.SIGTERM, at: t0.Add(repeatWindow)})
+	assert.True(t, early, "a SIGTERM %v later is a second signal", repeatWindow)
+	assert.ErrorContains(t, err, "second signal")
+
+	err, early = run(stopSignal{sig: syscall.SIGINT, at: t0.Add(time.Millisecond)})
+	assert.True(t, early, "another signal is a second signal, however soon")
+	assert.ErrorContains(t, err, "second signal")
+
+	err, early = run()
+	assert.False(t, early)
+	assert.EqualError(t, err, "unmounted")
+}
+
+// TestNotifyStopStampsArrival: a signal is stamped when it arrives, not when it is read.
+func TestNotifyStopStampsArrival(t *testing.T) {
+	sigs, stop := notifyStop()
+	defer stop()
+	before := time.Now()
+	require.NoError(t, syscall.Kill(os.Getpid(), syscall.SIGTERM))
+	time.Sleep(300 * time.Millisecond) // the signal waits, as during the replicator's drain
+	select {
+	case s := <-sigs:
+		assert.Equal(t, syscall.SIGTERM, s.sig)
+		assert.Less(t, s.at.Sub(before), 250*time.Millisecond, "stamped on arrival, not when read")
+	case <-time.After(5 * time.Second):
+		t.Fatal("the SIGTERM was not delivered")
+	}
+}
+
+// TestSecondSignalEndsUnmountWait: an agent whose unmount cannot finish (a file held open in the
+// mount) keeps waiting after one SIGTERM, and exits at a second one sent after repeatWindow.
+func TestSecondSignalEndsUnmountWait(t *testing.T) {
 	needRoot(t)
 	base := t.TempDir()
-	// Under timeout(1) itself (--preserve-status: its exit status is the agent's). Two
-	// SIGTERMs sent by hand at once may merge into one pending signal; timeout's arrive after
-	// the agent took the first.
 	dir := filepath.Join(base, "mnt")
 	require.NoError(t, os.Mkdir(dir, 0o755))
-	a := startAgentIn(t, []string{"timeout", "--preserve-status", "4"}, dir, filepath.Join(base, "spool"))
-	assert.Equal(t, 0, a.wait(30*time.Second), "a repeated SIGTERM is one stop\n%s", a.log())
-	assert.NotContains(t, a.log(), "second signal")
-	assert.Contains(t, a.log(), "unmounted")
-	assert.False(t, isMounted(dir), "the agent unmounted before it exited")
-
-	// A real second signal: the mount stays busy, and the agent stops waiting for it.
-	dir2 := filepath.Join(base, "mnt2")
-	require.NoError(t, os.Mkdir(dir2, 0o755))
-	b := startAgent(t, dir2, filepath.Join(base, "spool2"))
-	held, err := os.Create(filepath.Join(dir2, "held"))
+	a := startAgent(t, dir, filepath.Join(base, "spool"))
+	held, err := os.Create(filepath.Join(dir, "held"))
 	require.NoError(t, err)
 	defer held.Close()
-	require.NoError(t, b.cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
 	time.Sleep(repeatWindow + 500*time.Millisecond)
 	select {
-	case <-b.done:
-		t.Fatalf("the agent exited while a file was held open in its mount\n%s", b.log())
+	case <-a.done:
+		t.Fatalf("the agent exited while a file was held open in its mount\n%s", a.log())
 	default:
 	}
-	require.NoError(t, b.cmd.Process.Signal(syscall.SIGTERM))
-	assert.NotEqual(t, 0, b.wait(10*time.Second))
-	assert.Contains(t, b.log(), "second signal: exiting without waiting for the unmount")
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
+	assert.NotEqual(t, 0, a.wait(10*time.Second))
+	assert.Contains(t, a.log(), "second signal: exiting without waiting for the unmount")
 	held.Close()
-	forceUnmount(dir2)
+	forceUnmount(dir)
 }
