@@ -25,47 +25,34 @@ import (
 // own cache timeouts (1 s for entries and attributes, no negative entries).
 const loopbackPkg = "github.com/hanwen/go-fuse/v2/example/loopback"
 
-// buildLoopback builds the loopback example into dir, from the module of mtcfs (whose go.mod
-// pins go-fuse and whose go.sum holds its hash), and returns the binary's path.
-func buildLoopback(ctx context.Context, dir string) (string, error) {
-	root, err := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "github.com/mtcfs/mtcfs").Output()
+// goBuild builds package pkg of module (found with go list, so fsbench must run in bench/, whose
+// go.mod pins both modules) into dir/name and returns the binary's path.
+func goBuild(ctx context.Context, module, pkg, dir, name string) (string, error) {
+	root, err := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", module).Output()
 	if err != nil {
-		return "", fmt.Errorf("find the mtcfs module (run fsbench in bench/): %w", err)
+		return "", fmt.Errorf("find module %s (run fsbench in bench/): %w", module, err)
 	}
-	bin := filepath.Join(dir, "loopback")
-	cmd := exec.CommandContext(ctx, "go", "build", "-C", strings.TrimSpace(string(root)), "-o", bin, loopbackPkg)
+	bin := filepath.Join(dir, name)
+	cmd := exec.CommandContext(ctx, "go", "build", "-C", strings.TrimSpace(string(root)), "-o", bin, pkg)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("build %s: %v\n%s", loopbackPkg, err, out)
+		return "", fmt.Errorf("build %s: %v\n%s", pkg, err, out)
 	}
 	return bin, nil
 }
 
 // The go-fuse floor is bench/fuseanchor, mounted with mtcfs's settings (1 MiB requests, the page
-// cache kept across opens, 5 s timeouts), in two processes: go-fuse's loopback node and file
-// types with passthrough turned off, over a tmpfs of its own, for the sequential workloads; and
-// a tree of go-fuse's in-memory nodes, which answers creates, lookups and getattrs with no
-// system call behind them, for the create, stat and small-file workloads. Each row shows the
-// least a go-fuse server without passthrough costs on this machine.
+// cache kept across opens, extended attributes off, 5 s timeouts), in two processes: go-fuse's
+// loopback node and file types with passthrough turned off, over a tmpfs of its own, for the
+// sequential workloads; and a tree of go-fuse inodes that stores no file bytes, which answers
+// every request with no system call behind it, for the create, stat and small-file workloads.
+// Each row shows what a go-fuse server without passthrough costs on this machine with (nearly)
+// nothing of its own to do.
 const fuseAnchorPkg = "github.com/mtcfs/mtcfs/bench/fuseanchor"
 
-// buildFuseAnchor builds bench/fuseanchor into dir and returns the binary's path.
-func buildFuseAnchor(ctx context.Context, dir string) (string, error) {
-	root, err := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "github.com/mtcfs/mtcfs/bench").Output()
-	if err != nil {
-		return "", fmt.Errorf("find the bench module (run fsbench in bench/): %w", err)
-	}
-	bin := filepath.Join(dir, "fuseanchor")
-	cmd := exec.CommandContext(ctx, "go", "build", "-C", strings.TrimSpace(string(root)), "-o", bin, fuseAnchorPkg)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("build %s: %v\n%s", fuseAnchorPkg, err, out)
-	}
-	return bin, nil
-}
-
 // startAnchor starts go-fuse's loopback example (the FUSE anchor of the metadata and
-// small-file workloads).
+// small-file workloads), built from the go-fuse of mtcfs's go.mod.
 func (ts *targetSet) startAnchor(ctx context.Context) error {
-	bin, err := buildLoopback(ctx, ts.base)
+	bin, err := goBuild(ctx, "github.com/mtcfs/mtcfs", loopbackPkg, ts.base, "loopback")
 	if err != nil {
 		return err
 	}
@@ -77,7 +64,7 @@ func (ts *targetSet) startAnchor(ctx context.Context) error {
 
 // startFloor starts the two processes of the go-fuse floor (bench/fuseanchor).
 func (ts *targetSet) startFloor(ctx context.Context) error {
-	bin, err := buildFuseAnchor(ctx, ts.base)
+	bin, err := goBuild(ctx, "github.com/mtcfs/mtcfs/bench", fuseAnchorPkg, ts.base, "fuseanchor")
 	if err != nil {
 		return err
 	}

@@ -10,8 +10,8 @@
 // agent with its own spool, and two references (anchor.go; -no-anchor skips them): a FUSE anchor,
 // go-fuse's own loopback example server over a tmpfs of its own, which runs the metadata and
 // small-file workloads; and the go-fuse floor, bench/fuseanchor with mtcfs's mount settings and
-// no passthrough, as a loopback of a tmpfs for the sequential workloads and as an in-memory tree
-// for the others. For the mtcfs targets the create workload also reports the FUSE requests per
+// no passthrough, as a loopback of a tmpfs for the sequential workloads and as a tree that
+// stores no file bytes for the others. For the mtcfs targets the create workload also reports the FUSE requests per
 // create+close, from the agents' mtcfs_fuse_requests_total. Every workload runs -warmup unrecorded rounds and then -reps
 // measured rounds; a round visits every target, in an order rotated from round to round, so
 // that drift of the machine (a VM's slow first touch of memory, a noisy neighbour) hits all

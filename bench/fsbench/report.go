@@ -176,9 +176,10 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 	w("- FUSE anchor: go-fuse's own loopback example server (%s at the go-fuse version of go.mod) over a tmpfs of its own, "+
 		"mounted with default_permissions like mtcfs, its own 1 s entry and attribute timeouts and no negative entries; "+
 		"run as root, it registers its files for passthrough; it runs the create, stat and small-file workloads, not the sequential ones.\n", loopbackPkg)
-	w("- Data-path anchor: bench/fuseanchor, go-fuse's loopback node and file types (`fs.LoopbackNode`, `fs.LoopbackFile`) with passthrough turned off, " +
-		"mounted with the settings of mtcfs's data path (1 MiB requests, default_permissions, the page cache kept across opens and not dropped on a new mtime) over a tmpfs of its own; " +
-		"every read and write goes through it as through mtcfs's fallback, with none of mtcfs's own work. It runs the sequential workloads only.\n")
+	w("- go-fuse floor: bench/fuseanchor, a go-fuse server without passthrough with (nearly) nothing of its own to do, mounted with mtcfs's settings (1 MiB requests, default_permissions, " +
+		"extended attributes off, the page cache kept across opens and not dropped on a new mtime, 5 s entry, attribute and negative-entry timeouts). Sequential rows: go-fuse's loopback node and file types " +
+		"(`fs.LoopbackNode`, `fs.LoopbackFile`) with passthrough turned off over a tmpfs of its own, so every read and write goes through it as through mtcfs's fallback. " +
+		"Other rows: a tree of go-fuse inodes that stores no file bytes (a write moves the size, a read returns zeros), so no CREATE, LOOKUP, GETATTR, WRITE or READ has a system call behind it: FUSE's round trips and go-fuse's request loop alone.\n")
 	w("- FUSE requests per create+close: counted by the agent (`mtcfs_fuse_requests_total{op}`) over the create loop, divided by the files created. " +
 		"Requests go-fuse answers without the filesystem (INIT, INTERRUPT) are not counted.\n\n")
 

@@ -19,10 +19,11 @@
 // fs.MemRegularFile, which keeps the bytes in a Go slice, wrote 10,000 × 64 KiB files at half
 // the rate of mtcfs: the copy into the heap and its garbage collection, not a floor.)
 //
-// Both modes share mtcfs's mount settings: requests of up to 1 MiB (MaxWrite, MaxReadAhead),
-// default_permissions, the kernel page cache kept across opens (FOPEN_KEEP_CACHE) and not
-// dropped on a new mtime (ExplicitDataCacheControl), 5 s entry, attribute and negative-entry
-// timeouts. Neither has mtcfs's spool budget, hashing, commit tracking or replication. It runs
+// Both modes share mtcfs's mount settings (fs/mount.go): requests of up to 1 MiB (MaxWrite,
+// MaxReadAhead), default_permissions, extended attributes off (with them on, the kernel asks
+// for security.capability before every write), the kernel page cache kept across opens
+// (FOPEN_KEEP_CACHE) and not dropped on a new mtime (ExplicitDataCacheControl), 5 s entry,
+// attribute and negative-entry timeouts. Neither has mtcfs's spool budget, hashing, commit tracking or replication. It runs
 // until SIGINT or SIGTERM, then unmounts; it must run as root (direct mount).
 package main
 
@@ -35,6 +36,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -80,7 +83,7 @@ func main() {
 	var root fs.InodeEmbedder
 	switch {
 	case *mem && flag.NArg() == 1:
-		root = &memDir{}
+		root = &memDir{mode: 0o755}
 	case !*mem && flag.NArg() == 2:
 		var err error
 		if root, err = loopback(flag.Arg(1)); err != nil {
@@ -114,7 +117,10 @@ func loopback(dir string) (fs.InodeEmbedder, error) {
 
 // memDir is a directory of the in-memory tree; go-fuse's inode tree holds its children, and
 // lists and looks them up itself.
-type memDir struct{ fs.Inode }
+type memDir struct {
+	fs.Inode
+	mode uint32 // permission bits
+}
 
 var (
 	_ fs.NodeMkdirer   = (*memDir)(nil)
@@ -125,7 +131,7 @@ var (
 )
 
 func (d *memDir) Getattr(ctx context.Context, fh fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
-	out.Mode = syscall.S_IFDIR | 0o755
+	out.Mode = syscall.S_IFDIR | d.mode
 	out.Nlink = 2
 	return 0
 }
@@ -133,7 +139,7 @@ func (d *memDir) Getattr(ctx context.Context, fh fs.FileHandle, out *fuse.AttrOu
 func (d *memDir) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.EntryOut) (*fs.Inode, syscall.Errno) {
 	out.Mode = syscall.S_IFDIR | mode&0o7777
 	out.Nlink = 2
-	return d.NewInode(ctx, &memDir{}, fs.StableAttr{Mode: syscall.S_IFDIR}), 0
+	return d.NewInode(ctx, &memDir{mode: mode & 0o7777}, fs.StableAttr{Mode: syscall.S_IFDIR}), 0
 }
 
 func (d *memDir) Create(ctx context.Context, name string, flags, mode uint32, out *fuse.EntryOut) (*fs.Inode, fs.FileHandle, uint32, syscall.Errno) {
@@ -224,6 +230,7 @@ func serve(mountpoint string, root fs.InodeEmbedder, name string) error {
 			MaxWrite:                 1 << 20,
 			MaxReadAhead:             1 << 20,
 			Options:                  []string{"default_permissions"},
+			DisableXAttrs:            true,
 			ExplicitDataCacheControl: true,
 		},
 	})
@@ -234,7 +241,9 @@ func serve(mountpoint string, root fs.InodeEmbedder, name string) error {
 	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
 	go func() {
 		<-sig
-		server.Unmount()
+		if server.Unmount() != nil { // busy: detach, as mtcfs does
+			unix.Unmount(mountpoint, unix.MNT_DETACH)
+		}
 	}()
 	server.Wait()
 	return nil

@@ -40,8 +40,9 @@ import (
 //     gathered from the pieces, hashed by the library's vector code).
 //
 // It has no manifest, no tree hash, no incoming directory and no authentication: everything
-// mtcfs's push does beyond it is mtcfs's protocol, and everything it does beyond the TCP
-// minimal pipeline is gRPC's.
+// mtcfs's push does beyond it is mtcfs's protocol. What it does beyond the TCP minimal pipeline
+// is gRPC's, with two more: the sender's CRC32C (SPEC §3), and hashing 64 KiB segments gathered
+// from 16 KiB frames where the TCP receiver hashes 4 MiB it read in one piece.
 const grpcMinimalLabel = "gRPC minimal pipeline: one gRPC stream, sender pread + CRC32C, receiver as above"
 
 const rawHeader = 16 // file index u32, CRC32C u32, offset u64
@@ -156,7 +157,13 @@ func (b *bench) grpcMinimal(ctx context.Context) error {
 			binary.LittleEndian.PutUint32(m.hdr[0:], uint32(i))
 			binary.LittleEndian.PutUint32(m.hdr[4:], crc32.Checksum(*m.buf, castagnoli))
 			binary.LittleEndian.PutUint64(m.hdr[8:], uint64(off))
-			if err = stream.SendMsg(m); err != nil {
+			if err = stream.SendMsg(m); err == io.EOF {
+				// The receiver ended the stream: its status says why.
+				if err = stream.RecvMsg(&rawIn{}); err == nil || err == io.EOF {
+					err = errors.New("gRPC minimal pipeline: the receiver ended the stream early")
+				}
+			}
+			if err != nil {
 				break
 			}
 		}
@@ -179,6 +186,7 @@ func (b *bench) rawReceive(stream grpc.ServerStream) error {
 	var out *os.File
 	var h *layout.ArrivalHash
 	cur := -1
+	var next int64 // the offset the next chunk of file cur must start at
 	defer func() {
 		if out != nil {
 			out.Close()
@@ -226,7 +234,10 @@ func (b *bench) rawReceive(stream grpc.ServerStream) error {
 				if out, err = os.Create(filepath.Join(b.received, b.tcpFiles[file].name)); err != nil {
 					return err
 				}
-				h, cur = layout.NewArrivalHash(b.tcpFiles[file].size), file
+				h, cur, next = layout.NewArrivalHash(b.tcpFiles[file].size), file, 0
+			}
+			if out == nil || off != next {
+				return fmt.Errorf("gRPC minimal pipeline: chunk of file %d at %d, want %d", file, off, next)
 			}
 			var crc uint32
 			n := int64(0)
@@ -235,14 +246,17 @@ func (b *bench) rawReceive(stream grpc.ServerStream) error {
 				n += int64(len(p))
 			}
 			h.Add(iov, off)
+			f := b.tcpFiles[file]
+			if off+n > f.size {
+				return fmt.Errorf("gRPC minimal pipeline: chunk of %s at %d runs past its size %d", f.name, off, f.size)
+			}
 			if crc != binary.LittleEndian.Uint32(hdr[4:]) {
 				return fmt.Errorf("gRPC minimal pipeline: CRC32C mismatch in %s at %d", b.tcpFiles[file].name, off)
 			}
 			if err := pwritevAll(int(out.Fd()), iov, off); err != nil {
 				return err
 			}
-			f := b.tcpFiles[file]
-			if off+n < f.size {
+			if next = off + n; next < f.size {
 				return nil
 			}
 			sum, err := h.Finish(stream.Context(), out)
@@ -267,6 +281,9 @@ func pwritevAll(fd int, iov [][]byte, off int64) error {
 		n, err := unix.Pwritev(fd, iov[:min(len(iov), 1024)], off)
 		if err != nil {
 			return err
+		}
+		if n == 0 {
+			return io.ErrShortWrite
 		}
 		off += int64(n)
 		for n > 0 && len(iov) > 0 {
