@@ -264,8 +264,8 @@ func (b *bench) rawReceive(stream grpc.ServerStream) error {
 				err = cerr
 			}
 			out = nil
-			if err == nil && string(sum[:]) != string(b.sums[f.name]) {
-				err = fmt.Errorf("%s: BLAKE3 differs from the source's", f.name)
+			if err == nil {
+				err = b.checkSum(f.name, sum[:])
 			}
 			return err
 		}()

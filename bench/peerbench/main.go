@@ -475,8 +475,8 @@ func (b *bench) tcpReceiveChecked() error {
 		if cerr := out.Close(); err == nil {
 			err = cerr
 		}
-		if err == nil && !bytes.Equal(h.Sum(nil), b.sums[name]) {
-			err = fmt.Errorf("%s: BLAKE3 differs from the source's", name)
+		if err == nil {
+			err = b.checkSum(name, h.Sum(nil))
 		}
 		if err != nil {
 			return err
@@ -486,6 +486,15 @@ func (b *bench) tcpReceiveChecked() error {
 }
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// checkSum compares a received file's BLAKE3 with the source's, as both minimal pipelines'
+// receivers do once the file is complete.
+func (b *bench) checkSum(name string, sum []byte) error {
+	if !bytes.Equal(sum, b.sums[name]) {
+		return fmt.Errorf("%s: BLAKE3 differs from the source's", name)
+	}
+	return nil
+}
 
 // fileSums returns the BLAKE3 of every file of dir (untimed, before the rounds): the digests the
 // minimal pipeline's receiver checks against, as a sender would announce them.
