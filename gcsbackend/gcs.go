@@ -1067,7 +1067,7 @@ func (l *nameLimiter) wait(ctx context.Context, name string, interval time.Durat
 			case <-busy:
 				continue
 			case <-ctx.Done():
-				return nil, context.Cause(ctx)
+				return nil, ctx.Err() // as gax.Sleep below returns it
 			}
 		}
 		next := st.ended.Add(interval)
