@@ -144,6 +144,6 @@ func (ts *targetSet) startServer(ctx context.Context, name, fsType string, backe
 		}
 	}
 	ts.servers = append(ts.servers, cmd.Process.Pid)
-	ts.list = append(ts.list, &target{name: name, dir: dir, skip: skip})
+	ts.list = append(ts.list, &target{name: name, dir: dir, skip: skip, server: cmd.Process.Pid})
 	return nil
 }

@@ -34,7 +34,10 @@ type target struct {
 	dir  string
 	// agent, for an mtcfs target: its FUSE request counts are read from /metrics.
 	agent *benchkit.Agent
-	skip  map[string]bool // workloads not run on this target
+	// server is the pid of the FUSE server behind dir (0 for tmpfs): the pinned create pass
+	// moves its threads.
+	server int
+	skip   map[string]bool // workloads not run on this target
 }
 
 // requests returns the FUSE requests the target's agent has served, by operation (nil, nil for
@@ -125,6 +128,6 @@ func (ts *targetSet) startAgent(ctx context.Context, bin, name, passthrough stri
 		return fmt.Errorf("mtcfs --passthrough %s: %w", passthrough, err)
 	}
 	ts.agents = append(ts.agents, a.Pid())
-	ts.list = append(ts.list, &target{name: name, dir: a.Dir, agent: a})
+	ts.list = append(ts.list, &target{name: name, dir: a.Dir, agent: a, server: a.Pid()})
 	return nil
 }
