@@ -17,8 +17,9 @@ import (
 )
 
 // The FUSE anchor is go-fuse's own loopback example server (github.com/hanwen/go-fuse/v2/
-// example/loopback), built from the module cache at the go-fuse version of mtcfs's go.mod and
-// serving a directory of its own tmpfs. It shows what a plain go-fuse server costs on this
+// example/loopback), built from the module cache at the go-fuse version of bench/go.mod, which
+// is upstream's (mtcfs itself builds with the patched copy in third_party/go-fuse), and serving a
+// directory of its own tmpfs. It shows what a plain go-fuse server costs on this
 // machine in the same run: kernel round trips and go-fuse's request loop, without mtcfs's spool,
 // passthrough or replicator. It runs with -allow-other, which makes it mount with
 // default_permissions as mtcfs does (permission checks in the kernel), and with the example's
@@ -50,9 +51,9 @@ func goBuild(ctx context.Context, module, pkg, dir, name string) (string, error)
 const fuseAnchorPkg = "github.com/mtcfs/mtcfs/bench/fuseanchor"
 
 // startAnchor starts go-fuse's loopback example (the FUSE anchor of the metadata and
-// small-file workloads), built from the go-fuse of mtcfs's go.mod.
+// small-file workloads), built from upstream go-fuse at the version of bench/go.mod.
 func (ts *targetSet) startAnchor(ctx context.Context) error {
-	bin, err := goBuild(ctx, "github.com/mtcfs/mtcfs", loopbackPkg, ts.base, "loopback")
+	bin, err := goBuild(ctx, "github.com/mtcfs/mtcfs/bench", loopbackPkg, ts.base, "loopback")
 	if err != nil {
 		return err
 	}

@@ -174,9 +174,11 @@ func renderSection(cfg config, env benchkit.Environment, res *results) string {
 		"the overwrite row measures the data path without that allocation.\n")
 	w("- mtcfs lets the kernel cache entries and attributes for 5s. The cold stat pass runs after waiting %s, so each call asks the agent; "+
 		"the revalidation the cached-stat loop hits every 5 s does not move its median.\n", cfg.cacheWait)
-	w("- FUSE anchor: go-fuse's own loopback example server (%s at the go-fuse version of go.mod) over a tmpfs of its own, "+
+	w("- FUSE anchor: go-fuse's own loopback example server (%s at the go-fuse version of bench/go.mod: upstream go-fuse) over a tmpfs of its own, "+
 		"mounted with default_permissions like mtcfs, its own 1 s entry and attribute timeouts and no negative entries; "+
 		"run as root, it registers its files for passthrough; it runs the create, stat and small-file workloads, not the sequential ones.\n", loopbackPkg)
+	w("- mtcfs builds with go-fuse as patched in third_party/go-fuse (one reader of /dev/fuse while requests are quick; see its MTCFS.md); " +
+		"the FUSE anchor and the go-fuse floor build with upstream go-fuse, so on create, stat and small files they show what a server gets without that patch.\n")
 	w("- go-fuse floor: bench/fuseanchor, a go-fuse server without passthrough with (nearly) nothing of its own to do, mounted with mtcfs's settings (1 MiB requests, default_permissions, " +
 		"extended attributes off, the page cache kept across opens and not dropped on a new mtime, 5 s entry, attribute and negative-entry timeouts). Sequential rows: go-fuse's loopback node and file types " +
 		"(`fs.LoopbackNode`, `fs.LoopbackFile`) with passthrough turned off over a tmpfs of its own, so every read and write goes through it as through mtcfs's fallback. " +
