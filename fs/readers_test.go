@@ -10,13 +10,13 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// TestBlockedRequestLeavesOthersServed: go-fuse as patched in third_party/go-fuse keeps one
+// TestConcurrentRequestsWhileOneHandlerBlocks: go-fuse as patched in third_party/go-fuse keeps one
 // reader of /dev/fuse while requests are answered quickly, and starts a spare reader only when
 // a request is still being handled after a short delay. A handler that blocks must therefore
 // not stop the mount: creates, stats and reads from other callers are still answered, and the
 // blocked request completes once its handler goes on. Without the spare reader the second
 // request waits forever behind the first.
-func TestBlockedRequestLeavesOthersServed(t *testing.T) {
+func TestConcurrentRequestsWhileOneHandlerBlocks(t *testing.T) {
 	for _, mode := range []PassthroughMode{PassthroughOff, PassthroughAuto} {
 		t.Run(string(mode), func(t *testing.T) {
 			dir, _, _, _ := mountWithEvents(t, mode)
