@@ -192,19 +192,8 @@ func (b *bench) createAndStat(ctx context.Context, t *target, rec record) error 
 	if err != nil {
 		return err
 	}
-	for i, p := range paths {
-		if i%256 == 0 && ctx.Err() != nil {
-			return ctx.Err()
-		}
-		start := time.Now()
-		fd, err := unix.Open(p, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
-		if err == nil {
-			err = unix.Close(fd)
-		}
-		lat[i] = micros(time.Since(start))
-		if err != nil {
-			return fmt.Errorf("create %s: %w", p, err)
-		}
+	if err := timeCreates(ctx, paths, lat); err != nil {
+		return err
 	}
 	rec(createMedian, benchkit.Median(lat))
 	rec(createP99, benchkit.Percentile(lat, 0.99))
@@ -231,7 +220,7 @@ func (b *bench) createAndStat(ctx context.Context, t *target, rec record) error 
 	if err := statEach(statNewMedian, statNewP99); err != nil {
 		return err
 	}
-	if err := b.createPinned(t, rec); err != nil {
+	if err := b.createPinned(ctx, t, rec); err != nil {
 		return err
 	}
 	select {
@@ -247,7 +236,7 @@ func (b *bench) createAndStat(ctx context.Context, t *target, rec record) error 
 // CPU or on the other one, and the same build measures 15 µs or 40 µs from one round to the
 // next (bench/RESULTS.md, "Observations on create+close and CPU placement"); pinned, each
 // request is served on the CPU that sent it, and what remains is what the server does.
-func (b *bench) createPinned(t *target, rec record) error {
+func (b *bench) createPinned(ctx context.Context, t *target, rec record) error {
 	d, err := b.freshDir(t.dir, "create-pinned")
 	if err != nil {
 		return err
@@ -276,7 +265,20 @@ func (b *bench) createPinned(t *target, rec record) error {
 		}
 		defer setProcessAffinity(t.server, &was)
 	}
+	if err := timeCreates(ctx, paths, lat); err != nil {
+		return err
+	}
+	rec(createPinned, benchkit.Median(lat))
+	return nil
+}
+
+// timeCreates creates each of paths empty (open(O_CREAT|O_EXCL), close) and stores each one's
+// time in microseconds in lat.
+func timeCreates(ctx context.Context, paths []string, lat []float64) error {
 	for i, p := range paths {
+		if i%256 == 0 && ctx.Err() != nil {
+			return ctx.Err()
+		}
 		start := time.Now()
 		fd, err := unix.Open(p, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
 		if err == nil {
@@ -287,7 +289,6 @@ func (b *bench) createPinned(t *target, rec record) error {
 			return fmt.Errorf("create %s: %w", p, err)
 		}
 	}
-	rec(createPinned, benchkit.Median(lat))
 	return nil
 }
 
