@@ -460,6 +460,9 @@ func (ms *Server) handleInit() Status {
 // BenchmarkGoFuseReaddir-2       	    3511	    319765 ns/op
 func (ms *Server) loop() {
 	defer ms.fuseFD.loops.Done()
+	// spare (mtcfs patch) starts a spare reader while this one handles a request; made once per
+	// reader and re-armed for each request it handles alone.
+	var spare *time.Timer
 exit:
 	for {
 		req, errNo := ms.fuseFD.readRequest()
@@ -496,7 +499,11 @@ exit:
 			// still read.
 			req.needSpare = false
 			ms.fuseFD.loops.Add(1)
-			spare := time.AfterFunc(spareReaderDelay, ms.loop)
+			if spare == nil {
+				spare = time.AfterFunc(spareReaderDelay, ms.loop)
+			} else {
+				spare.Reset(spareReaderDelay)
+			}
 			ms.handleRequest(req)
 			if spare.Stop() {
 				ms.fuseFD.loops.Done()
