@@ -82,9 +82,7 @@ func TestHugePageHeap(t *testing.T) {
 		// 4 KiB pages (madvise does not convert what is mapped already): the mapping held no huge
 		// page in one of five clean-clone runs of make test on 2026-12-05. The agent
 		// marks its heap at start, before anything large is allocated, as a fresh process does.
-		cmd := exec.Command(os.Args[0], "-test.run=^TestHugePageHeap$", "-test.count=1", "-test.v")
-		cmd.Env = append(os.Environ(), "MTCFS_HUGEHEAP_FRESH=1")
-		out, err := cmd.CombinedOutput()
+		out, err := runTestInChild("TestHugePageHeap", "MTCFS_HUGEHEAP_FRESH=1", "-test.count=1", "-test.v")
 		if err != nil {
 			t.Fatalf("TestHugePageHeap in a fresh process failed (%v):\n%.4000s", err, out)
 		}
@@ -159,13 +157,19 @@ func TestHugePageHeapUnderAnAddressLimit(t *testing.T) {
 	if hugePageSize() == 0 {
 		t.Skip("the kernel has no transparent huge pages")
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHugePageHeapUnderAnAddressLimit$")
-	cmd.Env = append(os.Environ(), "MTCFS_HUGEHEAP_CHILD=1")
-	out, err := cmd.CombinedOutput()
+	out, err := runTestInChild("TestHugePageHeapUnderAnAddressLimit", "MTCFS_HUGEHEAP_CHILD=1")
 	if err != nil {
 		t.Fatalf("HugePageHeap(4GiB) under an address-space limit ended the process (%v):\n%.2000s", err, out)
 	}
 	if !strings.Contains(string(out), "CHILD n=0 err=map ") {
 		t.Fatalf("HugePageHeap(4GiB) under an address-space limit: want n=0 and a mapping error, got:\n%.2000s", out)
 	}
+}
+
+// runTestInChild runs test alone in a new process of this test binary, with env (NAME=value)
+// added, and returns its combined output.
+func runTestInChild(test, env string, args ...string) ([]byte, error) {
+	cmd := exec.Command(os.Args[0], append([]string{"-test.run=^" + test + "$"}, args...)...)
+	cmd.Env = append(os.Environ(), env)
+	return cmd.CombinedOutput()
 }
