@@ -219,9 +219,9 @@ func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileH
 	if h.writable {
 		f.writers++
 		h.commitsOnClose = f.fs.events != nil && commitsOnClose
-		if f.fs.events != nil {
-			f.fs.events.OpenedForWriting()
-		}
+	}
+	if f.fs.events != nil {
+		f.fs.events.Opened(h.writable)
 	}
 	if !h.commitsOnClose {
 		// close(2) then costs no round trip to the agent; the release that follows is

@@ -31,7 +31,8 @@ type recorder struct {
 	ns     tiers.Namespace
 	events []string
 	early  []string
-	opened atomic.Int64 // OpenedForWriting calls
+	opened atomic.Int64 // Opened calls for writing
+	reads  atomic.Int64 // Opened calls for reading only
 }
 
 func (r *recorder) add(s string) {
@@ -41,8 +42,14 @@ func (r *recorder) add(s string) {
 }
 func (r *recorder) Closed(path string)   { r.add("closed " + path) }
 func (r *recorder) TooLarge(path string) { r.add("toolarge " + path) }
-func (r *recorder) OpenedForWriting()    { r.opened.Add(1) }
-func (r *recorder) Flushed(path string)  { r.add("flushed " + path) }
+func (r *recorder) Opened(writing bool) {
+	if writing {
+		r.opened.Add(1)
+	} else {
+		r.reads.Add(1)
+	}
+}
+func (r *recorder) Flushed(path string) { r.add("flushed " + path) }
 func (r *recorder) Created(path string, typ layout.EntryType) {
 	r.add("created " + path + " " + typ.String())
 	r.checkListed(path)

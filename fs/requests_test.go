@@ -16,7 +16,7 @@ type countsEvents struct{ counts func() map[string]uint64 }
 func (e *countsEvents) Closed(string)                                  {}
 func (e *countsEvents) Renamed(string, string, layout.EntryType)       {}
 func (e *countsEvents) TooLarge(string)                                {}
-func (e *countsEvents) OpenedForWriting()                              {}
+func (e *countsEvents) Opened(bool)                                    {}
 func (e *countsEvents) Created(string, layout.EntryType)               {}
 func (e *countsEvents) Flushed(string)                                 {}
 func (e *countsEvents) ObserveFUSERequests(f func() map[string]uint64) { e.counts = f }

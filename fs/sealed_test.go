@@ -220,8 +220,9 @@ func TestSpecialFiles(t *testing.T) {
 // replicator.yaml of the wrong type as soon as it hears of it, and when the event came before
 // go-fuse had added the entry, there was nothing to remove yet and the job waited forever
 // (a CI run of 4a558fb, about 3 runs in 40 of TestGuaranteeControlFilesOfTheWrongType).
-// Every open for writing is reported before open(2) returns (pushes yield to the job's saves
-// with it, tiers/yield.go), and each is followed by a Closed; read-only opens are not.
+// Every open is reported before open(2) returns, saying whether it is for writing (pushes yield
+// to the job's saves with these, the early hasher to any use of the mount: tiers/yield.go), and
+// each open for writing is followed by a Closed; read-only opens are not.
 func TestOpenedForWritingEvents(t *testing.T) {
 	for _, mode := range modes {
 		t.Run(string(mode), func(t *testing.T) {
@@ -232,10 +233,12 @@ func TestOpenedForWritingEvents(t *testing.T) {
 			require.EqualValues(t, 1, rec.opened.Load(), "a create counts as an open for writing")
 			require.NoError(t, f.Close())
 			rec.waitFor(t, "closed f")
+			require.Zero(t, rec.reads.Load())
 			r, err := os.Open(p)
 			require.NoError(t, err)
 			require.NoError(t, r.Close())
 			require.EqualValues(t, 1, rec.opened.Load(), "a read-only open is not an open for writing")
+			require.EqualValues(t, 1, rec.reads.Load(), "a read-only open is reported as one")
 			w, err := os.OpenFile(p, os.O_RDWR, 0)
 			require.NoError(t, err)
 			require.EqualValues(t, 2, rec.opened.Load())

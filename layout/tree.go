@@ -792,6 +792,16 @@ func (c *DigestCache) get(k digestKey) (FileDigest, bool) {
 	return d, ok
 }
 
+// Len returns how many digests the cache holds.
+func (c *DigestCache) Len() int {
+	if c == nil {
+		return 0
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.m)
+}
+
 func (c *DigestCache) put(k digestKey, d FileDigest) {
 	if c == nil {
 		return

@@ -122,11 +122,18 @@ func (e *earlyPushes) transportFor(cfg *Config) (EarlyTransport, bool) {
 }
 
 // runHasher hashes files the job closed after writing into the digest cache. A step whose files
-// were hashed this way seals in the time it takes to combine their digests.
+// were hashed this way seals in the time it takes to combine their digests. It waits while the
+// job uses the mount on a busy node (yielder.waitForJob): a step committed meanwhile has the
+// files not hashed yet hashed by its sealer.
 func (e *earlyPushes) runHasher() {
 	defer close(e.pushQ)
 	for f := range e.hashQ {
 		var d layout.FileDigest
+		if f.g == nil || !f.g.isCommitted() {
+			// The job first; a full queue meanwhile drops files (closed). Not for a file of
+			// a committed step: its sealed push waits for it (take).
+			e.yield.waitForJob(e.ctx)
+		}
 		p, err := e.ns.SpoolFile(f.path)
 		if err == nil {
 			if d, err = e.digests.HashFileCached(e.ctx, p); err != nil && e.ctx.Err() == nil {
@@ -280,6 +287,13 @@ func (inc *incarnation) earlyGroup(name string) *earlyGroup {
 	}
 	g.pending.Add(1)
 	return g
+}
+
+// isCommitted reports whether g's step was committed (earlyCommitted).
+func (g *earlyGroup) isCommitted() bool {
+	g.inc.mu.Lock()
+	defer g.inc.mu.Unlock()
+	return g.committed
 }
 
 // earlyCommitted marks the group of the name a step was saved under as committed (the rename

@@ -562,3 +562,76 @@ func TestFailedEarlyFileGoesWithTheSealedData(t *testing.T) {
 		}
 	}
 }
+
+// The hashing of the files the job closes waits while the job uses the mount (saving, or
+// reading) on a node without an idle CPU: done meanwhile, it took a third of the job's
+// small-file write rate (bench/RESULTS.md). It catches up once the job stops, goes at once when
+// a CPU idles, and a step committed meanwhile is sealed with its files hashed by the sealer.
+func TestEarlyHashYieldsToTheJob(t *testing.T) {
+	t.Parallel()
+	idle := tiers.NewIdleClock(0)
+	h := newHarness(t, harnessConfig{cpuIdle: idle.Read})
+	h.start(withKeys(), "job")
+	hashed := func() int { return h.r.Digests().Len() }
+	stillNone := func(what string) {
+		t.Helper()
+		time.Sleep(300 * time.Millisecond)
+		if n := hashed(); n != 0 {
+			t.Fatalf("%d files hashed %s", n, what)
+		}
+	}
+
+	// Saving: a file held open for writing while others are closed.
+	tmp := "1" + layout.OrbaxTmpSuffix
+	release := h.holdOpen(tmp+"/state/held", "held")
+	h.makeTree(tmp, checkpointFiles("hash"))
+	stillNone("while the job was saving on a busy node")
+	// A step committed meanwhile is sealed: the sealer hashes its files itself.
+	h.rename(tmp, "1")
+	h.waitExists("job-s1-n0-w0.meta")
+	release()
+
+	// Reading: the job opens files for reading, every 10 ms, while a file it closed waits.
+	stop := make(chan struct{})
+	reader := make(chan struct{})
+	go func() {
+		defer close(reader)
+		for {
+			h.r.Opened(false)
+			select {
+			case <-stop:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}()
+	time.Sleep(200 * time.Millisecond) // the save above is over: only the reads go on
+	before := hashed()
+	h.writeFile("2"+layout.OrbaxTmpSuffix+"/a", "read while")
+	time.Sleep(300 * time.Millisecond)
+	if n := hashed(); n != before {
+		t.Fatalf("%d files hashed while the job was reading on a busy node", n-before)
+	}
+	close(stop)
+	<-reader
+	h.eventually("the file hashed once the job stopped reading", func() string {
+		if n := hashed(); n <= before {
+			return fmt.Sprintf("%d files hashed", n-before)
+		}
+		return ""
+	})
+
+	// With a CPU idle, files are hashed while the job saves.
+	release = h.holdOpen("3"+layout.OrbaxTmpSuffix+"/held", "held")
+	defer release()
+	idle.Set(2)
+	time.Sleep(100 * time.Millisecond) // a window of idle CPUs
+	before = hashed()
+	h.writeFile("3"+layout.OrbaxTmpSuffix+"/b", "idle CPUs")
+	h.eventually("a file hashed during a save with CPUs idle", func() string {
+		if n := hashed(); n <= before {
+			return "none yet"
+		}
+		return ""
+	})
+}

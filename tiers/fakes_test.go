@@ -490,7 +490,7 @@ func (h *harness) path(name string) string { return filepath.Join(h.ns.dir, name
 // for writing and the close, as package fs does.
 func (h *harness) writeFile(name, content string) {
 	h.t.Helper()
-	h.r.OpenedForWriting()
+	h.r.Opened(true)
 	p := h.path(name)
 	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
 		h.t.Fatal(err)
@@ -505,7 +505,7 @@ func (h *harness) writeFile(name, content string) {
 // writes content and reports the close.
 func (h *harness) holdOpen(name, content string) (release func()) {
 	h.t.Helper()
-	h.r.OpenedForWriting()
+	h.r.Opened(true)
 	return func() {
 		h.writeFile(name, content)
 		h.r.Closed(name)

@@ -82,6 +82,8 @@ func NewMetrics(reg prometheus.Registerer, r *Replicator) *Metrics {
 		fuseRequestsCollector{m},
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_replication_yield_seconds_total",
 			Help: "Time pushes to peers waited before starting, and pushes from peers before they were read, because the job was saving on a busy node."}, r.node.yield.waitedSeconds),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_early_hash_yield_seconds_total",
+			Help: "Time the hashing of files the job closed waited because the job was using the mount on a busy node."}, r.node.yield.hashWaitedSeconds),
 	)
 	return m
 }

@@ -72,9 +72,10 @@ type DirEntry struct {
 // on FUSE request goroutines after the change is complete in the namespace: implementations
 // record the event and return at once, and do the work on their own goroutine.
 type Events interface {
-	// OpenedForWriting: the job opened (or created) a file for writing; Closed follows when
-	// that handle goes away. Pushes yield to the job's saves with these (yield.go).
-	OpenedForWriting()
+	// Opened: the job opened (or created) a file, for writing when writing is set; Closed
+	// follows when a handle open for writing goes away. Pushes yield to the job's saves with
+	// these, and the early hashing of closed files to any use of the mount (yield.go).
+	Opened(writing bool)
 	// Closed: the last reference to a handle opened for writing went away. path is relative
 	// to the mount root ("a/b/c").
 	Closed(path string)

@@ -245,7 +245,7 @@ func (r *Replicator) Close() {
 // Events (called on FUSE request goroutines: record and return; a commit is recorded in the
 // spool before returning).
 
-func (r *Replicator) OpenedForWriting() { r.node.yield.opened() }
+func (r *Replicator) Opened(writing bool) { r.node.yield.opened(writing) }
 
 // YieldToSaves returns once a push stream from a peer may be received: at once, unless this
 // node's job is saving while its CPUs are contended (see yield.go); at most 10 s later. It

@@ -32,6 +32,10 @@ import (
 //     no task wait until a push starts.) Where /proc/stat cannot be read, a save always
 //     counts as contended: the job comes first.
 //
+// The early hasher (early.go) yields too, and to any use of the mount (waitForJob): it hashes
+// each file the job closes so that sealing its step only combines digests, work that can wait
+// until the job stops writing or reading, since the sealer hashes what was not hashed early.
+//
 // The receiving end yields too (YieldToSaves, called by the peer receiver before it reads a
 // push stream's chunks): receiving costs this node's CPUs as much as sending costs the
 // sender's, and on a job that saves on every node at once the sender's own save may be over
@@ -68,8 +72,11 @@ type yielder struct {
 	writers     atomic.Int64 // handles open for writing on the mount
 	lastOpen    atomic.Int64 // the newest open for writing
 	lastClose   atomic.Int64 // the newest close of a handle open for writing
+	lastRead    atomic.Int64 // the newest open for reading only
 	savingSince atomic.Int64 // the open that started the current save
+	usingSince  atomic.Int64 // the open (of either kind) that started the current use of the mount
 	waited      atomic.Int64 // nanoseconds pushes spent waiting, for the metrics
+	hashWaited  atomic.Int64 // nanoseconds the early hasher spent waiting, for the metrics
 
 	mu        sync.Mutex
 	sampledAt time.Time     // GUARDED_BY(mu); zero: no baseline
@@ -91,7 +98,9 @@ func newYielderClock(cpuIdle func() (time.Duration, bool), now func() time.Time)
 	y := &yielder{now: now, base: now(), limit: maxYield, receiveLimit: maxReceiveYield, cpuIdle: cpuIdle}
 	y.lastOpen.Store(never)
 	y.lastClose.Store(never)
+	y.lastRead.Store(never)
 	y.savingSince.Store(never)
+	y.usingSince.Store(never)
 	return y
 }
 
@@ -103,11 +112,19 @@ func (y *yielder) at(t time.Time) int64 { return int64(t.Sub(y.base)) }
 // of one save (the job computing or serialising the next one) are shorter.
 const savingQuiet = time.Second
 
-// opened and closed count the job's handles open for writing (Events.OpenedForWriting and
-// Events.Closed).
-func (y *yielder) opened() {
+// opened and closed count the job's handles open for writing (Events.Opened and Events.Closed);
+// opened also notes the job's opens for reading, which the early hasher yields to.
+func (y *yielder) opened(writing bool) {
 	now := y.at(y.now())
-	if y.writers.Load() <= 0 && now-max(y.lastOpen.Load(), y.lastClose.Load()) >= int64(savingQuiet) {
+	quietWrites := y.writers.Load() <= 0 && now-max(y.lastOpen.Load(), y.lastClose.Load()) >= int64(savingQuiet)
+	if quietWrites && now-y.lastRead.Load() >= int64(savingQuiet) {
+		y.usingSince.Store(now)
+	}
+	if !writing {
+		y.lastRead.Store(now)
+		return
+	}
+	if quietWrites {
 		y.savingSince.Store(now)
 	}
 	y.writers.Add(1)
@@ -131,6 +148,18 @@ func (y *yielder) saving(now time.Time) bool {
 // saveAge is how long the current save has been going on.
 func (y *yielder) saveAge(now time.Time) time.Duration {
 	return time.Duration(y.at(now) - y.savingSince.Load())
+}
+
+// usingMount reports whether the job is saving, or opened a file for reading within the last
+// savingGap (a restore, or a job that reads back what it wrote).
+func (y *yielder) usingMount(now time.Time) bool {
+	return y.saving(now) || time.Duration(y.at(now)-y.lastRead.Load()) < savingGap
+}
+
+// useAge is how long the job's current use of the mount (opens of either kind, no pause of
+// savingQuiet) has been going on.
+func (y *yielder) useAge(now time.Time) time.Duration {
+	return time.Duration(y.at(now) - y.usingSince.Load())
 }
 
 // isContended reports whether less than minIdleCPUs were idle over the newest window, sampling
@@ -159,12 +188,27 @@ func (y *yielder) isContended(now time.Time) bool {
 }
 
 // wait returns once a push may start: at once unless the job is saving on a contended node,
-// then when either stops, after limit, once the save is limit old, or when ctx ends. It
+// then when either stops, after limit, once the save is y.limit old, or when ctx ends. It
 // returns how long it waited: 0 when it went at once.
 func (y *yielder) wait(ctx context.Context, limit time.Duration) time.Duration {
+	return y.waitWhile(ctx, limit, func(now time.Time) bool { return y.saving(now) && y.saveAge(now) < y.limit }, &y.waited)
+}
+
+// waitForJob returns once the early hasher may hash the next file: at once unless the job is
+// using the mount (saving, or reading) on a contended node, then when either stops, after
+// y.limit, once that use is y.limit old, or when ctx ends. The hash is not needed until the
+// step is sealed, and the sealer hashes what was not hashed early; hashed while the job writes
+// on a busy node, it took a third of the job's small-file write rate (bench/RESULTS.md).
+func (y *yielder) waitForJob(ctx context.Context) time.Duration {
+	return y.waitWhile(ctx, y.limit, func(now time.Time) bool { return y.usingMount(now) && y.useAge(now) < y.limit }, &y.hashWaited)
+}
+
+// waitWhile waits while busy and the node is contended, for at most limit or until ctx ends,
+// adds what it waited to total, and returns it (0 when it went at once).
+func (y *yielder) waitWhile(ctx context.Context, limit time.Duration, busy func(time.Time) bool, total *atomic.Int64) time.Duration {
 	start := y.now()
 	slept := false
-	for now := start; y.saving(now) && now.Sub(start) < limit && y.saveAge(now) < y.limit && y.isContended(now); now = y.now() {
+	for now := start; busy(now) && now.Sub(start) < limit && y.isContended(now); now = y.now() {
 		slept = true
 		t := time.NewTimer(idleWindow)
 		select {
@@ -179,12 +223,15 @@ func (y *yielder) wait(ctx context.Context, limit time.Duration) time.Duration {
 		return 0
 	}
 	waited := y.now().Sub(start)
-	y.waited.Add(int64(waited))
+	total.Add(int64(waited))
 	return waited
 }
 
 // waitedSeconds is the time pushes spent waiting for the job's saves.
 func (y *yielder) waitedSeconds() float64 { return time.Duration(y.waited.Load()).Seconds() }
+
+// hashWaitedSeconds is the time the early hasher spent waiting for the job.
+func (y *yielder) hashWaitedSeconds() float64 { return time.Duration(y.hashWaited.Load()).Seconds() }
 
 // procCPUIdle reads the idle and iowait time of all CPUs from /proc/stat's first line.
 func procCPUIdle() (time.Duration, bool) {

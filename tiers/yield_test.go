@@ -44,7 +44,7 @@ func TestYielderKnowsWhenTheJobSaves(t *testing.T) {
 	if y.saving(now) {
 		t.Fatal("saving before any open")
 	}
-	y.opened()
+	y.opened(true)
 	if !y.saving(now) {
 		t.Fatal("not saving with a file just opened for writing")
 	}
@@ -56,7 +56,7 @@ func TestYielderKnowsWhenTheJobSaves(t *testing.T) {
 	if y.saving(now) {
 		t.Fatal("saving 5s after the only open, with nothing open")
 	}
-	y.opened()
+	y.opened(true)
 	y.closed()
 	now = now.Add(savingGap / 2)
 	if !y.saving(now) {
@@ -67,7 +67,7 @@ func TestYielderKnowsWhenTheJobSaves(t *testing.T) {
 		t.Fatal("saving after the gap, with nothing open")
 	}
 	// A descriptor the job keeps open (a log) stops counting as a save after savingOpenFor.
-	y.opened()
+	y.opened(true)
 	now = now.Add(savingOpenFor + time.Second)
 	if y.saving(now) {
 		t.Fatal("a handle open for longer than savingOpenFor counts as a save")
@@ -139,7 +139,7 @@ func TestYielderHoldsPushesWhileTheJobSavesOnABusyNode(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			y := newYielder(tc.idle.read)
-			y.opened() // the job writes a file
+			y.opened(true) // the job writes a file
 			done := waitAsync(t.Context(), y)
 			if returned(done, 300*time.Millisecond) {
 				t.Fatal("a push started while the job was saving on a contended node")
@@ -158,7 +158,7 @@ func TestYielderHoldsPushesWhileTheJobSavesOnABusyNode(t *testing.T) {
 func TestYielderGoesWithSpareCPUs(t *testing.T) {
 	p := &idleClock{cpus: 0.5, known: true}
 	y := newYielder(p.read)
-	y.opened()
+	y.opened(true)
 	done := waitAsync(t.Context(), y)
 	if returned(done, 100*time.Millisecond) {
 		t.Fatal("a push started while the job was saving on a contended node")
@@ -182,7 +182,7 @@ func TestYielderGoesWithSpareCPUs(t *testing.T) {
 func TestYielderWaitIsBounded(t *testing.T) {
 	y := newYielder((&idleClock{known: true}).read)
 	y.limit = 50 * time.Millisecond
-	y.opened() // and never closed: a job that keeps saving
+	y.opened(true) // and never closed: a job that keeps saving
 	if !returned(waitAsync(t.Context(), y), 10*time.Second) {
 		t.Fatal("a push waited past the limit")
 	}
@@ -196,7 +196,7 @@ func TestYielderWaitIsBounded(t *testing.T) {
 	go func() {
 		defer close(opener)
 		for {
-			y.opened()
+			y.opened(true)
 			y.closed()
 			select {
 			case <-stop:
@@ -228,7 +228,7 @@ func TestYielderWaitIsBounded(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(t.Context())
 	y.limit = time.Hour
-	y.opened()
+	y.opened(true)
 	done := waitAsync(ctx, y)
 	cancel()
 	if !returned(done, 10*time.Second) {
@@ -242,7 +242,7 @@ func TestYielderWaitIsBounded(t *testing.T) {
 func TestYielderSaveSpansTheGapsBetweenFiles(t *testing.T) {
 	now := time.Unix(1000, 0)
 	y := newYielderClock(nil, func() time.Time { return now })
-	y.opened()
+	y.opened(true)
 	y.closed()
 	start := now
 	for range 5 {
@@ -250,14 +250,14 @@ func TestYielderSaveSpansTheGapsBetweenFiles(t *testing.T) {
 		if y.saving(now) {
 			t.Fatal("saving in a gap with nothing open")
 		}
-		y.opened()
+		y.opened(true)
 		y.closed()
 	}
 	if got := y.saveAge(now); got != now.Sub(start) {
 		t.Fatalf("save age %v after files 200 ms apart, want %v", got, now.Sub(start))
 	}
 	now = now.Add(savingQuiet)
-	y.opened()
+	y.opened(true)
 	if got := y.saveAge(now); got != 0 {
 		t.Fatalf("save age %v after %v without a file, want a new save", got, savingQuiet)
 	}
@@ -269,13 +269,89 @@ func TestYielderSaveSpansTheGapsBetweenFiles(t *testing.T) {
 func TestYielderWithADescriptorHeldOpen(t *testing.T) {
 	now := time.Unix(1000, 0)
 	y := newYielderClock((&idleClock{known: true}).read, func() time.Time { return now })
-	y.opened() // the log, never closed
+	y.opened(true) // the log, never closed
 	now = now.Add(time.Minute)
-	y.opened() // a file of a save
+	y.opened(true) // a file of a save
 	if !y.saving(now) {
 		t.Fatal("not saving with a file just opened")
 	}
 	if d := y.wait(t.Context(), time.Hour); d != 0 {
 		t.Fatalf("a push waited %v with a log held open for a minute", d)
+	}
+}
+
+// The early hasher yields to any use of the mount: reads too, which pushes do not wait for.
+// Its waits are bounded like a push's: once the job's use of the mount is y.limit old,
+// nothing waits.
+func TestYielderHoldsTheHasherWhileTheJobReads(t *testing.T) {
+	now := time.Unix(1000, 0)
+	y := newYielderClock((&idleClock{known: true}).read, func() time.Time { return now })
+	if y.usingMount(now) {
+		t.Fatal("using the mount before any open")
+	}
+	first := now
+	y.opened(false)
+	if y.saving(now) {
+		t.Fatal("a read-only open counts as a save")
+	}
+	if !y.usingMount(now) {
+		t.Fatal("not using the mount with a file just opened for reading")
+	}
+	if d := y.wait(t.Context(), time.Hour); d != 0 {
+		t.Fatalf("a push waited %v for the job's reads", d)
+	}
+	now = now.Add(savingGap)
+	if y.usingMount(now) {
+		t.Fatal("using the mount a gap after the only read-only open")
+	}
+	// Reads 200 ms apart go on with the same use of the mount, which ages; a pause of
+	// savingQuiet ends it.
+	for range 5 {
+		now = now.Add(200 * time.Millisecond)
+		y.opened(false)
+	}
+	if got := y.useAge(now); got != now.Sub(first) {
+		t.Fatalf("use age %v after reads 200 ms apart, want %v", got, now.Sub(first))
+	}
+	now = now.Add(savingQuiet)
+	y.opened(true)
+	if got := y.useAge(now); got != 0 {
+		t.Fatalf("use age %v after %v without an open, want a new use", got, savingQuiet)
+	}
+	if got := y.saveAge(now); got != 0 {
+		t.Fatalf("save age %v at the first open for writing, want 0", got)
+	}
+}
+
+func TestYielderHasherWaitIsBounded(t *testing.T) {
+	y := newYielder((&idleClock{known: true}).read) // no CPU idle
+	y.limit = 200 * time.Millisecond
+	stop := make(chan struct{})
+	reader := make(chan struct{})
+	y.opened(false) // the job is reading when the hasher comes
+	go func() { // and never stops
+		defer close(reader)
+		for {
+			y.opened(false)
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}()
+	defer func() { close(stop); <-reader }()
+	done := make(chan time.Duration, 1)
+	go func() { done <- y.waitForJob(t.Context()) }()
+	select {
+	case d := <-done:
+		if d < 100*time.Millisecond {
+			t.Fatalf("the hasher waited %v with the job reading on a busy node", d)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the hasher waits on once the job's use of the mount is older than the limit")
+	}
+	if y.hashWaitedSeconds() <= 0 || y.waitedSeconds() != 0 {
+		t.Fatalf("waits counted: hasher %vs, pushes %vs", y.hashWaitedSeconds(), y.waitedSeconds())
 	}
 }

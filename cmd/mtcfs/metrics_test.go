@@ -68,6 +68,9 @@ func TestMetrics(t *testing.T) {
 	assert.EqualValues(t, 64<<20, value(t, fams, "mtcfs_ram_budget_bytes", nil))
 	assert.EqualValues(t, -1, value(t, fams, "mtcfs_latest_step", map[string]string{"state": "sealed"}))
 	assert.EqualValues(t, 1, value(t, fams, "mtcfs_build_info", nil))
+	for _, fam := range []string{"mtcfs_replication_yield_seconds_total", "mtcfs_early_hash_yield_seconds_total"} {
+		assert.GreaterOrEqual(t, value(t, fams, fam, nil), 0.0, fam) // exported (value fails the test if not)
+	}
 
 	o := orbaxClient(t, n.dir, job, fastBackupMinutes)
 	_, _, err := o.Start(ctx)
