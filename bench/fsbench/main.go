@@ -5,7 +5,9 @@
 //
 //	go run ./fsbench -mtcfs ../bin/mtcfs -out RESULTS.md
 //
-// (make bench runs the same.) It mounts its targets under a temporary directory: a dedicated
+// (make bench runs the same.) With -before OLD, an agent of the binary OLD (--passthrough on)
+// is one more target of every round, and a before/after table compares it with the passthrough
+// agent of -mtcfs. It mounts its targets under a temporary directory: a dedicated
 // tmpfs (size=4g), an mtcfs agent with --passthrough on and one with --passthrough off, each
 // agent with its own spool, and two references (anchor.go; -no-anchor skips them): a FUSE anchor,
 // go-fuse's own loopback example server over a tmpfs of its own, which runs the metadata and
@@ -52,6 +54,9 @@ type config struct {
 	cacheWait  time.Duration // wait for mtcfs's entry and attribute cache to expire
 	workloads  string        // comma-separated names; "" runs all
 	noAnchor   bool          // skip the FUSE anchor and the go-fuse floor
+	// beforeBin, when set, is an older mtcfs binary run as one more passthrough target in the
+	// same rounds (beforeLabel, afterLabel: what the before/after table calls the two builds).
+	beforeBin, beforeLabel, afterLabel string
 }
 
 func main() {
@@ -69,6 +74,9 @@ func main() {
 	flag.DurationVar(&cfg.statFor, "stat-for", time.Second, "duration of the cached-stat loop per round and target")
 	flag.DurationVar(&cfg.cacheWait, "cache-wait", 5500*time.Millisecond, "wait before the cold stat pass; longer than mtcfs's kernel cache timeout (5s)")
 	flag.StringVar(&cfg.workloads, "workloads", "", "comma-separated subset of sequential,create,stat,small to run (default: all)")
+	flag.StringVar(&cfg.beforeBin, "before", "", "an older mtcfs binary, run with --passthrough on as one more target in the same rounds, for a before/after table")
+	flag.StringVar(&cfg.beforeLabel, "before-label", "before", "what to call -before in the before/after table")
+	flag.StringVar(&cfg.afterLabel, "label", "after", "what to call -mtcfs in the before/after table")
 	flag.BoolVar(&cfg.noAnchor, "no-anchor", false, "do not run the FUSE anchor and the go-fuse floor (go-fuse's loopback example server and bench/fuseanchor, built with the go command)")
 	flag.Parse()
 	cfg.fileSize = int64(fileMiB) << 20
@@ -104,8 +112,19 @@ func run(ctx context.Context, cfg config) (err error) {
 		return err
 	}
 	env := benchkit.DescribeEnvironment("fsbench", bin)
+	var before, beforeDesc string
+	if cfg.beforeBin != "" {
+		if before, err = benchkit.AgentBinary(cfg.beforeBin); err != nil {
+			return err
+		}
+		// Its path and build time only: the working tree says nothing of an older build.
+		beforeDesc = "`" + before + "`"
+		if fi, err := os.Stat(before); err == nil {
+			beforeDesc += ", built " + fi.ModTime().UTC().Format("2006-01-02 15:04 MST")
+		}
+	}
 	cpu := benchkit.StartCPUAccount()
-	targets, err := setUpTargets(ctx, bin, cfg.workDir, cfg.noAnchor)
+	targets, err := setUpTargets(ctx, bin, before, cfg.workDir, cfg.noAnchor)
 	if err != nil {
 		return err
 	}
@@ -116,5 +135,5 @@ func run(ctx context.Context, cfg config) (err error) {
 		return err
 	}
 	env.CPU = cpu.OthersSummary(benchkit.CPUWording{Span: "measurement", Us: "fsbench and the agents"}, append(targets.agents, targets.servers...)...)
-	return resultsSection.Publish(cfg.out, renderSection(cfg, env, res))
+	return resultsSection.Publish(cfg.out, renderSection(cfg, env, beforeDesc, res))
 }

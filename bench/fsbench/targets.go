@@ -26,6 +26,7 @@ const (
 	anchorTarget      = "anchor"         // go-fuse's loopback example, see anchor.go
 	floorDataTarget   = "floor-loopback" // the go-fuse floor's sequential rows: bench/fuseanchor DIR
 	floorMemTarget    = "floor-memory"   // its other rows: bench/fuseanchor -mem (see anchor.go)
+	beforeTarget      = "before"         // -before's agent, --passthrough on
 )
 
 // A target is a directory the workloads run in.
@@ -75,10 +76,11 @@ type targetSet struct {
 	servers []int // pids of the other FUSE servers (the anchors)
 }
 
-// setUpTargets mounts the baseline tmpfs and starts the two mtcfs agents, the FUSE anchor and
-// the two servers of the go-fuse floor (unless noAnchor) under a new temporary directory in workDir. On error, what was already set
+// setUpTargets mounts the baseline tmpfs and starts the two mtcfs agents, the agent of the
+// before binary (unless before is ""), the FUSE anchor and the two servers of the go-fuse floor
+// (unless noAnchor) under a new temporary directory in workDir. On error, what was already set
 // up is torn down.
-func setUpTargets(ctx context.Context, bin, workDir string, noAnchor bool) (*targetSet, error) {
+func setUpTargets(ctx context.Context, bin, before, workDir string, noAnchor bool) (*targetSet, error) {
 	ts := &targetSet{}
 	var err error
 	if ts.base, err = ts.ws.TempDir(workDir, "fsbench-"); err != nil {
@@ -90,6 +92,11 @@ func setUpTargets(ctx context.Context, bin, workDir string, noAnchor bool) (*tar
 	for _, a := range []struct{ name, mode string }{{passthroughTarget, "on"}, {fallbackTarget, "off"}} {
 		if err := ts.startAgent(ctx, bin, a.name, a.mode); err != nil {
 			return nil, errors.Join(err, ts.ws.Close())
+		}
+	}
+	if before != "" {
+		if err := ts.startAgent(ctx, before, beforeTarget, "on"); err != nil {
+			return nil, errors.Join(fmt.Errorf("-before: %w", err), ts.ws.Close())
 		}
 	}
 	if !noAnchor {
