@@ -328,8 +328,9 @@ func TestYielderHasherWaitIsBounded(t *testing.T) {
 	y.limit = 200 * time.Millisecond
 	stop := make(chan struct{})
 	reader := make(chan struct{})
-	y.opened(false) // the job is reading when the hasher comes
-	go func() { // and never stops
+	// The job is reading when the hasher comes, and never stops.
+	y.opened(false)
+	go func() {
 		defer close(reader)
 		for {
 			y.opened(false)
