@@ -469,6 +469,16 @@ func HashEntries(ctx context.Context, root string, entries []TreeEntry, cache *D
 	return d.HashEntries(ctx, entries, cache)
 }
 
+// pacerKey is the context key of WithPacer's func.
+type pacerKey struct{}
+
+// WithPacer returns ctx carrying pace, which a hash of a tree's files (HashDataCached,
+// HashEntries) calls before each batch of files it opens, from its workers: a caller may wait
+// there, to let other work go first.
+func WithPacer(ctx context.Context, pace func()) context.Context {
+	return context.WithValue(ctx, pacerKey{}, pace)
+}
+
 // HashEntries is the package function HashEntries for a tree that is already open.
 func (d *Dir) HashEntries(ctx context.Context, entries []TreeEntry, cache *DigestCache) error {
 	return d.hashEntries(ctx, entries, nil, cache, false)
@@ -525,6 +535,7 @@ func (d *Dir) hashEntries(ctx context.Context, entries []TreeEntry, keys []diges
 	}
 	g, gctx := errgroup.WithContext(ctx)
 	var next atomic.Int64
+	pace, _ := ctx.Value(pacerKey{}).(func())
 	workers := min(cap(hashSlots), len(todo))
 	batched := len(todo) >= ringFrom && ringFDsFit(workers)
 	for range workers {
@@ -544,6 +555,9 @@ func (d *Dir) hashEntries(ctx context.Context, entries []TreeEntry, keys []diges
 					return nil
 				}
 				batch := todo[j:min(j+step, int64(len(todo)))]
+				if pace != nil {
+					pace()
+				}
 				fds := b.open(len(batch), func(k int) string { return entries[batch[k]].Path })
 				var err error
 				for k, i := range batch {

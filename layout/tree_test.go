@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -741,4 +742,44 @@ func forEachOpener(b *testing.B, f func(b *testing.B)) {
 			b.Fatal("no ring was set up")
 		}
 	})
+}
+
+// A hash of many files calls WithPacer's func before each batch it opens, and waits for it.
+func TestHashPacer(t *testing.T) {
+	dir := t.TempDir()
+	for i := range 100 {
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%03d", i)), []byte{byte(i)}, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, _, err := HashData(t.Context(), dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	gate := make(chan struct{})
+	ctx := WithPacer(t.Context(), func() {
+		calls.Add(1)
+		<-gate
+	})
+	done := make(chan string, 1)
+	go func() {
+		got, _, err := HashDataCached(ctx, dir, &DigestCache{})
+		if err != nil {
+			t.Error(err)
+		}
+		done <- got
+	}()
+	select {
+	case <-done:
+		t.Fatal("the hash went on while its pacer held it")
+	case <-time.After(200 * time.Millisecond):
+	}
+	close(gate)
+	if got := <-done; got != want {
+		t.Fatalf("paced hash %s, want %s", got, want)
+	}
+	if calls.Load() == 0 {
+		t.Fatal("the pacer was not called")
+	}
 }

@@ -118,6 +118,7 @@ func (cr *commitRecorder) commitOf(inc *incarnation, ev event) (commit, bool) {
 // record records the commit ev signals, if it is one, before returning: it may run on the FUSE
 // request of the commit itself. Failures are reported by the sealer, off this goroutine.
 func (cr *commitRecorder) record(ev event) {
+	mark := cr.yield.openMark() // the save this commit ends; its sealer yields to a next one
 	inc := cr.incs.get()
 	if inc == nil {
 		return
@@ -145,7 +146,7 @@ func (cr *commitRecorder) record(ev event) {
 	if err == nil {
 		cr.metrics.committed()
 	}
-	cr.out.push(pendingCommit{commit: c, err: err})
+	cr.out.push(pendingCommit{commit: c, err: err, openMark: mark})
 }
 
 // writeCommitRecord freezes and links the committed tree into a new record and writes its
@@ -261,7 +262,7 @@ func (cr *commitRecorder) adoptRecord(dir string) error {
 	if err := json.Unmarshal(raw, &rec); err != nil || layout.ValidateJobName(rec.Job) != nil {
 		return fmt.Errorf("%s: bad record %q", commitRecordName, raw)
 	}
-	dataName, err := hashRecord(dir, cr.digests)
+	dataName, err := hashRecord(context.Background(), dir, cr.digests) // before anything runs: nothing to yield to
 	if err == nil {
 		_, err = moveRecord(dir, cr.spoolDir("sealed", dataName))
 	}
@@ -288,7 +289,7 @@ func dropRecord(dir string) error {
 // hashRecord returns the data name of the record at dir: the one noted in sealed-as once the
 // data was hashed (the data may since have moved into spool/sealed, or be half removed as a
 // duplicate: it is never hashed again), else the hash of its data, noted in sealed-as first.
-func hashRecord(dir string, digests *layout.DigestCache) (string, error) {
+func hashRecord(ctx context.Context, dir string, digests *layout.DigestCache) (string, error) {
 	data := filepath.Join(dir, commitDataName)
 	if raw, err := os.ReadFile(filepath.Join(dir, commitSealedAs)); err == nil {
 		if name := string(raw); layout.IsDataName(name) {
@@ -301,8 +302,7 @@ func hashRecord(dir string, digests *layout.DigestCache) (string, error) {
 	if _, err := os.Lstat(data); errors.Is(err, os.ErrNotExist) {
 		return "", errors.New("the record holds neither data nor a sealed name")
 	}
-	// No cancellable context: a committed step is sealed even while the agent stops.
-	hash, isDir, err := layout.HashDataCached(context.Background(), data, digests)
+	hash, isDir, err := layout.HashDataCached(ctx, data, digests)
 	if err != nil {
 		return "", err
 	}

@@ -635,3 +635,41 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 		return ""
 	})
 }
+
+// Sealing hashes the files the early hasher left while the job saved the step; a save the job
+// starts right after the commit, on a node without an idle CPU, goes first (it would otherwise
+// pay for that hashing: clusterbench's save started the moment the previous step committed).
+// Files opened for writing before the commit do not hold the seal.
+func TestSealYieldsToTheNextSave(t *testing.T) {
+	t.Parallel()
+	idle := tiers.NewIdleClock(0)
+	h := newHarness(t, harnessConfig{cpuIdle: idle.Read})
+	h.start(withKeys(), "job")
+	release := h.holdOpen("log/held", "a descriptor open since before the commit")
+	defer release()
+	tmp := "1" + layout.OrbaxTmpSuffix
+	h.makeTree(tmp, checkpointFiles("seal"))
+
+	stop := make(chan struct{})
+	saver := make(chan struct{})
+	go func() { // the next save: a file every 10 ms
+		defer close(saver)
+		for i := 0; ; i++ {
+			h.writeFile(fmt.Sprintf("2%s/f%d", layout.OrbaxTmpSuffix, i), "next")
+			select {
+			case <-stop:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}()
+	h.rename(tmp, "1")
+	time.Sleep(500 * time.Millisecond)
+	sealed := h.exists("job-s1-n0-w0.meta")
+	close(stop)
+	<-saver
+	if sealed {
+		t.Fatal("step 1 was sealed while the next save went on, on a busy node")
+	}
+	h.waitExists("job-s1-n0-w0.meta") // the next save is over
+}

@@ -83,7 +83,7 @@ func NewMetrics(reg prometheus.Registerer, r *Replicator) *Metrics {
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_replication_yield_seconds_total",
 			Help: "Time pushes to peers waited before starting, and pushes from peers before they were read, because the job was saving on a busy node."}, r.node.yield.waitedSeconds),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_early_hash_yield_seconds_total",
-			Help: "Time the hashing of files the job closed waited because the job was using the mount on a busy node."}, r.node.yield.hashWaitedSeconds),
+			Help: "Time the hashing of files the job closed waited because the job was using the mount, and sealing because the job was writing a next save, on a busy node."}, r.node.yield.hashWaitedSeconds),
 	)
 	return m
 }

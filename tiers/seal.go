@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -30,10 +31,13 @@ type sealer struct {
 	lastSealed int64 // GUARDED_BY(mu)
 }
 
-// pendingCommit is a recorded commit waiting for the sealer (err: the record failed).
+// pendingCommit is a recorded commit waiting for the sealer (err: the record failed; openMark:
+// the job's newest open for writing when it was recorded, see yielder.waitForNextSave; adopted
+// records have 0).
 type pendingCommit struct {
 	commit
-	err error
+	err      error
+	openMark int64
 }
 
 // sealedStep is a sealed commit waiting for replication and sync, or a restored step to protect
@@ -60,7 +64,7 @@ func (s *sealer) run() {
 			s.beforeSeal(c.step)
 		}
 		if err == nil {
-			dataName, meta, err = s.seal(c)
+			dataName, meta, err = s.seal(c, pc.openMark)
 		}
 		s.recorder.done(c.name)
 		if err != nil {
@@ -77,9 +81,13 @@ func (s *sealer) run() {
 // copied: the record's tree is hashed where it is and renamed into spool/sealed, and the
 // namespace entry renamed — or, when Seal had to copy files the job still had open for writing,
 // replaced by the sealed copy (the job's descriptors keep their detached files).
-func (s *sealer) seal(c commit) (dataName, meta string, err error) {
+func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err error) {
 	cfg := c.inc.Config
-	dataName, err = hashRecord(c.dir, s.digests)
+	// The files the early hasher left are hashed here; a next save the job started on a busy
+	// node goes first (yield.go). No cancellable context: a committed step is sealed even while
+	// the agent stops (its stop ends the waits).
+	ctx := layout.WithPacer(context.Background(), func() { s.yield.waitForNextSave(s.ctx, openMark) })
+	dataName, err = hashRecord(ctx, c.dir, s.digests)
 	if err != nil {
 		return "", "", err
 	}

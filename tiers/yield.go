@@ -35,6 +35,8 @@ import (
 // The early hasher (early.go) yields too, and to any use of the mount (waitForJob): it hashes
 // each file the job closes so that sealing its step only combines digests, work that can wait
 // until the job stops writing or reading, since the sealer hashes what was not hashed early.
+// The sealer, hashing those files, yields to a next save only (waitForNextSave): the job opening
+// files for writing after the commit it seals.
 //
 // The receiving end yields too (YieldToSaves, called by the peer receiver before it reads a
 // push stream's chunks): receiving costs this node's CPUs as much as sending costs the
@@ -201,6 +203,22 @@ func (y *yielder) wait(ctx context.Context, limit time.Duration) time.Duration {
 // on a busy node, it took a third of the job's small-file write rate (bench/RESULTS.md).
 func (y *yielder) waitForJob(ctx context.Context) time.Duration {
 	return y.waitWhile(ctx, y.limit, func(now time.Time) bool { return y.usingMount(now) && y.useAge(now) < y.limit }, &y.hashWaited)
+}
+
+// openMark returns a mark of the job's newest open for writing, for waitForNextSave.
+func (y *yielder) openMark() int64 { return y.lastOpen.Load() }
+
+// waitForNextSave returns once the sealer may go on hashing a step it took when the job's newest
+// open for writing was mark: at once unless the job has opened a file for writing since (a next
+// save) within the last savingGap, on a contended node; then when the job stops opening files,
+// after y.limit, once that save is y.limit old, or when ctx ends. Sealing hashes the files the
+// early hasher left while the job saved the step, and a save started the moment the step
+// committed would otherwise pay for them.
+func (y *yielder) waitForNextSave(ctx context.Context, mark int64) time.Duration {
+	return y.waitWhile(ctx, y.limit, func(now time.Time) bool {
+		last := y.lastOpen.Load()
+		return last > mark && time.Duration(y.at(now)-last) < savingGap && y.saveAge(now) < y.limit
+	}, &y.hashWaited)
 }
 
 // waitWhile waits while busy and the node is contended, for at most limit or until ctx ends,

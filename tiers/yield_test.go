@@ -356,3 +356,36 @@ func TestYielderHasherWaitIsBounded(t *testing.T) {
 		t.Fatalf("waits counted: hasher %vs, pushes %vs", y.hashWaitedSeconds(), y.waitedSeconds())
 	}
 }
+
+// The sealer waits only for opens for writing after its commit's mark (a next save), not for
+// the save it seals nor for a descriptor held open since before.
+func TestYielderSealerWaitsOnlyForANextSave(t *testing.T) {
+	var clock atomic.Int64 // nanoseconds past base: the wait reads it from its goroutine
+	base := time.Unix(1000, 0)
+	now := func() time.Time { return base.Add(time.Duration(clock.Load())) }
+	y := newYielderClock((&idleClock{known: true}).read, now)
+	y.opened(true) // the step's last file, or a log held open
+	mark := y.openMark()
+	if d := y.waitForNextSave(t.Context(), mark); d != 0 {
+		t.Fatalf("the sealer waited %v for the save it seals", d)
+	}
+	// A next save: an open after the mark. The wait ends once that open is savingGap old.
+	clock.Add(int64(time.Millisecond))
+	y.opened(true)
+	done := make(chan time.Duration, 1)
+	go func() { done <- y.waitForNextSave(t.Context(), mark) }()
+	select {
+	case <-done:
+		t.Fatal("the sealer went on during a next save on a busy node")
+	case <-time.After(100 * time.Millisecond):
+	}
+	clock.Add(int64(savingGap))
+	select {
+	case waited := <-done:
+		if waited <= 0 {
+			t.Fatal("the wait was not reported")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the sealer still waits after the next save's opens stopped")
+	}
+}

@@ -133,7 +133,12 @@ func TestClusterRestoreFromPeer(t *testing.T) {
 		_, _, err := clients[r].Start(ctx)
 		return err
 	})
+	// The job waits at the hosts' barrier before its commit: the save is over, so the files
+	// it closed are hashed and pushed early even on a busy machine, where both wait while the
+	// job saves (tiers/yield.go).
+	clients[1].BeforeCommit = func() { time.Sleep(500 * time.Millisecond) }
 	c.all(t, func(r int) error { return clients[r].Save(ctx, 10) })
+	clients[1].BeforeCommit = nil
 	// The replica of rank 1's step reaches rank 2: its .meta appears there once verified.
 	replica := filepath.Join(c.nodes[2].dir, "trio-s10-n1-w0.meta")
 	repWait(t, 15*time.Second, "rank 1's replica on rank 2", func() bool { return pathExists(replica) })

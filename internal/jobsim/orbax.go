@@ -47,6 +47,9 @@ type Orbax struct {
 	Timeout time.Duration // limit of every wait; default 300s like the real client
 	Content Content       // shape of the state data written per step
 	Logf    func(format string, args ...any)
+	// BeforeCommit, when set, runs in Save after the last file is written and before the
+	// rename that commits the step, where multi-host Orbax waits on a barrier of all hosts.
+	BeforeCommit func()
 
 	// Coordinator is set by Start from jax-init-info.txt when WaitJaxInitInfo.
 	Coordinator string
@@ -397,6 +400,9 @@ func (o *Orbax) Save(ctx context.Context, step int64) (err error) {
 	}
 	if err := writeDirect(filepath.Join(tmp, commitSuccessName), l.commit, false); err != nil {
 		return err
+	}
+	if o.BeforeCommit != nil {
+		o.BeforeCommit()
 	}
 	if err := os.Rename(tmp, s.path(name)); err != nil {
 		return fmt.Errorf("commit: %w", err)
