@@ -672,4 +672,38 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 		t.Fatal("step 1 was sealed while the next save went on, on a busy node")
 	}
 	h.waitExists("job-s1-n0-w0.meta") // the next save is over
+
+	// The agent's stop ends the wait: a committed step is sealed before Close returns.
+	tmp = "3" + layout.OrbaxTmpSuffix
+	h.makeTree(tmp, checkpointFiles("stop"))
+	stop = make(chan struct{})
+	saver = make(chan struct{})
+	go func() {
+		defer close(saver)
+		for i := 0; ; i++ {
+			h.writeFile(fmt.Sprintf("4%s/f%d", layout.OrbaxTmpSuffix, i), "next")
+			select {
+			case <-stop:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}()
+	h.rename(tmp, "3")
+	time.Sleep(200 * time.Millisecond)
+	if h.exists("job-s3-n0-w0.meta") {
+		t.Fatal("step 3 was sealed while the next save went on, on a busy node")
+	}
+	closed := make(chan struct{})
+	go func() { h.close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the agent's stop waits for the next save")
+	}
+	close(stop)
+	<-saver
+	if !h.exists("job-s3-n0-w0.meta") {
+		t.Fatal("step 3, committed, was not sealed by the agent's stop")
+	}
 }
