@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -643,31 +644,52 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 func TestSealYieldsToTheNextSave(t *testing.T) {
 	t.Parallel()
 	idle := tiers.NewIdleClock(0)
-	h := newHarness(t, harnessConfig{cpuIdle: idle.Read})
+	// The sealer notices a next save by an open made after the commit was recorded. A step of a
+	// few files is hashed within the 10 ms between two of the test's opens, so the seal waits
+	// here (BeforeSeal) until the running next save has opened one more file.
+	var opens atomic.Int64 // the next save's opens; -1: no next save running
+	opens.Store(-1)
+	beforeSeal := func(int64) {
+		n := opens.Load()
+		for deadline := time.Now().Add(5 * time.Second); n >= 0 && opens.Load() <= n && time.Now().Before(deadline); {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	h := newHarness(t, harnessConfig{cpuIdle: idle.Read, beforeSeal: beforeSeal})
 	h.start(withKeys(), "job")
 	release := h.holdOpen("log/held", "a descriptor open since before the commit")
 	defer release()
+	// nextSave writes a file under dir every 10 ms until the returned func is called.
+	nextSave := func(dir string) (stop func()) {
+		opens.Store(0)
+		done := make(chan struct{})
+		stopped := make(chan struct{})
+		go func() {
+			defer close(stopped)
+			for i := 0; ; i++ {
+				h.writeFile(fmt.Sprintf("%s/f%d", dir, i), "next")
+				opens.Add(1)
+				select {
+				case <-done:
+					return
+				case <-time.After(10 * time.Millisecond):
+				}
+			}
+		}()
+		return func() {
+			close(done)
+			<-stopped
+			opens.Store(-1)
+		}
+	}
+
 	tmp := "1" + layout.OrbaxTmpSuffix
 	h.makeTree(tmp, checkpointFiles("seal"))
-
-	stop := make(chan struct{})
-	saver := make(chan struct{})
-	go func() { // the next save: a file every 10 ms
-		defer close(saver)
-		for i := 0; ; i++ {
-			h.writeFile(fmt.Sprintf("2%s/f%d", layout.OrbaxTmpSuffix, i), "next")
-			select {
-			case <-stop:
-				return
-			case <-time.After(10 * time.Millisecond):
-			}
-		}
-	}()
+	stop := nextSave("2" + layout.OrbaxTmpSuffix)
 	h.rename(tmp, "1")
 	time.Sleep(500 * time.Millisecond)
 	sealed := h.exists("job-s1-n0-w0.meta")
-	close(stop)
-	<-saver
+	stop()
 	if sealed {
 		t.Fatal("step 1 was sealed while the next save went on, on a busy node")
 	}
@@ -676,19 +698,7 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 	// The agent's stop ends the wait: a committed step is sealed before Close returns.
 	tmp = "3" + layout.OrbaxTmpSuffix
 	h.makeTree(tmp, checkpointFiles("stop"))
-	stop = make(chan struct{})
-	saver = make(chan struct{})
-	go func() {
-		defer close(saver)
-		for i := 0; ; i++ {
-			h.writeFile(fmt.Sprintf("4%s/f%d", layout.OrbaxTmpSuffix, i), "next")
-			select {
-			case <-stop:
-				return
-			case <-time.After(10 * time.Millisecond):
-			}
-		}
-	}()
+	stop = nextSave("4" + layout.OrbaxTmpSuffix)
 	h.rename(tmp, "3")
 	time.Sleep(200 * time.Millisecond)
 	if h.exists("job-s3-n0-w0.meta") {
@@ -701,8 +711,7 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the agent's stop waits for the next save")
 	}
-	close(stop)
-	<-saver
+	stop()
 	if !h.exists("job-s3-n0-w0.meta") {
 		t.Fatal("step 3, committed, was not sealed by the agent's stop")
 	}
