@@ -595,6 +595,9 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 	// Reading: the job opens files for reading, every 10 ms, while a file it closed waits.
 	stop := make(chan struct{})
 	reader := make(chan struct{})
+	var stopOnce sync.Once
+	stopReader := func() { stopOnce.Do(func() { close(stop); <-reader }) }
+	t.Cleanup(stopReader) // also when the test fails meanwhile
 	go func() {
 		defer close(reader)
 		for {
@@ -613,8 +616,7 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 	if n := hashed(); n != before {
 		t.Fatalf("%d files hashed while the job was reading on a busy node", n-before)
 	}
-	close(stop)
-	<-reader
+	stopReader()
 	h.eventually("the file hashed once the job stopped reading", func() string {
 		if n := hashed(); n <= before {
 			return fmt.Sprintf("%d files hashed", n-before)
@@ -659,11 +661,13 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 	h.start(withKeys(), "job")
 	release := h.holdOpen("log/held", "a descriptor open since before the commit")
 	defer release()
-	// nextSave writes a file under dir every 10 ms until the returned func is called.
+	// nextSave writes a file under dir every 10 ms until the returned func is called (or the
+	// test ends, also on failure: before its directories are removed).
 	nextSave := func(dir string) (stop func()) {
 		opens.Store(0)
 		done := make(chan struct{})
 		stopped := make(chan struct{})
+		var once sync.Once
 		go func() {
 			defer close(stopped)
 			for i := 0; ; i++ {
@@ -676,11 +680,15 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 				}
 			}
 		}()
-		return func() {
-			close(done)
-			<-stopped
-			opens.Store(-1)
+		stop = func() {
+			once.Do(func() {
+				close(done)
+				<-stopped
+				opens.Store(-1)
+			})
 		}
+		t.Cleanup(stop)
+		return stop
 	}
 
 	tmp := "1" + layout.OrbaxTmpSuffix
