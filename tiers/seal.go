@@ -32,8 +32,7 @@ type sealer struct {
 }
 
 // pendingCommit is a recorded commit waiting for the sealer (err: the record failed; openMark:
-// the job's newest open for writing when it was recorded, see yielder.waitForNextSave; adopted
-// records have 0).
+// the job's newest open for writing when it was recorded, see yielder.waitForNextSave).
 type pendingCommit struct {
 	commit
 	err      error
