@@ -648,12 +648,14 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 	idle := tiers.NewIdleClock(0)
 	// The sealer notices a next save by an open made after the commit was recorded. A step of a
 	// few files is hashed within the 10 ms between two of the test's opens, so the seal waits
-	// here (BeforeSeal) until the running next save has opened one more file.
-	var opens atomic.Int64 // the next save's opens; -1: no next save running
+	// here (BeforeSeal) until the running next save has written two more files: the first may
+	// have been opened before the commit was recorded (CI once sealed step 3 so, its mark
+	// taken while the next save's first file was being written); the second was opened after.
+	var opens atomic.Int64 // the next save's files written; -1: no next save running
 	opens.Store(-1)
 	beforeSeal := func(int64) {
 		n := opens.Load()
-		for deadline := time.Now().Add(5 * time.Second); n >= 0 && opens.Load() <= n && time.Now().Before(deadline); {
+		for deadline := time.Now().Add(5 * time.Second); n >= 0 && opens.Load() < n+2 && time.Now().Before(deadline); {
 			time.Sleep(time.Millisecond)
 		}
 	}
