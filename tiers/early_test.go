@@ -660,6 +660,10 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 		}
 	}
 	h := newHarness(t, harnessConfig{cpuIdle: idle.Read, beforeSeal: beforeSeal})
+	// The next save below writes a file every 10 ms; on a loaded machine (CI runs this with
+	// -race beside other packages) one of its writes may take longer than savingGap, which
+	// would rightly end the seal's wait. The gap is widened so that only a stall of 400 ms does.
+	h.r.SetNextSaveGap(400 * time.Millisecond)
 	h.start(withKeys(), "job")
 	release := h.holdOpen("log/held", "a descriptor open since before the commit")
 	defer release()

@@ -11,3 +11,7 @@ func NewIdleClock(cpus float64) *IdleClock { return &idleClock{cpus: cpus, known
 
 func (c *idleClock) Read() (time.Duration, bool) { return c.read() }
 func (c *idleClock) Set(cpus float64)            { c.set(cpus) }
+
+// SetNextSaveGap sets how long after the job's newest open for writing the sealer still counts
+// a next save as going on (savingGap by default).
+func (r *Replicator) SetNextSaveGap(d time.Duration) { r.node.yield.nextSaveGap.Store(int64(d)) }

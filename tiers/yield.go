@@ -79,6 +79,9 @@ type yielder struct {
 	usingSince  atomic.Int64 // the open (of either kind) that started the current use of the mount
 	waited      atomic.Int64 // nanoseconds pushes spent waiting, for the metrics
 	hashWaited  atomic.Int64 // nanoseconds the early hasher spent waiting, for the metrics
+	// nextSaveGap is waitForNextSave's savingGap: tests on a loaded machine widen it, so that
+	// their next save's gaps between files (a scheduling stall) do not end the seal's wait.
+	nextSaveGap atomic.Int64
 
 	mu        sync.Mutex
 	sampledAt time.Time     // GUARDED_BY(mu); zero: no baseline
@@ -103,6 +106,7 @@ func newYielderClock(cpuIdle func() (time.Duration, bool), now func() time.Time)
 	y.lastRead.Store(never)
 	y.savingSince.Store(never)
 	y.usingSince.Store(never)
+	y.nextSaveGap.Store(int64(savingGap))
 	return y
 }
 
@@ -217,7 +221,7 @@ func (y *yielder) openMark() int64 { return y.lastOpen.Load() }
 func (y *yielder) waitForNextSave(ctx context.Context, mark int64) time.Duration {
 	return y.waitWhile(ctx, y.limit, func(now time.Time) bool {
 		last := y.lastOpen.Load()
-		return last > mark && time.Duration(y.at(now)-last) < savingGap && y.saveAge(now) < y.limit
+		return last > mark && y.at(now)-last < y.nextSaveGap.Load() && y.saveAge(now) < y.limit
 	}, &y.hashWaited)
 }
 
