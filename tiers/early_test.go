@@ -572,6 +572,10 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 	t.Parallel()
 	idle := tiers.NewIdleClock(0)
 	h := newHarness(t, harnessConfig{cpuIdle: idle.Read})
+	// The reads below come every 10 ms; on a loaded machine (CI: -race beside other packages)
+	// one may come later than savingGap, which would rightly let the hasher go. Only a stall of
+	// 400 ms does so here. (Writes keep the default gap: the reads phase needs the save over.)
+	h.r.SetReadGap(400 * time.Millisecond)
 	h.start(withKeys(), "job")
 	hashed := func() int { return h.r.Digests().Len() }
 	stillNone := func(what string) {

@@ -15,3 +15,7 @@ func (c *idleClock) Set(cpus float64)            { c.set(cpus) }
 // SetNextSaveGap sets how long after the job's newest open for writing the sealer still counts
 // a next save as going on (savingGap by default).
 func (r *Replicator) SetNextSaveGap(d time.Duration) { r.node.yield.nextSaveGap.Store(int64(d)) }
+
+// SetReadGap sets how long after the job's newest open for reading the early hasher still
+// counts the job as reading (savingGap by default).
+func (r *Replicator) SetReadGap(d time.Duration) { r.node.yield.readGap.Store(int64(d)) }

@@ -79,9 +79,10 @@ type yielder struct {
 	usingSince  atomic.Int64 // the open (of either kind) that started the current use of the mount
 	waited      atomic.Int64 // nanoseconds pushes spent waiting, for the metrics
 	hashWaited  atomic.Int64 // nanoseconds the early hasher spent waiting, for the metrics
-	// nextSaveGap is waitForNextSave's savingGap: tests on a loaded machine widen it, so that
-	// their next save's gaps between files (a scheduling stall) do not end the seal's wait.
-	nextSaveGap atomic.Int64
+	// saveGap, readGap and nextSaveGap are savingGap as saving, usingMount (of reads) and
+	// waitForNextSave use it. Tests on a loaded machine widen them, so that a scheduling stall
+	// of the opens that stand for the job does not end a wait they check.
+	saveGap, readGap, nextSaveGap atomic.Int64
 
 	mu        sync.Mutex
 	sampledAt time.Time     // GUARDED_BY(mu); zero: no baseline
@@ -106,6 +107,8 @@ func newYielderClock(cpuIdle func() (time.Duration, bool), now func() time.Time)
 	y.lastRead.Store(never)
 	y.savingSince.Store(never)
 	y.usingSince.Store(never)
+	y.saveGap.Store(int64(savingGap))
+	y.readGap.Store(int64(savingGap))
 	y.nextSaveGap.Store(int64(savingGap))
 	return y
 }
@@ -148,7 +151,7 @@ func (y *yielder) closed() {
 // stays open for writing (a log) counts until savingOpenFor after the job's newest open.
 func (y *yielder) saving(now time.Time) bool {
 	since := time.Duration(y.at(now) - y.lastOpen.Load())
-	return since < savingGap || (y.writers.Load() > 0 && since < savingOpenFor)
+	return since < time.Duration(y.saveGap.Load()) || (y.writers.Load() > 0 && since < savingOpenFor)
 }
 
 // saveAge is how long the current save has been going on.
@@ -159,7 +162,7 @@ func (y *yielder) saveAge(now time.Time) time.Duration {
 // usingMount reports whether the job is saving, or opened a file for reading within the last
 // savingGap (a restore, or a job that reads back what it wrote).
 func (y *yielder) usingMount(now time.Time) bool {
-	return y.saving(now) || time.Duration(y.at(now)-y.lastRead.Load()) < savingGap
+	return y.saving(now) || y.at(now)-y.lastRead.Load() < y.readGap.Load()
 }
 
 // useAge is how long the job's current use of the mount (opens of either kind, no pause of
