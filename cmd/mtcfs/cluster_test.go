@@ -135,8 +135,13 @@ func TestClusterRestoreFromPeer(t *testing.T) {
 	})
 	// The job waits at the hosts' barrier before its commit: the save is over, so the files
 	// it closed are hashed and pushed early even on a busy machine, where both wait while the
-	// job saves (tiers/yield.go).
-	clients[1].BeforeCommit = func() { time.Sleep(500 * time.Millisecond) }
+	// job saves (tiers/yield.go). The barrier here lasts until rank 2 holds an early file of
+	// rank 1 (at most 10 s; a fixed pause was too short once the machine was loaded).
+	clients[1].BeforeCommit = func() {
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && !holdsEarlyFile(c.nodes[2].spool); {
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
 	c.all(t, func(r int) error { return clients[r].Save(ctx, 10) })
 	clients[1].BeforeCommit = nil
 	// The replica of rank 1's step reaches rank 2: its .meta appears there once verified.
@@ -215,4 +220,18 @@ func TestStaleRegistrationIsNotMisrouted(t *testing.T) {
 	c.all(t, func(r int) error { return clients[r].Save(ctx, 20) })
 	replica := filepath.Join(c.nodes[1].dir, "trio-s20-n0-w0.meta")
 	repWait(t, 30*time.Second, "rank 0's step 20 on rank 1", func() bool { return pathExists(replica) })
+}
+
+// holdsEarlyFile reports whether the spool holds a file pushed early by a peer (the receiver's
+// peer-incoming/early directory, replication/early.go).
+func holdsEarlyFile(spool string) bool {
+	found := false
+	_ = filepath.WalkDir(spool, func(path string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() && strings.Contains(path, "/peer-incoming/early/") {
+			found = true
+			return filepath.SkipAll
+		}
+		return nil
+	})
+	return found
 }

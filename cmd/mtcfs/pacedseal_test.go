@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"sync"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mtcfs/mtcfs/internal/jobsim"
 )
@@ -31,24 +33,13 @@ func TestKillWhileSealWaitsForNextSave(t *testing.T) {
 	_, _, err := o.Start(ctx)
 	require.NoError(t, err)
 
-	// Busy CPUs: a spinning thread per CPU, so that less than a CPU idles.
+	// Busy CPUs, so that less than a CPU idles (busyCPUs).
+	stopSpinning := busyCPUs(t)
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	var once sync.Once
-	halt := func() { once.Do(func() { close(stop); wg.Wait() }) }
+	halt := func() { once.Do(func() { close(stop); wg.Wait(); stopSpinning() }) }
 	t.Cleanup(halt)
-	for range runtime.NumCPU() {
-		wg.Go(func() {
-			runtime.LockOSThread()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-			}
-		})
-	}
 	require.NoError(t, o.Save(ctx, 10))
 	// The next save, at once: a file every millisecond.
 	wg.Go(func() {
@@ -82,4 +73,29 @@ func TestKillWhileSealWaitsForNextSave(t *testing.T) {
 	require.True(t, found && step == 10, "restored step %d (found %v), want 10", step, found)
 	require.NoError(t, o2.VerifyRestored(ctx, 10))
 	require.Empty(t, o2.Errors())
+}
+
+// busyCPUs starts a spinning process per CPU at SCHED_IDLE and returns what stops them (also
+// called at the test's end). /proc/stat counts their time as busy, so the agent sees less than a
+// CPU idle, but every other task runs first: spinning threads of the test process itself took
+// its Ps and starved the packages CI tests beside it, opening the timing windows of their tests.
+func busyCPUs(t *testing.T) (stop func()) {
+	var cmds []*exec.Cmd
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			for _, c := range cmds {
+				_ = c.Process.Kill()
+				_ = c.Wait()
+			}
+		})
+	}
+	t.Cleanup(stop)
+	for range runtime.NumCPU() {
+		c := exec.Command("sh", "-c", "while :; do :; done")
+		require.NoError(t, c.Start())
+		cmds = append(cmds, c)
+		require.NoError(t, unix.SchedSetAttr(c.Process.Pid, &unix.SchedAttr{Policy: unix.SCHED_IDLE}, 0))
+	}
+	return stop
 }
