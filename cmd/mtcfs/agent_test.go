@@ -31,6 +31,11 @@ func TestMain(m *testing.M) {
 		panic(err)
 	}
 	binPath = filepath.Join(dir, "mtcfs")
+	// Agents started without --backup use the default location under $XDG_DATA_HOME: the
+	// test binary's own directory, removed below, not the home directory of whoever runs it.
+	if err := os.Setenv("XDG_DATA_HOME", filepath.Join(dir, "data")); err != nil {
+		panic(err)
+	}
 	if out, err := exec.Command("go", "build", "-o", binPath, ".").CombinedOutput(); err != nil {
 		panic("build mtcfs: " + err.Error() + "\n" + string(out))
 	}
