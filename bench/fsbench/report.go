@@ -40,15 +40,29 @@ func metrics(cfg config) []metric {
 		{createRequestsOp + "flush", "… of which FLUSH", "requests", true, 0, 0, false},
 		{createRequestsOp + "release", "RELEASE per create+close (asynchronous: close(2) does not wait)", "requests", true, 0, 0, false},
 		{statCached, "stat same file (cached), median", "µs", true, stat, stat, true},
+		{statCachedRequests, "… FUSE requests per stat (0: answered by the kernel's caches)", "requests", true, 0, 0, false},
 		{statNewMedian, "stat " + n + " distinct files after creating them, median", "µs", true, 0, 0, true},
 		{statNewP99, "stat " + n + " distinct files after creating them, p99", "µs", true, 0, 0, true},
+		{statNewRequests, "… FUSE requests per stat", "requests", true, 0, 0, false},
 		{statColdMedian, "stat " + n + " distinct files after " + cfg.cacheWait.String() + " (cache expired), median", "µs", true, 0, 0, true},
 		{statColdP99, "stat " + n + " distinct files after " + cfg.cacheWait.String() + " (cache expired), p99", "µs", true, 0, 0, true},
+		{statColdRequests, "… FUSE requests per stat", "requests", true, 0, 0, false},
 		{smallWriteFiles, "Small files write " + small, "files/s", false, 0, 0, false},
 		{smallWriteMBps, "Small files write " + small, "MB/s", false, 0, 0, false},
 		{smallReadFiles, "Small files read back " + small, "files/s", false, 0, 0, false},
 		{smallReadMBps, "Small files read back " + small, "MB/s", false, 0, 0, false},
 	}
+}
+
+// rowRequests maps a metadata row to the row of the FUSE requests its calls made.
+var rowRequests = map[string]string{
+	createMedian:   createSyncRequests,
+	createP99:      createSyncRequests,
+	statCached:     statCachedRequests,
+	statNewMedian:  statNewRequests,
+	statNewP99:     statNewRequests,
+	statColdMedian: statColdRequests,
+	statColdP99:    statColdRequests,
 }
 
 // results holds the recorded samples: metric key → target name → one value per round.
@@ -119,6 +133,7 @@ func renderSection(cfg config, env benchkit.Environment, beforeDesc string, res 
 	w("|---|---|--:|--:|--:|---|--:|--:|---|--:|--:|--:|--:|\n")
 	met, total := 0, 0
 	ahead, compared := map[string]int{}, 0
+	behind := map[string][]string{} // metadata rows where a side is not ahead of the anchor
 	ratioCell := func(v, base float64) string {
 		if math.IsNaN(v) || math.IsNaN(base) || base == 0 {
 			return "—"
@@ -149,8 +164,16 @@ func renderSection(cfg config, env benchkit.Environment, beforeDesc string, res 
 					verdict = fmt.Sprintf("%s %g×: met", op, side.limit)
 				}
 			}
-			if m.metadata && !math.IsNaN(anchor) && (v < anchor) == m.lowerIsBetter && v != anchor {
-				ahead[side.target]++
+			if m.metadata && !math.IsNaN(anchor) {
+				if (v < anchor) == m.lowerIsBetter && v != anchor {
+					ahead[side.target]++
+				} else {
+					row := m.title
+					if rk, ok := rowRequests[m.key]; ok && res.median(rk, side.target) == 0 {
+						row += " (0 FUSE requests: the kernel's caches answered)"
+					}
+					behind[side.target] = append(behind[side.target], row)
+				}
 			}
 			w(" | %s | %s | %s", cell(v), ratioCell(v, base), verdict)
 		}
@@ -164,6 +187,11 @@ func renderSection(cfg config, env benchkit.Environment, beforeDesc string, res 
 	if compared > 0 {
 		w(" Metadata rows (create+close, stat) where mtcfs is ahead of the FUSE anchor: passthrough %d of %d, fallback %d of %d.",
 			ahead[passthroughTarget], compared, ahead[fallbackTarget], compared)
+		for _, side := range []struct{ target, name string }{{passthroughTarget, "passthrough"}, {fallbackTarget, "fallback"}} {
+			if rows := behind[side.target]; len(rows) > 0 {
+				w(" Not ahead, %s: %s.", side.name, strings.Join(rows, "; "))
+			}
+		}
 	}
 	w("\n\n")
 	if beforeDesc != "" {

@@ -42,6 +42,11 @@ const (
 	// synchronous ones (the caller waits for each) and some ops one by one.
 	createSyncRequests = "create-sync-requests"
 	createRequestsOp   = "create-requests-" // + op
+	// FUSE requests per stat(2) of the stat rows: 0 shows that the kernel answered them from its
+	// caches, so that no server, mtcfs or the anchor, can make that row faster or slower.
+	statCachedRequests = "stat-cached-requests"
+	statNewRequests    = "stat-new-requests"
+	statColdRequests   = "stat-cold-requests"
 )
 
 // createOps are the operations whose requests per create+close get a row of their own.
@@ -203,7 +208,11 @@ func (b *bench) createAndStat(ctx context.Context, t *target, rec record) error 
 		}
 	}
 
-	statEach := func(medianKey, p99Key string) error {
+	statEach := func(medianKey, p99Key, requestsKey string) error {
+		before, err := t.requests()
+		if err != nil {
+			return err
+		}
 		var st unix.Stat_t
 		for i, p := range paths {
 			start := time.Now()
@@ -215,9 +224,9 @@ func (b *bench) createAndStat(ctx context.Context, t *target, rec record) error 
 		}
 		rec(medianKey, benchkit.Median(lat))
 		rec(p99Key, benchkit.Percentile(lat, 0.99))
-		return nil
+		return recordSyncRequests(t, before, len(paths), requestsKey, rec)
 	}
-	if err := statEach(statNewMedian, statNewP99); err != nil {
+	if err := statEach(statNewMedian, statNewP99, statNewRequests); err != nil {
 		return err
 	}
 	if err := b.createPinned(ctx, t, rec); err != nil {
@@ -228,7 +237,7 @@ func (b *bench) createAndStat(ctx context.Context, t *target, rec record) error 
 		return ctx.Err()
 	case <-time.After(b.cfg.cacheWait):
 	}
-	return statEach(statColdMedian, statColdP99)
+	return statEach(statColdMedian, statColdP99, statColdRequests)
 }
 
 // createPinned times create+close again with this thread and every thread of the target's
@@ -325,7 +334,16 @@ func (b *bench) statCached(ctx context.Context, t *target, rec record) error {
 		return err
 	}
 	defer os.Remove(p)
+	// The file's entry and attributes reach the kernel's cache with the first stat, before the
+	// count of requests starts.
 	var st unix.Stat_t
+	if err := unix.Stat(p, &st); err != nil {
+		return fmt.Errorf("stat %s: %w", p, err)
+	}
+	before, err := t.requests()
+	if err != nil {
+		return err
+	}
 	var perOp []float64
 	for end := time.Now().Add(b.cfg.statFor); time.Now().Before(end); {
 		start := time.Now()
@@ -337,6 +355,9 @@ func (b *bench) statCached(ctx context.Context, t *target, rec record) error {
 		perOp = append(perOp, micros(time.Since(start))/statCachedBatchOf)
 	}
 	rec(statCached, benchkit.Median(perOp))
+	if err := recordSyncRequests(t, before, len(perOp)*statCachedBatchOf, statCachedRequests, rec); err != nil {
+		return err
+	}
 	return ctx.Err()
 }
 
@@ -400,6 +421,26 @@ func recordRequests(t *target, before map[string]float64, n int, rec record) err
 	for _, op := range createOps {
 		rec(createRequestsOp+op, (after[op]-before[op])/float64(n))
 	}
+	return nil
+}
+
+// recordSyncRequests records under key the synchronous FUSE requests per call that the agent of
+// t served since before, over n calls; nothing for a target without an agent's count.
+func recordSyncRequests(t *target, before map[string]float64, n int, key string, rec record) error {
+	if before == nil {
+		return nil
+	}
+	after, err := t.requests()
+	if err != nil {
+		return err
+	}
+	sync := 0.0
+	for op, v := range after {
+		if !asyncOps[op] {
+			sync += v - before[op]
+		}
+	}
+	rec(key, sync/float64(n))
 	return nil
 }
 
