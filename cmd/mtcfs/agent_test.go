@@ -73,13 +73,25 @@ func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...stri
 	a := &agent{t: t, dir: dir, spool: spool, done: make(chan struct{})}
 	argv := append(append(append([]string(nil), prefix...), binPath), append([]string{"mount", dir, "--spool", spool, "--memory", "64MiB"}, args...)...)
 	a.cmd = exec.Command(argv[0], argv[1:]...)
-	stderr, err := a.cmd.StderrPipe()
+	// The agent's stderr is a pipe of our own, not StderrPipe: Wait closes that one as soon as the
+	// process has exited, and the lines still in it were lost (CI once saw a clean stop whose
+	// last log lines were missing). done closes once every line is read.
+	stderr, w, err := os.Pipe()
 	require.NoError(t, err)
-	require.NoError(t, a.cmd.Start())
+	a.cmd.Stderr = w
+	err = a.cmd.Start()
+	w.Close()
+	if err != nil {
+		stderr.Close()
+		require.NoError(t, err)
+	}
 	serving := make(chan struct{})
+	scanned := make(chan struct{})
 	var once sync.Once
 	go func() {
+		defer close(scanned)
 		sc := bufio.NewScanner(stderr)
+		sc.Buffer(nil, 1<<20)
 		for sc.Scan() {
 			a.mu.Lock()
 			a.logs = append(a.logs, sc.Text())
@@ -88,8 +100,19 @@ func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...stri
 				once.Do(func() { close(serving) })
 			}
 		}
+		io.Copy(io.Discard, stderr) // after a line too long to scan: the agent must not block on its stderr
 	}()
-	go func() { a.err = a.cmd.Wait(); close(a.done) }()
+	go func() {
+		a.err = a.cmd.Wait()
+		select {
+		case <-scanned: // every writer of the pipe is gone
+		case <-time.After(5 * time.Second):
+			// A process the agent started still holds its stderr: what it wrote is read.
+		}
+		stderr.Close()
+		<-scanned
+		close(a.done)
+	}()
 	t.Cleanup(func() {
 		if t.Failed() {
 			// What the agent said last, and whether it was still running: a failed test's
