@@ -26,6 +26,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -273,12 +274,13 @@ func startProc(bin, dir, spool, backups string, extra ...string) (*agentProc, er
 		}
 		if strings.Contains(l, "serving") {
 			go func() {
-				rest := bufio.NewScanner(stderr)
-				for rest.Scan() {
-					if l := rest.Text(); strings.Contains(l, "restored from a peer") || strings.Contains(l, "replicated") {
+				// The same scanner: a new one would lose what this one has read ahead.
+				for sc.Scan() {
+					if l := sc.Text(); strings.Contains(l, "restored from a peer") || strings.Contains(l, "replicated") {
 						note("agent %s: %s", filepath.Base(dir), logMessage(l))
 					}
 				}
+				io.Copy(io.Discard, stderr) // after a line too long to scan: the agent must not block on its stderr
 				a.done <- cmd.Wait()
 			}()
 			return a, nil
