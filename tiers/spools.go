@@ -83,6 +83,10 @@ type SpoolUser struct {
 type Spools struct {
 	// Users lists the running agents; an error fails List. Nil: none known.
 	Users func() ([]SpoolUser, error)
+	// Dirs, when set, replaces the search of the machine (spool tmpfs mounts and the default
+	// spool roots) with these directories; the agents' spools are added either way. For tests,
+	// which must not find (and reap) spools that are not theirs.
+	Dirs func() []string
 }
 
 func (h Spools) users() ([]SpoolUser, error) {
@@ -216,13 +220,20 @@ func (h Spools) List() ([]SpoolInfo, error) {
 		return nil, err
 	}
 	dirs := map[string]bool{}
-	for _, d := range spoolTmpfsMounts() {
-		dirs[d] = true
-	}
-	roots := []string{DefaultSpoolRoot()}
-	if os.Geteuid() == 0 {
-		more, _ := filepath.Glob("/dev/shm/mtcfs-*") // the per-user roots of non-root agents
-		roots = append(roots, more...)
+	var roots []string
+	if h.Dirs != nil {
+		for _, d := range h.Dirs() {
+			dirs[d] = true
+		}
+	} else {
+		for _, d := range spoolTmpfsMounts() {
+			dirs[d] = true
+		}
+		roots = []string{DefaultSpoolRoot()}
+		if os.Geteuid() == 0 {
+			more, _ := filepath.Glob("/dev/shm/mtcfs-*") // the per-user roots of non-root agents
+			roots = append(roots, more...)
+		}
 	}
 	for _, root := range roots {
 		ents, _ := os.ReadDir(root)

@@ -61,15 +61,22 @@ func TestSpoolsKeepFindFree(t *testing.T) {
 	assert.Equal(t, []SpoolInfo{info}, found, "a listed spool recording the mount path")
 
 	// A running agent registered with the spool makes it in use, whatever its lock says.
-	busy := Spools{Users: func() ([]SpoolUser, error) { return []SpoolUser{{PID: 4242, SpoolDir: dir}}, nil }}
+	// Dirs: ReapOrphaned looks at this test's spool only; on the whole machine it would free
+	// other tests' orphaned spools (and a developer's).
+	busy := Spools{Users: func() ([]SpoolUser, error) { return []SpoolUser{{PID: 4242, SpoolDir: dir}}, nil },
+		Dirs: func() []string { return []string{dir} }}
 	found, err = busy.Find(dir, nil)
 	require.NoError(t, err)
 	assert.True(t, found[0].InUse)
 	assert.Equal(t, 4242, found[0].AgentPID)
+	// Its mount directory gone, the spool is orphaned, but still in use: never reaped.
+	require.NoError(t, os.Remove(mnt))
+	found, err = busy.Find(dir, nil)
+	require.NoError(t, err)
+	assert.True(t, found[0].Orphaned() && found[0].InUse)
 	busy.ReapOrphaned("", logger)
 	assert.DirExists(t, dir, "a spool in use is never reaped")
 
-	require.NoError(t, os.Remove(mnt))
 	found, err = spools.Find(dir, nil)
 	require.NoError(t, err)
 	assert.Equal(t, MountGone, found[0].MountState)
