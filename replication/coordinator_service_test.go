@@ -266,11 +266,10 @@ func TestCoordinatorServiceRefusesCallerOfAnotherRank(t *testing.T) {
 func TestRemoteCoordinatorRetriesUntilServerUp(t *testing.T) {
 	t.Parallel()
 	const nodes = 2
-	// Discovery first names a port nobody listens on, then the server once it is up.
-	dead, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	deadAddr := dead.Addr().String()
-	require.NoError(t, dead.Close())
+	// Discovery first names a port nobody listens on, then the server once it is up. Port 1
+	// (tcpmux, never served here) rather than a port found free: the parallel tests of this
+	// package start coordinators on 127.0.0.1:0, and one could take a freed port.
+	deadAddr := "127.0.0.1:1"
 	var addr atomic.Value
 	addr.Store(deadAddr)
 	lookups := atomic.Int32{}

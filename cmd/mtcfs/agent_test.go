@@ -59,6 +59,10 @@ type agent struct {
 	err   error
 }
 
+// servingLine is in the agent's log line that says it serves (text and JSON formats alike); a
+// bare "serving" also matches a warning that names another agent's mount.
+const servingLine = "serving; stop with"
+
 // startAgent runs "mtcfs mount dir args..." and waits until it serves. The test's cleanup kills
 // it and detaches whatever it left mounted, also when the test failed half-way.
 func startAgent(t *testing.T, dir, spool string, args ...string) *agent {
@@ -96,7 +100,7 @@ func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...stri
 			a.mu.Lock()
 			a.logs = append(a.logs, sc.Text())
 			a.mu.Unlock()
-			if strings.Contains(sc.Text(), "serving") {
+			if strings.Contains(sc.Text(), servingLine) {
 				once.Do(func() { close(serving) })
 			}
 		}

@@ -60,11 +60,14 @@ func fakeGCSBinary(t *testing.T) string {
 func startFakeGCS(t *testing.T, bucket string) {
 	t.Helper()
 	bin := fakeGCSBinary(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	// A loopback address no other test binds: between this probe and the emulator's listen, a
+	// port of 127.0.0.1 could be taken by another test, whose server would then answer below.
+	const ip = "127.0.0.77"
+	ln, err := net.Listen("tcp", ip+":0")
 	require.NoError(t, err)
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
-	cmd := exec.Command(bin, "-scheme", "http", "-host", "127.0.0.1", "-port", fmt.Sprint(port), "-backend", "memory", "-log-level", "warn")
+	cmd := exec.Command(bin, "-scheme", "http", "-host", ip, "-port", fmt.Sprint(port), "-backend", "memory", "-log-level", "warn")
 	var logs bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &logs, &logs
 	require.NoError(t, cmd.Start())
@@ -75,7 +78,7 @@ func startFakeGCS(t *testing.T, bucket string) {
 			t.Logf("fake-gcs-server output:\n%s", logs.String())
 		}
 	})
-	host := fmt.Sprintf("127.0.0.1:%d", port)
+	host := fmt.Sprintf("%s:%d", ip, port)
 	repWait(t, 15*time.Second, "the GCS emulator to answer", func() bool {
 		resp, err := http.Get("http://" + host + "/storage/v1/b")
 		if err == nil {

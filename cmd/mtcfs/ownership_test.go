@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -140,24 +141,43 @@ func TestNonRootDevelopment(t *testing.T) {
 	// /dev/fuse open to everyone, as on most distributions.
 	require.NoError(t, os.Chmod("/dev/fuse", 0o666))
 	cmd := run("mount", dir, "--memory", "64MiB")
-	stderr, err := cmd.StderrPipe()
+	// The agent's stderr goes to a pipe of the test's own, read to its end before done: see
+	// startAgentIn (StderrPipe's Wait closes the pipe at exit, and lines in it are lost).
+	stderr, w, err := os.Pipe()
 	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
+	cmd.Stderr = w
+	err = cmd.Start()
+	w.Close()
+	if err != nil {
+		stderr.Close()
+		require.NoError(t, err)
+	}
 	done := make(chan error, 1)
 	serving := make(chan string, 1)
 	mounted := make(chan string, 1)
-	var log strings.Builder
+	scanned := make(chan struct{})
+	var logMu sync.Mutex
+	var logLines strings.Builder
+	log := func() string {
+		logMu.Lock()
+		defer logMu.Unlock()
+		return logLines.String()
+	}
 	go func() {
+		defer close(scanned)
 		sc := bufio.NewScanner(stderr)
+		sc.Buffer(nil, 1<<20)
 		for sc.Scan() {
-			log.WriteString(sc.Text() + "\n")
+			logMu.Lock()
+			logLines.WriteString(sc.Text() + "\n")
+			logMu.Unlock()
 			if strings.Contains(sc.Text(), "msg=mounted") {
 				select {
 				case mounted <- sc.Text():
 				default:
 				}
 			}
-			if strings.Contains(sc.Text(), "serving") {
+			if strings.Contains(sc.Text(), servingLine) {
 				select {
 				case serving <- sc.Text():
 				default:
@@ -166,14 +186,23 @@ func TestNonRootDevelopment(t *testing.T) {
 		}
 		io.Copy(io.Discard, stderr)
 	}()
-	go func() { done <- cmd.Wait() }()
+	go func() {
+		err := cmd.Wait()
+		select {
+		case <-scanned:
+		case <-time.After(5 * time.Second): // something else holds the agent's stderr
+		}
+		stderr.Close()
+		<-scanned
+		done <- err
+	}()
 	t.Cleanup(func() { cmd.Process.Kill() })
 	select {
 	case <-serving:
 	case err := <-done:
-		t.Fatalf("the agent exited: %v\n%s", err, log.String())
+		t.Fatalf("the agent exited: %v\n%s", err, log())
 	case <-time.After(20 * time.Second):
-		t.Fatalf("the agent did not serve within 20s\n%s", log.String())
+		t.Fatalf("the agent did not serve within 20s\n%s", log())
 	}
 	require.True(t, isMounted(dir))
 	// The fusermount3 path finds the mount's /dev/fuse descriptor too: a seal's rename of a
@@ -205,9 +234,9 @@ func TestNonRootDevelopment(t *testing.T) {
 	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
 	select {
 	case err := <-done:
-		require.NoError(t, err, log.String())
+		require.NoError(t, err, log())
 	case <-time.After(30 * time.Second):
-		t.Fatalf("the agent did not stop\n%s", log.String())
+		t.Fatalf("the agent did not stop\n%s", log())
 	}
 	assert.False(t, isMounted(dir), "unmounted through fusermount3")
 }

@@ -87,7 +87,9 @@ func TestStaticPeers(t *testing.T) {
 	ctx := repCtx(t)
 	secret := filepath.Join(t.TempDir(), "secret")
 	require.NoError(t, os.WriteFile(secret, []byte("static-peers-test-secret-0123456789\n"), 0o600))
-	addrs := freeAddrs(t, "127.0.0.1", "127.0.0.2", "127.0.0.3")
+	// Loopback addresses no other test binds: between freeAddrs and the agents' --listen, a
+	// port of 127.0.0.1 could be taken by any test of another package.
+	addrs := freeAddrs(t, "127.0.0.21", "127.0.0.22", "127.0.0.23")
 	var peers []string
 	for r, a := range addrs {
 		peers = append(peers, fmt.Sprintf("%d=%s", r, a))
