@@ -78,6 +78,11 @@ type Server struct {
 	passthrough bool
 	ns          *namespace
 	requests    *requestCounts
+	// closed is closed once the serve loop has ended and this process's descriptors of the
+	// mount's /dev/fuse (go-fuse's, the notifier's duplicate) are closed. Unmount waits for it:
+	// a mount started next in this process must not see them close meanwhile (newServer tells
+	// the new mount's descriptor by the numbers that appeared).
+	closed chan struct{}
 }
 
 // Requests returns how many FUSE requests of each operation ("lookup", "create", …) the mount
@@ -102,6 +107,7 @@ func (s *Server) Wait() { s.fuse.Wait() }
 func (s *Server) Unmount() error {
 	err := s.fuse.Unmount()
 	if err == nil {
+		<-s.closed // the serve loop has ended (go-fuse's Unmount waited for its readers)
 		return nil
 	}
 	if os.Geteuid() == 0 {
@@ -112,6 +118,7 @@ func (s *Server) Unmount() error {
 		return fmt.Errorf("unmount %s: %v; fusermount3 -uz: %s", s.dir, err, strings.TrimSpace(string(out)))
 	}
 	s.fuse.Wait()
+	<-s.closed
 	return nil
 }
 
@@ -346,14 +353,19 @@ func Mount(dir string, opts Options) (*Server, error) {
 			return nil, fmt.Errorf("mount %s: %w", abs, err)
 		}
 	}
-	if e := newEntryNotifier(srv, fd, abs, m.log); e != nil {
+	e := newEntryNotifier(srv, fd, abs, m.log)
+	if e != nil {
 		m.notifier = e
-		go func() {
-			<-served
-			e.close()
-		}()
 	}
-	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}, requests: counts}
+	closed := make(chan struct{})
+	go func() {
+		<-served
+		if e != nil {
+			e.close()
+		}
+		close(closed)
+	}()
+	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}, requests: counts, closed: closed}
 	if o, ok := opts.Events.(interface {
 		ObserveFUSERequests(func() map[string]uint64)
 	}); ok {

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -93,6 +94,8 @@ func busyCPUs(t *testing.T) (stop func()) {
 	t.Cleanup(stop)
 	for range runtime.NumCPU() {
 		c := exec.Command("sh", "-c", "while :; do :; done")
+		// Killed with the test binary too (a -timeout panic runs no cleanup).
+		c.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		require.NoError(t, c.Start())
 		cmds = append(cmds, c)
 		require.NoError(t, unix.SchedSetAttr(c.Process.Pid, &unix.SchedAttr{Policy: unix.SCHED_IDLE}, 0))
