@@ -63,6 +63,47 @@ type agent struct {
 // bare "serving" also matches a warning that names another agent's mount.
 const servingLine = "serving; stop with"
 
+// startLogged starts cmd with its stderr going to a pipe of the caller's own and passes each
+// line it writes to line, in order, from one goroutine. The channel receives Wait's result once
+// every line was passed (or 5 s after the exit, if a process cmd started still holds the pipe).
+// Not StderrPipe: Wait closes that pipe as soon as the process has exited, and the lines still
+// in it were lost (CI once saw a clean stop whose last log lines were missing).
+func startLogged(cmd *exec.Cmd, line func(string)) (<-chan error, error) {
+	stderr, w, err := os.Pipe()
+	if err != nil {
+		return nil, err
+	}
+	cmd.Stderr = w
+	err = cmd.Start()
+	w.Close()
+	if err != nil {
+		stderr.Close()
+		return nil, err
+	}
+	scanned := make(chan struct{})
+	go func() {
+		defer close(scanned)
+		sc := bufio.NewScanner(stderr)
+		sc.Buffer(nil, 1<<20)
+		for sc.Scan() {
+			line(sc.Text())
+		}
+		io.Copy(io.Discard, stderr) // after a line too long to scan: cmd must not block on its stderr
+	}()
+	exited := make(chan error, 1)
+	go func() {
+		err := cmd.Wait()
+		select {
+		case <-scanned: // every writer of the pipe is gone
+		case <-time.After(5 * time.Second):
+		}
+		stderr.Close()
+		<-scanned
+		exited <- err
+	}()
+	return exited, nil
+}
+
 // startAgent runs "mtcfs mount dir args..." and waits until it serves. The test's cleanup kills
 // it and detaches whatever it left mounted, also when the test failed half-way.
 func startAgent(t *testing.T, dir, spool string, args ...string) *agent {
@@ -77,46 +118,18 @@ func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...stri
 	a := &agent{t: t, dir: dir, spool: spool, done: make(chan struct{})}
 	argv := append(append(append([]string(nil), prefix...), binPath), append([]string{"mount", dir, "--spool", spool, "--memory", "64MiB"}, args...)...)
 	a.cmd = exec.Command(argv[0], argv[1:]...)
-	// The agent's stderr is a pipe of our own, not StderrPipe: Wait closes that one as soon as the
-	// process has exited, and the lines still in it were lost (CI once saw a clean stop whose
-	// last log lines were missing). done closes once every line is read.
-	stderr, w, err := os.Pipe()
-	require.NoError(t, err)
-	a.cmd.Stderr = w
-	err = a.cmd.Start()
-	w.Close()
-	if err != nil {
-		stderr.Close()
-		require.NoError(t, err)
-	}
 	serving := make(chan struct{})
-	scanned := make(chan struct{})
 	var once sync.Once
-	go func() {
-		defer close(scanned)
-		sc := bufio.NewScanner(stderr)
-		sc.Buffer(nil, 1<<20)
-		for sc.Scan() {
-			a.mu.Lock()
-			a.logs = append(a.logs, sc.Text())
-			a.mu.Unlock()
-			if strings.Contains(sc.Text(), servingLine) {
-				once.Do(func() { close(serving) })
-			}
+	exited, err := startLogged(a.cmd, func(line string) {
+		a.mu.Lock()
+		a.logs = append(a.logs, line)
+		a.mu.Unlock()
+		if strings.Contains(line, servingLine) {
+			once.Do(func() { close(serving) })
 		}
-		io.Copy(io.Discard, stderr) // after a line too long to scan: the agent must not block on its stderr
-	}()
-	go func() {
-		a.err = a.cmd.Wait()
-		select {
-		case <-scanned: // every writer of the pipe is gone
-		case <-time.After(5 * time.Second):
-			// A process the agent started still holds its stderr: what it wrote is read.
-		}
-		stderr.Close()
-		<-scanned
-		close(a.done)
-	}()
+	})
+	require.NoError(t, err)
+	go func() { a.err = <-exited; close(a.done) }()
 	t.Cleanup(func() {
 		if t.Failed() {
 			// What the agent said last, and whether it was still running: a failed test's

@@ -4,9 +4,7 @@ package main
 // agent serves, and an ordinary user mounts for development through fusermount3.
 
 import (
-	"bufio"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -141,21 +139,8 @@ func TestNonRootDevelopment(t *testing.T) {
 	// /dev/fuse open to everyone, as on most distributions.
 	require.NoError(t, os.Chmod("/dev/fuse", 0o666))
 	cmd := run("mount", dir, "--memory", "64MiB")
-	// The agent's stderr goes to a pipe of the test's own, read to its end before done: see
-	// startAgentIn (StderrPipe's Wait closes the pipe at exit, and lines in it are lost).
-	stderr, w, err := os.Pipe()
-	require.NoError(t, err)
-	cmd.Stderr = w
-	err = cmd.Start()
-	w.Close()
-	if err != nil {
-		stderr.Close()
-		require.NoError(t, err)
-	}
-	done := make(chan error, 1)
 	serving := make(chan string, 1)
 	mounted := make(chan string, 1)
-	scanned := make(chan struct{})
 	var logMu sync.Mutex
 	var logLines strings.Builder
 	log := func() string {
@@ -163,39 +148,24 @@ func TestNonRootDevelopment(t *testing.T) {
 		defer logMu.Unlock()
 		return logLines.String()
 	}
-	go func() {
-		defer close(scanned)
-		sc := bufio.NewScanner(stderr)
-		sc.Buffer(nil, 1<<20)
-		for sc.Scan() {
-			logMu.Lock()
-			logLines.WriteString(sc.Text() + "\n")
-			logMu.Unlock()
-			if strings.Contains(sc.Text(), "msg=mounted") {
-				select {
-				case mounted <- sc.Text():
-				default:
-				}
-			}
-			if strings.Contains(sc.Text(), servingLine) {
-				select {
-				case serving <- sc.Text():
-				default:
-				}
+	done, err := startLogged(cmd, func(line string) {
+		logMu.Lock()
+		logLines.WriteString(line + "\n")
+		logMu.Unlock()
+		if strings.Contains(line, "msg=mounted") {
+			select {
+			case mounted <- line:
+			default:
 			}
 		}
-		io.Copy(io.Discard, stderr)
-	}()
-	go func() {
-		err := cmd.Wait()
-		select {
-		case <-scanned:
-		case <-time.After(5 * time.Second): // something else holds the agent's stderr
+		if strings.Contains(line, servingLine) {
+			select {
+			case serving <- line:
+			default:
+			}
 		}
-		stderr.Close()
-		<-scanned
-		done <- err
-	}()
+	})
+	require.NoError(t, err)
 	t.Cleanup(func() { cmd.Process.Kill() })
 	select {
 	case <-serving:

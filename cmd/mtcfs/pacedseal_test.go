@@ -20,9 +20,9 @@ import (
 // TestKillWhileSealWaitsForNextSave: kill -9 of the agent while the seal of a committed step is
 // paused for the job's next save on a busy node (tiers/yield.go waitForNextSave): the next agent
 // adopts the committed record (and the one after it, killed again at once), and the job restores
-// the step, every byte verified. Whether the
-// seal was still paused at the kill is logged, not required (it depends on the machine's
-// timing; on the 2-CPU development VM it was, in 4 runs of 4): the restore must hold either way.
+// the step, every byte verified. Whether the seal was still paused at the kill is logged, not
+// required (it depends on the machine's timing; on the 2-CPU development VM it was, in 5 runs of
+// 5 with the SCHED_IDLE spinners): the restore must hold either way.
 func TestKillWhileSealWaitsForNextSave(t *testing.T) {
 	needRoot(t)
 	ctx := repCtx(t)
