@@ -412,13 +412,7 @@ func recordRequests(t *target, before map[string]float64, n int, rec record) err
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	sync := 0.0
-	for op, v := range after {
-		if !asyncOps[op] {
-			sync += v - before[op]
-		}
-	}
-	rec(createSyncRequests, sync/float64(n))
+	rec(createSyncRequests, syncRequests(before, after)/float64(n))
 	for _, op := range createOps {
 		rec(createRequestsOp+op, (after[op]-before[op])/float64(n))
 	}
@@ -435,14 +429,19 @@ func recordSyncRequests(t *target, before map[string]float64, n, per int, key st
 	if err != nil {
 		return err
 	}
+	rec(key, syncRequests(before, after)*float64(per)/float64(n))
+	return nil
+}
+
+// syncRequests is how many requests the caller waited for (asyncOps aside) from before to after.
+func syncRequests(before, after map[string]float64) float64 {
 	sync := 0.0
 	for op, v := range after {
 		if !asyncOps[op] {
 			sync += v - before[op]
 		}
 	}
-	rec(key, sync*float64(per)/float64(n))
-	return nil
+	return sync
 }
 
 // writeFile opens path for writing with extra flags, writes size bytes from buf in chunks of
