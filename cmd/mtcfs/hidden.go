@@ -28,18 +28,22 @@ var hiddenYAMLWait = time.Second
 // agent started — which the mount now hides from the job and from the agent alike. under is that
 // directory, opened before the mount. A replicator.yaml found there is taken into the namespace
 // and answered as if the job had written it through the mount (a job that wrote it there waits
-// for its .restore), then removed from under the mount, so that no later agent answers it again.
-// Other entries are reported.
-func answerHidden(under *os.File, ns tiers.Namespace, events interface{ Closed(path string) }) {
+// for its .restore). Other entries are reported.
+//
+// The yaml taken in is removed from under the mount only by the returned remove (nil when there
+// is nothing to remove), which the caller calls once the agent runs: no later agent answers it
+// again then, and an agent whose start fails after the take leaves it for the next one (the
+// namespace that took it in goes with the failed agent, and the job still waits).
+func answerHidden(under *os.File, ns tiers.Namespace, events interface{ Closed(path string) }) (remove func()) {
 	names, err := under.Readdirnames(-1)
 	if err != nil {
 		slog.Warn("cannot list the mount directory under the mount", "err", err)
-		return
+		return nil
 	}
 	var others []string
 	for _, name := range names {
 		if name == layout.ReplicatorYAMLName {
-			takeHiddenYAML(under, ns, events)
+			remove = takeHiddenYAML(under, ns, events)
 		} else {
 			others = append(others, name)
 		}
@@ -50,36 +54,40 @@ func answerHidden(under *os.File, ns tiers.Namespace, events interface{ Closed(p
 		}
 		slog.Warn("the mount hides entries of the mount directory (written while no agent was mounted on it)", "count", count, "names", others)
 	}
+	return remove
 }
 
-// takeHiddenYAML is answerHidden for the replicator.yaml under the mount.
-func takeHiddenYAML(under *os.File, ns tiers.Namespace, events interface{ Closed(path string) }) {
+// takeHiddenYAML is answerHidden for the replicator.yaml under the mount; remove (nil: nothing to
+// remove) removes the file read from under the mount.
+func takeHiddenYAML(under *os.File, ns tiers.Namespace, events interface{ Closed(path string) }) (remove func()) {
 	data, st, err := readHiddenYAML(under)
 	if err != nil {
 		slog.Warn("cannot read the replicator.yaml written under the mount", "err", err)
-		return
+		return nil
 	}
 	if modified := time.Unix(st.Mtim.Unix()); time.Since(modified) > hiddenYAMLMaxAge {
 		slog.Warn("the mount hides a replicator.yaml too old to answer; remove it from the mount directory while no agent is mounted on it",
 			"modified", modified.UTC().Format(time.RFC3339), "max_age", hiddenYAMLMaxAge.String())
-		return
+		return nil
 	}
 	if _, err := ns.ReadFile(layout.ReplicatorYAMLName, tiers.MaxConfigSize); err == nil {
 		slog.Warn("removing a replicator.yaml written into the mount directory while no agent was mounted on it: the job has written one through the mount since")
 	} else if err := ns.WriteFile(layout.ReplicatorYAMLName, data); err != nil {
 		slog.Error("cannot take in the replicator.yaml written under the mount", "err", err)
-		return
+		return nil
 	} else {
 		slog.Warn("answering a replicator.yaml written into the mount directory while no agent was mounted on it (the mount hid it from the job)", "bytes", len(data))
 		events.Closed(layout.ReplicatorYAMLName)
 	}
-	// Only the file read: a job still writing through a descriptor of the directory opened
-	// before the mount may have replaced it since (its yaml is then left, and reported).
-	var now unix.Stat_t
-	if err := unix.Fstatat(int(under.Fd()), layout.ReplicatorYAMLName, &now, unix.AT_SYMLINK_NOFOLLOW); err != nil || now.Dev != st.Dev || now.Ino != st.Ino {
-		slog.Warn("the replicator.yaml under the mount was replaced after it was read; left there", "err", err)
-	} else if err := unix.Unlinkat(int(under.Fd()), layout.ReplicatorYAMLName, 0); err != nil {
-		slog.Warn("cannot remove the replicator.yaml under the mount", "err", err)
+	return func() {
+		// Only the file read: a job still writing through a descriptor of the directory opened
+		// before the mount may have replaced it since (its yaml is then left, and reported).
+		var now unix.Stat_t
+		if err := unix.Fstatat(int(under.Fd()), layout.ReplicatorYAMLName, &now, unix.AT_SYMLINK_NOFOLLOW); err != nil || now.Dev != st.Dev || now.Ino != st.Ino {
+			slog.Warn("the replicator.yaml under the mount was replaced after it was read; left there", "err", err)
+		} else if err := unix.Unlinkat(int(under.Fd()), layout.ReplicatorYAMLName, 0); err != nil {
+			slog.Warn("cannot remove the replicator.yaml under the mount", "err", err)
+		}
 	}
 }
 

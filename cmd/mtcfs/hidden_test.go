@@ -1,7 +1,9 @@
 package main
 
 import (
+	"context"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -9,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // TestYAMLWrittenBeforeTheMount: a job that wrote replicator.yaml into the mount directory while
@@ -64,4 +67,53 @@ func TestYAMLWrittenBeforeTheMount(t *testing.T) {
 	assert.NoFileExists(t, filepath.Join(n.dir, "ancient-s0-n0-w0.restore"))
 	stopAgent(t, c)
 	assert.FileExists(t, old)
+}
+
+// TestYAMLWrittenBeforeAFailedStart: an agent whose start fails after it took in a hidden
+// replicator.yaml leaves that yaml under the mount, and the next agent answers it. Before, the
+// yaml was removed as soon as it was taken in, so a job that wrote it while no agent was mounted
+// waited for a .restore no later agent would give. Each start here fails on a spool left by a
+// killed agent with a regular file where a directory belongs: spool/meta makes the replicator's
+// start fail, spool/peer-incoming the peer service's.
+func TestYAMLWrittenBeforeAFailedStart(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	yaml := "job-name: again\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 600\n"
+	hidden := filepath.Join(n.dir, "replicator.yaml")
+	for _, blocked := range []string{"meta", "peer-incoming"} {
+		// A killed agent: its mount detached (as kubelet or the next agent does), its spool kept.
+		a := n.start(t)
+		killAgent(t, a)
+		require.NoError(t, unix.Unmount(n.dir, unix.MNT_DETACH))
+		require.True(t, isMounted(n.spool), "a killed agent's spool stays mounted")
+		require.NoError(t, os.RemoveAll(filepath.Join(n.spool, blocked)))
+		require.NoError(t, os.WriteFile(filepath.Join(n.spool, blocked), nil, 0o600))
+		require.NoError(t, os.WriteFile(hidden, []byte(yaml), 0o644))
+
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		out, err := exec.CommandContext(ctx, binPath, "mount", n.dir, "--spool", n.spool, "--memory", "64MiB", "--backup", n.backupURL()).CombinedOutput()
+		cancel()
+		var ee *exec.ExitError
+		require.ErrorAs(t, err, &ee, "the start with spool/%s a file should fail\n%s", blocked, out)
+		assert.Equal(t, 1, ee.ExitCode())
+		assert.Contains(t, string(out), "answering a replicator.yaml written into the mount directory", "the yaml was taken in before the failure")
+		assert.Contains(t, string(out), filepath.Join(n.spool, blocked)+": not a directory")
+		assert.Contains(t, string(out), "stays there for the next agent")
+		assert.False(t, isMounted(n.dir), "the failed start unmounted")
+		got, err := os.ReadFile(hidden)
+		require.NoError(t, err, "the yaml must stay under the mount after a failed start (spool/%s)\n%s", blocked, out)
+		assert.Equal(t, yaml, string(got))
+		if isMounted(n.spool) {
+			require.NoError(t, unix.Unmount(n.spool, unix.MNT_DETACH))
+		}
+		require.NoError(t, os.RemoveAll(n.spool))
+	}
+
+	// The next agent that starts answers the yaml and removes it from under the mount.
+	c := n.start(t)
+	repWait(t, 10*time.Second, "the fresh-start marker", func() bool {
+		return pathExists(filepath.Join(n.dir, "again-s0-n0-w0.restore"))
+	})
+	stopAgent(t, c)
+	assert.NoFileExists(t, hidden)
 }

@@ -328,18 +328,27 @@ func runMount(cfg mountConfig) error {
 	// What the job may have written into the directory while no agent was mounted on it (see
 	// answerHidden): opened before the mount hides it, looked at before the replicator starts
 	// (its control loop then takes a hidden yaml's close before any event of the job's, and a
-	// yaml the job writes through the mount meanwhile wins).
+	// yaml the job writes through the mount meanwhile wins). A yaml taken in is removed from
+	// under the mount only once the agent runs: a start that fails leaves it to the next agent.
 	under, uerr := os.Open(cfg.dir)
 	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Events: rep, Debug: cfg.debugFuse, Xattrs: cfg.xattrs, Owner: cfg.owner})
+	var removeHidden func()
 	if uerr != nil {
 		slog.Warn("cannot open the mount directory before mounting", "err", uerr)
 	} else {
 		if err == nil {
-			answerHidden(under, srv.Namespace(), rep)
+			removeHidden = answerHidden(under, srv.Namespace(), rep)
 		}
-		under.Close()
+		defer under.Close() // also closed below once the agent runs
 	}
 	if err != nil {
+		return err
+	}
+	failed := func(err error) error {
+		srv.Unmount()
+		if removeHidden != nil {
+			slog.Warn("the replicator.yaml written under the mount stays there for the next agent to answer")
+		}
 		return err
 	}
 	info.Dir, info.Passthrough = srv.Dir(), srv.Passthrough()
@@ -347,16 +356,20 @@ func runMount(cfg mountConfig) error {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	if err := rep.Start(ctx, srv.Namespace()); err != nil {
-		srv.Unmount()
-		return fmt.Errorf("start replicator: %w", err)
+		return failed(fmt.Errorf("start replicator: %w", err))
 	}
 	defer rep.Close()
 	// Replicas are taken only once the replicator runs (see replication.Node.Start).
 	if err := node.Start(rep, spool); err != nil {
-		srv.Unmount()
-		return err
+		return failed(err)
 	}
 	defer node.Close()
+	if removeHidden != nil {
+		removeHidden()
+	}
+	if under != nil {
+		under.Close()
+	}
 	unregister := agents.Register(info)
 	defer unregister()
 	ready.Store(true)
