@@ -15,6 +15,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -476,11 +477,40 @@ func legacyDefaultSpoolDir(abs string) string {
 	return filepath.Join("/dev/shm", "mtcfs", base+"-"+hex.EncodeToString(sum[:6]))
 }
 
+// mountStatTimeout bounds mountPathState's lstat.
+var mountStatTimeout = 2 * time.Second
+
 // mountPathState says whether a spool's mount directory still exists. Anything but a clear
 // "not there" (ENOENT, ENOTDIR, or not a directory) counts as existing: a stale FUSE mount
 // answers ENOTCONN, an unreadable parent EACCES, and neither means the mount is gone.
+//
+// A mount point exists, and is not looked at: the mount path of another agent's spool is that
+// agent's mount, and if the agent is stopped (SIGSTOP, a frozen cgroup, a debugger), a stat of
+// the mount's root waits for it to answer, unkillably but by SIGKILL. Every agent starting on the
+// machine (ReapOrphaned) and every spool command would wait with it. A path that is not a mount
+// point can still lie below one; its lstat is given mountStatTimeout, and one that does not
+// answer by then counts as existing (its goroutine is left waiting).
 func mountPathState(p string) string {
-	fi, err := os.Lstat(p)
+	if slices.Contains(mountPoints(nil), p) {
+		return MountExists
+	}
+	type result struct {
+		fi  fs.FileInfo
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		fi, err := os.Lstat(p)
+		done <- result{fi, err}
+	}()
+	var fi fs.FileInfo
+	var err error
+	select {
+	case r := <-done:
+		fi, err = r.fi, r.err
+	case <-time.After(mountStatTimeout):
+		return MountExists
+	}
 	switch {
 	case err == nil && fi.IsDir():
 		return MountExists
@@ -531,6 +561,12 @@ func looksLikeSpool(dir string) bool {
 
 // spoolTmpfsMounts lists the mount points of spool tmpfs mounts (source mtcfs-spool).
 func spoolTmpfsMounts() []string {
+	return mountPoints(func(fstype, source string) bool { return fstype == "tmpfs" && source == spoolTmpfsSource })
+}
+
+// mountPoints lists the mount points of this mount namespace (/proc/self/mountinfo) whose file
+// system type and source match (match nil: all), each once.
+func mountPoints(match func(fstype, source string) bool) []string {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
 		return nil
@@ -550,7 +586,7 @@ func spoolTmpfsMounts() []string {
 				break
 			}
 		}
-		if sep < 5 || sep+2 >= len(fields) || fields[sep+1] != "tmpfs" || fields[sep+2] != spoolTmpfsSource {
+		if sep < 5 || sep+2 >= len(fields) || (match != nil && !match(fields[sep+1], fields[sep+2])) {
 			continue
 		}
 		if p := fusectl.UnescapePath(fields[4]); !seen[p] {

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -356,4 +357,37 @@ func fuseMountsAt(p string) int {
 		}
 	}
 	return n
+}
+
+// TestStoppedAgentBlocksNoOtherAgent: an agent that is stopped (SIGSTOP, a frozen cgroup, a
+// debugger) answers nothing on its mount. An agent starting on the same machine looks at every
+// kept spool's mount path (ReapOrphaned), and so does mtcfs spool list; their stat of the stopped
+// agent's mount root waited for it, unkillably (10 minutes by hand, until SIGCONT). Mount points
+// are no longer stat'ed: they exist.
+func TestStoppedAgentBlocksNoOtherAgent(t *testing.T) {
+	needRoot(t)
+	stopped := newRepNode(t)
+	a := stopped.start(t)
+	// A create in the mount's root invalidates the root's cached attributes, so that the next
+	// stat of the mount path asks the agent instead of the kernel's cache.
+	require.NoError(t, os.WriteFile(filepath.Join(stopped.dir, "x"), nil, 0o644))
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGSTOP))
+	t.Cleanup(func() { a.cmd.Process.Signal(syscall.SIGCONT) }) // before startAgent's cleanup kills it
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, binPath, "spool", "list", "--json").Output()
+	require.NoError(t, ctx.Err(), "mtcfs spool list waited for the stopped agent")
+	require.NoError(t, err)
+	var list []tiers.SpoolInfo
+	require.NoError(t, json.Unmarshal(out, &list), "spool list --json printed %s", out)
+	s, ok := findSpool(list, stopped.spool)
+	require.True(t, ok, "the stopped agent's spool is listed: %s", out)
+	assert.True(t, s.InUse, "the stopped agent's spool is in use")
+	assert.Equal(t, tiers.MountExists, s.MountState)
+
+	b := newRepNode(t).start(t) // fails if it does not serve within 15 s
+	stopAgent(t, b)
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
+	stopAgent(t, a)
 }
