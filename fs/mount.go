@@ -190,7 +190,9 @@ func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 	}
 	// statfs always reaches the FUSE server (stat of the root may be answered from the kernel's
 	// attribute cache for a while after the agent died).
-	err := statfsWithin(abs, takeoverAfter)
+	err := statfsWithin(abs, takeoverAfter, func() {
+		slog.Warn("a FUSE mount already at the directory does not answer yet; waiting for it before looking for its agent", "dir", abs, "up_to", takeoverAfter.String())
+	})
 	switch {
 	case err == nil:
 		what := abs
@@ -229,8 +231,9 @@ const DefaultTakeoverAfter = 30 * time.Second
 var errNoAnswer = errors.New("the mount did not answer")
 
 // statfsWithin runs statfs on p, giving up after d with errNoAnswer (the call itself goes on in
-// the background until the mount answers or its connection is aborted).
-func statfsWithin(p string, d time.Duration) error {
+// the background until the mount answers or its connection is aborted). slow (nil: none) is
+// called once the call has waited a tenth of d, at most a second, so that a long wait is seen.
+func statfsWithin(p string, d time.Duration, slow func()) error {
 	done := make(chan error, 1)
 	go func() {
 		var st unix.Statfs_t
@@ -238,11 +241,19 @@ func statfsWithin(p string, d time.Duration) error {
 	}()
 	t := time.NewTimer(d)
 	defer t.Stop()
-	select {
-	case err := <-done:
-		return err
-	case <-t.C:
-		return errNoAnswer
+	notice := time.NewTimer(min(d/10, time.Second))
+	defer notice.Stop()
+	for {
+		select {
+		case err := <-done:
+			return err
+		case <-t.C:
+			return errNoAnswer
+		case <-notice.C:
+			if slow != nil {
+				slow()
+			}
+		}
 	}
 }
 

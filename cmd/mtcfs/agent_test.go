@@ -309,7 +309,8 @@ func TestStoppedAgentsMountIsNotTakenOver(t *testing.T) {
 
 	out, code := runMtcfs(t, "mount", dir, "--spool", filepath.Join(base, "spool2"), "--memory", "64MiB", "--takeover-after", "2s")
 	require.NotEqual(t, 0, code, out)
-	assert.Contains(t, out, "does not answer")
+	assert.Contains(t, out, "does not answer yet; waiting for it before looking for its agent", "the wait is announced")
+	assert.Contains(t, out, "up_to=2s")
 	assert.Contains(t, out, fmt.Sprintf("agent process %d that mounted it still runs", a.cmd.Process.Pid))
 
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
