@@ -42,6 +42,8 @@ type mtfs struct {
 	// notifier sends the namespace's invalidations of top-level names (nil: go-fuse's calls
 	// do); set before Mount returns.
 	notifier *entryNotifier
+	// fdsReported is when reportOutOfFDs last logged (UnixNano; 0: never).
+	fdsReported atomic.Int64
 }
 
 // lookupHook, when set (tests only), runs at the start of every LOOKUP the mount serves, with

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sys/unix"
 )
 
 const mountSynopsis = "mtcfs mount DIR [--backup URL] [--backup-compress auto|off] [--listen HOST:PORT] [--advertise HOST:PORT] [--peers 0=HOST:PORT,1=HOST:PORT,...] [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--peer-compress auto|on|off] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off] [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text] [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--takeover-after DURATION] [--go-memory-limit auto|off|SIZE] [--heap-huge-pages SIZE|off] [--uid N --gid N --mode OCTAL]"
@@ -251,6 +252,21 @@ func openBackups(url string) (*gcsbackend.Backups, error) {
 	return &gcsbackend.Backups{Store: store}, nil
 }
 
+// lowFDLimit is the descriptor limit below which the agent warns at start. Go raises the soft
+// limit to the hard one when the process starts, so only a low hard limit is reported.
+const lowFDLimit = 16384
+
+// warnLowFDLimit warns when the agent's descriptor limit is low: the agent holds a descriptor
+// for every file open in the mount, so the limit caps how many the job can hold open at once
+// (beyond it the job sees "Too many open files", fs logs why).
+func warnLowFDLimit() {
+	var rl unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err == nil && rl.Cur != unix.RLIM_INFINITY && rl.Cur < lowFDLimit {
+		slog.Warn("low file descriptor limit: the agent holds one for each file open in the mount, so the job can hold at most about this many open at once; raise it (ulimit -n, systemd LimitNOFILE, the container's nofile limit)",
+			"limit", rl.Cur)
+	}
+}
+
 func runMount(cfg mountConfig) error {
 	// Before anything large is allocated: a restart's adoption is what the marked pages are for.
 	if cfg.heapHugePages > 0 {
@@ -262,6 +278,7 @@ func runMount(cfg mountConfig) error {
 	}
 	sigs, stopSignals := notifyStop()
 	defer stopSignals()
+	warnLowFDLimit()
 
 	if detached, err := mfs.DetachStale(cfg.dir, cfg.takeover); err != nil {
 		return err

@@ -1,0 +1,63 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// TestAgentOutOfDescriptors: the agent holds a descriptor for each file open in the mount, so a
+// job holding many files open meets the agent's descriptor limit, not its own: its open fails
+// with EMFILE ("Too many open files"), which only the agent's log can explain. The agent warns
+// at start when its limit is low, logs the cause when it runs out, and opens again once the job
+// closed its files.
+func TestAgentOutOfDescriptors(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	dir, spool := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	const limit = 200
+	// sh's ulimit sets the soft and the hard limit: Go raises the soft one to the hard one.
+	a := startAgentIn(t, []string{"sh", "-c", fmt.Sprintf(`ulimit -n %d && exec "$0" "$@"`, limit)}, dir, spool)
+	assert.Contains(t, a.log(), "low file descriptor limit")
+	assert.Contains(t, a.log(), fmt.Sprintf("limit=%d", limit))
+
+	var open []*os.File
+	closeAll := func() {
+		for _, f := range open {
+			f.Close()
+		}
+		open = nil
+	}
+	t.Cleanup(closeAll)
+	var openErr error
+	for i := 0; i < 2*limit && openErr == nil; i++ {
+		var f *os.File
+		if f, openErr = os.Create(filepath.Join(dir, fmt.Sprintf("f%d", i))); openErr == nil {
+			open = append(open, f)
+		}
+	}
+	require.ErrorIs(t, openErr, syscall.EMFILE, "the job's open fails at the agent's limit (%d files open)", len(open))
+	assert.Less(t, len(open), limit)
+	for i := range 5 { // more opens that fail
+		_, err := os.Create(filepath.Join(dir, fmt.Sprintf("again%d", i)))
+		require.ErrorIs(t, err, syscall.EMFILE)
+	}
+	repWait(t, 5*time.Second, "the agent's out-of-descriptors line", func() bool {
+		return strings.Contains(a.log(), "the agent is out of file descriptors")
+	})
+	assert.Equal(t, 1, strings.Count(a.log(), "the agent is out of file descriptors"), "logged once, not per failed open")
+
+	closeAll()
+	f, err := os.Create(filepath.Join(dir, "after"))
+	require.NoError(t, err, "the files closed, the agent opens again")
+	require.NoError(t, f.Close())
+	stopAgent(t, a)
+}
