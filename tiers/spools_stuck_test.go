@@ -91,7 +91,10 @@ func TestMountPathStateAsksNoStoppedServer(t *testing.T) {
 	assert.Equal(t, MountExists, state(dir), "a mount point exists")
 	assert.Zero(t, root.asked.Load(), "the mount point's state asked its server")
 	assert.Equal(t, MountExists, state(filepath.Join(dir, "below")), "a path whose lstat does not answer counts as existing")
-	assert.Positive(t, root.asked.Load(), "the path below the mount was asked for: the timeout answered")
+	// The lstat goes on in the background: its LOOKUP reaches the server (it may not have
+	// within the timeout on a loaded machine; the state is the same either way).
+	require.Eventually(t, func() bool { return root.asked.Load() > 0 }, 10*time.Second, 10*time.Millisecond,
+		"the path below the mount was asked for")
 	unstick()
 	assert.Equal(t, MountGone, state(filepath.Join(dir, "below")), "answered, the path below is gone")
 }
