@@ -221,10 +221,15 @@ func lockOwned(dir string) (*os.File, error) {
 }
 
 // OpenSpool prepares the spool directory. An existing tmpfs mount at Dir (left by an agent that
-// was killed) is adopted and resized to the new budget, keeping its content.
+// was killed) is adopted and resized to the new budget, keeping its content. A Dir that holds
+// anything but a spool's entries, or that is a tmpfs mounted by someone else, is refused
+// (checkSpoolDir).
 func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 	if cfg.Budget < MinBudget {
 		return nil, fmt.Errorf("memory budget %s is below the minimum %s", FormatSize(cfg.Budget), FormatSize(MinBudget))
+	}
+	if err := checkSpoolDir(cfg.Dir); err != nil {
+		return nil, err
 	}
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create spool directory: %w", err)
@@ -487,11 +492,109 @@ func (s *Spool) close(discard bool) error {
 				return
 			}
 		}
-		if e := os.RemoveAll(s.dir); e != nil {
-			err = fmt.Errorf("remove spool %s: %w", s.dir, e)
-		}
+		err = removeSpoolDir(s.dir)
 	})
 	return err
+}
+
+// isSpoolEntry tells whether name is an entry a spool's root holds.
+func isSpoolEntry(name string) bool {
+	switch name {
+	case "files", "meta", "sealed", "staging", "incoming", commitsDir, "peer-incoming", OwnerFile:
+		return true
+	}
+	return strings.HasPrefix(name, filesTrashPrefix) || strings.HasPrefix(name, "."+OwnerFile+".tmp-")
+}
+
+// foreignEntries lists the entries of the directory dir that are not a spool's (isSpoolEntry).
+func foreignEntries(dir string) ([]string, error) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range ents {
+		if !isSpoolEntry(e.Name()) {
+			out = append(out, e.Name())
+		}
+	}
+	return out, nil
+}
+
+// namesForError lists at most five names.
+func namesForError(names []string) string {
+	if len(names) > 5 {
+		return strings.Join(names[:5], ", ") + fmt.Sprintf(" and %d more", len(names)-5)
+	}
+	return strings.Join(names, ", ")
+}
+
+// checkSpoolDir refuses a spool directory the agent must not take: an existing directory holding
+// anything but a spool's entries, and a tmpfs mounted by someone else. Before, the agent took
+// either: it mounted its tmpfs over the directory (or resized the foreign tmpfs), and a stop that
+// freed the spool unmounted it and removed the directory, so a mistyped --spool /data deleted
+// /data, and --spool /dev/shm would have unmounted the machine's /dev/shm. A directory that does
+// not exist, an empty one, a spool left by an agent and a spool tmpfs are taken.
+func checkSpoolDir(dir string) error {
+	real, err := filepath.EvalSymlinks(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil // made by OpenSpool
+	}
+	if err != nil {
+		return fmt.Errorf("spool %s: %w", dir, err)
+	}
+	fi, err := os.Stat(real)
+	if err != nil {
+		return fmt.Errorf("spool %s: %w", dir, err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("spool %s is not a directory", dir)
+	}
+	if isSpoolTmpfs(real) {
+		return nil
+	}
+	if isTmpfsMount(real) {
+		return fmt.Errorf("spool %s is a tmpfs mounted by someone else, not an mtcfs spool: the agent mounts the spool's tmpfs itself, and unmounts and removes it once the spool is freed; give a new directory, such as %s", dir, filepath.Join(dir, "mtcfs-spool"))
+	}
+	foreign, err := foreignEntries(real)
+	if err != nil {
+		return fmt.Errorf("spool %s: %w", dir, err)
+	}
+	if len(foreign) > 0 {
+		return fmt.Errorf("spool %s holds entries that are not a spool's (%s): the agent would hide them under its tmpfs and remove the directory once the spool is freed; give a new or empty directory", dir, namesForError(foreign))
+	}
+	return nil
+}
+
+// removeSpoolDir removes a spool directory no tmpfs is mounted on any more: its spool entries,
+// then the directory itself. Anything else it holds stays, and so does the directory: those are
+// not the agent's to remove (see checkSpoolDir).
+func removeSpoolDir(dir string) error {
+	foreign, err := foreignEntries(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("remove spool %s: %w", dir, err)
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return fmt.Errorf("remove spool %s: %w", dir, err)
+	}
+	for _, e := range ents {
+		if isSpoolEntry(e.Name()) {
+			if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
+				return fmt.Errorf("remove spool %s: %w", dir, err)
+			}
+		}
+	}
+	if len(foreign) > 0 {
+		return fmt.Errorf("spool %s: its own entries removed; the directory stays, it holds entries that are not a spool's (%s)", dir, namesForError(foreign))
+	}
+	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove spool %s: %w", dir, err)
+	}
+	return nil
 }
 
 // filesTrashPrefix names the directories that clearFiles moves a previous agent's files into.

@@ -170,10 +170,7 @@ func FreeSpool(s SpoolInfo) error {
 			return fmt.Errorf("unmount spool tmpfs %s: %w", s.Dir, err)
 		}
 	}
-	if err := os.RemoveAll(s.Dir); err != nil {
-		return fmt.Errorf("remove spool %s: %w", s.Dir, err)
-	}
-	return nil
+	return removeSpoolDir(s.Dir)
 }
 
 func refusal(s SpoolInfo) error {

@@ -391,3 +391,29 @@ func TestStoppedAgentBlocksNoOtherAgent(t *testing.T) {
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
 	stopAgent(t, a)
 }
+
+// TestSpoolFlagNamingAUsersDirectory: `mtcfs mount DIR --spool D` with D an existing directory
+// of the user's (a typo: --spool /data) refuses to start and leaves D as it was. Before, the
+// agent mounted its tmpfs over D, and its clean stop removed D with everything in it.
+func TestSpoolFlagNamingAUsersDirectory(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	dir, precious := filepath.Join(base, "mnt"), filepath.Join(base, "data")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	require.NoError(t, os.Mkdir(precious, 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(precious, "notes.txt"), []byte("mine"), 0o644))
+	t.Cleanup(func() { forceUnmount(dir); forceUnmount(precious) })
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // the old agent served on
+	defer cancel()
+	out, err := exec.CommandContext(ctx, binPath, "mount", dir, "--spool", precious, "--memory", "64MiB").CombinedOutput()
+	var ee *exec.ExitError
+	require.ErrorAs(t, err, &ee, "the start should fail\n%s", out)
+	assert.Equal(t, 1, ee.ExitCode(), "%s", out)
+	assert.Contains(t, string(out), "spool "+precious+" holds entries that are not a spool's (notes.txt)")
+	assert.False(t, isMounted(dir), "nothing is mounted at the refused start")
+	assert.False(t, isMounted(precious), "no tmpfs over the user's directory")
+	data, err := os.ReadFile(filepath.Join(precious, "notes.txt"))
+	require.NoError(t, err, "the user's directory is intact")
+	assert.Equal(t, "mine", string(data))
+}

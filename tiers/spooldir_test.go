@@ -1,0 +1,83 @@
+package tiers
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// TestSpoolRefusesAForeignDirectory: a spool directory that holds anything but a spool's entries
+// is refused, untouched; a directory that does not exist or is empty is taken; freeing a spool
+// removes its own entries and leaves anything else, with the directory. Before, --spool naming
+// an existing directory (a typo such as --spool /data) hid it under the spool's tmpfs, and the
+// stop that freed the spool removed it with everything in it.
+func TestSpoolRefusesAForeignDirectory(t *testing.T) {
+	base := t.TempDir()
+	precious := filepath.Join(base, "precious")
+	require.NoError(t, os.MkdirAll(filepath.Join(precious, "sub"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(precious, "notes.txt"), []byte("mine"), 0o644))
+	for _, tmpfs := range []bool{false, true} {
+		if tmpfs && os.Geteuid() != 0 {
+			continue // mounting the spool's tmpfs needs root; the plain case ran
+		}
+		_, err := OpenSpool(SpoolConfig{Dir: precious, Budget: MinBudget, MountTmpfs: tmpfs, MountPath: filepath.Join(base, "mnt")})
+		require.Error(t, err, "tmpfs=%v", tmpfs)
+		assert.Contains(t, err.Error(), "holds entries that are not a spool's (notes.txt, sub)")
+		assert.False(t, isTmpfsMount(precious), "nothing is mounted over a refused directory")
+		data, err := os.ReadFile(filepath.Join(precious, "notes.txt"))
+		require.NoError(t, err)
+		assert.Equal(t, "mine", string(data))
+		assert.NoFileExists(t, filepath.Join(precious, OwnerFile))
+	}
+
+	// An empty directory is taken, and freed with the spool.
+	empty := filepath.Join(base, "empty")
+	require.NoError(t, os.Mkdir(empty, 0o700))
+	s, err := OpenSpool(SpoolConfig{Dir: empty, Budget: MinBudget, MountPath: filepath.Join(base, "mnt")})
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+	assert.NoDirExists(t, empty)
+
+	// Something put into a spool while it is used stays when the spool is freed, and so does
+	// the directory; the spool's own entries go.
+	used := filepath.Join(base, "used")
+	s, err = OpenSpool(SpoolConfig{Dir: used, Budget: MinBudget, MountPath: filepath.Join(base, "mnt")})
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(used, "stray"), []byte("x"), 0o644))
+	err = s.Close()
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "holds entries that are not a spool's (stray)")
+	ents, err := os.ReadDir(used)
+	require.NoError(t, err)
+	require.Len(t, ents, 1)
+	assert.Equal(t, "stray", ents[0].Name())
+}
+
+// TestSpoolRefusesAForeignTmpfs: a tmpfs mounted by someone else (such as /dev/shm) is refused as
+// a spool and left as it was: mounted, its size and content unchanged. Before, the agent resized
+// it to its budget, and a stop that freed the spool unmounted it and removed the directory.
+func TestSpoolRefusesAForeignTmpfs(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	dir := filepath.Join(t.TempDir(), "theirs")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	require.NoError(t, unix.Mount("theirs", dir, "tmpfs", 0, "size=8m"))
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "keep"), []byte("k"), 0o644))
+	var before unix.Statfs_t
+	require.NoError(t, unix.Statfs(dir, &before))
+
+	_, err := OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountTmpfs: true, MountPath: filepath.Join(t.TempDir(), "mnt")})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "is a tmpfs mounted by someone else")
+	var after unix.Statfs_t
+	require.NoError(t, unix.Statfs(dir, &after))
+	assert.Equal(t, before.Blocks, after.Blocks, "its size is unchanged")
+	assert.True(t, isTmpfsMount(dir))
+	assert.FileExists(t, filepath.Join(dir, "keep"))
+}
