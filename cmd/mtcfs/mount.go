@@ -140,6 +140,8 @@ func cmdMount(args []string) int {
 		return flagError(fset, err)
 	}
 	switch {
+	case flagSet(fset, "rank") && *rank < 0:
+		return flagError(fset, fmt.Errorf("--rank %d: want a rank ≥ 0", *rank))
 	case (*rank >= 0) != (*jaxCoord != ""):
 		return flagError(fset, errors.New("--rank and --jax-coordinator go together"))
 	case *rank >= 0:
@@ -267,6 +269,40 @@ func warnLowFDLimit() {
 	}
 }
 
+// checkSpoolPlacement refuses a spool at or below the mount directory dir (the agent would reach
+// its spool through its own mount, which hides it: the job's first write failed), and a mount
+// directory inside the spool. Both paths are compared with their symlinks resolved.
+func checkSpoolPlacement(dir, spool string) error {
+	d, sp := resolveExisting(dir), resolveExisting(spool)
+	within := func(p, parent string) bool {
+		return p == parent || strings.HasPrefix(p, strings.TrimSuffix(parent, "/")+"/")
+	}
+	switch {
+	case within(sp, d):
+		return fmt.Errorf("--spool %s is inside the mount directory %s, which the mount hides from the agent too: give a directory outside it", spool, dir)
+	case within(d, sp):
+		return fmt.Errorf("the mount directory %s is inside the spool %s: give a spool directory outside it", dir, spool)
+	}
+	return nil
+}
+
+// resolveExisting returns the absolute path p with the symlinks of its longest existing ancestor
+// resolved (the rest does not exist yet).
+func resolveExisting(p string) string {
+	rest := ""
+	for cur := p; ; {
+		if r, err := filepath.EvalSymlinks(cur); err == nil {
+			return filepath.Join(r, rest)
+		}
+		parent := filepath.Dir(cur)
+		if parent == cur {
+			return p
+		}
+		rest = filepath.Join(filepath.Base(cur), rest)
+		cur = parent
+	}
+}
+
 func runMount(cfg mountConfig) error {
 	// Before anything large is allocated: a restart's adoption is what the marked pages are for.
 	if cfg.heapHugePages > 0 {
@@ -298,6 +334,9 @@ func runMount(cfg mountConfig) error {
 	backups.Compress = cfg.compress
 	if abs, err := filepath.Abs(cfg.spoolDir); err == nil {
 		cfg.spoolDir = abs
+	}
+	if err := checkSpoolPlacement(cfg.dir, cfg.spoolDir); err != nil {
+		return err
 	}
 	localSpools.ReapOrphaned(cfg.spoolDir, slog.Default())
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: cfg.spoolDir, Budget: cfg.budget, MountTmpfs: os.Geteuid() == 0, MountPath: cfg.dir})

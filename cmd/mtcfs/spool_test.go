@@ -417,3 +417,34 @@ func TestSpoolFlagNamingAUsersDirectory(t *testing.T) {
 	require.NoError(t, err, "the user's directory is intact")
 	assert.Equal(t, "mine", string(data))
 }
+
+// TestSpoolInsideTheMount: a spool at or below the mount directory (also through a symlink), or a
+// mount directory inside the spool, is refused before anything is mounted. Before, the agent
+// served with its spool hidden under its own mount, and the job's first write failed.
+func TestSpoolInsideTheMount(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	require.NoError(t, os.Symlink(dir, filepath.Join(base, "link")))
+	t.Cleanup(func() {
+		forceUnmount(dir)
+		forceUnmount(filepath.Join(dir, "spool"))
+	})
+	for _, c := range []struct{ spool, want string }{
+		{dir, "is inside the mount directory"},
+		{filepath.Join(dir, "spool"), "is inside the mount directory"},
+		{filepath.Join(base, "link", "a", "b"), "is inside the mount directory"},
+		{base, "is inside the spool"},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // the old agent served on
+		out, err := exec.CommandContext(ctx, binPath, "mount", dir, "--spool", c.spool, "--memory", "64MiB").CombinedOutput()
+		cancel()
+		var ee *exec.ExitError
+		require.ErrorAs(t, err, &ee, "--spool %s should be refused\n%s", c.spool, out)
+		assert.Equal(t, 1, ee.ExitCode())
+		assert.Contains(t, string(out), c.want, "--spool %s", c.spool)
+		assert.False(t, isMounted(dir), "--spool %s: nothing is mounted", c.spool)
+	}
+	assert.NoDirExists(t, filepath.Join(dir, "spool"), "no spool directory was made")
+}
