@@ -185,7 +185,8 @@ func CheckMountable(dir string) error {
 // takeoverAfter, 30 s by default, is what keeps a live but stalled one from being taken over.)
 func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 	abs := tiers.ResolveMountPath(dir)
-	if !isFuseMountPoint(abs) {
+	fstype := fuseMountType(abs)
+	if fstype == "" {
 		return false, nil
 	}
 	// statfs always reaches the FUSE server (stat of the root may be answered from the kernel's
@@ -201,6 +202,11 @@ func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 		}
 		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", what)
 	case errors.Is(err, errNoAnswer):
+		if fstype != mountType {
+			// Another file system's mount, perhaps waiting on its network (gcsfuse, sshfs):
+			// aborting its connection would lose what it has not written yet.
+			return false, fmt.Errorf("%s is a %s mount that does not answer (nothing within %v); it is not an mtcfs mount, so it is left alone: unmount it first", abs, fstype, takeoverAfter)
+		}
 		if pid := tiers.MountProcessFor(abs); pid > 0 {
 			return false, fmt.Errorf("%s is a FUSE mount that does not answer (nothing within %v), and the agent process %d that mounted it still runs (stopped? see its state in /proc/%d/status); stop it first", abs, takeoverAfter, pid, pid)
 		}
@@ -257,13 +263,21 @@ func statfsWithin(p string, d time.Duration, slow func()) error {
 	}
 }
 
+// mountType is the file system type of mtcfs's mounts in /proc/self/mountinfo (Name "mtcfs").
+const mountType = "fuse.mtcfs"
+
 // isFuseMountPoint reports whether a FUSE filesystem is mounted exactly at abs.
-func isFuseMountPoint(abs string) bool {
+func isFuseMountPoint(abs string) bool { return fuseMountType(abs) != "" }
+
+// fuseMountType returns the file system type ("fuse.mtcfs", "fuse.sshfs", "fuse") of the FUSE
+// mount exactly at abs, or "" if there is none (the last such mount, if several are stacked).
+func fuseMountType(abs string) string {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
-		return false
+		return ""
 	}
 	defer f.Close()
+	var fstype string
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		// id parent major:minor root mountpoint options ... - fstype source superopts
@@ -282,10 +296,10 @@ func isFuseMountPoint(abs string) bool {
 			continue
 		}
 		if fusectl.UnescapePath(fields[4]) == abs && strings.HasPrefix(fields[sep+1], "fuse") {
-			return true
+			fstype = fields[sep+1]
 		}
 	}
-	return false
+	return fstype
 }
 
 // Mount serves an empty mtcfs filesystem at dir until Unmount. A symlink is resolved: the

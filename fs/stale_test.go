@@ -21,6 +21,12 @@ import (
 // one of its threads waited in the kernel. The cleanup aborts and detaches it.
 func hungMount(t *testing.T) string {
 	t.Helper()
+	return hungMountOf(t, mountType)
+}
+
+// hungMountOf is hungMount for a mount of file system type fstype ("fuse.NAME").
+func hungMountOf(t *testing.T, fstype string) string {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root to mount")
 	}
@@ -35,7 +41,7 @@ func hungMount(t *testing.T) string {
 		t.Fatal(err)
 	}
 	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0", dev.Fd())
-	if err := unix.Mount("mtcfs", dir, "fuse.mtcfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+	if err := unix.Mount(strings.TrimPrefix(fstype, "fuse."), dir, fstype, unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		dev.Close()
 		t.Fatal(err)
 	}
@@ -77,6 +83,36 @@ func TestDetachStaleAbortsAMountThatDoesNotAnswer(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Error("the access that waited on the mount is still waiting after the abort")
+	}
+}
+
+// TestDetachStaleLeavesAnotherFileSystemsMount: a FUSE mount of another file system (gcsfuse,
+// sshfs) that does not answer is not aborted, even with no "mtcfs mount" process for it: its
+// server may be alive and waiting on its network, and an abort would lose what it has not
+// written yet. DetachStale names it and leaves it mounted.
+func TestDetachStaleLeavesAnotherFileSystemsMount(t *testing.T) {
+	dir := hungMountOf(t, "fuse.sshfs")
+	detached, err := DetachStale(dir, 300*time.Millisecond)
+	if err == nil || detached {
+		t.Fatalf("DetachStale = %v, %v; want a refusal", detached, err)
+	}
+	for _, want := range []string{"is a fuse.sshfs mount that does not answer", "not an mtcfs mount"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	if got := fuseMountType(dir); got != "fuse.sshfs" {
+		t.Errorf("the mount at %s is now %q, want it left as fuse.sshfs", dir, got)
+	}
+	waiter := make(chan error, 1) // ends at the cleanup's abort
+	go func() {
+		_, err := os.ReadDir(dir)
+		waiter <- err
+	}()
+	select {
+	case err := <-waiter:
+		t.Errorf("an access to the mount returned (%v): its connection was aborted", err)
+	case <-time.After(200 * time.Millisecond):
 	}
 }
 
