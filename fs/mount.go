@@ -133,6 +133,9 @@ func CheckMountable(dir string) error {
 			dir = real
 		}
 	}
+	if abs, _ := filepath.Abs(dir); abs == "/" {
+		return errors.New("mount point /: a mount there would hide the whole file system; give the checkpoints a directory of their own")
+	}
 	fi, err := os.Stat(dir)
 	switch {
 	case errors.Is(err, os.ErrNotExist):

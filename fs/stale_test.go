@@ -244,3 +244,22 @@ func TestHelperAbortsWhenTheAgentIsGoneMidWrite(t *testing.T) {
 		t.Errorf("the mount answers %v after the abort, want ENOTCONN", err)
 	}
 }
+
+// TestCheckMountableRefusesTheRoot: a mount on / (given as /, or through a symlink to it) would
+// hide the whole file system from everything in the mount namespace; it is refused before
+// anything is mounted.
+func TestCheckMountableRefusesTheRoot(t *testing.T) {
+	link := filepath.Join(t.TempDir(), "root")
+	if err := os.Symlink("/", link); err != nil {
+		t.Fatal(err)
+	}
+	for _, dir := range []string{"/", link, "/tmp/.."} {
+		err := CheckMountable(dir)
+		if err == nil || !strings.Contains(err.Error(), "would hide the whole file system") {
+			t.Errorf("CheckMountable(%q) = %v, want a refusal", dir, err)
+		}
+	}
+	if err := CheckMountable(t.TempDir()); err != nil && strings.Contains(err.Error(), "whole file system") {
+		t.Errorf("an ordinary directory was refused: %v", err)
+	}
+}
