@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // TestAgentOutOfDescriptors: the agent holds a descriptor for each file open in the mount, so a
@@ -60,4 +61,34 @@ func TestAgentOutOfDescriptors(t *testing.T) {
 	require.NoError(t, err, "the files closed, the agent opens again")
 	require.NoError(t, f.Close())
 	stopAgent(t, a)
+}
+
+// TestBackupLocationInRAM: a file:// backup location on a tmpfs (here /dev/shm) is warned about at
+// start: backups there go with the node they are meant to outlive. One on a disk is not.
+func TestBackupLocationInRAM(t *testing.T) {
+	needRoot(t)
+	var st unix.Statfs_t
+	require.NoError(t, unix.Statfs("/dev/shm", &st))
+	require.Equal(t, int64(unix.TMPFS_MAGIC), int64(st.Type), "/dev/shm is not a tmpfs here")
+	inRAM, err := os.MkdirTemp("/dev/shm", "mtcfs-backup-test-")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(inRAM) })
+	const warning = "the backup location is in RAM (tmpfs)"
+
+	n := newRepNode(t)
+	n.backup = "file://" + filepath.Join(inRAM, "not-yet-made")
+	a := n.start(t)
+	assert.Contains(t, a.log(), warning)
+	stopAgent(t, a)
+
+	// file:// of a directory under the test's temporary directory, when that is on a disk.
+	n.backup = ""
+	require.NoError(t, unix.Statfs(n.backupRoot, &st))
+	if st.Type == unix.TMPFS_MAGIC {
+		t.Logf("%s is on a tmpfs here: the case of a disk is not run", n.backupRoot)
+		return
+	}
+	b := n.start(t)
+	assert.NotContains(t, b.log(), warning)
+	stopAgent(t, b)
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -269,6 +270,27 @@ func warnLowFDLimit() {
 	}
 }
 
+// warnVolatileBackups warns when a file:// backup location is in RAM (tmpfs, ramfs): the backups
+// are what restores a job after its nodes are lost, and these would be lost with them.
+func warnVolatileBackups(rawURL string) {
+	u, err := url.Parse(rawURL)
+	if err != nil || u.Scheme != "file" || u.Path == "" {
+		return
+	}
+	for p := filepath.Clean(u.Path); ; p = filepath.Dir(p) { // the nearest existing directory
+		var st unix.Statfs_t
+		if err := unix.Statfs(p, &st); err == nil {
+			if st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC {
+				slog.Warn("the backup location is in RAM (tmpfs): its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
+			}
+			return
+		}
+		if p == "/" {
+			return
+		}
+	}
+}
+
 // checkSpoolPlacement refuses a spool at or below the mount directory dir (the agent would reach
 // its spool through its own mount, which hides it: the job's first write failed), and a mount
 // directory inside the spool. Both paths are compared with their symlinks resolved.
@@ -331,6 +353,7 @@ func runMount(cfg mountConfig) error {
 	if err != nil {
 		return err
 	}
+	warnVolatileBackups(cfg.backupURL)
 	backups.Compress = cfg.compress
 	if abs, err := filepath.Abs(cfg.spoolDir); err == nil {
 		cfg.spoolDir = abs
