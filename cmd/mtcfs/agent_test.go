@@ -388,3 +388,63 @@ func TestMountErrors(t *testing.T) {
 		})
 	}
 }
+
+// TestSimultaneousStarts: two agents started on the same directory at the same moment (with
+// spools of their own) both passed the check for a live mount and both mounted, the second
+// hiding the first. The mount directory's lock makes them take turns: exactly one serves, and
+// the other refuses, naming the live mount. Several rounds, since the race needs both starts
+// to overlap.
+func TestSimultaneousStarts(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	backup := "file://" + filepath.Join(base, "backup")
+	for round := range 4 {
+		type started struct {
+			cmd  *exec.Cmd
+			mu   sync.Mutex
+			log  []string
+			done chan struct{} // closed once it exited, with err
+			err  error
+		}
+		var agents [2]*started
+		for i := range agents {
+			spool := filepath.Join(base, fmt.Sprintf("spool-%d-%d", round, i))
+			a := &started{cmd: exec.Command(binPath, "mount", dir, "--spool", spool, "--memory", "64MiB", "--backup", backup), done: make(chan struct{})}
+			exited, err := startLogged(a.cmd, func(l string) { a.mu.Lock(); a.log = append(a.log, l); a.mu.Unlock() })
+			require.NoError(t, err)
+			go func() { a.err = <-exited; close(a.done) }()
+			agents[i] = a
+			t.Cleanup(func() {
+				a.cmd.Process.Kill()
+				<-a.done
+				forceUnmount(dir)
+				forceUnmount(spool)
+			})
+		}
+		logOf := func(a *started) string { a.mu.Lock(); defer a.mu.Unlock(); return strings.Join(a.log, "\n") }
+		// One of them exits: the one that found the other's mount.
+		var loser, winner *started
+		select {
+		case <-agents[0].done:
+			loser, winner = agents[0], agents[1]
+		case <-agents[1].done:
+			loser, winner = agents[1], agents[0]
+		case <-time.After(30 * time.Second):
+			t.Fatalf("round %d: both agents still run; mounts at %s: %d\n%s\n---\n%s", round, dir, fuseMountsAt(dir), logOf(agents[0]), logOf(agents[1]))
+		}
+		assert.Contains(t, logOf(loser), "is already a live FUSE mount", "round %d", round)
+		require.Eventually(t, func() bool { return strings.Contains(logOf(winner), servingLine) }, 15*time.Second, 10*time.Millisecond,
+			"round %d: the other agent serves\n%s", round, logOf(winner))
+		assert.Equal(t, 1, fuseMountsAt(dir), "round %d: one mount at %s", round, dir)
+		require.NoError(t, winner.cmd.Process.Signal(syscall.SIGTERM))
+		select {
+		case <-winner.done:
+			require.NoError(t, winner.err, "round %d: clean stop\n%s", round, logOf(winner))
+		case <-time.After(30 * time.Second):
+			t.Fatalf("round %d: the serving agent did not stop", round)
+		}
+		require.Zero(t, fuseMountsAt(dir), "round %d: mount left behind", round)
+	}
+}

@@ -270,6 +270,34 @@ func warnLowFDLimit() {
 	}
 }
 
+// mountLockWait bounds how long an agent waits for another one starting on the same directory.
+const mountLockWait = 30 * time.Second
+
+// lockMountDir takes the lock (flock) of the mount directory dir, open as f before the mount, for
+// the agent's start: it is released when f is closed, once the agent runs or its start failed.
+// Agents in other containers that see the same directory contend for the same lock.
+func lockMountDir(f *os.File, dir string) error {
+	deadline := time.Now().Add(mountLockWait)
+	noticed := false
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			return fmt.Errorf("lock the mount directory %s: %w", dir, err)
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("another agent has been starting on %s for %v; stop it, or wait until it serves", dir, mountLockWait)
+		}
+		if !noticed && time.Until(deadline) < mountLockWait-time.Second {
+			slog.Warn("waiting for another agent starting on the same directory", "dir", dir)
+			noticed = true
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // warnVolatileBackups warns when a file:// backup location is in RAM (tmpfs, ramfs): the backups
 // are what restores a job after its nodes are lost, and these would be lost with them.
 func warnVolatileBackups(rawURL string) {
@@ -410,6 +438,19 @@ func runMount(cfg mountConfig) error {
 	// yaml the job writes through the mount meanwhile wins). A yaml taken in is removed from
 	// under the mount only once the agent runs: a start that fails leaves it to the next agent.
 	under, uerr := os.Open(cfg.dir)
+	if uerr == nil {
+		// Two agents started on DIR at the same moment both passed the checks above, and both
+		// mounted, one hiding the other. The directory's lock makes them take turns: the later
+		// one finds the other's mount here and refuses.
+		if err := lockMountDir(under, cfg.dir); err != nil {
+			under.Close()
+			return err
+		}
+		if _, err := mfs.DetachStale(cfg.dir, cfg.takeover); err != nil {
+			under.Close()
+			return err
+		}
+	}
 	srv, err := mfs.Mount(cfg.dir, mfs.Options{Spool: spool, Passthrough: cfg.passthrough, Events: rep, Debug: cfg.debugFuse, Xattrs: cfg.xattrs, Owner: cfg.owner})
 	var removeHidden func()
 	if uerr != nil {
