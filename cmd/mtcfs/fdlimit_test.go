@@ -1,7 +1,9 @@
 package main
 
 import (
+	"bytes"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -9,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mtcfs/mtcfs/tiers"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -91,4 +94,39 @@ func TestBackupLocationInRAM(t *testing.T) {
 	b := n.start(t)
 	assert.NotContains(t, b.log(), warning)
 	stopAgent(t, b)
+}
+
+// TestSmallSpoolFileSystem: an agent that accounts for the budget itself (not root: no tmpfs of
+// its own) warns when the spool's file system has less room than the budget, as a container's
+// 64 MiB /dev/shm has for --memory 2GiB: the job's writes would fail before the budget is used.
+func TestSmallSpoolFileSystem(t *testing.T) {
+	needRoot(t) // to mount the small file system
+	fsDir := filepath.Join(t.TempDir(), "small")
+	require.NoError(t, os.Mkdir(fsDir, 0o755))
+	require.NoError(t, unix.Mount("small", fsDir, "tmpfs", 0, "size=8m"))
+	t.Cleanup(func() { unix.Unmount(fsDir, unix.MNT_DETACH) })
+	var logged bytes.Buffer
+	old := slog.Default()
+	slog.SetDefault(slog.New(slog.NewTextHandler(&logged, nil)))
+	t.Cleanup(func() { slog.SetDefault(old) })
+
+	for _, c := range []struct {
+		budget int64
+		warned bool
+	}{{64 << 20, true}, {tiers.MinBudget, true}} {
+		logged.Reset()
+		s, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(fsDir, "spool"), Budget: c.budget, MountPath: filepath.Join(fsDir, "mnt")})
+		require.NoError(t, err)
+		warnSmallSpoolFS(s)
+		require.NoError(t, s.Close())
+		assert.Equal(t, c.warned, strings.Contains(logged.String(), "has less room than --memory leaves"), "budget %d: %s", c.budget, logged.String())
+	}
+
+	// A file system with room for the budget: no warning.
+	logged.Reset()
+	s, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(t.TempDir(), "spool"), Budget: tiers.MinBudget, MountPath: filepath.Join(fsDir, "mnt")})
+	require.NoError(t, err)
+	warnSmallSpoolFS(s)
+	require.NoError(t, s.Close())
+	assert.NotContains(t, logged.String(), "has less room")
 }

@@ -270,6 +270,25 @@ func warnLowFDLimit() {
 	}
 }
 
+// warnSmallSpoolFS warns when the agent accounts for the budget itself (a spool without a tmpfs
+// of its own: an agent that is not root) and the spool's file system has less room than the
+// budget leaves: the job's writes then fail (no space left) before the budget is used, while df
+// on the mount still shows room. A container's /dev/shm is 64 MiB by default.
+func warnSmallSpoolFS(s *tiers.Spool) {
+	if s.KernelEnforced() {
+		return
+	}
+	var st unix.Statfs_t
+	if unix.Statfs(s.Dir(), &st) != nil {
+		return
+	}
+	total, used := s.Usage()
+	if avail := int64(st.Bavail) * st.Bsize; avail < total-used {
+		slog.Warn("the spool's file system has less room than --memory leaves: the job's writes will fail (no space left on device) before the budget is used; give a smaller --memory, or the file system more room",
+			"spool", s.Dir(), "available", tiers.FormatSize(avail), "budget_left", tiers.FormatSize(total-used))
+	}
+}
+
 // mountLockWait bounds how long an agent waits for another one starting on the same directory.
 const mountLockWait = 30 * time.Second
 
@@ -395,6 +414,7 @@ func runMount(cfg mountConfig) error {
 		return err
 	}
 	defer spool.Release(slog.Default())
+	warnSmallSpoolFS(spool)
 
 	store := gcsbackend.TierStore(backups)
 	secret, err := readSecretFile(cfg.secretFile)
