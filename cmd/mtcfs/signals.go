@@ -16,17 +16,27 @@ import (
 // exit does so later than this.
 const repeatWindow = 500 * time.Millisecond
 
-// stopSignal is a SIGINT or SIGTERM with the time it arrived.
+// stopSignal is a SIGINT, SIGTERM or SIGHUP with the time it arrived.
 type stopSignal struct {
 	sig os.Signal
 	at  time.Time
 }
 
-// notifyStop delivers SIGINT and SIGTERM, each stamped when it arrived (a signal may wait in
-// the channel while the agent stops its replicator); stop ends the delivery.
+// notifyStop delivers SIGINT, SIGTERM and SIGHUP, each stamped when it arrived (a signal may
+// wait in the channel while the agent stops its replicator); stop ends the delivery.
+//
+// SIGHUP (the terminal of an agent started by hand was closed, an ssh session dropped) stops the
+// agent as SIGTERM does; before, it killed the agent where it stood, leaving a dead mount. And
+// SIGPIPE is caught and dropped, so that a write to a log pipe whose reader went away (a
+// journald restart, `mtcfs mount … 2>&1 | head`, a tee stopped by Ctrl-C) fails instead of
+// ending the agent the same way: Go exits on SIGPIPE from a write to fd 1 or 2 unless the
+// program asks for the signal. (Caught, not ignored: an ignored signal would stay ignored in the
+// processes the agent starts.)
 func notifyStop() (sigs <-chan stopSignal, stop func()) {
+	pipes := make(chan os.Signal, 1) // never read: a full channel drops the signal
+	signal.Notify(pipes, syscall.SIGPIPE)
 	raw := make(chan os.Signal, 4)
-	signal.Notify(raw, syscall.SIGINT, syscall.SIGTERM)
+	signal.Notify(raw, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	out := make(chan stopSignal, 4)
 	done := make(chan struct{})
 	go func() {
@@ -43,7 +53,7 @@ func notifyStop() (sigs <-chan stopSignal, stop func()) {
 		}
 	}()
 	return out, func() {
-		signal.Stop(raw)
+		signal.Stop(raw) // SIGPIPE stays caught: the last log lines are written after this
 		close(done)
 	}
 }

@@ -1,9 +1,12 @@
 package main
 
 import (
+	"bufio"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -103,4 +106,65 @@ func TestSecondSignalEndsUnmountWait(t *testing.T) {
 	assert.Contains(t, a.log(), "second signal: exiting without waiting for the unmount")
 	held.Close()
 	forceUnmount(dir)
+}
+
+// TestHangupStopsCleanly: SIGHUP (the terminal an agent was started from was closed) stops the
+// agent as SIGTERM does: exit 0, nothing left mounted. Before, it killed the agent where it
+// stood, and the job's directory answered "Transport endpoint is not connected".
+func TestHangupStopsCleanly(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGHUP))
+	require.Equal(t, 0, a.wait(30*time.Second), "SIGHUP should stop cleanly\n%s", a.log())
+	assert.Contains(t, a.log(), "stopping")
+	assert.False(t, isMounted(n.dir), "mount left behind after SIGHUP")
+}
+
+// TestBrokenLogPipe: the agent's stderr is a pipe whose reader goes away (a journald restart,
+// `mtcfs mount … 2>&1 | head`). Its next log line fails, and the agent goes on serving; it then
+// stops cleanly. Before, Go's default for SIGPIPE on fd 2 ended the agent where it stood.
+func TestBrokenLogPipe(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	cmd := exec.Command(binPath, "mount", n.dir, "--spool", n.spool, "--memory", "64MiB", "--backup", n.backupURL())
+	cmd.Stderr = w
+	require.NoError(t, cmd.Start())
+	w.Close()
+	done := make(chan struct{}) // closed once the agent exited, with waitErr
+	var waitErr error
+	go func() { waitErr = cmd.Wait(); close(done) }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		<-done
+		forceUnmount(n.dir)
+		forceUnmount(n.spool)
+	})
+	sc := bufio.NewScanner(r)
+	for sc.Scan() && !strings.Contains(sc.Text(), servingLine) {
+	}
+	require.NoError(t, r.Close(), "the log's reader goes away") // the agent's next line gets EPIPE
+
+	// The job's handshake makes the agent log (new incarnation, restore plan, …).
+	yaml := "job-name: pipe\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 600\n"
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "replicator.yaml"), []byte(yaml), 0o644))
+	repWait(t, 10*time.Second, "the fresh-start marker", func() bool {
+		return pathExists(filepath.Join(n.dir, "pipe-s0-n0-w0.restore"))
+	})
+	select {
+	case <-done:
+		t.Fatalf("the agent exited after its log pipe broke: %v", waitErr)
+	default:
+	}
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "after"), []byte("x"), 0o644), "the mount still serves")
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-done:
+		require.NoError(t, waitErr, "a clean stop exits 0, its log lines lost")
+	case <-time.After(30 * time.Second):
+		t.Fatal("the agent did not stop")
+	}
+	assert.False(t, isMounted(n.dir), "mount left behind")
 }
