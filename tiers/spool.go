@@ -221,15 +221,17 @@ func lockOwned(dir string) (*os.File, error) {
 }
 
 // OpenSpool prepares the spool directory. An existing tmpfs mount at Dir (left by an agent that
-// was killed) is adopted and resized to the new budget, keeping its content. A Dir that holds
-// anything but a spool's entries, or that is a tmpfs mounted by someone else, is refused
-// (checkSpoolDir).
+// was killed) is adopted and resized to the new budget, keeping its content. An agent's spool
+// (MountPath set) is refused in a Dir that is neither new, empty nor a spool, or that is a tmpfs
+// mounted by someone else (checkSpoolDir); an anonymous one (tests) is not checked.
 func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 	if cfg.Budget < MinBudget {
 		return nil, fmt.Errorf("memory budget %s is below the minimum %s", FormatSize(cfg.Budget), FormatSize(MinBudget))
 	}
-	if err := checkSpoolDir(cfg.Dir); err != nil {
-		return nil, err
+	if cfg.MountPath != "" {
+		if err := checkSpoolDir(cfg.Dir); err != nil {
+			return nil, err
+		}
 	}
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create spool directory: %w", err)
@@ -492,7 +494,7 @@ func (s *Spool) close(discard bool) error {
 				return
 			}
 		}
-		err = removeSpoolDir(s.dir)
+		err = removeSpoolDir(s.dir, s.ownMount)
 	})
 	return err
 }
@@ -529,12 +531,15 @@ func namesForError(names []string) string {
 	return strings.Join(names, ", ")
 }
 
-// checkSpoolDir refuses a spool directory the agent must not take: an existing directory holding
-// anything but a spool's entries, and a tmpfs mounted by someone else. Before, the agent took
-// either: it mounted its tmpfs over the directory (or resized the foreign tmpfs), and a stop that
-// freed the spool unmounted it and removed the directory, so a mistyped --spool /data deleted
-// /data, and --spool /dev/shm would have unmounted the machine's /dev/shm. A directory that does
-// not exist, an empty one, a spool left by an agent and a spool tmpfs are taken.
+// checkSpoolDir refuses a spool directory the agent must not take: an existing directory that is
+// not empty and not a spool, and a tmpfs mounted by someone else. Before, the agent took either:
+// it mounted its tmpfs over the directory (or resized the foreign tmpfs), and a stop that freed
+// the spool unmounted it and removed the directory, so a mistyped --spool /data deleted /data,
+// and --spool /dev/shm would have unmounted the machine's /dev/shm. Taken are: a directory that
+// does not exist, an empty one, a spool tmpfs (source mtcfs-spool), and a directory with an
+// agent's owner record (OwnerFile, naming a mount path), which an agent writes before anything
+// else into a spool; also one holding nothing but a torn first write of that record. Entry names
+// alone prove nothing: a user's directory may well hold just "files".
 func checkSpoolDir(dir string) error {
 	real, err := filepath.EvalSymlinks(dir)
 	if errors.Is(err, os.ErrNotExist) {
@@ -556,20 +561,46 @@ func checkSpoolDir(dir string) error {
 	if isTmpfsMount(real) {
 		return fmt.Errorf("spool %s is a tmpfs mounted by someone else, not an mtcfs spool: the agent mounts the spool's tmpfs itself, and unmounts and removes it once the spool is freed; give a new directory, such as %s", dir, filepath.Join(dir, "mtcfs-spool"))
 	}
-	foreign, err := foreignEntries(real)
+	if o, err := ReadOwner(real); err == nil && o.MountPath != "" {
+		return nil
+	}
+	ents, err := os.ReadDir(real)
 	if err != nil {
 		return fmt.Errorf("spool %s: %w", dir, err)
 	}
-	if len(foreign) > 0 {
-		return fmt.Errorf("spool %s holds entries that are not a spool's (%s): the agent would hide them under its tmpfs and remove the directory once the spool is freed; give a new or empty directory", dir, namesForError(foreign))
+	var names []string
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), "."+OwnerFile+".tmp-") {
+			names = append(names, e.Name())
+		}
+	}
+	if len(names) > 0 {
+		return fmt.Errorf("spool %s is not empty and not an mtcfs spool (no %s of an agent; it holds %s): the agent would hide it under its tmpfs and remove it once the spool is freed; give a new or empty directory", dir, OwnerFile, namesForError(names))
 	}
 	return nil
 }
 
-// removeSpoolDir removes a spool directory no tmpfs is mounted on any more: its spool entries,
-// then the directory itself. Anything else it holds stays, and so does the directory: those are
-// not the agent's to remove (see checkSpoolDir).
-func removeSpoolDir(dir string) error {
+// removeSpoolDir removes a spool directory no tmpfs is mounted on any more. unmounted says the
+// spool was such a tmpfs, just unmounted: its content went with it, and the directory below is
+// only removed if empty (whatever it holds was there before a tmpfs hid it). Otherwise the spool
+// was the directory itself: its spool entries go, then the directory. Anything else stays, and so
+// does the directory: those are not the agent's to remove (see checkSpoolDir).
+func removeSpoolDir(dir string, unmounted bool) error {
+	if unmounted {
+		err := os.Remove(dir)
+		if err == nil || errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		if errors.Is(err, unix.ENOTEMPTY) || errors.Is(err, unix.EEXIST) {
+			names, _ := os.ReadDir(dir)
+			var list []string
+			for _, e := range names {
+				list = append(list, e.Name())
+			}
+			return fmt.Errorf("spool %s: its tmpfs is unmounted; the directory below stays, it holds what was there before (%s)", dir, namesForError(list))
+		}
+		return fmt.Errorf("remove spool %s: %w", dir, err)
+	}
 	foreign, err := foreignEntries(dir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil

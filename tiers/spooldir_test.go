@@ -10,34 +10,54 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// TestSpoolRefusesAForeignDirectory: a spool directory that holds anything but a spool's entries
-// is refused, untouched; a directory that does not exist or is empty is taken; freeing a spool
-// removes its own entries and leaves anything else, with the directory. Before, --spool naming
-// an existing directory (a typo such as --spool /data) hid it under the spool's tmpfs, and the
-// stop that freed the spool removed it with everything in it.
+// TestSpoolRefusesAForeignDirectory: a spool directory that is not empty and has no agent's owner
+// record is refused, untouched, even when its entries have a spool's names (a user's directory
+// holding just "files"); a directory that does not exist or is empty is taken, and so is a spool
+// an agent left; freeing a spool removes its own entries and leaves anything else, with the
+// directory. Before, --spool naming an existing directory (a typo such as --spool /data) hid it
+// under the spool's tmpfs, and the stop that freed the spool removed it with everything in it.
 func TestSpoolRefusesAForeignDirectory(t *testing.T) {
 	base := t.TempDir()
 	precious := filepath.Join(base, "precious")
 	require.NoError(t, os.MkdirAll(filepath.Join(precious, "sub"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(precious, "notes.txt"), []byte("mine"), 0o644))
-	for _, tmpfs := range []bool{false, true} {
-		if tmpfs && os.Geteuid() != 0 {
-			continue // mounting the spool's tmpfs needs root; the plain case ran
+	named := filepath.Join(base, "named") // a spool's names, not a spool
+	require.NoError(t, os.MkdirAll(filepath.Join(named, "files"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(named, "files", "mine.txt"), []byte("mine"), 0o644))
+	for _, c := range []struct{ dir, file, holds string }{
+		{precious, "notes.txt", "it holds notes.txt, sub"},
+		{named, filepath.Join("files", "mine.txt"), "it holds files"},
+	} {
+		for _, tmpfs := range []bool{false, true} {
+			if tmpfs && os.Geteuid() != 0 {
+				continue // mounting the spool's tmpfs needs root; the plain case ran
+			}
+			_, err := OpenSpool(SpoolConfig{Dir: c.dir, Budget: MinBudget, MountTmpfs: tmpfs, MountPath: filepath.Join(base, "mnt")})
+			require.Error(t, err, "%s, tmpfs=%v", c.dir, tmpfs)
+			assert.Contains(t, err.Error(), "is not empty and not an mtcfs spool")
+			assert.Contains(t, err.Error(), c.holds)
+			assert.False(t, isTmpfsMount(c.dir), "nothing is mounted over a refused directory")
+			data, err := os.ReadFile(filepath.Join(c.dir, c.file))
+			require.NoError(t, err)
+			assert.Equal(t, "mine", string(data))
+			assert.NoFileExists(t, filepath.Join(c.dir, OwnerFile))
 		}
-		_, err := OpenSpool(SpoolConfig{Dir: precious, Budget: MinBudget, MountTmpfs: tmpfs, MountPath: filepath.Join(base, "mnt")})
-		require.Error(t, err, "tmpfs=%v", tmpfs)
-		assert.Contains(t, err.Error(), "holds entries that are not a spool's (notes.txt, sub)")
-		assert.False(t, isTmpfsMount(precious), "nothing is mounted over a refused directory")
-		data, err := os.ReadFile(filepath.Join(precious, "notes.txt"))
-		require.NoError(t, err)
-		assert.Equal(t, "mine", string(data))
-		assert.NoFileExists(t, filepath.Join(precious, OwnerFile))
 	}
+
+	// A spool an agent left (released, not freed) is taken again.
+	kept := filepath.Join(base, "kept")
+	s, err := OpenSpool(SpoolConfig{Dir: kept, Budget: MinBudget, MountPath: filepath.Join(base, "mnt")})
+	require.NoError(t, err)
+	require.NoError(t, s.Detach())
+	s, err = OpenSpool(SpoolConfig{Dir: kept, Budget: MinBudget, MountPath: filepath.Join(base, "mnt")})
+	require.NoError(t, err, "a spool left by an agent")
+	require.NoError(t, s.Close())
+	assert.NoDirExists(t, kept)
 
 	// An empty directory is taken, and freed with the spool.
 	empty := filepath.Join(base, "empty")
 	require.NoError(t, os.Mkdir(empty, 0o700))
-	s, err := OpenSpool(SpoolConfig{Dir: empty, Budget: MinBudget, MountPath: filepath.Join(base, "mnt")})
+	s, err = OpenSpool(SpoolConfig{Dir: empty, Budget: MinBudget, MountPath: filepath.Join(base, "mnt")})
 	require.NoError(t, err)
 	require.NoError(t, s.Close())
 	assert.NoDirExists(t, empty)

@@ -165,12 +165,14 @@ func FreeSpool(s SpoolInfo) error {
 		return err
 	}
 	defer lock.Close()
+	unmounted := false
 	for i := 0; i < 8 && isSpoolTmpfs(s.Dir); i++ { // a spool mounted twice is unmounted twice
 		if err := unix.Unmount(s.Dir, unix.MNT_DETACH); err != nil {
 			return fmt.Errorf("unmount spool tmpfs %s: %w", s.Dir, err)
 		}
+		unmounted = true
 	}
-	return removeSpoolDir(s.Dir)
+	return removeSpoolDir(s.Dir, unmounted)
 }
 
 func refusal(s SpoolInfo) error {

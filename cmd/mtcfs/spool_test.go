@@ -402,6 +402,8 @@ func TestSpoolFlagNamingAUsersDirectory(t *testing.T) {
 	require.NoError(t, os.Mkdir(dir, 0o755))
 	require.NoError(t, os.Mkdir(precious, 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(precious, "notes.txt"), []byte("mine"), 0o644))
+	require.NoError(t, os.Mkdir(filepath.Join(precious, "files"), 0o755)) // a spool's name, the user's directory
+	require.NoError(t, os.WriteFile(filepath.Join(precious, "files", "more.txt"), []byte("more"), 0o644))
 	t.Cleanup(func() { forceUnmount(dir); forceUnmount(precious) })
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // the old agent served on
@@ -410,12 +412,15 @@ func TestSpoolFlagNamingAUsersDirectory(t *testing.T) {
 	var ee *exec.ExitError
 	require.ErrorAs(t, err, &ee, "the start should fail\n%s", out)
 	assert.Equal(t, 1, ee.ExitCode(), "%s", out)
-	assert.Contains(t, string(out), "spool "+precious+" holds entries that are not a spool's (notes.txt)")
+	assert.Contains(t, string(out), "spool "+precious+" is not empty and not an mtcfs spool (no owner.json of an agent; it holds files, notes.txt)")
 	assert.False(t, isMounted(dir), "nothing is mounted at the refused start")
 	assert.False(t, isMounted(precious), "no tmpfs over the user's directory")
 	data, err := os.ReadFile(filepath.Join(precious, "notes.txt"))
 	require.NoError(t, err, "the user's directory is intact")
 	assert.Equal(t, "mine", string(data))
+	data, err = os.ReadFile(filepath.Join(precious, "files", "more.txt"))
+	require.NoError(t, err, "the user's files directory is intact")
+	assert.Equal(t, "more", string(data))
 }
 
 // TestSpoolInsideTheMount: a spool at or below the mount directory (also through a symlink), or a
