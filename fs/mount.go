@@ -1,7 +1,6 @@
 package fs
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -269,37 +268,14 @@ func statfsWithin(p string, d time.Duration, slow func()) error {
 // mountType is the file system type of mtcfs's mounts in /proc/self/mountinfo (Name "mtcfs").
 const mountType = "fuse.mtcfs"
 
-// isFuseMountPoint reports whether a FUSE filesystem is mounted exactly at abs.
-func isFuseMountPoint(abs string) bool { return fuseMountType(abs) != "" }
-
 // fuseMountType returns the file system type ("fuse.mtcfs", "fuse.sshfs", "fuse") of the FUSE
-// mount exactly at abs, or "" if there is none (the last such mount, if several are stacked).
+// mount exactly at abs, or "" if there is none (the top one, if several are stacked).
 func fuseMountType(abs string) string {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	var fstype string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		// id parent major:minor root mountpoint options ... - fstype source superopts
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
-		sep := -1
-		for i, x := range fields {
-			if x == "-" {
-				sep = i
-				break
-			}
-		}
-		if sep < 0 || sep+1 >= len(fields) {
-			continue
-		}
-		if fusectl.UnescapePath(fields[4]) == abs && strings.HasPrefix(fields[sep+1], "fuse") {
-			fstype = fields[sep+1]
+	mounts, _ := fusectl.Mounts()
+	fstype := ""
+	for _, m := range mounts {
+		if m.Point == abs && m.IsFUSE() {
+			fstype = m.FSType
 		}
 	}
 	return fstype

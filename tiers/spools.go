@@ -6,7 +6,6 @@ package tiers
 // directory is gone.
 
 import (
-	"bufio"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -124,7 +123,7 @@ func (h Spools) Find(path string, spools []SpoolInfo) ([]SpoolInfo, error) {
 	// --spool outside the default root, or a default spool made before owner records).
 	for _, d := range []string{real, DefaultSpoolDir(real)} {
 		if !seen[d] && looksLikeSpool(d) {
-			s, err := h.inspect(d, nil, nil)
+			s, err := h.inspect(d, nil, nil, nil)
 			if err != nil {
 				return nil, err
 			}
@@ -221,12 +220,13 @@ func (h Spools) List() ([]SpoolInfo, error) {
 	}
 	dirs := map[string]bool{}
 	var roots []string
+	mounts := readMounts() // once for every spool below
 	if h.Dirs != nil {
 		for _, d := range h.Dirs() {
 			dirs[d] = true
 		}
 	} else {
-		for _, d := range spoolTmpfsMounts() {
+		for _, d := range mounts.spoolTmpfs() {
 			dirs[d] = true
 		}
 		roots = []string{DefaultSpoolRoot()}
@@ -252,7 +252,7 @@ func (h Spools) List() ([]SpoolInfo, error) {
 	procs := mountProcesses()
 	var out []SpoolInfo
 	for d := range dirs {
-		s, err := h.inspect(d, agents, procs)
+		s, err := h.inspect(d, agents, procs, mounts)
 		if err != nil {
 			continue // vanished meanwhile, or not ours to read
 		}
@@ -265,9 +265,12 @@ func (h Spools) List() ([]SpoolInfo, error) {
 	return out, nil
 }
 
-// inspect describes the spool at dir. agents are the running agents and procs the running
-// mount processes (nil: look them up).
-func (h Spools) inspect(dir string, agents []SpoolUser, procs []mountProc) (SpoolInfo, error) {
+// inspect describes the spool at dir. agents are the running agents, procs the running mount
+// processes and mounts the mount table (nil: look them up).
+func (h Spools) inspect(dir string, agents []SpoolUser, procs []mountProc, mounts mountTable) (SpoolInfo, error) {
+	if mounts == nil {
+		mounts = readMounts()
+	}
 	s := SpoolInfo{Dir: dir, MountState: MountUnknown, Steps: []int64{}, Metas: []string{}}
 	var st unix.Stat_t
 	if err := unix.Stat(dir, &st); err != nil {
@@ -305,7 +308,7 @@ func (h Spools) inspect(dir string, agents []SpoolUser, procs []mountProc) (Spoo
 			s.Job = j
 		}
 	}
-	s.Tmpfs = isSpoolTmpfs(dir)
+	s.Tmpfs = mounts.isSpoolTmpfs(dir)
 	if s.Tmpfs {
 		var fsst unix.Statfs_t
 		if unix.Statfs(dir, &fsst) == nil {
@@ -315,7 +318,7 @@ func (h Spools) inspect(dir string, agents []SpoolUser, procs []mountProc) (Spoo
 		s.Bytes = distinctFileBytes(dir)
 	}
 	if s.MountPath != "" {
-		s.MountState = mountPathState(s.MountPath)
+		s.MountState = mountPathState(s.MountPath, mounts)
 		s.MountExists = s.MountState == MountExists
 	}
 	s.InUse, s.AgentPID = h.user(s, agents, procs)
@@ -488,9 +491,9 @@ var mountStatTimeout = 2 * time.Second
 // the mount's root waits for it to answer, unkillably but by SIGKILL. Every agent starting on the
 // machine (ReapOrphaned) and every spool command would wait with it. A path that is not a mount
 // point can still lie below one; its lstat is given mountStatTimeout, and one that does not
-// answer by then counts as existing (its goroutine is left waiting).
-func mountPathState(p string) string {
-	if slices.Contains(mountPoints(nil), p) {
+// answer by then counts as existing (its goroutine is left waiting). mounts is the mount table.
+func mountPathState(p string, mounts mountTable) string {
+	if mounts.isMountPoint(p) {
 		return MountExists
 	}
 	type result struct {
@@ -558,52 +561,45 @@ func looksLikeSpool(dir string) bool {
 	return hasFiles
 }
 
-// spoolTmpfsMounts lists the mount points of spool tmpfs mounts (source mtcfs-spool).
-func spoolTmpfsMounts() []string {
-	return mountPoints(func(fstype, source string) bool { return fstype == "tmpfs" && source == spoolTmpfsSource })
+// mountTable is this mount namespace's mount table (fusectl.Mounts).
+type mountTable []fusectl.Mount
+
+// readMounts reads the mount table; empty (not nil) if it cannot be read.
+func readMounts() mountTable {
+	m, _ := fusectl.Mounts()
+	if m == nil {
+		return mountTable{}
+	}
+	return m
 }
 
-// mountPoints lists the mount points of this mount namespace (/proc/self/mountinfo) whose file
-// system type and source match (match nil: all), each once.
-func mountPoints(match func(fstype, source string) bool) []string {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return nil
-	}
-	defer f.Close()
+func isSpoolTmpfsMount(m fusectl.Mount) bool {
+	return m.FSType == "tmpfs" && m.Source == spoolTmpfsSource
+}
+
+// spoolTmpfs lists the mount points of spool tmpfs mounts (source mtcfs-spool), each once.
+func (t mountTable) spoolTmpfs() []string {
 	var out []string
-	seen := map[string]bool{}
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		// id parent major:minor root mountpoint options [optional...] - fstype source superopts
-		fields := strings.Fields(sc.Text())
-		sep := -1
-		for i, x := range fields {
-			if x == "-" {
-				sep = i
-				break
-			}
-		}
-		if sep < 5 || sep+2 >= len(fields) || (match != nil && !match(fields[sep+1], fields[sep+2])) {
-			continue
-		}
-		if p := fusectl.UnescapePath(fields[4]); !seen[p] {
-			seen[p] = true
-			out = append(out, p)
+	for _, m := range t {
+		if isSpoolTmpfsMount(m) && !slices.Contains(out, m.Point) {
+			out = append(out, m.Point)
 		}
 	}
 	return out
 }
 
-func isSpoolTmpfs(dir string) bool {
-	for _, p := range spoolTmpfsMounts() {
-		if p == dir {
-			return true
-		}
-	}
-	return false
+// isSpoolTmpfs tells whether a spool tmpfs is mounted at dir.
+func (t mountTable) isSpoolTmpfs(dir string) bool {
+	return slices.ContainsFunc(t, func(m fusectl.Mount) bool { return m.Point == dir && isSpoolTmpfsMount(m) })
 }
+
+// isMountPoint tells whether anything is mounted at p.
+func (t mountTable) isMountPoint(p string) bool {
+	return slices.ContainsFunc(t, func(m fusectl.Mount) bool { return m.Point == p })
+}
+
+// isSpoolTmpfs tells whether a spool tmpfs is mounted at dir now.
+func isSpoolTmpfs(dir string) bool { return readMounts().isSpoolTmpfs(dir) }
 
 // distinctFileBytes is the size of the distinct files below dir (hard links counted once: sealed data
 // shares its bytes with the files it was made from).
@@ -638,7 +634,7 @@ func (s *Spool) Release(log *slog.Logger) {
 	if len(metas)+pending > 0 {
 		state := MountExists
 		if mountPath != "" {
-			state = mountPathState(mountPath)
+			state = mountPathState(mountPath, readMounts())
 		}
 		if state == MountExists {
 			s.Detach()

@@ -79,7 +79,7 @@ func TestMountPathStateAsksNoStoppedServer(t *testing.T) {
 
 	state := func(p string) string {
 		done := make(chan string, 1)
-		go func() { done <- mountPathState(p) }()
+		go func() { done <- mountPathState(p, readMounts()) }()
 		select {
 		case s := <-done:
 			return s

@@ -139,7 +139,7 @@ func TestSpoolHelpers(t *testing.T) {
 		filepath.Join(file, "under"):    MountGone, // ENOTDIR
 		filepath.Join(base, "a", "b/c"): MountGone,
 	} {
-		assert.Equal(t, want, mountPathState(p), "%s", p)
+		assert.Equal(t, want, mountPathState(p, readMounts()), "%s", p)
 	}
 	for in, want := range map[string]string{
 		`/mnt/a\040b`:     "/mnt/a b",

@@ -2,6 +2,7 @@
 // /sys/fs/fuse/connections/N/abort` does: every request waiting on it, and every later one, fails
 // with ENOTCONN. Tests use it before detaching a mount whose agent they killed, so that no
 // process (their own included) can stay blocked on it if the kernel kept the connection open.
+// It also reads the mount table (Mounts), for the packages that look for their mounts in it.
 package fusectl
 
 import (
@@ -39,28 +40,60 @@ func Abort(dir string) error {
 	return err
 }
 
-// connectionOf returns the connection number (the device minor) of the FUSE mount at dir.
-func connectionOf(dir string) (string, bool, error) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return "", false, err
-	}
-	minor, ok := connectionIn(string(data), dir)
-	return minor, ok, nil
+// Mount is a line of the mount table.
+type Mount struct {
+	Point  string // the mount point, unescaped
+	Device string // major:minor
+	FSType string // "tmpfs", "fuse.mtcfs", …
+	Source string
 }
 
-// connectionIn finds dir's FUSE connection in the text of a mountinfo file, whose mount points
-// escape a space, tab, newline and backslash in octal (\040).
-func connectionIn(mountinfo, dir string) (string, bool) {
+// IsFUSE tells whether the mount is a FUSE file system (fuse, fuse.NAME, fuseblk).
+func (m Mount) IsFUSE() bool { return strings.HasPrefix(m.FSType, "fuse") }
+
+// Mounts returns the mount table of this process's mount namespace (/proc/self/mountinfo), in its
+// order: of mounts stacked on one point, the last is on top.
+func Mounts() ([]Mount, error) {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	return parseMounts(string(data)), nil
+}
+
+// parseMounts reads the text of a mountinfo file, whose mount points escape a space, tab, newline
+// and backslash in octal (\040).
+func parseMounts(mountinfo string) []Mount {
+	var out []Mount
 	for _, line := range strings.Split(mountinfo, "\n") {
 		// 36 35 0:43 / /mnt rw,... shared:1 - fuse.mtcfs mtcfs rw,...
 		pre, post, found := strings.Cut(line, " - ")
 		f, g := strings.Fields(pre), strings.Fields(post)
-		if !found || len(f) < 5 || len(g) < 1 || UnescapePath(f[4]) != dir || !strings.HasPrefix(g[0], "fuse") {
+		if !found || len(f) < 5 || len(g) < 2 {
 			continue
 		}
-		_, minor, ok := strings.Cut(f[2], ":")
-		return minor, ok
+		out = append(out, Mount{Point: UnescapePath(f[4]), Device: f[2], FSType: g[0], Source: g[1]})
+	}
+	return out
+}
+
+// connectionOf returns the connection number (the device minor) of the FUSE mount at dir.
+func connectionOf(dir string) (string, bool, error) {
+	mounts, err := Mounts()
+	if err != nil {
+		return "", false, err
+	}
+	minor, ok := connectionIn(mounts, dir)
+	return minor, ok, nil
+}
+
+// connectionIn finds dir's FUSE connection in a mount table.
+func connectionIn(mounts []Mount, dir string) (string, bool) {
+	for _, m := range mounts {
+		if m.Point == dir && m.IsFUSE() {
+			_, minor, ok := strings.Cut(m.Device, ":")
+			return minor, ok
+		}
 	}
 	return "", false
 }

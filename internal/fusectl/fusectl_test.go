@@ -22,14 +22,14 @@ func TestConnectionOfAnEscapedPath(t *testing.T) {
 	info := "36 35 0:43 / /tmp/a\\040b rw,nosuid - fuse.mtcfs mtcfs rw\n" +
 		"37 35 0:44 / /tmp/plain rw - fuse.mtcfs mtcfs rw\n" +
 		"38 35 0:45 / /tmp/a\\134c rw - tmpfs tmpfs rw\n"
-	minor, ok := connectionIn(info, "/tmp/a b")
+	minor, ok := connectionIn(parseMounts(info), "/tmp/a b")
 	require.True(t, ok)
 	require.Equal(t, "43", minor)
-	minor, ok = connectionIn(info, "/tmp/plain")
+	minor, ok = connectionIn(parseMounts(info), "/tmp/plain")
 	require.True(t, ok)
 	require.Equal(t, "44", minor)
-	_, ok = connectionIn(info, `/tmp/a\c`)
+	_, ok = connectionIn(parseMounts(info), `/tmp/a\c`)
 	require.False(t, ok, "not a FUSE mount")
-	_, ok = connectionIn(info, `/tmp/a\040b`)
+	_, ok = connectionIn(parseMounts(info), `/tmp/a\040b`)
 	require.False(t, ok, "the escaped form is not the path")
 }
