@@ -508,15 +508,15 @@ func isSpoolEntry(name string) bool {
 	return strings.HasPrefix(name, filesTrashPrefix) || strings.HasPrefix(name, "."+OwnerFile+".tmp-")
 }
 
-// foreignEntries lists the entries of the directory dir that are not a spool's (isSpoolEntry).
-func foreignEntries(dir string) ([]string, error) {
+// entryNames lists the names in the directory dir that keep (nil: all) takes.
+func entryNames(dir string, keep func(name string) bool) ([]string, error) {
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err
 	}
 	var out []string
 	for _, e := range ents {
-		if !isSpoolEntry(e.Name()) {
+		if keep == nil || keep(e.Name()) {
 			out = append(out, e.Name())
 		}
 	}
@@ -564,15 +564,9 @@ func checkSpoolDir(dir string) error {
 	if o, err := ReadOwner(real); err == nil && o.MountPath != "" {
 		return nil
 	}
-	ents, err := os.ReadDir(real)
+	names, err := entryNames(real, func(name string) bool { return !strings.HasPrefix(name, "."+OwnerFile+".tmp-") })
 	if err != nil {
 		return fmt.Errorf("spool %s: %w", dir, err)
-	}
-	var names []string
-	for _, e := range ents {
-		if !strings.HasPrefix(e.Name(), "."+OwnerFile+".tmp-") {
-			names = append(names, e.Name())
-		}
 	}
 	if len(names) > 0 {
 		return fmt.Errorf("spool %s is not empty and not an mtcfs spool (no %s of an agent; it holds %s): the agent would hide it under its tmpfs and remove it once the spool is freed; give a new or empty directory", dir, OwnerFile, namesForError(names))
@@ -592,31 +586,24 @@ func removeSpoolDir(dir string, unmounted bool) error {
 			return nil
 		}
 		if errors.Is(err, unix.ENOTEMPTY) || errors.Is(err, unix.EEXIST) {
-			names, _ := os.ReadDir(dir)
-			var list []string
-			for _, e := range names {
-				list = append(list, e.Name())
-			}
-			return fmt.Errorf("spool %s: its tmpfs is unmounted; the directory below stays, it holds what was there before (%s)", dir, namesForError(list))
+			names, _ := entryNames(dir, nil)
+			return fmt.Errorf("spool %s: its tmpfs is unmounted; the directory below stays, it holds what was there before (%s)", dir, namesForError(names))
 		}
 		return fmt.Errorf("remove spool %s: %w", dir, err)
 	}
-	foreign, err := foreignEntries(dir)
+	names, err := entryNames(dir, nil)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
 	if err != nil {
 		return fmt.Errorf("remove spool %s: %w", dir, err)
 	}
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return fmt.Errorf("remove spool %s: %w", dir, err)
-	}
-	for _, e := range ents {
-		if isSpoolEntry(e.Name()) {
-			if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
-				return fmt.Errorf("remove spool %s: %w", dir, err)
-			}
+	var foreign []string
+	for _, name := range names {
+		if !isSpoolEntry(name) {
+			foreign = append(foreign, name)
+		} else if err := os.RemoveAll(filepath.Join(dir, name)); err != nil {
+			return fmt.Errorf("remove spool %s: %w", dir, err)
 		}
 	}
 	if len(foreign) > 0 {
