@@ -58,15 +58,9 @@ func hungMountOf(t *testing.T, fstype string) string {
 func TestDetachStaleAbortsAMountThatDoesNotAnswer(t *testing.T) {
 	dir := hungMount(t)
 
-	waiter := make(chan error, 1)
-	go func() { // a job's access, waiting on the mount
-		_, err := os.ReadDir(dir)
-		waiter <- err
-	}()
-	select {
-	case err := <-waiter:
+	waiter := waitingAccess(dir) // a job's access, waiting on the mount
+	if returned, err := answeredWithin(waiter, 200*time.Millisecond); returned {
 		t.Fatalf("an access to the mount nobody serves returned (%v): the test's mount does not hang", err)
-	case <-time.After(200 * time.Millisecond):
 	}
 
 	detached, err := DetachStale(dir, 300*time.Millisecond)
@@ -104,15 +98,28 @@ func TestDetachStaleLeavesAnotherFileSystemsMount(t *testing.T) {
 	if got := fuseMountType(dir); got != "fuse.sshfs" {
 		t.Errorf("the mount at %s is now %q, want it left as fuse.sshfs", dir, got)
 	}
-	waiter := make(chan error, 1) // ends at the cleanup's abort
+	if returned, err := answeredWithin(waitingAccess(dir), 200*time.Millisecond); returned { // ends at the cleanup's abort
+		t.Errorf("an access to the mount returned (%v): its connection was aborted", err)
+	}
+}
+
+// waitingAccess reads the directory dir in the background; the channel gets the result.
+func waitingAccess(dir string) <-chan error {
+	done := make(chan error, 1)
 	go func() {
 		_, err := os.ReadDir(dir)
-		waiter <- err
+		done <- err
 	}()
+	return done
+}
+
+// answeredWithin tells whether access returned within d, and what.
+func answeredWithin(access <-chan error, d time.Duration) (bool, error) {
 	select {
-	case err := <-waiter:
-		t.Errorf("an access to the mount returned (%v): its connection was aborted", err)
-	case <-time.After(200 * time.Millisecond):
+	case err := <-access:
+		return true, err
+	case <-time.After(d):
+		return false, nil
 	}
 }
 

@@ -1,9 +1,7 @@
 package main
 
 import (
-	"context"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -90,15 +88,11 @@ func TestYAMLWrittenBeforeAFailedStart(t *testing.T) {
 		require.NoError(t, os.WriteFile(filepath.Join(n.spool, blocked), nil, 0o600))
 		require.NoError(t, os.WriteFile(hidden, []byte(yaml), 0o644))
 
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		out, err := exec.CommandContext(ctx, binPath, "mount", n.dir, "--spool", n.spool, "--memory", "64MiB", "--backup", n.backupURL()).CombinedOutput()
-		cancel()
-		var ee *exec.ExitError
-		require.ErrorAs(t, err, &ee, "the start with spool/%s a file should fail\n%s", blocked, out)
-		assert.Equal(t, 1, ee.ExitCode())
-		assert.Contains(t, string(out), "answering a replicator.yaml written into the mount directory", "the yaml was taken in before the failure")
-		assert.Contains(t, string(out), filepath.Join(n.spool, blocked)+": not a directory")
-		assert.Contains(t, string(out), "stays there for the next agent")
+		out, code := runBounded(t, 30*time.Second, "mount", n.dir, "--spool", n.spool, "--memory", "64MiB", "--backup", n.backupURL())
+		require.Equal(t, 1, code, "the start with spool/%s a file should fail\n%s", blocked, out)
+		assert.Contains(t, out, "answering a replicator.yaml written into the mount directory", "the yaml was taken in before the failure")
+		assert.Contains(t, out, filepath.Join(n.spool, blocked)+": not a directory")
+		assert.Contains(t, out, "stays there for the next agent")
 		assert.False(t, isMounted(n.dir), "the failed start unmounted")
 		got, err := os.ReadFile(hidden)
 		require.NoError(t, err, "the yaml must stay under the mount after a failed start (spool/%s)\n%s", blocked, out)

@@ -374,13 +374,11 @@ func TestStoppedAgentBlocksNoOtherAgent(t *testing.T) {
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGSTOP))
 	t.Cleanup(func() { a.cmd.Process.Signal(syscall.SIGCONT) }) // before startAgent's cleanup kills it
 
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, binPath, "spool", "list", "--json").Output()
-	require.NoError(t, ctx.Err(), "mtcfs spool list waited for the stopped agent")
-	require.NoError(t, err)
+	out, code := runBounded(t, 20*time.Second, "spool", "list", "--json")
+	require.NotEqual(t, -1, code, "mtcfs spool list waited for the stopped agent")
+	require.Equal(t, 0, code, out)
 	var list []tiers.SpoolInfo
-	require.NoError(t, json.Unmarshal(out, &list), "spool list --json printed %s", out)
+	require.NoError(t, json.Unmarshal([]byte(out), &list), "spool list --json printed %s", out)
 	s, ok := findSpool(list, stopped.spool)
 	require.True(t, ok, "the stopped agent's spool is listed: %s", out)
 	assert.True(t, s.InUse, "the stopped agent's spool is in use")
@@ -406,13 +404,9 @@ func TestSpoolFlagNamingAUsersDirectory(t *testing.T) {
 	require.NoError(t, os.WriteFile(filepath.Join(precious, "files", "more.txt"), []byte("more"), 0o644))
 	t.Cleanup(func() { forceUnmount(dir); forceUnmount(precious) })
 
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // the old agent served on
-	defer cancel()
-	out, err := exec.CommandContext(ctx, binPath, "mount", dir, "--spool", precious, "--memory", "64MiB").CombinedOutput()
-	var ee *exec.ExitError
-	require.ErrorAs(t, err, &ee, "the start should fail\n%s", out)
-	assert.Equal(t, 1, ee.ExitCode(), "%s", out)
-	assert.Contains(t, string(out), "spool "+precious+" is not empty and not an mtcfs spool (no owner.json of an agent; it holds files, notes.txt)")
+	out, code := runBounded(t, 30*time.Second, "mount", dir, "--spool", precious, "--memory", "64MiB") // the old agent served on
+	require.Equal(t, 1, code, "the start should fail\n%s", out)
+	assert.Contains(t, out, "spool "+precious+" is not empty and not an mtcfs spool (no owner.json of an agent; it holds files, notes.txt)")
 	assert.False(t, isMounted(dir), "nothing is mounted at the refused start")
 	assert.False(t, isMounted(precious), "no tmpfs over the user's directory")
 	data, err := os.ReadFile(filepath.Join(precious, "notes.txt"))
@@ -442,13 +436,9 @@ func TestSpoolInsideTheMount(t *testing.T) {
 		{filepath.Join(base, "link", "a", "b"), "is inside the mount directory"},
 		{base, "is inside the spool"},
 	} {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // the old agent served on
-		out, err := exec.CommandContext(ctx, binPath, "mount", dir, "--spool", c.spool, "--memory", "64MiB").CombinedOutput()
-		cancel()
-		var ee *exec.ExitError
-		require.ErrorAs(t, err, &ee, "--spool %s should be refused\n%s", c.spool, out)
-		assert.Equal(t, 1, ee.ExitCode())
-		assert.Contains(t, string(out), c.want, "--spool %s", c.spool)
+		out, code := runBounded(t, 30*time.Second, "mount", dir, "--spool", c.spool, "--memory", "64MiB") // the old agent served on
+		require.Equal(t, 1, code, "--spool %s should be refused\n%s", c.spool, out)
+		assert.Contains(t, out, c.want, "--spool %s", c.spool)
 		assert.False(t, isMounted(dir), "--spool %s: nothing is mounted", c.spool)
 	}
 	assert.NoDirExists(t, filepath.Join(dir, "spool"), "no spool directory was made")

@@ -1,5 +1,8 @@
 package main
 
+// What the agent says about its environment: its descriptor limit, a backup location in RAM, a
+// spool file system smaller than the budget.
+
 import (
 	"bytes"
 	"fmt"
