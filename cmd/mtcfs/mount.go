@@ -324,17 +324,10 @@ func warnVolatileBackups(rawURL string) {
 	if err != nil || u.Scheme != "file" || u.Path == "" {
 		return
 	}
-	for p := filepath.Clean(u.Path); ; p = filepath.Dir(p) { // the nearest existing directory
-		var st unix.Statfs_t
-		if err := unix.Statfs(p, &st); err == nil {
-			if st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC {
-				slog.Warn("the backup location is in RAM (tmpfs): its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
-			}
-			return
-		}
-		if p == "/" {
-			return
-		}
+	var st unix.Statfs_t // of the directory, or of the ancestor it will be made in
+	if existing, _ := resolveExisting(filepath.Clean(u.Path)); unix.Statfs(existing, &st) == nil &&
+		(st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC) {
+		slog.Warn("the backup location is in RAM (tmpfs): its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
 	}
 }
 
@@ -342,7 +335,9 @@ func warnVolatileBackups(rawURL string) {
 // its spool through its own mount, which hides it: the job's first write failed), and a mount
 // directory inside the spool. Both paths are compared with their symlinks resolved.
 func checkSpoolPlacement(dir, spool string) error {
-	d, sp := resolveExisting(dir), resolveExisting(spool)
+	d, dRest := resolveExisting(dir)
+	sp, spRest := resolveExisting(spool)
+	d, sp = filepath.Join(d, dRest), filepath.Join(sp, spRest)
 	within := func(p, parent string) bool {
 		return p == parent || strings.HasPrefix(p, strings.TrimSuffix(parent, "/")+"/")
 	}
@@ -355,17 +350,16 @@ func checkSpoolPlacement(dir, spool string) error {
 	return nil
 }
 
-// resolveExisting returns the absolute path p with the symlinks of its longest existing ancestor
-// resolved (the rest does not exist yet).
-func resolveExisting(p string) string {
-	rest := ""
+// resolveExisting splits the absolute path p into its longest existing ancestor, with symlinks
+// resolved, and the rest, which does not exist yet ("" if p exists).
+func resolveExisting(p string) (existing, rest string) {
 	for cur := p; ; {
 		if r, err := filepath.EvalSymlinks(cur); err == nil {
-			return filepath.Join(r, rest)
+			return r, rest
 		}
 		parent := filepath.Dir(cur)
 		if parent == cur {
-			return p
+			return p, ""
 		}
 		rest = filepath.Join(filepath.Base(cur), rest)
 		cur = parent
