@@ -448,3 +448,29 @@ func TestSimultaneousStarts(t *testing.T) {
 		require.Zero(t, fuseMountsAt(dir), "round %d: mount left behind", round)
 	}
 }
+
+// TestStartWaitsForTheDirectoryLock: while another process holds the mount directory's lock (an
+// agent starting there), a starting agent waits, says so after a second, and serves once the
+// lock is released. (flock(1) on the directory from another mount namespace held it off too,
+// tried by hand with unshare -m.)
+func TestStartWaitsForTheDirectoryLock(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	f, err := os.Open(n.dir)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, unix.Flock(int(f.Fd()), unix.LOCK_EX))
+	released := make(chan time.Time, 1)
+	time.AfterFunc(1500*time.Millisecond, func() {
+		released <- time.Now()
+		unix.Flock(int(f.Fd()), unix.LOCK_UN)
+	})
+	a := n.start(t) // serves only after the release
+	assert.Contains(t, a.log(), "waiting for another agent starting on the same directory")
+	select {
+	case <-released:
+	default:
+		t.Fatal("the agent served before the lock was released")
+	}
+	stopAgent(t, a)
+}
