@@ -458,13 +458,16 @@ func TestStartWaitsForTheDirectoryLock(t *testing.T) {
 	n := newRepNode(t)
 	f, err := os.Open(n.dir)
 	require.NoError(t, err)
-	defer f.Close()
-	require.NoError(t, unix.Flock(int(f.Fd()), unix.LOCK_EX))
-	released := make(chan time.Time, 1)
+	fd := int(f.Fd())
+	require.NoError(t, unix.Flock(fd, unix.LOCK_EX))
+	released := make(chan time.Time, 1) // before the unlock: the agent cannot serve earlier
+	unlocked := make(chan struct{})
 	time.AfterFunc(1500*time.Millisecond, func() {
 		released <- time.Now()
-		unix.Flock(int(f.Fd()), unix.LOCK_UN)
+		unix.Flock(fd, unix.LOCK_UN)
+		close(unlocked)
 	})
+	defer func() { <-unlocked; f.Close() }()
 	a := n.start(t) // serves only after the release
 	assert.Contains(t, a.log(), "waiting for another agent starting on the same directory")
 	select {
