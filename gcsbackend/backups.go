@@ -246,6 +246,11 @@ type StepReport struct {
 	Data map[Slot]string
 	// Problems lists, sorted, what keeps the step from being complete.
 	Problems []string
+	// Damaged tells that a slot whose upload finished (its .meta is written last) no longer
+	// has intact data, or that a .meta does not name data: the backup was complete once and
+	// has been damaged since (objects deleted, bit rot, a foreign write), which an
+	// interrupted upload never leaves behind.
+	Damaged bool
 }
 
 // HighestComplete returns the highest complete step of the backup.
@@ -256,6 +261,16 @@ func (r BackupReport) HighestComplete() (int64, bool) {
 		}
 	}
 	return 0, false
+}
+
+// Damaged reports whether a step of the backup is damaged (StepReport.Damaged).
+func (r BackupReport) Damaged() bool {
+	for _, s := range r.Steps {
+		if s.Damaged {
+			return true
+		}
+	}
+	return false
 }
 
 // Complete reports whether the backup holds at least one step and every step
@@ -389,8 +404,10 @@ func (b *Backups) Verify(ctx context.Context, job, backup string, opts VerifyOpt
 					sr.Problems = append(sr.Problems, fmt.Sprintf("%s: .meta missing", slot))
 				case m.invalid:
 					sr.Problems = append(sr.Problems, fmt.Sprintf("%s: .meta content %.80q is not a data hash", slot, h))
+					sr.Damaged = true
 				default:
 					sr.Data[slot] = h
+					sr.Damaged = sr.Damaged || len(dataProblems[h]) > 0
 					if !reported[h] {
 						reported[h] = true
 						for _, p := range dataProblems[h] {

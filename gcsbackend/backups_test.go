@@ -226,6 +226,8 @@ func TestMissingDataMakesBackupIncomplete(t *testing.T) {
 	assert.False(t, r.Complete())
 	require.Len(t, r.Steps[0].Problems, 1)
 	assert.Contains(t, r.Steps[0].Problems[0], "state/array_1 missing")
+	assert.True(t, r.Steps[0].Damaged, "every .meta is there: the upload finished, the data was lost since")
+	assert.True(t, r.Damaged())
 
 	got, step, ok, err = b.NewestComplete(ctx, testJob, 2, 1)
 	require.NoError(t, err)
@@ -261,6 +263,8 @@ func TestMissingMetaMakesBackupIncomplete(t *testing.T) {
 		assert.False(t, r.Steps[0].Complete, "%+v", opts)
 		assert.Equal(t, []string{"n1-w0: .meta missing"}, r.Steps[0].Problems)
 		assert.NotContains(t, r.Steps[0].Data, Slot{1, 0})
+		assert.False(t, r.Steps[0].Damaged, "an upload that never finished is not damage")
+		assert.False(t, r.Damaged())
 	}
 	_, _, ok, err := b.NewestComplete(context.Background(), testJob, 3, 2)
 	require.NoError(t, err)
@@ -321,6 +325,7 @@ func TestCorruptionDetected(t *testing.T) {
 	assert.False(t, r.Steps[0].Complete)
 	require.Len(t, r.Steps[0].Problems, 1)
 	assert.Contains(t, r.Steps[0].Problems[0], "state/array_0 content")
+	assert.True(t, r.Steps[0].Damaged)
 
 	dest := filepath.Join(t.TempDir(), h+".data")
 	err = b.Download(ctx, DownloadRequest{Job: testJob, Backup: backup, Hash: h, Dest: dest})
@@ -797,4 +802,18 @@ func TestRecordedShapeFindsAMissingHighestRank(t *testing.T) {
 		Hash: fakeHash(true, "2"), Source: src, Nodes: 4, Workers: 1})
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "shape")
+}
+
+// TestMetaNamingNoDataIsDamage: a .meta is written last, by mtcfs, and names a data hash; one
+// that names none was written over since.
+func TestMetaNamingNoDataIsDamage(t *testing.T) {
+	b := newTestBackups(t)
+	const backup = "2025-06-30_14-30"
+	uploadStep(t, b, backup, 7, 1, 1)
+	require.NoError(t, PutBytes(context.Background(), b.Store, testJob+"/"+backup+"/"+metaName(testJob, 7, Slot{0, 0}), []byte("not a hash"), false))
+	r := verify(t, b, backup, VerifyOptions{})
+	require.Len(t, r.Steps, 1)
+	assert.False(t, r.Steps[0].Complete)
+	assert.True(t, r.Steps[0].Damaged)
+	assert.Contains(t, strings.Join(r.Steps[0].Problems, "\n"), "is not a data hash")
 }

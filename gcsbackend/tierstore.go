@@ -21,16 +21,20 @@ func (s tierStore) Backups(ctx context.Context, job string) ([]string, error) {
 	return s.b.Names(ctx, job)
 }
 
-func (s tierStore) CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]tiers.BackupStep, error) {
+func (s tierStore) CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]tiers.BackupStep, []tiers.DamagedStep, error) {
 	rep, err := s.b.Verify(ctx, job, backup, VerifyOptions{Nodes: nodes, Workers: workers})
 	if IsNotFound(err) {
-		return nil, fmt.Errorf("%s: %w", backup, tiers.ErrNoBackup)
+		return nil, nil, fmt.Errorf("%s: %w", backup, tiers.ErrNoBackup)
 	}
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	var out []tiers.BackupStep
-	for _, st := range rep.Steps {
+	var damaged []tiers.DamagedStep
+	for _, st := range rep.Steps { // highest first
+		if st.Damaged {
+			damaged = append(damaged, tiers.DamagedStep{Step: st.Step, Problems: st.Problems})
+		}
 		if !st.Complete {
 			continue
 		}
@@ -41,7 +45,7 @@ func (s tierStore) CompleteSteps(ctx context.Context, job, backup string, nodes,
 		out = append(out, tiers.BackupStep{Step: st.Step, Data: data})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Step > out[j].Step })
-	return out, nil
+	return out, damaged, nil
 }
 
 func (s tierStore) Upload(ctx context.Context, u tiers.Upload) error {

@@ -114,14 +114,14 @@ func (s *fakeStore) Backups(ctx context.Context, job string) ([]string, error) {
 	return names, nil
 }
 
-func (s *fakeStore) CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]tiers.BackupStep, error) {
+func (s *fakeStore) CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]tiers.BackupStep, []tiers.DamagedStep, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	steps, ok := s.backups[backup]
 	if !ok {
-		return nil, fmt.Errorf("backup %s: %w", backup, tiers.ErrNoBackup)
+		return nil, nil, fmt.Errorf("backup %s: %w", backup, tiers.ErrNoBackup)
 	}
-	return steps, nil
+	return steps, nil, nil
 }
 
 func (s *fakeStore) Upload(ctx context.Context, req tiers.Upload) error {

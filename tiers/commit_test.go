@@ -123,7 +123,7 @@ func TestCorruptedRAMIsReportedAndRestoredFromBackup(t *testing.T) {
 	h.eventually("the backup of step 4", func() string {
 		names, _ := store.Backups(t.Context(), "job")
 		for _, n := range names {
-			if steps, _ := store.CompleteSteps(t.Context(), "job", n, 1, 1); len(steps) > 0 && steps[0].Step == 4 {
+			if steps, _, _ := store.CompleteSteps(t.Context(), "job", n, 1, 1); len(steps) > 0 && steps[0].Step == 4 {
 				return ""
 			}
 		}
@@ -184,7 +184,7 @@ func TestUnverifiedRAMIsCheckedAtRestore(t *testing.T) {
 	h.eventually("the backup of step 2", func() string {
 		names, _ := store.Backups(t.Context(), "job")
 		for _, n := range names {
-			if steps, _ := store.CompleteSteps(t.Context(), "job", n, 1, 1); len(steps) > 0 && steps[0].Step == 2 {
+			if steps, _, _ := store.CompleteSteps(t.Context(), "job", n, 1, 1); len(steps) > 0 && steps[0].Step == 2 {
 				return ""
 			}
 		}

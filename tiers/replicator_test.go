@@ -728,7 +728,7 @@ func TestBackupAfterEveryStep(t *testing.T) {
 			t.Errorf("upload %d = %+v, want job step %d slot n0-w0 hash %s to backup %s", i, u, step, hashes[step], name)
 		}
 		store.checkDataBeforeMeta(t, "job", name)
-		steps, err := store.CompleteSteps(t.Context(), "job", name, 1, 1)
+		steps, _, err := store.CompleteSteps(t.Context(), "job", name, 1, 1)
 		if err != nil || len(steps) != 1 || steps[0].Step != step {
 			t.Errorf("backup %s: complete steps %+v, %v; want step %d", name, steps, err, step)
 		}
@@ -808,15 +808,21 @@ func TestRestoreFromBackup(t *testing.T) {
 func TestPinnedBackupUnusable(t *testing.T) {
 	t.Parallel()
 	tests := []struct {
-		name string
-		pin  func(t *testing.T, s *testStore, hashes map[int64]string) string
-		text string
+		name  string
+		pin   func(t *testing.T, s *testStore, hashes map[int64]string) string
+		texts []string // one per line of replicator.errors, each line naming the pin
 	}{
-		{"missing", func(*testing.T, *testStore, map[int64]string) string { return "2029-12-31_23-59" }, "does not exist"},
+		{"missing", func(*testing.T, *testStore, map[int64]string) string { return "2029-12-31_23-59" }, []string{"does not exist"}},
 		{"incomplete", func(t *testing.T, s *testStore, h map[int64]string) string {
+			// An upload that never finished: the .meta, written last, is not there.
+			s.deleteObject(t, "job", layout.BackupName(minute(1)), marker("job", 1, 0, 0, layout.MarkerMeta))
+			return layout.BackupName(minute(1))
+		}, []string{"incomplete"}},
+		{"damaged", func(t *testing.T, s *testStore, h map[int64]string) string {
+			// A finished backup whose data was lost since: said so, with the first problem.
 			s.deleteObject(t, "job", layout.BackupName(minute(1)), h[1]+".data")
 			return layout.BackupName(minute(1))
-		}, "incomplete"},
+		}, []string{"step 1 is damaged and is not restored: ", "has no intact step: starting from scratch"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -830,8 +836,13 @@ func TestPinnedBackupUnusable(t *testing.T) {
 			h.waitMarkers(s0)
 			h.checkPrerestore(map[string]any{})
 			lines := h.lines(layout.ReplicatorErrorsName)
-			if len(lines) != 1 || !errLineRE(pin).MatchString(lines[0]) || !strings.Contains(lines[0], tc.text) {
-				t.Fatalf("replicator.errors = %q, want one line naming %s and saying %q", lines, pin, tc.text)
+			if len(lines) != len(tc.texts) {
+				t.Fatalf("replicator.errors = %q, want %d lines naming %s and saying %q", lines, len(tc.texts), pin, tc.texts)
+			}
+			for i, text := range tc.texts {
+				if !errLineRE(pin).MatchString(lines[i]) || !strings.Contains(lines[i], text) {
+					t.Fatalf("replicator.errors line %d = %q, want it to name %s and say %q", i, lines[i], pin, text)
+				}
 			}
 			if e, m := h.opIndex("write "+layout.ReplicatorErrorsName), h.opIndex("write "+s0); e < 0 || e > m {
 				t.Fatalf("replicator.errors must be written before the s0 marker; operations %q", h.ns.opLog())

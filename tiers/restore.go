@@ -271,7 +271,7 @@ func (r *restorer) findBackupOf(ctx context.Context, cfg *Config, step int64, sl
 		return ""
 	}
 	for _, name := range names {
-		steps, err := r.store.CompleteSteps(ctx, cfg.JobName, name, cfg.Nodes, cfg.WorkersPerNode)
+		steps, _, err := r.store.CompleteSteps(ctx, cfg.JobName, name, cfg.Nodes, cfg.WorkersPerNode)
 		if err != nil {
 			continue
 		}

@@ -47,14 +47,22 @@ type BackupStep struct {
 	Data map[Slot]string // the hash each slot's .meta names
 }
 
+// DamagedStep is a step of a backup whose upload finished (a slot's .meta is there) but whose
+// data is no longer all there or no longer matches its manifest: objects deleted since, bit rot,
+// a foreign write. It is never restored, and a restore that passes over it says so.
+type DamagedStep struct {
+	Step     int64
+	Problems []string // sorted; at least one
+}
+
 // BackupStore is the backup tier as the replicator sees it. cmd wires an implementation from
 // package gcsbackend (file:// or gs://).
 type BackupStore interface {
 	// Backups lists the job's backup names, newest first.
 	Backups(ctx context.Context, job string) ([]string, error)
-	// CompleteSteps lists the complete steps of one backup, highest first; a missing backup
-	// returns an error wrapping ErrNoBackup.
-	CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]BackupStep, error)
+	// CompleteSteps lists the complete steps of one backup, highest first, and its damaged
+	// ones, highest first; a missing backup returns an error wrapping ErrNoBackup.
+	CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) (complete []BackupStep, damaged []DamagedStep, err error)
 	// Upload stores one slot's data (data first, .meta last).
 	Upload(ctx context.Context, req Upload) error
 	// Download fetches a hash's data into dest (which must not exist), verified.
@@ -104,12 +112,15 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 		}
 		if ok {
 			plan.Pinned = pin
-			steps, err := store.CompleteSteps(ctx, cfg.JobName, pin, cfg.Nodes, cfg.WorkersPerNode)
+			steps, damaged, err := store.CompleteSteps(ctx, cfg.JobName, pin, cfg.Nodes, cfg.WorkersPerNode)
 			switch {
 			case errors.Is(err, ErrNoBackup):
 				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which does not exist in %s: starting from scratch", pin, store))
 			case err != nil:
 				return plan, fmt.Errorf("check pinned backup %s: %w", pin, err)
+			case len(steps) == 0 && len(damaged) > 0:
+				plan.Errors = append(plan.Errors, damageLine(cfg, store, pin, damaged[0]),
+					fmt.Sprintf("restore.version names backup %q, which has no intact step: starting from scratch", pin))
 			case len(steps) == 0:
 				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which is incomplete: starting from scratch", pin))
 			default:
@@ -129,17 +140,66 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	if err != nil {
 		return plan, fmt.Errorf("list backups: %w", err)
 	}
+	// A damaged step above the one restored is a checkpoint the job loses: say so (SPEC §10:
+	// never a silent fresh start), newest first, and what is restored instead.
+	var passed []string
+	nPassed := 0
 	for _, name := range names {
-		steps, err := store.CompleteSteps(ctx, cfg.JobName, name, cfg.Nodes, cfg.WorkersPerNode)
+		steps, damaged, err := store.CompleteSteps(ctx, cfg.JobName, name, cfg.Nodes, cfg.WorkersPerNode)
 		if err != nil && !errors.Is(err, ErrNoBackup) {
 			return plan, fmt.Errorf("check backup %s: %w", name, err)
 		}
+		for _, d := range damaged {
+			if len(steps) > 0 && d.Step < steps[0].Step {
+				break // damaged is highest first; what is below the restored step is not lost
+			}
+			if nPassed++; nPassed <= maxDamageLines {
+				passed = append(passed, damageLine(cfg, store, name, d))
+			}
+		}
 		if len(steps) > 0 {
 			plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, name, steps[0].Data
+			if nPassed > 0 {
+				plan.Errors = append(plan.Errors, passed...)
+				plan.Errors = append(plan.Errors, fmt.Sprintf("%s; restoring step %d from backup %s instead", damageSummary(nPassed), plan.Step, name))
+			}
 			return plan, nil
 		}
 	}
+	if nPassed > 0 {
+		plan.Errors = append(plan.Errors, passed...)
+		plan.Errors = append(plan.Errors, fmt.Sprintf("%s and no intact checkpoint is left: starting from scratch", damageSummary(nPassed)))
+	}
 	return plan, nil
+}
+
+// maxDamageLines bounds the replicator.errors lines a restore writes for damaged backup steps
+// (a bucket emptied by a lifecycle rule could hold hundreds).
+const maxDamageLines = 5
+
+// damageLine is the replicator.errors line for one damaged step of a backup: its first problem,
+// and the command that lists them all.
+func damageLine(cfg *Config, store BackupStore, backup string, d DamagedStep) string {
+	first := "damaged"
+	if len(d.Problems) > 0 {
+		first = d.Problems[0]
+	}
+	more := ""
+	if len(d.Problems) > 1 {
+		more = fmt.Sprintf(" (and %d more problems)", len(d.Problems)-1)
+	}
+	return fmt.Sprintf("backup %s: step %d is damaged and is not restored: %s%s; see: mtcfs backups verify %s --backup %s --job %s",
+		backup, d.Step, first, more, backup, store, cfg.JobName)
+}
+
+func damageSummary(n int) string {
+	if n > maxDamageLines {
+		return fmt.Sprintf("%d damaged backup steps (the first %d above)", n, maxDamageLines)
+	}
+	if n == 1 {
+		return "1 damaged backup step"
+	}
+	return fmt.Sprintf("%d damaged backup steps", n)
 }
 
 // clusterStep finds the highest step for which every slot has a .meta whose data some node

@@ -140,8 +140,7 @@ func TestPlanRestore(t *testing.T) {
 			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
 				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40))) // rank 1's .meta never arrived
-				s.addBackup(t, "job", b3, 5, slots("n0-w0", hx(50), "n1-w0", hx(51)))
-				s.deleteObject(t, "job", b3, hx(51)+".data") // rank 1's data is gone
+				s.addBackup(t, "job", b3, 5, slots("n0-w0", hx(50))) // nor in this one
 			},
 			want: tiers.RestorePlan{Step: 3, Found: true, Backup: b1, Data: slots("n0-w0", hx(30), "n1-w0", hx(31))},
 		},
@@ -269,5 +268,125 @@ func TestPlanRestorePrefersTheOwnersMeta(t *testing.T) {
 		if want := slots("n0-w0", hx(2), "n1-w0", hx(12)); !plan.Found || plan.Step != 40 || !maps.Equal(plan.Data, want) {
 			t.Errorf("plan %+v, want step 40 with each node's own data %v", plan, want)
 		}
+	}
+}
+
+// TestPlanRestoreReportsDamagedBackups: a backup step whose upload finished (its .meta is there)
+// but whose data was lost since is never restored, and the restore says so in the lines every
+// node writes to replicator.errors, with what it restores instead (SPEC §10: never a silent fresh
+// start). An interrupted upload (a .meta missing) is not damage, and neither is a damaged step
+// below the one restored.
+func TestPlanRestoreReportsDamagedBackups(t *testing.T) {
+	t.Parallel()
+	backup := func(i int) string { return fmt.Sprintf("2030-01-01_00-%02d", i) }
+	// damage removes the only data object of hash in the backup (not its manifest), as a
+	// lifecycle rule or a hand-run `gcloud storage rm` would.
+	damage := func(t *testing.T, s *testStore, name, hash string) {
+		t.Helper()
+		s.deleteObject(t, "job", name, hash+".data/placeholder")
+	}
+	tests := []struct {
+		name   string
+		nodes  int
+		store  func(t *testing.T, s *testStore)
+		found  bool
+		step   int64
+		from   string
+		errors []string // each line must contain its entry, in order; nil: no line at all
+	}{
+		{
+			name: "newest damaged, older intact", nodes: 1,
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, slots("n0-w0", hx(30)))
+				s.addBackup(t, "job", backup(2), 4, slots("n0-w0", hx(40)))
+				damage(t, s, backup(2), hx(40))
+			},
+			found: true, step: 3, from: backup(1),
+			errors: []string{
+				"backup " + backup(2) + ": step 4 is damaged and is not restored: " + hx(40) + ".data: " + hx(40) + ".data/placeholder missing; see: mtcfs backups verify " + backup(2) + " --backup file://",
+				"1 damaged backup step; restoring step 3 from backup " + backup(1) + " instead",
+			},
+		},
+		{
+			name: "the only backup damaged", nodes: 2,
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
+				damage(t, s, backup(1), hx(31))
+			},
+			errors: []string{
+				"backup " + backup(1) + ": step 3 is damaged",
+				"1 damaged backup step and no intact checkpoint is left: starting from scratch",
+			},
+		},
+		{
+			name: "damaged step below the restored one", nodes: 1,
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, slots("n0-w0", hx(30)))
+				s.addBackup(t, "job", backup(1), 5, slots("n0-w0", hx(50)))
+				damage(t, s, backup(1), hx(30))
+			},
+			found: true, step: 5, from: backup(1),
+		},
+		{
+			name: "interrupted upload is not damage", nodes: 2,
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
+				s.addBackup(t, "job", backup(2), 4, slots("n0-w0", hx(40))) // rank 1 never finished
+			},
+			found: true, step: 3, from: backup(1),
+		},
+		{
+			name: "many damaged backups", nodes: 1,
+			store: func(t *testing.T, s *testStore) {
+				for i := 1; i <= 7; i++ {
+					s.addBackup(t, "job", backup(i), int64(i), slots("n0-w0", hx(i)))
+					damage(t, s, backup(i), hx(i))
+				}
+			},
+			errors: []string{
+				"backup " + backup(7) + ": step 7 is damaged", "backup " + backup(6) + ": step 6",
+				"backup " + backup(5) + ": step 5", "backup " + backup(4) + ": step 4", "backup " + backup(3) + ": step 3",
+				"7 damaged backup steps (the first 5 above) and no intact checkpoint is left: starting from scratch",
+			},
+		},
+		{
+			name: "pinned backup damaged", nodes: 1,
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, slots("n0-w0", hx(30)))
+				s.addBackup(t, "job", backup(2), 4, slots("n0-w0", hx(40)))
+				damage(t, s, backup(1), hx(30))
+				s.setPin(t, "job", backup(1))
+			},
+			errors: []string{
+				"backup " + backup(1) + ": step 3 is damaged",
+				`restore.version names backup "` + backup(1) + `", which has no intact step: starting from scratch`,
+			},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			s := newTestStore(t)
+			tc.store(t, s)
+			invs := make([]tiers.Inventory, tc.nodes)
+			for r := range invs {
+				invs[r].Rank = r
+			}
+			got, err := tiers.PlanRestore(t.Context(), planConfig(tc.nodes, 1), invs, s)
+			if err != nil {
+				t.Fatalf("PlanRestore: %v", err)
+			}
+			if got.Found != tc.found || got.Step != tc.step || got.Backup != tc.from {
+				t.Errorf("plan found %v step %d backup %q, want found %v step %d backup %q", got.Found, got.Step, got.Backup, tc.found, tc.step, tc.from)
+			}
+			if len(got.Errors) != len(tc.errors) {
+				t.Fatalf("plan errors:\n%s\nwant %d lines", strings.Join(got.Errors, "\n"), len(tc.errors))
+			}
+			for i, want := range tc.errors {
+				if !strings.Contains(got.Errors[i], want) {
+					t.Errorf("plan error %d:\n%s\nwant it to contain\n%s", i, got.Errors[i], want)
+				}
+			}
+		})
 	}
 }

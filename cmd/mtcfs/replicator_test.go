@@ -383,7 +383,8 @@ func TestNeMoLifecycle(t *testing.T) {
 }
 
 // TestRestoreFromBackup: a node that lost its RAM tier restores from the backup; a backup with
-// a missing data object is reported incomplete and never restored.
+// a missing data object is reported damaged (by backups verify and list, and to the job) and
+// never restored.
 func TestRestoreFromBackup(t *testing.T) {
 	needRoot(t)
 	ctx := repCtx(t)
@@ -441,9 +442,15 @@ func TestRestoreFromBackup(t *testing.T) {
 	require.NoError(t, os.Remove(victim))
 	t.Logf("removed %s", victim)
 	out, code = runMtcfs(t, "backups", "verify", "--backup", n.backupURL(), "--job", job)
-	assert.NotEqual(t, 0, code, "backups verify must fail on an incomplete backup: %s", out)
-	assert.Contains(t, out, "INCOMPLETE")
+	assert.NotEqual(t, 0, code, "backups verify must fail on a damaged backup: %s", out)
+	assert.Contains(t, out, "DAMAGED")
+	assert.Contains(t, out, "10(damaged)")
+	assert.Contains(t, out, name+" step 10: ")
 	assert.Contains(t, out, "missing")
+	out, code = runMtcfs(t, "backups", "list", "--backup", n.backupURL(), "--job", job)
+	assert.Equal(t, 0, code, "backups list: %s", out)
+	assert.Contains(t, out, "DAMAGED", "backups list shows the damage too")
+	assert.Contains(t, out, name+" step 10: ")
 	out, code = runMtcfs(t, "restore-version", "set", name, "--backup", n.backupURL(), "--job", job)
 	assert.NotEqual(t, 0, code, "restore-version set must refuse an incomplete backup: %s", out)
 	assert.NoFileExists(t, filepath.Join(n.backupRoot, job, "restore.version"))
@@ -452,11 +459,16 @@ func TestRestoreFromBackup(t *testing.T) {
 	o = orbaxClient(t, n.dir, job, fastBackupMinutes)
 	step, found, err = o.Start(ctx)
 	require.NoError(t, err)
-	require.False(t, found, "restored step %d from an incomplete backup\n%s", step, c.log())
+	require.False(t, found, "restored step %d from a damaged backup\n%s", step, c.log())
 	require.FileExists(t, filepath.Join(n.dir, job+"-s0-n0-w0.restore"), "an empty s0 marker says: nothing to restore")
 	pre, err = os.ReadFile(filepath.Join(n.dir, "replicator.prerestore"))
 	require.NoError(t, err)
 	assert.Equal(t, "{}", strings.TrimSpace(string(pre)))
+	// Never a silent fresh start (SPEC §10): the job read why, before its s0 marker.
+	errs := strings.Join(o.Errors(), "\n")
+	assert.Contains(t, errs, "backup "+name+": step 10 is damaged and is not restored: ")
+	assert.Contains(t, errs, "missing")
+	assert.Contains(t, errs, "no intact checkpoint is left: starting from scratch")
 }
 
 // TestRestoreVersionMissing: a pin naming a backup that does not exist starts the job from

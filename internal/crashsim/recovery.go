@@ -320,6 +320,9 @@ func (e *episode) scanBackups(ctx context.Context, verb string) error {
 	var newest *backupHeld
 	for _, row := range parseBackupRows(out) {
 		for _, s := range row.steps {
+			if s.damaged {
+				return e.violation(fmt.Sprintf("mtcfs backups %s shows step %d of backup %s damaged: a .meta names data that is missing or differs from its manifest", verb, s.step, row.name), out)
+			}
 			if !s.complete {
 				continue
 			}
@@ -348,7 +351,7 @@ func (e *episode) scanBackups(ctx context.Context, verb string) error {
 var (
 	explainsRE   = regexp.MustCompile(`(?i)restor|dropped|could not be sealed|verif|hash|scratch|lost|missing|incomplete`)
 	backupNameRE = regexp.MustCompile(`^\d{4}-\d{2}-\d{2}_\d{2}-\d{2}$`)
-	stepsFieldRE = regexp.MustCompile(`^\d+(\(incomplete\))?(,\d+(\(incomplete\))?)*$`)
+	stepsFieldRE = regexp.MustCompile(`^\d+(\((incomplete|damaged)\))?(,\d+(\((incomplete|damaged)\))?)*$`)
 )
 
 type backupRow struct {
@@ -359,6 +362,7 @@ type backupRow struct {
 type backupStep struct {
 	step     int64
 	complete bool
+	damaged  bool // finished uploading, then lost or changed data: never made by a crash
 }
 
 // parseBackupRows reads the table of `mtcfs backups list|verify`: BACKUP STATUS STEPS
@@ -371,13 +375,13 @@ func parseBackupRows(out string) []backupRow {
 			continue
 		}
 		row := backupRow{name: f[0], status: f[1]}
-		if (f[1] != "complete" && f[1] != "INCOMPLETE") || !stepsFieldRE.MatchString(f[2]) {
+		if (f[1] != "complete" && f[1] != "INCOMPLETE" && f[1] != "DAMAGED") || !stepsFieldRE.MatchString(f[2]) {
 			rows = append(rows, row) // no step (or an error): nothing to check
 			continue
 		}
 		for _, s := range strings.Split(f[2], ",") {
-			st := backupStep{complete: !strings.HasSuffix(s, "(incomplete)")}
-			if _, err := fmt.Sscanf(strings.TrimSuffix(s, "(incomplete)"), "%d", &st.step); err == nil {
+			st := backupStep{complete: !strings.HasSuffix(s, ")"), damaged: strings.HasSuffix(s, "(damaged)")}
+			if _, err := fmt.Sscanf(s, "%d", &st.step); err == nil {
 				row.steps = append(row.steps, st)
 			}
 		}

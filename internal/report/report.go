@@ -112,6 +112,7 @@ func Backups(ctx context.Context, w io.Writer, b *gcsbackend.Backups, job string
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "BACKUP\tSTATUS\tSTEPS\tNODES×WORKERS\tNOTE")
 	ok := true
+	var problems []string // printed below the table, so that they do not widen its columns
 	for _, name := range names {
 		rep, err := b.Verify(ctx, job, name, gcsbackend.VerifyOptions{Deep: deep})
 		if err != nil {
@@ -120,32 +121,42 @@ func Backups(ctx context.Context, w io.Writer, b *gcsbackend.Backups, job string
 			continue
 		}
 		status := "complete"
-		if !rep.Complete() {
+		switch {
+		case rep.Damaged():
+			status, ok = "DAMAGED", false
+		case !rep.Complete():
 			status, ok = "INCOMPLETE", false
 		}
 		var steps []string
 		for _, s := range rep.Steps {
 			mark := ""
-			if !s.Complete {
+			switch {
+			case s.Damaged:
+				mark = "(damaged)"
+			case !s.Complete:
 				mark = "(incomplete)"
 			}
 			steps = append(steps, fmt.Sprintf("%d%s", s.Step, mark))
+			if deep || s.Damaged {
+				probs := append([]string(nil), s.Problems...)
+				sort.Strings(probs)
+				for _, p := range probs {
+					problems = append(problems, fmt.Sprintf("%s step %d: %s", name, s.Step, p))
+				}
+			}
 		}
 		note := ""
 		if pinned != "" && pinned == name {
 			note = "pinned by restore.version"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%d×%d\t%s\n", name, status, strings.Join(steps, ","), rep.Nodes, rep.Workers, note)
-		if deep {
-			for _, s := range rep.Steps {
-				probs := append([]string(nil), s.Problems...)
-				sort.Strings(probs)
-				for _, p := range probs {
-					fmt.Fprintf(tw, "\t\tstep %d: %s\t\t\n", s.Step, p)
-				}
-			}
-		}
 	}
 	tw.Flush()
+	if len(problems) > 0 {
+		fmt.Fprintln(w)
+		for _, p := range problems {
+			fmt.Fprintln(w, p)
+		}
+	}
 	return ok
 }
