@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -580,6 +581,39 @@ func (c *JobCoordinator) lastBackup() string {
 	return c.floor
 }
 
+// waitingFor says what a call that returns once every rank got as far (Negotiate, Restored)
+// waits for: the ranks not heard from yet ("" once there are none).
+func (c *JobCoordinator) waitingFor() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ranks := func(done []bool) string {
+		var missing []string
+		for r, ok := range done {
+			if !ok {
+				missing = append(missing, fmt.Sprint(r))
+			}
+		}
+		const show = 8
+		if len(missing) > show {
+			return strings.Join(missing[:show], ", ") + fmt.Sprintf(" and %d more", len(missing)-show)
+		}
+		return strings.Join(missing, ", ")
+	}
+	switch {
+	case !c.planning:
+		return fmt.Sprintf("%d of %d nodes sent their inventory to the coordinator (rank 0); not yet rank %s",
+			c.nReported, c.cfg.Nodes, ranks(c.reported))
+	case c.nRestored < c.cfg.Nodes:
+		select {
+		case <-c.planned:
+		default:
+			return "the coordinator (rank 0) is reading the backups to plan the restore"
+		}
+		return fmt.Sprintf("%d of %d nodes restored; not yet rank %s", c.nRestored, c.cfg.Nodes, ranks(c.restored))
+	}
+	return ""
+}
+
 // negotiationStarted reports whether the inventories are frozen.
 func (c *JobCoordinator) negotiationStarted() bool {
 	c.mu.Lock()
@@ -610,6 +644,19 @@ type Job struct {
 // NewJob returns a Job whose coordinators use opts. Its LastBackup is carried from one
 // incarnation's coordinator to the next.
 func NewJob(opts Options) *Job { return &Job{opts: opts} }
+
+// current returns the coordinator that inc's rank takes part in (nil: none yet), starting nothing.
+func (j *Job) current(inc tiers.Incarnation) *JobCoordinator {
+	if inc.Config == nil {
+		return nil
+	}
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.cur == nil || !sameJob(j.cur.cfg, inc.Config) || inc.Config.NodeRank >= len(j.ids) || j.ids[inc.Config.NodeRank] != inc.ID {
+		return nil
+	}
+	return j.cur
+}
 
 // Coordinator returns the coordinator for a call from rank in the agent incarnation inc;
 // negotiate is true for Negotiate, the only call that may start an incarnation.
@@ -706,6 +753,16 @@ func (l LocalClient) Backups(ctx context.Context, inc tiers.Incarnation, rep tie
 		return tiers.BackupOrder{}, err
 	}
 	return c.Backups(ctx, rank, rep)
+}
+
+var _ tiers.WaitDescriber = LocalClient{}
+
+// WaitingFor says which ranks inc's pending Negotiate or Restored waits for.
+func (l LocalClient) WaitingFor(inc tiers.Incarnation) string {
+	if c := l.Job.current(inc); c != nil {
+		return c.waitingFor()
+	}
+	return ""
 }
 
 func (l LocalClient) coordinator(inc tiers.Incarnation, negotiate bool) (*JobCoordinator, int, error) {

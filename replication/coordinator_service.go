@@ -325,6 +325,28 @@ type RemoteCoordinator struct {
 	target string           // GUARDED_BY(mu); the instance id behind addr ("" if unknown)
 	conn   *grpc.ClientConn // GUARDED_BY(mu); nil before the first call and after Close
 	closed bool             // GUARDED_BY(mu)
+	// failing is the latest failure of a call being retried (nil: none is).
+	failing error // GUARDED_BY(mu)
+}
+
+var _ tiers.WaitDescriber = (*RemoteCoordinator)(nil)
+
+// WaitingFor says what a pending call waits for, as far as this rank can tell: rank 0 when it
+// answers (it holds the call until every node got as far), or why it cannot be reached.
+func (r *RemoteCoordinator) WaitingFor(inc tiers.Incarnation) string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.failing != nil {
+		return fmt.Sprintf("the coordinator (rank 0) cannot be reached: %v", r.failing)
+	}
+	return "the coordinator (rank 0), which answers once every node got as far (mtcfs status on rank 0 names the ranks missing)"
+}
+
+// setFailing records the failure of a call being retried (nil: it got through).
+func (r *RemoteCoordinator) setFailing(err error) {
+	r.mu.Lock()
+	r.failing = err
+	r.mu.Unlock()
 }
 
 var _ tiers.Coordinator = (*RemoteCoordinator)(nil)
@@ -470,6 +492,7 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 			r.mu.Lock()
 			target := r.target
 			r.mu.Unlock()
+			r.setFailing(nil) // reached; rpc may wait for the other nodes
 			err = rpc(WithTarget(ctx, target), peerpb.NewCoordinatorClient(conn), creds)
 			if err == nil {
 				return nil
@@ -484,6 +507,7 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 			}
 		}
 		last = err
+		r.setFailing(err)
 		switch {
 		case isTLSRefusal(err):
 			// Retrying may help (a peer restarting with new certificates), but the operator must

@@ -367,6 +367,26 @@ func (n *Node) coordinator(ctx context.Context, inc tiers.Incarnation) (tiers.Co
 	return r, nil
 }
 
+var _ tiers.WaitDescriber = (*Node)(nil)
+
+// WaitingFor says what inc's pending Negotiate or Restored waits for: on rank 0, the ranks not
+// heard from; elsewhere, rank 0, or why it cannot be reached.
+func (n *Node) WaitingFor(inc tiers.Incarnation) string {
+	if inc.Config == nil {
+		return ""
+	}
+	if inc.Config.NodeRank == 0 {
+		return LocalClient{Job: n.job}.WaitingFor(inc)
+	}
+	n.mu.Lock()
+	r := n.remotes[inc.Config.JobName]
+	n.mu.Unlock()
+	if r == nil {
+		return ""
+	}
+	return r.WaitingFor(inc)
+}
+
 // Negotiate registers this node for inc (a job of more than one node) and negotiates. Every
 // agent of the job registers where it listens, for this incarnation; a rank that reaches rank 0
 // before rank 0 started the incarnation is told to retry.

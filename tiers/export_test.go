@@ -19,3 +19,11 @@ func (r *Replicator) SetNextSaveGap(d time.Duration) { r.node.yield.nextSaveGap.
 // SetReadGap sets how long after the job's newest open for reading the early hasher still
 // counts the job as reading (savingGap by default).
 func (r *Replicator) SetReadGap(d time.Duration) { r.node.yield.readGap.Store(int64(d)) }
+
+// SetWaitNotices sets when a restore waiting for the other nodes logs it (after logAfter, then
+// every logEvery) and tells the job (after lineAfter).
+func (r *Replicator) SetWaitNotices(logAfter, logEvery, lineAfter time.Duration) {
+	r.node.waits.logAfter.Store(int64(logAfter))
+	r.node.waits.logEvery.Store(int64(logEvery))
+	r.node.waits.lineAfter.Store(int64(lineAfter))
+}

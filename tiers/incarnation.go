@@ -23,6 +23,7 @@ type incarnation struct {
 	// none yet).
 	replicated int64     // GUARDED_BY(mu)
 	restore    *Progress // GUARDED_BY(mu); the restore transfer running, for status
+	waiting    string    // GUARDED_BY(mu); what the restore waits for, for status ("": nothing)
 	// early holds, by top-level name, the files pushed to peers before their step committed.
 	early map[string]*earlyGroup // GUARDED_BY(mu)
 }
@@ -44,6 +45,13 @@ func (inc *incarnation) setPhase(phase string) {
 func (inc *incarnation) setRestoreProgress(p *Progress) {
 	inc.mu.Lock()
 	inc.restore = p
+	inc.mu.Unlock()
+}
+
+// setWaiting shows what the restore waits for in mtcfs status ("": nothing).
+func (inc *incarnation) setWaiting(what string) {
+	inc.mu.Lock()
+	inc.waiting = what
 	inc.mu.Unlock()
 }
 

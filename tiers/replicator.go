@@ -131,6 +131,8 @@ type node struct {
 	tasks sync.WaitGroup
 	// yield holds pushes back while the job saves on a busy node (yield.go).
 	yield *yielder
+	// waits says when a restore waiting for the other nodes tells of it (waitnotice.go).
+	waits *waitNotices
 }
 
 // spoolDir is a path in the spool.
@@ -161,7 +163,8 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	n := &node{spool: cfg.Spool, now: cfg.Now, log: cfg.Logger, digests: &layout.DigestCache{}, yield: newYielder(cfg.CPUIdle)}
+	n := &node{spool: cfg.Spool, now: cfg.Now, log: cfg.Logger, digests: &layout.DigestCache{}, yield: newYielder(cfg.CPUIdle),
+		waits: newWaitNotices()}
 	r := &Replicator{cfg: cfg, node: n, queue: newFIFO[event]()}
 	if cfg.Registerer != nil {
 		n.metrics = NewMetrics(cfg.Registerer, r)

@@ -48,7 +48,11 @@ func (r *restorer) run(inc *incarnation) {
 	if err := r.recorder.waitSealed(ctx); err != nil {
 		return
 	}
-	plan, err := r.coord.Negotiate(ctx, inc.Incarnation, r.retention.inventory(cfg.NodeRank))
+	var plan RestorePlan
+	err := r.waitNoticed(inc, "the restore negotiation", negotiationHint, func() (err error) {
+		plan, err = r.coord.Negotiate(ctx, inc.Incarnation, r.retention.inventory(cfg.NodeRank))
+		return err
+	})
 	if err != nil {
 		fail(fmt.Sprintf("restore negotiation failed: %v", err))
 		return
@@ -88,7 +92,7 @@ func (r *restorer) run(inc *incarnation) {
 			}
 		}
 	}
-	if err := r.coord.Restored(ctx, inc.Incarnation); err != nil {
+	if err := r.waitNoticed(inc, "the restore", barrierHint, func() error { return r.coord.Restored(ctx, inc.Incarnation) }); err != nil {
 		fail(fmt.Sprintf("waiting for the other nodes to restore failed: %v", err))
 		return
 	}

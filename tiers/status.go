@@ -39,6 +39,8 @@ type Status struct {
 	Rank        int    `json:"rank"`
 	Nodes       int    `json:"nodes"`
 	Phase       string `json:"phase"` // idle, restoring, running, failed
+	// Waiting says what a restore waits for when it waits for the other nodes.
+	Waiting string `json:"waiting,omitempty"`
 	Restored    int64  `json:"restored_step"`
 	Committed   int64  `json:"latest_committed_step"`
 	Sealed      int64  `json:"latest_sealed_step"`
@@ -104,7 +106,7 @@ func (r *Replicator) Status() Status {
 		st.Incarnation, st.Job, st.Framework = inc.ID, inc.Config.JobName, inc.Config.Framework
 		st.Rank, st.Nodes = inc.Config.NodeRank, inc.Config.Nodes
 		inc.mu.Lock()
-		st.Phase, st.Restored, st.Restore = inc.phase, inc.restored, inc.restore.view()
+		st.Phase, st.Restored, st.Restore, st.Waiting = inc.phase, inc.restored, inc.restore.view(), inc.waiting
 		inc.mu.Unlock()
 	}
 	st.Sealed = r.sealer.latest()

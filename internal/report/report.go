@@ -35,6 +35,9 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 		fmt.Fprintln(w, "  job        none yet (waiting for replicator.yaml)")
 	} else {
 		fmt.Fprintf(w, "  job        %s (%s), node %d/%d, incarnation %s, %s\n", st.Job, st.Framework, st.Rank, st.Nodes, st.Incarnation, st.Phase)
+		if st.Waiting != "" {
+			fmt.Fprintf(w, "  waiting    %s\n", st.Waiting)
+		}
 		repl := "none yet"
 		if st.Replicated >= 0 {
 			repl = fmt.Sprint(st.Replicated)

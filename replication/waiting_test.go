@@ -1,0 +1,111 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// TestCoordinatorSaysWhomItWaitsFor: while Negotiate and Restored wait for every rank, rank 0's
+// client names the ranks not heard from (what the restore shows in status, the log and
+// replicator.errors when a node's agent never comes).
+func TestCoordinatorSaysWhomItWaitsFor(t *testing.T) {
+	t.Parallel()
+	job := NewJob(Options{Store: &fakeStore{}, Clock: newFakeClock()})
+	client := LocalClient{Job: job}
+	incOf := func(rank int) tiers.Incarnation {
+		cfg := *testConfig(3)
+		cfg.NodeRank = rank
+		return tiers.Incarnation{ID: fmt.Sprintf("inc-%d", rank), Config: &cfg}
+	}
+	assert.Empty(t, client.WaitingFor(incOf(0)), "no negotiation yet")
+
+	ctx := t.Context()
+	negotiate := func(rank int) <-chan error {
+		return async(func() error { _, err := client.Negotiate(ctx, incOf(rank), own(rank, 10)); return err })
+	}
+	n0 := negotiate(0)
+	require.Eventually(t, func() bool { return client.WaitingFor(incOf(0)) != "" }, 10*time.Second, time.Millisecond)
+	assert.Equal(t, "1 of 3 nodes sent their inventory to the coordinator (rank 0); not yet rank 1, 2", client.WaitingFor(incOf(0)))
+	n2 := negotiate(2)
+	require.Eventually(t, func() bool {
+		return client.WaitingFor(incOf(0)) == "2 of 3 nodes sent their inventory to the coordinator (rank 0); not yet rank 1"
+	}, 10*time.Second, time.Millisecond, client.WaitingFor(incOf(0)))
+	stillWaiting(t, n0, "rank 0's negotiation")
+	require.NoError(t, result(t, negotiate(1), "rank 1's negotiation"))
+	require.NoError(t, result(t, n0, "rank 0's negotiation"))
+	require.NoError(t, result(t, n2, "rank 2's negotiation"))
+
+	assert.Equal(t, "0 of 3 nodes restored; not yet rank 0, 1, 2", client.WaitingFor(incOf(0)))
+	r1 := async(func() error { return client.Restored(ctx, incOf(1)) })
+	require.Eventually(t, func() bool {
+		return client.WaitingFor(incOf(0)) == "1 of 3 nodes restored; not yet rank 0, 2"
+	}, 10*time.Second, time.Millisecond, client.WaitingFor(incOf(0)))
+	stillWaiting(t, r1, "rank 1's restore barrier")
+	r0 := async(func() error { return client.Restored(ctx, incOf(0)) })
+	require.NoError(t, client.Restored(ctx, incOf(2)))
+	require.NoError(t, result(t, r0, "rank 0's restore barrier"))
+	require.NoError(t, result(t, r1, "rank 1's restore barrier"))
+	assert.Empty(t, client.WaitingFor(incOf(0)), "nothing left to wait for")
+	assert.Empty(t, client.WaitingFor(tiers.Incarnation{ID: "other", Config: incOf(0).Config}), "not this coordinator's incarnation")
+}
+
+// TestRemoteCoordinatorSaysWhyItWaits: a rank whose coordinator cannot be found says why while
+// it retries, and says it waits for rank 0 once rank 0 answers.
+func TestRemoteCoordinatorSaysWhyItWaits(t *testing.T) {
+	t.Parallel()
+	job := NewJob(Options{})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	svc, err := NewCoordinatorService(CoordinatorServiceConfig{Job: job, Secrets: StaticSecret(testJob, coordSecret),
+		Instance: "rank0", Logger: quietLogger()})
+	require.NoError(t, err)
+	srv := grpc.NewServer(ServerOptions()...)
+	svc.Register(srv)
+	go srv.Serve(ln)
+	t.Cleanup(srv.Stop)
+
+	var registered atomic.Bool
+	r, err := NewRemoteCoordinator(RemoteCoordinatorConfig{
+		Target: func(context.Context) (string, string, error) {
+			if !registered.Load() {
+				return "", "", errors.New("rank 0 of job j has not registered in file:///b")
+			}
+			return ln.Addr().String(), "rank0", nil
+		},
+		Secret: coordSecret, Instance: "rank1", RetryMin: 5 * time.Millisecond, RetryMax: 20 * time.Millisecond, Logger: quietLogger(),
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close() })
+
+	const nodes = 3
+	inc1 := agentInc("a1", 1, nodes)
+	n1 := async(func() error { _, err := r.Negotiate(t.Context(), inc1, own(1)); return err })
+	require.Eventually(t, func() bool {
+		return strings.Contains(r.WaitingFor(inc1), "cannot be reached") && strings.Contains(r.WaitingFor(inc1), "has not registered")
+	}, 10*time.Second, time.Millisecond, r.WaitingFor(inc1))
+	registered.Store(true)
+	n0 := async(func() error {
+		_, err := LocalClient{Job: job}.Negotiate(t.Context(), agentInc("a0", 0, nodes), own(0))
+		return err
+	})
+	require.Eventually(t, func() bool {
+		return strings.HasPrefix(r.WaitingFor(inc1), "the coordinator (rank 0), which answers once every node got as far")
+	}, 10*time.Second, time.Millisecond, r.WaitingFor(inc1))
+	stillWaiting(t, n1, "rank 1's negotiation")
+	_, err = LocalClient{Job: job}.Negotiate(t.Context(), agentInc("a2", 2, nodes), own(2))
+	require.NoError(t, err)
+	require.NoError(t, result(t, n1, "rank 1's negotiation"))
+	require.NoError(t, result(t, n0, "rank 0's negotiation"))
+}

@@ -1,0 +1,89 @@
+package tiers
+
+import (
+	"fmt"
+	"sync/atomic"
+	"time"
+)
+
+// WaitDescriber is implemented by a Coordinator that can say what a node's pending Negotiate or
+// Restored call waits for: the ranks not heard from yet, or why the coordinator cannot be
+// reached. The restorer shows it in the log, in mtcfs status and to the job while it waits.
+type WaitDescriber interface {
+	// WaitingFor describes what inc's pending call waits for ("" when it cannot say).
+	WaitingFor(inc Incarnation) string
+}
+
+// waitNotices says when a restore that waits for the other nodes tells of it: in the log after
+// logAfter and every logEvery after that, and once in replicator.errors after lineAfter. The job
+// (Orbax, NeMo) gives up on its restore after 300 s; a node whose agent is not running, or runs
+// with another job-name or backup location, would otherwise leave it waiting in silence.
+type waitNotices struct {
+	logAfter, logEvery, lineAfter atomic.Int64 // time.Duration
+}
+
+func newWaitNotices() *waitNotices {
+	w := &waitNotices{}
+	w.logAfter.Store(int64(10 * time.Second))
+	w.logEvery.Store(int64(30 * time.Second))
+	w.lineAfter.Store(int64(60 * time.Second))
+	return w
+}
+
+// What the job is told after lineAfter, beside what the coordinator says it waits for.
+const (
+	negotiationHint = "every node's agent must be running, with the same job-name and backup location; the restore goes on once they report"
+	barrierHint     = "they are still bringing their data in (mtcfs status on those nodes shows the progress); the markers appear once every node has it"
+)
+
+// waitNoticed runs call, a coordinator call that returns once every node got as far (what names
+// it), and tells of the wait while it lasts, with hint for the job. mtcfs status shows the wait
+// from its first second; it is cleared when call returns.
+func (r *restorer) waitNoticed(inc *incarnation, what, hint string, call func() error) error {
+	done := make(chan struct{})
+	ended := make(chan struct{})
+	go func() { // ends with call
+		defer close(ended)
+		r.noticeWait(inc, what, hint, done)
+	}()
+	err := call()
+	close(done)
+	<-ended
+	inc.setWaiting("")
+	return err
+}
+
+func (r *restorer) noticeWait(inc *incarnation, what, hint string, done <-chan struct{}) {
+	describer, _ := r.coord.(WaitDescriber)
+	start := time.Now()
+	logAt := time.Duration(r.waits.logAfter.Load())
+	lineAt := time.Duration(r.waits.lineAfter.Load())
+	tick := time.NewTicker(min(time.Second, logAt, lineAt))
+	defer tick.Stop()
+	lineWritten := false
+	for {
+		select {
+		case <-done:
+			return
+		case <-tick.C:
+		}
+		waited := time.Since(start).Round(time.Second)
+		detail := ""
+		if describer != nil {
+			detail = describer.WaitingFor(inc.Incarnation)
+		}
+		if detail == "" {
+			detail = "the other nodes"
+		}
+		inc.setWaiting(fmt.Sprintf("%s in %s: %s", waited, what, detail))
+		if time.Since(start) >= logAt {
+			r.log.Warn(what+" waits for the other nodes", "waiting_for", detail, "waited", waited.String(), "nodes", inc.Config.Nodes)
+			logAt += time.Duration(r.waits.logEvery.Load())
+		}
+		if !lineWritten && time.Since(start) >= lineAt && r.incs.isCurrent(inc) {
+			lineWritten = true
+			r.lines.errLine(inc.Config, fmt.Sprintf("%s has waited %s for the other nodes of the job (%d nodes): %s; %s",
+				what, waited, inc.Config.Nodes, detail, hint))
+		}
+	}
+}

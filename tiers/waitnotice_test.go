@@ -1,0 +1,69 @@
+package tiers_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/replication"
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// stalledCoordinator holds every Negotiate until release is closed, as rank 0 does while a node
+// of the job never reports, and says so as the real coordinator does.
+type stalledCoordinator struct {
+	tiers.Coordinator
+	release chan struct{}
+}
+
+func (c *stalledCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {
+	select {
+	case <-c.release:
+	case <-ctx.Done():
+		return tiers.RestorePlan{}, ctx.Err()
+	}
+	return c.Coordinator.Negotiate(ctx, inc, inv)
+}
+
+func (c *stalledCoordinator) WaitingFor(tiers.Incarnation) string { return "not yet rank 1" }
+
+// TestRestoreTellsOfAWaitForOtherNodes: a restore negotiation that waits for a node that never
+// reports is shown in mtcfs status at once and told to the job once, with whom it waits for and
+// what to check, before the job's own 300 s run out; the restore goes on once the node reports.
+func TestRestoreTellsOfAWaitForOtherNodes(t *testing.T) {
+	t.Parallel()
+	coord := &stalledCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}, release: make(chan struct{})}
+	h := newHarness(t, harnessConfig{coord: coord})
+	h.r.SetWaitNotices(50*time.Millisecond, time.Hour, 300*time.Millisecond)
+	h.yamlOrbax(baseYAML)
+
+	h.eventually("the wait in mtcfs status", func() string {
+		if w := h.r.Status().Waiting; !strings.Contains(w, "in the restore negotiation: not yet rank 1") {
+			return "status waiting = " + w
+		}
+		return ""
+	})
+	h.eventually("the wait told to the job", func() string {
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 {
+			return fmt.Sprintf("replicator.errors = %q, want one line", l)
+		}
+		return ""
+	})
+	line := h.lines(layout.ReplicatorErrorsName)[0]
+	for _, want := range []string{"the restore negotiation has waited", "not yet rank 1", "every node's agent must be running, with the same job-name and backup location"} {
+		if !strings.Contains(line, want) {
+			t.Errorf("replicator.errors line %q does not say %q", line, want)
+		}
+	}
+	time.Sleep(400 * time.Millisecond) // more than another lineAfter: the job is told once
+	if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 {
+		t.Errorf("replicator.errors = %q, want the one line", l)
+	}
+
+	close(coord.release)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	h.eventually("the wait gone from mtcfs status", func() string { return h.r.Status().Waiting })
+}
