@@ -220,6 +220,30 @@ func lockOwned(dir string) (*os.File, error) {
 	}
 }
 
+// resizeError explains why an adopted spool tmpfs could not be given the new budget. The usual
+// cause is an agent restarted with a smaller --memory than what the kept spool holds: the kernel
+// refuses to shrink a tmpfs below its content. Starting anyway would leave no room for the job's
+// next save (the restored step stays in RAM until a newer one is complete), so the start is
+// refused, with the two ways on.
+func resizeError(cfg SpoolConfig, err error) error {
+	var st unix.Statfs_t
+	if serr := unix.Statfs(cfg.Dir, &st); err == unix.EINVAL && serr == nil {
+		if held := (int64(st.Blocks) - int64(st.Bfree)) * st.Bsize; held > cfg.Budget {
+			free := cfg.Dir
+			if cfg.MountPath != "" {
+				free = cfg.MountPath
+			}
+			return fmt.Errorf("the kept spool at %s holds %s of checkpoints, more than the memory budget (--memory) of %s: "+
+				"start with --memory %s or more to restore them from RAM, or free the spool first (mtcfs spool free %s; "+
+				"the job then restores from a peer or a backup)", cfg.Dir, FormatSize(held), FormatSize(cfg.Budget), FormatSize(roundUpMiB(held)), free)
+		}
+	}
+	return fmt.Errorf("resize spool tmpfs at %s to %s: %w", cfg.Dir, FormatSize(cfg.Budget), err)
+}
+
+// roundUpMiB rounds n up to a whole MiB.
+func roundUpMiB(n int64) int64 { return (n + 1<<20 - 1) &^ (1<<20 - 1) }
+
 // OpenSpool prepares the spool directory. An existing tmpfs mount at Dir (left by an agent that
 // was killed) is adopted and resized to the new budget, keeping its content. An agent's spool
 // (MountPath set) is refused in a Dir that is neither new, empty nor a spool, or that is a tmpfs
@@ -252,7 +276,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		if isTmpfsMount(cfg.Dir) {
 			if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT, opts); err != nil {
 				s.unlock()
-				return nil, fmt.Errorf("resize spool tmpfs at %s to %s: %w (is more already in use?)", cfg.Dir, FormatSize(cfg.Budget), err)
+				return nil, resizeError(cfg, err)
 			}
 		} else {
 			if err := unix.Mount(spoolTmpfsSource, cfg.Dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
