@@ -40,10 +40,10 @@ type Status struct {
 	Nodes       int    `json:"nodes"`
 	Phase       string `json:"phase"` // idle, restoring, running, failed
 	// Waiting says what a restore waits for when it waits for the other nodes.
-	Waiting string `json:"waiting,omitempty"`
-	Restored    int64  `json:"restored_step"`
-	Committed   int64  `json:"latest_committed_step"`
-	Sealed      int64  `json:"latest_sealed_step"`
+	Waiting   string `json:"waiting,omitempty"`
+	Restored  int64  `json:"restored_step"`
+	Committed int64  `json:"latest_committed_step"`
+	Sealed    int64  `json:"latest_sealed_step"`
 	// BackedUp is the newest step whose part this node uploaded to a backup (-1: none yet).
 	BackedUp int64 `json:"latest_backed_up_step"`
 	// Replicated is the newest step the coordinator reported held by every node's peers
