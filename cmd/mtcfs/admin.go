@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -105,7 +106,30 @@ func (f *flagSetWithBackup) open(args []string) ([]string, *gcsbackend.Backups, 
 		fmt.Fprintln(os.Stderr, "mtcfs:", err)
 		return nil, nil, 1
 	}
+	// A mistyped file:// path would read as a location with no backups in it.
+	if dir, ok := strings.CutPrefix(*f.url, "file://"); ok {
+		if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+			fmt.Fprintf(os.Stderr, "mtcfs: --backup %s: no such directory\n", *f.url)
+			return nil, nil, 1
+		}
+	}
 	return pos, b, -1
+}
+
+// jobsIn lists the jobs that have something in the backup location (its top-level names),
+// to help with a mistyped --job.
+func jobsIn(ctx context.Context, b *gcsbackend.Backups) []string {
+	_, prefixes, err := b.Store.List(ctx, "", "/")
+	if err != nil {
+		return nil
+	}
+	var jobs []string
+	for _, p := range prefixes {
+		if j := strings.TrimSuffix(p, "/"); layout.ValidateJobName(j) == nil {
+			jobs = append(jobs, j)
+		}
+	}
+	return jobs
 }
 
 // cmdBackups lists, verifies or exports the backups of a job.
@@ -131,12 +155,28 @@ func cmdBackups(args []string) int {
 		fmt.Fprintln(os.Stderr, "mtcfs backups:", err)
 		return 1
 	}
-	if len(pos) > 0 {
-		names = pos
-	}
 	if len(names) == 0 {
 		fmt.Printf("no backups of job %s in %s\n", job, b.Store)
+		if jobs := jobsIn(ctx, b); len(jobs) > 0 {
+			fmt.Printf("jobs with something there: %s\n", strings.Join(jobs, ", "))
+		}
+		if len(pos) > 0 {
+			return 1
+		}
 		return 0
+	}
+	if len(pos) > 0 {
+		missing := 0
+		for _, name := range pos {
+			if !slices.Contains(names, name) {
+				fmt.Fprintf(os.Stderr, "mtcfs backups: no backup %s of job %s in %s (newest: %s; mtcfs backups list shows them all)\n", name, job, b.Store, names[0])
+				missing++
+			}
+		}
+		if missing > 0 {
+			return 1
+		}
+		names = pos
 	}
 	pin, pinned, _ := b.ReadRestoreVersion(ctx, job)
 	if !pinned {
@@ -220,6 +260,10 @@ func cmdRestoreVersion(args []string) int {
 		return flagError(f.fs, errors.New("set needs exactly one backup NAME (see mtcfs backups list)"))
 	}
 	rep, err := b.Verify(ctx, *f.job, pos[0], gcsbackend.VerifyOptions{})
+	if gcsbackend.IsNotFound(err) {
+		fmt.Fprintf(os.Stderr, "mtcfs restore-version: job %s has no backup %s in %s (see mtcfs backups list)\n", *f.job, pos[0], b.Store)
+		return 1
+	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "mtcfs restore-version: backup %s of job %s: %v\n", pos[0], *f.job, err)
 		return 1

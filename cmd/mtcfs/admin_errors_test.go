@@ -1,0 +1,56 @@
+package main
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/gcsbackend"
+)
+
+// TestBackupCommandsOnMistypedInput: a mistyped --backup path, --job or backup NAME gets an
+// answer that says so, instead of an empty listing or a store's "object not found".
+func TestBackupCommandsOnMistypedInput(t *testing.T) {
+	t.Parallel()
+	root := t.TempDir()
+	url := "file://" + root
+	store, err := gcsbackend.Open(url)
+	require.NoError(t, err)
+	src := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(src, "f"), []byte("state"), 0o644))
+	const backup = "2026-12-05_10-00"
+	require.NoError(t, (&gcsbackend.Backups{Store: store}).Upload(context.Background(), gcsbackend.UploadRequest{
+		Job: "train", Backup: backup, Step: 7, Hash: "D" + strings.Repeat("ab", 32), Source: src}))
+
+	out, code := runMtcfs(t, "backups", "list", "--backup", url, "--job", "train")
+	require.Equal(t, 0, code, out)
+	assert.Contains(t, out, backup)
+
+	out, code = runMtcfs(t, "backups", "list", "--backup", url+"-typo", "--job", "train")
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "--backup "+url+"-typo: no such directory")
+
+	out, code = runMtcfs(t, "backups", "list", "--backup", url, "--job", "trian")
+	assert.Equal(t, 0, code, out)
+	assert.Contains(t, out, "no backups of job trian in "+url)
+	assert.Contains(t, out, "jobs with something there: train")
+
+	out, code = runMtcfs(t, "backups", "verify", "2026-01-01_00-00", "--backup", url, "--job", "train")
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "no backup 2026-01-01_00-00 of job train in "+url+" (newest: "+backup)
+	assert.NotContains(t, out, "not found")
+
+	out, code = runMtcfs(t, "backups", "verify", backup, "--backup", url, "--job", "trian")
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "no backups of job trian")
+
+	out, code = runMtcfs(t, "restore-version", "set", "2026-01-01_00-00", "--backup", url, "--job", "train")
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "job train has no backup 2026-01-01_00-00 in "+url)
+	assert.NoFileExists(t, filepath.Join(root, "train", "restore.version"))
+}
