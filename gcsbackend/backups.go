@@ -101,6 +101,32 @@ func parseMetaName(job, name string) (step int64, s Slot, ok bool) {
 func dataName(hash string) string     { return hash + ".data" }
 func manifestName(hash string) string { return hash + ".data.manifest" }
 
+// damagedName is the object a restore writes beside hash's data when the data it downloaded
+// failed its check (MarkDamaged): Verify then reports the data damaged, so that the next
+// restore passes over it instead of failing on it again.
+func damagedName(hash string) string { return hash + ".data.damaged" }
+
+// damagedLimit bounds what Verify reads of a damage record.
+const damagedLimit = 4 << 10
+
+// MarkDamaged records in the backup that hash's data failed its check when a restore
+// downloaded it, with why (a line). Verify reports the steps naming it damaged from then on.
+func (b *Backups) MarkDamaged(ctx context.Context, job, backup, hash, why string) error {
+	if err := validateJob(job); err != nil {
+		return err
+	}
+	if err := validateBackupName(backup); err != nil {
+		return err
+	}
+	if err := validateHash(hash); err != nil {
+		return err
+	}
+	if len(why) > damagedLimit-1 {
+		why = why[:damagedLimit-1]
+	}
+	return PutBytes(ctx, b.Store, backupDir(job, backup)+damagedName(hash), []byte(why+"\n"), false)
+}
+
 // dataObject is the object holding path inside hash's data ("" for a
 // single-file data, which is one object).
 func dataObject(hash, path string) string {
@@ -440,6 +466,16 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 	manifests := make([]*manifest, len(hashes))
 	err := forEach(ctx, b.parallelism(), len(hashes), func(ctx context.Context, i int) error {
 		h := hashes[i]
+		if _, marked := index[damagedName(h)]; marked {
+			why, err := ReadSmall(ctx, b.Store, dir+damagedName(h), damagedLimit)
+			switch {
+			case IsNotFound(err): // removed since the listing
+			case err != nil:
+				return err
+			default:
+				note(h, "a restore found it damaged: %s", strings.TrimSpace(string(why)))
+			}
+		}
 		m, err := b.readManifest(ctx, dir, h)
 		var nf *NotFoundError
 		switch {

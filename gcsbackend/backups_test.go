@@ -817,3 +817,25 @@ func TestMetaNamingNoDataIsDamage(t *testing.T) {
 	assert.True(t, r.Steps[0].Damaged)
 	assert.Contains(t, strings.Join(r.Steps[0].Problems, "\n"), "is not a data hash")
 }
+
+// TestMarkDamaged: data a restore found damaged (bit rot that left the listing's CRC32C alone,
+// so the cheap verification passes) makes its steps damaged from then on, with the reason.
+func TestMarkDamaged(t *testing.T) {
+	ctx := context.Background()
+	b := newTestBackups(t)
+	const backup = "2025-06-30_14-30"
+	hashes := uploadStep(t, b, backup, 5, 2, 1)
+	r := verify(t, b, backup, VerifyOptions{})
+	require.True(t, r.Steps[0].Complete)
+
+	require.NoError(t, b.MarkDamaged(ctx, testJob, backup, hashes[Slot{1, 0}], "rank 1: crc32c mismatch"))
+	r = verify(t, b, backup, VerifyOptions{})
+	require.Len(t, r.Steps, 1)
+	assert.False(t, r.Steps[0].Complete)
+	assert.True(t, r.Steps[0].Damaged)
+	assert.Equal(t, []string{hashes[Slot{1, 0}] + ".data: a restore found it damaged: rank 1: crc32c mismatch"}, r.Steps[0].Problems)
+	_, _, ok, err := b.NewestComplete(ctx, testJob, 2, 1)
+	require.NoError(t, err)
+	assert.False(t, ok, "a damaged step is never chosen")
+	assert.Error(t, b.MarkDamaged(ctx, testJob, backup, "not-a-hash", "x"))
+}

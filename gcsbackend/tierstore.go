@@ -2,9 +2,11 @@ package gcsbackend
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sort"
 
+	"github.com/mtcfs/mtcfs/planecodec"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -56,7 +58,15 @@ func (s tierStore) Upload(ctx context.Context, u tiers.Upload) error {
 }
 
 func (s tierStore) Download(ctx context.Context, job, backup, hash, dest string, progress func(done, total int64)) error {
-	return s.b.Download(ctx, DownloadRequest{Job: job, Backup: backup, Hash: hash, Dest: dest, Progress: progress})
+	err := s.b.Download(ctx, DownloadRequest{Job: job, Backup: backup, Hash: hash, Dest: dest, Progress: progress})
+	if ce := (*ChecksumError)(nil); errors.As(err, &ce) || errors.Is(err, planecodec.ErrCorrupt) {
+		return fmt.Errorf("%w: %w", tiers.ErrCorruptBackup, err)
+	}
+	return err
+}
+
+func (s tierStore) MarkDamaged(ctx context.Context, job, backup, hash, why string) error {
+	return s.b.MarkDamaged(ctx, job, backup, hash, why)
 }
 
 func (s tierStore) RestoreVersion(ctx context.Context, job string) (string, bool, error) {

@@ -132,6 +132,10 @@ func (s *fakeStore) Download(ctx context.Context, job, backup, hash, dest string
 	return errors.New("fakeStore: Download is not used by the coordinator")
 }
 
+func (s *fakeStore) MarkDamaged(ctx context.Context, job, backup, hash, why string) error {
+	return errors.New("fakeStore: MarkDamaged is not used by the coordinator")
+}
+
 func (s *fakeStore) RestoreVersion(ctx context.Context, job string) (string, bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -8,7 +8,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"slices"
@@ -1117,5 +1119,66 @@ func TestConcurrentErrorLinesAreAllKept(t *testing.T) {
 	text := strings.Join(lines, "\n")
 	if !strings.Contains(text, "not making progress") || !strings.Contains(text, "injected upload failure") {
 		t.Errorf("replicator.errors = %q, want both the sealer's and the backup's line", lines)
+	}
+}
+
+// TestRestoreFromABackupThatRotted: the newest backup's data changed on its storage in a way the
+// listing does not show (a flipped byte, the mtime kept), so the restore plan picks it and the
+// download fails its check, twice. The restore fails (replicator.failed), and marks the data
+// damaged in the backup: the job's next start passes over it, says so in replicator.errors,
+// and restores the older backup instead of failing on the same data again.
+func TestRestoreFromABackupThatRotted(t *testing.T) {
+	t.Parallel()
+	store, hashes, files := backedUpStore(t)
+	rotted := filepath.Join(store.root, "job", layout.BackupName(minute(2)), hashes[2]+".data")
+	var victim string
+	if err := filepath.WalkDir(rotted, func(p string, d fs.DirEntry, err error) error {
+		if err == nil && victim == "" && d.Type().IsRegular() {
+			victim = p
+		}
+		return err
+	}); err != nil || victim == "" {
+		t.Fatalf("no data file under %s: %v", rotted, err)
+	}
+	fi, err := os.Stat(victim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := os.ReadFile(victim)
+	if err != nil || len(data) == 0 {
+		t.Fatalf("read %s: %v (%d bytes)", victim, err, len(data))
+	}
+	data[len(data)/2] ^= 0x10
+	if err := os.WriteFile(victim, data, fi.Mode()); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(victim, fi.ModTime(), fi.ModTime()); err != nil {
+		t.Fatal(err)
+	}
+
+	h := newHarness(t, harnessConfig{store: store}) // a new node: empty spool
+	h.yamlOrbax(backupYAML)
+	h.eventually("the restore to fail", func() string {
+		if l := h.lines(layout.ReplicatorFailedName); len(l) != 1 || !strings.Contains(l[0], "is now marked damaged in the backup") {
+			return fmt.Sprintf("replicator.failed = %q", l)
+		}
+		return ""
+	})
+	if _, downloads, _ := store.counts(); downloads != 2 {
+		t.Errorf("%d downloads, want 2 (one more after the first failed its check)", downloads)
+	}
+
+	// The job restarts: the rotted backup is passed over, with a word, for the older one.
+	h.yamlOrbax(backupYAML)
+	restore := marker("job", 1, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore)
+	h.checkPrerestore(map[string]any{"restore-step": 1, "restore-backup": layout.BackupName(minute(1))})
+	h.checkRestoreLink(restore, hashes[1], files[1])
+	errs := strings.Join(h.lines(layout.ReplicatorErrorsName), "\n")
+	for _, want := range []string{"backup " + layout.BackupName(minute(2)) + ": step 2 is damaged and is not restored: " + hashes[2] + ".data: a restore found it damaged: rank 0",
+		"1 damaged backup step; restoring step 1 from backup " + layout.BackupName(minute(1)) + " instead"} {
+		if !strings.Contains(errs, want) {
+			t.Errorf("replicator.errors:\n%s\nwant it to say %q", errs, want)
+		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -290,24 +291,59 @@ func (r *restorer) findBackupOf(ctx context.Context, cfg *Config, step int64, sl
 
 var errNotInRAM = errors.New("not in RAM")
 
+// fetchBackup downloads hash's data from backup into incoming and checks it against its hash;
+// data that does not match is an error wrapping ErrCorruptBackup.
+func (r *restorer) fetchBackup(ctx context.Context, cfg *Config, backup, hash, incoming string, p *Progress) error {
+	dataName := hash + ".data"
+	if err := r.store.Download(ctx, cfg.JobName, backup, hash, incoming, p.update); err != nil {
+		return fmt.Errorf("download %s from backup %s: %w", dataName, backup, err)
+	}
+	h, dir, _ := layout.ParseDataName(dataName)
+	err := layout.VerifyData(ctx, incoming, h, dir)
+	if mm := (*layout.HashMismatchError)(nil); errors.As(err, &mm) {
+		return fmt.Errorf("%w: %s from backup %s: %w", ErrCorruptBackup, dataName, backup, err)
+	}
+	return err
+}
+
 // download fetches hash's data from a backup into a new directory under spool/incoming and
-// verifies it against its hash; progress shows in mtcfs status.
+// verifies it against its hash; progress shows in mtcfs status. Data that fails its check is
+// downloaded once more (a fault on the way, not in the backup, passes then); failing again,
+// it is marked damaged in the backup, so that the job's next start passes over it (with a
+// line in replicator.errors) instead of failing on it again.
 func (r *restorer) download(ctx context.Context, inc *incarnation, step int64, backup, hash string) (string, error) {
 	cfg := inc.Config
 	dataName := hash + ".data"
 	p := &Progress{Kind: "restore", Step: step, Source: "backup " + backup, Started: r.now()}
 	inc.setRestoreProgress(p)
 	defer inc.setRestoreProgress(nil)
-	incoming := r.spoolDir("incoming", randomID(), dataName)
-	if err := os.MkdirAll(filepath.Dir(incoming), 0o700); err != nil {
-		return "", err
+	var incoming string
+	var err error
+	for attempt := 1; attempt <= 2; attempt++ {
+		if incoming != "" {
+			os.RemoveAll(filepath.Dir(incoming))
+		}
+		incoming = r.spoolDir("incoming", randomID(), dataName)
+		if err := os.MkdirAll(filepath.Dir(incoming), 0o700); err != nil {
+			return "", err
+		}
+		r.log.Info("downloading from backup", "backup", backup, "data", dataName, "attempt", attempt)
+		err = r.fetchBackup(ctx, cfg, backup, hash, incoming, p)
+		if !errors.Is(err, ErrCorruptBackup) || ctx.Err() != nil {
+			break
+		}
+		r.log.Warn("data downloaded from a backup failed its check", "backup", backup, "data", dataName, "attempt", attempt, "err", err)
 	}
-	r.log.Info("downloading from backup", "backup", backup, "data", dataName)
-	if err := r.store.Download(ctx, cfg.JobName, backup, hash, incoming, p.update); err != nil {
-		return incoming, fmt.Errorf("download %s from backup %s: %w", dataName, backup, err)
+	if errors.Is(err, ErrCorruptBackup) && ctx.Err() == nil {
+		why := fmt.Sprintf("rank %d, %s: %v", cfg.NodeRank, r.now().UTC().Format(time.RFC3339), err)
+		if merr := r.store.MarkDamaged(ctx, cfg.JobName, backup, hash, why); merr != nil {
+			r.log.Error("could not mark the backup's data damaged", "backup", backup, "data", dataName, "err", merr)
+		} else {
+			r.log.Warn("marked the backup's data damaged", "backup", backup, "data", dataName)
+			err = fmt.Errorf("%w; it failed twice, and is now marked damaged in the backup: the job's next start restores an older checkpoint", err)
+		}
 	}
-	h, dir, _ := layout.ParseDataName(dataName)
-	if err := layout.VerifyData(ctx, incoming, h, dir); err != nil {
+	if err != nil {
 		return incoming, err
 	}
 	r.log.Info("restored from backup", "data", dataName, "bytes", p.Done())

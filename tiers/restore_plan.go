@@ -65,8 +65,12 @@ type BackupStore interface {
 	CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) (complete []BackupStep, damaged []DamagedStep, err error)
 	// Upload stores one slot's data (data first, .meta last).
 	Upload(ctx context.Context, req Upload) error
-	// Download fetches a hash's data into dest (which must not exist), verified.
+	// Download fetches a hash's data into dest (which must not exist), verified; data that
+	// fails its check is an error wrapping ErrCorruptBackup.
 	Download(ctx context.Context, job, backup, hash, dest string, progress func(done, total int64)) error
+	// MarkDamaged records in the backup that hash's data failed its check (why: a line), so
+	// that CompleteSteps reports the steps naming it damaged from then on.
+	MarkDamaged(ctx context.Context, job, backup, hash, why string) error
 	// RestoreVersion reads <job>/restore.version; ok is false when it does not exist.
 	RestoreVersion(ctx context.Context, job string) (name string, ok bool, err error)
 	ClearRestoreVersion(ctx context.Context, job string) error
@@ -88,6 +92,9 @@ type Upload struct {
 	Source         string // the sealed data in the spool
 	Progress       func(done, total int64)
 }
+
+// ErrCorruptBackup means data downloaded from a backup does not match its manifest or hash.
+var ErrCorruptBackup = errors.New("the backup's data is corrupt")
 
 // ErrNoBackup means a named backup does not exist.
 var ErrNoBackup = errors.New("no such backup")

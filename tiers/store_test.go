@@ -22,6 +22,7 @@ import (
 type testStore struct {
 	tiers.BackupStore // gcsbackend.TierStore over objects
 	objects           gcsbackend.ObjectStore
+	root              string // the file:// directory
 
 	mu         sync.Mutex
 	uploads    []tiers.Upload // GUARDED_BY(mu); every Upload call, in order
@@ -36,11 +37,12 @@ var _ tiers.BackupStore = (*testStore)(nil)
 
 func newTestStore(t *testing.T) *testStore {
 	t.Helper()
-	objects, err := gcsbackend.Open("file://" + t.TempDir())
+	root := t.TempDir()
+	objects, err := gcsbackend.Open("file://" + root)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &testStore{BackupStore: gcsbackend.TierStore(&gcsbackend.Backups{Store: objects}), objects: objects}
+	return &testStore{BackupStore: gcsbackend.TierStore(&gcsbackend.Backups{Store: objects}), objects: objects, root: root}
 }
 
 func (s *testStore) Upload(ctx context.Context, req tiers.Upload) error {
