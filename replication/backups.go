@@ -6,7 +6,9 @@ package replication
 // job that saves once still gets its backup. Nodes learn orders through Backups, a call each
 // node keeps waiting, and report the outcome in their next call. A node that failed re-runs the
 // same order (same name: its uploads are create-if-absent, so it completes what it started)
-// after a backoff, unless a newer step is waiting by then, which gets a new order. An order is
+// after a backoff, unless a newer step is waiting by then, which gets a new order (in the next
+// UTC minute when the failed order's minute is the current one: backup names are unique per
+// minute; the failed step is not given again meanwhile). An order is
 // complete when every node reported its part done; only then does the next one start, so at
 // most one backup of the job runs at a time.
 
@@ -125,6 +127,11 @@ func (c *JobCoordinator) considerBackup(now time.Time) {
 		case b.latest > o.step && layout.BackupName(now) > c.floor:
 			c.log.Info("backup superseded by a newer step", "backup", o.name, "step", o.step, "newer", b.latest)
 			c.orderBackup(now, layout.BackupName(now))
+		case b.latest > o.step:
+			// A newer step waits, and this minute has its backup name: order the newer step in
+			// the next minute rather than the failed one again, which the node that failed may
+			// no longer hold (retention frees an older step once a newer one is complete).
+			c.armBackupTimer(now, now.UTC().Truncate(time.Minute).Add(time.Minute))
 		default:
 			o.retryAt = time.Time{}
 			c.log.Info("backup ordered again", "backup", o.name, "step", o.step, "attempt", o.attempts+1)
