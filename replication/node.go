@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -368,6 +370,33 @@ func (n *Node) coordinator(ctx context.Context, inc tiers.Incarnation) (tiers.Co
 }
 
 var _ tiers.WaitDescriber = (*Node)(nil)
+
+var _ tiers.JobChecker = (*Node)(nil)
+
+// CheckJob refuses a job of more than one node that a static --peers map cannot serve: every
+// rank of the job must be in it (the coordinator, rank 0, and every peer are found there).
+func (n *Node) CheckJob(cfg *tiers.Config) error {
+	static, ok := n.peers.(StaticPeers)
+	if !ok || cfg.Nodes <= 1 {
+		return nil
+	}
+	var missing []string
+	for r := 0; r < cfg.Nodes; r++ {
+		if _, ok := static[r]; !ok {
+			missing = append(missing, strconv.Itoa(r))
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	const show = 8
+	list := strings.Join(missing[:min(len(missing), show)], ", ")
+	if len(missing) > show {
+		list += fmt.Sprintf(" and %d more", len(missing)-show)
+	}
+	return fmt.Errorf("nodes: %d, but this node's agent was started with --peers lacking rank %s: every rank of the job must be listed (or leave --peers out: the agents then find each other through the backup location)",
+		cfg.Nodes, list)
+}
 
 // WaitingFor says what inc's pending Negotiate or Restored waits for: on rank 0, the ranks not
 // heard from; elsewhere, rank 0, or why it cannot be reached.

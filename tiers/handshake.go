@@ -43,6 +43,9 @@ func (h *handshake) answer() {
 		return
 	}
 	cfg, warnings, err := ParseConfig(data, h.getenv)
+	if checker, ok := h.restorer.coord.(JobChecker); ok && err == nil {
+		err = checker.CheckJob(cfg)
+	}
 
 	// Whatever the content, the old incarnation is over: its uncommitted work is abandoned.
 	h.incs.end()

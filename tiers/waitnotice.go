@@ -14,6 +14,14 @@ type WaitDescriber interface {
 	WaitingFor(inc Incarnation) string
 }
 
+// JobChecker is implemented by a Coordinator that can tell, from how the agent was started,
+// that it cannot serve a job of some shape: a static --peers map that lacks one of the job's
+// ranks. The handshake refuses such a job in replicator.failed instead of waiting for a rank
+// it has no way to reach.
+type JobChecker interface {
+	CheckJob(cfg *Config) error
+}
+
 // waitNotices says when a restore that waits for the other nodes tells of it: in the log after
 // logAfter and every logEvery after that, and once in replicator.errors after lineAfter. The job
 // (Orbax, NeMo) gives up on its restore after 300 s; a node whose agent is not running, or runs
