@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"google.golang.org/grpc"
 
 	"github.com/mtcfs/mtcfs/tiers"
 )
@@ -66,23 +64,14 @@ func TestCoordinatorSaysWhomItWaitsFor(t *testing.T) {
 func TestRemoteCoordinatorSaysWhyItWaits(t *testing.T) {
 	t.Parallel()
 	job := NewJob(Options{})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	svc, err := NewCoordinatorService(CoordinatorServiceConfig{Job: job, Secrets: StaticSecret(testJob, coordSecret),
-		Instance: "rank0", Logger: quietLogger()})
-	require.NoError(t, err)
-	srv := grpc.NewServer(ServerOptions()...)
-	svc.Register(srv)
-	go srv.Serve(ln)
-	t.Cleanup(srv.Stop)
-
+	addr := startCoordinatorService(t, job)
 	var registered atomic.Bool
 	r, err := NewRemoteCoordinator(RemoteCoordinatorConfig{
 		Target: func(context.Context) (string, string, error) {
 			if !registered.Load() {
 				return "", "", errors.New("rank 0 of job j has not registered in file:///b")
 			}
-			return ln.Addr().String(), "rank0", nil
+			return addr, "", nil
 		},
 		Secret: coordSecret, Instance: "rank1", RetryMin: 5 * time.Millisecond, RetryMax: 20 * time.Millisecond, Logger: quietLogger(),
 	})
