@@ -317,7 +317,32 @@ func (r BackupReport) Complete() bool {
 //
 // Cost: one recursive listing, one small read per .meta and per distinct
 // data manifest, and with Deep a full read of every data object.
+//
+// A step found damaged is looked at again, with a second listing: on GCS a listing comes in
+// pages, and a slot whose upload finished while the first was read can show its .meta without
+// the data objects of an earlier page. Its data was all written before its .meta, so the second
+// listing, begun after the first ended, holds it; a step is Damaged only if both say so.
 func (b *Backups) Verify(ctx context.Context, job, backup string, opts VerifyOptions) (BackupReport, error) {
+	first, err := b.verifyOnce(ctx, job, backup, opts)
+	if err != nil || !first.Damaged() {
+		return first, err
+	}
+	again, err := b.verifyOnce(ctx, job, backup, opts)
+	if err != nil {
+		return BackupReport{}, err
+	}
+	damagedBefore := make(map[int64]bool, len(first.Steps))
+	for _, s := range first.Steps {
+		damagedBefore[s.Step] = s.Damaged
+	}
+	for i := range again.Steps {
+		again.Steps[i].Damaged = again.Steps[i].Damaged && damagedBefore[again.Steps[i].Step]
+	}
+	return again, nil
+}
+
+// verifyOnce is Verify over one listing of the backup.
+func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts VerifyOptions) (BackupReport, error) {
 	if err := validateJob(job); err != nil {
 		return BackupReport{}, err
 	}
@@ -412,7 +437,7 @@ func (b *Backups) Verify(ctx context.Context, job, backup string, opts VerifyOpt
 		}
 	}
 
-	dataProblems, err := b.checkData(ctx, dir, distinct, index, opts.Deep)
+	dataProblems, unknown, err := b.checkData(ctx, dir, distinct, index, opts.Deep)
 	if err != nil {
 		return BackupReport{}, fmt.Errorf("verify backup %s: %w", dir, err)
 	}
@@ -433,7 +458,7 @@ func (b *Backups) Verify(ctx context.Context, job, backup string, opts VerifyOpt
 					sr.Damaged = true
 				default:
 					sr.Data[slot] = h
-					sr.Damaged = sr.Damaged || len(dataProblems[h]) > 0
+					sr.Damaged = sr.Damaged || (len(dataProblems[h]) > 0 && !unknown[h])
 					if !reported[h] {
 						reported[h] = true
 						for _, p := range dataProblems[h] {
@@ -452,10 +477,12 @@ func (b *Backups) Verify(ctx context.Context, job, backup string, opts VerifyOpt
 }
 
 // checkData returns, per hash, what is wrong with its data in the backup at
-// dir (no entry: complete). index holds the backup's objects by relative
-// name.
-func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, index map[string]ObjectAttrs, deep bool) (map[string][]string, error) {
+// dir (no entry: complete), and the hashes whose manifest this version cannot
+// read (a newer format: not damage). index holds the backup's objects by
+// relative name.
+func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, index map[string]ObjectAttrs, deep bool) (map[string][]string, map[string]bool, error) {
 	problems := make(map[string][]string)
+	unknown := make(map[string]bool)
 	var mu sync.Mutex // guards problems during the parallel phases
 	note := func(hash, format string, args ...any) {
 		mu.Lock()
@@ -470,8 +497,10 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 			why, err := ReadSmall(ctx, b.Store, dir+damagedName(h), damagedLimit)
 			switch {
 			case IsNotFound(err): // removed since the listing
-			case err != nil:
+			case err != nil && ctx.Err() != nil:
 				return err
+			case err != nil: // too large, say: still a record of damage
+				note(h, "a record of damage (%s) that cannot be read: %v", damagedName(h), err)
 			default:
 				note(h, "a restore found it damaged: %s", strings.TrimSpace(string(why)))
 			}
@@ -480,9 +509,14 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		var nf *NotFoundError
 		switch {
 		case errors.As(err, &nf):
-			note(h, "manifest %s missing (upload incomplete, or not written by mtcfs)", manifestName(h))
+			note(h, "manifest %s missing", manifestName(h))
 		case errors.As(err, new(*manifestError)):
 			note(h, "%v", err)
+			if errors.Is(err, errUnknownFormat) {
+				mu.Lock()
+				unknown[h] = true
+				mu.Unlock()
+			}
 		case err != nil:
 			return err
 		default:
@@ -491,7 +525,7 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		return nil
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 
 	// Presence, size and the store's CRC32C, from the listing alone.
@@ -527,7 +561,7 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		}
 	}
 	if !deep {
-		return problems, nil
+		return problems, unknown, nil
 	}
 
 	requests := semaphore.NewWeighted(int64(b.parallelism()))
@@ -568,7 +602,7 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		}
 		return nil
 	})
-	return problems, err
+	return problems, unknown, err
 }
 
 // manifestError marks a manifest that exists but cannot be used: a property

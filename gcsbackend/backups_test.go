@@ -839,3 +839,76 @@ func TestMarkDamaged(t *testing.T) {
 	assert.False(t, ok, "a damaged step is never chosen")
 	assert.Error(t, b.MarkDamaged(ctx, testJob, backup, "not-a-hash", "x"))
 }
+
+// hidingStore lists as a paged GCS listing can while an upload finishes: the first hide
+// listings lack the objects named in hidden (written before the .meta the listing shows).
+type hidingStore struct {
+	ObjectStore
+	hidden map[string]bool
+	hide   int
+	lists  int
+}
+
+func (s *hidingStore) List(ctx context.Context, prefix, delimiter string) ([]ObjectAttrs, []string, error) {
+	objs, prefixes, err := s.ObjectStore.List(ctx, prefix, delimiter)
+	if s.lists++; s.lists > s.hide {
+		return objs, prefixes, err
+	}
+	var kept []ObjectAttrs
+	for _, o := range objs {
+		if !s.hidden[o.Name] {
+			kept = append(kept, o)
+		}
+	}
+	return kept, prefixes, err
+}
+
+// TestDamageIsConfirmedByASecondListing: a step whose data one listing missed is looked at
+// again; only data missing from both listings is damage. An upload that finished during a paged
+// listing is not reported damaged.
+func TestDamageIsConfirmedByASecondListing(t *testing.T) {
+	const backup = "2025-06-30_14-30"
+	for _, tc := range []struct {
+		hide    int
+		damaged bool
+	}{{1, false}, {2, true}} {
+		b := newTestBackups(t)
+		hashes := uploadStep(t, b, backup, 5, 1, 1)
+		objs, _, err := b.Store.List(context.Background(), testJob+"/"+backup+"/", "")
+		require.NoError(t, err)
+		hidden := map[string]bool{}
+		for _, o := range objs {
+			if strings.HasPrefix(o.Name, testJob+"/"+backup+"/"+hashes[Slot{0, 0}]+".data/") {
+				hidden[o.Name] = true
+				break
+			}
+		}
+		require.Len(t, hidden, 1)
+		hs := &hidingStore{ObjectStore: b.Store, hidden: hidden, hide: tc.hide}
+		r, err := (&Backups{Store: hs}).Verify(context.Background(), testJob, backup, VerifyOptions{})
+		require.NoError(t, err)
+		require.Len(t, r.Steps, 1)
+		assert.Equal(t, tc.damaged, r.Steps[0].Damaged, "hidden from %d listing(s)", tc.hide)
+		assert.Equal(t, 2, hs.lists, "a step that looks damaged is listed again")
+	}
+}
+
+// TestManifestOfANewerVersionIsNotDamage: a manifest this version cannot read is a problem
+// (the step is not restorable here) but not damage: after a downgrade, the backup is intact.
+func TestManifestOfANewerVersionIsNotDamage(t *testing.T) {
+	b := newTestBackups(t)
+	const backup = "2025-06-30_14-30"
+	hashes := uploadStep(t, b, backup, 5, 1, 1)
+	h := hashes[Slot{0, 0}]
+	name := testJob + "/" + backup + "/" + manifestName(h)
+	data, err := ReadSmall(context.Background(), b.Store, name, 1<<20)
+	require.NoError(t, err)
+	newer := strings.Replace(string(data), `"format":"`, `"format":"x-`, 1)
+	require.NotEqual(t, string(data), newer)
+	require.NoError(t, PutBytes(context.Background(), b.Store, name, []byte(newer), false))
+	r := verify(t, b, backup, VerifyOptions{})
+	require.Len(t, r.Steps, 1)
+	assert.False(t, r.Steps[0].Complete)
+	assert.False(t, r.Steps[0].Damaged)
+	assert.Contains(t, strings.Join(r.Steps[0].Problems, "\n"), "a newer mtcfs wrote it?")
+}

@@ -3,6 +3,7 @@ package gcsbackend
 import (
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"path"
 	"strconv"
@@ -210,6 +211,10 @@ func (m *manifest) encode() ([]byte, error) {
 // maxSymlinkTarget is Linux's limit on a symlink's target (PATH_MAX - 1).
 const maxSymlinkTarget = 4095
 
+// errUnknownFormat marks a manifest this version cannot read (a format or codec a newer mtcfs
+// writes): the backup is not damaged, only unreadable here.
+var errUnknownFormat = errors.New("unknown to this version of mtcfs")
+
 // decodeManifest parses and checks the manifest of hash's data. A backup's
 // content is untrusted input: every path, target, type and object name is
 // validated before Download uses it to create anything.
@@ -228,7 +233,7 @@ func (m *manifest) check(hash string) error {
 	switch m.Format {
 	case manifestFormatV1, manifestFormatV2, manifestFormatV3:
 	default:
-		return fmt.Errorf("format %q, want %q, %q or %q (a newer mtcfs wrote it?)", m.Format, manifestFormatV1, manifestFormatV2, manifestFormatV3)
+		return fmt.Errorf("format %q, want %q, %q or %q (a newer mtcfs wrote it?): %w", m.Format, manifestFormatV1, manifestFormatV2, manifestFormatV3, errUnknownFormat)
 	}
 	if m.Kind != kindOf(hash) {
 		return fmt.Errorf("kind %q, but the hash names a %s", m.Kind, kindOf(hash))
@@ -372,7 +377,7 @@ func (f manifestFile) checkCodec() error {
 		return nil
 	}
 	if f.Codec != codecPlanes {
-		return fmt.Errorf("codec %q, want %q (a newer mtcfs wrote it?)", f.Codec, codecPlanes)
+		return fmt.Errorf("codec %q, want %q (a newer mtcfs wrote it?): %w", f.Codec, codecPlanes, errUnknownFormat)
 	}
 	if f.ChunkLen < minChunkLen || f.ChunkLen > maxChunkLen {
 		return fmt.Errorf("chunk length %d outside %d–%d", f.ChunkLen, minChunkLen, maxChunkLen)
