@@ -582,8 +582,9 @@ func (c *JobCoordinator) lastBackup() string {
 }
 
 // waitingFor says what a call that returns once every rank got as far (Negotiate, Restored)
-// waits for: the ranks not heard from yet ("" once there are none).
-func (c *JobCoordinator) waitingFor() string {
+// waits for: the ranks not heard from yet ("" once there are none), or the plan being made
+// (then nodes is false).
+func (c *JobCoordinator) waitingFor() (what string, nodes bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ranks := func(done []bool) string {
@@ -602,16 +603,16 @@ func (c *JobCoordinator) waitingFor() string {
 	switch {
 	case !c.planning:
 		return fmt.Sprintf("%d of %d nodes sent their inventory to the coordinator (rank 0); not yet rank %s",
-			c.nReported, c.cfg.Nodes, ranks(c.reported))
+			c.nReported, c.cfg.Nodes, ranks(c.reported)), true
 	case c.nRestored < c.cfg.Nodes:
 		select {
 		case <-c.planned:
 		default:
-			return "the coordinator (rank 0) is reading the backups to plan the restore"
+			return "the coordinator (rank 0) is reading the backup location to plan the restore", false
 		}
-		return fmt.Sprintf("%d of %d nodes restored; not yet rank %s", c.nRestored, c.cfg.Nodes, ranks(c.restored))
+		return fmt.Sprintf("%d of %d nodes restored; not yet rank %s", c.nRestored, c.cfg.Nodes, ranks(c.restored)), true
 	}
-	return ""
+	return "", false
 }
 
 // negotiationStarted reports whether the inventories are frozen.
@@ -758,11 +759,11 @@ func (l LocalClient) Backups(ctx context.Context, inc tiers.Incarnation, rep tie
 var _ tiers.WaitDescriber = LocalClient{}
 
 // WaitingFor says which ranks inc's pending Negotiate or Restored waits for.
-func (l LocalClient) WaitingFor(inc tiers.Incarnation) string {
+func (l LocalClient) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	if c := l.Job.current(inc); c != nil {
 		return c.waitingFor()
 	}
-	return ""
+	return "", false
 }
 
 func (l LocalClient) coordinator(inc tiers.Incarnation, negotiate bool) (*JobCoordinator, int, error) {

@@ -325,7 +325,8 @@ type RemoteCoordinator struct {
 	target string           // GUARDED_BY(mu); the instance id behind addr ("" if unknown)
 	conn   *grpc.ClientConn // GUARDED_BY(mu); nil before the first call and after Close
 	closed bool             // GUARDED_BY(mu)
-	// failing is the latest failure of a call being retried (nil: none is).
+	// failing is the latest failure of a Negotiate or Restored call being retried (nil: none
+	// is); the Backups and Sync calls running beside them do not count.
 	failing error // GUARDED_BY(mu)
 }
 
@@ -333,13 +334,13 @@ var _ tiers.WaitDescriber = (*RemoteCoordinator)(nil)
 
 // WaitingFor says what a pending call waits for, as far as this rank can tell: rank 0 when it
 // answers (it holds the call until every node got as far), or why it cannot be reached.
-func (r *RemoteCoordinator) WaitingFor(inc tiers.Incarnation) string {
+func (r *RemoteCoordinator) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.failing != nil {
-		return fmt.Sprintf("the coordinator (rank 0) cannot be reached: %v", r.failing)
+		return fmt.Sprintf("the coordinator (rank 0) has not answered yet: %v", r.failing), true
 	}
-	return "the coordinator (rank 0), which answers once every node got as far (mtcfs status on rank 0 names the ranks missing)"
+	return "the coordinator (rank 0), which answers once every node got as far (mtcfs status on rank 0 names the ranks missing)", true
 }
 
 // setFailing records the failure of a call being retried (nil: it got through).
@@ -475,6 +476,8 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 	wait := r.cfg.RetryMin
 	refresh := false
 	var last error // the latest retried failure
+	// WaitingFor describes the calls that wait for the other nodes.
+	waits := method == "Negotiate" || method == "Restored"
 	giveUp := func(err error, attempts int) error {
 		if last == nil {
 			return err
@@ -492,7 +495,9 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 			r.mu.Lock()
 			target := r.target
 			r.mu.Unlock()
-			r.setFailing(nil) // reached; rpc may wait for the other nodes
+			if waits {
+				r.setFailing(nil) // reached; rpc may wait for the other nodes
+			}
 			err = rpc(WithTarget(ctx, target), peerpb.NewCoordinatorClient(conn), creds)
 			if err == nil {
 				return nil
@@ -507,7 +512,9 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 			}
 		}
 		last = err
-		r.setFailing(err)
+		if waits {
+			r.setFailing(err)
+		}
 		switch {
 		case isTLSRefusal(err):
 			// Retrying may help (a peer restarting with new certificates), but the operator must

@@ -400,9 +400,9 @@ func (n *Node) CheckJob(cfg *tiers.Config) error {
 
 // WaitingFor says what inc's pending Negotiate or Restored waits for: on rank 0, the ranks not
 // heard from; elsewhere, rank 0, or why it cannot be reached.
-func (n *Node) WaitingFor(inc tiers.Incarnation) string {
+func (n *Node) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	if inc.Config == nil {
-		return ""
+		return "", false
 	}
 	if inc.Config.NodeRank == 0 {
 		return LocalClient{Job: n.job}.WaitingFor(inc)
@@ -411,7 +411,7 @@ func (n *Node) WaitingFor(inc tiers.Incarnation) string {
 	r := n.remotes[inc.Config.JobName]
 	n.mu.Unlock()
 	if r == nil {
-		return ""
+		return "", false
 	}
 	return r.WaitingFor(inc)
 }

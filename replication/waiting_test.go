@@ -22,41 +22,46 @@ func TestCoordinatorSaysWhomItWaitsFor(t *testing.T) {
 	t.Parallel()
 	job := NewJob(Options{Store: &fakeStore{}, Clock: newFakeClock()})
 	client := LocalClient{Job: job}
+	waiting := func(inc tiers.Incarnation) string {
+		what, nodes := client.WaitingFor(inc)
+		assert.Equal(t, what != "", nodes, "a wait for ranks is a wait for nodes: %q", what)
+		return what
+	}
 	incOf := func(rank int) tiers.Incarnation {
 		cfg := *testConfig(3)
 		cfg.NodeRank = rank
 		return tiers.Incarnation{ID: fmt.Sprintf("inc-%d", rank), Config: &cfg}
 	}
-	assert.Empty(t, client.WaitingFor(incOf(0)), "no negotiation yet")
+	assert.Empty(t, waiting(incOf(0)), "no negotiation yet")
 
 	ctx := t.Context()
 	negotiate := func(rank int) <-chan error {
 		return async(func() error { _, err := client.Negotiate(ctx, incOf(rank), own(rank, 10)); return err })
 	}
 	n0 := negotiate(0)
-	require.Eventually(t, func() bool { return client.WaitingFor(incOf(0)) != "" }, 10*time.Second, time.Millisecond)
-	assert.Equal(t, "1 of 3 nodes sent their inventory to the coordinator (rank 0); not yet rank 1, 2", client.WaitingFor(incOf(0)))
+	require.Eventually(t, func() bool { return waiting(incOf(0)) != "" }, 10*time.Second, time.Millisecond)
+	assert.Equal(t, "1 of 3 nodes sent their inventory to the coordinator (rank 0); not yet rank 1, 2", waiting(incOf(0)))
 	n2 := negotiate(2)
 	require.Eventually(t, func() bool {
-		return client.WaitingFor(incOf(0)) == "2 of 3 nodes sent their inventory to the coordinator (rank 0); not yet rank 1"
-	}, 10*time.Second, time.Millisecond, client.WaitingFor(incOf(0)))
+		return waiting(incOf(0)) == "2 of 3 nodes sent their inventory to the coordinator (rank 0); not yet rank 1"
+	}, 10*time.Second, time.Millisecond, waiting(incOf(0)))
 	stillWaiting(t, n0, "rank 0's negotiation")
 	require.NoError(t, result(t, negotiate(1), "rank 1's negotiation"))
 	require.NoError(t, result(t, n0, "rank 0's negotiation"))
 	require.NoError(t, result(t, n2, "rank 2's negotiation"))
 
-	assert.Equal(t, "0 of 3 nodes restored; not yet rank 0, 1, 2", client.WaitingFor(incOf(0)))
+	assert.Equal(t, "0 of 3 nodes restored; not yet rank 0, 1, 2", waiting(incOf(0)))
 	r1 := async(func() error { return client.Restored(ctx, incOf(1)) })
 	require.Eventually(t, func() bool {
-		return client.WaitingFor(incOf(0)) == "1 of 3 nodes restored; not yet rank 0, 2"
-	}, 10*time.Second, time.Millisecond, client.WaitingFor(incOf(0)))
+		return waiting(incOf(0)) == "1 of 3 nodes restored; not yet rank 0, 2"
+	}, 10*time.Second, time.Millisecond, waiting(incOf(0)))
 	stillWaiting(t, r1, "rank 1's restore barrier")
 	r0 := async(func() error { return client.Restored(ctx, incOf(0)) })
 	require.NoError(t, client.Restored(ctx, incOf(2)))
 	require.NoError(t, result(t, r0, "rank 0's restore barrier"))
 	require.NoError(t, result(t, r1, "rank 1's restore barrier"))
-	assert.Empty(t, client.WaitingFor(incOf(0)), "nothing left to wait for")
-	assert.Empty(t, client.WaitingFor(tiers.Incarnation{ID: "other", Config: incOf(0).Config}), "not this coordinator's incarnation")
+	assert.Empty(t, waiting(incOf(0)), "nothing left to wait for")
+	assert.Empty(t, waiting(tiers.Incarnation{ID: "other", Config: incOf(0).Config}), "not this coordinator's incarnation")
 }
 
 // TestRemoteCoordinatorSaysWhyItWaits: a rank whose coordinator cannot be found says why while
@@ -80,18 +85,23 @@ func TestRemoteCoordinatorSaysWhyItWaits(t *testing.T) {
 
 	const nodes = 3
 	inc1 := agentInc("a1", 1, nodes)
+	waiting := func() string {
+		what, forNodes := r.WaitingFor(inc1)
+		assert.True(t, forNodes, "rank 1 waits for rank 0: %q", what)
+		return what
+	}
 	n1 := async(func() error { _, err := r.Negotiate(t.Context(), inc1, own(1)); return err })
 	require.Eventually(t, func() bool {
-		return strings.Contains(r.WaitingFor(inc1), "cannot be reached") && strings.Contains(r.WaitingFor(inc1), "has not registered")
-	}, 10*time.Second, time.Millisecond, r.WaitingFor(inc1))
+		return strings.Contains(waiting(), "has not answered yet") && strings.Contains(waiting(), "has not registered")
+	}, 10*time.Second, time.Millisecond, waiting())
 	registered.Store(true)
 	n0 := async(func() error {
 		_, err := LocalClient{Job: job}.Negotiate(t.Context(), agentInc("a0", 0, nodes), own(0))
 		return err
 	})
 	require.Eventually(t, func() bool {
-		return strings.HasPrefix(r.WaitingFor(inc1), "the coordinator (rank 0), which answers once every node got as far")
-	}, 10*time.Second, time.Millisecond, r.WaitingFor(inc1))
+		return strings.HasPrefix(waiting(), "the coordinator (rank 0), which answers once every node got as far")
+	}, 10*time.Second, time.Millisecond, waiting())
 	stillWaiting(t, n1, "rank 1's negotiation")
 	_, err = LocalClient{Job: job}.Negotiate(t.Context(), agentInc("a2", 2, nodes), own(2))
 	require.NoError(t, err)

@@ -10,8 +10,9 @@ import (
 // Restored call waits for: the ranks not heard from yet, or why the coordinator cannot be
 // reached. The restorer shows it in the log, in mtcfs status and to the job while it waits.
 type WaitDescriber interface {
-	// WaitingFor describes what inc's pending call waits for ("" when it cannot say).
-	WaitingFor(inc Incarnation) string
+	// WaitingFor describes what inc's pending call waits for ("" when it cannot say), and
+	// whether that is other nodes of the job (rather than, say, rank 0 reading the backups).
+	WaitingFor(inc Incarnation) (what string, nodes bool)
 }
 
 // JobChecker is implemented by a Coordinator that can tell, from how the agent was started,
@@ -41,7 +42,7 @@ func newWaitNotices() *waitNotices {
 // What the job is told after lineAfter, beside what the coordinator says it waits for.
 const (
 	negotiationHint = "every node's agent must be running, with the same job-name and backup location; the restore goes on once they report"
-	barrierHint     = "they are still bringing their data in (mtcfs status on those nodes shows the progress); the markers appear once every node has it"
+	barrierHint     = "they are still bringing their data in (mtcfs status on those nodes shows the progress), or their restore failed (replicator.failed there); the markers appear once every node has its data"
 )
 
 // waitNoticed runs call, a coordinator call that returns once every node got as far (what names
@@ -76,22 +77,31 @@ func (r *restorer) noticeWait(inc *incarnation, what, hint string, done <-chan s
 		case <-tick.C:
 		}
 		waited := time.Since(start).Round(time.Second)
-		detail := ""
+		detail, nodes := "", false
 		if describer != nil {
-			detail = describer.WaitingFor(inc.Incarnation)
+			detail, nodes = describer.WaitingFor(inc.Incarnation)
 		}
+		nodes = nodes && inc.Config.Nodes > 1
 		if detail == "" {
-			detail = "the other nodes"
+			detail = "no answer from the coordinator (rank 0) yet"
 		}
 		inc.setWaiting(fmt.Sprintf("%s in %s: %s", waited, what, detail))
 		if time.Since(start) >= logAt {
-			r.log.Warn(what+" waits for the other nodes", "waiting_for", detail, "waited", waited.String(), "nodes", inc.Config.Nodes)
+			msg := what + " takes long"
+			if nodes {
+				msg = what + " waits for the other nodes"
+			}
+			r.log.Warn(msg, "waiting_for", detail, "waited", waited.String(), "nodes", inc.Config.Nodes)
 			logAt += time.Duration(r.waits.logEvery.Load())
 		}
 		if !lineWritten && time.Since(start) >= lineAt && r.incs.isCurrent(inc) {
 			lineWritten = true
-			r.lines.errLine(inc.Config, fmt.Sprintf("%s has waited %s for the other nodes of the job (%d nodes): %s; %s",
-				what, waited, inc.Config.Nodes, detail, hint))
+			line := fmt.Sprintf("%s has waited %s: %s", what, waited, detail)
+			if nodes {
+				line = fmt.Sprintf("%s has waited %s for the other nodes of the job (%d nodes): %s; %s",
+					what, waited, inc.Config.Nodes, detail, hint)
+			}
+			r.lines.errLine(inc.Config, line)
 		}
 	}
 }

@@ -8,37 +8,50 @@ import (
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
-	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // stalledCoordinator holds every Negotiate until release is closed, as rank 0 does while a node
 // of the job never reports, and says so as the real coordinator does.
 type stalledCoordinator struct {
-	tiers.Coordinator
-	release chan struct{}
+	tiers.Coordinator // Sync only; no test here saves
+	release           chan struct{}
+	planning          bool // rank 0 reads the backups rather than waiting for ranks
 }
 
+// Negotiate returns a fresh start once released, for a job of any size (no other node exists).
 func (c *stalledCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {
 	select {
 	case <-c.release:
+		return tiers.RestorePlan{}, nil
 	case <-ctx.Done():
 		return tiers.RestorePlan{}, ctx.Err()
 	}
-	return c.Coordinator.Negotiate(ctx, inc, inv)
 }
 
-func (c *stalledCoordinator) WaitingFor(tiers.Incarnation) string { return "not yet rank 1" }
+func (c *stalledCoordinator) Restored(context.Context, tiers.Incarnation) error { return nil }
+
+func (c *stalledCoordinator) Backups(ctx context.Context, _ tiers.Incarnation, _ tiers.BackupReport) (tiers.BackupOrder, error) {
+	<-ctx.Done()
+	return tiers.BackupOrder{}, nil
+}
+
+func (c *stalledCoordinator) WaitingFor(tiers.Incarnation) (string, bool) {
+	if c.planning {
+		return "the coordinator (rank 0) is reading the backup location to plan the restore", false
+	}
+	return "not yet rank 1", true
+}
 
 // TestRestoreTellsOfAWaitForOtherNodes: a restore negotiation that waits for a node that never
 // reports is shown in mtcfs status at once and told to the job once, with whom it waits for and
 // what to check, before the job's own 300 s run out; the restore goes on once the node reports.
 func TestRestoreTellsOfAWaitForOtherNodes(t *testing.T) {
 	t.Parallel()
-	coord := &stalledCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}, release: make(chan struct{})}
+	coord := &stalledCoordinator{release: make(chan struct{})}
 	h := newHarness(t, harnessConfig{coord: coord})
 	h.r.SetWaitNotices(50*time.Millisecond, time.Hour, 300*time.Millisecond)
-	h.yamlOrbax(baseYAML)
+	h.yamlOrbax(withKeys("nodes: 2", "peer-ranks: [1]"))
 
 	h.eventually("the wait in mtcfs status", func() string {
 		if w := h.r.Status().Waiting; !strings.Contains(w, "in the restore negotiation: not yet rank 1") {
@@ -66,4 +79,27 @@ func TestRestoreTellsOfAWaitForOtherNodes(t *testing.T) {
 	close(coord.release)
 	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
 	h.eventually("the wait gone from mtcfs status", func() string { return h.r.Status().Waiting })
+}
+
+// TestRestoreTellsOfASlowPlan: a wait that is not for other nodes (rank 0 reading a large backup
+// location, in a one-node job) is told as what it is, without the advice about other agents.
+func TestRestoreTellsOfASlowPlan(t *testing.T) {
+	t.Parallel()
+	coord := &stalledCoordinator{release: make(chan struct{}), planning: true}
+	h := newHarness(t, harnessConfig{coord: coord})
+	h.r.SetWaitNotices(50*time.Millisecond, time.Hour, 300*time.Millisecond)
+	h.yamlOrbax(baseYAML)
+	h.eventually("the wait told to the job", func() string {
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 {
+			return fmt.Sprintf("replicator.errors = %q, want one line", l)
+		}
+		return ""
+	})
+	line := h.lines(layout.ReplicatorErrorsName)[0]
+	if !strings.Contains(line, "the restore negotiation has waited") || !strings.Contains(line, "is reading the backup location") ||
+		strings.Contains(line, "other nodes") || strings.Contains(line, "agent must be running") {
+		t.Errorf("replicator.errors line %q: want the slow plan, and no word of other nodes", line)
+	}
+	close(coord.release)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
 }
