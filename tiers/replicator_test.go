@@ -1182,3 +1182,43 @@ func TestRestoreFromABackupThatRotted(t *testing.T) {
 		}
 	}
 }
+
+// TestRestoreFromBackupAfterAFaultOnTheWay: data that fails its check once (a fault between the
+// store and the node) is downloaded again and restored; nothing is marked damaged.
+func TestRestoreFromBackupAfterAFaultOnTheWay(t *testing.T) {
+	t.Parallel()
+	store, hashes, files := backedUpStore(t)
+	store.mu.Lock()
+	store.afterDownload = func(n int, dest string) {
+		if n != 1 {
+			return
+		}
+		filepath.WalkDir(dest, func(p string, d fs.DirEntry, err error) error {
+			if err == nil && d.Type().IsRegular() {
+				if data, rerr := os.ReadFile(p); rerr == nil && len(data) > 0 {
+					data[0] ^= 1
+					os.WriteFile(p, data, 0o644)
+				}
+				return fs.SkipAll
+			}
+			return err
+		})
+	}
+	store.mu.Unlock()
+	h := newHarness(t, harnessConfig{store: store})
+	h.yamlOrbax(backupYAML)
+	restore := marker("job", 2, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore)
+	h.checkRestoreLink(restore, hashes[2], files[2])
+	if _, downloads, _ := store.counts(); downloads != 2 {
+		t.Errorf("%d downloads, want 2", downloads)
+	}
+	for _, o := range store.objectsOf(t, "job", layout.BackupName(minute(2))) {
+		if strings.HasSuffix(o.Name, ".damaged") {
+			t.Errorf("%s written after a fault that the second download did not meet", o.Name)
+		}
+	}
+	if l := h.lines(layout.ReplicatorFailedName); len(l) != 0 {
+		t.Errorf("replicator.failed = %q", l)
+	}
+}

@@ -340,7 +340,7 @@ func (r *restorer) download(ctx context.Context, inc *incarnation, step int64, b
 			r.log.Error("could not mark the backup's data damaged", "backup", backup, "data", dataName, "err", merr)
 		} else {
 			r.log.Warn("marked the backup's data damaged", "backup", backup, "data", dataName)
-			err = fmt.Errorf("%w; it failed twice, and is now marked damaged in the backup: the job's next start restores an older checkpoint", err)
+			err = fmt.Errorf("%w; it failed twice, and is now marked damaged in the backup (%s.data.damaged): the job's next start passes over it", err, hash)
 		}
 	}
 	if err != nil {

@@ -127,11 +127,22 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 				return plan, fmt.Errorf("check pinned backup %s: %w", pin, err)
 			case len(steps) == 0 && len(damaged) > 0:
 				plan.Errors = append(plan.Errors, damageLine(cfg, store, pin, damaged[0]),
-					fmt.Sprintf("restore.version names backup %q, which has no intact step: starting from scratch", pin))
+					fmt.Sprintf("restore.version names backup %q, which has no intact step: starting from scratch (pin another backup with mtcfs restore-version set, or clear the pin)", pin))
 			case len(steps) == 0:
 				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which is incomplete: starting from scratch", pin))
 			default:
 				plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, pin, steps[0].Data
+				n := 0
+				for _, d := range damaged {
+					if d.Step > plan.Step {
+						if n++; n <= maxDamageLines {
+							plan.Errors = append(plan.Errors, damageLine(cfg, store, pin, d))
+						}
+					}
+				}
+				if n > 0 {
+					plan.Errors = append(plan.Errors, fmt.Sprintf("%s in the pinned backup; restoring its step %d", damageSummary(n), plan.Step))
+				}
 			}
 			return plan, nil
 		}

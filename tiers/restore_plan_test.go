@@ -350,6 +350,20 @@ func TestPlanRestoreReportsDamagedBackups(t *testing.T) {
 			},
 		},
 		{
+			name: "pinned backup with a damaged step above its intact one", nodes: 1,
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, slots("n0-w0", hx(30)))
+				s.addBackup(t, "job", backup(1), 5, slots("n0-w0", hx(50)))
+				damage(t, s, backup(1), hx(50))
+				s.setPin(t, "job", backup(1))
+			},
+			found: true, step: 3, from: backup(1),
+			errors: []string{
+				"backup " + backup(1) + ": step 5 is damaged",
+				"1 damaged backup step in the pinned backup; restoring its step 3",
+			},
+		},
+		{
 			name: "pinned backup damaged", nodes: 1,
 			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", backup(1), 3, slots("n0-w0", hx(30)))

@@ -31,6 +31,8 @@ type testStore struct {
 	clears     int            // GUARDED_BY(mu)
 	// beforeUpload, when set, runs at the start of Upload (without mu); an error fails it.
 	beforeUpload func(context.Context, tiers.Upload) error // GUARDED_BY(mu)
+	// afterDownload, when set, runs after the nth Download succeeded, on what it wrote.
+	afterDownload func(n int, dest string) // GUARDED_BY(mu)
 }
 
 var _ tiers.BackupStore = (*testStore)(nil)
@@ -68,8 +70,13 @@ func (s *testStore) Upload(ctx context.Context, req tiers.Upload) error {
 func (s *testStore) Download(ctx context.Context, job, backup, hash, dest string, progress func(done, total int64)) error {
 	s.mu.Lock()
 	s.downloads++
+	n, after := s.downloads, s.afterDownload
 	s.mu.Unlock()
-	return s.BackupStore.Download(ctx, job, backup, hash, dest, progress)
+	err := s.BackupStore.Download(ctx, job, backup, hash, dest, progress)
+	if err == nil && after != nil {
+		after(n, dest)
+	}
+	return err
 }
 
 func (s *testStore) ClearRestoreVersion(ctx context.Context, job string) error {
