@@ -107,7 +107,7 @@ func (f *flagSetWithBackup) open(args []string) ([]string, *gcsbackend.Backups, 
 		return nil, nil, 1
 	}
 	// A mistyped file:// path would read as a location with no backups in it.
-	if dir, ok := strings.CutPrefix(*f.url, "file://"); ok {
+	if dir, ok := gcsbackend.LocalRoot(b.Store); ok {
 		if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
 			fmt.Fprintf(os.Stderr, "mtcfs: --backup %s: no such directory\n", *f.url)
 			return nil, nil, 1

@@ -31,6 +31,11 @@ func TestBackupCommandsOnMistypedInput(t *testing.T) {
 	require.Equal(t, 0, code, out)
 	assert.Contains(t, out, backup)
 
+	// The same directory written as file://localhost/… and with an escaped character.
+	out, code = runMtcfs(t, "backups", "list", "--backup", "file://localhost"+strings.Replace(root, "t", "%74", 1), "--job", "train")
+	require.Equal(t, 0, code, out)
+	assert.Contains(t, out, backup)
+
 	out, code = runMtcfs(t, "backups", "list", "--backup", url+"-typo", "--job", "train")
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "--backup "+url+"-typo: no such directory")
