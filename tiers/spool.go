@@ -234,8 +234,9 @@ func resizeError(cfg SpoolConfig, err error) error {
 				free = cfg.MountPath
 			}
 			return fmt.Errorf("the kept spool at %s holds %s of checkpoints, more than the memory budget (--memory) of %s: "+
-				"start with --memory %s or more to restore them from RAM, or free the spool first (mtcfs spool free %s; "+
-				"the job then restores from a peer or a backup)", cfg.Dir, FormatSize(held), FormatSize(cfg.Budget), FormatSize(roundUpMiB(held)), free)
+				"start with --memory %s or more (twice what it holds: the restored step stays in RAM until the job's next save is complete) "+
+				"to restore them from RAM, or free the spool first (mtcfs spool free %s; the job then restores from a peer or a backup)",
+				cfg.Dir, FormatSize(held), FormatSize(cfg.Budget), FormatSize(roundUpMiB(2*held)), free)
 		}
 	}
 	return fmt.Errorf("resize spool tmpfs at %s to %s: %w", cfg.Dir, FormatSize(cfg.Budget), err)

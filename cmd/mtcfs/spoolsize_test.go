@@ -38,12 +38,12 @@ func TestRestartWithASmallerMemoryBudget(t *testing.T) {
 	require.Equal(t, 1, code, out)
 	assert.Contains(t, out, "the kept spool at "+n.spool+" holds 40.")
 	assert.Contains(t, out, "more than the memory budget (--memory) of 24.0MiB")
-	assert.Contains(t, out, "start with --memory 41.0MiB or more")
+	assert.Contains(t, out, "start with --memory 81.0MiB or more (twice what it holds")
 	assert.Contains(t, out, "mtcfs spool free "+n.dir)
 	assert.False(t, isMounted(n.dir), "nothing is served")
 	require.True(t, isMounted(n.spool), "the spool is kept")
 
-	b := n.start(t, "--memory", "48MiB")
+	b := n.start(t, "--memory", "81MiB") // what the message advised
 	o = orbaxClient(t, n.dir, job, 30)
 	o.Content = big
 	step, found, err := o.Start(ctx)
@@ -51,5 +51,6 @@ func TestRestartWithASmallerMemoryBudget(t *testing.T) {
 	require.True(t, found, "nothing restored\n%s", b.log())
 	require.EqualValues(t, 1, step)
 	require.NoError(t, o.VerifyRestored(ctx, 1))
+	require.NoError(t, o.Save(ctx, 2), "the advised budget leaves room for the next save\n%s", b.log())
 	stopAgent(t, b)
 }
