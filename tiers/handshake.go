@@ -43,8 +43,10 @@ func (h *handshake) answer() {
 		return
 	}
 	cfg, warnings, err := ParseConfig(data, h.getenv)
+	refused := false // valid, but not a job this agent can serve
 	if checker, ok := h.restorer.coord.(JobChecker); ok && err == nil {
 		err = checker.CheckJob(cfg)
+		refused = err != nil
 	}
 
 	// Whatever the content, the old incarnation is over: its uncommitted work is abandoned.
@@ -53,7 +55,11 @@ func (h *handshake) answer() {
 	if err != nil {
 		h.lines.failLine(partialConfig(data, h.getenv), err.Error())
 		h.ns.Remove(layout.ReplicatorYAMLName)
-		h.log.Error("invalid replicator.yaml", "err", err)
+		if refused {
+			h.log.Error("replicator.yaml refused: this agent cannot serve the job", "err", err)
+		} else {
+			h.log.Error("invalid replicator.yaml", "err", err)
+		}
 		h.metrics.error(errKindConfig)
 		return
 	}
