@@ -163,8 +163,9 @@ func TestBackupRetries(t *testing.T) {
 	}
 	// Its retry is due within the minute, but step 100 is not ordered again: the node that
 	// failed may have freed it for step 101 ("no longer in this node's RAM" at every attempt).
+	ran := clock.ran.Load()
 	clock.Advance(10 * time.Second)
-	time.Sleep(50 * time.Millisecond) // timers fire in their own goroutines
+	require.Eventually(t, func() bool { return clock.ran.Load() > ran }, 5*time.Second, time.Millisecond, "the retry's timer ran")
 	assert.Empty(t, orderOf(t, c, 1, tiers.BackupReport{}).Backup, "the older step is not ordered again while a newer one waits")
 	clock.Advance(time.Minute)
 	want := tiers.BackupOrder{Backup: "2030-01-02_03-01", Step: 101}

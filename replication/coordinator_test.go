@@ -9,6 +9,7 @@ import (
 	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -29,6 +30,7 @@ type fakeClock struct {
 	mu     sync.Mutex
 	now    time.Time    // GUARDED_BY(mu)
 	timers []*fakeTimer // GUARDED_BY(mu); not yet fired nor stopped
+	ran    atomic.Int64 // timer functions that have returned
 }
 
 type fakeTimer struct {
@@ -79,7 +81,10 @@ func (c *fakeClock) Advance(d time.Duration) {
 	c.timers = kept
 	c.mu.Unlock()
 	for _, t := range due {
-		go t.f()
+		go func() {
+			t.f()
+			c.ran.Add(1)
+		}()
 	}
 }
 
