@@ -103,14 +103,19 @@ func (ns *namespace) child(name string) gofs.InodeEmbedder {
 	return nil
 }
 
-// install puts ch at name, replacing a file or symlink there, and tells the kernel.
-func (ns *namespace) install(name string, ch *gofs.Inode) error {
+// install puts ch at name, replacing a file or symlink there, and tells the kernel; sealed
+// makes the name the agent's alone to remove or rename (see isSealedTop).
+func (ns *namespace) install(name string, ch *gofs.Inode, sealed bool) error {
 	old := ns.root.GetChild(name)
 	if old != nil && old.IsDir() {
 		return fmt.Errorf("replace %s: %w", name, syscall.EISDIR)
 	}
+	if sealed {
+		ns.m.sealedTop.Store(name, struct{}{})
+	} else {
+		ns.m.sealedTop.Delete(name)
+	}
 	ns.root.AddChild(name, ch, true)
-	ns.m.sealedTop.Delete(name)
 	// The kernel forgets its entry for name before the old node lets go of its bytes: a reader
 	// racing the replacement opens the old content or the new, never nothing.
 	ns.changed(name)
@@ -141,8 +146,16 @@ func (ns *namespace) WriteFile(name string, data []byte) error {
 		os.Remove(p)
 		return err
 	}
+	// A .meta names the committed data it describes; like that data, it is the agent's to
+	// change: the job's unlink, rename, write or truncate fails with EROFS (a name the agent
+	// would publish again at the next handshake must not seem to go away).
+	meta := false
+	if mk, ok := layout.ParseMarkerName(name); ok && mk.Kind == layout.MarkerMeta {
+		meta = true
+		fn.freeze()
+	}
 	ch := ns.root.NewPersistentInode(context.Background(), fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: ns.m.newIno()})
-	if err := ns.install(name, ch); err != nil {
+	if err := ns.install(name, ch, meta); err != nil {
 		fn.dropLink()
 		return err
 	}
@@ -152,7 +165,7 @@ func (ns *namespace) WriteFile(name string, data []byte) error {
 func (ns *namespace) Symlink(target, name string) error {
 	ch := ns.root.NewPersistentInode(context.Background(), newSymlink(context.Background(), target),
 		gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: ns.m.newIno()})
-	return ns.install(name, ch)
+	return ns.install(name, ch, false)
 }
 
 func (ns *namespace) Rename(oldName, newName string) error {

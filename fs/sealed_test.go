@@ -353,3 +353,47 @@ func TestChangeRacingSealCannotReachTheCheckpoint(t *testing.T) {
 		}
 	}
 }
+
+// TestMetaFilesAreTheAgents: a .meta the agent publishes describes committed data, and the
+// agent publishes it again at the next handshake: the job can read it but not remove, rename,
+// replace or change it (it could: rm "succeeded", and the next start brought the step back).
+// The agent itself replaces and removes it; a name of that form the job made itself stays
+// the job's.
+func TestMetaFilesAreTheAgents(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, srv, _, _ := mountWithEvents(t, mode)
+			p := func(n string) string { return filepath.Join(dir, n) }
+			ns := srv.Namespace()
+			const meta = "job-s5-n0-w0.meta"
+			require.NoError(t, ns.WriteFile(meta, []byte("D1")))
+			require.NoError(t, os.WriteFile(p("other"), []byte("x"), 0o644))
+
+			erofs := func(what string, err error) {
+				t.Helper()
+				require.Equal(t, syscall.EROFS, errnoOf(err), "%s: got %v, want EROFS", what, err)
+			}
+			erofs("unlink", os.Remove(p(meta)))
+			erofs("rename away", os.Rename(p(meta), p("moved")))
+			erofs("rename over", os.Rename(p("other"), p(meta)))
+			_, err := os.OpenFile(p(meta), os.O_WRONLY|os.O_TRUNC, 0)
+			erofs("open for writing", err)
+			erofs("truncate", os.Truncate(p(meta), 0))
+			erofs("chmod", os.Chmod(p(meta), 0o600))
+			got, err := os.ReadFile(p(meta))
+			require.NoError(t, err)
+			require.Equal(t, "D1", string(got))
+
+			require.NoError(t, ns.WriteFile(meta, []byte("D2")), "the agent replaces it")
+			got, err = os.ReadFile(p(meta))
+			require.NoError(t, err)
+			require.Equal(t, "D2", string(got))
+			erofs("unlink of the replacement", os.Remove(p(meta)))
+			require.NoError(t, ns.Remove(meta), "the agent removes it")
+			require.NoFileExists(t, p(meta))
+
+			require.NoError(t, os.WriteFile(p(meta), []byte("mine"), 0o644), "the job's own file of that name")
+			require.NoError(t, os.Remove(p(meta)))
+		})
+	}
+}
