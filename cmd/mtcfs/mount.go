@@ -317,6 +317,33 @@ func lockMountDir(f *os.File, dir string) error {
 	}
 }
 
+// backupProbeTimeout bounds the start's look at the backup location.
+const backupProbeTimeout = 30 * time.Second
+
+// probeBackups reads the backup location once, in the background, and warns when it cannot:
+// missing credentials or a wrong bucket would otherwise show only when a job starts (its restore
+// reads the location first, and fails). The agent serves either way: the location may come back.
+// It returns the function that ends the probe.
+func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration) (stop func()) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	done := make(chan struct{})
+	go func() { // ends with ctx
+		defer close(done)
+		_, _, err := b.Store.List(ctx, "", "/")
+		switch {
+		case err == nil:
+			slog.Info("the backup location can be read", "backup", rawURL)
+		case !errors.Is(err, context.Canceled):
+			slog.Warn("the backup location cannot be read: a job's restore, and every backup, will fail until it can",
+				"backup", rawURL, "err", err)
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+	}
+}
+
 // warnVolatileBackups warns when a file:// backup location is in RAM (tmpfs, ramfs): the backups
 // are what restores a job after its nodes are lost, and these would be lost with them.
 func warnVolatileBackups(rawURL string) {
@@ -395,6 +422,7 @@ func runMount(cfg mountConfig) error {
 		return err
 	}
 	warnVolatileBackups(cfg.backupURL)
+	defer probeBackups(backups, cfg.backupURL, backupProbeTimeout)()
 	backups.Compress = cfg.compress
 	if abs, err := filepath.Abs(cfg.spoolDir); err == nil {
 		cfg.spoolDir = abs

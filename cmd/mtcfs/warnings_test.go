@@ -7,6 +7,8 @@ import (
 	"bytes"
 	"fmt"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -132,4 +134,30 @@ func TestSmallSpoolFileSystem(t *testing.T) {
 	warnSmallSpoolFS(s)
 	require.NoError(t, s.Close())
 	assert.NotContains(t, logged.String(), "has less room")
+}
+
+// TestBackupLocationUnreadable: an agent whose backup location refuses it (no credentials, a
+// wrong bucket) says so in its log at start, instead of only when a job's restore fails on it;
+// it serves anyway, since the location may come back. A readable location gets no warning.
+func TestBackupLocationUnreadable(t *testing.T) {
+	needRoot(t)
+	const warning = "the backup location cannot be read"
+	refusing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, `{"error":{"code":403,"message":"no access"}}`, http.StatusForbidden)
+	}))
+	t.Cleanup(refusing.Close)
+
+	n := newRepNode(t)
+	n.backup = "gs://no-access-bucket"
+	n.prefix = []string{"env", "STORAGE_EMULATOR_HOST=" + strings.TrimPrefix(refusing.URL, "http://")}
+	a := n.start(t)
+	repWait(t, 20*time.Second, "the warning", func() bool { return strings.Contains(a.log(), warning) })
+	require.Contains(t, a.log(), "serving")
+	stopAgent(t, a)
+
+	n.backup, n.prefix = "", nil
+	b := n.start(t)
+	repWait(t, 20*time.Second, "the probe", func() bool { return strings.Contains(b.log(), "the backup location can be read") })
+	assert.NotContains(t, b.log(), warning)
+	stopAgent(t, b)
 }
