@@ -66,7 +66,7 @@ func TestRestoreTellsOfAWaitForOtherNodes(t *testing.T) {
 		return ""
 	})
 	line := h.lines(layout.ReplicatorErrorsName)[0]
-	for _, want := range []string{"the restore negotiation has waited", "not yet rank 1", "every node's agent must be running, with the same job-name and backup location"} {
+	for _, want := range []string{"the restore negotiation has waited", "not yet rank 1", "every node's agent must be running, with the same job-name, backup location and peer secret"} {
 		if !strings.Contains(line, want) {
 			t.Errorf("replicator.errors line %q does not say %q", line, want)
 		}
