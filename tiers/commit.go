@@ -74,8 +74,12 @@ var commitSeq atomic.Uint64
 // are neither recorded twice nor cleaned from the namespace, and a restore waits for them.
 type commitRecorder struct {
 	*node
-	incs *incarnations
-	out  *fifo[pendingCommit] // to the sealer
+	incs  *incarnations
+	out   *fifo[pendingCommit] // to the sealer
+	lines *jobLines            // a misnamed .save is reported to the job
+	// misnamed holds "<incarnation>/<name>" of each misnamed .save reported, so that each is
+	// reported once per incarnation however often it is closed.
+	misnamed sync.Map
 
 	mu      sync.Mutex
 	pending map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
@@ -83,8 +87,48 @@ type commitRecorder struct {
 	sealed chan struct{} // GUARDED_BY(mu)
 }
 
-func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit]) *commitRecorder {
-	return &commitRecorder{node: n, incs: incs, out: out, pending: map[string]bool{}, sealed: make(chan struct{})}
+func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
+	return &commitRecorder{node: n, incs: incs, out: out, lines: lines, pending: map[string]bool{}, sealed: make(chan struct{})}
+}
+
+// whyNotOurs says why a .save the job wrote is not a commit of this node ("" when it is one):
+// another job's name, another node's rank, or a worker outside workers-per-node. Such a file
+// stays a plain file; its step is never checkpointed.
+func whyNotOurs(cfg *Config, m layout.MarkerName) string {
+	switch {
+	case m.Job != cfg.JobName:
+		return fmt.Sprintf("job %q is not this job (job-name %q)", m.Job, cfg.JobName)
+	case m.Node != cfg.NodeRank:
+		return fmt.Sprintf("node %d is not this node (node-rank %d)", m.Node, cfg.NodeRank)
+	case m.Worker >= cfg.WorkersPerNode:
+		return fmt.Sprintf("worker %d is outside workers-per-node %d", m.Worker, cfg.WorkersPerNode)
+	}
+	return ""
+}
+
+// noteMisnamed tells the job, once per incarnation and name, that the .save ev names is not a
+// commit of this node (whyNotOurs). It runs on the control loop, never on a FUSE request: it
+// writes replicator.errors.
+func (cr *commitRecorder) noteMisnamed(ev event) {
+	inc := cr.incs.get()
+	if inc == nil || strings.Contains(ev.path, "/") || inc.Config.Framework != FrameworkPyTorch {
+		return
+	}
+	m, ok := layout.ParseMarkerName(ev.path)
+	if !ok || m.Kind != layout.MarkerSave {
+		return
+	}
+	why := whyNotOurs(inc.Config, m)
+	if why == "" {
+		return
+	}
+	if _, seen := cr.misnamed.LoadOrStore(inc.ID+"/"+ev.path, true); seen {
+		return
+	}
+	cfg := inc.Config
+	cr.log.Warn("a .save of another job, node or worker is not committed", "name", ev.path, "why", why)
+	cr.lines.incLine(inc, fmt.Sprintf("%s is not committed (its step is not checkpointed): %s; this node commits %s-s<step>-n%d-w<worker below %d>.save",
+		ev.path, why, cfg.JobName, cfg.NodeRank, cfg.WorkersPerNode))
 }
 
 // commitOf recognises the commit signals of SPEC §3 for inc: a directory renamed to a bare
@@ -105,8 +149,11 @@ func (cr *commitRecorder) commitOf(inc *incarnation, ev event) (commit, bool) {
 	case cfg.Framework == FrameworkPyTorch && (ev.kind == evClosed || ev.kind == evRenamed ||
 		(ev.kind == evCreated && ev.typ == layout.EntryFile)):
 		m, ok := layout.ParseMarkerName(ev.path)
-		if !ok || m.Kind != layout.MarkerSave || m.Job != cfg.JobName || m.Node != cfg.NodeRank || m.Worker >= cfg.WorkersPerNode {
+		if !ok || m.Kind != layout.MarkerSave {
 			return c, false
+		}
+		if whyNotOurs(cfg, m) != "" {
+			return c, false // noteMisnamed tells the job
 		}
 		c.step, c.worker = m.Step, m.Worker
 	default:

@@ -1,6 +1,7 @@
 package tiers_test
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -236,5 +237,46 @@ func TestCommitRecordsCutShort(t *testing.T) {
 	h2.checkRestoreLink(restore, hash, files)
 	if errs := h2.lines(layout.ReplicatorErrorsName); len(errs) != 0 {
 		t.Errorf("replicator.errors = %q, want none", errs)
+	}
+}
+
+// TestMisnamedSaveIsReported: a .save of another job, node or worker (a job started with the
+// wrong rank in its environment) is not a commit of this node, and its step would never be
+// checkpointed without a word: the job is told, once per file, what this node commits.
+func TestMisnamedSaveIsReported(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.yamlNemo(withKeys("framework: pytorch", "workers-per-node: 2"))
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore), marker("job", 0, 0, 1, layout.MarkerRestore))
+	bad := map[string]string{
+		marker("job", 5, 1, 0, layout.MarkerSave):   "node 1 is not this node (node-rank 0)",
+		marker("job", 5, 0, 2, layout.MarkerSave):   "worker 2 is outside workers-per-node 2",
+		marker("other", 5, 0, 0, layout.MarkerSave): `job "other" is not this job (job-name "job")`,
+	}
+	for name := range bad {
+		h.writeFile(name, "torch state")
+		h.writeFile(name, "torch state, again") // closed twice: told once
+	}
+	renamed := marker("job", 6, 3, 0, layout.MarkerSave) // renamed into place, as torch.save to a temporary name
+	bad[renamed] = "node 3 is not this node (node-rank 0)"
+	h.writeFile("partial", "torch state")
+	h.rename("partial", renamed)
+	good := marker("job", 5, 0, 0, layout.MarkerSave)
+	h.writeFile(good, "torch state")
+	h.waitSealed("job", 5, good)
+	h.eventually("a line for each", func() string {
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) != len(bad) {
+			return fmt.Sprintf("replicator.errors = %q, want %d lines", l, len(bad))
+		}
+		return ""
+	})
+	errs := strings.Join(h.lines(layout.ReplicatorErrorsName), "\n")
+	for name, why := range bad {
+		if !strings.Contains(errs, name+" is not committed (its step is not checkpointed): "+why+"; this node commits job-s<step>-n0-w<worker below 2>.save") {
+			t.Errorf("replicator.errors:\n%s\nwant a line for %s saying %q", errs, name, why)
+		}
+	}
+	if strings.Contains(errs, good) {
+		t.Errorf("the committed %s is reported:\n%s", good, errs)
 	}
 }

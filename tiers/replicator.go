@@ -182,7 +182,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 
 	// A step's way: committed (recorded before the job's rename returns), sealed, pushed to the
 	// peers and synced with the coordinator, which then orders its backup.
-	r.recorder = newCommitRecorder(n, r.incs, sealQ)
+	r.recorder = newCommitRecorder(n, r.incs, sealQ, r.lines)
 	r.sealer = &sealer{node: n, in: sealQ, out: syncQ, beforeSeal: cfg.BeforeSeal, recorder: r.recorder, retention: r.retention, incs: r.incs,
 		lines: r.lines, lastSealed: -1}
 	r.early = newEarlyPushes(n, cfg.Peers, r.incs)
@@ -326,6 +326,9 @@ func (r *Replicator) handle(ev event) {
 		r.handshake.answer()
 	case ev.kind == evClosed || ev.kind == evCreated:
 		r.recorder.record(ev) // pytorch .save: normally recorded at its flush already
+		r.recorder.noteMisnamed(ev)
+	case ev.kind == evRenamed:
+		r.recorder.noteMisnamed(ev) // recorded on the rename's request already
 	}
 }
 
