@@ -80,6 +80,11 @@ type commitRecorder struct {
 	// misnamed holds "<incarnation>/<name>" of each misnamed .save reported, so that each is
 	// reported once per incarnation however often it is closed.
 	misnamed sync.Map
+	// committed holds the top-level names recorded as commits (bounded: reset past
+	// maxCommittedNames). A .save committed at its flush under one incarnation may see its close
+	// handled after a new replicator.yaml changed the job's shape; it is not misnamed then.
+	committed  sync.Map
+	nCommitted atomic.Int64
 
 	mu      sync.Mutex
 	pending map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
@@ -90,6 +95,9 @@ type commitRecorder struct {
 func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
 	return &commitRecorder{node: n, incs: incs, out: out, lines: lines, pending: map[string]bool{}, sealed: make(chan struct{})}
 }
+
+// maxCommittedNames bounds commitRecorder.committed.
+const maxCommittedNames = 4096
 
 // whyNotOurs says why a .save the job wrote is not a commit of this node ("" when it is one):
 // another job's name, another node's rank, or a worker outside workers-per-node. Such a file
@@ -122,11 +130,13 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	if why == "" {
 		return
 	}
+	if _, done := cr.committed.Load(ev.path); done {
+		return // committed under the incarnation before (see committed)
+	}
 	if _, seen := cr.misnamed.LoadOrStore(inc.ID+"/"+ev.path, true); seen {
 		return
 	}
 	cfg := inc.Config
-	cr.log.Warn("a .save of another job, node or worker is not committed", "name", ev.path, "why", why)
 	cr.lines.incLine(inc, fmt.Sprintf("%s is not committed (its step is not checkpointed): %s; this node commits %s-s<step>-n%d-w<worker below %d>.save",
 		ev.path, why, cfg.JobName, cfg.NodeRank, cfg.WorkersPerNode))
 }
@@ -182,6 +192,11 @@ func (cr *commitRecorder) record(ev event) {
 	}
 	cr.pending[c.name] = true
 	cr.mu.Unlock()
+	if cr.nCommitted.Add(1) > maxCommittedNames {
+		cr.committed.Clear()
+		cr.nCommitted.Store(1)
+	}
+	cr.committed.Store(c.name, true)
 	inc.earlyCommitted(c.group)
 	err := cr.writeCommitRecord(&c)
 	if errors.Is(err, os.ErrNotExist) && ev.kind == evClosed {

@@ -280,3 +280,34 @@ func TestMisnamedSaveIsReported(t *testing.T) {
 		t.Errorf("the committed %s is reported:\n%s", good, errs)
 	}
 }
+
+// TestCommittedSaveIsNotReportedAfterARestart: a .save committed at its flush under one
+// incarnation whose close is handled after a new replicator.yaml changed workers-per-node is not
+// reported as misnamed: it was committed.
+func TestCommittedSaveIsNotReportedAfterARestart(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.yamlNemo(withKeys("framework: pytorch", "workers-per-node: 2"))
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore), marker("job", 0, 0, 1, layout.MarkerRestore))
+	saved := marker("job", 5, 0, 1, layout.MarkerSave)
+	h.r.Opened(true)
+	if err := os.WriteFile(h.path(saved), []byte("torch state"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h.r.Flushed(saved) // committed here, under workers-per-node 2
+	h.yamlNemo(withKeys("framework: pytorch"))
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	h.r.Closed(saved) // its release, handled under workers-per-node 1
+	// Events are handled in order: once a later misnamed .save is reported, the close above was.
+	later := marker("job", 6, 0, 3, layout.MarkerSave)
+	h.writeFile(later, "torch state")
+	h.eventually("the later file's line", func() string {
+		if !strings.Contains(h.read(layout.ReplicatorErrorsName), later) {
+			return "replicator.errors = " + h.read(layout.ReplicatorErrorsName)
+		}
+		return ""
+	})
+	if errs := h.read(layout.ReplicatorErrorsName); strings.Contains(errs, saved) {
+		t.Errorf("the committed %s is reported as not committed:\n%s", saved, errs)
+	}
+}
