@@ -204,6 +204,7 @@ func (ns *namespace) Remove(name string) error {
 	stale := ns.stale[name]
 	delete(ns.stale, name)
 	ns.staleMu.Unlock()
+	ns.m.sealedTop.Delete(name) // also when the name is gone already: a stale entry would lock it
 	ch := ns.root.GetChild(name)
 	if ch == nil {
 		return nil
@@ -211,7 +212,6 @@ func (ns *namespace) Remove(name string) error {
 	if ch.IsDir() {
 		ns.root.subdirs.Add(-1)
 	}
-	ns.m.sealedTop.Delete(name)
 	if _, live := ns.root.RmChild(name); live {
 		if e := ns.m.notifier; e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, name)) {
 			ns.root.NotifyDelete(name, ch)

@@ -26,7 +26,8 @@ type mtfs struct {
 	parked      sync.Map // request cancel channel -> event to emit when the request succeeded
 	log         *slog.Logger
 	// sealedTop holds the top-level names of committed checkpoints (the trees Seal and Import
-	// made): the job can neither remove, rename nor replace them.
+	// made) and of the .meta files the agent writes: the job can neither remove, rename nor
+	// replace them.
 	sealedTop sync.Map // name -> struct{}
 
 	// Files whose last name is gone while handles remain, and the RELEASE requests running;
