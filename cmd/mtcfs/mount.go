@@ -329,10 +329,15 @@ func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration) (
 	done := make(chan struct{})
 	go func() { // ends with ctx
 		defer close(done)
-		_, _, err := b.Store.List(ctx, "", "/")
+		// A prefix nothing has: one request checks the credentials and the bucket, however
+		// many objects the location holds.
+		_, _, err := b.Store.List(ctx, ".mtcfs-probe/", "/")
 		switch {
 		case err == nil:
 			slog.Info("the backup location can be read", "backup", rawURL)
+		case errors.Is(err, context.DeadlineExceeded):
+			slog.Warn("the backup location did not answer within "+timeout.String()+": a job's restore, and every backup, will wait on it",
+				"backup", rawURL, "err", err)
 		case !errors.Is(err, context.Canceled):
 			slog.Warn("the backup location cannot be read: a job's restore, and every backup, will fail until it can",
 				"backup", rawURL, "err", err)
