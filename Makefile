@@ -14,8 +14,11 @@ PJD_PATHS ?= on
 
 all: build
 
+# The version the agent logs and `mtcfs version` prints: the commit, "-dirty" with changes.
+VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+
 build:
-	$(GO) build -o $(BIN) ./cmd/mtcfs
+	$(GO) build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/mtcfs
 
 # Puts mtcfs on PATH: /usr/local/bin as root; PREFIX=$$HOME/.local for a user (~/.local/bin).
 PREFIX ?= /usr/local

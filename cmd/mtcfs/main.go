@@ -7,6 +7,7 @@ package main
 import (
 	"fmt"
 	"os"
+	"runtime/debug"
 	"runtime/pprof"
 )
 
@@ -32,11 +33,44 @@ Usage:
 Run "mtcfs COMMAND --help" for the flags of a command.
 `
 
-// version is set at build time with -ldflags "-X main.version=...".
+// version is set at build time with -ldflags "-X main.version=..."; otherwise main completes it
+// from what the Go toolchain recorded (vcsVersion), so that a log or a bug report names the
+// build.
 var version = "dev"
 
 func main() {
+	version = vcsVersion(version)
 	os.Exit(profiled(func() int { return run(os.Args[1:]) }))
+}
+
+// vcsVersion completes the default version "dev" with what the build recorded: the module
+// version of `go install …@vX`, or the commit (and whether the tree had changes) of a build in a
+// git checkout, e.g. "dev+2e4cbe6" or "dev+2e4cbe6-modified".
+func vcsVersion(v string) string {
+	info, ok := debug.ReadBuildInfo()
+	if v != "dev" || !ok {
+		return v
+	}
+	if mv := info.Main.Version; mv != "" && mv != "(devel)" {
+		return mv
+	}
+	var rev, modified string
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			modified = s.Value
+		}
+	}
+	if rev == "" {
+		return v
+	}
+	v += "+" + rev[:min(len(rev), 7)]
+	if modified == "true" {
+		v += "-modified"
+	}
+	return v
 }
 
 // profiled runs f with a CPU profile written to $MTCFS_CPUPROFILE.<pid> when that variable is
