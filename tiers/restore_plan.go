@@ -132,17 +132,13 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which is incomplete: starting from scratch", pin))
 			default:
 				plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, pin, steps[0].Data
-				n := 0
+				var passed damageReport
 				for _, d := range damaged {
 					if d.Step > plan.Step {
-						if n++; n <= maxDamageLines {
-							plan.Errors = append(plan.Errors, damageLine(cfg, store, pin, d))
-						}
+						passed.add(cfg, store, pin, d)
 					}
 				}
-				if n > 0 {
-					plan.Errors = append(plan.Errors, fmt.Sprintf("%s in the pinned backup; restoring its step %d", damageSummary(n), plan.Step))
-				}
+				plan.Errors = append(plan.Errors, passed.lines(fmt.Sprintf(" in the pinned backup; restoring its step %d", plan.Step))...)
 			}
 			return plan, nil
 		}
@@ -160,8 +156,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	}
 	// A damaged step above the one restored is a checkpoint the job loses: say so (SPEC §10:
 	// never a silent fresh start), newest first, and what is restored instead.
-	var passed []string
-	nPassed := 0
+	var passed damageReport
 	for _, name := range names {
 		steps, damaged, err := store.CompleteSteps(ctx, cfg.JobName, name, cfg.Nodes, cfg.WorkersPerNode)
 		if err != nil && !errors.Is(err, ErrNoBackup) {
@@ -171,29 +166,43 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			if len(steps) > 0 && d.Step < steps[0].Step {
 				break // damaged is highest first; what is below the restored step is not lost
 			}
-			if nPassed++; nPassed <= maxDamageLines {
-				passed = append(passed, damageLine(cfg, store, name, d))
-			}
+			passed.add(cfg, store, name, d)
 		}
 		if len(steps) > 0 {
 			plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, name, steps[0].Data
-			if nPassed > 0 {
-				plan.Errors = append(plan.Errors, passed...)
-				plan.Errors = append(plan.Errors, fmt.Sprintf("%s; restoring step %d from backup %s instead", damageSummary(nPassed), plan.Step, name))
-			}
+			plan.Errors = append(plan.Errors, passed.lines(fmt.Sprintf("; restoring step %d from backup %s instead", plan.Step, name))...)
 			return plan, nil
 		}
 	}
-	if nPassed > 0 {
-		plan.Errors = append(plan.Errors, passed...)
-		plan.Errors = append(plan.Errors, fmt.Sprintf("%s and no intact checkpoint is left: starting from scratch", damageSummary(nPassed)))
-	}
+	plan.Errors = append(plan.Errors, passed.lines(" and no intact checkpoint is left: starting from scratch")...)
 	return plan, nil
 }
 
 // maxDamageLines bounds the replicator.errors lines a restore writes for damaged backup steps
 // (a bucket emptied by a lifecycle rule could hold hundreds).
 const maxDamageLines = 5
+
+// damageReport gathers the damaged backup steps a restore passes over: a line for each of the
+// first maxDamageLines, and how many there were.
+type damageReport struct {
+	first []string
+	n     int
+}
+
+func (r *damageReport) add(cfg *Config, store BackupStore, backup string, d DamagedStep) {
+	if r.n++; r.n <= maxDamageLines {
+		r.first = append(r.first, damageLine(cfg, store, backup, d))
+	}
+}
+
+// lines returns the replicator.errors lines (none when no step was passed over): one per step
+// kept, then the count followed by outcome, what the restore does instead.
+func (r *damageReport) lines(outcome string) []string {
+	if r.n == 0 {
+		return nil
+	}
+	return append(r.first, damageSummary(r.n)+outcome)
+}
 
 // damageLine is the replicator.errors line for one damaged step of a backup: its first problem,
 // and the command that lists them all.
