@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -556,19 +557,10 @@ func (c *JobCoordinator) expire(r *syncRound) {
 	if r.finished() || c.ctx.Err() != nil {
 		return
 	}
-	const show = 8
-	var missing []int
-	n := 0
-	for rank, s := range c.synced {
-		if s < r.step {
-			if n++; len(missing) < show {
-				missing = append(missing, rank)
-			}
-		}
-	}
+	missing, n := someRanks(len(c.synced), func(rank int) bool { return c.synced[rank] < r.step })
 	more := ""
-	if n > show {
-		more = fmt.Sprintf(" and %d more", n-show)
+	if n > len(missing) {
+		more = fmt.Sprintf(" and %d more", n-len(missing))
 	}
 	c.finish(r, tiers.SyncDecision{}, fmt.Errorf("sync of step %d: %w: ranks %v%s (%d of %d nodes) did not report it within %v",
 		r.step, ErrSyncTimeout, missing, more, n, c.cfg.Nodes, c.lagTimeout))
@@ -581,25 +573,41 @@ func (c *JobCoordinator) lastBackup() string {
 	return c.floor
 }
 
+// shownRanks is how many ranks a message names before "and N more".
+const shownRanks = 8
+
+// someRanks returns the first shownRanks ranks below n for which pick holds, and how many do.
+func someRanks(n int, pick func(rank int) bool) (shown []int, total int) {
+	for r := range n {
+		if pick(r) {
+			if total++; len(shown) < shownRanks {
+				shown = append(shown, r)
+			}
+		}
+	}
+	return shown, total
+}
+
+// rankList renders someRanks' result for a message: "1, 2, 3", or "1, …, 8 and 4 more".
+func rankList(shown []int, total int) string {
+	names := make([]string, len(shown))
+	for i, r := range shown {
+		names[i] = strconv.Itoa(r)
+	}
+	list := strings.Join(names, ", ")
+	if total > len(shown) {
+		list += fmt.Sprintf(" and %d more", total-len(shown))
+	}
+	return list
+}
+
 // waitingFor says what a call that returns once every rank got as far (Negotiate, Restored)
 // waits for: the ranks not heard from yet ("" once there are none), or the plan being made
 // (then nodes is false).
 func (c *JobCoordinator) waitingFor() (what string, nodes bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	ranks := func(done []bool) string {
-		var missing []string
-		for r, ok := range done {
-			if !ok {
-				missing = append(missing, fmt.Sprint(r))
-			}
-		}
-		const show = 8
-		if len(missing) > show {
-			return strings.Join(missing[:show], ", ") + fmt.Sprintf(" and %d more", len(missing)-show)
-		}
-		return strings.Join(missing, ", ")
-	}
+	ranks := func(done []bool) string { return rankList(someRanks(len(done), func(r int) bool { return !done[r] })) }
 	switch {
 	case !c.planning:
 		return fmt.Sprintf("%d of %d nodes sent their inventory to the coordinator (rank 0); not yet rank %s",

@@ -9,8 +9,6 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -380,22 +378,12 @@ func (n *Node) CheckJob(cfg *tiers.Config) error {
 	if !ok || cfg.Nodes <= 1 {
 		return nil
 	}
-	var missing []string
-	for r := 0; r < cfg.Nodes; r++ {
-		if _, ok := static[r]; !ok {
-			missing = append(missing, strconv.Itoa(r))
-		}
-	}
-	if len(missing) == 0 {
+	shown, missing := someRanks(cfg.Nodes, func(r int) bool { _, listed := static[r]; return !listed })
+	if missing == 0 {
 		return nil
 	}
-	const show = 8
-	list := strings.Join(missing[:min(len(missing), show)], ", ")
-	if len(missing) > show {
-		list += fmt.Sprintf(" and %d more", len(missing)-show)
-	}
 	return fmt.Errorf("nodes: %d, but this node's agent was started with --peers lacking rank %s: every rank of the job must be listed (or leave --peers out: the agents then find each other through the backup location)",
-		cfg.Nodes, list)
+		cfg.Nodes, rankList(shown, missing))
 }
 
 // WaitingFor says what inc's pending Negotiate or Restored waits for: on rank 0, the ranks not
