@@ -9,6 +9,8 @@ import (
 	"os"
 	"runtime/debug"
 	"runtime/pprof"
+
+	"github.com/mtcfs/mtcfs/internal/buildstamp"
 )
 
 const usage = `mtcfs — multi-tier checkpointing filesystem
@@ -54,20 +56,12 @@ func vcsVersion(v string) string {
 	if mv := info.Main.Version; mv != "" && mv != "(devel)" {
 		return mv
 	}
-	var rev, modified string
-	for _, s := range info.Settings {
-		switch s.Key {
-		case "vcs.revision":
-			rev = s.Value
-		case "vcs.modified":
-			modified = s.Value
-		}
-	}
+	rev, modified := buildstamp.VCS(info)
 	if rev == "" {
 		return v
 	}
 	v += "+" + rev[:min(len(rev), 7)]
-	if modified == "true" {
+	if modified {
 		v += "-modified"
 	}
 	return v

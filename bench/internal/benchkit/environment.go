@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/internal/buildstamp"
 )
 
 // Environment is what a reader needs to judge the numbers: when, how, on what.
@@ -68,18 +70,9 @@ func describeBinary(bin string) string {
 		return desc
 	}
 	desc += " with " + info.GoVersion
-	var rev, modified string
-	for _, s := range info.Settings {
-		switch s.Key {
-		case "vcs.revision":
-			rev = s.Value
-		case "vcs.modified":
-			modified = s.Value
-		}
-	}
-	if rev != "" {
+	if rev, modified := buildstamp.VCS(info); rev != "" {
 		desc += " from commit " + rev[:min(len(rev), 12)]
-		if modified == "true" {
+		if modified {
 			desc += " plus uncommitted changes"
 		}
 		return desc
