@@ -890,6 +890,13 @@ func TestDamageIsConfirmedByASecondListing(t *testing.T) {
 		require.Len(t, r.Steps, 1)
 		assert.Equal(t, tc.damaged, r.Steps[0].Damaged, "hidden from %d listing(s)", tc.hide)
 		assert.Equal(t, 2, hs.lists, "a step that looks damaged is listed again")
+
+		// A deep verification reads every object: it does not do so twice.
+		hs.lists = 0
+		r, err = (&Backups{Store: hs}).Verify(context.Background(), testJob, backup, VerifyOptions{Deep: true})
+		require.NoError(t, err)
+		assert.Equal(t, 1, hs.lists, "a deep verification lists once")
+		assert.False(t, r.Steps[0].Complete)
 	}
 }
 
