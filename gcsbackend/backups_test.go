@@ -838,6 +838,12 @@ func TestMarkDamaged(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, ok, "a damaged step is never chosen")
 	assert.Error(t, b.MarkDamaged(ctx, testJob, backup, "not-a-hash", "x"))
+
+	// Deleting the record (a backup repaired by hand, as the README says) clears it.
+	require.NoError(t, b.Store.Delete(ctx, testJob+"/"+backup+"/"+hashes[Slot{1, 0}]+".data.damaged"))
+	r = verify(t, b, backup, VerifyOptions{})
+	assert.True(t, r.Steps[0].Complete, r.Steps[0].Problems)
+	assert.False(t, r.Steps[0].Damaged)
 }
 
 // hidingStore lists as a paged GCS listing can while an upload finishes: the first hide
