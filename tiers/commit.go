@@ -80,11 +80,6 @@ type commitRecorder struct {
 	// misnamed holds "<incarnation>/<name>" of each misnamed .save reported, so that each is
 	// reported once per incarnation however often it is closed.
 	misnamed sync.Map
-	// committed holds the top-level names recorded as commits (bounded: reset past
-	// maxCommittedNames). A .save committed at its flush under one incarnation may see its close
-	// handled after a new replicator.yaml changed the job's shape; it is not misnamed then.
-	committed  sync.Map
-	nCommitted atomic.Int64
 
 	mu      sync.Mutex
 	pending map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
@@ -95,9 +90,6 @@ type commitRecorder struct {
 func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
 	return &commitRecorder{node: n, incs: incs, out: out, lines: lines, pending: map[string]bool{}, sealed: make(chan struct{})}
 }
-
-// maxCommittedNames bounds commitRecorder.committed.
-const maxCommittedNames = 4096
 
 // whyNotOurs says why a .save the job wrote is not a commit of this node ("" when it is one):
 // another job's name, another node's rank, or a worker outside workers-per-node. Such a file
@@ -130,8 +122,14 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	if why == "" {
 		return
 	}
-	if _, done := cr.committed.Load(ev.path); done {
-		return // committed under the incarnation before (see committed)
+	// A .save committed at its flush under the incarnation before (a new replicator.yaml that
+	// changed the job's shape came before its close was handled) waits for sealing or was
+	// sealed, which takes its name away; a misnamed one stays a plain file under its name.
+	cr.mu.Lock()
+	pending := cr.pending[ev.path]
+	cr.mu.Unlock()
+	if pending || !cr.hasName(ev.path) {
+		return
 	}
 	if _, seen := cr.misnamed.LoadOrStore(inc.ID+"/"+ev.path, true); seen {
 		return
@@ -192,11 +190,6 @@ func (cr *commitRecorder) record(ev event) {
 	}
 	cr.pending[c.name] = true
 	cr.mu.Unlock()
-	if cr.nCommitted.Add(1) > maxCommittedNames {
-		cr.committed.Clear()
-		cr.nCommitted.Store(1)
-	}
-	cr.committed.Store(c.name, true)
 	inc.earlyCommitted(c.group)
 	err := cr.writeCommitRecord(&c)
 	if errors.Is(err, os.ErrNotExist) && ev.kind == evClosed {
