@@ -13,7 +13,9 @@ package replication
 //
 // All three calls are safe to repeat (see JobCoordinator), so RemoteCoordinator retries a call
 // that failed with UNAVAILABLE — rank 0 not up yet, restarting, or unreachable — with backoff
-// until its context ends, asking its address function again before each retry.
+// until its context ends, asking its address function again before each retry. A Negotiate
+// refused for its shape is retried for a grace (ShapeGrace): a job restarted with another shape
+// reaches rank 0's agent last as often as not.
 
 import (
 	"context"
@@ -286,6 +288,8 @@ func (e *remoteError) GRPCStatus() *status.Status { return e.st }
 const (
 	DefaultRetryMin = 100 * time.Millisecond
 	DefaultRetryMax = 5 * time.Second
+	// DefaultShapeGrace is how long a Negotiate refused for its job shape is retried.
+	DefaultShapeGrace = 2 * time.Minute
 )
 
 // RemoteCoordinatorConfig configures a RemoteCoordinator.
@@ -307,13 +311,20 @@ type RemoteCoordinatorConfig struct {
 	// RetryMin and RetryMax bound the backoff between retries; defaults DefaultRetryMin and
 	// DefaultRetryMax.
 	RetryMin, RetryMax time.Duration
+	// ShapeGrace is how long a Negotiate refused because its job shape differs from the
+	// coordinator's incarnation (ErrJobShape) is retried: a job restarted with another shape
+	// (nodes, workers, backup interval, ...) reaches the agents in no set order, and rank 0's
+	// may not have read its new replicator.yaml yet. Past it the refusal stands: an agent of
+	// another shape than rank 0's is misconfigured. Default DefaultShapeGrace; negative: none.
+	ShapeGrace time.Duration
 	// Logger receives one line per retried failure after the first. Default slog.Default().
 	Logger *slog.Logger
 }
 
 // RemoteCoordinator is the tiers.Coordinator of an agent of rank > 0: every call goes to the
 // coordinator service of the rank-0 agent. Calls that fail with UNAVAILABLE are retried until
-// their context ends; other errors are returned at once, with the gRPC status (status.Code) and
+// their context ends, a Negotiate refused for its job shape for ShapeGrace; other errors are
+// returned at once, with the gRPC status (status.Code) and
 // matching the coordinator's errors (ErrClosed, ErrOtherIncarnation, ErrSyncTimeout,
 // ErrStepSkipped, ErrJobShape) with errors.Is.
 type RemoteCoordinator struct {
@@ -371,6 +382,9 @@ func NewRemoteCoordinator(cfg RemoteCoordinatorConfig) (*RemoteCoordinator, erro
 	}
 	if cfg.RetryMax < cfg.RetryMin {
 		cfg.RetryMax = max(DefaultRetryMax, cfg.RetryMin)
+	}
+	if cfg.ShapeGrace == 0 {
+		cfg.ShapeGrace = DefaultShapeGrace
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -467,7 +481,8 @@ func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, 
 }
 
 // call makes one RPC, authenticated as inc's agent, retrying while it fails with UNAVAILABLE
-// (or the address cannot be had) and ctx allows.
+// (or the address cannot be had) and ctx allows; a Negotiate refused for its job shape is
+// retried for ShapeGrace.
 func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, method string,
 	rpc func(context.Context, peerpb.CoordinatorClient, grpc.CallOption) error) error {
 	creds := grpc.PerRPCCredentials(Credentials(Identity{
@@ -478,6 +493,8 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 	var last error // the latest retried failure
 	// WaitingFor describes the calls that wait for the other nodes.
 	waits := method == "Negotiate" || method == "Restored"
+	// Until then a Negotiate refused for its job shape waits for rank 0 to take that shape.
+	shapeUntil := time.Now().Add(r.cfg.ShapeGrace)
 	giveUp := func(err error, attempts int) error {
 		if last == nil {
 			return err
@@ -507,7 +524,8 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 				return giveUp(fmt.Errorf("coordinator %s at %s: %w", method, addr, ctx.Err()), attempt)
 			}
 			err = fmt.Errorf("coordinator %s at %s: %w", method, addr, newRemoteError(err))
-			if !retryable(err) {
+			shapeWait := method == "Negotiate" && errors.Is(err, ErrJobShape) && time.Now().Before(shapeUntil)
+			if !retryable(err) && !shapeWait {
 				return err
 			}
 		}

@@ -5,6 +5,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -225,6 +226,7 @@ func TestCoordinatorServiceRefusesOtherJobShape(t *testing.T) {
 	require.Eventually(t, func() bool { return current(job) != nil }, 10*time.Second, time.Millisecond)
 	cur := current(job)
 	r := newRemote(t, fixedAddr(addr), coordSecret)
+	r.cfg.ShapeGrace = -1 // refused at once (TestCoordinatorJobRestartedInAnotherShape waits)
 
 	for name, change := range map[string]func(*tiers.Config){
 		"nodes":           func(c *tiers.Config) { c.Nodes = 3 },
@@ -247,6 +249,51 @@ func TestCoordinatorServiceRefusesOtherJobShape(t *testing.T) {
 	_, err := r.Negotiate(t.Context(), agentInc("a1", 1, nodes), own(1, 1))
 	require.NoError(t, err)
 	require.NoError(t, result(t, first, "rank 0's negotiation"))
+}
+
+// TestCoordinatorJobRestartedInAnotherShape: the job restarts with another shape (here 3 nodes
+// → 2) and rank 1's agent reads its new replicator.yaml before rank 0's. Its Negotiate is
+// refused for its shape while rank 0 still serves the old incarnation; before, rank 1 failed
+// the restore at once (replicator.failed: FATAL), and the restarted job with it. Now it retries
+// for the shape grace and joins once rank 0 takes the new shape; past the grace the refusal
+// stands (a rank of another shape than rank 0's is misconfigured).
+func TestCoordinatorJobRestartedInAnotherShape(t *testing.T) {
+	t.Parallel()
+	job := NewJob(Options{})
+	addr := startCoordinatorService(t, job)
+	old := async(func() error {
+		_, err := LocalClient{Job: job}.Negotiate(t.Context(), agentInc("a0-old", 0, 3), own(0, 1))
+		return err
+	})
+	require.Eventually(t, func() bool { return current(job) != nil }, 10*time.Second, time.Millisecond)
+
+	r := newRemote(t, fixedAddr(addr), coordSecret)
+	inc1 := agentInc("a1-new", 1, 2)
+	joined := async(func() error { _, err := r.Negotiate(t.Context(), inc1, own(1, 1)); return err })
+	// Refused for its shape, and retrying: what WaitingFor tells.
+	require.Eventually(t, func() bool {
+		what, _ := r.WaitingFor(inc1)
+		return strings.Contains(what, "job shape differs")
+	}, 10*time.Second, time.Millisecond)
+	stillWaiting(t, joined, "rank 1's negotiation in the new shape")
+
+	// Rank 0's agent reads its yaml: the new incarnation, of the new shape.
+	first := async(func() error {
+		_, err := LocalClient{Job: job}.Negotiate(t.Context(), agentInc("a0-new", 0, 2), own(0, 1))
+		return err
+	})
+	require.NoError(t, result(t, joined, "rank 1's negotiation"))
+	require.NoError(t, result(t, first, "rank 0's negotiation"))
+	assert.ErrorIs(t, result(t, old, "the old incarnation's negotiation"), ErrClosed)
+
+	// A rank whose shape rank 0 never takes is refused once the grace is over.
+	r2 := newRemote(t, fixedAddr(addr), coordSecret)
+	r2.cfg.ShapeGrace = 50 * time.Millisecond
+	inc := agentInc("a1-wrong", 1, 2)
+	inc.Config.WorkersPerNode = 2
+	_, err := r2.Negotiate(t.Context(), inc, own(1, 1))
+	assert.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+	assert.ErrorIs(t, err, ErrJobShape)
 }
 
 func TestCoordinatorServiceRefusesCallerOfAnotherRank(t *testing.T) {
