@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/mtcfs/mtcfs/planecodec"
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // Backups reads and writes the SPEC §6 backup layout (see the package
@@ -158,23 +159,26 @@ func validateHash(hash string) error {
 }
 
 // shapeName is mtcfs's record of the job's shape in a backup, beside the reference layout:
-// {"format":"mtcfs-backup-v1","nodes":N,"workers":W}. Every node writes the same bytes,
-// create-if-absent. Verify uses it when the caller does not know the shape, instead of inferring
-// it from the .meta names present (which cannot see a whole missing rank).
+// {"format":"mtcfs-backup-v1","nodes":N,"workers":W}, with "data-parallelism":D when the job ran
+// in data-parallel mode. Every node writes the same bytes, create-if-absent. Verify uses it when
+// the caller does not know the shape, instead of inferring it from the .meta names present
+// (which cannot see a whole missing rank), and reports it (BackupReport.Saved), so that a job of
+// another shape does not restore the backup.
 const shapeName = "mtcfs-backup.json"
 
 type backupShape struct {
-	Format  string `json:"format"`
-	Nodes   int    `json:"nodes"`
-	Workers int    `json:"workers"`
+	Format          string `json:"format"`
+	Nodes           int    `json:"nodes"`
+	Workers         int    `json:"workers"`
+	DataParallelism int    `json:"data-parallelism,omitempty"`
 }
 
 const shapeFormat = "mtcfs-backup-v1"
 
-func (b *Backups) putShape(ctx context.Context, dir string, nodes, workers int) error {
-	data, _ := json.Marshal(backupShape{Format: shapeFormat, Nodes: nodes, Workers: workers})
+func (b *Backups) putShape(ctx context.Context, dir string, s tiers.Shape) error {
+	data, _ := json.Marshal(backupShape{Format: shapeFormat, Nodes: s.Nodes, Workers: s.Workers, DataParallelism: s.DataParallelism})
 	if err := PutBytes(ctx, b.Store, dir+shapeName, data, true); err != nil {
-		return fmt.Errorf("record the job's shape (%d nodes × %d workers): %w", nodes, workers, err)
+		return fmt.Errorf("record the job's shape (%s): %w", s, err)
 	}
 	return nil
 }
@@ -186,7 +190,7 @@ func (b *Backups) readShape(ctx context.Context, dir string) (backupShape, bool)
 		return backupShape{}, false
 	}
 	var s backupShape
-	if json.Unmarshal(data, &s) != nil || s.Format != shapeFormat || s.Nodes <= 0 || s.Workers <= 0 {
+	if json.Unmarshal(data, &s) != nil || s.Format != shapeFormat || s.Nodes <= 0 || s.Workers <= 0 || s.DataParallelism < 0 {
 		return backupShape{}, false
 	}
 	return s, true
@@ -259,6 +263,10 @@ type BackupReport struct {
 	// Inferred tells whether they came from the .meta names.
 	Nodes, Workers int
 	Inferred       bool
+	// Saved is the shape of the job that took the backup, as recorded with it (SavedRecorded),
+	// or else at least what its .meta names show: highest rank and worker + 1.
+	Saved         tiers.Shape
+	SavedRecorded bool
 	// Steps holds every step with at least one .meta, highest first.
 	Steps []StepReport
 }
@@ -376,9 +384,12 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 		maxRank, maxWorker = max(maxRank, slot.Rank), max(maxWorker, slot.Worker)
 	}
 
-	rep := BackupReport{Name: backup, Nodes: opts.Nodes, Workers: opts.Workers}
-	if _, listed := index[shapeName]; listed && (rep.Nodes <= 0 || rep.Workers <= 0) {
+	rep := BackupReport{Name: backup, Nodes: opts.Nodes, Workers: opts.Workers,
+		Saved: tiers.Shape{Nodes: maxRank + 1, Workers: maxWorker + 1}}
+	if _, listed := index[shapeName]; listed {
 		if s, ok := b.readShape(ctx, dir); ok {
+			rep.Saved = tiers.Shape{Nodes: s.Nodes, Workers: s.Workers, DataParallelism: s.DataParallelism}
+			rep.SavedRecorded = true
 			if rep.Nodes <= 0 {
 				rep.Nodes = s.Nodes
 			}

@@ -18,6 +18,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/semaphore"
+
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 const testJob = "llama-7b"
@@ -788,7 +790,7 @@ func TestRecordedShapeFindsAMissingHighestRank(t *testing.T) {
 	for r := range 2 { // rank 2 of 3 never uploads
 		require.NoError(t, b.Upload(context.Background(), UploadRequest{
 			Job: testJob, Backup: backup, Step: 7, Slot: Slot{r, 0}, Hash: fakeHash(true, fmt.Sprint(r)), Source: src,
-			Nodes: 3, Workers: 1,
+			Shape: tiers.Shape{Nodes: 3, Workers: 1},
 		}))
 	}
 	r := verify(t, b, backup, VerifyOptions{})
@@ -799,7 +801,7 @@ func TestRecordedShapeFindsAMissingHighestRank(t *testing.T) {
 	assert.False(t, r.Complete())
 	// Another shape in the same backup is refused (the ranks disagree on the job).
 	err := b.Upload(context.Background(), UploadRequest{Job: testJob, Backup: backup, Step: 7, Slot: Slot{2, 0},
-		Hash: fakeHash(true, "2"), Source: src, Nodes: 4, Workers: 1})
+		Hash: fakeHash(true, "2"), Source: src, Shape: tiers.Shape{Nodes: 4, Workers: 1}})
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "shape")
 }

@@ -23,13 +23,16 @@ func (s tierStore) Backups(ctx context.Context, job string) ([]string, error) {
 	return s.b.Names(ctx, job)
 }
 
-func (s tierStore) CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]tiers.BackupStep, []tiers.DamagedStep, error) {
-	rep, err := s.b.Verify(ctx, job, backup, VerifyOptions{Nodes: nodes, Workers: workers})
+func (s tierStore) CompleteSteps(ctx context.Context, job, backup string, shape tiers.Shape) ([]tiers.BackupStep, []tiers.DamagedStep, error) {
+	rep, err := s.b.Verify(ctx, job, backup, VerifyOptions{Nodes: shape.Nodes, Workers: shape.Workers})
 	if IsNotFound(err) {
 		return nil, nil, fmt.Errorf("%s: %w", backup, tiers.ErrNoBackup)
 	}
 	if err != nil {
 		return nil, nil, err
+	}
+	if !shape.Restores(rep.Saved, rep.SavedRecorded) {
+		return nil, nil, &tiers.ShapeError{Backup: backup, Saved: rep.Saved, Recorded: rep.SavedRecorded, Job: shape}
 	}
 	var out []tiers.BackupStep
 	var damaged []tiers.DamagedStep
@@ -53,7 +56,7 @@ func (s tierStore) CompleteSteps(ctx context.Context, job, backup string, nodes,
 func (s tierStore) Upload(ctx context.Context, u tiers.Upload) error {
 	return s.b.Upload(ctx, UploadRequest{
 		Job: u.Job, Backup: u.Backup, Step: u.Step, Slot: Slot{Rank: u.Slot.Rank, Worker: u.Slot.Worker},
-		Hash: u.Hash, Source: u.Source, Progress: u.Progress, Nodes: u.Nodes, Workers: u.Workers,
+		Hash: u.Hash, Source: u.Source, Progress: u.Progress, Shape: u.Shape,
 	})
 }
 

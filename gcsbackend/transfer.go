@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // UploadRequest describes one slot's contribution to a backup.
@@ -34,10 +35,10 @@ type UploadRequest struct {
 	// Progress, if set, is called with uploaded data bytes and their total,
 	// first with done = 0. Calls are serialised and done never decreases.
 	Progress func(done, total int64)
-	// Nodes and Workers, when set, are the job's node count and workers per node: Upload
-	// records them in the backup (see shapeName), so that a backup missing a whole rank's
-	// .meta is known incomplete without the caller knowing the shape.
-	Nodes, Workers int
+	// Shape, when set (Nodes and Workers > 0), is the job's: Upload records it in the backup
+	// (see shapeName), so that a backup missing a whole rank's .meta is known incomplete without
+	// the caller knowing the shape, and a job of another shape does not restore it.
+	Shape tiers.Shape
 }
 
 // Upload adds one slot's step to a backup: every data file in parallel
@@ -71,8 +72,8 @@ func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 	}
 	dir := backupDir(req.Job, req.Backup)
 	meta := dir + metaName(req.Job, req.Step, req.Slot)
-	if req.Nodes > 0 && req.Workers > 0 {
-		if err := b.putShape(ctx, dir, req.Nodes, req.Workers); err != nil {
+	if req.Shape.Nodes > 0 && req.Shape.Workers > 0 {
+		if err := b.putShape(ctx, dir, req.Shape); err != nil {
 			return fmt.Errorf("upload %s: %w", meta, err)
 		}
 	}

@@ -90,7 +90,7 @@ func (c *JobCoordinator) newestBackedUp(ctx context.Context) int64 {
 		if i == look {
 			break
 		}
-		steps, _, err := c.store.CompleteSteps(ctx, c.cfg.JobName, name, c.cfg.Nodes, c.cfg.WorkersPerNode)
+		steps, _, err := c.store.CompleteSteps(ctx, c.cfg.JobName, name, c.cfg.Shape())
 		if err == nil && len(steps) > 0 {
 			return steps[0].Step
 		}

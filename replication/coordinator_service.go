@@ -651,14 +651,22 @@ func configFromPB(s *peerpb.JobShape, rank int) *tiers.Config {
 }
 
 func inventoryToPB(inv tiers.Inventory) *peerpb.Inventory {
-	return &peerpb.Inventory{Metas: inv.Metas, Data: inv.Data}
+	m := &peerpb.Inventory{Metas: inv.Metas, Data: inv.Data}
+	if s := inv.Shape; s.Nodes > 0 {
+		m.SavedShape = &peerpb.SavedShape{Nodes: int32(s.Nodes), WorkersPerNode: int32(s.Workers), DataParallelism: int32(s.DataParallelism)}
+	}
+	return m
 }
 
-// inventoryFromPB is rank's inventory; the maps and slices are the message's own.
+// inventoryFromPB is rank's inventory; the maps and slices are the message's own. A saved
+// shape that no job can have is unknown.
 func inventoryFromPB(rank int, m *peerpb.Inventory) tiers.Inventory {
 	inv := tiers.Inventory{Rank: rank, Metas: m.GetMetas(), Data: m.GetData()}
 	if inv.Metas == nil {
 		inv.Metas = map[string]string{}
+	}
+	if s := m.GetSavedShape(); s.GetNodes() > 0 && s.GetWorkersPerNode() > 0 && s.GetDataParallelism() >= 0 {
+		inv.Shape = tiers.Shape{Nodes: int(s.GetNodes()), Workers: int(s.GetWorkersPerNode()), DataParallelism: int(s.GetDataParallelism())}
 	}
 	return inv
 }

@@ -375,6 +375,11 @@ func TestCoordinatorPlanConversion(t *testing.T) {
 
 	inv := own(2, 7, 8)
 	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)))
+	inv.Shape = tiers.Shape{Nodes: 4, Workers: 2, DataParallelism: 2}
+	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)), "the saved shape travels")
+	bad := inventoryToPB(inv)
+	bad.SavedShape.WorkersPerNode = 0
+	assert.Equal(t, tiers.Shape{}, inventoryFromPB(2, bad).Shape, "a shape no job has is unknown")
 	assert.Equal(t, tiers.Inventory{Rank: 1, Metas: map[string]string{}}, inventoryFromPB(1, nil))
 
 	inc := agentInc("x", 1, 4)

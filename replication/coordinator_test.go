@@ -119,7 +119,7 @@ func (s *fakeStore) Backups(ctx context.Context, job string) ([]string, error) {
 	return names, nil
 }
 
-func (s *fakeStore) CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) ([]tiers.BackupStep, []tiers.DamagedStep, error) {
+func (s *fakeStore) CompleteSteps(ctx context.Context, job, backup string, shape tiers.Shape) ([]tiers.BackupStep, []tiers.DamagedStep, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	steps, ok := s.backups[backup]

@@ -158,7 +158,7 @@ func (b *backupRunner) upload(cfg *Config, p *Progress) error {
 	for w, hash := range hashes {
 		err := b.store.Upload(b.ctx, Upload{
 			Job: cfg.JobName, Backup: p.Backup, Step: p.Step, Slot: Slot{cfg.NodeRank, w}, Hash: hash,
-			Nodes: cfg.Nodes, Workers: cfg.WorkersPerNode,
+			Shape:  cfg.Shape(),
 			Source: b.spoolDir("sealed", hash+".data"),
 			Progress: func(done, total int64) {
 				p.update(base+done, base+total)

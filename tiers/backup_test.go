@@ -14,7 +14,7 @@ import (
 func completeStep(t *testing.T, store *testStore, job string, step int64) (string, bool) {
 	names, _ := store.Backups(context.Background(), job)
 	for _, n := range names {
-		steps, _, _ := store.CompleteSteps(context.Background(), job, n, 1, 1)
+		steps, _, _ := store.CompleteSteps(context.Background(), job, n, tiers.Shape{Nodes: 1, Workers: 1})
 		for _, s := range steps {
 			if s.Step == step {
 				return n, true

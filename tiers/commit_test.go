@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // snapshotSpool copies the harness's spool to a new root, as a kill -9 would leave it at this
@@ -124,7 +125,7 @@ func TestCorruptedRAMIsReportedAndRestoredFromBackup(t *testing.T) {
 	h.eventually("the backup of step 4", func() string {
 		names, _ := store.Backups(t.Context(), "job")
 		for _, n := range names {
-			if steps, _, _ := store.CompleteSteps(t.Context(), "job", n, 1, 1); len(steps) > 0 && steps[0].Step == 4 {
+			if steps, _, _ := store.CompleteSteps(t.Context(), "job", n, tiers.Shape{Nodes: 1, Workers: 1}); len(steps) > 0 && steps[0].Step == 4 {
 				return ""
 			}
 		}
@@ -185,7 +186,7 @@ func TestUnverifiedRAMIsCheckedAtRestore(t *testing.T) {
 	h.eventually("the backup of step 2", func() string {
 		names, _ := store.Backups(t.Context(), "job")
 		for _, n := range names {
-			if steps, _, _ := store.CompleteSteps(t.Context(), "job", n, 1, 1); len(steps) > 0 && steps[0].Step == 2 {
+			if steps, _, _ := store.CompleteSteps(t.Context(), "job", n, tiers.Shape{Nodes: 1, Workers: 1}); len(steps) > 0 && steps[0].Step == 2 {
 				return ""
 			}
 		}

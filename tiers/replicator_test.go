@@ -730,7 +730,7 @@ func TestBackupAfterEveryStep(t *testing.T) {
 			t.Errorf("upload %d = %+v, want job step %d slot n0-w0 hash %s to backup %s", i, u, step, hashes[step], name)
 		}
 		store.checkDataBeforeMeta(t, "job", name)
-		steps, _, err := store.CompleteSteps(t.Context(), "job", name, 1, 1)
+		steps, _, err := store.CompleteSteps(t.Context(), "job", name, tiers.Shape{Nodes: 1, Workers: 1})
 		if err != nil || len(steps) != 1 || steps[0].Step != step {
 			t.Errorf("backup %s: complete steps %+v, %v; want step %d", name, steps, err, step)
 		}

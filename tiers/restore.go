@@ -66,6 +66,12 @@ func (r *restorer) run(inc *incarnation) {
 		r.lines.errLine(cfg, line)
 	}
 	r.dropAbandonedSteps(cfg, plan)
+	// What the spool holds from now on is of this shape: the steps above the plan's are gone,
+	// and the plan never picks one this shape cannot restore. Recorded after the drop, so that
+	// a crash in between leaves the old shape on steps of the old shape.
+	if err := r.spool.SetShape(cfg.Shape()); err != nil {
+		r.log.Warn("record the job's shape in the spool", "err", err)
+	}
 	pre := "{}\n"
 	if plan.Found {
 		pre = fmt.Sprintf("{restore-step: %d}\n", plan.Step)
@@ -276,7 +282,7 @@ func (r *restorer) findBackupOf(ctx context.Context, cfg *Config, step int64, sl
 		return ""
 	}
 	for _, name := range names {
-		steps, _, err := r.store.CompleteSteps(ctx, cfg.JobName, name, cfg.Nodes, cfg.WorkersPerNode)
+		steps, _, err := r.store.CompleteSteps(ctx, cfg.JobName, name, cfg.Shape())
 		if err != nil {
 			continue
 		}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -22,6 +23,10 @@ type Inventory struct {
 	Metas map[string]string
 	// Data lists the hashes whose .data this node holds.
 	Data []string
+	// Shape is the shape of the job whose steps this node holds, as its spool recorded it when
+	// the job last planned a restore (the zero Shape: unknown, a new spool). The steps of its
+	// .meta entries are passed over by a job of a shape that cannot restore them.
+	Shape Shape
 }
 
 // RestorePlan is the job-wide restore decision of SPEC §5.
@@ -60,9 +65,10 @@ type DamagedStep struct {
 type BackupStore interface {
 	// Backups lists the job's backup names, newest first.
 	Backups(ctx context.Context, job string) ([]string, error)
-	// CompleteSteps lists the complete steps of one backup, highest first, and its damaged
-	// ones, highest first; a missing backup returns an error wrapping ErrNoBackup.
-	CompleteSteps(ctx context.Context, job, backup string, nodes, workers int) (complete []BackupStep, damaged []DamagedStep, err error)
+	// CompleteSteps lists the complete steps of one backup for a job of shape, highest first,
+	// and its damaged ones, highest first; a missing backup returns an error wrapping
+	// ErrNoBackup, a backup of a job of another shape (one shape cannot restore) a *ShapeError.
+	CompleteSteps(ctx context.Context, job, backup string, shape Shape) (complete []BackupStep, damaged []DamagedStep, err error)
 	// Upload stores one slot's data (data first, .meta last).
 	Upload(ctx context.Context, req Upload) error
 	// Download fetches a hash's data into dest (which must not exist), verified; data that
@@ -85,12 +91,12 @@ type Upload struct {
 	Job, Backup string
 	Step        int64
 	Slot        Slot
-	// Nodes and Workers are the job's shape, recorded with the backup so that tools reading it
-	// know every rank it must hold.
-	Nodes, Workers int
-	Hash           string // "D<hex>" or "<hex>"
-	Source         string // the sealed data in the spool
-	Progress       func(done, total int64)
+	// Shape is the job's, recorded with the backup so that tools reading it know every rank it
+	// must hold, and so that a job of another shape does not restore it.
+	Shape    Shape
+	Hash     string // "D<hex>" or "<hex>"
+	Source   string // the sealed data in the spool
+	Progress func(done, total int64)
 }
 
 // ErrCorruptBackup means data downloaded from a backup does not match its manifest or hash.
@@ -119,8 +125,12 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 		}
 		if ok {
 			plan.Pinned = pin
-			steps, damaged, err := store.CompleteSteps(ctx, cfg.JobName, pin, cfg.Nodes, cfg.WorkersPerNode)
+			steps, damaged, err := store.CompleteSteps(ctx, cfg.JobName, pin, cfg.Shape())
+			var shaped *ShapeError
 			switch {
+			case errors.As(err, &shaped):
+				plan.Errors = append(plan.Errors, shapeLine(shaped),
+					fmt.Sprintf("restore.version names backup %q, of a job of another shape: starting from scratch (start the job with that shape, pin another backup with mtcfs restore-version set, or clear the pin)", pin))
 			case errors.Is(err, ErrNoBackup):
 				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which does not exist in %s: starting from scratch", pin, store))
 			case err != nil:
@@ -132,10 +142,10 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which is incomplete: starting from scratch", pin))
 			default:
 				plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, pin, steps[0].Data
-				var passed damageReport
+				var passed passedOver
 				for _, d := range damaged {
 					if d.Step > plan.Step {
-						passed.add(cfg, store, pin, d)
+						passed.damaged(cfg, store, pin, d)
 					}
 				}
 				plan.Errors = append(plan.Errors, passed.lines(fmt.Sprintf(" in the pinned backup; restoring its step %d", plan.Step))...)
@@ -143,22 +153,43 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			return plan, nil
 		}
 	}
-	if step, data, ok := clusterStep(cfg, invs, plan.Holders); ok {
+	// A checkpoint passed over (damaged, or of a job of another shape) above the one restored
+	// is one the job loses: say so (SPEC §10: never a silent fresh start), newest first, and
+	// what is restored instead.
+	others := otherShapeSteps(cfg, invs)
+	// report gives the lines for what was passed over: the steps in RAM of another shape above
+	// the one restored, then what the backups showed, then outcome.
+	report := func(backups passedOver, outcome string) []string {
+		var p passedOver
+		for _, s := range sortedSteps(others) {
+			if plan.Found && s < plan.Step {
+				break
+			}
+			p.shaped(fmt.Sprintf("step %d in the nodes' RAM %s; this job has %s: %s", s, others[s], cfg.Shape(), shapeAdvice))
+		}
+		p.merge(backups)
+		return p.lines(outcome)
+	}
+	var passed passedOver
+	if step, data, ok := clusterStep(cfg, invs, plan.Holders, others); ok {
 		plan.Step, plan.Found, plan.Data = step, true, data
+		plan.Errors = append(plan.Errors, report(passed, fmt.Sprintf("; restoring step %d from the nodes' RAM instead", step))...)
 		return plan, nil
 	}
 	if store == nil {
+		plan.Errors = append(plan.Errors, report(passed, " and no intact checkpoint is left: starting from scratch")...)
 		return plan, nil
 	}
 	names, err := store.Backups(ctx, cfg.JobName)
 	if err != nil {
 		return plan, fmt.Errorf("list backups: %w", err)
 	}
-	// A damaged step above the one restored is a checkpoint the job loses: say so (SPEC §10:
-	// never a silent fresh start), newest first, and what is restored instead.
-	var passed damageReport
 	for _, name := range names {
-		steps, damaged, err := store.CompleteSteps(ctx, cfg.JobName, name, cfg.Nodes, cfg.WorkersPerNode)
+		steps, damaged, err := store.CompleteSteps(ctx, cfg.JobName, name, cfg.Shape())
+		if shaped := (*ShapeError)(nil); errors.As(err, &shaped) {
+			passed.shaped(shapeLine(shaped))
+			continue
+		}
 		if err != nil && !errors.Is(err, ErrNoBackup) {
 			return plan, fmt.Errorf("check backup %s: %w", name, err)
 		}
@@ -166,42 +197,97 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			if len(steps) > 0 && d.Step < steps[0].Step {
 				break // damaged is highest first; what is below the restored step is not lost
 			}
-			passed.add(cfg, store, name, d)
+			passed.damaged(cfg, store, name, d)
 		}
 		if len(steps) > 0 {
 			plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, name, steps[0].Data
-			plan.Errors = append(plan.Errors, passed.lines(fmt.Sprintf("; restoring step %d from backup %s instead", plan.Step, name))...)
+			plan.Errors = append(plan.Errors, report(passed, fmt.Sprintf("; restoring step %d from backup %s instead", plan.Step, name))...)
 			return plan, nil
 		}
 	}
-	plan.Errors = append(plan.Errors, passed.lines(" and no intact checkpoint is left: starting from scratch")...)
+	plan.Errors = append(plan.Errors, report(passed, " and no intact checkpoint is left: starting from scratch")...)
 	return plan, nil
 }
 
-// maxDamageLines bounds the replicator.errors lines a restore writes for damaged backup steps
-// (a bucket emptied by a lifecycle rule could hold hundreds).
-const maxDamageLines = 5
+// maxPassedLines bounds the replicator.errors lines a restore writes for the checkpoints it
+// passes over (a bucket emptied by a lifecycle rule could hold hundreds of damaged steps).
+const maxPassedLines = 5
 
-// damageReport gathers the damaged backup steps a restore passes over: a line for each of the
-// first maxDamageLines, and how many there were.
-type damageReport struct {
-	first []string
-	n     int
+// passedOver gathers the checkpoints a restore passes over, damaged backup steps and
+// checkpoints of a job of another shape: a line for each of the first maxPassedLines, and how
+// many of each there were.
+type passedOver struct {
+	first             []string
+	nDamaged, nShaped int
 }
 
-func (r *damageReport) add(cfg *Config, store BackupStore, backup string, d DamagedStep) {
-	if r.n++; r.n <= maxDamageLines {
-		r.first = append(r.first, damageLine(cfg, store, backup, d))
+func (r *passedOver) add(line string) {
+	if len(r.first) < maxPassedLines {
+		r.first = append(r.first, line)
 	}
 }
 
-// lines returns the replicator.errors lines (none when no step was passed over): one per step
-// kept, then the count followed by outcome, what the restore does instead.
-func (r *damageReport) lines(outcome string) []string {
-	if r.n == 0 {
+func (r *passedOver) damaged(cfg *Config, store BackupStore, backup string, d DamagedStep) {
+	r.nDamaged++
+	r.add(damageLine(cfg, store, backup, d))
+}
+
+func (r *passedOver) shaped(line string) {
+	r.nShaped++
+	r.add(line)
+}
+
+// merge adds what o gathered after what r did.
+func (r *passedOver) merge(o passedOver) {
+	for _, l := range o.first {
+		r.add(l)
+	}
+	r.nDamaged += o.nDamaged
+	r.nShaped += o.nShaped
+}
+
+// lines returns the replicator.errors lines (none when nothing was passed over): one per
+// checkpoint kept, then the counts followed by outcome, what the restore does instead.
+func (r *passedOver) lines(outcome string) []string {
+	n := r.nDamaged + r.nShaped
+	if n == 0 {
 		return nil
 	}
-	return append(r.first, damageSummary(r.n)+outcome)
+	var parts []string
+	if r.nDamaged > 0 {
+		parts = append(parts, count(r.nDamaged, "damaged backup step", "damaged backup steps"))
+	}
+	if r.nShaped > 0 {
+		parts = append(parts, count(r.nShaped, "checkpoint of a job of another shape", "checkpoints of a job of another shape"))
+	}
+	summary := strings.Join(parts, " and ")
+	if n > maxPassedLines {
+		summary += fmt.Sprintf(" (the first %d above)", maxPassedLines)
+	}
+	return append(r.first, summary+outcome)
+}
+
+func count(n int, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return fmt.Sprintf("%d %s", n, many)
+}
+
+// shapeAdvice ends the line for a checkpoint of a job of another shape.
+const shapeAdvice = "one node's checkpoint data is never split or merged across nodes, so it is passed over (start the job with its former shape to restore it)"
+
+// shapeLine is the replicator.errors line for a backup of a job of another shape.
+func shapeLine(e *ShapeError) string { return e.Error() + ": " + shapeAdvice }
+
+// sortedSteps returns the keys of m, highest first.
+func sortedSteps[V any](m map[int64]V) []int64 {
+	out := make([]int64, 0, len(m))
+	for s := range m {
+		out = append(out, s)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i] > out[j] })
+	return out
 }
 
 // damageLine is the replicator.errors line for one damaged step of a backup: its first problem,
@@ -219,21 +305,12 @@ func damageLine(cfg *Config, store BackupStore, backup string, d DamagedStep) st
 		backup, d.Step, first, more, backup, store, cfg.JobName)
 }
 
-func damageSummary(n int) string {
-	if n > maxDamageLines {
-		return fmt.Sprintf("%d damaged backup steps (the first %d above)", n, maxDamageLines)
-	}
-	if n == 1 {
-		return "1 damaged backup step"
-	}
-	return fmt.Sprintf("%d damaged backup steps", n)
-}
-
 // clusterStep finds the highest step for which every slot has a .meta whose data some node
 // holds. When nodes disagree on a slot's .meta (the step was saved again and a peer still holds
 // the replica of the earlier save), the slot's own node wins: its .meta is of its newest commit
 // of the step; among replicas, the lowest rank's, so that the plan does not depend on order.
-func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int) (int64, map[Slot]string, bool) {
+// Steps in others (saved by a job of another shape) are never picked.
+func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others map[int64]string) (int64, map[Slot]string, bool) {
 	bySlot := map[int64]map[Slot]string{}
 	owned := map[int64]map[Slot]bool{} // the slot's .meta came from its own node
 	for _, inv := range invs {
@@ -242,7 +319,7 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int) (int64
 			if !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode {
 				continue
 			}
-			if len(holders[hash]) == 0 {
+			if _, other := others[m.Step]; other || len(holders[hash]) == 0 {
 				continue
 			}
 			if bySlot[m.Step] == nil {

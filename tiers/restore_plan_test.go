@@ -94,12 +94,12 @@ func TestPlanRestore(t *testing.T) {
 			want: tiers.RestorePlan{Step: 5, Found: true, Data: slots("n0-w0", hx(50), "n1-w0", hx(51), "n2-w0", hx(52))},
 		},
 		{
-			name: "other jobs and slots outside the job do not count", nodes: 1, workers: 1,
+			name: "other jobs and slots outside the job below the restored step do not count", nodes: 1, workers: 1,
 			invs: []tiers.Inventory{{Rank: 0, Metas: map[string]string{
 				metaOf(2, 0, 0):       hx(2),
 				"other-s9-n0-w0.meta": hx(9),
-				metaOf(9, 1, 0):       hx(9), // rank 1 of a larger earlier job
-				metaOf(9, 0, 1):       hx(9), // worker 1 of an earlier job
+				metaOf(1, 1, 0):       hx(9), // rank 1 of a larger earlier job (TestPlanRestorePassesOverAnotherShape)
+				metaOf(1, 0, 1):       hx(9), // worker 1 of an earlier job
 			}, Data: []string{hx(2), hx(9)}}},
 			want: tiers.RestorePlan{Step: 2, Found: true, Data: slots("n0-w0", hx(2))},
 		},
@@ -387,6 +387,202 @@ func TestPlanRestoreReportsDamagedBackups(t *testing.T) {
 				invs[r].Rank = r
 			}
 			got, err := tiers.PlanRestore(t.Context(), planConfig(tc.nodes, 1), invs, s)
+			if err != nil {
+				t.Fatalf("PlanRestore: %v", err)
+			}
+			if got.Found != tc.found || got.Step != tc.step || got.Backup != tc.from {
+				t.Errorf("plan found %v step %d backup %q, want found %v step %d backup %q", got.Found, got.Step, got.Backup, tc.found, tc.step, tc.from)
+			}
+			if len(got.Errors) != len(tc.errors) {
+				t.Fatalf("plan errors:\n%s\nwant %d lines", strings.Join(got.Errors, "\n"), len(tc.errors))
+			}
+			for i, want := range tc.errors {
+				if !strings.Contains(got.Errors[i], want) {
+					t.Errorf("plan error %d:\n%s\nwant it to contain\n%s", i, got.Errors[i], want)
+				}
+			}
+		})
+	}
+}
+
+// TestPlanRestorePassesOverAnotherShape: a job restarted with another number of nodes or
+// workers per node (or, in data-parallel mode, of partitions) cannot use the checkpoints of its
+// former shape: one node's data is never split or merged across nodes. Before, the plan took
+// the slots that fit (a 2-node job restored ranks 0 and 1 of a 3-node checkpoint) and said
+// nothing. Now each such checkpoint above the one restored is passed over with a line, in RAM
+// and in backups; a data-parallel job may do without replicas of its partitions.
+func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
+	t.Parallel()
+	backup := func(i int) string { return fmt.Sprintf("2030-01-01_00-%02d", i) }
+	shape := func(nodes, workers, d int) tiers.Shape {
+		return tiers.Shape{Nodes: nodes, Workers: workers, DataParallelism: d}
+	}
+	// ram is the nodes' inventories: rank 0 holds every .meta and data of steps (rank r's
+	// data of step s is hx(10*s+r)), over ranks 0..ranks-1.
+	ram := func(nodes, ranks int, steps ...int64) []tiers.Inventory {
+		invs := make([]tiers.Inventory, nodes)
+		for r := range invs {
+			invs[r] = tiers.Inventory{Rank: r, Metas: map[string]string{}}
+		}
+		for _, s := range steps {
+			for r := range ranks {
+				invs[0].Metas[metaOf(s, r, 0)] = hx(int(10*s) + r)
+				invs[0].Data = append(invs[0].Data, hx(int(10*s)+r))
+			}
+		}
+		return invs
+	}
+	// ranksOf is the slots of a backup of step s over ranks 0..ranks-1, data column-wise
+	// (rank r names the data of rank r mod columns).
+	ranksOf := func(s, ranks, columns int) map[tiers.Slot]string {
+		m := map[tiers.Slot]string{}
+		for r := range ranks {
+			m[tiers.Slot{Rank: r}] = hx(10*s + r%columns)
+		}
+		return m
+	}
+	tests := []struct {
+		name   string
+		job    tiers.Shape
+		invs   []tiers.Inventory // nil: every rank holds nothing
+		store  func(t *testing.T, s *testStore)
+		found  bool
+		step   int64
+		from   string
+		errors []string // each line must contain its entry, in order; nil: no line at all
+	}{
+		{
+			name: "RAM: a 3-node step, the job now 2 nodes", job: shape(2, 1, 0),
+			invs: ram(2, 3, 10),
+			errors: []string{
+				"step 10 in the nodes' RAM was saved by a job with a rank 2 worker 0; this job has 2 nodes × 1 worker: one node's checkpoint data is never split or merged",
+				"1 checkpoint of a job of another shape and no intact checkpoint is left: starting from scratch",
+			},
+		},
+		{
+			name: "RAM: a 3-node step above a 2-node one", job: shape(2, 1, 0),
+			invs: func() []tiers.Inventory {
+				invs := ram(2, 3, 10)
+				invs[0].Metas[metaOf(5, 0, 0)], invs[0].Metas[metaOf(5, 1, 0)] = hx(50), hx(51)
+				invs[1].Data = append(invs[1].Data, hx(50), hx(51))
+				return invs
+			}(),
+			found: true, step: 5,
+			errors: []string{"step 10 in the nodes' RAM", "1 checkpoint of a job of another shape; restoring step 5 from the nodes' RAM instead"},
+		},
+		{
+			name: "RAM: a 3-node step below the backup restored is not lost", job: shape(2, 1, 0),
+			invs: ram(2, 3, 10),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", backup(1), 20, shape(2, 1, 0), ranksOf(20, 2, 2))
+			},
+			found: true, step: 20, from: backup(1),
+		},
+		{
+			name: "RAM: a 3-node step above the backup restored", job: shape(2, 1, 0),
+			invs: ram(2, 3, 30),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", backup(1), 20, shape(2, 1, 0), ranksOf(20, 2, 2))
+			},
+			found: true, step: 20, from: backup(1),
+			errors: []string{"step 30 in the nodes' RAM", "1 checkpoint of a job of another shape; restoring step 20 from backup " + backup(1) + " instead"},
+		},
+		{
+			name: "RAM: data-parallel, fewer replicas", job: shape(2, 1, 2),
+			invs:  ram(2, 4, 10),
+			found: true, step: 10,
+		},
+		{
+			name: "RAM: fewer workers per node", job: shape(1, 1, 0),
+			invs: func() []tiers.Inventory {
+				invs := ram(1, 1, 10)
+				invs[0].Metas[metaOf(10, 0, 1)] = hx(7)
+				return invs
+			}(),
+			errors: []string{"step 10 in the nodes' RAM was saved by a job with a rank 0 worker 1; this job has 1 node × 1 worker", "starting from scratch"},
+		},
+		{
+			name: "backup: recorded 3 nodes above one of 2, the job now 2", job: shape(2, 1, 0),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", backup(1), 3, shape(2, 1, 0), ranksOf(3, 2, 2))
+				s.addShapedBackup(t, "job", backup(2), 4, shape(3, 1, 0), ranksOf(4, 3, 3))
+			},
+			found: true, step: 3, from: backup(1),
+			errors: []string{
+				"backup " + backup(2) + " was taken by a job of 3 nodes × 1 worker; this job has 2 nodes × 1 worker: one node's checkpoint data is never split or merged across nodes, so it is passed over (start the job with its former shape to restore it)",
+				"1 checkpoint of a job of another shape; restoring step 3 from backup " + backup(1) + " instead",
+			},
+		},
+		{
+			name: "backup: recorded 2 nodes, the job grew to 3", job: shape(3, 1, 0),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", backup(1), 3, shape(2, 1, 0), ranksOf(3, 2, 2))
+			},
+			errors: []string{"backup " + backup(1) + " was taken by a job of 2 nodes × 1 worker; this job has 3 nodes × 1 worker", "starting from scratch"},
+		},
+		{
+			name: "backup: unrecorded, its .meta names show 3 nodes", job: shape(2, 1, 0),
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, ranksOf(3, 3, 3))
+			},
+			errors: []string{"backup " + backup(1) + " was taken by a job of at least 3 nodes × 1 worker (its .meta names); this job has 2 nodes × 1 worker", "starting from scratch"},
+		},
+		{
+			name: "backup: unrecorded, fewer ranks than the job is incomplete, as before", job: shape(3, 1, 0),
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, ranksOf(3, 2, 2))
+			},
+		},
+		{
+			name: "backup: data-parallel 4 nodes of 2 partitions, the job now 2 nodes", job: shape(2, 1, 0),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", backup(1), 3, shape(4, 1, 2), ranksOf(3, 4, 2))
+			},
+			found: true, step: 3, from: backup(1),
+		},
+		{
+			name: "backup: data-parallel, partitions differ", job: shape(2, 1, 2),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", backup(1), 3, shape(4, 1, 2), ranksOf(3, 4, 2))
+			},
+			errors: []string{"was taken by a job of 4 nodes × 1 worker, data-parallelism 2; this job has 2 nodes × 1 worker, data-parallelism 2", "starting from scratch"},
+		},
+		{
+			name: "backup: recorded workers differ", job: shape(1, 1, 0),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", backup(1), 3, shape(1, 2, 0), map[tiers.Slot]string{{Rank: 0, Worker: 0}: hx(1), {Rank: 0, Worker: 1}: hx(2)})
+			},
+			errors: []string{"was taken by a job of 1 node × 2 workers; this job has 1 node × 1 worker", "starting from scratch"},
+		},
+		{
+			name: "pinned backup of another shape", job: shape(2, 1, 0),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", backup(1), 3, shape(2, 1, 0), ranksOf(3, 2, 2))
+				s.addShapedBackup(t, "job", backup(2), 4, shape(3, 1, 0), ranksOf(4, 3, 3))
+				s.setPin(t, "job", backup(2))
+			},
+			errors: []string{
+				"backup " + backup(2) + " was taken by a job of 3 nodes × 1 worker",
+				`restore.version names backup "` + backup(2) + `", of a job of another shape: starting from scratch`,
+			},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cfg := planConfig(tc.job.Nodes, tc.job.Workers)
+			cfg.AssumeDataParallelism = tc.job.DataParallelism
+			invs := tc.invs
+			if invs == nil {
+				invs = ram(tc.job.Nodes, 0)
+			}
+			var store tiers.BackupStore
+			if tc.store != nil {
+				s := newTestStore(t)
+				tc.store(t, s)
+				store = s
+			}
+			got, err := tiers.PlanRestore(t.Context(), cfg, invs, store)
 			if err != nil {
 				t.Fatalf("PlanRestore: %v", err)
 			}

@@ -236,7 +236,7 @@ func (rt *retention) markVerified(dataName string) {
 
 // inventory lists what this node holds in RAM for the restore negotiation.
 func (rt *retention) inventory(rank int) Inventory {
-	inv := Inventory{Rank: rank, Metas: map[string]string{}}
+	inv := Inventory{Rank: rank, Metas: map[string]string{}, Shape: rt.spool.savedShape()}
 	rt.mu.Lock()
 	for k, v := range rt.metas {
 		inv.Metas[k] = v

@@ -75,10 +75,13 @@ const OwnerFile = "owner.json"
 
 // Owner is what a spool records about the mount it belongs to (OwnerFile).
 type Owner struct {
-	MountPath string    `json:"mount_path"`    // absolute, symlinks resolved
-	Job       string    `json:"job,omitempty"` // the job whose data it holds, once known
-	PID       int       `json:"pid"`           // the agent that last opened it
-	LastUsed  time.Time `json:"last_used"`     // last open, job change or release
+	MountPath string `json:"mount_path"`    // absolute, symlinks resolved
+	Job       string `json:"job,omitempty"` // the job whose data it holds, once known
+	// Shape is the job's shape at its last restore plan, which its steps here were saved or
+	// restored in: a job restarted in a shape that cannot restore them passes them over.
+	Shape    *Shape    `json:"shape,omitempty"`
+	PID      int       `json:"pid"`       // the agent that last opened it
+	LastUsed time.Time `json:"last_used"` // last open, job change or release
 }
 
 // DefaultSpoolRoot is the directory that holds the default spools of this user: shared by root
@@ -338,7 +341,7 @@ func (s *Spool) recordOwner(mountPath string) error {
 	}
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	s.owner = Owner{MountPath: mountPath, Job: prev.Job, PID: os.Getpid()}
+	s.owner = Owner{MountPath: mountPath, Job: prev.Job, Shape: prev.Shape, PID: os.Getpid()}
 	return s.writeOwnerLocked()
 }
 
@@ -353,13 +356,41 @@ func (s *Spool) Owner() Owner {
 // SetJob records the job whose data the spool holds from now on. It is an error on a spool
 // opened without a MountPath (nothing is recorded there).
 func (s *Spool) SetJob(job string) error {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.owner.Job != job {
+		s.owner.Shape = nil // another job's shape says nothing of this one's
+	}
+	s.owner.Job = job
 	if s.lock == nil {
 		return errors.New("spool has no owner record (opened without a mount path)")
 	}
+	return s.writeOwnerLocked()
+}
+
+// SetShape records the shape of the job whose steps the spool holds from now on (see
+// Owner.Shape). A spool opened without a mount path keeps it in memory only.
+func (s *Spool) SetShape(shape Shape) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	s.owner.Job = job
+	if s.owner.Shape != nil && *s.owner.Shape == shape {
+		return nil
+	}
+	s.owner.Shape = &shape
+	if s.lock == nil {
+		return nil
+	}
 	return s.writeOwnerLocked()
+}
+
+// savedShape is the recorded shape of the job's steps (the zero Shape: none recorded).
+func (s *Spool) savedShape() Shape {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.owner.Shape == nil {
+		return Shape{}
+	}
+	return *s.owner.Shape
 }
 
 func (s *Spool) writeOwnerLocked() error {

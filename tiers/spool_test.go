@@ -50,6 +50,14 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 			if err != nil || o2.Job != "llama" || o2.MountPath != mnt || o2.LastUsed.Before(o.LastUsed) {
 				t.Fatalf("owner after SetJob = %+v, %v; want job llama, mount %s", o2, err, mnt)
 			}
+			// The job's shape at its restore plan: what a job of another shape passes over.
+			shape := tiers.Shape{Nodes: 3, Workers: 1, DataParallelism: 3}
+			if err := s.SetShape(shape); err != nil {
+				t.Fatalf("SetShape: %v", err)
+			}
+			if o2, _ = tiers.ReadOwner(dir); o2.Shape == nil || *o2.Shape != shape {
+				t.Fatalf("owner after SetShape = %+v, want shape %v", o2, shape)
+			}
 			noTempFiles(t, dir)
 			if err := s.Detach(); err != nil {
 				t.Fatalf("Detach: %v", err)
@@ -57,14 +65,17 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 
 			// The next agent on the mount sees which job the data belongs to.
 			s2 := openOwned(t, dir, mnt, tmpfs)
-			if got := s2.Owner(); got.Job != "llama" || got.MountPath != mnt {
-				t.Fatalf("reopened spool's owner = %+v, want the previous job llama on %s", got, mnt)
+			if got := s2.Owner(); got.Job != "llama" || got.MountPath != mnt || got.Shape == nil || *got.Shape != shape {
+				t.Fatalf("reopened spool's owner = %+v, want the previous job llama on %s, of shape %v", got, mnt, shape)
+			}
+			if err := s2.SetJob("llama"); err != nil || s2.Owner().Shape == nil {
+				t.Fatalf("SetJob of the same job: %v; shape %v, want it kept", err, s2.Owner().Shape)
 			}
 			if err := s2.SetJob("other"); err != nil {
 				t.Fatal(err)
 			}
-			if o3, _ := tiers.ReadOwner(dir); o3.Job != "other" {
-				t.Fatalf("job after the second SetJob = %q, want other", o3.Job)
+			if o3, _ := tiers.ReadOwner(dir); o3.Job != "other" || o3.Shape != nil {
+				t.Fatalf("owner after the second SetJob = %+v, want job other and no shape (llama's says nothing of it)", o3)
 			}
 			noTempFiles(t, dir)
 			if err := s2.Close(); err != nil {

@@ -156,6 +156,13 @@ func (s *testStore) deleteObject(t *testing.T, job, backup, name string) {
 // under its hash (the store does not hash what it uploads), then its .meta.
 func (s *testStore) addBackup(t *testing.T, job, backup string, step int64, data map[tiers.Slot]string) {
 	t.Helper()
+	s.addShapedBackup(t, job, backup, step, tiers.Shape{}, data)
+}
+
+// addShapedBackup is addBackup by a job of shape, which the backup records as the agent's
+// uploads do (the zero Shape: none recorded, as in a backup the reference system took).
+func (s *testStore) addShapedBackup(t *testing.T, job, backup string, step int64, shape tiers.Shape, data map[tiers.Slot]string) {
+	t.Helper()
 	for slot, hash := range data {
 		src := filepath.Join(t.TempDir(), "data")
 		if err := os.MkdirAll(src, 0o755); err != nil {
@@ -164,7 +171,7 @@ func (s *testStore) addBackup(t *testing.T, job, backup string, step int64, data
 		if err := os.WriteFile(filepath.Join(src, "placeholder"), []byte(hash), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		err := s.BackupStore.Upload(t.Context(), tiers.Upload{Job: job, Backup: backup, Step: step, Slot: slot, Hash: hash, Source: src})
+		err := s.BackupStore.Upload(t.Context(), tiers.Upload{Job: job, Backup: backup, Step: step, Slot: slot, Shape: shape, Hash: hash, Source: src})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mtcfs/mtcfs/internal/jobsim"
@@ -234,4 +235,93 @@ func holdsEarlyFile(spool string) bool {
 		return nil
 	})
 	return found
+}
+
+// TestJobRestartedInAnotherShape: a three-node job saves step 10 (in RAM and in a backup) and
+// restarts on two nodes. One node's data is never split across nodes, so the two-node job must
+// not restore ranks 0 and 1 of the three-node checkpoint, as it did before without a word: it
+// starts from scratch and every rank is told why, for the RAM (each spool recorded the job's
+// shape) and for the backup (which records it too). Its own steps restore as usual; back on
+// three nodes, the job passes over the two-node steps in RAM and restores step 10 from the
+// backup.
+func TestJobRestartedInAnotherShape(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	c := newCluster(t, 3)
+	client := func(r, nodes int) *jobsim.Orbax {
+		o := c.client(t, r)
+		o.Nodes, o.BackupIntervalMinutes = nodes, 0.01
+		return o
+	}
+	// start starts a job of n nodes on ranks 0..n-1 and checks what each restores.
+	start := func(n int, want int64) [][]string {
+		lines := make([][]string, n)
+		clients := make([]*jobsim.Orbax, n)
+		var wg sync.WaitGroup
+		errs := make([]error, n)
+		for r := range n {
+			wg.Go(func() {
+				clients[r] = client(r, n)
+				var step int64
+				step, _, errs[r] = clients[r].Start(ctx)
+				if errs[r] == nil && step != want {
+					errs[r] = fmt.Errorf("restored step %d, want %d", step, want)
+				}
+				if errs[r] == nil && want > 0 {
+					errs[r] = clients[r].VerifyRestored(ctx, want)
+				}
+				lines[r] = clients[r].Errors()
+			})
+		}
+		wg.Wait()
+		for r, err := range errs {
+			require.NoError(t, err, "rank %d of %d: %s", r, n, c.agents[0].tail(20))
+		}
+		return lines
+	}
+	save := func(n int, step int64) {
+		var wg sync.WaitGroup
+		errs := make([]error, n)
+		for r := range n {
+			wg.Go(func() { errs[r] = client(r, n).Save(ctx, step) })
+		}
+		wg.Wait()
+		for r, err := range errs {
+			require.NoError(t, err, "rank %d saving step %d", r, step)
+		}
+	}
+
+	start(3, 0)
+	save(3, 10)
+	var backup string
+	repWait(t, 20*time.Second, "a complete backup of step 10", func() bool {
+		m, _ := filepath.Glob(filepath.Join(c.backup, "trio", "*", "trio-s10-n2-w0.meta"))
+		if len(m) > 0 {
+			backup = filepath.Base(filepath.Dir(m[0]))
+		}
+		return len(m) > 0
+	})
+
+	stopAgent(t, c.agents[2])
+	for r, got := range start(2, 0) {
+		all := strings.Join(got, "\n")
+		assert.Contains(t, all, "step 10 in the nodes' RAM was saved by a job of 3 nodes × 1 worker", "rank %d", r)
+		assert.Contains(t, all, "backup "+backup+" was taken by a job of 3 nodes × 1 worker; this job has 2 nodes × 1 worker", "rank %d", r)
+		assert.Contains(t, all, "2 checkpoints of a job of another shape and no intact checkpoint is left: starting from scratch", "rank %d", r)
+	}
+	save(2, 20)
+	for r := range 2 {
+		meta := filepath.Join(c.nodes[r].dir, fmt.Sprintf("trio-s20-n%d-w0.meta", r))
+		repWait(t, 10*time.Second, "step 20 sealed", func() bool { return pathExists(meta) })
+	}
+	for r, got := range start(2, 20) {
+		assert.Empty(t, got, "rank %d restores the two-node job's own step", r)
+	}
+
+	// Back on three nodes: rank 2's agent returns with its spool (step 10, three nodes).
+	c.agents[2] = c.nodes[2].start(t)
+	for r, got := range start(3, 10) {
+		all := strings.Join(got, "\n")
+		assert.Contains(t, all, "step 20 in the nodes' RAM was saved by a job of 2 nodes × 1 worker", "rank %d", r)
+	}
 }

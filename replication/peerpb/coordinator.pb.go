@@ -190,7 +190,11 @@ type Inventory struct {
 	// .meta name ("<job>-sS-nR-wW.meta") → the hash of the data it names.
 	Metas map[string]string `protobuf:"bytes,1,rep,name=metas,proto3" json:"metas,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// The hashes whose .data the node holds.
-	Data          []string `protobuf:"bytes,2,rep,name=data,proto3" json:"data,omitempty"`
+	Data []string `protobuf:"bytes,2,rep,name=data,proto3" json:"data,omitempty"`
+	// The shape of the job whose steps the node holds, as its spool recorded it at the job's last
+	// restore plan (tiers.Inventory.Shape); absent when unknown (a new spool). A step the job
+	// cannot restore in its shape is passed over (tiers.Shape.Restores).
+	SavedShape    *SavedShape `protobuf:"bytes,3,opt,name=saved_shape,json=savedShape,proto3" json:"saved_shape,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -239,6 +243,74 @@ func (x *Inventory) GetData() []string {
 	return nil
 }
 
+func (x *Inventory) GetSavedShape() *SavedShape {
+	if x != nil {
+		return x.SavedShape
+	}
+	return nil
+}
+
+// SavedShape is how a job laid out its checkpoints (tiers.Shape).
+type SavedShape struct {
+	state           protoimpl.MessageState `protogen:"open.v1"`
+	Nodes           int32                  `protobuf:"varint,1,opt,name=nodes,proto3" json:"nodes,omitempty"`
+	WorkersPerNode  int32                  `protobuf:"varint,2,opt,name=workers_per_node,json=workersPerNode,proto3" json:"workers_per_node,omitempty"`
+	DataParallelism int32                  `protobuf:"varint,3,opt,name=data_parallelism,json=dataParallelism,proto3" json:"data_parallelism,omitempty"` // 0: data-parallel mode off
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *SavedShape) Reset() {
+	*x = SavedShape{}
+	mi := &file_coordinator_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SavedShape) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SavedShape) ProtoMessage() {}
+
+func (x *SavedShape) ProtoReflect() protoreflect.Message {
+	mi := &file_coordinator_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SavedShape.ProtoReflect.Descriptor instead.
+func (*SavedShape) Descriptor() ([]byte, []int) {
+	return file_coordinator_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *SavedShape) GetNodes() int32 {
+	if x != nil {
+		return x.Nodes
+	}
+	return 0
+}
+
+func (x *SavedShape) GetWorkersPerNode() int32 {
+	if x != nil {
+		return x.WorkersPerNode
+	}
+	return 0
+}
+
+func (x *SavedShape) GetDataParallelism() int32 {
+	if x != nil {
+		return x.DataParallelism
+	}
+	return 0
+}
+
 // SlotData is the hash one slot restores.
 type SlotData struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -251,7 +323,7 @@ type SlotData struct {
 
 func (x *SlotData) Reset() {
 	*x = SlotData{}
-	mi := &file_coordinator_proto_msgTypes[3]
+	mi := &file_coordinator_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -263,7 +335,7 @@ func (x *SlotData) String() string {
 func (*SlotData) ProtoMessage() {}
 
 func (x *SlotData) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[3]
+	mi := &file_coordinator_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -276,7 +348,7 @@ func (x *SlotData) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SlotData.ProtoReflect.Descriptor instead.
 func (*SlotData) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{3}
+	return file_coordinator_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SlotData) GetRank() int32 {
@@ -309,7 +381,7 @@ type Ranks struct {
 
 func (x *Ranks) Reset() {
 	*x = Ranks{}
-	mi := &file_coordinator_proto_msgTypes[4]
+	mi := &file_coordinator_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -321,7 +393,7 @@ func (x *Ranks) String() string {
 func (*Ranks) ProtoMessage() {}
 
 func (x *Ranks) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[4]
+	mi := &file_coordinator_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -334,7 +406,7 @@ func (x *Ranks) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ranks.ProtoReflect.Descriptor instead.
 func (*Ranks) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{4}
+	return file_coordinator_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Ranks) GetRanks() []int32 {
@@ -361,7 +433,7 @@ type RestorePlan struct {
 
 func (x *RestorePlan) Reset() {
 	*x = RestorePlan{}
-	mi := &file_coordinator_proto_msgTypes[5]
+	mi := &file_coordinator_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -373,7 +445,7 @@ func (x *RestorePlan) String() string {
 func (*RestorePlan) ProtoMessage() {}
 
 func (x *RestorePlan) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[5]
+	mi := &file_coordinator_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -386,7 +458,7 @@ func (x *RestorePlan) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestorePlan.ProtoReflect.Descriptor instead.
 func (*RestorePlan) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{5}
+	return file_coordinator_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RestorePlan) GetStep() int64 {
@@ -448,7 +520,7 @@ type NegotiateRequest struct {
 
 func (x *NegotiateRequest) Reset() {
 	*x = NegotiateRequest{}
-	mi := &file_coordinator_proto_msgTypes[6]
+	mi := &file_coordinator_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -460,7 +532,7 @@ func (x *NegotiateRequest) String() string {
 func (*NegotiateRequest) ProtoMessage() {}
 
 func (x *NegotiateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[6]
+	mi := &file_coordinator_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -473,7 +545,7 @@ func (x *NegotiateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NegotiateRequest.ProtoReflect.Descriptor instead.
 func (*NegotiateRequest) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{6}
+	return file_coordinator_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *NegotiateRequest) GetCaller() *Caller {
@@ -499,7 +571,7 @@ type NegotiateReply struct {
 
 func (x *NegotiateReply) Reset() {
 	*x = NegotiateReply{}
-	mi := &file_coordinator_proto_msgTypes[7]
+	mi := &file_coordinator_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -511,7 +583,7 @@ func (x *NegotiateReply) String() string {
 func (*NegotiateReply) ProtoMessage() {}
 
 func (x *NegotiateReply) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[7]
+	mi := &file_coordinator_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -524,7 +596,7 @@ func (x *NegotiateReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NegotiateReply.ProtoReflect.Descriptor instead.
 func (*NegotiateReply) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{7}
+	return file_coordinator_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *NegotiateReply) GetPlan() *RestorePlan {
@@ -543,7 +615,7 @@ type RestoredRequest struct {
 
 func (x *RestoredRequest) Reset() {
 	*x = RestoredRequest{}
-	mi := &file_coordinator_proto_msgTypes[8]
+	mi := &file_coordinator_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -555,7 +627,7 @@ func (x *RestoredRequest) String() string {
 func (*RestoredRequest) ProtoMessage() {}
 
 func (x *RestoredRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[8]
+	mi := &file_coordinator_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -568,7 +640,7 @@ func (x *RestoredRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoredRequest.ProtoReflect.Descriptor instead.
 func (*RestoredRequest) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{8}
+	return file_coordinator_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *RestoredRequest) GetCaller() *Caller {
@@ -586,7 +658,7 @@ type RestoredReply struct {
 
 func (x *RestoredReply) Reset() {
 	*x = RestoredReply{}
-	mi := &file_coordinator_proto_msgTypes[9]
+	mi := &file_coordinator_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -598,7 +670,7 @@ func (x *RestoredReply) String() string {
 func (*RestoredReply) ProtoMessage() {}
 
 func (x *RestoredReply) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[9]
+	mi := &file_coordinator_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -611,7 +683,7 @@ func (x *RestoredReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoredReply.ProtoReflect.Descriptor instead.
 func (*RestoredReply) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{9}
+	return file_coordinator_proto_rawDescGZIP(), []int{10}
 }
 
 type SyncRequest struct {
@@ -627,7 +699,7 @@ type SyncRequest struct {
 
 func (x *SyncRequest) Reset() {
 	*x = SyncRequest{}
-	mi := &file_coordinator_proto_msgTypes[10]
+	mi := &file_coordinator_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -639,7 +711,7 @@ func (x *SyncRequest) String() string {
 func (*SyncRequest) ProtoMessage() {}
 
 func (x *SyncRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[10]
+	mi := &file_coordinator_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -652,7 +724,7 @@ func (x *SyncRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SyncRequest.ProtoReflect.Descriptor instead.
 func (*SyncRequest) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{10}
+	return file_coordinator_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *SyncRequest) GetCaller() *Caller {
@@ -686,7 +758,7 @@ type SyncReply struct {
 
 func (x *SyncReply) Reset() {
 	*x = SyncReply{}
-	mi := &file_coordinator_proto_msgTypes[11]
+	mi := &file_coordinator_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -698,7 +770,7 @@ func (x *SyncReply) String() string {
 func (*SyncReply) ProtoMessage() {}
 
 func (x *SyncReply) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[11]
+	mi := &file_coordinator_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -711,7 +783,7 @@ func (x *SyncReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SyncReply.ProtoReflect.Descriptor instead.
 func (*SyncReply) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{11}
+	return file_coordinator_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *SyncReply) GetReplicated() bool {
@@ -735,7 +807,7 @@ type BackupsRequest struct {
 
 func (x *BackupsRequest) Reset() {
 	*x = BackupsRequest{}
-	mi := &file_coordinator_proto_msgTypes[12]
+	mi := &file_coordinator_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -747,7 +819,7 @@ func (x *BackupsRequest) String() string {
 func (*BackupsRequest) ProtoMessage() {}
 
 func (x *BackupsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[12]
+	mi := &file_coordinator_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -760,7 +832,7 @@ func (x *BackupsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackupsRequest.ProtoReflect.Descriptor instead.
 func (*BackupsRequest) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{12}
+	return file_coordinator_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *BackupsRequest) GetCaller() *Caller {
@@ -803,7 +875,7 @@ type BackupsReply struct {
 
 func (x *BackupsReply) Reset() {
 	*x = BackupsReply{}
-	mi := &file_coordinator_proto_msgTypes[13]
+	mi := &file_coordinator_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -815,7 +887,7 @@ func (x *BackupsReply) String() string {
 func (*BackupsReply) ProtoMessage() {}
 
 func (x *BackupsReply) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[13]
+	mi := &file_coordinator_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -828,7 +900,7 @@ func (x *BackupsReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackupsReply.ProtoReflect.Descriptor instead.
 func (*BackupsReply) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{13}
+	return file_coordinator_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *BackupsReply) GetBackup() string {
@@ -861,14 +933,21 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x06Caller\x124\n" +
 	"\x05shape\x18\x01 \x01(\v2\x1e.mtcfs.replication.v1.JobShapeR\x05shape\x12 \n" +
 	"\vincarnation\x18\x02 \x01(\tR\vincarnation\x12\x12\n" +
-	"\x04rank\x18\x03 \x01(\x05R\x04rank\"\x9b\x01\n" +
+	"\x04rank\x18\x03 \x01(\x05R\x04rank\"\xde\x01\n" +
 	"\tInventory\x12@\n" +
 	"\x05metas\x18\x01 \x03(\v2*.mtcfs.replication.v1.Inventory.MetasEntryR\x05metas\x12\x12\n" +
-	"\x04data\x18\x02 \x03(\tR\x04data\x1a8\n" +
+	"\x04data\x18\x02 \x03(\tR\x04data\x12A\n" +
+	"\vsaved_shape\x18\x03 \x01(\v2 .mtcfs.replication.v1.SavedShapeR\n" +
+	"savedShape\x1a8\n" +
 	"\n" +
 	"MetasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"J\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"w\n" +
+	"\n" +
+	"SavedShape\x12\x14\n" +
+	"\x05nodes\x18\x01 \x01(\x05R\x05nodes\x12(\n" +
+	"\x10workers_per_node\x18\x02 \x01(\x05R\x0eworkersPerNode\x12)\n" +
+	"\x10data_parallelism\x18\x03 \x01(\x05R\x0fdataParallelism\"J\n" +
 	"\bSlotData\x12\x12\n" +
 	"\x04rank\x18\x01 \x01(\x05R\x04rank\x12\x16\n" +
 	"\x06worker\x18\x02 \x01(\x05R\x06worker\x12\x12\n" +
@@ -930,50 +1009,52 @@ func file_coordinator_proto_rawDescGZIP() []byte {
 	return file_coordinator_proto_rawDescData
 }
 
-var file_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_coordinator_proto_goTypes = []any{
 	(*JobShape)(nil),         // 0: mtcfs.replication.v1.JobShape
 	(*Caller)(nil),           // 1: mtcfs.replication.v1.Caller
 	(*Inventory)(nil),        // 2: mtcfs.replication.v1.Inventory
-	(*SlotData)(nil),         // 3: mtcfs.replication.v1.SlotData
-	(*Ranks)(nil),            // 4: mtcfs.replication.v1.Ranks
-	(*RestorePlan)(nil),      // 5: mtcfs.replication.v1.RestorePlan
-	(*NegotiateRequest)(nil), // 6: mtcfs.replication.v1.NegotiateRequest
-	(*NegotiateReply)(nil),   // 7: mtcfs.replication.v1.NegotiateReply
-	(*RestoredRequest)(nil),  // 8: mtcfs.replication.v1.RestoredRequest
-	(*RestoredReply)(nil),    // 9: mtcfs.replication.v1.RestoredReply
-	(*SyncRequest)(nil),      // 10: mtcfs.replication.v1.SyncRequest
-	(*SyncReply)(nil),        // 11: mtcfs.replication.v1.SyncReply
-	(*BackupsRequest)(nil),   // 12: mtcfs.replication.v1.BackupsRequest
-	(*BackupsReply)(nil),     // 13: mtcfs.replication.v1.BackupsReply
-	nil,                      // 14: mtcfs.replication.v1.Inventory.MetasEntry
-	nil,                      // 15: mtcfs.replication.v1.RestorePlan.HoldersEntry
+	(*SavedShape)(nil),       // 3: mtcfs.replication.v1.SavedShape
+	(*SlotData)(nil),         // 4: mtcfs.replication.v1.SlotData
+	(*Ranks)(nil),            // 5: mtcfs.replication.v1.Ranks
+	(*RestorePlan)(nil),      // 6: mtcfs.replication.v1.RestorePlan
+	(*NegotiateRequest)(nil), // 7: mtcfs.replication.v1.NegotiateRequest
+	(*NegotiateReply)(nil),   // 8: mtcfs.replication.v1.NegotiateReply
+	(*RestoredRequest)(nil),  // 9: mtcfs.replication.v1.RestoredRequest
+	(*RestoredReply)(nil),    // 10: mtcfs.replication.v1.RestoredReply
+	(*SyncRequest)(nil),      // 11: mtcfs.replication.v1.SyncRequest
+	(*SyncReply)(nil),        // 12: mtcfs.replication.v1.SyncReply
+	(*BackupsRequest)(nil),   // 13: mtcfs.replication.v1.BackupsRequest
+	(*BackupsReply)(nil),     // 14: mtcfs.replication.v1.BackupsReply
+	nil,                      // 15: mtcfs.replication.v1.Inventory.MetasEntry
+	nil,                      // 16: mtcfs.replication.v1.RestorePlan.HoldersEntry
 }
 var file_coordinator_proto_depIdxs = []int32{
 	0,  // 0: mtcfs.replication.v1.Caller.shape:type_name -> mtcfs.replication.v1.JobShape
-	14, // 1: mtcfs.replication.v1.Inventory.metas:type_name -> mtcfs.replication.v1.Inventory.MetasEntry
-	3,  // 2: mtcfs.replication.v1.RestorePlan.data:type_name -> mtcfs.replication.v1.SlotData
-	15, // 3: mtcfs.replication.v1.RestorePlan.holders:type_name -> mtcfs.replication.v1.RestorePlan.HoldersEntry
-	1,  // 4: mtcfs.replication.v1.NegotiateRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	2,  // 5: mtcfs.replication.v1.NegotiateRequest.inventory:type_name -> mtcfs.replication.v1.Inventory
-	5,  // 6: mtcfs.replication.v1.NegotiateReply.plan:type_name -> mtcfs.replication.v1.RestorePlan
-	1,  // 7: mtcfs.replication.v1.RestoredRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	1,  // 8: mtcfs.replication.v1.SyncRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	1,  // 9: mtcfs.replication.v1.BackupsRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	4,  // 10: mtcfs.replication.v1.RestorePlan.HoldersEntry.value:type_name -> mtcfs.replication.v1.Ranks
-	6,  // 11: mtcfs.replication.v1.Coordinator.Negotiate:input_type -> mtcfs.replication.v1.NegotiateRequest
-	8,  // 12: mtcfs.replication.v1.Coordinator.Restored:input_type -> mtcfs.replication.v1.RestoredRequest
-	10, // 13: mtcfs.replication.v1.Coordinator.Sync:input_type -> mtcfs.replication.v1.SyncRequest
-	12, // 14: mtcfs.replication.v1.Coordinator.Backups:input_type -> mtcfs.replication.v1.BackupsRequest
-	7,  // 15: mtcfs.replication.v1.Coordinator.Negotiate:output_type -> mtcfs.replication.v1.NegotiateReply
-	9,  // 16: mtcfs.replication.v1.Coordinator.Restored:output_type -> mtcfs.replication.v1.RestoredReply
-	11, // 17: mtcfs.replication.v1.Coordinator.Sync:output_type -> mtcfs.replication.v1.SyncReply
-	13, // 18: mtcfs.replication.v1.Coordinator.Backups:output_type -> mtcfs.replication.v1.BackupsReply
-	15, // [15:19] is the sub-list for method output_type
-	11, // [11:15] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	15, // 1: mtcfs.replication.v1.Inventory.metas:type_name -> mtcfs.replication.v1.Inventory.MetasEntry
+	3,  // 2: mtcfs.replication.v1.Inventory.saved_shape:type_name -> mtcfs.replication.v1.SavedShape
+	4,  // 3: mtcfs.replication.v1.RestorePlan.data:type_name -> mtcfs.replication.v1.SlotData
+	16, // 4: mtcfs.replication.v1.RestorePlan.holders:type_name -> mtcfs.replication.v1.RestorePlan.HoldersEntry
+	1,  // 5: mtcfs.replication.v1.NegotiateRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	2,  // 6: mtcfs.replication.v1.NegotiateRequest.inventory:type_name -> mtcfs.replication.v1.Inventory
+	6,  // 7: mtcfs.replication.v1.NegotiateReply.plan:type_name -> mtcfs.replication.v1.RestorePlan
+	1,  // 8: mtcfs.replication.v1.RestoredRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	1,  // 9: mtcfs.replication.v1.SyncRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	1,  // 10: mtcfs.replication.v1.BackupsRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	5,  // 11: mtcfs.replication.v1.RestorePlan.HoldersEntry.value:type_name -> mtcfs.replication.v1.Ranks
+	7,  // 12: mtcfs.replication.v1.Coordinator.Negotiate:input_type -> mtcfs.replication.v1.NegotiateRequest
+	9,  // 13: mtcfs.replication.v1.Coordinator.Restored:input_type -> mtcfs.replication.v1.RestoredRequest
+	11, // 14: mtcfs.replication.v1.Coordinator.Sync:input_type -> mtcfs.replication.v1.SyncRequest
+	13, // 15: mtcfs.replication.v1.Coordinator.Backups:input_type -> mtcfs.replication.v1.BackupsRequest
+	8,  // 16: mtcfs.replication.v1.Coordinator.Negotiate:output_type -> mtcfs.replication.v1.NegotiateReply
+	10, // 17: mtcfs.replication.v1.Coordinator.Restored:output_type -> mtcfs.replication.v1.RestoredReply
+	12, // 18: mtcfs.replication.v1.Coordinator.Sync:output_type -> mtcfs.replication.v1.SyncReply
+	14, // 19: mtcfs.replication.v1.Coordinator.Backups:output_type -> mtcfs.replication.v1.BackupsReply
+	16, // [16:20] is the sub-list for method output_type
+	12, // [12:16] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_coordinator_proto_init() }
@@ -987,7 +1068,7 @@ func file_coordinator_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_coordinator_proto_rawDesc), len(file_coordinator_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   16,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

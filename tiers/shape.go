@@ -1,0 +1,113 @@
+package tiers
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/mtcfs/mtcfs/layout"
+)
+
+// Shape is how a job lays out a checkpoint: one slot of data per node and worker, and with
+// data-parallel mode on (SPEC §4) DataParallelism replicas of each of Nodes/DataParallelism
+// partitions. A checkpoint can only be restored by a job whose slots hold the same data: the
+// same workers per node and the same number of partitions (without data-parallel mode every
+// node is its own partition). One node's data is never split or merged across nodes, so a job
+// that shrank or grew cannot use the checkpoints of its former shape.
+type Shape struct {
+	Nodes, Workers  int
+	DataParallelism int // 0: data-parallel mode off
+}
+
+// Shape returns the job's shape.
+func (c *Config) Shape() Shape {
+	return Shape{Nodes: c.Nodes, Workers: c.WorkersPerNode, DataParallelism: c.AssumeDataParallelism}
+}
+
+// partitions returns how many different slots of data a node-wide checkpoint of s holds per
+// worker: Nodes, or Nodes/DataParallelism in data-parallel mode.
+func (s Shape) partitions() int {
+	if s.DataParallelism > 0 {
+		return s.Nodes / s.DataParallelism
+	}
+	return s.Nodes
+}
+
+func (s Shape) String() string {
+	b := new(strings.Builder)
+	fmt.Fprintf(b, "%d node%s × %d worker%s", s.Nodes, plural(s.Nodes), s.Workers, plural(s.Workers))
+	if s.DataParallelism > 0 {
+		fmt.Fprintf(b, ", data-parallelism %d", s.DataParallelism)
+	}
+	return b.String()
+}
+
+func plural(n int) string {
+	if n == 1 {
+		return ""
+	}
+	return "s"
+}
+
+// Restores reports whether a job of shape s can restore a checkpoint saved by a job of shape
+// saved. When recorded is false, saved comes from the .meta names found (highest rank and
+// worker + 1) and is a lower bound: it proves a larger job only.
+//
+// A data-parallel job declares its column-mates interchangeable, so more nodes than it has are
+// replicas it can do without; only a shape recorded with the checkpoint (data-parallelism
+// included) tells that its partitions differ.
+func (s Shape) Restores(saved Shape, recorded bool) bool {
+	if !recorded {
+		if saved.Workers > s.Workers {
+			return false
+		}
+		return s.DataParallelism > 0 || saved.Nodes <= s.Nodes
+	}
+	return saved.Workers == s.Workers && saved.partitions() == s.partitions()
+}
+
+// ShapeError says that a backup holds checkpoints of a job of another shape: the job restoring
+// cannot use them (Shape.Restores).
+type ShapeError struct {
+	Backup   string
+	Saved    Shape // as recorded, or at least (Recorded false) as its .meta names show
+	Recorded bool
+	Job      Shape
+}
+
+func (e *ShapeError) Error() string {
+	saved := "a job of " + e.Saved.String()
+	if !e.Recorded {
+		saved = fmt.Sprintf("a job of at least %d node%s × %d worker%s (its .meta names)", e.Saved.Nodes, plural(e.Saved.Nodes), e.Saved.Workers, plural(e.Saved.Workers))
+	}
+	return fmt.Sprintf("backup %s was taken by %s; this job has %s", e.Backup, saved, e.Job)
+}
+
+// otherShapeSteps maps each step in the nodes' RAM that the job cannot restore to what shows
+// it: a node's spool recorded the job's shape as one that cannot restore its steps, or else a
+// .meta of the job names a slot outside the job's shape (the highest such slot).
+func otherShapeSteps(cfg *Config, invs []Inventory) map[int64]string {
+	shape := cfg.Shape()
+	out := map[int64]string{}
+	outside := map[int64]Slot{}
+	for _, inv := range invs {
+		recorded := inv.Shape.Nodes > 0 && !shape.Restores(inv.Shape, true)
+		for name := range inv.Metas {
+			m, ok := layout.ParseMarkerName(name)
+			switch {
+			case !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName:
+			case recorded:
+				out[m.Step] = fmt.Sprintf("was saved by a job of %s (as rank %d's spool recorded it)", inv.Shape, inv.Rank)
+			case !shape.Restores(Shape{Nodes: m.Node + 1, Workers: m.Worker + 1}, false):
+				if prev, seen := outside[m.Step]; !seen || m.Node > prev.Rank || (m.Node == prev.Rank && m.Worker > prev.Worker) {
+					outside[m.Step] = Slot{m.Node, m.Worker}
+				}
+			}
+		}
+	}
+	for step, slot := range outside {
+		if _, known := out[step]; !known {
+			out[step] = fmt.Sprintf("was saved by a job with a rank %d worker %d", slot.Rank, slot.Worker)
+		}
+	}
+	return out
+}
