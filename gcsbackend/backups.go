@@ -159,8 +159,8 @@ func validateHash(hash string) error {
 }
 
 // shapeName is mtcfs's record of the job's shape in a backup, beside the reference layout:
-// {"format":"mtcfs-backup-v1","nodes":N,"workers":W}, with "data-parallelism":D when the job ran
-// in data-parallel mode. Every node writes the same bytes, create-if-absent. Verify uses it when
+// {"format":"mtcfs-backup-v1","nodes":N,"workers":W,"data-parallelism":D} (D 0: data-parallel mode
+// off; records made before it was there lack it, and say nothing of it). Every node writes the same bytes, create-if-absent. Verify uses it when
 // the caller does not know the shape, instead of inferring it from the .meta names present
 // (which cannot see a whole missing rank), and reports it (BackupReport.Saved), so that a job of
 // another shape does not restore the backup.
@@ -170,13 +170,13 @@ type backupShape struct {
 	Format          string `json:"format"`
 	Nodes           int    `json:"nodes"`
 	Workers         int    `json:"workers"`
-	DataParallelism int    `json:"data-parallelism,omitempty"`
+	DataParallelism *int   `json:"data-parallelism"` // nil: not recorded
 }
 
 const shapeFormat = "mtcfs-backup-v1"
 
 func (b *Backups) putShape(ctx context.Context, dir string, s tiers.Shape) error {
-	data, _ := json.Marshal(backupShape{Format: shapeFormat, Nodes: s.Nodes, Workers: s.Workers, DataParallelism: s.DataParallelism})
+	data, _ := json.Marshal(backupShape{Format: shapeFormat, Nodes: s.Nodes, Workers: s.Workers, DataParallelism: &s.DataParallelism})
 	if err := PutBytes(ctx, b.Store, dir+shapeName, data, true); err != nil {
 		return fmt.Errorf("record the job's shape (%s): %w", s, err)
 	}
@@ -190,7 +190,7 @@ func (b *Backups) readShape(ctx context.Context, dir string) (backupShape, bool)
 		return backupShape{}, false
 	}
 	var s backupShape
-	if json.Unmarshal(data, &s) != nil || s.Format != shapeFormat || s.Nodes <= 0 || s.Workers <= 0 || s.DataParallelism < 0 {
+	if json.Unmarshal(data, &s) != nil || s.Format != shapeFormat || s.Nodes <= 0 || s.Workers <= 0 || (s.DataParallelism != nil && *s.DataParallelism < 0) {
 		return backupShape{}, false
 	}
 	return s, true
@@ -388,7 +388,10 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 		Saved: tiers.Shape{Nodes: maxRank + 1, Workers: maxWorker + 1}}
 	if _, listed := index[shapeName]; listed {
 		if s, ok := b.readShape(ctx, dir); ok {
-			rep.Saved = tiers.Shape{Nodes: s.Nodes, Workers: s.Workers, DataParallelism: s.DataParallelism}
+			rep.Saved = tiers.Shape{Nodes: s.Nodes, Workers: s.Workers, DataParallelism: -1}
+			if s.DataParallelism != nil {
+				rep.Saved.DataParallelism = *s.DataParallelism
+			}
 			rep.SavedRecorded = true
 			if rep.Nodes <= 0 {
 				rep.Nodes = s.Nodes

@@ -548,6 +548,22 @@ func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
 			errors: []string{"was taken by a job of 4 nodes × 1 worker, data-parallelism 2; this job has 2 nodes × 1 worker, data-parallelism 2", "starting from scratch"},
 		},
 		{
+			name: "backup: recorded before data-parallelism was, same nodes", job: shape(4, 1, 2),
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, ranksOf(3, 4, 2))
+				s.putLegacyShape(t, "job", backup(1), 4, 1)
+			},
+			found: true, step: 3, from: backup(1),
+		},
+		{
+			name: "backup: recorded before data-parallelism was, other nodes", job: shape(2, 1, 1),
+			store: func(t *testing.T, s *testStore) {
+				s.addBackup(t, "job", backup(1), 3, ranksOf(3, 4, 2))
+				s.putLegacyShape(t, "job", backup(1), 4, 1)
+			},
+			errors: []string{"was taken by a job of 4 nodes × 1 worker; this job has 2 nodes × 1 worker, data-parallelism 1", "starting from scratch"},
+		},
+		{
 			name: "backup: recorded workers differ", job: shape(1, 1, 0),
 			store: func(t *testing.T, s *testStore) {
 				s.addShapedBackup(t, "job", backup(1), 3, shape(1, 2, 0), map[tiers.Slot]string{{Rank: 0, Worker: 0}: hx(1), {Rank: 0, Worker: 1}: hx(2)})

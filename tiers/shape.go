@@ -14,8 +14,10 @@ import (
 // node is its own partition). One node's data is never split or merged across nodes, so a job
 // that shrank or grew cannot use the checkpoints of its former shape.
 type Shape struct {
-	Nodes, Workers  int
-	DataParallelism int // 0: data-parallel mode off
+	Nodes, Workers int
+	// DataParallelism is 0 with data-parallel mode off, and -1 in a recorded shape that does not
+	// say (the record of a backup taken before mtcfs recorded it, which held nodes and workers).
+	DataParallelism int
 }
 
 // Shape returns the job's shape.
@@ -61,6 +63,10 @@ func (s Shape) Restores(saved Shape, recorded bool) bool {
 			return false
 		}
 		return s.DataParallelism > 0 || saved.Nodes <= s.Nodes
+	}
+	if saved.DataParallelism < 0 {
+		// Its partitions are unknown: the same nodes and workers restore it, as they always did.
+		return saved.Workers == s.Workers && saved.Nodes == s.Nodes
 	}
 	return saved.Workers == s.Workers && saved.partitions() == s.partitions()
 }

@@ -178,6 +178,15 @@ func (s *testStore) addShapedBackup(t *testing.T, job, backup string, step int64
 	}
 }
 
+// putLegacyShape records the shape of a backup as mtcfs did before it recorded data-parallelism.
+func (s *testStore) putLegacyShape(t *testing.T, job, backup string, nodes, workers int) {
+	t.Helper()
+	record := fmt.Sprintf(`{"format":"mtcfs-backup-v1","nodes":%d,"workers":%d}`, nodes, workers)
+	if err := gcsbackend.PutBytes(t.Context(), s.objects, job+"/"+backup+"/mtcfs-backup.json", []byte(record), false); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // checkDataBeforeMeta checks that each slot's .meta in the backup was written after everything
 // else it holds (data first, .meta last: a partial backup never looks complete).
 func (s *testStore) checkDataBeforeMeta(t *testing.T, job, backup string) {
