@@ -90,7 +90,7 @@ func (d *demo) runCluster(ctx context.Context) error {
 	note("all ranks saved step 100")
 	if err := waitFor(30*time.Second, "a complete backup of step 100", func() bool {
 		out, err := exec.Command(d.bin, "backups", "list", "--backup", "file://"+backups, "--job", clusterJob).Output()
-		return err == nil && completeBackupOf(string(out), 100)
+		return err == nil && completeBackupOf(string(out), 100) != ""
 	}); err != nil {
 		return err
 	}
@@ -129,7 +129,7 @@ func (d *demo) runCluster(ctx context.Context) error {
 	// The restored step 200 is in no backup, so the coordinator ordered one at once — in the
 	// next UTC minute at the earliest, since this one already has the backup of step 100.
 	want, how := int64(100), "from the backup of step 100, the newest complete one (the backup ordered for the restored step 200 waits for a new UTC minute, or was cut short by the stop: incomplete backups are never restored)"
-	if out, err := exec.Command(d.bin, "backups", "list", "--backup", "file://"+backups, "--job", clusterJob).Output(); err == nil && completeBackupOf(string(out), 200) {
+	if out, err := exec.Command(d.bin, "backups", "list", "--backup", "file://"+backups, "--job", clusterJob).Output(); err == nil && completeBackupOf(string(out), 200) != "" {
 		want, how = 200, "from the backup the coordinator ordered for the restored step 200"
 	}
 	d.show("mtcfs backups list", d.bin, "backups", "list", "--backup", "file://"+backups, "--job", clusterJob)

@@ -93,6 +93,7 @@ func (d *demo) run() error {
 		return errors.New("a fresh job found something to restore")
 	}
 	note("nothing to restore: the agent answered with an empty %s-s0-n0-w0.restore", job)
+	var backup string // the backup of step 100
 	for _, s := range []int64{0, 100, 200} {
 		start := time.Now()
 		if err := c.Save(ctx, s); err != nil {
@@ -102,7 +103,7 @@ func (d *demo) run() error {
 		note("saved step %d: %d MiB in %v (%.2f GB/s), committed by renaming %d.orbax-checkpoint-tmp → %d",
 			s, stepBytes>>20, took.Round(time.Millisecond), float64(stepBytes)/took.Seconds()/1e9, s, s)
 		if s == 100 {
-			if err := d.waitBackup(ctx, 100); err != nil {
+			if backup, err = d.waitBackup(ctx, 100); err != nil {
 				return err
 			}
 		}
@@ -128,16 +129,8 @@ func (d *demo) run() error {
 
 	say("5. pin the next restore to the backup with mtcfs restore-version set")
 	d.show("mtcfs backups list", d.bin, "backups", "list", "--backup", "file://"+d.backups, "--job", job)
-	names, _ := os.ReadDir(filepath.Join(d.backups, job))
-	var backup string
-	for _, n := range names {
-		if n.IsDir() {
-			backup = n.Name()
-		}
-	}
-	if backup == "" {
-		return errors.New("no backup was made")
-	}
+	// The backup of step 100, not the newest: when the demo crosses a UTC minute, step 200 gets
+	// a backup of its own in the next one (backup names are unique per minute).
 	d.show("mtcfs restore-version set "+backup, d.bin, "restore-version", "set", backup, "--backup", "file://"+d.backups, "--job", job)
 	if err := d.restore(ctx, 100, "backup "+backup); err != nil {
 		return err
@@ -197,27 +190,27 @@ func (d *demo) restore(ctx context.Context, want int64, from string) error {
 
 // waitBackup waits for a complete backup of step: the coordinator orders it on its own clock,
 // backup-interval-minutes (0.02: 1.2 s) after its first sync, without another save.
-func (d *demo) waitBackup(ctx context.Context, step int64) error {
+func (d *demo) waitBackup(ctx context.Context, step int64) (string, error) {
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
 		out, err := exec.Command(d.bin, "backups", "list", "--backup", "file://"+d.backups, "--job", job).Output()
-		if err == nil && completeBackupOf(string(out), step) {
-			note("the coordinator's clock ordered a backup of the newest step, %d (1.2 s after its first sync, no further save needed): uploaded to file://%s (data first, .meta last)", step, d.backups)
-			return nil
+		if name := completeBackupOf(string(out), step); err == nil && name != "" {
+			note("the coordinator's clock ordered a backup of the newest step, %d (1.2 s after its first sync, no further save needed): uploaded to file://%s/%s/%s (data first, .meta last)", step, d.backups, job, name)
+			return name, nil
 		}
 	}
-	return fmt.Errorf("no complete backup of step %d within 30s", step)
+	return "", fmt.Errorf("no complete backup of step %d within 30s", step)
 }
 
-// completeBackupOf reports whether a `mtcfs backups list` table shows a complete backup whose
-// steps include step.
-func completeBackupOf(table string, step int64) bool {
+// completeBackupOf returns the name of a complete backup whose steps include step in a
+// `mtcfs backups list` table, or "".
+func completeBackupOf(table string, step int64) string {
 	for _, line := range strings.Split(table, "\n") {
 		f := strings.Fields(line)
 		if len(f) >= 3 && f[1] == "complete" && slices.Contains(strings.Split(f[2], ","), strconv.FormatInt(step, 10)) {
-			return true
+			return f[0]
 		}
 	}
-	return false
+	return ""
 }
 
 func (d *demo) show(title string, name string, args ...string) {
