@@ -158,8 +158,10 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	// what is restored instead.
 	others := otherShapeSteps(cfg, invs)
 	// report gives the lines for what was passed over: the steps in RAM of another shape above
-	// the one restored, then what the backups showed, then outcome.
-	report := func(backups passedOver, outcome string) []string {
+	// the one restored, the incomplete ones when none in RAM is restored (a save cut short
+	// is routine when a step in RAM is restored; the job losing every step in RAM is not), then
+	// what the backups showed, then outcome.
+	report := func(fromRAM bool, backups passedOver, outcome string) []string {
 		var p passedOver
 		for _, s := range sortedSteps(others) {
 			if plan.Found && s < plan.Step {
@@ -167,17 +169,26 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			}
 			p.shaped(fmt.Sprintf("step %d in the nodes' RAM %s; this job has %s: %s", s, others[s], cfg.Shape(), shapeAdvice))
 		}
+		if !fromRAM {
+			incomplete := incompleteSteps(cfg, invs, plan.Holders, others)
+			for _, s := range sortedSteps(incomplete) {
+				if plan.Found && s < plan.Step {
+					break
+				}
+				p.incomplete(fmt.Sprintf("step %d in the nodes' RAM is incomplete and is not restored: %s", s, incomplete[s]))
+			}
+		}
 		p.merge(backups)
 		return p.lines(outcome)
 	}
 	var passed passedOver
 	if step, data, ok := clusterStep(cfg, invs, plan.Holders, others); ok {
 		plan.Step, plan.Found, plan.Data = step, true, data
-		plan.Errors = append(plan.Errors, report(passed, fmt.Sprintf("; restoring step %d from the nodes' RAM instead", step))...)
+		plan.Errors = append(plan.Errors, report(true, passed, fmt.Sprintf("; restoring step %d from the nodes' RAM instead", step))...)
 		return plan, nil
 	}
 	if store == nil {
-		plan.Errors = append(plan.Errors, report(passed, " and no intact checkpoint is left: starting from scratch")...)
+		plan.Errors = append(plan.Errors, report(false, passed, " and no intact checkpoint is left: starting from scratch")...)
 		return plan, nil
 	}
 	names, err := store.Backups(ctx, cfg.JobName)
@@ -201,11 +212,11 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 		}
 		if len(steps) > 0 {
 			plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, name, steps[0].Data
-			plan.Errors = append(plan.Errors, report(passed, fmt.Sprintf("; restoring step %d from backup %s instead", plan.Step, name))...)
+			plan.Errors = append(plan.Errors, report(false, passed, fmt.Sprintf("; restoring step %d from backup %s instead", plan.Step, name))...)
 			return plan, nil
 		}
 	}
-	plan.Errors = append(plan.Errors, report(passed, " and no intact checkpoint is left: starting from scratch")...)
+	plan.Errors = append(plan.Errors, report(false, passed, " and no intact checkpoint is left: starting from scratch")...)
 	return plan, nil
 }
 
@@ -217,8 +228,8 @@ const maxPassedLines = 5
 // checkpoints of a job of another shape: a line for each of the first maxPassedLines, and how
 // many of each there were.
 type passedOver struct {
-	first             []string
-	nDamaged, nShaped int
+	first                          []string
+	nDamaged, nShaped, nIncomplete int
 }
 
 func (r *passedOver) add(line string) {
@@ -237,6 +248,11 @@ func (r *passedOver) shaped(line string) {
 	r.add(line)
 }
 
+func (r *passedOver) incomplete(line string) {
+	r.nIncomplete++
+	r.add(line)
+}
+
 // merge adds what o gathered after what r did.
 func (r *passedOver) merge(o passedOver) {
 	for _, l := range o.first {
@@ -244,16 +260,20 @@ func (r *passedOver) merge(o passedOver) {
 	}
 	r.nDamaged += o.nDamaged
 	r.nShaped += o.nShaped
+	r.nIncomplete += o.nIncomplete
 }
 
 // lines returns the replicator.errors lines (none when nothing was passed over): one per
 // checkpoint kept, then the counts followed by outcome, what the restore does instead.
 func (r *passedOver) lines(outcome string) []string {
-	n := r.nDamaged + r.nShaped
+	n := r.nDamaged + r.nShaped + r.nIncomplete
 	if n == 0 {
 		return nil
 	}
 	var parts []string
+	if r.nIncomplete > 0 {
+		parts = append(parts, count(r.nIncomplete, "incomplete step in RAM", "incomplete steps in RAM"))
+	}
 	if r.nDamaged > 0 {
 		parts = append(parts, count(r.nDamaged, "damaged backup step", "damaged backup steps"))
 	}
@@ -303,6 +323,72 @@ func damageLine(cfg *Config, store BackupStore, backup string, d DamagedStep) st
 	}
 	return fmt.Sprintf("backup %s: step %d is damaged and is not restored: %s%s; see: mtcfs backups verify %s --backup %s --job %s",
 		backup, d.Step, first, more, backup, store, cfg.JobName)
+}
+
+// incompleteSteps maps each step of the job in the nodes' RAM (of its shape) that is not
+// complete to what it lacks: the slots no live node holds a .meta of (a save cut short, or a
+// node whose RAM was lost before its replica was made) and those whose data no live node holds.
+func incompleteSteps(cfg *Config, invs []Inventory, holders map[string][]int, others map[int64]string) map[int64]string {
+	type slotState struct{ meta, data bool }
+	steps := map[int64]map[Slot]*slotState{}
+	for _, inv := range invs {
+		for name, hash := range inv.Metas {
+			m, ok := layout.ParseMarkerName(name)
+			if !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode {
+				continue
+			}
+			if _, other := others[m.Step]; other {
+				continue
+			}
+			if steps[m.Step] == nil {
+				steps[m.Step] = map[Slot]*slotState{}
+			}
+			st := steps[m.Step][Slot{m.Node, m.Worker}]
+			if st == nil {
+				st = &slotState{}
+				steps[m.Step][Slot{m.Node, m.Worker}] = st
+			}
+			st.meta = true
+			st.data = st.data || len(holders[hash]) > 0
+		}
+	}
+	out := map[int64]string{}
+	for step, slots := range steps {
+		var noMeta, noData []string
+		for r := range cfg.Nodes {
+			for w := range cfg.WorkersPerNode {
+				slot := Slot{r, w}
+				switch st := slots[slot]; {
+				case st == nil:
+					noMeta = append(noMeta, slotName(slot))
+				case !st.data:
+					noData = append(noData, slotName(slot))
+				}
+			}
+		}
+		var why []string
+		if len(noMeta) > 0 {
+			why = append(why, "no live node holds a .meta of "+listSome(noMeta)+" (a save cut short, or a node whose RAM was lost before its replica was made)")
+		}
+		if len(noData) > 0 {
+			why = append(why, "no live node holds the data of "+listSome(noData))
+		}
+		if len(why) > 0 {
+			out[step] = strings.Join(why, "; ")
+		}
+	}
+	return out
+}
+
+func slotName(s Slot) string { return fmt.Sprintf("rank %d worker %d", s.Rank, s.Worker) }
+
+// listSome joins the first three of names, and says how many more there are.
+func listSome(names []string) string {
+	const show = 3
+	if len(names) <= show {
+		return strings.Join(names, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(names[:show], ", "), len(names)-show)
 }
 
 // clusterStep finds the highest step for which every slot has a .meta whose data some node

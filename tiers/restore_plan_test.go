@@ -616,3 +616,106 @@ func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
 		})
 	}
 }
+
+// TestPlanRestoreReportsIncompleteSteps: when no step in RAM can be restored, the steps the
+// nodes hold are dropped (a fresh start, or an older backup, begins a new timeline); the job is
+// told which and why, never in silence. A node lost before its restored step was replicated
+// again left its peers with a step they could not complete: the job started from step 0 with no
+// line anywhere. A step restored from RAM over an incomplete newer one (a save cut short) is
+// routine and says nothing.
+func TestPlanRestoreReportsIncompleteSteps(t *testing.T) {
+	t.Parallel()
+	const b1 = "2030-01-01_00-01"
+	// ranks holds step s of the given ranks, each on its own node with its data.
+	ranks := func(nodes int, s int64, rs ...int) []tiers.Inventory {
+		invs := make([]tiers.Inventory, nodes)
+		for r := range invs {
+			invs[r] = tiers.Inventory{Rank: r, Metas: map[string]string{}}
+		}
+		for _, r := range rs {
+			invs[r].Metas[metaOf(s, r, 0)] = hx(int(10*s) + r)
+			invs[r].Data = append(invs[r].Data, hx(int(10*s)+r))
+		}
+		return invs
+	}
+	tests := []struct {
+		name   string
+		invs   []tiers.Inventory
+		store  func(t *testing.T, s *testStore)
+		found  bool
+		step   int64
+		from   string
+		errors []string
+	}{
+		{
+			name: "rank 0's RAM lost, no backup",
+			invs: ranks(3, 10, 1, 2),
+			errors: []string{
+				"step 10 in the nodes' RAM is incomplete and is not restored: no live node holds a .meta of rank 0 worker 0 (a save cut short, or a node whose RAM was lost before its replica was made)",
+				"1 incomplete step in RAM and no intact checkpoint is left: starting from scratch",
+			},
+		},
+		{
+			name: "a .meta whose data no node holds",
+			invs: func() []tiers.Inventory {
+				invs := ranks(3, 10, 0, 1)
+				invs[0].Metas[metaOf(10, 2, 0)] = hx(102) // a replica's .meta; the data is gone
+				return invs
+			}(),
+			errors: []string{"step 10 in the nodes' RAM is incomplete and is not restored: no live node holds the data of rank 2 worker 0", "starting from scratch"},
+		},
+		{
+			name:  "a save cut short above a complete step: routine, no line",
+			invs:  nil, // routine, below
+			found: true, step: 10,
+		},
+		{
+			name: "incomplete in RAM, older backup restored",
+			invs: ranks(2, 20, 1),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", b1, 10, tiers.Shape{Nodes: 2, Workers: 1}, slots("n0-w0", hx(1), "n1-w0", hx(2)))
+			},
+			found: true, step: 10, from: b1,
+			errors: []string{"step 20 in the nodes' RAM is incomplete", "1 incomplete step in RAM; restoring step 10 from backup " + b1 + " instead"},
+		},
+		{
+			name: "incomplete in RAM below the backup restored",
+			invs: ranks(2, 5, 1),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", b1, 10, tiers.Shape{Nodes: 2, Workers: 1}, slots("n0-w0", hx(1), "n1-w0", hx(2)))
+			},
+			found: true, step: 10, from: b1,
+		},
+	}
+	// The routine case: step 20 of rank 0 only, step 10 of both.
+	routine := ranks(2, 10, 0, 1)
+	routine[0].Metas[metaOf(20, 0, 0)] = hx(200)
+	routine[0].Data = append(routine[0].Data, hx(200))
+	tests[2].invs = routine
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var store tiers.BackupStore
+			if tc.store != nil {
+				s := newTestStore(t)
+				tc.store(t, s)
+				store = s
+			}
+			got, err := tiers.PlanRestore(t.Context(), planConfig(len(tc.invs), 1), tc.invs, store)
+			if err != nil {
+				t.Fatalf("PlanRestore: %v", err)
+			}
+			if got.Found != tc.found || got.Step != tc.step || got.Backup != tc.from {
+				t.Errorf("plan found %v step %d backup %q, want found %v step %d backup %q", got.Found, got.Step, got.Backup, tc.found, tc.step, tc.from)
+			}
+			if len(got.Errors) != len(tc.errors) {
+				t.Fatalf("plan errors:\n%s\nwant %d lines", strings.Join(got.Errors, "\n"), len(tc.errors))
+			}
+			for i, want := range tc.errors {
+				if !strings.Contains(got.Errors[i], want) {
+					t.Errorf("plan error %d:\n%s\nwant it to contain\n%s", i, got.Errors[i], want)
+				}
+			}
+		})
+	}
+}

@@ -325,3 +325,44 @@ func TestJobRestartedInAnotherShape(t *testing.T) {
 		assert.Contains(t, all, "step 20 in the nodes' RAM was saved by a job of 2 nodes × 1 worker", "rank %d", r)
 	}
 }
+
+// TestLostNodeIsNotASilentFreshStart: a two-node job without peers or a backup loses rank 0's
+// machine. Rank 1 still holds its part of step 10, which cannot be completed: the job starts
+// from scratch, as it must, and rank 1's part is dropped (a new timeline begins). Before, no
+// line anywhere said so; now every rank is told which step was lost and why.
+func TestLostNodeIsNotASilentFreshStart(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	c := newCluster(t, 2)
+	c.all(t, func(r int) error {
+		o := c.client(t, r)
+		if _, _, err := o.Start(ctx); err != nil {
+			return err
+		}
+		return o.Save(ctx, 10)
+	})
+	for r := range 2 {
+		meta := filepath.Join(c.nodes[r].dir, fmt.Sprintf("trio-s10-n%d-w0.meta", r))
+		repWait(t, 10*time.Second, "step 10 sealed", func() bool { return pathExists(meta) })
+	}
+	killAgent(t, c.agents[0])
+	forceUnmount(c.nodes[0].dir)
+	c.nodes[0].dropSpool(t)
+	c.agents[0] = c.nodes[0].start(t)
+
+	lines := make([][]string, 2)
+	c.all(t, func(r int) error {
+		o := c.client(t, r)
+		step, found, err := o.Start(ctx)
+		if err == nil && found {
+			err = fmt.Errorf("restored step %d, want a fresh start", step)
+		}
+		lines[r] = o.Errors()
+		return err
+	})
+	for r := range 2 {
+		all := strings.Join(lines[r], "\n")
+		assert.Contains(t, all, "step 10 in the nodes' RAM is incomplete and is not restored: no live node holds a .meta of rank 0 worker 0", "rank %d", r)
+		assert.Contains(t, all, "1 incomplete step in RAM and no intact checkpoint is left: starting from scratch", "rank %d", r)
+	}
+}
