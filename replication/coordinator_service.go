@@ -288,8 +288,10 @@ func (e *remoteError) GRPCStatus() *status.Status { return e.st }
 const (
 	DefaultRetryMin = 100 * time.Millisecond
 	DefaultRetryMax = 5 * time.Second
-	// DefaultShapeGrace is how long a Negotiate refused for its job shape is retried.
-	DefaultShapeGrace = 2 * time.Minute
+	// DefaultShapeGrace is how long a Negotiate refused for its job shape is retried: most of
+	// the job client's 300 s wait for its restore, so that a misconfigured rank still fails
+	// within it, with the reason.
+	DefaultShapeGrace = 4 * time.Minute
 )
 
 // RemoteCoordinatorConfig configures a RemoteCoordinator.
@@ -493,8 +495,9 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 	var last error // the latest retried failure
 	// WaitingFor describes the calls that wait for the other nodes.
 	waits := method == "Negotiate" || method == "Restored"
-	// Until then a Negotiate refused for its job shape waits for rank 0 to take that shape.
-	shapeUntil := time.Now().Add(r.cfg.ShapeGrace)
+	// A Negotiate refused for its job shape waits for rank 0 to take that shape until then (set
+	// at the first such refusal: time spent unable to reach rank 0 does not count).
+	var shapeUntil time.Time
 	giveUp := func(err error, attempts int) error {
 		if last == nil {
 			return err
@@ -524,7 +527,11 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 				return giveUp(fmt.Errorf("coordinator %s at %s: %w", method, addr, ctx.Err()), attempt)
 			}
 			err = fmt.Errorf("coordinator %s at %s: %w", method, addr, newRemoteError(err))
-			shapeWait := method == "Negotiate" && errors.Is(err, ErrJobShape) && time.Now().Before(shapeUntil)
+			shapeWait := method == "Negotiate" && errors.Is(err, ErrJobShape)
+			if shapeWait && shapeUntil.IsZero() {
+				shapeUntil = time.Now().Add(r.cfg.ShapeGrace)
+			}
+			shapeWait = shapeWait && time.Now().Before(shapeUntil)
 			if !retryable(err) && !shapeWait {
 				return err
 			}
