@@ -367,9 +367,14 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 			}
 		}
 	}
-	// The highest step every column slot can serve is the one the plan will restore.
+	// The highest step every column slot can serve is the one the plan will restore, unless it
+	// was saved in a shape this job cannot restore (the plan passes over those).
+	others := tiers.OtherShapeSteps(cfg, invs)
 	best, found := int64(0), false
 	for step, cols := range columns {
+		if _, other := others[step]; other {
+			continue
+		}
 		if len(cols) == part*cfg.WorkersPerNode && (!found || step > best) {
 			best, found = step, true
 		}

@@ -399,6 +399,18 @@ func TestCoordinatorNegotiate(t *testing.T) {
 			data: []string{dataOf(0, 10), dataOf(1, 10), dataOf(2, 10), dataOf(3, 10)}, holders: [][]int{{0}, {1}, {2}, {3}},
 		},
 		{
+			// Step 20 was saved by a job with two workers per node (rank 0 holds worker 1's
+			// .meta): the plan passes it over, so the inference serves step 10, not step 20.
+			name: "data-parallel: a step of another shape is not the one inferred", nodes: 4, dp: 2,
+			invs: func() []tiers.Inventory {
+				inv0 := own(0, 10, 20)
+				inv0.Metas[metaOf(20, 0, 1)] = dataOf(0, 20)
+				return []tiers.Inventory{inv0, own(1, 10, 20), own(2, 10), {Rank: 3}}
+			}(),
+			want: tiers.RestorePlan{Step: 10, Found: true},
+			data: []string{dataOf(0, 10), dataOf(1, 10), dataOf(2, 10), dataOf(1, 10)}, holders: [][]int{{0}, {1}, {2}, {1}},
+		},
+		{
 			name: "no inference without data-parallel mode", nodes: 4,
 			invs: []tiers.Inventory{own(0, 10, 20), own(1, 10, 20), own(2, 10, 20), {Rank: 3}},
 			want: tiers.RestorePlan{},

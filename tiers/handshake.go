@@ -110,7 +110,7 @@ func (h *handshake) cleanNamespace() {
 // freeOtherJobs frees what this node's RAM holds of other jobs (a mount path reused by another
 // job): it is never restored for this one and must not take this job's budget (SPEC §10).
 func (h *handshake) freeOtherJobs(cfg *Config) {
-	names := h.retention.dropMetas(func(m layout.MarkerName) bool { return m.Job != cfg.JobName })
+	names := h.retention.dropMetas(func(m layout.MarkerName, _ string) bool { return m.Job != cfg.JobName })
 	if len(names) == 0 {
 		return
 	}

@@ -66,11 +66,13 @@ func (r *restorer) run(inc *incarnation) {
 		r.lines.errLine(cfg, line)
 	}
 	r.dropAbandonedSteps(cfg, plan)
+	r.dropOtherShapeSteps(cfg, plan)
 	// What the spool holds from now on is of this shape: the steps above the plan's are gone,
-	// and the plan never picks one this shape cannot restore. Recorded after the drop, so that
-	// a crash in between leaves the old shape on steps of the old shape.
+	// those of another shape too, and the plan never picks one this shape cannot restore.
+	// Recorded after the drops, so that a crash in between leaves the old shape on steps of the
+	// old shape; a record that cannot be written is removed (unknown, never stale).
 	if err := r.spool.SetShape(cfg.Shape()); err != nil {
-		r.log.Warn("record the job's shape in the spool", "err", err)
+		r.log.Error("record the job's shape in the spool", "err", err)
 	}
 	pre := "{}\n"
 	if plan.Found {
@@ -147,13 +149,37 @@ func (r *restorer) run(inc *incarnation) {
 // that looks complete but mixes two saves. Every node drops them (all restore the same plan),
 // its own .meta files and the replicas it holds.
 func (r *restorer) dropAbandonedSteps(cfg *Config, plan RestorePlan) {
-	drop := r.retention.dropMetas(func(m layout.MarkerName) bool {
+	drop := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool {
 		return m.Job == cfg.JobName && (!plan.Found || m.Step > plan.Step)
 	})
 	if len(drop) == 0 {
 		return
 	}
 	r.log.Info("dropped the steps of an abandoned timeline: the job continues from the restored step", "restored", plan.Step, "found", plan.Found, "metas", drop)
+	r.retention.retain(cfg) // frees their data
+}
+
+// dropOtherShapeSteps forgets the steps of the job this node holds when the spool's recorded
+// shape is one this job's shape cannot restore, or there is none: recording the job's shape
+// next would vouch for them. Kept are only the .meta entries of the plan's step that name the
+// plan's data (this node's own, or replicas a peer may fetch). Steps below the one restored are
+// no loss; those above are dropped anyway (dropAbandonedSteps).
+func (r *restorer) dropOtherShapeSteps(cfg *Config, plan RestorePlan) {
+	saved := r.spool.SavedShape()
+	if saved.Nodes > 0 && cfg.Shape().Restores(saved, true) {
+		return
+	}
+	drop := r.retention.dropMetas(func(m layout.MarkerName, hash string) bool {
+		return m.Job == cfg.JobName && !(plan.Found && m.Step == plan.Step && plan.Data[Slot{m.Node, m.Worker}] == hash)
+	})
+	if len(drop) == 0 {
+		return
+	}
+	recorded := "none"
+	if saved.Nodes > 0 {
+		recorded = saved.String()
+	}
+	r.log.Info("dropped steps of another or an unrecorded shape", "recorded", recorded, "shape", cfg.Shape().String(), "metas", drop)
 	r.retention.retain(cfg) // frees their data
 }
 

@@ -156,7 +156,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	// A checkpoint passed over (damaged, or of a job of another shape) above the one restored
 	// is one the job loses: say so (SPEC §10: never a silent fresh start), newest first, and
 	// what is restored instead.
-	others := otherShapeSteps(cfg, invs)
+	others := OtherShapeSteps(cfg, invs)
 	// report gives the lines for what was passed over: the steps in RAM of another shape above
 	// the one restored, the incomplete ones when none in RAM is restored (a save cut short
 	// is routine when a step in RAM is restored; the job losing every step in RAM is not), then
@@ -167,7 +167,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			if plan.Found && s < plan.Step {
 				break
 			}
-			p.shaped(fmt.Sprintf("step %d in the nodes' RAM %s; this job has %s: %s", s, others[s], cfg.Shape(), shapeAdvice))
+			p.shaped(fmt.Sprintf("step %d in the nodes' RAM %s; this job has %s: %s and freed (only a backup of that shape can restore it, to a job of that shape)", s, others[s], cfg.Shape(), shapeWhy))
 		}
 		if !fromRAM {
 			incomplete := incompleteSteps(cfg, invs, plan.Holders, others)
@@ -294,11 +294,13 @@ func count(n int, one, many string) string {
 	return fmt.Sprintf("%d %s", n, many)
 }
 
-// shapeAdvice ends the line for a checkpoint of a job of another shape.
-const shapeAdvice = "one node's checkpoint data is never split or merged across nodes, so it is passed over (start the job with its former shape to restore it)"
+// shapeWhy says why a checkpoint of a job of another shape is not restored.
+const shapeWhy = "one node's checkpoint data is never split or merged across nodes, so it is passed over"
 
 // shapeLine is the replicator.errors line for a backup of a job of another shape.
-func shapeLine(e *ShapeError) string { return e.Error() + ": " + shapeAdvice }
+func shapeLine(e *ShapeError) string {
+	return e.Error() + ": " + shapeWhy + " (start the job with its former shape to restore it)"
+}
 
 // sortedSteps returns the keys of m, highest first.
 func sortedSteps[V any](m map[int64]V) []int64 {

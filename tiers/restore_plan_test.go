@@ -488,6 +488,29 @@ func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
 			errors: []string{"step 30 in the nodes' RAM", "1 checkpoint of a job of another shape; restoring step 20 from backup " + backup(1) + " instead"},
 		},
 		{
+			name: "RAM: recorded data-parallel 4 nodes of 2 partitions, the job now 2 nodes", job: shape(2, 1, 0),
+			invs: func() []tiers.Inventory {
+				invs := ram(2, 4, 10) // rank 0 holds its column-mate's .meta (rank 2), and rank 3's
+				invs[0].Shape, invs[1].Shape = shape(4, 1, 2), shape(4, 1, 2)
+				return invs
+			}(),
+			found: true, step: 10,
+		},
+		{
+			name: "RAM: the same without a record: the .meta names show 4 nodes", job: shape(2, 1, 0),
+			invs:   ram(2, 4, 10),
+			errors: []string{"step 10 in the nodes' RAM was saved by a job with a rank 3 worker 0", "starting from scratch"},
+		},
+		{
+			name: "RAM: recorded 3 nodes", job: shape(2, 1, 0),
+			invs: func() []tiers.Inventory {
+				invs := ram(2, 2, 10) // no .meta past rank 1: only the record tells
+				invs[0].Shape = shape(3, 1, 0)
+				return invs
+			}(),
+			errors: []string{"step 10 in the nodes' RAM was saved by a job of 3 nodes × 1 worker (as rank 0's spool recorded it); this job has 2 nodes × 1 worker", "starting from scratch"},
+		},
+		{
 			name: "RAM: data-parallel, fewer replicas", job: shape(2, 1, 2),
 			invs:  ram(2, 4, 10),
 			found: true, step: 10,

@@ -193,11 +193,11 @@ func (rt *retention) retain(cfg *Config) {
 
 // dropMetas forgets the .meta files whose names match (from the spool and the namespace) and
 // returns their names, sorted. The caller runs retain next to free their data.
-func (rt *retention) dropMetas(match func(layout.MarkerName) bool) []string {
+func (rt *retention) dropMetas(match func(m layout.MarkerName, hash string) bool) []string {
 	var drop []string
 	rt.mu.Lock()
-	for name := range rt.metas {
-		if m, ok := layout.ParseMarkerName(name); ok && match(m) {
+	for name, hash := range rt.metas {
+		if m, ok := layout.ParseMarkerName(name); ok && match(m, hash) {
 			drop = append(drop, name)
 			delete(rt.metas, name)
 		}
@@ -236,7 +236,7 @@ func (rt *retention) markVerified(dataName string) {
 
 // inventory lists what this node holds in RAM for the restore negotiation.
 func (rt *retention) inventory(rank int) Inventory {
-	inv := Inventory{Rank: rank, Metas: map[string]string{}, Shape: rt.spool.savedShape()}
+	inv := Inventory{Rank: rank, Metas: map[string]string{}, Shape: rt.spool.SavedShape()}
 	rt.mu.Lock()
 	for k, v := range rt.metas {
 		inv.Metas[k] = v

@@ -14,10 +14,11 @@ import (
 // node is its own partition). One node's data is never split or merged across nodes, so a job
 // that shrank or grew cannot use the checkpoints of its former shape.
 type Shape struct {
-	Nodes, Workers int
+	Nodes   int `json:"nodes"`
+	Workers int `json:"workers"`
 	// DataParallelism is 0 with data-parallel mode off, and -1 in a recorded shape that does not
 	// say (the record of a backup taken before mtcfs recorded it, which held nodes and workers).
-	DataParallelism int
+	DataParallelism int `json:"data-parallelism"`
 }
 
 // Shape returns the job's shape.
@@ -88,21 +89,25 @@ func (e *ShapeError) Error() string {
 	return fmt.Sprintf("backup %s was taken by %s; this job has %s", e.Backup, saved, e.Job)
 }
 
-// otherShapeSteps maps each step in the nodes' RAM that the job cannot restore to what shows
-// it: a node's spool recorded the job's shape as one that cannot restore its steps, or else a
-// .meta of the job names a slot outside the job's shape (the highest such slot).
-func otherShapeSteps(cfg *Config, invs []Inventory) map[int64]string {
+// OtherShapeSteps maps each step in the nodes' RAM that the job cannot restore to what shows
+// it: a node's spool recorded the job's shape as one that cannot restore its steps, or, on a
+// node without a record, a .meta of the job names a slot outside the job's shape (the highest
+// such slot). A record this shape restores vouches for its node's .meta entries: those of a
+// data-parallel job's column-mates past this job's nodes are replicas it can do without.
+func OtherShapeSteps(cfg *Config, invs []Inventory) map[int64]string {
 	shape := cfg.Shape()
 	out := map[int64]string{}
 	outside := map[int64]Slot{}
 	for _, inv := range invs {
-		recorded := inv.Shape.Nodes > 0 && !shape.Restores(inv.Shape, true)
+		recorded := inv.Shape.Nodes > 0
+		incompatible := recorded && !shape.Restores(inv.Shape, true)
 		for name := range inv.Metas {
 			m, ok := layout.ParseMarkerName(name)
 			switch {
 			case !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName:
-			case recorded:
+			case incompatible:
 				out[m.Step] = fmt.Sprintf("was saved by a job of %s (as rank %d's spool recorded it)", inv.Shape, inv.Rank)
+			case recorded:
 			case !shape.Restores(Shape{Nodes: m.Node + 1, Workers: m.Worker + 1}, false):
 				if prev, seen := outside[m.Step]; !seen || m.Node > prev.Rank || (m.Node == prev.Rank && m.Worker > prev.Worker) {
 					outside[m.Step] = Slot{m.Node, m.Worker}

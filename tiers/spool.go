@@ -48,10 +48,12 @@ type Spool struct {
 	used atomic.Int64
 
 	// lock is the spool's root directory, opened and flock'ed while a mount path owns the spool
-	// (nil otherwise); ownerMu guards owner, the record last written to owner.json.
+	// (nil otherwise); ownerMu guards owner, the record last written to owner.json, and shape,
+	// the one in ShapeFile (nil: none).
 	lock    *os.File
 	ownerMu sync.Mutex
 	owner   Owner
+	shape   *Shape
 
 	closeOnce sync.Once
 	// trash is set while a predecessor's files, moved aside by clearFiles, wait for RemoveTrash.
@@ -73,15 +75,16 @@ type SpoolConfig struct {
 // OwnerFile is the name, in the spool's root, of the record saying whom the spool belongs to.
 const OwnerFile = "owner.json"
 
+// ShapeFile records the shape of the job whose steps a spool holds (see Spool.SetShape). It is
+// apart from OwnerFile so that it can always be removed, even from a full spool.
+const ShapeFile = "shape.json"
+
 // Owner is what a spool records about the mount it belongs to (OwnerFile).
 type Owner struct {
-	MountPath string `json:"mount_path"`    // absolute, symlinks resolved
-	Job       string `json:"job,omitempty"` // the job whose data it holds, once known
-	// Shape is the job's shape at its last restore plan, which its steps here were saved or
-	// restored in: a job restarted in a shape that cannot restore them passes them over.
-	Shape    *Shape    `json:"shape,omitempty"`
-	PID      int       `json:"pid"`       // the agent that last opened it
-	LastUsed time.Time `json:"last_used"` // last open, job change or release
+	MountPath string    `json:"mount_path"`    // absolute, symlinks resolved
+	Job       string    `json:"job,omitempty"` // the job whose data it holds, once known
+	PID       int       `json:"pid"`           // the agent that last opened it
+	LastUsed  time.Time `json:"last_used"`     // last open, job change or release
 }
 
 // DefaultSpoolRoot is the directory that holds the default spools of this user: shared by root
@@ -312,6 +315,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		s.Close()
 		return nil, fmt.Errorf("create spool files directory: %w", err)
 	}
+	s.readShape()
 	// Open-ended files of a previous agent are garbage: the namespace that named them died with
 	// that agent. (Committed data is kept elsewhere in the spool and adopted by package tiers.)
 	if err := s.clearFiles(); err != nil {
@@ -341,7 +345,7 @@ func (s *Spool) recordOwner(mountPath string) error {
 	}
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	s.owner = Owner{MountPath: mountPath, Job: prev.Job, Shape: prev.Shape, PID: os.Getpid()}
+	s.owner = Owner{MountPath: mountPath, Job: prev.Job, PID: os.Getpid()}
 	return s.writeOwnerLocked()
 }
 
@@ -358,8 +362,8 @@ func (s *Spool) Owner() Owner {
 func (s *Spool) SetJob(job string) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.owner.Job != job {
-		s.owner.Shape = nil // another job's shape says nothing of this one's
+	if s.owner.Job != job && s.shape != nil {
+		s.forgetShapeLocked() // another job's shape says nothing of this one's
 	}
 	s.owner.Job = job
 	if s.lock == nil {
@@ -368,29 +372,51 @@ func (s *Spool) SetJob(job string) error {
 	return s.writeOwnerLocked()
 }
 
-// SetShape records the shape of the job whose steps the spool holds from now on (see
-// Owner.Shape). A spool opened without a mount path keeps it in memory only.
+// SetShape records (in ShapeFile) the shape of the job whose steps the spool holds from now
+// on: the job's at its restore plan, in which its steps here are saved or restored. A job
+// restarted in a shape that cannot restore them passes them over. When the record cannot be
+// written (a full spool), it is removed: the shape is then unknown, never a stale one.
 func (s *Spool) SetShape(shape Shape) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.owner.Shape != nil && *s.owner.Shape == shape {
+	if s.shape != nil && *s.shape == shape {
 		return nil
 	}
-	s.owner.Shape = &shape
-	if s.lock == nil {
-		return nil
+	data, _ := json.Marshal(shape)
+	if err := writeFileAtomic(filepath.Join(s.dir, ShapeFile), data); err != nil {
+		s.forgetShapeLocked()
+		return fmt.Errorf("record the job's shape: %w", err)
 	}
-	return s.writeOwnerLocked()
+	s.shape = &shape
+	return nil
 }
 
-// savedShape is the recorded shape of the job's steps (the zero Shape: none recorded).
-func (s *Spool) savedShape() Shape {
+// forgetShapeLocked removes the shape record. Called with ownerMu held.
+func (s *Spool) forgetShapeLocked() {
+	s.shape = nil
+	os.Remove(filepath.Join(s.dir, ShapeFile))
+}
+
+// readShape loads ShapeFile; an unreadable or invalid record is no record.
+func (s *Spool) readShape() {
+	data, err := os.ReadFile(filepath.Join(s.dir, ShapeFile))
+	var shape Shape
+	if err != nil || json.Unmarshal(data, &shape) != nil || shape.Nodes <= 0 || shape.Workers <= 0 || shape.DataParallelism < 0 {
+		return
+	}
+	s.ownerMu.Lock()
+	s.shape = &shape
+	s.ownerMu.Unlock()
+}
+
+// SavedShape is the recorded shape of the job's steps (the zero Shape: none recorded).
+func (s *Spool) SavedShape() Shape {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.owner.Shape == nil {
+	if s.shape == nil {
 		return Shape{}
 	}
-	return *s.owner.Shape
+	return *s.shape
 }
 
 func (s *Spool) writeOwnerLocked() error {
@@ -558,7 +584,7 @@ func (s *Spool) close(discard bool) error {
 // isSpoolEntry tells whether name is an entry a spool's root holds.
 func isSpoolEntry(name string) bool {
 	switch name {
-	case "files", "meta", "sealed", "staging", "incoming", commitsDir, "peer-incoming", OwnerFile:
+	case "files", "meta", "sealed", "staging", "incoming", commitsDir, "peer-incoming", OwnerFile, ShapeFile, "." + ShapeFile + ".tmp":
 		return true
 	}
 	return strings.HasPrefix(name, filesTrashPrefix) || strings.HasPrefix(name, "."+OwnerFile+".tmp-")

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -55,8 +56,8 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 			if err := s.SetShape(shape); err != nil {
 				t.Fatalf("SetShape: %v", err)
 			}
-			if o2, _ = tiers.ReadOwner(dir); o2.Shape == nil || *o2.Shape != shape {
-				t.Fatalf("owner after SetShape = %+v, want shape %v", o2, shape)
+			if got := s.SavedShape(); got != shape {
+				t.Fatalf("SavedShape after SetShape = %v, want %v", got, shape)
 			}
 			noTempFiles(t, dir)
 			if err := s.Detach(); err != nil {
@@ -65,17 +66,17 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 
 			// The next agent on the mount sees which job the data belongs to.
 			s2 := openOwned(t, dir, mnt, tmpfs)
-			if got := s2.Owner(); got.Job != "llama" || got.MountPath != mnt || got.Shape == nil || *got.Shape != shape {
-				t.Fatalf("reopened spool's owner = %+v, want the previous job llama on %s, of shape %v", got, mnt, shape)
+			if got := s2.Owner(); got.Job != "llama" || got.MountPath != mnt || s2.SavedShape() != shape {
+				t.Fatalf("reopened spool's owner = %+v, shape %v; want the previous job llama on %s, of shape %v", got, s2.SavedShape(), mnt, shape)
 			}
-			if err := s2.SetJob("llama"); err != nil || s2.Owner().Shape == nil {
-				t.Fatalf("SetJob of the same job: %v; shape %v, want it kept", err, s2.Owner().Shape)
+			if err := s2.SetJob("llama"); err != nil || s2.SavedShape() != shape {
+				t.Fatalf("SetJob of the same job: %v; shape %v, want it kept", err, s2.SavedShape())
 			}
 			if err := s2.SetJob("other"); err != nil {
 				t.Fatal(err)
 			}
-			if o3, _ := tiers.ReadOwner(dir); o3.Job != "other" || o3.Shape != nil {
-				t.Fatalf("owner after the second SetJob = %+v, want job other and no shape (llama's says nothing of it)", o3)
+			if o3, _ := tiers.ReadOwner(dir); o3.Job != "other" || s2.SavedShape() != (tiers.Shape{}) || fileThere(filepath.Join(dir, tiers.ShapeFile)) {
+				t.Fatalf("owner after the second SetJob = %+v, shape %v; want job other and no shape (llama's says nothing of it)", o3, s2.SavedShape())
 			}
 			noTempFiles(t, dir)
 			if err := s2.Close(); err != nil {
@@ -199,6 +200,58 @@ func openOwned(t *testing.T, dir, mountPath string, tmpfs bool) *tiers.Spool {
 		t.Fatalf("OpenSpool: %v", err)
 	}
 	return s
+}
+
+func fileThere(p string) bool {
+	_, err := os.Lstat(p)
+	return err == nil
+}
+
+// TestSpoolShapeRecordOnAFullSpool: a job that filled its spool (ENOSPC) restarts in another
+// shape. The new shape cannot be written there; the old record must not stay, or the agent's
+// next start would take every step of the new shape for one of the old and pass it over.
+func TestSpoolShapeRecordOnAFullSpool(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount a tmpfs")
+	}
+	base := t.TempDir()
+	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	mustMkdir(t, mnt)
+	t.Cleanup(func() { unmountAll(dir) })
+	s := openOwned(t, dir, mnt, true)
+	old := tiers.Shape{Nodes: 4, Workers: 1}
+	if err := s.SetShape(old); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Create(filepath.Join(s.FilesDir(), "fill"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 1<<20)
+	for err == nil {
+		_, err = f.Write(buf)
+	}
+	f.Close()
+	if !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("filling the spool: %v, want ENOSPC", err)
+	}
+	if err := s.SetShape(tiers.Shape{Nodes: 2, Workers: 1}); err == nil {
+		t.Fatal("SetShape on a full spool succeeded")
+	}
+	if got := s.SavedShape(); got != (tiers.Shape{}) {
+		t.Errorf("SavedShape after a failed SetShape = %v, want none", got)
+	}
+	if fileThere(filepath.Join(dir, tiers.ShapeFile)) {
+		t.Errorf("the old shape record %v stayed after a failed SetShape", old)
+	}
+	if err := s.Detach(); err != nil {
+		t.Fatal(err)
+	}
+	if s2 := openOwned(t, dir, mnt, true); s2.SavedShape() != (tiers.Shape{}) {
+		t.Errorf("the next agent reads shape %v, want none", s2.SavedShape())
+	} else {
+		s2.Close()
+	}
 }
 
 func noTempFiles(t *testing.T, dir string) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -295,11 +296,11 @@ func TestJobRestartedInAnotherShape(t *testing.T) {
 	save(3, 10)
 	var backup string
 	repWait(t, 20*time.Second, "a complete backup of step 10", func() bool {
-		m, _ := filepath.Glob(filepath.Join(c.backup, "trio", "*", "trio-s10-n2-w0.meta"))
-		if len(m) > 0 {
+		m, _ := filepath.Glob(filepath.Join(c.backup, "trio", "*", "trio-s10-n*-w0.meta")) // written last
+		if len(m) == 3 {
 			backup = filepath.Base(filepath.Dir(m[0]))
 		}
-		return len(m) > 0
+		return len(m) == 3
 	})
 
 	stopAgent(t, c.agents[2])
@@ -365,4 +366,106 @@ func TestLostNodeIsNotASilentFreshStart(t *testing.T) {
 		assert.Contains(t, all, "step 10 in the nodes' RAM is incomplete and is not restored: no live node holds a .meta of rank 0 worker 0", "rank %d", r)
 		assert.Contains(t, all, "1 incomplete step in RAM and no intact checkpoint is left: starting from scratch", "rank %d", r)
 	}
+}
+
+// TestStepsOfAFormerShapeAreDroppedNotRelabelled: the spool records the job's shape at each
+// restore plan, and vouches for the steps it holds. A two-node job (backup of step 50) runs on
+// three nodes (step 30 in RAM), then on two again: the plan passes over step 30 and restores
+// step 50 from the backup. Step 30 (≤ 50, so not an abandoned newer step) must not stay under the
+// new record: when that restore then failed (rank 0's part of the backup rotted), the next start
+// found step 30 complete for two nodes and restored half of the three-node checkpoint.
+func TestStepsOfAFormerShapeAreDroppedNotRelabelled(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	c := newCluster(t, 3)
+	// run starts a job of n nodes on ranks 0..n-1 (each client's context is cancelled when
+	// another rank's start fails, as the job's other processes end with it) and returns what
+	// each restored and its error.
+	type outcome struct {
+		step  int64
+		found bool
+		err   error
+	}
+	run := func(n int, then func(r int, o *jobsim.Orbax) error) []outcome {
+		out := make([]outcome, n)
+		runCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		var wg sync.WaitGroup
+		for r := range n {
+			wg.Go(func() {
+				o := c.client(t, r)
+				o.Nodes, o.BackupIntervalMinutes = n, 0.01
+				out[r].step, out[r].found, out[r].err = o.Start(runCtx)
+				if out[r].err == nil && then != nil {
+					out[r].err = then(r, o)
+				}
+				if out[r].err != nil {
+					cancel()
+				}
+			})
+		}
+		wg.Wait()
+		return out
+	}
+	stepSealed := func(n int, step int64) {
+		for r := range n {
+			meta := filepath.Join(c.nodes[r].dir, fmt.Sprintf("trio-s%d-n%d-w0.meta", step, r))
+			repWait(t, 10*time.Second, fmt.Sprintf("step %d sealed on rank %d", step, r), func() bool { return pathExists(meta) })
+		}
+	}
+
+	stopAgent(t, c.agents[2])
+	for r, o := range run(2, func(r int, o *jobsim.Orbax) error { return o.Save(ctx, 50) }) {
+		require.NoError(t, o.err, "rank %d", r)
+	}
+	var backup string
+	repWait(t, 20*time.Second, "a complete backup of step 50", func() bool {
+		m, _ := filepath.Glob(filepath.Join(c.backup, "trio", "*", "trio-s50-n*-w0.meta"))
+		if len(m) == 2 {
+			backup = filepath.Base(filepath.Dir(m[0]))
+		}
+		return len(m) == 2
+	})
+
+	c.agents[2] = c.nodes[2].start(t)
+	for r, o := range run(3, func(r int, o *jobsim.Orbax) error { return o.Save(ctx, 30) }) {
+		require.NoError(t, o.err, "rank %d", r)
+		require.False(t, o.found, "rank %d: the three-node job restored step %d of the two-node one", r, o.step)
+	}
+	stepSealed(3, 30)
+
+	// Rank 0's part of the backup rots: restoring step 50 fails on rank 0.
+	hash, err := os.ReadFile(filepath.Join(c.backup, "trio", backup, "trio-s50-n0-w0.meta"))
+	require.NoError(t, err)
+	rotFile(t, filepath.Join(c.backup, "trio", backup, strings.TrimSpace(string(hash))+".data"))
+	out := run(2, nil)
+	require.Error(t, out[0].err, "rank 0 restores from a rotted backup")
+
+	// The job starts again: step 30 is not restored (nor anything: the backup is marked damaged).
+	for r, o := range run(2, nil) {
+		require.NoError(t, o.err, "rank %d", r)
+		assert.False(t, o.found && o.step == 30, "rank %d restored step 30 of the three-node job on two nodes", r)
+	}
+}
+
+// rotFile flips a byte of the first regular file under dir, keeping its mtime: bit rot a
+// store's listing does not show.
+func rotFile(t *testing.T, dir string) {
+	t.Helper()
+	var victim string
+	require.NoError(t, filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err == nil && victim == "" && d.Type().IsRegular() {
+			victim = p
+		}
+		return err
+	}))
+	require.NotEmpty(t, victim, "no data file under %s", dir)
+	fi, err := os.Stat(victim)
+	require.NoError(t, err)
+	data, err := os.ReadFile(victim)
+	require.NoError(t, err)
+	require.NotEmpty(t, data)
+	data[len(data)/2] ^= 0x10
+	require.NoError(t, os.WriteFile(victim, data, fi.Mode()))
+	require.NoError(t, os.Chtimes(victim, fi.ModTime(), fi.ModTime()))
 }
