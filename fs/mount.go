@@ -77,6 +77,7 @@ type Server struct {
 	passthrough bool
 	ns          *namespace
 	requests    *requestCounts
+	log         *slog.Logger
 	// closed is closed once the serve loop has ended and this process's descriptors of the
 	// mount's /dev/fuse (go-fuse's, the notifier's duplicate) are closed. Unmount waits for it:
 	// a mount started next in this process must not see them close meanwhile (newServer tells
@@ -108,6 +109,17 @@ func (s *Server) Unmount() error {
 	if err == nil {
 		<-s.closed // the serve loop has ended (go-fuse's Unmount waited for its readers)
 		return nil
+	}
+	// Say who holds it: the stop otherwise waits with no word (the caller bounds the wait).
+	const show = 5
+	if users, n := mountUsers(s.dir, show); n > 0 {
+		more := ""
+		if n > show {
+			more = fmt.Sprintf(" and %d more", n-show)
+		}
+		s.log.Warn("the mount is busy: it is detached now and goes away once these processes leave it", "dir", s.dir, "processes", strings.Join(users, ", ")+more, "err", err)
+	} else {
+		s.log.Warn("the mount is busy: it is detached now and goes away once the processes using it leave it (none seen in this PID namespace)", "dir", s.dir, "err", err)
 	}
 	if os.Geteuid() == 0 {
 		if e := unix.Unmount(s.dir, unix.MNT_DETACH); e != nil && !errors.Is(e, unix.EINVAL) {
@@ -369,7 +381,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 		}
 		close(closed)
 	}()
-	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}, requests: counts, closed: closed}
+	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}, requests: counts, closed: closed, log: m.log}
 	if o, ok := opts.Events.(interface {
 		ObserveFUSERequests(func() map[string]uint64)
 	}); ok {

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -167,4 +168,34 @@ func TestBrokenLogPipe(t *testing.T) {
 		t.Fatal("the agent did not stop")
 	}
 	assert.False(t, isMounted(n.dir), "mount left behind")
+}
+
+// TestStopSaysWhoKeepsTheMountBusy: a stop waits while processes use the mount (up to 30 s).
+// Before, the agent logged "stopping" and nothing more until it went; now it names them.
+func TestStopSaysWhoKeepsTheMountBusy(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	child := exec.Command("sleep", "60")
+	child.Dir = n.dir
+	require.NoError(t, child.Start())
+	t.Cleanup(func() { child.Process.Kill(); child.Wait() })
+	held, err := os.Create(filepath.Join(n.dir, "held"))
+	require.NoError(t, err)
+	defer held.Close()
+	comm, err := os.ReadFile("/proc/self/comm")
+	require.NoError(t, err)
+
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
+	repWait(t, 10*time.Second, "the agent to say its mount is busy", func() bool { return strings.Contains(a.log(), "the mount is busy") })
+	log := a.log()
+	assert.Contains(t, log, fmt.Sprintf("pid %d (sleep: working directory)", child.Process.Pid))
+	assert.Contains(t, log, fmt.Sprintf("pid %d (%s: 1 open file)", os.Getpid(), strings.TrimSpace(string(comm))))
+
+	// They leave: the stop completes.
+	held.Close()
+	child.Process.Kill()
+	child.Wait()
+	assert.Equal(t, 0, a.wait(30*time.Second), "%s", a.log())
+	assert.False(t, isMounted(n.dir))
 }
