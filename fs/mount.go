@@ -214,6 +214,9 @@ func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 		if a, _ := filepath.Abs(dir); a != abs {
 			what = fmt.Sprintf("%s (the target of %s)", abs, dir)
 		}
+		if pid := tiers.MountProcessFor(abs); pid > 0 {
+			return false, fmt.Errorf("%s is already a live FUSE mount, served by the mtcfs agent pid %d: stop it first (a stopping agent waits, up to 30 s, for the processes that use its mount to leave it; its log names them)", what, pid)
+		}
 		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", what)
 	case errors.Is(err, errNoAnswer):
 		if fstype != mountType {

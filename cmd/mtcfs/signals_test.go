@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -191,6 +192,14 @@ func TestStopSaysWhoKeepsTheMountBusy(t *testing.T) {
 	log := a.log()
 	assert.Contains(t, log, fmt.Sprintf("pid %d (sleep: working directory)", child.Process.Pid))
 	assert.Contains(t, log, fmt.Sprintf("pid %d (%s: 1 open file)", os.Getpid(), strings.TrimSpace(string(comm))))
+	// An agent started meanwhile is told why it cannot start yet (the mount is still there, or
+	// detached already and the spool still held).
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, binPath, "mount", n.dir, "--spool", n.spool).CombinedOutput()
+	t.Cleanup(func() { forceUnmount(n.dir) })
+	require.Error(t, err, "a second agent started on the mount and spool of a stopping one: %s", out)
+	assert.Contains(t, string(out), "a stopping agent", "%s", out)
 
 	// They leave: the stop completes.
 	held.Close()
