@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -84,7 +85,24 @@ type Node struct {
 	targets    map[peerKey]Peer              // GUARDED_BY(mu); found peers, until a call fails
 	remotes    map[string]*RemoteCoordinator // GUARDED_BY(mu); per job
 	registered map[string]Registration       // GUARDED_BY(mu); this node's, per job
+	// claims holds, per job, what the latest look at this node's own registration found (see
+	// rankClaimedElsewhere).
+	claims map[string]*rankClaim // GUARDED_BY(mu)
+	// claimEvery bounds how often a waiting node reads its own registration again
+	// (claimCheckEvery; tests shorten it).
+	claimEvery time.Duration // GUARDED_BY(mu)
 }
+
+// rankClaim is what rankClaimedElsewhere last found for one job.
+type rankClaim struct {
+	incarnation string
+	checked     time.Time
+	checking    bool
+	other       string // "": the registration is this node's
+}
+
+// claimCheckEvery bounds how often a waiting node reads its own registration again.
+const claimCheckEvery = 10 * time.Second
 
 var (
 	_ tiers.Coordinator    = (*Node)(nil)
@@ -392,16 +410,73 @@ func (n *Node) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	if inc.Config == nil {
 		return "", false
 	}
+	var what string
+	var nodes bool
 	if inc.Config.NodeRank == 0 {
-		return LocalClient{Job: n.job}.WaitingFor(inc)
+		what, nodes = LocalClient{Job: n.job}.WaitingFor(inc)
+	} else {
+		n.mu.Lock()
+		r := n.remotes[inc.Config.JobName]
+		n.mu.Unlock()
+		if r == nil {
+			return "", false
+		}
+		what, nodes = r.WaitingFor(inc)
 	}
+	if what != "" {
+		if other := n.rankClaimedElsewhere(inc); other != "" {
+			what += "; " + other
+		}
+	}
+	return what, nodes
+}
+
+// rankClaimedElsewhere says, while inc waits for the other nodes, whether another agent has
+// registered as this node's rank of the job since this node did: two nodes that claim one rank
+// (a wrong node-rank in a node's replicator.yaml) each wait for a rank that never comes, and the
+// other ranks talk to the one registered last. It answers from what it last found and reads the
+// registration again in the background at most every claimCheckEvery, so that it never makes a
+// caller (mtcfs status) wait on the backup location.
+func (n *Node) rankClaimedElsewhere(inc tiers.Incarnation) string {
+	if n.registry == nil {
+		return ""
+	}
+	job, rank := inc.Config.JobName, inc.Config.NodeRank
 	n.mu.Lock()
-	r := n.remotes[inc.Config.JobName]
-	n.mu.Unlock()
-	if r == nil {
-		return "", false
+	defer n.mu.Unlock()
+	if reg, ok := n.registered[job]; !ok || reg.Incarnation != inc.ID {
+		return ""
 	}
-	return r.WaitingFor(inc)
+	if n.claims == nil {
+		n.claims = map[string]*rankClaim{}
+	}
+	c := n.claims[job]
+	if c == nil || c.incarnation != inc.ID {
+		c = &rankClaim{incarnation: inc.ID}
+		n.claims[job] = c
+	}
+	every := n.claimEvery
+	if every == 0 {
+		every = claimCheckEvery
+	}
+	if !c.checking && time.Since(c.checked) >= every {
+		c.checking = true
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			other := ""
+			data, err := n.registry.Objects.Get(ctx, n.registry.registrationName(job, rank), registrationLimit)
+			var reg Registration
+			if err == nil && json.Unmarshal(data, &reg) == nil && reg.InstanceID != n.instance {
+				other = fmt.Sprintf("another agent (at %s) registered as rank %d of job %s after this one, at %s: two nodes claim rank %d (check node-rank in each node's replicator.yaml)",
+					reg.Addr, rank, job, reg.Updated.UTC().Format(time.RFC3339), rank)
+			}
+			n.mu.Lock()
+			c.checking, c.checked, c.other = false, time.Now(), other
+			n.mu.Unlock()
+		}()
+	}
+	return c.other
 }
 
 // Negotiate registers this node for inc (a job of more than one node) and negotiates. Every

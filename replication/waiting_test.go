@@ -108,3 +108,57 @@ func TestRemoteCoordinatorSaysWhyItWaits(t *testing.T) {
 	require.NoError(t, result(t, n1, "rank 1's negotiation"))
 	require.NoError(t, result(t, n0, "rank 0's negotiation"))
 }
+
+// TestTwoNodesClaimingOneRank: two agents get a replicator.yaml with node-rank 0 (a wrong rank
+// in one node's environment). Both wait for ranks that never come; the other ranks talk to the
+// one registered last. Before, nothing named the duplicate; now the agent registered first
+// says, in what it waits for (mtcfs status, the log, replicator.errors), that another agent
+// took its rank.
+func TestTwoNodesClaimingOneRank(t *testing.T) {
+	t.Parallel()
+	objects := dirObjects(t, t.TempDir())
+	a := startTestAgent(t, objects, t.TempDir())
+	b := startTestAgent(t, objects, t.TempDir())
+	incOf := func(id string) tiers.Incarnation {
+		cfg := *testConfig(2)
+		cfg.JobName = "dup"
+		return tiers.Incarnation{ID: id, Config: &cfg}
+	}
+	incA, incB := incOf("inc-a"), incOf("inc-b")
+	for _, n := range []*Node{a.node, b.node} {
+		n.mu.Lock()
+		n.claimEvery = 50 * time.Millisecond
+		n.mu.Unlock()
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	negotiating := func(n *Node, inc tiers.Incarnation) <-chan error {
+		ch := async(func() error {
+			_, err := n.Negotiate(ctx, inc, tiers.Inventory{Rank: 0, Metas: map[string]string{}})
+			return err
+		})
+		require.Eventually(t, func() bool { what, _ := n.WaitingFor(inc); return what != "" }, 10*time.Second, time.Millisecond)
+		return ch
+	}
+	doneA := negotiating(a.node, incA)
+	doneB := negotiating(b.node, incB) // registers after a
+	require.Eventually(t, func() bool {
+		what, _ := a.node.WaitingFor(incA)
+		return strings.Contains(what, "two nodes claim rank 0")
+	}, 30*time.Second, 10*time.Millisecond)
+	what, _ := a.node.WaitingFor(incA)
+	assert.Contains(t, what, "not yet rank 1; another agent (at "+b.node.addr+") registered as rank 0 of job dup after this one")
+	assert.Contains(t, what, "(check node-rank in each node's replicator.yaml)")
+	// b is the registered one: it waits for rank 1 only (once its own check has run).
+	require.Eventually(t, func() bool {
+		b.node.mu.Lock()
+		defer b.node.mu.Unlock()
+		c := b.node.claims["dup"]
+		return c != nil && !c.checked.IsZero()
+	}, 30*time.Second, 10*time.Millisecond)
+	what, _ = b.node.WaitingFor(incB)
+	assert.NotContains(t, what, "claim rank 0", "the agent registered last is the one the others find")
+	cancel()
+	<-doneA
+	<-doneB
+}
