@@ -66,6 +66,16 @@ func TestJobRunningAsAnotherUser(t *testing.T) {
 	out, err := asUser(t, 1000, 1000, n.dir, orbaxSaveScript)
 	require.NoError(t, err, "the job as uid 1000: %s\n%s", out, a.log())
 	require.Contains(t, out, "saved")
+	// The job's user asks the root agent how its checkpoints stand. Before, mtcfs status
+	// looked in that user's agent registry only and said no agent was running.
+	bin := filepath.Join(filepath.Dir(n.dir), "mtcfs-for-uid-1000")
+	data, err := os.ReadFile(binPath)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(bin, data, 0o755))
+	out, err = asUser(t, 1000, 1000, n.dir, bin+" status "+n.dir)
+	require.NoError(t, err, "mtcfs status as the job's user: %s", out)
+	assert.Contains(t, out, "job        uidjob (orbax)")
+	assert.Contains(t, out, "latest committed 1")
 	// The job restarts: the restore marker and the sealed data are readable by it.
 	out, err = asUser(t, 1000, 1000, n.dir, `
 printf 'job-name: uidjob\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60' > replicator.yaml

@@ -43,6 +43,25 @@ func Dir() string {
 	return filepath.Join(os.TempDir(), "mtcfs-"+strconv.Itoa(os.Getuid()), "agents")
 }
 
+// rootDir is where the agents started by root register (Dir, as root).
+const rootDir = "/run/mtcfs/agents"
+
+// Dirs lists the registry directories to look in: this user's (Dir) first. A user other than
+// root looks in root's too: a root agent serves mounts that belong to the users whose jobs
+// write into them (SPEC §10 Ownership), and they ask `mtcfs status` about them. Root looks in
+// every user's too (their development mounts).
+func Dirs() []string {
+	dirs := []string{Dir()}
+	if os.Geteuid() != 0 {
+		return append(dirs, rootDir)
+	}
+	for _, pattern := range []string{"/run/user/*/mtcfs/agents", filepath.Join(os.TempDir(), "mtcfs-*", "agents")} {
+		found, _ := filepath.Glob(pattern)
+		dirs = append(dirs, found...)
+	}
+	return dirs
+}
+
 // Register publishes info (best effort: `mtcfs status` is a convenience) until unregister is
 // called. A zero StartTime is filled in from /proc.
 func Register(info Info) (unregister func()) {
@@ -61,32 +80,37 @@ func Register(info Info) (unregister func()) {
 	return func() { os.Remove(p) }
 }
 
-// Local lists the agents running on this machine, removing the files of agents that are
-// gone: their pid is dead, or now names another process (pid reuse).
+// Local lists the agents running on this machine (in Dirs), removing the files of agents that
+// are gone where it may: their pid is dead, or now names another process (pid reuse). Only this
+// user's directory failing to be read is an error.
 func Local() ([]Info, error) {
-	ents, err := os.ReadDir(Dir())
-	if os.IsNotExist(err) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
 	var out []Info
-	for _, e := range ents {
-		if !strings.HasSuffix(e.Name(), ".json") {
+	seen := map[int]bool{}
+	for i, dir := range Dirs() {
+		ents, err := os.ReadDir(dir)
+		if os.IsNotExist(err) || (err != nil && i > 0) {
 			continue
 		}
-		p := filepath.Join(Dir(), e.Name())
-		data, err := os.ReadFile(p)
-		var info Info
-		if err != nil || json.Unmarshal(data, &info) != nil || info.PID <= 0 {
-			continue
+		if err != nil {
+			return nil, err
 		}
-		if !alive(info, p) {
-			os.Remove(p)
-			continue
+		for _, e := range ents {
+			if !strings.HasSuffix(e.Name(), ".json") {
+				continue
+			}
+			p := filepath.Join(dir, e.Name())
+			data, err := os.ReadFile(p)
+			var info Info
+			if err != nil || json.Unmarshal(data, &info) != nil || info.PID <= 0 || seen[info.PID] {
+				continue
+			}
+			if !alive(info, p) {
+				os.Remove(p) // fails in another user's directory: its owner's next look removes it
+				continue
+			}
+			seen[info.PID] = true
+			out = append(out, info)
 		}
-		out = append(out, info)
 	}
 	return out, nil
 }
