@@ -277,6 +277,10 @@ func cmdRestoreVersion(args []string) int {
 		return 1
 	}
 	step, _ := rep.HighestComplete()
-	fmt.Printf("job %s will restore step %d from backup %s at its next start (one-shot)\n", *f.job, step, pos[0])
+	shape := rep.Saved.String()
+	if !rep.SavedRecorded {
+		shape = fmt.Sprintf("at least %s, by its .meta names", shape)
+	}
+	fmt.Printf("job %s will restore step %d from backup %s at its next start (one-shot), if it runs in the shape the backup was taken in: %s\n", *f.job, step, pos[0], shape)
 	return 0
 }

@@ -302,6 +302,12 @@ func TestJobRestartedInAnotherShape(t *testing.T) {
 		}
 		return len(m) == 3
 	})
+	// Pinning the backup says the shape it restores in.
+	out, code := runMtcfs(t, "restore-version", "set", backup, "--backup", "file://"+c.backup, "--job", "trio")
+	require.Equal(t, 0, code, "%s", out)
+	assert.Contains(t, out, "if it runs in the shape the backup was taken in: 3 nodes × 1 worker")
+	out, code = runMtcfs(t, "restore-version", "clear", "--backup", "file://"+c.backup, "--job", "trio")
+	require.Equal(t, 0, code, "%s", out)
 
 	stopAgent(t, c.agents[2])
 	for r, got := range start(2, 0) {
