@@ -378,3 +378,65 @@ func TestNewNodeRefusesIncompleteConfigs(t *testing.T) {
 		assert.ErrorContains(t, err, tc.want)
 	}
 }
+
+// TestUnrecordedSpoolKeepsTheReplicasOfTheRestoredStep: the nodes' spools have no shape record
+// (written by an agent from before records, or a record that a full spool could not hold), and
+// rank 1 is replaced. Rank 2 holds the replica of rank 1's step 10 that rank 1 restores from.
+// Before the spool records the job's shape, a spool without one frees the steps it cannot vouch
+// for; it must keep the restored step's replicas, which the plan (each node gets its own part
+// only) may send another node to fetch.
+func TestUnrecordedSpoolKeepsTheReplicasOfTheRestoredStep(t *testing.T) {
+	t.Parallel()
+	const job, nodes = "trio", 3
+	objects := dirObjects(t, t.TempDir())
+	roots := make([]string, nodes)
+	agents := make([]*testAgent, nodes)
+	for r := range agents {
+		roots[r] = t.TempDir()
+		agents[r] = startTestAgent(t, objects, roots[r])
+	}
+	meta := func(step int64, rank int) string {
+		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerMeta}.String()
+	}
+	restore := func(step int64, rank int) string {
+		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerRestore}.String()
+	}
+	for r, a := range agents {
+		a.start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(restore(0, r))
+	}
+	for r, a := range agents {
+		a.save(5, stepFiles(r, 5))
+	}
+	for r := range agents {
+		agents[(r+1)%nodes].waitFor(meta(5, r))
+	}
+	for r, a := range agents {
+		a.save(10, stepFiles(r, 10))
+	}
+	for r := range agents {
+		agents[(r+1)%nodes].waitFor(meta(10, r))
+	}
+	for r, a := range agents {
+		a.stop()
+		require.NoError(t, os.Remove(filepath.Join(roots[r], "spool", tiers.ShapeFile)), "rank %d's spool recorded the job's shape", r)
+	}
+	require.NoError(t, os.RemoveAll(filepath.Join(roots[1], "spool")))
+	for r := range agents {
+		agents[r] = startTestAgent(t, objects, roots[r])
+	}
+	for r, a := range agents {
+		a.start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(restore(10, r))
+	}
+	require.Contains(t, agents[1].log.String(), "restored from a peer")
+	// Rank 2 still holds rank 1's replica of the restored step; the step below it is gone.
+	_, err := os.Lstat(agents[2].ns.path(meta(10, 1)))
+	require.NoError(t, err, "rank 2 dropped the replica of the restored step\n%s", agents[2].log.String())
+	_, err = os.Lstat(agents[2].ns.path(meta(5, 1)))
+	require.ErrorIs(t, err, fs.ErrNotExist, "rank 2 kept step 5 of an unrecorded shape")
+}

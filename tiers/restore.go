@@ -161,16 +161,32 @@ func (r *restorer) dropAbandonedSteps(cfg *Config, plan RestorePlan) {
 
 // dropOtherShapeSteps forgets the steps of the job this node holds when the spool's recorded
 // shape is one this job's shape cannot restore, or there is none: recording the job's shape
-// next would vouch for them. Kept are only the .meta entries of the plan's step that name the
-// plan's data (this node's own, or replicas a peer may fetch). Steps below the one restored are
-// no loss; those above are dropped anyway (dropAbandonedSteps).
+// next would vouch for them.
+//   - Another shape: no .meta of this node's can be the plan's (the plan passed over every step
+//     this node holds), so only this node's own slots of the plan's step, naming the plan's
+//     data, stay.
+//   - No record (a spool of an agent before records, or one whose record could not be
+//     written): when the plan restores a step from RAM, this node's .meta entries of that step
+//     stay, replicas included (another node may fetch its data from here: the plan tells each
+//     node its own part only); the steps below it go. Otherwise as for another shape.
+//
+// Steps below the one restored are no loss; those above are dropped anyway
+// (dropAbandonedSteps).
 func (r *restorer) dropOtherShapeSteps(cfg *Config, plan RestorePlan) {
 	saved := r.spool.SavedShape()
 	if saved.Nodes > 0 && cfg.Shape().Restores(saved, true) {
 		return
 	}
+	fromRAM := saved.Nodes == 0 && plan.Found && plan.Backup == ""
 	drop := r.retention.dropMetas(func(m layout.MarkerName, hash string) bool {
-		return m.Job == cfg.JobName && !(plan.Found && m.Step == plan.Step && plan.Data[Slot{m.Node, m.Worker}] == hash)
+		switch {
+		case m.Job != cfg.JobName:
+			return false
+		case fromRAM:
+			return m.Step != plan.Step
+		default:
+			return !(plan.Found && m.Step == plan.Step && plan.Data[Slot{m.Node, m.Worker}] == hash)
+		}
 	})
 	if len(drop) == 0 {
 		return
