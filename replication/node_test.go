@@ -268,29 +268,43 @@ func stepFiles(rank int, step int64) map[string]string {
 	}
 }
 
+const trioJob = "trio"
+
+// startTrio starts three agents that share a backup location (roots[r] holds rank r's spool),
+// and a three-node job on them, each rank with the next as its peer.
+func startTrio(t *testing.T) (Objects, []string, []*testAgent) {
+	t.Helper()
+	objects := dirObjects(t, t.TempDir())
+	roots := make([]string, 3)
+	agents := make([]*testAgent, 3)
+	for r := range agents {
+		roots[r] = t.TempDir()
+		agents[r] = startTestAgent(t, objects, roots[r])
+	}
+	for r, a := range agents {
+		a.start(trioJob, r, 3)
+	}
+	return objects, roots, agents
+}
+
+// trioMeta and trioRestore name the trio job's .meta and restore marker of step for rank.
+func trioMeta(step int64, rank int) string {
+	return layout.MarkerName{Job: trioJob, Step: step, Node: rank, Kind: layout.MarkerMeta}.String()
+}
+
+func trioRestore(step int64, rank int) string {
+	return layout.MarkerName{Job: trioJob, Step: step, Node: rank, Kind: layout.MarkerRestore}.String()
+}
+
 // TestNodesReplicateAndRestore: three agents find each other through the registry, negotiate
 // through rank 0's coordinator, and replicate every rank's step to the next rank. A node that is
 // replaced — its agent gone with its RAM — gets its step back from that peer at the next start,
 // verified, byte for byte.
 func TestNodesReplicateAndRestore(t *testing.T) {
 	t.Parallel()
-	const job, nodes = "trio", 3
-	objects := dirObjects(t, t.TempDir())
-	roots := make([]string, nodes)
-	agents := make([]*testAgent, nodes)
-	for r := range agents {
-		roots[r] = t.TempDir()
-		agents[r] = startTestAgent(t, objects, roots[r])
-	}
-	meta := func(step int64, rank int) string {
-		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerMeta}.String()
-	}
-	restore := func(step int64, rank int) string {
-		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerRestore}.String()
-	}
-	for r, a := range agents {
-		a.start(job, r, nodes)
-	}
+	const job, nodes = trioJob, 3
+	objects, roots, agents := startTrio(t)
+	meta, restore := trioMeta, trioRestore
 	for r, a := range agents {
 		a.waitFor(restore(0, r)) // nothing to restore: every rank negotiated a fresh start
 	}
@@ -387,23 +401,9 @@ func TestNewNodeRefusesIncompleteConfigs(t *testing.T) {
 // only) may send another node to fetch.
 func TestUnrecordedSpoolKeepsTheReplicasOfTheRestoredStep(t *testing.T) {
 	t.Parallel()
-	const job, nodes = "trio", 3
-	objects := dirObjects(t, t.TempDir())
-	roots := make([]string, nodes)
-	agents := make([]*testAgent, nodes)
-	for r := range agents {
-		roots[r] = t.TempDir()
-		agents[r] = startTestAgent(t, objects, roots[r])
-	}
-	meta := func(step int64, rank int) string {
-		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerMeta}.String()
-	}
-	restore := func(step int64, rank int) string {
-		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerRestore}.String()
-	}
-	for r, a := range agents {
-		a.start(job, r, nodes)
-	}
+	const job, nodes = trioJob, 3
+	objects, roots, agents := startTrio(t)
+	meta, restore := trioMeta, trioRestore
 	for r, a := range agents {
 		a.waitFor(restore(0, r))
 	}

@@ -390,18 +390,25 @@ func TestPlanRestoreReportsDamagedBackups(t *testing.T) {
 			if err != nil {
 				t.Fatalf("PlanRestore: %v", err)
 			}
-			if got.Found != tc.found || got.Step != tc.step || got.Backup != tc.from {
-				t.Errorf("plan found %v step %d backup %q, want found %v step %d backup %q", got.Found, got.Step, got.Backup, tc.found, tc.step, tc.from)
-			}
-			if len(got.Errors) != len(tc.errors) {
-				t.Fatalf("plan errors:\n%s\nwant %d lines", strings.Join(got.Errors, "\n"), len(tc.errors))
-			}
-			for i, want := range tc.errors {
-				if !strings.Contains(got.Errors[i], want) {
-					t.Errorf("plan error %d:\n%s\nwant it to contain\n%s", i, got.Errors[i], want)
-				}
-			}
+			checkPlan(t, got, tc.found, tc.step, tc.from, tc.errors)
 		})
+	}
+}
+
+// checkPlan checks a plan's outcome and its replicator.errors lines: each must contain its
+// entry of errors, in order (nil: no line at all).
+func checkPlan(t *testing.T, got tiers.RestorePlan, found bool, step int64, from string, errors []string) {
+	t.Helper()
+	if got.Found != found || got.Step != step || got.Backup != from {
+		t.Errorf("plan found %v step %d backup %q, want found %v step %d backup %q", got.Found, got.Step, got.Backup, found, step, from)
+	}
+	if len(got.Errors) != len(errors) {
+		t.Fatalf("plan errors:\n%s\nwant %d lines", strings.Join(got.Errors, "\n"), len(errors))
+	}
+	for i, want := range errors {
+		if !strings.Contains(got.Errors[i], want) {
+			t.Errorf("plan error %d:\n%s\nwant it to contain\n%s", i, got.Errors[i], want)
+		}
 	}
 }
 
@@ -625,17 +632,7 @@ func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
 			if err != nil {
 				t.Fatalf("PlanRestore: %v", err)
 			}
-			if got.Found != tc.found || got.Step != tc.step || got.Backup != tc.from {
-				t.Errorf("plan found %v step %d backup %q, want found %v step %d backup %q", got.Found, got.Step, got.Backup, tc.found, tc.step, tc.from)
-			}
-			if len(got.Errors) != len(tc.errors) {
-				t.Fatalf("plan errors:\n%s\nwant %d lines", strings.Join(got.Errors, "\n"), len(tc.errors))
-			}
-			for i, want := range tc.errors {
-				if !strings.Contains(got.Errors[i], want) {
-					t.Errorf("plan error %d:\n%s\nwant it to contain\n%s", i, got.Errors[i], want)
-				}
-			}
+			checkPlan(t, got, tc.found, tc.step, tc.from, tc.errors)
 		})
 	}
 }
@@ -728,17 +725,7 @@ func TestPlanRestoreReportsIncompleteSteps(t *testing.T) {
 			if err != nil {
 				t.Fatalf("PlanRestore: %v", err)
 			}
-			if got.Found != tc.found || got.Step != tc.step || got.Backup != tc.from {
-				t.Errorf("plan found %v step %d backup %q, want found %v step %d backup %q", got.Found, got.Step, got.Backup, tc.found, tc.step, tc.from)
-			}
-			if len(got.Errors) != len(tc.errors) {
-				t.Fatalf("plan errors:\n%s\nwant %d lines", strings.Join(got.Errors, "\n"), len(tc.errors))
-			}
-			for i, want := range tc.errors {
-				if !strings.Contains(got.Errors[i], want) {
-					t.Errorf("plan error %d:\n%s\nwant it to contain\n%s", i, got.Errors[i], want)
-				}
-			}
+			checkPlan(t, got, tc.found, tc.step, tc.from, tc.errors)
 		})
 	}
 }
