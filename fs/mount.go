@@ -110,23 +110,24 @@ func (s *Server) Unmount() error {
 		<-s.closed // the serve loop has ended (go-fuse's Unmount waited for its readers)
 		return nil
 	}
-	// Say who holds it: the stop otherwise waits with no word (the caller bounds the wait).
+	// Who holds it, looked up while the paths still show it (after the detach /proc shows them
+	// relative to nothing), told once it is detached: the stop otherwise waits with no word.
 	const show = 5
-	if users, n := mountUsers(s.dir, show); n > 0 {
-		more := ""
-		if n > show {
-			more = fmt.Sprintf(" and %d more", n-show)
-		}
-		s.log.Warn("the mount is busy: it is detached now and goes away once these processes leave it", "dir", s.dir, "processes", strings.Join(users, ", ")+more, "err", err)
-	} else {
-		s.log.Warn("the mount is busy: it is detached now and goes away once the processes using it leave it (none seen in this PID namespace)", "dir", s.dir, "err", err)
-	}
+	users, n := mountUsers(s.dir, show)
 	if os.Geteuid() == 0 {
 		if e := unix.Unmount(s.dir, unix.MNT_DETACH); e != nil && !errors.Is(e, unix.EINVAL) {
 			return fmt.Errorf("unmount %s: %v; lazy detach: %w", s.dir, err, e)
 		}
 	} else if out, e := exec.Command("fusermount3", "-u", "-z", s.dir).CombinedOutput(); e != nil {
 		return fmt.Errorf("unmount %s: %v; fusermount3 -uz: %s", s.dir, err, strings.TrimSpace(string(out)))
+	}
+	switch {
+	case n > show:
+		s.log.Warn("the mount is busy: it is detached, and goes away once these processes leave it", "dir", s.dir, "processes", strings.Join(users, ", ")+fmt.Sprintf(" and %d more", n-show), "unmount", err)
+	case n > 0:
+		s.log.Warn("the mount is busy: it is detached, and goes away once these processes leave it", "dir", s.dir, "processes", strings.Join(users, ", "), "unmount", err)
+	default:
+		s.log.Warn("the unmount did not go through: the mount is detached, and goes away once whatever uses it leaves it (no process in this PID namespace is seen using it)", "dir", s.dir, "unmount", err)
 	}
 	s.fuse.Wait()
 	<-s.closed
@@ -215,7 +216,7 @@ func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 			what = fmt.Sprintf("%s (the target of %s)", abs, dir)
 		}
 		if pid := tiers.MountProcessFor(abs); pid > 0 {
-			return false, fmt.Errorf("%s is already a live FUSE mount, served by the mtcfs agent pid %d: stop it first (a stopping agent waits, up to 30 s, for the processes that use its mount to leave it; its log names them)", what, pid)
+			return false, fmt.Errorf("%s is already a live FUSE mount, served by the mtcfs agent pid %d: stop it first (a stopping agent first lets a running backup finish, up to its --drain-timeout, then waits up to 30 s for the processes that use its mount; its log names them)", what, pid)
 		}
 		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", what)
 	case errors.Is(err, errNoAnswer):

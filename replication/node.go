@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
 	"path/filepath"
@@ -91,6 +92,11 @@ type Node struct {
 	// claimEvery bounds how often a waiting node reads its own registration again
 	// (claimCheckEvery; tests shorten it).
 	claimEvery time.Duration // GUARDED_BY(mu)
+	// life ends at Close: the background reads of rankClaimedElsewhere stop with it, and
+	// checks counts them (Close waits).
+	life    context.Context
+	endLife context.CancelFunc
+	checks  sync.WaitGroup
 }
 
 // rankClaim is what rankClaimedElsewhere last found for one job.
@@ -130,6 +136,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	n := &Node{cfg: cfg, log: cfg.Log, peers: cfg.Peers, addr: cfg.Listener.Addr().String(), instance: newInstanceID(),
 		dial: insecure.NewCredentials(), conns: map[string]*grpc.ClientConn{}, targets: map[peerKey]Peer{},
 		remotes: map[string]*RemoteCoordinator{}, registered: map[string]Registration{}}
+	n.life, n.endLife = context.WithCancel(context.Background())
 	if cfg.Advertise != "" {
 		n.addr = cfg.Advertise
 	}
@@ -227,6 +234,8 @@ func (n *Node) Addr() string { return n.addr }
 // calling an agent that stopped. (A killed agent cannot; its successor's registration
 // supersedes it.)
 func (n *Node) Close() {
+	n.endLife()
+	n.checks.Wait()
 	n.srv.Stop()
 	n.cfg.Listener.Close() // if Start never served it
 	if n.recv != nil {
@@ -459,15 +468,22 @@ func (n *Node) rankClaimedElsewhere(inc tiers.Incarnation) string {
 	if every == 0 {
 		every = claimCheckEvery
 	}
-	if !c.checking && time.Since(c.checked) >= every {
+	if !c.checking && time.Since(c.checked) >= every && n.life.Err() == nil {
 		c.checking = true
+		n.checks.Add(1)
 		go func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer n.checks.Done()
+			ctx, cancel := context.WithTimeout(n.life, 5*time.Second)
 			defer cancel()
 			other := ""
-			data, err := n.registry.Objects.Get(ctx, n.registry.registrationName(job, rank), registrationLimit)
+			name := n.registry.registrationName(job, rank)
+			data, err := n.registry.Objects.Get(ctx, name, registrationLimit)
 			var reg Registration
-			if err == nil && json.Unmarshal(data, &reg) == nil && reg.InstanceID != n.instance {
+			switch {
+			case errors.Is(err, fs.ErrNotExist):
+				other = fmt.Sprintf("this node's registration as rank %d of job %s (%s in %s) is gone, removed by another agent that had taken the rank and stopped?: the other ranks cannot find this node until the job restarts",
+					rank, job, name, n.registry.Objects)
+			case err == nil && json.Unmarshal(data, &reg) == nil && reg.InstanceID != n.instance:
 				other = fmt.Sprintf("another agent (at %s) registered as rank %d of job %s after this one, at %s: two nodes claim rank %d (check node-rank in each node's replicator.yaml)",
 					reg.Addr, rank, job, reg.Updated.UTC().Format(time.RFC3339), rank)
 			}

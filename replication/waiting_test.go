@@ -158,6 +158,15 @@ func TestTwoNodesClaimingOneRank(t *testing.T) {
 	}, 30*time.Second, 10*time.Millisecond)
 	what, _ = b.node.WaitingFor(incB)
 	assert.NotContains(t, what, "claim rank 0", "the agent registered last is the one the others find")
+
+	// b stops, and removes its registration: a is now registered nowhere, and says so.
+	b.stop()
+	require.Eventually(t, func() bool {
+		what, _ := a.node.WaitingFor(incA)
+		return strings.Contains(what, "this node's registration as rank 0 of job dup (dup/agents/0.json in ")
+	}, 30*time.Second, 10*time.Millisecond)
+	what, _ = a.node.WaitingFor(incA)
+	assert.Contains(t, what, "the other ranks cannot find this node until the job restarts")
 	cancel()
 	<-doneA
 	<-doneB

@@ -183,7 +183,7 @@ func (r *restorer) dropOtherShapeSteps(cfg *Config, plan RestorePlan) {
 		case m.Job != cfg.JobName:
 			return false
 		case fromRAM:
-			return m.Step != plan.Step
+			return m.Step != plan.Step || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode
 		default:
 			return !(plan.Found && m.Step == plan.Step && plan.Data[Slot{m.Node, m.Worker}] == hash)
 		}

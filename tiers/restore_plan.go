@@ -172,8 +172,8 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 		if !fromRAM {
 			incomplete := incompleteSteps(cfg, invs, plan.Holders, others)
 			for _, s := range sortedSteps(incomplete) {
-				if plan.Found && s < plan.Step {
-					break
+				if plan.Found && s <= plan.Step {
+					break // restored (from a backup or a peer), or below it: nothing lost
 				}
 				p.incomplete(fmt.Sprintf("step %d in the nodes' RAM is incomplete and is not restored: %s", s, incomplete[s]))
 			}

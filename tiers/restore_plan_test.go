@@ -699,6 +699,14 @@ func TestPlanRestoreReportsIncompleteSteps(t *testing.T) {
 			errors: []string{"step 20 in the nodes' RAM is incomplete", "1 incomplete step in RAM; restoring step 10 from backup " + b1 + " instead"},
 		},
 		{
+			name: "incomplete in RAM, the same step restored from a backup: nothing lost, no line",
+			invs: ranks(2, 10, 1),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", b1, 10, tiers.Shape{Nodes: 2, Workers: 1}, slots("n0-w0", hx(1), "n1-w0", hx(2)))
+			},
+			found: true, step: 10, from: b1,
+		},
+		{
 			name: "incomplete in RAM below the backup restored",
 			invs: ranks(2, 5, 1),
 			store: func(t *testing.T, s *testStore) {

@@ -215,7 +215,7 @@ func lockOwned(dir string) (*os.File, error) {
 				if o, e := ReadOwner(dir); e == nil {
 					who = fmt.Sprintf("the agent of %s (pid %d)", o.MountPath, o.PID)
 				}
-				return nil, fmt.Errorf("spool %s is in use by %s: stop that agent, or give this mount its own --spool DIR (a stopping agent keeps its spool until the processes that use its mount leave it, up to 30 s; its log names them)", dir, who)
+				return nil, fmt.Errorf("spool %s is in use by %s: stop that agent, or give this mount its own --spool DIR (a stopping agent keeps its spool while a running backup finishes, up to its --drain-timeout, and then while processes use its mount, up to 30 s; its log names them)", dir, who)
 			}
 			return nil, err
 		}

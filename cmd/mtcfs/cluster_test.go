@@ -305,7 +305,7 @@ func TestJobRestartedInAnotherShape(t *testing.T) {
 	// Pinning the backup says the shape it restores in.
 	out, code := runMtcfs(t, "restore-version", "set", backup, "--backup", "file://"+c.backup, "--job", "trio")
 	require.Equal(t, 0, code, "%s", out)
-	assert.Contains(t, out, "if it runs in the shape the backup was taken in: 3 nodes × 1 worker")
+	assert.Contains(t, out, "the backup was taken by a job of 3 nodes × 1 worker, and restores in a job with the same workers per node and number of partitions")
 	out, code = runMtcfs(t, "restore-version", "clear", "--backup", "file://"+c.backup, "--job", "trio")
 	require.Equal(t, 0, code, "%s", out)
 

@@ -88,7 +88,9 @@ func Local() ([]Info, error) {
 	seen := map[int]bool{}
 	for i, dir := range Dirs() {
 		ents, err := os.ReadDir(dir)
-		if os.IsNotExist(err) || (err != nil && i > 0) {
+		if os.IsNotExist(err) || (err != nil && (i > 0 || os.IsPermission(err))) {
+			// Another user's, or this user's own made unreadable by an environment kept across
+			// a change of user (XDG_RUNTIME_DIR through su or setpriv): the others still count.
 			continue
 		}
 		if err != nil {
