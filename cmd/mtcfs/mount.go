@@ -398,6 +398,40 @@ func resolveExisting(p string) (existing, rest string) {
 	}
 }
 
+// stoppingWait bounds how long a new agent waits for a stopping one on its directory: that one
+// lets a running backup finish (its --drain-timeout, 30 s by default) and then waits up to 30 s
+// for the processes that use its mount.
+const stoppingWait = 2 * time.Minute
+
+// waitForStoppingAgent waits, when the agent serving dir on this machine is stopping (a restart
+// typed right after a Ctrl-C, while a backup drains or a shell still has its working directory
+// in the mount), until it is gone, or limit passes, or a stop signal comes. Before, the new agent
+// failed at once: "already a live FUSE mount", or "spool in use".
+func waitForStoppingAgent(dir string, limit time.Duration, sigs <-chan stopSignal) error {
+	old, ok := agents.Stopping(dir)
+	if !ok {
+		return nil
+	}
+	slog.Info("waiting for the agent that is stopping on this directory to finish (it lets a running backup finish, then waits for the processes that use its mount; its log names them)",
+		"pid", old.PID, "dir", dir, "up_to", limit.String())
+	start := time.Now()
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	deadline := time.After(limit)
+	for !agents.Gone(old) {
+		select {
+		case s := <-sigs:
+			return fmt.Errorf("%s while waiting for the stopping agent pid %d", s.sig, old.PID)
+		case <-deadline:
+			slog.Warn("the stopping agent is still there; going on", "pid", old.PID, "waited", time.Since(start).Round(time.Millisecond).String())
+			return nil
+		case <-tick.C:
+		}
+	}
+	slog.Info("the stopping agent is gone", "pid", old.PID, "waited", time.Since(start).Round(time.Millisecond).String())
+	return nil
+}
+
 func runMount(cfg mountConfig) error {
 	// Before anything large is allocated: a restart's adoption is what the marked pages are for.
 	if cfg.heapHugePages > 0 {
@@ -411,6 +445,9 @@ func runMount(cfg mountConfig) error {
 	defer stopSignals()
 	warnLowFDLimit()
 
+	if err := waitForStoppingAgent(tiers.ResolveMountPath(cfg.dir), stoppingWait, sigs); err != nil {
+		return err
+	}
 	if detached, err := mfs.DetachStale(cfg.dir, cfg.takeover); err != nil {
 		return err
 	} else if detached {
@@ -548,6 +585,9 @@ func runMount(cfg mountConfig) error {
 	case first := <-sigs:
 		ready.Store(false)
 		slog.Info("stopping", "signal", first.sig.String())
+		stopping := info
+		stopping.Stopping = true
+		agents.Register(stopping) // the same file; the deferred unregister removes it
 		rep.Close()
 		if err := unmountBounded(srv, sigs, first); err != nil {
 			return err

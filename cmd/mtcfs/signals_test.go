@@ -2,13 +2,13 @@ package main
 
 import (
 	"bufio"
-	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -172,7 +172,10 @@ func TestBrokenLogPipe(t *testing.T) {
 }
 
 // TestStopSaysWhoKeepsTheMountBusy: a stop waits while processes use the mount (up to 30 s).
-// Before, the agent logged "stopping" and nothing more until it went; now it names them.
+// Before, the agent logged "stopping" and nothing more until it went, and an agent started on
+// the directory meanwhile (a restart typed right after a Ctrl-C) failed at once ("already a
+// live FUSE mount", or "spool in use"). Now the stopping agent names the processes, and the new
+// one waits for it to finish, then serves.
 func TestStopSaysWhoKeepsTheMountBusy(t *testing.T) {
 	needRoot(t)
 	n := newRepNode(t)
@@ -192,19 +195,45 @@ func TestStopSaysWhoKeepsTheMountBusy(t *testing.T) {
 	log := a.log()
 	assert.Contains(t, log, fmt.Sprintf("pid %d (sleep: working directory)", child.Process.Pid))
 	assert.Contains(t, log, fmt.Sprintf("pid %d (%s: 1 open file)", os.Getpid(), strings.TrimSpace(string(comm))))
-	// An agent started meanwhile is told why it cannot start yet (the mount is still there, or
-	// detached already and the spool still held).
-	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, binPath, "mount", n.dir, "--spool", n.spool).CombinedOutput()
-	t.Cleanup(func() { forceUnmount(n.dir) })
-	require.Error(t, err, "a second agent started on the mount and spool of a stopping one: %s", out)
-	assert.Contains(t, string(out), "a stopping agent", "%s", out)
 
-	// They leave: the stop completes.
+	// An agent started meanwhile waits for the stopping one.
+	var mu sync.Mutex
+	var lines []string
+	logged := func(s string) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return strings.Contains(strings.Join(lines, "\n"), s)
+	}
+	b := exec.Command(binPath, "mount", n.dir, "--spool", n.spool, "--memory", "64MiB", "--backup", n.backupURL())
+	exited, err := startLogged(b, func(line string) { mu.Lock(); lines = append(lines, line); mu.Unlock() })
+	require.NoError(t, err)
+	bDone := make(chan struct{}) // closed once b exited (exited yields once: read it in one place)
+	var bErr error
+	go func() { bErr = <-exited; close(bDone) }()
+	t.Cleanup(func() {
+		b.Process.Kill()
+		<-bDone
+		forceUnmount(n.dir)
+		forceUnmount(n.spool)
+	})
+	repWait(t, 10*time.Second, "the new agent to wait for the stopping one", func() bool {
+		return logged("waiting for the agent that is stopping on this directory to finish") && logged(fmt.Sprintf("pid=%d", a.cmd.Process.Pid))
+	})
+	assert.False(t, logged(servingLine), "the new agent served while the old one was stopping")
+
+	// They leave: the stop completes, and the new agent serves.
 	held.Close()
 	child.Process.Kill()
 	child.Wait()
 	assert.Equal(t, 0, a.wait(30*time.Second), "%s", a.log())
+	repWait(t, 20*time.Second, "the new agent to serve", func() bool { return logged(servingLine) })
+	assert.True(t, logged("the stopping agent is gone"))
+	require.NoError(t, b.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-bDone:
+		assert.NoError(t, bErr)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the new agent did not stop")
+	}
 	assert.False(t, isMounted(n.dir))
 }

@@ -27,6 +27,9 @@ type Info struct {
 	Version     string `json:"version"`
 	Passthrough bool   `json:"passthrough"`
 	SpoolDir    string `json:"spool_dir,omitempty"`
+	// Stopping is set once the agent got its stop signal: an agent started on the same
+	// directory meanwhile waits for it to finish (WaitStopping) instead of failing.
+	Stopping bool `json:"stopping,omitempty"`
 	// StartTime is the agent process's start time (field 22 of /proc/PID/stat, clock ticks
 	// since boot): a file whose pid now names a process with another start time is stale.
 	StartTime uint64 `json:"start_time,omitempty"`
@@ -115,6 +118,26 @@ func Local() ([]Info, error) {
 		}
 	}
 	return out, nil
+}
+
+// Stopping returns the agent on this machine that serves dir and is stopping (ok false: none).
+func Stopping(dir string) (Info, bool) {
+	list, _ := Local()
+	for _, a := range list {
+		if a.Dir == dir && a.Stopping {
+			return a, true
+		}
+	}
+	return Info{}, false
+}
+
+// Gone reports whether the agent that published info has exited.
+func Gone(info Info) bool {
+	if unix.Kill(info.PID, 0) == unix.ESRCH {
+		return true
+	}
+	start, err := ProcStartTime(info.PID)
+	return os.IsNotExist(err) || (err == nil && info.StartTime != 0 && start != info.StartTime)
 }
 
 // StatusAddrs returns the HTTP addresses of the agents running on this machine, or of the one
