@@ -370,10 +370,10 @@ func incompleteSteps(cfg *Config, invs []Inventory, holders map[string][]int, ot
 		}
 		var why []string
 		if len(noMeta) > 0 {
-			why = append(why, "no live node holds a .meta of "+listSome(noMeta)+" (a save cut short, or a node whose RAM was lost before its replica was made)")
+			why = append(why, "no live node holds a .meta of "+listSome(noMeta, 3)+" (a save cut short, or a node whose RAM was lost before its replica was made)")
 		}
 		if len(noData) > 0 {
-			why = append(why, "no live node holds the data of "+listSome(noData))
+			why = append(why, "no live node holds the data of "+listSome(noData, 3))
 		}
 		if len(why) > 0 {
 			out[step] = strings.Join(why, "; ")
@@ -383,15 +383,6 @@ func incompleteSteps(cfg *Config, invs []Inventory, holders map[string][]int, ot
 }
 
 func slotName(s Slot) string { return fmt.Sprintf("rank %d worker %d", s.Rank, s.Worker) }
-
-// listSome joins the first three of names, and says how many more there are.
-func listSome(names []string) string {
-	const show = 3
-	if len(names) <= show {
-		return strings.Join(names, ", ")
-	}
-	return fmt.Sprintf("%s and %d more", strings.Join(names[:show], ", "), len(names)-show)
-}
 
 // clusterStep finds the highest step for which every slot has a .meta whose data some node
 // holds. When nodes disagree on a slot's .meta (the step was saved again and a peer still holds

@@ -605,12 +605,12 @@ func entryNames(dir string, keep func(name string) bool) ([]string, error) {
 	return out, nil
 }
 
-// namesForError lists at most five names.
-func namesForError(names []string) string {
-	if len(names) > 5 {
-		return strings.Join(names[:5], ", ") + fmt.Sprintf(" and %d more", len(names)-5)
+// listSome joins the first show of names, and says how many more there are.
+func listSome(names []string, show int) string {
+	if len(names) <= show {
+		return strings.Join(names, ", ")
 	}
-	return strings.Join(names, ", ")
+	return fmt.Sprintf("%s and %d more", strings.Join(names[:show], ", "), len(names)-show)
 }
 
 // checkSpoolDir refuses a spool directory the agent must not take: an existing directory that is
@@ -651,7 +651,7 @@ func checkSpoolDir(dir string) error {
 		return fmt.Errorf("spool %s: %w", dir, err)
 	}
 	if len(names) > 0 {
-		return fmt.Errorf("spool %s is not empty and not an mtcfs spool (no %s of an agent; it holds %s): the agent would hide it under its tmpfs and remove it once the spool is freed; give a new or empty directory", dir, OwnerFile, namesForError(names))
+		return fmt.Errorf("spool %s is not empty and not an mtcfs spool (no %s of an agent; it holds %s): the agent would hide it under its tmpfs and remove it once the spool is freed; give a new or empty directory", dir, OwnerFile, listSome(names, 5))
 	}
 	return nil
 }
@@ -669,7 +669,7 @@ func removeSpoolDir(dir string, unmounted bool) error {
 		}
 		if errors.Is(err, unix.ENOTEMPTY) || errors.Is(err, unix.EEXIST) {
 			names, _ := entryNames(dir, nil)
-			return fmt.Errorf("spool %s: its tmpfs is unmounted; the directory below stays, it holds what was there before (%s)", dir, namesForError(names))
+			return fmt.Errorf("spool %s: its tmpfs is unmounted; the directory below stays, it holds what was there before (%s)", dir, listSome(names, 5))
 		}
 		return fmt.Errorf("remove spool %s: %w", dir, err)
 	}
@@ -689,7 +689,7 @@ func removeSpoolDir(dir string, unmounted bool) error {
 		}
 	}
 	if len(foreign) > 0 {
-		return fmt.Errorf("spool %s: its own entries removed; the directory stays, it holds entries that are not a spool's (%s)", dir, namesForError(foreign))
+		return fmt.Errorf("spool %s: its own entries removed; the directory stays, it holds entries that are not a spool's (%s)", dir, listSome(foreign, 5))
 	}
 	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove spool %s: %w", dir, err)

@@ -131,14 +131,9 @@ func Stopping(dir string) (Info, bool) {
 	return Info{}, false
 }
 
-// Gone reports whether the agent that published info has exited.
-func Gone(info Info) bool {
-	if unix.Kill(info.PID, 0) == unix.ESRCH {
-		return true
-	}
-	start, err := ProcStartTime(info.PID)
-	return os.IsNotExist(err) || (err == nil && info.StartTime != 0 && start != info.StartTime)
-}
+// Gone reports whether the agent that published info has exited (alive's test, without the
+// registry file: Local read that already).
+func Gone(info Info) bool { return !alive(info, "") }
 
 // StatusAddrs returns the HTTP addresses of the agents running on this machine, or of the one
 // serving dir when dir is not "" (a mount path resolved as agents register it). Finding none is
@@ -163,7 +158,8 @@ func StatusAddrs(dir string) ([]string, error) {
 	return addrs, nil
 }
 
-// alive reports whether the process that wrote the registry file p still runs.
+// alive reports whether the process that wrote the registry file p still runs ("": a process
+// that did not record its start time counts as running).
 func alive(info Info, p string) bool {
 	if unix.Kill(info.PID, 0) == unix.ESRCH {
 		return false
