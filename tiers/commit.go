@@ -77,12 +77,13 @@ type commitRecorder struct {
 	incs  *incarnations
 	out   *fifo[pendingCommit] // to the sealer
 	lines *jobLines            // a misnamed .save is reported to the job
-	// misnamed holds "<incarnation>/<name>" of each misnamed .save reported, so that each is
-	// reported once per incarnation however often it is closed.
-	misnamed sync.Map
-
-	mu      sync.Mutex
-	pending map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
+	mu    sync.Mutex
+	// misnamed holds the names of the misnamed .save files reported in the incarnation
+	// misnamedInc, so that each is reported once per incarnation however often it is closed;
+	// a new incarnation starts it afresh (it held one entry per step of a misnamed job, forever).
+	misnamed    map[string]bool // GUARDED_BY(mu)
+	misnamedInc string          // GUARDED_BY(mu)
+	pending     map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
 	// sealed is closed (and replaced) whenever a name leaves pending.
 	sealed chan struct{} // GUARDED_BY(mu)
 }
@@ -131,7 +132,14 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	if pending || !cr.hasName(ev.path) {
 		return
 	}
-	if _, seen := cr.misnamed.LoadOrStore(inc.ID+"/"+ev.path, true); seen {
+	cr.mu.Lock()
+	if cr.misnamedInc != inc.ID {
+		cr.misnamed, cr.misnamedInc = map[string]bool{}, inc.ID
+	}
+	seen := cr.misnamed[ev.path]
+	cr.misnamed[ev.path] = true
+	cr.mu.Unlock()
+	if seen {
 		return
 	}
 	cfg := inc.Config

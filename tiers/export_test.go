@@ -27,3 +27,6 @@ func (r *Replicator) SetWaitNotices(logAfter, logEvery, lineAfter time.Duration)
 	r.node.waits.logEvery.Store(int64(logEvery))
 	r.node.waits.lineAfter.Store(int64(lineAfter))
 }
+
+// RoundUpBudget is roundUpBudget, for spool_test.go.
+func RoundUpBudget(n int64) int64 { return roundUpBudget(n) }

@@ -272,26 +272,19 @@ func (r *passedOver) lines(outcome string) []string {
 	}
 	var parts []string
 	if r.nIncomplete > 0 {
-		parts = append(parts, count(r.nIncomplete, "incomplete step in RAM", "incomplete steps in RAM"))
+		parts = append(parts, fmt.Sprintf("%d incomplete step%s in RAM", r.nIncomplete, plural(r.nIncomplete)))
 	}
 	if r.nDamaged > 0 {
-		parts = append(parts, count(r.nDamaged, "damaged backup step", "damaged backup steps"))
+		parts = append(parts, fmt.Sprintf("%d damaged backup step%s", r.nDamaged, plural(r.nDamaged)))
 	}
 	if r.nShaped > 0 {
-		parts = append(parts, count(r.nShaped, "checkpoint of a job of another shape", "checkpoints of a job of another shape"))
+		parts = append(parts, fmt.Sprintf("%d checkpoint%s of a job of another shape", r.nShaped, plural(r.nShaped)))
 	}
 	summary := strings.Join(parts, " and ")
 	if n > maxPassedLines {
 		summary += fmt.Sprintf(" (the first %d above)", maxPassedLines)
 	}
 	return append(r.first, summary+outcome)
-}
-
-func count(n int, one, many string) string {
-	if n == 1 {
-		return "1 " + one
-	}
-	return fmt.Sprintf("%d %s", n, many)
 }
 
 // shapeWhy says why a checkpoint of a job of another shape is not restored.
@@ -412,12 +405,7 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others
 			owned[m.Step][slot] = inv.Rank == m.Node
 		}
 	}
-	steps := make([]int64, 0, len(bySlot))
-	for s := range bySlot {
-		steps = append(steps, s)
-	}
-	sort.Slice(steps, func(i, j int) bool { return steps[i] > steps[j] })
-	for _, s := range steps {
+	for _, s := range sortedSteps(bySlot) {
 		if len(bySlot[s]) == cfg.Nodes*cfg.WorkersPerNode {
 			return s, bySlot[s], true
 		}

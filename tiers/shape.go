@@ -26,6 +26,9 @@ func (c *Config) Shape() Shape {
 	return Shape{Nodes: c.Nodes, Workers: c.WorkersPerNode, DataParallelism: c.AssumeDataParallelism}
 }
 
+// valid reports whether a job can have shape s (a record that is not is no record).
+func (s Shape) valid() bool { return s.Nodes > 0 && s.Workers > 0 && s.DataParallelism >= 0 }
+
 // partitions returns how many different slots of data a node-wide checkpoint of s holds per
 // worker: Nodes, or Nodes/DataParallelism in data-parallel mode.
 func (s Shape) partitions() int {
@@ -84,7 +87,7 @@ type ShapeError struct {
 func (e *ShapeError) Error() string {
 	saved := "a job of " + e.Saved.String()
 	if !e.Recorded {
-		saved = fmt.Sprintf("a job of at least %d node%s × %d worker%s (its .meta names)", e.Saved.Nodes, plural(e.Saved.Nodes), e.Saved.Workers, plural(e.Saved.Workers))
+		saved = "a job of at least " + e.Saved.String() + " (its .meta names)"
 	}
 	return fmt.Sprintf("backup %s was taken by %s; this job has %s", e.Backup, saved, e.Job)
 }

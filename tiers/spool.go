@@ -49,11 +49,11 @@ type Spool struct {
 
 	// lock is the spool's root directory, opened and flock'ed while a mount path owns the spool
 	// (nil otherwise); ownerMu guards owner, the record last written to owner.json, and shape,
-	// the one in ShapeFile (nil: none).
+	// the one in ShapeFile.
 	lock    *os.File
 	ownerMu sync.Mutex
 	owner   Owner
-	shape   *Shape
+	shape   Shape // the zero Shape: none
 
 	closeOnce sync.Once
 	// trash is set while a predecessor's files, moved aside by clearFiles, wait for RemoveTrash.
@@ -242,14 +242,21 @@ func resizeError(cfg SpoolConfig, err error) error {
 			return fmt.Errorf("the kept spool at %s holds %s of checkpoints, more than the memory budget (--memory) of %s: "+
 				"start with --memory %s or more (twice what it holds: the restored step stays in RAM until the job's next save is complete) "+
 				"to restore them from RAM, or free the spool first (mtcfs spool free %s; the job then restores from a peer or a backup)",
-				cfg.Dir, FormatSize(held), FormatSize(cfg.Budget), FormatSize(roundUpMiB(2*held)), free)
+				cfg.Dir, FormatSize(held), FormatSize(cfg.Budget), FormatSize(roundUpBudget(2*held)), free)
 		}
 	}
 	return fmt.Errorf("resize spool tmpfs at %s to %s: %w", cfg.Dir, FormatSize(cfg.Budget), err)
 }
 
-// roundUpMiB rounds n up to a whole MiB.
-func roundUpMiB(n int64) int64 { return (n + 1<<20 - 1) &^ (1<<20 - 1) }
+// roundUpBudget rounds a --memory to advise up to a whole MiB, or from 1 GiB on to a whole
+// GiB (FormatSize writes GiB exactly: 6.6005859375GiB is no advice to type).
+func roundUpBudget(n int64) int64 {
+	unit := int64(1 << 20)
+	if n >= 1<<30 {
+		unit = 1 << 30
+	}
+	return (n + unit - 1) / unit * unit
+}
 
 // OpenSpool prepares the spool directory. An existing tmpfs mount at Dir (left by an agent that
 // was killed) is adopted and resized to the new budget, keeping its content. An agent's spool
@@ -362,7 +369,7 @@ func (s *Spool) Owner() Owner {
 func (s *Spool) SetJob(job string) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.owner.Job != job && s.shape != nil {
+	if s.owner.Job != job && s.shape != (Shape{}) {
 		s.forgetShapeLocked() // another job's shape says nothing of this one's
 	}
 	s.owner.Job = job
@@ -379,7 +386,7 @@ func (s *Spool) SetJob(job string) error {
 func (s *Spool) SetShape(shape Shape) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.shape != nil && *s.shape == shape {
+	if s.shape == shape {
 		return nil
 	}
 	data, _ := json.Marshal(shape)
@@ -387,13 +394,13 @@ func (s *Spool) SetShape(shape Shape) error {
 		s.forgetShapeLocked()
 		return fmt.Errorf("record the job's shape: %w", err)
 	}
-	s.shape = &shape
+	s.shape = shape
 	return nil
 }
 
 // forgetShapeLocked removes the shape record. Called with ownerMu held.
 func (s *Spool) forgetShapeLocked() {
-	s.shape = nil
+	s.shape = Shape{}
 	os.Remove(filepath.Join(s.dir, ShapeFile))
 }
 
@@ -401,11 +408,11 @@ func (s *Spool) forgetShapeLocked() {
 func (s *Spool) readShape() {
 	data, err := os.ReadFile(filepath.Join(s.dir, ShapeFile))
 	var shape Shape
-	if err != nil || json.Unmarshal(data, &shape) != nil || shape.Nodes <= 0 || shape.Workers <= 0 || shape.DataParallelism < 0 {
+	if err != nil || json.Unmarshal(data, &shape) != nil || !shape.valid() {
 		return
 	}
 	s.ownerMu.Lock()
-	s.shape = &shape
+	s.shape = shape
 	s.ownerMu.Unlock()
 }
 
@@ -413,10 +420,7 @@ func (s *Spool) readShape() {
 func (s *Spool) SavedShape() Shape {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.shape == nil {
-		return Shape{}
-	}
-	return *s.shape
+	return s.shape
 }
 
 func (s *Spool) writeOwnerLocked() error {

@@ -349,3 +349,16 @@ func TestSpoolTrashWaitsForAdoption(t *testing.T) {
 		t.Fatalf("Close: %v", err)
 	}
 }
+
+// TestRoundUpBudget: the --memory a refused restart advises is one to type: whole MiB, and from
+// 1 GiB on whole GiB (before, 2 × 3.3 GiB held read "--memory 6.6005859375GiB or more").
+func TestRoundUpBudget(t *testing.T) {
+	for _, c := range []struct{ n, want int64 }{
+		{1, 1 << 20}, {81 << 20, 81 << 20}, {80<<20 + 1, 81 << 20},
+		{1 << 30, 1 << 30}, {1<<30 + 1, 2 << 30}, {6759 << 20, 7 << 30},
+	} {
+		if got := tiers.RoundUpBudget(c.n); got != c.want {
+			t.Errorf("RoundUpBudget(%d) = %s, want %s", c.n, tiers.FormatSize(got), tiers.FormatSize(c.want))
+		}
+	}
+}
