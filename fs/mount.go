@@ -122,10 +122,12 @@ func (s *Server) Unmount() error {
 		return fmt.Errorf("unmount %s: %v; fusermount3 -uz: %s", s.dir, err, strings.TrimSpace(string(out)))
 	}
 	switch {
-	case n > show:
-		s.log.Warn("the mount is busy: it is detached, and goes away once these processes leave it", "dir", s.dir, "processes", strings.Join(users, ", ")+fmt.Sprintf(" and %d more", n-show), "unmount", err)
 	case n > 0:
-		s.log.Warn("the mount is busy: it is detached, and goes away once these processes leave it", "dir", s.dir, "processes", strings.Join(users, ", "), "unmount", err)
+		list := strings.Join(users, ", ")
+		if n > show {
+			list += fmt.Sprintf(" and %d more", n-show)
+		}
+		s.log.Warn("the mount is busy: it is detached, and goes away once these processes leave it", "dir", s.dir, "processes", list, "unmount", err)
 	default:
 		s.log.Warn("the unmount did not go through: the mount is detached, and goes away once whatever uses it leaves it (no process in this PID namespace is seen using it)", "dir", s.dir, "unmount", err)
 	}

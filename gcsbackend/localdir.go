@@ -43,19 +43,19 @@ import (
 //
 // Limitation against GCS: an object and a "directory" prefix cannot share a
 // name ("a" and "a/b"); the backup layout never needs that.
+type localDir struct {
+	root string
+	// noXattr makes the store behave as on a filesystem without user xattrs
+	// (tests run the conformance suite both ways).
+	noXattr bool
+}
+
 // LocalRoot returns the directory of a file:// store (ok false for any other store).
 func LocalRoot(s ObjectStore) (dir string, ok bool) {
 	if l, isLocal := s.(*localDir); isLocal {
 		return l.root, true
 	}
 	return "", false
-}
-
-type localDir struct {
-	root string
-	// noXattr makes the store behave as on a filesystem without user xattrs
-	// (tests run the conformance suite both ways).
-	noXattr bool
 }
 
 var _ ObjectStore = (*localDir)(nil)

@@ -351,8 +351,8 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 	columns := map[int64]map[columnSlot]source{} // per step: the lowest rank's usable .meta per column slot
 	for _, inv := range invs {
 		for name, hash := range inv.Metas {
-			m, ok := layout.ParseMarkerName(name)
-			if !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode || !held[hash] {
+			m, inShape, ok := tiers.JobMeta(cfg, name)
+			if !ok || !inShape || !held[hash] {
 				continue
 			}
 			if usable[m.Step] == nil {
@@ -563,12 +563,8 @@ func (c *JobCoordinator) expire(r *syncRound) {
 		return
 	}
 	missing, n := someRanks(len(c.synced), func(rank int) bool { return c.synced[rank] < r.step })
-	more := ""
-	if n > len(missing) {
-		more = fmt.Sprintf(" and %d more", n-len(missing))
-	}
-	c.finish(r, tiers.SyncDecision{}, fmt.Errorf("sync of step %d: %w: ranks %v%s (%d of %d nodes) did not report it within %v",
-		r.step, ErrSyncTimeout, missing, more, n, c.cfg.Nodes, c.lagTimeout))
+	c.finish(r, tiers.SyncDecision{}, fmt.Errorf("sync of step %d: %w: ranks [%s] (%d of %d nodes) did not report it within %v",
+		r.step, ErrSyncTimeout, rankList(missing, n), n, c.cfg.Nodes, c.lagTimeout))
 }
 
 // lastBackup is the newest backup name this coordinator knows of.
@@ -658,19 +654,6 @@ type Job struct {
 // NewJob returns a Job whose coordinators use opts. Its LastBackup is carried from one
 // incarnation's coordinator to the next.
 func NewJob(opts Options) *Job { return &Job{opts: opts} }
-
-// current returns the coordinator that inc's rank takes part in (nil: none yet), starting nothing.
-func (j *Job) current(inc tiers.Incarnation) *JobCoordinator {
-	if inc.Config == nil {
-		return nil
-	}
-	j.mu.Lock()
-	defer j.mu.Unlock()
-	if j.cur == nil || !sameJob(j.cur.cfg, inc.Config) || inc.Config.NodeRank >= len(j.ids) || j.ids[inc.Config.NodeRank] != inc.ID {
-		return nil
-	}
-	return j.cur
-}
 
 // Coordinator returns the coordinator for a call from rank in the agent incarnation inc;
 // negotiate is true for Negotiate, the only call that may start an incarnation.
@@ -773,7 +756,7 @@ var _ tiers.WaitDescriber = LocalClient{}
 
 // WaitingFor says which ranks inc's pending Negotiate or Restored waits for.
 func (l LocalClient) WaitingFor(inc tiers.Incarnation) (string, bool) {
-	if c := l.Job.current(inc); c != nil {
+	if c, _, err := l.coordinator(inc, false); err == nil {
 		return c.waitingFor()
 	}
 	return "", false

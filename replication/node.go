@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -234,7 +233,9 @@ func (n *Node) Addr() string { return n.addr }
 // calling an agent that stopped. (A killed agent cannot; its successor's registration
 // supersedes it.)
 func (n *Node) Close() {
-	n.endLife()
+	n.mu.Lock()
+	n.endLife() // under mu: rankClaimedElsewhere adds to checks under mu only while life lasts
+	n.mu.Unlock()
 	n.checks.Wait()
 	n.srv.Stop()
 	n.cfg.Listener.Close() // if Start never served it
@@ -476,14 +477,12 @@ func (n *Node) rankClaimedElsewhere(inc tiers.Incarnation) string {
 			ctx, cancel := context.WithTimeout(n.life, 5*time.Second)
 			defer cancel()
 			other := ""
-			name := n.registry.registrationName(job, rank)
-			data, err := n.registry.Objects.Get(ctx, name, registrationLimit)
-			var reg Registration
+			reg, err := n.registry.current(ctx, job, rank)
 			switch {
 			case errors.Is(err, fs.ErrNotExist):
 				other = fmt.Sprintf("this node's registration as rank %d of job %s (%s in %s) is gone, removed by another agent that had taken the rank and stopped?: the other ranks cannot find this node until the job restarts",
-					rank, job, name, n.registry.Objects)
-			case err == nil && json.Unmarshal(data, &reg) == nil && reg.InstanceID != n.instance:
+					rank, job, n.registry.registrationName(job, rank), n.registry.Objects)
+			case err == nil && reg.InstanceID != n.instance:
 				other = fmt.Sprintf("another agent (at %s) registered as rank %d of job %s after this one, at %s: two nodes claim rank %d (check node-rank in each node's replicator.yaml)",
 					reg.Addr, rank, job, reg.Updated.UTC().Format(time.RFC3339), rank)
 			}

@@ -188,6 +188,23 @@ func (g Registry) Find(ctx context.Context, job string, rank int) (Peer, error) 
 	return Peer{Addr: reg.Addr, Instance: reg.InstanceID}, nil
 }
 
+// errNotRegistration: the object where a registration belongs is not a valid one.
+var errNotRegistration = errors.New("not a valid registration")
+
+// current reads the registration of rank of job, as Lookup validates one: an object that is
+// not a valid registration of that job and rank is an error wrapping errNotRegistration.
+func (g Registry) current(ctx context.Context, job string, rank int) (Registration, error) {
+	var reg Registration
+	data, err := g.Objects.Get(ctx, g.registrationName(job, rank), registrationLimit)
+	if err != nil {
+		return reg, err
+	}
+	if err := json.Unmarshal(data, &reg); err != nil || reg.Job != job || reg.Rank != rank || reg.validate() != nil {
+		return Registration{}, fmt.Errorf("%s: %w of rank %d of %s", g.registrationName(job, rank), errNotRegistration, rank, job)
+	}
+	return reg, nil
+}
+
 // Unregister removes reg's registration if it is still the rank's current one (same instance
 // id): an agent shutting down must not remove the registration of the agent that replaced it.
 // Read and delete are two calls, so a registration written in between can still be removed;
@@ -198,16 +215,14 @@ func (g Registry) Unregister(ctx context.Context, reg Registration) error {
 		return err
 	}
 	name := g.registrationName(reg.Job, reg.Rank)
-	data, err := g.Objects.Get(ctx, name, registrationLimit)
-	if errors.Is(err, fs.ErrNotExist) {
+	cur, err := g.current(ctx, reg.Job, reg.Rank)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
 		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("unregister rank %d of %s: %w", reg.Rank, reg.Job, err)
-	}
-	var cur Registration
-	if json.Unmarshal(data, &cur) == nil && cur.InstanceID != reg.InstanceID {
+	case err == nil && cur.InstanceID != reg.InstanceID:
 		return nil // superseded: not ours to remove
+	case err != nil && !errors.Is(err, errNotRegistration): // an invalid object goes
+		return fmt.Errorf("unregister rank %d of %s: %w", reg.Rank, reg.Job, err)
 	}
 	if err := g.Objects.Delete(ctx, name); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("unregister rank %d of %s: %w", reg.Rank, reg.Job, err)

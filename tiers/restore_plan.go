@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"sort"
 	"strings"
-
-	"github.com/mtcfs/mtcfs/layout"
 )
 
 // Slot is one training process of the job: a node rank and a worker index.
@@ -328,8 +326,8 @@ func incompleteSteps(cfg *Config, invs []Inventory, holders map[string][]int, ot
 	steps := map[int64]map[Slot]*slotState{}
 	for _, inv := range invs {
 		for name, hash := range inv.Metas {
-			m, ok := layout.ParseMarkerName(name)
-			if !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode {
+			m, inShape, ok := JobMeta(cfg, name)
+			if !ok || !inShape {
 				continue
 			}
 			if _, other := others[m.Step]; other {
@@ -387,8 +385,8 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others
 	owned := map[int64]map[Slot]bool{} // the slot's .meta came from its own node
 	for _, inv := range invs {
 		for name, hash := range inv.Metas {
-			m, ok := layout.ParseMarkerName(name)
-			if !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode {
+			m, inShape, ok := JobMeta(cfg, name)
+			if !ok || !inShape {
 				continue
 			}
 			if _, other := others[m.Step]; other || len(holders[hash]) == 0 {

@@ -92,6 +92,16 @@ func (e *ShapeError) Error() string {
 	return fmt.Sprintf("backup %s was taken by %s; this job has %s", e.Backup, saved, e.Job)
 }
 
+// JobMeta parses name as a .meta of the job of cfg; inShape tells whether its slot is one of
+// the job's (a rank below nodes, a worker below workers-per-node).
+func JobMeta(cfg *Config, name string) (m layout.MarkerName, inShape, ok bool) {
+	m, ok = layout.ParseMarkerName(name)
+	if !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName {
+		return m, false, false
+	}
+	return m, m.Node < cfg.Nodes && m.Worker < cfg.WorkersPerNode, true
+}
+
 // OtherShapeSteps maps each step in the nodes' RAM that the job cannot restore to what shows
 // it: a node's spool recorded the job's shape as one that cannot restore its steps, or, on a
 // node without a record, a .meta of the job names a slot outside the job's shape (the highest
@@ -105,9 +115,9 @@ func OtherShapeSteps(cfg *Config, invs []Inventory) map[int64]string {
 		recorded := inv.Shape.Nodes > 0
 		incompatible := recorded && !shape.Restores(inv.Shape, true)
 		for name := range inv.Metas {
-			m, ok := layout.ParseMarkerName(name)
+			m, _, ok := JobMeta(cfg, name)
 			switch {
-			case !ok || m.Kind != layout.MarkerMeta || m.Job != cfg.JobName:
+			case !ok:
 			case incompatible:
 				out[m.Step] = fmt.Sprintf("was saved by a job of %s (as rank %d's spool recorded it)", inv.Shape, inv.Rank)
 			case recorded:

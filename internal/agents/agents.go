@@ -28,7 +28,7 @@ type Info struct {
 	Passthrough bool   `json:"passthrough"`
 	SpoolDir    string `json:"spool_dir,omitempty"`
 	// Stopping is set once the agent got its stop signal: an agent started on the same
-	// directory meanwhile waits for it to finish (WaitStopping) instead of failing.
+	// directory meanwhile waits for it to finish (Stopping, Gone) instead of failing.
 	Stopping bool `json:"stopping,omitempty"`
 	// StartTime is the agent process's start time (field 22 of /proc/PID/stat, clock ticks
 	// since boot): a file whose pid now names a process with another start time is stale.
@@ -38,7 +38,7 @@ type Info struct {
 // Dir holds one small file per running agent on this machine.
 func Dir() string {
 	if os.Geteuid() == 0 {
-		return "/run/mtcfs/agents"
+		return rootDir
 	}
 	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
 		return filepath.Join(d, "mtcfs", "agents")
