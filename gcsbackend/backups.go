@@ -331,13 +331,22 @@ func (r BackupReport) Complete() bool {
 // the data objects of an earlier page. Its data was all written before its .meta, so the second
 // listing, begun after the first ended, holds it; a step is Damaged only if both say so. Not
 // with Deep: that would read every object of a damaged backup twice. `mtcfs backups verify` run
-// beside an upload to GCS may then call a step damaged that the next run finds complete.
+// beside an upload to GCS may then call a step damaged that the next run finds complete. Nor
+// when every damaged step is damaged whatever the listing says (a .damaged record, a .meta that
+// names no data): a backup a restore marked was otherwise verified twice at every restore plan.
 func (b *Backups) Verify(ctx context.Context, job, backup string, opts VerifyOptions) (BackupReport, error) {
-	first, err := b.verifyOnce(ctx, job, backup, opts)
+	first, recorded, err := b.verifyOnce(ctx, job, backup, opts)
 	if err != nil || !first.Damaged() || opts.Deep {
 		return first, err
 	}
-	again, err := b.verifyOnce(ctx, job, backup, opts)
+	listed := false // a step damaged by what the listing showed
+	for _, s := range first.Steps {
+		listed = listed || (s.Damaged && !recorded[s.Step])
+	}
+	if !listed {
+		return first, nil
+	}
+	again, _, err := b.verifyOnce(ctx, job, backup, opts)
 	if err != nil {
 		return BackupReport{}, err
 	}
@@ -351,21 +360,22 @@ func (b *Backups) Verify(ctx context.Context, job, backup string, opts VerifyOpt
 	return again, nil
 }
 
-// verifyOnce is Verify over one listing of the backup.
-func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts VerifyOptions) (BackupReport, error) {
+// verifyOnce is Verify over one listing of the backup. recorded holds the damaged steps that a
+// second listing cannot clear: a .damaged record of their data, or a .meta that names no data.
+func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts VerifyOptions) (rep BackupReport, recorded map[int64]bool, err error) {
 	if err := validateJob(job); err != nil {
-		return BackupReport{}, err
+		return BackupReport{}, nil, err
 	}
 	if err := validateBackupName(backup); err != nil {
-		return BackupReport{}, err
+		return BackupReport{}, nil, err
 	}
 	dir := backupDir(job, backup)
 	objs, _, err := b.Store.List(ctx, dir, "")
 	if err != nil {
-		return BackupReport{}, fmt.Errorf("verify backup %s: %w", dir, err)
+		return BackupReport{}, nil, fmt.Errorf("verify backup %s: %w", dir, err)
 	}
 	if len(objs) == 0 {
-		return BackupReport{}, &NotFoundError{Name: dir}
+		return BackupReport{}, nil, &NotFoundError{Name: dir}
 	}
 	index := make(map[string]ObjectAttrs, len(objs))
 	metas := make(map[int64]map[Slot]bool)
@@ -384,7 +394,8 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 		maxRank, maxWorker = max(maxRank, slot.Rank), max(maxWorker, slot.Worker)
 	}
 
-	rep := BackupReport{Name: backup, Nodes: opts.Nodes, Workers: opts.Workers,
+	recorded = make(map[int64]bool)
+	rep = BackupReport{Name: backup, Nodes: opts.Nodes, Workers: opts.Workers,
 		Saved: tiers.Shape{Nodes: maxRank + 1, Workers: maxWorker + 1}}
 	if _, listed := index[shapeName]; listed {
 		if s, ok := b.readShape(ctx, dir); ok {
@@ -437,7 +448,7 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 		return nil
 	})
 	if err != nil {
-		return BackupReport{}, fmt.Errorf("verify backup %s: %w", dir, err)
+		return BackupReport{}, nil, fmt.Errorf("verify backup %s: %w", dir, err)
 	}
 	named := make(map[int64]map[Slot]metaRead)
 	var distinct []string
@@ -455,7 +466,7 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 
 	dataProblems, unknown, err := b.checkData(ctx, dir, distinct, index, opts.Deep)
 	if err != nil {
-		return BackupReport{}, fmt.Errorf("verify backup %s: %w", dir, err)
+		return BackupReport{}, nil, fmt.Errorf("verify backup %s: %w", dir, err)
 	}
 
 	for step := range metas {
@@ -471,10 +482,13 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 					sr.Problems = append(sr.Problems, fmt.Sprintf("%s: .meta missing", slot))
 				case m.invalid:
 					sr.Problems = append(sr.Problems, fmt.Sprintf("%s: .meta content %.80q is not a data hash", slot, h))
-					sr.Damaged = true
+					sr.Damaged, recorded[step] = true, true
 				default:
 					sr.Data[slot] = h
 					sr.Damaged = sr.Damaged || (len(dataProblems[h]) > 0 && !unknown[h])
+					if _, marked := index[damagedName(h)]; marked {
+						recorded[step] = true
+					}
 					if !reported[h] {
 						reported[h] = true
 						for _, p := range dataProblems[h] {
@@ -489,7 +503,7 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 		rep.Steps = append(rep.Steps, sr)
 	}
 	sort.Slice(rep.Steps, func(i, j int) bool { return rep.Steps[i].Step > rep.Steps[j].Step })
-	return rep, nil
+	return rep, recorded, nil
 }
 
 // checkData returns, per hash, what is wrong with its data in the backup at

@@ -927,3 +927,42 @@ func TestManifestOfANewerVersionIsNotDamage(t *testing.T) {
 	assert.False(t, r.Steps[0].Damaged)
 	assert.Contains(t, strings.Join(r.Steps[0].Problems, "\n"), "a newer mtcfs wrote it?")
 }
+
+// listCountingStore counts the listings of a backup.
+type listCountingStore struct {
+	ObjectStore
+	lists atomic.Int32
+}
+
+func (s *listCountingStore) List(ctx context.Context, prefix, delim string) ([]ObjectAttrs, []string, error) {
+	s.lists.Add(1)
+	return s.ObjectStore.List(ctx, prefix, delim)
+}
+
+// TestVerifyListsOnceWhenDamageIsRecorded: a step damaged by a record (MarkDamaged) or a .meta
+// that names no data is damaged whatever a second listing shows, so Verify does not list and
+// read the backup again for it (it did at every restore plan once a restore had marked it). A
+// step damaged by what the listing showed (an object missing) is still listed twice.
+func TestVerifyListsOnceWhenDamageIsRecorded(t *testing.T) {
+	ctx := context.Background()
+	counting := &listCountingStore{ObjectStore: newTestStore(t)}
+	b := &Backups{Store: counting, Parallelism: 3}
+	const backup = "2025-06-30_14-30"
+	hashes := uploadStep(t, b, backup, 5, 2, 1)
+	require.NoError(t, b.MarkDamaged(ctx, testJob, backup, hashes[Slot{1, 0}], "rank 1: crc32c mismatch"))
+	counting.lists.Store(0)
+	r := verify(t, b, backup, VerifyOptions{})
+	require.True(t, r.Steps[0].Damaged)
+	assert.Equal(t, int32(1), counting.lists.Load(), "listings of a backup whose damage is recorded")
+
+	// The record goes and an object of the data goes: damage only the listing shows.
+	require.NoError(t, b.Store.Delete(ctx, testJob+"/"+backup+"/"+hashes[Slot{1, 0}]+".data.damaged"))
+	objs, _, err := b.Store.List(ctx, testJob+"/"+backup+"/"+hashes[Slot{1, 0}]+".data/", "")
+	require.NoError(t, err)
+	require.NotEmpty(t, objs)
+	require.NoError(t, b.Store.Delete(ctx, objs[0].Name))
+	counting.lists.Store(0)
+	r = verify(t, b, backup, VerifyOptions{})
+	require.True(t, r.Steps[0].Damaged)
+	assert.Equal(t, int32(2), counting.lists.Load(), "listings of a backup damaged as its listing shows")
+}
