@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io/fs"
 	"os"
 	"slices"
 	"strings"
@@ -106,9 +107,10 @@ func (f *flagSetWithBackup) open(args []string) ([]string, *gcsbackend.Backups, 
 		fmt.Fprintln(os.Stderr, "mtcfs:", err)
 		return nil, nil, 1
 	}
-	// A mistyped file:// path would read as a location with no backups in it.
+	// A mistyped file:// path would read as a location with no backups in it (opening it
+	// refused any other error, and a file).
 	if dir, ok := gcsbackend.LocalRoot(b.Store); ok {
-		if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+		if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
 			fmt.Fprintf(os.Stderr, "mtcfs: --backup %s: no such directory\n", *f.url)
 			return nil, nil, 1
 		}
