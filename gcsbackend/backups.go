@@ -170,13 +170,13 @@ type backupShape struct {
 	Format          string `json:"format"`
 	Nodes           int    `json:"nodes"`
 	Workers         int    `json:"workers"`
-	DataParallelism *int   `json:"data-parallelism"` // nil: not recorded
+	DataParallelism int    `json:"data-parallelism"` // -1 once read: not recorded
 }
 
 const shapeFormat = "mtcfs-backup-v1"
 
 func (b *Backups) putShape(ctx context.Context, dir string, s tiers.Shape) error {
-	data, _ := json.Marshal(backupShape{Format: shapeFormat, Nodes: s.Nodes, Workers: s.Workers, DataParallelism: &s.DataParallelism})
+	data, _ := json.Marshal(backupShape{Format: shapeFormat, Nodes: s.Nodes, Workers: s.Workers, DataParallelism: s.DataParallelism})
 	if err := PutBytes(ctx, b.Store, dir+shapeName, data, true); err != nil {
 		return fmt.Errorf("record the job's shape (%s): %w", s, err)
 	}
@@ -189,8 +189,8 @@ func (b *Backups) readShape(ctx context.Context, dir string) (backupShape, bool)
 	if err != nil {
 		return backupShape{}, false
 	}
-	var s backupShape
-	if json.Unmarshal(data, &s) != nil || s.Format != shapeFormat || s.Nodes <= 0 || s.Workers <= 0 || (s.DataParallelism != nil && *s.DataParallelism < 0) {
+	s := backupShape{DataParallelism: -1} // what a record without the field keeps
+	if json.Unmarshal(data, &s) != nil || s.Format != shapeFormat || s.Nodes <= 0 || s.Workers <= 0 || s.DataParallelism < -1 {
 		return backupShape{}, false
 	}
 	return s, true
@@ -399,10 +399,7 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 		Saved: tiers.Shape{Nodes: maxRank + 1, Workers: maxWorker + 1}}
 	if _, listed := index[shapeName]; listed {
 		if s, ok := b.readShape(ctx, dir); ok {
-			rep.Saved = tiers.Shape{Nodes: s.Nodes, Workers: s.Workers, DataParallelism: -1}
-			if s.DataParallelism != nil {
-				rep.Saved.DataParallelism = *s.DataParallelism
-			}
+			rep.Saved = tiers.Shape{Nodes: s.Nodes, Workers: s.Workers, DataParallelism: s.DataParallelism}
 			rep.SavedRecorded = true
 			if rep.Nodes <= 0 {
 				rep.Nodes = s.Nodes

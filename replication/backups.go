@@ -124,14 +124,14 @@ func (c *JobCoordinator) considerBackup(now time.Time) {
 		case o.retryAt.IsZero():
 		case now.Before(o.retryAt):
 			c.armBackupTimer(now, o.retryAt)
-		case b.latest > o.step && layout.BackupName(now) > c.floor:
-			c.log.Info("backup superseded by a newer step", "backup", o.name, "step", o.step, "newer", b.latest)
-			c.orderBackup(now, layout.BackupName(now))
 		case b.latest > o.step:
-			// A newer step waits, and this minute has its backup name: order the newer step in
-			// the next minute rather than the failed one again, which the node that failed may
-			// no longer hold (retention frees an older step once a newer one is complete).
-			c.armBackupTimer(now, now.UTC().Truncate(time.Minute).Add(time.Minute))
+			// A newer step waits: order it rather than the failed one again, which the node that
+			// failed may no longer hold (retention frees an older step once a newer one is
+			// complete); in the next minute when this one has its backup name.
+			if name, ok := c.freeMinute(now); ok {
+				c.log.Info("backup superseded by a newer step", "backup", o.name, "step", o.step, "newer", b.latest)
+				c.orderBackup(now, name)
+			}
 		default:
 			o.retryAt = time.Time{}
 			c.log.Info("backup ordered again", "backup", o.name, "step", o.step, "attempt", o.attempts+1)
@@ -149,13 +149,21 @@ func (c *JobCoordinator) considerBackup(now time.Time) {
 		}
 		return
 	}
+	if name, ok := c.freeMinute(now); ok {
+		c.orderBackup(now, name)
+	}
+}
+
+// freeMinute returns the backup name of now's UTC minute, or, when that minute has a backup
+// already (names are unique), arms the timer for the next minute and returns false. Called
+// with mu held.
+func (c *JobCoordinator) freeMinute(now time.Time) (string, bool) {
 	name := layout.BackupName(now)
 	if name <= c.floor {
-		// This minute has a backup already (names must be unique): the next minute.
 		c.armBackupTimer(now, now.UTC().Truncate(time.Minute).Add(time.Minute))
-		return
+		return "", false
 	}
-	c.orderBackup(now, name)
+	return name, true
 }
 
 // orderBackup makes a new order for the latest step. Called with mu held.
