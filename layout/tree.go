@@ -57,7 +57,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io"
-	"io/fs"
 	"math/bits"
 	"os"
 	"path"
@@ -217,8 +216,28 @@ func TreeHash(entries []TreeEntry) (string, error) {
 	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
+// ValidPath reports whether p is a path inside a tree: relative, slash-separated, without empty,
+// "." or ".." elements or a NUL byte. Unlike io/fs.ValidPath it takes any other bytes: a Linux
+// name need not be UTF-8 (a Latin-1 "café" is 0x63 0x61 0x66 0xe9), and a checkpoint holding one
+// is sealed, replicated and backed up like any other.
+func ValidPath(p string) bool {
+	if p == "" || strings.IndexByte(p, 0) >= 0 {
+		return false
+	}
+	for {
+		elem, rest, more := strings.Cut(p, "/")
+		if elem == "" || elem == "." || elem == ".." {
+			return false
+		}
+		if !more {
+			return true
+		}
+		p = rest
+	}
+}
+
 func checkTreeEntry(e TreeEntry) error {
-	if e.Path == "." || !fs.ValidPath(e.Path) {
+	if !ValidPath(e.Path) {
 		return fmt.Errorf("tree hash: invalid path %q: want a relative slash-separated path without empty, \".\" or \"..\" elements", e.Path)
 	}
 	switch e.Type {

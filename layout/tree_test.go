@@ -19,6 +19,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 	"lukechampine.com/blake3"
 )
 
@@ -316,12 +318,30 @@ func TestTreeHashRejects(t *testing.T) {
 		"empty link target":  {{Path: "x", Type: EntrySymlink}},
 		"deep below a file":  {{Path: "a/b/c", Type: EntryFile}, {Path: "a", Type: EntryFile}},
 		"parent after child": {{Path: "a/b", Type: EntryDir}, {Path: "a/b/c", Type: EntryFile}, {Path: "a", Type: EntrySymlink, Target: "t"}},
+		"NUL":                {{Path: "a\x00b", Type: EntryFile}},
 	}
 	for name, es := range cases {
 		if h, err := TreeHash(es); err == nil {
 			t.Errorf("%s: TreeHash = %s, want an error", name, h)
 		}
 	}
+}
+
+// A Linux name is bytes: one that is not UTF-8 (Latin-1 "café") is part of a tree like any
+// other. io/fs.ValidPath refused it, and the seal of a step holding one failed.
+func TestTreeHashTakesNamesThatAreNotUTF8(t *testing.T) {
+	for _, p := range []string{"caf\xe9", "\xff/\xfe\x80", "a/b\xc3"} {
+		assert.True(t, ValidPath(p), "%q", p)
+		h, err := TreeHash([]TreeEntry{{Path: p, Type: EntryFile}, {Path: "l", Type: EntrySymlink, Target: "\xe9"}})
+		require.NoError(t, err, "%q", p)
+		assert.Len(t, h, 64)
+	}
+	for _, p := range []string{"", ".", "..", "a/", "/a", "a//b", "a/./b", "a\x00"} {
+		assert.False(t, ValidPath(p), "%q", p)
+	}
+	a, _ := TreeHash([]TreeEntry{{Path: "caf\xe9", Type: EntryFile}})
+	b, _ := TreeHash([]TreeEntry{{Path: "café", Type: EntryFile}})
+	assert.NotEqual(t, a, b, "the bytes are the name")
 }
 
 // HashDir must equal TreeHash over entries built from HashFile: the FUSE

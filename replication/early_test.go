@@ -222,7 +222,7 @@ func TestEarlyPushValidation(t *testing.T) {
 	p.requireNoIncoming(t)
 
 	// Presumed indices must be in range and strictly increasing.
-	m := &manifest{pb: &peerpb.Manifest{DataName: name, Files: []*peerpb.File{{Path: "a", Size: 1}, {Path: "b", Size: 2}}}, total: 3}
+	m := &manifest{pb: &peerpb.Manifest{DataName: name, Files: []*peerpb.File{{Path: []byte("a"), Size: 1}, {Path: []byte("b"), Size: 2}}}, total: 3}
 	require.Error(t, m.presume([]uint32{1, 1}))
 	require.Error(t, m.presume([]uint32{2}))
 	require.NoError(t, m.presume([]uint32{0, 1}))

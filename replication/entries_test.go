@@ -238,14 +238,14 @@ func TestEarlyFileAtLongPath(t *testing.T) {
 // even if such a manifest got past the checks (the sink never follows a symlink).
 func TestReceiverWritesNothingOutside(t *testing.T) {
 	outside := t.TempDir()
-	file := func(p string) *peerpb.File { return &peerpb.File{Path: p, Size: 1, Blake3: make([]byte, 32)} }
-	link := func(p string) *peerpb.Symlink { return &peerpb.Symlink{Path: p, Target: outside} }
+	file := func(p string) *peerpb.File { return &peerpb.File{Path: []byte(p), Size: 1, Blake3: make([]byte, 32)} }
+	link := func(p string) *peerpb.Symlink { return &peerpb.Symlink{Path: []byte(p), Target: []byte(outside)} }
 	manifests := map[string]*peerpb.Manifest{
 		"file below a symlink":      {Symlinks: []*peerpb.Symlink{link("a")}, Files: []*peerpb.File{file("a/x")}},
-		"empty file below":          {Symlinks: []*peerpb.Symlink{link("a")}, Files: []*peerpb.File{{Path: "a/x", Blake3: make([]byte, 32)}}},
-		"directory below":           {Symlinks: []*peerpb.Symlink{link("a")}, Dirs: []string{"a/d"}},
-		"symlink below":             {Symlinks: []*peerpb.Symlink{link("a"), {Path: "a/l", Target: "x"}}},
-		"FIFO below":                {Symlinks: []*peerpb.Symlink{link("a")}, Specials: []*peerpb.Special{{Path: "a/p", Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO}}},
+		"empty file below":          {Symlinks: []*peerpb.Symlink{link("a")}, Files: []*peerpb.File{{Path: []byte("a/x"), Blake3: make([]byte, 32)}}},
+		"directory below":           {Symlinks: []*peerpb.Symlink{link("a")}, Dirs: [][]byte{[]byte("a/d")}},
+		"symlink below":             {Symlinks: []*peerpb.Symlink{link("a"), {Path: []byte("a/l"), Target: []byte("x")}}},
+		"FIFO below":                {Symlinks: []*peerpb.Symlink{link("a")}, Specials: []*peerpb.Special{{Path: []byte("a/p"), Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO}}},
 		"deep below":                {Symlinks: []*peerpb.Symlink{link("a")}, Files: []*peerpb.File{file("a/b/c/x")}},
 		"symlink in a deep parent":  {Symlinks: []*peerpb.Symlink{link("d/a")}, Files: []*peerpb.File{file("d/a/x")}},
 		"file below a file":         {Files: []*peerpb.File{file("a"), file("a/x")}},

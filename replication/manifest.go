@@ -1,10 +1,10 @@
 package replication
 
 import (
+	"bytes"
 	"context"
 	"encoding/hex"
 	"fmt"
-	"io/fs"
 	"math"
 	"math/bits"
 	"os"
@@ -100,18 +100,18 @@ func (m *manifest) entries() []layout.TreeEntry {
 	pb := m.pb
 	out := make([]layout.TreeEntry, 0, len(pb.Files)+len(pb.Dirs)+len(pb.Symlinks)+len(pb.Specials))
 	for _, f := range pb.Files {
-		e := layout.TreeEntry{Path: f.Path, Type: layout.EntryFile, Size: f.Size}
+		e := layout.TreeEntry{Path: string(f.Path), Type: layout.EntryFile, Size: f.Size}
 		copy(e.Digest[:], f.Blake3) // checkManifest checked its length
 		out = append(out, e)
 	}
 	for _, d := range pb.Dirs {
-		out = append(out, layout.TreeEntry{Path: d, Type: layout.EntryDir})
+		out = append(out, layout.TreeEntry{Path: string(d), Type: layout.EntryDir})
 	}
 	for _, l := range pb.Symlinks {
-		out = append(out, layout.TreeEntry{Path: l.Path, Type: layout.EntrySymlink, Target: l.Target})
+		out = append(out, layout.TreeEntry{Path: string(l.Path), Type: layout.EntrySymlink, Target: string(l.Target)})
 	}
 	for _, sp := range pb.Specials {
-		out = append(out, layout.TreeEntry{Path: sp.Path, Type: specialTypes[sp.Type], Rdev: sp.Rdev})
+		out = append(out, layout.TreeEntry{Path: string(sp.Path), Type: specialTypes[sp.Type], Rdev: sp.Rdev})
 	}
 	return out
 }
@@ -164,14 +164,14 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 		if len(f.Blake3) != len(layout.FileDigest{}) {
 			return nil, errInvalid("%s: file %q: digest of %d bytes, want %d", pb.DataName, f.Path, len(f.Blake3), len(layout.FileDigest{}))
 		}
-		if kind == kindTree && i > 0 && pb.Files[i-1].Path >= f.Path {
+		if kind == kindTree && i > 0 && bytes.Compare(pb.Files[i-1].Path, f.Path) >= 0 {
 			return nil, errInvalid("%s: files not in strictly increasing order of path at %q", pb.DataName, f.Path)
 		}
 		m.total += f.Size
 	}
 
 	if kind != kindTree {
-		if len(pb.Files) != 1 || pb.Files[0].Path != "" || len(pb.Dirs) != 0 || len(pb.Symlinks) != 0 || len(pb.Specials) != 0 {
+		if len(pb.Files) != 1 || len(pb.Files[0].Path) != 0 || len(pb.Dirs) != 0 || len(pb.Symlinks) != 0 || len(pb.Specials) != 0 {
 			return nil, errInvalid("%s names a single file: want exactly one file with an empty path", pb.DataName)
 		}
 		switch d := hex.EncodeToString(pb.Files[0].Blake3); {
@@ -184,7 +184,7 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 	}
 
 	for _, l := range pb.Symlinks {
-		if err := checkSymlinkTarget(l.Path, l.Target); err != nil {
+		if err := checkSymlinkTarget(string(l.Path), string(l.Target)); err != nil {
 			return nil, errInvalid("%s: %v", pb.DataName, err)
 		}
 	}
@@ -216,7 +216,7 @@ func isHex64(s string) bool {
 // checkPath accepts a relative slash-separated path without empty, "." or ".." elements that the
 // file system can hold.
 func checkPath(p string) error {
-	if p == "." || !fs.ValidPath(p) || strings.IndexByte(p, 0) >= 0 {
+	if !layout.ValidPath(p) {
 		return fmt.Errorf("path %q: want a relative slash-separated path without empty, \".\" or \"..\" elements", p)
 	}
 	if len(p) > maxPathLen {
@@ -298,16 +298,16 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *layo
 	for _, e := range entries {
 		switch {
 		case e.Type == layout.EntryDir:
-			pb.Dirs = append(pb.Dirs, e.Path)
+			pb.Dirs = append(pb.Dirs, []byte(e.Path))
 		case e.Type == layout.EntrySymlink:
-			pb.Symlinks = append(pb.Symlinks, &peerpb.Symlink{Path: e.Path, Target: e.Target})
+			pb.Symlinks = append(pb.Symlinks, &peerpb.Symlink{Path: []byte(e.Path), Target: []byte(e.Target)})
 		case e.Type.Special():
-			pb.Specials = append(pb.Specials, &peerpb.Special{Path: e.Path, Type: wireSpecialType(e.Type), Rdev: e.Rdev})
+			pb.Specials = append(pb.Specials, &peerpb.Special{Path: []byte(e.Path), Type: wireSpecialType(e.Type), Rdev: e.Rdev})
 		default:
-			pb.Files = append(pb.Files, &peerpb.File{Path: e.Path, Size: e.Size, Blake3: e.Digest[:]})
+			pb.Files = append(pb.Files, &peerpb.File{Path: []byte(e.Path), Size: e.Size, Blake3: e.Digest[:]})
 		}
 	}
-	slices.SortFunc(pb.Files, func(a, b *peerpb.File) int { return strings.Compare(a.Path, b.Path) })
+	slices.SortFunc(pb.Files, func(a, b *peerpb.File) int { return bytes.Compare(a.Path, b.Path) })
 	if kind == kindTree {
 		if pb.TreeHash, err = layout.TreeHash(entries); err != nil {
 			return nil, fmt.Errorf("%s: %w", src, err)

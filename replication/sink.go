@@ -92,7 +92,7 @@ func (s *sink) openFile(i int, flags int, perm uint32) (*os.File, error) {
 	if s.dir == nil {
 		return nil, errors.New("the transfer's directory is gone")
 	}
-	return s.dir.Open(s.m.pb.Files[i].Path, flags, perm)
+	return s.dir.Open(string(s.m.pb.Files[i].Path), flags, perm)
 }
 
 func (s *sink) create() error {
@@ -363,7 +363,7 @@ func (s *sink) adopt(i int, src string, d layout.FileDigest) error {
 	s.dirMu.RLock()
 	err := errors.New("the transfer's directory is gone")
 	if s.dir != nil {
-		err = s.dir.Link(src, s.m.pb.Files[i].Path)
+		err = s.dir.Link(src, string(s.m.pb.Files[i].Path))
 	}
 	s.dirMu.RUnlock()
 	if err != nil {
@@ -434,7 +434,7 @@ func (s *sink) verify(ctx context.Context) error {
 	// manifest does not list is an error.
 	want := make(map[string]*peerpb.File, len(pb.Files))
 	for _, f := range pb.Files {
-		want[f.Path] = f
+		want[string(f.Path)] = f
 	}
 	var entries []layout.TreeEntry
 	if s.m.kind != kindTree {

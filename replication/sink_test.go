@@ -26,7 +26,7 @@ import (
 func sendTo(t *testing.T, s *sink, src string, chunk int64, rng *rand.Rand, corrupt func(file int, off int64, b []byte)) {
 	t.Helper()
 	for i, f := range s.m.pb.Files {
-		data, err := os.ReadFile(filepath.Join(src, f.Path))
+		data, err := os.ReadFile(filepath.Join(src, string(f.Path)))
 		require.NoError(t, err)
 		for off := int64(0); off < f.Size; off += chunk {
 			b := append([]byte(nil), data[off:min(off+chunk, f.Size)]...)
@@ -75,7 +75,7 @@ func TestSinkHashesChunksAsTheyArrive(t *testing.T) {
 			if f.Size == 0 {
 				continue // no chunk arrives: verify hashes nothing
 			}
-			d, _, ok := s.known.Lookup(filepath.Join(s.root, f.Path))
+			d, _, ok := s.known.Lookup(filepath.Join(s.root, string(f.Path)))
 			require.True(t, ok, "chunks of %d: the digest of %s (%d bytes) is known without reading it", chunk, f.Path, f.Size)
 			require.Equal(t, layout.FileDigest(f.Blake3), d, "chunks of %d: %s", chunk, f.Path)
 		}

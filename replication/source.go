@@ -79,7 +79,7 @@ func sendShare(ctx context.Context, root string, m *manifest, pieces []piece, ch
 			return 0, err
 		}
 		defer d.Close()
-		open = func(i int) (*os.File, error) { return d.Open(m.pb.Files[i].Path, os.O_RDONLY, 0) }
+		open = func(i int) (*os.File, error) { return d.Open(string(m.pb.Files[i].Path), os.O_RDONLY, 0) }
 	}
 	var sent int64
 	for _, p := range pieces {

@@ -92,58 +92,60 @@ func TestHeaderValidation(t *testing.T) {
 	src, name := makeTree(t, rand.New(rand.NewPCG(21, 22)), 1000)
 	p := startPeer(t, nil)
 	raw := newRawPeer(t, dial(t, p.addr))
-	file := func(path string) *peerpb.File { return &peerpb.File{Path: path, Size: 1, Blake3: make([]byte, 32)} }
+	file := func(path string) *peerpb.File {
+		return &peerpb.File{Path: []byte(path), Size: 1, Blake3: make([]byte, 32)}
+	}
 	cases := []struct {
 		name   string
 		mutate func(h *peerpb.PushHeader)
 		want   codes.Code
 	}{
-		{"parent directory in a file path", func(h *peerpb.PushHeader) { h.Manifest.Files[0].Path = "../escape" }, codes.InvalidArgument},
-		{"absolute file path", func(h *peerpb.PushHeader) { h.Manifest.Files[0].Path = "/etc/passwd" }, codes.InvalidArgument},
+		{"parent directory in a file path", func(h *peerpb.PushHeader) { h.Manifest.Files[0].Path = []byte("../escape") }, codes.InvalidArgument},
+		{"absolute file path", func(h *peerpb.PushHeader) { h.Manifest.Files[0].Path = []byte("/etc/passwd") }, codes.InvalidArgument},
 		{"empty path element", func(h *peerpb.PushHeader) { h.Manifest.Files = []*peerpb.File{file("a//b")} }, codes.InvalidArgument},
 		{"dot element", func(h *peerpb.PushHeader) { h.Manifest.Files = []*peerpb.File{file("a/./b")} }, codes.InvalidArgument},
 		{"empty file path in a tree", func(h *peerpb.PushHeader) { h.Manifest.Files = []*peerpb.File{file("")} }, codes.InvalidArgument},
 		{"NUL in a path", func(h *peerpb.PushHeader) { h.Manifest.Files = []*peerpb.File{file("a\x00b")} }, codes.InvalidArgument},
-		{"directory climbing out", func(h *peerpb.PushHeader) { h.Manifest.Dirs = append(h.Manifest.Dirs, "a/../../x") }, codes.InvalidArgument},
+		{"directory climbing out", func(h *peerpb.PushHeader) { h.Manifest.Dirs = append(h.Manifest.Dirs, []byte("a/../../x")) }, codes.InvalidArgument},
 		{"path past the length cap", func(h *peerpb.PushHeader) {
-			h.Manifest.Dirs = append(h.Manifest.Dirs, strings.Repeat(strings.Repeat("d", 200)+"/", maxPathLen/201+1)+"x")
+			h.Manifest.Dirs = append(h.Manifest.Dirs, []byte(strings.Repeat(strings.Repeat("d", 200)+"/", maxPathLen/201+1)+"x"))
 		}, codes.InvalidArgument},
 		{"element past NAME_MAX", func(h *peerpb.PushHeader) {
-			h.Manifest.Dirs = append(h.Manifest.Dirs, strings.Repeat("d", 256))
+			h.Manifest.Dirs = append(h.Manifest.Dirs, []byte(strings.Repeat("d", 256)))
 		}, codes.InvalidArgument},
 		{"empty symlink target", func(h *peerpb.PushHeader) {
-			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "evil", Target: ""})
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: []byte("evil"), Target: []byte("")})
 		}, codes.InvalidArgument},
 		{"NUL in a symlink target", func(h *peerpb.PushHeader) {
-			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "evil", Target: "a\x00b"})
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: []byte("evil"), Target: []byte("a\x00b")})
 		}, codes.InvalidArgument},
 		{"file below a symlink", func(h *peerpb.PushHeader) {
-			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "zz", Target: "/etc"})
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: []byte("zz"), Target: []byte("/etc")})
 			h.Manifest.Files = append(h.Manifest.Files, file("zz/passwd"))
 		}, codes.InvalidArgument},
 		{"directory below a symlink", func(h *peerpb.PushHeader) {
-			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "zz", Target: "/etc"})
-			h.Manifest.Dirs = append(h.Manifest.Dirs, "zz/cron.d")
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: []byte("zz"), Target: []byte("/etc")})
+			h.Manifest.Dirs = append(h.Manifest.Dirs, []byte("zz/cron.d"))
 		}, codes.InvalidArgument},
 		{"symlink below a FIFO", func(h *peerpb.PushHeader) {
-			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz", Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO})
-			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: "zz/l", Target: "x"})
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: []byte("zz"), Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO})
+			h.Manifest.Symlinks = append(h.Manifest.Symlinks, &peerpb.Symlink{Path: []byte("zz/l"), Target: []byte("x")})
 		}, codes.InvalidArgument},
 		{"special of unknown type", func(h *peerpb.PushHeader) {
-			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz", Type: 99})
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: []byte("zz"), Type: 99})
 		}, codes.InvalidArgument},
 		{"special of unspecified type", func(h *peerpb.PushHeader) {
-			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz"})
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: []byte("zz")})
 		}, codes.InvalidArgument},
 		{"FIFO with a device number", func(h *peerpb.PushHeader) {
-			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz", Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO, Rdev: 1})
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: []byte("zz"), Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO, Rdev: 1})
 		}, codes.InvalidArgument},
 		{"device number past 32 bits", func(h *peerpb.PushHeader) {
-			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: "zz", Type: peerpb.SpecialType_SPECIAL_TYPE_CHAR_DEVICE, Rdev: 1 << 32})
+			h.Manifest.Specials = append(h.Manifest.Specials, &peerpb.Special{Path: []byte("zz"), Type: peerpb.SpecialType_SPECIAL_TYPE_CHAR_DEVICE, Rdev: 1 << 32})
 		}, codes.InvalidArgument},
 		{"special in a single-file manifest", func(h *peerpb.PushHeader) {
 			h.Manifest = &peerpb.Manifest{DataName: strings.Repeat("0", 64) + ".data", TreeHash: strings.Repeat("0", 64), Files: []*peerpb.File{file("")},
-				Specials: []*peerpb.Special{{Path: "p", Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO}}}
+				Specials: []*peerpb.Special{{Path: []byte("p"), Type: peerpb.SpecialType_SPECIAL_TYPE_FIFO}}}
 		}, codes.InvalidArgument},
 		{"upper-case data name", func(h *peerpb.PushHeader) { h.Manifest.DataName = strings.ToUpper(name[:65]) + ".data" }, codes.InvalidArgument},
 		{"data name with a path", func(h *peerpb.PushHeader) { h.Manifest.DataName = "../" + name }, codes.InvalidArgument},

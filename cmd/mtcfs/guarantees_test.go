@@ -277,7 +277,8 @@ func TestGuaranteeReturnedCommitSurvivesKill9(t *testing.T) {
 // ENAMETOOLONG before anything is created; any legal path inside a step is sealed, replicated
 // and backed up (long object names are mapped, not refused). The deep path is 4095 bytes from
 // / once committed (21 bytes longer while it sits in <step>.orbax-checkpoint-tmp, so the job
-// makes it relative to directory descriptors, as a job that chdirs down would).
+// makes it relative to directory descriptors, as a job that chdirs down would). Names that are
+// not UTF-8 go through every tier too.
 func TestGuaranteeNames(t *testing.T) {
 	needRoot(t)
 	const job = "names"
@@ -286,6 +287,11 @@ func TestGuaranteeNames(t *testing.T) {
 			"_CHECKPOINT_METADATA":              fileEnt([]byte("{}")),
 			"rank":                              fileEnt([]byte(fmt.Sprint(rank))),
 			"state/" + strings.Repeat("n", 255): fileEnt(randomBytes(uint64(100+rank), 1000)),
+			// Names that are not UTF-8 (Latin-1 "café", stray bytes): legal on Linux, and a
+			// step holding one failed to seal ("tree hash: invalid path").
+			"caf\xe9/\xff\xfe\x80": fileEnt(randomBytes(uint64(400+rank), 700)),
+			"caf\xe9/link\xe9":     linkEnt("\xff\xfe\x80"),
+			"fifo\xe9":             fifoEnt(),
 		}
 		// A path of about 960 bytes: short enough for any filesystem, but its backup object
 		// <job>/<backup>/<hash>.data/<path> is longer than GCS's 1024 bytes.
@@ -352,13 +358,14 @@ func TestGuaranteeNames(t *testing.T) {
 	stopAgent(t, a)
 
 	c, name := tierRoundTrip(t, job, trees)
-	// Both long paths of each rank's data were stored under mapped names.
+	// Both long paths and the file name that is not UTF-8 (GCS object names are) of each rank's
+	// data were stored under mapped names.
 	for r := range 2 {
 		hash, err := os.ReadFile(rankMetaPath(c.nodes[r].dir, job, 20, r))
 		require.NoError(t, err)
 		mapped, err := os.ReadDir(filepath.Join(c.backup, job, name, string(hash)+".data.long"))
 		require.NoError(t, err, "rank %d's long names in the backup", r)
-		assert.Len(t, mapped, 2, "rank %d: the two paths whose object names are too long are mapped", r)
+		assert.Len(t, mapped, 3, "rank %d: the two paths whose object names are too long, and the one not UTF-8, are mapped", r)
 	}
 }
 

@@ -146,7 +146,7 @@ type Manifest struct {
 	// Regular files in strictly increasing byte order of path; a Chunk names a file by its index here.
 	Files []*File `protobuf:"bytes,3,rep,name=files,proto3" json:"files,omitempty"`
 	// Every directory (relative path), including empty ones.
-	Dirs     []string   `protobuf:"bytes,4,rep,name=dirs,proto3" json:"dirs,omitempty"`
+	Dirs     [][]byte   `protobuf:"bytes,4,rep,name=dirs,proto3" json:"dirs,omitempty"`
 	Symlinks []*Symlink `protobuf:"bytes,5,rep,name=symlinks,proto3" json:"symlinks,omitempty"`
 	// FIFOs, sockets and device nodes: entries without content, kept as what they are (their type,
 	// and a device's number), like tar does. A receiver that cannot create device nodes (no
@@ -207,7 +207,7 @@ func (x *Manifest) GetFiles() []*File {
 	return nil
 }
 
-func (x *Manifest) GetDirs() []string {
+func (x *Manifest) GetDirs() [][]byte {
 	if x != nil {
 		return x.Dirs
 	}
@@ -228,9 +228,11 @@ func (x *Manifest) GetSpecials() []*Special {
 	return nil
 }
 
+// Paths and symlink targets are bytes, not strings: a Linux name need not be UTF-8 (protobuf
+// refuses such a string). The wire format is that of a string field.
 type File struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"` // relative, slash-separated, no "." or ".." elements
+	Path          []byte                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"` // relative, slash-separated, no "." or ".." elements
 	Size          int64                  `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
 	Blake3        []byte                 `protobuf:"bytes,3,opt,name=blake3,proto3" json:"blake3,omitempty"` // 32 bytes: BLAKE3-256 of the content
 	unknownFields protoimpl.UnknownFields
@@ -267,11 +269,11 @@ func (*File) Descriptor() ([]byte, []int) {
 	return file_peer_proto_rawDescGZIP(), []int{1}
 }
 
-func (x *File) GetPath() string {
+func (x *File) GetPath() []byte {
 	if x != nil {
 		return x.Path
 	}
-	return ""
+	return nil
 }
 
 func (x *File) GetSize() int64 {
@@ -290,10 +292,10 @@ func (x *File) GetBlake3() []byte {
 
 type Symlink struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	Path  string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	Path  []byte                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	// Verbatim, as the job made it: non-empty, and it may be absolute, dangling or point out of the
 	// tree. Nothing that handles a tree follows a symlink inside it.
-	Target        string `protobuf:"bytes,2,opt,name=target,proto3" json:"target,omitempty"`
+	Target        []byte `protobuf:"bytes,2,opt,name=target,proto3" json:"target,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -328,24 +330,24 @@ func (*Symlink) Descriptor() ([]byte, []int) {
 	return file_peer_proto_rawDescGZIP(), []int{2}
 }
 
-func (x *Symlink) GetPath() string {
+func (x *Symlink) GetPath() []byte {
 	if x != nil {
 		return x.Path
 	}
-	return ""
+	return nil
 }
 
-func (x *Symlink) GetTarget() string {
+func (x *Symlink) GetTarget() []byte {
 	if x != nil {
 		return x.Target
 	}
-	return ""
+	return nil
 }
 
 // Special is a FIFO, socket or device node of a tree.
 type Special struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	Path          []byte                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	Type          SpecialType            `protobuf:"varint,2,opt,name=type,proto3,enum=mtcfs.replication.v1.SpecialType" json:"type,omitempty"`
 	Rdev          uint64                 `protobuf:"varint,3,opt,name=rdev,proto3" json:"rdev,omitempty"` // the device number (st_rdev) of a device node; 0 for a FIFO or a socket
 	unknownFields protoimpl.UnknownFields
@@ -382,11 +384,11 @@ func (*Special) Descriptor() ([]byte, []int) {
 	return file_peer_proto_rawDescGZIP(), []int{3}
 }
 
-func (x *Special) GetPath() string {
+func (x *Special) GetPath() []byte {
 	if x != nil {
 		return x.Path
 	}
-	return ""
+	return nil
 }
 
 func (x *Special) GetType() SpecialType {
@@ -1140,18 +1142,18 @@ const file_peer_proto_rawDesc = "" +
 	"\tdata_name\x18\x01 \x01(\tR\bdataName\x12\x1b\n" +
 	"\ttree_hash\x18\x02 \x01(\tR\btreeHash\x120\n" +
 	"\x05files\x18\x03 \x03(\v2\x1a.mtcfs.replication.v1.FileR\x05files\x12\x12\n" +
-	"\x04dirs\x18\x04 \x03(\tR\x04dirs\x129\n" +
+	"\x04dirs\x18\x04 \x03(\fR\x04dirs\x129\n" +
 	"\bsymlinks\x18\x05 \x03(\v2\x1d.mtcfs.replication.v1.SymlinkR\bsymlinks\x129\n" +
 	"\bspecials\x18\x06 \x03(\v2\x1d.mtcfs.replication.v1.SpecialR\bspecials\"F\n" +
 	"\x04File\x12\x12\n" +
-	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\fR\x04path\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x03R\x04size\x12\x16\n" +
 	"\x06blake3\x18\x03 \x01(\fR\x06blake3\"5\n" +
 	"\aSymlink\x12\x12\n" +
-	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +
-	"\x06target\x18\x02 \x01(\tR\x06target\"h\n" +
+	"\x04path\x18\x01 \x01(\fR\x04path\x12\x16\n" +
+	"\x06target\x18\x02 \x01(\fR\x06target\"h\n" +
 	"\aSpecial\x12\x12\n" +
-	"\x04path\x18\x01 \x01(\tR\x04path\x125\n" +
+	"\x04path\x18\x01 \x01(\fR\x04path\x125\n" +
 	"\x04type\x18\x02 \x01(\x0e2!.mtcfs.replication.v1.SpecialTypeR\x04type\x12\x12\n" +
 	"\x04rdev\x18\x03 \x01(\x04R\x04rdev\"\xcb\x02\n" +
 	"\n" +
