@@ -277,6 +277,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	children := freeze(ch)
 	ns.m.sealedTop.Store(name, struct{}{})
 	if fn, ok := ch.Operations().(*fileNode); ok {
+		info.Attrs = layout.NewAttrsBuilder(fn.attr(), false).Attrs()
 		copied, err := fn.exportTo(dst, func(src string) error { return os.Link(src, dst) }, func() (*os.File, error) {
 			return os.OpenFile(dst, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 		})
@@ -343,12 +344,24 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 		n    *fileNode
 		name string
 	}
-	var walk func(in *gofs.Inode, sd *sealDir) error
-	walk = func(in *gofs.Inode, sd *sealDir) error {
+	// The owners and modes go to info.Attrs (the walk runs on this goroutine only): the
+	// sealed copy's own are the agent's, private to the spool.
+	attrs := layout.NewAttrsBuilder(ch.Operations().(interface{ attr() layout.Attr }).attr(), true)
+	var walk func(in *gofs.Inode, sd *sealDir, rel string) error
+	walk = func(in *gofs.Inode, sd *sealDir, rel string) error {
 		var fileList []fileAt
 		for cn, c := range children[in] {
 			if gctx.Err() != nil {
 				return nil // a part failed: g.Wait reports it
+			}
+			path := func() string {
+				if rel == "" {
+					return cn
+				}
+				return rel + "/" + cn
+			}
+			if m, ok := c.Operations().(interface{ attr() layout.Attr }); ok {
+				attrs.Add(entryType(c), m.attr(), path)
 			}
 			var err error
 			switch n := c.Operations().(type) {
@@ -358,7 +371,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 					if sub, err = sd.d.OpenDir(cn); err == nil {
 						subDir := &sealDir{d: sub}
 						subDir.refs.Store(1)
-						err = walk(c, subDir)
+						err = walk(c, subDir, path())
 						release(subDir)
 					}
 				}
@@ -394,12 +407,13 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	}
 	top := &sealDir{d: d}
 	top.refs.Store(1)
-	err = walk(ch, top)
+	err = walk(ch, top, "")
 	release(top)
 	if gerr := g.Wait(); err == nil {
 		err = gerr
 	}
 	info.Copied = int(copied.Load())
+	info.Attrs = attrs.Attrs()
 	if err != nil {
 		os.RemoveAll(dst)
 		return info, fmt.Errorf("seal %s: %w", name, err)
@@ -490,6 +504,9 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 		go func() { verified <- verify(entries) }()
 	}
 	ctx := context.Background()
+	// The owners and modes the job saved the tree with; without them (data of an earlier agent
+	// or of the reference system, or a record that does not parse) the agent's defaults.
+	attrs, _ := layout.ReadAttrs(src)
 	type fileAt struct {
 		n     *fileNode
 		entry int // in entries; -1: src itself
@@ -504,13 +521,20 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 		}
 		fn := &fileNode{fs: ns.m, backing: bp, borrowed: borrowed, nlink: 1}
 		fn.init(ctx, 0o644)
+		if attrs != nil {
+			p := ""
+			if entry >= 0 {
+				p = entries[entry].Path
+			}
+			fn.setAttr(attrs.Of(p, layout.EntryFile), false)
+		}
 		fn.freeze()
 		files = append(files, fileAt{fn, entry})
 		in := ns.root.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: ns.m.newIno()})
 		created = append(created, in)
 		return in, nil
 	}
-	top, err := ns.importTree(ctx, src, fi, entries, newFile)
+	top, err := ns.importTree(ctx, src, fi, entries, attrs, newFile)
 	verr := <-verified
 	if err == nil && verr == nil {
 		for _, f := range files {
@@ -552,7 +576,8 @@ const borrowPathMax = unix.PathMax
 // importTree builds frozen nodes for the spool tree (or file) at src, whose Lstat is fi and, for
 // a directory, whose listing is entries; newFile makes a file node whose backing file link
 // gives, for entries[entry] (-1: src itself). It reads no entry's Size: verify may be filling
-// them in meanwhile.
+// them in meanwhile. Directories, symlinks and special files take their owners and modes from
+// attrs (nil: the agent's); newFile gives files theirs.
 //
 // A file's node borrows the sealed record's own name for it as its backing file (the record is
 // immutable, and the namespace drops the step before the record goes, see package tiers'
@@ -560,7 +585,7 @@ const borrowPathMax = unix.PathMax
 // 100,000 files spent half a CPU-second on those links (issue 12). Only a path too long to
 // open in one call (a tree deep enough to pass PATH_MAX once prefixed with the spool) gets a
 // link of its own, made relative to its directory.
-func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo, entries []layout.TreeEntry, newFile func(link func() (string, bool, error), entry int) (*gofs.Inode, error)) (*gofs.Inode, error) {
+func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo, entries []layout.TreeEntry, attrs *layout.Attrs, newFile func(link func() (string, bool, error), entry int) (*gofs.Inode, error)) (*gofs.Inode, error) {
 	if fi.Mode().IsRegular() {
 		return newFile(func() (string, bool, error) { return src, true, nil }, -1)
 	}
@@ -572,9 +597,12 @@ func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo,
 		return nil, err
 	}
 	defer d.Close()
-	newDir := func() (*gofs.Inode, *dirNode) {
+	newDir := func(p string) (*gofs.Inode, *dirNode) {
 		dn := &dirNode{fs: ns.m}
 		dn.init(ctx, 0o755)
+		if attrs != nil {
+			dn.setAttr(attrs.Of(p, layout.EntryDir), false)
+		}
 		dn.freeze()
 		return ns.root.NewPersistentInode(ctx, dn, gofs.StableAttr{Mode: syscall.S_IFDIR, Ino: ns.m.newIno()}), dn
 	}
@@ -601,7 +629,7 @@ func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo,
 		return p, false, err
 	}
 	prefix := src + "/"
-	top, _ := newDir()
+	top, _ := newDir("")
 	dirs := map[string]*gofs.Inode{"": top}
 	for i := range entries { // a directory is listed before what it holds
 		// Through a pointer, reading only the fields verify does not write (a copy of the
@@ -610,10 +638,13 @@ func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo,
 		var in *gofs.Inode
 		switch e.Type {
 		case layout.EntryDir:
-			in, _ = newDir()
+			in, _ = newDir(e.Path)
 			dirs[e.Path] = in
 		case layout.EntrySymlink:
 			l := newSymlink(ctx, e.Target)
+			if attrs != nil {
+				l.setAttr(attrs.Of(e.Path, layout.EntrySymlink), true)
+			}
 			l.freeze()
 			in = ns.root.NewPersistentInode(ctx, l, gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: ns.m.newIno()})
 		case layout.EntryFile:
@@ -629,6 +660,9 @@ func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo,
 			}
 		default: // FIFO, socket, device
 			sn := newSpecialNode(ctx, e.Type.Mode()|0o644, uint32(e.Rdev))
+			if attrs != nil {
+				sn.setAttr(attrs.Of(e.Path, e.Type), false)
+			}
 			sn.freeze()
 			in = ns.root.NewPersistentInode(ctx, sn, gofs.StableAttr{Mode: e.Type.Mode(), Ino: ns.m.newIno()})
 		}

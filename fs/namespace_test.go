@@ -729,3 +729,101 @@ func TestImportedDataIsChargedOnce(t *testing.T) {
 	_, used = spool.Usage()
 	require.Less(t, used, int64(4096), "the step's removal refunds what its import charged")
 }
+
+// TestImportKeepsOwnersAndModes: Seal records the owners and modes of the job's entries (the
+// sealed copy's own are the agent's), and Import gives them back. Before, an imported step (an
+// agent restart, a replica, a restore from a backup) was root's, 0644 and 0755 whatever the job
+// saved: a job that kept its checkpoint private (0600 as uid 1000) had it readable by all.
+func TestImportKeepsOwnersAndModes(t *testing.T) {
+	dir, srv, _, spool := mountWithEvents(t, PassthroughOff)
+	ns := srv.Namespace()
+	p := func(n string) string { return filepath.Join(dir, n) }
+	type want struct {
+		mode     os.FileMode
+		uid, gid uint32
+	}
+	entries := map[string]want{
+		"7":                 {os.ModeDir | 0o700, 1000, 1000},
+		"7/state":           {os.ModeDir | 0o750, 1000, 1000},
+		"7/state/a":         {0o600, 1000, 1000},
+		"7/state/b":         {0o600, 1000, 1000},
+		"7/state/shared":    {0o644, 1000, 1000},
+		"7/state/setuid":    {os.ModeSetuid | 0o755, 1000, 1000},
+		"7/root-owned":      {0o640, 0, 0},
+		"7/other-group":     {0o600, 1000, 2000},
+		"7/fifo":            {os.ModeNamedPipe | 0o620, 1000, 1000},
+		"7/state/link":      {os.ModeSymlink | 0o777, 1000, 1000},
+		"7/caf\xe9/sub\xff": {os.ModeDir | 0o711, 1000, 1000},
+	}
+	require.NoError(t, os.MkdirAll(p("7/state"), 0o755))
+	require.NoError(t, os.MkdirAll(p("7/caf\xe9/sub\xff"), 0o755))
+	for _, f := range []string{"7/state/a", "7/state/b", "7/state/shared", "7/state/setuid", "7/root-owned", "7/other-group"} {
+		require.NoError(t, os.WriteFile(p(f), []byte(f), 0o644))
+	}
+	require.NoError(t, unix.Mkfifo(p("7/fifo"), 0o644))
+	require.NoError(t, os.Symlink("a", p("7/state/link")))
+	// Deepest first: chown clears the set-user-ID bit, so the modes go last.
+	for _, n := range []string{"7/state/link", "7/fifo", "7/other-group", "7/root-owned", "7/state/setuid", "7/state/shared", "7/state/b", "7/state/a", "7/caf\xe9/sub\xff", "7/caf\xe9", "7/state", "7"} {
+		w, ok := entries[n]
+		if !ok {
+			w = want{os.ModeDir | 0o755, 1000, 1000}
+		}
+		require.NoError(t, os.Lchown(p(n), int(w.uid), int(w.gid)), n)
+		if w.mode&os.ModeSymlink == 0 {
+			require.NoError(t, os.Chmod(p(n), w.mode), n)
+		}
+	}
+	check := func(top string, defaults bool) {
+		t.Helper()
+		for n, w := range entries {
+			n = top + strings.TrimPrefix(n, "7")
+			fi, err := os.Lstat(p(n))
+			require.NoError(t, err, n)
+			st := fi.Sys().(*syscall.Stat_t)
+			if defaults {
+				w.uid, w.gid = 0, 0
+				switch {
+				case fi.IsDir():
+					w.mode = os.ModeDir | 0o755
+				case fi.Mode()&os.ModeSymlink != 0:
+				default:
+					w.mode = w.mode&os.ModeType | 0o644
+				}
+			}
+			assert.Equal(t, w.mode.String(), fi.Mode().String(), n)
+			assert.Equal(t, []uint32{w.uid, w.gid}, []uint32{st.Uid, st.Gid}, n)
+		}
+	}
+	check("7", false)
+
+	sealed := filepath.Join(spool.Dir(), "sealed")
+	info, err := ns.Seal("7", sealed)
+	require.NoError(t, err)
+	require.NotNil(t, info.Attrs)
+	assert.Equal(t, "mtcfs attrs v1\ndefault 1000 1000 0600 0700\n"+
+		"0755 1000 1000 \"caf\\xe9\"\n0711 1000 1000 \"caf\\xe9/sub\\xff\"\n"+
+		"0620 1000 1000 \"fifo\"\n0600 1000 2000 \"other-group\"\n0640 0 0 \"root-owned\"\n"+
+		"0750 1000 1000 \"state\"\n4755 1000 1000 \"state/setuid\"\n0644 1000 1000 \"state/shared\"\n",
+		string(info.Attrs.Encode()), "listed: what differs from the top's owner and mode (files: without x)")
+
+	// Without the record, the agent's defaults (what an earlier agent's data restores with).
+	require.NoError(t, ns.Import(sealed, "plain"))
+	check("plain", true)
+	// With it, what the job saved.
+	require.NoError(t, layout.WriteAttrs(sealed, info.Attrs))
+	require.NoError(t, ns.Import(sealed, "kept"))
+	check("kept", false)
+
+	// A single-file checkpoint.
+	require.NoError(t, os.WriteFile(p("single"), []byte("x"), 0o600))
+	require.NoError(t, os.Chown(p("single"), 1000, 1001))
+	file := filepath.Join(spool.Dir(), "single.data")
+	info, err = ns.Seal("single", file)
+	require.NoError(t, err)
+	require.NoError(t, layout.WriteAttrs(file, info.Attrs))
+	require.NoError(t, ns.Import(file, "single-kept"))
+	fi, err := os.Stat(p("single-kept"))
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o600), fi.Mode())
+	assert.Equal(t, []uint32{1000, 1001}, []uint32{fi.Sys().(*syscall.Stat_t).Uid, fi.Sys().(*syscall.Stat_t).Gid})
+}

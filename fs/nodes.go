@@ -88,6 +88,24 @@ func checkName(name string) syscall.Errno {
 
 func (m *meta) isFrozen() bool { return m.frozen.Load() }
 
+// attr returns the owner and permission bits, as a checkpoint's layout.Attrs record them.
+func (m *meta) attr() layout.Attr {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return layout.Attr{Mode: m.mode, UID: m.uid, GID: m.gid}
+}
+
+// setAttr gives a node being imported the owner and permission bits its checkpoint was saved
+// with (a symlink keeps its mode: 0777).
+func (m *meta) setAttr(a layout.Attr, symlink bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.uid, m.gid = a.UID, a.GID
+	if !symlink {
+		m.mode = a.Mode & 0o7777
+	}
+}
+
 // init sets up a new node's meta: owned by the caller, all times now.
 func (m *meta) init(ctx context.Context, mode uint32) {
 	now := time.Now()

@@ -102,6 +102,13 @@ func parseMetaName(job, name string) (step int64, s Slot, ok bool) {
 func dataName(hash string) string     { return hash + ".data" }
 func manifestName(hash string) string { return hash + ".data.manifest" }
 
+// attrsName is the object holding the owners and modes of hash's entries as the job saved them
+// (layout.Attrs' encoding), written before the manifest when the spool keeps them. It is not
+// part of what makes a backup complete: a backup without it (an earlier agent's, the reference
+// system's) restores with the agent's defaults. Two nodes uploading the same data may both
+// write it (not create-if-absent): either one's is right.
+func attrsName(hash string) string { return hash + ".data.attrs" }
+
 // damagedName is the object a restore writes beside hash's data when the data it downloaded
 // failed its check (MarkDamaged): Verify then reports the data damaged, so that the next
 // restore passes over it instead of failing on it again.

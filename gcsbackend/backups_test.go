@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/semaphore"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -383,12 +384,23 @@ func TestDownloadRoundTrip(t *testing.T) {
 
 	err := b.Download(ctx, DownloadRequest{Job: testJob, Backup: backup, Hash: dirHash, Dest: dest})
 	assert.ErrorIs(t, err, fs.ErrExist, "an existing destination is never overwritten")
+	// The source kept no owners and modes (layout.AttrsFile): none in the backup, none restored.
+	_, err = b.Store.Stat(ctx, testJob+"/"+backup+"/"+dirHash+".data.attrs")
+	assert.True(t, IsNotFound(err), "%v", err)
+	assert.NoFileExists(t, layout.AttrsFile(dest))
 
-	// A single-file checkpoint is one object, <hash>.data.
+	// A single-file checkpoint is one object, <hash>.data. Its source keeps the owner and mode
+	// the job saved it with: the backup holds them beside it, and the restore puts them beside
+	// the data it restores.
 	file := filepath.Join(t.TempDir(), "model.pt")
 	require.NoError(t, os.WriteFile(file, []byte("torch weights"), 0o644))
+	attrs := layout.NewAttrsBuilder(layout.Attr{Mode: 0o600, UID: 1000, GID: 1000}, false).Attrs()
+	require.NoError(t, layout.WriteAttrs(file, attrs))
 	fileHash := fakeHash(false, "file")
 	require.NoError(t, b.Upload(ctx, UploadRequest{Job: testJob, Backup: backup, Step: 3, Slot: Slot{1, 0}, Hash: fileHash, Source: file}))
+	stored, err := ReadSmall(ctx, b.Store, testJob+"/"+backup+"/"+fileHash+".data.attrs", 1<<10)
+	require.NoError(t, err)
+	assert.Equal(t, string(attrs.Encode()), string(stored))
 	a, err := b.Store.Stat(ctx, testJob+"/"+backup+"/"+fileHash+".data")
 	require.NoError(t, err)
 	assert.Equal(t, int64(len("torch weights")), a.Size)
@@ -397,6 +409,9 @@ func TestDownloadRoundTrip(t *testing.T) {
 	got, err := os.ReadFile(dest)
 	require.NoError(t, err)
 	assert.Equal(t, "torch weights", string(got))
+	kept, err := layout.ReadAttrs(dest)
+	require.NoError(t, err)
+	assert.Equal(t, attrs, kept)
 
 	r := verify(t, b, backup, VerifyOptions{Deep: true})
 	assert.True(t, r.Complete(), "%+v", r)

@@ -31,6 +31,7 @@
 //	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data          a single-file checkpoint
 //	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data.manifest mtcfs's sidecar (below)
 //	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data.long/<h> files whose names cannot be objects (below)
+//	<job>/<YYYY-MM-DD_HH-MM>/<hash>.data.attrs    owners and modes of the entries (layout.Attrs)
 //
 // The first four are exactly what the reference system writes, so existing
 // tools can read mtcfs backups. An object store cannot say whether a

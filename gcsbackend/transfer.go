@@ -138,6 +138,11 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	if err != nil {
 		return err
 	}
+	if a, err := layout.ReadAttrs(req.Source); err == nil {
+		if err := PutBytes(ctx, b.Store, dir+attrsName(req.Hash), a.Encode(), false); err != nil {
+			return err
+		}
+	}
 	data, err := m.encode()
 	if err != nil {
 		return err
@@ -331,6 +336,21 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 	if err != nil {
 		return err
 	}
+	attrs, err := b.readAttrs(ctx, dir, req.Hash)
+	if err != nil {
+		return err
+	}
+	// The owners and modes go beside Dest before the data: tiers moves them first too.
+	place := func(tmp string) error {
+		if err := layout.WriteAttrs(req.Dest, attrs); err != nil {
+			return err
+		}
+		if err := os.Rename(tmp, req.Dest); err != nil {
+			os.Remove(layout.AttrsFile(req.Dest))
+			return err
+		}
+		return nil
+	}
 	prog := newProgress(m.total(), req.Progress)
 	requests := semaphore.NewWeighted(int64(b.parallelism()))
 	parent, pattern := filepath.Dir(req.Dest), "."+filepath.Base(req.Dest)+".tmp-*"
@@ -346,7 +366,7 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 			err = cerr
 		}
 		if err == nil {
-			err = os.Rename(tmp, req.Dest)
+			err = place(tmp)
 		}
 		if err != nil {
 			os.Remove(tmp)
@@ -360,12 +380,30 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 	}
 	err = b.fetchTree(ctx, dir, req.Hash, m, tmp, prog, requests)
 	if err == nil {
-		err = os.Rename(tmp, req.Dest)
+		err = place(tmp)
 	}
 	if err != nil {
 		os.RemoveAll(tmp)
 	}
 	return err
+}
+
+// readAttrs reads the owners and modes kept for hash's data: nil when the backup has none, or
+// what it has does not parse (the data restores with the agent's defaults then).
+func (b *Backups) readAttrs(ctx context.Context, dir, hash string) (*layout.Attrs, error) {
+	data, err := ReadSmall(ctx, b.Store, dir+attrsName(hash), layout.MaxAttrsSize)
+	var nf *NotFoundError
+	if errors.As(err, &nf) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	a, err := layout.DecodeAttrs(data)
+	if err != nil {
+		return nil, nil
+	}
+	return a, nil
 }
 
 // fetchTree rebuilds a directory data below root: directories, then files

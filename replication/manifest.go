@@ -13,6 +13,7 @@ import (
 
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication/peerpb"
+	"google.golang.org/protobuf/proto"
 )
 
 // dataKind is what a transfer carries, told by its name.
@@ -156,6 +157,14 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 	}
 	if !isHex64(pb.TreeHash) {
 		return nil, errInvalid("%s: tree hash %q is not 64 lower-case hex digits", pb.DataName, pb.TreeHash)
+	}
+	if len(pb.Attrs) > 0 {
+		if kind == kindMeta {
+			return nil, errInvalid("%s: a .meta has no attrs", pb.DataName)
+		}
+		if _, err := layout.DecodeAttrs(pb.Attrs); err != nil {
+			return nil, errInvalid("%s: %v", pb.DataName, err)
+		}
 	}
 	for i, f := range pb.Files {
 		if f.Size < 0 || f.Size > maxTotal-m.total {
@@ -315,11 +324,29 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *layo
 	} else {
 		pb.TreeHash = hex.EncodeToString(pb.Files[0].Blake3)
 	}
+	if kind != kindMeta {
+		pb.Attrs = attrsToSend(src, proto.Size(pb))
+	}
 	checked, err := checkManifest(pb, job, true)
 	if err != nil {
 		return nil, fmt.Errorf("%s cannot be sent: %w", src, err)
 	}
 	return checked, nil
+}
+
+// attrsToSend returns the encoded owners and modes kept beside the data at src
+// (layout.AttrsFile), or nil when there are none, they do not parse, or they would not fit in
+// the header beside a manifest of size bytes: the receiver then restores with its defaults.
+func attrsToSend(src string, size int) []byte {
+	a, err := layout.ReadAttrs(src)
+	if err != nil {
+		return nil
+	}
+	enc := a.Encode()
+	if size+len(enc) > maxMessage-messageOverhead {
+		return nil
+	}
+	return enc
 }
 
 // piece is a byte range of one file, sent by one stream.

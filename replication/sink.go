@@ -96,6 +96,11 @@ func (s *sink) openFile(i int, flags int, perm uint32) (*os.File, error) {
 }
 
 func (s *sink) create() error {
+	if len(s.m.pb.Attrs) > 0 { // checkManifest decoded them
+		if err := os.WriteFile(layout.AttrsFile(s.root), s.m.pb.Attrs, 0o600); err != nil {
+			return err
+		}
+	}
 	if s.m.kind != kindTree {
 		f, err := s.openFile(0, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 		if err != nil {

@@ -158,6 +158,14 @@ func TestHeaderValidation(t *testing.T) {
 			fs[0], fs[1] = fs[1], fs[0]
 		}, codes.InvalidArgument},
 		{"short digest", func(h *peerpb.PushHeader) { h.Manifest.Files[0].Blake3 = h.Manifest.Files[0].Blake3[:31] }, codes.InvalidArgument},
+		{"attrs that do not parse", func(h *peerpb.PushHeader) { h.Manifest.Attrs = []byte("mtcfs attrs v1\ndefault 0 0 0644\n") }, codes.InvalidArgument},
+		{"attrs naming a path that climbs out", func(h *peerpb.PushHeader) {
+			h.Manifest.Attrs = []byte("mtcfs attrs v1\ndefault 0 0 0644 0755\n0600 0 0 \"../x\"\n")
+		}, codes.InvalidArgument},
+		{".meta with attrs", func(h *peerpb.PushHeader) {
+			h.Manifest = &peerpb.Manifest{DataName: peerJob + "-s1-n1-w0.meta", TreeHash: strings.Repeat("0", 64), Files: []*peerpb.File{file("")},
+				Attrs: []byte("mtcfs attrs v1\ndefault 0 0 0644 0755\n")}
+		}, codes.InvalidArgument},
 		{"negative size", func(h *peerpb.PushHeader) { h.Manifest.Files[0].Size = -1 }, codes.InvalidArgument},
 		{"bad transfer id", func(h *peerpb.PushHeader) { h.TransferId = "../../x" }, codes.InvalidArgument},
 		{"listing that does not hash to the name", func(h *peerpb.PushHeader) { h.Manifest.Files[0].Blake3[0] ^= 1 }, codes.DataLoss},

@@ -87,7 +87,7 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 	}
 	sealed, _ := os.ReadDir(rt.spoolDir("sealed"))
 	for _, e := range sealed {
-		if !verified[e.Name()] {
+		if !verified[e.Name()] && !verified[strings.TrimSuffix(e.Name(), ".attrs")] { // attrs stay with their data
 			os.RemoveAll(rt.spoolDir("sealed", e.Name()))
 		}
 	}

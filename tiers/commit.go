@@ -224,7 +224,11 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 		return err
 	}
 	var err error
-	if c.sealed, err = cr.ns.Seal(c.name, filepath.Join(c.dir, commitDataName)); err != nil {
+	dst := filepath.Join(c.dir, commitDataName)
+	if c.sealed, err = cr.ns.Seal(c.name, dst); err == nil {
+		err = layout.WriteAttrs(dst, c.sealed.Attrs) // before commit.json: part of the record
+	}
+	if err != nil {
 		os.RemoveAll(c.dir)
 		return err
 	}
@@ -382,8 +386,24 @@ func moveRecord(dir, sealed string) (dup bool, err error) {
 		_, err := os.Lstat(sealed) // moved before a crash
 		return false, err
 	}
+	return moveData(data, sealed)
+}
+
+// moveData moves the data at src, with the owners and modes kept beside it
+// (layout.AttrsFile), to sealed, its place in spool/sealed; dup says the same content was there
+// already (src is dropped; its attrs are taken only if sealed has none). The attrs go first: a
+// crash in between leaves attrs without data, which adoption removes, never data without the
+// attrs it came with.
+func moveData(src, sealed string) (dup bool, err error) {
 	if _, err := os.Lstat(sealed); err == nil {
-		return true, os.RemoveAll(data)
+		if _, err := os.Lstat(layout.AttrsFile(sealed)); errors.Is(err, os.ErrNotExist) {
+			os.Rename(layout.AttrsFile(src), layout.AttrsFile(sealed))
+		}
+		os.Remove(layout.AttrsFile(src))
+		return true, os.RemoveAll(src)
 	}
-	return false, os.Rename(data, sealed)
+	if err := os.Rename(layout.AttrsFile(src), layout.AttrsFile(sealed)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return false, err
+	}
+	return false, os.Rename(src, sealed)
 }

@@ -1,6 +1,7 @@
 package tiers_test
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -10,6 +11,8 @@ import (
 
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // snapshotSpool copies the harness's spool to a new root, as a kill -9 would leave it at this
@@ -311,4 +314,58 @@ func TestCommittedSaveIsNotReportedAfterARestart(t *testing.T) {
 	if errs := h.read(layout.ReplicatorErrorsName); strings.Contains(errs, saved) {
 		t.Errorf("the committed %s is reported as not committed:\n%s", saved, errs)
 	}
+}
+
+// TestMoveDataTakesItsAttrsAlong: data moved into spool/sealed (a sealed record, a replica, a
+// restored slot) takes the owners and modes kept beside it; data already there keeps its own,
+// and takes the newcomer's only when it has none (an earlier agent's).
+func TestMoveDataTakesItsAttrsAlong(t *testing.T) {
+	dir := t.TempDir()
+	p := func(n string) string { return filepath.Join(dir, n) }
+	attrs := func(uid uint32) *layout.Attrs {
+		return layout.NewAttrsBuilder(layout.Attr{Mode: 0o700, UID: uid, GID: uid}, true).Attrs()
+	}
+	incoming := func(name string, a *layout.Attrs) string {
+		require.NoError(t, os.MkdirAll(p(name), 0o700))
+		require.NoError(t, os.WriteFile(p(name+"/f"), []byte(name), 0o600))
+		require.NoError(t, layout.WriteAttrs(p(name), a))
+		return p(name)
+	}
+	kept := func(sealed string) *layout.Attrs {
+		a, err := layout.ReadAttrs(sealed)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		require.NoError(t, err)
+		return a
+	}
+	sealed := p("D1.data")
+	dup, err := tiers.MoveData(incoming("in1", attrs(1000)), sealed)
+	require.NoError(t, err)
+	assert.False(t, dup)
+	assert.Equal(t, attrs(1000), kept(sealed))
+	assert.NoFileExists(t, layout.AttrsFile(p("in1")))
+
+	// The same data again: the first one's attrs stay, the newcomer goes entirely.
+	dup, err = tiers.MoveData(incoming("in2", attrs(2000)), sealed)
+	require.NoError(t, err)
+	assert.True(t, dup)
+	assert.Equal(t, attrs(1000), kept(sealed))
+	assert.NoDirExists(t, p("in2"))
+	assert.NoFileExists(t, layout.AttrsFile(p("in2")))
+
+	// Data held without attrs takes the newcomer's.
+	require.NoError(t, os.Remove(layout.AttrsFile(sealed)))
+	dup, err = tiers.MoveData(incoming("in3", attrs(3000)), sealed)
+	require.NoError(t, err)
+	assert.True(t, dup)
+	assert.Equal(t, attrs(3000), kept(sealed))
+
+	// Data without attrs moves as before.
+	require.NoError(t, os.MkdirAll(p("in4"), 0o700))
+	dup, err = tiers.MoveData(p("in4"), p("D4.data"))
+	require.NoError(t, err)
+	assert.False(t, dup)
+	assert.DirExists(t, p("D4.data"))
+	assert.Nil(t, kept(p("D4.data")))
 }

@@ -30,3 +30,6 @@ func (r *Replicator) SetWaitNotices(logAfter, logEvery, lineAfter time.Duration)
 
 // RoundUpBudget is roundUpBudget, for spool_test.go.
 func RoundUpBudget(n int64) int64 { return roundUpBudget(n) }
+
+// MoveData is moveData, for the package's external tests.
+func MoveData(src, sealed string) (bool, error) { return moveData(src, sealed) }

@@ -73,11 +73,9 @@ func (ib *inbox) accept(job string, rank int, name, path string) error {
 	}
 	return ib.retention.publish(func() error {
 		sealed := ib.spoolDir("sealed", name)
-		if _, err := os.Lstat(sealed); err == nil {
-			os.RemoveAll(path) // already held (same content sealed here or replicated before)
-		} else if err := os.Rename(path, sealed); err != nil {
+		if dup, err := moveData(path, sealed); err != nil {
 			return err
-		} else {
+		} else if !dup { // else already held (same content sealed here or replicated before)
 			ib.retention.markVerified(name) // the transport verified it on arrival
 			ib.metrics.moved("peer", "in", treeBytes(sealed))
 		}

@@ -38,7 +38,8 @@ type Namespace interface {
 	// Import makes the spool tree at src (a file or a directory) visible as the top-level name,
 	// sharing its bytes (src's own files, or hard links of them), immutable to the job like a
 	// sealed tree: src must stay until the name is removed. It fails with ErrNameTaken if name
-	// exists.
+	// exists. Its entries take the owners and modes layout.AttrsFile(src) records, if it
+	// exists; else the agent's (0644 files, 0755 directories).
 	Import(src, name string) error
 	// ImportVerified is Import of data not verified yet: verify runs while the tree is built,
 	// and the name appears only if it returns nil; else ImportVerified returns verify's error
@@ -60,6 +61,8 @@ type SealInfo struct {
 	// Copied counts files that were open for writing and were copied: the job's tree then
 	// diverges from the checkpoint, whose namespace entry must be rebuilt from the sealed copy.
 	Copied int
+	// Attrs are the owners and modes of the sealed entries (nil: the namespace keeps none).
+	Attrs *layout.Attrs
 }
 
 // DirEntry is one top-level name.

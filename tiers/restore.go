@@ -284,9 +284,7 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 func (r *restorer) publishSlot(incoming, dataName, meta string) error {
 	sealed := r.spoolDir("sealed", dataName)
 	if incoming != "" {
-		if _, err := os.Lstat(sealed); err == nil {
-			os.RemoveAll(incoming) // another slot brought the same data meanwhile
-		} else if err := os.Rename(incoming, sealed); err != nil {
+		if _, err := moveData(incoming, sealed); err != nil { // a dup: another slot brought the same data meanwhile
 			return err
 		}
 		r.retention.markVerified(dataName) // checked on arrival

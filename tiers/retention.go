@@ -178,12 +178,13 @@ func (rt *retention) retain(cfg *Config) {
 	ents, _ := os.ReadDir(rt.spoolDir("sealed"))
 	for _, e := range ents {
 		hash := strings.TrimSuffix(e.Name(), ".data")
-		if keepHash[hash] || rt.isHeld(e.Name()) {
-			continue
+		if !layout.IsDataName(e.Name()) || keepHash[hash] || rt.isHeld(e.Name()) {
+			continue // an attrs file goes with its data
 		}
 		// The name first: the namespace's nodes of an imported step borrow the record's files.
 		rt.ns.Remove(e.Name())
 		os.RemoveAll(rt.spoolDir("sealed", e.Name()))
+		os.Remove(layout.AttrsFile(rt.spoolDir("sealed", e.Name())))
 		rt.mu.Lock()
 		delete(rt.verified, e.Name())
 		rt.mu.Unlock()
@@ -217,6 +218,7 @@ func (rt *retention) dropData(dataName string) {
 	defer rt.publishMu.Unlock()
 	rt.ns.Remove(dataName) // first: its nodes may borrow the record's files (fs.importTree)
 	os.RemoveAll(rt.spoolDir("sealed", dataName))
+	os.Remove(layout.AttrsFile(rt.spoolDir("sealed", dataName)))
 	rt.mu.Lock()
 	delete(rt.verified, dataName)
 	rt.mu.Unlock()
@@ -244,7 +246,9 @@ func (rt *retention) inventory(rank int) Inventory {
 	rt.mu.Unlock()
 	ents, _ := os.ReadDir(rt.spoolDir("sealed"))
 	for _, e := range ents {
-		inv.Data = append(inv.Data, strings.TrimSuffix(e.Name(), ".data"))
+		if layout.IsDataName(e.Name()) {
+			inv.Data = append(inv.Data, strings.TrimSuffix(e.Name(), ".data"))
+		}
 	}
 	return inv
 }

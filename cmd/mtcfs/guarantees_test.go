@@ -369,6 +369,75 @@ func TestGuaranteeNames(t *testing.T) {
 	}
 }
 
+// TestGuaranteeOwnersAndModes: a step keeps the owners and permission bits the job saved it
+// with in every tier: sealed, on the peer, in the backup and restored from it, restored from
+// this node's RAM by a new agent, and fetched from the peer by a node that lost its RAM. Before,
+// everything but the sealed step itself came back as root's, 0644 and 0755: a job that kept
+// its checkpoint private (0600, as uid 1000) had it readable by every local user after a
+// restart, and a setuid tool or a group-writable directory lost its bits.
+func TestGuaranteeOwnersAndModes(t *testing.T) {
+	needRoot(t)
+	const job = "owners"
+	trees := func(rank int, dir string) tree {
+		return tree{
+			"_CHECKPOINT_METADATA":  fileEnt([]byte("{}")),
+			"private":               dirEnt().owned(0o700, 1000, 1000),
+			"private/state":         dirEnt().owned(0o750, 1000, 1001),
+			"private/state/weights": fileEnt(randomBytes(uint64(500+rank), 3000)).owned(0o600, 1000, 1000),
+			"private/state/shared":  fileEnt([]byte("shared")).owned(0o644, 1000, 1000),
+			"private/state/link":    linkEnt("weights").owned(0o777, 1000, 1000),
+			"private/fifo":          fifoEnt().owned(0o620, 1000, 1000),
+			"bin/tool":              fileEnt([]byte("#!/bin/sh\n")).owned(0o4755, 0, 0),
+			"group/writable":        dirEnt().owned(0o2775, 1000, 1001),
+			"group/writable/file":   fileEnt([]byte("g")).owned(0o664, 1000, 1001),
+			"rank":                  fileEnt([]byte(fmt.Sprint(rank))).owned(0o400, 1000, 1000),
+		}
+	}
+	ctx := repCtx(t)
+	c, _ := tierRoundTrip(t, job, trees) // sealed, replicated, backed up, restored from it
+	client := func(r int) *jobsim.Orbax {
+		o := orbaxClient(t, c.nodes[r].dir, job, fastBackupMinutes)
+		o.Rank, o.Nodes, o.PeerRanks = r, 2, []int{1 - r}
+		return o
+	}
+	restored := func(why string) {
+		t.Helper()
+		c.all(t, func(r int) error {
+			step, found, err := client(r).Start(ctx)
+			if err != nil {
+				return err
+			}
+			if !found || step != 20 {
+				return fmt.Errorf("%s: restored step %d (found %v), want 20", why, step, found)
+			}
+			if err := sameTree(filepath.Join(c.nodes[r].dir, "20"), trees(r, c.nodes[r].dir)); err != nil {
+				return fmt.Errorf("%s: %w", why, err)
+			}
+			return nil
+		})
+	}
+	for r := range 2 { // the restored step is protected again before anything is lost
+		repWait(t, 20*time.Second, fmt.Sprintf("rank %d's replica on rank %d", r, 1-r), func() bool { return replicaHeld(c.nodes[1-r], job, 20, r) })
+	}
+
+	// New agents adopt their spools: the step comes back from RAM.
+	for r := range 2 {
+		stopAgent(t, c.agents[r])
+		c.agents[r] = c.nodes[r].start(t)
+	}
+	restored("restored from RAM by new agents")
+	for r := range 2 {
+		repWait(t, 20*time.Second, fmt.Sprintf("rank %d's replica on rank %d", r, 1-r), func() bool { return replicaHeld(c.nodes[1-r], job, 20, r) })
+	}
+
+	// Rank 0 loses its RAM: its data comes back from rank 1's replica.
+	stopAgent(t, c.agents[0])
+	c.nodes[0].dropSpool(t)
+	c.agents[0] = c.nodes[0].start(t)
+	restored("rank 0 restored from its peer")
+	assert.Contains(t, c.agents[0].log(), "restored from a peer")
+}
+
 // TestGuaranteeRestoredStepIsProtectedAgain replays observation 4 of issue 9: "After node 1
 // lost its RAM and restored step 10 from node 0, node 0's replica was not re-pushed to node 1;
 // losing node 0 next (no save between) lost step 10." SPEC §10: after a restore the step is
@@ -959,13 +1028,32 @@ type entry struct {
 	kind   byte   // 'd' directory, 'f' regular file, 'l' symlink, 'p' FIFO
 	data   []byte // of a file
 	target string // of a symlink
+	// own, when set, is the entry's owner and permission bits: makeTree gives them to it and
+	// sameTree checks them (a symlink's mode is not checked). readTree always sets it.
+	own *owner
+}
+
+type owner struct {
+	mode     uint32 // permission, set-id and sticky bits
+	uid, gid uint32
+}
+
+// owned returns e with the owner uid:gid and the permission bits mode.
+func (e entry) owned(mode, uid, gid uint32) entry {
+	e.own = &owner{mode, uid, gid}
+	return e
 }
 
 func dirEnt() entry               { return entry{kind: 'd'} }
 func fileEnt(data []byte) entry   { return entry{kind: 'f', data: data} }
 func linkEnt(target string) entry { return entry{kind: 'l', target: target} }
 func fifoEnt() entry              { return entry{kind: 'p'} }
-func (e entry) String() string    { return fmt.Sprintf("%c(%d bytes, %q)", e.kind, len(e.data), e.target) }
+func (e entry) String() string {
+	if e.own != nil {
+		return fmt.Sprintf("%c(%d bytes, %q, %04o %d:%d)", e.kind, len(e.data), e.target, e.own.mode, e.own.uid, e.own.gid)
+	}
+	return fmt.Sprintf("%c(%d bytes, %q)", e.kind, len(e.data), e.target)
+}
 
 // paths returns tr's paths, sorted.
 func (tr tree) paths() []string {
@@ -1066,6 +1154,12 @@ func makeTree(root string, tr tree, order ...string) error {
 		default:
 			err = fmt.Errorf("unknown kind %c", e.kind)
 		}
+		if err == nil && e.own != nil { // the owner first: chown clears set-id bits
+			err = unix.Fchownat(fd, base, int(e.own.uid), int(e.own.gid), unix.AT_SYMLINK_NOFOLLOW)
+			if err == nil && e.kind != 'l' {
+				err = unix.Fchmodat(fd, base, e.own.mode, 0)
+			}
+		}
 		unix.Close(fd)
 		if err != nil {
 			return fmt.Errorf("make %c %s (%d bytes): %w", e.kind, p[max(0, len(p)-60):], len(p), err)
@@ -1150,6 +1244,7 @@ func readTreeAt(fd int, rel string, tr tree) error {
 		default:
 			tr[p] = entry{kind: '?'}
 		}
+		tr[p] = tr[p].owned(st.Mode&0o7777, st.Uid, st.Gid)
 	}
 	return nil
 }
@@ -1175,6 +1270,8 @@ func sameTree(root string, want tree) error {
 		case !ok:
 			problems = append(problems, "missing "+short(p))
 		case g.kind != w.kind || g.target != w.target || !bytes.Equal(g.data, w.data):
+			problems = append(problems, fmt.Sprintf("%s is %v, want %v", short(p), g, w))
+		case w.own != nil && (g.own.uid != w.own.uid || g.own.gid != w.own.gid || w.kind != 'l' && g.own.mode != w.own.mode):
 			problems = append(problems, fmt.Sprintf("%s is %v, want %v", short(p), g, w))
 		}
 	}

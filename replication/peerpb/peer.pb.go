@@ -151,7 +151,11 @@ type Manifest struct {
 	// FIFOs, sockets and device nodes: entries without content, kept as what they are (their type,
 	// and a device's number), like tar does. A receiver that cannot create device nodes (no
 	// CAP_MKNOD) refuses a transfer listing one with FAILED_PRECONDITION.
-	Specials      []*Special `protobuf:"bytes,6,rep,name=specials,proto3" json:"specials,omitempty"`
+	Specials []*Special `protobuf:"bytes,6,rep,name=specials,proto3" json:"specials,omitempty"`
+	// The owners and modes of the data's entries as the job saved them (layout.Attrs' encoding),
+	// or empty: the receiver then gives the entries its own defaults. They are not part of the
+	// data's name, and a receiver that does not know this field restores with its defaults.
+	Attrs         []byte `protobuf:"bytes,7,opt,name=attrs,proto3" json:"attrs,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -224,6 +228,13 @@ func (x *Manifest) GetSymlinks() []*Symlink {
 func (x *Manifest) GetSpecials() []*Special {
 	if x != nil {
 		return x.Specials
+	}
+	return nil
+}
+
+func (x *Manifest) GetAttrs() []byte {
+	if x != nil {
+		return x.Attrs
 	}
 	return nil
 }
@@ -1137,14 +1148,15 @@ var File_peer_proto protoreflect.FileDescriptor
 const file_peer_proto_rawDesc = "" +
 	"\n" +
 	"\n" +
-	"peer.proto\x12\x14mtcfs.replication.v1\"\x80\x02\n" +
+	"peer.proto\x12\x14mtcfs.replication.v1\"\x96\x02\n" +
 	"\bManifest\x12\x1b\n" +
 	"\tdata_name\x18\x01 \x01(\tR\bdataName\x12\x1b\n" +
 	"\ttree_hash\x18\x02 \x01(\tR\btreeHash\x120\n" +
 	"\x05files\x18\x03 \x03(\v2\x1a.mtcfs.replication.v1.FileR\x05files\x12\x12\n" +
 	"\x04dirs\x18\x04 \x03(\fR\x04dirs\x129\n" +
 	"\bsymlinks\x18\x05 \x03(\v2\x1d.mtcfs.replication.v1.SymlinkR\bsymlinks\x129\n" +
-	"\bspecials\x18\x06 \x03(\v2\x1d.mtcfs.replication.v1.SpecialR\bspecials\"F\n" +
+	"\bspecials\x18\x06 \x03(\v2\x1d.mtcfs.replication.v1.SpecialR\bspecials\x12\x14\n" +
+	"\x05attrs\x18\a \x01(\fR\x05attrs\"F\n" +
 	"\x04File\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\fR\x04path\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x03R\x04size\x12\x16\n" +

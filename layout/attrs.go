@@ -1,0 +1,241 @@
+package layout
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// Attrs are the owners and permission bits of a data's entries as the job left them. The data's
+// content name (TreeHash) leaves them out, as it leaves out times: two nodes saving the same bytes
+// name them alike. They travel beside the data (the spool's attrs directory, a peer push's
+// manifest, a backup's <hash>.data.attrs object), so that a restored checkpoint has the owners
+// and modes it was saved with rather than the agent's (root, 0644 and 0755); data without them
+// (an earlier agent's, the reference system's) restores with those defaults.
+//
+// Most trees have one owner, one mode for files and one for directories: those are the
+// defaults, and only the entries that differ are listed. Example:
+//
+//	mtcfs attrs v1
+//	default 1000 1000 0644 0755
+//	0600 1000 1000 "state/secret"
+//	0700 0 0 "state/private"
+//
+// (uid, gid, file mode and directory mode; then mode, uid, gid and Go-quoted path of each entry
+// that differs; the top gives the defaults, so it is never listed). A symlink's mode is not kept (it is always 0777);
+// a special file (FIFO, socket, device) takes the file mode.
+type Attrs struct {
+	UID, GID          uint32
+	FileMode, DirMode uint32 // permission bits, set-id and sticky bits
+	Except            map[string]Attr
+}
+
+// Attr is one entry's owner and mode.
+type Attr struct {
+	Mode, UID, GID uint32
+}
+
+// AttrsFile is where the Attrs of the data at dataPath are kept: beside it, as
+// "<dataPath>.attrs" (spool/sealed/<hash>.data.attrs, a commit record's data.attrs, a transfer's
+// incoming data). Whoever moves or removes the data moves or removes it too.
+func AttrsFile(dataPath string) string { return dataPath + ".attrs" }
+
+// ReadAttrs reads the Attrs kept for the data at dataPath: nil and an error wrapping
+// os.ErrNotExist when there are none.
+func ReadAttrs(dataPath string) (*Attrs, error) {
+	f, err := os.Open(AttrsFile(dataPath))
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, MaxAttrsSize+1))
+	if err != nil {
+		return nil, err
+	}
+	return DecodeAttrs(data)
+}
+
+// WriteAttrs keeps a for the data at dataPath (nil: nothing to keep), through a temporary name.
+func WriteAttrs(dataPath string, a *Attrs) error {
+	if a == nil {
+		return nil
+	}
+	p := AttrsFile(dataPath)
+	tmp := p + ".tmp"
+	if err := os.WriteFile(tmp, a.Encode(), 0o600); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return os.Rename(tmp, p)
+}
+
+// attrsMagic starts an encoding; a new format gets a new one.
+const attrsMagic = "mtcfs attrs v1"
+
+// MaxAttrsSize bounds an encoding a reader accepts (a tree of a million entries that all differ
+// from the defaults, with short names).
+const MaxAttrsSize = 64 << 20
+
+// AttrsBuilder makes Attrs from the entries of a tree, visited in any order.
+type AttrsBuilder struct {
+	a Attrs
+}
+
+// NewAttrsBuilder starts Attrs whose defaults are the owner and mode of the top of the tree.
+// For a directory (dir), its mode is the directory mode and, without the execute bits, the file
+// mode: the job made both through one umask (0755 and 0644, 0700 and 0600, 0775 and 0664).
+// The encoding does not depend on the order of the entries.
+func NewAttrsBuilder(top Attr, dir bool) *AttrsBuilder {
+	mode := top.Mode & 0o7777
+	b := &AttrsBuilder{a: Attrs{UID: top.UID, GID: top.GID, FileMode: mode, DirMode: 0o755}}
+	if dir {
+		b.a.FileMode, b.a.DirMode = mode&0o666, mode
+	}
+	return b
+}
+
+// Add records the entry at path (relative, slash-separated) of type t; path is called only when
+// the entry differs from the defaults.
+func (b *AttrsBuilder) Add(t EntryType, at Attr, path func() string) {
+	at.Mode &= 0o7777
+	if t == EntrySymlink {
+		at.Mode = 0
+	}
+	if at == b.a.defaultOf(t) {
+		return
+	}
+	if b.a.Except == nil {
+		b.a.Except = map[string]Attr{}
+	}
+	b.a.Except[path()] = at
+}
+
+// Attrs returns what was added.
+func (b *AttrsBuilder) Attrs() *Attrs { return &b.a }
+
+// defaultOf is what an entry of type t has when it is not listed.
+func (a *Attrs) defaultOf(t EntryType) Attr {
+	switch t {
+	case EntryDir:
+		return Attr{a.DirMode, a.UID, a.GID}
+	case EntrySymlink:
+		return Attr{0, a.UID, a.GID}
+	default:
+		return Attr{a.FileMode, a.UID, a.GID}
+	}
+}
+
+// Of returns the owner and mode of the entry at path, of type t ("" is the top).
+func (a *Attrs) Of(path string, t EntryType) Attr {
+	if at, ok := a.Except[path]; ok {
+		return at
+	}
+	return a.defaultOf(t)
+}
+
+// Encode returns the text form shown on Attrs, its entries in path order.
+func (a *Attrs) Encode() []byte {
+	var buf bytes.Buffer
+	fmt.Fprintf(&buf, "%s\ndefault %d %d %04o %04o\n", attrsMagic, a.UID, a.GID, a.FileMode, a.DirMode)
+	paths := make([]string, 0, len(a.Except))
+	for p := range a.Except {
+		paths = append(paths, p)
+	}
+	slices.Sort(paths)
+	for _, p := range paths {
+		at := a.Except[p]
+		fmt.Fprintf(&buf, "%04o %d %d %s\n", at.Mode, at.UID, at.GID, strconv.Quote(p))
+	}
+	return buf.Bytes()
+}
+
+// DecodeAttrs reads what Encode wrote, refusing anything else: another format, a mode beyond
+// the permission, set-id and sticky bits, an invalid path, a path given twice.
+func DecodeAttrs(data []byte) (*Attrs, error) {
+	if len(data) > MaxAttrsSize {
+		return nil, fmt.Errorf("attrs: %d bytes, more than %d", len(data), MaxAttrsSize)
+	}
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	sc.Buffer(nil, 1<<20)
+	line := 0
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("attrs line %d: %s", line, fmt.Sprintf(format, args...))
+	}
+	next := func() (string, bool) {
+		if !sc.Scan() {
+			return "", false
+		}
+		line++
+		return sc.Text(), true
+	}
+	if l, ok := next(); !ok || l != attrsMagic {
+		return nil, fmt.Errorf("attrs: not %q", attrsMagic)
+	}
+	l, ok := next()
+	if !ok {
+		return nil, bad("no defaults")
+	}
+	var a Attrs
+	var fileMode, dirMode string
+	if n, err := fmt.Sscanf(l, "default %d %d %s %s", &a.UID, &a.GID, &fileMode, &dirMode); err != nil || n != 4 {
+		return nil, bad("want %q, got %q", "default UID GID FILEMODE DIRMODE", l)
+	}
+	var err error
+	if a.FileMode, err = parseMode(fileMode); err != nil {
+		return nil, bad("%v", err)
+	}
+	if a.DirMode, err = parseMode(dirMode); err != nil {
+		return nil, bad("%v", err)
+	}
+	for {
+		l, ok := next()
+		if !ok {
+			break
+		}
+		fields := strings.SplitN(l, " ", 4)
+		if len(fields) != 4 {
+			return nil, bad("want MODE UID GID \"PATH\", got %q", l)
+		}
+		var at Attr
+		if at.Mode, err = parseMode(fields[0]); err != nil {
+			return nil, bad("%v", err)
+		}
+		uid, err1 := strconv.ParseUint(fields[1], 10, 32)
+		gid, err2 := strconv.ParseUint(fields[2], 10, 32)
+		if err1 != nil || err2 != nil {
+			return nil, bad("bad owner %s %s", fields[1], fields[2])
+		}
+		at.UID, at.GID = uint32(uid), uint32(gid)
+		p, err := strconv.Unquote(fields[3])
+		if err != nil {
+			return nil, bad("bad path %s", fields[3])
+		}
+		if p != "" && !ValidPath(p) {
+			return nil, bad("invalid path %q", p)
+		}
+		if a.Except == nil {
+			a.Except = map[string]Attr{}
+		}
+		if _, dup := a.Except[p]; dup {
+			return nil, bad("%q given twice", p)
+		}
+		a.Except[p] = at
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("attrs: %w", err)
+	}
+	return &a, nil
+}
+
+func parseMode(s string) (uint32, error) {
+	m, err := strconv.ParseUint(s, 8, 32)
+	if err != nil || m&^0o7777 != 0 {
+		return 0, fmt.Errorf("bad mode %q", s)
+	}
+	return uint32(m), nil
+}
