@@ -795,6 +795,12 @@ func TestImportKeepsOwnersAndModes(t *testing.T) {
 		}
 	}
 	check("7", false)
+	// The set-user-ID bit is kept and shown, never honoured: the mount is nosuid and nodev, so a
+	// peer or a backup naming a root-owned setuid file grants nothing.
+	var sfs unix.Statfs_t
+	require.NoError(t, unix.Statfs(dir, &sfs))
+	assert.NotZero(t, sfs.Flags&unix.ST_NOSUID, "mount flags %#x: want nosuid", sfs.Flags)
+	assert.NotZero(t, sfs.Flags&unix.ST_NODEV, "mount flags %#x: want nodev", sfs.Flags)
 
 	sealed := filepath.Join(spool.Dir(), "sealed")
 	info, err := ns.Seal("7", sealed)
