@@ -472,6 +472,44 @@ func (ns *namespace) SpoolFile(path string) (string, error) {
 	return fn.backing, nil
 }
 
+func (ns *namespace) Owner(name string) (uid, gid uint32, err error) {
+	ch := ns.root.GetChild(name)
+	if ch == nil {
+		return 0, 0, fmt.Errorf("%s: %w", name, os.ErrNotExist)
+	}
+	a := ch.Operations().(interface{ attr() layout.Attr }).attr()
+	return a.UID, a.GID, nil
+}
+
+func (ns *namespace) Reown(name string, uid, gid uint32) error {
+	top := ns.root.GetChild(name)
+	if top == nil {
+		return fmt.Errorf("%s: %w", name, os.ErrNotExist)
+	}
+	was := top.Operations().(interface{ attr() layout.Attr }).attr()
+	if was.UID == uid && was.GID == gid {
+		return nil
+	}
+	// The kernel may hold a node's attributes (a job's earlier use of the step, within the cache
+	// timeout): each node changed is invalidated, attributes only, which takes no lock a job's
+	// request could hold.
+	var walk func(in *gofs.Inode)
+	walk = func(in *gofs.Inode) {
+		if m, ok := in.Operations().(interface {
+			reown(from, to layout.Attr) bool
+		}); ok && m.reown(was, layout.Attr{UID: uid, GID: gid}) {
+			in.NotifyContent(-1, 0)
+		}
+		if in.IsDir() {
+			for _, c := range in.Children() {
+				walk(c)
+			}
+		}
+	}
+	walk(top)
+	return nil
+}
+
 func (ns *namespace) Import(src, name string) error { return ns.ImportVerified(src, name, nil) }
 
 func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeEntry) error) error {

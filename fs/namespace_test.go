@@ -820,6 +820,25 @@ func TestImportKeepsOwnersAndModes(t *testing.T) {
 	require.NoError(t, ns.Import(sealed, "kept"))
 	check("kept", false)
 
+	// Given to a job running as another user: what was the top's owner's (group's) is theirs;
+	// other owners and every mode stay.
+	uid, gid, err := ns.Owner("kept")
+	require.NoError(t, err)
+	assert.Equal(t, []uint32{1000, 1000}, []uint32{uid, gid})
+	require.NoError(t, ns.Reown("kept", 3000, 3001))
+	for n, w := range entries {
+		if w.uid == 1000 {
+			w.uid = 3000
+		}
+		if w.gid == 1000 {
+			w.gid = 3001
+		}
+		entries[n] = w
+	}
+	check("kept", false)
+	assert.Equal(t, want{0o600, 3000, 2000}, entries["7/other-group"])
+	assert.Equal(t, want{0o640, 0, 0}, entries["7/root-owned"])
+
 	// A single-file checkpoint.
 	require.NoError(t, os.WriteFile(p("single"), []byte("x"), 0o600))
 	require.NoError(t, os.Chown(p("single"), 1000, 1001))

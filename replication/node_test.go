@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -109,6 +110,19 @@ func (ns *dirNamespace) SpoolFile(path string) (string, error) {
 	_, err := os.Lstat(ns.path(path))
 	return ns.path(path), err
 }
+
+// Owner is the owner of the file or directory at name.
+func (ns *dirNamespace) Owner(name string) (uint32, uint32, error) {
+	fi, err := os.Lstat(ns.path(name))
+	if err != nil {
+		return 0, 0, err
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	return st.Uid, st.Gid, nil
+}
+
+// Reown does nothing: the fake's entries are the test's.
+func (ns *dirNamespace) Reown(string, uint32, uint32) error { return nil }
 
 func (ns *dirNamespace) ImportVerified(src, name string, verify func([]layout.TreeEntry) error) error {
 	if err := verify(nil); err != nil {

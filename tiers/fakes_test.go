@@ -18,6 +18,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -189,6 +190,19 @@ func (ns *dirNamespace) SpoolFile(path string) (string, error) {
 }
 
 // ImportVerified verifies first: the fake has no tree to build meanwhile.
+// Owner is the owner of the file or directory at name.
+func (ns *dirNamespace) Owner(name string) (uint32, uint32, error) {
+	fi, err := os.Lstat(ns.path(name))
+	if err != nil {
+		return 0, 0, err
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	return st.Uid, st.Gid, nil
+}
+
+// Reown does nothing: the fake's entries are the test's.
+func (ns *dirNamespace) Reown(string, uint32, uint32) error { return nil }
+
 func (ns *dirNamespace) ImportVerified(src, name string, verify func([]layout.TreeEntry) error) error {
 	if err := verify(nil); err != nil {
 		return err

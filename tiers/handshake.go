@@ -64,6 +64,11 @@ func (h *handshake) answer() {
 		return
 	}
 	inc := newIncarnation(h.ctx, cfg)
+	// The job's user: a root writer says nothing of it (a launcher may write the yaml for a job
+	// that then runs as someone else), and root reads any checkpoint anyway.
+	if uid, gid, err := h.ns.Owner(layout.ReplicatorYAMLName); err == nil && uid != 0 {
+		inc.owner = &layout.Attr{UID: uid, GID: gid}
+	}
 	h.cleanNamespace()
 	for _, w := range warnings {
 		h.lines.errLine(cfg, w)

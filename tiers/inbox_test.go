@@ -26,6 +26,8 @@ func (nopNamespace) Remove(string) error                    { return nil }
 func (nopNamespace) Seal(string, string) (SealInfo, error)  { return SealInfo{}, nil }
 func (nopNamespace) SpoolFile(string) (string, error)       { return "", os.ErrNotExist }
 func (nopNamespace) Import(string, string) error            { return nil }
+func (nopNamespace) Owner(string) (uint32, uint32, error)   { return 0, 0, os.ErrNotExist }
+func (nopNamespace) Reown(string, uint32, uint32) error     { return nil }
 func (nopNamespace) ImportVerified(_, _ string, verify func([]layout.TreeEntry) error) error {
 	return verify(nil)
 }

@@ -3,6 +3,8 @@ package tiers
 import (
 	"context"
 	"sync"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // incarnation is one start of the job (one valid replicator.yaml) and the state that lives and
@@ -26,6 +28,10 @@ type incarnation struct {
 	waiting    string    // GUARDED_BY(mu); what the restore waits for, for status ("": nothing)
 	// early holds, by top-level name, the files pushed to peers before their step committed.
 	early map[string]*earlyGroup // GUARDED_BY(mu)
+	// owner is the job's user and group, as the owner of the replicator.yaml it wrote (nil:
+	// unknown, or root): a step restored for it is given to it (Namespace.Reown). Set before
+	// the restore starts.
+	owner *layout.Attr
 }
 
 func newIncarnation(parent context.Context, cfg *Config) *incarnation {

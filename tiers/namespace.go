@@ -49,6 +49,13 @@ type Namespace interface {
 	// src itself); when it gets a listing it must fill in the entries' digests and sizes
 	// (layout.HashEntries, VerifyListed do).
 	ImportVerified(src, name string, verify func(listing []layout.TreeEntry) error) error
+	// Owner returns the owner and group of the top-level name (for a file the job made, the
+	// job's user and group).
+	Owner(name string) (uid, gid uint32, err error)
+	// Reown gives the entries of the top-level name owned by its top's owner to uid, and those
+	// of the top's group to gid, their modes kept: a checkpoint restored for a job that runs as
+	// another user than the one that saved it is that job's. Other owners stay.
+	Reown(name string, uid, gid uint32) error
 }
 
 // ErrNameTaken is the error (wrapped) of an Import or ImportVerified whose name exists already.

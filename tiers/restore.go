@@ -210,7 +210,7 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 	meta := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
 	sealed := r.spoolDir("sealed", dataName)
 	publish := func(incoming string) error {
-		return r.retention.publish(func() error { return r.publishSlot(incoming, dataName, meta) })
+		return r.retention.publish(func() error { return r.publishSlot(incoming, dataName, meta, inc.owner) })
 	}
 	// First this node's own RAM. Data this agent sealed or verified is immutable to the job and
 	// trusted; anything else is hashed first, and a copy that fails is reported and replaced
@@ -280,8 +280,9 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 
 // publishSlot publishes a slot's data and its .meta, inside retention.publish: the data that
 // arrived at incoming ("": none, the spool must hold it) moves into spool/sealed, gets its name
-// in the namespace, and its .meta is written.
-func (r *restorer) publishSlot(incoming, dataName, meta string) error {
+// in the namespace (given to owner, the job's user, when it is not nil and the data was saved
+// by another), and its .meta is written.
+func (r *restorer) publishSlot(incoming, dataName, meta string, owner *layout.Attr) error {
 	sealed := r.spoolDir("sealed", dataName)
 	if incoming != "" {
 		if _, err := moveData(incoming, sealed); err != nil { // a dup: another slot brought the same data meanwhile
@@ -293,6 +294,11 @@ func (r *restorer) publishSlot(incoming, dataName, meta string) error {
 	}
 	if !r.hasName(dataName) {
 		if err := r.ns.Import(sealed, dataName); err != nil {
+			return err
+		}
+	}
+	if owner != nil {
+		if err := r.ns.Reown(dataName, owner.UID, owner.GID); err != nil {
 			return err
 		}
 	}

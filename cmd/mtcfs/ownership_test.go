@@ -63,7 +63,7 @@ func TestJobRunningAsAnotherUser(t *testing.T) {
 	require.Equal(t, uint32(1000), st.Uid, "the root belongs to the mount point's owner")
 	require.Equal(t, uint32(0o755), st.Mode&0o7777)
 
-	out, err := asUser(t, 1000, 1000, n.dir, orbaxSaveScript)
+	out, err := asUser(t, 1000, 1000, n.dir, "umask 077\n"+orbaxSaveScript) // a private checkpoint
 	require.NoError(t, err, "the job as uid 1000: %s\n%s", out, a.log())
 	require.Contains(t, out, "saved")
 	// The job's user asks the root agent how its checkpoints stand. Before, mtcfs status
@@ -86,6 +86,35 @@ wc -c < 1/state/array`)
 	require.NoError(t, err, "%s\n%s", out, a.log())
 	assert.Contains(t, out, `{"step": 1}`)
 	assert.Contains(t, out, "65536")
+
+	// The agent restarts (an upgrade, node maintenance) and the job with it: the step comes
+	// back from the spool as the job saved it, uid 1000's, 0700 and 0600. Before, it came back
+	// as root's, 0755 and 0644: readable by every local user.
+	stopAgent(t, a)
+	a = n.start(t)
+	restart := func(uid int) string {
+		t.Helper()
+		out, err := asUser(t, uid, uid, n.dir, `
+rm -f 1
+printf 'job-name: uidjob\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60' > replicator.yaml
+i=0; while [ ! -e uidjob-s1-n0-w0.restore ]; do i=$((i+1)); [ $i -lt 500 ] || { echo "no marker"; exit 1; }; sleep 0.02; done
+mv uidjob-s1-n0-w0.restore 1
+cat 1/_CHECKPOINT_METADATA
+stat -c '%n %u:%g %a' 1/ 1/state 1/state/array 1/_CHECKPOINT_METADATA`)
+		require.NoError(t, err, "%s\n%s", out, a.log())
+		return out
+	}
+	out = restart(1000)
+	assert.Contains(t, out, `{"step": 1}`)
+	assert.Contains(t, out, "1/ 1000:1000 700\n1/state 1000:1000 700\n1/state/array 1000:1000 600\n1/_CHECKPOINT_METADATA 1000:1000 600")
+	// The job restarts as another user (its image changed, and the directory with it): the step
+	// is given to that user, modes kept, so that it can read it. Kept as uid 1000's 0600, it
+	// could not.
+	stopAgent(t, a)
+	a = n.start(t, "--uid", "1001", "--gid", "1001")
+	out = restart(1001)
+	assert.Contains(t, out, `{"step": 1}`)
+	assert.Contains(t, out, "1/ 1001:1001 700\n1/state 1001:1001 700\n1/state/array 1001:1001 600\n1/_CHECKPOINT_METADATA 1001:1001 600")
 	stopAgent(t, a)
 	n.dropSpool(t)
 
