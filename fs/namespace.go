@@ -544,7 +544,10 @@ func (ns *namespace) ImportVerified(src, name string, verify func([]layout.TreeE
 	ctx := context.Background()
 	// The owners and modes the job saved the tree with; without them (data of an earlier agent
 	// or of the reference system, or a record that does not parse) the agent's defaults.
-	attrs, _ := layout.ReadAttrs(src)
+	attrs, err := layout.ReadAttrs(src)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		ns.m.log.Warn("the owners and modes kept for this data cannot be read; it gets the agent's", "data", name, "err", err)
+	}
 	type fileAt struct {
 		n     *fileNode
 		entry int // in entries; -1: src itself

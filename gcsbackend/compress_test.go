@@ -327,7 +327,7 @@ func TestExport(t *testing.T) {
 	}
 	entries, err := os.ReadDir(out)
 	require.NoError(t, err)
-	assert.Len(t, entries, 4, "two .meta and two .data, nothing else")
+	assert.Len(t, entries, 4, "two .meta and two .data, nothing else (the owners and modes stay behind: %v)", entries)
 
 	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: out})
 	assert.ErrorContains(t, err, "not empty")
@@ -351,11 +351,13 @@ func TestExport(t *testing.T) {
 	assert.Empty(t, metas)
 }
 
-// uploadHashedTree is uploadTree with the tree's real BLAKE3 name, as the agent names data.
+// uploadHashedTree is uploadTree with the tree's real BLAKE3 name, as the agent names data,
+// and the owners and modes the agent keeps beside it.
 func uploadHashedTree(t *testing.T, b *Backups, backup string, step int64, slot Slot, files map[string][]byte) string {
 	t.Helper()
 	src := t.TempDir()
 	writeBinTree(t, src, files)
+	require.NoError(t, layout.WriteAttrs(src, layout.NewAttrsBuilder(layout.Attr{Mode: 0o700, UID: 1000, GID: 1000}, true).Attrs()))
 	h, isDir, err := layout.HashData(context.Background(), src)
 	require.NoError(t, err)
 	require.True(t, isDir)

@@ -229,6 +229,11 @@ func PutBytes(ctx context.Context, s ObjectStore, name string, data []byte, ifAb
 	return s.Put(ctx, PutRequest{Name: name, Body: bytes.NewReader(data), Size: int64(len(data)), CRC32C: &crc, IfAbsent: ifAbsent})
 }
 
+// tooLargeError is the error (wrapped) of a ReadSmall past its limit (in bytes).
+type tooLargeError int64
+
+func (e tooLargeError) Error() string { return fmt.Sprintf("larger than %d bytes", int64(e)) }
+
 // ReadSmall returns the whole content of an object that is expected to be
 // small, failing when it is larger than limit bytes (a guard against reading
 // a multi-GiB object by mistake).
@@ -243,7 +248,7 @@ func ReadSmall(ctx context.Context, s ObjectStore, name string, limit int64) ([]
 		return nil, fmt.Errorf("read %s: %w", name, err)
 	}
 	if int64(len(data)) > limit {
-		return nil, fmt.Errorf("read %s: larger than %d bytes", name, limit)
+		return nil, fmt.Errorf("read %s: %w", name, tooLargeError(limit))
 	}
 	return data, nil
 }

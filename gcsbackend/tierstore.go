@@ -61,7 +61,7 @@ func (s tierStore) Upload(ctx context.Context, u tiers.Upload) error {
 }
 
 func (s tierStore) Download(ctx context.Context, job, backup, hash, dest string, progress func(done, total int64)) error {
-	err := s.b.Download(ctx, DownloadRequest{Job: job, Backup: backup, Hash: hash, Dest: dest, Progress: progress})
+	err := s.b.Download(ctx, DownloadRequest{Job: job, Backup: backup, Hash: hash, Dest: dest, Progress: progress, Attrs: true})
 	if ce := (*ChecksumError)(nil); errors.As(err, &ce) || errors.Is(err, planecodec.ErrCorrupt) {
 		return fmt.Errorf("%w: %w", tiers.ErrCorruptBackup, err)
 	}

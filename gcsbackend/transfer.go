@@ -42,11 +42,13 @@ type UploadRequest struct {
 }
 
 // Upload adds one slot's step to a backup: every data file in parallel
-// (bounded by Parallelism), then the data's manifest, then the .meta — last,
-// so the step cannot look complete before its data is. Every object is
-// written create-if-absent with its CRC32C: a retry, or another node
-// uploading identical data, succeeds; different content under an existing
-// name fails with *PreconditionError.
+// (bounded by Parallelism), then the owners and modes kept beside the source
+// (layout.AttrsFile, as <hash>.data.attrs), then the data's manifest, then the
+// .meta — last, so the step cannot look complete before its data is. Every
+// object but the attrs is written create-if-absent with its CRC32C: a retry,
+// or another node uploading identical data, succeeds; different content under
+// an existing name fails with *PreconditionError. The attrs are overwritten:
+// two nodes' may differ, and either is right.
 //
 // Every data file goes through the store's PutFile. GCS must have an
 // upload's CRC32C before the first byte, so it reads each file twice,
@@ -300,6 +302,10 @@ type DownloadRequest struct {
 	Dest string
 	// Progress is as for UploadRequest.
 	Progress func(done, total int64)
+	// Attrs puts the owners and modes the backup keeps for the data beside Dest
+	// (layout.AttrsFile), as the agent's spool keeps them; without it (an export) they stay
+	// behind.
+	Attrs bool
 }
 
 // Download fetches <hash>.data from a backup to req.Dest, in parallel, and
@@ -336,9 +342,11 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 	if err != nil {
 		return err
 	}
-	attrs, err := b.readAttrs(ctx, dir, req.Hash)
-	if err != nil {
-		return err
+	var attrs *layout.Attrs
+	if req.Attrs {
+		if attrs, err = b.readAttrs(ctx, dir, req.Hash); err != nil {
+			return err
+		}
 	}
 	// The owners and modes go beside Dest before the data: tiers moves them first too.
 	place := func(tmp string) error {
@@ -389,11 +397,14 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 }
 
 // readAttrs reads the owners and modes kept for hash's data: nil when the backup has none, or
-// what it has does not parse (the data restores with the agent's defaults then).
+// what it has is too large or does not parse (the data restores with the agent's defaults
+// then). A failure to read them fails the download, which is retried: the data would otherwise
+// lose them on a passing error.
 func (b *Backups) readAttrs(ctx context.Context, dir, hash string) (*layout.Attrs, error) {
 	data, err := ReadSmall(ctx, b.Store, dir+attrsName(hash), layout.MaxAttrsSize)
 	var nf *NotFoundError
-	if errors.As(err, &nf) {
+	var tooLarge tooLargeError
+	if errors.As(err, &nf) || errors.As(err, &tooLarge) {
 		return nil, nil
 	}
 	if err != nil {

@@ -13,7 +13,7 @@ import (
 
 // Attrs are the owners and permission bits of a data's entries as the job left them. The data's
 // content name (TreeHash) leaves them out, as it leaves out times: two nodes saving the same bytes
-// name them alike. They travel beside the data (the spool's attrs directory, a peer push's
+// name them alike. They travel beside the data (<data>.attrs in the spool, a peer push's
 // manifest, a backup's <hash>.data.attrs object), so that a restored checkpoint has the owners
 // and modes it was saved with rather than the agent's (root, 0644 and 0755); data without them
 // (an earlier agent's, the reference system's) restores with those defaults.
@@ -60,14 +60,22 @@ func ReadAttrs(dataPath string) (*Attrs, error) {
 	return DecodeAttrs(data)
 }
 
+// ErrAttrsTooLarge is the error of a WriteAttrs whose encoding readers would refuse.
+var ErrAttrsTooLarge = fmt.Errorf("owners and modes: more than %d bytes encoded", MaxAttrsSize)
+
 // WriteAttrs keeps a for the data at dataPath (nil: nothing to keep), through a temporary name.
+// It refuses (ErrAttrsTooLarge) an encoding longer than MaxAttrsSize.
 func WriteAttrs(dataPath string, a *Attrs) error {
 	if a == nil {
 		return nil
 	}
+	enc := a.Encode()
+	if len(enc) > MaxAttrsSize {
+		return ErrAttrsTooLarge
+	}
 	p := AttrsFile(dataPath)
 	tmp := p + ".tmp"
-	if err := os.WriteFile(tmp, a.Encode(), 0o600); err != nil {
+	if err := os.WriteFile(tmp, enc, 0o600); err != nil {
 		os.Remove(tmp)
 		return err
 	}
@@ -181,15 +189,18 @@ func DecodeAttrs(data []byte) (*Attrs, error) {
 		return nil, bad("no defaults")
 	}
 	var a Attrs
-	var fileMode, dirMode string
-	if n, err := fmt.Sscanf(l, "default %d %d %s %s", &a.UID, &a.GID, &fileMode, &dirMode); err != nil || n != 4 {
+	f := strings.Split(l, " ")
+	if len(f) != 5 || f[0] != "default" {
 		return nil, bad("want %q, got %q", "default UID GID FILEMODE DIRMODE", l)
 	}
 	var err error
-	if a.FileMode, err = parseMode(fileMode); err != nil {
+	if a.UID, a.GID, err = parseOwner(f[1], f[2]); err != nil {
 		return nil, bad("%v", err)
 	}
-	if a.DirMode, err = parseMode(dirMode); err != nil {
+	if a.FileMode, err = parseMode(f[3]); err != nil {
+		return nil, bad("%v", err)
+	}
+	if a.DirMode, err = parseMode(f[4]); err != nil {
 		return nil, bad("%v", err)
 	}
 	for {
@@ -205,12 +216,9 @@ func DecodeAttrs(data []byte) (*Attrs, error) {
 		if at.Mode, err = parseMode(fields[0]); err != nil {
 			return nil, bad("%v", err)
 		}
-		uid, err1 := strconv.ParseUint(fields[1], 10, 32)
-		gid, err2 := strconv.ParseUint(fields[2], 10, 32)
-		if err1 != nil || err2 != nil {
-			return nil, bad("bad owner %s %s", fields[1], fields[2])
+		if at.UID, at.GID, err = parseOwner(fields[1], fields[2]); err != nil {
+			return nil, bad("%v", err)
 		}
-		at.UID, at.GID = uint32(uid), uint32(gid)
 		p, err := strconv.Unquote(fields[3])
 		if err != nil {
 			return nil, bad("bad path %s", fields[3])
@@ -230,6 +238,15 @@ func DecodeAttrs(data []byte) (*Attrs, error) {
 		return nil, fmt.Errorf("attrs: %w", err)
 	}
 	return &a, nil
+}
+
+func parseOwner(u, g string) (uid, gid uint32, err error) {
+	uid64, err1 := strconv.ParseUint(u, 10, 32)
+	gid64, err2 := strconv.ParseUint(g, 10, 32)
+	if err1 != nil || err2 != nil {
+		return 0, 0, fmt.Errorf("bad owner %q %q", u, g)
+	}
+	return uint32(uid64), uint32(gid64), nil
 }
 
 func parseMode(s string) (uint32, error) {

@@ -1,6 +1,9 @@
 package layout
 
 import (
+	"fmt"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -54,8 +57,27 @@ func TestDecodeAttrsRefusesWhatEncodeDoesNotWrite(t *testing.T) {
 		"mtcfs attrs v1\ndefault 0 0 0644 0755\n0644 0 0 \"a\"\n0600 0 0 \"a\"\n",
 		"mtcfs attrs v1\ndefault 0 0 0644 0755\n0644 4294967296 0 \"a\"\n",
 		"mtcfs attrs v1\ndefault 0 0 0644 0755\n0844 0 0 \"a\"\n",
+		"mtcfs attrs v1\ndefault 0 0 0644 0755 junk\n",
+		"mtcfs attrs v1\ndefault  0 0 0644 0755\n",
+		"mtcfs attrs v1\nfault 0 0 0644 0755\n",
 	} {
 		_, err := DecodeAttrs([]byte(in))
 		assert.Error(t, err, "%q", in)
 	}
+}
+
+// WriteAttrs refuses what DecodeAttrs would: a record past MaxAttrsSize.
+func TestWriteAttrsRefusesWhatReadersWould(t *testing.T) {
+	b := NewAttrsBuilder(Attr{Mode: 0o755}, true)
+	long := strings.Repeat("n", 255)
+	for i := 0; i*270 <= MaxAttrsSize; i++ {
+		b.Add(EntryFile, Attr{Mode: 0o600}, func() string { return fmt.Sprintf("%08d/%s", i, long) })
+	}
+	p := filepath.Join(t.TempDir(), "D.data")
+	assert.ErrorIs(t, WriteAttrs(p, b.Attrs()), ErrAttrsTooLarge)
+	assert.NoFileExists(t, AttrsFile(p))
+	require.NoError(t, WriteAttrs(p, NewAttrsBuilder(Attr{Mode: 0o700}, true).Attrs()))
+	got, err := ReadAttrs(p)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(0o700), got.DirMode)
 }

@@ -463,7 +463,7 @@ func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, 
 	if err != nil {
 		return tiers.BackupOrder{}, err
 	}
-	req := &peerpb.BackupsRequest{Caller: caller, Done: rep.Done, Failed: rep.Failed, Error: rep.Err}
+	req := &peerpb.BackupsRequest{Caller: caller, Done: rep.Done, Failed: rep.Failed, Error: validText(rep.Err)}
 	var reply *peerpb.BackupsReply
 	err = r.call(ctx, inc, "Backups", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) (err error) {
 		reply, err = c.Backups(ctx, req, opt)
@@ -678,8 +678,16 @@ func inventoryFromPB(rank int, m *peerpb.Inventory) tiers.Inventory {
 	return inv
 }
 
+// validText makes free text (an error naming a path, which need not be UTF-8) fit in a protobuf
+// string, which refuses invalid UTF-8: the message failed to marshal, and was sent again and
+// again.
+func validText(s string) string { return strings.ToValidUTF8(s, "\uFFFD") }
+
 func planToPB(p tiers.RestorePlan) *peerpb.RestorePlan {
-	m := &peerpb.RestorePlan{Step: p.Step, Found: p.Found, Backup: p.Backup, Errors: p.Errors, Pinned: p.Pinned}
+	m := &peerpb.RestorePlan{Step: p.Step, Found: p.Found, Backup: p.Backup, Pinned: p.Pinned}
+	for _, e := range p.Errors {
+		m.Errors = append(m.Errors, validText(e))
+	}
 	for slot, hash := range p.Data {
 		m.Data = append(m.Data, &peerpb.SlotData{Rank: int32(slot.Rank), Worker: int32(slot.Worker), Hash: hash})
 	}

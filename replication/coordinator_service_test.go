@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/mtcfs/mtcfs/replication/peerpb"
 	"github.com/mtcfs/mtcfs/tiers"
@@ -370,6 +371,12 @@ func TestCoordinatorPlanConversion(t *testing.T) {
 		Errors:  []string{"one", "two"},
 	}
 	assert.Equal(t, plan, planFromPB(planToPB(plan)))
+	// An error naming a path that is not UTF-8 (a damaged backup's file "caf\xe9") still goes
+	// on the wire: protobuf refuses such a string, and the plan failed to marshal.
+	plan.Errors = []string{"backup 2030: caf\xe9 is missing"}
+	_, err := proto.Marshal(planToPB(plan))
+	require.NoError(t, err)
+	assert.Equal(t, []string{"backup 2030: caf\uFFFD is missing"}, planFromPB(planToPB(plan)).Errors)
 	empty := planFromPB(planToPB(tiers.RestorePlan{}))
 	assert.Equal(t, tiers.RestorePlan{Data: map[tiers.Slot]string{}, Holders: map[string][]int{}}, empty)
 

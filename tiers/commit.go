@@ -227,6 +227,12 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 	dst := filepath.Join(c.dir, commitDataName)
 	if c.sealed, err = cr.ns.Seal(c.name, dst); err == nil {
 		err = layout.WriteAttrs(dst, c.sealed.Attrs) // before commit.json: part of the record
+		if errors.Is(err, layout.ErrAttrsTooLarge) {
+			// The step is sealed without them (it restores with the agent's owners and modes),
+			// rather than not at all.
+			cr.log.Warn("the step's owners and modes are not kept", "step", c.step, "worker", c.worker, "err", err)
+			err = nil
+		}
 	}
 	if err != nil {
 		os.RemoveAll(c.dir)

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -172,6 +173,9 @@ func (e *earlyPushes) groupOf(path string) (*earlyGroup, string) {
 	group, _, _ := strings.Cut(path, "/")
 	if _, committed := layout.ParseStepDir(group); committed || layout.IsDataName(group) {
 		return nil, "" // written into a committed name: that is not a step being saved
+	}
+	if !utf8.ValidString(group) {
+		return nil, "" // the group's name travels as a protobuf string: the step goes whole at its commit
 	}
 	return inc.earlyGroup(group), group
 }

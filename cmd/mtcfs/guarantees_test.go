@@ -369,6 +369,45 @@ func TestGuaranteeNames(t *testing.T) {
 	}
 }
 
+// TestGuaranteeStepWrittenUnderANameNotUTF8: a job (NeMo-like) writes its step in a temporary
+// directory whose name is not UTF-8 and renames it to the step's name. The files it closes
+// there were pushed early in a group named after that directory, a protobuf string: every push
+// of the step then failed to marshal ("string field contains invalid UTF-8"), the peer was
+// marked down, and the step was never replicated. Such a step is now pushed whole at commit.
+func TestGuaranteeStepWrittenUnderANameNotUTF8(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	const job = "tmpname"
+	c := newCluster(t, 2)
+	c.all(t, func(r int) error {
+		o := orbaxClient(t, c.nodes[r].dir, job, 60)
+		o.Rank, o.Nodes, o.PeerRanks = r, 2, []int{1 - r}
+		_, _, err := o.Start(ctx)
+		return err
+	})
+	tr := func(r int) tree {
+		return tree{"_CHECKPOINT_METADATA": fileEnt([]byte("{}")), "state/w": fileEnt(randomBytes(uint64(600+r), 5000))}
+	}
+	c.all(t, func(r int) error {
+		tmp := filepath.Join(c.nodes[r].dir, "tmp\xe9")
+		if err := os.Mkdir(tmp, 0o755); err != nil {
+			return err
+		}
+		if err := makeTree(tmp, tr(r)); err != nil {
+			return err
+		}
+		return os.Rename(tmp, filepath.Join(c.nodes[r].dir, "20"))
+	})
+	for r := range 2 {
+		peer := c.nodes[1-r]
+		repWait(t, 20*time.Second, fmt.Sprintf("rank %d's replica on rank %d", r, 1-r), func() bool { return replicaHeld(peer, job, 20, r) })
+		require.NoError(t, sameTree(rankData(t, peer.dir, job, 20, r), tr(r)), "rank %d's replica on rank %d", r, 1-r)
+	}
+	for r := range 2 {
+		assert.NotContains(t, c.agents[r].log(), "invalid UTF-8", "rank %d", r)
+	}
+}
+
 // TestGuaranteeOwnersAndModes: a step keeps the owners and permission bits the job saved it
 // with in every tier: sealed, on the peer, in the backup and restored from it, restored from
 // this node's RAM by a new agent, and fetched from the peer by a node that lost its RAM. Before,
