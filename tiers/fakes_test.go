@@ -163,10 +163,18 @@ func (ns *dirNamespace) Remove(name string) error {
 	return os.RemoveAll(ns.path(name))
 }
 
+// Seal links the tree and gives the owner and mode of its top as its Attrs (the fake keeps no
+// more), so that every sealed step carries attrs through the replicator as the real one does.
 func (ns *dirNamespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	ns.record("seal", name)
-	_, err := linkTree(ns.path(name), dst)
-	return tiers.SealInfo{}, err
+	fi, err := os.Lstat(ns.path(name))
+	if err != nil {
+		return tiers.SealInfo{}, err
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	attrs := layout.NewAttrsBuilder(layout.Attr{Mode: st.Mode & 0o7777, UID: st.Uid, GID: st.Gid}, fi.IsDir()).Attrs()
+	_, err = linkTree(ns.path(name), dst)
+	return tiers.SealInfo{Attrs: attrs}, err
 }
 
 func (ns *dirNamespace) SpoolFile(path string) (string, error) {

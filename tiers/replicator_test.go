@@ -543,6 +543,10 @@ func TestRetentionKeepsOnlyTheLatestStep(t *testing.T) {
 		if d, m := h.spoolGlob("*.data"), h.spoolGlob("*.meta"); len(d) != 1 || len(m) != 1 {
 			return fmt.Sprintf("spool holds data %q and metas %q, want step 3's only", d, m)
 		}
+		// The owners and modes kept beside each data go with it.
+		if a := h.spoolGlob("*.attrs"); len(a) != 1 || !strings.HasSuffix(a[0], last+".data.attrs") {
+			return fmt.Sprintf("spool holds attrs %q, want step 3's only", a)
+		}
 		return ""
 	})
 }
@@ -562,6 +566,9 @@ func TestRestartAdoptsSealedStep(t *testing.T) {
 	}
 	if got := h2.read(meta); got != hash {
 		t.Fatalf("adopted %s = %q, want %q", meta, got, hash)
+	}
+	if a := h2.spoolGlob(hash + ".data.attrs"); len(a) != 1 {
+		t.Fatalf("the adopted step's owners and modes are gone: %q", a)
 	}
 	h2.yamlOrbax(baseYAML)
 	restore := marker("job", 7, 0, 0, layout.MarkerRestore)
