@@ -25,6 +25,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/semaphore"
 	"google.golang.org/api/option"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 const testBucket = "mtcfs-test"
@@ -379,10 +381,15 @@ func roundTrip(t *testing.T, b *Backups, tree map[string]string, src string) {
 	h := fakeHash(true, "big "+t.Name())
 	var calls []int64
 	var mu sync.Mutex
+	// The owners and modes the agent keeps beside the data go with it, and come back beside it.
+	attrs := layout.NewAttrsBuilder(layout.Attr{Mode: 0o700, UID: 1000, GID: 1000}, true).Attrs()
+	require.NoError(t, layout.WriteAttrs(src, attrs))
 	err := b.Upload(ctx, UploadRequest{Job: testJob, Backup: backup, Step: 7, Slot: Slot{0, 0}, Hash: h, Source: src,
 		Progress: func(done, total int64) { mu.Lock(); calls = append(calls, done); mu.Unlock() }})
 	require.NoError(t, err)
 	assertProgress(t, calls, treeBytes(tree), tree)
+	// A retry (or another node with the same data) writes the attrs again: not create-if-absent.
+	require.NoError(t, b.Upload(ctx, UploadRequest{Job: testJob, Backup: backup, Step: 7, Slot: Slot{0, 0}, Hash: h, Source: src}))
 	for _, deep := range []bool{false, true} {
 		rep := verify(t, b, backup, VerifyOptions{Nodes: 1, Workers: 1, Deep: deep})
 		require.Len(t, rep.Steps, 1)
@@ -393,6 +400,12 @@ func roundTrip(t *testing.T, b *Backups, tree map[string]string, src string) {
 	require.NoError(t, b.Download(ctx, DownloadRequest{Job: testJob, Backup: backup, Hash: h, Dest: dest,
 		Progress: func(done, total int64) { mu.Lock(); calls = append(calls, done); mu.Unlock() }}))
 	assertProgress(t, calls, treeBytes(tree), tree)
+	assert.NoFileExists(t, layout.AttrsFile(dest), "not asked for")
+	kept := filepath.Join(t.TempDir(), "kept")
+	require.NoError(t, b.Download(ctx, DownloadRequest{Job: testJob, Backup: backup, Hash: h, Dest: kept, Attrs: true}))
+	gotAttrs, err := layout.ReadAttrs(kept)
+	require.NoError(t, err)
+	assert.Equal(t, attrs, gotAttrs)
 	got := readTree(t, dest)
 	require.Equal(t, len(tree), len(got))
 	for k, v := range tree {
