@@ -27,6 +27,7 @@ import (
 // Layout of one record, spool/commits/<seq>-<rand>/ (seq orders records by commit time):
 //
 //	data          the committed tree (or file), hard links to the job's bytes
+//	data.attrs    the owners and modes of its entries (layout.Attrs), moved with it
 //	commit.json   commitRecord; written last, atomically: a record without it is incomplete
 //	sealed-as     the data name, written once hashed and before data is moved to spool/sealed
 
