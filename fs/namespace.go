@@ -481,33 +481,50 @@ func (ns *namespace) Owner(name string) (uid, gid uint32, err error) {
 	return a.UID, a.GID, nil
 }
 
-func (ns *namespace) Reown(name string, uid, gid uint32) error {
+func (ns *namespace) Reown(name string, saved *layout.Attrs, uid uint32) (int, error) {
 	top := ns.root.GetChild(name)
 	if top == nil {
-		return fmt.Errorf("%s: %w", name, os.ErrNotExist)
+		return 0, fmt.Errorf("%s: %w", name, os.ErrNotExist)
 	}
-	was := top.Operations().(interface{ attr() layout.Attr }).attr()
-	if was.UID == uid && was.GID == gid {
-		return nil
+	from := top.Operations().(interface{ attr() layout.Attr }).attr().UID
+	if saved != nil {
+		from = saved.UID
 	}
 	// The kernel may hold a node's attributes (a job's earlier use of the step, within the cache
 	// timeout): each node changed is invalidated, attributes only, which takes no lock a job's
 	// request could hold.
-	var walk func(in *gofs.Inode)
-	walk = func(in *gofs.Inode) {
-		if m, ok := in.Operations().(interface {
-			reown(from, to layout.Attr) bool
-		}); ok && m.reown(was, layout.Attr{UID: uid, GID: gid}) {
+	changed := 0
+	var walk func(in *gofs.Inode, rel string)
+	walk = func(in *gofs.Inode, rel string) {
+		m, ok := in.Operations().(interface {
+			attr() layout.Attr
+			setUID(uid uint32) bool
+		})
+		if !ok {
+			return
+		}
+		want := m.attr().UID
+		if saved != nil {
+			want = saved.Of(rel, entryType(in)).UID
+		}
+		if want == from {
+			want = uid
+		}
+		if m.setUID(want) {
+			changed++
 			in.NotifyContent(-1, 0)
 		}
 		if in.IsDir() {
-			for _, c := range in.Children() {
-				walk(c)
+			for cn, c := range in.Children() {
+				if rel != "" {
+					cn = rel + "/" + cn
+				}
+				walk(c, cn)
 			}
 		}
 	}
-	walk(top)
-	return nil
+	walk(top, "")
+	return changed, nil
 }
 
 func (ns *namespace) Import(src, name string) error { return ns.ImportVerified(src, name, nil) }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"sort"
@@ -820,23 +821,39 @@ func TestImportKeepsOwnersAndModes(t *testing.T) {
 	require.NoError(t, ns.Import(sealed, "kept"))
 	check("kept", false)
 
-	// Given to a job running as another user: what was the top's owner's (group's) is theirs;
-	// other owners and every mode stay.
+	// Given to a job running as another user: what the saved top's owner owned is theirs;
+	// other owners, every group and every mode stay.
 	uid, gid, err := ns.Owner("kept")
 	require.NoError(t, err)
 	assert.Equal(t, []uint32{1000, 1000}, []uint32{uid, gid})
-	require.NoError(t, ns.Reown("kept", 3000, 3001))
-	for n, w := range entries {
-		if w.uid == 1000 {
-			w.uid = 3000
+	saved := maps.Clone(entries)
+	given := func(to uint32) {
+		t.Helper()
+		for n, w := range saved {
+			if w.uid == 1000 {
+				w.uid = to
+			}
+			entries[n] = w
 		}
-		if w.gid == 1000 {
-			w.gid = 3001
-		}
-		entries[n] = w
 	}
+	n, err := ns.Reown("kept", info.Attrs, 3000)
+	require.NoError(t, err)
+	assert.Equal(t, 11, n, "every entry but the root-owned one (caf\\xe9 included)")
+	given(3000)
 	check("kept", false)
 	assert.Equal(t, want{0o600, 3000, 2000}, entries["7/other-group"])
+	assert.Equal(t, want{0o640, 0, 0}, entries["7/root-owned"])
+	// Given to root, then back to the saving user: each time from what was saved, not from the
+	// owners the last job had (root's own file stays root's, the others come back to 1000).
+	_, err = ns.Reown("kept", info.Attrs, 0)
+	require.NoError(t, err)
+	given(0)
+	check("kept", false)
+	n, err = ns.Reown("kept", info.Attrs, 1000)
+	require.NoError(t, err)
+	assert.Equal(t, 11, n)
+	given(1000)
+	check("kept", false)
 	assert.Equal(t, want{0o640, 0, 0}, entries["7/root-owned"])
 
 	// A single-file checkpoint.

@@ -95,19 +95,13 @@ func (m *meta) attr() layout.Attr {
 	return layout.Attr{Mode: m.mode, UID: m.uid, GID: m.gid}
 }
 
-// reown gives a node owned by from.UID to to.UID, and one of group from.GID to to.GID (see
-// Namespace.Reown), and reports whether it changed; its mode stays.
-func (m *meta) reown(from, to layout.Attr) bool {
+// setUID gives the node the owner uid (see Namespace.Reown), and reports whether it changed.
+func (m *meta) setUID(uid uint32) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	was := [2]uint32{m.uid, m.gid}
-	if m.uid == from.UID {
-		m.uid = to.UID
-	}
-	if m.gid == from.GID {
-		m.gid = to.GID
-	}
-	return was != [2]uint32{m.uid, m.gid}
+	was := m.uid
+	m.uid = uid
+	return was != uid
 }
 
 // setAttr gives a node being imported the owner and permission bits its checkpoint was saved

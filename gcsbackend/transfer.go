@@ -140,10 +140,14 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	if err != nil {
 		return err
 	}
+	// Kept attrs that do not parse are left out (the data restores with the defaults); a
+	// failure to read them fails the upload, which is retried, rather than lose them.
 	if a, err := layout.ReadAttrs(req.Source); err == nil {
 		if err := PutBytes(ctx, b.Store, dir+attrsName(req.Hash), a.Encode(), false); err != nil {
 			return err
 		}
+	} else if pe := (*fs.PathError)(nil); errors.As(err, &pe) && !errors.Is(err, fs.ErrNotExist) {
+		return err
 	}
 	data, err := m.encode()
 	if err != nil {
@@ -398,8 +402,8 @@ func (b *Backups) download(ctx context.Context, dir string, req DownloadRequest)
 
 // readAttrs reads the owners and modes kept for hash's data: nil when the backup has none, or
 // what it has is too large or does not parse (the data restores with the agent's defaults
-// then). A failure to read them fails the download, which is retried: the data would otherwise
-// lose them on a passing error.
+// then). A failure to read them fails the download, as a failure to read the manifest does,
+// rather than restore the data without them on a passing error.
 func (b *Backups) readAttrs(ctx context.Context, dir, hash string) (*layout.Attrs, error) {
 	data, err := ReadSmall(ctx, b.Store, dir+attrsName(hash), layout.MaxAttrsSize)
 	var nf *NotFoundError

@@ -3,6 +3,7 @@ package layout
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -236,6 +237,11 @@ func DecodeAttrs(data []byte) (*Attrs, error) {
 	}
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("attrs: %w", err)
+	}
+	// Only what Encode writes: modes of four digits, paths in order and quoted one way (a raw
+	// byte that is not UTF-8 inside the quotes would come back as U+FFFD, another path).
+	if !bytes.Equal(a.Encode(), data) {
+		return nil, errors.New("attrs: not in the form Encode writes")
 	}
 	return &a, nil
 }

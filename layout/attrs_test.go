@@ -60,6 +60,10 @@ func TestDecodeAttrsRefusesWhatEncodeDoesNotWrite(t *testing.T) {
 		"mtcfs attrs v1\ndefault 0 0 0644 0755 junk\n",
 		"mtcfs attrs v1\ndefault  0 0 0644 0755\n",
 		"mtcfs attrs v1\nfault 0 0 0644 0755\n",
+		"mtcfs attrs v1\ndefault 0 0 644 0755\n",
+		"mtcfs attrs v1\ndefault 0 0 0644 0755\n0600 0 0 \"b\"\n0600 0 0 \"a\"\n",
+		"mtcfs attrs v1\ndefault 0 0 0644 0755\n0600 0 0 `a`\n",
+		"mtcfs attrs v1\ndefault 0 0 0644 0755\n0600 0 0 \"a\xff\"\n",
 	} {
 		_, err := DecodeAttrs([]byte(in))
 		assert.Error(t, err, "%q", in)

@@ -122,7 +122,7 @@ func (ns *dirNamespace) Owner(name string) (uint32, uint32, error) {
 }
 
 // Reown does nothing: the fake's entries are the test's.
-func (ns *dirNamespace) Reown(string, uint32, uint32) error { return nil }
+func (ns *dirNamespace) Reown(string, *layout.Attrs, uint32) (int, error) { return 0, nil }
 
 func (ns *dirNamespace) ImportVerified(src, name string, verify func([]layout.TreeEntry) error) error {
 	if err := verify(nil); err != nil {

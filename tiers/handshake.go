@@ -66,8 +66,8 @@ func (h *handshake) answer() {
 	inc := newIncarnation(h.ctx, cfg)
 	// The job's user: a root writer says nothing of it (a launcher may write the yaml for a job
 	// that then runs as someone else), and root reads any checkpoint anyway.
-	if uid, gid, err := h.ns.Owner(layout.ReplicatorYAMLName); err == nil && uid != 0 {
-		inc.owner = &layout.Attr{UID: uid, GID: gid}
+	if uid, _, err := h.ns.Owner(layout.ReplicatorYAMLName); err == nil && uid != 0 {
+		inc.user = int64(uid)
 	}
 	h.cleanNamespace()
 	for _, w := range warnings {

@@ -3,8 +3,6 @@ package tiers
 import (
 	"context"
 	"sync"
-
-	"github.com/mtcfs/mtcfs/layout"
 )
 
 // incarnation is one start of the job (one valid replicator.yaml) and the state that lives and
@@ -28,15 +26,15 @@ type incarnation struct {
 	waiting    string    // GUARDED_BY(mu); what the restore waits for, for status ("": nothing)
 	// early holds, by top-level name, the files pushed to peers before their step committed.
 	early map[string]*earlyGroup // GUARDED_BY(mu)
-	// owner is the job's user and group, as the owner of the replicator.yaml it wrote (nil:
-	// unknown, or root): a step restored for it is given to it (Namespace.Reown). Set before
-	// the restore starts.
-	owner *layout.Attr
+	// user is the job's user, the owner of the replicator.yaml it wrote (-1: unknown, or
+	// root): a step restored for it is given to it (Namespace.Reown). Set before the restore
+	// starts.
+	user int64
 }
 
 func newIncarnation(parent context.Context, cfg *Config) *incarnation {
 	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring", replicated: -1,
-		early: map[string]*earlyGroup{}}
+		early: map[string]*earlyGroup{}, user: -1}
 	inc.ctx, inc.cancel = context.WithCancel(parent)
 	return inc
 }

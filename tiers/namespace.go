@@ -52,10 +52,12 @@ type Namespace interface {
 	// Owner returns the owner and group of the top-level name (for a file the job made, the
 	// job's user and group).
 	Owner(name string) (uid, gid uint32, err error)
-	// Reown gives the entries of the top-level name owned by its top's owner to uid, and those
-	// of the top's group to gid, their modes kept: a checkpoint restored for a job that runs as
-	// another user than the one that saved it is that job's. Other owners stay.
-	Reown(name string, uid, gid uint32) error
+	// Reown gives the entries of the top-level name that saved (its kept layout.Attrs; nil: the
+	// entries' current owners) says belong to the saved top's owner to uid, and every other
+	// entry its saved owner; groups and modes stay. A checkpoint restored for a job that runs as
+	// another user than the one that saved it is then that job's, as saved for a job of the
+	// saving user. It returns how many entries changed owner.
+	Reown(name string, saved *layout.Attrs, uid uint32) (int, error)
 }
 
 // ErrNameTaken is the error (wrapped) of an Import or ImportVerified whose name exists already.

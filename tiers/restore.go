@@ -210,7 +210,7 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 	meta := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
 	sealed := r.spoolDir("sealed", dataName)
 	publish := func(incoming string) error {
-		return r.retention.publish(func() error { return r.publishSlot(incoming, dataName, meta, inc.owner) })
+		return r.retention.publish(func() error { return r.publishSlot(incoming, dataName, meta, inc.user) })
 	}
 	// First this node's own RAM. Data this agent sealed or verified is immutable to the job and
 	// trusted; anything else is hashed first, and a copy that fails is reported and replaced
@@ -280,9 +280,9 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 
 // publishSlot publishes a slot's data and its .meta, inside retention.publish: the data that
 // arrived at incoming ("": none, the spool must hold it) moves into spool/sealed, gets its name
-// in the namespace (given to owner, the job's user, when it is not nil and the data was saved
-// by another), and its .meta is written.
-func (r *restorer) publishSlot(incoming, dataName, meta string, owner *layout.Attr) error {
+// in the namespace (given to user, the job's, when it is known and the data was saved by
+// another), and its .meta is written.
+func (r *restorer) publishSlot(incoming, dataName, meta string, user int64) error {
 	sealed := r.spoolDir("sealed", dataName)
 	if incoming != "" {
 		if _, err := moveData(incoming, sealed); err != nil { // a dup: another slot brought the same data meanwhile
@@ -297,9 +297,14 @@ func (r *restorer) publishSlot(incoming, dataName, meta string, owner *layout.At
 			return err
 		}
 	}
-	if owner != nil {
-		if err := r.ns.Reown(dataName, owner.UID, owner.GID); err != nil {
+	if user >= 0 {
+		saved, _ := layout.ReadAttrs(sealed) // nil: the owners the namespace holds
+		n, err := r.ns.Reown(dataName, saved, uint32(user))
+		if err != nil {
 			return err
+		}
+		if n > 0 {
+			r.log.Info("restored data given to the job's user", "data", dataName, "uid", user, "entries", n)
 		}
 	}
 	return r.retention.writeMeta(meta, strings.TrimSuffix(dataName, ".data"))

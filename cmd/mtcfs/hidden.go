@@ -76,6 +76,10 @@ func takeHiddenYAML(under *os.File, ns tiers.Namespace, events interface{ Closed
 		slog.Error("cannot take in the replicator.yaml written under the mount", "err", err)
 		return nil
 	} else {
+		// Its owner is the job's user, whom a restored step is given to (tiers, Reown).
+		if _, err := ns.Reown(layout.ReplicatorYAMLName, nil, st.Uid); err != nil {
+			slog.Warn("cannot give the replicator.yaml taken in its writer's owner", "err", err)
+		}
 		slog.Warn("answering a replicator.yaml written into the mount directory while no agent was mounted on it (the mount hid it from the job)", "bytes", len(data))
 		events.Closed(layout.ReplicatorYAMLName)
 	}

@@ -108,13 +108,30 @@ stat -c '%n %u:%g %a' 1/ 1/state 1/state/array 1/_CHECKPOINT_METADATA`)
 	assert.Contains(t, out, `{"step": 1}`)
 	assert.Contains(t, out, "1/ 1000:1000 700\n1/state 1000:1000 700\n1/state/array 1000:1000 600\n1/_CHECKPOINT_METADATA 1000:1000 600")
 	// The job restarts as another user (its image changed, and the directory with it): the step
-	// is given to that user, modes kept, so that it can read it. Kept as uid 1000's 0600, it
-	// could not.
+	// is given to that user, modes and groups kept, so that it can read it. Kept as uid 1000's
+	// 0600, it could not.
 	stopAgent(t, a)
 	a = n.start(t, "--uid", "1001", "--gid", "1001")
 	out = restart(1001)
 	assert.Contains(t, out, `{"step": 1}`)
-	assert.Contains(t, out, "1/ 1001:1001 700\n1/state 1001:1001 700\n1/state/array 1001:1001 600\n1/_CHECKPOINT_METADATA 1001:1001 600")
+	assert.Contains(t, out, "1/ 1001:1000 700\n1/state 1001:1000 700\n1/state/array 1001:1000 600\n1/_CHECKPOINT_METADATA 1001:1000 600")
+	assert.Contains(t, a.log(), "restored data given to the job's user")
+
+	// The job, now uid 1002, restarts before its agent: it writes its yaml into the bare
+	// directory, which the agent takes in when it mounts. That yaml is the job's too: the step
+	// is given to uid 1002 (the agent had taken it in as root's, and gave nothing).
+	stopAgent(t, a)
+	require.NoError(t, os.Chown(n.dir, 1002, 1002))
+	out, err = asUser(t, 1002, 1002, n.dir, `printf 'job-name: uidjob\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60' > replicator.yaml`)
+	require.NoError(t, err, out)
+	a = n.start(t)
+	out, err = asUser(t, 1002, 1002, n.dir, `
+i=0; while [ ! -e uidjob-s1-n0-w0.restore ]; do i=$((i+1)); [ $i -lt 500 ] || { echo "no marker"; exit 1; }; sleep 0.02; done
+cat uidjob-s1-n0-w0.restore/_CHECKPOINT_METADATA
+stat -c '%n %u:%g %a' uidjob-s1-n0-w0.restore/state/array`)
+	require.NoError(t, err, "%s\n%s", out, a.log())
+	assert.Contains(t, out, `{"step": 1}`)
+	assert.Contains(t, out, "uidjob-s1-n0-w0.restore/state/array 1002:1000 600", "given to the job's user, its group kept")
 	stopAgent(t, a)
 	n.dropSpool(t)
 
