@@ -227,12 +227,12 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 	var err error
 	dst := filepath.Join(c.dir, commitDataName)
 	if c.sealed, err = cr.ns.Seal(c.name, dst); err == nil {
-		err = layout.WriteAttrs(dst, c.sealed.Attrs) // before commit.json: part of the record
-		if errors.Is(err, layout.ErrAttrsTooLarge) {
-			// The step is sealed without them (it restores with the agent's owners and modes),
-			// rather than not at all.
+		// Before commit.json: part of the record. Too large, or no room left for them (a spool at
+		// its budget), the step is sealed without them (it restores with the agent's owners
+		// and modes) rather than not at all.
+		if err := layout.WriteAttrs(dst, c.sealed.Attrs); err != nil {
 			cr.log.Warn("the step's owners and modes are not kept", "step", c.step, "worker", c.worker, "err", err)
-			err = nil
+			os.Remove(layout.AttrsFile(dst) + ".tmp")
 		}
 	}
 	if err != nil {

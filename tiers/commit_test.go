@@ -369,3 +369,29 @@ func TestMoveDataTakesItsAttrsAlong(t *testing.T) {
 	assert.DirExists(t, p("D4.data"))
 	assert.Nil(t, kept(p("D4.data")))
 }
+
+// TestStepSealedWithoutAttrsTooLargeToKeep: owners and modes that cannot be kept (an encoding
+// readers would refuse, or no room left in the spool for them) do not cost the step: it is
+// sealed without them (the log says so), and the next step keeps its own.
+func TestStepSealedWithoutAttrsTooLargeToKeep(t *testing.T) {
+	t.Parallel()
+	huge := layout.NewAttrsBuilder(layout.Attr{Mode: 0o755}, true)
+	long := strings.Repeat("n", 250)
+	for i := 0; i*260 <= layout.MaxAttrsSize; i++ {
+		huge.Add(layout.EntryFile, layout.Attr{Mode: 0o600, UID: 1000}, func() string { return fmt.Sprintf("%08d/%s", i, long) })
+	}
+	h := newHarness(t, harnessConfig{sealAttrs: func(name string) *layout.Attrs {
+		if name == "5" {
+			return huge.Attrs()
+		}
+		return nil
+	}})
+	h.start(baseYAML, "job")
+	hash := h.orbaxSave(5, checkpointFiles("5"))
+	h.waitSealed("job", 5, "5")
+	assert.Empty(t, h.spoolGlob(hash+".data.attrs*"), "nothing kept")
+	assert.Empty(t, h.spoolGlob("commits/*"), "no record left")
+	hash6 := h.orbaxSave(6, checkpointFiles("6"))
+	h.waitSealed("job", 6, "6")
+	assert.Len(t, h.spoolGlob(hash6+".data.attrs"), 1, "the next step keeps its own")
+}

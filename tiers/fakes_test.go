@@ -50,6 +50,8 @@ type dirNamespace struct {
 	spoolFiles func(name string) // GUARDED_BY(mu)
 	// failImport, when set, may fail an Import of name before it does anything.
 	failImport func(name string) error
+	// sealAttrs, when set, gives the Attrs a Seal of name returns (nil: the top's owner).
+	sealAttrs func(name string) *layout.Attrs
 }
 
 var _ tiers.Namespace = (*dirNamespace)(nil)
@@ -173,6 +175,11 @@ func (ns *dirNamespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	}
 	st := fi.Sys().(*syscall.Stat_t)
 	attrs := layout.NewAttrsBuilder(layout.Attr{Mode: st.Mode & 0o7777, UID: st.Uid, GID: st.Gid}, fi.IsDir()).Attrs()
+	if ns.sealAttrs != nil {
+		if a := ns.sealAttrs(name); a != nil {
+			attrs = a
+		}
+	}
 	_, err = linkTree(ns.path(name), dst)
 	return tiers.SealInfo{Attrs: attrs}, err
 }
@@ -427,6 +434,8 @@ type harnessConfig struct {
 	peers tiers.PeerTransport
 	// importErr, when set, may fail the namespace's imports (dirNamespace.failImport).
 	importErr func(name string) error
+	// sealAttrs, when set, gives the namespace's seals their Attrs (dirNamespace.sealAttrs).
+	sealAttrs func(name string) *layout.Attrs
 	// cpuIdle is the replicator's CPUIdle (nil: /proc/stat).
 	cpuIdle func() (time.Duration, bool)
 }
@@ -463,6 +472,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 		t.Fatal(err)
 	}
 	ns.failImport = cfg.importErr
+	ns.sealAttrs = cfg.sealAttrs
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(cfg.root, "spool"), Budget: 64 << 20})
 	if err != nil {
 		t.Fatalf("OpenSpool: %v", err)
