@@ -487,6 +487,11 @@ func (ns *namespace) Reown(name string, saved *layout.Attrs, uid uint32) (int, e
 		return 0, fmt.Errorf("%s: %w", name, os.ErrNotExist)
 	}
 	from := top.Operations().(interface{ attr() layout.Attr }).attr().UID
+	if from == uid {
+		// The top is uid's: as saved, or given to uid by the last Reown, which set every entry
+		// as it would now. A job restoring what its own user saved walks nothing.
+		return 0, nil
+	}
 	if saved != nil {
 		from = saved.UID
 	}
