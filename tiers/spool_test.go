@@ -92,9 +92,7 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 // TestSpoolLockedWhileOpen: an owned spool is locked while open, so a second agent and mtcfs
 // spool commands see it in use; Detach and Close release it.
 func TestSpoolLockedWhileOpen(t *testing.T) {
-	base := t.TempDir()
-	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
-	mustMkdir(t, mnt)
+	mnt, dir := spoolDirs(t, false)
 	s := openOwned(t, dir, mnt, false)
 	if f, err := tiers.LockSpool(dir); !errors.Is(err, tiers.ErrSpoolInUse) {
 		if f != nil {
@@ -211,13 +209,7 @@ func fileThere(p string) bool {
 // shape. The new shape cannot be written there; the old record must not stay, or the agent's
 // next start would take every step of the new shape for one of the old and pass it over.
 func TestSpoolShapeRecordOnAFullSpool(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to mount a tmpfs")
-	}
-	base := t.TempDir()
-	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
-	mustMkdir(t, mnt)
-	t.Cleanup(func() { unmountAll(dir) })
+	mnt, dir := spoolDirs(t, true)
 	s := openOwned(t, dir, mnt, true)
 	old := tiers.Shape{Nodes: 4, Workers: 1}
 	if err := s.SetShape(old); err != nil {
@@ -267,6 +259,23 @@ func noTempFiles(t *testing.T, dir string) {
 	}
 }
 
+// spoolDirs returns a new mount directory and the path of a spool for it, not made yet; with
+// tmpfs the test needs root (it is skipped otherwise), and the spool's tmpfs is unmounted when it
+// ends.
+func spoolDirs(t *testing.T, tmpfs bool) (mnt, dir string) {
+	t.Helper()
+	if tmpfs && os.Geteuid() != 0 {
+		t.Skip("needs root to mount a tmpfs")
+	}
+	base := t.TempDir()
+	mnt, dir = filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	mustMkdir(t, mnt)
+	if tmpfs {
+		t.Cleanup(func() { unmountAll(dir) })
+	}
+	return mnt, dir
+}
+
 func mustMkdir(t *testing.T, p string) {
 	t.Helper()
 	if err := os.MkdirAll(p, 0o755); err != nil {
@@ -295,13 +304,7 @@ func unmountAll(p string) {
 // that stops before that (a failed start) removes them when it detaches the spool, so that a
 // kept spool holds no garbage in RAM.
 func TestSpoolTrashWaitsForAdoption(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to mount a tmpfs")
-	}
-	base := t.TempDir()
-	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
-	mustMkdir(t, mnt)
-	t.Cleanup(func() { unmountAll(dir) })
+	mnt, dir := spoolDirs(t, true)
 	trash := func() int {
 		m, err := filepath.Glob(filepath.Join(dir, ".files-trash-*"))
 		if err != nil {
