@@ -142,8 +142,8 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	}
 	// Kept attrs that do not parse are left out (the data restores with the defaults); a
 	// failure to read them fails the upload, which is retried, rather than lose them.
-	if a, err := layout.ReadAttrs(req.Source); err == nil {
-		if err := PutBytes(ctx, b.Store, dir+attrsName(req.Hash), a.Encode(), false); err != nil {
+	if _, enc, err := layout.ReadAttrsEncoded(req.Source); err == nil {
+		if err := PutBytes(ctx, b.Store, dir+attrsName(req.Hash), enc, false); err != nil {
 			return err
 		}
 	} else if pe := (*fs.PathError)(nil); errors.As(err, &pe) && !errors.Is(err, fs.ErrNotExist) {

@@ -49,16 +49,27 @@ func AttrsFile(dataPath string) string { return dataPath + ".attrs" }
 // ReadAttrs reads the Attrs kept for the data at dataPath: nil and an error wrapping
 // os.ErrNotExist when there are none.
 func ReadAttrs(dataPath string) (*Attrs, error) {
+	a, _, err := ReadAttrsEncoded(dataPath)
+	return a, err
+}
+
+// ReadAttrsEncoded is ReadAttrs that also returns the bytes read, which are a's encoding
+// (DecodeAttrs takes only that): what a sender passes on as it is.
+func ReadAttrsEncoded(dataPath string) (*Attrs, []byte, error) {
 	f, err := os.Open(AttrsFile(dataPath))
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer f.Close()
 	data, err := io.ReadAll(io.LimitReader(f, MaxAttrsSize+1))
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return DecodeAttrs(data)
+	a, err := DecodeAttrs(data)
+	if err != nil {
+		return nil, nil, err
+	}
+	return a, data, nil
 }
 
 // ErrAttrsTooLarge is the error of a WriteAttrs whose encoding readers would refuse.

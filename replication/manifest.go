@@ -338,11 +338,10 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *layo
 // (layout.AttrsFile), or nil when there are none, they do not parse, or they would not fit in
 // the header beside a manifest of size bytes: the receiver then restores with its defaults.
 func attrsToSend(src string, size int) []byte {
-	a, err := layout.ReadAttrs(src)
+	_, enc, err := layout.ReadAttrsEncoded(src)
 	if err != nil {
 		return nil
 	}
-	enc := a.Encode()
 	if size+len(enc) > maxMessage-messageOverhead {
 		return nil
 	}
