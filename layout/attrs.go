@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -72,6 +73,26 @@ func ReadAttrsEncoded(dataPath string) (*Attrs, []byte, error) {
 	return a, data, nil
 }
 
+// RenameWithAttrs renames the data at src to dst with the Attrs kept beside it, if any. The
+// attrs go first: a crash in between leaves attrs without data (whoever lists the data's
+// directory removes such orphans), never data without the attrs it came with; a failed data
+// rename puts the attrs back.
+func RenameWithAttrs(src, dst string) error {
+	moved := true
+	if err := os.Rename(AttrsFile(src), AttrsFile(dst)); errors.Is(err, os.ErrNotExist) {
+		moved = false
+	} else if err != nil {
+		return err
+	}
+	if err := os.Rename(src, dst); err != nil {
+		if moved {
+			os.Rename(AttrsFile(dst), AttrsFile(src))
+		}
+		return err
+	}
+	return nil
+}
+
 // ErrAttrsTooLarge is the error of a WriteAttrs whose encoding readers would refuse.
 var ErrAttrsTooLarge = fmt.Errorf("owners and modes: more than %d bytes encoded", MaxAttrsSize)
 
@@ -85,13 +106,21 @@ func WriteAttrs(dataPath string, a *Attrs) error {
 	if len(enc) > MaxAttrsSize {
 		return ErrAttrsTooLarge
 	}
-	p := AttrsFile(dataPath)
-	tmp := p + ".tmp"
-	if err := os.WriteFile(tmp, enc, 0o600); err != nil {
-		os.Remove(tmp)
-		return err
+	return WriteFileAtomic(AttrsFile(dataPath), enc)
+}
+
+// WriteFileAtomic writes data to p (mode 0600) through a temporary name beside it
+// (".<name>.tmp"), removed if anything fails: p holds the old content or the new, whole.
+func WriteFileAtomic(p string, data []byte) error {
+	tmp := filepath.Join(filepath.Dir(p), "."+filepath.Base(p)+".tmp")
+	err := os.WriteFile(tmp, data, 0o600)
+	if err == nil {
+		err = os.Rename(tmp, p)
 	}
-	return os.Rename(tmp, p)
+	if err != nil {
+		os.Remove(tmp)
+	}
+	return err
 }
 
 // attrsMagic starts an encoding; a new format gets a new one.

@@ -515,11 +515,7 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 	if _, err := os.Lstat(dst); err == nil {
 		return fmt.Errorf("%s already exists", dst)
 	}
-	// The owners and modes first, as tiers moves them: data never arrives without them.
-	if err := os.Rename(layout.AttrsFile(sk.root), layout.AttrsFile(dst)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	return os.Rename(sk.root, dst)
+	return layout.RenameWithAttrs(sk.root, dst)
 }
 
 // runStreams runs fn for streams 0..n-1 concurrently and returns the first error; the first

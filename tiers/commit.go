@@ -232,7 +232,6 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 		// and modes) rather than not at all.
 		if err := layout.WriteAttrs(dst, c.sealed.Attrs); err != nil {
 			cr.log.Warn("the step's owners and modes are not kept", "step", c.step, "worker", c.worker, "err", err)
-			os.Remove(layout.AttrsFile(dst) + ".tmp")
 		}
 	}
 	if err != nil {
@@ -242,7 +241,7 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 	cfg := c.inc.Config
 	rec := commitRecord{Job: cfg.JobName, Incarnation: c.inc.ID, Rank: cfg.NodeRank, Worker: c.worker, Step: c.step, Name: c.name, At: c.at.UTC()}
 	data, _ := json.Marshal(rec)
-	if err := writeFileAtomic(filepath.Join(c.dir, commitRecordName), data); err != nil {
+	if err := layout.WriteFileAtomic(filepath.Join(c.dir, commitRecordName), data); err != nil {
 		os.RemoveAll(c.dir)
 		return err
 	}
@@ -280,19 +279,6 @@ func (cr *commitRecorder) pendingNames() map[string]bool {
 	cr.mu.Lock()
 	defer cr.mu.Unlock()
 	return maps.Clone(cr.pending)
-}
-
-// writeFileAtomic writes data to p through a temporary name beside it.
-func writeFileAtomic(p string, data []byte) error {
-	tmp := filepath.Join(filepath.Dir(p), "."+filepath.Base(p)+".tmp")
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, p); err != nil {
-		os.Remove(tmp)
-		return err
-	}
-	return nil
 }
 
 // adoptRecords seals the commits a previous agent recorded but did not seal (it was killed or
@@ -344,7 +330,7 @@ func (cr *commitRecorder) adoptRecord(dir string) error {
 	if err != nil {
 		return fmt.Errorf("step %d of job %s: %w", rec.Step, rec.Job, err)
 	}
-	if err := writeFileAtomic(cr.spoolDir("meta", rec.meta()), []byte(strings.TrimSuffix(dataName, ".data"))); err != nil {
+	if err := layout.WriteFileAtomic(cr.spoolDir("meta", rec.meta()), []byte(strings.TrimSuffix(dataName, ".data"))); err != nil {
 		return err
 	}
 	cr.log.Info("sealed a step committed before the restart", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "data", dataName)
@@ -381,7 +367,7 @@ func hashRecord(ctx context.Context, dir string, digests *layout.DigestCache) (s
 		return "", err
 	}
 	name := layout.DataName(hash, isDir)
-	return name, writeFileAtomic(filepath.Join(dir, commitSealedAs), []byte(name))
+	return name, layout.WriteFileAtomic(filepath.Join(dir, commitSealedAs), []byte(name))
 }
 
 // moveRecord moves the data of the record at dir to sealed (its place in spool/sealed); dup
@@ -397,10 +383,9 @@ func moveRecord(dir, sealed string) (dup bool, err error) {
 }
 
 // moveData moves the data at src, with the owners and modes kept beside it
-// (layout.AttrsFile), to sealed, its place in spool/sealed; dup says the same content was there
-// already (src is dropped; its attrs are taken only if sealed has none). The attrs go first: a
-// crash in between leaves attrs without data, which adoption removes, never data without the
-// attrs it came with.
+// (layout.RenameWithAttrs: adoption removes the orphans a crash may leave), to sealed, its place
+// in spool/sealed; dup says the same content was there already (src is dropped; its attrs are
+// taken only if sealed has none).
 func moveData(src, sealed string) (dup bool, err error) {
 	if _, err := os.Lstat(sealed); err == nil {
 		if _, err := os.Lstat(layout.AttrsFile(sealed)); errors.Is(err, os.ErrNotExist) {
@@ -409,8 +394,5 @@ func moveData(src, sealed string) (dup bool, err error) {
 		os.Remove(layout.AttrsFile(src))
 		return true, os.RemoveAll(src)
 	}
-	if err := os.Rename(layout.AttrsFile(src), layout.AttrsFile(sealed)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return false, err
-	}
-	return false, os.Rename(src, sealed)
+	return false, layout.RenameWithAttrs(src, sealed)
 }

@@ -285,7 +285,8 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 func (r *restorer) publishSlot(incoming, dataName, meta string, user int64) error {
 	sealed := r.spoolDir("sealed", dataName)
 	if incoming != "" {
-		if _, err := moveData(incoming, sealed); err != nil { // a dup: another slot brought the same data meanwhile
+		// Or, if another slot brought the same data meanwhile, drop what came in.
+		if _, err := moveData(incoming, sealed); err != nil {
 			return err
 		}
 		r.retention.markVerified(dataName) // checked on arrival
@@ -297,7 +298,8 @@ func (r *restorer) publishSlot(incoming, dataName, meta string, user int64) erro
 			return err
 		}
 	}
-	if user >= 0 {
+	if top, _, err := r.ns.Owner(dataName); err == nil && user >= 0 && int64(top) != user {
+		// Not the job's user's yet (the usual restore, by the user who saved it, reads nothing).
 		saved, _ := layout.ReadAttrs(sealed) // nil: the owners the namespace holds
 		n, err := r.ns.Reown(dataName, saved, uint32(user))
 		if err != nil {

@@ -63,7 +63,7 @@ func (rt *retention) writeMeta(name, content string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	if err := writeFileAtomic(filepath.Join(dir, name), []byte(content)); err != nil {
+	if err := layout.WriteFileAtomic(filepath.Join(dir, name), []byte(content)); err != nil {
 		return err
 	}
 	if err := rt.ns.WriteFile(name, []byte(content)); err != nil {
@@ -181,13 +181,7 @@ func (rt *retention) retain(cfg *Config) {
 		if !layout.IsDataName(e.Name()) || keepHash[hash] || rt.isHeld(e.Name()) {
 			continue // an attrs file goes with its data
 		}
-		// The name first: the namespace's nodes of an imported step borrow the record's files.
-		rt.ns.Remove(e.Name())
-		os.RemoveAll(rt.spoolDir("sealed", e.Name()))
-		os.Remove(layout.AttrsFile(rt.spoolDir("sealed", e.Name())))
-		rt.mu.Lock()
-		delete(rt.verified, e.Name())
-		rt.mu.Unlock()
+		rt.freeData(e.Name())
 		rt.log.Info("freed", "data", e.Name())
 	}
 }
@@ -216,9 +210,16 @@ func (rt *retention) dropMetas(match func(m layout.MarkerName, hash string) bool
 func (rt *retention) dropData(dataName string) {
 	rt.publishMu.Lock()
 	defer rt.publishMu.Unlock()
+	rt.freeData(dataName)
+}
+
+// freeData removes data from the namespace, then from the spool with its attrs, and forgets it
+// was verified. The caller holds publishMu.
+func (rt *retention) freeData(dataName string) {
 	rt.ns.Remove(dataName) // first: its nodes may borrow the record's files (fs.importTree)
-	os.RemoveAll(rt.spoolDir("sealed", dataName))
-	os.Remove(layout.AttrsFile(rt.spoolDir("sealed", dataName)))
+	p := rt.spoolDir("sealed", dataName)
+	os.RemoveAll(p)
+	os.Remove(layout.AttrsFile(p))
 	rt.mu.Lock()
 	delete(rt.verified, dataName)
 	rt.mu.Unlock()

@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // ErrNoSpace is returned when a write would take the spool past its memory budget.
@@ -390,7 +392,7 @@ func (s *Spool) SetShape(shape Shape) error {
 		return nil
 	}
 	data, _ := json.Marshal(shape)
-	if err := writeFileAtomic(filepath.Join(s.dir, ShapeFile), data); err != nil {
+	if err := layout.WriteFileAtomic(filepath.Join(s.dir, ShapeFile), data); err != nil {
 		s.forgetShapeLocked()
 		return fmt.Errorf("record the job's shape: %w", err)
 	}
