@@ -184,7 +184,18 @@ const shapeFormat = "mtcfs-backup-v1"
 
 func (b *Backups) putShape(ctx context.Context, dir string, s tiers.Shape) error {
 	data, _ := json.Marshal(backupShape{Format: shapeFormat, Nodes: s.Nodes, Workers: s.Workers, DataParallelism: s.DataParallelism})
-	if err := PutBytes(ctx, b.Store, dir+shapeName, data, true); err != nil {
+	err := PutBytes(ctx, b.Store, dir+shapeName, data, true)
+	var pe *PreconditionError
+	if errors.As(err, &pe) {
+		// Another node recorded it first, in other bytes: an agent of an earlier version writes
+		// no data-parallelism (the nodes of one job are upgraded one after another). The same
+		// nodes and workers, and no other data-parallelism, are the same shape.
+		if old, ok := b.readShape(ctx, dir); ok && old.Nodes == s.Nodes && old.Workers == s.Workers &&
+			(old.DataParallelism == -1 || old.DataParallelism == s.DataParallelism) {
+			return nil
+		}
+	}
+	if err != nil {
 		return fmt.Errorf("record the job's shape (%s): %w", s, err)
 	}
 	return nil

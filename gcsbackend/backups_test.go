@@ -827,6 +827,33 @@ func TestRecordedShapeFindsAMissingHighestRank(t *testing.T) {
 	assert.Contains(t, err.Error(), "shape")
 }
 
+// TestShapeRecordOfAnEarlierAgent: nodes of one job upgraded one after another write one backup.
+// An earlier agent recorded the shape without data-parallelism; a later one, of the same nodes
+// and workers, uploads into that backup (before, its create-if-absent record failed on the other
+// bytes, and so did every upload of that node); another shape is still refused.
+func TestShapeRecordOfAnEarlierAgent(t *testing.T) {
+	ctx := context.Background()
+	b := newTestBackups(t)
+	const backup = "2025-06-30_14-30"
+	dir := testJob + "/" + backup + "/"
+	require.NoError(t, PutBytes(ctx, b.Store, dir+shapeName, []byte(`{"format":"mtcfs-backup-v1","nodes":2,"workers":1}`), true))
+	src := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(src, "w"), []byte("weights"), 0o644))
+	up := func(rank int, shape tiers.Shape) error {
+		return b.Upload(ctx, UploadRequest{Job: testJob, Backup: backup, Step: 7, Slot: Slot{rank, 0},
+			Hash: fakeHash(true, fmt.Sprint(rank)), Source: src, Shape: shape})
+	}
+	require.NoError(t, up(0, tiers.Shape{Nodes: 2, Workers: 1}))
+	err := up(1, tiers.Shape{Nodes: 2, Workers: 1, DataParallelism: 2})
+	require.NoError(t, err, "an unrecorded data-parallelism says nothing against it")
+	err = up(1, tiers.Shape{Nodes: 3, Workers: 1})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "shape")
+	r := verify(t, b, backup, VerifyOptions{})
+	assert.Equal(t, 2, r.Nodes)
+	assert.True(t, r.Complete(), "%+v", r)
+}
+
 // TestMetaNamingNoDataIsDamage: a .meta is written last, by mtcfs, and names a data hash; one
 // that names none was written over since.
 func TestMetaNamingNoDataIsDamage(t *testing.T) {
