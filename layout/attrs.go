@@ -133,12 +133,23 @@ const MaxAttrsSize = 64 << 20
 // AttrsBuilder makes Attrs from the entries of a tree, visited in any order.
 type AttrsBuilder struct {
 	a Attrs
+	// files are the regular and special files owned by the top's owner and group: which of
+	// them are listed waits for the file mode most of them have.
+	files []pendingFile
+	done  bool
+}
+
+type pendingFile struct {
+	mode uint32
+	path func() string
 }
 
 // NewAttrsBuilder starts Attrs whose defaults are the owner and mode of the top of the tree.
-// For a directory (dir), its mode is the directory mode and, without the execute bits, the file
-// mode: the job made both through one umask (0755 and 0644, 0700 and 0600, 0775 and 0664).
-// The encoding does not depend on the order of the entries.
+// For a directory (dir), its mode is the directory mode, and the file mode is the one most of
+// the files of the top's owner and group have (ties: the directory mode without the execute,
+// set-id and sticky bits, as one umask makes 0755 and 0644, else the lowest): a job whose
+// files are written through mkstemp (0600) into 0755 directories lists none of them. The
+// encoding does not depend on the order of the entries.
 func NewAttrsBuilder(top Attr, dir bool) *AttrsBuilder {
 	mode := top.Mode & 0o7777
 	b := &AttrsBuilder{a: Attrs{UID: top.UID, GID: top.GID, FileMode: mode, DirMode: 0o755}}
@@ -152,20 +163,49 @@ func NewAttrsBuilder(top Attr, dir bool) *AttrsBuilder {
 // the entry differs from the defaults.
 func (b *AttrsBuilder) Add(t EntryType, at Attr, path func() string) {
 	at.Mode &= 0o7777
-	if t == EntrySymlink {
+	switch {
+	case t == EntrySymlink:
 		at.Mode = 0
-	}
-	if at == b.a.defaultOf(t) {
+	case t != EntryDir && at.UID == b.a.UID && at.GID == b.a.GID:
+		b.files = append(b.files, pendingFile{at.Mode, path})
 		return
 	}
+	if at != b.a.defaultOf(t) {
+		b.except(path(), at)
+	}
+}
+
+func (b *AttrsBuilder) except(path string, at Attr) {
 	if b.a.Except == nil {
 		b.a.Except = map[string]Attr{}
 	}
-	b.a.Except[path()] = at
+	b.a.Except[path] = at
 }
 
 // Attrs returns what was added.
-func (b *AttrsBuilder) Attrs() *Attrs { return &b.a }
+func (b *AttrsBuilder) Attrs() *Attrs {
+	if !b.done && len(b.files) > 0 {
+		count := map[uint32]int{}
+		for _, f := range b.files {
+			count[f.mode]++
+		}
+		best := b.a.FileMode
+		for m, n := range count {
+			if n > count[best] || n == count[best] && m < best && best != b.a.FileMode {
+				best = m
+			}
+		}
+		b.a.FileMode = best
+		for _, f := range b.files {
+			if f.mode != best {
+				b.except(f.path(), Attr{f.mode, b.a.UID, b.a.GID})
+			}
+		}
+		b.files = nil
+	}
+	b.done = true
+	return &b.a
+}
 
 // defaultOf is what an entry of type t has when it is not listed.
 func (a *Attrs) defaultOf(t EntryType) Attr {

@@ -75,7 +75,7 @@ func TestWriteAttrsRefusesWhatReadersWould(t *testing.T) {
 	b := NewAttrsBuilder(Attr{Mode: 0o755}, true)
 	long := strings.Repeat("n", 255)
 	for i := 0; i*270 <= MaxAttrsSize; i++ {
-		b.Add(EntryFile, Attr{Mode: 0o600}, func() string { return fmt.Sprintf("%08d/%s", i, long) })
+		b.Add(EntryFile, Attr{Mode: 0o600, UID: uint32(i + 1)}, func() string { return fmt.Sprintf("%08d/%s", i, long) })
 	}
 	p := filepath.Join(t.TempDir(), "D.data")
 	assert.ErrorIs(t, WriteAttrs(p, b.Attrs()), ErrAttrsTooLarge)
@@ -84,4 +84,28 @@ func TestWriteAttrsRefusesWhatReadersWould(t *testing.T) {
 	got, err := ReadAttrs(p)
 	require.NoError(t, err)
 	assert.Equal(t, uint32(0o700), got.DirMode)
+}
+
+// The file mode is the one most of the top owner's files have: files written through mkstemp
+// (0600) into 0755 directories are not each listed (before, a tree of them listed every file,
+// and its attrs could outgrow a peer push's header); on a tie, the top's mode without x.
+func TestAttrsFileModeIsTheMostCommon(t *testing.T) {
+	top := Attr{Mode: 0o755, UID: 1000, GID: 1000}
+	b := NewAttrsBuilder(top, true)
+	for _, p := range []string{"a", "b", "c"} {
+		b.Add(EntryFile, Attr{0o600, 1000, 1000}, func() string { return p })
+	}
+	b.Add(EntryFile, Attr{0o644, 1000, 1000}, func() string { return "d" })
+	b.Add(EntryFile, Attr{0o600, 0, 0}, func() string { return "root" })
+	b.Add(EntryDir, Attr{0o755, 1000, 1000}, func() string { return "dir" })
+	assert.Equal(t, "mtcfs attrs v1\ndefault 1000 1000 0600 0755\n0644 1000 1000 \"d\"\n0600 0 0 \"root\"\n", string(b.Attrs().Encode()))
+
+	tie := NewAttrsBuilder(top, true)
+	tie.Add(EntryFile, Attr{0o600, 1000, 1000}, func() string { return "a" })
+	tie.Add(EntryFile, Attr{0o644, 1000, 1000}, func() string { return "b" })
+	assert.Equal(t, "mtcfs attrs v1\ndefault 1000 1000 0644 0755\n0600 1000 1000 \"a\"\n", string(tie.Attrs().Encode()))
+	tie2 := NewAttrsBuilder(top, true)
+	tie2.Add(EntryFile, Attr{0o640, 1000, 1000}, func() string { return "a" })
+	tie2.Add(EntryFile, Attr{0o600, 1000, 1000}, func() string { return "b" })
+	assert.Equal(t, "mtcfs attrs v1\ndefault 1000 1000 0600 0755\n0640 1000 1000 \"a\"\n", string(tie2.Attrs().Encode()), "else the lowest")
 }
