@@ -16,6 +16,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
@@ -353,4 +354,17 @@ func deviceChild(t *testing.T, env string) {
 	requireSameTree(t, tr.src, filepath.Join(p.sealed, tr.name), tr.name)
 	p.requireNoIncoming(t)
 	t.Log("device-child: checked")
+}
+
+// attrsToSend sends the owners and modes kept beside the data as they are, and leaves them out
+// (with a warning) when they do not parse or would not fit in the header beside the manifest.
+func TestAttrsToSend(t *testing.T) {
+	src := filepath.Join(t.TempDir(), "D.data")
+	assert.Nil(t, attrsToSend(src, 100), "none kept")
+	a := layout.NewAttrsBuilder(layout.Attr{Mode: 0o700, UID: 1000, GID: 1000}, true).Attrs()
+	require.NoError(t, layout.WriteAttrs(src, a))
+	assert.Equal(t, a.Encode(), attrsToSend(src, 100))
+	assert.Nil(t, attrsToSend(src, maxMessage-messageOverhead), "no room beside the manifest")
+	require.NoError(t, os.WriteFile(layout.AttrsFile(src), []byte("not attrs"), 0o600))
+	assert.Nil(t, attrsToSend(src, 100), "kept attrs that do not parse")
 }

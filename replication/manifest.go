@@ -4,10 +4,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"io/fs"
+	"log/slog"
 	"math"
 	"math/bits"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 
@@ -339,10 +343,14 @@ func buildManifest(ctx context.Context, src, dataName, job string, digests *layo
 // the header beside a manifest of size bytes: the receiver then restores with its defaults.
 func attrsToSend(src string, size int) []byte {
 	_, enc, err := layout.ReadAttrsEncoded(src)
-	if err != nil {
+	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
-	if size+len(enc) > maxMessage-messageOverhead {
+	if err == nil && size+len(enc) > maxMessage-messageOverhead {
+		err = fmt.Errorf("%d bytes beside a manifest of %d: more than a header holds", len(enc), size)
+	}
+	if err != nil {
+		slog.Warn("a replica goes without its owners and modes: the peer restores it as root's, 0644 and 0755", "data", filepath.Base(src), "err", err)
 		return nil
 	}
 	return enc
