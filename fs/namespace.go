@@ -147,8 +147,8 @@ func (ns *namespace) WriteFile(name string, data []byte) error {
 		return err
 	}
 	// A .meta names the committed data it describes; like that data, it is the agent's to
-	// change: the job's unlink, rename, write or truncate fails with EROFS (a name the agent
-	// would publish again at the next handshake must not seem to go away).
+	// change: the job's unlink, rename, write or truncate fails with EROFS (the agent publishes
+	// it again at its next start, from the spool: it must not seem to go away meanwhile).
 	meta := false
 	if mk, ok := layout.ParseMarkerName(name); ok && mk.Kind == layout.MarkerMeta {
 		meta = true

@@ -16,7 +16,7 @@ func TestAttrsListOnlyWhatDiffersAndRoundTrip(t *testing.T) {
 	add := func(typ EntryType, at Attr, p string) {
 		b.Add(typ, at, func() string { asked[p] = true; return p })
 	}
-	add(EntryFile, Attr{0o600, 1000, 100}, "state/a") // the first file sets the file mode
+	add(EntryFile, Attr{0o600, 1000, 100}, "state/a") // most files' mode is the file mode
 	add(EntryFile, Attr{0o600, 1000, 100}, "state/b")
 	add(EntryDir, Attr{0o700, 1000, 100}, "state")
 	add(EntryFile, Attr{0o4755, 1000, 100}, "bin/tool")

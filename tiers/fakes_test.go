@@ -204,7 +204,6 @@ func (ns *dirNamespace) SpoolFile(path string) (string, error) {
 	return stable, nil
 }
 
-// ImportVerified verifies first: the fake has no tree to build meanwhile.
 // Owner is the owner of the file or directory at name.
 func (ns *dirNamespace) Owner(name string) (uint32, uint32, error) {
 	fi, err := os.Lstat(ns.path(name))
@@ -215,9 +214,14 @@ func (ns *dirNamespace) Owner(name string) (uint32, uint32, error) {
 	return st.Uid, st.Gid, nil
 }
 
-// Reown does nothing: the fake's entries are the test's.
-func (ns *dirNamespace) Reown(string, *layout.Attrs, uint32) (int, error) { return 0, nil }
+// Reown records the call ("reown <name> <uid>", attrs or not) and changes nothing: the
+// fake's entries are the test's.
+func (ns *dirNamespace) Reown(name string, saved *layout.Attrs, uid uint32) (int, error) {
+	ns.record("reown", fmt.Sprintf("%s %d attrs=%v", name, uid, saved != nil))
+	return 0, nil
+}
 
+// ImportVerified verifies first: the fake has no tree to build meanwhile.
 func (ns *dirNamespace) ImportVerified(src, name string, verify func([]layout.TreeEntry) error) error {
 	if err := verify(nil); err != nil {
 		return err

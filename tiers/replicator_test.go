@@ -1271,3 +1271,45 @@ func TestEveryBackupRotted(t *testing.T) {
 		t.Errorf("%d downloads, want 4 (two per rotted backup)", downloads)
 	}
 }
+
+// TestRestoreGivesTheStepToTheJobsUser: the handshake takes the job's user from the owner of
+// its replicator.yaml, and a restore of data another user owns gives it to that user, from the
+// attrs kept beside it; a yaml written by root gives nothing (fs tests what Reown does).
+func TestRestoreGivesTheStepToTheJobsUser(t *testing.T) {
+	t.Parallel()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to give the yaml another owner")
+	}
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	hash := h.orbaxSave(7, checkpointFiles("7"))
+	h.waitSealed("job", 7, "7")
+	reowns := func(h *harness) []string {
+		var got []string
+		for _, op := range h.ns.opLog() {
+			if strings.HasPrefix(op, "reown ") {
+				got = append(got, op)
+			}
+		}
+		return got
+	}
+
+	h2 := h.restart()
+	h2.yamlOrbax(baseYAML) // written by root, the test
+	restore := marker("job", 7, 0, 0, layout.MarkerRestore)
+	h2.waitMarkers(restore)
+	if got := reowns(h2); len(got) != 0 {
+		t.Errorf("a root yaml says nothing of the job's user, yet: %q", got)
+	}
+
+	h3 := h2.restart()
+	h3.writeFile(layout.ReplicatorYAMLTmpName, baseYAML)
+	if err := os.Chown(h3.path(layout.ReplicatorYAMLTmpName), 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
+	h3.rename(layout.ReplicatorYAMLTmpName, layout.ReplicatorYAMLName)
+	h3.waitMarkers(restore)
+	if got, want := reowns(h3), []string{"reown " + hash + ".data 1000 attrs=true"}; !slices.Equal(got, want) {
+		t.Errorf("restored for uid 1000: %q, want %q", got, want)
+	}
+}

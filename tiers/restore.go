@@ -163,8 +163,8 @@ func (r *restorer) dropAbandonedSteps(cfg *Config, plan RestorePlan) {
 // shape is one this job's shape cannot restore, or there is none: recording the job's shape
 // next would vouch for them.
 //   - Another shape: no .meta of this node's can be the plan's (the plan passed over every step
-//     this node holds), so only this node's own slots of the plan's step, naming the plan's
-//     data, stay.
+//     this node holds), so only the .meta entries of the plan's step that name the plan's data
+//     for their slot stay (this node's own, and replicas of other nodes' it holds).
 //   - No record (a spool of an agent before records, or one whose record could not be
 //     written): when the plan restores a step from RAM, this node's .meta entries of that step
 //     stay, replicas included (another node may fetch its data from here: the plan tells each

@@ -152,8 +152,8 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 		}
 	}
 	// A checkpoint passed over (damaged, or of a job of another shape) above the one restored
-	// is one the job loses: say so (SPEC §10: never a silent fresh start), newest first, and
-	// what is restored instead.
+	// is one the job loses: say so (SPEC §10: never a silent fresh start), each kind newest
+	// first, and what is restored instead.
 	others := OtherShapeSteps(cfg, invs)
 	// report gives the lines for what was passed over: the steps in RAM of another shape above
 	// the one restored, the incomplete ones when none in RAM is restored (a save cut short
