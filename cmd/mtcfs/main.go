@@ -9,8 +9,6 @@ import (
 	"os"
 	"runtime/debug"
 	"runtime/pprof"
-
-	"github.com/mtcfs/mtcfs/internal/buildstamp"
 )
 
 const usage = `mtcfs — multi-tier checkpointing filesystem
@@ -45,24 +43,20 @@ func main() {
 	os.Exit(profiled(func() int { return run(os.Args[1:]) }))
 }
 
-// vcsVersion completes the default version "dev" with what the build recorded: the module
-// version of `go install …@vX`, or the commit (and whether the tree had changes) of a build in a
-// git checkout, e.g. "dev+2e4cbe6" or "dev+2e4cbe6-modified".
+// vcsVersion completes the default version "dev" with the module version the build recorded:
+// v1.2.3 for `go install …@v1.2.3`, and in a git checkout (Go 1.24 and later) a pseudo-version
+// naming the commit, with "+dirty" for a tree with changes; nothing with -buildvcs=false.
 func vcsVersion(v string) string {
 	info, ok := debug.ReadBuildInfo()
+	return versionFrom(v, info, ok)
+}
+
+func versionFrom(v string, info *debug.BuildInfo, ok bool) string {
 	if v != "dev" || !ok {
 		return v
 	}
 	if mv := info.Main.Version; mv != "" && mv != "(devel)" {
 		return mv
-	}
-	rev, modified := buildstamp.VCS(info)
-	if rev == "" {
-		return v
-	}
-	v += "+" + rev[:min(len(rev), 7)]
-	if modified {
-		v += "-modified"
 	}
 	return v
 }
