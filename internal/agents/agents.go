@@ -86,10 +86,17 @@ func Register(info Info) (unregister func()) {
 // Local lists the agents running on this machine (in Dirs), removing the files of agents that
 // are gone where it may: their pid is dead, or now names another process (pid reuse). Only this
 // user's directory failing to be read is an error.
-func Local() ([]Info, error) {
+func Local() ([]Info, error) { return localIn(Dirs()) }
+
+// localIn is Local over dirs, this user's first. In a directory that is neither this user's nor
+// root's (root looking at users' development agents, in a world-writable /tmp), an entry counts
+// only if its file belongs to the user its pid runs as: no one can pass an agent off as another
+// user's, or as root's.
+func localIn(dirs []string) ([]Info, error) {
 	var out []Info
 	seen := map[int]bool{}
-	for i, dir := range Dirs() {
+	for i, dir := range dirs {
+		foreign := i > 0 && dir != rootDir
 		ents, err := os.ReadDir(dir)
 		if os.IsNotExist(err) || (err != nil && (i > 0 || os.IsPermission(err))) {
 			// Another user's, or this user's own made unreadable by an environment kept across
@@ -113,6 +120,9 @@ func Local() ([]Info, error) {
 				os.Remove(p) // fails in another user's directory: its owner's next look removes it
 				continue
 			}
+			if foreign && !ownedByItsProcess(p, info.PID) {
+				continue
+			}
 			seen[info.PID] = true
 			out = append(out, info)
 		}
@@ -120,9 +130,21 @@ func Local() ([]Info, error) {
 	return out, nil
 }
 
+// ownedByItsProcess reports whether the file p belongs to the user process pid runs as.
+func ownedByItsProcess(p string, pid int) bool {
+	var file, proc unix.Stat_t
+	return unix.Lstat(p, &file) == nil && unix.Stat("/proc/"+strconv.Itoa(pid), &proc) == nil && file.Uid == proc.Uid
+}
+
 // Stopping returns the agent on this machine that serves dir and is stopping (ok false: none).
+// It looks only in this user's registry and root's, which no other user can write: an entry
+// planted in another directory cannot hold an agent back.
 func Stopping(dir string) (Info, bool) {
-	list, _ := Local()
+	dirs := []string{Dir()}
+	if dirs[0] != rootDir {
+		dirs = append(dirs, rootDir)
+	}
+	list, _ := localIn(dirs)
 	for _, a := range list {
 		if a.Dir == dir && a.Stopping {
 			return a, true

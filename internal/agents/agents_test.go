@@ -1,0 +1,48 @@
+package agents
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// TestPlantedEntriesDoNotCount: as root, the registry directories of users (in a world-writable
+// /tmp) are read for `mtcfs status`, but an entry there counts only if its file belongs to the
+// user its pid runs as; and a stopping agent is looked for only in root's registry, so that no
+// user can hold a root agent back for two minutes with an entry naming its mount.
+func TestPlantedEntriesDoNotCount(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the registries of other users are read as root only")
+	}
+	t.Setenv("TMPDIR", t.TempDir())
+	dir := filepath.Join(os.TempDir(), "mtcfs-1000", "agents")
+	require.NoError(t, os.MkdirAll(dir, 0o777))
+	me := os.Getpid()
+	start, err := ProcStartTime(me)
+	require.NoError(t, err)
+	p := filepath.Join(dir, strconv.Itoa(me)+".json")
+	data, _ := json.Marshal(Info{PID: me, Dir: "/srv/root-mount", HTTP: "127.0.0.1:1", Stopping: true, StartTime: start})
+	require.NoError(t, os.WriteFile(p, data, 0o644))
+	listed := func() bool {
+		list, err := Local()
+		require.NoError(t, err)
+		for _, a := range list {
+			if a.Dir == "/srv/root-mount" {
+				return true
+			}
+		}
+		return false
+	}
+
+	require.NoError(t, os.Chown(p, 1000, 1000)) // uid 1000 names root's process (this test)
+	assert.False(t, listed(), "an entry whose file is not its process's user's")
+	require.NoError(t, os.Chown(p, 0, 0))
+	assert.True(t, listed(), "an entry of its process's user, in a user's directory")
+	_, stopping := Stopping("/srv/root-mount")
+	assert.False(t, stopping, "only this user's and root's registries hold a stopping agent")
+}
