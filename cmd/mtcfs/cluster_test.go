@@ -451,6 +451,7 @@ func TestStepsOfAFormerShapeAreDroppedNotRelabelled(t *testing.T) {
 	for r, o := range run(2, nil) {
 		require.NoError(t, o.err, "rank %d", r)
 		assert.False(t, o.found && o.step == 30, "rank %d restored step 30 of the three-node job on two nodes", r)
+		assert.False(t, o.found, "rank %d restored step %d, with the only backup of its shape damaged", r, o.step)
 	}
 }
 

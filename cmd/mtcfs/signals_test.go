@@ -199,13 +199,25 @@ func TestStopSaysWhoKeepsTheMountBusy(t *testing.T) {
 	// An agent started meanwhile waits for the stopping one.
 	var mu sync.Mutex
 	var lines []string
+	servedEarly := false // the new agent said it serves while the old one had not exited
 	logged := func(s string) bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return strings.Contains(strings.Join(lines, "\n"), s)
 	}
 	b := exec.Command(binPath, "mount", n.dir, "--spool", n.spool, "--memory", "64MiB", "--backup", n.backupURL())
-	exited, err := startLogged(b, func(line string) { mu.Lock(); lines = append(lines, line); mu.Unlock() })
+	exited, err := startLogged(b, func(line string) {
+		mu.Lock()
+		defer mu.Unlock()
+		lines = append(lines, line)
+		if strings.Contains(line, servingLine) {
+			select {
+			case <-a.done:
+			default:
+				servedEarly = true
+			}
+		}
+	})
 	require.NoError(t, err)
 	bDone := make(chan struct{}) // closed once b exited (exited yields once: read it in one place)
 	var bErr error
@@ -228,6 +240,9 @@ func TestStopSaysWhoKeepsTheMountBusy(t *testing.T) {
 	assert.Equal(t, 0, a.wait(30*time.Second), "%s", a.log())
 	repWait(t, 20*time.Second, "the new agent to serve", func() bool { return logged(servingLine) })
 	assert.True(t, logged("the stopping agent is gone"))
+	mu.Lock()
+	assert.False(t, servedEarly, "the new agent served before the stopping one exited")
+	mu.Unlock()
 	require.NoError(t, b.Process.Signal(syscall.SIGTERM))
 	select {
 	case <-bDone:
