@@ -95,7 +95,7 @@ func TestClusterCoordination(t *testing.T) {
 		c.all(t, func(r int) error { return clients[r].Save(ctx, step) })
 	}
 	for r := range c.nodes {
-		meta := filepath.Join(c.nodes[r].dir, fmt.Sprintf("trio-s20-n%d-w0.meta", r))
+		meta := rankMetaPath(c.nodes[r].dir, "trio", 20, r)
 		repWait(t, 10*time.Second, fmt.Sprintf("rank %d to seal step 20", r), func() bool { return pathExists(meta) })
 	}
 	c.startAll(t, ctx, 20) // the job restarts: every node restores 20 from its RAM
@@ -147,7 +147,7 @@ func TestClusterRestoreFromPeer(t *testing.T) {
 	c.all(t, func(r int) error { return clients[r].Save(ctx, 10) })
 	clients[1].BeforeCommit = nil
 	// The replica of rank 1's step reaches rank 2: its .meta appears there once verified.
-	replica := filepath.Join(c.nodes[2].dir, "trio-s10-n1-w0.meta")
+	replica := rankMetaPath(c.nodes[2].dir, "trio", 10, 1)
 	repWait(t, 15*time.Second, "rank 1's replica on rank 2", func() bool { return pathExists(replica) })
 	// The files were pushed as the job closed them: the sealed push reused them.
 	require.Regexp(t, `peer transfer received" .*rank=1 data=D[0-9a-f]{64}\.data .*early_files=[1-9]`, c.agents[2].log(),
@@ -215,12 +215,12 @@ func TestStaleRegistrationIsNotMisrouted(t *testing.T) {
 		return strings.Contains(string(b), "replicating step 10 to rank 1 failed")
 	})
 	require.Contains(t, c.agents[2].log(), "stale registration", "rank 2 must refuse calls meant for rank 1's agent")
-	require.NoFileExists(t, filepath.Join(c.nodes[2].dir, "trio-s10-n0-w0.meta"), "rank 0's replica landed on rank 2")
+	require.NoFileExists(t, rankMetaPath(c.nodes[2].dir, "trio", 10, 0), "rank 0's replica landed on rank 2")
 	require.NotRegexp(t, `peer transfer received" .*rank=0 `, c.agents[2].log())
 
 	require.NoError(t, os.WriteFile(regFile(1), orig, 0o644))
 	c.all(t, func(r int) error { return clients[r].Save(ctx, 20) })
-	replica := filepath.Join(c.nodes[1].dir, "trio-s20-n0-w0.meta")
+	replica := rankMetaPath(c.nodes[1].dir, "trio", 20, 0)
 	repWait(t, 30*time.Second, "rank 0's step 20 on rank 1", func() bool { return pathExists(replica) })
 }
 
@@ -294,14 +294,7 @@ func TestJobRestartedInAnotherShape(t *testing.T) {
 
 	start(3, 0)
 	save(3, 10)
-	var backup string
-	repWait(t, 20*time.Second, "a complete backup of step 10", func() bool {
-		m, _ := filepath.Glob(filepath.Join(c.backup, "trio", "*", "trio-s10-n*-w0.meta")) // written last
-		if len(m) == 3 {
-			backup = filepath.Base(filepath.Dir(m[0]))
-		}
-		return len(m) == 3
-	})
+	backup := waitCompleteBackup(t, c.nodes[0], "trio", 10)
 	// Pinning the backup says the shape it restores in.
 	out, code := runMtcfs(t, "restore-version", "set", backup, "--backup", "file://"+c.backup, "--job", "trio")
 	require.Equal(t, 0, code, "%s", out)
@@ -318,7 +311,7 @@ func TestJobRestartedInAnotherShape(t *testing.T) {
 	}
 	save(2, 20)
 	for r := range 2 {
-		meta := filepath.Join(c.nodes[r].dir, fmt.Sprintf("trio-s20-n%d-w0.meta", r))
+		meta := rankMetaPath(c.nodes[r].dir, "trio", 20, r)
 		repWait(t, 10*time.Second, "step 20 sealed", func() bool { return pathExists(meta) })
 	}
 	for r, got := range start(2, 20) {
@@ -349,7 +342,7 @@ func TestLostNodeIsNotASilentFreshStart(t *testing.T) {
 		return o.Save(ctx, 10)
 	})
 	for r := range 2 {
-		meta := filepath.Join(c.nodes[r].dir, fmt.Sprintf("trio-s10-n%d-w0.meta", r))
+		meta := rankMetaPath(c.nodes[r].dir, "trio", 10, r)
 		repWait(t, 10*time.Second, "step 10 sealed", func() bool { return pathExists(meta) })
 	}
 	killAgent(t, c.agents[0])
@@ -415,7 +408,7 @@ func TestStepsOfAFormerShapeAreDroppedNotRelabelled(t *testing.T) {
 	}
 	stepSealed := func(n int, step int64) {
 		for r := range n {
-			meta := filepath.Join(c.nodes[r].dir, fmt.Sprintf("trio-s%d-n%d-w0.meta", step, r))
+			meta := rankMetaPath(c.nodes[r].dir, "trio", step, r)
 			repWait(t, 10*time.Second, fmt.Sprintf("step %d sealed on rank %d", step, r), func() bool { return pathExists(meta) })
 		}
 	}
@@ -424,14 +417,7 @@ func TestStepsOfAFormerShapeAreDroppedNotRelabelled(t *testing.T) {
 	for r, o := range run(2, func(r int, o *jobsim.Orbax) error { return o.Save(ctx, 50) }) {
 		require.NoError(t, o.err, "rank %d", r)
 	}
-	var backup string
-	repWait(t, 20*time.Second, "a complete backup of step 50", func() bool {
-		m, _ := filepath.Glob(filepath.Join(c.backup, "trio", "*", "trio-s50-n*-w0.meta"))
-		if len(m) == 2 {
-			backup = filepath.Base(filepath.Dir(m[0]))
-		}
-		return len(m) == 2
-	})
+	backup := waitCompleteBackup(t, c.nodes[0], "trio", 50)
 
 	c.agents[2] = c.nodes[2].start(t)
 	for r, o := range run(3, func(r int, o *jobsim.Orbax) error { return o.Save(ctx, 30) }) {
@@ -441,7 +427,7 @@ func TestStepsOfAFormerShapeAreDroppedNotRelabelled(t *testing.T) {
 	stepSealed(3, 30)
 
 	// Rank 0's part of the backup rots: restoring step 50 fails on rank 0.
-	hash, err := os.ReadFile(filepath.Join(c.backup, "trio", backup, "trio-s50-n0-w0.meta"))
+	hash, err := os.ReadFile(rankMetaPath(filepath.Join(c.backup, "trio", backup), "trio", 50, 0))
 	require.NoError(t, err)
 	rotFile(t, filepath.Join(c.backup, "trio", backup, strings.TrimSpace(string(hash))+".data"))
 	out := run(2, nil)
