@@ -85,11 +85,28 @@ type ShapeError struct {
 }
 
 func (e *ShapeError) Error() string {
-	saved := "a job of " + e.Saved.String()
-	if !e.Recorded {
-		saved = "a job of at least " + e.Saved.String() + " (its .meta names)"
+	return fmt.Sprintf("backup %s was taken by %s; this job has %s", e.Backup, DescribeSaved(e.Saved, e.Recorded), e.Job)
+}
+
+// DescribeSaved says what job saved a checkpoint of shape saved (recorded false: the lower
+// bound its .meta names show).
+func DescribeSaved(saved Shape, recorded bool) string {
+	if !recorded {
+		return "a job of at least " + saved.String() + " (its .meta names)"
 	}
-	return fmt.Sprintf("backup %s was taken by %s; this job has %s", e.Backup, saved, e.Job)
+	return "a job of " + saved.String()
+}
+
+// RestoredBy says which jobs restore a checkpoint DescribeSaved describes (Restores).
+func RestoredBy(saved Shape, recorded bool) string {
+	switch {
+	case !recorded:
+		return "a job with as many workers per node and at least as many nodes, or a data-parallel one"
+	case saved.DataParallelism < 0:
+		return "a job of the same nodes and workers per node (its data-parallelism was not recorded)"
+	default:
+		return "a job with the same workers per node and number of partitions (nodes, or nodes / assume-data-parallelism)"
+	}
 }
 
 // JobMeta parses name as a .meta of the job of cfg; inShape tells whether its slot is one of

@@ -279,10 +279,7 @@ func cmdRestoreVersion(args []string) int {
 		return 1
 	}
 	step, _ := rep.HighestComplete()
-	shape := "a job of " + rep.Saved.String()
-	if !rep.SavedRecorded {
-		shape = fmt.Sprintf("a job of at least %s, by its .meta names", rep.Saved.String())
-	}
-	fmt.Printf("job %s will restore step %d from backup %s at its next start (one-shot); the backup was taken by %s, and restores in a job with the same workers per node and number of partitions (nodes, or nodes / assume-data-parallelism)\n", *f.job, step, pos[0], shape)
+	fmt.Printf("job %s will restore step %d from backup %s at its next start (one-shot); the backup was taken by %s, and restores in %s\n", *f.job, step, pos[0],
+		tiers.DescribeSaved(rep.Saved, rep.SavedRecorded), tiers.RestoredBy(rep.Saved, rep.SavedRecorded))
 	return 0
 }
