@@ -152,16 +152,12 @@ func (g Registry) Lookup(ctx context.Context, job string) (map[int]Registration,
 			continue
 		}
 		grp.Go(func() error {
-			data, err := g.Objects.Get(gctx, name, registrationLimit)
-			if errors.Is(err, fs.ErrNotExist) { // unregistered since listed
-				return nil
+			reg, err := g.current(gctx, job, rank) // name is its registrationName
+			if errors.Is(err, fs.ErrNotExist) || errors.Is(err, errNotRegistration) {
+				return nil // unregistered since listed, or not a registration
 			}
 			if err != nil {
 				return err
-			}
-			var reg Registration
-			if json.Unmarshal(data, &reg) != nil || reg.Job != job || reg.Rank != rank || reg.validate() != nil {
-				return nil
 			}
 			mu.Lock()
 			regs[rank] = reg
