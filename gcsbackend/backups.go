@@ -174,16 +174,14 @@ func validateHash(hash string) error {
 const shapeName = "mtcfs-backup.json"
 
 type backupShape struct {
-	Format          string `json:"format"`
-	Nodes           int    `json:"nodes"`
-	Workers         int    `json:"workers"`
-	DataParallelism int    `json:"data-parallelism"` // -1 once read: not recorded
+	Format      string `json:"format"`
+	tiers.Shape        // DataParallelism -1 once read: not recorded
 }
 
 const shapeFormat = "mtcfs-backup-v1"
 
 func (b *Backups) putShape(ctx context.Context, dir string, s tiers.Shape) error {
-	data, _ := json.Marshal(backupShape{Format: shapeFormat, Nodes: s.Nodes, Workers: s.Workers, DataParallelism: s.DataParallelism})
+	data, _ := json.Marshal(backupShape{Format: shapeFormat, Shape: s})
 	err := PutBytes(ctx, b.Store, dir+shapeName, data, true)
 	var pe *PreconditionError
 	if errors.As(err, &pe) {
@@ -207,7 +205,7 @@ func (b *Backups) readShape(ctx context.Context, dir string) (backupShape, bool)
 	if err != nil {
 		return backupShape{}, false
 	}
-	s := backupShape{DataParallelism: -1} // what a record without the field keeps
+	s := backupShape{Shape: tiers.Shape{DataParallelism: -1}} // what a record without the field keeps
 	if json.Unmarshal(data, &s) != nil || s.Format != shapeFormat || s.Nodes <= 0 || s.Workers <= 0 || s.DataParallelism < -1 {
 		return backupShape{}, false
 	}
@@ -417,7 +415,7 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 		Saved: tiers.Shape{Nodes: maxRank + 1, Workers: maxWorker + 1}}
 	if _, listed := index[shapeName]; listed {
 		if s, ok := b.readShape(ctx, dir); ok {
-			rep.Saved = tiers.Shape{Nodes: s.Nodes, Workers: s.Workers, DataParallelism: s.DataParallelism}
+			rep.Saved = s.Shape
 			rep.SavedRecorded = true
 			if rep.Nodes <= 0 {
 				rep.Nodes = s.Nodes
