@@ -38,6 +38,11 @@ type namespace struct {
 
 var _ tiers.Namespace = (*namespace)(nil)
 
+// attrOf returns the owner and permission bits of a node (every node type embeds meta).
+func attrOf(in *gofs.Inode) layout.Attr {
+	return in.Operations().(interface{ attr() layout.Attr }).attr()
+}
+
 func entryType(in *gofs.Inode) layout.EntryType {
 	switch in.Operations().(type) {
 	case *dirNode:
@@ -346,7 +351,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	}
 	// The owners and modes go to info.Attrs (the walk runs on this goroutine only): the
 	// sealed copy's own are the agent's, private to the spool.
-	attrs := layout.NewAttrsBuilder(ch.Operations().(interface{ attr() layout.Attr }).attr(), true)
+	attrs := layout.NewAttrsBuilder(attrOf(ch), true)
 	var walk func(in *gofs.Inode, sd *sealDir, rel string) error
 	walk = func(in *gofs.Inode, sd *sealDir, rel string) error {
 		var fileList []fileAt
@@ -360,9 +365,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 				}
 				return rel + "/" + cn
 			}
-			if m, ok := c.Operations().(interface{ attr() layout.Attr }); ok {
-				attrs.Add(entryType(c), m.attr(), path)
-			}
+			attrs.Add(entryType(c), attrOf(c), path)
 			var err error
 			switch n := c.Operations().(type) {
 			case *dirNode:
@@ -477,7 +480,7 @@ func (ns *namespace) Owner(name string) (uid, gid uint32, err error) {
 	if ch == nil {
 		return 0, 0, fmt.Errorf("%s: %w", name, os.ErrNotExist)
 	}
-	a := ch.Operations().(interface{ attr() layout.Attr }).attr()
+	a := attrOf(ch)
 	return a.UID, a.GID, nil
 }
 
@@ -486,7 +489,7 @@ func (ns *namespace) Reown(name string, saved *layout.Attrs, uid uint32) (int, e
 	if top == nil {
 		return 0, fmt.Errorf("%s: %w", name, os.ErrNotExist)
 	}
-	from := top.Operations().(interface{ attr() layout.Attr }).attr().UID
+	from := attrOf(top).UID
 	if from == uid {
 		// The top is uid's: as saved, or given to uid by the last Reown, which set every entry
 		// as it would now. A job restoring what its own user saved walks nothing.
