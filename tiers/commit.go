@@ -128,16 +128,16 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	// changed the job's shape came before its close was handled) waits for sealing or was
 	// sealed, which takes its name away; a misnamed one stays a plain file under its name.
 	cr.mu.Lock()
-	pending := cr.pending[ev.path]
-	cr.mu.Unlock()
-	if pending || !cr.hasName(ev.path) {
-		return
-	}
-	cr.mu.Lock()
 	if cr.misnamedInc != inc.ID {
 		cr.misnamed, cr.misnamedInc = map[string]bool{}, inc.ID
 	}
-	seen := cr.misnamed[ev.path]
+	pending, seen := cr.pending[ev.path], cr.misnamed[ev.path]
+	cr.mu.Unlock()
+	if pending || seen || !cr.hasName(ev.path) {
+		return
+	}
+	cr.mu.Lock()
+	seen = cr.misnamed[ev.path]
 	cr.misnamed[ev.path] = true
 	cr.mu.Unlock()
 	if seen {

@@ -53,11 +53,11 @@ func TestCommitSurvivesAKillAtEveryPointOfSealing(t *testing.T) {
 			h := newHarness(t, hcfg)
 			h.start(baseYAML, "job")
 			h.ns.setHook(func(op, name string) {
-				// The sealer's first namespace call comes after it hashed the record and moved the
-				// data into spool/sealed.
-				if op == "list" && point != "right after the rename" {
+				// The sealer's first namespace call (whether the data's name is there) comes after
+				// it hashed the record and moved the data into spool/sealed.
+				if op == "owner" && point != "right after the rename" {
 					select {
-					case blocked <- "list":
+					case blocked <- "owner":
 						<-block
 					default:
 					}

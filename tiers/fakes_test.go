@@ -206,6 +206,7 @@ func (ns *dirNamespace) SpoolFile(path string) (string, error) {
 
 // Owner is the owner of the file or directory at name.
 func (ns *dirNamespace) Owner(name string) (uint32, uint32, error) {
+	ns.record("owner", name)
 	fi, err := os.Lstat(ns.path(name))
 	if err != nil {
 		return 0, 0, err

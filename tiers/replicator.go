@@ -142,13 +142,8 @@ func (n *node) spoolDir(parts ...string) string {
 
 // hasName reports whether the namespace holds the top-level name.
 func (n *node) hasName(name string) bool {
-	ents, _ := n.ns.List()
-	for _, e := range ents {
-		if e.Name == name {
-			return true
-		}
-	}
-	return false
+	_, _, err := n.ns.Owner(name) // one lookup, not a listing of the top
+	return err == nil
 }
 
 // NewReplicator makes a replicator; pass it to fs.Mount as the Events, then call Start. It wires
