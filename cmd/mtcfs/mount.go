@@ -367,12 +367,7 @@ func warnVolatileBackups(rawURL string) {
 // its spool through its own mount, which hides it: the job's first write failed), and a mount
 // directory inside the spool. Both paths are compared with their symlinks resolved.
 func checkSpoolPlacement(dir, spool string) error {
-	d, dRest := resolveExisting(dir)
-	sp, spRest := resolveExisting(spool)
-	d, sp = filepath.Join(d, dRest), filepath.Join(sp, spRest)
-	within := func(p, parent string) bool {
-		return p == parent || strings.HasPrefix(p, strings.TrimSuffix(parent, "/")+"/")
-	}
+	d, sp := resolvedPath(dir), resolvedPath(spool)
 	switch {
 	case within(sp, d):
 		return fmt.Errorf("--spool %s is inside the mount directory %s, which the mount hides from the agent too: give a directory outside it", spool, dir)
@@ -380,6 +375,32 @@ func checkSpoolPlacement(dir, spool string) error {
 		return fmt.Errorf("the mount directory %s is inside the spool %s: give a spool directory outside it", dir, spool)
 	}
 	return nil
+}
+
+// checkBackupPlacement refuses a file:// backup location at or below the mount directory dir.
+// The agent would write its backups through its own mount: they would live in the RAM they are
+// meant to outlive, be hidden from every other agent and tool, and be removed with the job's
+// namespace; the agent must never touch its own mount either.
+func checkBackupPlacement(dir, rawURL string) error {
+	u, err := url.Parse(rawURL)
+	if err != nil || u.Scheme != "file" || u.Path == "" {
+		return nil
+	}
+	if within(resolvedPath(filepath.Clean(u.Path)), resolvedPath(dir)) {
+		return fmt.Errorf("--backup %s is inside the mount directory %s: backups written there would live in the agent's RAM, behind its own mount, and be lost with it; give a directory outside it, on a disk, or gs://", rawURL, dir)
+	}
+	return nil
+}
+
+// within reports whether the clean absolute path p is parent or below it.
+func within(p, parent string) bool {
+	return p == parent || strings.HasPrefix(p, strings.TrimSuffix(parent, "/")+"/")
+}
+
+// resolvedPath is the absolute path p with the symlinks of its existing ancestors resolved.
+func resolvedPath(p string) string {
+	existing, rest := resolveExisting(p)
+	return filepath.Join(existing, rest)
 }
 
 // resolveExisting splits the absolute path p into its longest existing ancestor, with symlinks
@@ -459,6 +480,9 @@ func runMount(cfg mountConfig) error {
 	// The directory the mount lands on: a symlink is followed, so a mount reached through a
 	// link is the same mount (refused above while live; same default spool).
 	cfg.dir = tiers.ResolveMountPath(cfg.dir)
+	if err := checkBackupPlacement(cfg.dir, cfg.backupURL); err != nil {
+		return err
+	}
 	backups, err := openBackups(cfg.backupURL)
 	if err != nil {
 		return err

@@ -443,3 +443,31 @@ func TestSpoolInsideTheMount(t *testing.T) {
 	}
 	assert.NoDirExists(t, filepath.Join(dir, "spool"), "no spool directory was made")
 }
+
+// TestBackupInsideTheMount: a file:// backup location at or below the mount directory (also
+// through a symlink) is refused before anything is mounted or made. Before, the agent served,
+// wrote its backups through its own mount into the RAM spool, where the job's namespace showed
+// them and they were lost with the spool; the directory under the mount never got a byte.
+func TestBackupInsideTheMount(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	require.NoError(t, os.Symlink(dir, filepath.Join(base, "link")))
+	t.Cleanup(func() { forceUnmount(dir) })
+	for _, backup := range []string{dir, filepath.Join(dir, "backups"), filepath.Join(base, "link", "a", "b")} {
+		out, code := runBounded(t, 30*time.Second, "mount", dir, "--backup", "file://"+backup, "--memory", "64MiB", "--spool", filepath.Join(base, "spool"))
+		require.Equal(t, 1, code, "--backup file://%s should be refused\n%s", backup, out)
+		assert.Contains(t, out, "--backup file://"+backup+" is inside the mount directory "+dir, "--backup %s", backup)
+		assert.False(t, isMounted(dir), "--backup %s: nothing is mounted", backup)
+	}
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	assert.Empty(t, entries, "nothing was made under the mount directory")
+	assert.NoDirExists(t, filepath.Join(base, "spool"), "no spool was made")
+
+	// Beside the mount directory, above it (backups go to <root>/<job>), or in GCS is fine.
+	for _, backup := range []string{"file://" + dir + "-backups", "file://" + base, "gs://bucket" + dir} {
+		assert.NoError(t, checkBackupPlacement(dir, backup), backup)
+	}
+}
