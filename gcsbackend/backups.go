@@ -14,6 +14,7 @@ import (
 
 	"golang.org/x/sync/semaphore"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/planecodec"
 	"github.com/mtcfs/mtcfs/tiers"
 )
@@ -53,7 +54,6 @@ func (b *Backups) parallelism() int {
 }
 
 const (
-	backupNameLayout   = "2006-01-02_15-04"
 	restoreVersionName = "restore.version"
 	// metaLimit and pinLimit bound reads of objects that hold one name, so
 	// that a stray large object cannot exhaust memory.
@@ -66,10 +66,6 @@ var (
 	hashRE       = regexp.MustCompile(`^D?[0-9a-f]{64}$`)
 	metaRestRE   = regexp.MustCompile(`^s(\d+)-n(\d+)-w(\d+)\.meta$`)
 )
-
-// BackupName names a backup taken at t: its UTC minute, YYYY-MM-DD_HH-MM.
-// Names sort in time order.
-func BackupName(t time.Time) string { return t.UTC().Format(backupNameLayout) }
 
 // Slot identifies one training process: a node rank and a worker index.
 type Slot struct{ Rank, Worker int }
@@ -153,7 +149,7 @@ func validateJob(job string) error {
 
 func validateBackupName(name string) error {
 	if !backupNameRE.MatchString(name) {
-		return fmt.Errorf("backup name %q: want YYYY-MM-DD_HH-MM (UTC), e.g. %s", name, BackupName(time.Now()))
+		return fmt.Errorf("backup name %q: want YYYY-MM-DD_HH-MM (UTC), e.g. %s", name, layout.BackupName(time.Now()))
 	}
 	return nil
 }

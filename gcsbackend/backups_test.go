@@ -652,10 +652,14 @@ func TestRestoreVersion(t *testing.T) {
 	require.NoError(t, b.ClearRestoreVersion(ctx, testJob), "clearing an absent pin is not an error")
 }
 
-func TestBackupName(t *testing.T) {
+// TestBackupNamesAreValid: the names the coordinator gives backups (layout.BackupName) are the
+// ones this package accepts.
+func TestBackupNamesAreValid(t *testing.T) {
 	zone := time.FixedZone("UTC+9", 9*3600)
-	assert.Equal(t, "2025-06-30_14-30", BackupName(time.Date(2025, 6, 30, 23, 30, 59, 999, zone)))
-	assert.Regexp(t, backupNameRE, BackupName(time.Now()))
+	for _, at := range []time.Time{time.Now(), time.Date(2025, 6, 30, 23, 30, 59, 999, zone)} {
+		assert.NoError(t, validateBackupName(layout.BackupName(at)), at)
+	}
+	assert.Error(t, validateBackupName("2025-06-30_14-30-00"))
 }
 
 func TestParseMetaName(t *testing.T) {
