@@ -474,11 +474,24 @@ func (s *gcsStore) Open(ctx context.Context, name string, off, length int64) (io
 		return nil, err
 	}
 	// The reader outlives this call (see ObjectStore.Open): its context is
-	// cut loose from ctx and cancelled by Close.
+	// cut loose from ctx and cancelled by Close. Until the call returns, ctx
+	// ending ends the open too (its attempts and the pauses between them).
 	rctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	r := &gcsReader{s: s, ctx: rctx, cancel: cancel, name: name, off: off, remaining: length, bo: s.backoff()}
-	if err := r.open(); err != nil {
+	stop := context.AfterFunc(ctx, cancel)
+	err := r.open()
+	if !stop() && err == nil { // ctx ended as the open succeeded: the reader is cancelled
+		r.closeReader()
+		err = ctx.Err()
+	}
+	if err != nil {
 		cancel()
+		if cause := context.Cause(ctx); cause != nil {
+			if cause != ctx.Err() {
+				return nil, fmt.Errorf("open %s: %w (%w)", s.url(name), cause, ctx.Err())
+			}
+			return nil, fmt.Errorf("open %s: %w", s.url(name), cause)
+		}
 		return nil, err
 	}
 	return r, nil

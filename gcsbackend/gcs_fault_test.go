@@ -311,3 +311,37 @@ func TestGCSFaultOpenBodyCutEveryTime(t *testing.T) {
 		})
 	}
 }
+
+// TestGCSFaultOpenHonoursItsContext: a server that does not answer holds Open only as long as
+// its context, as ObjectStore.Open promises; the reader of an open that succeeded outlives it.
+// Before, the open was cut loose from the context: a restore plan bounded to 20 s waited for a
+// location that did not answer as long as the attempts took (here 3 of a minute each).
+func TestGCSFaultOpenHonoursItsContext(t *testing.T) {
+	f := newFakeGCS(t)
+	put(t, f.store(t, "p", testGCSOptions()), "obj", "pinned")
+	opts := testGCSOptions()
+	opts.StallTimeout = time.Minute
+	opts.MaxAttempts = 3
+	s := f.store(t, "p", opts)
+
+	rule := f.faults.add(1<<30, isMediaRead, stall(time.Hour))
+	ctx, cancel := context.WithTimeoutCause(context.Background(), 100*time.Millisecond, errors.New("no answer within 100ms"))
+	defer cancel()
+	r, err := s.Open(ctx, "obj", 0, -1)
+	require.Error(t, err)
+	assert.Nil(t, r)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Contains(t, err.Error(), "open gs://mtcfs-test/p/obj: no answer within 100ms")
+	assert.Positive(t, f.faults.hits(rule))
+	f.faults.clear()
+
+	// Answered, the reader is not cancelled with the context it was opened under.
+	ctx, cancel = context.WithCancel(context.Background())
+	r, err = s.Open(ctx, "obj", 0, -1)
+	require.NoError(t, err)
+	cancel()
+	data, err := io.ReadAll(r)
+	require.NoError(t, err)
+	assert.Equal(t, "pinned", string(data))
+	require.NoError(t, r.Close())
+}

@@ -78,14 +78,10 @@ func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64
 }
 
 // newestBackedUp returns the highest complete step of the job's newest backup that has one
-// (-1: none, or the store cannot say), looking at a few of the newest backups only.
-func (c *JobCoordinator) newestBackedUp(ctx context.Context) int64 {
+// (-1: none, or the store cannot say), looking at a few of the newest of names (the job's
+// backups, newest first) only.
+func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) int64 {
 	const look = 5
-	names, err := c.store.Backups(ctx, c.cfg.JobName)
-	if err != nil {
-		c.log.Warn("list backups", "err", err)
-		return -1
-	}
 	for i, name := range names {
 		if i == look {
 			break

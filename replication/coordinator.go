@@ -71,6 +71,9 @@ type Options struct {
 	// LastBackup is the newest backup name decided before (by an earlier incarnation's
 	// coordinator): this one never decides a name ≤ it, so names stay unique (SPEC §6).
 	LastBackup string
+	// PlanLimits bound the restore plan's use of Store (zero fields: the defaults). The
+	// coordinator's own listing of the backups after a plan gets PlanLimits.PinRead.
+	PlanLimits tiers.PlanLimits
 	// Log receives one line per negotiation and per failed sync; nil discards them.
 	Log *slog.Logger
 }
@@ -113,6 +116,7 @@ type JobCoordinator struct {
 	store      tiers.BackupStore
 	clock      Clock
 	lagTimeout time.Duration
+	planLimits tiers.PlanLimits
 	log        *slog.Logger
 
 	// ctx ends with Close. Store calls and the plan computation run on it, never on a caller's
@@ -173,6 +177,7 @@ func NewJobCoordinator(cfg *tiers.Config, opts Options) (*JobCoordinator, error)
 		store:       opts.Store,
 		clock:       opts.Clock,
 		lagTimeout:  opts.LagTimeout,
+		planLimits:  opts.PlanLimits.WithDefaults(),
 		log:         opts.Log,
 		planned:     make(chan struct{}),
 		allRestored: make(chan struct{}),
@@ -275,19 +280,28 @@ func (c *JobCoordinator) Negotiate(ctx context.Context, rank int, inv tiers.Inve
 func (c *JobCoordinator) computePlan() {
 	start := c.clock.Now()
 	invs, inferred := inferFromColumns(c.cfg, c.invs) // c.invs is frozen: planning is set
-	plan, err := tiers.PlanRestore(c.ctx, c.cfg, invs, c.store)
+	plan, err := tiers.PlanRestore(c.ctx, c.cfg, invs, c.store, c.planLimits)
 	if err != nil {
 		err = fmt.Errorf("restore plan: %w", err)
 	}
 	// Backup names stay unique across incarnations within one minute: start from the newest
-	// name the store already has.
+	// name the store already has. The listing is bounded like the plan's read of
+	// restore.version, and skipped when that failed: the markers wait for it. Not known, the
+	// restored step counts as not backed up (a backup of it is taken again) and the names as
+	// free from this incarnation's floor on (an upload into an existing backup of the same
+	// minute adds to it; the location was not answering).
 	var newest string
 	backedUp := int64(-1)
-	if c.store != nil && err == nil {
-		if names, lerr := c.store.Backups(c.ctx, c.cfg.JobName); lerr == nil && len(names) > 0 {
+	if c.store != nil && err == nil && !plan.BackupsUnread {
+		lctx, cancel := context.WithTimeout(c.ctx, c.planLimits.PinRead)
+		names, lerr := c.store.Backups(lctx, c.cfg.JobName)
+		if lerr != nil {
+			c.log.Warn("list backups", "err", lerr)
+		} else if len(names) > 0 {
 			newest = names[0]
+			backedUp = c.newestBackedUp(lctx, names)
 		}
-		backedUp = c.newestBackedUp(c.ctx)
+		cancel()
 	}
 	c.mu.Lock()
 	c.plan, c.planErr = plan, err

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -104,11 +105,31 @@ type fakeStore struct {
 	clearErr error                         // GUARDED_BY(mu)
 	clears   int                           // GUARDED_BY(mu); successful deletions of the pin
 	pinReads int                           // GUARDED_BY(mu); one per PlanRestore
+	// pinDown and listDown make restore.version, and the listings, unreadable: their reads hang
+	// until their context ends (a location that does not answer).
+	pinDown, listDown bool // GUARDED_BY(mu)
+	lists             int  // GUARDED_BY(mu); calls of Backups
+}
+
+// hang returns ctx's error once it ends, when down; nil at once otherwise.
+func hang(ctx context.Context, down bool) error {
+	if !down {
+		return nil
+	}
+	<-ctx.Done()
+	return ctx.Err()
 }
 
 var _ tiers.BackupStore = (*fakeStore)(nil)
 
 func (s *fakeStore) Backups(ctx context.Context, job string) ([]string, error) {
+	s.mu.Lock()
+	down := s.listDown
+	s.lists++
+	s.mu.Unlock()
+	if err := hang(ctx, down); err != nil {
+		return nil, err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var names []string
@@ -120,6 +141,12 @@ func (s *fakeStore) Backups(ctx context.Context, job string) ([]string, error) {
 }
 
 func (s *fakeStore) CompleteSteps(ctx context.Context, job, backup string, shape tiers.Shape) ([]tiers.BackupStep, []tiers.DamagedStep, error) {
+	s.mu.Lock()
+	down := s.listDown
+	s.mu.Unlock()
+	if err := hang(ctx, down); err != nil {
+		return nil, nil, err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	steps, ok := s.backups[backup]
@@ -143,8 +170,14 @@ func (s *fakeStore) MarkDamaged(ctx context.Context, job, backup, hash, why stri
 
 func (s *fakeStore) RestoreVersion(ctx context.Context, job string) (string, bool, error) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.pinReads++
+	down := s.pinDown
+	s.mu.Unlock()
+	if err := hang(ctx, down); err != nil {
+		return "", false, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	return s.pin, s.hasPin, nil
 }
 
@@ -620,6 +653,58 @@ func TestCoordinatorRestoreVersionIsOneShot(t *testing.T) {
 		_, clears := store.counts()
 		assert.Equal(t, 1, clears)
 	})
+}
+
+// TestCoordinatorBackupLocationDown: a backup location that does not answer neither holds a
+// restore from RAM past the plan's limits, nor gets its pin deleted (it was not applied). Before,
+// the plan waited for restore.version, then for the listing of the backups, as long as the
+// location's retries took (8 attempts of up to 60 s).
+func TestCoordinatorBackupLocationDown(t *testing.T) {
+	t.Parallel()
+	limits := tiers.PlanLimits{PinRead: 50 * time.Millisecond, Store: time.Minute}
+	for _, tc := range []struct {
+		name             string
+		pinDown          bool
+		wantLine, wantNo string
+	}{
+		{name: "restore.version unread", pinDown: true, wantLine: "restore.version in fake://backups could not be read (no answer within 50ms"},
+		{name: "only the listings hang", wantNo: "could not be read"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			store := &fakeStore{pin: "2030-01-01_00-01", hasPin: !tc.pinDown, pinDown: tc.pinDown, listDown: true,
+				backups: map[string][]tiers.BackupStep{"2030-01-01_00-01": {{Step: 3, Data: map[tiers.Slot]string{{Rank: 0}: dataOf(0, 3), {Rank: 1}: dataOf(1, 3)}}}}}
+			if !tc.pinDown {
+				store.hasPin = false // read at once: no pin; the listings after the plan hang
+			}
+			c := newCoordinator(t, testConfig(2), Options{Store: store, Clock: newFakeClock(), PlanLimits: limits})
+			for r, res := range negotiateAll(t, c, []tiers.Inventory{own(0, 4, 5), own(1, 4, 5)}) {
+				require.NoError(t, res.err, "rank %d", r)
+				assert.True(t, res.plan.Found, "rank %d", r)
+				assert.EqualValues(t, 5, res.plan.Step, "rank %d restores step 5 from RAM", r)
+				assert.Empty(t, res.plan.Pinned, "rank %d", r)
+				lines := strings.Join(res.plan.Errors, "\n")
+				if tc.wantLine != "" {
+					assert.Contains(t, lines, tc.wantLine, "rank %d", r)
+				} else {
+					assert.NotContains(t, lines, tc.wantNo, "rank %d", r)
+				}
+			}
+			store.mu.Lock()
+			if tc.pinDown {
+				assert.Zero(t, store.lists, "with restore.version unread, the backups are not listed either")
+			} else {
+				assert.Equal(t, 1, store.lists, "the backups are listed after the plan")
+			}
+			store.pinDown, store.listDown, store.hasPin = false, false, true // the location is back, with a pin
+			store.mu.Unlock()
+			for r, res := range syncAll(t, c, 2, 6) {
+				require.NoError(t, res.err, "rank %d", r)
+			}
+			_, clears := store.counts()
+			assert.Zero(t, clears, "a pin not applied is not deleted")
+		})
+	}
 }
 
 func TestCoordinatorSyncLaggard(t *testing.T) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+	"time"
 )
 
 // Slot is one training process of the job: a node rank and a worker index.
@@ -42,6 +43,9 @@ type RestorePlan struct {
 	Errors []string
 	// Pinned is the restore.version content that was in force ("" when none).
 	Pinned string
+	// BackupsUnread: restore.version could not be read, and the step comes from RAM. Only the
+	// coordinator uses it (it then does not list the backups either); it is not sent to nodes.
+	BackupsUnread bool
 }
 
 // BackupStep is one complete step of a backup.
@@ -103,10 +107,37 @@ var ErrCorruptBackup = errors.New("the backup's data is corrupt")
 // ErrNoBackup means a named backup does not exist.
 var ErrNoBackup = errors.New("no such backup")
 
+// PlanLimits bound a restore plan's use of the backup location, so that an outage of the
+// location (GCS unreachable, a network that drops packets, credentials gone) neither keeps a job
+// from its checkpoint in RAM nor outlasts the job's wait for its markers (300 s, SPEC §5). Zero
+// fields take the defaults.
+type PlanLimits struct {
+	// PinRead bounds the read of restore.version when the nodes' RAM holds a complete step:
+	// past it, or on an error, the step in RAM is restored and a pin, if any, is not applied
+	// (it stays for the next restore). Several attempts of a read fit in the default, 20 s.
+	PinRead time.Duration
+	// Store bounds the whole plan's use of the location otherwise: the plan then fails with a
+	// line the job can read before it gives up waiting. Default 4 minutes.
+	Store time.Duration
+}
+
+// WithDefaults returns l with its zero fields set to the defaults.
+func (l PlanLimits) WithDefaults() PlanLimits {
+	if l.PinRead <= 0 {
+		l.PinRead = 20 * time.Second
+	}
+	if l.Store <= 0 {
+		l.Store = 4 * time.Minute
+	}
+	return l
+}
+
 // PlanRestore decides what the job restores (SPEC §5) from every node's inventory and the
 // backup store: the pinned backup when restore.version names one, else the highest step
-// complete in the cluster's RAM, else the newest complete backup.
-func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store BackupStore) (RestorePlan, error) {
+// complete in the cluster's RAM, else the newest complete backup. When restore.version cannot
+// be read (within limits.PinRead) and the RAM holds a complete step, that step is restored.
+func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store BackupStore, limits PlanLimits) (RestorePlan, error) {
+	limits = limits.WithDefaults()
 	plan := RestorePlan{Holders: map[string][]int{}}
 	for _, inv := range invs {
 		for _, h := range inv.Data {
@@ -116,10 +147,28 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	for _, hs := range plan.Holders {
 		sort.Ints(hs)
 	}
+	others := OtherShapeSteps(cfg, invs)
+	ramStep, ramData, inRAM := clusterStep(cfg, invs, plan.Holders, others)
+	ctx, cancel := context.WithTimeoutCause(ctx, limits.Store, fmt.Errorf("the backup location %v did not answer within %v", store, limits.Store))
+	defer cancel()
+	var pinLost string // why restore.version could not be read, when RAM is restored instead
 	if store != nil {
-		pin, ok, err := store.RestoreVersion(ctx, cfg.JobName)
-		if err != nil {
-			return plan, fmt.Errorf("read restore.version: %w", err)
+		pctx, pcancel := ctx, context.CancelFunc(func() {})
+		if inRAM {
+			pctx, pcancel = context.WithTimeoutCause(ctx, limits.PinRead, fmt.Errorf("no answer within %v", limits.PinRead))
+		}
+		pin, ok, err := store.RestoreVersion(pctx, cfg.JobName)
+		if cause := context.Cause(pctx); err != nil && cause != nil && ctx.Err() == nil && !errors.Is(err, cause) {
+			err = fmt.Errorf("%w (%v)", cause, err)
+		}
+		pcancel()
+		switch {
+		case err != nil && inRAM && ctx.Err() == nil:
+			plan.BackupsUnread = true
+			pinLost = fmt.Sprintf("restore.version in %v could not be read (%v): a backup pinned there is not applied this time", store, err)
+			ok = false
+		case err != nil:
+			return plan, fmt.Errorf("read restore.version: %w", storeErr(ctx, err))
 		}
 		if ok {
 			plan.Pinned = pin
@@ -132,7 +181,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			case errors.Is(err, ErrNoBackup):
 				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which does not exist in %s: starting from scratch", pin, store))
 			case err != nil:
-				return plan, fmt.Errorf("check pinned backup %s: %w", pin, err)
+				return plan, fmt.Errorf("check pinned backup %s: %w", pin, storeErr(ctx, err))
 			case len(steps) == 0 && len(damaged) > 0:
 				plan.Errors = append(plan.Errors, damageLine(cfg, store, pin, damaged[0]),
 					fmt.Sprintf("restore.version names backup %q, which has no intact step: starting from scratch (pin another backup with mtcfs restore-version set, or clear the pin)", pin))
@@ -154,7 +203,6 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	// A checkpoint passed over (damaged, or of a job of another shape) above the one restored
 	// is one the job loses: say so (SPEC §10: never a silent fresh start), each kind newest
 	// first, and what is restored instead.
-	others := OtherShapeSteps(cfg, invs)
 	// report gives the lines for what was passed over: the steps in RAM of another shape above
 	// the one restored, the incomplete ones when none in RAM is restored (a save cut short
 	// is routine when a step in RAM is restored; the job losing every step in RAM is not), then
@@ -180,9 +228,12 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 		return p.lines(outcome)
 	}
 	var passed passedOver
-	if step, data, ok := clusterStep(cfg, invs, plan.Holders, others); ok {
-		plan.Step, plan.Found, plan.Data = step, true, data
-		plan.Errors = append(plan.Errors, report(true, passed, fmt.Sprintf("; restoring step %d from the nodes' RAM instead", step))...)
+	if inRAM {
+		plan.Step, plan.Found, plan.Data = ramStep, true, ramData
+		if pinLost != "" {
+			plan.Errors = append(plan.Errors, fmt.Sprintf("%s; restoring step %d from the nodes' RAM", pinLost, ramStep))
+		}
+		plan.Errors = append(plan.Errors, report(true, passed, fmt.Sprintf("; restoring step %d from the nodes' RAM instead", ramStep))...)
 		return plan, nil
 	}
 	if store == nil {
@@ -191,7 +242,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	}
 	names, err := store.Backups(ctx, cfg.JobName)
 	if err != nil {
-		return plan, fmt.Errorf("list backups: %w", err)
+		return plan, fmt.Errorf("list backups: %w", storeErr(ctx, err))
 	}
 	for _, name := range names {
 		steps, damaged, err := store.CompleteSteps(ctx, cfg.JobName, name, cfg.Shape())
@@ -200,7 +251,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			continue
 		}
 		if err != nil && !errors.Is(err, ErrNoBackup) {
-			return plan, fmt.Errorf("check backup %s: %w", name, err)
+			return plan, fmt.Errorf("check backup %s: %w", name, storeErr(ctx, err))
 		}
 		for _, d := range damaged {
 			if len(steps) > 0 && d.Step < steps[0].Step {
@@ -216,6 +267,15 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	}
 	plan.Errors = append(plan.Errors, report(false, passed, " and no intact checkpoint is left: starting from scratch")...)
 	return plan, nil
+}
+
+// storeErr is err of a call to the backup location under ctx, saying first that the location
+// did not answer in time when that is why it failed.
+func storeErr(ctx context.Context, err error) error {
+	if cause := context.Cause(ctx); cause != nil && ctx.Err() == context.DeadlineExceeded && !errors.Is(err, cause) {
+		return fmt.Errorf("%w: %w", cause, err)
+	}
+	return err
 }
 
 // maxPassedLines bounds the replicator.errors lines a restore writes for the checkpoints it

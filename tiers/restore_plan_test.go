@@ -1,11 +1,14 @@
 package tiers_test
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
@@ -203,7 +206,7 @@ func TestPlanRestore(t *testing.T) {
 				tc.store(t, fs)
 				store = fs
 			}
-			got, err := tiers.PlanRestore(t.Context(), planConfig(tc.nodes, tc.workers), tc.invs, store)
+			got, err := tiers.PlanRestore(t.Context(), planConfig(tc.nodes, tc.workers), tc.invs, store, tiers.PlanLimits{})
 			if err != nil {
 				t.Fatalf("PlanRestore: %v", err)
 			}
@@ -244,7 +247,7 @@ func TestPlanRestoreHoldersOfReplicatedData(t *testing.T) {
 		{Rank: 1, Metas: map[string]string{metaOf(1, 1, 0): hx(11)}, Data: []string{hx(11)}},
 		{Rank: 0, Metas: map[string]string{metaOf(1, 0, 0): hx(10), metaOf(1, 2, 0): hx(12)}, Data: []string{hx(10), hx(12)}},
 	}
-	got, err := tiers.PlanRestore(t.Context(), planConfig(3, 1), invs, nil)
+	got, err := tiers.PlanRestore(t.Context(), planConfig(3, 1), invs, nil, tiers.PlanLimits{})
 	if err != nil || !got.Found || got.Step != 1 {
 		t.Fatalf("PlanRestore = %+v, %v; want step 1", got, err)
 	}
@@ -261,7 +264,7 @@ func TestPlanRestorePrefersTheOwnersMeta(t *testing.T) {
 	own0 := tiers.Inventory{Rank: 0, Metas: map[string]string{metaOf(40, 0, 0): hx(2), metaOf(40, 1, 0): hx(11)}, Data: []string{hx(2), hx(11)}}
 	own1 := tiers.Inventory{Rank: 1, Metas: map[string]string{metaOf(40, 1, 0): hx(12), metaOf(40, 0, 0): hx(1)}, Data: []string{hx(12), hx(1)}}
 	for _, invs := range [][]tiers.Inventory{{own0, own1}, {own1, own0}} {
-		plan, err := tiers.PlanRestore(t.Context(), cfg, invs, nil)
+		plan, err := tiers.PlanRestore(t.Context(), cfg, invs, nil, tiers.PlanLimits{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -386,7 +389,7 @@ func TestPlanRestoreReportsDamagedBackups(t *testing.T) {
 			for r := range invs {
 				invs[r].Rank = r
 			}
-			got, err := tiers.PlanRestore(t.Context(), planConfig(tc.nodes, 1), invs, s)
+			got, err := tiers.PlanRestore(t.Context(), planConfig(tc.nodes, 1), invs, s, tiers.PlanLimits{})
 			if err != nil {
 				t.Fatalf("PlanRestore: %v", err)
 			}
@@ -628,7 +631,7 @@ func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
 				tc.store(t, s)
 				store = s
 			}
-			got, err := tiers.PlanRestore(t.Context(), cfg, invs, store)
+			got, err := tiers.PlanRestore(t.Context(), cfg, invs, store, tiers.PlanLimits{})
 			if err != nil {
 				t.Fatalf("PlanRestore: %v", err)
 			}
@@ -729,11 +732,89 @@ func TestPlanRestoreReportsIncompleteSteps(t *testing.T) {
 				tc.store(t, s)
 				store = s
 			}
-			got, err := tiers.PlanRestore(t.Context(), planConfig(len(tc.invs), 1), tc.invs, store)
+			got, err := tiers.PlanRestore(t.Context(), planConfig(len(tc.invs), 1), tc.invs, store, tiers.PlanLimits{})
 			if err != nil {
 				t.Fatalf("PlanRestore: %v", err)
 			}
 			checkPlan(t, got, tc.found, tc.step, tc.from, tc.errors)
+		})
+	}
+}
+
+// downStore is a backup location that is down: every read fails with err, or, with err nil,
+// hangs until its context ends (a network that drops packets).
+type downStore struct {
+	*testStore
+	err error
+}
+
+func (s downStore) fail(ctx context.Context) error {
+	if s.err != nil {
+		return s.err
+	}
+	<-ctx.Done()
+	return fmt.Errorf("read: %w", ctx.Err())
+}
+
+func (s downStore) RestoreVersion(ctx context.Context, job string) (string, bool, error) {
+	return "", false, s.fail(ctx)
+}
+
+func (s downStore) Backups(ctx context.Context, job string) ([]string, error) {
+	return nil, s.fail(ctx)
+}
+
+func (s downStore) CompleteSteps(ctx context.Context, job, backup string, shape tiers.Shape) ([]tiers.BackupStep, []tiers.DamagedStep, error) {
+	return nil, nil, s.fail(ctx)
+}
+
+// TestPlanRestoreWithTheBackupLocationDown: with the backup location failing or not answering,
+// a complete step in the nodes' RAM is restored, said in a line, and restore.version counts as
+// not in force (a pin there stays for the next restore); with nothing in RAM the plan fails, in
+// bounded time, saying why. Before, a location that did not answer held every restore, from RAM
+// too, for 8 attempts of 60 s: longer than the job waits for its markers.
+func TestPlanRestoreWithTheBackupLocationDown(t *testing.T) {
+	limits := tiers.PlanLimits{PinRead: 50 * time.Millisecond, Store: 200 * time.Millisecond}
+	refused := errors.New("dial tcp 127.0.0.1:1: connect: connection refused")
+	for _, tc := range []struct {
+		name    string
+		err     error // nil: no answer
+		invs    []tiers.Inventory
+		want    string // in the plan's one line, or in its error when nothing is in RAM
+		wantErr bool
+	}{
+		{name: "refused, step in RAM", err: refused, invs: []tiers.Inventory{oneNodeInv(3, 4)},
+			want: "restore.version in " + "%s could not be read (" + refused.Error() + "): a backup pinned there is not applied this time; restoring step 4 from the nodes' RAM"},
+		{name: "no answer, step in RAM", invs: []tiers.Inventory{oneNodeInv(4)},
+			want: "could not be read (no answer within 50ms (read: context deadline exceeded)): a backup pinned there is not applied this time; restoring step 4 from the nodes' RAM"},
+		{name: "refused, nothing in RAM", err: refused, invs: []tiers.Inventory{{Rank: 0}},
+			want: "read restore.version: " + refused.Error(), wantErr: true},
+		{name: "no answer, nothing in RAM", invs: []tiers.Inventory{{Rank: 0}},
+			want: "read restore.version: the backup location %s did not answer within 200ms: read: context deadline exceeded", wantErr: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			store := downStore{testStore: newTestStore(t), err: tc.err}
+			store.setPin(t, "job", "2030-01-01_00-01") // readable only when the location is up
+			want := tc.want
+			if strings.Contains(want, "%s") {
+				want = fmt.Sprintf(want, store)
+			}
+			plan, err := tiers.PlanRestore(t.Context(), planConfig(1, 1), tc.invs, store, limits)
+			if tc.wantErr {
+				if err == nil || !strings.Contains(err.Error(), want) {
+					t.Fatalf("PlanRestore: %v, %+v; want an error containing %q", err, plan, want)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("PlanRestore: %v", err)
+			}
+			if !plan.Found || plan.Step != 4 || plan.Backup != "" || plan.Pinned != "" || plan.Data[tiers.Slot{}] != hx(4) || !plan.BackupsUnread {
+				t.Errorf("plan %+v, want step 4 from RAM with no pin in force", plan)
+			}
+			if len(plan.Errors) != 1 || !strings.Contains(plan.Errors[0], want) {
+				t.Errorf("plan errors %q, want one containing %q", plan.Errors, want)
+			}
 		})
 	}
 }

@@ -161,3 +161,41 @@ func TestBackupLocationUnreadable(t *testing.T) {
 	assert.NotContains(t, b.log(), warning)
 	stopAgent(t, b)
 }
+
+// TestRestoreFromRAMWithTheBackupLocationDown: a job restarting while its backup location
+// refuses the agent (credentials gone, an outage) restores its step from RAM, and is told that a
+// restore.version there could not be read. Before, the restore failed (replicator.failed:
+// "restore negotiation failed: restore plan: read restore.version: …") and the job aborted at
+// every restart, with its checkpoint in RAM, until the location came back.
+func TestRestoreFromRAMWithTheBackupLocationDown(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	refusing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, `{"error":{"code":403,"message":"no access"}}`, http.StatusForbidden)
+	}))
+	t.Cleanup(refusing.Close)
+	const job = "outage"
+
+	n := newRepNode(t)
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 7))
+	waitStepSealed(t, n.dir, job, 7)
+	stopAgent(t, a) // the spool stays, with step 7
+
+	n.backup = "gs://no-access-bucket"
+	n.prefix = []string{"env", "STORAGE_EMULATOR_HOST=" + strings.TrimPrefix(refusing.URL, "http://")}
+	b := n.start(t)
+	o = orbaxClient(t, n.dir, job, 60)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err, "the restart failed\n%s", b.log())
+	require.True(t, found, "nothing restored\n%s", b.log())
+	require.EqualValues(t, 7, step)
+	require.NoError(t, o.VerifyRestored(ctx, 7))
+	errs := strings.Join(o.Errors(), "\n")
+	assert.Contains(t, errs, "restore.version in gs://no-access-bucket could not be read (")
+	assert.Contains(t, errs, "a backup pinned there is not applied this time; restoring step 7 from the nodes' RAM")
+	stopAgent(t, b)
+}
