@@ -85,6 +85,12 @@ type Node struct {
 	targets    map[peerKey]Peer              // GUARDED_BY(mu); found peers, until a call fails
 	remotes    map[string]*RemoteCoordinator // GUARDED_BY(mu); per job
 	registered map[string]Registration       // GUARDED_BY(mu); this node's, per job
+	// joining says, per job, what Negotiate is doing in the backup location before it reaches
+	// the coordinator (reading the job's secret, registering); "" or absent: nothing there.
+	joining map[string]string // GUARDED_BY(mu)
+	// joinLimit bounds that part of a Negotiate: a location that does not answer fails the
+	// restore with a line the job reads before its 300 s wait for markers ends.
+	joinLimit time.Duration
 	// claims holds, per job, what the latest look at this node's own registration found (see
 	// rankClaimedElsewhere).
 	claims map[string]*rankClaim // GUARDED_BY(mu)
@@ -134,7 +140,8 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	}
 	n := &Node{cfg: cfg, log: cfg.Log, peers: cfg.Peers, addr: cfg.Listener.Addr().String(), instance: newInstanceID(),
 		dial: insecure.NewCredentials(), conns: map[string]*grpc.ClientConn{}, targets: map[peerKey]Peer{},
-		remotes: map[string]*RemoteCoordinator{}, registered: map[string]Registration{}}
+		remotes: map[string]*RemoteCoordinator{}, registered: map[string]Registration{}, joining: map[string]string{},
+		joinLimit: defaultJoinLimit}
 	n.life, n.endLife = context.WithCancel(context.Background())
 	if cfg.Advertise != "" {
 		n.addr = cfg.Advertise
@@ -420,6 +427,12 @@ func (n *Node) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	if inc.Config == nil {
 		return "", false
 	}
+	n.mu.Lock()
+	joining := n.joining[inc.Config.JobName]
+	n.mu.Unlock()
+	if joining != "" {
+		return joining, false
+	}
 	var what string
 	var nodes bool
 	if inc.Config.NodeRank == 0 {
@@ -494,6 +507,10 @@ func (n *Node) rankClaimedElsewhere(inc tiers.Incarnation) string {
 	return c.other
 }
 
+// defaultJoinLimit is NodeConfig's bound on a Negotiate's use of the backup location before it
+// reaches the coordinator; the job waits 300 s for its markers.
+const defaultJoinLimit = 4 * time.Minute
+
 // Negotiate registers this node for inc (a job of more than one node) and negotiates. Every
 // agent of the job registers where it listens, for this incarnation; a rank that reaches rank 0
 // before rank 0 started the incarnation is told to retry.
@@ -503,19 +520,79 @@ func (n *Node) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.I
 		return tiers.RestorePlan{}, err
 	}
 	if cfg := inc.Config; cfg.Nodes > 1 && n.registry != nil {
-		if _, err := n.secrets.get(ctx, cfg.JobName); err != nil {
+		if err := n.join(ctx, inc); err != nil {
 			return tiers.RestorePlan{}, err
 		}
-		reg := Registration{Job: cfg.JobName, Incarnation: inc.ID, InstanceID: n.instance,
-			Rank: cfg.NodeRank, Addr: n.addr, Updated: time.Now()}
-		if err := n.registry.Register(ctx, reg); err != nil {
-			return tiers.RestorePlan{}, fmt.Errorf("register in %s: %w", n.registry.Objects, err)
-		}
-		n.mu.Lock()
-		n.registered[cfg.JobName] = reg
-		n.mu.Unlock()
 	}
 	return co.Negotiate(ctx, inc, inv)
+}
+
+// join does Negotiate's part in the backup location: the job's secret, then this node's
+// registration, within joinLimit, saying what it does to WaitingFor meanwhile.
+func (n *Node) join(ctx context.Context, inc tiers.Incarnation) error {
+	job, objects := inc.Config.JobName, n.registry.Objects
+	ctx, cancel := context.WithTimeoutCause(ctx, n.joinLimit, fmt.Errorf("the backup location %s did not answer within %v", objects, n.joinLimit))
+	defer cancel()
+	doing := func(what string) {
+		n.mu.Lock()
+		n.joining[job] = what
+		n.mu.Unlock()
+	}
+	defer doing("")
+	// withCause says first that the location did not answer in time, when that is why err is.
+	withCause := func(err error) error {
+		if cause := context.Cause(ctx); cause != nil && ctx.Err() == context.DeadlineExceeded && !errors.Is(err, cause) {
+			return fmt.Errorf("%w: %w", cause, err)
+		}
+		return err
+	}
+	if n.cfg.Secret == nil {
+		doing(fmt.Sprintf("reading the job's secret in the backup location %s (the agents of a multi-node job find each other there: it must answer, unless they run with --peers and --peer-secret-file)", objects))
+	}
+	if _, err := n.secrets.get(ctx, job); err != nil {
+		return withCause(err)
+	}
+	reg := Registration{Job: job, Incarnation: inc.ID, InstanceID: n.instance,
+		Rank: inc.Config.NodeRank, Addr: n.addr, Updated: time.Now()}
+	if _, static := n.peers.(StaticPeers); static {
+		n.registerAside(reg)
+		return nil
+	}
+	doing(fmt.Sprintf("registering this node in the backup location %s (the agents of a multi-node job find each other there: it must answer, unless they run with --peers and --peer-secret-file)", objects))
+	if err := n.registry.Register(ctx, reg); err != nil {
+		return fmt.Errorf("register in %s: %w", objects, withCause(err))
+	}
+	n.mu.Lock()
+	n.registered[job] = reg
+	n.mu.Unlock()
+	return nil
+}
+
+// registerAside registers reg in the background, for an agent whose peers are static: the
+// registration is then for status tools only, and the backup location must not hold up the
+// restore. A failure is logged.
+func (n *Node) registerAside(reg Registration) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.life.Err() != nil {
+		return
+	}
+	n.checks.Add(1) // under mu while life lasts: Close waits for it
+	go func() {
+		defer n.checks.Done()
+		ctx, cancel := context.WithTimeout(n.life, n.joinLimit)
+		defer cancel()
+		if err := n.registry.Register(ctx, reg); err != nil {
+			if n.life.Err() == nil {
+				n.log.Warn("registering in the backup location failed: only status tools miss it, the agents find each other through --peers",
+					"backup", n.registry.Objects, "job", reg.Job, "rank", reg.Rank, "err", err)
+			}
+			return
+		}
+		n.mu.Lock()
+		n.registered[reg.Job] = reg
+		n.mu.Unlock()
+	}()
 }
 
 func (n *Node) Restored(ctx context.Context, inc tiers.Incarnation) error {

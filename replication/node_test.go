@@ -6,6 +6,7 @@ package replication
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"io/fs"
@@ -447,4 +448,89 @@ func TestUnrecordedSpoolKeepsTheReplicasOfTheRestoredStep(t *testing.T) {
 	// that replica (a re-push after the restore would also put it back).
 	_, err := os.Lstat(agents[2].ns.path(meta(10, 1)))
 	require.NoError(t, err, "rank 2 dropped the replica of the restored step\n%s", agents[2].log.String())
+}
+
+// downObjects is a backup location that does not answer: every call hangs until its context
+// ends (a network that drops packets).
+type downObjects struct{}
+
+func (downObjects) Get(ctx context.Context, name string, limit int64) ([]byte, error) {
+	<-ctx.Done()
+	return nil, ctx.Err()
+}
+
+func (downObjects) Put(ctx context.Context, name string, data []byte) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+func (downObjects) PutIfAbsent(ctx context.Context, name string, data []byte) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+func (downObjects) List(ctx context.Context, prefix string) ([]string, error) {
+	<-ctx.Done()
+	return nil, ctx.Err()
+}
+
+func (downObjects) Delete(ctx context.Context, name string) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+func (downObjects) String() string { return "down://backups" }
+
+// TestNodeJoinWithTheBackupLocationDown: a node of a multi-node job whose backup location does
+// not answer says what it waits for (not "no answer from the coordinator", which it is) and fails
+// the restore within joinLimit, with a line the job reads. Before, it waited as long as the
+// location's retries took (8 attempts of 60 s for GCS), past the job's 300 s.
+func TestNodeJoinWithTheBackupLocationDown(t *testing.T) {
+	t.Parallel()
+	const job = "down"
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	a := startTestAgentWith(t, NodeConfig{Listener: ln, Objects: downObjects{}}, t.TempDir())
+	a.node.joinLimit = 2 * time.Second
+	a.start(job, 0, 2)
+	inc := tiers.Incarnation{Config: &tiers.Config{JobName: job, NodeRank: 0, Nodes: 2, WorkersPerNode: 1}}
+	require.Eventually(t, func() bool {
+		what, nodes := a.node.WaitingFor(inc)
+		return !nodes && strings.HasPrefix(what, "reading the job's secret in the backup location down://backups (the agents of a multi-node job find each other there")
+	}, 10*time.Second, 5*time.Millisecond, "WaitingFor says the node waits for the backup location")
+	a.waitFor(layout.ReplicatorFailedName)
+	failed, err := os.ReadFile(a.ns.path(layout.ReplicatorFailedName))
+	require.NoError(t, err)
+	assert.Contains(t, string(failed), "the backup location down://backups did not answer within 2s")
+	what, _ := a.node.WaitingFor(inc)
+	assert.NotContains(t, what, "backup location", "nothing is done there any more")
+}
+
+// TestStaticPeersWithTheBackupLocationDown: agents given each other's addresses and the job's
+// secret need the backup location for nothing but backups: with it down, they restore, and the
+// registration (for status tools) fails aside, logged. Before, the registration held the restore.
+func TestStaticPeersWithTheBackupLocationDown(t *testing.T) {
+	t.Parallel()
+	const job, nodes = "pair-down", 2
+	secret := []byte("a secret of the pair, 32 bytes..")
+	lns := make([]net.Listener, nodes)
+	peers := StaticPeers{}
+	for r := range lns {
+		var err error
+		lns[r], err = net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		peers[r] = lns[r].Addr().String()
+	}
+	agents := make([]*testAgent, nodes)
+	for r := range agents {
+		agents[r] = startTestAgentWith(t, NodeConfig{Listener: lns[r], Peers: peers, Secret: secret, Objects: downObjects{}}, t.TempDir())
+		agents[r].node.joinLimit = 200 * time.Millisecond
+		agents[r].start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(layout.MarkerName{Job: job, Step: 0, Node: r, Kind: layout.MarkerRestore}.String())
+	}
+	require.Eventually(t, func() bool {
+		return strings.Contains(agents[0].log.String(), "registering in the backup location failed: only status tools miss it")
+	}, 10*time.Second, 10*time.Millisecond)
 }
