@@ -515,14 +515,14 @@ const defaultJoinLimit = 4 * time.Minute
 // agent of the job registers where it listens, for this incarnation; a rank that reaches rank 0
 // before rank 0 started the incarnation is told to retry.
 func (n *Node) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {
-	co, err := n.coordinator(ctx, inc)
-	if err != nil {
-		return tiers.RestorePlan{}, err
-	}
 	if cfg := inc.Config; cfg.Nodes > 1 && n.registry != nil {
 		if err := n.join(ctx, inc); err != nil {
 			return tiers.RestorePlan{}, err
 		}
+	}
+	co, err := n.coordinator(ctx, inc) // after join, which read the job's secret
+	if err != nil {
+		return tiers.RestorePlan{}, err
 	}
 	return co.Negotiate(ctx, inc, inv)
 }

@@ -490,20 +490,26 @@ func TestNodeJoinWithTheBackupLocationDown(t *testing.T) {
 	const job = "down"
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	a := startTestAgentWith(t, NodeConfig{Listener: ln, Objects: downObjects{}}, t.TempDir())
-	a.node.joinLimit = 2 * time.Second
-	a.start(job, 0, 2)
-	inc := tiers.Incarnation{Config: &tiers.Config{JobName: job, NodeRank: 0, Nodes: 2, WorkersPerNode: 1}}
-	require.Eventually(t, func() bool {
-		what, nodes := a.node.WaitingFor(inc)
-		return !nodes && strings.HasPrefix(what, "reading the job's secret in the backup location down://backups (the agents of a multi-node job find each other there")
-	}, 10*time.Second, 5*time.Millisecond, "WaitingFor says the node waits for the backup location")
-	a.waitFor(layout.ReplicatorFailedName)
-	failed, err := os.ReadFile(a.ns.path(layout.ReplicatorFailedName))
-	require.NoError(t, err)
-	assert.Contains(t, string(failed), "the backup location down://backups did not answer within 2s")
-	what, _ := a.node.WaitingFor(inc)
-	assert.NotContains(t, what, "backup location", "nothing is done there any more")
+	for _, rank := range []int{0, 1} { // rank 1 also reads the secret to call rank 0
+		a := startTestAgentWith(t, NodeConfig{Listener: ln, Objects: downObjects{}}, t.TempDir())
+		a.node.joinLimit = 2 * time.Second
+		a.start(job, rank, 2)
+		inc := tiers.Incarnation{Config: &tiers.Config{JobName: job, NodeRank: rank, Nodes: 2, WorkersPerNode: 1}}
+		require.Eventually(t, func() bool {
+			what, nodes := a.node.WaitingFor(inc)
+			return !nodes && strings.HasPrefix(what, "reading the job's secret in the backup location down://backups (the agents of a multi-node job find each other there")
+		}, 10*time.Second, 5*time.Millisecond, "rank %d: WaitingFor says the node waits for the backup location", rank)
+		a.waitFor(layout.ReplicatorFailedName)
+		failed, err := os.ReadFile(a.ns.path(layout.ReplicatorFailedName))
+		require.NoError(t, err)
+		assert.Contains(t, string(failed), "the backup location down://backups did not answer within 2s", "rank %d", rank)
+		what, _ := a.node.WaitingFor(inc)
+		assert.NotContains(t, what, "backup location", "rank %d: nothing is done there any more", rank)
+		a.stop()
+		ln, err = net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+	}
+	require.NoError(t, ln.Close())
 }
 
 // TestStaticPeersWithTheBackupLocationDown: agents given each other's addresses and the job's

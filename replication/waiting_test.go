@@ -137,7 +137,9 @@ func TestTwoNodesClaimingOneRank(t *testing.T) {
 			_, err := n.Negotiate(ctx, inc, tiers.Inventory{Rank: 0, Metas: map[string]string{}})
 			return err
 		})
-		require.Eventually(t, func() bool { what, _ := n.WaitingFor(inc); return what != "" }, 10*time.Second, time.Millisecond)
+		// Registered, and waiting at the coordinator (before, it reads the job's secret and
+		// registers, and says so).
+		require.Eventually(t, func() bool { what, _ := n.WaitingFor(inc); return strings.Contains(what, "not yet rank") }, 10*time.Second, time.Millisecond)
 		return ch
 	}
 	doneA := negotiating(a.node, incA)
