@@ -551,8 +551,7 @@ func looksLikeSpool(dir string) bool {
 			if err != nil || o.MountPath == "" || o.MountPath == dir {
 				return false
 			}
-		case strings.HasPrefix(name, "."+OwnerFile+".tmp-"):
-		case !e.IsDir():
+		case !e.IsDir() && !isSpoolEntry(name): // shape.json, temporaries of the records
 			return false
 		case name == "files":
 			hasFiles = true

@@ -36,6 +36,9 @@ func TestSpoolsKeepFindFree(t *testing.T) {
 
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "meta"), 0o700))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "meta", "llama-s10-n0-w0.meta"), []byte("abc"), 0o600))
+	// Every job's restore plan records its shape: a plain spool (an agent without root) holds
+	// that file beside the owner record, and was then refused by FreeSpool as not a spool.
+	require.NoError(t, s.SetShape(Shape{Nodes: 1, Workers: 1}))
 	s.Release(logger)
 	assert.Contains(t, log.String(), "free it with: mtcfs spool free "+mnt, "a spool holding a checkpoint is kept")
 	assert.DirExists(t, dir)
@@ -122,6 +125,7 @@ func TestLooksLikeSpool(t *testing.T) {
 	assert.True(t, looksLikeSpool(mk("old", "files/")), "a spool made before owner records")
 	assert.False(t, looksLikeSpool(mk("empty")), "no files/")
 	assert.False(t, looksLikeSpool(mk("home", "files/", "notes.txt")), "a regular file besides the owner record")
+	assert.True(t, looksLikeSpool(mk("planned", "files/", OwnerFile, ShapeFile)), "the shape record of a job's restore plan")
 	assert.False(t, looksLikeSpool(filepath.Join(base, "missing")))
 	self := mk("self", "files/")
 	require.NoError(t, os.WriteFile(filepath.Join(self, OwnerFile), []byte(`{"mount_path":"`+self+`"}`), 0o644))
