@@ -216,6 +216,7 @@ func (cr *commitRecorder) record(ev event) {
 // writeCommitRecord freezes and links the committed tree into a new record and writes its
 // commit.json.
 func (cr *commitRecorder) writeCommitRecord(c *commit) error {
+	cr.spool.FillHeadroom()
 	root := cr.spoolDir(commitsDir)
 	if err := os.MkdirAll(root, 0o700); err != nil {
 		return err
@@ -230,7 +231,7 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 		// Before commit.json: part of the record. Too large, or no room left for them (a spool at
 		// its budget), the step is sealed without them (it restores with the agent's owners
 		// and modes) rather than not at all.
-		if err := layout.WriteAttrs(dst, c.sealed.Attrs); err != nil {
+		if err := cr.withRoom(func() error { return layout.WriteAttrs(dst, c.sealed.Attrs) }); err != nil {
 			cr.log.Warn("the step's owners and modes are not kept", "step", c.step, "worker", c.worker, "err", err)
 		}
 	}
@@ -241,7 +242,7 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 	cfg := c.inc.Config
 	rec := commitRecord{Job: cfg.JobName, Incarnation: c.inc.ID, Rank: cfg.NodeRank, Worker: c.worker, Step: c.step, Name: c.name, At: c.at.UTC()}
 	data, _ := json.Marshal(rec)
-	if err := layout.WriteFileAtomic(filepath.Join(c.dir, commitRecordName), data); err != nil {
+	if err := cr.withRoom(func() error { return layout.WriteFileAtomic(filepath.Join(c.dir, commitRecordName), data) }); err != nil {
 		os.RemoveAll(c.dir)
 		return err
 	}

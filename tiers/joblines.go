@@ -65,7 +65,7 @@ func (l *jobLines) appendLine(file, level string, cfg *Config, msg string) {
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		l.log.Error("read "+file, "err", err)
 	}
-	if err := l.ns.WriteFile(file, append(old, line...)); err != nil {
+	if err := l.withRoom(func() error { return l.ns.WriteFile(file, append(old, line...)) }); err != nil {
 		l.log.Error("write "+file, "err", err)
 	}
 	l.log.Warn("reported to the job", "file", file, "message", msg)

@@ -135,6 +135,18 @@ type node struct {
 	waits *waitNotices
 }
 
+// withRoom runs write, and once more after the spool's headroom was freed for it when it
+// failed for lack of room (see HeadroomSize): the agent's records must not fail because the
+// job filled its budget.
+func (n *node) withRoom(write func() error) error {
+	err := write()
+	if n.spool.UseHeadroom(err) {
+		n.log.Warn("the spool is full: the agent's records use its headroom", "err", err)
+		err = write()
+	}
+	return err
+}
+
 // spoolDir is a path in the spool.
 func (n *node) spoolDir(parts ...string) string {
 	return filepath.Join(append([]string{n.spool.Dir()}, parts...)...)

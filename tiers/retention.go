@@ -63,10 +63,10 @@ func (rt *retention) writeMeta(name, content string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	if err := layout.WriteFileAtomic(filepath.Join(dir, name), []byte(content)); err != nil {
+	if err := rt.withRoom(func() error { return layout.WriteFileAtomic(filepath.Join(dir, name), []byte(content)) }); err != nil {
 		return err
 	}
-	if err := rt.ns.WriteFile(name, []byte(content)); err != nil {
+	if err := rt.withRoom(func() error { return rt.ns.WriteFile(name, []byte(content)) }); err != nil {
 		return err
 	}
 	rt.mu.Lock()
@@ -223,6 +223,7 @@ func (rt *retention) freeData(dataName string) {
 	rt.mu.Lock()
 	delete(rt.verified, dataName)
 	rt.mu.Unlock()
+	rt.spool.FillHeadroom()
 }
 
 func (rt *retention) isVerified(dataName string) bool {

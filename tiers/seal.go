@@ -86,7 +86,7 @@ func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err erro
 	// node goes first (yield.go). No cancellable context: a committed step is sealed even while
 	// the agent stops (its stop ends the waits).
 	ctx := layout.WithPacer(context.Background(), func() { s.yield.waitForNextSave(s.ctx, openMark) })
-	dataName, err = hashRecord(ctx, c.dir, s.digests)
+	err = s.withRoom(func() (err error) { dataName, err = hashRecord(ctx, c.dir, s.digests); return err })
 	if err != nil {
 		return "", "", err
 	}

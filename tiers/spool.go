@@ -60,7 +60,22 @@ type Spool struct {
 	closeOnce sync.Once
 	// trash is set while a predecessor's files, moved aside by clearFiles, wait for RemoveTrash.
 	trash atomic.Bool
+
+	// headroomMu guards the headroom file; headroom is what it holds (see HeadroomSize).
+	headroomMu sync.Mutex
+	headroom   atomic.Int64
 }
+
+// HeadroomSize is room in a spool tmpfs that the job cannot take: the tmpfs is that much larger
+// than the budget, and the file HeadroomFile holds the room until the agent's own records need
+// it. A job that fills its budget to the last byte and then commits would otherwise leave no
+// room for the commit record, the .meta or the line in replicator.errors: its commit returned,
+// and was lost. Without a tmpfs of its own the agent counts the job's bytes only, and its
+// records always have room.
+const HeadroomSize = 1 << 20
+
+// HeadroomFile is the file at the spool's root that holds the headroom.
+const HeadroomFile = "headroom"
 
 // SpoolConfig says where the spool lives and how large it may grow.
 type SpoolConfig struct {
@@ -288,7 +303,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		s.lock = lock
 	}
 	if cfg.MountTmpfs {
-		opts := "size=" + strconv.FormatInt(cfg.Budget, 10) + ",mode=0700"
+		opts := "size=" + strconv.FormatInt(cfg.Budget+HeadroomSize, 10) + ",mode=0700"
 		if isTmpfsMount(cfg.Dir) {
 			if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT, opts); err != nil {
 				s.unlock()
@@ -338,6 +353,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		// removes without a refund (adoptedDirs).
 		s.used.Store(dirUsage(s.dir, adoptedDirs...))
 	}
+	s.FillHeadroom()
 	return s, nil
 }
 
@@ -542,16 +558,58 @@ func (s *Spool) Reserve(delta int64) error {
 	}
 }
 
-// Usage returns the budget and the bytes in use.
+// Usage returns the budget and the bytes in use (the headroom counts in neither).
 func (s *Spool) Usage() (total, used int64) {
 	if s.ownMount {
 		var st unix.Statfs_t
 		if err := unix.Statfs(s.dir, &st); err == nil {
-			total = int64(st.Blocks) * st.Bsize
-			return total, total - int64(st.Bfree)*st.Bsize
+			size := int64(st.Blocks) * st.Bsize
+			total = max(size-HeadroomSize, 0)
+			used = size - int64(st.Bfree)*st.Bsize - s.headroom.Load()
+			return total, min(max(used, 0), total)
 		}
 	}
 	return s.budget, s.used.Load()
+}
+
+// FillHeadroom makes the headroom file hold HeadroomSize again, if there is room for it. The
+// agent calls it before it writes a commit record and after it frees data.
+func (s *Spool) FillHeadroom() {
+	if !s.ownMount || s.headroom.Load() == HeadroomSize {
+		return
+	}
+	s.headroomMu.Lock()
+	defer s.headroomMu.Unlock()
+	if s.headroom.Load() == HeadroomSize {
+		return
+	}
+	f, err := os.OpenFile(filepath.Join(s.dir, HeadroomFile), os.O_RDWR|os.O_CREATE|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	// A tmpfs fallocate that runs out of room gives back what it took.
+	if unix.Fallocate(int(f.Fd()), 0, 0, HeadroomSize) == nil {
+		s.headroom.Store(HeadroomSize)
+	}
+}
+
+// UseHeadroom frees the headroom for the agent's own records when err says the spool is out
+// of room, and reports whether it did: the write that failed is then worth once more.
+func (s *Spool) UseHeadroom(err error) bool {
+	if err == nil || !errors.Is(err, unix.ENOSPC) || !s.ownMount || s.headroom.Load() == 0 {
+		return false
+	}
+	s.headroomMu.Lock()
+	defer s.headroomMu.Unlock()
+	if s.headroom.Load() == 0 {
+		return false
+	}
+	if os.Truncate(filepath.Join(s.dir, HeadroomFile), 0) != nil {
+		return false
+	}
+	s.headroom.Store(0)
+	return true
 }
 
 // Close releases the spool. With discard, a dedicated tmpfs is unmounted (its content is lost)
@@ -568,6 +626,9 @@ func (s *Spool) close(discard bool) error {
 		if !discard {
 			if s.trash.Load() {
 				removeTrash(s.dir) // a kept spool keeps no garbage in RAM
+			}
+			if s.ownMount {
+				os.Remove(filepath.Join(s.dir, HeadroomFile)) // the next agent makes its own
 			}
 			if s.lock != nil {
 				s.ownerMu.Lock()
@@ -590,7 +651,7 @@ func (s *Spool) close(discard bool) error {
 // isSpoolEntry tells whether name is an entry a spool's root holds.
 func isSpoolEntry(name string) bool {
 	switch name {
-	case "files", "meta", "sealed", "staging", "incoming", commitsDir, "peer-incoming", OwnerFile, ShapeFile, "." + ShapeFile + ".tmp":
+	case "files", "meta", "sealed", "staging", "incoming", commitsDir, "peer-incoming", OwnerFile, ShapeFile, "." + ShapeFile + ".tmp", HeadroomFile:
 		return true
 	}
 	return strings.HasPrefix(name, filesTrashPrefix) || strings.HasPrefix(name, "."+OwnerFile+".tmp-")

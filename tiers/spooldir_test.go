@@ -1,6 +1,8 @@
 package tiers
 
 import (
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -100,4 +102,62 @@ func TestSpoolRefusesAForeignTmpfs(t *testing.T) {
 	assert.Equal(t, before.Blocks, after.Blocks, "its size is unchanged")
 	assert.True(t, isTmpfsMount(dir))
 	assert.FileExists(t, filepath.Join(dir, "keep"))
+}
+
+// TestSpoolHeadroom: a spool tmpfs holds HeadroomSize beyond the budget that the job cannot
+// take and Usage does not show; the agent frees it when a record of its own finds no room,
+// takes it back once there is room again, and a kept spool leaves it behind.
+func TestSpoolHeadroom(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	dir := filepath.Join(t.TempDir(), "spool")
+	s, err := OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountTmpfs: true, MountPath: filepath.Join(t.TempDir(), "mnt")})
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	total, used := s.Usage()
+	assert.EqualValues(t, MinBudget, total, "the budget, without the headroom")
+	assert.Less(t, used, int64(64<<10), "the headroom is not shown as used")
+	fi, err := os.Stat(filepath.Join(dir, HeadroomFile))
+	require.NoError(t, err)
+	assert.EqualValues(t, HeadroomSize, fi.Size())
+
+	// The job fills the budget: its next write finds no room.
+	job := filepath.Join(s.FilesDir(), "job")
+	f, err := os.Create(job)
+	require.NoError(t, err)
+	chunk := make([]byte, 64<<10)
+	for {
+		if _, err = f.Write(chunk); err != nil {
+			break
+		}
+	}
+	require.ErrorIs(t, err, unix.ENOSPC)
+	require.NoError(t, f.Close())
+	_, used = s.Usage()
+	assert.Greater(t, used, int64(MinBudget-(128<<10)), "the budget is used up")
+	record := func() error {
+		return os.WriteFile(filepath.Join(dir, "record"), []byte("a record of the agent"), 0o600)
+	}
+	err = record()
+	require.ErrorIs(t, err, unix.ENOSPC, "no room left for the agent either")
+	require.True(t, s.UseHeadroom(err))
+	require.NoError(t, record(), "the headroom makes room for the record")
+	assert.False(t, s.UseHeadroom(unix.ENOSPC), "used once, until it is filled again")
+	s.FillHeadroom()
+	fi, err = os.Stat(filepath.Join(dir, HeadroomFile))
+	require.NoError(t, err)
+	assert.Zero(t, fi.Size(), "no room to take it back while the budget is full")
+
+	require.NoError(t, os.Remove(job)) // the job's bytes are freed
+	s.FillHeadroom()
+	fi, err = os.Stat(filepath.Join(dir, HeadroomFile))
+	require.NoError(t, err)
+	assert.EqualValues(t, HeadroomSize, fi.Size(), "taken back")
+	assert.True(t, s.UseHeadroom(fmt.Errorf("write: %w", unix.ENOSPC)))
+	assert.False(t, s.UseHeadroom(errors.New("another error")))
+
+	require.NoError(t, s.Detach()) // kept for the next agent
+	assert.NoFileExists(t, filepath.Join(dir, HeadroomFile))
+	assert.True(t, isSpoolEntry(HeadroomFile))
 }

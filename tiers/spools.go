@@ -313,6 +313,9 @@ func (h Spools) inspect(dir string, agents []SpoolUser, procs []mountProc, mount
 		var fsst unix.Statfs_t
 		if unix.Statfs(dir, &fsst) == nil {
 			s.Bytes = int64(fsst.Blocks-fsst.Bfree) * fsst.Bsize
+			if fi, err := os.Stat(filepath.Join(dir, HeadroomFile)); err == nil {
+				s.Bytes -= fi.Size() // room the running agent keeps, not the job's
+			}
 		}
 	} else {
 		s.Bytes = distinctFileBytes(dir)

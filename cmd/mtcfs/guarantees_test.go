@@ -270,6 +270,62 @@ func TestGuaranteeReturnedCommitSurvivesKill9(t *testing.T) {
 	stopAgent(t, c)
 }
 
+// TestGuaranteeCommitOfAFullBudget: a job that fills its budget to the last byte, then commits,
+// gets a durable step, restored byte-exact after a kill -9 of the agent. Before, the commit
+// record found no room ("step committed … err=write …/.commit.json.tmp: no space left on
+// device"): the rename had returned, the step was never sealed, the line telling the job found
+// no room either, and the frozen step held the budget until the agent restarted (found by a
+// black-box run).
+func TestGuaranteeCommitOfAFullBudget(t *testing.T) {
+	needRoot(t) // the budget is a tmpfs of its own; without root the agent counts the job's bytes only
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	n.args = []string{"--memory", "24MiB"}
+	const job = "full"
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	tmp := filepath.Join(n.dir, "1.orbax-checkpoint-tmp")
+	require.NoError(t, os.Mkdir(tmp, 0o755))
+	want := tree{"_CHECKPOINT_METADATA": fileEnt([]byte(`{"item_handlers": {}}`))} // the client reads it at its start
+	require.NoError(t, os.WriteFile(filepath.Join(tmp, "_CHECKPOINT_METADATA"), want["_CHECKPOINT_METADATA"].data, 0o644))
+	fill := func(prefix string, size int) {
+		for i := 0; ; i++ {
+			name := fmt.Sprintf("%s%03d", prefix, i)
+			data := randomBytes(uint64(len(want)+1), size)
+			if err := os.WriteFile(filepath.Join(tmp, name), data, 0o644); err != nil {
+				require.ErrorIs(t, err, syscall.ENOSPC, name)
+				if err := os.Remove(filepath.Join(tmp, name)); err != nil {
+					require.ErrorIs(t, err, os.ErrNotExist)
+				}
+				return
+			}
+			want[name] = fileEnt(data)
+		}
+	}
+	fill("big", 1<<20)
+	fill("small", 4096)
+	var st unix.Statfs_t
+	require.NoError(t, unix.Statfs(n.dir, &st))
+	require.Less(t, st.Bavail*uint64(st.Bsize), uint64(4096), "the budget is full")
+	t.Logf("%d files fill the budget", len(want))
+	require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "1")))
+	waitStepSealed(t, n.dir, job, 1)
+	assert.NotContains(t, a.log(), "seal failed")
+	assert.Contains(t, a.log(), "the agent's records use its headroom")
+
+	killAgent(t, a)
+	b := n.start(t)
+	o = orbaxClient(t, n.dir, job, 60)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err, "%s", b.log())
+	require.True(t, found && step == 1, "restored step %d (found %v), want 1\n%s", step, found, b.log())
+	require.NoError(t, sameTree(filepath.Join(n.dir, "1"), want))
+	assert.Empty(t, o.Errors(), "replicator.errors")
+	stopAgent(t, b)
+}
+
 // TestGuaranteeNames replays observation 3 of issue 9: "Names over 255 bytes are accepted
 // (statfs says 255), then sealing fails (file name too long). A legal path near 4096 bytes fails
 // at seal (the staging prefix is longer than the mount's), and a path whose object name exceeds
