@@ -147,10 +147,13 @@ func (rt *retention) retain(cfg *Config) {
 	defer rt.publishMu.Unlock()
 	keepFrom, floor, restored := rt.incs.latest()
 	// A newer step that did not replicate must not cost the one reported replicated: it is the
-	// step that survives the loss of a node (SPEC §7). Before the incarnation replicated any, the
-	// step every node restored plays that part.
+	// step that survives the loss of a node (SPEC §7). Before the incarnation replicated any,
+	// what the restore found stays: the restored step and the older ones the incarnation before
+	// kept, the step it last replicated among them (the restored step may never have been, and
+	// its re-protection may fail: freeing the older ones then left a node's loss nothing).
+	keepUpTo := int64(-1)
 	if floor < 0 {
-		floor = restored
+		floor, keepUpTo = restored, restored
 	}
 	if floor > 0 && floor < keepFrom {
 		keepFrom = floor
@@ -160,7 +163,7 @@ func (rt *retention) retain(cfg *Config) {
 	rt.mu.Lock()
 	for name, hash := range rt.metas {
 		m, ok := layout.ParseMarkerName(name)
-		if ok && m.Job == cfg.JobName && m.Step < keepFrom && rt.backingUp[m.Step] == 0 {
+		if ok && m.Job == cfg.JobName && m.Step < keepFrom && m.Step > keepUpTo && rt.backingUp[m.Step] == 0 {
 			drop = append(drop, name)
 		} else {
 			keepHash[hash] = true

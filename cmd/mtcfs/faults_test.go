@@ -314,3 +314,39 @@ func TestClaimedStepSurvivesNodeLoss(t *testing.T) {
 	_, restored := rc.start(t)
 	require.GreaterOrEqual(t, restored, claimed, "after losing rank 0 the job restored less than the step claimed replicated")
 }
+
+// TestReplicatedStepOutlivesARestoreThatDidNotReplicate: step 10 is replicated, step 20 is not
+// (rank 0's push to rank 1 is corrupted on the way), and the job restarts: every node restores
+// step 20 from its own RAM, and rank 0's re-push of it keeps failing. Losing rank 0 then must
+// still restore step 10, which rank 1 holds. Before, every node freed step 10 after the restore
+// (the restored step stood in for the replicated one), and the job started from scratch (found
+// by a black-box run, with a peer too full to take the re-push).
+func TestReplicatedStepOutlivesARestoreThatDidNotReplicate(t *testing.T) {
+	needRoot(t)
+	rc := newRingCluster(t, "outlives")
+	clients, _ := rc.start(t)
+	rc.save(t, clients, 10)
+	rc.waitReplicated(t, 10)
+	rc.proxy.Set(faultproxy.Up, faultproxy.Faults{FlipEvery: 30_000})
+	rc.save(t, clients, 20)
+	rc.waitNotReplicated(t, 20)
+
+	_, restored := rc.start(t)
+	require.EqualValues(t, 20, restored)
+	// Rank 0's re-push of the restored step fails; the sync of step 20 in the new incarnation
+	// says so, and every node runs retention after it.
+	notReplicated := regexp.MustCompile(`msg="step not replicated" step=20 `)
+	repWait(t, 60*time.Second, "the restored step 20 to be reported not replicated again", func() bool {
+		return len(notReplicated.FindAllString(rc.agents[0].log(), -1)) >= 2 // one per incarnation
+	})
+	time.Sleep(time.Second)
+	for _, holder := range []int{0, 1} {
+		require.True(t, replicaHeld(rc.nodes[holder], rc.job, 10, 0), "rank %d freed rank 0's step 10 (steps in RAM there: %+v)",
+			holder, agentStatus(t, rc.agents[holder]).Steps)
+	}
+	// A backup of the restored step 20 was taken meanwhile (SPEC §10); step 10, complete in RAM,
+	// comes first (SPEC §5). Without it, the job would depend on that backup alone.
+	rc.loseNode(t, 0)
+	_, restored = rc.start(t)
+	require.EqualValues(t, 10, restored, "after losing rank 0 the job restores the step complete in RAM")
+}
