@@ -193,6 +193,7 @@ func (n *Node) Start(rep *tiers.Replicator, spool *tiers.Spool) error {
 		Instance:    n.instance,
 		Accept:      rep.AcceptReplica,
 		Lookup:      func(ctx context.Context, job, name string) (string, error) { return rep.SealedPath(name) },
+		Corrupt:     func(job, name string, err error) { rep.DropCorrupt(name, err) },
 		Digests:     rep.Digests(),
 		MaxIncoming: spool.Budget(),
 		Reserve:     spool.Reserve,

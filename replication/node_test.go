@@ -7,6 +7,7 @@ package replication
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"io/fs"
@@ -539,4 +540,74 @@ func TestStaticPeersWithTheBackupLocationDown(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return strings.Contains(agents[0].log.String(), "registering in the backup location failed: only status tools miss it")
 	}, 10*time.Second, 10*time.Millisecond)
+}
+
+// TestCorruptReplicaIsDroppedWhenAskedFor: rank 1's replica of rank 0's step 10 rots in RAM;
+// rank 0 loses its RAM and asks rank 1 for it. Rank 1 finds it fails its check, drops it and
+// tells its job; rank 0's restore fails (no other copy), and the restart after that plans
+// without the rotten copy: a clear fresh start, not the same failure again. Before, rank 1 kept
+// serving nothing and listing the copy, and every restart failed the same way (found by a
+// black-box run).
+func TestCorruptReplicaIsDroppedWhenAskedFor(t *testing.T) {
+	t.Parallel()
+	const job, nodes = "rot", 2
+	objects := dirObjects(t, t.TempDir())
+	roots := []string{t.TempDir(), t.TempDir()}
+	agents := []*testAgent{startTestAgent(t, objects, roots[0]), startTestAgent(t, objects, roots[1])}
+	restore := func(step int64, rank int) string {
+		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerRestore}.String()
+	}
+	meta := func(step int64, rank int) string {
+		return layout.MarkerName{Job: job, Step: step, Node: rank, Kind: layout.MarkerMeta}.String()
+	}
+	for r, a := range agents {
+		a.start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(restore(0, r))
+		a.save(10, stepFiles(r, 10))
+	}
+	agents[1].waitFor(meta(10, 0)) // rank 0's replica, verified, on rank 1
+	hash, err := os.ReadFile(agents[1].ns.path(meta(10, 0)))
+	require.NoError(t, err)
+	data := string(hash) + ".data"
+	rotten := filepath.Join(roots[1], "spool", "sealed", data, "state", "array_0")
+	f, err := os.OpenFile(rotten, os.O_WRONLY, 0)
+	require.NoError(t, err)
+	_, err = f.WriteAt([]byte{'#'}, 100)
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
+
+	// Rank 0 is replaced: its agent and RAM are gone.
+	agents[0].stop()
+	require.NoError(t, os.RemoveAll(filepath.Join(roots[0], "spool")))
+	agents[0] = startTestAgent(t, objects, roots[0])
+	for r, a := range agents {
+		a.start(job, r, nodes)
+	}
+	agents[1].waitFor(layout.ReplicatorErrorsName)
+	require.Eventually(t, func() bool {
+		lines, _ := os.ReadFile(agents[1].ns.path(layout.ReplicatorErrorsName))
+		return strings.Contains(string(lines), "the copy of "+data+" in this node's RAM fails its check (")
+	}, 30*time.Second, 10*time.Millisecond, "rank 1 tells its job")
+	require.Eventually(t, func() bool {
+		_, err := os.Lstat(filepath.Join(roots[1], "spool", "sealed", data))
+		return errors.Is(err, fs.ErrNotExist)
+	}, 30*time.Second, 10*time.Millisecond, "rank 1 dropped the rotten copy")
+	agents[0].waitFor(layout.ReplicatorFailedName) // no other copy, no backup: this restore fails
+
+	// The next restart knows the copy is gone: step 10 is incomplete, the job starts afresh and
+	// is told why, on every rank.
+	for r, a := range agents {
+		os.Remove(a.ns.path(layout.ReplicatorFailedName))
+		os.Remove(a.ns.path(layout.ReplicatorErrorsName))
+		a.start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(restore(0, r))
+		lines, err := os.ReadFile(a.ns.path(layout.ReplicatorErrorsName))
+		require.NoError(t, err, "rank %d", r)
+		assert.Contains(t, string(lines), "step 10 in the nodes' RAM is incomplete", "rank %d", r)
+		assert.NoFileExists(t, a.ns.path(layout.ReplicatorFailedName), "rank %d", r)
+	}
 }

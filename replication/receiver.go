@@ -50,6 +50,9 @@ type ReceiverConfig struct {
 	// error matching fs.ErrNotExist is reported as NotFound. The data must stay readable while
 	// it is fetched. Nil: Fetch always answers NotFound.
 	Lookup func(ctx context.Context, job, dataName string) (string, error)
+	// Corrupt, when set, is told of data Lookup gave that fails its check when it is served:
+	// the agent drops it.
+	Corrupt func(job, dataName string, err error)
 	// Digests, when set, supplies the digests of served files that were hashed earlier.
 	Digests *layout.DigestCache
 	// MaxIncoming caps the declared bytes of all transfers in progress; a header that would
@@ -640,8 +643,13 @@ func (r *Receiver) Fetch(req *peerpb.FetchRequest, stream grpc.ServerStreamingSe
 	}
 	if err != nil {
 		r.log.Error("peer fetch: local data cannot be served", "data", req.DataName, "path", p, "err", err)
-		if status.Code(err) == codes.Unknown {
+		switch status.Code(err) {
+		case codes.Unknown:
 			err = errCorrupt("%s cannot be served: %v", req.DataName, err)
+		case codes.DataLoss: // the data fails its check
+			if r.cfg.Corrupt != nil {
+				r.cfg.Corrupt(from.Job, req.DataName, err)
+			}
 		}
 		return err
 	}

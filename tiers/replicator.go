@@ -291,6 +291,24 @@ func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, na
 // SealedPath is where this node holds the data name, for peers that fetch it.
 func (r *Replicator) SealedPath(name string) (string, error) { return r.retention.sealedPath(name) }
 
+// DropCorrupt drops data this node holds that failed its check when a peer asked for it (a bit
+// flipped in RAM, a write behind the agent's back): it is neither served nor restored again,
+// the job is told, and the next restore plans without it (before, every restart planned a
+// fetch of it, which failed, and the restore with it).
+func (r *Replicator) DropCorrupt(dataName string, why error) {
+	if !layout.IsDataName(dataName) {
+		return
+	}
+	r.retention.dropData(dataName)
+	r.node.metrics.error(errKindVerify)
+	msg := fmt.Sprintf("the copy of %s in this node's RAM fails its check (%v): dropped; a peer that asked for it restores from another copy", dataName, why)
+	if inc := r.incs.get(); inc != nil {
+		r.lines.errLine(inc.Config, msg)
+		return
+	}
+	r.node.log.Error(msg)
+}
+
 // Digests is the cache of file digests computed when files were closed; the peer transport
 // reuses them instead of reading the data again.
 func (r *Replicator) Digests() *layout.DigestCache { return r.node.digests }
