@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 	"os"
 	"path/filepath"
 	"sort"
@@ -109,20 +110,34 @@ func whyNotOurs(cfg *Config, m layout.MarkerName) string {
 }
 
 // noteMisnamed tells the job, once per incarnation and name, that the .save ev names is not a
-// commit of this node (whyNotOurs). It runs on the control loop, never on a FUSE request: it
+// commit of this node (whyNotOurs), or that a directory renamed to digits is no step name (a
+// leading zero, or past int64). It runs on the control loop, never on a FUSE request: it
 // writes replicator.errors.
 func (cr *commitRecorder) noteMisnamed(ev event) {
 	inc := cr.incs.get()
-	if inc == nil || strings.Contains(ev.path, "/") || inc.Config.Framework != FrameworkPyTorch {
+	if inc == nil || strings.Contains(ev.path, "/") {
 		return
 	}
-	m, ok := layout.ParseMarkerName(ev.path)
-	if !ok || m.Kind != layout.MarkerSave {
-		return
-	}
-	why := whyNotOurs(inc.Config, m)
-	if why == "" {
-		return
+	cfg := inc.Config
+	var why string
+	switch {
+	case cfg.Framework != FrameworkPyTorch:
+		if ev.kind != evRenamed || ev.typ != layout.EntryDir || strings.Trim(ev.path, "0123456789") != "" {
+			return
+		}
+		if _, ok := layout.ParseStepDir(ev.path); ok {
+			return
+		}
+		why = fmt.Sprintf("a step directory is named by its step in decimal, without leading zeros, at most %d", int64(math.MaxInt64))
+	default:
+		m, ok := layout.ParseMarkerName(ev.path)
+		if !ok || m.Kind != layout.MarkerSave {
+			return
+		}
+		if why = whyNotOurs(cfg, m); why == "" {
+			return
+		}
+		why += fmt.Sprintf("; this node commits %s-s<step>-n%d-w<worker below %d>.save", cfg.JobName, cfg.NodeRank, cfg.WorkersPerNode)
 	}
 	// A .save committed at its flush under the incarnation before (a new replicator.yaml that
 	// changed the job's shape came before its close was handled) waits for sealing or was
@@ -143,9 +158,7 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	if seen {
 		return
 	}
-	cfg := inc.Config
-	cr.lines.incLine(inc, fmt.Sprintf("%s is not committed (its step is not checkpointed): %s; this node commits %s-s<step>-n%d-w<worker below %d>.save",
-		ev.path, why, cfg.JobName, cfg.NodeRank, cfg.WorkersPerNode))
+	cr.lines.incLine(inc, fmt.Sprintf("%s is not committed (its step is not checkpointed): %s", ev.path, why))
 }
 
 // commitOf recognises the commit signals of SPEC §3 for inc: a directory renamed to a bare

@@ -285,6 +285,35 @@ func TestMisnamedSaveIsReported(t *testing.T) {
 	}
 }
 
+// TestMisnamedStepDirIsReported: a directory renamed to digits that are no step name (a leading
+// zero, past int64) commits nothing; the job is told, once per name. Before, the rename returned
+// and the step was never checkpointed, without a word (found by a black-box run).
+func TestMisnamedStepDirIsReported(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.yamlOrbax(baseYAML)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	bad := []string{"009", "99999999999999999999", "9223372036854775808"}
+	for _, name := range bad {
+		h.makeTree("tmp", map[string]string{"state": "weights"})
+		h.rename("tmp", name)
+	}
+	h.orbaxSave(10, map[string]string{"state": "weights"})
+	h.waitSealed("job", 10, "10") // a good name: committed, and nothing to say
+	h.eventually("a line for each", func() string {
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) != len(bad) {
+			return fmt.Sprintf("replicator.errors = %q, want %d lines", l, len(bad))
+		}
+		return ""
+	})
+	errs := strings.Join(h.lines(layout.ReplicatorErrorsName), "\n")
+	for _, name := range bad {
+		if !strings.Contains(errs, name+" is not committed (its step is not checkpointed): a step directory is named by its step in decimal, without leading zeros, at most 9223372036854775807") {
+			t.Errorf("replicator.errors:\n%s\nwant a line for %s", errs, name)
+		}
+	}
+}
+
 // TestCommittedSaveIsNotReportedAfterARestart: a .save committed at its flush under one
 // incarnation whose close is handled after a new replicator.yaml changed workers-per-node is not
 // reported as misnamed: it was committed.
