@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"slices"
@@ -135,6 +136,41 @@ func jobsIn(ctx context.Context, b *gcsbackend.Backups) []string {
 }
 
 // cmdBackups lists, verifies or exports the backups of a job.
+// slowStore says, on w, that a command is still at work with its backup location: first after
+// `after`, then every `every`, until the returned stop is called. An unreachable location is
+// retried (8 attempts of up to a minute each for gs://) before the command fails; before, it
+// said nothing all that while.
+func slowStore(w io.Writer, cmd string, store fmt.Stringer, after, every time.Duration) (stop func()) {
+	done := make(chan struct{})
+	finished := make(chan struct{})
+	start := time.Now()
+	go func() {
+		defer close(finished)
+		t := time.NewTimer(after)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+			}
+			fmt.Fprintf(w, "mtcfs %s: still at work with %s after %v (a location that does not answer is retried for several minutes; Ctrl-C interrupts)\n",
+				cmd, store, time.Since(start).Round(time.Second))
+			t.Reset(every)
+		}
+	}()
+	return func() {
+		close(done)
+		<-finished
+	}
+}
+
+// slowStoreAfter and slowStoreEvery time slowStore's notices in the commands.
+const (
+	slowStoreAfter = 10 * time.Second
+	slowStoreEvery = 30 * time.Second
+)
+
 func cmdBackups(args []string) int {
 	const synopsis = "mtcfs backups list|verify [NAME] --backup URL --job NAME | export NAME DIR --backup URL --job NAME"
 	if len(args) > 0 && args[0] == "export" {
@@ -151,6 +187,7 @@ func cmdBackups(args []string) int {
 		return code
 	}
 	ctx := context.Background()
+	defer slowStore(os.Stderr, "backups "+verb, b.Store, slowStoreAfter, slowStoreEvery)()
 	job := *f.job
 	names, err := b.Names(ctx, job)
 	if err != nil {
@@ -247,6 +284,7 @@ func cmdRestoreVersion(args []string) int {
 		return code
 	}
 	ctx := context.Background()
+	defer slowStore(os.Stderr, "restore-version "+args[0], b.Store, slowStoreAfter, slowStoreEvery)()
 	if args[0] == "clear" {
 		if len(pos) != 0 {
 			return flagError(f.fs, errors.New("clear takes no NAME"))

@@ -1,11 +1,14 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -58,4 +61,43 @@ func TestBackupCommandsOnMistypedInput(t *testing.T) {
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "job train has no backup 2026-01-01_00-00 in "+url)
 	assert.NoFileExists(t, filepath.Join(root, "train", "restore.version"))
+}
+
+// TestSlowStoreNotice: a command at work with its backup location says so after a while, and
+// again later, and stops saying it when it is done. Before, a location that did not answer left
+// `mtcfs backups list` silent for minutes.
+func TestSlowStoreNotice(t *testing.T) {
+	var out syncBuffer
+	stop := slowStore(&out, "backups list", fakeStoreName("gs://bucket/prefix"), 20*time.Millisecond, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return strings.Count(out.String(), "\n") >= 2 }, 5*time.Second, time.Millisecond)
+	stop()
+	n := out.String()
+	time.Sleep(60 * time.Millisecond)
+	assert.Equal(t, n, out.String(), "nothing after stop")
+	assert.Contains(t, n, "mtcfs backups list: still at work with gs://bucket/prefix after ")
+	var quick syncBuffer
+	slowStore(&quick, "backups list", fakeStoreName("gs://bucket"), time.Minute, time.Minute)()
+	assert.Empty(t, quick.String(), "a command done in time says nothing")
+}
+
+type fakeStoreName string
+
+func (s fakeStoreName) String() string { return string(s) }
+
+// syncBuffer is a bytes.Buffer safe for a writer and a reader on different goroutines.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
