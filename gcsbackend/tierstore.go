@@ -34,6 +34,17 @@ func (s tierStore) CompleteSteps(ctx context.Context, job, backup string, shape 
 	if !shape.Restores(rep.Saved, rep.SavedRecorded) {
 		return nil, nil, &tiers.ShapeError{Backup: backup, Saved: rep.Saved, Recorded: rep.SavedRecorded, Job: shape}
 	}
+	// A data-parallel job restores a backup of its partitions taken by another number of nodes:
+	// the backup is complete as its job's shape says, and each rank takes its column's data
+	// (rank r of a job of P partitions is in column r mod P, as is the backup's rank r mod P).
+	// Before, the backup counted as incomplete for the ranks it never had.
+	columns := 0
+	if shape.DataParallelism > 0 && rep.SavedRecorded && rep.Saved.Nodes != shape.Nodes {
+		columns = shape.Nodes / shape.DataParallelism
+		if rep, err = s.b.Verify(ctx, job, backup, VerifyOptions{Nodes: rep.Saved.Nodes, Workers: shape.Workers}); err != nil {
+			return nil, nil, err
+		}
+	}
 	var out []tiers.BackupStep
 	var damaged []tiers.DamagedStep
 	for _, st := range rep.Steps { // highest first
@@ -46,6 +57,15 @@ func (s tierStore) CompleteSteps(ctx context.Context, job, backup string, shape 
 		data := make(map[tiers.Slot]string, len(st.Data))
 		for slot, h := range st.Data {
 			data[tiers.Slot{Rank: slot.Rank, Worker: slot.Worker}] = h
+		}
+		if columns > 0 {
+			byColumn := data
+			data = make(map[tiers.Slot]string, shape.Nodes*shape.Workers)
+			for r := range shape.Nodes {
+				for w := range shape.Workers {
+					data[tiers.Slot{Rank: r, Worker: w}] = byColumn[tiers.Slot{Rank: r % columns, Worker: w}]
+				}
+			}
 		}
 		out = append(out, tiers.BackupStep{Step: st.Step, Data: data})
 	}

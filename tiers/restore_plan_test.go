@@ -459,7 +459,8 @@ func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
 		found  bool
 		step   int64
 		from   string
-		errors []string // each line must contain its entry, in order; nil: no line at all
+		errors []string              // each line must contain its entry, in order; nil: no line at all
+		data   map[tiers.Slot]string // nil: not checked
 	}{
 		{
 			name: "RAM: a 3-node step, the job now 2 nodes", job: shape(2, 1, 0),
@@ -574,6 +575,16 @@ func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
 			found: true, step: 3, from: backup(1),
 		},
 		{
+			// Found by a black-box run: it was "incomplete" (and, pinned, a fresh start).
+			name: "backup: 2 nodes of 2 partitions, the job now data-parallel 4 nodes of 2 partitions", job: shape(4, 1, 2),
+			store: func(t *testing.T, s *testStore) {
+				s.addShapedBackup(t, "job", backup(1), 3, shape(2, 1, 1), ranksOf(3, 2, 2))
+				s.addShapedBackup(t, "job", backup(0), 2, shape(2, 1, 1), ranksOf(2, 2, 2))
+			},
+			found: true, step: 3, from: backup(1),
+			data: map[tiers.Slot]string{{Rank: 0}: hx(30), {Rank: 1}: hx(31), {Rank: 2}: hx(30), {Rank: 3}: hx(31)},
+		},
+		{
 			name: "backup: data-parallel, partitions differ", job: shape(2, 1, 2),
 			store: func(t *testing.T, s *testStore) {
 				s.addShapedBackup(t, "job", backup(1), 3, shape(4, 1, 2), ranksOf(3, 4, 2))
@@ -636,6 +647,9 @@ func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
 				t.Fatalf("PlanRestore: %v", err)
 			}
 			checkPlan(t, got, tc.found, tc.step, tc.from, tc.errors)
+			if tc.data != nil && !reflect.DeepEqual(got.Data, tc.data) {
+				t.Errorf("plan data %v, want %v", got.Data, tc.data)
+			}
 		})
 	}
 }
