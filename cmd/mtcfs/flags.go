@@ -28,10 +28,16 @@ func parseFlags(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 }
 
+// usages prints each flag set's usage. The flag package calls a set's Usage itself when it
+// fails to parse: that one prints nothing, so that flagError prints the usage once, with the
+// problem last (it was printed between two copies of the usage, 111 lines for mount).
+var usages = map[*flag.FlagSet]func(){}
+
 func newFlagSet(name, synopsis string) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	fs.Usage = func() {
+	fs.Usage = func() {}
+	usages[fs] = func() {
 		fmt.Fprintf(os.Stderr, "Usage: %s\n\nFlags:\n", synopsis)
 		fs.SetOutput(os.Stderr)
 		fs.PrintDefaults()
@@ -40,14 +46,13 @@ func newFlagSet(name, synopsis string) *flag.FlagSet {
 	return fs
 }
 
-// flagError prints a flag problem with the command's usage and returns exit status 2.
+// flagError prints a flag problem after the command's usage and returns exit status 2.
 func flagError(fs *flag.FlagSet, err error) int {
+	usages[fs]()
 	if err == flag.ErrHelp {
-		fs.Usage()
 		return 0
 	}
-	fmt.Fprintf(os.Stderr, "mtcfs %s: %s\n", fs.Name(), strings.TrimSpace(err.Error()))
-	fs.Usage()
+	fmt.Fprintf(os.Stderr, "\nmtcfs %s: %s\n", fs.Name(), strings.TrimSpace(err.Error()))
 	return 2
 }
 

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -129,4 +130,24 @@ func TestStaticPeers(t *testing.T) {
 		require.FileExists(t, filepath.Join(c.nodes[r].backupRoot, "trio", "agents", fmt.Sprintf("%d.json", r)))
 		require.NoFileExists(t, filepath.Join(c.nodes[r].backupRoot, "trio", "agents", fmt.Sprintf("%d.json", (r+1)%3)))
 	}
+}
+
+// TestFlagErrorIsSaidOnceAndLast: a bad flag prints the command's usage once and the problem as
+// the last line. Before, the problem sat between two copies of the usage (line 56 of 111 for
+// mount; found by a black-box run).
+func TestFlagErrorIsSaidOnceAndLast(t *testing.T) {
+	for _, args := range [][]string{
+		{"mount", t.TempDir(), "--drain-timeout", "5"},
+		{"mount", t.TempDir(), "--bogus"},
+		{"backups", "list", "--job", "j", "--nope"},
+	} {
+		out, code := runMtcfs(t, args...)
+		require.Equal(t, 2, code, "%v\n%s", args, out)
+		assert.Equal(t, 1, strings.Count(out, "Usage: mtcfs "), "%v: the usage once\n%s", args, out)
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		assert.Regexp(t, `^mtcfs (mount|backups list): .*(invalid value "5" for flag -drain-timeout|flag provided but not defined: -bogus|flag provided but not defined: -nope)`, lines[len(lines)-1], "%v: the problem last", args)
+	}
+	out, code := runMtcfs(t, "mount", "-h")
+	assert.Equal(t, 0, code)
+	assert.Equal(t, 1, strings.Count(out, "Usage: mtcfs mount"), out)
 }
