@@ -34,6 +34,7 @@ type backupRunner struct {
 	running  *Progress // GUARDED_BY(mu); the running backup
 	last     string    // GUARDED_BY(mu); the last backup this node completed its part of
 	lastStep int64     // GUARDED_BY(mu); highest step whose part this node backed up (-1: none)
+	lastJob  string    // GUARDED_BY(mu); the job of last and lastStep
 	stopping bool      // GUARDED_BY(mu); Close began: no new backup starts
 	// active counts running backups, for stop to drain; no Add once stopping is set.
 	active sync.WaitGroup
@@ -113,6 +114,9 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (err error) {
 		b.mu.Lock()
 		b.running = nil
 		if err == nil {
+			if b.lastJob != cfg.JobName {
+				b.lastStep, b.lastJob = -1, cfg.JobName
+			}
 			b.last = o.Backup
 		}
 		b.mu.Unlock()
@@ -130,6 +134,9 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (err error) {
 		b.log.Info("backup complete", "backup", o.Backup, "step", o.Step, "bytes", p.Done(), "took", took.String())
 		b.metrics.backedUp(took.Seconds(), p.Done())
 		b.mu.Lock()
+		if b.lastJob != cfg.JobName {
+			b.lastStep, b.lastJob = -1, cfg.JobName
+		}
 		b.lastStep = max(b.lastStep, o.Step)
 		b.mu.Unlock()
 		return nil
@@ -194,9 +201,12 @@ func (b *backupRunner) stop() {
 }
 
 // status returns the running backup (nil: none), the last one completed and the highest step
-// backed up (-1: none).
-func (b *backupRunner) status() (running *Progress, last string, lastStep int64) {
+// backed up (-1: none), of job.
+func (b *backupRunner) status(job string) (running *Progress, last string, lastStep int64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if job != b.lastJob {
+		return b.running, "", -1
+	}
 	return b.running, b.last, b.lastStep
 }

@@ -714,6 +714,30 @@ func (h *harness) saveAndBackUp(step int64, files map[string]string) string {
 	return hash
 }
 
+// TestStatusIsOfTheCurrentJob: the latest sealed and backed-up steps that status and the
+// metrics show are the current job's: another job started on the mount begins with none.
+// Before, it showed the steps of the job before it (found by a black-box run).
+func TestStatusIsOfTheCurrentJob(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	h := newHarness(t, harnessConfig{store: store})
+	h.start(backupYAML, "job")
+	h.saveAndBackUp(50, checkpointFiles("50"))
+	if st := h.r.Status(); st.Sealed != 50 || st.BackedUp != 50 || st.LastBackup != layout.BackupName(minute(50)) {
+		t.Fatalf("status sealed %d, backed up %d (%s); want 50, 50 (%s)", st.Sealed, st.BackedUp, st.LastBackup, layout.BackupName(minute(50)))
+	}
+	h.yamlOrbax(strings.ReplaceAll(backupYAML, "job-name: job", "job-name: other"))
+	h.waitMarkers(marker("other", 0, 0, 0, layout.MarkerRestore))
+	if st := h.r.Status(); st.Job != "other" || st.Sealed != -1 || st.BackedUp != -1 || st.LastBackup != "" {
+		t.Errorf("status of job %q: sealed %d, backed up %d (%q); want -1, -1 (\"\")", st.Job, st.Sealed, st.BackedUp, st.LastBackup)
+	}
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.waitSealed("other", 1, "1")
+	if st := h.r.Status(); st.Sealed != 1 {
+		t.Errorf("status sealed %d, want 1", st.Sealed)
+	}
+}
+
 func TestBackupAfterEveryStep(t *testing.T) {
 	t.Parallel()
 	store := newTestStore(t)

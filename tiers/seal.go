@@ -27,8 +27,10 @@ type sealer struct {
 
 	mu sync.Mutex
 	// lastSealed is the highest step this agent sealed for the incarnation current at the time
-	// (-1: none); a new incarnation does not reset it.
-	lastSealed int64 // GUARDED_BY(mu)
+	// (-1: none), of job lastSealedJob; a new incarnation of that job does not reset it, another
+	// job does.
+	lastSealed    int64  // GUARDED_BY(mu)
+	lastSealedJob string // GUARDED_BY(mu)
 }
 
 // pendingCommit is a recorded commit waiting for the sealer (err: the record failed; openMark:
@@ -100,6 +102,9 @@ func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err erro
 	s.metrics.sealed(took.Seconds())
 	if s.incs.isCurrent(c.inc) {
 		s.mu.Lock()
+		if s.lastSealedJob != cfg.JobName {
+			s.lastSealed, s.lastSealedJob = -1, cfg.JobName
+		}
 		s.lastSealed = max(s.lastSealed, c.step)
 		s.mu.Unlock()
 	}
@@ -142,9 +147,12 @@ func (s *sealer) publish(c commit, dataName, meta string) error {
 	return nil
 }
 
-// latest returns lastSealed.
-func (s *sealer) latest() int64 {
+// latest returns lastSealed if it is job's, else -1.
+func (s *sealer) latest(job string) int64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if job != s.lastSealedJob {
+		return -1
+	}
 	return s.lastSealed
 }

@@ -97,10 +97,12 @@ func (p *Progress) view() *ProgressView {
 func (r *Replicator) Status() Status {
 	st := Status{Phase: "idle", Rank: -1, Replicated: -1}
 	current, last := r.incs.both()
+	job := "" // the job the steps shown are of: the newest incarnation's
 	if last != nil {
 		last.mu.Lock()
 		st.Committed, st.Replicated = last.committed, last.replicated
 		last.mu.Unlock()
+		job = last.Config.JobName
 	}
 	if inc := current; inc != nil {
 		st.Incarnation, st.Job, st.Framework = inc.ID, inc.Config.JobName, inc.Config.Framework
@@ -109,9 +111,9 @@ func (r *Replicator) Status() Status {
 		st.Phase, st.Restored, st.Restore, st.Waiting = inc.phase, inc.restored, inc.restore.view(), inc.waiting
 		inc.mu.Unlock()
 	}
-	st.Sealed = r.sealer.latest()
+	st.Sealed = r.sealer.latest(job)
 	var backup *Progress
-	backup, st.LastBackup, st.BackedUp = r.backups.status()
+	backup, st.LastBackup, st.BackedUp = r.backups.status(job)
 	st.Backup = backup.view()
 	st.Errors = r.lines.recentErrors()
 	st.Steps = r.retention.steps()
