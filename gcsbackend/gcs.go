@@ -480,13 +480,14 @@ func (s *gcsStore) Open(ctx context.Context, name string, off, length int64) (io
 	r := &gcsReader{s: s, ctx: rctx, cancel: cancel, name: name, off: off, remaining: length, bo: s.backoff()}
 	stop := context.AfterFunc(ctx, cancel)
 	err := r.open()
-	if !stop() && err == nil { // ctx ended as the open succeeded: the reader is cancelled
+	ctxEnded := !stop()
+	if ctxEnded && err == nil { // ctx ended as the open succeeded: the reader is cancelled
 		r.closeReader()
 		err = ctx.Err()
 	}
 	if err != nil {
 		cancel()
-		if cause := context.Cause(ctx); cause != nil {
+		if cause := context.Cause(ctx); ctxEnded && cause != nil { // not a failure of its own that raced with ctx
 			if cause != ctx.Err() {
 				return nil, fmt.Errorf("open %s: %w (%w)", s.url(name), cause, ctx.Err())
 			}

@@ -335,6 +335,28 @@ func TestGCSFaultOpenHonoursItsContext(t *testing.T) {
 	assert.Positive(t, f.faults.hits(rule))
 	f.faults.clear()
 
+	// A server that sends the headers and then stalls the body holds ReadSmall only as long as
+	// its context too (the reader itself outlives the context: the read must not).
+	stallBody := func(w http.ResponseWriter, r *http.Request, next http.Handler) {
+		rec := httptest.NewRecorder()
+		next.ServeHTTP(rec, r)
+		for k, v := range rec.Header() {
+			w.Header()[k] = v
+		}
+		w.WriteHeader(rec.Code)
+		w.Write(rec.Body.Bytes()[:1])
+		w.(http.Flusher).Flush()
+		<-r.Context().Done()
+	}
+	rule = f.faults.add(1<<30, isMediaRead, stallBody)
+	ctx, cancel = context.WithTimeoutCause(context.Background(), 100*time.Millisecond, errors.New("no answer within 100ms"))
+	defer cancel()
+	_, err = ReadSmall(ctx, s, "obj", 1<<10)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "read obj: no answer within 100ms")
+	assert.Positive(t, f.faults.hits(rule))
+	f.faults.clear()
+
 	// Answered, the reader is not cancelled with the context it was opened under.
 	ctx, cancel = context.WithCancel(context.Background())
 	r, err = s.Open(ctx, "obj", 0, -1)

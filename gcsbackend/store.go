@@ -243,7 +243,13 @@ func ReadSmall(ctx context.Context, s ObjectStore, name string, limit int64) ([]
 		return nil, err
 	}
 	defer r.Close()
+	// The reader outlives ctx (ObjectStore.Open); this read does not: a body that stalls after
+	// the headers ends with ctx.
+	stop := context.AfterFunc(ctx, func() { r.Close() })
 	data, err := io.ReadAll(io.LimitReader(r, limit+1))
+	if !stop() && err != nil {
+		return nil, fmt.Errorf("read %s: %w", name, context.Cause(ctx))
+	}
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", name, err)
 	}

@@ -595,6 +595,9 @@ func TestCorruptReplicaIsDroppedWhenAskedFor(t *testing.T) {
 		return errors.Is(err, fs.ErrNotExist)
 	}, 30*time.Second, 10*time.Millisecond, "rank 1 dropped the rotten copy")
 	agents[0].waitFor(layout.ReplicatorFailedName) // no other copy, no backup: this restore fails
+	lines, err := os.ReadFile(agents[1].ns.path(layout.ReplicatorErrorsName))
+	require.NoError(t, err)
+	assert.Equal(t, 1, strings.Count(string(lines), "fails its check"), "told once, whatever the streams of the fetch:\n%s", lines)
 
 	// The next restart knows the copy is gone: step 10 is incomplete, the job starts afresh and
 	// is told why, on every rank.

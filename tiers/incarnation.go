@@ -144,17 +144,16 @@ func (s *incarnations) takeStartupErrors() []string {
 }
 
 // latest returns the newest valid incarnation's latest committed and replicated steps, and the
-// step the current one restored (0 before any valid incarnation, or while none is current).
+// step it restored (0 before any valid incarnation). Between incarnations (the job stopped,
+// a yaml refused) that is still the last one's: what its restore found stays until a step
+// replicates (retention).
 func (s *incarnations) latest() (committed, replicated, restored int64) {
-	current, last := s.both()
+	_, last := s.both()
 	if last == nil {
 		return 0, -1, 0
 	}
 	last.mu.Lock()
-	committed, replicated = last.committed, last.replicated
-	if current == last {
-		restored = last.restored
-	}
+	committed, replicated, restored = last.committed, last.replicated, last.restored
 	last.mu.Unlock()
 	return committed, replicated, restored
 }

@@ -135,13 +135,16 @@ type node struct {
 	waits *waitNotices
 }
 
-// withRoom runs write, and once more after the spool's headroom was freed for it when it
-// failed for lack of room (see HeadroomSize): the agent's records must not fail because the
-// job filled its budget.
+// withRoom runs write, and again after some of the spool's headroom was freed for it while it
+// fails for lack of room (see HeadroomSize): the agent's records must not fail because the job
+// filled its budget. The headroom is first taken back if there is room for it.
 func (n *node) withRoom(write func() error) error {
+	n.spool.FillHeadroom()
 	err := write()
-	if n.spool.UseHeadroom(err) {
-		n.log.Warn("the spool is full: the agent's records use its headroom", "err", err)
+	for used := false; n.spool.UseHeadroom(err); used = true {
+		if !used {
+			n.log.Warn("the spool is full: the agent's records use its headroom", "err", err)
+		}
 		err = write()
 	}
 	return err
@@ -296,10 +299,9 @@ func (r *Replicator) SealedPath(name string) (string, error) { return r.retentio
 // the job is told, and the next restore plans without it (before, every restart planned a
 // fetch of it, which failed, and the restore with it).
 func (r *Replicator) DropCorrupt(dataName string, why error) {
-	if !layout.IsDataName(dataName) {
-		return
+	if !layout.IsDataName(dataName) || !r.retention.dropUnheld(dataName) {
+		return // gone already (each stream of a fetch tells), or in use: the next ask drops it
 	}
-	r.retention.dropData(dataName)
 	r.node.metrics.error(errKindVerify)
 	msg := fmt.Sprintf("the copy of %s in this node's RAM fails its check (%v): dropped; a peer that asked for it restores from another copy", dataName, why)
 	if inc := r.incs.get(); inc != nil {

@@ -216,6 +216,27 @@ func (rt *retention) dropData(dataName string) {
 	rt.freeData(dataName)
 }
 
+// dropUnheld frees data that is there and that nothing holds (a restore, a backup, a push), and
+// reports whether it did.
+func (rt *retention) dropUnheld(dataName string) bool {
+	rt.publishMu.Lock()
+	defer rt.publishMu.Unlock()
+	if _, err := os.Lstat(rt.spoolDir("sealed", dataName)); err != nil || rt.isHeld(dataName) {
+		return false
+	}
+	hash := strings.TrimSuffix(dataName, ".data")
+	rt.mu.Lock()
+	for name, h := range rt.metas {
+		if m, ok := layout.ParseMarkerName(name); ok && h == hash && rt.backingUp[m.Step] > 0 {
+			rt.mu.Unlock()
+			return false // its step is being backed up
+		}
+	}
+	rt.mu.Unlock()
+	rt.freeData(dataName)
+	return true
+}
+
 // freeData removes data from the namespace, then from the spool with its attrs, and forgets it
 // was verified. The caller holds publishMu.
 func (rt *retention) freeData(dataName string) {

@@ -32,7 +32,8 @@ const MinBudget = 16 << 20
 // byte budget.
 //
 // When the agent may mount (root), the spool directory is a dedicated tmpfs mount whose size is
-// the budget: the kernel then enforces the budget for every write, also for writes that FUSE
+// the budget plus HeadroomSize, which a file of the agent holds: the kernel then enforces the
+// budget for every write, also for writes that FUSE
 // passthrough sends straight to the backing file without asking the agent, and statfs of the
 // spool is exact. Otherwise the spool is a plain directory on /dev/shm and the agent accounts
 // for every byte it writes itself (passthrough is unavailable without privileges anyway).
@@ -66,13 +67,18 @@ type Spool struct {
 	headroom   atomic.Int64
 }
 
-// HeadroomSize is room in a spool tmpfs that the job cannot take: the tmpfs is that much larger
-// than the budget, and the file HeadroomFile holds the room until the agent's own records need
-// it. A job that fills its budget to the last byte and then commits would otherwise leave no
-// room for the commit record, the .meta or the line in replicator.errors: its commit returned,
-// and was lost. Without a tmpfs of its own the agent counts the job's bytes only, and its
-// records always have room.
+// HeadroomSize is room in a spool tmpfs kept from the job: the tmpfs is that much larger than
+// the budget, and the file HeadroomFile holds the room until the agent's own records need it.
+// A job that fills its budget to the last byte and then commits would otherwise leave no room
+// for the commit record, the .meta or the line in replicator.errors: its commit returned, and
+// was lost. A record that finds no room frees HeadroomChunk of it at a time (the job could take
+// what is freed before the record does, and never more), and the agent takes it back before
+// its next record, once there is room. Without a tmpfs of its own the agent counts the job's
+// bytes only, and its records always have room.
 const HeadroomSize = 1 << 20
+
+// HeadroomChunk is how much of the headroom a record that found no room frees at a time.
+const HeadroomChunk = 64 << 10
 
 // HeadroomFile is the file at the spool's root that holds the headroom.
 const HeadroomFile = "headroom"
@@ -251,7 +257,11 @@ func lockOwned(dir string) (*os.File, error) {
 func resizeError(cfg SpoolConfig, err error) error {
 	var st unix.Statfs_t
 	if serr := unix.Statfs(cfg.Dir, &st); err == unix.EINVAL && serr == nil {
-		if held := (int64(st.Blocks) - int64(st.Bfree)) * st.Bsize; held > cfg.Budget {
+		held := (int64(st.Blocks) - int64(st.Bfree)) * st.Bsize
+		if fi, err := os.Stat(filepath.Join(cfg.Dir, HeadroomFile)); err == nil {
+			held -= fi.Size() // a killed agent's headroom: not checkpoints
+		}
+		if held > cfg.Budget {
 			free := cfg.Dir
 			if cfg.MountPath != "" {
 				free = cfg.MountPath
@@ -594,21 +604,24 @@ func (s *Spool) FillHeadroom() {
 	}
 }
 
-// UseHeadroom frees the headroom for the agent's own records when err says the spool is out
-// of room, and reports whether it did: the write that failed is then worth once more.
+// UseHeadroom frees HeadroomChunk of the headroom for the agent's own records when err says
+// the spool is out of room, and reports whether it did: the write that failed is then worth
+// once more (and UseHeadroom again if it fails again, until the headroom is used up).
 func (s *Spool) UseHeadroom(err error) bool {
 	if err == nil || !errors.Is(err, unix.ENOSPC) || !s.ownMount || s.headroom.Load() == 0 {
 		return false
 	}
 	s.headroomMu.Lock()
 	defer s.headroomMu.Unlock()
-	if s.headroom.Load() == 0 {
+	held := s.headroom.Load()
+	if held == 0 {
 		return false
 	}
-	if os.Truncate(filepath.Join(s.dir, HeadroomFile), 0) != nil {
+	left := max(held-HeadroomChunk, 0)
+	if os.Truncate(filepath.Join(s.dir, HeadroomFile), left) != nil {
 		return false
 	}
-	s.headroom.Store(0)
+	s.headroom.Store(left)
 	return true
 }
 

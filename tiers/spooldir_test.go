@@ -142,12 +142,33 @@ func TestSpoolHeadroom(t *testing.T) {
 	err = record()
 	require.ErrorIs(t, err, unix.ENOSPC, "no room left for the agent either")
 	require.True(t, s.UseHeadroom(err))
-	require.NoError(t, record(), "the headroom makes room for the record")
-	assert.False(t, s.UseHeadroom(unix.ENOSPC), "used once, until it is filled again")
+	require.NoError(t, record(), "a chunk of the headroom makes room for the record")
+	fi, err = os.Stat(filepath.Join(dir, HeadroomFile))
+	require.NoError(t, err)
+	assert.EqualValues(t, HeadroomSize-HeadroomChunk, fi.Size(), "one chunk used")
+	// The job can take what the record left of the chunk, and no more.
+	f, err = os.OpenFile(job, os.O_WRONLY|os.O_APPEND, 0)
+	require.NoError(t, err)
+	taken := 0
+	for {
+		n, err := f.Write(make([]byte, 4096))
+		taken += n
+		if err != nil {
+			require.ErrorIs(t, err, unix.ENOSPC)
+			break
+		}
+	}
+	require.NoError(t, f.Close())
+	assert.Less(t, taken, HeadroomChunk, "the job took the rest of the chunk at most")
 	s.FillHeadroom()
 	fi, err = os.Stat(filepath.Join(dir, HeadroomFile))
 	require.NoError(t, err)
-	assert.Zero(t, fi.Size(), "no room to take it back while the budget is full")
+	assert.EqualValues(t, HeadroomSize-HeadroomChunk, fi.Size(), "no room to take it back while the budget is full")
+	for s.UseHeadroom(unix.ENOSPC) { // every chunk, then no more
+	}
+	fi, err = os.Stat(filepath.Join(dir, HeadroomFile))
+	require.NoError(t, err)
+	assert.Zero(t, fi.Size())
 
 	require.NoError(t, os.Remove(job)) // the job's bytes are freed
 	s.FillHeadroom()

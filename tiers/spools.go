@@ -530,6 +530,16 @@ func mountPathState(p string, mounts mountTable) string {
 // looksLikeSpool guards the removal of a directory: it must be a spool tmpfs, or look exactly
 // like a spool: a files/ directory, nothing but directories besides the owner record (which,
 // when present, must parse and name another path as its mount), and not a FUSE mount.
+// isSpoolFile tells whether name is a regular file a spool's root holds: the records beside the
+// owner's (the job's shape, the agent's headroom) and their temporaries.
+func isSpoolFile(name string) bool {
+	switch name {
+	case ShapeFile, "." + ShapeFile + ".tmp", HeadroomFile:
+		return true
+	}
+	return strings.HasPrefix(name, "."+OwnerFile+".tmp-")
+}
+
 func looksLikeSpool(dir string) bool {
 	fi, err := os.Lstat(dir)
 	if err != nil || !fi.IsDir() {
@@ -554,7 +564,7 @@ func looksLikeSpool(dir string) bool {
 			if err != nil || o.MountPath == "" || o.MountPath == dir {
 				return false
 			}
-		case !e.IsDir() && !isSpoolEntry(name): // shape.json, temporaries of the records
+		case !e.IsDir() && !isSpoolFile(name):
 			return false
 		case name == "files":
 			hasFiles = true

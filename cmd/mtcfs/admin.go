@@ -135,7 +135,6 @@ func jobsIn(ctx context.Context, b *gcsbackend.Backups) []string {
 	return jobs
 }
 
-// cmdBackups lists, verifies or exports the backups of a job.
 // slowStore says, on w, that a command is still at work with its backup location: first after
 // `after`, then every `every`, until the returned stop is called. An unreachable location is
 // retried (8 attempts of up to a minute each for gs://) before the command fails; before, it
@@ -171,6 +170,7 @@ const (
 	slowStoreEvery = 30 * time.Second
 )
 
+// cmdBackups lists, verifies or exports the backups of a job.
 func cmdBackups(args []string) int {
 	const synopsis = "mtcfs backups list|verify [NAME] --backup URL --job NAME | export NAME DIR --backup URL --job NAME"
 	if len(args) > 0 && args[0] == "export" {
