@@ -362,13 +362,10 @@ func TestNodesReplicateAndRestore(t *testing.T) {
 	require.Contains(t, agents[1].log.String(), `msg="peer service" addr=`+agents[1].node.Addr()+" advertised="+agents[1].node.Addr()+" static_peers=false tls=false")
 }
 
-// TestNodesWithStaticPeers: without a backup location, two nodes given each other's address and
-// a shared secret form a job and replicate; nothing is registered anywhere.
-func TestNodesWithStaticPeers(t *testing.T) {
-	t.Parallel()
-	const job, nodes = "pair", 2
-	secret := []byte("a secret of the pair, 32 bytes..")
-	lns := make([]net.Listener, nodes)
+// staticPeers listens for n agents on loopback and maps their ranks to the addresses.
+func staticPeers(t *testing.T, n int) ([]net.Listener, StaticPeers) {
+	t.Helper()
+	lns := make([]net.Listener, n)
 	peers := StaticPeers{}
 	for r := range lns {
 		var err error
@@ -376,6 +373,16 @@ func TestNodesWithStaticPeers(t *testing.T) {
 		require.NoError(t, err)
 		peers[r] = lns[r].Addr().String()
 	}
+	return lns, peers
+}
+
+// TestNodesWithStaticPeers: without a backup location, two nodes given each other's address and
+// a shared secret form a job and replicate; nothing is registered anywhere.
+func TestNodesWithStaticPeers(t *testing.T) {
+	t.Parallel()
+	const job, nodes = "pair", 2
+	secret := []byte("a secret of the pair, 32 bytes..")
+	lns, peers := staticPeers(t, nodes)
 	agents := make([]*testAgent, nodes)
 	for r := range agents {
 		agents[r] = startTestAgentWith(t, NodeConfig{Listener: lns[r], Peers: peers, Secret: secret}, t.TempDir())
@@ -520,14 +527,7 @@ func TestStaticPeersWithTheBackupLocationDown(t *testing.T) {
 	t.Parallel()
 	const job, nodes = "pair-down", 2
 	secret := []byte("a secret of the pair, 32 bytes..")
-	lns := make([]net.Listener, nodes)
-	peers := StaticPeers{}
-	for r := range lns {
-		var err error
-		lns[r], err = net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		peers[r] = lns[r].Addr().String()
-	}
+	lns, peers := staticPeers(t, nodes)
 	agents := make([]*testAgent, nodes)
 	for r := range agents {
 		agents[r] = startTestAgentWith(t, NodeConfig{Listener: lns[r], Peers: peers, Secret: secret, Objects: downObjects{}}, t.TempDir())
