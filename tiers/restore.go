@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -96,7 +97,13 @@ func (r *restorer) run(inc *incarnation) {
 				return
 			}
 			if err := r.restoreSlot(ctx, inc, plan, w, hash); err != nil {
-				fail(fmt.Sprintf("restore of step %d failed: %v", plan.Step, err))
+				msg := fmt.Sprintf("restore of step %d failed: %v", plan.Step, err)
+				if errors.Is(err, syscall.ENOSPC) {
+					total, used := r.spool.Usage()
+					msg += fmt.Sprintf(" (the checkpoint does not fit in this node's RAM budget: --memory %s, %s in use; sparse files and hard links come back full size from peers and backups): restart the agent with a larger --memory",
+						FormatSize(total), FormatSize(used))
+				}
+				fail(msg)
 				return
 			}
 		}
