@@ -634,6 +634,10 @@ func (r *gcsReader) closeReader() {
 	}
 }
 
+// Abort ends the reader's reads and reopens, from any goroutine: a Read running returns an
+// error. Close it still.
+func (r *gcsReader) Abort() { r.cancel() }
+
 func (r *gcsReader) Close() error {
 	r.closeReader()
 	r.cancel()

@@ -244,8 +244,12 @@ func ReadSmall(ctx context.Context, s ObjectStore, name string, limit int64) ([]
 	}
 	defer r.Close()
 	// The reader outlives ctx (ObjectStore.Open); this read does not: a body that stalls after
-	// the headers ends with ctx.
-	stop := context.AfterFunc(ctx, func() { r.Close() })
+	// the headers ends with ctx, where the reader can be aborted while it reads.
+	stop := context.AfterFunc(ctx, func() {
+		if a, ok := r.(interface{ Abort() }); ok {
+			a.Abort()
+		}
+	})
 	data, err := io.ReadAll(io.LimitReader(r, limit+1))
 	if !stop() && err != nil {
 		return nil, fmt.Errorf("read %s: %w", name, context.Cause(ctx))
