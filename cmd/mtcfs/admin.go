@@ -38,23 +38,30 @@ func cmdStatus(args []string) int {
 	if len(pos) > 1 {
 		return flagError(fset, errors.New("at most one mount directory"))
 	}
-	addrs := []string{*addr}
+	targets := []agents.Info{{HTTP: *addr}}
 	if *addr == "" {
 		dir := ""
 		if len(pos) == 1 {
 			dir = tiers.ResolveMountPath(pos[0]) // agents register the resolved path
 		}
-		if addrs, err = agents.StatusAddrs(dir); err != nil {
+		if targets, err = agents.StatusAddrs(dir); err != nil {
 			fmt.Fprintln(os.Stderr, "mtcfs status:", err)
 			return 1
 		}
 	}
 	var replies []json.RawMessage
 	code := 0
-	for _, a := range addrs {
-		body, err := agents.FetchStatus(a)
+	for _, a := range targets {
+		body, err := agents.FetchStatus(a.HTTP)
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "mtcfs status: agent at %s: %v\n", a, err)
+			switch {
+			case a.PID == 0: // --http: nothing more is known
+				fmt.Fprintf(os.Stderr, "mtcfs status: agent at %s: %v\n", a.HTTP, err)
+			case agents.Stopped(a.PID):
+				fmt.Fprintf(os.Stderr, "mtcfs status: the agent of %s (pid %d) is stopped (SIGSTOP, a debugger, a frozen cgroup): the job's requests in the mount wait too; resume it with kill -CONT %d\n", a.Dir, a.PID, a.PID)
+			default:
+				fmt.Fprintf(os.Stderr, "mtcfs status: the agent of %s (pid %d, %s) did not answer: %v\n", a.Dir, a.PID, a.HTTP, err)
+			}
 			code = 1
 			continue
 		}

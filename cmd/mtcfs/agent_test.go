@@ -312,6 +312,10 @@ func TestStoppedAgentsMountIsNotTakenOver(t *testing.T) {
 	assert.Contains(t, out, "does not answer yet; waiting for it before looking for its agent", "the wait is announced")
 	assert.Contains(t, out, "up_to=2s")
 	assert.Contains(t, out, fmt.Sprintf("agent process %d that mounted it still runs", a.cmd.Process.Pid))
+	// mtcfs status names it, instead of only a timeout on its address (found by a black-box run).
+	out, code = runMtcfs(t, "status", dir)
+	require.Equal(t, 1, code, out)
+	assert.Contains(t, out, fmt.Sprintf("the agent of %s (pid %d) is stopped (SIGSTOP, a debugger, a frozen cgroup)", dir, a.cmd.Process.Pid))
 
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
 	got, err := os.ReadFile(filepath.Join(dir, "f"))

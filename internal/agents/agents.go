@@ -157,10 +157,10 @@ func Stopping(dir string) (Info, bool) {
 // registry file: Local read that already).
 func Gone(info Info) bool { return !alive(info, "") }
 
-// StatusAddrs returns the HTTP addresses of the agents running on this machine, or of the one
-// serving dir when dir is not "" (a mount path resolved as agents register it). Finding none is
-// an error that says what to do.
-func StatusAddrs(dir string) ([]string, error) {
+// StatusAddrs returns the agents running on this machine (their HTTP addresses, mounts and
+// pids), or the one serving dir when dir is not "" (a mount path resolved as agents register
+// it). Finding none is an error that says what to do.
+func StatusAddrs(dir string) ([]Info, error) {
 	list, err := Local()
 	if err != nil {
 		return nil, err
@@ -168,16 +168,30 @@ func StatusAddrs(dir string) ([]string, error) {
 	if len(list) == 0 {
 		return nil, errors.New("no mtcfs agent is running on this machine (start one with mtcfs mount DIR, or pass --http HOST:PORT)")
 	}
-	var addrs []string
+	var out []Info
 	for _, a := range list {
 		if dir == "" || a.Dir == dir {
-			addrs = append(addrs, a.HTTP)
+			out = append(out, a)
 		}
 	}
-	if len(addrs) == 0 {
+	if len(out) == 0 {
 		return nil, fmt.Errorf("no running agent serves %s", dir)
 	}
-	return addrs, nil
+	return out, nil
+}
+
+// Stopped reports whether process pid is stopped (SIGSTOP, a debugger, a frozen cgroup): its
+// state in /proc/PID/stat is T or t.
+func Stopped(pid int) bool {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	i := bytes.LastIndexByte(data, ')') // the command name may hold spaces and parentheses
+	if i < 0 || i+2 >= len(data) {
+		return false
+	}
+	return data[i+2] == 'T' || data[i+2] == 't'
 }
 
 // alive reports whether the process that wrote the registry file p still runs ("": a process

@@ -3,9 +3,12 @@ package agents
 import (
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -45,4 +48,19 @@ func TestPlantedEntriesDoNotCount(t *testing.T) {
 	assert.True(t, listed(), "an entry of its process's user, in a user's directory")
 	_, stopping := Stopping("/srv/root-mount")
 	assert.False(t, stopping, "only this user's and root's registries hold a stopping agent")
+}
+
+// TestStopped: a process stopped with SIGSTOP is told from a running one (mtcfs status names a
+// stopped agent instead of only timing out on it).
+func TestStopped(t *testing.T) {
+	cmd := exec.Command("sleep", "30")
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	pid := cmd.Process.Pid
+	assert.False(t, Stopped(pid))
+	require.NoError(t, cmd.Process.Signal(syscall.SIGSTOP))
+	assert.Eventually(t, func() bool { return Stopped(pid) }, 5*time.Second, time.Millisecond)
+	require.NoError(t, cmd.Process.Signal(syscall.SIGCONT))
+	assert.Eventually(t, func() bool { return !Stopped(pid) }, 5*time.Second, time.Millisecond)
+	assert.False(t, Stopped(1<<30), "no such process")
 }
