@@ -281,7 +281,7 @@ func TestStatusPidReuse(t *testing.T) {
 	out, code := runMtcfs(t, "status", n.dir)
 	assert.Equal(t, 1, code, "%s", out)
 	assert.Contains(t, out, header, "the answering agent is still printed")
-	assert.Contains(t, out, "agent at 127.0.0.1:1")
+	assert.Contains(t, out, fmt.Sprintf("the agent of %s (pid %d, 127.0.0.1:1) did not answer", n.dir, pid))
 	assert.FileExists(t, regFile, "a live agent's registry file is kept")
 }
 
