@@ -62,13 +62,19 @@ test: vet
 pjdfstest:
 	$(GO) test -count=1 -timeout $(PJD_TIMEOUT) -run '^TestPjdfstest$$' -v ./fs
 
-# Test mounts live under the temporary directories go test makes (/tmp/Test*, /tmp/mtcfs-*).
+# Test mounts live under the temporary directories go test makes (/tmp/Test*, /tmp/mtcfs-*). A
+# mount that a running process names on its command line (an agent: mtcfs mount DIR --spool S)
+# is not a leftover: a crashbench, a demo or a developer's agent under /tmp/mtcfs-* runs beside
+# the tests, and detaching its mounts broke it (two crashbench "violations" in one session were
+# this sweep).
+TEST_MOUNTS = awk '($$3 == "fuse.mtcfs" || $$1 == "mtcfs-spool") && $$2 ~ "^$(or $(TMPDIR),/tmp)/(Test|mtcfs-)" {print $$2}' /proc/mounts | \
+	while read -r m; do pgrep -f -- "$$m" >/dev/null || echo "$$m"; done
+
 clean-test-mounts:
-	@awk '($$3 == "fuse.mtcfs" || $$1 == "mtcfs-spool") && $$2 ~ "^$(or $(TMPDIR),/tmp)/(Test|mtcfs-)" {print $$2}' /proc/mounts | \
-		while read -r m; do echo "detaching leftover test mount $$m"; umount -l "$$m" || true; done
+	@$(TEST_MOUNTS) | while read -r m; do echo "detaching leftover test mount $$m"; umount -l "$$m" || true; done
 
 check-mounts:
-	@if awk '($$3 == "fuse.mtcfs" || $$1 == "mtcfs-spool") && $$2 ~ "^$(or $(TMPDIR),/tmp)/(Test|mtcfs-)"' /proc/mounts | grep .; then echo "tests left mounts behind"; exit 1; fi
+	@if $(TEST_MOUNTS) | grep .; then echo "tests left mounts behind"; exit 1; fi
 
 # The agent's image, built offline: the static agent and the CA certificates on an empty root
 # (deploy/Containerfile.prebuilt), by buildah or podman. Not part of make test. With registry
