@@ -17,6 +17,7 @@ import (
 	mfs "github.com/mtcfs/mtcfs/fs"
 	"github.com/mtcfs/mtcfs/gcsbackend"
 	"github.com/mtcfs/mtcfs/internal/agents"
+	"github.com/mtcfs/mtcfs/internal/fusectl"
 	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
 	"github.com/prometheus/client_golang/prometheus"
@@ -357,10 +358,33 @@ func warnVolatileBackups(rawURL string) {
 		return
 	}
 	var st unix.Statfs_t // of the directory, or of the ancestor it will be made in
-	if existing, _ := resolveExisting(filepath.Clean(u.Path)); unix.Statfs(existing, &st) == nil &&
-		(st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC) {
-		slog.Warn("the backup location is in RAM (tmpfs): its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
+	existing, _ := resolveExisting(filepath.Clean(u.Path))
+	if unix.Statfs(existing, &st) != nil {
+		return
 	}
+	switch {
+	case st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC:
+		slog.Warn("the backup location is in RAM (tmpfs): its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
+	case st.Type == unix.FUSE_SUPER_MAGIC && inMtcfsMount(existing):
+		slog.Warn("the backup location is inside another mtcfs mount, whose files live in that agent's RAM: its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
+	}
+}
+
+// inMtcfsMount reports whether the path p is inside an mtcfs mount: the deepest mount point at
+// or above it is a fuse.mtcfs one.
+func inMtcfsMount(p string) bool {
+	mounts, err := fusectl.Mounts()
+	if err != nil {
+		return false
+	}
+	best := ""
+	mtcfs := false
+	for _, m := range mounts { // in mount order: of stacked mounts, the last is on top
+		if within(p, m.Point) && len(m.Point) >= len(best) {
+			best, mtcfs = m.Point, m.FSType == "fuse.mtcfs"
+		}
+	}
+	return mtcfs
 }
 
 // checkSpoolPlacement refuses a spool at or below the mount directory dir (the agent would reach

@@ -89,6 +89,15 @@ func TestBackupLocationInRAM(t *testing.T) {
 	assert.Contains(t, a.log(), warning)
 	stopAgent(t, a)
 
+	// Inside another agent's mount: that agent's RAM too.
+	other := newRepNode(t)
+	o := other.start(t)
+	n.backup = "file://" + filepath.Join(other.dir, "backups")
+	a = n.start(t)
+	assert.Contains(t, a.log(), "the backup location is inside another mtcfs mount, whose files live in that agent's RAM")
+	stopAgent(t, a)
+	stopAgent(t, o)
+
 	// file:// of a directory under the test's temporary directory, when that is on a disk.
 	n.backup = ""
 	require.NoError(t, unix.Statfs(n.backupRoot, &st))
