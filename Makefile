@@ -63,12 +63,18 @@ pjdfstest:
 	$(GO) test -count=1 -timeout $(PJD_TIMEOUT) -run '^TestPjdfstest$$' -v ./fs
 
 # Test mounts live under the temporary directories go test makes (/tmp/Test*, /tmp/mtcfs-*). A
-# mount that a running process names on its command line (an agent: mtcfs mount DIR --spool S)
-# is not a leftover: a crashbench, a demo or a developer's agent under /tmp/mtcfs-* runs beside
-# the tests, and detaching its mounts broke it (two crashbench "violations" in one session were
-# this sweep).
+# mount under /tmp/mtcfs-* that a running process names as one of its arguments (an agent:
+# mtcfs mount DIR --spool S) is not a leftover: a crashbench, a demo or a developer's agent runs
+# there beside the tests, and detaching its mounts broke it (three crashbench "violations" in one
+# session were this sweep). Under /tmp/Test* every mount is a test's: one still served (a test
+# binary killed with its agents running) is a leak, detached and reported.
 TEST_MOUNTS = awk '($$3 == "fuse.mtcfs" || $$1 == "mtcfs-spool") && $$2 ~ "^$(or $(TMPDIR),/tmp)/(Test|mtcfs-)" {print $$2}' /proc/mounts | \
-	while read -r m; do pgrep -f -- "$$m" >/dev/null || echo "$$m"; done
+	while read -r m; do \
+		case "$$m" in $(or $(TMPDIR),/tmp)/mtcfs-*) \
+			for c in /proc/[0-9]*/cmdline; do cat "$$c" 2>/dev/null | tr '\0' '\n' | grep -qxF -- "$$m" && continue 2; done;; \
+		esac; \
+		echo "$$m"; \
+	done
 
 clean-test-mounts:
 	@$(TEST_MOUNTS) | while read -r m; do echo "detaching leftover test mount $$m"; umount -l "$$m" || true; done

@@ -252,7 +252,10 @@ func ReadSmall(ctx context.Context, s ObjectStore, name string, limit int64) ([]
 	})
 	data, err := io.ReadAll(io.LimitReader(r, limit+1))
 	if !stop() && err != nil {
-		return nil, fmt.Errorf("read %s: %w", name, context.Cause(ctx))
+		if cause := context.Cause(ctx); cause != ctx.Err() {
+			return nil, fmt.Errorf("read %s: %w (%w)", name, cause, ctx.Err())
+		}
+		return nil, fmt.Errorf("read %s: %w", name, ctx.Err())
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", name, err)

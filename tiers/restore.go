@@ -98,10 +98,14 @@ func (r *restorer) run(inc *incarnation) {
 			}
 			if err := r.restoreSlot(ctx, inc, plan, w, hash); err != nil {
 				msg := fmt.Sprintf("restore of step %d failed: %v", plan.Step, err)
-				if errors.Is(err, syscall.ENOSPC) {
+				switch {
+				case !errors.Is(err, syscall.ENOSPC):
+				case r.spool.KernelEnforced():
 					total, used := r.spool.Usage()
 					msg += fmt.Sprintf(" (the checkpoint does not fit in this node's RAM budget: --memory %s, %s in use; sparse files and hard links come back full size from peers and backups): restart the agent with a larger --memory",
 						FormatSize(total), FormatSize(used))
+				default: // the budget is counted by the agent: the file system under the spool is full
+					msg += fmt.Sprintf(" (the file system of the spool %s is full, whatever --memory allows: a container's /dev/shm is 64 MiB by default; give the agent a --spool on a larger one)", r.spool.Dir())
 				}
 				fail(msg)
 				return

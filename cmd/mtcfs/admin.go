@@ -58,7 +58,7 @@ func cmdStatus(args []string) int {
 			case a.PID == 0: // --http: nothing more is known
 				fmt.Fprintf(os.Stderr, "mtcfs status: agent at %s: %v\n", a.HTTP, err)
 			case agents.Stopped(a.PID):
-				fmt.Fprintf(os.Stderr, "mtcfs status: the agent of %s (pid %d) is stopped (SIGSTOP, a debugger, a frozen cgroup): the job's requests in the mount wait too; resume it with kill -CONT %d\n", a.Dir, a.PID, a.PID)
+				fmt.Fprintf(os.Stderr, "mtcfs status: the agent of %s (pid %d) is stopped (SIGSTOP, or a debugger): the job's requests in the mount wait too; kill -CONT %d resumes it after a SIGSTOP\n", a.Dir, a.PID, a.PID)
 			default:
 				fmt.Fprintf(os.Stderr, "mtcfs status: the agent of %s (pid %d, %s) did not answer: %v\n", a.Dir, a.PID, a.HTTP, err)
 			}

@@ -180,8 +180,8 @@ func StatusAddrs(dir string) ([]Info, error) {
 	return out, nil
 }
 
-// Stopped reports whether process pid is stopped (SIGSTOP, a debugger, a frozen cgroup): its
-// state in /proc/PID/stat is T or t.
+// Stopped reports whether process pid is stopped (SIGSTOP, or a debugger: state T or t in
+// /proc/PID/stat). A frozen cgroup does not show there.
 func Stopped(pid int) bool {
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
