@@ -508,6 +508,9 @@ func (n *Node) rankClaimedElsewhere(inc tiers.Incarnation) string {
 	return c.other
 }
 
+// locationMustAnswer says why a multi-node job's agents wait for the backup location.
+const locationMustAnswer = "(the agents of a multi-node job find each other there: it must answer, unless they run with --peers and --peer-secret-file)"
+
 // defaultJoinLimit is NodeConfig's bound on a Negotiate's use of the backup location before it
 // reaches the coordinator; the job waits 300 s for its markers.
 const defaultJoinLimit = 4 * time.Minute
@@ -540,18 +543,11 @@ func (n *Node) join(ctx context.Context, inc tiers.Incarnation) error {
 		n.mu.Unlock()
 	}
 	defer doing("")
-	// withCause says first that the location did not answer in time, when that is why err is.
-	withCause := func(err error) error {
-		if cause := context.Cause(ctx); cause != nil && ctx.Err() == context.DeadlineExceeded && !errors.Is(err, cause) {
-			return fmt.Errorf("%w: %w", cause, err)
-		}
-		return err
-	}
 	if n.cfg.Secret == nil {
-		doing(fmt.Sprintf("reading the job's secret in the backup location %s (the agents of a multi-node job find each other there: it must answer, unless they run with --peers and --peer-secret-file)", objects))
+		doing(fmt.Sprintf("reading the job's secret in the backup location %s %s", objects, locationMustAnswer))
 	}
 	if _, err := n.secrets.get(ctx, job); err != nil {
-		return withCause(err)
+		return tiers.CauseFirst(ctx, err)
 	}
 	reg := Registration{Job: job, Incarnation: inc.ID, InstanceID: n.instance,
 		Rank: inc.Config.NodeRank, Addr: n.addr, Updated: time.Now()}
@@ -559,9 +555,9 @@ func (n *Node) join(ctx context.Context, inc tiers.Incarnation) error {
 		n.registerAside(reg)
 		return nil
 	}
-	doing(fmt.Sprintf("registering this node in the backup location %s (the agents of a multi-node job find each other there: it must answer, unless they run with --peers and --peer-secret-file)", objects))
+	doing(fmt.Sprintf("registering this node in the backup location %s %s", objects, locationMustAnswer))
 	if err := n.registry.Register(ctx, reg); err != nil {
-		return fmt.Errorf("register in %s: %w", objects, withCause(err))
+		return fmt.Errorf("register in %s: %w", objects, tiers.CauseFirst(ctx, err))
 	}
 	n.mu.Lock()
 	n.registered[job] = reg

@@ -168,7 +168,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			pinLost = fmt.Sprintf("restore.version in %v could not be read (%v): a backup pinned there is not applied this time", store, err)
 			ok = false
 		case err != nil:
-			return plan, fmt.Errorf("read restore.version: %w", storeErr(ctx, err))
+			return plan, fmt.Errorf("read restore.version: %w", CauseFirst(ctx, err))
 		}
 		if ok {
 			plan.Pinned = pin
@@ -181,7 +181,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			case errors.Is(err, ErrNoBackup):
 				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which does not exist in %s: starting from scratch", pin, store))
 			case err != nil:
-				return plan, fmt.Errorf("check pinned backup %s: %w", pin, storeErr(ctx, err))
+				return plan, fmt.Errorf("check pinned backup %s: %w", pin, CauseFirst(ctx, err))
 			case len(steps) == 0 && len(damaged) > 0:
 				plan.Errors = append(plan.Errors, damageLine(cfg, store, pin, damaged[0]),
 					fmt.Sprintf("restore.version names backup %q, which has no intact step: starting from scratch (pin another backup with mtcfs restore-version set, or clear the pin)", pin))
@@ -242,7 +242,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	}
 	names, err := store.Backups(ctx, cfg.JobName)
 	if err != nil {
-		return plan, fmt.Errorf("list backups: %w", storeErr(ctx, err))
+		return plan, fmt.Errorf("list backups: %w", CauseFirst(ctx, err))
 	}
 	for _, name := range names {
 		steps, damaged, err := store.CompleteSteps(ctx, cfg.JobName, name, cfg.Shape())
@@ -251,7 +251,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			continue
 		}
 		if err != nil && !errors.Is(err, ErrNoBackup) {
-			return plan, fmt.Errorf("check backup %s: %w", name, storeErr(ctx, err))
+			return plan, fmt.Errorf("check backup %s: %w", name, CauseFirst(ctx, err))
 		}
 		for _, d := range damaged {
 			if len(steps) > 0 && d.Step < steps[0].Step {
@@ -269,9 +269,9 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	return plan, nil
 }
 
-// storeErr is err of a call to the backup location under ctx, saying first that the location
-// did not answer in time when that is why it failed.
-func storeErr(ctx context.Context, err error) error {
+// CauseFirst is err of a call made under ctx (one to the backup location), saying first what
+// ctx's deadline was about when that deadline is why it failed (context.WithTimeoutCause).
+func CauseFirst(ctx context.Context, err error) error {
 	if cause := context.Cause(ctx); cause != nil && ctx.Err() == context.DeadlineExceeded && !errors.Is(err, cause) {
 		return fmt.Errorf("%w: %w", cause, err)
 	}

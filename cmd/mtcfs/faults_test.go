@@ -121,6 +121,19 @@ func (rc *ringCluster) save(t *testing.T, clients []*jobsim.Orbax, step int64) {
 	rc.all(t, func(r int) error { return clients[r].Save(ctx, step) })
 }
 
+// replicatedThenNot starts the job, saves step 10 and waits until it is replicated, then turns
+// the proxy to bit flips (rank 0's pushes to rank 1 fail their checks), saves step 20 and waits
+// until the coordinator reports it not replicated. The flips stay on.
+func (rc *ringCluster) replicatedThenNot(t *testing.T) {
+	t.Helper()
+	clients, _ := rc.start(t)
+	rc.save(t, clients, 10)
+	rc.waitReplicated(t, 10)
+	rc.proxy.Set(faultproxy.Up, faultproxy.Faults{FlipEvery: 30_000})
+	rc.save(t, clients, 20)
+	rc.waitNotReplicated(t, 20)
+}
+
 // waitReplicated waits until every agent reports step replicated.
 func (rc *ringCluster) waitReplicated(t *testing.T, step int64) {
 	t.Helper()
@@ -290,12 +303,7 @@ func (rc *ringCluster) loseNode(t *testing.T, rank int) {
 func TestClaimedStepSurvivesNodeLoss(t *testing.T) {
 	needRoot(t)
 	rc := newRingCluster(t, "claims")
-	clients, _ := rc.start(t)
-	rc.save(t, clients, 10)
-	rc.waitReplicated(t, 10)
-	rc.proxy.Set(faultproxy.Up, faultproxy.Faults{FlipEvery: 30_000})
-	rc.save(t, clients, 20)
-	rc.waitNotReplicated(t, 20)
+	rc.replicatedThenNot(t)
 	rc.proxy.Clear()
 	// Every node has synced step 20 (and run retention) once each reports it committed and
 	// a moment passed.
@@ -324,12 +332,7 @@ func TestClaimedStepSurvivesNodeLoss(t *testing.T) {
 func TestReplicatedStepOutlivesARestoreThatDidNotReplicate(t *testing.T) {
 	needRoot(t)
 	rc := newRingCluster(t, "outlives")
-	clients, _ := rc.start(t)
-	rc.save(t, clients, 10)
-	rc.waitReplicated(t, 10)
-	rc.proxy.Set(faultproxy.Up, faultproxy.Faults{FlipEvery: 30_000})
-	rc.save(t, clients, 20)
-	rc.waitNotReplicated(t, 20)
+	rc.replicatedThenNot(t)
 
 	_, restored := rc.start(t)
 	require.EqualValues(t, 20, restored)
