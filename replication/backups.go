@@ -11,9 +11,16 @@ package replication
 // minute; the failed step is not given again meanwhile). An order is
 // complete when every node reported its part done; only then does the next one start, so at
 // most one backup of the job runs at a time.
+//
+// Data-parallel mode (SPEC §6): only the last partition, ranks ≥ nodes − P, uploads data. The
+// other ranks get the order once their column's last-partition rank reported its part done,
+// with the data hashes it reported, and upload only their .meta files naming that data: every
+// .meta in the backup names a .data beside it, and the column's data travels once. A rank whose
+// column-mate reported no hashes (an agent of an earlier version) uploads its own data.
 
 import (
 	"context"
+	"slices"
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -47,7 +54,8 @@ type backupOrder struct {
 	step     int64
 	done     []bool // by rank
 	ndone    int
-	retryAt  time.Time // non-zero: a node failed; the order is given again then
+	hashes   [][]string // by rank: the data its .meta files name, as reported with done (nil: not said)
+	retryAt  time.Time  // non-zero: a node failed; the order is given again then
 	attempts int
 }
 
@@ -165,7 +173,7 @@ func (c *JobCoordinator) freeMinute(now time.Time) (string, bool) {
 // orderBackup makes a new order for the latest step. Called with mu held.
 func (c *JobCoordinator) orderBackup(now time.Time, name string) {
 	b := &c.backups
-	b.order = &backupOrder{name: name, step: b.latest, done: make([]bool, c.cfg.Nodes)}
+	b.order = &backupOrder{name: name, step: b.latest, done: make([]bool, c.cfg.Nodes), hashes: make([][]string, c.cfg.Nodes)}
 	c.floor = name
 	b.clockFrom, b.synced = now, 0
 	b.wake()
@@ -196,8 +204,15 @@ func (c *JobCoordinator) Backups(ctx context.Context, rank int, rep tiers.Backup
 	for {
 		b := &c.backups
 		if o := b.order; o != nil && !o.done[rank] && o.retryAt.IsZero() {
-			c.mu.Unlock()
-			return tiers.BackupOrder{Backup: o.name, Step: o.step}, nil
+			up, names := c.columnUploader(rank)
+			if !names || o.done[up] {
+				order := tiers.BackupOrder{Backup: o.name, Step: o.step}
+				if names {
+					order.Data = slices.Clone(o.hashes[up])
+				}
+				c.mu.Unlock()
+				return order, nil
+			}
 		}
 		changed := b.changed
 		c.mu.Unlock()
@@ -223,7 +238,13 @@ func (c *JobCoordinator) backupReport(rank int, rep tiers.BackupReport) {
 	switch {
 	case rep.Done == o.name && !o.done[rank]:
 		o.done[rank] = true
+		if c.validHashes(rep.Hashes) {
+			o.hashes[rank] = slices.Clone(rep.Hashes)
+		}
 		if o.ndone++; o.ndone < c.cfg.Nodes {
+			if _, names := c.columnUploader(rank); !names && c.cfg.AssumeDataParallelism > 0 {
+				b.wake() // the column-mates waiting for this rank's data get their order
+			}
 			return
 		}
 		b.backedUp = max(b.backedUp, o.step)
@@ -238,4 +259,33 @@ func (c *JobCoordinator) backupReport(rank int, rep tiers.BackupReport) {
 			"err", rep.Err, "retry_in", o.retryAt.Sub(now).String())
 		c.armBackupTimer(now, o.retryAt)
 	}
+}
+
+// columnUploader returns, in data-parallel mode, the rank of the last partition in rank's column
+// (ranks ≥ nodes − P upload the data, SPEC §6) and true when rank is outside that partition:
+// rank then names that rank's data in a backup. Otherwise it returns rank and false.
+func (c *JobCoordinator) columnUploader(rank int) (int, bool) {
+	d, nodes := c.cfg.AssumeDataParallelism, c.cfg.Nodes
+	if d <= 1 || nodes%d != 0 {
+		return rank, false
+	}
+	part := nodes / d
+	if rank >= nodes-part {
+		return rank, false
+	}
+	return nodes - part + rank%part, true
+}
+
+// validHashes reports whether hashes names one data hash per worker of the job, each 64
+// lower-case hex digits (D-prefixed for a directory): what a column-mate may name.
+func (c *JobCoordinator) validHashes(hashes []string) bool {
+	if len(hashes) != c.cfg.WorkersPerNode {
+		return false
+	}
+	for _, h := range hashes {
+		if !layout.IsDataName(h + ".data") {
+			return false
+		}
+	}
+	return true
 }

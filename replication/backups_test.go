@@ -211,3 +211,69 @@ func TestNoBackupTierNoOrders(t *testing.T) {
 	_, err = c.Backups(t.Context(), 0, tiers.BackupReport{})
 	assert.ErrorIs(t, err, ErrClosed)
 }
+
+// Data-parallel mode (SPEC §6): only the last partition uploads data. Ranks 2 and 3 of 4
+// nodes with data-parallelism 2 get the order at once; rank 0 (column 0) gets it once rank 2
+// reported its part done, with the data rank 2 named, and rank 1 once rank 3 did. A rank whose
+// column-mate reported no hashes (an earlier agent) uploads its own data; a report naming
+// another number of workers, or not a hash, is not passed on.
+func TestDataParallelBackupNamesTheLastPartitionsData(t *testing.T) {
+	t.Parallel()
+	const nodes = 4
+	cfg := testConfig(nodes)
+	cfg.AssumeDataParallelism = 2
+	clock := newFakeClock()
+	c := newCoordinator(t, cfg, Options{Clock: clock, Store: &fakeStore{backups: map[string][]tiers.BackupStep{}}})
+	var invs []tiers.Inventory
+	for r := range nodes {
+		invs = append(invs, own(r))
+	}
+	for _, res := range negotiateAll(t, c, invs) {
+		require.NoError(t, res.err)
+	}
+	for _, res := range syncAll(t, c, nodes, 100) {
+		require.NoError(t, res.err)
+	}
+	want := tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 100}
+	for _, r := range []int{2, 3} {
+		assert.Equal(t, want, orderOf(t, c, r, tiers.BackupReport{}), "rank %d uploads its data", r)
+	}
+	for _, r := range []int{0, 1} {
+		assert.Empty(t, orderOf(t, c, r, tiers.BackupReport{}).Backup, "rank %d waits for its column's data", r)
+	}
+	// A waiting rank 0 is woken by rank 2's report.
+	waiting := make(chan tiers.BackupOrder, 1)
+	go func() {
+		o, _ := c.Backups(t.Context(), 0, tiers.BackupReport{})
+		waiting <- o
+	}()
+	h2 := dataOf(2, 100)
+	orderOf(t, c, 2, tiers.BackupReport{Done: want.Backup, Hashes: []string{h2}})
+	select {
+	case o := <-waiting:
+		assert.Equal(t, tiers.BackupOrder{Backup: want.Backup, Step: 100, Data: []string{h2}}, o)
+	case <-time.After(5 * time.Second):
+		t.Fatal("rank 0 was not given the order when rank 2 finished")
+	}
+	assert.Empty(t, orderOf(t, c, 1, tiers.BackupReport{}).Backup, "rank 1's column-mate is not done")
+	// Rank 3 reports no hashes: rank 1 uploads its own data.
+	orderOf(t, c, 3, tiers.BackupReport{Done: want.Backup})
+	assert.Equal(t, want, orderOf(t, c, 1, tiers.BackupReport{}))
+	orderOf(t, c, 0, tiers.BackupReport{Done: want.Backup})
+	orderOf(t, c, 1, tiers.BackupReport{Done: want.Backup})
+
+	// Next backup: rank 2 reports two hashes for one worker, rank 3 a name that is not a hash.
+	for _, res := range syncAll(t, c, nodes, 101) {
+		require.NoError(t, res.err)
+	}
+	clock.Advance(time.Minute) // the next minute: 03-00 has its backup
+	next := eventuallyOrder(t, c, 2)
+	require.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-01", Step: 101}, next)
+	orderOf(t, c, 2, tiers.BackupReport{Done: next.Backup, Hashes: []string{dataOf(2, 101), dataOf(2, 102)}})
+	orderOf(t, c, 3, tiers.BackupReport{Done: next.Backup, Hashes: []string{"../../etc"}})
+	for _, r := range []int{0, 1} {
+		o := orderOf(t, c, r, tiers.BackupReport{})
+		assert.Equal(t, next.Backup, o.Backup, "rank %d", r)
+		assert.Nil(t, o.Data, "rank %d is not given what its column-mate misreported", r)
+	}
+}

@@ -135,11 +135,11 @@ func (s *CoordinatorService) Backups(ctx context.Context, req *peerpb.BackupsReq
 	if err != nil {
 		return nil, err
 	}
-	order, err := c.Backups(ctx, inc.Config.NodeRank, tiers.BackupReport{Done: req.GetDone(), Failed: req.GetFailed(), Err: req.GetError()})
+	order, err := c.Backups(ctx, inc.Config.NodeRank, tiers.BackupReport{Done: req.GetDone(), Failed: req.GetFailed(), Err: req.GetError(), Hashes: req.GetHashes()})
 	if err != nil {
 		return nil, coordinatorStatus(err)
 	}
-	return &peerpb.BackupsReply{Backup: order.Backup, Step: order.Step}, nil
+	return &peerpb.BackupsReply{Backup: order.Backup, Step: order.Step, Data: order.Data}, nil
 }
 
 // admit authenticates a call, checks that its request speaks for the authenticated agent and
@@ -463,7 +463,7 @@ func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, 
 	if err != nil {
 		return tiers.BackupOrder{}, err
 	}
-	req := &peerpb.BackupsRequest{Caller: caller, Done: rep.Done, Failed: rep.Failed, Error: validText(rep.Err)}
+	req := &peerpb.BackupsRequest{Caller: caller, Done: rep.Done, Failed: rep.Failed, Error: validText(rep.Err), Hashes: rep.Hashes}
 	var reply *peerpb.BackupsReply
 	err = r.call(ctx, inc, "Backups", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) (err error) {
 		reply, err = c.Backups(ctx, req, opt)
@@ -479,7 +479,7 @@ func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, 
 		}
 		return tiers.BackupOrder{}, err
 	}
-	return tiers.BackupOrder{Backup: reply.GetBackup(), Step: reply.GetStep()}, nil
+	return tiers.BackupOrder{Backup: reply.GetBackup(), Step: reply.GetStep(), Data: reply.GetData()}, nil
 }
 
 // call makes one RPC, authenticated as inc's agent, retrying while it fails with UNAVAILABLE

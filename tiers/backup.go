@@ -81,10 +81,10 @@ func (b *backupRunner) loop(inc *incarnation) {
 		if order.Backup == "" {
 			continue
 		}
-		if err := b.take(inc, order); err != nil {
+		if named, err := b.take(inc, order); err != nil {
 			rep = BackupReport{Failed: order.Backup, Err: err.Error()}
 		} else {
-			rep = BackupReport{Done: order.Backup}
+			rep = BackupReport{Done: order.Backup, Hashes: named}
 		}
 	}
 }
@@ -96,14 +96,15 @@ func (b *backupRunner) isStopping() bool {
 }
 
 // take uploads this node's part of an order: every worker's data of the step, each followed by
-// its .meta. Progress shows in mtcfs status, and retention keeps the step meanwhile.
-func (b *backupRunner) take(inc *incarnation, o BackupOrder) (err error) {
+// its .meta, or only the .meta files naming o.Data (see upload). It returns the data the .meta
+// files name, by worker. Progress shows in mtcfs status, and retention keeps the step meanwhile.
+func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, err error) {
 	cfg := inc.Config
 	p := &Progress{Kind: "backup", Step: o.Step, Backup: o.Backup, Started: b.now()}
 	b.mu.Lock()
 	if b.stopping {
 		b.mu.Unlock()
-		return errStopping
+		return nil, errStopping
 	}
 	b.running = p
 	b.active.Add(1)
@@ -129,7 +130,7 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (err error) {
 	} else if n > 0 {
 		b.log.Info("removed leftovers of backups cut short", "objects", n)
 	}
-	if err = b.upload(cfg, p); err == nil {
+	if named, err = b.upload(cfg, p, o.Data); err == nil {
 		took := b.now().Sub(p.Started)
 		b.log.Info("backup complete", "backup", o.Backup, "step", o.Step, "bytes", p.Done(), "took", took.String())
 		b.metrics.backedUp(took.Seconds(), p.Done())
@@ -139,28 +140,48 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (err error) {
 		}
 		b.lastStep = max(b.lastStep, o.Step)
 		b.mu.Unlock()
-		return nil
+		return named, nil
 	}
 	if b.ctx.Err() != nil {
 		err = fmt.Errorf("cut short by the agent's stop (drain time over): %w", err)
 		b.log.Warn("backup left incomplete", "backup", o.Backup, "step", o.Step, "err", err)
-		return err
+		return nil, err
 	}
 	b.log.Error("backup failed", "backup", o.Backup, "step", o.Step, "err", err)
 	b.metrics.error(errKindBackup)
 	b.lines.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried): %v", o.Backup, o.Step, err))
-	return err
+	return nil, err
 }
 
-// upload uploads the data of p.Step for every worker of this node to p.Backup. The data is
-// held for the whole upload (retention, or a restore dropping the step, cannot free it under it).
-func (b *backupRunner) upload(cfg *Config, p *Progress) error {
+// upload uploads the data of p.Step for every worker of this node to p.Backup and returns the
+// hashes its .meta files name, by worker. The data is held for the whole upload (retention, or a
+// restore dropping the step, cannot free it under it).
+//
+// With column (data-parallel mode, a node outside the last partition, SPEC §6) it uploads only
+// the .meta files, naming the data by worker that the column's last-partition node uploaded: a
+// column's data travels once. Should that fail (the data is not in the backup), the node uploads
+// its own data after all: the backup stays complete and self-consistent.
+func (b *backupRunner) upload(cfg *Config, p *Progress, column []string) ([]string, error) {
 	b.log.Info("backup started", "backup", p.Backup, "step", p.Step, "store", b.store.String())
 	hashes, release, err := b.retention.holdStep(cfg, p.Step)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer release()
+	if len(column) > 0 {
+		if len(column) == len(hashes) {
+			if err := b.nameColumn(cfg, p, column); err == nil {
+				return column, nil
+			} else if b.ctx.Err() != nil {
+				return nil, err
+			} else {
+				b.log.Warn("naming the column's data in the backup failed: uploading this node's own", "backup", p.Backup, "step", p.Step, "err", err)
+			}
+		} else {
+			b.log.Warn("the column's data names another number of workers: uploading this node's own",
+				"backup", p.Backup, "step", p.Step, "workers", len(hashes), "named", len(column))
+		}
+	}
 	var base int64
 	for w, hash := range hashes {
 		err := b.store.Upload(b.ctx, Upload{
@@ -172,10 +193,27 @@ func (b *backupRunner) upload(cfg *Config, p *Progress) error {
 			},
 		})
 		if err != nil {
-			return err
+			return nil, err
 		}
 		base = p.Done()
 	}
+	return hashes, nil
+}
+
+// nameColumn uploads this node's .meta files of p.Step, naming data (by worker) already in the
+// backup.
+func (b *backupRunner) nameColumn(cfg *Config, p *Progress, data []string) error {
+	p.update(0, 0)
+	for w, hash := range data {
+		err := b.store.Upload(b.ctx, Upload{
+			Job: cfg.JobName, Backup: p.Backup, Step: p.Step, Slot: Slot{cfg.NodeRank, w}, Hash: hash,
+			Shape: cfg.Shape(),
+		})
+		if err != nil {
+			return err
+		}
+	}
+	b.log.Info("backup: named the column's data", "backup", p.Backup, "step", p.Step, "data", data)
 	return nil
 }
 

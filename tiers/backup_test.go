@@ -2,6 +2,8 @@ package tiers_test
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -165,5 +167,58 @@ func TestCloseWithoutDrain(t *testing.T) {
 	}
 	if _, ok := completeStep(t, store, "job", 1); ok {
 		t.Fatal("the backup cut short looks complete")
+	}
+}
+
+// Data-parallel mode: a node told to name its column's data in the backup (BackupOrder.Data)
+// uploads only its .meta. When that data is not in the backup after all, or the order names
+// another number of workers, the node uploads its own data instead: the backup completes, its
+// .meta names data beside it, and the node reports what it named.
+func TestBackupNamingMissingColumnDataUploadsOwn(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		data []string
+	}{
+		{"not in the backup", []string{"D" + strings.Repeat("0", 64)}},
+		{"two workers named for one", []string{strings.Repeat("1", 64), strings.Repeat("2", 64)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			store := newTestStore(t)
+			h := newHarness(t, harnessConfig{store: store, backupOrder: func(o *tiers.BackupOrder) { o.Data = tc.data }})
+			h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
+			h.orbaxSave(1, checkpointFiles("1"))
+			own := h.waitSealed("job", 1, "1")
+			h.eventually("the backup of step 1", func() string {
+				if _, ok := completeStep(t, store, "job", 1); !ok {
+					return "step 1 is in no complete backup"
+				}
+				return ""
+			})
+			uploads, errs := store.uploadLog()
+			if len(errs) != 0 {
+				t.Fatal(errs)
+			}
+			var sources []string
+			for _, u := range uploads {
+				sources = append(sources, u.Hash+" from "+u.Source)
+			}
+			last := uploads[len(uploads)-1]
+			if last.Hash != own || last.Source == "" {
+				t.Fatalf("uploads %q: want the node's own data %s last", sources, own)
+			}
+			if len(tc.data) == 1 && (len(uploads) != 2 || uploads[0].Source != "" || uploads[0].Hash != tc.data[0]) {
+				t.Fatalf("uploads %q: want the .meta naming %s first", sources, tc.data[0])
+			}
+			h.eventually("the report of the backup", func() string {
+				for _, r := range h.coord.backupReports() {
+					if r.Done != "" && slices.Equal(r.Hashes, []string{own}) {
+						return ""
+					}
+				}
+				return fmt.Sprintf("reports %+v: none done naming %s", h.coord.backupReports(), own)
+			})
+		})
 	}
 }

@@ -30,12 +30,19 @@ type BackupReport struct {
 	Done   string // the backup whose part of this node is complete (its .meta uploaded)
 	Failed string // the backup this node could not upload its part of
 	Err    string // why Failed failed
+	// Hashes, with Done: the data the node's .meta files in the backup name, by worker. In
+	// data-parallel mode the coordinator gives them to the node's column-mates (BackupOrder.Data).
+	Hashes []string
 }
 
 // BackupOrder tells a node to upload its part of Step to Backup ("" : no order).
 type BackupOrder struct {
 	Backup string
 	Step   int64
+	// Data, when set (data-parallel mode, a node outside the last partition, SPEC §6): the data,
+	// by worker, its column's last-partition node uploaded to Backup. The node uploads only its
+	// .meta files, naming that data, instead of its own data.
+	Data []string
 }
 
 // Coordinator runs the job-wide decisions (SPEC §4–6). The rank-0 agent coordinates, for a job

@@ -402,9 +402,32 @@ func (c *fakeClock) AfterFunc(d time.Duration, f func()) func() bool {
 type recordingCoordinator struct {
 	tiers.Coordinator
 
+	// order, when set, may change each backup order before the node gets it.
+	order func(*tiers.BackupOrder)
+
 	mu        sync.Mutex
 	syncs     []tiers.SyncReport   // GUARDED_BY(mu)
 	decisions []tiers.SyncDecision // GUARDED_BY(mu)
+	reports   []tiers.BackupReport // GUARDED_BY(mu); every non-empty backup report
+}
+
+func (c *recordingCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, rep tiers.BackupReport) (tiers.BackupOrder, error) {
+	if rep.Done != "" || rep.Failed != "" {
+		c.mu.Lock()
+		c.reports = append(c.reports, rep)
+		c.mu.Unlock()
+	}
+	o, err := c.Coordinator.Backups(ctx, inc, rep)
+	if o.Backup != "" && c.order != nil {
+		c.order(&o)
+	}
+	return o, err
+}
+
+func (c *recordingCoordinator) backupReports() []tiers.BackupReport {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.reports)
 }
 
 func (c *recordingCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
@@ -443,6 +466,8 @@ type harnessConfig struct {
 	sealAttrs func(name string) *layout.Attrs
 	// cpuIdle is the replicator's CPUIdle (nil: /proc/stat).
 	cpuIdle func() (time.Duration, bool)
+	// backupOrder, when set, may change each backup order the agent's own coordinator gives.
+	backupOrder func(*tiers.BackupOrder)
 }
 
 // baseTime is where fake clocks start: a whole UTC minute.
@@ -497,7 +522,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	if cfg.store != nil {
 		opts.Store, rcfg.Store = cfg.store, cfg.store // no typed nil in the interfaces
 	}
-	h.coord = &recordingCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(opts)}}
+	h.coord = &recordingCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(opts)}, order: cfg.backupOrder}
 	rcfg.Coordinator = h.coord
 	if cfg.coord != nil {
 		rcfg.Coordinator = cfg.coord

@@ -95,9 +95,11 @@ type Upload struct {
 	Slot        Slot
 	// Shape is the job's, recorded with the backup so that tools reading it know every rank it
 	// must hold, and so that a job of another shape does not restore it.
-	Shape    Shape
-	Hash     string // "D<hex>" or "<hex>"
-	Source   string // the sealed data in the spool
+	Shape Shape
+	Hash  string // "D<hex>" or "<hex>"
+	// Source is the sealed data in the spool; "" uploads only the .meta, naming Hash, which a
+	// column-mate uploaded to the backup (data-parallel mode, SPEC §6).
+	Source   string
 	Progress func(done, total int64)
 }
 

@@ -52,10 +52,12 @@ func (s *testStore) Upload(ctx context.Context, req tiers.Upload) error {
 	s.uploads = append(s.uploads, req)
 	before := s.beforeUpload
 	s.mu.Unlock()
-	// What the replicator hands over must be the sealed data the .meta names.
+	// What the replicator hands over must be the sealed data the .meta names (no Source: the
+	// .meta names data already in the backup).
 	h, dir, ok := layout.ParseDataName(req.Hash + ".data")
 	if !ok {
 		s.uploadErr("upload of step %d: bad hash %q", req.Step, req.Hash)
+	} else if req.Source == "" {
 	} else if err := layout.VerifyData(ctx, req.Source, h, dir); err != nil {
 		s.uploadErr("upload of step %d: source %s: %v", req.Step, req.Source, err)
 	}

@@ -799,8 +799,12 @@ type BackupsRequest struct {
 	// The backup the caller finished uploading its part of (its .meta is in), if any.
 	Done string `protobuf:"bytes,2,opt,name=done,proto3" json:"done,omitempty"`
 	// The backup the caller failed to upload its part of, if any, and why.
-	Failed        string `protobuf:"bytes,3,opt,name=failed,proto3" json:"failed,omitempty"`
-	Error         string `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`
+	Failed string `protobuf:"bytes,3,opt,name=failed,proto3" json:"failed,omitempty"`
+	Error  string `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`
+	// With done: the data hashes the caller's .meta files name, by worker. In data-parallel mode
+	// the coordinator gives them to the caller's column-mates, which name that data rather than
+	// uploading their own (SPEC §6).
+	Hashes        []string `protobuf:"bytes,5,rep,name=hashes,proto3" json:"hashes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -863,12 +867,23 @@ func (x *BackupsRequest) GetError() string {
 	return ""
 }
 
+func (x *BackupsRequest) GetHashes() []string {
+	if x != nil {
+		return x.Hashes
+	}
+	return nil
+}
+
 type BackupsReply struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The backup the caller must upload its part of, and the step; empty when none (the wait
 	// ended first).
-	Backup        string `protobuf:"bytes,1,opt,name=backup,proto3" json:"backup,omitempty"`
-	Step          int64  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	Backup string `protobuf:"bytes,1,opt,name=backup,proto3" json:"backup,omitempty"`
+	Step   int64  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	// Data-parallel mode, a caller outside the last partition: the data, by worker, its column's
+	// last-partition rank uploaded to this backup. The caller uploads only its .meta files, naming
+	// these. Empty: the caller uploads its own data.
+	Data          []string `protobuf:"bytes,3,rep,name=data,proto3" json:"data,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -915,6 +930,13 @@ func (x *BackupsReply) GetStep() int64 {
 		return x.Step
 	}
 	return 0
+}
+
+func (x *BackupsReply) GetData() []string {
+	if x != nil {
+		return x.Data
+	}
+	return nil
 }
 
 var File_coordinator_proto protoreflect.FileDescriptor
@@ -982,15 +1004,17 @@ const file_coordinator_proto_rawDesc = "" +
 	"\tSyncReply\x12\x1e\n" +
 	"\n" +
 	"replicated\x18\x02 \x01(\bR\n" +
-	"replicatedJ\x04\b\x01\x10\x02\"\x88\x01\n" +
+	"replicatedJ\x04\b\x01\x10\x02\"\xa0\x01\n" +
 	"\x0eBackupsRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\x12\x12\n" +
 	"\x04done\x18\x02 \x01(\tR\x04done\x12\x16\n" +
 	"\x06failed\x18\x03 \x01(\tR\x06failed\x12\x14\n" +
-	"\x05error\x18\x04 \x01(\tR\x05error\":\n" +
+	"\x05error\x18\x04 \x01(\tR\x05error\x12\x16\n" +
+	"\x06hashes\x18\x05 \x03(\tR\x06hashes\"N\n" +
 	"\fBackupsReply\x12\x16\n" +
 	"\x06backup\x18\x01 \x01(\tR\x06backup\x12\x12\n" +
-	"\x04step\x18\x02 \x01(\x03R\x04step2\xe1\x02\n" +
+	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
+	"\x04data\x18\x03 \x03(\tR\x04data2\xe1\x02\n" +
 	"\vCoordinator\x12Y\n" +
 	"\tNegotiate\x12&.mtcfs.replication.v1.NegotiateRequest\x1a$.mtcfs.replication.v1.NegotiateReply\x12V\n" +
 	"\bRestored\x12%.mtcfs.replication.v1.RestoredRequest\x1a#.mtcfs.replication.v1.RestoredReply\x12J\n" +
