@@ -184,8 +184,7 @@ func (b *Backups) putShape(ctx context.Context, dir string, s tiers.Shape) error
 		// Another node recorded it first, in other bytes: an agent of an earlier version writes
 		// no data-parallelism (the nodes of one job are upgraded one after another). The same
 		// nodes and workers, and no other data-parallelism, are the same shape.
-		if old, ok := b.readShape(ctx, dir); ok && old.Nodes == s.Nodes && old.Workers == s.Workers &&
-			(old.DataParallelism == -1 || old.DataParallelism == s.DataParallelism) {
+		if old, ok := b.readShape(ctx, dir); ok && sameShape(old, s) {
 			return nil
 		}
 	}
@@ -193,6 +192,13 @@ func (b *Backups) putShape(ctx context.Context, dir string, s tiers.Shape) error
 		return fmt.Errorf("record the job's shape (%s): %w", s, err)
 	}
 	return nil
+}
+
+// sameShape reports whether a shape recorded in a backup is s: the same nodes and workers, and no
+// other data-parallelism (-1, from an agent of an earlier version, says none).
+func sameShape(old backupShape, s tiers.Shape) bool {
+	return old.Nodes == s.Nodes && old.Workers == s.Workers &&
+		(old.DataParallelism == -1 || old.DataParallelism == s.DataParallelism)
 }
 
 // readShape returns the shape recorded in the backup at dir (ok false: none, or unreadable).

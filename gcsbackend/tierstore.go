@@ -100,6 +100,10 @@ func (s tierStore) ClearRestoreVersion(ctx context.Context, job string) error {
 	return s.b.ClearRestoreVersion(ctx, job)
 }
 
+func (s tierStore) Resumable(ctx context.Context, job, backup string, step int64, data []string, shape tiers.Shape) (bool, string, error) {
+	return s.b.Resumable(ctx, job, backup, step, data, shape)
+}
+
 func (s tierStore) CleanLeftovers(ctx context.Context, job string) (int, error) {
 	return s.b.CleanLeftovers(ctx, job)
 }

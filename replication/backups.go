@@ -43,6 +43,12 @@ type backupState struct {
 	started   bool // the clock runs
 	synced    int  // syncs since the last order
 
+	// resume names the newest backup when it is an upload of the restored step cut short (a
+	// crash, a stop past the drain time; resumeStep): the step's first order completes it under
+	// its name rather than leaving it incomplete beside a new one (SPEC §10). "": none.
+	resume     string
+	resumeStep int64
+
 	order     *backupOrder  // the backup being taken, nil when none
 	changed   chan struct{} // closed and replaced whenever order changes: wakes waiting calls
 	stopTimer func() bool
@@ -73,8 +79,8 @@ func (b *backupState) wake() {
 
 // backupsAfterPlan sets up the schedule once the plan is known: the highest step already in a
 // complete backup, and whether the restored step still needs one (then it is due as soon as it
-// is synced). Called with mu held.
-func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64) {
+// is synced), into resume when that names a backup of it cut short. Called with mu held.
+func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64, resume string) {
 	b := &c.backups
 	b.backedUp = backedUp
 	if plan.Backup != "" {
@@ -82,13 +88,17 @@ func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64
 	}
 	if plan.Found && plan.Step > b.backedUp {
 		b.started, b.clockFrom, b.synced = true, time.Time{}, b.steps
+		if resume != "" {
+			b.resume, b.resumeStep = resume, plan.Step
+		}
 	}
 }
 
 // newestBackedUp returns the highest complete step of the job's newest backup that has one
 // (-1: none, or the store cannot say), looking at a few of the newest of names (the job's
-// backups, newest first) only.
-func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) int64 {
+// backups, newest first) only, and whether the newest of names has no complete step (an
+// upload cut short, perhaps).
+func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) (step int64, unfinished bool) {
 	const look = 5
 	for i, name := range names {
 		if i == look {
@@ -96,10 +106,38 @@ func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) int
 		}
 		steps, _, err := c.store.CompleteSteps(ctx, c.cfg.JobName, name, c.cfg.Shape())
 		if err == nil && len(steps) > 0 {
-			return steps[0].Step
+			return steps[0].Step, unfinished
+		}
+		if i == 0 {
+			unfinished = err == nil
 		}
 	}
-	return -1
+	return -1, unfinished
+}
+
+// resumable returns backup when it is an upload of the plan's step cut short, which completing
+// it leaves nothing else in (tiers.BackupStore.Resumable), else "". backedUp is the highest step
+// in a complete backup.
+func (c *JobCoordinator) resumable(ctx context.Context, plan tiers.RestorePlan, backup string, backedUp int64) string {
+	if !plan.Found || plan.Backup != "" || plan.Step <= backedUp {
+		return ""
+	}
+	var data []string
+	for _, h := range plan.Data {
+		if !slices.Contains(data, h) {
+			data = append(data, h)
+		}
+	}
+	ok, why, err := c.store.Resumable(ctx, c.cfg.JobName, backup, plan.Step, data, c.cfg.Shape())
+	switch {
+	case err != nil:
+		c.log.Warn("could not tell whether the newest backup is an upload cut short", "backup", backup, "err", err)
+	case !ok:
+		c.log.Info("the newest backup is incomplete and stays as it is", "backup", backup, "step", plan.Step, "why", why)
+	default:
+		return backup
+	}
+	return ""
 }
 
 // backupSynced records that every rank synced step and orders a backup if one is due. Called
@@ -153,6 +191,15 @@ func (c *JobCoordinator) considerBackup(now time.Time) {
 		}
 		return
 	}
+	if b.resume != "" {
+		name, step := b.resume, b.resumeStep
+		b.resume = ""
+		if b.latest == step {
+			c.log.Info("backup resumed: completing the upload of the step cut short", "backup", name, "step", step)
+			c.orderBackup(now, name)
+			return
+		}
+	}
 	if name, ok := c.freeMinute(now); ok {
 		c.orderBackup(now, name)
 	}
@@ -174,7 +221,7 @@ func (c *JobCoordinator) freeMinute(now time.Time) (string, bool) {
 func (c *JobCoordinator) orderBackup(now time.Time, name string) {
 	b := &c.backups
 	b.order = &backupOrder{name: name, step: b.latest, done: make([]bool, c.cfg.Nodes), hashes: make([][]string, c.cfg.Nodes)}
-	c.floor = name
+	c.floor = max(c.floor, name) // a resumed backup is older than the floor
 	b.clockFrom, b.synced = now, 0
 	b.wake()
 	c.log.Info("backup ordered", "backup", name, "step", b.latest)

@@ -277,3 +277,53 @@ func TestDataParallelBackupNamesTheLastPartitionsData(t *testing.T) {
 		assert.Nil(t, o.Data, "rank %d is not given what its column-mate misreported", r)
 	}
 }
+
+// SPEC §10: a backup cut short (a crash, a stop past the drain time) is retried, and its
+// leftovers do not stay. When the newest backup is an upload of the restored step cut short,
+// the step's first order completes it under its own name, not under a new minute beside it; a
+// newer order after it takes a new minute. A cut-short backup of another step stays as it is.
+func TestBackupCutShortIsResumed(t *testing.T) {
+	t.Parallel()
+	const nodes = 2
+	invs := []tiers.Inventory{own(0, 50), own(1, 50)}
+	data := map[tiers.Slot]string{{Rank: 0}: dataOf(0, 40), {Rank: 1}: dataOf(1, 40)}
+	store := func(cutStep int64) *fakeStore {
+		return &fakeStore{
+			backups: map[string][]tiers.BackupStep{
+				"2030-01-02_02-50": {{Step: 40, Data: data}},
+				"2030-01-02_02-55": nil, // no complete step
+			},
+			cutShort:     map[string]int64{"2030-01-02_02-55": cutStep},
+			cutShortData: map[string][]string{"2030-01-02_02-55": {dataOf(1, 50)}},
+		}
+	}
+	c, clock := backupJob(t, nodes, 30, 0, store(50), invs)
+	for _, res := range syncAll(t, c, nodes, 50) { // the re-protection sync of the restored step
+		require.NoError(t, res.err)
+	}
+	resumed := tiers.BackupOrder{Backup: "2030-01-02_02-55", Step: 50}
+	for r := range nodes {
+		assert.Equal(t, resumed, orderOf(t, c, r, tiers.BackupReport{}), "rank %d completes the backup cut short", r)
+	}
+	allDone(t, c, nodes, resumed.Backup)
+	for _, res := range syncAll(t, c, nodes, 51) {
+		require.NoError(t, res.err)
+	}
+	clock.Advance(30 * time.Minute)
+	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-30", Step: 51}, eventuallyOrder(t, c, 0), "the next backup takes a new minute")
+
+	// The backup cut short was of step 49, not the restored 50: a new backup.
+	c2, _ := backupJob(t, nodes, 30, 0, store(49), invs)
+	for _, res := range syncAll(t, c2, nodes, 50) {
+		require.NoError(t, res.err)
+	}
+	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 50}, orderOf(t, c2, 0, tiers.BackupReport{}))
+	// It holds data the restored step does not have.
+	s3 := store(50)
+	s3.cutShortData["2030-01-02_02-55"] = []string{dataOf(1, 49)}
+	c3, _ := backupJob(t, nodes, 30, 0, s3, invs)
+	for _, res := range syncAll(t, c3, nodes, 50) {
+		require.NoError(t, res.err)
+	}
+	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 50}, orderOf(t, c3, 0, tiers.BackupReport{}))
+}

@@ -290,7 +290,7 @@ func (c *JobCoordinator) computePlan() {
 	// restored step counts as not backed up (a backup of it is taken again) and the names as
 	// free from this incarnation's floor on (an upload into an existing backup of the same
 	// minute adds to it; the location was not answering).
-	var newest string
+	var newest, resume string
 	backedUp := int64(-1)
 	if c.store != nil && err == nil && !plan.BackupsUnread {
 		lctx, cancel := context.WithTimeout(c.ctx, c.planLimits.PinRead)
@@ -299,7 +299,11 @@ func (c *JobCoordinator) computePlan() {
 			c.log.Warn("list backups", "err", lerr)
 		} else if len(names) > 0 {
 			newest = names[0]
-			backedUp = c.newestBackedUp(lctx, names)
+			var unfinished bool
+			backedUp, unfinished = c.newestBackedUp(lctx, names)
+			if unfinished {
+				resume = c.resumable(lctx, plan, names[0], backedUp)
+			}
 		}
 		cancel()
 	}
@@ -307,7 +311,7 @@ func (c *JobCoordinator) computePlan() {
 	c.plan, c.planErr = plan, err
 	c.pinned = plan.Pinned
 	c.floor = max(c.floor, newest)
-	c.backupsAfterPlan(plan, backedUp)
+	c.backupsAfterPlan(plan, backedUp, resume)
 	c.mu.Unlock()
 	close(c.planned)
 	if err != nil {

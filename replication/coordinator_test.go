@@ -109,6 +109,10 @@ type fakeStore struct {
 	// until their context ends (a location that does not answer).
 	pinDown, listDown bool // GUARDED_BY(mu)
 	lists             int  // GUARDED_BY(mu); calls of Backups
+	// cutShort maps a backup (listed in backups, with no complete step) to the step whose
+	// upload was cut short in it: Resumable says yes for that step and its data.
+	cutShort     map[string]int64    // GUARDED_BY(mu)
+	cutShortData map[string][]string // GUARDED_BY(mu); the data of cutShort's step it may hold
 }
 
 // hang returns ctx's error once it ends, when down; nil at once otherwise.
@@ -197,6 +201,21 @@ func (s *fakeStore) ClearRestoreVersion(ctx context.Context, job string) error {
 func (s *fakeStore) String() string { return "fake://backups" }
 
 func (s *fakeStore) CleanLeftovers(ctx context.Context, job string) (int, error) { return 0, nil }
+
+func (s *fakeStore) Resumable(ctx context.Context, job, backup string, step int64, data []string, shape tiers.Shape) (bool, string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	cut, ok := s.cutShort[backup]
+	if !ok || cut != step {
+		return false, "not an upload of that step", nil
+	}
+	for _, h := range s.cutShortData[backup] {
+		if !slices.Contains(data, h) {
+			return false, "it holds other data", nil
+		}
+	}
+	return true, "", nil
+}
 
 func (s *fakeStore) counts() (pinReads, clears int) {
 	s.mu.Lock()

@@ -85,6 +85,10 @@ type BackupStore interface {
 	// CleanLeftovers removes what uploads of the job that were cut short (a crash, a stop) left
 	// behind, never touching an upload still running elsewhere; it returns how many it removed.
 	CleanLeftovers(ctx context.Context, job string) (int, error)
+	// Resumable reports whether backup is an upload of step cut short that completing with
+	// data (the step's hashes) leaves nothing else in, and if not, why (see
+	// gcsbackend.Backups.Resumable).
+	Resumable(ctx context.Context, job, backup string, step int64, data []string, shape Shape) (ok bool, why string, err error)
 	String() string
 }
 

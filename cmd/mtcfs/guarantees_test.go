@@ -652,8 +652,10 @@ func TestGuaranteeRestoredStepIsProtectedAgain(t *testing.T) {
 // commit, whether or not the job saves again; a backup that was cut short (SIGTERM, crash) is
 // retried, and leftovers of a cut-short backup are removed by the next agent; on SIGTERM a
 // running backup gets --drain-timeout and is otherwise left clearly incomplete. The three
-// cases are separate jobs; a retry by a new agent waits for the next UTC minute (backup names
-// are unique per minute), so this test takes up to a minute.
+// cases are separate jobs. The next agent restores the step from RAM and completes the backup
+// cut short under its own name: nothing incomplete stays in the location (before, it backed the
+// step up under the next UTC minute and the cut-short backup stayed INCOMPLETE, with tens of
+// MiB, and `backups verify` failed while it was there).
 func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
 	needRoot(t)
 	// A step whose file:// backup takes a while: 96 MiB in 6 files, each written and fsynced.
@@ -713,9 +715,10 @@ func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, found && step == 10, "restored step %d (found %v), want 10 from RAM", step, found)
 		name := waitBackupOf(t, n, "cut", 10, retryWait)
-		t.Logf("backup %s cut short by SIGTERM, done again as %s by the next agent", cut, name)
-		require.NotEqual(t, cut, name)
-		require.Equal(t, "INCOMPLETE", backupStatus(t, n, "cut", cut), "the cut-short backup stays incomplete")
+		t.Logf("backup %s cut short by SIGTERM, completed as %s by the next agent", cut, name)
+		require.Equal(t, cut, name, "the next agent completes the backup cut short")
+		require.Contains(t, b.log(), `msg="backup resumed: completing the upload of the step cut short" backup=`+cut)
+		requireOnlyCompleteBackups(t, n, "cut")
 		stopAgent(t, b)
 	})
 
@@ -746,6 +749,8 @@ func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
 			return false
 		})
 		killAgent(t, a)
+		m := backupStartedRE.FindStringSubmatch(a.log())
+		require.NotNil(t, m, "the killed agent logged the backup it started")
 		left := backupLeftovers(n.backupRoot)
 		require.NotEmpty(t, left, "kill -9 came between two files of the backup: no temporary file left to clean\n%s", a.log())
 		t.Logf("kill -9 left %d temporary file(s), e.g. %s", len(left), left[0])
@@ -757,9 +762,13 @@ func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, found && step == 10, "restored step %d (found %v), want 10 from RAM", step, found)
 		name := waitBackupOf(t, n, "crash", 10, retryWait)
-		t.Logf("after kill -9 the next agent backed step 10 up as %s", name)
+		t.Logf("after kill -9 during backup %s the next agent backed step 10 up as %s", m[1], name)
+		require.Equal(t, m[1], name, "the next agent completes the backup the killed one started")
 		require.Empty(t, backupLeftovers(n.backupRoot), "the next agent removes what the killed one left")
 		require.Contains(t, b.log(), "removed leftovers of backups cut short")
+		requireOnlyCompleteBackups(t, n, "crash")
+		out, code := runMtcfs(t, "backups", "verify", "--backup", n.backupURL(), "--job", "crash")
+		require.Equal(t, 0, code, "backups verify after the resumed backup: %s", out)
 		stopAgent(t, b)
 	})
 }
@@ -1101,6 +1110,18 @@ func tierRoundTrip(t *testing.T, job string, trees func(rank int, dir string) tr
 		return sameTree(filepath.Join(c.nodes[r].dir, "20"), tree_(r))
 	})
 	return c, name
+}
+
+// requireOnlyCompleteBackups checks that every backup of job in n's location is complete.
+func requireOnlyCompleteBackups(t *testing.T, n repNode, job string) {
+	t.Helper()
+	out, code := runMtcfs(t, "backups", "list", "--backup", n.backupURL(), "--job", job)
+	require.Equal(t, 0, code, "backups list: %s", out)
+	m := backupLineRE.FindAllStringSubmatch(out, -1)
+	require.NotEmpty(t, m, "backups list: %s", out)
+	for _, l := range m {
+		require.Equal(t, "complete", l[2], "backup %s: %s", l[1], out)
+	}
 }
 
 // backupStatus returns the status column (complete, INCOMPLETE) mtcfs backups list gives the

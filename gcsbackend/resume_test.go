@@ -1,0 +1,78 @@
+package gcsbackend
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// Resumable says yes only for an upload of the given step cut short that completing leaves
+// nothing else in: no complete or damaged step, no .meta of another step, no data the step does
+// not have, no object it does not know, no other shape recorded.
+func TestResumable(t *testing.T) {
+	ctx := context.Background()
+	b := newTestBackups(t)
+	const backup = "2025-06-30_14-30"
+	shape := tiers.Shape{Nodes: 2, Workers: 1}
+	dir := backupDir(testJob, backup)
+	// A two-node upload of step 100 cut short: rank 0 finished, rank 1 uploaded part of its
+	// data and no .meta.
+	hashes := uploadStep(t, b, backup, 100, 2, 1)
+	require.NoError(t, b.putShape(ctx, dir, shape))
+	h1 := hashes[Slot{1, 0}]
+	require.NoError(t, b.Store.Delete(ctx, dir+metaName(testJob, 100, Slot{1, 0})))
+	require.NoError(t, b.Store.Delete(ctx, dir+manifestName(h1)))
+	require.NoError(t, b.Store.Delete(ctx, dir+dataObject(h1, "state/array_1")))
+	data := []string{hashes[Slot{0, 0}], h1}
+
+	resumable := func(step int64, data []string, shape tiers.Shape) (bool, string) {
+		t.Helper()
+		ok, why, err := b.Resumable(ctx, testJob, backup, step, data, shape)
+		require.NoError(t, err)
+		return ok, why
+	}
+	ok, why := resumable(100, data, shape)
+	assert.True(t, ok, why)
+	ok, why = resumable(101, data, shape)
+	assert.False(t, ok)
+	assert.Equal(t, "it holds a .meta of step 100", why)
+	ok, why = resumable(100, data[:1], shape)
+	assert.False(t, ok)
+	assert.Equal(t, fmt.Sprintf("it holds data of another step (%s)", dataName(h1)), why)
+	ok, why = resumable(100, data, tiers.Shape{Nodes: 4, Workers: 1})
+	assert.False(t, ok)
+	assert.Contains(t, why, "it was taken by a job of 2 nodes")
+
+	// Something it does not know stays, so the backup is not touched.
+	require.NoError(t, PutBytes(ctx, b.Store, dir+"notes.txt", []byte("mine"), true))
+	ok, why = resumable(100, data, shape)
+	assert.False(t, ok)
+	assert.Equal(t, "it holds notes.txt", why)
+	require.NoError(t, b.Store.Delete(ctx, dir+"notes.txt"))
+
+	// Completed (the upload resumed), it is no longer resumable.
+	src := t.TempDir()
+	writeTree(t, src, slotTree(100, Slot{1, 0}))
+	require.NoError(t, b.Upload(ctx, UploadRequest{Job: testJob, Backup: backup, Step: 100, Slot: Slot{1, 0}, Hash: h1, Source: src, Shape: shape}))
+	require.True(t, verify(t, b, backup, VerifyOptions{Nodes: 2, Workers: 1}).Complete())
+	ok, why = resumable(100, data, shape)
+	assert.False(t, ok)
+	assert.Equal(t, "step 100 in it is complete", why)
+
+	// Damaged since (rank 1's data lost after its .meta): not an upload cut short.
+	require.NoError(t, b.Store.Delete(ctx, dir+dataObject(h1, "state/array_1")))
+	ok, why = resumable(100, data, shape)
+	assert.False(t, ok)
+	assert.Equal(t, "step 100 in it is damaged", why)
+
+	// A backup that does not exist.
+	ok, why, err := b.Resumable(ctx, testJob, "2025-06-30_14-31", 100, data, shape)
+	require.NoError(t, err)
+	assert.False(t, ok)
+	assert.Equal(t, "it is empty", why)
+}
