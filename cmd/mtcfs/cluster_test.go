@@ -49,6 +49,18 @@ func (c *cluster) client(t *testing.T, rank int) *jobsim.Orbax {
 	return o
 }
 
+// restoresStep starts o's job and checks that it restores step, byte for byte.
+func restoresStep(ctx context.Context, o *jobsim.Orbax, step int64) error {
+	got, found, err := o.Start(ctx)
+	if err == nil && (!found || got != step) {
+		return fmt.Errorf("restored step %d (found %v), want %d", got, found, step)
+	}
+	if err == nil {
+		err = o.VerifyRestored(ctx, step)
+	}
+	return err
+}
+
 // all runs f for every rank at once, as the job's processes do.
 func (c *cluster) all(t *testing.T, f func(rank int) error) {
 	t.Helper()
@@ -160,15 +172,7 @@ func TestClusterRestoreFromPeer(t *testing.T) {
 	c.agents[1] = c.nodes[1].start(t)
 
 	c.all(t, func(r int) error {
-		o := withPeers(c.client(t, r))
-		step, found, err := o.Start(ctx)
-		if err == nil && (!found || step != 10) {
-			return fmt.Errorf("restored step %d (found %v), want 10", step, found)
-		}
-		if err == nil {
-			err = o.VerifyRestored(ctx, 10)
-		}
-		return err
+		return restoresStep(ctx, withPeers(c.client(t, r)), 10)
 	})
 	require.Contains(t, c.agents[1].log(), "restored from a peer")
 }

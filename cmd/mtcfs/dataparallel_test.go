@@ -29,15 +29,7 @@ func TestClusterDataParallel(t *testing.T) {
 		part     = nodes / dp
 		replaced = 1
 	)
-	c := newClusterWith(t, nodes, func(r int) []string {
-		return []string{"--listen", fmt.Sprintf("127.0.0.%d:0", r+1)}
-	})
-	client := func(r int) *jobsim.Orbax {
-		o := orbaxClient(t, c.nodes[r].dir, job, 60)
-		o.Rank, o.Nodes, o.DataParallelism = r, nodes, dp
-		o.PeerRanks = []int{(r + part) % nodes}
-		return o
-	}
+	c, client := dataParallelCluster(t, job, nodes, dp, 60)
 	ctx := repCtx(t)
 	clients := make([]*jobsim.Orbax, nodes)
 	c.all(t, func(r int) error {
@@ -102,15 +94,7 @@ func TestClusterDataParallel(t *testing.T) {
 		if r == replaced {
 			writer = (r + part) % nodes
 		}
-		ents, err := os.ReadDir(filepath.Join(c.nodes[r].dir, "20", "state"))
-		require.NoError(t, err)
-		var procs []string
-		for _, e := range ents {
-			if e.IsDir() {
-				procs = append(procs, e.Name())
-			}
-		}
-		require.Equal(t, []string{fmt.Sprintf("ocdbt.process_%d", writer)}, procs, "rank %d restored the data of the wrong writer", r)
+		require.Equal(t, []string{fmt.Sprintf("ocdbt.process_%d", writer)}, stateWriters(t, c.nodes[r].dir, 20), "rank %d restored the data of the wrong writer", r)
 	}
 	// The coordinator inferred the replaced rank's .meta from its column-mate's.
 	require.Regexp(t, `msg="restore plan" nodes=4 found=true step=20 .*inferred_metas=1 `, c.agents[0].log())
@@ -132,15 +116,7 @@ func TestDataParallelBackup(t *testing.T) {
 		dp    = 2
 		part  = nodes / dp
 	)
-	c := newClusterWith(t, nodes, func(r int) []string {
-		return []string{"--listen", fmt.Sprintf("127.0.0.%d:0", r+1)}
-	})
-	client := func(r int) *jobsim.Orbax {
-		o := orbaxClient(t, c.nodes[r].dir, job, 0.01)
-		o.Rank, o.Nodes, o.DataParallelism = r, nodes, dp
-		o.PeerRanks = []int{(r + part) % nodes}
-		return o
-	}
+	c, client := dataParallelCluster(t, job, nodes, dp, 0.01)
 	ctx := repCtx(t)
 	c.all(t, func(r int) error {
 		_, _, err := client(r).Start(ctx)
@@ -183,25 +159,36 @@ func TestDataParallelBackup(t *testing.T) {
 	}
 	ctx = repCtx(t)
 	c.all(t, func(r int) error {
-		o := client(r)
-		step, found, err := o.Start(ctx)
-		if err == nil && (!found || step != 10) {
-			return fmt.Errorf("restored step %d (found %v), want 10", step, found)
-		}
-		if err == nil {
-			err = o.VerifyRestored(ctx, 10)
-		}
-		return err
+		return restoresStep(ctx, client(r), 10)
 	})
 	for r := range nodes {
-		ents, err := os.ReadDir(filepath.Join(c.nodes[r].dir, "10", "state"))
-		require.NoError(t, err)
-		var procs []string
-		for _, e := range ents {
-			if e.IsDir() {
-				procs = append(procs, e.Name())
-			}
-		}
-		require.Equal(t, []string{fmt.Sprintf("ocdbt.process_%d", nodes-part+r%part)}, procs, "rank %d restored another column's data", r)
+		require.Equal(t, []string{fmt.Sprintf("ocdbt.process_%d", nodes-part+r%part)}, stateWriters(t, c.nodes[r].dir, 10), "rank %d restored another column's data", r)
 	}
+}
+
+// dataParallelCluster starts nodes agents (rank r listening on 127.0.0.r+1) and returns them with
+// rank r's client of a job with data-parallelism dp, whose peer is its column-mate.
+func dataParallelCluster(t *testing.T, job string, nodes, dp int, backupMinutes float64) (*cluster, func(rank int) *jobsim.Orbax) {
+	c := newClusterWith(t, nodes, func(r int) []string {
+		return []string{"--listen", fmt.Sprintf("127.0.0.%d:0", r+1)}
+	})
+	return c, func(r int) *jobsim.Orbax {
+		o := orbaxClient(t, c.nodes[r].dir, job, backupMinutes)
+		o.Rank, o.Nodes, o.DataParallelism = r, nodes, dp
+		o.PeerRanks = []int{(r + nodes/dp) % nodes}
+		return o
+	}
+}
+
+// stateWriters returns the process directories in step's state under dir: whose data it is.
+func stateWriters(t *testing.T, dir string, step int64) []string {
+	ents, err := os.ReadDir(filepath.Join(dir, fmt.Sprint(step), "state"))
+	require.NoError(t, err)
+	var procs []string
+	for _, e := range ents {
+		if e.IsDir() {
+			procs = append(procs, e.Name())
+		}
+	}
+	return procs
 }

@@ -138,14 +138,6 @@ func TestClusterMutualTLS(t *testing.T) {
 	c.agents[2] = c.nodes[2].start(t)
 	ctx = repCtx(t)
 	c.all(t, func(r int) error {
-		o := withPeers(c.client(t, r))
-		step, found, err := o.Start(ctx)
-		if err == nil && (!found || step != 10) {
-			return fmt.Errorf("restored step %d (found %v), want 10", step, found)
-		}
-		if err == nil {
-			err = o.VerifyRestored(ctx, 10)
-		}
-		return err
+		return restoresStep(ctx, withPeers(c.client(t, r)), 10)
 	})
 }
