@@ -20,6 +20,8 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/grpc/codes"
+
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
@@ -660,6 +662,13 @@ func (c *JobCoordinator) negotiationStarted() bool {
 // waiting callers return ErrClosed. Calls carrying an id of an earlier incarnation, and
 // Restored or Sync with an id the current coordinator has not seen negotiate, fail with
 // ErrOtherIncarnation.
+//
+// Only rank 0 starts an incarnation: a Negotiate from another agent (RemoteCoordinator) that
+// would start one is told to try again (UNAVAILABLE, the caller looks up rank 0 again), and so
+// is every call from another agent once this agent's own newest incarnation of the job is not
+// rank 0 (Resign). A job restarted with rank 0 on another machine, whose former rank-0 agent
+// still runs, then has one coordinator: before, the ranks that looked up rank 0 before the new
+// one registered negotiated with the former, which started an incarnation of its own.
 type Job struct {
 	opts Options
 
@@ -667,15 +676,55 @@ type Job struct {
 	cur     *JobCoordinator // GUARDED_BY(mu); nil before the first negotiation
 	ids     []string        // GUARDED_BY(mu); by rank: the agent incarnation id cur coordinates
 	retired map[string]bool // GUARDED_BY(mu); the ids of every earlier incarnation (a few per restart)
+	// resigned is set when this agent's newest incarnation of the job is not rank 0 (Resign),
+	// until it negotiates as rank 0 again: calls from other agents are sent to look again.
+	resigned bool // GUARDED_BY(mu)
+}
+
+// errNotRankZero is the UNAVAILABLE answer to a call from another agent that this agent cannot
+// coordinate: its own newest incarnation of the job is not rank 0, or the call would start an
+// incarnation that rank 0 did not start here. The caller looks up rank 0 again and retries.
+var errNotRankZero = errors.New("this agent is not rank 0 of the job's newest incarnation (yet)")
+
+// Resign tells the job that this agent's newest incarnation of it is not rank 0: its coordinator
+// ends (waiting callers get ErrClosed; a Negotiate from another agent is retried) and calls from
+// other agents are told to look up rank 0 again, until this agent negotiates as rank 0 again.
+func (j *Job) Resign() {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	j.resigned = true
+	if j.cur != nil {
+		j.opts.LastBackup = j.cur.lastBackup()
+		j.cur.Close()
+		j.cur, j.ids = nil, nil
+	}
 }
 
 // NewJob returns a Job whose coordinators use opts. Its LastBackup is carried from one
 // incarnation's coordinator to the next.
 func NewJob(opts Options) *Job { return &Job{opts: opts} }
 
-// Coordinator returns the coordinator for a call from rank in the agent incarnation inc;
-// negotiate is true for Negotiate, the only call that may start an incarnation.
+// isResigned reports whether Resign holds (see Job).
+func (j *Job) isResigned() bool {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.resigned
+}
+
+// Coordinator returns the coordinator for a call from rank in the agent incarnation inc, made in
+// this process (LocalClient); negotiate is true for Negotiate, the only call that may start an
+// incarnation.
 func (j *Job) Coordinator(rank int, inc tiers.Incarnation, negotiate bool) (*JobCoordinator, error) {
+	return j.coordinator(rank, inc, negotiate, false)
+}
+
+// RemoteCoordinator is Coordinator for a call from another agent (CoordinatorService): only a
+// rank-0 caller may start an incarnation, and none is served while this agent resigned.
+func (j *Job) RemoteCoordinator(rank int, inc tiers.Incarnation, negotiate bool) (*JobCoordinator, error) {
+	return j.coordinator(rank, inc, negotiate, true)
+}
+
+func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote bool) (*JobCoordinator, error) {
 	cfg := inc.Config
 	if cfg == nil {
 		return nil, fmt.Errorf("incarnation %s has no config", inc.ID)
@@ -685,6 +734,12 @@ func (j *Job) Coordinator(rank int, inc tiers.Incarnation, negotiate bool) (*Job
 	}
 	j.mu.Lock()
 	defer j.mu.Unlock()
+	switch {
+	case remote && j.resigned:
+		return nil, &codedError{code: codes.Unavailable, err: fmt.Errorf("rank %d: %w", rank, errNotRankZero)}
+	case !remote && negotiate && rank == 0:
+		j.resigned = false
+	}
 	if j.retired[inc.ID] {
 		return nil, fmt.Errorf("incarnation %s of rank %d: %w (superseded by a newer one)", inc.ID, rank, ErrOtherIncarnation)
 	}
@@ -701,7 +756,10 @@ func (j *Job) Coordinator(rank int, inc tiers.Incarnation, negotiate bool) (*Job
 	} else if !negotiate {
 		return nil, fmt.Errorf("incarnation %s of rank %d: %w (not negotiated)", inc.ID, rank, ErrOtherIncarnation)
 	}
-	// The job restarted (or started, or changed shape): a new incarnation.
+	// The job restarted (or started, or changed shape): a new incarnation, which rank 0 starts.
+	if remote && rank != 0 {
+		return nil, &codedError{code: codes.Unavailable, err: fmt.Errorf("negotiation of rank %d, incarnation %s: %w", rank, inc.ID, errNotRankZero)}
+	}
 	opts := j.opts
 	if j.cur != nil {
 		if j.retired == nil {

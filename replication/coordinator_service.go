@@ -157,7 +157,7 @@ func (s *CoordinatorService) admit(ctx context.Context, caller *peerpb.Caller, n
 	if err == nil {
 		c, inc, err = s.coordinator(from, caller, negotiate)
 	}
-	if err != nil && !errors.Is(err, errNotStarted) {
+	if err != nil && !errors.Is(err, errNotStarted) && !errors.Is(err, errNotRankZero) {
 		method, _ := grpc.Method(ctx)
 		s.log.Warn("coordinator call refused", "peer", peerAddr(ctx), "method", method, "job", from.Job, "rank", from.Rank,
 			"incarnation", from.Incarnation, "err", err)
@@ -176,6 +176,8 @@ func (s *CoordinatorService) coordinator(from Identity, caller *peerpb.Caller, n
 	}
 	cur := s.cfg.Job.currentConfig()
 	switch {
+	case s.cfg.Job.isResigned():
+		return nil, tiers.Incarnation{}, &codedError{code: codes.Unavailable, err: fmt.Errorf("rank %d: %w", cfg.NodeRank, errNotRankZero)}
 	case cur == nil && negotiate:
 		return nil, tiers.Incarnation{}, withCode(codes.Unavailable, "negotiation of rank %d: %w", cfg.NodeRank, errNotStarted)
 	case cur == nil:
@@ -190,7 +192,7 @@ func (s *CoordinatorService) coordinator(from Identity, caller *peerpb.Caller, n
 	// shape in between, this Negotiate starts one of the old shape again (and the rank-0
 	// agent's gets ErrClosed). Closing that needs the check inside Job.Coordinator's lock.
 	inc := tiers.Incarnation{ID: from.Incarnation, Config: cfg}
-	c, err := s.cfg.Job.Coordinator(cfg.NodeRank, inc, negotiate)
+	c, err := s.cfg.Job.RemoteCoordinator(cfg.NodeRank, inc, negotiate)
 	if err != nil {
 		return nil, inc, coordinatorStatus(err)
 	}
@@ -527,12 +529,15 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 				return giveUp(fmt.Errorf("coordinator %s at %s: %w", method, addr, ctx.Err()), attempt)
 			}
 			err = fmt.Errorf("coordinator %s at %s: %w", method, addr, newRemoteError(err))
+			// A Negotiate whose coordinator ended under it (this agent's former rank 0 became
+			// another rank, or stopped) negotiates again with rank 0 as it is found now.
+			closedWait := method == "Negotiate" && errors.Is(err, ErrClosed)
 			shapeWait := method == "Negotiate" && errors.Is(err, ErrJobShape)
 			if shapeWait && shapeUntil.IsZero() {
 				shapeUntil = time.Now().Add(r.cfg.ShapeGrace)
 			}
 			shapeWait = shapeWait && time.Now().Before(shapeUntil)
-			if !retryable(err) && !shapeWait {
+			if !retryable(err) && !shapeWait && !closedWait {
 				return err
 			}
 		}

@@ -2,6 +2,7 @@ package replication
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -395,4 +396,66 @@ func TestCoordinatorPlanConversion(t *testing.T) {
 	require.NoError(t, err)
 	got := configFromPB(caller.GetShape(), int(caller.GetRank()))
 	assert.Equal(t, inc.Config, got)
+}
+
+// Only rank 0 starts an incarnation, and an agent that is another rank now coordinates nobody
+// (Job.Resign): a job restarted with rank 0 on another machine, whose former rank-0 agent
+// still ran, had the ranks that looked up rank 0 too early start an incarnation of their own on
+// the former agent, and waited there for ever (found by a black-box run).
+func TestOnlyRankZeroStartsAnIncarnation(t *testing.T) {
+	t.Parallel()
+	const nodes = 3
+	j := newCoordinatorJob(t, nodes, Options{})
+	ctx := t.Context()
+	negotiate := func(r int, inc tiers.Incarnation) <-chan error {
+		return async(func() error {
+			_, err := j.clients[r].Negotiate(ctx, inc, tiers.Inventory{Rank: r})
+			return err
+		})
+	}
+	// Incarnation A, negotiated by every rank.
+	var waits []<-chan error
+	for r := range nodes {
+		waits = append(waits, negotiate(r, agentInc(fmt.Sprint("a", r), r, nodes)))
+	}
+	for _, ch := range waits {
+		require.NoError(t, result(t, ch, "Negotiate of A"))
+	}
+	a := current(j.job)
+
+	// The job restarts; rank 1 reaches this agent before rank 0 did: it waits (retrying), and
+	// no incarnation starts.
+	b1 := negotiate(1, agentInc("b1", 1, nodes))
+	time.Sleep(100 * time.Millisecond)
+	stillWaiting(t, b1, "rank 1's Negotiate of B before rank 0's")
+	require.Same(t, a, current(j.job), "rank 1 started an incarnation")
+	b0 := negotiate(0, agentInc("b0", 0, nodes))
+	b2 := negotiate(2, agentInc("b2", 2, nodes))
+	for _, ch := range []<-chan error{b0, b1, b2} {
+		require.NoError(t, result(t, ch, "Negotiate of B"))
+	}
+
+	// The job restarts again: this agent's rank 0 and rank 1 negotiated C, waiting for rank 2,
+	// when this agent's own incarnation D turns out to be another rank (Resign): its
+	// coordinator ends. Rank 0's incarnation C is over; rank 1 keeps looking for rank 0 (it
+	// returned ErrClosed before) and is told to look again while this agent is not rank 0.
+	c0 := negotiate(0, agentInc("c0", 0, nodes))
+	c1 := negotiate(1, agentInc("c1", 1, nodes))
+	time.Sleep(100 * time.Millisecond)
+	j.job.Resign()
+	require.ErrorIs(t, result(t, c0, "rank 0's Negotiate of C"), ErrClosed)
+	time.Sleep(100 * time.Millisecond)
+	stillWaiting(t, c1, "rank 1's Negotiate of C once its coordinator ended")
+	require.Nil(t, current(j.job))
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err := j.clients[2].Negotiate(short, agentInc("c2", 2, nodes), tiers.Inventory{Rank: 2})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "not rank 0 of the job's newest incarnation")
+	// This agent is rank 0 again: rank 1's C joins its incarnation.
+	e0 := negotiate(0, agentInc("e0", 0, nodes))
+	e2 := negotiate(2, agentInc("e2", 2, nodes))
+	for _, ch := range []<-chan error{e0, c1, e2} {
+		require.NoError(t, result(t, ch, "Negotiate once rank 0 is back"))
+	}
 }

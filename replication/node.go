@@ -314,6 +314,20 @@ func (n *Node) call(ctx context.Context, job string, rank int, f func(context.Co
 	return err
 }
 
+// forgetTargets drops the agents found for job's ranks: a new incarnation may put its ranks on
+// other machines (a job rescheduled), and its agents register again before they negotiate.
+// Before, a fetch of the new incarnation went to the agent that had the rank before, which
+// answered that it did not hold the data: the restore failed.
+func (n *Node) forgetTargets(job string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for k := range n.targets {
+		if k.job == job {
+			delete(n.targets, k)
+		}
+	}
+}
+
 func (n *Node) Push(ctx context.Context, inc tiers.Incarnation, rank int, name, path string) error {
 	return n.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, s *Sender, conn *grpc.ClientConn) error {
 		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
@@ -519,6 +533,12 @@ const defaultJoinLimit = 4 * time.Minute
 // agent of the job registers where it listens, for this incarnation; a rank that reaches rank 0
 // before rank 0 started the incarnation is told to retry.
 func (n *Node) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {
+	if inc.Config.NodeRank != 0 {
+		// Another rank now: the coordinator this agent ran as rank 0 ends, and the agents that
+		// still find it look up the new rank 0 (Job.Resign).
+		n.job.Resign()
+	}
+	n.forgetTargets(inc.Config.JobName)
 	if cfg := inc.Config; cfg.Nodes > 1 && n.registry != nil {
 		if err := n.join(ctx, inc); err != nil {
 			return tiers.RestorePlan{}, err
