@@ -144,6 +144,25 @@ func (h Spools) Find(path string, spools []SpoolInfo) ([]SpoolInfo, error) {
 	return out, nil
 }
 
+// Settle waits, at most wait, while s is in use by an agent that is exiting (kill -9 a moment
+// ago: SIGKILL pending, a zombie, or gone while its lock is released), and returns s as it is
+// then. A spool in use by a live agent is returned at once. Before, `mtcfs spool free` right
+// after a kill -9 refused, naming the dying agent as running.
+func (h Spools) Settle(s SpoolInfo, wait time.Duration) SpoolInfo {
+	deadline := time.Now().Add(wait)
+	for s.InUse && s.AgentPID > 0 && pidExiting(s.AgentPID) && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+		s.InUse, s.AgentPID = h.user(s, nil, nil)
+	}
+	return s
+}
+
+// pidExiting reports whether process pid is gone or exiting (exitingStatus).
+func pidExiting(pid int) bool {
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	return err != nil || exitingStatus(string(status))
+}
+
 // FreeSpool unmounts and removes a spool that no agent uses. It holds the spool's lock while
 // doing so, so an agent starting on it meanwhile waits and then starts with an empty spool.
 func FreeSpool(s SpoolInfo) error {

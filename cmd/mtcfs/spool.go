@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/mtcfs/mtcfs/internal/agents"
 	"github.com/mtcfs/mtcfs/internal/report"
@@ -104,6 +105,7 @@ func cmdSpoolFree(args []string) int {
 	}
 	code := 0
 	for _, s := range targets {
+		s = localSpools.Settle(s, 10*time.Second) // an agent killed a moment ago is still exiting
 		if err := tiers.FreeSpool(s); err != nil {
 			fmt.Fprintln(os.Stderr, "mtcfs spool free:", err)
 			code = 1
