@@ -1337,3 +1337,25 @@ func TestRestoreGivesTheStepToTheJobsUser(t *testing.T) {
 		t.Errorf("restored for uid 1000: %q, want %q", got, want)
 	}
 }
+
+// After a restore the restored step counts as sealed on the node (it is sealed data), as it
+// counts as committed and, once re-protected, replicated. Before, a restarted agent said
+// sealed -1 beside committed and replicated 3 until the job saved again (found by a
+// black-box run, in /metrics).
+func TestRestoredStepCountsAsSealed(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	doc := withKeys()
+	h.start(doc, "job")
+	h.orbaxSave(3, checkpointFiles("3"))
+	h.waitSealed("job", 3, "3")
+	h2 := h.restart()
+	h2.yamlOrbax(doc)
+	h2.waitMarkers(marker("job", 3, 0, 0, layout.MarkerRestore))
+	h2.eventually("the restored step's status", func() string {
+		if st := h2.r.Status(); st.Committed != 3 || st.Sealed != 3 || st.Replicated != 3 {
+			return fmt.Sprintf("committed %d, sealed %d, replicated %d: want 3, 3, 3", st.Committed, st.Sealed, st.Replicated)
+		}
+		return ""
+	})
+}

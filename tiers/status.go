@@ -98,9 +98,10 @@ func (r *Replicator) Status() Status {
 	st := Status{Phase: "idle", Rank: -1, Replicated: -1}
 	current, last := r.incs.both()
 	job := "" // the job the steps shown are of: the newest incarnation's
+	restored := int64(0)
 	if last != nil {
 		last.mu.Lock()
-		st.Committed, st.Replicated = last.committed, last.replicated
+		st.Committed, st.Replicated, restored = last.committed, last.replicated, last.restored
 		last.mu.Unlock()
 		job = last.Config.JobName
 	}
@@ -111,7 +112,9 @@ func (r *Replicator) Status() Status {
 		st.Phase, st.Restored, st.Restore, st.Waiting = inc.phase, inc.restored, inc.restore.view(), inc.waiting
 		inc.mu.Unlock()
 	}
-	st.Sealed = r.sealer.latest(job)
+	// The restored step is sealed data too: before, a node that restored step 20 and had not
+	// sealed a step since said sealed -1 beside committed and replicated 20.
+	st.Sealed = max(r.sealer.latest(job), restored)
 	var backup *Progress
 	backup, st.LastBackup, st.BackedUp = r.backups.status(job)
 	st.Backup = backup.view()
