@@ -19,8 +19,11 @@ type jobLines struct {
 	// writeMu serialises appends: each rewrites the whole file (read, append, write).
 	writeMu sync.Mutex
 	mu      sync.Mutex
-	recent  []string // GUARDED_BY(mu); the last lines reported, oldest first
+	recent  []reportedLine // GUARDED_BY(mu); the last lines reported, oldest first
 }
+
+// reportedLine is a line reported to a job, kept for status.
+type reportedLine struct{ job, line string }
 
 // recentLines is how many reported lines status shows.
 const recentLines = 20
@@ -70,16 +73,23 @@ func (l *jobLines) appendLine(file, level string, cfg *Config, msg string) {
 	}
 	l.log.Warn("reported to the job", "file", file, "message", msg)
 	l.mu.Lock()
-	l.recent = append(l.recent, strings.TrimSpace(line))
+	l.recent = append(l.recent, reportedLine{job, strings.TrimSpace(line)})
 	if len(l.recent) > recentLines {
 		l.recent = l.recent[len(l.recent)-recentLines:]
 	}
 	l.mu.Unlock()
 }
 
-// recentErrors returns the last lines reported.
-func (l *jobLines) recentErrors() []string {
+// recentErrors returns the last lines reported to job (of every incarnation of it; another job's
+// on the same mount are not its news).
+func (l *jobLines) recentErrors(job string) []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return append([]string(nil), l.recent...)
+	var out []string
+	for _, r := range l.recent {
+		if job == "" || r.job == job || r.job == "?" { // "?": a line before the job was known
+			out = append(out, r.line)
+		}
+	}
+	return out
 }

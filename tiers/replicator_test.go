@@ -1359,3 +1359,25 @@ func TestRestoredStepCountsAsSealed(t *testing.T) {
 		return ""
 	})
 }
+
+// Status shows the lines reported to the newest incarnation's job, not another job's on the same
+// mount: before, a second job's status led with the first job's errors (found by a black-box
+// run).
+func TestStatusErrorsAreTheJobs(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(withKeys("bogus-key: 1"), "job")
+	if errs := h.r.Status().Errors; len(errs) != 1 || !strings.Contains(errs[0], `job=job `) || !strings.Contains(errs[0], `unknown key "bogus-key"`) {
+		t.Fatalf("status errors of job: %q", errs)
+	}
+	h.start(withKeys("job-name: other", "other-bogus: 1"), "other")
+	errs := h.r.Status().Errors
+	if len(errs) == 0 {
+		t.Fatal("status shows no error of job other")
+	}
+	for _, e := range errs {
+		if !strings.Contains(e, "job=other ") {
+			t.Errorf("status of job other shows %q", e)
+		}
+	}
+}
