@@ -1381,3 +1381,13 @@ func TestStatusErrorsAreTheJobs(t *testing.T) {
 		}
 	}
 }
+
+// Before anything is sealed or restored, sealed is -1, not the 0 of "nothing restored".
+func TestSealedBeforeAnyStepIsMinusOne(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(withKeys(), "job")
+	if st := h.r.Status(); st.Sealed != -1 {
+		t.Fatalf("sealed %d on a fresh start, want -1", st.Sealed)
+	}
+}

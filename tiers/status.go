@@ -114,11 +114,14 @@ func (r *Replicator) Status() Status {
 	}
 	// The restored step is sealed data too: before, a node that restored step 20 and had not
 	// sealed a step since said sealed -1 beside committed and replicated 20.
-	st.Sealed = max(r.sealer.latest(job), restored)
+	st.Sealed = r.sealer.latest(job)
+	if restored > 0 { // 0: nothing restored (a restored step 0 is not told apart)
+		st.Sealed = max(st.Sealed, restored)
+	}
 	var backup *Progress
 	backup, st.LastBackup, st.BackedUp = r.backups.status(job)
 	st.Backup = backup.view()
-	st.Errors = r.lines.recentErrors()
+	st.Errors = r.lines.recentErrors(job)
 	st.Steps = r.retention.steps()
 	if r.cfg.Store != nil {
 		st.BackupStore = r.cfg.Store.String()
