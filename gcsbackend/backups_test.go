@@ -515,6 +515,7 @@ func TestUploadDataParallelMetaOnly(t *testing.T) {
 	// Rank 0's column-mate (rank 1, the last partition) has not uploaded yet.
 	err := b.Upload(ctx, UploadRequest{Job: testJob, Backup: backup, Step: 4, Slot: Slot{0, 0}, Hash: h})
 	assert.True(t, IsNotFound(err), "a .meta naming absent data must be refused, got %v", err)
+	assert.ErrorIs(t, err, tiers.ErrDataNotInBackup)
 
 	src := t.TempDir()
 	writeTree(t, src, slotTree(4, Slot{}))

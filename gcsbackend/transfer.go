@@ -80,8 +80,10 @@ func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 		}
 	}
 	if req.Source == "" {
-		if _, err := b.Store.Stat(ctx, dir+manifestName(req.Hash)); err != nil {
-			return fmt.Errorf("upload %s: data %s is not in the backup: %w", meta, dataName(req.Hash), err)
+		if _, err := b.Store.Stat(ctx, dir+manifestName(req.Hash)); IsNotFound(err) {
+			return fmt.Errorf("upload %s: data %s: %w (%w)", meta, dataName(req.Hash), tiers.ErrDataNotInBackup, err)
+		} else if err != nil {
+			return fmt.Errorf("upload %s: data %s: %w", meta, dataName(req.Hash), err)
 		}
 	} else if err := b.uploadData(ctx, dir, req); err != nil {
 		return fmt.Errorf("upload %s to %s: %w", req.Source, dir+dataName(req.Hash), err)

@@ -163,27 +163,38 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 // its own data after all: the backup stays complete and self-consistent.
 func (b *backupRunner) upload(cfg *Config, p *Progress, column []string) ([]string, error) {
 	b.log.Info("backup started", "backup", p.Backup, "step", p.Step, "store", b.store.String())
+	// Naming the column's data needs nothing of this node's: its own copy of the step may be
+	// freed by now (the job saved a newer step while the column's uploader uploaded).
+	named := 0
+	if len(column) > 0 {
+		if len(column) == cfg.WorkersPerNode {
+			var err error
+			named, err = b.nameColumn(cfg, p, column)
+			switch {
+			case err == nil:
+				return column, nil
+			case !errors.Is(err, ErrDataNotInBackup):
+				return nil, err // the same order is given again
+			}
+			b.log.Warn("the column's data is not in the backup: uploading this node's own", "backup", p.Backup, "step", p.Step,
+				"named", named, "err", err)
+		} else {
+			b.log.Warn("the column's data names another number of workers: uploading this node's own",
+				"backup", p.Backup, "step", p.Step, "workers", cfg.WorkersPerNode, "named", len(column))
+		}
+	}
 	hashes, release, err := b.retention.holdStep(cfg, p.Step)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	if len(column) > 0 {
-		if len(column) == len(hashes) {
-			if err := b.nameColumn(cfg, p, column); err == nil {
-				return column, nil
-			} else if b.ctx.Err() != nil {
-				return nil, err
-			} else {
-				b.log.Warn("naming the column's data in the backup failed: uploading this node's own", "backup", p.Backup, "step", p.Step, "err", err)
-			}
-		} else {
-			b.log.Warn("the column's data names another number of workers: uploading this node's own",
-				"backup", p.Backup, "step", p.Step, "workers", len(hashes), "named", len(column))
-		}
-	}
+	// The workers whose .meta already names the column's data keep it.
+	copy(hashes, column[:named])
 	var base int64
 	for w, hash := range hashes {
+		if w < named {
+			continue
+		}
 		err := b.store.Upload(b.ctx, Upload{
 			Job: cfg.JobName, Backup: p.Backup, Step: p.Step, Slot: Slot{cfg.NodeRank, w}, Hash: hash,
 			Shape:  cfg.Shape(),
@@ -201,8 +212,8 @@ func (b *backupRunner) upload(cfg *Config, p *Progress, column []string) ([]stri
 }
 
 // nameColumn uploads this node's .meta files of p.Step, naming data (by worker) already in the
-// backup.
-func (b *backupRunner) nameColumn(cfg *Config, p *Progress, data []string) error {
+// backup, and returns how many it uploaded (worker 0 up).
+func (b *backupRunner) nameColumn(cfg *Config, p *Progress, data []string) (int, error) {
 	p.update(0, 0)
 	for w, hash := range data {
 		err := b.store.Upload(b.ctx, Upload{
@@ -210,11 +221,11 @@ func (b *backupRunner) nameColumn(cfg *Config, p *Progress, data []string) error
 			Shape: cfg.Shape(),
 		})
 		if err != nil {
-			return err
+			return w, err
 		}
 	}
 	b.log.Info("backup: named the column's data", "backup", p.Backup, "step", p.Step, "data", data)
-	return nil
+	return len(data), nil
 }
 
 // stop lets no new backup start and waits until the running one (if any) finished, at most the

@@ -2,7 +2,10 @@ package tiers_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -220,5 +223,91 @@ func TestBackupNamingMissingColumnDataUploadsOwn(t *testing.T) {
 				return fmt.Sprintf("reports %+v: none done naming %s", h.coord.backupReports(), own)
 			})
 		})
+	}
+}
+
+// A node outside the last partition names its column's data without its own copy of the step:
+// the job may have saved a newer step, and retention freed the ordered one, while the column's
+// uploader uploaded. Before, its order failed ("no longer in this node's RAM"), the coordinator
+// ordered the newer step instead, and with saves more frequent than uploads no data-parallel
+// backup ever completed (found by a review).
+func TestNamingTheColumnsDataNeedsNoOwnCopy(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	var h1 string
+	proceed := make(chan struct{})
+	h := newHarness(t, harnessConfig{store: store, backupOrder: func(o *tiers.BackupOrder) {
+		if o.Step == 1 {
+			<-proceed
+			o.Data = []string{h1}
+		}
+	}})
+	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h1 = h.waitSealed("job", 1, "1")
+	// The column's uploader's data: step 1's, uploaded to the backup under another step.
+	copyDir := filepath.Join(t.TempDir(), "copy")
+	if out, err := exec.Command("cp", "-a", h.spoolGlob(h1 + ".data")[0], copyDir).CombinedOutput(); err != nil {
+		t.Fatalf("cp: %v %s", err, out)
+	}
+	h.orbaxSave(2, checkpointFiles("2"))
+	h.waitSealed("job", 2, "2")
+	h.eventually("step 1 freed", func() string {
+		if len(h.spoolGlob(h1+".data")) != 0 {
+			return "step 1's data is still in RAM"
+		}
+		return ""
+	})
+	name := "2030-01-02_03-00"
+	if err := store.BackupStore.Upload(t.Context(), tiers.Upload{Job: "job", Backup: name, Step: 99, Hash: h1, Source: copyDir,
+		Shape: tiers.Shape{Nodes: 1, Workers: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	close(proceed)
+	h.eventually("the backup of step 1, naming the column's data", func() string {
+		for _, r := range h.coord.backupReports() {
+			if r.Failed == name {
+				return "failed: " + r.Err
+			}
+			if r.Done == name && slices.Equal(r.Hashes, []string{h1}) {
+				return ""
+			}
+		}
+		return fmt.Sprintf("reports %+v", h.coord.backupReports())
+	})
+	if b, ok := completeStep(t, store, "job", 1); !ok || b != name {
+		t.Fatalf("step 1 is not complete in %s", name)
+	}
+}
+
+// A transient failure naming the column's data (a 503, a timeout) fails the order, which is
+// given again: the node does not upload its own data for it, which would bring back the
+// traffic data-parallel mode saves.
+func TestNamingTheColumnsDataRetriesATransientFailure(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	column := []string{"D" + strings.Repeat("3", 64)}
+	h := newHarness(t, harnessConfig{store: store, backupOrder: func(o *tiers.BackupOrder) { o.Data = column }})
+	store.setBeforeUpload(func(ctx context.Context, u tiers.Upload) error {
+		if u.Source == "" {
+			return errors.New("googleapi: Error 503: backend unavailable")
+		}
+		return nil
+	})
+	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.eventually("the failed order", func() string {
+		for _, r := range h.coord.backupReports() {
+			if r.Failed != "" && strings.Contains(r.Err, "503") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("reports %+v", h.coord.backupReports())
+	})
+	uploads, _ := store.uploadLog()
+	for _, u := range uploads {
+		if u.Source != "" {
+			t.Fatalf("the node uploaded its own data (%s) after a transient failure", u.Hash)
+		}
 	}
 }

@@ -113,6 +113,9 @@ var ErrCorruptBackup = errors.New("the backup's data is corrupt")
 // ErrNoBackup means a named backup does not exist.
 var ErrNoBackup = errors.New("no such backup")
 
+// ErrDataNotInBackup means an Upload without a Source named data that is not in the backup.
+var ErrDataNotInBackup = errors.New("the data is not in the backup")
+
 // PlanLimits bound a restore plan's use of the backup location, so that an outage of the
 // location (GCS unreachable, a network that drops packets, credentials gone) neither keeps a job
 // from its checkpoint in RAM nor outlasts the job's wait for its markers (300 s, SPEC §5). Zero
