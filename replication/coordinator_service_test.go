@@ -422,11 +422,19 @@ func TestOnlyRankZeroStartsAnIncarnation(t *testing.T) {
 		require.NoError(t, result(t, ch, "Negotiate of A"))
 	}
 	a := current(j.job)
+	refused := func(r int) {
+		t.Helper()
+		rc := j.clients[r].(*RemoteCoordinator)
+		require.Eventually(t, func() bool {
+			what, _ := rc.WaitingFor(tiers.Incarnation{})
+			return strings.Contains(what, errNotRankZero.Error())
+		}, 10*time.Second, time.Millisecond, "rank %d was not told to look again", r)
+	}
 
-	// The job restarts; rank 1 reaches this agent before rank 0 did: it waits (retrying), and
-	// no incarnation starts.
+	// The job restarts; rank 1 reaches this agent before rank 0 did: it is told to look again
+	// (and retries), and no incarnation starts.
 	b1 := negotiate(1, agentInc("b1", 1, nodes))
-	time.Sleep(100 * time.Millisecond)
+	refused(1)
 	stillWaiting(t, b1, "rank 1's Negotiate of B before rank 0's")
 	require.Same(t, a, current(j.job), "rank 1 started an incarnation")
 	b0 := negotiate(0, agentInc("b0", 0, nodes))
@@ -440,11 +448,22 @@ func TestOnlyRankZeroStartsAnIncarnation(t *testing.T) {
 	// coordinator ends. Rank 0's incarnation C is over; rank 1 keeps looking for rank 0 (it
 	// returned ErrClosed before) and is told to look again while this agent is not rank 0.
 	c0 := negotiate(0, agentInc("c0", 0, nodes))
+	require.Eventually(t, func() bool {
+		c := current(j.job)
+		if c == nil || c == a {
+			return false
+		}
+		what, _ := c.waitingFor()
+		return strings.HasPrefix(what, "1 of 3 nodes sent their inventory")
+	}, 10*time.Second, time.Millisecond, "rank 0 started C")
 	c1 := negotiate(1, agentInc("c1", 1, nodes))
-	time.Sleep(100 * time.Millisecond)
+	require.Eventually(t, func() bool {
+		what, _ := current(j.job).waitingFor()
+		return strings.HasPrefix(what, "2 of 3 nodes sent their inventory")
+	}, 10*time.Second, time.Millisecond, "ranks 0 and 1 wait in C")
 	j.job.Resign()
 	require.ErrorIs(t, result(t, c0, "rank 0's Negotiate of C"), ErrClosed)
-	time.Sleep(100 * time.Millisecond)
+	refused(1)
 	stillWaiting(t, c1, "rank 1's Negotiate of C once its coordinator ended")
 	require.Nil(t, current(j.job))
 	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)

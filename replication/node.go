@@ -82,7 +82,7 @@ type Node struct {
 
 	mu         sync.Mutex
 	conns      map[string]*grpc.ClientConn   // GUARDED_BY(mu); by address
-	targets    map[peerKey]Peer              // GUARDED_BY(mu); found peers, until a call fails
+	targets    targetCache                   // found peers, until a call fails
 	remotes    map[string]*RemoteCoordinator // GUARDED_BY(mu); per job
 	registered map[string]Registration       // GUARDED_BY(mu); this node's, per job
 	// joining says, per job, what Negotiate is doing in the backup location before it reaches
@@ -139,7 +139,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 		cfg.Log = slog.Default()
 	}
 	n := &Node{cfg: cfg, log: cfg.Log, peers: cfg.Peers, addr: cfg.Listener.Addr().String(), instance: newInstanceID(),
-		dial: insecure.NewCredentials(), conns: map[string]*grpc.ClientConn{}, targets: map[peerKey]Peer{},
+		dial: insecure.NewCredentials(), conns: map[string]*grpc.ClientConn{},
 		remotes: map[string]*RemoteCoordinator{}, registered: map[string]Registration{}, joining: map[string]string{},
 		joinLimit: defaultJoinLimit}
 	n.life, n.endLife = context.WithCancel(context.Background())
@@ -282,17 +282,15 @@ func (n *Node) call(ctx context.Context, job string, rank int, f func(context.Co
 		return errNodeNotStarted
 	}
 	key := peerKey{job, rank}
-	n.mu.Lock()
-	p, ok := n.targets[key]
-	n.mu.Unlock()
-	if !ok {
+	p, cached, gen := n.targets.get(key)
+	if !cached {
 		var err error
 		if p, err = n.peers.Find(ctx, job, rank); err != nil {
 			return err
 		}
+		n.targets.put(key, p, gen)
 	}
 	n.mu.Lock()
-	n.targets[key] = p
 	conn, ok := n.conns[p.Addr]
 	if !ok {
 		var err error
@@ -305,11 +303,12 @@ func (n *Node) call(ctx context.Context, job string, rank int, f func(context.Co
 	}
 	n.mu.Unlock()
 	err := f(WithTarget(ctx, p.Instance), sender, conn)
-	if status.Code(err) == codes.Unavailable || errors.Is(err, ErrStalled) {
+	switch code := status.Code(err); {
+	case code == codes.Unavailable || errors.Is(err, ErrStalled):
 		conn.ResetConnectBackoff()
-		n.mu.Lock()
-		delete(n.targets, key)
-		n.mu.Unlock()
+		fallthrough
+	case code == codes.NotFound: // "not held here": perhaps an agent that had the rank before
+		n.targets.drop(key, p)
 	}
 	return err
 }
@@ -318,12 +317,56 @@ func (n *Node) call(ctx context.Context, job string, rank int, f func(context.Co
 // other machines (a job rescheduled), and its agents register again before they negotiate.
 // Before, a fetch of the new incarnation went to the agent that had the rank before, which
 // answered that it did not hold the data: the restore failed.
-func (n *Node) forgetTargets(job string) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	for k := range n.targets {
+func (n *Node) forgetTargets(job string) { n.targets.forget(job) }
+
+// targetCache keeps the peer found for each job's rank. forget drops a job's, and a lookup that
+// began before it (get's gen) is not kept by put: a call of an earlier incarnation in flight
+// does not put back the agent that had the rank before.
+type targetCache struct {
+	mu    sync.Mutex
+	peers map[peerKey]Peer  // GUARDED_BY(mu)
+	gen   map[string]uint64 // GUARDED_BY(mu); forgets by job
+}
+
+func (c *targetCache) get(key peerKey) (p Peer, ok bool, gen uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	p, ok = c.peers[key]
+	return p, ok, c.gen[key.job]
+}
+
+// put keeps p for key unless the job's targets were forgotten since get returned gen.
+func (c *targetCache) put(key peerKey, p Peer, gen uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.gen[key.job] != gen {
+		return
+	}
+	if c.peers == nil {
+		c.peers = map[peerKey]Peer{}
+	}
+	c.peers[key] = p
+}
+
+// drop forgets key's peer if it is still p.
+func (c *targetCache) drop(key peerKey, p Peer) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.peers[key] == p {
+		delete(c.peers, key)
+	}
+}
+
+func (c *targetCache) forget(job string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.gen == nil {
+		c.gen = map[string]uint64{}
+	}
+	c.gen[job]++
+	for k := range c.peers {
 		if k.job == job {
-			delete(n.targets, k)
+			delete(c.peers, k)
 		}
 	}
 }
@@ -548,7 +591,11 @@ func (n *Node) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.I
 	if err != nil {
 		return tiers.RestorePlan{}, err
 	}
-	return co.Negotiate(ctx, inc, inv)
+	plan, err := co.Negotiate(ctx, inc, inv)
+	// Every rank registered for this incarnation before it negotiated: what an earlier
+	// incarnation's pushes looked up meanwhile goes.
+	n.forgetTargets(inc.Config.JobName)
+	return plan, err
 }
 
 // join does Negotiate's part in the backup location: the job's secret, then this node's

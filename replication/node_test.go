@@ -614,3 +614,43 @@ func TestCorruptReplicaIsDroppedWhenAskedFor(t *testing.T) {
 		assert.NoFileExists(t, a.ns.path(layout.ReplicatorFailedName), "rank %d", r)
 	}
 }
+
+// The peers found for a job's ranks are forgotten at each incarnation, and a lookup begun
+// before that is not kept: a push of an earlier incarnation in flight would put back the agent
+// that had the rank before, and the new incarnation's restore would fetch from it ("not held
+// here"; found by a review of the fix for rank 0 moving).
+func TestTargetCacheForgetsAcrossIncarnations(t *testing.T) {
+	var c targetCache
+	k0, other := peerKey{"job", 0}, peerKey{"other", 0}
+	old, moved := Peer{Addr: "10.0.0.1:1", Instance: "a"}, Peer{Addr: "10.0.0.2:1", Instance: "b"}
+
+	_, ok, gen := c.get(k0)
+	require.False(t, ok)
+	c.put(k0, old, gen)
+	c.put(other, old, 0)
+	p, ok, _ := c.get(k0)
+	require.True(t, ok)
+	require.Equal(t, old, p)
+
+	// A lookup in flight when the job's new incarnation forgets its targets.
+	_, _, stale := c.get(peerKey{"job", 1})
+	c.forget("job")
+	c.put(peerKey{"job", 1}, old, stale)
+	_, ok, _ = c.get(peerKey{"job", 1})
+	require.False(t, ok, "a lookup begun before forget was kept")
+	_, ok, _ = c.get(k0)
+	require.False(t, ok, "forget kept the job's target")
+	_, ok, _ = c.get(other)
+	require.True(t, ok, "forget dropped another job's target")
+
+	// Found again after; a refusal drops it only if it is still the one that refused.
+	_, _, gen = c.get(k0)
+	c.put(k0, moved, gen)
+	c.drop(k0, old)
+	p, ok, _ = c.get(k0)
+	require.True(t, ok)
+	require.Equal(t, moved, p)
+	c.drop(k0, moved)
+	_, ok, _ = c.get(k0)
+	require.False(t, ok)
+}
