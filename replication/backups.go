@@ -46,8 +46,10 @@ type backupState struct {
 	// resume names the newest backup when it is an upload of the restored step cut short (a
 	// crash, a stop past the drain time; resumeStep): the step's first order completes it under
 	// its name rather than leaving it incomplete beside a new one (SPEC §10). "": none.
-	resume     string
-	resumeStep int64
+	// resumePending holds that order until the store said whether it is (resumeDecided).
+	resume        string
+	resumeStep    int64
+	resumePending bool
 
 	order     *backupOrder  // the backup being taken, nil when none
 	changed   chan struct{} // closed and replaced whenever order changes: wakes waiting calls
@@ -79,8 +81,10 @@ func (b *backupState) wake() {
 
 // backupsAfterPlan sets up the schedule once the plan is known: the highest step already in a
 // complete backup, and whether the restored step still needs one (then it is due as soon as it
-// is synced), into resume when that names a backup of it cut short. Called with mu held.
-func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64, resume string) {
+// is synced). With unfinished (the newest backup has no complete step) it returns true when the
+// caller must find out whether that backup is an upload of the restored step cut short and tell
+// resumeDecided; the step's first order waits for that. Called with mu held.
+func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64, unfinished bool) (resume bool) {
 	b := &c.backups
 	b.backedUp = backedUp
 	if plan.Backup != "" {
@@ -88,10 +92,20 @@ func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64
 	}
 	if plan.Found && plan.Step > b.backedUp {
 		b.started, b.clockFrom, b.synced = true, time.Time{}, b.steps
-		if resume != "" {
-			b.resume, b.resumeStep = resume, plan.Step
+		if unfinished && plan.Backup == "" {
+			b.resumePending, b.resumeStep = true, plan.Step
+			return true
 		}
 	}
+	return false
+}
+
+// resumeDecided records whether the newest backup is to be completed (name) or not (""), and
+// gives the order it held. Called with mu held.
+func (c *JobCoordinator) resumeDecided(name string) {
+	b := &c.backups
+	b.resumePending, b.resume = false, name
+	c.considerBackup(c.clock.Now())
 }
 
 // newestBackedUp returns the highest complete step of the job's newest backup that has one
@@ -190,6 +204,9 @@ func (c *JobCoordinator) considerBackup(now time.Time) {
 			c.armBackupTimer(now, b.clockFrom.Add(b.every))
 		}
 		return
+	}
+	if b.resumePending {
+		return // resumeDecided considers it again
 	}
 	if b.resume != "" {
 		name, step := b.resume, b.resumeStep

@@ -297,11 +297,18 @@ func TestBackupCutShortIsResumed(t *testing.T) {
 			cutShortData: map[string][]string{"2030-01-02_02-55": {dataOf(1, 50)}},
 		}
 	}
-	c, clock := backupJob(t, nodes, 30, 0, store(50), invs)
+	// The plan does not wait for the store's answer (a listing and a verification of the
+	// backup); the restored step's order does.
+	slow := store(50)
+	slow.resumeGate = make(chan struct{})
+	c, clock := backupJob(t, nodes, 30, 0, slow, invs)
 	for _, res := range syncAll(t, c, nodes, 50) { // the re-protection sync of the restored step
 		require.NoError(t, res.err)
 	}
+	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "ordered before the store said whether to resume")
+	close(slow.resumeGate)
 	resumed := tiers.BackupOrder{Backup: "2030-01-02_02-55", Step: 50}
+	require.Equal(t, resumed, eventuallyOrder(t, c, 0))
 	for r := range nodes {
 		assert.Equal(t, resumed, orderOf(t, c, r, tiers.BackupReport{}), "rank %d completes the backup cut short", r)
 	}

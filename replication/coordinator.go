@@ -292,8 +292,9 @@ func (c *JobCoordinator) computePlan() {
 	// restored step counts as not backed up (a backup of it is taken again) and the names as
 	// free from this incarnation's floor on (an upload into an existing backup of the same
 	// minute adds to it; the location was not answering).
-	var newest, resume string
+	var newest string
 	backedUp := int64(-1)
+	unfinished := false // the newest backup has no complete step: perhaps an upload cut short
 	if c.store != nil && err == nil && !plan.BackupsUnread {
 		lctx, cancel := context.WithTimeout(c.ctx, c.planLimits.PinRead)
 		names, lerr := c.store.Backups(lctx, c.cfg.JobName)
@@ -301,11 +302,7 @@ func (c *JobCoordinator) computePlan() {
 			c.log.Warn("list backups", "err", lerr)
 		} else if len(names) > 0 {
 			newest = names[0]
-			var unfinished bool
 			backedUp, unfinished = c.newestBackedUp(lctx, names)
-			if unfinished {
-				resume = c.resumable(lctx, plan, names[0], backedUp)
-			}
 		}
 		cancel()
 	}
@@ -313,7 +310,7 @@ func (c *JobCoordinator) computePlan() {
 	c.plan, c.planErr = plan, err
 	c.pinned = plan.Pinned
 	c.floor = max(c.floor, newest)
-	c.backupsAfterPlan(plan, backedUp, resume)
+	resume := c.backupsAfterPlan(plan, backedUp, unfinished)
 	c.mu.Unlock()
 	close(c.planned)
 	if err != nil {
@@ -322,6 +319,16 @@ func (c *JobCoordinator) computePlan() {
 	}
 	c.log.Info("restore plan", "nodes", c.cfg.Nodes, "found", plan.Found, "step", plan.Step, "backup", plan.Backup,
 		"pinned", plan.Pinned, "inferred_metas", len(inferred), "took", c.clock.Now().Sub(start).String())
+	if resume {
+		// After the plan is out (the markers do not wait for it), before the restored step's
+		// first order (which waits for it).
+		lctx, cancel := context.WithTimeout(c.ctx, c.planLimits.PinRead)
+		name := c.resumable(lctx, plan, newest, backedUp)
+		cancel()
+		c.mu.Lock()
+		c.resumeDecided(name)
+		c.mu.Unlock()
+	}
 }
 
 // PlanForRank returns rank's part of a job-wide plan: the job-wide fields, and Data and

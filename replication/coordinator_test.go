@@ -113,6 +113,8 @@ type fakeStore struct {
 	// upload was cut short in it: Resumable says yes for that step and its data.
 	cutShort     map[string]int64    // GUARDED_BY(mu)
 	cutShortData map[string][]string // GUARDED_BY(mu); the data of cutShort's step it may hold
+	// resumeGate, when set, holds Resumable until it is closed (a slow listing).
+	resumeGate chan struct{}
 }
 
 // hang returns ctx's error once it ends, when down; nil at once otherwise.
@@ -203,6 +205,13 @@ func (s *fakeStore) String() string { return "fake://backups" }
 func (s *fakeStore) CleanLeftovers(ctx context.Context, job string) (int, error) { return 0, nil }
 
 func (s *fakeStore) Resumable(ctx context.Context, job, backup string, step int64, data []string, shape tiers.Shape) (bool, string, error) {
+	if s.resumeGate != nil {
+		select {
+		case <-s.resumeGate:
+		case <-ctx.Done():
+			return false, "", ctx.Err()
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	cut, ok := s.cutShort[backup]
