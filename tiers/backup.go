@@ -20,8 +20,11 @@ var errStopping = errors.New("the agent is stopping")
 
 // backupRunner takes the coordinator's backup orders (SPEC §6, §10): one loop per incarnation
 // that negotiated (start), at most one backup running at a time. A backup outlives its
-// incarnation: a job restart does not cut it short. Uploads run on the agent's context: Close
-// (stop) lets the running one finish for the drain time, then cancels it.
+// incarnation: a job restart does not cut it short, and an order of the next incarnation waits
+// until it ended (slot), then, if it was the same backup and it completed, reports it done
+// without uploading again. Before, each restart of a job during a long upload started another
+// full upload of the same step beside it. Uploads run on the agent's context: Close (stop) lets
+// the running one finish for the drain time, then cancels it.
 type backupRunner struct {
 	*node
 	store     BackupStore // nil: no backup tier
@@ -36,15 +39,20 @@ type backupRunner struct {
 	lastStep int64     // GUARDED_BY(mu); highest step whose part this node backed up (-1: none)
 	lastJob  string    // GUARDED_BY(mu); the job of last and lastStep
 	stopping bool      // GUARDED_BY(mu); Close began: no new backup starts
+	// lastNamed is what the .meta files of last name, by worker (nil: not known).
+	lastNamed []string // GUARDED_BY(mu)
 	// active counts running backups, for stop to drain; no Add once stopping is set.
 	active sync.WaitGroup
+	// slot holds one token while an upload runs: one at a time on the node.
+	slot chan struct{}
 }
 
 func newBackupRunner(n *node, store BackupStore, coord Coordinator, rt *retention, lines *jobLines, drain time.Duration) *backupRunner {
 	if drain == 0 {
 		drain = DefaultDrainTimeout
 	}
-	return &backupRunner{node: n, store: store, coord: coord, retention: rt, lines: lines, drain: max(drain, 0), lastStep: -1}
+	return &backupRunner{node: n, store: store, coord: coord, retention: rt, lines: lines, drain: max(drain, 0), lastStep: -1,
+		slot: make(chan struct{}, 1)}
 }
 
 // start runs inc's backup loop, on a node with a backup tier, until inc ends or the agent
@@ -106,23 +114,45 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 		b.mu.Unlock()
 		return nil, errStopping
 	}
-	b.running = p
 	b.active.Add(1)
 	b.mu.Unlock()
+	defer b.active.Done()
 	unkeep := b.retention.keepStep(o.Step)
 	defer func() {
 		unkeep()
+		b.retention.retain(cfg)
+	}()
+	// One upload at a time: an earlier incarnation's may still run.
+	select {
+	case b.slot <- struct{}{}:
+	default:
+		b.log.Info("backup waits for the upload running on this node", "backup", o.Backup, "step", o.Step)
+		select {
+		case b.slot <- struct{}{}:
+		case <-b.ctx.Done():
+			return nil, fmt.Errorf("backup %s of step %d: %w", o.Backup, o.Step, errStopping)
+		}
+	}
+	defer func() { <-b.slot }()
+	b.mu.Lock()
+	if b.lastJob == cfg.JobName && b.last == o.Backup && b.lastStep >= o.Step && b.lastNamed != nil {
+		named = b.lastNamed
+		b.mu.Unlock()
+		b.log.Info("backup complete: this node's part was uploaded by the upload it waited for", "backup", o.Backup, "step", o.Step)
+		return named, nil
+	}
+	b.running = p
+	b.mu.Unlock()
+	defer func() {
 		b.mu.Lock()
 		b.running = nil
 		if err == nil {
 			if b.lastJob != cfg.JobName {
 				b.lastStep, b.lastJob = -1, cfg.JobName
 			}
-			b.last = o.Backup
+			b.last, b.lastNamed = o.Backup, named
 		}
 		b.mu.Unlock()
-		b.active.Done()
-		b.retention.retain(cfg)
 	}()
 	// What an earlier upload of this job left when it was cut short (a crash, a stop) goes first.
 	if n, err := b.store.CleanLeftovers(b.ctx, cfg.JobName); err != nil {
