@@ -255,7 +255,7 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 		start := r.now()
 		p := &Progress{Kind: "restore", Step: plan.Step, Source: fmt.Sprintf("peer %d", holder), Started: start}
 		inc.setRestoreProgress(p)
-		err := r.peers.Fetch(ctx, inc.Incarnation, holder, dataName, dir, p.update)
+		err := r.noticedTransfer(inc, p, func() error { return r.peers.Fetch(ctx, inc.Incarnation, holder, dataName, dir, p.update) })
 		inc.setRestoreProgress(nil)
 		if err == nil {
 			err = publish(filepath.Join(dir, dataName))
@@ -398,7 +398,7 @@ func (r *restorer) download(ctx context.Context, inc *incarnation, step int64, b
 			return "", err
 		}
 		r.log.Info("downloading from backup", "backup", backup, "data", dataName, "attempt", attempt)
-		err = r.fetchBackup(ctx, cfg, backup, hash, incoming, p)
+		err = r.noticedTransfer(inc, p, func() error { return r.fetchBackup(ctx, cfg, backup, hash, incoming, p) })
 		if !errors.Is(err, ErrCorruptBackup) || ctx.Err() != nil {
 			break
 		}
