@@ -268,6 +268,10 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			}
 			passed.damaged(cfg, store, name, d)
 		}
+		if err == nil && len(steps) == 0 && len(damaged) == 0 {
+			// Before, passed over without a word: the job lost the step it was of silently.
+			passed.unfinished(fmt.Sprintf("backup %s holds no complete step (an upload cut short, or one still running): it is not restored", name))
+		}
 		if len(steps) > 0 {
 			plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, name, steps[0].Data
 			plan.Errors = append(plan.Errors, report(false, passed, fmt.Sprintf("; restoring step %d from backup %s instead", plan.Step, name))...)
@@ -295,8 +299,8 @@ const maxPassedLines = 5
 // checkpoints of a job of another shape: a line for each of the first maxPassedLines, and how
 // many of each there were.
 type passedOver struct {
-	first                          []string
-	nDamaged, nShaped, nIncomplete int
+	first                                       []string
+	nDamaged, nShaped, nIncomplete, nUnfinished int
 }
 
 func (r *passedOver) add(line string) {
@@ -320,6 +324,11 @@ func (r *passedOver) incomplete(line string) {
 	r.add(line)
 }
 
+func (r *passedOver) unfinished(line string) {
+	r.nUnfinished++
+	r.add(line)
+}
+
 // merge adds what o gathered after what r did.
 func (r *passedOver) merge(o passedOver) {
 	for _, l := range o.first {
@@ -328,12 +337,13 @@ func (r *passedOver) merge(o passedOver) {
 	r.nDamaged += o.nDamaged
 	r.nShaped += o.nShaped
 	r.nIncomplete += o.nIncomplete
+	r.nUnfinished += o.nUnfinished
 }
 
 // lines returns the replicator.errors lines (none when nothing was passed over): one per
 // checkpoint kept, then the counts followed by outcome, what the restore does instead.
 func (r *passedOver) lines(outcome string) []string {
-	n := r.nDamaged + r.nShaped + r.nIncomplete
+	n := r.nDamaged + r.nShaped + r.nIncomplete + r.nUnfinished
 	if n == 0 {
 		return nil
 	}
@@ -343,6 +353,9 @@ func (r *passedOver) lines(outcome string) []string {
 	}
 	if r.nDamaged > 0 {
 		parts = append(parts, fmt.Sprintf("%d damaged backup step%s", r.nDamaged, plural(r.nDamaged)))
+	}
+	if r.nUnfinished > 0 {
+		parts = append(parts, fmt.Sprintf("%d incomplete backup%s", r.nUnfinished, plural(r.nUnfinished)))
 	}
 	if r.nShaped > 0 {
 		parts = append(parts, fmt.Sprintf("%d checkpoint%s of a job of another shape", r.nShaped, plural(r.nShaped)))

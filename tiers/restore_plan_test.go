@@ -138,16 +138,6 @@ func TestPlanRestore(t *testing.T) {
 			want: tiers.RestorePlan{Step: 4, Found: true, Backup: b2, Data: slots("n0-w0", hx(40), "n1-w0", hx(41))},
 		},
 		{
-			name: "incomplete newer backups are skipped", nodes: 2, workers: 1,
-			invs: []tiers.Inventory{{Rank: 0}, {Rank: 1}},
-			store: func(t *testing.T, s *testStore) {
-				s.addBackup(t, "job", b1, 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
-				s.addBackup(t, "job", b2, 4, slots("n0-w0", hx(40))) // rank 1's .meta never arrived
-				s.addBackup(t, "job", b3, 5, slots("n0-w0", hx(50))) // nor in this one
-			},
-			want: tiers.RestorePlan{Step: 3, Found: true, Backup: b1, Data: slots("n0-w0", hx(30), "n1-w0", hx(31))},
-		},
-		{
 			name: "within a backup, its highest complete step", nodes: 1, workers: 1,
 			invs: []tiers.Inventory{{Rank: 0}},
 			store: func(t *testing.T, s *testStore) {
@@ -331,12 +321,19 @@ func TestPlanRestoreReportsDamagedBackups(t *testing.T) {
 			found: true, step: 5, from: backup(1),
 		},
 		{
-			name: "interrupted upload is not damage", nodes: 2,
+			// Not damage, and not passed over in silence either: the job loses the step it was of.
+			name: "interrupted uploads are not damage", nodes: 2,
 			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", backup(1), 3, slots("n0-w0", hx(30), "n1-w0", hx(31)))
 				s.addBackup(t, "job", backup(2), 4, slots("n0-w0", hx(40))) // rank 1 never finished
+				s.addBackup(t, "job", backup(3), 5, slots("n0-w0", hx(50))) // nor in this one
 			},
 			found: true, step: 3, from: backup(1),
+			errors: []string{
+				"backup " + backup(3) + " holds no complete step (an upload cut short, or one still running): it is not restored",
+				"backup " + backup(2) + " holds no complete step",
+				"2 incomplete backups; restoring step 3 from backup " + backup(1) + " instead",
+			},
 		},
 		{
 			name: "many damaged backups", nodes: 1,
@@ -566,6 +563,7 @@ func TestPlanRestorePassesOverAnotherShape(t *testing.T) {
 			store: func(t *testing.T, s *testStore) {
 				s.addBackup(t, "job", backup(1), 3, ranksOf(3, 2, 2))
 			},
+			errors: []string{"backup " + backup(1) + " holds no complete step", "1 incomplete backup and no intact checkpoint is left: starting from scratch"},
 		},
 		{
 			name: "backup: data-parallel 4 nodes of 2 partitions, the job now 2 nodes", job: shape(2, 1, 0),
