@@ -194,8 +194,8 @@ const maxJobNameLen = 200
 
 // ValidateJobName checks that name is safe to use as one path component in
 // CHECKPOINT_DIR and in the backup layout "<backup-root>/<job>/...":
-// 1 to 200 characters from [A-Za-z0-9._-], not "." and without "/" or "..".
-// The error says what is wrong and what is allowed.
+// 1 to 200 characters from [A-Za-z0-9._-], not starting with "." and without "/"
+// or "..". The error says what is wrong and what is allowed.
 func ValidateJobName(name string) error {
 	const allowed = `use only letters A-Z and a-z, digits, ".", "_" and "-"`
 	switch {
@@ -203,8 +203,10 @@ func ValidateJobName(name string) error {
 		return errors.New("must not be empty")
 	case strings.Contains(name, "/") || strings.Contains(name, ".."):
 		return fmt.Errorf("%q must not contain %q or %q", name, "/", "..")
-	case name == ".":
-		return fmt.Errorf("%q is not a valid name; %s", name, allowed)
+	case strings.HasPrefix(name, "."):
+		// Every marker and .meta named after the job would be a hidden file, which the
+		// clients' globs (*.restore) do not see: the job waited for markers it was given.
+		return fmt.Errorf("%q starts with \".\": the markers named after the job would be hidden files, which *.restore globs skip; start it with a letter, a digit, \"_\" or \"-\"", name)
 	case len(name) > maxJobNameLen:
 		return fmt.Errorf("is %d characters long; at most %d are allowed", len(name), maxJobNameLen)
 	}

@@ -210,7 +210,8 @@ func TestValidateJobName(t *testing.T) {
 	const allowed = `use only letters A-Z and a-z, digits, ".", "_" and "-"`
 	invalid := []struct{ name, want string }{
 		{"", "must not be empty"},
-		{".", `"." is not a valid name; ` + allowed},
+		{".", `"." starts with ".": the markers named after the job would be hidden files, which *.restore globs skip; start it with a letter, a digit, "_" or "-"`},
+		{".hidden", `".hidden" starts with ".": the markers named after the job would be hidden files, which *.restore globs skip; start it with a letter, a digit, "_" or "-"`},
 		{"..", `".." must not contain "/" or ".."`},
 		{"a/b", `"a/b" must not contain "/" or ".."`},
 		{"/", `"/" must not contain "/" or ".."`},

@@ -296,11 +296,20 @@ func cmdRestoreVersion(args []string) int {
 		if len(pos) != 0 {
 			return flagError(f.fs, errors.New("clear takes no NAME"))
 		}
+		pin, pinned, err := b.ReadRestoreVersion(ctx, *f.job)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "mtcfs restore-version:", err)
+			return 1
+		}
+		if !pinned {
+			fmt.Printf("job %s has no restore.version in %s: nothing to clear (the next restore picks the newest checkpoint)\n", *f.job, b.Store)
+			return 0
+		}
 		if err := b.ClearRestoreVersion(ctx, *f.job); err != nil {
 			fmt.Fprintln(os.Stderr, "mtcfs restore-version:", err)
 			return 1
 		}
-		fmt.Printf("restore.version of job %s cleared: the next restore picks the newest checkpoint\n", *f.job)
+		fmt.Printf("restore.version of job %s (%s) cleared: the next restore picks the newest checkpoint\n", *f.job, pin)
 		return 0
 	}
 	if len(pos) != 1 {

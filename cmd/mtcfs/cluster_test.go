@@ -305,6 +305,12 @@ func TestJobRestartedInAnotherShape(t *testing.T) {
 	assert.Contains(t, out, "the backup was taken by a job of 3 nodes × 1 worker, and restores in a job with the same workers per node and number of partitions")
 	out, code = runMtcfs(t, "restore-version", "clear", "--backup", "file://"+c.backup, "--job", "trio")
 	require.Equal(t, 0, code, "%s", out)
+	assert.Contains(t, out, "restore.version of job trio ("+backup+") cleared")
+	// Clearing again says there is nothing to clear (before, "cleared" again, as for a job
+	// that does not exist).
+	out, code = runMtcfs(t, "restore-version", "clear", "--backup", "file://"+c.backup, "--job", "trio")
+	require.Equal(t, 0, code, "%s", out)
+	assert.Contains(t, out, "job trio has no restore.version in file://"+c.backup+": nothing to clear")
 
 	stopAgent(t, c.agents[2])
 	for r, got := range start(2, 0) {
