@@ -279,6 +279,20 @@ func (b *backupRunner) stop() {
 	}
 }
 
+// restoredFrom records that job restored step from backup, a complete one: status and
+// /metrics show it as the last backup and the step backed up, as if this node had uploaded it.
+// Before, a node that restored from a backup said backed_up -1 until the next backup.
+func (b *backupRunner) restoredFrom(job, backup string, step int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.lastJob != job {
+		b.last, b.lastStep, b.lastJob, b.lastNamed = "", -1, job, nil
+	}
+	if step > b.lastStep {
+		b.last, b.lastStep, b.lastNamed = backup, step, nil
+	}
+}
+
 // status returns the running backup (nil: none), the last one completed and the highest step
 // backed up (-1: none), of job.
 func (b *backupRunner) status(job string) (running *Progress, last string, lastStep int64) {

@@ -1391,3 +1391,30 @@ func TestSealedBeforeAnyStepIsMinusOne(t *testing.T) {
 		t.Fatalf("sealed %d on a fresh start, want -1", st.Sealed)
 	}
 }
+
+// A step restored from a backup is in a complete backup: status says so (last backup, step
+// backed up) as it would had this node uploaded it. Before, an agent that restored from a
+// backup said backed_up -1 in /metrics and no last backup (found by a black-box run).
+func TestStepRestoredFromABackupCountsAsBackedUp(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	h := newHarness(t, harnessConfig{store: store})
+	doc := withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
+	h.start(doc, "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	var name string
+	h.eventually("the backup of step 1", func() string {
+		var ok bool
+		if name, ok = completeStep(t, store, "job", 1); !ok {
+			return "step 1 is in no complete backup"
+		}
+		return ""
+	})
+	h.close()
+	h2 := newHarness(t, harnessConfig{store: store}) // the node's RAM is lost
+	h2.yamlOrbax(doc)
+	h2.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore))
+	if st := h2.r.Status(); st.BackedUp != 1 || st.LastBackup != name {
+		t.Fatalf("backed up %d, last backup %q: want 1, %q", st.BackedUp, st.LastBackup, name)
+	}
+}

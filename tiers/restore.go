@@ -135,6 +135,9 @@ func (r *restorer) run(inc *incarnation) {
 			})
 		}
 	}
+	if plan.Found && plan.Backup != "" {
+		r.backups.restoredFrom(cfg.JobName, plan.Backup, plan.Step)
+	}
 	// The state is "running" before the job can see a marker, so status never lags behind it.
 	inc.restoreDone(plan.Step)
 	for w := 0; w < cfg.WorkersPerNode; w++ {

@@ -44,7 +44,8 @@ type Status struct {
 	Restored  int64  `json:"restored_step"`
 	Committed int64  `json:"latest_committed_step"`
 	Sealed    int64  `json:"latest_sealed_step"`
-	// BackedUp is the newest step whose part this node uploaded to a backup (-1: none yet).
+	// BackedUp is the newest step whose part this node uploaded to a backup, or restored from
+	// one (-1: none yet).
 	BackedUp int64 `json:"latest_backed_up_step"`
 	// Replicated is the newest step the coordinator reported held by every node's peers
 	// (-1: none in this incarnation). Losing any one node cannot lose it.
