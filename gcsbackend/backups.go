@@ -553,6 +553,10 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		m, err := b.readManifest(ctx, dir, h)
 		var nf *NotFoundError
 		switch {
+		case errors.As(err, &nf) && holdsObjects(index, h):
+			// The data is there, its manifest never was: the plain reference layout, written by
+			// another tool (the reference system; mtcfs backups export copied into a location).
+			note(h, "manifest %s missing beside its data: a backup in the plain reference layout (written by another tool, or mtcfs backups export copied back) cannot be verified, and mtcfs restores only the backups it wrote", manifestName(h))
 		case errors.As(err, &nf):
 			note(h, "manifest %s missing", manifestName(h))
 		case errors.As(err, new(*manifestError)):
@@ -737,4 +741,19 @@ func (b *Backups) ClearRestoreVersion(ctx context.Context, job string) error {
 		return fmt.Errorf("clear restore pin of %s: %w", job, err)
 	}
 	return nil
+}
+
+// holdsObjects reports whether the listing index holds hash's data: the object <hash>.data or
+// objects below <hash>.data/.
+func holdsObjects(index map[string]ObjectAttrs, hash string) bool {
+	if _, ok := index[dataName(hash)]; ok {
+		return true
+	}
+	prefix := dataName(hash) + "/"
+	for name := range index {
+		if strings.HasPrefix(name, prefix) {
+			return true
+		}
+	}
+	return false
 }

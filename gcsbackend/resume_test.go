@@ -3,6 +3,7 @@ package gcsbackend
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -75,4 +76,20 @@ func TestResumable(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, ok)
 	assert.Equal(t, "it is empty", why)
+}
+
+// A backup in the plain reference layout (data and .meta, no mtcfs manifest: the reference
+// system's, or mtcfs backups export copied into a location) is not restored, and Verify says why
+// rather than only "manifest missing" (found by a black-box run, which took it for damage).
+func TestPlainReferenceLayoutIsNamed(t *testing.T) {
+	ctx := context.Background()
+	b := newTestBackups(t)
+	const backup = "2025-06-30_14-30"
+	hashes := uploadStep(t, b, backup, 7, 1, 1)
+	h := hashes[Slot{0, 0}]
+	require.NoError(t, b.Store.Delete(ctx, backupDir(testJob, backup)+manifestName(h)))
+	r := verify(t, b, backup, VerifyOptions{Nodes: 1, Workers: 1})
+	require.Len(t, r.Steps, 1)
+	assert.False(t, r.Steps[0].Complete)
+	assert.Contains(t, strings.Join(r.Steps[0].Problems, "\n"), "a backup in the plain reference layout")
 }
