@@ -93,3 +93,26 @@ func TestPlainReferenceLayoutIsNamed(t *testing.T) {
 	assert.False(t, r.Steps[0].Complete)
 	assert.Contains(t, strings.Join(r.Steps[0].Problems, "\n"), "a backup in the plain reference layout")
 }
+
+// An upload of data whose manifest is already in the backup (an upload that finished before
+// its .meta, cut short, now resumed) sends nothing again but the .meta.
+func TestUploadOfDataAlreadyInTheBackupSendsOnlyTheMeta(t *testing.T) {
+	ctx := context.Background()
+	rec := &recordingStore{ObjectStore: newTestStore(t)}
+	b := &Backups{Store: rec, Parallelism: 2}
+	const backup = "2025-06-30_14-30"
+	hashes := uploadStep(t, b, backup, 3, 1, 1)
+	h := hashes[Slot{0, 0}]
+	meta := backupDir(testJob, backup) + metaName(testJob, 3, Slot{0, 0})
+	require.NoError(t, b.Store.Delete(ctx, meta)) // cut short before the .meta
+	rec.mu.Lock()
+	rec.puts = nil
+	rec.mu.Unlock()
+	src := t.TempDir()
+	writeTree(t, src, slotTree(3, Slot{0, 0}))
+	require.NoError(t, b.Upload(ctx, UploadRequest{Job: testJob, Backup: backup, Step: 3, Slot: Slot{0, 0}, Hash: h, Source: src}))
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	assert.Equal(t, []string{meta}, rec.puts)
+	assert.True(t, verify(t, b, backup, VerifyOptions{Nodes: 1, Workers: 1}).Complete())
+}

@@ -114,6 +114,20 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	if err := m.check(req.Hash); err != nil {
 		return fmt.Errorf("%s: %w", req.Source, err)
 	}
+	// The data's manifest is written once all its objects are: an upload of it finished (this
+	// one's, cut short before its .meta, now resumed). Nothing travels again if it lists the
+	// same files.
+	switch have, err := b.readManifest(ctx, dir, req.Hash); {
+	case err == nil && sameFiles(have, m):
+		if req.Progress != nil {
+			req.Progress(0, 0)
+		}
+		return nil
+	case err == nil:
+		return &PreconditionError{Name: dir + manifestName(req.Hash), Err: errors.New("the data in the backup lists other files than the source")}
+	case !IsNotFound(err):
+		return err
+	}
 	prog := newProgress(m.total(), req.Progress)
 	requests := semaphore.NewWeighted(int64(b.parallelism()))
 	var c *codec
@@ -655,4 +669,19 @@ func forEach(ctx context.Context, par, n int, fn func(ctx context.Context, i int
 		return err
 	}
 	return ctx.Err()
+}
+
+// sameFiles reports whether two manifests of one hash list the same entries (kinds, paths,
+// sizes, link targets): the CRC32Cs of a source are known only once it is read.
+func sameFiles(a, b *manifest) bool {
+	if a.Kind != b.Kind || len(a.Files) != len(b.Files) || !slices.Equal(a.Dirs, b.Dirs) ||
+		!slices.Equal(a.Symlinks, b.Symlinks) || !slices.Equal(a.Specials, b.Specials) {
+		return false
+	}
+	for i := range a.Files {
+		if a.Files[i].Path != b.Files[i].Path || a.Files[i].Size != b.Files[i].Size {
+			return false
+		}
+	}
+	return true
 }
