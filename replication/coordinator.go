@@ -143,8 +143,16 @@ type JobCoordinator struct {
 	reported  []bool            // GUARDED_BY(mu); by rank: inventory received
 	nReported int               // GUARDED_BY(mu)
 	planning  bool              // GUARDED_BY(mu); the plan is being (or was) computed: invs are frozen
-	restored  []bool            // GUARDED_BY(mu); by rank
-	nRestored int               // GUARDED_BY(mu)
+	// waiting counts, by rank, the Negotiate calls waiting with the rank's inventory: when the
+	// last one goes away before the plan (the rank's agent gave that incarnation up: the job
+	// restarted there), the inventory is withdrawn.
+	waiting []int // GUARDED_BY(mu)
+	// created is when the coordinator started; a plan completed long after (a start cut short,
+	// then joined by a rank of the job's next start) waits planGrace first (see Negotiate).
+	created    time.Time
+	graceTimer func() bool // GUARDED_BY(mu); the pending planGrace, nil when none
+	restored   []bool      // GUARDED_BY(mu); by rank
+	nRestored  int         // GUARDED_BY(mu)
 
 	synced  []int64              // GUARDED_BY(mu); by rank: the highest step reported, -1 for none
 	ahead   int                  // GUARDED_BY(mu); a rank with the highest synced step
@@ -185,6 +193,7 @@ func NewJobCoordinator(cfg *tiers.Config, opts Options) (*JobCoordinator, error)
 		allRestored: make(chan struct{}),
 		invs:        make([]tiers.Inventory, cfg.Nodes),
 		reported:    make([]bool, cfg.Nodes),
+		waiting:     make([]int, cfg.Nodes),
 		restored:    make([]bool, cfg.Nodes),
 		synced:      make([]int64, cfg.Nodes),
 		rounds:      map[int64]*syncRound{},
@@ -194,6 +203,7 @@ func NewJobCoordinator(cfg *tiers.Config, opts Options) (*JobCoordinator, error)
 	if c.clock == nil {
 		c.clock = SystemClock{}
 	}
+	c.created = c.clock.Now()
 	if c.lagTimeout <= 0 {
 		c.lagTimeout = DefaultLagTimeout
 	}
@@ -256,9 +266,9 @@ func (c *JobCoordinator) Negotiate(ctx context.Context, rank int, inv tiers.Inve
 			c.nReported++
 		}
 		c.invs[rank] = inv
+		c.waiting[rank]++
 		if c.nReported == c.cfg.Nodes {
-			c.planning = true
-			go c.computePlan() // owned by c: ends with c.ctx, publishes through planned
+			c.allReported()
 		}
 	}
 	c.mu.Unlock()
@@ -271,10 +281,66 @@ func (c *JobCoordinator) Negotiate(ctx context.Context, rank int, inv tiers.Inve
 	case <-ctx.Done():
 		c.mu.Lock()
 		n := c.nReported
+		if !c.planning {
+			c.withdraw(rank)
+		}
 		c.mu.Unlock()
 		return tiers.RestorePlan{}, fmt.Errorf("waiting for every node's inventory (%d of %d reported): %w", n, c.cfg.Nodes, ctx.Err())
 	case <-c.ctx.Done():
 		return tiers.RestorePlan{}, ErrClosed
+	}
+}
+
+// planGrace is how long a coordinator that completes planStaleAfter or more after it started
+// waits before it plans. Its early ranks may be of a start cut short (a pod that never came up,
+// the job killed) and the rank that completed it of the job's next start, read a moment before
+// the others: their agents give the earlier incarnation up within the grace (withdraw), or
+// rank 0's starts the next one (the waiting ranks negotiate again there). Before, such a plan
+// gave the early rank markers within milliseconds, and the job's next incarnation waited for it
+// for ever (found by a black-box run).
+const (
+	planGrace      = 3 * time.Second
+	planStaleAfter = 3 * time.Second
+)
+
+// allReported starts the plan once every rank reported: at once, or after planGrace for a
+// coordinator that waited long. Called with mu held, with every rank reported.
+func (c *JobCoordinator) allReported() {
+	start := func() {
+		c.planning = true
+		go c.computePlan() // owned by c: ends with c.ctx, publishes through planned
+	}
+	if c.clock.Now().Sub(c.created) < planStaleAfter {
+		start()
+		return
+	}
+	if c.graceTimer != nil {
+		return
+	}
+	c.log.Info("every node reported to a coordinator that waited long: the plan waits a moment for a restart of the job",
+		"waited", c.clock.Now().Sub(c.created).Round(time.Second).String(), "grace", planGrace.String())
+	c.graceTimer = c.clock.AfterFunc(planGrace, func() {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.graceTimer = nil
+		if !c.planning && c.nReported == c.cfg.Nodes && c.ctx.Err() == nil {
+			start()
+		}
+	})
+}
+
+// withdraw takes back rank's inventory when its last waiting Negotiate went away before the
+// plan. Called with mu held, before planning.
+func (c *JobCoordinator) withdraw(rank int) {
+	if c.waiting[rank]--; c.waiting[rank] > 0 || !c.reported[rank] {
+		return
+	}
+	c.reported[rank] = false
+	c.nReported--
+	c.invs[rank] = tiers.Inventory{}
+	if c.graceTimer != nil {
+		c.graceTimer()
+		c.graceTimer = nil
 	}
 }
 

@@ -584,14 +584,21 @@ func TestCoordinatorCancellation(t *testing.T) {
 	assert.ErrorIs(t, result(t, res, "Restored"), context.Canceled)
 	assert.ErrorIs(t, result(t, syn, "Sync"), context.Canceled)
 
-	// The cancelled calls stay counted: rank 1 alone completes each barrier, and rank 0's retry
-	// gets the same outcome.
-	p, err := c.Negotiate(t.Context(), 1, own(1, 10))
+	// A cancelled Negotiate is withdrawn (its agent gave that incarnation up): rank 1 waits
+	// until rank 0 negotiates again. The cancelled Restored and Sync stay counted: rank 1
+	// alone completes those barriers, and rank 0's retry gets the same outcome.
+	neg1 := async(func() error {
+		p, err := c.Negotiate(t.Context(), 1, own(1, 10))
+		if err == nil && p.Step != 10 {
+			err = fmt.Errorf("rank 1 plans step %d", p.Step)
+		}
+		return err
+	})
+	stillWaiting(t, neg1, "rank 1's Negotiate without rank 0's")
+	p, err := c.Negotiate(t.Context(), 0, own(0, 10))
 	require.NoError(t, err)
 	assert.Equal(t, int64(10), p.Step)
-	p, err = c.Negotiate(t.Context(), 0, own(0, 10))
-	require.NoError(t, err)
-	assert.Equal(t, int64(10), p.Step)
+	require.NoError(t, result(t, neg1, "rank 1's Negotiate"))
 	require.NoError(t, c.Restored(t.Context(), 1))
 	require.NoError(t, c.Restored(t.Context(), 0))
 	_, err = c.Sync(t.Context(), 1, tiers.SyncReport{Step: 11})
@@ -945,4 +952,50 @@ func TestCoordinatorSyncReplicated(t *testing.T) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	assert.Equal(t, int64(13), c.replicated)
+}
+
+// A start cut short (rank 1 never came, the job was killed) leaves ranks 0 and 2 waiting with
+// their inventories; the job's next start reaches this coordinator with rank 1 first, a moment
+// before ranks 0 and 2 give the old incarnation up. The coordinator, which waited long, does not
+// plan at once: within planGrace the old calls go away (withdrawn) and the plan waits for their
+// next start. Before, rank 1 got a plan of the dead start within milliseconds, and the job's next
+// incarnation waited for it for ever (found by a black-box run).
+func TestLateCompletionWaitsForARestart(t *testing.T) {
+	t.Parallel()
+	clock := newFakeClock()
+	c := newCoordinator(t, testConfig(3), Options{Clock: clock})
+	ctx0, cancel0 := context.WithCancel(t.Context())
+	ctx2, cancel2 := context.WithCancel(t.Context())
+	old0 := async(func() error { _, err := c.Negotiate(ctx0, 0, own(0, 10)); return err })
+	old2 := async(func() error { _, err := c.Negotiate(ctx2, 2, own(2, 10)); return err })
+	require.Eventually(t, func() bool { w, _ := c.waitingFor(); return strings.HasPrefix(w, "2 of 3") }, 5*time.Second, time.Millisecond)
+	clock.Advance(5 * time.Second)
+	plan1 := make(chan tiers.RestorePlan, 1)
+	new1 := async(func() error {
+		p, err := c.Negotiate(t.Context(), 1, own(1, 10, 20))
+		plan1 <- p
+		return err
+	})
+	stillWaiting(t, new1, "rank 1's Negotiate within the grace")
+	cancel0()
+	cancel2()
+	require.ErrorIs(t, result(t, old0, "the cut-short rank 0"), context.Canceled)
+	require.ErrorIs(t, result(t, old2, "the cut-short rank 2"), context.Canceled)
+	clock.Advance(planGrace)
+	stillWaiting(t, new1, "rank 1's Negotiate once the cut-short ranks went")
+	// The next start of ranks 0 and 2: the coordinator is still old, so the plan waits the grace
+	// again, then is made of the new inventories only.
+	new0 := async(func() error { _, err := c.Negotiate(t.Context(), 0, own(0, 10, 20)); return err })
+	new2 := async(func() error { _, err := c.Negotiate(t.Context(), 2, own(2, 10, 20)); return err })
+	require.Eventually(t, func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return c.nReported == 3
+	}, 5*time.Second, time.Millisecond)
+	stillWaiting(t, new1, "rank 1's Negotiate within the second grace")
+	clock.Advance(planGrace)
+	for _, ch := range []<-chan error{new0, new1, new2} {
+		require.NoError(t, result(t, ch, "Negotiate of the next start"))
+	}
+	assert.Equal(t, int64(20), (<-plan1).Step, "the plan is of the new inventories")
 }
