@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"strings"
 
@@ -31,6 +32,10 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 		return err
 	}
 	verified := map[string]bool{}
+	// In data-parallel mode a node holds its column-mates' .meta files without their data
+	// (SPEC §4: only .meta files are exchanged): such a .meta is kept as it was, not dropped
+	// with an error line to the job at every restart (found by a black-box run).
+	dataParallel := rt.spool != nil && rt.spool.SavedShape().DataParallelism > 0
 	for _, e := range ents {
 		name := e.Name()
 		m, ok := layout.ParseMarkerName(name)
@@ -41,6 +46,16 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 		content, err := os.ReadFile(rt.spoolDir("meta", name))
 		hash := strings.TrimSpace(string(content))
 		dataName := hash + ".data"
+		if _, statErr := os.Lstat(rt.spoolDir("sealed", dataName)); err == nil && dataParallel && errors.Is(statErr, fs.ErrNotExist) && layout.IsDataName(dataName) {
+			if err := rt.ns.WriteFile(name, []byte(hash)); err != nil {
+				return err
+			}
+			rt.mu.Lock()
+			rt.metas[name] = hash
+			rt.mu.Unlock()
+			rt.log.Info("adopted a column-mate's .meta from spool", "meta", name, "data", dataName)
+			continue
+		}
 		if err == nil && !verified[dataName] {
 			h, dir, ok := layout.ParseDataName(dataName)
 			if !ok {
