@@ -41,6 +41,8 @@ type backupRunner struct {
 	stopping bool      // GUARDED_BY(mu); Close began: no new backup starts
 	// lastNamed is what the .meta files of last name, by worker (nil: not known).
 	lastNamed []string // GUARDED_BY(mu)
+	// toldFailed is the last backup whose failure the job was told of.
+	toldFailed string // GUARDED_BY(mu)
 	// active counts running backups, for stop to drain; no Add once stopping is set.
 	active sync.WaitGroup
 	// slot holds one token while an upload runs: one at a time on the node.
@@ -179,7 +181,16 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 	}
 	b.log.Error("backup failed", "backup", o.Backup, "step", o.Step, "err", err)
 	b.metrics.error(errKindBackup)
-	b.lines.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried): %v", o.Backup, o.Step, err))
+	// The job is told once per backup: the order is given again with a backoff of 1 s doubling
+	// to a minute, and a location that keeps failing wrote a line per retry (found by a
+	// black-box run); the log has every attempt.
+	b.mu.Lock()
+	told := b.toldFailed == o.Backup
+	b.toldFailed = o.Backup
+	b.mu.Unlock()
+	if !told {
+		b.lines.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried, and told here once): %v", o.Backup, o.Step, err))
+	}
 	return nil, err
 }
 

@@ -430,3 +430,43 @@ func TestResumedBackupStillRunningIsNotUploadedTwice(t *testing.T) {
 		t.Fatalf("%d uploads of one backup", n)
 	}
 }
+
+// A backup that keeps failing is told to the job once, not at every retry (a location that
+// refused every upload wrote a 500-character line per retry, 1 s to a minute apart; found by a
+// black-box run). The coordinator hears of every failure.
+func TestBackupFailureIsToldOnce(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	clock := newFakeClock(baseTime)
+	store.setBeforeUpload(func(context.Context, tiers.Upload) error { return errors.New("403 Forbidden") })
+	h := newHarness(t, harnessConfig{store: store, clock: clock})
+	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	failures := func() int {
+		n := 0
+		for _, r := range h.coord.backupReports() {
+			if r.Failed != "" {
+				n++
+			}
+		}
+		return n
+	}
+	for attempt := 1; attempt <= 3; attempt++ {
+		h.eventually(fmt.Sprintf("failure %d", attempt), func() string {
+			if n := failures(); n < attempt {
+				return fmt.Sprintf("%d failures reported", n)
+			}
+			return ""
+		})
+		clock.Set(clock.Now().Add(time.Minute)) // the retry's backoff
+	}
+	n := 0
+	for _, l := range h.lines(layout.ReplicatorErrorsName) {
+		if strings.Contains(l, "backup 2030-01-02_03-00 of step 1 failed") {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Fatalf("%d lines for one failing backup, want 1: %q", n, h.lines(layout.ReplicatorErrorsName))
+	}
+}
