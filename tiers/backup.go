@@ -39,9 +39,11 @@ type backupRunner struct {
 	lastStep int64     // GUARDED_BY(mu); highest step whose part this node backed up (-1: none)
 	lastJob  string    // GUARDED_BY(mu); the job of last and lastStep
 	stopping bool      // GUARDED_BY(mu); Close began: no new backup starts
-	// lastNamed is what the .meta files of last name, by worker (nil: not known).
-	lastNamed []string // GUARDED_BY(mu)
-	// toldFailed is the last backup whose failure the job was told of.
+	// lastNamed is what the .meta files of last (of step lastNamedStep) name, by worker (nil:
+	// not known).
+	lastNamed     []string // GUARDED_BY(mu)
+	lastNamedStep int64    // GUARDED_BY(mu)
+	// toldFailed is the incarnation and backup whose failure the job was last told of.
 	toldFailed string // GUARDED_BY(mu)
 	// active counts running backups, for stop to drain; no Add once stopping is set.
 	active sync.WaitGroup
@@ -124,7 +126,8 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 		unkeep()
 		b.retention.retain(cfg)
 	}()
-	// One upload at a time: an earlier incarnation's may still run.
+	// One upload at a time: an earlier incarnation's may still run. An order whose incarnation
+	// ends meanwhile is dropped (its coordinator is gone: nobody would hear of it).
 	select {
 	case b.slot <- struct{}{}:
 	default:
@@ -133,15 +136,24 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 		case b.slot <- struct{}{}:
 		case <-b.ctx.Done():
 			return nil, fmt.Errorf("backup %s of step %d: %w", o.Backup, o.Step, errStopping)
+		case <-inc.ctx.Done():
+			return nil, fmt.Errorf("backup %s of step %d: its incarnation ended while it waited", o.Backup, o.Step)
 		}
 	}
 	defer func() { <-b.slot }()
 	b.mu.Lock()
-	if b.lastJob == cfg.JobName && b.last == o.Backup && b.lastStep >= o.Step && b.lastNamed != nil {
+	switch {
+	case b.lastJob == cfg.JobName && b.last == o.Backup && b.lastNamedStep == o.Step && b.lastNamed != nil:
 		named = b.lastNamed
 		b.mu.Unlock()
 		b.log.Info("backup complete: this node's part was uploaded by the upload it waited for", "backup", o.Backup, "step", o.Step)
 		return named, nil
+	case b.stopping: // Close began while this order waited
+		b.mu.Unlock()
+		return nil, errStopping
+	case inc.ctx.Err() != nil:
+		b.mu.Unlock()
+		return nil, fmt.Errorf("backup %s of step %d: its incarnation ended while it waited", o.Backup, o.Step)
 	}
 	b.running = p
 	b.mu.Unlock()
@@ -152,7 +164,7 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 			if b.lastJob != cfg.JobName {
 				b.lastStep, b.lastJob = -1, cfg.JobName
 			}
-			b.last, b.lastNamed = o.Backup, named
+			b.last, b.lastNamed, b.lastNamedStep = o.Backup, named, o.Step
 		}
 		b.mu.Unlock()
 	}()
@@ -184,9 +196,12 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 	// The job is told once per backup: the order is given again with a backoff of 1 s doubling
 	// to a minute, and a location that keeps failing wrote a line per retry (found by a
 	// black-box run); the log has every attempt.
+	key := inc.ID + "/" + o.Backup
 	b.mu.Lock()
-	told := b.toldFailed == o.Backup
-	b.toldFailed = o.Backup
+	told := b.toldFailed == key
+	if !told && b.lines.incs.isCurrent(inc) { // a line goes to the current incarnation's job only
+		b.toldFailed = key
+	}
 	b.mu.Unlock()
 	if !told {
 		b.lines.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried, and told here once): %v", o.Backup, o.Step, err))
@@ -276,15 +291,19 @@ func (b *backupRunner) stop() {
 	b.stopping = true
 	running := b.running
 	b.mu.Unlock()
-	if running == nil {
-		return
+	if running != nil {
+		b.log.Info("stopping: letting the running backup finish", "backup", running.Backup, "step", running.Step, "drain_timeout", b.drain.String())
 	}
-	b.log.Info("stopping: letting the running backup finish", "backup", running.Backup, "step", running.Step, "drain_timeout", b.drain.String())
+	// Also when none runs yet: an order between its start and its upload is waited for (it
+	// sees stopping once it has the slot and returns).
 	done := make(chan struct{})
 	go func() { b.active.Wait(); close(done) }()
 	select {
 	case <-done:
 	case <-time.After(b.drain):
+		if running == nil {
+			running = &Progress{}
+		}
 		b.log.Warn("the running backup did not finish within the drain time: cut short, it stays incomplete and the next agent retries it",
 			"backup", running.Backup, "step", running.Step, "drain_timeout", b.drain.String())
 	}

@@ -404,14 +404,21 @@ func TestResumedBackupStillRunningIsNotUploadedTwice(t *testing.T) {
 		}
 		return nil
 	})
-	h := newHarness(t, harnessConfig{store: store})
+	var orders atomic.Int32
+	resumed := make(chan struct{})
+	h := newHarness(t, harnessConfig{store: store, backupOrder: func(o *tiers.BackupOrder) {
+		if o.Backup == name && orders.Add(1) == 2 {
+			close(resumed) // the next incarnation's order
+		}
+	}})
 	doc := withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
 	h.start(doc, "job")
 	h.orbaxSave(1, checkpointFiles("1"))
 	<-started
 	h.yamlOrbax(doc) // the job restarts during the upload
 	h.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore))
-	time.Sleep(200 * time.Millisecond) // time enough for the order to arrive and wait
+	<-resumed
+	time.Sleep(100 * time.Millisecond) // time enough for the order to reach the slot
 	close(release)
 	// The earlier incarnation's upload ends after its incarnation: only the resumed order
 	// reports (to the coordinator of the new one).
@@ -468,5 +475,50 @@ func TestBackupFailureIsToldOnce(t *testing.T) {
 	}
 	if n != 1 {
 		t.Fatalf("%d lines for one failing backup, want 1: %q", n, h.lines(layout.ReplicatorErrorsName))
+	}
+}
+
+// Close while an order waits for the upload running on the node: once that upload ended, the
+// waiting order does not start another (before, it did, after Close began: Close waited its
+// whole drain time and cut it short, leaving an incomplete backup; found by a review).
+func TestCloseDropsAnOrderWaitingForTheRunningUpload(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	clock := newFakeClock(baseTime)
+	second := make(chan struct{})
+	h := newHarness(t, harnessConfig{store: store, clock: clock, drain: time.Minute, backupOrder: func(o *tiers.BackupOrder) {
+		if o.Backup == "2030-01-02_03-01" {
+			close(second)
+		}
+	}})
+	var calls atomic.Int32
+	release, started := make(chan struct{}), make(chan struct{})
+	store.setBeforeUpload(func(ctx context.Context, u tiers.Upload) error {
+		if calls.Add(1) == 1 {
+			close(started)
+			<-release
+		}
+		return nil
+	})
+	doc := withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
+	h.start(doc, "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	<-started
+	h.yamlOrbax(doc)
+	h.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore))
+	clock.Set(baseTime.Add(time.Minute))
+	<-second
+	time.Sleep(100 * time.Millisecond) // time enough for the order to reach the slot
+	closed := make(chan struct{})
+	go func() { h.close(); close(closed) }()
+	time.Sleep(100 * time.Millisecond)
+	close(release)
+	select {
+	case <-closed:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Close did not return once the running upload ended")
+	}
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("%d uploads: the waiting order started one after Close began", n)
 	}
 }
