@@ -151,6 +151,7 @@ type JobCoordinator struct {
 	// then joined by a rank of the job's next start) waits planGrace first (see Negotiate).
 	created    time.Time
 	graceTimer func() bool // GUARDED_BY(mu); the pending planGrace, nil when none
+	graceGen   int         // GUARDED_BY(mu); counts graces armed and cancelled: a late callback of an old one does nothing
 	restored   []bool      // GUARDED_BY(mu); by rank
 	nRestored  int         // GUARDED_BY(mu)
 
@@ -251,7 +252,8 @@ func (c *JobCoordinator) closedErr() error {
 // Negotiate records rank's inventory, waits until every rank reported one, and returns the
 // restore plan (SPEC §5). The plan is computed once, from all inventories, and every rank gets
 // its part of it: the job-wide fields, and Data and Holders for that rank's own slots (see
-// PlanForRank). If ctx ends first the inventory stays recorded, so a retry just waits again.
+// PlanForRank). If ctx ends before the plan, the inventory is withdrawn once no other call of
+// the rank waits with it (its agent gave that incarnation up; a retry reports it again).
 func (c *JobCoordinator) Negotiate(ctx context.Context, rank int, inv tiers.Inventory) (tiers.RestorePlan, error) {
 	if err := c.checkRank(rank); err != nil {
 		return tiers.RestorePlan{}, err
@@ -319,9 +321,14 @@ func (c *JobCoordinator) allReported() {
 	}
 	c.log.Info("every node reported to a coordinator that waited long: the plan waits a moment for a restart of the job",
 		"waited", c.clock.Now().Sub(c.created).Round(time.Second).String(), "grace", planGrace.String())
+	c.graceGen++
+	gen := c.graceGen
 	c.graceTimer = c.clock.AfterFunc(planGrace, func() {
 		c.mu.Lock()
 		defer c.mu.Unlock()
+		if gen != c.graceGen {
+			return // cancelled by a withdraw (a later grace may be pending)
+		}
 		c.graceTimer = nil
 		if !c.planning && c.nReported == c.cfg.Nodes && c.ctx.Err() == nil {
 			start()
@@ -341,6 +348,7 @@ func (c *JobCoordinator) withdraw(rank int) {
 	if c.graceTimer != nil {
 		c.graceTimer()
 		c.graceTimer = nil
+		c.graceGen++
 	}
 }
 
@@ -703,6 +711,8 @@ func (c *JobCoordinator) waitingFor() (what string, nodes bool) {
 	defer c.mu.Unlock()
 	ranks := func(done []bool) string { return rankList(someRanks(len(done), func(r int) bool { return !done[r] })) }
 	switch {
+	case !c.planning && c.nReported == c.cfg.Nodes:
+		return fmt.Sprintf("every node sent its inventory to the coordinator (rank 0), which waits %v before it plans: it waited long for the last one, and an earlier start cut short may still be leaving", planGrace), true
 	case !c.planning:
 		return fmt.Sprintf("%d of %d nodes sent their inventory to the coordinator (rank 0); not yet rank %s",
 			c.nReported, c.cfg.Nodes, ranks(c.reported)), true
