@@ -116,3 +116,18 @@ func TestUploadOfDataAlreadyInTheBackupSendsOnlyTheMeta(t *testing.T) {
 	assert.Equal(t, []string{meta}, rec.puts)
 	assert.True(t, verify(t, b, backup, VerifyOptions{Nodes: 1, Workers: 1}).Complete())
 }
+
+// A data-parallel node whose earlier attempt uploaded its own data (its column-mate was an
+// earlier agent that named no data) is done when the order now names the column's data: before,
+// the .meta naming other data failed create-if-absent at every retry, for ever (found by a
+// review).
+func TestNamingTheColumnsDataOfAFinishedSlot(t *testing.T) {
+	ctx := context.Background()
+	b := newTestBackups(t)
+	const backup = "2025-06-30_14-30"
+	hashes := uploadStep(t, b, backup, 4, 2, 1) // both ranks uploaded their own data
+	err := b.Upload(ctx, UploadRequest{Job: testJob, Backup: backup, Step: 4, Slot: Slot{0, 0}, Hash: hashes[Slot{1, 0}]})
+	require.NoError(t, err)
+	assert.Equal(t, hashes[Slot{0, 0}], hashOf(t, b, backup, 4, Slot{0, 0}), "the finished slot keeps its .meta")
+	assert.True(t, verify(t, b, backup, VerifyOptions{Nodes: 2, Workers: 1}).Complete())
+}

@@ -80,6 +80,17 @@ func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 		}
 	}
 	if req.Source == "" {
+		// The slot may be done already: in data-parallel mode, an earlier attempt uploaded this
+		// node's own data where the order now names the column's. A .meta naming data whose
+		// manifest is in the backup is a finished slot. Before, naming other data failed the
+		// create-if-absent .meta at every retry, for ever.
+		if named, err := ReadSmall(ctx, b.Store, meta, 1024); err == nil && validateHash(string(named)) == nil {
+			if _, err := b.Store.Stat(ctx, dir+manifestName(string(named))); err == nil {
+				return nil
+			}
+		} else if err != nil && !IsNotFound(err) {
+			return fmt.Errorf("upload %s: %w", meta, err)
+		}
 		if _, err := b.Store.Stat(ctx, dir+manifestName(req.Hash)); IsNotFound(err) {
 			return fmt.Errorf("upload %s: data %s: %w (%w)", meta, dataName(req.Hash), tiers.ErrDataNotInBackup, err)
 		} else if err != nil {
