@@ -3,6 +3,7 @@ package tiers
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 )
 
 // incarnation is one start of the job (one valid replicator.yaml) and the state that lives and
@@ -26,6 +27,9 @@ type incarnation struct {
 	waiting    string    // GUARDED_BY(mu); what the restore waits for, for status ("": nothing)
 	// early holds, by top-level name, the files pushed to peers before their step committed.
 	early map[string]*earlyGroup // GUARDED_BY(mu)
+	// transferTold is set once the job was told of a long restore transfer (one line per
+	// restore, not per worker or attempt).
+	transferTold atomic.Bool
 	// user is the job's user, the owner of the replicator.yaml it wrote (-1: unknown, or
 	// root): a step restored for it is given to it (Namespace.Reown). Set before the restore
 	// starts.

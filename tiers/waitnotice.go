@@ -143,7 +143,9 @@ func (r *restorer) noticeTransfer(inc *incarnation, p *Progress, done <-chan str
 		}
 		if !lineWritten && took >= lineAt && r.incs.isCurrent(inc) {
 			lineWritten = true
-			r.lines.errLine(inc.Config, fmt.Sprintf("restoring step %d from %s: %s; %s", p.Step, p.Source, detail, transferHint))
+			if inc.transferTold.CompareAndSwap(false, true) {
+				r.lines.errLine(inc.Config, fmt.Sprintf("restoring step %d from %s: %s; %s", p.Step, p.Source, detail, transferHint))
+			}
 		}
 	}
 }

@@ -142,3 +142,43 @@ func TestRestoreTellsOfASlowTransfer(t *testing.T) {
 	close(release)
 	h2.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore))
 }
+
+// A restore of several workers' data, each transfer slow, tells the job once, not once per
+// worker.
+func TestRestoreTellsOfSlowTransfersOnce(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	h := newHarness(t, harnessConfig{store: store})
+	doc := withKeys("framework: pytorch", "workers-per-node: 2", "backup-interval-steps: 1", "-backup-interval-minutes")
+	h.yamlNemo(doc)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore), marker("job", 0, 0, 1, layout.MarkerRestore))
+	for w := range 2 {
+		h.writeFile(marker("job", 1, 0, w, layout.MarkerSave), fmt.Sprintf("torch state of worker %d", w))
+	}
+	h.eventually("the backup of step 1", func() string {
+		names, _ := store.Backups(t.Context(), "job")
+		for _, n := range names {
+			if steps, _, _ := store.CompleteSteps(t.Context(), "job", n, tiers.Shape{Nodes: 1, Workers: 2}); len(steps) > 0 {
+				return ""
+			}
+		}
+		return "step 1 is in no complete backup"
+	})
+	h.close()
+	store.mu.Lock()
+	store.afterDownload = func(int, string) { time.Sleep(500 * time.Millisecond) }
+	store.mu.Unlock()
+	h2 := newHarness(t, harnessConfig{store: store})
+	h2.r.SetWaitNotices(50*time.Millisecond, time.Hour, 300*time.Millisecond)
+	h2.yamlNemo(doc)
+	h2.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore), marker("job", 1, 0, 1, layout.MarkerRestore))
+	n := 0
+	for _, l := range h2.lines(layout.ReplicatorErrorsName) {
+		if strings.Contains(l, "restoring step 1 from backup") {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Fatalf("%d lines of slow transfers, want 1: %q", n, h2.lines(layout.ReplicatorErrorsName))
+	}
+}
