@@ -179,9 +179,12 @@ const (
 
 // cmdBackups lists, verifies or exports the backups of a job.
 func cmdBackups(args []string) int {
-	const synopsis = "mtcfs backups list|verify [NAME] --backup URL --job NAME | export NAME DIR --backup URL --job NAME"
+	const synopsis = "mtcfs backups list|verify [NAME] --backup URL --job NAME | export NAME DIR --backup URL --job NAME | delete NAME --backup URL --job NAME [--force]"
 	if len(args) > 0 && args[0] == "export" {
 		return cmdBackupsExport(args[1:])
+	}
+	if len(args) > 0 && args[0] == "delete" {
+		return cmdBackupsDelete(args[1:])
 	}
 	if len(args) == 0 || (args[0] != "list" && args[0] != "verify") {
 		fmt.Fprintf(os.Stderr, "Usage: %s\n", synopsis)
@@ -231,6 +234,35 @@ func cmdBackups(args []string) int {
 	if !report.Backups(ctx, os.Stdout, b, job, names, verb == "verify", pin) && verb == "verify" {
 		return 1
 	}
+	return 0
+}
+
+// cmdBackupsDelete removes an incomplete backup (an upload cut short that no agent completed),
+// which `backups verify` reports for as long as it is there. A backup with a complete or damaged
+// step is refused: mtcfs never deletes checkpoints.
+func cmdBackupsDelete(args []string) int {
+	const synopsis = "mtcfs backups delete NAME --backup URL --job NAME [--force]"
+	f, _ := backupFlags("backups delete", synopsis)
+	force := f.fs.Bool("force", false, fmt.Sprintf("delete also a backup written to in the last %v (an upload may still be running into it)", gcsbackend.RecentWrite))
+	pos, b, code := f.open(args)
+	if code >= 0 {
+		return code
+	}
+	if len(pos) != 1 {
+		return flagError(f.fs, errors.New("want one backup NAME (an INCOMPLETE one in mtcfs backups list)"))
+	}
+	ctx := context.Background()
+	defer slowStore(os.Stderr, "backups delete", b.Store, slowStoreAfter, slowStoreEvery)()
+	n, err := b.DeleteIncomplete(ctx, *f.job, pos[0], *force)
+	switch {
+	case gcsbackend.IsNotFound(err):
+		fmt.Fprintf(os.Stderr, "mtcfs backups delete: job %s has no backup %s in %s (see mtcfs backups list)\n", *f.job, pos[0], b.Store)
+		return 1
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "mtcfs backups delete:", err)
+		return 1
+	}
+	fmt.Printf("deleted the incomplete backup %s of job %s (%d objects)\n", pos[0], *f.job, n)
 	return 0
 }
 

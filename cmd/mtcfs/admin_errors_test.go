@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // TestBackupCommandsOnMistypedInput: a mistyped --backup path, --job or backup NAME gets an
@@ -100,4 +102,50 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+// TestBackupsDeleteRemovesOnlyIncompleteBackups: `mtcfs backups delete` removes a backup an
+// upload cut short left (verify exits 1 while it is there, and no agent completes it once the
+// job saved a newer step) and refuses every other (found by black-box runs: verify could not be
+// used in monitoring after any crash).
+func TestBackupsDeleteRemovesOnlyIncompleteBackups(t *testing.T) {
+	t.Parallel()
+	root := t.TempDir()
+	url := "file://" + root
+	store, err := gcsbackend.Open(url)
+	require.NoError(t, err)
+	b := &gcsbackend.Backups{Store: store}
+	shape := tiers.Shape{Nodes: 2, Workers: 1}
+	const complete, cut = "2026-12-05_10-00", "2026-12-05_10-01"
+	upload := func(backup string, step int64, rank int) {
+		src := t.TempDir()
+		require.NoError(t, os.WriteFile(filepath.Join(src, "f"), []byte(fmt.Sprint("state ", step, rank)), 0o644))
+		require.NoError(t, b.Upload(context.Background(), gcsbackend.UploadRequest{Job: "train", Backup: backup, Step: step,
+			Slot: gcsbackend.Slot{Rank: rank}, Hash: "D" + strings.Repeat(fmt.Sprintf("%02x", 16*step+int64(rank)), 32), Source: src, Shape: shape}))
+	}
+	upload(complete, 7, 0)
+	upload(complete, 7, 1)
+	upload(cut, 8, 0) // rank 1's part was cut short
+	old := time.Now().Add(-time.Hour)
+	require.NoError(t, filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			err = os.Chtimes(p, old, old)
+		}
+		return err
+	}))
+
+	out, code := runMtcfs(t, "backups", "verify", "--backup", url, "--job", "train")
+	require.Equal(t, 1, code, out)
+	out, code = runMtcfs(t, "backups", "delete", complete, "--backup", url, "--job", "train")
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "mtcfs deletes only incomplete backups")
+	out, code = runMtcfs(t, "backups", "delete", cut, "--backup", url, "--job", "train")
+	require.Equal(t, 0, code, out)
+	assert.Contains(t, out, "deleted the incomplete backup "+cut+" of job train")
+	out, code = runMtcfs(t, "backups", "verify", "--backup", url, "--job", "train")
+	require.Equal(t, 0, code, out)
+	assert.NotContains(t, out, cut)
+	out, code = runMtcfs(t, "backups", "delete", cut, "--backup", url, "--job", "train")
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "has no backup "+cut)
 }

@@ -24,6 +24,7 @@ Usage:
   mtcfs status [DIR] [--http HOST:PORT] [--json]
   mtcfs backups list|verify [NAME] --backup URL --job NAME
   mtcfs backups export NAME DIR --backup URL --job NAME   a backup's plain files, for other tools
+  mtcfs backups delete NAME --backup URL --job NAME [--force]   remove an INCOMPLETE backup
   mtcfs restore-version set NAME|clear --backup URL --job NAME
   mtcfs spool list [--json]               kept RAM spools: mount path, job, steps, bytes, agent
   mtcfs spool free PATH|--orphaned        free a mount's (or a spool directory's) kept spool,

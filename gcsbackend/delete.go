@@ -1,0 +1,72 @@
+package gcsbackend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// RecentWrite is how recent a write in a backup makes DeleteIncomplete refuse it: an upload may
+// still be running into it.
+const RecentWrite = 10 * time.Minute
+
+// ErrNotIncomplete refuses to delete a backup that holds a complete or damaged step: mtcfs never
+// deletes checkpoints (SPEC §6, the user owns retention).
+var ErrNotIncomplete = errors.New("it holds a complete (or damaged) step: mtcfs deletes only incomplete backups")
+
+// DeleteIncomplete removes an incomplete backup of job, one that holds no complete and no
+// damaged step (an upload cut short that no agent completed), object by object, and returns how
+// many objects it removed. It refuses a backup holding a complete or damaged step
+// (ErrNotIncomplete), the backup restore.version pins, and, unless force, a backup written to in
+// the last RecentWrite (an upload may still be running into it).
+func (b *Backups) DeleteIncomplete(ctx context.Context, job, backup string, force bool) (int, error) {
+	if err := validateJob(job); err != nil {
+		return 0, err
+	}
+	if err := validateBackupName(backup); err != nil {
+		return 0, err
+	}
+	rep, err := b.Verify(ctx, job, backup, VerifyOptions{})
+	if err != nil {
+		return 0, err
+	}
+	for _, s := range rep.Steps {
+		if s.Complete || s.Damaged {
+			return 0, fmt.Errorf("backup %s: %w", backup, ErrNotIncomplete)
+		}
+	}
+	if pin, ok, err := b.ReadRestoreVersion(ctx, job); err != nil {
+		return 0, err
+	} else if ok && pin == backup {
+		return 0, fmt.Errorf("backup %s is pinned by restore.version: clear the pin first (mtcfs restore-version clear)", backup)
+	}
+	dir := backupDir(job, backup)
+	objs, _, err := b.Store.List(ctx, dir, "")
+	if err != nil {
+		return 0, fmt.Errorf("list %s: %w", dir, err)
+	}
+	now := time.Now()
+	if b.now != nil {
+		now = b.now()
+	}
+	for _, o := range objs {
+		if !force && now.Sub(o.Updated) < RecentWrite {
+			return 0, fmt.Errorf("backup %s was written to %v ago (%s): an upload may still be running into it; stop the job's agents or wait, or give --force",
+				backup, now.Sub(o.Updated).Round(time.Second), strings.TrimPrefix(o.Name, dir))
+		}
+	}
+	removed := 0
+	err = forEach(ctx, b.parallelism(), len(objs), func(ctx context.Context, i int) error {
+		err := b.Store.Delete(ctx, objs[i].Name)
+		if IsNotFound(err) {
+			return nil
+		}
+		return err
+	})
+	if err == nil {
+		removed = len(objs)
+	}
+	return removed, err
+}
