@@ -62,59 +62,10 @@ func (r *restorer) waitNoticed(inc *incarnation, what, hint string, call func() 
 	return err
 }
 
-func (r *restorer) noticeWait(inc *incarnation, what, hint string, done <-chan struct{}) {
-	describer, _ := r.coord.(WaitDescriber)
-	start := time.Now()
-	logAt := time.Duration(r.waits.logAfter.Load())
-	lineAt := time.Duration(r.waits.lineAfter.Load())
-	tick := time.NewTicker(min(time.Second, logAt, lineAt))
-	defer tick.Stop()
-	lineWritten := false
-	for {
-		select {
-		case <-done:
-			return
-		case <-tick.C:
-		}
-		waited := time.Since(start).Round(time.Second)
-		detail, nodes := "", false
-		if describer != nil {
-			detail, nodes = describer.WaitingFor(inc.Incarnation)
-		}
-		nodes = nodes && inc.Config.Nodes > 1
-		if detail == "" {
-			detail = "no answer from the coordinator (rank 0) yet"
-		}
-		inc.setWaiting(fmt.Sprintf("%s in %s: %s", waited, what, detail))
-		if time.Since(start) >= logAt {
-			msg := what + " takes long"
-			if nodes {
-				msg = what + " waits for the other nodes"
-			}
-			r.log.Warn(msg, "waiting_for", detail, "waited", waited.String(), "nodes", inc.Config.Nodes)
-			logAt += time.Duration(r.waits.logEvery.Load())
-		}
-		if !lineWritten && time.Since(start) >= lineAt && r.incs.isCurrent(inc) {
-			lineWritten = true
-			line := fmt.Sprintf("%s has waited %s: %s", what, waited, detail)
-			if nodes {
-				line = fmt.Sprintf("%s has waited %s for the other nodes of the job (%d nodes): %s; %s",
-					what, waited, inc.Config.Nodes, detail, hint)
-			}
-			r.lines.errLine(inc.Config, line)
-		}
-	}
-}
-
-// transferHint is what the job is told of a restore transfer still running after lineAfter.
-const transferHint = "the job's wait for its markers (Orbax and NeMo: 300 s) may run out first; mtcfs status shows the progress"
-
-// noticeTransfer tells of a restore transfer (p: from a peer or a backup) while it lasts, until
-// done is closed: in the log after logAfter and every logEvery after that, with bytes, rate and
-// what is left, and once in replicator.errors after lineAfter, so that a job whose wait for its
-// markers runs out on a slow link is not left without a word (SPEC §5: progress in mtcfs status
-// and the logs). Before, a 357 s download said nothing between its start and its end.
-func (r *restorer) noticeTransfer(inc *incarnation, p *Progress, done <-chan struct{}) {
+// notices calls tell at each tick until done is closed, with the time since it began, whether a
+// log line is due (after logAfter, then every logEvery) and whether the job's line is due (once,
+// after lineAfter, while inc is the current incarnation).
+func (r *restorer) notices(inc *incarnation, done <-chan struct{}, tell func(took time.Duration, logDue, lineDue bool)) {
 	start := time.Now()
 	logAt := time.Duration(r.waits.logAfter.Load())
 	lineAt := time.Duration(r.waits.lineAfter.Load())
@@ -128,8 +79,59 @@ func (r *restorer) noticeTransfer(inc *incarnation, p *Progress, done <-chan str
 		case <-tick.C:
 		}
 		took := time.Since(start)
-		if took < logAt && (lineWritten || took < lineAt) {
-			continue
+		logDue := took >= logAt
+		if logDue {
+			logAt += time.Duration(r.waits.logEvery.Load())
+		}
+		lineDue := !lineWritten && took >= lineAt && r.incs.isCurrent(inc)
+		lineWritten = lineWritten || lineDue
+		tell(took, logDue, lineDue)
+	}
+}
+
+func (r *restorer) noticeWait(inc *incarnation, what, hint string, done <-chan struct{}) {
+	describer, _ := r.coord.(WaitDescriber)
+	r.notices(inc, done, func(took time.Duration, logDue, lineDue bool) {
+		waited := took.Round(time.Second)
+		detail, nodes := "", false
+		if describer != nil {
+			detail, nodes = describer.WaitingFor(inc.Incarnation)
+		}
+		nodes = nodes && inc.Config.Nodes > 1
+		if detail == "" {
+			detail = "no answer from the coordinator (rank 0) yet"
+		}
+		inc.setWaiting(fmt.Sprintf("%s in %s: %s", waited, what, detail))
+		if logDue {
+			msg := what + " takes long"
+			if nodes {
+				msg = what + " waits for the other nodes"
+			}
+			r.log.Warn(msg, "waiting_for", detail, "waited", waited.String(), "nodes", inc.Config.Nodes)
+		}
+		if lineDue {
+			line := fmt.Sprintf("%s has waited %s: %s", what, waited, detail)
+			if nodes {
+				line = fmt.Sprintf("%s has waited %s for the other nodes of the job (%d nodes): %s; %s",
+					what, waited, inc.Config.Nodes, detail, hint)
+			}
+			r.lines.errLine(inc.Config, line)
+		}
+	})
+}
+
+// transferHint is what the job is told of a restore transfer still running after lineAfter.
+const transferHint = "the job's wait for its markers (Orbax and NeMo: 300 s) may run out first; mtcfs status shows the progress"
+
+// noticeTransfer tells of a restore transfer (p: from a peer or a backup) while it lasts, until
+// done is closed: in the log after logAfter and every logEvery after that, with bytes, rate and
+// what is left, and once in replicator.errors after lineAfter, so that a job whose wait for its
+// markers runs out on a slow link is not left without a word (SPEC §5: progress in mtcfs status
+// and the logs). Before, a 357 s download said nothing between its start and its end.
+func (r *restorer) noticeTransfer(inc *incarnation, p *Progress, done <-chan struct{}) {
+	r.notices(inc, done, func(took time.Duration, logDue, lineDue bool) {
+		if !logDue && !lineDue {
+			return
 		}
 		moved, total := p.Done(), atomic.LoadInt64(&p.Total)
 		rate := float64(moved) / took.Seconds()
@@ -137,17 +139,13 @@ func (r *restorer) noticeTransfer(inc *incarnation, p *Progress, done <-chan str
 		if rate > 0 && total > moved {
 			detail += fmt.Sprintf(", about %s left", (time.Duration(float64(total-moved)/rate) * time.Second).Round(time.Second))
 		}
-		if took >= logAt {
+		if logDue {
 			r.log.Warn("restore transfer takes long", "step", p.Step, "source", p.Source, "progress", detail)
-			logAt += time.Duration(r.waits.logEvery.Load())
 		}
-		if !lineWritten && took >= lineAt && r.incs.isCurrent(inc) {
-			lineWritten = true
-			if inc.transferTold.CompareAndSwap(false, true) {
-				r.lines.errLine(inc.Config, fmt.Sprintf("restoring step %d from %s: %s; %s", p.Step, p.Source, detail, transferHint))
-			}
+		if lineDue && inc.transferTold.CompareAndSwap(false, true) {
+			r.lines.errLine(inc.Config, fmt.Sprintf("restoring step %d from %s: %s; %s", p.Step, p.Source, detail, transferHint))
 		}
-	}
+	})
 }
 
 // noticedTransfer runs transfer, telling of it while it lasts (noticeTransfer).
