@@ -70,3 +70,22 @@ func (b *Backups) DeleteIncomplete(ctx context.Context, job, backup string, forc
 	}
 	return removed, err
 }
+
+// LastWrite returns when an object of job's backup was last written (the zero time: it holds
+// none): for `backups list` to tell an upload that may still run from one cut short.
+func (b *Backups) LastWrite(ctx context.Context, job, backup string) (time.Time, error) {
+	if err := validateJob(job); err != nil {
+		return time.Time{}, err
+	}
+	objs, _, err := b.Store.List(ctx, backupDir(job, backup), "")
+	if err != nil {
+		return time.Time{}, err
+	}
+	var last time.Time
+	for _, o := range objs {
+		if o.Updated.After(last) {
+			last = o.Updated
+		}
+	}
+	return last, nil
+}

@@ -126,6 +126,9 @@ func TestBackupsDeleteRemovesOnlyIncompleteBackups(t *testing.T) {
 	upload(complete, 7, 0)
 	upload(complete, 7, 1)
 	upload(cut, 8, 0) // rank 1's part was cut short
+	out, code := runMtcfs(t, "backups", "list", "--backup", url, "--job", "train")
+	require.Equal(t, 0, code, out)
+	assert.Regexp(t, cut+` +INCOMPLETE .*written \d+s ago: an upload may still be running`, out)
 	old := time.Now().Add(-time.Hour)
 	require.NoError(t, filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
 		if err == nil && !d.IsDir() {
@@ -134,8 +137,9 @@ func TestBackupsDeleteRemovesOnlyIncompleteBackups(t *testing.T) {
 		return err
 	}))
 
-	out, code := runMtcfs(t, "backups", "verify", "--backup", url, "--job", "train")
+	out, code = runMtcfs(t, "backups", "verify", "--backup", url, "--job", "train")
 	require.Equal(t, 1, code, out)
+	assert.Contains(t, out, "an upload cut short (mtcfs backups delete "+cut+" removes it)")
 	out, code = runMtcfs(t, "backups", "delete", complete, "--backup", url, "--job", "train")
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "mtcfs deletes only incomplete backups")

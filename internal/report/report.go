@@ -148,10 +148,21 @@ func Backups(ctx context.Context, w io.Writer, b *gcsbackend.Backups, job string
 				}
 			}
 		}
-		note := ""
+		var notes []string
 		if pinned != "" && pinned == name {
-			note = "pinned by restore.version"
+			notes = append(notes, "pinned by restore.version")
 		}
+		if status == "INCOMPLETE" {
+			// An upload still running looks like one cut short: say which it may be.
+			if last, err := b.LastWrite(ctx, job, name); err == nil && !last.IsZero() {
+				if age := time.Since(last); age < gcsbackend.RecentWrite {
+					notes = append(notes, fmt.Sprintf("written %v ago: an upload may still be running", age.Round(time.Second)))
+				} else {
+					notes = append(notes, "an upload cut short (mtcfs backups delete "+name+" removes it)")
+				}
+			}
+		}
+		note := strings.Join(notes, "; ")
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%d×%d\t%s\n", name, status, strings.Join(steps, ","), rep.Nodes, rep.Workers, note)
 	}
 	tw.Flush()
