@@ -51,24 +51,47 @@ func (b *Backups) DeleteIncomplete(ctx context.Context, job, backup string, forc
 	if b.now != nil {
 		now = b.now()
 	}
+	if last := newestWrite(objs); !force && now.Sub(last) < RecentWrite {
+		return 0, fmt.Errorf("backup %s was written to %v ago: an upload may still be running into it; stop the job's agents or wait, or give --force",
+			backup, now.Sub(last).Round(time.Second))
+	}
+	// The .meta files go first: a delete cut short (kill -9) then leaves data without .meta, an
+	// incomplete backup that the next delete removes, never a .meta naming missing data, which
+	// reads as damage and would be refused.
+	var metas, rest []string
 	for _, o := range objs {
-		if !force && now.Sub(o.Updated) < RecentWrite {
-			return 0, fmt.Errorf("backup %s was written to %v ago (%s): an upload may still be running into it; stop the job's agents or wait, or give --force",
-				backup, now.Sub(o.Updated).Round(time.Second), strings.TrimPrefix(o.Name, dir))
+		if strings.HasSuffix(o.Name, ".meta") {
+			metas = append(metas, o.Name)
+		} else {
+			rest = append(rest, o.Name)
 		}
 	}
-	removed := 0
-	err = forEach(ctx, b.parallelism(), len(objs), func(ctx context.Context, i int) error {
-		err := b.Store.Delete(ctx, objs[i].Name)
-		if IsNotFound(err) {
+	del := func(names []string) error {
+		return forEach(ctx, b.parallelism(), len(names), func(ctx context.Context, i int) error {
+			if err := b.Store.Delete(ctx, names[i]); err != nil && !IsNotFound(err) {
+				return err
+			}
 			return nil
-		}
-		return err
-	})
-	if err == nil {
-		removed = len(objs)
+		})
 	}
-	return removed, err
+	if err := del(metas); err != nil {
+		return 0, err
+	}
+	if err := del(rest); err != nil {
+		return len(metas), err
+	}
+	return len(objs), nil
+}
+
+// newestWrite returns the latest Updated of objs (the zero time: none).
+func newestWrite(objs []ObjectAttrs) time.Time {
+	var last time.Time
+	for _, o := range objs {
+		if o.Updated.After(last) {
+			last = o.Updated
+		}
+	}
+	return last
 }
 
 // LastWrite returns when an object of job's backup was last written (the zero time: it holds
@@ -81,11 +104,5 @@ func (b *Backups) LastWrite(ctx context.Context, job, backup string) (time.Time,
 	if err != nil {
 		return time.Time{}, err
 	}
-	var last time.Time
-	for _, o := range objs {
-		if o.Updated.After(last) {
-			last = o.Updated
-		}
-	}
-	return last, nil
+	return newestWrite(objs), nil
 }

@@ -2,6 +2,8 @@ package gcsbackend
 
 import (
 	"context"
+	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -43,4 +45,40 @@ func TestDeleteIncomplete(t *testing.T) {
 
 	_, err = b.DeleteIncomplete(ctx, testJob, cut, false)
 	assert.True(t, IsNotFound(err), "a backup that is gone: %v", err)
+}
+
+// crashingStore fails every Delete after the first n: a delete cut short by kill -9.
+type crashingStore struct {
+	ObjectStore
+	left atomic.Int32
+}
+
+func (s *crashingStore) Delete(ctx context.Context, name string) error {
+	if s.left.Add(-1) < 0 {
+		return errors.New("killed")
+	}
+	return s.ObjectStore.Delete(ctx, name)
+}
+
+// A delete cut short leaves a backup the next delete removes: .meta files go first, so what is
+// left never reads as damaged (a .meta naming missing data), which delete refuses.
+func TestDeleteIncompleteCutShortCanBeDoneAgain(t *testing.T) {
+	ctx := context.Background()
+	store := newTestStore(t)
+	b := &Backups{Store: store, Parallelism: 1, now: func() time.Time { return time.Now().Add(time.Hour) }}
+	const cut = "2025-06-30_14-31"
+	uploadStep(t, b, cut, 5, 3, 1, Slot{2, 0})
+	require.NoError(t, b.putShape(ctx, backupDir(testJob, cut), tiers.Shape{Nodes: 3, Workers: 1}))
+
+	crashing := &crashingStore{ObjectStore: store}
+	crashing.left.Store(3)
+	_, err := (&Backups{Store: crashing, Parallelism: 1, now: b.now}).DeleteIncomplete(ctx, testJob, cut, false)
+	require.Error(t, err)
+	r := verify(t, b, cut, VerifyOptions{Nodes: 3, Workers: 1})
+	assert.False(t, r.Damaged(), "a delete cut short left a damaged-looking backup: %+v", r)
+	_, err = b.DeleteIncomplete(ctx, testJob, cut, false)
+	require.NoError(t, err)
+	names, err := b.Names(ctx, testJob)
+	require.NoError(t, err)
+	assert.Empty(t, names)
 }
