@@ -18,6 +18,10 @@ const backupPoll = time.Minute
 // errStopping refuses a backup order that arrives while the agent stops.
 var errStopping = errors.New("the agent is stopping")
 
+// errIncarnationEnded drops an order whose incarnation ended while it waited for the upload
+// running on the node: its coordinator is gone, nobody would hear of it.
+var errIncarnationEnded = errors.New("its incarnation ended while it waited")
+
 // backupRunner takes the coordinator's backup orders (SPEC §6, §10): one loop per incarnation
 // that negotiated (start), at most one backup running at a time. A backup outlives its
 // incarnation: a job restart does not cut it short, and an order of the next incarnation waits
@@ -137,7 +141,7 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 		case <-b.ctx.Done():
 			return nil, fmt.Errorf("backup %s of step %d: %w", o.Backup, o.Step, errStopping)
 		case <-inc.ctx.Done():
-			return nil, fmt.Errorf("backup %s of step %d: its incarnation ended while it waited", o.Backup, o.Step)
+			return nil, fmt.Errorf("backup %s of step %d: %w", o.Backup, o.Step, errIncarnationEnded)
 		}
 	}
 	defer func() { <-b.slot }()
@@ -153,19 +157,13 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 		return nil, errStopping
 	case inc.ctx.Err() != nil:
 		b.mu.Unlock()
-		return nil, fmt.Errorf("backup %s of step %d: its incarnation ended while it waited", o.Backup, o.Step)
+		return nil, fmt.Errorf("backup %s of step %d: %w", o.Backup, o.Step, errIncarnationEnded)
 	}
 	b.running = p
 	b.mu.Unlock()
 	defer func() {
 		b.mu.Lock()
 		b.running = nil
-		if err == nil {
-			if b.lastJob != cfg.JobName {
-				b.lastStep, b.lastJob = -1, cfg.JobName
-			}
-			b.last, b.lastNamed, b.lastNamedStep = o.Backup, named, o.Step
-		}
 		b.mu.Unlock()
 	}()
 	// What an earlier upload of this job left when it was cut short (a crash, a stop) goes first.
@@ -179,10 +177,7 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 		b.log.Info("backup complete", "backup", o.Backup, "step", o.Step, "bytes", p.Done(), "took", took.String())
 		b.metrics.backedUp(took.Seconds(), p.Done())
 		b.mu.Lock()
-		if b.lastJob != cfg.JobName {
-			b.lastStep, b.lastJob = -1, cfg.JobName
-		}
-		b.lastStep = max(b.lastStep, o.Step)
+		b.completedLocked(cfg.JobName, o.Backup, o.Step, named)
 		b.mu.Unlock()
 		return named, nil
 	}
@@ -289,10 +284,14 @@ func (b *backupRunner) nameColumn(cfg *Config, p *Progress, data []string) (int,
 func (b *backupRunner) stop() {
 	b.mu.Lock()
 	b.stopping = true
-	running := b.running
+	var backup string
+	step := int64(-1)
+	if b.running != nil {
+		backup, step = b.running.Backup, b.running.Step
+	}
 	b.mu.Unlock()
-	if running != nil {
-		b.log.Info("stopping: letting the running backup finish", "backup", running.Backup, "step", running.Step, "drain_timeout", b.drain.String())
+	if backup != "" {
+		b.log.Info("stopping: letting the running backup finish", "backup", backup, "step", step, "drain_timeout", b.drain.String())
 	}
 	// Also when none runs yet: an order between its start and its upload is waited for (it
 	// sees stopping once it has the slot and returns).
@@ -301,11 +300,8 @@ func (b *backupRunner) stop() {
 	select {
 	case <-done:
 	case <-time.After(b.drain):
-		if running == nil {
-			running = &Progress{}
-		}
 		b.log.Warn("the running backup did not finish within the drain time: cut short, it stays incomplete and the next agent retries it",
-			"backup", running.Backup, "step", running.Step, "drain_timeout", b.drain.String())
+			"backup", backup, "step", step, "drain_timeout", b.drain.String())
 	}
 }
 
@@ -315,12 +311,18 @@ func (b *backupRunner) stop() {
 func (b *backupRunner) restoredFrom(job, backup string, step int64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if b.lastJob != job || step > b.lastStep {
+		b.completedLocked(job, backup, step, nil)
+	}
+}
+
+// completedLocked records that job's backup holds step, this node's .meta files naming named
+// (nil: not known), for status and the same-backup shortcut of take. Called with mu held.
+func (b *backupRunner) completedLocked(job, backup string, step int64, named []string) {
 	if b.lastJob != job {
-		b.last, b.lastStep, b.lastJob, b.lastNamed = "", -1, job, nil
+		b.lastStep, b.lastJob = -1, job
 	}
-	if step > b.lastStep {
-		b.last, b.lastStep, b.lastNamed = backup, step, nil
-	}
+	b.last, b.lastStep, b.lastNamed, b.lastNamedStep = backup, max(b.lastStep, step), named, step
 }
 
 // status returns the running backup (nil: none), the last one completed and the highest step
