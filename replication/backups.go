@@ -20,6 +20,7 @@ package replication
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"time"
 
@@ -136,12 +137,7 @@ func (c *JobCoordinator) resumable(ctx context.Context, plan tiers.RestorePlan, 
 	if !plan.Found || plan.Backup != "" || plan.Step <= backedUp {
 		return ""
 	}
-	var data []string
-	for _, h := range plan.Data {
-		if !slices.Contains(data, h) {
-			data = append(data, h)
-		}
-	}
+	data := slices.Compact(slices.Sorted(maps.Values(plan.Data))) // one per hash, in O(n log n)
 	ok, why, err := c.store.Resumable(ctx, c.cfg.JobName, backup, plan.Step, data, c.cfg.Shape())
 	switch {
 	case err != nil:

@@ -769,6 +769,11 @@ type Job struct {
 // incarnation that rank 0 did not start here. The caller looks up rank 0 again and retries.
 var errNotRankZero = errors.New("this agent is not rank 0 of the job's newest incarnation (yet)")
 
+// notRankZero is errNotRankZero as the UNAVAILABLE status a caller retries on.
+func notRankZero(format string, args ...any) error {
+	return &codedError{code: codes.Unavailable, err: fmt.Errorf(format+": %w", append(args, errNotRankZero)...)}
+}
+
 // Resign tells the job that this agent's newest incarnation of it is not rank 0: its coordinator
 // ends (waiting callers get ErrClosed; a Negotiate from another agent is retried) and calls from
 // other agents are told to look up rank 0 again, until this agent negotiates as rank 0 again.
@@ -819,7 +824,7 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 	defer j.mu.Unlock()
 	switch {
 	case remote && j.resigned:
-		return nil, &codedError{code: codes.Unavailable, err: fmt.Errorf("rank %d: %w", rank, errNotRankZero)}
+		return nil, notRankZero("rank %d", rank)
 	case !remote && negotiate && rank == 0:
 		j.resigned = false
 	}
@@ -841,7 +846,7 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 	}
 	// The job restarted (or started, or changed shape): a new incarnation, which rank 0 starts.
 	if remote && rank != 0 {
-		return nil, &codedError{code: codes.Unavailable, err: fmt.Errorf("negotiation of rank %d, incarnation %s: %w", rank, inc.ID, errNotRankZero)}
+		return nil, notRankZero("negotiation of rank %d, incarnation %s", rank, inc.ID)
 	}
 	opts := j.opts
 	if j.cur != nil {

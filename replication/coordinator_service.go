@@ -177,7 +177,7 @@ func (s *CoordinatorService) coordinator(from Identity, caller *peerpb.Caller, n
 	cur := s.cfg.Job.currentConfig()
 	switch {
 	case s.cfg.Job.isResigned():
-		return nil, tiers.Incarnation{}, &codedError{code: codes.Unavailable, err: fmt.Errorf("rank %d: %w", cfg.NodeRank, errNotRankZero)}
+		return nil, tiers.Incarnation{}, notRankZero("rank %d", cfg.NodeRank)
 	case cur == nil && negotiate:
 		return nil, tiers.Incarnation{}, withCode(codes.Unavailable, "negotiation of rank %d: %w", cfg.NodeRank, errNotStarted)
 	case cur == nil:
