@@ -32,6 +32,27 @@ func completeStep(t *testing.T, store *testStore, job string, step int64) (strin
 	return "", false
 }
 
+// waitBackedUp waits until store holds a complete backup of the job's step (one node, workers
+// workers) and returns its name.
+func (h *harness) waitBackedUp(store *testStore, job string, step int64, workers int) string {
+	h.t.Helper()
+	var name string
+	h.eventually(fmt.Sprintf("the backup of step %d", step), func() string {
+		names, _ := store.Backups(context.Background(), job)
+		for _, n := range names {
+			steps, _, _ := store.CompleteSteps(context.Background(), job, n, tiers.Shape{Nodes: 1, Workers: workers})
+			for _, s := range steps {
+				if s.Step == step {
+					name = n
+					return ""
+				}
+			}
+		}
+		return fmt.Sprintf("step %d is in no complete backup", step)
+	})
+	return name
+}
+
 // A job that saves once gets its backup one interval after the commit, without saving again
 // (SPEC §10: backups run on their clock).
 func TestBackupOfAJobThatSavesOnce(t *testing.T) {
@@ -196,12 +217,7 @@ func TestBackupNamingMissingColumnDataUploadsOwn(t *testing.T) {
 			h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
 			h.orbaxSave(1, checkpointFiles("1"))
 			own := h.waitSealed("job", 1, "1")
-			h.eventually("the backup of step 1", func() string {
-				if _, ok := completeStep(t, store, "job", 1); !ok {
-					return "step 1 is in no complete backup"
-				}
-				return ""
-			})
+			h.waitBackedUp(store, "job", 1, 1)
 			uploads, errs := store.uploadLog()
 			if len(errs) != 0 {
 				t.Fatal(errs)

@@ -1402,14 +1402,7 @@ func TestStepRestoredFromABackupCountsAsBackedUp(t *testing.T) {
 	doc := withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
 	h.start(doc, "job")
 	h.orbaxSave(1, checkpointFiles("1"))
-	var name string
-	h.eventually("the backup of step 1", func() string {
-		var ok bool
-		if name, ok = completeStep(t, store, "job", 1); !ok {
-			return "step 1 is in no complete backup"
-		}
-		return ""
-	})
+	name := h.waitBackedUp(store, "job", 1, 1)
 	h.close()
 	h2 := newHarness(t, harnessConfig{store: store}) // the node's RAM is lost
 	h2.yamlOrbax(doc)

@@ -115,12 +115,7 @@ func TestRestoreTellsOfASlowTransfer(t *testing.T) {
 	doc := withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
 	h.start(doc, "job")
 	h.orbaxSave(1, checkpointFiles("1"))
-	h.eventually("the backup of step 1", func() string {
-		if _, ok := completeStep(t, store, "job", 1); !ok {
-			return "step 1 is in no complete backup"
-		}
-		return ""
-	})
+	h.waitBackedUp(store, "job", 1, 1)
 	h.close()
 
 	// The node's RAM is lost (a new spool); the download is slow.
@@ -155,15 +150,7 @@ func TestRestoreTellsOfSlowTransfersOnce(t *testing.T) {
 	for w := range 2 {
 		h.writeFile(marker("job", 1, 0, w, layout.MarkerSave), fmt.Sprintf("torch state of worker %d", w))
 	}
-	h.eventually("the backup of step 1", func() string {
-		names, _ := store.Backups(t.Context(), "job")
-		for _, n := range names {
-			if steps, _, _ := store.CompleteSteps(t.Context(), "job", n, tiers.Shape{Nodes: 1, Workers: 2}); len(steps) > 0 {
-				return ""
-			}
-		}
-		return "step 1 is in no complete backup"
-	})
+	h.waitBackedUp(store, "job", 1, 2)
 	h.close()
 	store.mu.Lock()
 	store.afterDownload = func(int, string) { time.Sleep(500 * time.Millisecond) }
