@@ -735,17 +735,21 @@ func TestForEach(t *testing.T) {
 	assert.Equal(t, int32(50), done.Load())
 	assert.LessOrEqual(t, peak.Load(), int32(3), "parallelism bound")
 
+	// Call 0 fails; every other call holds its slot until the failure cancels its ctx, so
+	// however the goroutines are scheduled, at most the two in flight and the one the loop
+	// was already handing out start before the loop sees the cancellation.
 	boom := errors.New("boom")
 	var calls atomic.Int32
 	err := forEach(ctx, 2, 1000, func(ctx context.Context, i int) error {
 		calls.Add(1)
-		if i == 3 {
+		if i == 0 {
 			return boom
 		}
-		return nil
+		<-ctx.Done()
+		return ctx.Err()
 	})
-	assert.ErrorIs(t, err, boom)
-	assert.Less(t, calls.Load(), int32(1000), "an error stops further calls")
+	assert.ErrorIs(t, err, boom, "the first error is the one returned")
+	assert.LessOrEqual(t, calls.Load(), int32(3), "an error stops further calls")
 
 	cctx, cancel := context.WithCancel(ctx)
 	cancel()
