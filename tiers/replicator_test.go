@@ -733,9 +733,13 @@ func TestStatusIsOfTheCurrentJob(t *testing.T) {
 	}
 	h.orbaxSave(1, checkpointFiles("1"))
 	h.waitSealed("other", 1, "1")
-	if st := h.r.Status(); st.Sealed != 1 {
-		t.Errorf("status sealed %d, want 1", st.Sealed)
-	}
+	// The sealer notes the step right after it wrote the .meta.
+	h.eventually("status to show step 1 sealed", func() string {
+		if st := h.r.Status(); st.Sealed != 1 {
+			return fmt.Sprintf("status sealed %d, want 1", st.Sealed)
+		}
+		return ""
+	})
 }
 
 func TestBackupAfterEveryStep(t *testing.T) {
