@@ -950,8 +950,31 @@ func TestCoordinatorSyncReplicated(t *testing.T) {
 		}
 	}
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	assert.Equal(t, int64(13), c.replicated)
+	c.mu.Unlock()
+
+	// Step 14's pushes fail on ranks 0 and 2, which try again later and report it replicated:
+	// the step is replicated once both did, and each gets the decision as it stands. A report
+	// from a rank that was not missing, or of an older step, changes nothing.
+	for _, res := range sync(14, 0, 2) {
+		require.NoError(t, res.err)
+		require.False(t, res.dec.Replicated)
+	}
+	late := func(rank int, step int64) bool {
+		dec, err := c.Sync(t.Context(), rank, tiers.SyncReport{Step: step, Replicated: true})
+		require.NoError(t, err)
+		return dec.Replicated
+	}
+	assert.False(t, late(1, 14), "rank 1 was not missing: the round's decision")
+	assert.False(t, late(2, 14), "rank 0 is still missing")
+	assert.False(t, late(2, 14), "rank 0 is still missing")
+	assert.True(t, late(0, 14), "no rank is missing any more")
+	assert.False(t, late(1, 14), "a repeated report of a rank that never was missing gets the round's decision")
+	c.mu.Lock()
+	assert.Equal(t, int64(14), c.replicated)
+	c.mu.Unlock()
+	_, err := c.Sync(t.Context(), 0, tiers.SyncReport{Step: 12, Replicated: true})
+	require.Error(t, err, "step 12's round is gone once step 14 completed")
 }
 
 // A start cut short (rank 1 never came, the job was killed) leaves ranks 0 and 2 waiting with

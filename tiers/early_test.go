@@ -27,8 +27,9 @@ type memTransport struct {
 	early  map[string][]layout.FileDigest // "rank/group" → digests pushed early
 	// failEarly makes that many next early pushes fail (a peer briefly unreachable).
 	failEarly int
-	consum    []string // "rank/group:acked" of each consuming push
-	drops     []string // "rank/group"
+	consum    []string    // "rank/group:acked" of each consuming push
+	drops     []string    // "rank/group"
+	calls     map[int]int // calls to each rank, failed or not
 }
 
 var _ tiers.EarlyTransport = (*memTransport)(nil)
@@ -36,6 +37,10 @@ var _ tiers.EarlyTransport = (*memTransport)(nil)
 func (m *memTransport) target(rank int) (*harness, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if m.calls == nil {
+		m.calls = map[int]int{}
+	}
+	m.calls[rank]++
 	if m.failTo[rank] {
 		return nil, errors.New("injected: peer unreachable")
 	}

@@ -28,6 +28,13 @@ func (r *Replicator) SetWaitNotices(logAfter, logEvery, lineAfter time.Duration)
 	r.node.waits.lineAfter.Store(int64(lineAfter))
 }
 
+// SetRePushWaits sets the waits before the later tries of a failed push (rePushFirst, then
+// doubling up to rePushMax by default).
+func (r *Replicator) SetRePushWaits(first, most time.Duration) {
+	r.syncer.rePushFirst.Store(int64(first))
+	r.syncer.rePushMax.Store(int64(most))
+}
+
 // RoundUpBudget is roundUpBudget, for spool_test.go.
 func RoundUpBudget(n int64) int64 { return roundUpBudget(n) }
 

@@ -69,10 +69,10 @@ type pusher struct {
 
 // push pushes this node's data of a sealed step and its .meta to the peer (SPEC §4): the data
 // first, so that the .meta never names data the peer lacks; in data-parallel mode only the
-// .meta, since column-mates hold equivalent data. A failure is reported to the job. It returns
-// whether the peer acknowledged a verified replica. dataBytes is the size of the data (for the
-// metrics), computed once per step.
-func (p *pusher) push(s sealedStep, early *earlyGroup, dataBytes func() int64) bool {
+// .meta, since column-mates hold equivalent data. A failure is reported to the job, unless this
+// is a later try (again) of a step it was told of. It returns whether the peer acknowledged a
+// verified replica. dataBytes is the size of the data (for the metrics), computed once per step.
+func (p *pusher) push(s sealedStep, early *earlyGroup, dataBytes func() int64, again bool) bool {
 	c := s.commit
 	cfg := c.inc.Config
 	metaOnly := s.restored && slices.Contains(s.holders, p.rank)
@@ -99,6 +99,10 @@ func (p *pusher) push(s sealedStep, early *earlyGroup, dataBytes func() int64) b
 		return false
 	}
 	p.setDown(err != nil)
+	if err != nil && again {
+		p.log.Warn("replication failed again", "step", c.step, "to", p.rank, "err", err)
+		return false
+	}
 	if err != nil {
 		p.metrics.error(errKindReplication)
 		p.lines.incLine(c.inc, fmt.Sprintf("replicating step %d to rank %d failed: %v", c.step, p.rank, err))

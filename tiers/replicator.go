@@ -198,6 +198,8 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	r.early = newEarlyPushes(n, cfg.Peers, r.incs)
 	r.syncer = &syncer{node: n, in: syncQ, coord: cfg.Coordinator, incs: r.incs, retention: r.retention, lines: r.lines,
 		pushers: newPushers(n, cfg.Peers, r.early, r.lines)}
+	r.syncer.rePushFirst.Store(int64(rePushFirst))
+	r.syncer.rePushMax.Store(int64(rePushMax))
 	r.backups = newBackupRunner(n, cfg.Store, cfg.Coordinator, r.retention, r.lines, cfg.DrainTimeout)
 
 	// The start of each incarnation: the handshake answers replicator.yaml and starts the

@@ -49,6 +49,9 @@ type sealedStep struct {
 	dataName, meta string
 	restored       bool
 	holders        []int
+	// rePush, when not 0, makes this no step but the tick of a later try of the syncer's
+	// pending pushes (syncer.arm).
+	rePush uint64
 }
 
 func (s *sealer) run() {

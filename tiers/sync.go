@@ -2,15 +2,29 @@ package tiers
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Pushes that failed are tried again while their step is this node's newest of the current
+// incarnation (a job that saves once an hour, or a restored step, would otherwise stay on one
+// node until the next save): first after rePushFirst, then after twice as long each time, up to
+// rePushMax.
+const (
+	rePushFirst = 30 * time.Second
+	rePushMax   = 5 * time.Minute
 )
 
 // syncer replicates sealed steps to the peers and syncs each step with the coordinator once
 // every worker of this node sealed and replicated it, in order; then retention frees what it no
 // longer needs. A step counts as replicated only if every worker's replication did. Its
 // goroutine (run) ends once its queue is closed and drained; the pushes of a step run each on
-// its own goroutine, which the syncer waits for, and end with their incarnation.
+// its own goroutine, which the syncer waits for, and end with their incarnation. A step synced
+// not replicated is pushed again later to the peers that failed (rePush), and synced again
+// once they all hold it.
 type syncer struct {
 	*node
 	in        *fifo[sealedStep] // from the sealer, and restored steps from the restorer
@@ -19,6 +33,32 @@ type syncer struct {
 	retention *retention
 	lines     *jobLines
 	pushers   *pushers // one per peer; only this goroutine uses them
+
+	// The waits before the next try of a failed push (rePushFirst, rePushMax by default;
+	// settable for tests).
+	rePushFirst, rePushMax atomic.Int64
+	// Only the run goroutine uses these.
+	pending *rePush     // the step to push again, if any
+	timer   *time.Timer // queues pending's next try
+	gen     uint64      // the tick of pending's next try (sealedStep.rePush)
+}
+
+// rePush is a step synced not replicated, with the pushes that failed: by worker's sealed step,
+// the peers that did not acknowledge it.
+type rePush struct {
+	c      commit
+	failed map[int]failedPush // by worker
+	wait   time.Duration      // before the next try
+	tries  int                // including the first
+	// synced: the coordinator decided the step (not replicated); it is told once every push
+	// succeeded. A step whose sync failed (a rank did not report it in time) is still pushed:
+	// a restore uses what the peers hold, decided or not.
+	synced bool
+}
+
+type failedPush struct {
+	s     sealedStep
+	peers []int
 }
 
 func (sy *syncer) run() {
@@ -27,16 +67,25 @@ func (sy *syncer) run() {
 		step int64
 	}
 	type progress struct {
-		workers map[int]bool
-		failed  bool
+		pushes map[int]failedPush // by worker that reported; peers nil when its pushes succeeded
 	}
 	steps := map[stepKey]*progress{}
+	defer sy.stopRePush()
 	for {
 		s, ok := sy.in.pop()
 		if !ok {
 			return
 		}
-		ok = sy.replicate(s)
+		if s.rePush != 0 {
+			if sy.pending != nil && sy.gen == s.rePush {
+				sy.tryAgain()
+			}
+			continue
+		}
+		if p := sy.pending; p != nil && (p.c.inc != s.inc || p.c.step != s.step) {
+			sy.stopRePush() // a newer step, or a new incarnation: that one is protected instead
+		}
+		failedPeers := sy.replicate(s)
 		k := stepKey{s.inc, s.step}
 		p := steps[k]
 		if p == nil {
@@ -45,59 +94,134 @@ func (sy *syncer) run() {
 					delete(steps, old) // an earlier incarnation's, never to be completed
 				}
 			}
-			p = &progress{workers: map[int]bool{}}
+			p = &progress{pushes: map[int]failedPush{}}
 			steps[k] = p
 		}
-		p.workers[s.worker] = true
-		p.failed = p.failed || !ok
-		if len(p.workers) < s.inc.Config.WorkersPerNode {
+		p.pushes[s.worker] = failedPush{s: s, peers: failedPeers}
+		if len(p.pushes) < s.inc.Config.WorkersPerNode {
 			continue
 		}
 		delete(steps, k)
-		sy.sync(s.commit, !p.failed)
+		failed := maps.Clone(p.pushes)
+		maps.DeleteFunc(failed, func(_ int, f failedPush) bool { return len(f.peers) == 0 })
+		synced := sy.sync(s.commit, len(failed) == 0)
+		if len(failed) > 0 && sy.incs.isCurrent(s.inc) && s.inc.ctx.Err() == nil {
+			sy.pending = &rePush{c: s.commit, failed: failed, wait: time.Duration(sy.rePushFirst.Load()), tries: 1, synced: synced}
+			sy.arm()
+		}
 	}
 }
 
+// arm queues a tick for the pending step after its wait.
+func (sy *syncer) arm() {
+	sy.gen++
+	tick := sealedStep{rePush: sy.gen}
+	sy.timer = time.AfterFunc(sy.pending.wait, func() { sy.in.push(tick) })
+}
+
+func (sy *syncer) stopRePush() {
+	if sy.timer != nil {
+		sy.timer.Stop()
+	}
+	sy.pending, sy.timer = nil, nil
+}
+
+// tryAgain pushes the pending step again to the peers that had failed; once none is left it
+// syncs the step again, replicated, and otherwise arms the next try.
+func (sy *syncer) tryAgain() {
+	p := sy.pending
+	if !sy.incs.isCurrent(p.c.inc) || p.c.inc.ctx.Err() != nil {
+		sy.stopRePush()
+		return
+	}
+	p.tries++
+	for w, f := range p.failed {
+		if f.peers = sy.replicateTo(f.s, f.peers, true); len(f.peers) == 0 {
+			delete(p.failed, w)
+		} else {
+			p.failed[w] = f
+		}
+	}
+	if p.c.inc.ctx.Err() != nil {
+		sy.stopRePush()
+		return
+	}
+	if len(p.failed) == 0 {
+		sy.log.Info("step replicated on a later try", "step", p.c.step, "tries", p.tries)
+		sy.stopRePush()
+		if p.synced {
+			sy.sync(p.c, true)
+		}
+		return
+	}
+	p.wait = min(2*p.wait, time.Duration(sy.rePushMax.Load()))
+	var peers []int
+	for _, f := range p.failed {
+		peers = append(peers, f.peers...)
+	}
+	slices.Sort(peers)
+	sy.log.Warn("step still not replicated; trying again later", "step", p.c.step, "to", slices.Compact(peers),
+		"tries", p.tries, "next", p.wait.String())
+	sy.arm()
+}
+
 // replicate pushes a sealed step to the step's peers (SPEC §4), to all of them at once, and
-// reports whether every peer acknowledged a verified replica (true when there are no peers):
-// only those count.
-func (sy *syncer) replicate(s sealedStep) bool {
+// returns the peers that did not acknowledge a verified replica (none when there are no
+// peers): only those count.
+func (sy *syncer) replicate(s sealedStep) []int {
 	peers := s.inc.Config.Peers()
 	if len(peers) == 0 {
-		return true
+		return nil
 	}
+	return sy.replicateTo(s, peers, false)
+}
+
+// replicateTo pushes s to peers at once and returns those that failed. again: a later try of a
+// step synced not replicated (no early pushes, and no line to the job: it was told).
+func (sy *syncer) replicateTo(s sealedStep, peers []int, again bool) []int {
 	if sy.pushers.transport == nil {
-		return false
+		return peers
 	}
-	early := sy.pushers.early.take(s.commit)
-	defer sy.pushers.early.dropAbandoned(s.inc)
+	var early *earlyGroup
+	if !again {
+		early = sy.pushers.early.take(s.commit)
+		defer sy.pushers.early.dropAbandoned(s.inc)
+	}
 	dataBytes := sync.OnceValue(func() int64 { return treeBytes(sy.spoolDir("sealed", s.dataName)) })
 	acked := make([]bool, len(peers))
 	var pushes sync.WaitGroup
 	for i, rank := range peers {
 		p := sy.pushers.to(rank)
-		pushes.Go(func() { acked[i] = p.push(s, early, dataBytes) })
+		pushes.Go(func() { acked[i] = p.push(s, early, dataBytes, again) })
 	}
 	pushes.Wait()
-	return !slices.Contains(acked, false)
+	var failed []int
+	for i, ok := range acked {
+		if !ok {
+			failed = append(failed, peers[i])
+		}
+	}
+	return failed
 }
 
 // sync reports a step every worker of this node sealed and replicated (replicated: all
 // succeeded) to the coordinator, and frees what retention no longer needs. (Backups are
-// ordered by the coordinator on its own clock, see backupRunner.)
-func (sy *syncer) sync(c commit, replicated bool) {
+// ordered by the coordinator on its own clock, see backupRunner.) It returns whether the
+// coordinator decided the step.
+func (sy *syncer) sync(c commit, replicated bool) bool {
 	if !sy.incs.isCurrent(c.inc) {
-		return // an older incarnation's step: sealed and kept, but not synced
+		return false // an older incarnation's step: sealed and kept, but not synced
 	}
 	c.inc.noteCommitted(c.step)
 	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
 	if err != nil {
 		sy.metrics.error(errKindSync)
 		sy.lines.incLine(c.inc, fmt.Sprintf("sync of step %d failed: %v", c.step, err))
-		return
+		return false
 	}
 	if dec.Replicated && sy.incs.isCurrent(c.inc) {
 		c.inc.noteReplicated(c.step)
 	}
 	sy.retention.retain(c.inc.Config)
+	return true
 }

@@ -7,6 +7,7 @@ package main
 // partitions it from the others.
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -142,7 +143,9 @@ func TestPartition(t *testing.T) {
 		o.PeerRanks = []int{(r + 1) % 3}
 		return o
 	}
-	ctx := repCtx(t)
+	// Longer than repCtx: the pushes of step 20 are tried again only 30 s after they failed.
+	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Second)
+	defer cancel()
 	clients := make([]*jobsim.Orbax, 3)
 	c.all(t, func(r int) error {
 		clients[r] = client(r)
@@ -192,8 +195,18 @@ func TestPartition(t *testing.T) {
 		return strings.Contains(errs, "step 20")
 	})
 
-	// Heal: later steps replicate again (the first ones may still meet connections in backoff).
+	// Heal. Before the job saves again, the pushes of step 20 that failed are tried again
+	// (30 s after the first try, then less often): the peers of rank 2 and of rank 1 get the
+	// replicas they lacked, though the coordinator gave step 20 up.
 	lab.heal(cut)
+	for _, r := range []int{1, 2} {
+		peer := (r + 1) % 3
+		replica := filepath.Join(c.nodes[peer].dir, fmt.Sprintf("%s-s20-n%d-w0.meta", job, r))
+		repWait(t, 90*time.Second, fmt.Sprintf("rank %d's push of step 20 to rank %d tried again after healing", r, peer),
+			func() bool { return pathExists(replica) })
+	}
+
+	// Later steps replicate again (the first ones may still meet connections in backoff).
 	var last int64
 	deadline := time.Now().Add(60 * time.Second)
 	for step := int64(30); ; step += 10 {
