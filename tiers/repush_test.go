@@ -2,6 +2,7 @@ package tiers_test
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -61,6 +62,12 @@ func TestFailedPushIsTriedAgain(t *testing.T) {
 		}
 		return ""
 	})
+	hs[0].eventually("the later try in the status", func() string {
+		if rp := hs[0].r.Status().RePush; rp == nil || rp.Step != 1 || !slices.Equal(rp.To, []int{1}) || rp.Tries < 2 {
+			return fmt.Sprintf("status re-push %+v, want step 1 to rank 1 after 2 or more tries", rp)
+		}
+		return ""
+	})
 	if n := errLines(); n != 1 {
 		t.Fatalf("%d lines %q in replicator.errors, want 1 (the first failure only)", n, failedLine)
 	}
@@ -72,6 +79,9 @@ func TestFailedPushIsTriedAgain(t *testing.T) {
 		}
 		return ""
 	})
+	if rp := hs[0].r.Status().RePush; rp != nil {
+		t.Errorf("status still shows a later try once the step replicated: %+v", rp)
+	}
 	if !hs[1].exists(marker("job", 1, 0, 0, layout.MarkerMeta)) {
 		t.Fatalf("rank 1 holds no replica of rank 0's step 1: %v", hs[1].names())
 	}

@@ -49,14 +49,16 @@ type Status struct {
 	BackedUp int64 `json:"latest_backed_up_step"`
 	// Replicated is the newest step the coordinator reported held by every node's peers
 	// (-1: none in this incarnation). Losing any one node cannot lose it.
-	Replicated  int64         `json:"latest_replicated_step"`
-	Steps       []StepInRAM   `json:"steps_in_ram"`
-	Restore     *ProgressView `json:"restore,omitempty"`
-	Backup      *ProgressView `json:"backup,omitempty"`
-	LastBackup  string        `json:"last_backup,omitempty"`
-	BackupStore string        `json:"backup_store,omitempty"`
-	Spool       SpoolStatus   `json:"spool"`
-	Errors      []string      `json:"recent_errors,omitempty"`
+	Replicated int64         `json:"latest_replicated_step"`
+	Steps      []StepInRAM   `json:"steps_in_ram"`
+	Restore    *ProgressView `json:"restore,omitempty"`
+	Backup     *ProgressView `json:"backup,omitempty"`
+	// RePush is the newest step's pushes that failed and are tried again later, if any.
+	RePush      *RePushView `json:"re_push,omitempty"`
+	LastBackup  string      `json:"last_backup,omitempty"`
+	BackupStore string      `json:"backup_store,omitempty"`
+	Spool       SpoolStatus `json:"spool"`
+	Errors      []string    `json:"recent_errors,omitempty"`
 }
 
 // StepInRAM is one .meta held in RAM.
@@ -65,6 +67,15 @@ type StepInRAM struct {
 	Step int64  `json:"step"`
 	Rank int    `json:"rank"`
 	Data string `json:"data"`
+}
+
+// RePushView is the step whose pushes to some peers failed, tried again later (syncer).
+type RePushView struct {
+	job   string
+	Step  int64     `json:"step"`
+	To    []int     `json:"to_ranks"`
+	Tries int       `json:"tries"` // failed so far, the first one included
+	Next  time.Time `json:"next_try"`
 }
 
 // ProgressView is a snapshot of a Progress.
@@ -122,6 +133,7 @@ func (r *Replicator) Status() Status {
 	var backup *Progress
 	backup, st.LastBackup, st.BackedUp = r.backups.status(job)
 	st.Backup = backup.view()
+	st.RePush = r.syncer.status(job)
 	st.Errors = r.lines.recentErrors(job)
 	st.Steps = r.retention.steps()
 	if r.cfg.Store != nil {

@@ -41,6 +41,9 @@ type syncer struct {
 	pending *rePush     // the step to push again, if any
 	timer   *time.Timer // queues pending's next try
 	gen     uint64      // the tick of pending's next try (sealedStep.rePush)
+
+	viewMu sync.Mutex
+	view   *RePushView // GUARDED_BY(viewMu); pending, for status
 }
 
 // rePush is a step synced not replicated, with the pushes that failed: by worker's sealed step,
@@ -112,11 +115,13 @@ func (sy *syncer) run() {
 	}
 }
 
-// arm queues a tick for the pending step after its wait.
+// arm queues a tick for the pending step after its wait, and shows it in the status.
 func (sy *syncer) arm() {
+	p := sy.pending
 	sy.gen++
 	tick := sealedStep{rePush: sy.gen}
-	sy.timer = time.AfterFunc(sy.pending.wait, func() { sy.in.push(tick) })
+	sy.timer = time.AfterFunc(p.wait, func() { sy.in.push(tick) })
+	sy.setView(&RePushView{job: p.c.inc.Config.JobName, Step: p.c.step, To: p.peers(), Tries: p.tries, Next: time.Now().Add(p.wait)})
 }
 
 func (sy *syncer) stopRePush() {
@@ -124,6 +129,34 @@ func (sy *syncer) stopRePush() {
 		sy.timer.Stop()
 	}
 	sy.pending, sy.timer = nil, nil
+	sy.setView(nil)
+}
+
+func (sy *syncer) setView(v *RePushView) {
+	sy.viewMu.Lock()
+	sy.view = v
+	sy.viewMu.Unlock()
+}
+
+// status returns the pending later try of job's pushes, if any.
+func (sy *syncer) status(job string) *RePushView {
+	sy.viewMu.Lock()
+	defer sy.viewMu.Unlock()
+	if sy.view == nil || sy.view.job != job {
+		return nil
+	}
+	v := *sy.view
+	return &v
+}
+
+// peers lists the peers some push of p failed to, in order.
+func (p *rePush) peers() []int {
+	var peers []int
+	for _, f := range p.failed {
+		peers = append(peers, f.peers...)
+	}
+	slices.Sort(peers)
+	return slices.Compact(peers)
 }
 
 // tryAgain pushes the pending step again to the peers that had failed; once none is left it
@@ -155,12 +188,7 @@ func (sy *syncer) tryAgain() {
 		return
 	}
 	p.wait = min(2*p.wait, time.Duration(sy.rePushMax.Load()))
-	var peers []int
-	for _, f := range p.failed {
-		peers = append(peers, f.peers...)
-	}
-	slices.Sort(peers)
-	sy.log.Warn("step still not replicated; trying again later", "step", p.c.step, "to", slices.Compact(peers),
+	sy.log.Warn("step still not replicated; trying again later", "step", p.c.step, "to", p.peers(),
 		"tries", p.tries, "next", p.wait.String())
 	sy.arm()
 }

@@ -62,6 +62,10 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 		fmt.Fprintf(w, "  %-10s step %d %s: %s of %s (%.0f%%), running %v\n", p.Kind, p.Step, what,
 			tiers.FormatSize(p.Done), tiers.FormatSize(p.Total), pct, time.Since(p.Started).Round(time.Second))
 	}
+	if rp := st.RePush; rp != nil {
+		fmt.Fprintf(w, "  re-push    step %d to rank %s: %d tries failed, next in %v\n", rp.Step, joinInts(rp.To), rp.Tries,
+			max(time.Until(rp.Next), 0).Round(time.Second))
+	}
 	for _, e := range st.Errors {
 		fmt.Fprintf(w, "  error      %s\n", e)
 	}
@@ -173,4 +177,13 @@ func Backups(ctx context.Context, w io.Writer, b *gcsbackend.Backups, job string
 		}
 	}
 	return ok
+}
+
+// joinInts renders ranks as "1, 2".
+func joinInts(ns []int) string {
+	parts := make([]string, len(ns))
+	for i, n := range ns {
+		parts[i] = strconv.Itoa(n)
+	}
+	return strings.Join(parts, ", ")
 }

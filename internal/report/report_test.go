@@ -29,6 +29,7 @@ func TestStatus(t *testing.T) {
 		Restored: 10, Committed: 30, Replicated: 20, Spool: spool, BackupStore: "file:///b", LastBackup: "2026-12-02_10-00",
 		Steps:  []tiers.StepInRAM{{Step: 30, Rank: 1, Data: "Dabc.data"}},
 		Backup: &tiers.ProgressView{Kind: "backup", Step: 30, Backup: "2026-12-02_11-00", Started: time.Now(), Done: 1 << 20, Total: 4 << 20},
+		RePush: &tiers.RePushView{Step: 30, To: []int{0, 3}, Tries: 2, Next: time.Now().Add(61 * time.Second)},
 		Errors: []string{"step 20: sync failed"}})
 	out := running.String()
 	for _, want := range []string{
@@ -37,6 +38,7 @@ func TestStatus(t *testing.T) {
 		"  steps      restored 10, latest committed 30, latest replicated on every node 20\n",
 		"  in RAM     step 30 node 1: Dabc.data\n",
 		"  backup     step 30 to 2026-12-02_11-00: 1.0MiB of 4.0MiB (25%), running 0s\n",
+		"  re-push    step 30 to rank 0, 3: 2 tries failed, next in 1m1s\n",
 		"  error      step 20: sync failed\n",
 	} {
 		assert.Contains(t, out, want)
