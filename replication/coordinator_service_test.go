@@ -353,9 +353,10 @@ func TestRemoteCoordinatorRetriesUntilServerUp(t *testing.T) {
 	require.Error(t, err)
 	assert.ErrorIs(t, err, context.DeadlineExceeded)
 
-	// A context that ends while rank 0 is unreachable ends the retries with the last error.
+	// A context that ends while rank 0 is unreachable ends the retries with the last error
+	// (2 s: at least one refused dial must finish first, also on a loaded machine).
 	unreachable := newRemote(t, fixedAddr(deadAddr), coordSecret)
-	short, cancelShort = context.WithTimeout(t.Context(), 100*time.Millisecond)
+	short, cancelShort = context.WithTimeout(t.Context(), 2*time.Second)
 	defer cancelShort()
 	_, err = unreachable.Sync(short, agentInc("a1", 1, nodes), tiers.SyncReport{Step: 6})
 	require.Error(t, err)

@@ -205,17 +205,19 @@ func TestPushConnectionFaults(t *testing.T) {
 		name    string
 		fault   func(*faultproxy.Proxy)
 		wantErr func(t *testing.T, err error)
-		within  time.Duration
+		// within bounds the push far above what it takes (1–3 s): the point is that a fault
+		// ends it (StallTimeout, a reset) instead of leaving it waiting for good.
+		within time.Duration
 	}{
 		{"blackhole", func(fp *faultproxy.Proxy) { fp.BlackholeAfter(300_000) }, func(t *testing.T, err error) {
 			require.ErrorIs(t, err, ErrStalled)
-		}, 5 * time.Second},
+		}, 20 * time.Second},
 		{"reset", func(fp *faultproxy.Proxy) { fp.ResetAfter(300_000) }, func(t *testing.T, err error) {
 			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
-		}, 3 * time.Second},
+		}, 20 * time.Second},
 		{"delay", func(fp *faultproxy.Proxy) { fp.SetBoth(faultproxy.Faults{Delay: 2 * time.Millisecond}) }, func(t *testing.T, err error) {
 			require.NoError(t, err, "a slow link must only slow the push down")
-		}, 10 * time.Second},
+		}, 30 * time.Second},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -430,19 +432,20 @@ func TestReceiverYieldsBeforeReadingChunks(t *testing.T) {
 	require.Len(t, links, 1)
 	require.Zero(t, links[0].Samples, "a link measured by bytes that crossed while the stream was held: %+v", links[0])
 
-	// 24 MiB on one stream: 4 MiB cross while held, the rest after; the link is measured by
+	// 12 MiB on one stream: 4 MiB cross while held, the rest after; the link is measured by
 	// those, from the announcement: the 3 s held are not the link's. Counted, they would make
-	// it a link of less than 24 MiB / 3 s (8.4 MB/s), whatever the machine's speed: a rate above
+	// it a link of less than 12 MiB / 3 s (4.2 MB/s), whatever the machine's speed: a rate above
 	// that shows the hold was left out (loopback under -race with GOMAXPROCS=1 does 60+ MB/s
 	// on a quiet machine, 22 with CI and other tests sharing its 2 CPUs; a fixed 25 MB/s bar
-	// failed there).
+	// failed there, and 24 MiB against 8.4 MB/s left only 2.6× of room).
 	s = testSender(1)
 	const hold = 3 * time.Second
-	push(s, 1, 24<<20, hold)
+	const size = 12 << 20
+	push(s, 1, size, hold)
 	links = s.PeerLinks()
 	require.Len(t, links, 1)
 	require.Equal(t, 1, links[0].Samples)
-	require.Greater(t, links[0].Rate, float64(24<<20)/hold.Seconds(), "link rate %v B/s measured across the hold", links[0].Rate)
+	require.Greater(t, links[0].Rate, float64(size)/hold.Seconds(), "link rate %v B/s measured across the hold", links[0].Rate)
 
 	// A small transfer (a .meta, a small file) is not held.
 	held.Store(0)

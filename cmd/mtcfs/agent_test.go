@@ -263,9 +263,10 @@ func TestKillAndRestart(t *testing.T) {
 
 	// The agent's notification helper (fs/notifier.go) keeps the connection up until it sees
 	// the agent gone, a moment later; a request made meanwhile fails with ECONNABORTED when the
-	// helper exits. Within a second every access fails at once with ENOTCONN.
+	// helper exits. Then every access fails at once with ENOTCONN (within a second here; 10 s
+	// leave room for a loaded machine).
 	var err error
-	for deadline := time.Now().Add(time.Second); ; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		_, err = os.Stat(filepath.Join(dir, "f"))
 		if !errors.Is(err, syscall.ECONNABORTED) || time.Now().After(deadline) {
 			break
@@ -466,7 +467,9 @@ func TestStartWaitsForTheDirectoryLock(t *testing.T) {
 	require.NoError(t, unix.Flock(fd, unix.LOCK_EX))
 	released := make(chan time.Time, 1) // before the unlock: the agent cannot serve earlier
 	unlocked := make(chan struct{})
-	time.AfterFunc(1500*time.Millisecond, func() {
+	// The agent says it waits after a second of waiting; it reaches the lock 0.1–0.3 s after
+	// exec here, so 5 s leave room for a loaded machine.
+	time.AfterFunc(5*time.Second, func() {
 		released <- time.Now()
 		unix.Flock(fd, unix.LOCK_UN)
 		close(unlocked)
@@ -480,4 +483,25 @@ func TestStartWaitsForTheDirectoryLock(t *testing.T) {
 		t.Fatal("the agent served before the lock was released")
 	}
 	stopAgent(t, a)
+}
+
+// waitStopped waits until every thread of pid is stopped (state T in /proc/PID/task/*/stat),
+// after a SIGSTOP.
+func waitStopped(t *testing.T, pid int) {
+	t.Helper()
+	repWait(t, 10*time.Second, fmt.Sprintf("pid %d to stop", pid), func() bool {
+		stats, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", pid))
+		for _, st := range stats {
+			b, err := os.ReadFile(st)
+			if err != nil {
+				continue // a thread that exited
+			}
+			// The state follows the command name in parentheses, which may hold spaces.
+			_, rest, ok := strings.Cut(string(b), ") ")
+			if !ok || !strings.HasPrefix(rest, "T") {
+				return false
+			}
+		}
+		return len(stats) > 0
+	})
 }

@@ -43,6 +43,7 @@ type mountConfig struct {
 	advertise     string
 	peers         replication.Discovery // --peers; nil: the registry
 	lagTimeout    time.Duration
+	sealDelay     time.Duration
 	secretFile    string
 	peerTLS       *replication.TLSConfigs
 	peerCompress  replication.Compression
@@ -83,6 +84,10 @@ func parseOwner(uid, gid int, mode string) (mfs.RootOwner, error) {
 // syncLagTimeoutEnv overrides the coordinator's sync lag timeout (replication.DefaultLagTimeout),
 // e.g. "5s". Hidden: tests use it to see a partitioned node's step fail its sync quickly.
 const syncLagTimeoutEnv = "MTCFS_SYNC_LAG_TIMEOUT"
+
+// sealDelayEnv delays the sealing of each committed step, e.g. "2s". Hidden: tests use it to
+// kill -9 the agent between a commit and its seal without depending on timing.
+const sealDelayEnv = "MTCFS_SEAL_DELAY"
 
 func cmdMount(args []string) int {
 	fset := newFlagSet("mount", mountSynopsis)
@@ -178,6 +183,11 @@ func cmdMount(args []string) int {
 	if v := os.Getenv(syncLagTimeoutEnv); v != "" {
 		if cfg.lagTimeout, err = time.ParseDuration(v); err != nil || cfg.lagTimeout <= 0 {
 			return flagError(fset, fmt.Errorf("%s=%q: want a positive duration such as 30s", syncLagTimeoutEnv, v))
+		}
+	}
+	if v := os.Getenv(sealDelayEnv); v != "" {
+		if cfg.sealDelay, err = time.ParseDuration(v); err != nil || cfg.sealDelay <= 0 {
+			return flagError(fset, fmt.Errorf("%s=%q: want a positive duration such as 2s", sealDelayEnv, v))
 		}
 	}
 	if cfg.passthrough, err = mfs.ParsePassthroughMode(*passthrough); err != nil {
@@ -548,8 +558,12 @@ func runMount(cfg mountConfig) error {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "mtcfs_build_info", Help: "Always 1; the agent's version is a label.",
 			ConstLabels: prometheus.Labels{"version": version}}, func() float64 { return 1 }),
 		node.Collector())
+	var beforeSeal func(int64)
+	if d := cfg.sealDelay; d > 0 {
+		beforeSeal = func(int64) { time.Sleep(d) }
+	}
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
-		DrainTimeout: cfg.drain, Registerer: metrics})
+		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal})
 	var ready atomic.Bool
 	info := agents.Info{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
 	var shown atomic.Pointer[agents.Info] // what /status shows; info is completed below

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -103,7 +104,9 @@ func TestClusterMutualTLS(t *testing.T) {
 		repWait(t, 20*time.Second, fmt.Sprintf("rank %d's replica on rank %d", r, peer), func() bool {
 			return replicaHeld(c.nodes[peer], "trio", 10, r)
 		})
-		require.Regexp(t, fmt.Sprintf(`peer transfer received" .*rank=%d data=D[0-9a-f]{64}\.data `, r), c.agents[peer].log())
+		received := regexp.MustCompile(fmt.Sprintf(`peer transfer received" .*rank=%d data=D[0-9a-f]{64}\.data `, r))
+		repWait(t, 10*time.Second, fmt.Sprintf("rank %d to log the transfer from rank %d", peer, r),
+			func() bool { return received.MatchString(c.agents[peer].log()) })
 	}
 	for r, a := range c.agents {
 		require.NotContains(t, a.log(), "TLS handshake failed", "rank %d", r)

@@ -2,6 +2,8 @@ package jobsim
 
 import (
 	"context"
+	"errors"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -303,8 +305,13 @@ func TestNeMoRestoreRequiresPrerestore(t *testing.T) {
 	dir := t.TempDir()
 	startFakeAgent(t, dir, func(a *fakeAgent) { a.noPrerestore = true })
 	n := testNeMo(t, dir)
-	n.Timeout = 100 * time.Millisecond
 	require.NoError(t, n.Handshake(ctx))
+	// The short timeout is for the prerestore only: the fake agent takes the yaml in first.
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(filepath.Join(dir, yamlName))
+		return errors.Is(err, fs.ErrNotExist)
+	}, 10*time.Second, 5*time.Millisecond, "the fake agent consumes the yaml")
+	n.Timeout = 100 * time.Millisecond
 	_, _, err := n.Restore(ctx)
 	require.ErrorIs(t, err, ErrTimeout)
 	assert.Contains(t, err.Error(), "waiting for replicator.prerestore")
