@@ -102,8 +102,9 @@ type Options struct {
 //     than its last gets that older round's outcome, or an error if there is none.
 //   - A rank that reported its last step not replicated may report it again, replicated, once a
 //     later push succeeded (the syncer tries again while the step is its newest): it is no
-//     longer missing, and once no rank is, the step is replicated. That rank gets the new
-//     decision; the others keep the one they got, and free older steps only after their next.
+//     longer missing, and once no rank is, the step is replicated. A rank repeating a report of
+//     its last step replicated gets the decision as it stands then; the others keep the one they
+//     got, and free older steps only after their next.
 //
 // Each failed sync reaches the job as a line in replicator.errors (the replicator logs it);
 // training goes on and the next step syncs normally.
@@ -574,7 +575,7 @@ func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, err
 		if r == nil || (rep.Step < last && !r.finished()) {
 			return nil, fmt.Errorf("sync of step %d from rank %d, which already reported step %d", rep.Step, rank, last)
 		}
-		if rep.Step == last && rep.Replicated && r.finished() && r.err == nil && slices.Contains(r.missing, rank) {
+		if rep.Step == last && rep.Replicated && r.finished() && r.err == nil {
 			return c.replicatedLater(r, rank), nil
 		}
 		return r, nil // a retry: the outcome of the same round
@@ -663,13 +664,15 @@ func (c *JobCoordinator) complete(r *syncRound) {
 	}
 }
 
-// replicatedLater records that rank, which had reported r.step not replicated, replicated it
-// since, and returns a finished round with the decision as it now stands (r's own dec is read
-// without the lock, so it does not change). Called with c.mu held.
+// replicatedLater records that rank holds r.step replicated (it may have reported it not
+// replicated, and replicated it since; or this is a resent request) and returns a finished
+// round with the decision as it now stands (r's own dec is read without the lock, so it does
+// not change). Called with c.mu held.
 func (c *JobCoordinator) replicatedLater(r *syncRound, rank int) *syncRound {
+	was := len(r.missing)
 	r.missing = slices.DeleteFunc(r.missing, func(m int) bool { return m == rank })
 	dec := tiers.SyncDecision{Replicated: len(r.missing) == 0}
-	if dec.Replicated {
+	if dec.Replicated && was > 0 {
 		c.replicated = max(c.replicated, r.step)
 		c.log.Info("step replicated after all", "step", r.step, "last", rank)
 	}

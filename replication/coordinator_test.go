@@ -965,16 +965,41 @@ func TestCoordinatorSyncReplicated(t *testing.T) {
 		require.NoError(t, err)
 		return dec.Replicated
 	}
-	assert.False(t, late(1, 14), "rank 1 was not missing: the round's decision")
+	assert.False(t, late(1, 14), "rank 1 was not missing; ranks 0 and 2 are")
 	assert.False(t, late(2, 14), "rank 0 is still missing")
-	assert.False(t, late(2, 14), "rank 0 is still missing")
+	assert.False(t, late(2, 14), "a resent report: rank 0 is still missing")
 	assert.True(t, late(0, 14), "no rank is missing any more")
-	assert.False(t, late(1, 14), "a repeated report of a rank that never was missing gets the round's decision")
+	assert.True(t, late(0, 14), "a resent report whose first reply was lost gets the decision as it stands")
+	assert.True(t, late(1, 14), "so does any rank repeating its report")
+	_, err := c.Sync(t.Context(), 1, tiers.SyncReport{Step: 14, Replicated: false})
+	require.NoError(t, err, "a resent report not replicated joins the round")
 	c.mu.Lock()
 	assert.Equal(t, int64(14), c.replicated)
 	c.mu.Unlock()
-	_, err := c.Sync(t.Context(), 0, tiers.SyncReport{Step: 12, Replicated: true})
+	_, err = c.Sync(t.Context(), 0, tiers.SyncReport{Step: 12, Replicated: true})
 	require.Error(t, err, "step 12's round is gone once step 14 completed")
+
+	// A round that failed (a rank never reported it in time) does not become replicated.
+	f := newCoordinator(t, testConfig(nodes), Options{LagTimeout: 50 * time.Millisecond})
+	negotiateAll(t, f, []tiers.Inventory{own(0), own(1), own(2)})
+	failed := make(chan error, 2)
+	for r := range 2 { // rank 2 does not report step 15
+		go func() {
+			_, err := f.Sync(t.Context(), r, tiers.SyncReport{Step: 15, Replicated: r != 0})
+			failed <- err
+		}()
+	}
+	for range 2 {
+		require.ErrorIs(t, <-failed, ErrSyncTimeout)
+	}
+	_, err = f.Sync(t.Context(), 0, tiers.SyncReport{Step: 15, Replicated: true})
+	require.ErrorIs(t, err, ErrSyncTimeout, "a late report of a failed round gets its failure")
+	f.mu.Lock()
+	assert.Equal(t, int64(-1), f.replicated)
+	f.mu.Unlock()
+	c.mu.Lock()
+	assert.Equal(t, int64(14), c.replicated)
+	c.mu.Unlock()
 }
 
 // A start cut short (rank 1 never came, the job was killed) leaves ranks 0 and 2 waiting with

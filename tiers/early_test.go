@@ -30,6 +30,7 @@ type memTransport struct {
 	consum    []string    // "rank/group:acked" of each consuming push
 	drops     []string    // "rank/group"
 	calls     map[int]int // calls to each rank, failed or not
+	blocked   int         // pushes that waited on a block channel
 }
 
 var _ tiers.EarlyTransport = (*memTransport)(nil)
@@ -50,6 +51,9 @@ func (m *memTransport) target(rank int) (*harness, error) {
 func (m *memTransport) Push(ctx context.Context, inc tiers.Incarnation, rank int, name, path string) error {
 	m.mu.Lock()
 	block := m.block[rank]
+	if block != nil {
+		m.blocked++
+	}
 	m.mu.Unlock()
 	if block != nil {
 		select {

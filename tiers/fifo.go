@@ -1,6 +1,9 @@
 package tiers
 
-import "sync"
+import (
+	"slices"
+	"sync"
+)
 
 // fifo is an unbounded queue between two stages: pushing never blocks (a FUSE request, in
 // particular, may push). Items pushed after close are dropped.
@@ -35,6 +38,13 @@ func (q *fifo[T]) close() {
 	q.closed = true
 	q.mu.Unlock()
 	q.wake()
+}
+
+// has reports whether an item for which pick holds is queued.
+func (q *fifo[T]) has(pick func(T) bool) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return slices.ContainsFunc(q.items, pick)
 }
 
 // pop waits for the next item; ok is false once the queue is closed and drained. One goroutine

@@ -70,9 +70,11 @@ type pusher struct {
 // push pushes this node's data of a sealed step and its .meta to the peer (SPEC §4): the data
 // first, so that the .meta never names data the peer lacks; in data-parallel mode only the
 // .meta, since column-mates hold equivalent data. A failure is reported to the job, unless this
-// is a later try (again) of a step it was told of. It returns whether the peer acknowledged a
-// verified replica. dataBytes is the size of the data (for the metrics), computed once per step.
-func (p *pusher) push(s sealedStep, early *earlyGroup, dataBytes func() int64, again bool) bool {
+// is a later try (again: one attempt, since the later tries have their own schedule) of a step it
+// was told of. It returns whether the peer acknowledged a verified replica. ctx is the
+// incarnation's, or for a later try one that also ends when a newer step comes. dataBytes is the
+// size of the data (for the metrics), computed once per step.
+func (p *pusher) push(ctx context.Context, s sealedStep, early *earlyGroup, dataBytes func() int64, again bool) bool {
 	c := s.commit
 	cfg := c.inc.Config
 	metaOnly := s.restored && slices.Contains(s.holders, p.rank)
@@ -81,21 +83,24 @@ func (p *pusher) push(s sealedStep, early *earlyGroup, dataBytes func() int64, a
 	if p.isDown() {
 		attempts = peerDownAttempts
 	}
+	if again {
+		attempts = 1
+	}
 	var err error
 	for attempt, wait := 1, pushBackoff; ; attempt, wait = attempt+1, wait*2 {
-		err = p.pushStep(c, s.dataName, s.meta, early, metaOnly)
-		if err == nil || attempt >= attempts || c.inc.ctx.Err() != nil {
+		err = p.pushStep(ctx, c, s.dataName, s.meta, early, metaOnly)
+		if err == nil || attempt >= attempts || ctx.Err() != nil {
 			break
 		}
 		p.log.Warn("replication failed, retrying", "step", c.step, "to", p.rank, "attempt", attempt, "err", err)
 		select {
 		case <-time.After(wait):
-		case <-c.inc.ctx.Done():
+		case <-ctx.Done():
 		}
 	}
-	if err != nil && c.inc.ctx.Err() != nil {
-		// The incarnation ended (a new replicator.yaml, or the agent stopping): not the
-		// peer's failure, and not news for the job.
+	if err != nil && ctx.Err() != nil {
+		// The incarnation ended (a new replicator.yaml, or the agent stopping), or a newer
+		// step superseded a later try: not the peer's failure, and not news for the job.
 		return false
 	}
 	p.setDown(err != nil)
@@ -126,21 +131,21 @@ func (p *pusher) push(s sealedStep, early *earlyGroup, dataBytes func() int64, a
 
 // pushStep pushes a step's data, then its .meta, to the peer; with metaOnly (the peer holds the
 // data already) only the .meta.
-func (p *pusher) pushStep(c commit, dataName, meta string, early *earlyGroup, metaOnly bool) error {
+func (p *pusher) pushStep(ctx context.Context, c commit, dataName, meta string, early *earlyGroup, metaOnly bool) error {
 	if c.inc.Config.AssumeDataParallelism == 0 && !metaOnly {
 		var err error
 		src := p.spoolDir("sealed", dataName)
-		p.yield.wait(c.inc.ctx, p.yield.limit)
+		p.yield.wait(ctx, p.yield.limit)
 		if et, ok := p.early.transportFor(c.inc.Config); ok && early != nil {
-			err = et.PushConsuming(c.inc.ctx, c.inc.Incarnation, p.rank, dataName, src, c.group, early.ackedBy(p.rank))
+			err = et.PushConsuming(ctx, c.inc.Incarnation, p.rank, dataName, src, c.group, early.ackedBy(p.rank))
 		} else {
-			err = p.transport.Push(c.inc.ctx, c.inc.Incarnation, p.rank, dataName, src)
+			err = p.transport.Push(ctx, c.inc.Incarnation, p.rank, dataName, src)
 		}
 		if err != nil {
 			return err
 		}
 	}
-	return p.transport.Push(c.inc.ctx, c.inc.Incarnation, p.rank, meta, p.spoolDir("meta", meta))
+	return p.transport.Push(ctx, c.inc.Incarnation, p.rank, meta, p.spoolDir("meta", meta))
 }
 
 func (p *pusher) isDown() bool {

@@ -87,7 +87,9 @@ type JaxInit struct {
 //     both end with the incarnation's context (the next handshake, or Close). Close lets a
 //     running backup finish for DrainTimeout first.
 //
-// The inbox's replica holds are timers, stopped by Close.
+// The inbox's replica holds are timers, stopped by Close; so is the syncer's timer of a later
+// try of failed pushes (stopped when its goroutine ends), and a later try's watcher of newer
+// steps is a goroutine the try waits for.
 //
 // LOCK ORDERING: retention.publishMu before jobLines.writeMu; retention.publishMu before
 // inbox.mu before retention.mu. Every other mutex is a leaf: nothing else is locked while it is

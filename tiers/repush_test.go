@@ -4,10 +4,12 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/replication"
 )
 
 // A push that failed is tried again while its step is the newest, without a line to the job at
@@ -63,7 +65,7 @@ func TestFailedPushIsTriedAgain(t *testing.T) {
 		return ""
 	})
 	hs[0].eventually("the later try in the status", func() string {
-		if rp := hs[0].r.Status().RePush; rp == nil || rp.Step != 1 || !slices.Equal(rp.To, []int{1}) || rp.Tries < 2 {
+		if rp := hs[0].r.Status().RePush; rp == nil || rp.Step != 1 || !slices.Equal(rp.To, []int{1}) || rp.Failed < 2 {
 			return fmt.Sprintf("status re-push %+v, want step 1 to rank 1 after 2 or more tries", rp)
 		}
 		return ""
@@ -91,4 +93,131 @@ func TestFailedPushIsTriedAgain(t *testing.T) {
 	if n := calls(); n != settled {
 		t.Fatalf("%d more calls to rank 1 after the step replicated", n-settled)
 	}
+}
+
+// rePushPair is newPair with short waits between later tries, and a switch for rank 0's pushes
+// to rank 1.
+func rePushPair(t *testing.T, doc func(rank int) string) ([]*harness, *memTransport, func(fail bool)) {
+	t.Helper()
+	job := replication.NewJob(replication.Options{LagTimeout: 10 * time.Second})
+	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]layout.FileDigest{}}
+	var hs []*harness
+	for rank := range 2 {
+		h := newHarness(t, harnessConfig{coord: replication.LocalClient{Job: job}, peers: tr})
+		h.r.SetRePushWaits(50*time.Millisecond, 200*time.Millisecond)
+		tr.nodes[rank] = h
+		hs = append(hs, h)
+	}
+	var wg sync.WaitGroup
+	for rank, h := range hs {
+		wg.Go(func() { h.yamlNemo(doc(rank)) })
+	}
+	wg.Wait()
+	for _, h := range hs {
+		h.waitExists(layout.PrerestoreName)
+	}
+	return hs, tr, func(fail bool) {
+		tr.mu.Lock()
+		tr.failTo[1] = fail
+		tr.mu.Unlock()
+	}
+}
+
+func waitCommitted(h *harness, step int64) {
+	h.t.Helper()
+	h.eventually(fmt.Sprintf("step %d synced", step), func() string {
+		if st := h.r.Status(); st.Committed != step {
+			return fmt.Sprintf("latest committed %d", st.Committed)
+		}
+		return ""
+	})
+}
+
+// A pytorch job saves step 3 again (same name, new content) after its first save's push
+// failed: the new save supersedes the later tries of the first. Before, they went on, pushing
+// data retention had freed, and the status said step 3 was not replicated although it was
+// (found by a review).
+func TestRePushEndsWhenTheSameStepIsSavedAgain(t *testing.T) {
+	t.Parallel()
+	hs, tr, setFail := rePushPair(t, func(rank int) string {
+		return fmt.Sprintf("job-name: pt\nframework: pytorch\nnode-rank: %d\nnodes: 2\npeer-ranks: [%d]\nbackup-interval-minutes: 30", rank, 1-rank)
+	})
+	setFail(true)
+	for r, h := range hs {
+		h.writeFile(fmt.Sprintf("pt-s3-n%d-w0.save", r), fmt.Sprintf("first save of rank %d", r))
+	}
+	for _, h := range hs {
+		waitCommitted(h, 3)
+	}
+	hs[0].eventually("a later try pending", func() string {
+		if hs[0].r.Status().RePush == nil {
+			return "no re-push in the status"
+		}
+		return ""
+	})
+	setFail(false)
+	hs[0].waitGone("pt-s3-n0-w0.save") // sealed: the name is free again
+	hs[0].writeFile("pt-s3-n0-w0.save", "second save of rank 0")
+	hs[0].eventually("step 3 replicated after the second save", func() string {
+		if st := hs[0].r.Status(); st.Replicated != 3 || st.RePush != nil {
+			return fmt.Sprintf("latest replicated %d, re-push %+v", st.Replicated, st.RePush)
+		}
+		return ""
+	})
+	tr.mu.Lock()
+	settled := tr.calls[1]
+	tr.mu.Unlock()
+	time.Sleep(500 * time.Millisecond) // two or more periods of the later tries
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if n := tr.calls[1]; n != settled {
+		t.Fatalf("%d calls to rank 1 after the second save replicated: the first save's tries went on", n-settled)
+	}
+}
+
+// A later try that is running when the next step comes is cancelled: the next step is pushed
+// and synced without waiting for it. Before, every rank's sync of the next step waited for the
+// try, which may take minutes for a large step on a failing link (found by a review).
+func TestNewerStepCancelsARunningRePush(t *testing.T) {
+	t.Parallel()
+	hs, tr, setFail := rePushPair(t, func(rank int) string {
+		return withKeys("job-name: job", "nodes: 2", fmt.Sprintf("node-rank: %d", rank), fmt.Sprintf("peer-ranks: [%d]", 1-rank))
+	})
+	setFail(true)
+	for r, h := range hs {
+		h.orbaxSave(1, map[string]string{"state": fmt.Sprintf("step 1 of rank %d", r)})
+	}
+	for _, h := range hs {
+		waitCommitted(h, 1)
+	}
+	// The next try of step 1 hangs (a peer that takes the bytes slowly).
+	hang := make(chan struct{})
+	t.Cleanup(func() { close(hang) })
+	tr.mu.Lock()
+	tr.block = map[int]chan struct{}{1: hang}
+	tr.failTo[1] = false
+	tr.mu.Unlock()
+	hs[0].eventually("a later try of step 1 hanging", func() string {
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		if tr.blocked == 0 {
+			return "no push waiting"
+		}
+		return ""
+	})
+	if rp := hs[0].r.Status().RePush; rp == nil || !rp.Trying {
+		t.Errorf("status while the try runs: %+v, want trying", rp)
+	}
+	tr.mu.Lock()
+	tr.block = nil // pushes from now on go through
+	tr.mu.Unlock()
+	for r, h := range hs {
+		h.orbaxSave(2, map[string]string{"state": fmt.Sprintf("step 2 of rank %d", r)})
+	}
+	hs[0].eventually("step 2 replicated while the try of step 1 hangs", func() string {
+		if st := hs[0].r.Status(); st.Replicated != 2 {
+			return fmt.Sprintf("latest committed %d, replicated %d", st.Committed, st.Replicated)
+		}
+		return ""
+	})
 }

@@ -69,13 +69,14 @@ type StepInRAM struct {
 	Data string `json:"data"`
 }
 
-// RePushView is the step whose pushes to some peers failed, tried again later (syncer).
+// RePushView is the step whose pushes to some peers failed and are tried again later (syncer).
 type RePushView struct {
-	job   string
-	Step  int64     `json:"step"`
-	To    []int     `json:"to_ranks"`
-	Tries int       `json:"tries"` // failed so far, the first one included
-	Next  time.Time `json:"next_try"`
+	inc    *incarnation
+	Step   int64     `json:"step"`
+	To     []int     `json:"to_ranks"`
+	Failed int       `json:"failed_tries"` // the first one included
+	Trying bool      `json:"trying"`       // a try is running now
+	Next   time.Time `json:"next_try"`     // when not Trying
 }
 
 // ProgressView is a snapshot of a Progress.

@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"context"
 	"fmt"
 	"maps"
 	"slices"
@@ -22,9 +23,9 @@ const (
 // every worker of this node sealed and replicated it, in order; then retention frees what it no
 // longer needs. A step counts as replicated only if every worker's replication did. Its
 // goroutine (run) ends once its queue is closed and drained; the pushes of a step run each on
-// its own goroutine, which the syncer waits for, and end with their incarnation. A step synced
-// not replicated is pushed again later to the peers that failed (rePush), and synced again
-// once they all hold it.
+// its own goroutine, which the syncer waits for, and end with their incarnation. The pushes of
+// a step that failed are tried again later (rePush) until the next step of the incarnation
+// comes; a later try that is running when it comes is cancelled.
 type syncer struct {
 	*node
 	in        *fifo[sealedStep] // from the sealer, and restored steps from the restorer
@@ -39,23 +40,23 @@ type syncer struct {
 	rePushFirst, rePushMax atomic.Int64
 	// Only the run goroutine uses these.
 	pending *rePush     // the step to push again, if any
-	timer   *time.Timer // queues pending's next try
-	gen     uint64      // the tick of pending's next try (sealedStep.rePush)
+	timer   *time.Timer // queues pending's next try: a tick (sealedStep.rePush = gen)
+	gen     uint64      // the tick of pending's next try
 
 	viewMu sync.Mutex
 	view   *RePushView // GUARDED_BY(viewMu); pending, for status
 }
 
-// rePush is a step synced not replicated, with the pushes that failed: by worker's sealed step,
-// the peers that did not acknowledge it.
+// rePush is a step whose pushes to some peers failed: by worker, its sealed step and the peers
+// that did not acknowledge it.
 type rePush struct {
 	c      commit
 	failed map[int]failedPush // by worker
 	wait   time.Duration      // before the next try
-	tries  int                // including the first
-	// synced: the coordinator decided the step (not replicated); it is told once every push
-	// succeeded. A step whose sync failed (a rank did not report it in time) is still pushed:
-	// a restore uses what the peers hold, decided or not.
+	tries  int                // made so far, the first one included
+	// synced: the coordinator decided the step (not replicated); it is told again once every
+	// push succeeded. A step whose sync failed (a rank did not report it in time) is still
+	// pushed: a restore plans from what the peers hold, decided or not.
 	synced bool
 }
 
@@ -83,10 +84,12 @@ func (sy *syncer) run() {
 			if sy.pending != nil && sy.gen == s.rePush {
 				sy.tryAgain()
 			}
-			continue
+			continue // a tick of a try that is no longer pending
 		}
-		if p := sy.pending; p != nil && (p.c.inc != s.inc || p.c.step != s.step) {
-			sy.stopRePush() // a newer step, or a new incarnation: that one is protected instead
+		// Any step of the current incarnation (the next one, or the same step saved again)
+		// supersedes the later tries; a step of an earlier incarnation sealed late does not.
+		if sy.pending != nil && (sy.incs.isCurrent(s.inc) || !sy.incs.isCurrent(sy.pending.c.inc)) {
+			sy.stopRePush()
 		}
 		failedPeers := sy.replicate(s)
 		k := stepKey{s.inc, s.step}
@@ -109,6 +112,7 @@ func (sy *syncer) run() {
 		maps.DeleteFunc(failed, func(_ int, f failedPush) bool { return len(f.peers) == 0 })
 		synced := sy.sync(s.commit, len(failed) == 0)
 		if len(failed) > 0 && sy.incs.isCurrent(s.inc) && s.inc.ctx.Err() == nil {
+			sy.stopRePush()
 			sy.pending = &rePush{c: s.commit, failed: failed, wait: time.Duration(sy.rePushFirst.Load()), tries: 1, synced: synced}
 			sy.arm()
 		}
@@ -121,7 +125,7 @@ func (sy *syncer) arm() {
 	sy.gen++
 	tick := sealedStep{rePush: sy.gen}
 	sy.timer = time.AfterFunc(p.wait, func() { sy.in.push(tick) })
-	sy.setView(&RePushView{job: p.c.inc.Config.JobName, Step: p.c.step, To: p.peers(), Tries: p.tries, Next: time.Now().Add(p.wait)})
+	sy.setView(p, time.Now().Add(p.wait))
 }
 
 func (sy *syncer) stopRePush() {
@@ -129,20 +133,28 @@ func (sy *syncer) stopRePush() {
 		sy.timer.Stop()
 	}
 	sy.pending, sy.timer = nil, nil
-	sy.setView(nil)
+	sy.setView(nil, time.Time{})
 }
 
-func (sy *syncer) setView(v *RePushView) {
+// setView shows p in the status: its next try at next, or running now (next zero).
+func (sy *syncer) setView(p *rePush, next time.Time) {
+	var v *RePushView
+	if p != nil {
+		v = &RePushView{inc: p.c.inc, Step: p.c.step, To: p.peers(), Failed: p.tries, Next: next, Trying: next.IsZero()}
+		if v.Trying {
+			v.Failed--
+		}
+	}
 	sy.viewMu.Lock()
 	sy.view = v
 	sy.viewMu.Unlock()
 }
 
-// status returns the pending later try of job's pushes, if any.
+// status returns the later tries of job's pushes, if any are pending in the current incarnation.
 func (sy *syncer) status(job string) *RePushView {
 	sy.viewMu.Lock()
 	defer sy.viewMu.Unlock()
-	if sy.view == nil || sy.view.job != job {
+	if sy.view == nil || sy.view.inc.Config.JobName != job || !sy.incs.isCurrent(sy.view.inc) {
 		return nil
 	}
 	v := *sy.view
@@ -159,38 +171,67 @@ func (p *rePush) peers() []int {
 	return slices.Compact(peers)
 }
 
-// tryAgain pushes the pending step again to the peers that had failed; once none is left it
-// syncs the step again, replicated, and otherwise arms the next try.
+// newerStepPoll is how often a later try checks whether a newer step is queued.
+const newerStepPoll = 100 * time.Millisecond
+
+// tryAgain pushes the pending step again to the peers that had failed, once each; once none is
+// left it syncs the step again, replicated, and otherwise arms the next try. A step of the
+// current incarnation queued meanwhile cancels the try: that step is pushed next.
 func (sy *syncer) tryAgain() {
 	p := sy.pending
-	if !sy.incs.isCurrent(p.c.inc) || p.c.inc.ctx.Err() != nil {
+	inc := p.c.inc
+	if !sy.incs.isCurrent(inc) || inc.ctx.Err() != nil {
 		sy.stopRePush()
 		return
 	}
 	p.tries++
+	sy.setView(p, time.Time{})
+	ctx, cancel := context.WithCancel(inc.ctx)
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		t := time.NewTicker(newerStepPoll)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				if sy.in.has(func(s sealedStep) bool { return s.rePush == 0 && sy.incs.isCurrent(s.inc) }) {
+					cancel()
+				}
+			}
+		}
+	}()
 	for w, f := range p.failed {
-		if f.peers = sy.replicateTo(f.s, f.peers, true); len(f.peers) == 0 {
+		if f.peers = sy.replicateTo(ctx, f.s, f.peers, true); len(f.peers) == 0 {
 			delete(p.failed, w)
 		} else {
 			p.failed[w] = f
 		}
 	}
-	if p.c.inc.ctx.Err() != nil {
+	superseded := ctx.Err() != nil
+	cancel()
+	<-watched
+	switch {
+	case inc.ctx.Err() != nil:
 		sy.stopRePush()
-		return
-	}
-	if len(p.failed) == 0 {
+	case len(p.failed) == 0:
 		sy.log.Info("step replicated on a later try", "step", p.c.step, "tries", p.tries)
 		sy.stopRePush()
 		if p.synced {
 			sy.sync(p.c, true)
 		}
-		return
+	case superseded:
+		// The step queued will stop this one when popped; armed again in case it does not.
+		p.tries--
+		sy.arm()
+	default:
+		p.wait = min(2*p.wait, time.Duration(sy.rePushMax.Load()))
+		sy.log.Warn("step still not replicated; trying again later", "step", p.c.step, "to", p.peers(),
+			"tries", p.tries, "next", p.wait.String())
+		sy.arm()
 	}
-	p.wait = min(2*p.wait, time.Duration(sy.rePushMax.Load()))
-	sy.log.Warn("step still not replicated; trying again later", "step", p.c.step, "to", p.peers(),
-		"tries", p.tries, "next", p.wait.String())
-	sy.arm()
 }
 
 // replicate pushes a sealed step to the step's peers (SPEC §4), to all of them at once, and
@@ -201,12 +242,12 @@ func (sy *syncer) replicate(s sealedStep) []int {
 	if len(peers) == 0 {
 		return nil
 	}
-	return sy.replicateTo(s, peers, false)
+	return sy.replicateTo(s.inc.ctx, s, peers, false)
 }
 
 // replicateTo pushes s to peers at once and returns those that failed. again: a later try of a
-// step synced not replicated (no early pushes, and no line to the job: it was told).
-func (sy *syncer) replicateTo(s sealedStep, peers []int, again bool) []int {
+// step synced not replicated (no early pushes, one attempt, and no line to the job: it was told).
+func (sy *syncer) replicateTo(ctx context.Context, s sealedStep, peers []int, again bool) []int {
 	if sy.pushers.transport == nil {
 		return peers
 	}
@@ -220,7 +261,7 @@ func (sy *syncer) replicateTo(s sealedStep, peers []int, again bool) []int {
 	var pushes sync.WaitGroup
 	for i, rank := range peers {
 		p := sy.pushers.to(rank)
-		pushes.Go(func() { acked[i] = p.push(s, early, dataBytes, again) })
+		pushes.Go(func() { acked[i] = p.push(ctx, s, early, dataBytes, again) })
 	}
 	pushes.Wait()
 	var failed []int

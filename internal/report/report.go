@@ -63,8 +63,15 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 			tiers.FormatSize(p.Done), tiers.FormatSize(p.Total), pct, time.Since(p.Started).Round(time.Second))
 	}
 	if rp := st.RePush; rp != nil {
-		fmt.Fprintf(w, "  re-push    step %d to rank %s: %d tries failed, next in %v\n", rp.Step, joinInts(rp.To), rp.Tries,
-			max(time.Until(rp.Next), 0).Round(time.Second))
+		tries := fmt.Sprintf("%d tries failed", rp.Failed)
+		if rp.Failed == 1 {
+			tries = "1 try failed"
+		}
+		next := fmt.Sprintf("next in %v", max(time.Until(rp.Next), 0).Round(time.Second))
+		if rp.Trying {
+			next = "trying again now"
+		}
+		fmt.Fprintf(w, "  re-push    step %d to rank %s: %s, %s\n", rp.Step, joinInts(rp.To), tries, next)
 	}
 	for _, e := range st.Errors {
 		fmt.Fprintf(w, "  error      %s\n", e)

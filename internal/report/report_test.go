@@ -29,7 +29,7 @@ func TestStatus(t *testing.T) {
 		Restored: 10, Committed: 30, Replicated: 20, Spool: spool, BackupStore: "file:///b", LastBackup: "2026-12-02_10-00",
 		Steps:  []tiers.StepInRAM{{Step: 30, Rank: 1, Data: "Dabc.data"}},
 		Backup: &tiers.ProgressView{Kind: "backup", Step: 30, Backup: "2026-12-02_11-00", Started: time.Now(), Done: 1 << 20, Total: 4 << 20},
-		RePush: &tiers.RePushView{Step: 30, To: []int{0, 3}, Tries: 2, Next: time.Now().Add(61 * time.Second)},
+		RePush: &tiers.RePushView{Step: 30, To: []int{0, 3}, Failed: 2, Next: time.Now().Add(61 * time.Second)},
 		Errors: []string{"step 20: sync failed"}})
 	out := running.String()
 	for _, want := range []string{
