@@ -509,6 +509,8 @@ func TestCloseDropsAnOrderWaitingForTheRunningUpload(t *testing.T) {
 	}})
 	var calls atomic.Int32
 	release, started := make(chan struct{}), make(chan struct{})
+	var releaseOnce sync.Once
+	releaseUpload := func() { releaseOnce.Do(func() { close(release) }) }
 	store.setBeforeUpload(func(ctx context.Context, u tiers.Upload) error {
 		if calls.Add(1) == 1 {
 			close(started)
@@ -516,6 +518,7 @@ func TestCloseDropsAnOrderWaitingForTheRunningUpload(t *testing.T) {
 		}
 		return nil
 	})
+	t.Cleanup(releaseUpload) // before the harness's Close, also when the test fails meanwhile
 	doc := withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
 	h.start(doc, "job")
 	h.orbaxSave(1, checkpointFiles("1"))
@@ -527,8 +530,15 @@ func TestCloseDropsAnOrderWaitingForTheRunningUpload(t *testing.T) {
 	time.Sleep(100 * time.Millisecond) // time enough for the order to reach the slot
 	closed := make(chan struct{})
 	go func() { h.close(); close(closed) }()
-	time.Sleep(100 * time.Millisecond)
-	close(release)
+	// The upload ends only once Close has begun stopping the backups: released earlier, the
+	// waiting order would rightly take the slot (Close had not begun yet).
+	h.eventually("Close stopping the backups", func() string {
+		if !h.r.BackupsStopping() {
+			return "not stopping yet"
+		}
+		return ""
+	})
+	releaseUpload()
 	select {
 	case <-closed:
 	case <-time.After(30 * time.Second):

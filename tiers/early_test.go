@@ -582,9 +582,11 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 	idle := tiers.NewIdleClock(0)
 	h := newHarness(t, harnessConfig{cpuIdle: idle.Read})
 	// The reads below come every 10 ms; on a loaded machine (CI: -race beside other packages)
-	// one may come later than savingGap, which would rightly let the hasher go. Only a stall of
-	// 400 ms does so here. (Writes keep the default gap: the reads phase needs the save over.)
-	h.r.SetReadGap(400 * time.Millisecond)
+	// one may come later than savingGap, which would rightly let the hasher go. So the reads
+	// count for an hour here (a stall of the reader cannot end them) until the test stops them
+	// and narrows the gap back. (Writes keep the default gap: the reads phase needs the save
+	// over.)
+	h.r.SetReadGap(time.Hour)
 	h.start(withKeys(), "job")
 	hashed := func() int { return h.r.Digests().Len() }
 	stillNone := func(what string) {
@@ -603,9 +605,11 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 	// A step committed meanwhile is sealed: the sealer hashes its files itself.
 	h.rename(tmp, "1")
 	h.waitExists("job-s1-n0-w0.meta")
+	// Reading: the job opens files for reading, every 10 ms, while a file it closed waits. The
+	// first read comes before the save ends, so that the hasher has no moment without the job
+	// on the mount (it would rightly hash then, and might still be at it below).
+	h.r.Opened(false)
 	release()
-
-	// Reading: the job opens files for reading, every 10 ms, while a file it closed waits.
 	stop := make(chan struct{})
 	reader := make(chan struct{})
 	var stopOnce sync.Once
@@ -630,6 +634,7 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 		t.Fatalf("%d files hashed while the job was reading on a busy node", n-before)
 	}
 	stopReader()
+	h.r.SetReadGap(50 * time.Millisecond) // savingGap: the reads are over
 	h.eventually("the file hashed once the job stopped reading", func() string {
 		if n := hashed(); n <= before {
 			return fmt.Sprintf("%d files hashed", n-before)
@@ -668,15 +673,19 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 	opens.Store(-1)
 	beforeSeal := func(int64) {
 		n := opens.Load()
-		for deadline := time.Now().Add(5 * time.Second); n >= 0 && opens.Load() < n+2 && time.Now().Before(deadline); {
-			time.Sleep(time.Millisecond)
+		for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			if m := opens.Load(); n < 0 || m < 0 || m >= n+2 { // no next save, or it stopped, or two more files
+				break
+			}
 		}
 	}
 	h := newHarness(t, harnessConfig{cpuIdle: idle.Read, beforeSeal: beforeSeal})
 	// The next save below writes a file every 10 ms; on a loaded machine (CI runs this with
 	// -race beside other packages) one of its writes may take longer than savingGap, which
-	// would rightly end the seal's wait. The gap is widened so that only a stall of 400 ms does.
-	h.r.SetNextSaveGap(400 * time.Millisecond)
+	// would rightly end the seal's wait. So while it runs, its opens count for an hour (once
+	// one came after the commit, the seal waits whatever the writer's timing), and the test
+	// narrows the gap back once it stopped it.
+	h.r.SetNextSaveGap(time.Hour)
 	h.start(withKeys(), "job")
 	release := h.holdOpen("log/held", "a descriptor open since before the commit")
 	defer release()
@@ -720,9 +729,13 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 	if sealed {
 		t.Fatal("step 1 was sealed while the next save went on, on a busy node")
 	}
-	h.waitExists("job-s1-n0-w0.meta") // the next save is over
+	// The next save is over: with the gap narrowed back to savingGap, the seal goes on.
+	h.r.SetNextSaveGap(50 * time.Millisecond)
+	h.waitExists("job-s1-n0-w0.meta")
 
-	// The agent's stop ends the wait: a committed step is sealed before Close returns.
+	// The agent's stop ends the wait: a committed step is sealed before Close returns. (The
+	// gap is wide again: only the stop can end the wait.)
+	h.r.SetNextSaveGap(time.Hour)
 	tmp = "3" + layout.OrbaxTmpSuffix
 	h.makeTree(tmp, checkpointFiles("stop"))
 	stop = nextSave("4" + layout.OrbaxTmpSuffix)

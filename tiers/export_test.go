@@ -40,3 +40,7 @@ func RoundUpBudget(n int64) int64 { return roundUpBudget(n) }
 
 // MoveData is moveData, for the package's external tests.
 func MoveData(src, sealed string) (bool, error) { return moveData(src, sealed) }
+
+// BackupsStopping reports whether Close began stopping the backup runner (no new backup
+// starts), for tests that act once it has.
+func (r *Replicator) BackupsStopping() bool { return r.backups.isStopping() }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -152,20 +153,57 @@ func TestRestoreTellsOfSlowTransfersOnce(t *testing.T) {
 	}
 	h.waitBackedUp(store, "job", 1, 2)
 	h.close()
+	// The workers' data is downloaded one after the other; each download is held until the
+	// test releases it, so that each transfer lasts past lineAfter whatever the scheduling.
+	var downloads atomic.Int32
+	first, second, ended := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	store.mu.Lock()
-	store.afterDownload = func(int, string) { time.Sleep(500 * time.Millisecond) }
-	store.mu.Unlock()
-	h2 := newHarness(t, harnessConfig{store: store})
-	h2.r.SetWaitNotices(50*time.Millisecond, time.Hour, 300*time.Millisecond)
-	h2.yamlNemo(doc)
-	h2.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore), marker("job", 1, 0, 1, layout.MarkerRestore))
-	n := 0
-	for _, l := range h2.lines(layout.ReplicatorErrorsName) {
-		if strings.Contains(l, "restoring step 1 from backup") {
-			n++
+	store.afterDownload = func(int, string) {
+		hold := second
+		if downloads.Add(1) == 1 {
+			hold = first
+		}
+		select {
+		case <-hold:
+		case <-ended:
 		}
 	}
-	if n != 1 {
+	store.mu.Unlock()
+	h2 := newHarness(t, harnessConfig{store: store})
+	t.Cleanup(func() { close(ended) }) // before h2's Close: also when the test fails meanwhile
+	h2.r.SetWaitNotices(50*time.Millisecond, time.Hour, 300*time.Millisecond)
+	h2.yamlNemo(doc)
+	told := func() int {
+		n := 0
+		for _, l := range h2.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "restoring step 1 from backup") {
+				n++
+			}
+		}
+		return n
+	}
+	// Worker 0's transfer is told once it lasted lineAfter.
+	h2.eventually("the first transfer told to the job", func() string {
+		if told() == 0 {
+			return fmt.Sprintf("replicator.errors = %q", h2.lines(layout.ReplicatorErrorsName))
+		}
+		return ""
+	})
+	close(first)
+	// Worker 1's transfer lasts three times lineAfter (its notices tick every 50 ms), or less
+	// should it be told again (that fails below at once).
+	h2.eventually("the second download", func() string {
+		if downloads.Load() < 2 {
+			return "worker 1's download not begun"
+		}
+		return ""
+	})
+	for deadline := time.Now().Add(900 * time.Millisecond); told() < 2 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	close(second)
+	h2.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore), marker("job", 1, 0, 1, layout.MarkerRestore))
+	if n := told(); n != 1 {
 		t.Fatalf("%d lines of slow transfers, want 1: %q", n, h2.lines(layout.ReplicatorErrorsName))
 	}
 }

@@ -27,14 +27,10 @@ func TestParseCPUIdle(t *testing.T) {
 			t.Errorf("parseCPUIdle(%q) = %v, %v; want %v, %v", tc.in, got, ok, tc.want, tc.ok)
 		}
 	}
-	// The kernel running the tests: its /proc/stat parses, and idle time only grows.
-	a, ok := procCPUIdle()
-	if !ok {
+	// The kernel running the tests: its /proc/stat parses. (That the sum only grows is not
+	// checked: iowait, counted in it, can go back (proc(5)), and so can the sum.)
+	if _, ok := procCPUIdle(); !ok {
 		t.Fatal("/proc/stat does not parse")
-	}
-	time.Sleep(30 * time.Millisecond)
-	if b, _ := procCPUIdle(); b < a {
-		t.Fatalf("idle time went back from %v to %v", a, b)
 	}
 }
 
@@ -86,9 +82,24 @@ type idleClock struct {
 	mu    sync.Mutex
 	cpus  float64
 	known bool
-	at    time.Time
-	idle  time.Duration
-	calls atomic.Int64
+	// clocked: a yielder reads its time from now, and the idle time grows with the time it
+	// read last (last), not with time.Now at the read.
+	clocked bool
+	last    time.Time
+	at      time.Time
+	idle    time.Duration
+	calls   atomic.Int64
+}
+
+// now is time.Now for the yielder that reads c (newYielderClock(c.read, c.now)): c's idle time
+// then grows by cpus times the time between that yielder's samples exactly. Measured on
+// time.Now at the read, a goroutine preempted between the yielder's clock and its read of c
+// (for a window, 50 ms, on a loaded machine) made half a CPU idle look like one.
+func (c *idleClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.clocked, c.last = true, time.Now()
+	return c.last
 }
 
 func (c *idleClock) read() (time.Duration, bool) {
@@ -96,6 +107,9 @@ func (c *idleClock) read() (time.Duration, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	now := time.Now()
+	if c.clocked {
+		now = c.last
+	}
 	if !c.at.IsZero() {
 		c.idle += time.Duration(c.cpus * float64(now.Sub(c.at)))
 	}
@@ -138,7 +152,7 @@ func TestYielderHoldsPushesWhileTheJobSavesOnABusyNode(t *testing.T) {
 		{"idle time unknown", &idleClock{cpus: 8}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			y := newYielder(tc.idle.read)
+			y := newYielderClock(tc.idle.read, tc.idle.now)
 			y.opened(true) // the job writes a file
 			done := waitAsync(t.Context(), y)
 			if returned(done, 300*time.Millisecond) {
@@ -157,7 +171,7 @@ func TestYielderHoldsPushesWhileTheJobSavesOnABusyNode(t *testing.T) {
 
 func TestYielderGoesWithSpareCPUs(t *testing.T) {
 	p := &idleClock{cpus: 0.5, known: true}
-	y := newYielder(p.read)
+	y := newYielderClock(p.read, p.now)
 	y.opened(true)
 	done := waitAsync(t.Context(), y)
 	if returned(done, 100*time.Millisecond) {
@@ -187,15 +201,17 @@ func TestYielderWaitIsBounded(t *testing.T) {
 		t.Fatal("a push waited past the limit")
 	}
 	// A job that never stops opening files: once its save is y.limit old, nothing waits. The
-	// opener below opens every 5 ms; the gap is widened so that a scheduling stall of it (CI
-	// runs this with -race beside other packages) does not end the save.
+	// opener below opens every 5 ms; the gap is widened to an hour so that no scheduling stall
+	// of it (CI runs this with -race beside other packages) ends the save. (A stall longer than
+	// savingQuiet starts a new save, which then bounds the wait: later, still after begin.)
 	y.limit = 200 * time.Millisecond
-	y.saveGap.Store(int64(time.Second))
+	y.saveGap.Store(int64(time.Hour))
 	y.closed()
 	y.lastOpen.Store(never) // the first save is over
 	y.lastClose.Store(never)
 	stop := make(chan struct{})
 	opener := make(chan struct{})
+	begin := time.Now() // before the save's first open, however late the goroutines below run
 	go func() {
 		defer close(opener)
 		for {
@@ -210,18 +226,19 @@ func TestYielderWaitIsBounded(t *testing.T) {
 	}()
 	waits := make(chan time.Duration, 1)
 	go func() {
-		start := time.Now()
 		time.Sleep(100 * time.Millisecond) // into the save
 		y.wait(t.Context(), time.Hour)
-		waits <- time.Since(start)
+		waits <- time.Since(begin)
 	}()
 	select {
 	case d := <-waits:
 		if !y.saving(time.Now()) {
 			t.Fatal("the job stopped saving")
 		}
+		// The save began after begin: a wait that held the push until the save was y.limit
+		// old returned y.limit after begin or later.
 		if d < y.limit {
-			t.Fatalf("the push went %v into a save, before the save was %v old", d, y.limit)
+			t.Fatalf("the push went at most %v into a save, before the save was %v old", d, y.limit)
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("a push waits on in a save older than the limit")
@@ -326,40 +343,58 @@ func TestYielderHoldsTheHasherWhileTheJobReads(t *testing.T) {
 	}
 }
 
+// The test's clock moves only when the test moves it (the job's reads with it), so the hasher's
+// first look, however late its goroutine runs, comes where the test wants it: 100 ms into the
+// job's reads, 100 ms before the use of the mount is y.limit old.
 func TestYielderHasherWaitIsBounded(t *testing.T) {
-	y := newYielder((&idleClock{known: true}).read) // no CPU idle
+	var clock atomic.Int64 // nanoseconds past base: the wait reads it from its goroutine
+	base := time.Unix(1000, 0)
+	idle := &idleClock{known: true} // no CPU idle
+	y := newYielderClock(idle.read, func() time.Time { return base.Add(time.Duration(clock.Load())) })
 	y.limit = 200 * time.Millisecond
-	y.readGap.Store(int64(time.Second)) // a stall of the 5 ms reader below does not end the reading
-	stop := make(chan struct{})
-	reader := make(chan struct{})
-	// The job is reading when the hasher comes, and never stops.
-	begin := time.Now()
-	y.opened(false)
-	go func() {
-		defer close(reader)
-		for {
+	read := func(until time.Duration) { // the job opens a file for reading every 5 ms
+		for clock.Load() < int64(until) {
+			clock.Add(int64(5 * time.Millisecond))
 			y.opened(false)
-			select {
-			case <-stop:
-				return
-			case <-time.After(5 * time.Millisecond):
-			}
 		}
-	}()
-	defer func() { close(stop); <-reader }()
+	}
+	y.opened(false) // the job begins reading
+	read(100 * time.Millisecond)
 	done := make(chan time.Duration, 1)
 	go func() { done <- y.waitForJob(t.Context()) }()
+	// The hasher's first look reads the idle time (the job is using the mount): from then on, it
+	// sees the clock the test moves.
+	for idle.calls.Load() == 0 {
+		select {
+		case d := <-done:
+			t.Fatalf("the hasher went at once (waited %v) while the job was reading on a busy node", d)
+		case <-time.After(time.Millisecond):
+		}
+	}
+	read(195 * time.Millisecond)
 	select {
 	case d := <-done:
-		// The use of the mount is y.limit old from the first read on, whenever the hasher came.
-		if d <= 0 || time.Since(begin) < y.limit {
-			t.Fatalf("the hasher waited %v, %v after the job began reading on a busy node", d, time.Since(begin))
+		t.Fatalf("the hasher went after %v, the job's use of the mount %v old, before it was %v old", d, 195*time.Millisecond, y.limit)
+	case <-time.After(3 * idleWindow): // it looks every idleWindow
+	}
+	// The use is y.limit old from the first read on, whenever the hasher came (its own wait
+	// is 100 ms old then, half its bound).
+	read(200 * time.Millisecond)
+	select {
+	case d := <-done:
+		if d != 100*time.Millisecond {
+			t.Fatalf("the hasher waited %v, want 100ms (from its first look to the use's bound)", d)
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the hasher waits on once the job's use of the mount is older than the limit")
 	}
-	if y.hashWaitedSeconds() <= 0 || y.waitedSeconds() != 0 {
-		t.Fatalf("waits counted: hasher %vs, pushes %vs", y.hashWaitedSeconds(), y.waitedSeconds())
+	if y.hashWaitedSeconds() != 0.1 || y.waitedSeconds() != 0 {
+		t.Fatalf("waits counted: hasher %vs, pushes %vs; want 0.1s, 0s", y.hashWaitedSeconds(), y.waitedSeconds())
+	}
+	// A hasher that comes once the use is older than the bound goes at once.
+	read(205 * time.Millisecond)
+	if d := y.waitForJob(t.Context()); d != 0 {
+		t.Fatalf("the hasher waited %v in a use of the mount older than the limit", d)
 	}
 }
 
