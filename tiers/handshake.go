@@ -79,6 +79,8 @@ func (h *handshake) answer() {
 	h.freeOtherJobs(cfg)
 	if err := h.spool.SetJob(cfg.JobName); err != nil {
 		h.log.Debug("spool owner record", "err", err) // a spool opened without a mount path has none
+	} else if err := h.spool.SetRunning(Running{Incarnation: inc.ID, Rank: cfg.NodeRank, Nodes: cfg.Nodes, Since: h.now().UTC()}); err != nil {
+		h.log.Warn("spool owner record", "err", err)
 	}
 	if err := h.ns.Remove(layout.ReplicatorYAMLName); err != nil {
 		h.log.Error("delete replicator.yaml", "err", err)

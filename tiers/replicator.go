@@ -229,6 +229,9 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 		return err
 	}
 	n.spool.RemoveTrash()
+	if o := n.spool.Owner(); o.Running != nil && o.Job != "" {
+		r.tellInterrupted(o.Job, *o.Running)
+	}
 	if j := r.cfg.JaxInit; j != nil {
 		content := []byte(strings.Join([]string{itoa(int64(j.Rank)), j.Coordinator, ""}, "\n"))
 		if err := ns.WriteFile(layout.JaxInitInfoName, content); err != nil {
@@ -243,6 +246,23 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 		n.tasks.Go(r.early.runPusher)
 	}
 	return nil
+}
+
+// tellInterrupted tells a job that may still be running that this agent does not checkpoint its
+// saves: the agent before it on this spool was stopped (an upgrade, a crash) while it answered
+// incarnation run of the job, and an incarnation lives in one agent's memory. The job checks
+// replicator.failed at each save (Orbax) and restarts, restoring its newest checkpoint; a job
+// that already ended never reads the line, which its next start's handshake removes. Before,
+// such a job went on saving, every save "succeeded", and none was checkpointed (found by a
+// black-box rolling upgrade).
+func (r *Replicator) tellInterrupted(job string, run Running) {
+	r.node.log.Error("the agent before this one stopped while the job may still be running: its saves are not checkpointed until it restarts",
+		"job", job, "incarnation", run.Incarnation, "rank", run.Rank, "since", run.Since)
+	r.node.metrics.error(errKindRestart)
+	cfg := &Config{JobName: job, NodeRank: run.Rank, Nodes: run.Nodes}
+	r.lines.failLine(cfg, fmt.Sprintf("the mtcfs agent of this node was restarted while incarnation %s of job %s (rank %d, since %s) may still be running: "+
+		"an agent restart ends the incarnation, and saves from now on are not checkpointed; restart the job (it restores its newest checkpoint)",
+		run.Incarnation, job, run.Rank, run.Since.Format(time.RFC3339)))
 }
 
 // Close stops the replicator's goroutines: a running backup gets DrainTimeout to finish (then it

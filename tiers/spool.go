@@ -108,6 +108,18 @@ type Owner struct {
 	Job       string    `json:"job,omitempty"` // the job whose data it holds, once known
 	PID       int       `json:"pid"`           // the agent that last opened it
 	LastUsed  time.Time `json:"last_used"`     // last open, job change or release
+	// Running is the incarnation of Job an agent last answered here. An agent that finds one
+	// when it starts was preceded by one stopped while the job may still be running: the job's
+	// saves since are not checkpointed until it restarts (a new replicator.yaml replaces it).
+	Running *Running `json:"running,omitempty"`
+}
+
+// Running is an incarnation of the job, as the spool's owner record keeps it (Owner.Running).
+type Running struct {
+	Incarnation string    `json:"incarnation"`
+	Rank        int       `json:"rank"`
+	Nodes       int       `json:"nodes"`
+	Since       time.Time `json:"since"`
 }
 
 // DefaultSpoolRoot is the directory that holds the default spools of this user: shared by root
@@ -380,7 +392,7 @@ func (s *Spool) recordOwner(mountPath string) error {
 	}
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	s.owner = Owner{MountPath: mountPath, Job: prev.Job, PID: os.Getpid()}
+	s.owner = Owner{MountPath: mountPath, Job: prev.Job, Running: prev.Running, PID: os.Getpid()}
 	return s.writeOwnerLocked()
 }
 
@@ -404,6 +416,18 @@ func (s *Spool) SetJob(job string) error {
 	if s.lock == nil {
 		return errors.New("spool has no owner record (opened without a mount path)")
 	}
+	return s.writeOwnerLocked()
+}
+
+// SetRunning records the incarnation of the spool's job the agent answers from now on (see
+// Owner.Running).
+func (s *Spool) SetRunning(run Running) error {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.lock == nil {
+		return errors.New("spool has no owner record (opened without a mount path)")
+	}
+	s.owner.Running = &run
 	return s.writeOwnerLocked()
 }
 

@@ -59,15 +59,24 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 			if got := s.SavedShape(); got != shape {
 				t.Fatalf("SavedShape after SetShape = %v, want %v", got, shape)
 			}
+			// The incarnation the agent answers: the next agent knows it stopped under it.
+			run := tiers.Running{Incarnation: "abc", Rank: 2, Nodes: 3, Since: time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)}
+			if err := s.SetRunning(run); err != nil {
+				t.Fatalf("SetRunning: %v", err)
+			}
 			noTempFiles(t, dir)
 			if err := s.Detach(); err != nil {
 				t.Fatalf("Detach: %v", err)
 			}
 
-			// The next agent on the mount sees which job the data belongs to.
+			// The next agent on the mount sees which job the data belongs to, and which of its
+			// incarnations the agent before answered.
 			s2 := openOwned(t, dir, mnt, tmpfs)
-			if got := s2.Owner(); got.Job != "llama" || got.MountPath != mnt || s2.SavedShape() != shape {
-				t.Fatalf("reopened spool's owner = %+v, shape %v; want the previous job llama on %s, of shape %v", got, s2.SavedShape(), mnt, shape)
+			if got := s2.Owner(); got.Job != "llama" || got.MountPath != mnt || s2.SavedShape() != shape || got.Running == nil || *got.Running != run {
+				t.Fatalf("reopened spool's owner = %+v, shape %v; want the previous job llama on %s, of shape %v, running %+v", got, s2.SavedShape(), mnt, shape, run)
+			}
+			if o, _ := tiers.ReadOwner(dir); o.Running == nil || *o.Running != run {
+				t.Fatalf("the reopened spool's record lost the running incarnation: %+v", o)
 			}
 			if err := s2.SetJob("llama"); err != nil || s2.SavedShape() != shape {
 				t.Fatalf("SetJob of the same job: %v; shape %v, want it kept", err, s2.SavedShape())

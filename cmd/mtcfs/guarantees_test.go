@@ -1018,9 +1018,12 @@ func pytorchStart(t *testing.T, dir, job string) map[string]string {
 		"job-name: %s\nframework: pytorch\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60\n", job)), 0o644))
 	var markers map[string]string
 	repWait(t, 20*time.Second, "the restore markers of job "+job, func() bool {
+		if pathExists(yaml) {
+			return false // as NeMo: the status files count once the yaml was consumed
+		}
 		require.NoFileExists(t, filepath.Join(dir, "replicator.failed"))
 		names, _ := filepath.Glob(filepath.Join(dir, job+"-s*-n0-w0.restore"))
-		if len(names) == 0 || pathExists(yaml) {
+		if len(names) == 0 {
 			return false
 		}
 		markers = map[string]string{}
@@ -1437,4 +1440,48 @@ func sameTree(root string, want tree) error {
 		return fmt.Errorf("%s differs from the saved tree: %s", root, strings.Join(problems, "; "))
 	}
 	return nil
+}
+
+// TestAgentRestartUnderARunningJobStopsIt: the agent is restarted (SIGTERM, then a new agent on
+// the same mount and spool: a node agent's rolling upgrade) while the job goes on. An
+// incarnation lives in one agent's memory, so the new agent does not checkpoint the job's
+// saves; it says so in replicator.failed, which the job reads at its next save and aborts. Its
+// restart restores the newest checkpoint, and its handshake removes the line. Before, the job
+// went on saving, every save "succeeded" and none was checkpointed: the next restore went back
+// to the step before the agent restart (found by a black-box rolling upgrade).
+func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, "roll", 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 10))
+	waitStepSealed(t, n.dir, "roll", 10)
+	stopAgent(t, a)
+
+	b := n.start(t)
+	err = o.Save(ctx, 20) // the job never noticed the restart
+	var fatal *jobsim.FatalError
+	require.True(t, errors.As(err, &fatal), "the job's next save after the agent restart: want replicator.failed, got %v\n%s", err, b.log())
+	require.Len(t, fatal.Lines, 1)
+	assert.Contains(t, fatal.Lines[0], "job=roll node=0/1 FATAL the mtcfs agent of this node was restarted while incarnation")
+	assert.Contains(t, fatal.Lines[0], "restart the job")
+	assert.Contains(t, b.log(), "the agent before this one stopped while the job may still be running")
+
+	o = orbaxClient(t, n.dir, "roll", 60)
+	require.NoError(t, restoresStep(ctx, o, 10), "%s", b.log())
+	require.NoError(t, o.Save(ctx, 20), "the restarted job saves")
+	waitStepSealed(t, n.dir, "roll", 20)
+	stopAgent(t, b)
+
+	// The job ended before the next agent restart; the next job start clears the line.
+	c := n.start(t)
+	failed := filepath.Join(n.dir, "replicator.failed")
+	require.FileExists(t, failed)
+	o = orbaxClient(t, n.dir, "roll", 60)
+	require.NoError(t, restoresStep(ctx, o, 20), "%s", c.log())
+	assert.NoFileExists(t, failed)
+	assert.Empty(t, o.Errors())
 }

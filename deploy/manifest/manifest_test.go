@@ -129,6 +129,7 @@ func TestBrokenManifestsFail(t *testing.T) {
 		{"mount on the volume's root", "sidecar-job.yaml", "            - mount\n            - /mtcfs/ckpt", "            - mount\n            - /mtcfs", "mount directory /mtcfs is the root of volume mtcfs"},
 		{"trainer does not wait for /readyz", "trainer-on-node-agent.yaml", "9400/readyz", "9400/livez", "nothing holds the trainer back until the node agent answers /readyz"},
 		{"trainer looks elsewhere", "trainer-on-node-agent.yaml", "value: /mtcfs/ckpt", "value: /mtcfs/checkpoints", "no agent mounts CHECKPOINT_DIR /mtcfs/checkpoints"},
+		{"agents rolled under running jobs", "node-agent.yaml", "type: OnDelete", "type: RollingUpdate", `updateStrategy "RollingUpdate" restarts agents under running jobs`},
 		{"grace shorter than the drain", "node-agent.yaml", "terminationGracePeriodSeconds: 120", "terminationGracePeriodSeconds: 60", "terminationGracePeriodSeconds 1m0s is not above --drain-timeout 1m0s"},
 		{"monitor scrapes another path", "podmonitoring.yaml", "path: /metrics", "path: /metric", `path "/metric": the agent serves /metrics`},
 		{"monitor scrapes another port", "podmonitoring.yaml", "    - port: http", "    - port: peer", "port peer is not the --http port"},

@@ -1,6 +1,7 @@
 package manifest
 
 import (
+	"cmp"
 	"fmt"
 	"net"
 	"path"
@@ -8,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -83,6 +85,14 @@ func Check(docs []Doc, agent AgentFlags) []error {
 			}
 		}
 		agents = append(agents, podAgents...)
+		// A DaemonSet of agents updated by RollingUpdate restarts each node's agent under the
+		// running job, and an agent restart ends the job's incarnation on that node (the job
+		// must restart): the agents are updated when the operator deletes their pods, between
+		// jobs (deploy/README.md, "Upgrading the agents").
+		if ds, ok := tpl.Doc.Obj.(*appsv1.DaemonSet); ok && len(podAgents) > 0 && ds.Spec.UpdateStrategy.Type != appsv1.OnDeleteDaemonSetStrategyType {
+			fail("%s: updateStrategy %q restarts agents under running jobs, each restart making the job restart: use OnDelete and update the agents between jobs",
+				tpl.Doc, cmp.Or(string(ds.Spec.UpdateStrategy.Type), "RollingUpdate (the default)"))
+		}
 	}
 	// Every trainer sees an agent's mount at CHECKPOINT_DIR: through the same volume in its
 	// pod (a sidecar) or the same hostPath (the node agent), mounted HostToContainer.
