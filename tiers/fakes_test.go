@@ -6,6 +6,7 @@ package tiers_test
 // tier is the real one (testStore, store_test.go).
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -481,8 +482,27 @@ type harness struct {
 	spool *tiers.Spool
 	coord *recordingCoordinator
 	r     *tiers.Replicator
+	logs  *lockedBuffer // what the replicator logged (also written to the test's output)
 
 	closeOnce sync.Once
+}
+
+// lockedBuffer is a bytes.Buffer safe for concurrent writes and reads.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 var nsCount atomic.Int64
@@ -507,13 +527,13 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	if err != nil {
 		t.Fatalf("OpenSpool: %v", err)
 	}
-	h := &harness{t: t, cfg: cfg, ns: ns, spool: spool}
+	h := &harness{t: t, cfg: cfg, ns: ns, spool: spool, logs: &lockedBuffer{}}
 	opts := replication.Options{Clock: cfg.clock}
 	rcfg := tiers.ReplicatorConfig{
 		Spool:        spool,
 		Getenv:       func(k string) string { return cfg.env[k] },
 		Now:          cfg.clock.Now,
-		Logger:       slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Logger:       slog.New(slog.NewTextHandler(io.MultiWriter(t.Output(), h.logs), &slog.HandlerOptions{Level: slog.LevelDebug})),
 		JaxInit:      cfg.jaxInit,
 		DrainTimeout: cfg.drain,
 		BeforeSeal:   cfg.beforeSeal,

@@ -221,3 +221,26 @@ func TestNewerStepCancelsARunningRePush(t *testing.T) {
 		return ""
 	})
 }
+
+// A sync waiting for the other nodes when the job restarts is abandoned quietly: the job's
+// restart is no error. Before, every restart logged "error of an earlier incarnation … sync of
+// step N failed: context canceled" at ERROR (found by a black-box soak).
+func TestSyncAbandonedAtARestartIsNoError(t *testing.T) {
+	t.Parallel()
+	doc := func(rank int) string {
+		return withKeys("job-name: job", "nodes: 2", fmt.Sprintf("node-rank: %d", rank), fmt.Sprintf("peer-ranks: [%d]", 1-rank))
+	}
+	hs, _, _ := rePushPair(t, doc)
+	hs[0].orbaxSave(1, map[string]string{"state": "step 1"}) // rank 1 does not save: the sync waits
+	waitCommitted(hs[0], 1)
+	hs[0].yamlOrbax(doc(0)) // the job restarts
+	hs[0].eventually("the old sync abandoned", func() string {
+		if !strings.Contains(hs[0].logs.String(), `msg="sync abandoned: the incarnation ended" step=1`) {
+			return "no line"
+		}
+		return ""
+	})
+	if logs := hs[0].logs.String(); strings.Contains(logs, "sync of step 1 failed") || strings.Contains(logs, "level=ERROR") {
+		t.Errorf("the abandoned sync was logged as an error:\n%s", logs)
+	}
+}

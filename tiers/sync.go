@@ -283,6 +283,12 @@ func (sy *syncer) sync(c commit, replicated bool) bool {
 	}
 	c.inc.noteCommitted(c.step)
 	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
+	if err != nil && c.inc.ctx.Err() != nil {
+		// The incarnation ended (the job restarted, or the agent stops): nothing went wrong
+		// that the job or an operator should hear of (before, every restart logged an ERROR).
+		sy.log.Info("sync abandoned: the incarnation ended", "step", c.step, "incarnation", c.inc.ID)
+		return false
+	}
 	if err != nil {
 		sy.metrics.error(errKindSync)
 		sy.lines.incLine(c.inc, fmt.Sprintf("sync of step %d failed: %v", c.step, err))
