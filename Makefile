@@ -50,7 +50,7 @@ vet:
 test: vet
 	@status=0; \
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -skip '^TestPjdfstest$$' ./... || status=$$?; \
-	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent|Stress|Early|SlowPeer|CoordinatorSync|Yield|Pacer' ./... || status=$$?; fi; \
+	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent|Stress|Early|SlowPeer|CoordinatorSync|Yield|Pacer|RePush|TriedAgain' ./... || status=$$?; fi; \
 	$(GO) test -count=1 -timeout $(PJD_TIMEOUT) -run '^TestPjdfstest$$/^$(PJD_PATHS)$$' ./fs || status=$$?; \
 	for m in $(MODULES); do (cd $$m && $(GO) test -p 1 -race -count=1 -timeout $(TEST_TIMEOUT) ./...) || status=$$?; done; \
 	$(MAKE) --no-print-directory clean-test-mounts; \
