@@ -77,10 +77,13 @@ func (h *handshake) answer() {
 		h.lines.errLine(cfg, msg)
 	}
 	h.freeOtherJobs(cfg)
-	if err := h.spool.SetJob(cfg.JobName); err != nil {
-		h.log.Debug("spool owner record", "err", err) // a spool opened without a mount path has none
-	} else if err := h.spool.SetRunning(Running{Incarnation: inc.ID, Rank: cfg.NodeRank, Nodes: cfg.Nodes, Since: h.now().UTC()}); err != nil {
-		h.log.Warn("spool owner record", "err", err)
+	run := Running{Incarnation: inc.ID, Rank: cfg.NodeRank, Nodes: cfg.Nodes, Since: h.now().UTC()}
+	if err := h.withRoom(func() error { return h.spool.SetRunning(cfg.JobName, run) }); errors.Is(err, errNoOwnerRecord) {
+		h.log.Debug("spool owner record", "err", err)
+	} else if err != nil {
+		// The next agent will not know that this job ran: were it restarted under the job, it
+		// could not tell the job that its saves are no longer checkpointed.
+		h.log.Warn("record the job's incarnation in the spool's owner record", "err", err)
 	}
 	if err := h.ns.Remove(layout.ReplicatorYAMLName); err != nil {
 		h.log.Error("delete replicator.yaml", "err", err)

@@ -32,7 +32,6 @@ const (
 	errKindRestore     = "restore"
 	errKindVerify      = "verify"
 	errKindConfig      = "config"
-	errKindRestart     = "restart" // the agent restarted under a running job
 )
 
 // durationBuckets span a small step sealed in milliseconds to a large backup over minutes.
@@ -56,7 +55,7 @@ func NewMetrics(reg prometheus.Registerer, r *Replicator) *Metrics {
 			Help: "Errors by kind (seal, replication, sync, backup, restore, verify, config)."}, []string{"kind"}),
 		commits: prometheus.NewCounter(prometheus.CounterOpts{Name: "mtcfs_commits_total", Help: "Steps the job committed on this node (per worker)."}),
 	}
-	for _, k := range []string{errKindSeal, errKindReplication, errKindSync, errKindBackup, errKindRestore, errKindVerify, errKindConfig, errKindRestart} {
+	for _, k := range []string{errKindSeal, errKindReplication, errKindSync, errKindBackup, errKindRestore, errKindVerify, errKindConfig} {
 		m.errors.WithLabelValues(k) // every kind shows, at 0
 	}
 	for _, t := range []string{"peer", "backup"} {

@@ -222,6 +222,13 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	n := r.node
 	n.ns = ns
 	n.ctx, r.cancel = context.WithCancel(ctx)
+	// Before adoption, which may take minutes on a large spool while the mount already serves:
+	// a save the job starts meanwhile must see the line. A replicator.yaml already there (one
+	// the job wrote while no agent was mounted, or right now) means the job is restarting: it
+	// needs no telling.
+	if o := n.spool.Owner(); o.Running != nil && o.Job != "" && !n.hasName(layout.ReplicatorYAMLName) {
+		r.tellInterrupted(o.Job, *o.Running)
+	}
 	if err := r.recorder.adoptRecords(r.incs.startupError); err != nil {
 		return err
 	}
@@ -229,9 +236,6 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 		return err
 	}
 	n.spool.RemoveTrash()
-	if o := n.spool.Owner(); o.Running != nil && o.Job != "" {
-		r.tellInterrupted(o.Job, *o.Running)
-	}
 	if j := r.cfg.JaxInit; j != nil {
 		content := []byte(strings.Join([]string{itoa(int64(j.Rank)), j.Coordinator, ""}, "\n"))
 		if err := ns.WriteFile(layout.JaxInitInfoName, content); err != nil {
@@ -249,20 +253,20 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 }
 
 // tellInterrupted tells a job that may still be running that this agent does not checkpoint its
-// saves: the agent before it on this spool was stopped (an upgrade, a crash) while it answered
+// saves: the agent before it on this spool was stopped (an upgrade, a crash) after it answered
 // incarnation run of the job, and an incarnation lives in one agent's memory. The job checks
 // replicator.failed at each save (Orbax) and restarts, restoring its newest checkpoint; a job
-// that already ended never reads the line, which its next start's handshake removes. Before,
-// such a job went on saving, every save "succeeded", and none was checkpointed (found by a
+// that already ended never reads the line, which its next start's handshake removes. Since the
+// agent cannot tell the two apart, this is a warning in its log, not an error. Before, a job
+// still running went on saving, every save "succeeded", and none was checkpointed (found by a
 // black-box rolling upgrade).
 func (r *Replicator) tellInterrupted(job string, run Running) {
-	r.node.log.Error("the agent before this one stopped while the job may still be running: its saves are not checkpointed until it restarts",
+	r.node.log.Warn("the agent before this one stopped after it answered a job, which may still be running: if it is, it must restart (told in replicator.failed)",
 		"job", job, "incarnation", run.Incarnation, "rank", run.Rank, "since", run.Since)
-	r.node.metrics.error(errKindRestart)
 	cfg := &Config{JobName: job, NodeRank: run.Rank, Nodes: run.Nodes}
-	r.lines.failLine(cfg, fmt.Sprintf("the mtcfs agent of this node was restarted while incarnation %s of job %s (rank %d, since %s) may still be running: "+
+	r.lines.failLine(cfg, fmt.Sprintf("the mtcfs agent of this node was restarted while incarnation %s (since %s) may still be running: "+
 		"an agent restart ends the incarnation, and saves from now on are not checkpointed; restart the job (it restores its newest checkpoint)",
-		run.Incarnation, job, run.Rank, run.Since.Format(time.RFC3339)))
+		run.Incarnation, run.Since.Format(time.RFC3339)))
 }
 
 // Close stops the replicator's goroutines: a running backup gets DrainTimeout to finish (then it

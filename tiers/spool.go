@@ -202,6 +202,9 @@ func ReadOwner(spoolDir string) (Owner, error) {
 	return o, nil
 }
 
+// errNoOwnerRecord: the spool was opened without a MountPath (tests), and keeps no owner record.
+var errNoOwnerRecord = errors.New("spool has no owner record (opened without a mount path)")
+
 // ErrSpoolInUse is returned when another process holds a spool's lock (LockSpool).
 var ErrSpoolInUse = errors.New("spool is in use by a running mtcfs agent")
 
@@ -414,20 +417,24 @@ func (s *Spool) SetJob(job string) error {
 	}
 	s.owner.Job = job
 	if s.lock == nil {
-		return errors.New("spool has no owner record (opened without a mount path)")
+		return errNoOwnerRecord
 	}
 	return s.writeOwnerLocked()
 }
 
-// SetRunning records the incarnation of the spool's job the agent answers from now on (see
-// Owner.Running).
-func (s *Spool) SetRunning(run Running) error {
+// SetRunning records, with SetJob's effect, the job and the incarnation of it the agent answers
+// from now on (see Owner.Running), in one write. It is an error on a spool opened without a
+// MountPath.
+func (s *Spool) SetRunning(job string, run Running) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.lock == nil {
-		return errors.New("spool has no owner record (opened without a mount path)")
+	if s.owner.Job != job && s.shape != (Shape{}) {
+		s.forgetShapeLocked() // another job's shape says nothing of this one's
 	}
-	s.owner.Running = &run
+	s.owner.Job, s.owner.Running = job, &run
+	if s.lock == nil {
+		return errNoOwnerRecord
+	}
 	return s.writeOwnerLocked()
 }
 

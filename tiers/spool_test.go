@@ -61,7 +61,7 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 			}
 			// The incarnation the agent answers: the next agent knows it stopped under it.
 			run := tiers.Running{Incarnation: "abc", Rank: 2, Nodes: 3, Since: time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)}
-			if err := s.SetRunning(run); err != nil {
+			if err := s.SetRunning("llama", run); err != nil {
 				t.Fatalf("SetRunning: %v", err)
 			}
 			noTempFiles(t, dir)

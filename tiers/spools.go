@@ -656,13 +656,15 @@ func distinctFileBytes(dir string) int64 {
 }
 
 // Release ends the agent's use of the spool: it keeps the spool for the next agent when it holds
-// committed checkpoints (so a restarted agent restores from RAM), and frees it otherwise — also
-// when its mount directory is gone, since no agent would ever adopt it then.
+// committed checkpoints (so a restarted agent restores from RAM) or records a job's incarnation
+// (Owner.Running: the next agent tells that job, if it still runs, to restart), and frees it
+// otherwise — also when its mount directory is gone, since no agent would ever adopt it then.
 func (s *Spool) Release(log *slog.Logger) {
 	metas, _ := os.ReadDir(filepath.Join(s.Dir(), "meta"))
 	pending := pendingCommits(s.Dir())
-	mountPath := s.Owner().MountPath
-	if len(metas)+pending > 0 {
+	owner := s.Owner()
+	mountPath := owner.MountPath
+	if len(metas)+pending > 0 || owner.Running != nil {
 		state := MountExists
 		if mountPath != "" {
 			state = mountPathState(mountPath, readMounts())
@@ -673,7 +675,11 @@ func (s *Spool) Release(log *slog.Logger) {
 			if target == "" {
 				target = s.Dir()
 			}
-			log.Info("spool kept for the next agent on this mount: it holds committed checkpoints; free it with: mtcfs spool free "+shellQuote(target),
+			why := "it holds committed checkpoints"
+			if len(metas)+pending == 0 {
+				why = "it records that job " + owner.Job + " was running, for the next agent to tell it to restart"
+			}
+			log.Info("spool kept for the next agent on this mount: "+why+"; free it with: mtcfs spool free "+shellQuote(target),
 				"spool", s.Dir(), "mount", mountPath, "metas", len(metas), "unsealed_commits", pending)
 			return
 		}

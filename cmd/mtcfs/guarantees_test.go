@@ -1468,7 +1468,7 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	require.Len(t, fatal.Lines, 1)
 	assert.Contains(t, fatal.Lines[0], "job=roll node=0/1 FATAL the mtcfs agent of this node was restarted while incarnation")
 	assert.Contains(t, fatal.Lines[0], "restart the job")
-	assert.Contains(t, b.log(), "the agent before this one stopped while the job may still be running")
+	assert.Contains(t, b.log(), "the agent before this one stopped after it answered a job, which may still be running")
 
 	o = orbaxClient(t, n.dir, "roll", 60)
 	require.NoError(t, restoresStep(ctx, o, 10), "%s", b.log())
@@ -1484,4 +1484,21 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	require.NoError(t, restoresStep(ctx, o, 20), "%s", c.log())
 	assert.NoFileExists(t, failed)
 	assert.Empty(t, o.Errors())
+	stopAgent(t, c)
+
+	// A new job, restarted under before its first save: its spool holds no checkpoint, and is
+	// kept all the same, for the next agent to know that the job ran (found by a review: the
+	// spool was freed, and the record with it).
+	n.dropSpool(t)
+	d := n.start(t)
+	o = orbaxClient(t, n.dir, "fresh", 60)
+	_, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found)
+	stopAgent(t, d)
+	require.DirExists(t, n.spool, "the spool of a job without a checkpoint yet is kept")
+	e := n.start(t)
+	err = o.Save(ctx, 0)
+	require.True(t, errors.As(err, &fatal), "the first save after the agent restart: want replicator.failed, got %v\n%s", err, e.log())
+	stopAgent(t, e)
 }
