@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -112,6 +113,9 @@ type Replicator struct {
 	inbox     *inbox
 
 	cancel context.CancelFunc // ends node.ctx; nil before Start
+	// interrupted, from Start until the job writes or restarts: the incarnation the agent
+	// before this one answered (tellInterrupted).
+	interrupted atomic.Pointer[interruptedJob]
 }
 
 // node is what every stage shares. ns and ctx are set by Start before it starts any goroutine,
@@ -222,12 +226,14 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	n := r.node
 	n.ns = ns
 	n.ctx, r.cancel = context.WithCancel(ctx)
-	// Before adoption, which may take minutes on a large spool while the mount already serves:
-	// a save the job starts meanwhile must see the line. A replicator.yaml already there (one
-	// the job wrote while no agent was mounted, or right now) means the job is restarting: it
-	// needs no telling.
+	// The job told at its first write (see tellInterrupted), armed before adoption, which may
+	// take minutes on a large spool while the mount already serves. A replicator.yaml already
+	// there (one the job wrote while no agent was mounted, or right now) means the job is
+	// restarting: it needs no telling.
 	if o := n.spool.Owner(); o.Running != nil && o.Job != "" && !n.hasName(layout.ReplicatorYAMLName) {
-		r.tellInterrupted(o.Job, *o.Running)
+		r.interrupted.Store(&interruptedJob{job: o.Job, run: *o.Running})
+		n.log.Warn("the agent before this one stopped after it answered a job: if that job still writes here, it is told in replicator.failed to restart",
+			"job", o.Job, "incarnation", o.Running.Incarnation, "rank", o.Running.Rank, "since", o.Running.Since)
 	}
 	if err := r.recorder.adoptRecords(r.incs.startupError); err != nil {
 		return err
@@ -252,21 +258,36 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	return nil
 }
 
-// tellInterrupted tells a job that may still be running that this agent does not checkpoint its
-// saves: the agent before it on this spool was stopped (an upgrade, a crash) after it answered
-// incarnation run of the job, and an incarnation lives in one agent's memory. The job checks
-// replicator.failed at each save (Orbax) and restarts, restoring its newest checkpoint; a job
-// that already ended never reads the line, which its next start's handshake removes. Since the
-// agent cannot tell the two apart, this is a warning in its log, not an error. Before, a job
-// still running went on saving, every save "succeeded", and none was checkpointed (found by a
-// black-box rolling upgrade).
-func (r *Replicator) tellInterrupted(job string, run Running) {
-	r.node.log.Warn("the agent before this one stopped after it answered a job, which may still be running: if it is, it must restart (told in replicator.failed)",
-		"job", job, "incarnation", run.Incarnation, "rank", run.Rank, "since", run.Since)
-	cfg := &Config{JobName: job, NodeRank: run.Rank, Nodes: run.Nodes}
-	r.lines.failLine(cfg, fmt.Sprintf("the mtcfs agent of this node was restarted while incarnation %s (since %s) may still be running: "+
-		"an agent restart ends the incarnation, and saves from now on are not checkpointed; restart the job (it restores its newest checkpoint)",
-		run.Incarnation, run.Since.Format(time.RFC3339)))
+// interruptedJob is the incarnation the agent before this one answered on the spool.
+type interruptedJob struct {
+	job string
+	run Running
+}
+
+// tellInterrupted tells a job that still runs that this agent does not checkpoint its saves:
+// the agent before it on this spool was stopped (an upgrade, a crash) after it answered
+// incarnation run of the job, and an incarnation lives in one agent's memory. It is called at
+// the job's first write through the mount without an incarnation (jobActivity): the job checks
+// replicator.failed at each save (Orbax), aborts at its next one and restarts, restoring its
+// newest checkpoint. Written at the agent's start instead, the line sat in the mount of a job
+// that had ended, for the next job's processes to read before its handshake removed it (a
+// NeMo local rank other than 0 checks it once the yaml is absent, maybe before rank 0 wrote
+// it). Before, a job still running went on saving, every save "succeeded", and none was
+// checkpointed (found by a black-box rolling upgrade).
+func (r *Replicator) tellInterrupted(p *interruptedJob) {
+	r.node.log.Warn("the job writes here without a replicator.yaml since the agent restarted: told to restart in replicator.failed",
+		"job", p.job, "incarnation", p.run.Incarnation)
+	cfg := &Config{JobName: p.job, NodeRank: p.run.Rank, Nodes: p.run.Nodes}
+	r.lines.failLine(cfg, fmt.Sprintf("the mtcfs agent of this node was restarted while incarnation %s (since %s) was running: "+
+		"an agent restart ends the incarnation, and the steps saved since the agent stopped are not checkpointed; restart the job (it restores its newest checkpoint)",
+		p.run.Incarnation, p.run.Since.Format(time.RFC3339)))
+}
+
+// jobActivity reports whether ev is the job writing through the mount, other than through the
+// control files (a new job's start writes only those before its handshake).
+func jobActivity(ev event) bool {
+	top, _, _ := strings.Cut(ev.path, "/")
+	return !strings.HasPrefix(top, "replicator.") && top != layout.JaxInitInfoName
 }
 
 // Close stops the replicator's goroutines: a running backup gets DrainTimeout to finish (then it
@@ -358,6 +379,14 @@ func (r *Replicator) run() {
 
 // handle dispatches one event from the job.
 func (r *Replicator) handle(ev event) {
+	if p := r.interrupted.Load(); p != nil {
+		switch {
+		case strings.HasPrefix(ev.path, "replicator.yaml"):
+			r.interrupted.Store(nil) // the job restarts
+		case jobActivity(ev) && r.incs.get() == nil && r.interrupted.CompareAndSwap(p, nil):
+			r.tellInterrupted(p)
+		}
+	}
 	if strings.Contains(ev.path, "/") {
 		// Only top-level names carry meaning; a file closed inside a step being saved is
 		// hashed now, while the job writes the rest (and pushed to peers). Writers that close

@@ -1445,10 +1445,12 @@ func sameTree(root string, want tree) error {
 // TestAgentRestartUnderARunningJobStopsIt: the agent is restarted (SIGTERM, then a new agent on
 // the same mount and spool: a node agent's rolling upgrade) while the job goes on. An
 // incarnation lives in one agent's memory, so the new agent does not checkpoint the job's
-// saves; it says so in replicator.failed, which the job reads at its next save and aborts. Its
-// restart restores the newest checkpoint, and its handshake removes the line. Before, the job
-// went on saving, every save "succeeded" and none was checkpointed: the next restore went back
-// to the step before the agent restart (found by a black-box rolling upgrade).
+// saves; at the job's first write it says so in replicator.failed, which the job reads at its
+// next save and aborts. Its restart restores the newest checkpoint, and its handshake removes
+// the line. Before, the job went on saving, every save "succeeded" and none was checkpointed:
+// the next restore went back to the step before the agent restart (found by a black-box
+// rolling upgrade). A job that ended before the agent restart is not told anything, so that
+// the processes of the next job never read a stale line before its handshake.
 func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	needRoot(t)
 	ctx := repCtx(t)
@@ -1462,13 +1464,21 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	stopAgent(t, a)
 
 	b := n.start(t)
-	err = o.Save(ctx, 20) // the job never noticed the restart
+	failed := filepath.Join(n.dir, "replicator.failed")
+	assert.NoFileExists(t, failed, "nothing is told before the job writes")
+	// The job never noticed the restart: its next save goes through, not checkpointed, and
+	// the one after it fails.
+	require.NoError(t, o.Save(ctx, 20))
+	// The line is written off the job's requests, on the agent's control loop.
+	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
+	err = o.Save(ctx, 30)
 	var fatal *jobsim.FatalError
-	require.True(t, errors.As(err, &fatal), "the job's next save after the agent restart: want replicator.failed, got %v\n%s", err, b.log())
+	require.True(t, errors.As(err, &fatal), "the job's second save after the agent restart: want replicator.failed, got %v\n%s", err, b.log())
 	require.Len(t, fatal.Lines, 1)
 	assert.Contains(t, fatal.Lines[0], "job=roll node=0/1 FATAL the mtcfs agent of this node was restarted while incarnation")
 	assert.Contains(t, fatal.Lines[0], "restart the job")
-	assert.Contains(t, b.log(), "the agent before this one stopped after it answered a job, which may still be running")
+	assert.Contains(t, b.log(), "the job writes here without a replicator.yaml since the agent restarted")
+	assert.NotContains(t, b.log(), `msg="step committed" step=20`, "step 20 was saved without an incarnation")
 
 	o = orbaxClient(t, n.dir, "roll", 60)
 	require.NoError(t, restoresStep(ctx, o, 10), "%s", b.log())
@@ -1476,10 +1486,8 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	waitStepSealed(t, n.dir, "roll", 20)
 	stopAgent(t, b)
 
-	// The job ended before the next agent restart; the next job start clears the line.
+	// The job ended before the next agent restart: no line, and the next job starts cleanly.
 	c := n.start(t)
-	failed := filepath.Join(n.dir, "replicator.failed")
-	require.FileExists(t, failed)
 	o = orbaxClient(t, n.dir, "roll", 60)
 	require.NoError(t, restoresStep(ctx, o, 20), "%s", c.log())
 	assert.NoFileExists(t, failed)
@@ -1498,7 +1506,9 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	stopAgent(t, d)
 	require.DirExists(t, n.spool, "the spool of a job without a checkpoint yet is kept")
 	e := n.start(t)
-	err = o.Save(ctx, 0)
-	require.True(t, errors.As(err, &fatal), "the first save after the agent restart: want replicator.failed, got %v\n%s", err, e.log())
+	require.NoError(t, o.Save(ctx, 0))
+	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
+	err = o.Save(ctx, 1)
+	require.True(t, errors.As(err, &fatal), "the second save after the agent restart: want replicator.failed, got %v\n%s\nthe agent before:\n%s", err, e.log(), d.log())
 	stopAgent(t, e)
 }

@@ -106,12 +106,18 @@ func cmdSpoolFree(args []string) int {
 	code := 0
 	for _, s := range targets {
 		s = localSpools.Settle(s, 10*time.Second) // an agent killed a moment ago is still exiting
+		owner, _ := tiers.ReadOwner(s.Dir)
 		if err := tiers.FreeSpool(s); err != nil {
 			fmt.Fprintln(os.Stderr, "mtcfs spool free:", err)
 			code = 1
 			continue
 		}
 		fmt.Printf("freed spool %s (%s)\n", s.Dir, s.Describe())
+		if run := owner.Running; run != nil && s.MountState == tiers.MountExists {
+			// The record went with the spool: the next agent cannot tell the job.
+			fmt.Printf("note: the agent of %s last answered job %s (incarnation %s, rank %d, since %s): if that job still runs, restart it; the next agent does not checkpoint its saves, and no longer knows to tell it\n",
+				owner.MountPath, owner.Job, run.Incarnation, run.Rank, run.Since.Format(time.RFC3339))
+		}
 	}
 	return code
 }

@@ -122,6 +122,9 @@ func TestSpoolListAndFree(t *testing.T) {
 	out, code = runMtcfs(t, "spool", "free", n.dir)
 	require.Equal(t, 0, code, "%s", out)
 	assert.Contains(t, out, "freed spool "+n.spool)
+	// The spool recorded the job's incarnation, which goes with it: the user is told.
+	assert.Contains(t, out, "note: the agent of "+n.dir+" last answered job "+job+" (incarnation ")
+	assert.Contains(t, out, "if that job still runs, restart it")
 	assert.False(t, isMounted(n.spool), "free left the spool mounted")
 	assert.NoDirExists(t, n.spool)
 	_, ok = findSpool(spoolList(t), n.spool)
