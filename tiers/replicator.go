@@ -230,10 +230,15 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	// take minutes on a large spool while the mount already serves. A replicator.yaml already
 	// there (one the job wrote while no agent was mounted, or right now) means the job is
 	// restarting: it needs no telling.
+	// Only an Orbax job reads replicator.failed at each save; NeMo and pytorch jobs read it at
+	// their start only, so a line for them would stay and abort their restart (a local rank
+	// other than 0 reads it before rank 0 wrote the yaml): they are only warned of in the log.
 	if o := n.spool.Owner(); o.Running != nil && o.Job != "" && !n.hasName(layout.ReplicatorYAMLName) {
-		r.interrupted.Store(&interruptedJob{job: o.Job, run: *o.Running})
-		n.log.Warn("the agent before this one stopped after it answered a job: if that job still writes here, it is told in replicator.failed to restart",
-			"job", o.Job, "incarnation", o.Running.Incarnation, "rank", o.Running.Rank, "since", o.Running.Since)
+		if o.Running.Framework == FrameworkOrbax {
+			r.interrupted.Store(&interruptedJob{job: o.Job, run: *o.Running})
+		}
+		n.log.Warn("the agent before this one stopped after it answered a job: if that job still runs, it must restart (an Orbax job is told in replicator.failed at its next save)",
+			"job", o.Job, "framework", o.Running.Framework, "incarnation", o.Running.Incarnation, "rank", o.Running.Rank, "since", o.Running.Since)
 	}
 	if err := r.recorder.adoptRecords(r.incs.startupError); err != nil {
 		return err
@@ -267,7 +272,7 @@ type interruptedJob struct {
 // tellInterrupted tells a job that still runs that this agent does not checkpoint its saves:
 // the agent before it on this spool was stopped (an upgrade, a crash) after it answered
 // incarnation run of the job, and an incarnation lives in one agent's memory. It is called at
-// the job's first write through the mount without an incarnation (jobActivity): the job checks
+// the job's first save through the mount without an incarnation (jobActivity): the job checks
 // replicator.failed at each save (Orbax), aborts at its next one and restarts, restoring its
 // newest checkpoint. Written at the agent's start instead, the line sat in the mount of a job
 // that had ended, for the next job's processes to read before its handshake removed it (a
@@ -283,11 +288,14 @@ func (r *Replicator) tellInterrupted(p *interruptedJob) {
 		p.run.Incarnation, p.run.Since.Format(time.RFC3339)))
 }
 
-// jobActivity reports whether ev is the job writing through the mount, other than through the
-// control files (a new job's start writes only those before its handshake).
+// jobActivity reports whether ev is an Orbax save going on: a write in or to a step directory
+// (S.orbax-checkpoint-tmp or S). Other names (a launcher's logs, say) say nothing of the job.
 func jobActivity(ev event) bool {
 	top, _, _ := strings.Cut(ev.path, "/")
-	return !strings.HasPrefix(top, "replicator.") && top != layout.JaxInitInfoName
+	if step, ok := strings.CutSuffix(top, layout.OrbaxTmpSuffix); ok {
+		top = step
+	}
+	return top != "" && strings.Trim(top, "0123456789") == ""
 }
 
 // Close stops the replicator's goroutines: a running backup gets DrainTimeout to finish (then it

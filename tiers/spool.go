@@ -117,6 +117,7 @@ type Owner struct {
 // Running is an incarnation of the job, as the spool's owner record keeps it (Owner.Running).
 type Running struct {
 	Incarnation string    `json:"incarnation"`
+	Framework   string    `json:"framework,omitempty"`
 	Rank        int       `json:"rank"`
 	Nodes       int       `json:"nodes"`
 	Since       time.Time `json:"since"`

@@ -1511,4 +1511,23 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	err = o.Save(ctx, 1)
 	require.True(t, errors.As(err, &fatal), "the second save after the agent restart: want replicator.failed, got %v\n%s\nthe agent before:\n%s", err, e.log(), d.log())
 	stopAgent(t, e)
+
+	// A NeMo job reads replicator.failed only at its start: a line written under it would
+	// stay, and abort its restart (a local rank other than 0 reads it before rank 0 writes the
+	// yaml; found by a review). Its agent restart is only logged.
+	n.dropSpool(t)
+	f := n.start(t)
+	nc := nemoClient(t, n.dir, "gpt")
+	require.NoError(t, nc.Handshake(ctx))
+	_, _, err = nc.Restore(ctx)
+	require.NoError(t, err)
+	require.NoError(t, nc.Save(ctx, 5))
+	stopAgent(t, f)
+	g := n.start(t)
+	require.NoError(t, nc.Save(ctx, 9))
+	assert.Contains(t, g.log(), `framework=pytorch.distributed`)
+	assert.Contains(t, g.log(), "the agent before this one stopped after it answered a job")
+	time.Sleep(200 * time.Millisecond) // the control loop had the save's events; nothing follows
+	assert.NoFileExists(t, failed, "a line for a NeMo job, which reads it only at its next start")
+	stopAgent(t, g)
 }
