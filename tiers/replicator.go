@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -113,9 +112,10 @@ type Replicator struct {
 	inbox     *inbox
 
 	cancel context.CancelFunc // ends node.ctx; nil before Start
-	// interrupted, from Start until the job writes or restarts: the incarnation the agent
-	// before this one answered (tellInterrupted).
-	interrupted atomic.Pointer[interruptedJob]
+	// interrupted, from Start until the job saves or restarts: the incarnation of an Orbax
+	// job the agent before this one answered (tellInterrupted). Set by Start before the
+	// control loop runs; only the control loop uses it afterwards.
+	interrupted *interruptedJob
 }
 
 // node is what every stage shares. ns and ctx are set by Start before it starts any goroutine,
@@ -226,16 +226,15 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	n := r.node
 	n.ns = ns
 	n.ctx, r.cancel = context.WithCancel(ctx)
-	// The job told at its first write (see tellInterrupted), armed before adoption, which may
-	// take minutes on a large spool while the mount already serves. A replicator.yaml already
-	// there (one the job wrote while no agent was mounted, or right now) means the job is
-	// restarting: it needs no telling.
-	// Only an Orbax job reads replicator.failed at each save; NeMo and pytorch jobs read it at
-	// their start only, so a line for them would stay and abort their restart (a local rank
-	// other than 0 reads it before rank 0 wrote the yaml): they are only warned of in the log.
+	// The job is told at its first save (tellInterrupted), which the control loop sees once
+	// adoption is over. A replicator.yaml already there (one the job wrote while no agent was
+	// mounted, or right now) means the job is restarting: it needs no telling. Only an Orbax
+	// job reads replicator.failed at each save; NeMo and pytorch jobs read it at their start
+	// only, so a line for them would stay and abort their restart (a local rank other than 0
+	// reads it before rank 0 wrote the yaml): they are only warned of in the log.
 	if o := n.spool.Owner(); o.Running != nil && o.Job != "" && !n.hasName(layout.ReplicatorYAMLName) {
 		if o.Running.Framework == FrameworkOrbax {
-			r.interrupted.Store(&interruptedJob{job: o.Job, run: *o.Running})
+			r.interrupted = &interruptedJob{job: o.Job, run: *o.Running}
 		}
 		n.log.Warn("the agent before this one stopped after it answered a job: if that job still runs, it must restart (an Orbax job is told in replicator.failed at its next save)",
 			"job", o.Job, "framework", o.Running.Framework, "incarnation", o.Running.Incarnation, "rank", o.Running.Rank, "since", o.Running.Since)
@@ -387,11 +386,14 @@ func (r *Replicator) run() {
 
 // handle dispatches one event from the job.
 func (r *Replicator) handle(ev event) {
-	if p := r.interrupted.Load(); p != nil {
+	// Before any incarnation: a yaml disarms the notice (the job restarts, and no incarnation
+	// begins before its handshake), a save fires it.
+	if p := r.interrupted; p != nil {
 		switch {
-		case strings.HasPrefix(ev.path, "replicator.yaml"):
-			r.interrupted.Store(nil) // the job restarts
-		case jobActivity(ev) && r.incs.get() == nil && r.interrupted.CompareAndSwap(p, nil):
+		case strings.HasPrefix(ev.path, layout.ReplicatorYAMLName):
+			r.interrupted = nil
+		case jobActivity(ev):
+			r.interrupted = nil
 			r.tellInterrupted(p)
 		}
 	}

@@ -387,7 +387,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 func (s *Spool) Dir() string { return s.dir }
 
 // recordOwner writes owner.json for mountPath. The job recorded by a previous agent stays (the
-// replicator compares it with its own job before adopting anything, see Owner and SetJob).
+// replicator compares it with its own job before adopting anything, see Owner and SetRunning).
 func (s *Spool) recordOwner(mountPath string) error {
 	prev, err := ReadOwner(s.dir)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -408,24 +408,9 @@ func (s *Spool) Owner() Owner {
 	return s.owner
 }
 
-// SetJob records the job whose data the spool holds from now on. It is an error on a spool
-// opened without a MountPath (nothing is recorded there).
-func (s *Spool) SetJob(job string) error {
-	s.ownerMu.Lock()
-	defer s.ownerMu.Unlock()
-	if s.owner.Job != job && s.shape != (Shape{}) {
-		s.forgetShapeLocked() // another job's shape says nothing of this one's
-	}
-	s.owner.Job = job
-	if s.lock == nil {
-		return errNoOwnerRecord
-	}
-	return s.writeOwnerLocked()
-}
-
-// SetRunning records, with SetJob's effect, the job and the incarnation of it the agent answers
-// from now on (see Owner.Running), in one write. It is an error on a spool opened without a
-// MountPath.
+// SetRunning records the job whose data the spool holds from now on and the incarnation of it
+// the agent answers (see Owner.Running), in one write; another job's shape is forgotten. It is
+// an error on a spool opened without a MountPath (nothing is recorded there).
 func (s *Spool) SetRunning(job string, run Running) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()

@@ -15,7 +15,7 @@ import (
 )
 
 // TestSpoolOwnerRecorded: a spool opened for a mount path records it (resolved), the agent's
-// pid and when it was used; SetJob records the job; a later agent sees the previous job.
+// pid and when it was used; SetRunning records the job; a later agent sees the previous job.
 func TestSpoolOwnerRecorded(t *testing.T) {
 	for _, tmpfs := range []bool{false, true} {
 		name := "plain"
@@ -44,12 +44,12 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 			if got := s.Owner(); got != o {
 				t.Fatalf("Owner() = %+v, file says %+v", got, o)
 			}
-			if err := s.SetJob("llama"); err != nil {
-				t.Fatalf("SetJob: %v", err)
+			if err := s.SetRunning("llama", tiers.Running{Incarnation: "first"}); err != nil {
+				t.Fatalf("SetRunning: %v", err)
 			}
 			o2, err := tiers.ReadOwner(dir)
 			if err != nil || o2.Job != "llama" || o2.MountPath != mnt || o2.LastUsed.Before(o.LastUsed) {
-				t.Fatalf("owner after SetJob = %+v, %v; want job llama, mount %s", o2, err, mnt)
+				t.Fatalf("owner after SetRunning = %+v, %v; want job llama, mount %s", o2, err, mnt)
 			}
 			// The job's shape at its restore plan: what a job of another shape passes over.
 			shape := tiers.Shape{Nodes: 3, Workers: 1, DataParallelism: 3}
@@ -78,14 +78,14 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 			if o, _ := tiers.ReadOwner(dir); o.Running == nil || *o.Running != run {
 				t.Fatalf("the reopened spool's record lost the running incarnation: %+v", o)
 			}
-			if err := s2.SetJob("llama"); err != nil || s2.SavedShape() != shape {
-				t.Fatalf("SetJob of the same job: %v; shape %v, want it kept", err, s2.SavedShape())
+			if err := s2.SetRunning("llama", run); err != nil || s2.SavedShape() != shape {
+				t.Fatalf("SetRunning of the same job: %v; shape %v, want it kept", err, s2.SavedShape())
 			}
-			if err := s2.SetJob("other"); err != nil {
+			if err := s2.SetRunning("other", run); err != nil {
 				t.Fatal(err)
 			}
 			if o3, _ := tiers.ReadOwner(dir); o3.Job != "other" || s2.SavedShape() != (tiers.Shape{}) || fileThere(filepath.Join(dir, tiers.ShapeFile)) {
-				t.Fatalf("owner after the second SetJob = %+v, shape %v; want job other and no shape (llama's says nothing of it)", o3, s2.SavedShape())
+				t.Fatalf("owner after the second SetRunning = %+v, shape %v; want job other and no shape (llama's says nothing of it)", o3, s2.SavedShape())
 			}
 			noTempFiles(t, dir)
 			if err := s2.Close(); err != nil {
@@ -139,8 +139,8 @@ func TestSpoolWithoutMountPath(t *testing.T) {
 	if _, err := tiers.ReadOwner(dir); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("ReadOwner of an anonymous spool: %v, want not-exist", err)
 	}
-	if err := s.SetJob("j"); err == nil {
-		t.Fatal("SetJob on an anonymous spool succeeded")
+	if err := s.SetRunning("j", tiers.Running{}); err == nil {
+		t.Fatal("SetRunning on an anonymous spool succeeded")
 	}
 	f, err := tiers.LockSpool(dir)
 	if err != nil {

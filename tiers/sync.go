@@ -51,16 +51,18 @@ type syncer struct {
 // that did not acknowledge it.
 type rePush struct {
 	c      commit
-	failed map[int]failedPush // by worker
-	wait   time.Duration      // before the next try
-	tries  int                // made so far, the first one included
+	failed map[int]workerPushes // by worker
+	wait   time.Duration        // before the next try
+	tries  int                  // made so far, the first one included
 	// synced: the coordinator decided the step (not replicated); it is told again once every
 	// push succeeded. A step whose sync failed (a rank did not report it in time) is still
 	// pushed: a restore plans from what the peers hold, decided or not.
 	synced bool
 }
 
-type failedPush struct {
+// workerPushes is one worker's sealed step and the peers its pushes failed to (none: all
+// acknowledged).
+type workerPushes struct {
 	s     sealedStep
 	peers []int
 }
@@ -71,7 +73,7 @@ func (sy *syncer) run() {
 		step int64
 	}
 	type progress struct {
-		pushes map[int]failedPush // by worker that reported; peers nil when its pushes succeeded
+		pushes map[int]workerPushes // by worker that reported; peers nil when its pushes succeeded
 	}
 	steps := map[stepKey]*progress{}
 	defer sy.stopRePush()
@@ -100,16 +102,16 @@ func (sy *syncer) run() {
 					delete(steps, old) // an earlier incarnation's, never to be completed
 				}
 			}
-			p = &progress{pushes: map[int]failedPush{}}
+			p = &progress{pushes: map[int]workerPushes{}}
 			steps[k] = p
 		}
-		p.pushes[s.worker] = failedPush{s: s, peers: failedPeers}
+		p.pushes[s.worker] = workerPushes{s: s, peers: failedPeers}
 		if len(p.pushes) < s.inc.Config.WorkersPerNode {
 			continue
 		}
 		delete(steps, k)
 		failed := maps.Clone(p.pushes)
-		maps.DeleteFunc(failed, func(_ int, f failedPush) bool { return len(f.peers) == 0 })
+		maps.DeleteFunc(failed, func(_ int, f workerPushes) bool { return len(f.peers) == 0 })
 		synced := sy.sync(s.commit, len(failed) == 0)
 		if len(failed) > 0 && sy.incs.isCurrent(s.inc) && s.inc.ctx.Err() == nil {
 			sy.stopRePush()
