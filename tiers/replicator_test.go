@@ -1396,18 +1396,27 @@ func TestSealedBeforeAnyStepIsMinusOne(t *testing.T) {
 	}
 }
 
+// backedUpThenGone saves step 1 of a one-node job ("job") with a backup after every step, waits
+// for its complete backup and closes the agent: a new harness on the store is a node whose RAM
+// was lost. It returns the store, the job's yaml and the backup's name.
+func backedUpThenGone(t *testing.T) (store *testStore, doc, backup string) {
+	t.Helper()
+	store = newTestStore(t)
+	h := newHarness(t, harnessConfig{store: store})
+	doc = withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
+	h.start(doc, "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	backup = h.waitBackedUp(store, "job", 1, 1)
+	h.close()
+	return store, doc, backup
+}
+
 // A step restored from a backup is in a complete backup: status says so (last backup, step
 // backed up) as it would had this node uploaded it. Before, an agent that restored from a
 // backup said backed_up -1 in /metrics and no last backup (found by a black-box run).
 func TestStepRestoredFromABackupCountsAsBackedUp(t *testing.T) {
 	t.Parallel()
-	store := newTestStore(t)
-	h := newHarness(t, harnessConfig{store: store})
-	doc := withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
-	h.start(doc, "job")
-	h.orbaxSave(1, checkpointFiles("1"))
-	name := h.waitBackedUp(store, "job", 1, 1)
-	h.close()
+	store, doc, name := backedUpThenGone(t)
 	h2 := newHarness(t, harnessConfig{store: store}) // the node's RAM is lost
 	h2.yamlOrbax(doc)
 	h2.waitMarkers(marker("job", 1, 0, 0, layout.MarkerRestore))

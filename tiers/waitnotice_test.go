@@ -111,13 +111,7 @@ func TestRestoreTellsOfASlowPlan(t *testing.T) {
 // (found by a black-box run: 357 s on a 2.5 MB/s link).
 func TestRestoreTellsOfASlowTransfer(t *testing.T) {
 	t.Parallel()
-	store := newTestStore(t)
-	h := newHarness(t, harnessConfig{store: store})
-	doc := withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
-	h.start(doc, "job")
-	h.orbaxSave(1, checkpointFiles("1"))
-	h.waitBackedUp(store, "job", 1, 1)
-	h.close()
+	store, doc, _ := backedUpThenGone(t)
 
 	// The node's RAM is lost (a new spool); the download is slow.
 	release := make(chan struct{})
