@@ -1442,8 +1442,9 @@ func sameTree(root string, want tree) error {
 	return nil
 }
 
-// TestAgentRestartUnderARunningJobStopsIt: the agent is restarted (SIGTERM, then a new agent on
-// the same mount and spool: a node agent's rolling upgrade) while the job goes on. An
+// TestAgentRestartUnderARunningJobStopsIt: the agent is restarted (kill -9 or SIGTERM, then a new
+// agent on the same mount and spool: a crash, or a node agent's rolling upgrade) while the job
+// goes on. An
 // incarnation lives in one agent's memory, so the new agent does not checkpoint the job's
 // saves; at the job's first write it says so in replicator.failed, which the job reads at its
 // next save and aborts. Its restart restores the newest checkpoint, and its handshake removes
@@ -1461,7 +1462,7 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, o.Save(ctx, 10))
 	waitStepSealed(t, n.dir, "roll", 10)
-	stopAgent(t, a)
+	killAgent(t, a) // kill -9 here; the later restarts are SIGTERMs
 
 	b := n.start(t)
 	failed := filepath.Join(n.dir, "replicator.failed")
