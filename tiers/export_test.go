@@ -44,3 +44,6 @@ func MoveData(src, sealed string) (bool, error) { return moveData(src, sealed) }
 // BackupsStopping reports whether Close began stopping the backup runner (no new backup
 // starts), for tests that act once it has.
 func (r *Replicator) BackupsStopping() bool { return r.backups.isStopping() }
+
+// WithdrawLines is jobLines.withdraw, for replicator_test.go.
+func (r *Replicator) WithdrawLines(file, ours string) bool { return r.lines.withdraw(file, ours) }

@@ -80,6 +80,36 @@ func (l *jobLines) appendLine(file, level string, cfg *Config, msg string) {
 	l.mu.Unlock()
 }
 
+// withdraw removes the lines of file that contain ours, and file with them if no other line is
+// left; it reports whether it removed any.
+func (l *jobLines) withdraw(file, ours string) bool {
+	l.writeMu.Lock()
+	defer l.writeMu.Unlock()
+	old, err := l.ns.ReadFile(file, 1<<20)
+	if err != nil {
+		return false
+	}
+	var keep []byte
+	for line := range strings.Lines(string(old)) {
+		if !strings.Contains(line, ours) {
+			keep = append(keep, line...)
+		}
+	}
+	switch {
+	case len(keep) == len(old):
+		return false
+	case len(keep) == 0:
+		err = l.ns.Remove(file)
+	default:
+		err = l.ns.WriteFile(file, keep)
+	}
+	if err != nil {
+		l.log.Error("withdraw a line of "+file, "err", err)
+		return false
+	}
+	return true
+}
+
 // recentErrors returns the last lines reported to job (of every incarnation of it; another job's
 // on the same mount are not its news).
 func (l *jobLines) recentErrors(job string) []string {

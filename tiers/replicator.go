@@ -39,7 +39,15 @@ type ReplicatorConfig struct {
 	// CPUIdle returns the cumulative idle time of all CPUs (false: unknown), for pushes to
 	// yield to the job's saves on a busy node (yield.go); nil reads /proc/stat. Tests set it.
 	CPUIdle func() (time.Duration, bool)
+	// RestoreWait is how long after its handshake an Orbax job still waits for its restore
+	// markers (SPEC §9: 300 s), with some slack; 0 means DefaultRestoreWait. An agent restarted
+	// in that window tells the job at once, and withdraws the line once the wait is over.
+	RestoreWait time.Duration
 }
+
+// DefaultRestoreWait is ReplicatorConfig.RestoreWait's default: the Orbax client's 300 s,
+// plus 30 s for its polling and the time its handshake took.
+const DefaultRestoreWait = 330 * time.Second
 
 // JaxInit is the content of jax-init-info.txt.
 type JaxInit struct {
@@ -233,11 +241,16 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	// only, so a line for them would stay and abort their restart (a local rank other than 0
 	// reads it before rank 0 wrote the yaml): they are only warned of in the log.
 	if o := n.spool.Owner(); o.Running != nil && o.Job != "" && !n.hasName(layout.ReplicatorYAMLName) {
-		if o.Running.Framework == FrameworkOrbax {
-			r.interrupted = &interruptedJob{job: o.Job, run: *o.Running}
-		}
 		n.log.Warn("the agent before this one stopped after it answered a job: if that job still runs, it must restart (an Orbax job is told in replicator.failed at its next save)",
 			"job", o.Job, "framework", o.Running.Framework, "incarnation", o.Running.Incarnation, "rank", o.Running.Rank, "since", o.Running.Since)
+		if o.Running.Framework == FrameworkOrbax {
+			p := &interruptedJob{job: o.Job, run: *o.Running}
+			if until := o.Running.Since.Add(r.restoreWait()); !o.Running.Restored && n.now().Before(until) {
+				r.tellRestoreInterrupted(p, until)
+			} else {
+				r.interrupted = p
+			}
+		}
 	}
 	if err := r.recorder.adoptRecords(r.incs.startupError); err != nil {
 		return err
@@ -285,6 +298,42 @@ func (r *Replicator) tellInterrupted(p *interruptedJob) {
 	r.lines.failLine(cfg, fmt.Sprintf("the mtcfs agent of this node was restarted while incarnation %s (since %s) was running: "+
 		"an agent restart ends the incarnation, and the steps saved since the agent stopped are not checkpointed; restart the job (it restores its newest checkpoint)",
 		p.run.Incarnation, p.run.Since.Format(time.RFC3339)))
+}
+
+// tellRestoreInterrupted tells an Orbax job whose restore markers the agent before this one
+// had not published yet that none will come: the job polls replicator.failed while it waits
+// for them (SPEC §9), and would otherwise time out after 300 s. The job may have ended as well
+// (the restart of a whole node, say): the line is withdrawn at until, when the job's wait is
+// over anyway, so that it does not stay for the next job to read (a NeMo local rank other
+// than 0 reads it before its rank 0 writes the yaml; an Orbax job's handshake removes it).
+func (r *Replicator) tellRestoreInterrupted(p *interruptedJob, until time.Time) {
+	n := r.node
+	ours := "while incarnation " + p.run.Incarnation + " "
+	n.log.Warn("the job waited for its restore markers when the agent restarted: told to restart in replicator.failed",
+		"job", p.job, "incarnation", p.run.Incarnation, "withdrawn_at", until)
+	cfg := &Config{JobName: p.job, NodeRank: p.run.Rank, Nodes: p.run.Nodes}
+	r.lines.failLine(cfg, fmt.Sprintf("the mtcfs agent of this node was restarted %s(since %s) waited for its restore: "+
+		"an agent restart ends the incarnation, and its restore markers will not come; restart the job (it restores its newest checkpoint)",
+		ours, p.run.Since.Format(time.RFC3339)))
+	n.tasks.Go(func() {
+		t := time.NewTimer(until.Sub(n.now()))
+		defer t.Stop()
+		select {
+		case <-n.ctx.Done():
+			return
+		case <-t.C:
+		}
+		if r.lines.withdraw(layout.ReplicatorFailedName, ours) {
+			n.log.Info("no job read the restart notice while it could wait for its restore: withdrawn", "incarnation", p.run.Incarnation)
+		}
+	})
+}
+
+func (r *Replicator) restoreWait() time.Duration {
+	if r.cfg.RestoreWait > 0 {
+		return r.cfg.RestoreWait
+	}
+	return DefaultRestoreWait
 }
 
 // jobActivity reports whether ev is an Orbax save going on: a write in or to a step directory

@@ -1424,3 +1424,33 @@ func TestStepRestoredFromABackupCountsAsBackedUp(t *testing.T) {
 		t.Fatalf("backed up %d, last backup %q: want 1, %q", st.BackedUp, st.LastBackup, name)
 	}
 }
+
+// TestWithdrawLines: a line withdrawn (the restart notice no job read) leaves the other lines
+// of the file, and the file goes with its last line.
+func TestWithdrawLines(t *testing.T) {
+	h := newHarness(t, harnessConfig{})
+	p := h.path(layout.ReplicatorFailedName)
+	other := "2030-01-01T00:00:00Z job=j node=0/1 FATAL restore of step 5 failed\n"
+	ours := "2030-01-01T00:00:01Z job=j node=0/1 FATAL … while incarnation abc (since …) waited …\n"
+	if err := os.WriteFile(p, []byte(other+ours+other), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if !h.r.WithdrawLines(layout.ReplicatorFailedName, "while incarnation abc ") {
+		t.Fatal("the line was not withdrawn")
+	}
+	if got, _ := os.ReadFile(p); string(got) != other+other {
+		t.Fatalf("left %q, want the two other lines", got)
+	}
+	if h.r.WithdrawLines(layout.ReplicatorFailedName, "while incarnation abc ") {
+		t.Fatal("withdrawn twice")
+	}
+	if err := os.WriteFile(p, []byte(ours), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if !h.r.WithdrawLines(layout.ReplicatorFailedName, "while incarnation abc ") || fileThere(p) {
+		t.Fatal("a file left without a line is removed")
+	}
+	if h.r.WithdrawLines(layout.ReplicatorFailedName, "while incarnation abc ") {
+		t.Fatal("nothing to withdraw from a missing file")
+	}
+}

@@ -155,6 +155,11 @@ func (r *restorer) run(inc *incarnation) {
 		}
 	}
 	r.log.Info("restore markers published", "step", plan.Step, "found", plan.Found)
+	// Recorded after the markers: an agent killed in between tells a job that already took
+	// its marker to restart (at its next save check), never leaves one waiting in silence.
+	if err := r.withRoom(func() error { return r.spool.MarkRestored(inc.ID) }); err != nil && !errors.Is(err, errNoOwnerRecord) {
+		r.log.Warn("record the restore in the spool's owner record", "err", err)
+	}
 }
 
 // dropAbandonedSteps forgets this job's steps newer than the one the job restores (all of them on

@@ -120,7 +120,10 @@ type Running struct {
 	Framework   string    `json:"framework,omitempty"`
 	Rank        int       `json:"rank"`
 	Nodes       int       `json:"nodes"`
-	Since       time.Time `json:"since"`
+	Since       time.Time `json:"since"` // the handshake: the job then waits for its restore markers
+	// Restored: the restore markers were published (MarkRestored). An Orbax job under an
+	// agent restarted before that waits for markers that will not come.
+	Restored bool `json:"restored,omitempty"`
 }
 
 // DefaultSpoolRoot is the directory that holds the default spools of this user: shared by root
@@ -418,6 +421,23 @@ func (s *Spool) SetRunning(job string, run Running) error {
 		s.forgetShapeLocked() // another job's shape says nothing of this one's
 	}
 	s.owner.Job, s.owner.Running = job, &run
+	if s.lock == nil {
+		return errNoOwnerRecord
+	}
+	return s.writeOwnerLocked()
+}
+
+// MarkRestored records that the restore markers of incarnation were published, if the owner
+// record still names it. It is an error on a spool opened without a MountPath.
+func (s *Spool) MarkRestored(incarnation string) error {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.owner.Running == nil || s.owner.Running.Incarnation != incarnation || s.owner.Running.Restored {
+		return nil
+	}
+	run := *s.owner.Running
+	run.Restored = true
+	s.owner.Running = &run
 	if s.lock == nil {
 		return errNoOwnerRecord
 	}

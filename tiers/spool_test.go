@@ -78,8 +78,21 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 			if o, _ := tiers.ReadOwner(dir); o.Running == nil || *o.Running != run {
 				t.Fatalf("the reopened spool's record lost the running incarnation: %+v", o)
 			}
+			// Its restore markers published: recorded, for that incarnation only.
+			if err := s2.MarkRestored("not-abc"); err != nil || s2.Owner().Running.Restored {
+				t.Fatalf("MarkRestored of another incarnation: %v, owner %+v; want nothing recorded", err, s2.Owner().Running)
+			}
+			if err := s2.MarkRestored("abc"); err != nil {
+				t.Fatal(err)
+			}
+			if o, _ := tiers.ReadOwner(dir); o.Running == nil || !o.Running.Restored || o.Running.Incarnation != "abc" {
+				t.Fatalf("after MarkRestored the record says %+v, want abc restored", o.Running)
+			}
 			if err := s2.SetRunning("llama", run); err != nil || s2.SavedShape() != shape {
 				t.Fatalf("SetRunning of the same job: %v; shape %v, want it kept", err, s2.SavedShape())
+			}
+			if o, _ := tiers.ReadOwner(dir); o.Running == nil || o.Running.Restored {
+				t.Fatalf("a new incarnation is not restored yet: %+v", o.Running)
 			}
 			if err := s2.SetRunning("other", run); err != nil {
 				t.Fatal(err)

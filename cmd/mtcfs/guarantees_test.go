@@ -1532,3 +1532,88 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	assert.NoFileExists(t, failed, "a line for a NeMo job, which reads it only at its next start")
 	stopAgent(t, g)
 }
+
+// TestAgentRestartInTheRestoreWindowTellsTheJob: an agent restarted after it answered an Orbax
+// job's replicator.yaml but before it published the restore markers leaves the job waiting for
+// markers that will not come (for its 300 s). The next agent tells the job at its start, in
+// replicator.failed, which the job polls while it waits (SPEC §9). The job may have ended too
+// (a node restart): the line is withdrawn once the job's wait would be over. The restore is
+// held open by a step whose seal is delayed (MTCFS_SEAL_DELAY): a restore waits for what was
+// committed before it.
+func TestAgentRestartInTheRestoreWindowTellsTheJob(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	failed := filepath.Join(n.dir, "replicator.failed")
+	yaml := filepath.Join(n.dir, "replicator.yaml")
+	const job = "window"
+	// restartJob writes o's replicator.yaml as the Orbax client does and waits for the agent to
+	// answer it; the restore then waits for the delayed seals.
+	restartJob := func(o *jobsim.Orbax, a *agent) {
+		t.Helper()
+		require.NoError(t, os.WriteFile(yaml+".tmp", []byte(o.YAML()), 0o644))
+		require.NoError(t, os.Rename(yaml+".tmp", yaml))
+		repWait(t, 5*time.Second, "the handshake", func() bool { return !pathExists(yaml) })
+		markers, _ := filepath.Glob(filepath.Join(n.dir, "*.restore"))
+		require.Empty(t, markers, "the restore is held by the delayed seal\n%s", a.log())
+	}
+	lines := func() []string {
+		data, err := os.ReadFile(failed)
+		require.NoError(t, err)
+		return strings.Split(strings.TrimSpace(string(data)), "\n")
+	}
+
+	t.Setenv(sealDelayEnv, "4s")
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 10))
+	require.NoError(t, o.Save(ctx, 20))
+	restartJob(o, a)
+	killAgent(t, a)
+
+	t.Setenv(sealDelayEnv, "")
+	b := n.start(t)
+	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
+	got := lines()
+	require.Len(t, got, 1, "%s", b.log())
+	assert.Contains(t, got[0], "job=window node=0/1 FATAL the mtcfs agent of this node was restarted while incarnation")
+	assert.Contains(t, got[0], "waited for its restore")
+	assert.Contains(t, got[0], "restart the job")
+	// The job reads and unlinks it, aborts, and restarts: it restores the step it saved last.
+	require.NoError(t, os.Remove(failed))
+	o = orbaxClient(t, n.dir, job, 60)
+	require.NoError(t, restoresStep(ctx, o, 20), "%s", b.log())
+	stopAgent(t, b)
+
+	// The same, but the job is gone: nobody reads the line, which is withdrawn when the job's
+	// wait would be over, also by an agent restarted again in between.
+	t.Setenv(sealDelayEnv, "4s")
+	c := n.start(t)
+	o = orbaxClient(t, n.dir, job, 60)
+	require.NoError(t, restoresStep(ctx, o, 20), "%s", c.log())
+	require.NoError(t, o.Save(ctx, 30))
+	restartJob(o, c)
+	killAgent(t, c)
+	t.Setenv(sealDelayEnv, "")
+	t.Setenv(restoreWaitEnv, "20s")
+	d := n.start(t)
+	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
+	require.Len(t, lines(), 1, "%s", d.log())
+	killAgent(t, d)
+	e := n.start(t)
+	// The mount's status files do not outlive an agent: the next one tells the job again.
+	assert.Len(t, lines(), 1, "%s", e.log())
+	repWait(t, 30*time.Second, "the line withdrawn", func() bool { return !pathExists(failed) })
+	assert.Contains(t, e.log(), "no job read the restart notice while it could wait for its restore: withdrawn")
+	stopAgent(t, e)
+
+	// Past the job's wait, the restore window says nothing; the restarted job restores step 30.
+	f := n.start(t)
+	time.Sleep(200 * time.Millisecond)
+	assert.NoFileExists(t, failed, "%s", f.log())
+	o = orbaxClient(t, n.dir, job, 60)
+	require.NoError(t, restoresStep(ctx, o, 30), "%s", f.log())
+	stopAgent(t, f)
+}

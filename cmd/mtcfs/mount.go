@@ -44,6 +44,7 @@ type mountConfig struct {
 	peers         replication.Discovery // --peers; nil: the registry
 	lagTimeout    time.Duration
 	sealDelay     time.Duration
+	restoreWait   time.Duration
 	secretFile    string
 	peerTLS       *replication.TLSConfigs
 	peerCompress  replication.Compression
@@ -88,6 +89,11 @@ const syncLagTimeoutEnv = "MTCFS_SYNC_LAG_TIMEOUT"
 // sealDelayEnv delays the sealing of each committed step, e.g. "2s". Hidden: tests use it to
 // kill -9 the agent between a commit and its seal without depending on timing.
 const sealDelayEnv = "MTCFS_SEAL_DELAY"
+
+// restoreWaitEnv overrides how long after its handshake an Orbax job is taken to wait for its
+// restore markers (tiers.DefaultRestoreWait), e.g. "20s". Hidden: tests use it to see the
+// notice of an agent restarted in that window withdrawn.
+const restoreWaitEnv = "MTCFS_RESTORE_WAIT"
 
 func cmdMount(args []string) int {
 	fset := newFlagSet("mount", mountSynopsis)
@@ -188,6 +194,11 @@ func cmdMount(args []string) int {
 	if v := os.Getenv(sealDelayEnv); v != "" {
 		if cfg.sealDelay, err = time.ParseDuration(v); err != nil || cfg.sealDelay <= 0 {
 			return flagError(fset, fmt.Errorf("%s=%q: want a positive duration such as 2s", sealDelayEnv, v))
+		}
+	}
+	if v := os.Getenv(restoreWaitEnv); v != "" {
+		if cfg.restoreWait, err = time.ParseDuration(v); err != nil || cfg.restoreWait <= 0 {
+			return flagError(fset, fmt.Errorf("%s=%q: want a positive duration such as 20s", restoreWaitEnv, v))
 		}
 	}
 	if cfg.passthrough, err = mfs.ParsePassthroughMode(*passthrough); err != nil {
@@ -563,7 +574,7 @@ func runMount(cfg mountConfig) error {
 		beforeSeal = func(int64) { time.Sleep(d) }
 	}
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
-		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal})
+		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait})
 	var ready atomic.Bool
 	info := agents.Info{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
 	var shown atomic.Pointer[agents.Info] // what /status shows; info is completed below
