@@ -87,9 +87,18 @@ func (b *backupState) wake() {
 // resumeDecided; the step's first order waits for that. Called with mu held.
 func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64, unfinished bool) (resume bool) {
 	b := &c.backups
-	b.backedUp = backedUp
-	if plan.Backup != "" {
-		b.backedUp = max(b.backedUp, plan.Step)
+	// The job's history goes on from the restored step. A backup of a later step holds
+	// another history: the one a pinned restore of an older backup went back from, or that a
+	// fresh start leaves. Counted as backed up, the job's next saves of those step numbers
+	// were never backed up, and a restore after RAM loss brought back the abandoned step, in
+	// silence (found by a black-box run).
+	switch {
+	case !plan.Found:
+		b.backedUp = -1
+	case plan.Backup != "":
+		b.backedUp = plan.Step
+	default:
+		b.backedUp = min(backedUp, plan.Step)
 	}
 	if plan.Found && plan.Step > b.backedUp {
 		b.started, b.clockFrom, b.synced = true, time.Time{}, b.steps

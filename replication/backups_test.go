@@ -194,6 +194,45 @@ func TestBackupOfARestoredStep(t *testing.T) {
 	assert.Empty(t, orderOf(t, c2, 0, tiers.BackupReport{}).Backup, "step 50 is in a complete backup")
 }
 
+// A job that went back to an older backup (a pinned restore) saves step numbers again that
+// a newer backup holds from the history it left: they are backed up anew, on the clock. Before,
+// the newer backup's step counted as backed up, nothing was ordered up to it, and a restore
+// after RAM loss brought back the abandoned step (found by a black-box run). The same after a
+// fresh start beside a backup of the job.
+func TestBackupAfterGoingBack(t *testing.T) {
+	t.Parallel()
+	const nodes = 2
+	data := func(step int64) map[tiers.Slot]string {
+		return map[tiers.Slot]string{{Rank: 0}: dataOf(0, step), {Rank: 1}: dataOf(1, step)}
+	}
+	store := &fakeStore{backups: map[string][]tiers.BackupStep{
+		"2030-01-01_00-01": {{Step: 10, Data: data(10)}},
+		"2030-01-01_00-02": {{Step: 20, Data: data(20)}}, // the history left
+	}, pin: "2030-01-01_00-01", hasPin: true}
+	c, clock := backupJob(t, nodes, 1, 0, store, []tiers.Inventory{own(0), own(1)})
+	plan, err := c.Negotiate(t.Context(), 0, own(0))
+	require.NoError(t, err)
+	require.Equal(t, int64(10), plan.Step, "the pinned backup is restored")
+	for _, step := range []int64{15, 20} {
+		for _, res := range syncAll(t, c, nodes, step) {
+			require.NoError(t, res.err)
+		}
+	}
+	clock.Advance(time.Minute)
+	assert.Equal(t, int64(20), eventuallyOrder(t, c, 0).Step, "step 20 saved again after going back is backed up")
+
+	// A fresh start (the job's own choice: no step restorable in its shape) beside the backups.
+	c2, clock2 := backupJob(t, nodes, 1, 0, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
+	c2.mu.Lock()
+	c2.backupsAfterPlan(tiers.RestorePlan{}, 20, false)
+	c2.mu.Unlock()
+	for _, res := range syncAll(t, c2, nodes, 5) {
+		require.NoError(t, res.err)
+	}
+	clock2.Advance(time.Minute)
+	assert.Equal(t, int64(5), eventuallyOrder(t, c2, 0).Step, "step 5 of a fresh start is backed up although a backup holds step 20")
+}
+
 // Without a backup tier nothing is ordered, and the call waits until its context ends.
 func TestNoBackupTierNoOrders(t *testing.T) {
 	t.Parallel()
