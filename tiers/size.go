@@ -44,7 +44,14 @@ func ParseSize(s string) (int64, error) {
 func FormatSize(n int64) string {
 	switch {
 	case n >= 1<<30:
-		return strconv.FormatFloat(float64(n)/(1<<30), 'f', -1, 64) + "GiB"
+		// Exact when short (8GiB, 1.5GiB: a budget as given), else two decimals: full precision
+		// printed 4.00384521484375GiB (found by a black-box run).
+		v := float64(n) / (1 << 30)
+		s := strconv.FormatFloat(v, 'f', -1, 64)
+		if _, frac, ok := strings.Cut(s, "."); ok && len(frac) > 2 {
+			s = strconv.FormatFloat(v, 'f', 2, 64)
+		}
+		return s + "GiB"
 	case n >= 1<<20:
 		return strconv.FormatFloat(float64(n)/(1<<20), 'f', 1, 64) + "MiB"
 	case n >= 1<<10:
