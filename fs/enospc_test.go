@@ -10,6 +10,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mtcfs/mtcfs/tiers"
@@ -188,4 +189,41 @@ func TestENOSPCSpaceReturnsAtOnce(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestAgentWritesPastAnAccountedBudget: with an agent-accounted budget (an unprivileged agent)
+// the job's writes fail with ENOSPC once the budget is used, but the agent's own files (a line
+// in replicator.failed, a .meta, jax-init-info.txt) are still written, as the tmpfs headroom
+// lets them be as root. Before, a kept spool that held more than the budget (hard links counted
+// once per name) failed the agent's start: "spool memory budget exhausted" (found by a
+// black-box run).
+func TestAgentWritesPastAnAccountedBudget(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mount tests need root")
+	}
+	const budget = 16 << 20
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(base, "spool"), Budget: budget})
+	require.NoError(t, err)
+	require.False(t, spool.KernelEnforced())
+	srv, err := Mount(dir, Options{Spool: spool, Passthrough: PassthroughOff, InProcess: true})
+	if err != nil {
+		spool.Close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		assert.NoError(t, srv.Unmount())
+		spool.Close()
+	})
+	err = os.WriteFile(filepath.Join(dir, "ballast"), make([]byte, budget+1), 0o644)
+	require.ErrorIs(t, err, syscall.ENOSPC, "the job's write past the budget")
+	line := []byte("2030-01-01T00:00:00Z job=j node=0/1 FATAL …\n")
+	require.NoError(t, srv.Namespace().WriteFile("replicator.failed", line), "the agent's own file, with the budget used")
+	got, err := os.ReadFile(filepath.Join(dir, "replicator.failed"))
+	require.NoError(t, err)
+	assert.Equal(t, line, got)
+	err = os.WriteFile(filepath.Join(dir, "more"), []byte("x"), 0o644)
+	assert.ErrorIs(t, err, syscall.ENOSPC, "the job's writes still fail")
 }
