@@ -217,7 +217,7 @@ func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileH
 	// (go-fuse drops the flag when it sets up passthrough.)
 	fflags := uint32(fuse.FOPEN_KEEP_CACHE)
 	if h.writable {
-		f.writers++
+		f.addWriter()
 		h.commitsOnClose = f.fs.events != nil && commitsOnClose
 	}
 	if f.fs.events != nil {
@@ -493,7 +493,7 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 	first := !h.flushed
 	if first {
 		h.flushed = true
-		f.writers--
+		f.dropWriter()
 	}
 	f.mu.Unlock()
 	if first {
@@ -509,7 +509,7 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	f.opens--
 	f.releasing++
 	if h.writable && !h.flushed {
-		f.writers--
+		f.dropWriter()
 	}
 	f.maybeFree()
 	f.mu.Unlock()

@@ -43,6 +43,12 @@ type mtfs struct {
 	// notifier sends the namespace's invalidations of top-level names (nil: go-fuse's calls
 	// do); set before Mount returns.
 	notifier *entryNotifier
+	// writersMu guards writing: the files with handles that may write (fileNode.writers > 0),
+	// whose pages a job may have dirtied through a shared mapping (see writeBackUnder).
+	writersMu sync.Mutex
+	writing   map[*fileNode]struct{} // GUARDED_BY(writersMu)
+	// writeBackVia is notifier, for writeBackUnder, which requests run (nil until set).
+	writeBackVia atomic.Pointer[entryNotifier]
 	// fdsReported is when reportOutOfFDs last logged (UnixNano; 0: never).
 	fdsReported atomic.Int64
 }
@@ -558,6 +564,7 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 			return errno
 		}
 	}
+	d.fs.writeBackUnder(src)
 	if doomed := d.applyRename(ctx, name, np, newName, src, dst, flags, true); doomed != nil {
 		d.fs.awaitReleases(doomed) // space.go
 	}

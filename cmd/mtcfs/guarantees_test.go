@@ -1617,3 +1617,58 @@ func TestAgentRestartInTheRestoreWindowTellsTheJob(t *testing.T) {
 	require.NoError(t, restoresStep(ctx, o, 30), "%s", f.log())
 	stopAgent(t, f)
 }
+
+// TestMappedWritesAreInTheCommit: what the job wrote through a shared writable mapping still
+// open at its commit rename is in the checkpoint, as a read(2) before the rename showed it. On
+// the fallback data path (no passthrough, every non-root agent) the bytes were still in the
+// kernel's page cache at the commit; the checkpoint lacked them, and the kernel's later
+// write-back failed on the sealed file (EROFS at msync, nothing at munmap). Found by a
+// black-box run.
+func TestMappedWritesAreInTheCommit(t *testing.T) {
+	needRoot(t)
+	for _, mode := range []string{"off", "auto"} {
+		t.Run("passthrough-"+mode, func(t *testing.T) {
+			ctx := repCtx(t)
+			n := newRepNode(t)
+			n.args = []string{"--passthrough", mode}
+			a := n.start(t)
+			o := orbaxClient(t, n.dir, "mapped", 60)
+			_, _, err := o.Start(ctx)
+			require.NoError(t, err)
+
+			tmp := filepath.Join(n.dir, "7.orbax-checkpoint-tmp")
+			require.NoError(t, os.Mkdir(tmp, 0o755))
+			f, err := os.OpenFile(filepath.Join(tmp, "m.bin"), os.O_CREATE|os.O_RDWR, 0o644)
+			require.NoError(t, err)
+			defer f.Close()
+			const size = 1 << 20
+			require.NoError(t, f.Truncate(size))
+			m, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+			require.NoError(t, err)
+			defer unix.Munmap(m)
+			want := make([]byte, size)
+			for _, off := range []int{0, 4096*37 + 11, size - 5} {
+				copy(want[off:], "mapped")
+				copy(m[off:], "mapped")
+			}
+			require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "7")), "the commit")
+
+			waitStepSealed(t, n.dir, "mapped", 7)
+			hash, err := os.ReadFile(metaPath(n.dir, "mapped", 7))
+			require.NoError(t, err)
+			got, err := os.ReadFile(filepath.Join(n.dir, strings.TrimSpace(string(hash))+".data", "m.bin"))
+			require.NoError(t, err)
+			require.True(t, bytes.Equal(want, got), "the checkpoint lacks bytes written through the mapping (%d of %d bytes differ)\n%s",
+				countDiff(want, got), size, a.log())
+		})
+	}
+}
+
+func countDiff(a, b []byte) (n int) {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			n++
+		}
+	}
+	return n + max(len(a), len(b)) - min(len(a), len(b))
+}
