@@ -217,7 +217,7 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 		return nil, errInvalid("%s: %v", pb.DataName, err)
 	}
 	if got != hash || pb.TreeHash != hash {
-		return nil, errCorrupt("%s: its files hash to %s, not to the hash its name carries (the manifest says %s)", pb.DataName, got, pb.TreeHash)
+		return nil, errCorrupt("%s: its files hash to %s, not to %s, the hash its name carries (its manifest says %s)", pb.DataName, got, hash, pb.TreeHash)
 	}
 	return m, nil
 }
