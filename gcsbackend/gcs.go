@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"strings"
@@ -291,6 +292,11 @@ func (s *gcsStore) retry(ctx context.Context, op, name string, fn func(a *attemp
 		}
 		if !(stalled || retryable(a, err)) {
 			return err
+		}
+		if n+1 < s.opts.MaxAttempts {
+			// Said at each try: a stalled location otherwise left minutes without a word
+			// (found by a black-box run with a frozen server).
+			slog.Warn("backup location: a request failed; trying again", "op", op, "object", s.url(name), "attempt", n+1, "of", s.opts.MaxAttempts, "err", err)
 		}
 	}
 	return fmt.Errorf("%s %s: giving up after %d attempts: %w", op, s.url(name), s.opts.MaxAttempts, err)
