@@ -85,20 +85,25 @@ func (b *backupState) wake() {
 // is synced). With unfinished (the newest backup has no complete step) it returns true when the
 // caller must find out whether that backup is an upload of the restored step cut short and tell
 // resumeDecided; the step's first order waits for that. Called with mu held.
-func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, backedUp int64, unfinished bool) (resume bool) {
+func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, newest tiers.BackupStep, unfinished bool) (resume bool) {
 	b := &c.backups
 	// The job's history goes on from the restored step. A backup of a later step holds
 	// another history: the one a pinned restore of an older backup went back from, or that a
 	// fresh start leaves. Counted as backed up, the job's next saves of those step numbers
 	// were never backed up, and a restore after RAM loss brought back the abandoned step, in
 	// silence (found by a black-box run).
+	// A step restored from RAM counts as backed up only if the newest backup holds that very
+	// step: the same number and data (a review: the same number re-saved after going back is
+	// another step).
 	switch {
 	case !plan.Found:
 		b.backedUp = -1
 	case plan.Backup != "":
 		b.backedUp = plan.Step
+	case newest.Step == plan.Step && maps.Equal(newest.Data, plan.Data):
+		b.backedUp = plan.Step
 	default:
-		b.backedUp = min(backedUp, plan.Step)
+		b.backedUp = min(newest.Step, plan.Step-1)
 	}
 	if plan.Found && plan.Step > b.backedUp {
 		b.started, b.clockFrom, b.synced = true, time.Time{}, b.steps
@@ -119,10 +124,10 @@ func (c *JobCoordinator) resumeDecided(name string) {
 }
 
 // newestBackedUp returns the highest complete step of the job's newest backup that has one
-// (-1: none, or the store cannot say), looking at a few of the newest of names (the job's
+// (Step -1: none, or the store cannot say), looking at a few of the newest of names (the job's
 // backups, newest first) only, and whether the newest of names has no complete step (an
 // upload cut short, perhaps).
-func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) (step int64, unfinished bool) {
+func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) (step tiers.BackupStep, unfinished bool) {
 	const look = 5
 	for i, name := range names {
 		if i == look {
@@ -130,13 +135,13 @@ func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) (st
 		}
 		steps, _, err := c.store.CompleteSteps(ctx, c.cfg.JobName, name, c.cfg.Shape())
 		if err == nil && len(steps) > 0 {
-			return steps[0].Step, unfinished
+			return steps[0], unfinished
 		}
 		if i == 0 {
 			unfinished = err == nil
 		}
 	}
-	return -1, unfinished
+	return tiers.BackupStep{Step: -1}, unfinished
 }
 
 // resumable returns backup when it is an upload of the plan's step cut short, which completing

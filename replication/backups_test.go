@@ -224,13 +224,40 @@ func TestBackupAfterGoingBack(t *testing.T) {
 	// A fresh start (the job's own choice: no step restorable in its shape) beside the backups.
 	c2, clock2 := backupJob(t, nodes, 1, 0, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
 	c2.mu.Lock()
-	c2.backupsAfterPlan(tiers.RestorePlan{}, 20, false)
+	c2.backupsAfterPlan(tiers.RestorePlan{}, tiers.BackupStep{Step: 20, Data: data(20)}, false)
 	c2.mu.Unlock()
 	for _, res := range syncAll(t, c2, nodes, 5) {
 		require.NoError(t, res.err)
 	}
 	clock2.Advance(time.Minute)
 	assert.Equal(t, int64(5), eventuallyOrder(t, c2, 0).Step, "step 5 of a fresh start is backed up although a backup holds step 20")
+
+	// Restored from RAM: the step counts as backed up only if the newest backup holds it, with
+	// the same data (found by a review: step 20 saved again after going back, restored from RAM,
+	// was taken for the backup's step 20).
+	for _, tc := range []struct {
+		name   string
+		newest tiers.BackupStep
+		backed bool
+	}{
+		{"the same step", tiers.BackupStep{Step: 20, Data: data(20)}, true},
+		{"the same number, other data", tiers.BackupStep{Step: 20, Data: map[tiers.Slot]string{{Rank: 0}: dataOf(0, 99), {Rank: 1}: dataOf(1, 20)}}, false},
+		{"a newer step", tiers.BackupStep{Step: 30, Data: data(30)}, false},
+		{"an older step", tiers.BackupStep{Step: 10, Data: data(10)}, false},
+	} {
+		c3, _ := backupJob(t, nodes, 1, 0, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
+		c3.mu.Lock()
+		c3.backupsAfterPlan(tiers.RestorePlan{Found: true, Step: 20, Data: data(20)}, tc.newest, false)
+		c3.mu.Unlock()
+		for _, res := range syncAll(t, c3, nodes, 20) {
+			require.NoError(t, res.err)
+		}
+		if tc.backed {
+			assert.Empty(t, orderOf(t, c3, 0, tiers.BackupReport{}).Backup, tc.name)
+		} else {
+			assert.Equal(t, int64(20), eventuallyOrder(t, c3, 0).Step, "%s: the restored step is backed up at once", tc.name)
+		}
+	}
 }
 
 // Without a backup tier nothing is ordered, and the call waits until its context ends.

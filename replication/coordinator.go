@@ -372,8 +372,8 @@ func (c *JobCoordinator) computePlan() {
 	// free from this incarnation's floor on (an upload into an existing backup of the same
 	// minute adds to it; the location was not answering).
 	var newest string
-	backedUp := int64(-1)
-	unfinished := false // the newest backup has no complete step: perhaps an upload cut short
+	newestStep := tiers.BackupStep{Step: -1} // the newest backup's highest complete step
+	unfinished := false                      // the newest backup has no complete step: perhaps an upload cut short
 	if c.store != nil && err == nil && !plan.BackupsUnread {
 		lctx, cancel := context.WithTimeout(c.ctx, c.planLimits.PinRead)
 		names, lerr := c.store.Backups(lctx, c.cfg.JobName)
@@ -381,7 +381,7 @@ func (c *JobCoordinator) computePlan() {
 			c.log.Warn("list backups", "err", lerr)
 		} else if len(names) > 0 {
 			newest = names[0]
-			backedUp, unfinished = c.newestBackedUp(lctx, names)
+			newestStep, unfinished = c.newestBackedUp(lctx, names)
 		}
 		cancel()
 	}
@@ -389,7 +389,7 @@ func (c *JobCoordinator) computePlan() {
 	c.plan, c.planErr = plan, err
 	c.pinned = plan.Pinned
 	c.floor = max(c.floor, newest)
-	resume := c.backupsAfterPlan(plan, backedUp, unfinished)
+	resume := c.backupsAfterPlan(plan, newestStep, unfinished)
 	c.mu.Unlock()
 	close(c.planned)
 	if err != nil {
@@ -402,7 +402,7 @@ func (c *JobCoordinator) computePlan() {
 		// After the plan is out (the markers do not wait for it), before the restored step's
 		// first order (which waits for it).
 		lctx, cancel := context.WithTimeout(c.ctx, c.planLimits.PinRead)
-		name := c.resumable(lctx, plan, newest, backedUp)
+		name := c.resumable(lctx, plan, newest, newestStep.Step)
 		cancel()
 		c.mu.Lock()
 		c.resumeDecided(name)
