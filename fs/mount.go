@@ -378,7 +378,6 @@ func Mount(dir string, opts Options) (*Server, error) {
 	e := newEntryNotifier(srv, fd, abs, m.log)
 	if e != nil {
 		m.notifier = e
-		m.writeBackVia.Store(e) // read by requests, which the kernel may send before Mount returns
 	}
 	closed := make(chan struct{})
 	go func() {

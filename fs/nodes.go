@@ -47,8 +47,6 @@ type mtfs struct {
 	// whose pages a job may have dirtied through a shared mapping (see writeBackUnder).
 	writersMu sync.Mutex
 	writing   map[*fileNode]struct{} // GUARDED_BY(writersMu)
-	// writeBackVia is notifier, for writeBackUnder, which requests run (nil until set).
-	writeBackVia atomic.Pointer[entryNotifier]
 	// fdsReported is when reportOutOfFDs last logged (UnixNano; 0: never).
 	fdsReported atomic.Int64
 }

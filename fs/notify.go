@@ -47,35 +47,16 @@ func (e *entryNotifier) invalidate(parent uint64, name string) error {
 	return e.send(parent, name, 0)
 }
 
-// notifyHeader is the size of struct fuse_out_header: len, error (the notify code), unique (0).
-const notifyHeader = 16
-
 func (e *entryNotifier) send(parent uint64, name string, flags uint32) error {
-	msg := make([]byte, notifyHeader+16+len(name)+1)
+	const header = 16 // struct fuse_out_header: len, error (the notify code), unique (0)
+	msg := make([]byte, header+16+len(name)+1)
 	binary.NativeEndian.PutUint32(msg[0:], uint32(len(msg)))
 	binary.NativeEndian.PutUint32(msg[4:], uint32(-fuse.NOTIFY_INVAL_ENTRY))
 	// struct fuse_notify_inval_entry_out: parent, namelen, flags; then the name and a NUL.
-	binary.NativeEndian.PutUint64(msg[notifyHeader:], parent)
-	binary.NativeEndian.PutUint32(msg[notifyHeader+8:], uint32(len(name)))
-	binary.NativeEndian.PutUint32(msg[notifyHeader+12:], flags)
-	copy(msg[notifyHeader+16:], name)
-	return e.write(msg)
-}
-
-// writeBack makes the kernel drop the cached pages of the file of node id node, writing the
-// dirty ones to the agent first (FUSE_NOTIFY_INVAL_INODE from offset 0: the kernel launders a
-// dirty page, with a WRITE request, before it drops it). It returns once they are written.
-func (e *entryNotifier) writeBack(node uint64) error {
-	msg := make([]byte, notifyHeader+24)
-	binary.NativeEndian.PutUint32(msg[0:], uint32(len(msg)))
-	binary.NativeEndian.PutUint32(msg[4:], uint32(-fuse.NOTIFY_INVAL_INODE))
-	// struct fuse_notify_inval_inode_out: ino, off, len (0: to the end).
-	binary.NativeEndian.PutUint64(msg[notifyHeader:], node)
-	return e.write(msg)
-}
-
-// write sends one notification, through the helper while there is one.
-func (e *entryNotifier) write(msg []byte) error {
+	binary.NativeEndian.PutUint64(msg[header:], parent)
+	binary.NativeEndian.PutUint32(msg[header+8:], uint32(len(name)))
+	binary.NativeEndian.PutUint32(msg[header+12:], flags)
+	copy(msg[header+16:], name)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.helper != nil {

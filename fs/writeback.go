@@ -1,7 +1,6 @@
 package fs
 
 import (
-	"errors"
 	"syscall"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
@@ -20,10 +19,17 @@ import (
 // So a rename first has the kernel write back the dirty pages of every file below the renamed
 // entry that still has a handle that may write (a mapping keeps its handle open): an
 // invalidation of the file's pages, which the kernel answers by writing each dirty page to the
-// agent (WRITE requests that other readers serve) before it drops it. It goes through the
-// notification helper like the entry invalidations (notifier.go), so that no thread of the
-// agent waits in the kernel for requests it must itself answer. Files without such a handle,
-// the usual case at a commit, cost nothing.
+// agent (WRITE requests that other readers serve) before it drops it. Files without such a
+// handle, the usual case at a commit, cost nothing.
+//
+// The agent writes that notification itself (go-fuse's InodeNotify), not through the helper of
+// the entry notifications (notifier.go): the helper takes one notification at a time, and an
+// entry invalidation of the root waits for the root's lock, which the job's rename holds in the
+// kernel while it waits for this very request: the rename, the helper and this handler would
+// wait on each other for ever (found by a review). An invalidation of a file's pages takes no
+// directory lock. The price: a kill -9 that lands while the kernel writes the pages back leaves
+// the agent's thread waiting for WRITE replies nobody sends, as the entry notifications did
+// before the helper; the next mtcfs mount detaches such a mount.
 
 // addWriter counts a handle of f that may write. Caller holds f.mu.
 func (f *fileNode) addWriter() {
@@ -67,15 +73,9 @@ func (m *mtfs) writeBackUnder(in *gofs.Inode) {
 		if !below(&f.Inode, in) {
 			continue
 		}
-		var err error
-		if e := m.writeBackVia.Load(); e != nil {
-			err = e.writeBack(f.NodeID())
-		} else if errno := f.NotifyContent(0, 0); errno != 0 {
-			err = errno
-		}
 		// ENOENT: the kernel holds no inode for it, so no page either.
-		if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, syscall.ENOSYS) {
-			m.log.Warn("have the kernel write back what the job wrote through a mapping before a rename", "path", f.Path(nil), "err", err)
+		if errno := f.NotifyContent(0, 0); errno != 0 && errno != unix.ENOENT && errno != syscall.ENOSYS {
+			m.log.Warn("have the kernel write back what the job wrote through a mapping before a rename", "path", f.Path(nil), "err", errno)
 		}
 	}
 }

@@ -767,10 +767,6 @@ func (n *Inode) NotifyDelete(name string, child *Inode) syscall.Errno {
 	return syscall.Errno(n.bridge.server.DeleteNotify(n.nodeId, child.nodeId, name))
 }
 
-// NodeID returns the node ID the kernel knows this inode by (mtcfs patch: the agent writes
-// some notifications through a helper process, which needs it).
-func (n *Inode) NodeID() uint64 { return n.nodeId }
-
 // NotifyContent notifies the kernel that content under the given
 // inode should be flushed from buffers.
 func (n *Inode) NotifyContent(off, sz int64) syscall.Errno {
