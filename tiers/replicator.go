@@ -247,9 +247,10 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 			p := &interruptedJob{job: o.Job, run: *o.Running}
 			if until := o.Running.Since.Add(r.restoreWait()); !o.Running.Restored && n.now().Before(until) {
 				r.tellRestoreInterrupted(p, until)
-			} else {
-				r.interrupted = p
 			}
+			// Also armed in the restore window: a job that took its marker just before the
+			// agent stopped (the record not written yet) may save after the line is withdrawn.
+			r.interrupted = p
 		}
 	}
 	if err := r.recorder.adoptRecords(r.incs.startupError); err != nil {
@@ -308,13 +309,14 @@ func (r *Replicator) tellInterrupted(p *interruptedJob) {
 // than 0 reads it before its rank 0 writes the yaml; an Orbax job's handshake removes it).
 func (r *Replicator) tellRestoreInterrupted(p *interruptedJob, until time.Time) {
 	n := r.node
-	ours := "while incarnation " + p.run.Incarnation + " "
+	// ours tells this line from tellInterrupted's for the same incarnation, which withdraw
+	// must leave.
+	ours := fmt.Sprintf("while incarnation %s (since %s) waited for its restore:", p.run.Incarnation, p.run.Since.Format(time.RFC3339))
 	n.log.Warn("the job waited for its restore markers when the agent restarted: told to restart in replicator.failed",
 		"job", p.job, "incarnation", p.run.Incarnation, "withdrawn_at", until)
 	cfg := &Config{JobName: p.job, NodeRank: p.run.Rank, Nodes: p.run.Nodes}
-	r.lines.failLine(cfg, fmt.Sprintf("the mtcfs agent of this node was restarted %s(since %s) waited for its restore: "+
-		"an agent restart ends the incarnation, and its restore markers will not come; restart the job (it restores its newest checkpoint)",
-		ours, p.run.Since.Format(time.RFC3339)))
+	r.lines.failLine(cfg, "the mtcfs agent of this node was restarted "+ours+
+		" an agent restart ends the incarnation, and its restore markers will not come; restart the job (it restores its newest checkpoint)")
 	n.tasks.Go(func() {
 		t := time.NewTimer(until.Sub(n.now()))
 		defer t.Stop()

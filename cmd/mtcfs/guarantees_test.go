@@ -1607,6 +1607,14 @@ func TestAgentRestartInTheRestoreWindowTellsTheJob(t *testing.T) {
 	assert.Len(t, lines(), 1, "%s", e.log())
 	repWait(t, 30*time.Second, "the line withdrawn", func() bool { return !pathExists(failed) })
 	assert.Contains(t, e.log(), "no job read the restart notice while it could wait for its restore: withdrawn")
+	// A job that took its marker just before the agent stopped (the record did not say so yet)
+	// and saves after the withdrawal is still told, at that save (found by a review).
+	require.NoError(t, os.Mkdir(filepath.Join(n.dir, "40.orbax-checkpoint-tmp"), 0o755))
+	repWait(t, 10*time.Second, "replicator.failed at the job's save", func() bool { return pathExists(failed) })
+	got = lines()
+	require.Len(t, got, 1, "%s", e.log())
+	assert.Contains(t, got[0], "was running")
+	require.NoError(t, os.Remove(failed))
 	stopAgent(t, e)
 
 	// Past the job's wait, the restore window says nothing; the restarted job restores step 30.
