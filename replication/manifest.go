@@ -216,8 +216,11 @@ func checkManifest(pb *peerpb.Manifest, job string, meta bool) (*manifest, error
 	if err != nil {
 		return nil, errInvalid("%s: %v", pb.DataName, err)
 	}
-	if got != hash || pb.TreeHash != hash {
-		return nil, errCorrupt("%s: its files hash to %s, not to %s, the hash its name carries (its manifest says %s)", pb.DataName, got, hash, pb.TreeHash)
+	switch {
+	case got != hash:
+		return nil, errCorrupt("%s: its files hash to %s, not to %s, the hash its name carries", pb.DataName, got, hash)
+	case pb.TreeHash != hash:
+		return nil, errCorrupt("%s: its manifest gives its hash as %s, not %s, the hash its name carries", pb.DataName, pb.TreeHash, hash)
 	}
 	return m, nil
 }

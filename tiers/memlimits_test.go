@@ -90,15 +90,16 @@ func TestGoMemoryLimit(t *testing.T) {
 // TestFormatSize: sizes print short; a GiB count exactly when it is short (a budget as given).
 func TestFormatSize(t *testing.T) {
 	for n, want := range map[int64]string{
-		512:           "512B",
-		1536:          "1.5KiB",
-		64 << 20:      "64.0MiB",
-		8 << 30:       "8GiB",
-		3 << 29:       "1.5GiB",
-		1<<30 + 1<<28: "1.25GiB",
-		4299227136:    "4.00GiB", // 4.00384521484375GiB, as status once printed it
-		2_000_000_000: "1.86GiB",
-		25276200000:   "23.54GiB",
+		512:            "512B",
+		1536:           "1.5KiB",
+		64 << 20:       "64.0MiB",
+		8 << 30:        "8GiB",
+		3 << 29:        "1.5GiB",
+		1<<30 + 1<<28:  "1.25GiB",
+		4299227136:     "4100.1MiB", // 4.00384521484375GiB, as status once printed it; "4.00GiB" looks whole
+		1<<30 + 11<<20: "1.01GiB",
+		2_000_000_000:  "1.86GiB",
+		25276200000:    "23.54GiB",
 	} {
 		if got := FormatSize(n); got != want {
 			t.Errorf("FormatSize(%d) = %q, want %q", n, got, want)

@@ -50,6 +50,10 @@ func FormatSize(n int64) string {
 		s := strconv.FormatFloat(v, 'f', -1, 64)
 		if _, frac, ok := strings.Cut(s, "."); ok && len(frac) > 2 {
 			s = strconv.FormatFloat(v, 'f', 2, 64)
+			if strings.HasSuffix(s, ".00") {
+				// Not whole, but it would look whole: "4.00GiB is more than 4GiB" (a review).
+				return strconv.FormatFloat(float64(n)/(1<<20), 'f', 1, 64) + "MiB"
+			}
 		}
 		return s + "GiB"
 	case n >= 1<<20:
