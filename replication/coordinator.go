@@ -43,6 +43,9 @@ var (
 	// ErrOtherIncarnation is returned to a call from an incarnation the job coordinator does not
 	// coordinate (an older one, or one that has not negotiated).
 	ErrOtherIncarnation = errors.New("call from another incarnation of the job")
+	// ErrRestoreFailed fails the Restored calls of a restore in which some rank's restore
+	// failed (RestoreFailed): that rank will never reach the barrier.
+	ErrRestoreFailed = errors.New("the restore of another node failed")
 )
 
 // Clock is the time source of a JobCoordinator, injected so that tests control backup schedules
@@ -139,6 +142,10 @@ type JobCoordinator struct {
 
 	// allRestored is closed once every rank called Restored.
 	allRestored chan struct{}
+	// restoreFailed is closed once a rank said its restore failed (RestoreFailed), with
+	// failedRestore saying which and why (GUARDED_BY(mu)).
+	restoreFailed chan struct{}
+	failedRestore string
 
 	// LOCK ORDERING: Job.mu, then mu; nothing is locked while holding mu. The one store call
 	// made while holding it is the deletion of restore.version, at most once per incarnation,
@@ -189,22 +196,23 @@ func NewJobCoordinator(cfg *tiers.Config, opts Options) (*JobCoordinator, error)
 		return nil, fmt.Errorf("job coordinator: need a config with nodes ≥ 1 and workers-per-node ≥ 1, got %+v", cfg)
 	}
 	c := &JobCoordinator{
-		cfg:         cfg,
-		store:       opts.Store,
-		clock:       opts.Clock,
-		lagTimeout:  opts.LagTimeout,
-		planLimits:  opts.PlanLimits.WithDefaults(),
-		log:         opts.Log,
-		planned:     make(chan struct{}),
-		allRestored: make(chan struct{}),
-		invs:        make([]tiers.Inventory, cfg.Nodes),
-		reported:    make([]bool, cfg.Nodes),
-		waiting:     make([]int, cfg.Nodes),
-		restored:    make([]bool, cfg.Nodes),
-		synced:      make([]int64, cfg.Nodes),
-		rounds:      map[int64]*syncRound{},
-		floor:       opts.LastBackup,
-		replicated:  -1,
+		cfg:           cfg,
+		store:         opts.Store,
+		clock:         opts.Clock,
+		lagTimeout:    opts.LagTimeout,
+		planLimits:    opts.PlanLimits.WithDefaults(),
+		log:           opts.Log,
+		planned:       make(chan struct{}),
+		allRestored:   make(chan struct{}),
+		restoreFailed: make(chan struct{}),
+		invs:          make([]tiers.Inventory, cfg.Nodes),
+		reported:      make([]bool, cfg.Nodes),
+		waiting:       make([]int, cfg.Nodes),
+		restored:      make([]bool, cfg.Nodes),
+		synced:        make([]int64, cfg.Nodes),
+		rounds:        map[int64]*syncRound{},
+		floor:         opts.LastBackup,
+		replicated:    -1,
 	}
 	if c.clock == nil {
 		c.clock = SystemClock{}
@@ -531,6 +539,11 @@ func (c *JobCoordinator) Restored(ctx context.Context, rank int) error {
 	select {
 	case <-c.allRestored:
 		return nil
+	case <-c.restoreFailed:
+		c.mu.Lock()
+		why := c.failedRestore
+		c.mu.Unlock()
+		return fmt.Errorf("%w: %s", ErrRestoreFailed, why)
 	case <-ctx.Done():
 		c.mu.Lock()
 		n := c.nRestored
@@ -539,6 +552,28 @@ func (c *JobCoordinator) Restored(ctx context.Context, rank int) error {
 	case <-c.ctx.Done():
 		return ErrClosed
 	}
+}
+
+// RestoreFailed records that rank's restore failed (its job was told why): the waiting and later
+// Restored calls fail with ErrRestoreFailed and the reason, since rank will never reach the
+// barrier. The first failure is the one told; one after every rank restored changes nothing.
+func (c *JobCoordinator) RestoreFailed(rank int, reason string) error {
+	if err := c.checkRank(rank); err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	select {
+	case <-c.allRestored:
+		return nil
+	case <-c.restoreFailed:
+		return nil
+	default:
+	}
+	c.failedRestore = fmt.Sprintf("rank %d: %s", rank, reason)
+	close(c.restoreFailed)
+	c.log.Error("a node's restore failed: the others are told", "rank", rank, "reason", reason)
+	return nil
 }
 
 // Sync reports that rank committed (and replicated) step rep.Step, waits until every rank
@@ -923,6 +958,16 @@ func (l LocalClient) Restored(ctx context.Context, inc tiers.Incarnation) error 
 		return err
 	}
 	return c.Restored(ctx, rank)
+}
+
+var _ tiers.RestoreFailureReporter = LocalClient{}
+
+func (l LocalClient) RestoreFailed(ctx context.Context, inc tiers.Incarnation, reason string) error {
+	c, rank, err := l.coordinator(inc, false)
+	if err != nil {
+		return err
+	}
+	return c.RestoreFailed(rank, reason)
 }
 
 func (l LocalClient) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {

@@ -115,6 +115,17 @@ func (s *CoordinatorService) Restored(ctx context.Context, req *peerpb.RestoredR
 	return &peerpb.RestoredReply{}, nil
 }
 
+func (s *CoordinatorService) RestoreFailed(ctx context.Context, req *peerpb.RestoreFailedRequest) (*peerpb.RestoreFailedReply, error) {
+	c, inc, err := s.admit(ctx, req.GetCaller(), false)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.RestoreFailed(inc.Config.NodeRank, req.GetReason()); err != nil {
+		return nil, coordinatorStatus(err)
+	}
+	return &peerpb.RestoreFailedReply{}, nil
+}
+
 func (s *CoordinatorService) Sync(ctx context.Context, req *peerpb.SyncRequest) (*peerpb.SyncReply, error) {
 	c, inc, err := s.admit(ctx, req.GetCaller(), false)
 	if err != nil {
@@ -236,7 +247,7 @@ func coordinatorStatus(err error) error {
 		code = codes.DeadlineExceeded
 	case errors.Is(err, ErrOtherIncarnation), errors.Is(err, ErrJobShape):
 		code = codes.FailedPrecondition
-	case errors.Is(err, ErrClosed), errors.Is(err, ErrSyncTimeout), errors.Is(err, ErrStepSkipped):
+	case errors.Is(err, ErrClosed), errors.Is(err, ErrSyncTimeout), errors.Is(err, ErrStepSkipped), errors.Is(err, ErrRestoreFailed):
 		code = codes.Aborted
 	default:
 		// Bad reports (a rank out of range, an inventory of another rank, a step < 0) are
@@ -248,7 +259,7 @@ func coordinatorStatus(err error) error {
 
 // remoteSentinels are the coordinator errors a RemoteCoordinator's errors match with errors.Is
 // when the server's message says so.
-var remoteSentinels = []error{ErrClosed, ErrSyncTimeout, ErrStepSkipped, ErrOtherIncarnation, ErrJobShape}
+var remoteSentinels = []error{ErrClosed, ErrSyncTimeout, ErrStepSkipped, ErrOtherIncarnation, ErrJobShape, ErrRestoreFailed}
 
 // remoteError is an error status from the coordinator service. It keeps the status (status.Code
 // works on it) and unwraps to the coordinator's sentinel error named in its message, if any, or
@@ -437,6 +448,20 @@ func (r *RemoteCoordinator) Restored(ctx context.Context, inc tiers.Incarnation)
 	req := &peerpb.RestoredRequest{Caller: caller}
 	return r.call(ctx, inc, "Restored", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) error {
 		_, err := c.Restored(ctx, req, opt)
+		return err
+	})
+}
+
+// RestoreFailed tells rank 0 that this node's restore failed. A coordinator of an earlier
+// version answers Unimplemented: the other nodes then wait until their jobs give up.
+func (r *RemoteCoordinator) RestoreFailed(ctx context.Context, inc tiers.Incarnation, reason string) error {
+	caller, err := callerToPB(inc)
+	if err != nil {
+		return err
+	}
+	req := &peerpb.RestoreFailedRequest{Caller: caller, Reason: reason}
+	return r.call(ctx, inc, "RestoreFailed", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) error {
+		_, err := c.RestoreFailed(ctx, req, opt)
 		return err
 	})
 }

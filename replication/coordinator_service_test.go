@@ -197,6 +197,34 @@ func TestCoordinatorServiceThreeRanks(t *testing.T) {
 	assert.ErrorIs(t, err, ErrOtherIncarnation)
 }
 
+// A rank's failed restore, said through the service, fails the other ranks' Restored calls
+// through it, with the reason and an error that matches ErrRestoreFailed.
+func TestCoordinatorServiceRestoreFailed(t *testing.T) {
+	t.Parallel()
+	const nodes = 3
+	j := newCoordinatorJob(t, nodes, Options{Clock: newFakeClock()})
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	for r := range nodes {
+		wg.Go(func() {
+			_, err := j.clients[r].Negotiate(ctx, j.incs[r], own(r, 10))
+			assert.NoError(t, err, "rank %d", r)
+		})
+	}
+	wg.Wait()
+	require.False(t, t.Failed())
+	waiting := async(func() error { return j.clients[1].Restored(ctx, j.incs[1]) })
+	stillWaiting(t, waiting, "Restored")
+	require.NoError(t, j.clients[2].(tiers.RestoreFailureReporter).RestoreFailed(ctx, j.incs[2], "restore of step 10 failed: gone"))
+	err := result(t, waiting, "Restored")
+	require.Error(t, err)
+	assert.ErrorIs(t, err, ErrRestoreFailed)
+	assert.Equal(t, codes.Aborted, status.Code(err), "not retried: %v", err)
+	assert.ErrorContains(t, err, "rank 2: restore of step 10 failed: gone")
+	assert.ErrorIs(t, j.clients[0].Restored(ctx, j.incs[0]), ErrRestoreFailed)
+}
+
 func TestCoordinatorServiceRefusesWrongSecret(t *testing.T) {
 	t.Parallel()
 	job := NewJob(Options{})

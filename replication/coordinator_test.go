@@ -632,6 +632,30 @@ func TestCoordinatorRestoredBarrier(t *testing.T) {
 	assert.NoError(t, c.Restored(t.Context(), 0), "once open, the barrier stays open")
 }
 
+// A rank whose restore failed never reaches the barrier: once it says so, the others' Restored
+// calls fail with its reason, waiting or later, instead of waiting until their jobs give up
+// (found by black-box runs: the other ranks waited their 300 s).
+func TestCoordinatorRestoreFailedReleasesTheBarrier(t *testing.T) {
+	t.Parallel()
+	c := newCoordinator(t, testConfig(3), Options{})
+	waiting := async(func() error { return c.Restored(t.Context(), 0) })
+	stillWaiting(t, waiting, "Restored")
+	require.NoError(t, c.RestoreFailed(1, "restore of step 10 failed: no source holds it"))
+	err := result(t, waiting, "Restored")
+	assert.ErrorIs(t, err, ErrRestoreFailed)
+	assert.ErrorContains(t, err, "rank 1: restore of step 10 failed: no source holds it")
+	assert.ErrorIs(t, c.Restored(t.Context(), 2), ErrRestoreFailed, "a later call fails too")
+	require.NoError(t, c.RestoreFailed(2, "another reason"))
+	assert.ErrorContains(t, c.Restored(t.Context(), 0), "rank 1:", "the first failure is the one told")
+	assert.Error(t, c.RestoreFailed(3, "x"), "a rank out of range")
+
+	// Once every rank restored, a late failure changes nothing.
+	c2 := newCoordinator(t, testConfig(1), Options{})
+	require.NoError(t, c2.Restored(t.Context(), 0))
+	require.NoError(t, c2.RestoreFailed(0, "late"))
+	assert.NoError(t, c2.Restored(t.Context(), 0))
+}
+
 // --- sync ------------------------------------------------------------------------------------
 
 func TestCoordinatorRestoreVersionIsOneShot(t *testing.T) {

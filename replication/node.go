@@ -667,6 +667,21 @@ func (n *Node) Restored(ctx context.Context, inc tiers.Incarnation) error {
 	return co.Restored(ctx, inc)
 }
 
+var _ tiers.RestoreFailureReporter = (*Node)(nil)
+
+// RestoreFailed tells the job's coordinator that this node's restore failed.
+func (n *Node) RestoreFailed(ctx context.Context, inc tiers.Incarnation, reason string) error {
+	co, err := n.coordinator(ctx, inc)
+	if err != nil {
+		return err
+	}
+	rep, ok := co.(tiers.RestoreFailureReporter)
+	if !ok {
+		return nil
+	}
+	return rep.RestoreFailed(ctx, inc, reason)
+}
+
 func (n *Node) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
 	co, err := n.coordinator(ctx, inc)
 	if err != nil {

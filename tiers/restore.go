@@ -45,6 +45,24 @@ func (r *restorer) run(inc *incarnation) {
 		inc.setPhase("failed")
 	}
 	superseded := func() bool { return ctx.Err() != nil || !r.incs.isCurrent(inc) }
+	// failPlanned fails a restore that has its plan: the other ranks, which wait for this one
+	// at the barrier, are told too (where the coordinator can), instead of waiting until their
+	// jobs give up after 300 s (found by black-box runs).
+	failPlanned := func(msg string) {
+		fail(msg)
+		if ctx.Err() != nil {
+			return
+		}
+		rep, ok := r.coord.(RestoreFailureReporter)
+		if !ok {
+			return
+		}
+		tctx, cancel := context.WithTimeout(ctx, restoreFailedTimeout)
+		defer cancel()
+		if err := rep.RestoreFailed(tctx, inc.Incarnation, msg); err != nil {
+			r.log.Warn("tell the other nodes that this node's restore failed", "err", err)
+		}
+	}
 	// Steps the job committed before it restarted count: wait until they are sealed, so that
 	// the inventory holds them (SPEC §2: a committed step is never dropped).
 	if err := r.recorder.waitSealed(ctx); err != nil {
@@ -83,7 +101,7 @@ func (r *restorer) run(inc *incarnation) {
 		}
 	}
 	if err := r.ns.WriteFile(layout.PrerestoreName, []byte(pre)); err != nil {
-		fail(fmt.Sprintf("write %s: %v", layout.PrerestoreName, err))
+		failPlanned(fmt.Sprintf("write %s: %v", layout.PrerestoreName, err))
 		return
 	}
 	r.log.Info("restore plan", "found", plan.Found, "step", plan.Step, "backup", plan.Backup, "pinned", plan.Pinned)
@@ -93,7 +111,7 @@ func (r *restorer) run(inc *incarnation) {
 			slot := Slot{cfg.NodeRank, w}
 			hash, ok := plan.Data[slot]
 			if !ok {
-				fail(fmt.Sprintf("restore plan for step %d has no data for %s", plan.Step, slot))
+				failPlanned(fmt.Sprintf("restore plan for step %d has no data for %s", plan.Step, slot))
 				return
 			}
 			if err := r.restoreSlot(ctx, inc, plan, w, hash); err != nil {
@@ -107,7 +125,7 @@ func (r *restorer) run(inc *incarnation) {
 				default: // the budget is counted by the agent: the file system under the spool is full
 					msg += fmt.Sprintf(" (the file system of the spool %s is full, whatever --memory allows: a container's /dev/shm is 64 MiB by default; give the agent a --spool on a larger one)", r.spool.Dir())
 				}
-				fail(msg)
+				failPlanned(msg)
 				return
 			}
 		}

@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"context"
 	"fmt"
 	"sync/atomic"
 	"time"
@@ -22,6 +23,16 @@ type WaitDescriber interface {
 type JobChecker interface {
 	CheckJob(cfg *Config) error
 }
+
+// RestoreFailureReporter is implemented by a Coordinator that can tell the other nodes of the job
+// that this node's restore failed: their Restored calls then fail with the reason (a
+// coordinator of an earlier version cannot; they wait until their jobs give up).
+type RestoreFailureReporter interface {
+	RestoreFailed(ctx context.Context, inc Incarnation, reason string) error
+}
+
+// restoreFailedTimeout bounds the call that tells the other nodes a restore failed.
+const restoreFailedTimeout = 10 * time.Second
 
 // waitNotices says when a restore that waits for the other nodes tells of it: in the log after
 // logAfter and every logEvery after that, and once in replicator.errors after lineAfter. The job

@@ -686,6 +686,94 @@ func (*RestoredReply) Descriptor() ([]byte, []int) {
 	return file_coordinator_proto_rawDescGZIP(), []int{10}
 }
 
+type RestoreFailedRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Caller        *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
+	Reason        string                 `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"` // what the caller's job was told, without the line's prefix
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RestoreFailedRequest) Reset() {
+	*x = RestoreFailedRequest{}
+	mi := &file_coordinator_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RestoreFailedRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RestoreFailedRequest) ProtoMessage() {}
+
+func (x *RestoreFailedRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_coordinator_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RestoreFailedRequest.ProtoReflect.Descriptor instead.
+func (*RestoreFailedRequest) Descriptor() ([]byte, []int) {
+	return file_coordinator_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *RestoreFailedRequest) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+func (x *RestoreFailedRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+type RestoreFailedReply struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RestoreFailedReply) Reset() {
+	*x = RestoreFailedReply{}
+	mi := &file_coordinator_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RestoreFailedReply) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RestoreFailedReply) ProtoMessage() {}
+
+func (x *RestoreFailedReply) ProtoReflect() protoreflect.Message {
+	mi := &file_coordinator_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RestoreFailedReply.ProtoReflect.Descriptor instead.
+func (*RestoreFailedReply) Descriptor() ([]byte, []int) {
+	return file_coordinator_proto_rawDescGZIP(), []int{12}
+}
+
 type SyncRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Caller *Caller                `protobuf:"bytes,1,opt,name=caller,proto3" json:"caller,omitempty"`
@@ -699,7 +787,7 @@ type SyncRequest struct {
 
 func (x *SyncRequest) Reset() {
 	*x = SyncRequest{}
-	mi := &file_coordinator_proto_msgTypes[11]
+	mi := &file_coordinator_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -711,7 +799,7 @@ func (x *SyncRequest) String() string {
 func (*SyncRequest) ProtoMessage() {}
 
 func (x *SyncRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[11]
+	mi := &file_coordinator_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -724,7 +812,7 @@ func (x *SyncRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SyncRequest.ProtoReflect.Descriptor instead.
 func (*SyncRequest) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{11}
+	return file_coordinator_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *SyncRequest) GetCaller() *Caller {
@@ -758,7 +846,7 @@ type SyncReply struct {
 
 func (x *SyncReply) Reset() {
 	*x = SyncReply{}
-	mi := &file_coordinator_proto_msgTypes[12]
+	mi := &file_coordinator_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -770,7 +858,7 @@ func (x *SyncReply) String() string {
 func (*SyncReply) ProtoMessage() {}
 
 func (x *SyncReply) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[12]
+	mi := &file_coordinator_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -783,7 +871,7 @@ func (x *SyncReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SyncReply.ProtoReflect.Descriptor instead.
 func (*SyncReply) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{12}
+	return file_coordinator_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SyncReply) GetReplicated() bool {
@@ -811,7 +899,7 @@ type BackupsRequest struct {
 
 func (x *BackupsRequest) Reset() {
 	*x = BackupsRequest{}
-	mi := &file_coordinator_proto_msgTypes[13]
+	mi := &file_coordinator_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -823,7 +911,7 @@ func (x *BackupsRequest) String() string {
 func (*BackupsRequest) ProtoMessage() {}
 
 func (x *BackupsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[13]
+	mi := &file_coordinator_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -836,7 +924,7 @@ func (x *BackupsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackupsRequest.ProtoReflect.Descriptor instead.
 func (*BackupsRequest) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{13}
+	return file_coordinator_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *BackupsRequest) GetCaller() *Caller {
@@ -890,7 +978,7 @@ type BackupsReply struct {
 
 func (x *BackupsReply) Reset() {
 	*x = BackupsReply{}
-	mi := &file_coordinator_proto_msgTypes[14]
+	mi := &file_coordinator_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -902,7 +990,7 @@ func (x *BackupsReply) String() string {
 func (*BackupsReply) ProtoMessage() {}
 
 func (x *BackupsReply) ProtoReflect() protoreflect.Message {
-	mi := &file_coordinator_proto_msgTypes[14]
+	mi := &file_coordinator_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -915,7 +1003,7 @@ func (x *BackupsReply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BackupsReply.ProtoReflect.Descriptor instead.
 func (*BackupsReply) Descriptor() ([]byte, []int) {
-	return file_coordinator_proto_rawDescGZIP(), []int{14}
+	return file_coordinator_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *BackupsReply) GetBackup() string {
@@ -994,7 +1082,11 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x04plan\x18\x01 \x01(\v2!.mtcfs.replication.v1.RestorePlanR\x04plan\"G\n" +
 	"\x0fRestoredRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\"\x0f\n" +
-	"\rRestoredReply\"}\n" +
+	"\rRestoredReply\"d\n" +
+	"\x14RestoreFailedRequest\x124\n" +
+	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\x12\x16\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\"\x14\n" +
+	"\x12RestoreFailedReply\"}\n" +
 	"\vSyncRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x1e\n" +
@@ -1014,10 +1106,11 @@ const file_coordinator_proto_rawDesc = "" +
 	"\fBackupsReply\x12\x16\n" +
 	"\x06backup\x18\x01 \x01(\tR\x06backup\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
-	"\x04data\x18\x03 \x03(\tR\x04data2\xe1\x02\n" +
+	"\x04data\x18\x03 \x03(\tR\x04data2\xc8\x03\n" +
 	"\vCoordinator\x12Y\n" +
 	"\tNegotiate\x12&.mtcfs.replication.v1.NegotiateRequest\x1a$.mtcfs.replication.v1.NegotiateReply\x12V\n" +
-	"\bRestored\x12%.mtcfs.replication.v1.RestoredRequest\x1a#.mtcfs.replication.v1.RestoredReply\x12J\n" +
+	"\bRestored\x12%.mtcfs.replication.v1.RestoredRequest\x1a#.mtcfs.replication.v1.RestoredReply\x12e\n" +
+	"\rRestoreFailed\x12*.mtcfs.replication.v1.RestoreFailedRequest\x1a(.mtcfs.replication.v1.RestoreFailedReply\x12J\n" +
 	"\x04Sync\x12!.mtcfs.replication.v1.SyncRequest\x1a\x1f.mtcfs.replication.v1.SyncReply\x12S\n" +
 	"\aBackups\x12$.mtcfs.replication.v1.BackupsRequest\x1a\".mtcfs.replication.v1.BackupsReplyB+Z)github.com/mtcfs/mtcfs/replication/peerpbb\x06proto3"
 
@@ -1033,52 +1126,57 @@ func file_coordinator_proto_rawDescGZIP() []byte {
 	return file_coordinator_proto_rawDescData
 }
 
-var file_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_coordinator_proto_goTypes = []any{
-	(*JobShape)(nil),         // 0: mtcfs.replication.v1.JobShape
-	(*Caller)(nil),           // 1: mtcfs.replication.v1.Caller
-	(*Inventory)(nil),        // 2: mtcfs.replication.v1.Inventory
-	(*SavedShape)(nil),       // 3: mtcfs.replication.v1.SavedShape
-	(*SlotData)(nil),         // 4: mtcfs.replication.v1.SlotData
-	(*Ranks)(nil),            // 5: mtcfs.replication.v1.Ranks
-	(*RestorePlan)(nil),      // 6: mtcfs.replication.v1.RestorePlan
-	(*NegotiateRequest)(nil), // 7: mtcfs.replication.v1.NegotiateRequest
-	(*NegotiateReply)(nil),   // 8: mtcfs.replication.v1.NegotiateReply
-	(*RestoredRequest)(nil),  // 9: mtcfs.replication.v1.RestoredRequest
-	(*RestoredReply)(nil),    // 10: mtcfs.replication.v1.RestoredReply
-	(*SyncRequest)(nil),      // 11: mtcfs.replication.v1.SyncRequest
-	(*SyncReply)(nil),        // 12: mtcfs.replication.v1.SyncReply
-	(*BackupsRequest)(nil),   // 13: mtcfs.replication.v1.BackupsRequest
-	(*BackupsReply)(nil),     // 14: mtcfs.replication.v1.BackupsReply
-	nil,                      // 15: mtcfs.replication.v1.Inventory.MetasEntry
-	nil,                      // 16: mtcfs.replication.v1.RestorePlan.HoldersEntry
+	(*JobShape)(nil),             // 0: mtcfs.replication.v1.JobShape
+	(*Caller)(nil),               // 1: mtcfs.replication.v1.Caller
+	(*Inventory)(nil),            // 2: mtcfs.replication.v1.Inventory
+	(*SavedShape)(nil),           // 3: mtcfs.replication.v1.SavedShape
+	(*SlotData)(nil),             // 4: mtcfs.replication.v1.SlotData
+	(*Ranks)(nil),                // 5: mtcfs.replication.v1.Ranks
+	(*RestorePlan)(nil),          // 6: mtcfs.replication.v1.RestorePlan
+	(*NegotiateRequest)(nil),     // 7: mtcfs.replication.v1.NegotiateRequest
+	(*NegotiateReply)(nil),       // 8: mtcfs.replication.v1.NegotiateReply
+	(*RestoredRequest)(nil),      // 9: mtcfs.replication.v1.RestoredRequest
+	(*RestoredReply)(nil),        // 10: mtcfs.replication.v1.RestoredReply
+	(*RestoreFailedRequest)(nil), // 11: mtcfs.replication.v1.RestoreFailedRequest
+	(*RestoreFailedReply)(nil),   // 12: mtcfs.replication.v1.RestoreFailedReply
+	(*SyncRequest)(nil),          // 13: mtcfs.replication.v1.SyncRequest
+	(*SyncReply)(nil),            // 14: mtcfs.replication.v1.SyncReply
+	(*BackupsRequest)(nil),       // 15: mtcfs.replication.v1.BackupsRequest
+	(*BackupsReply)(nil),         // 16: mtcfs.replication.v1.BackupsReply
+	nil,                          // 17: mtcfs.replication.v1.Inventory.MetasEntry
+	nil,                          // 18: mtcfs.replication.v1.RestorePlan.HoldersEntry
 }
 var file_coordinator_proto_depIdxs = []int32{
 	0,  // 0: mtcfs.replication.v1.Caller.shape:type_name -> mtcfs.replication.v1.JobShape
-	15, // 1: mtcfs.replication.v1.Inventory.metas:type_name -> mtcfs.replication.v1.Inventory.MetasEntry
+	17, // 1: mtcfs.replication.v1.Inventory.metas:type_name -> mtcfs.replication.v1.Inventory.MetasEntry
 	3,  // 2: mtcfs.replication.v1.Inventory.saved_shape:type_name -> mtcfs.replication.v1.SavedShape
 	4,  // 3: mtcfs.replication.v1.RestorePlan.data:type_name -> mtcfs.replication.v1.SlotData
-	16, // 4: mtcfs.replication.v1.RestorePlan.holders:type_name -> mtcfs.replication.v1.RestorePlan.HoldersEntry
+	18, // 4: mtcfs.replication.v1.RestorePlan.holders:type_name -> mtcfs.replication.v1.RestorePlan.HoldersEntry
 	1,  // 5: mtcfs.replication.v1.NegotiateRequest.caller:type_name -> mtcfs.replication.v1.Caller
 	2,  // 6: mtcfs.replication.v1.NegotiateRequest.inventory:type_name -> mtcfs.replication.v1.Inventory
 	6,  // 7: mtcfs.replication.v1.NegotiateReply.plan:type_name -> mtcfs.replication.v1.RestorePlan
 	1,  // 8: mtcfs.replication.v1.RestoredRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	1,  // 9: mtcfs.replication.v1.SyncRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	1,  // 10: mtcfs.replication.v1.BackupsRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	5,  // 11: mtcfs.replication.v1.RestorePlan.HoldersEntry.value:type_name -> mtcfs.replication.v1.Ranks
-	7,  // 12: mtcfs.replication.v1.Coordinator.Negotiate:input_type -> mtcfs.replication.v1.NegotiateRequest
-	9,  // 13: mtcfs.replication.v1.Coordinator.Restored:input_type -> mtcfs.replication.v1.RestoredRequest
-	11, // 14: mtcfs.replication.v1.Coordinator.Sync:input_type -> mtcfs.replication.v1.SyncRequest
-	13, // 15: mtcfs.replication.v1.Coordinator.Backups:input_type -> mtcfs.replication.v1.BackupsRequest
-	8,  // 16: mtcfs.replication.v1.Coordinator.Negotiate:output_type -> mtcfs.replication.v1.NegotiateReply
-	10, // 17: mtcfs.replication.v1.Coordinator.Restored:output_type -> mtcfs.replication.v1.RestoredReply
-	12, // 18: mtcfs.replication.v1.Coordinator.Sync:output_type -> mtcfs.replication.v1.SyncReply
-	14, // 19: mtcfs.replication.v1.Coordinator.Backups:output_type -> mtcfs.replication.v1.BackupsReply
-	16, // [16:20] is the sub-list for method output_type
-	12, // [12:16] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	1,  // 9: mtcfs.replication.v1.RestoreFailedRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	1,  // 10: mtcfs.replication.v1.SyncRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	1,  // 11: mtcfs.replication.v1.BackupsRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	5,  // 12: mtcfs.replication.v1.RestorePlan.HoldersEntry.value:type_name -> mtcfs.replication.v1.Ranks
+	7,  // 13: mtcfs.replication.v1.Coordinator.Negotiate:input_type -> mtcfs.replication.v1.NegotiateRequest
+	9,  // 14: mtcfs.replication.v1.Coordinator.Restored:input_type -> mtcfs.replication.v1.RestoredRequest
+	11, // 15: mtcfs.replication.v1.Coordinator.RestoreFailed:input_type -> mtcfs.replication.v1.RestoreFailedRequest
+	13, // 16: mtcfs.replication.v1.Coordinator.Sync:input_type -> mtcfs.replication.v1.SyncRequest
+	15, // 17: mtcfs.replication.v1.Coordinator.Backups:input_type -> mtcfs.replication.v1.BackupsRequest
+	8,  // 18: mtcfs.replication.v1.Coordinator.Negotiate:output_type -> mtcfs.replication.v1.NegotiateReply
+	10, // 19: mtcfs.replication.v1.Coordinator.Restored:output_type -> mtcfs.replication.v1.RestoredReply
+	12, // 20: mtcfs.replication.v1.Coordinator.RestoreFailed:output_type -> mtcfs.replication.v1.RestoreFailedReply
+	14, // 21: mtcfs.replication.v1.Coordinator.Sync:output_type -> mtcfs.replication.v1.SyncReply
+	16, // 22: mtcfs.replication.v1.Coordinator.Backups:output_type -> mtcfs.replication.v1.BackupsReply
+	18, // [18:23] is the sub-list for method output_type
+	13, // [13:18] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_coordinator_proto_init() }
@@ -1092,7 +1190,7 @@ func file_coordinator_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_coordinator_proto_rawDesc), len(file_coordinator_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   17,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -27,10 +27,11 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Coordinator_Negotiate_FullMethodName = "/mtcfs.replication.v1.Coordinator/Negotiate"
-	Coordinator_Restored_FullMethodName  = "/mtcfs.replication.v1.Coordinator/Restored"
-	Coordinator_Sync_FullMethodName      = "/mtcfs.replication.v1.Coordinator/Sync"
-	Coordinator_Backups_FullMethodName   = "/mtcfs.replication.v1.Coordinator/Backups"
+	Coordinator_Negotiate_FullMethodName     = "/mtcfs.replication.v1.Coordinator/Negotiate"
+	Coordinator_Restored_FullMethodName      = "/mtcfs.replication.v1.Coordinator/Restored"
+	Coordinator_RestoreFailed_FullMethodName = "/mtcfs.replication.v1.Coordinator/RestoreFailed"
+	Coordinator_Sync_FullMethodName          = "/mtcfs.replication.v1.Coordinator/Sync"
+	Coordinator_Backups_FullMethodName       = "/mtcfs.replication.v1.Coordinator/Backups"
 )
 
 // CoordinatorClient is the client API for Coordinator service.
@@ -46,6 +47,10 @@ type CoordinatorClient interface {
 	Negotiate(ctx context.Context, in *NegotiateRequest, opts ...grpc.CallOption) (*NegotiateReply, error)
 	// Restored is the barrier before .restore markers: it returns once every rank called it.
 	Restored(ctx context.Context, in *RestoredRequest, opts ...grpc.CallOption) (*RestoredReply, error)
+	// RestoreFailed says the caller's restore failed (its job was told in replicator.failed): the
+	// waiting and later Restored calls of the other ranks fail with the reason, instead of
+	// waiting until their jobs give up. An agent of an earlier version answers Unimplemented.
+	RestoreFailed(ctx context.Context, in *RestoreFailedRequest, opts ...grpc.CallOption) (*RestoreFailedReply, error)
 	// Sync reports a committed step and returns the job's decision for it once every rank
 	// reported it.
 	Sync(ctx context.Context, in *SyncRequest, opts ...grpc.CallOption) (*SyncReply, error)
@@ -76,6 +81,16 @@ func (c *coordinatorClient) Restored(ctx context.Context, in *RestoredRequest, o
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(RestoredReply)
 	err := c.cc.Invoke(ctx, Coordinator_Restored_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *coordinatorClient) RestoreFailed(ctx context.Context, in *RestoreFailedRequest, opts ...grpc.CallOption) (*RestoreFailedReply, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RestoreFailedReply)
+	err := c.cc.Invoke(ctx, Coordinator_RestoreFailed_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -115,6 +130,10 @@ type CoordinatorServer interface {
 	Negotiate(context.Context, *NegotiateRequest) (*NegotiateReply, error)
 	// Restored is the barrier before .restore markers: it returns once every rank called it.
 	Restored(context.Context, *RestoredRequest) (*RestoredReply, error)
+	// RestoreFailed says the caller's restore failed (its job was told in replicator.failed): the
+	// waiting and later Restored calls of the other ranks fail with the reason, instead of
+	// waiting until their jobs give up. An agent of an earlier version answers Unimplemented.
+	RestoreFailed(context.Context, *RestoreFailedRequest) (*RestoreFailedReply, error)
 	// Sync reports a committed step and returns the job's decision for it once every rank
 	// reported it.
 	Sync(context.Context, *SyncRequest) (*SyncReply, error)
@@ -136,6 +155,9 @@ func (UnimplementedCoordinatorServer) Negotiate(context.Context, *NegotiateReque
 }
 func (UnimplementedCoordinatorServer) Restored(context.Context, *RestoredRequest) (*RestoredReply, error) {
 	return nil, status.Error(codes.Unimplemented, "method Restored not implemented")
+}
+func (UnimplementedCoordinatorServer) RestoreFailed(context.Context, *RestoreFailedRequest) (*RestoreFailedReply, error) {
+	return nil, status.Error(codes.Unimplemented, "method RestoreFailed not implemented")
 }
 func (UnimplementedCoordinatorServer) Sync(context.Context, *SyncRequest) (*SyncReply, error) {
 	return nil, status.Error(codes.Unimplemented, "method Sync not implemented")
@@ -200,6 +222,24 @@ func _Coordinator_Restored_Handler(srv interface{}, ctx context.Context, dec fun
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Coordinator_RestoreFailed_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RestoreFailedRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CoordinatorServer).RestoreFailed(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Coordinator_RestoreFailed_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CoordinatorServer).RestoreFailed(ctx, req.(*RestoreFailedRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _Coordinator_Sync_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(SyncRequest)
 	if err := dec(in); err != nil {
@@ -250,6 +290,10 @@ var Coordinator_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Restored",
 			Handler:    _Coordinator_Restored_Handler,
+		},
+		{
+			MethodName: "RestoreFailed",
+			Handler:    _Coordinator_RestoreFailed_Handler,
 		},
 		{
 			MethodName: "Sync",
