@@ -227,3 +227,27 @@ func TestAgentWritesPastAnAccountedBudget(t *testing.T) {
 	err = os.WriteFile(filepath.Join(dir, "more"), []byte("x"), 0o644)
 	assert.ErrorIs(t, err, syscall.ENOSPC, "the job's writes still fail")
 }
+
+// TestControlFilesPastAFullBudget: with the budget used up (a save cut short by ENOSPC, or a
+// kept spool that holds more than the budget of an agent without root), the job can still
+// write its replicator.yaml: its restart, which restores from RAM and removes the leftovers,
+// would otherwise fail on it (found by a black-box run, without root). A control file is at
+// most tiers.MaxConfigSize; other files still fail.
+func TestControlFilesPastAFullBudget(t *testing.T) {
+	const budget = 16 << 20
+	for _, tmpfs := range []bool{true, false} {
+		t.Run(fmt.Sprintf("tmpfs=%v", tmpfs), func(t *testing.T) {
+			dir, _ := testMountSpool(t, PassthroughOff, tiers.SpoolConfig{Budget: budget, MountTmpfs: tmpfs})
+			err := os.WriteFile(filepath.Join(dir, "ballast"), make([]byte, budget+(2<<20)), 0o644)
+			require.ErrorIs(t, err, syscall.ENOSPC)
+			yaml := []byte("job-name: j\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 30")
+			require.NoError(t, os.WriteFile(filepath.Join(dir, "replicator.yaml.tmp"), yaml, 0o644), "the job's yaml, with the budget used up")
+			require.NoError(t, os.Rename(filepath.Join(dir, "replicator.yaml.tmp"), filepath.Join(dir, "replicator.yaml")))
+			require.NoError(t, os.WriteFile(filepath.Join(dir, "replicator.yaml"), yaml, 0o644), "written directly (NeMo)")
+			// Another file still fails (on a tmpfs, past what is left of the 64 KiB of headroom
+			// the yaml freed).
+			err = os.WriteFile(filepath.Join(dir, "other"), make([]byte, tiers.HeadroomChunk+1), 0o644)
+			assert.ErrorIs(t, err, syscall.ENOSPC, "another file still fails")
+		})
+	}
+}

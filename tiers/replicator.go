@@ -260,6 +260,12 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 		return err
 	}
 	n.spool.RemoveTrash()
+	if total, used := n.spool.Usage(); !n.spool.KernelEnforced() && used > total {
+		// As root such a spool is refused at start (OpenSpool); without root the agent serves
+		// it, and the job can restore it, but not save (found by a black-box run).
+		n.log.Warn("the kept spool holds more than the memory budget: the job can restore from it, but its saves fail with ENOSPC; restart the agent with a larger --memory, or free the spool (mtcfs spool free) and restore from a peer or a backup",
+			"holds", FormatSize(used), "memory", FormatSize(total))
+	}
 	if j := r.cfg.JaxInit; j != nil {
 		content := []byte(strings.Join([]string{itoa(int64(j.Rank)), j.Coordinator, ""}, "\n"))
 		if err := ns.WriteFile(layout.JaxInitInfoName, content); err != nil {
