@@ -248,6 +248,15 @@ func TestControlFilesPastAFullBudget(t *testing.T) {
 			// the yaml freed).
 			err = os.WriteFile(filepath.Join(dir, "other"), make([]byte, tiers.HeadroomChunk+1), 0o644)
 			assert.ErrorIs(t, err, syscall.ENOSPC, "another file still fails")
+			// The exemption goes with the name, not the file: renamed away, it is an ordinary
+			// file (a job renaming its yaml away again and again would overdraw the budget).
+			renamed := filepath.Join(dir, "renamed")
+			require.NoError(t, os.Rename(filepath.Join(dir, "replicator.yaml"), renamed))
+			f, err := os.OpenFile(renamed, os.O_WRONLY|os.O_APPEND, 0)
+			require.NoError(t, err)
+			_, err = f.Write(make([]byte, tiers.HeadroomChunk+1))
+			f.Close()
+			assert.ErrorIs(t, err, syscall.ENOSPC, "a control file renamed away")
 		})
 	}
 }

@@ -57,7 +57,10 @@ func (r *restorer) run(inc *incarnation) {
 		if !ok {
 			return
 		}
-		tctx, cancel := context.WithTimeout(ctx, restoreFailedTimeout)
+		// Bounded by the agent's life, not the incarnation's: the job restarts at the line
+		// written above, and its next yaml ends the incarnation while the call may still be
+		// retrying (found by a review).
+		tctx, cancel := context.WithTimeout(r.ctx, restoreFailedTimeout)
 		defer cancel()
 		if err := rep.RestoreFailed(tctx, inc.Incarnation, msg); err != nil {
 			r.log.Warn("tell the other nodes that this node's restore failed", "err", err)
