@@ -400,3 +400,30 @@ func TestBackupCutShortIsResumed(t *testing.T) {
 	}
 	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 50}, eventuallyOrder(t, c3, 0))
 }
+
+// Backup names are unique per job: a job's first backup is not held to the next minute by the
+// backup another job of the same agent (a mount reused) took in this one, while the job's own
+// names still are carried from one incarnation to the next (found by a black-box run: 36 s
+// late).
+func TestBackupNamesArePerJob(t *testing.T) {
+	t.Parallel()
+	clock := newFakeClock()
+	job := NewJob(Options{Clock: clock, Store: &fakeStore{backups: map[string][]tiers.BackupStep{}}})
+	client := LocalClient{Job: job}
+	firstOrder := func(id, name string) tiers.BackupOrder {
+		t.Helper()
+		inc := agentInc(id, 0, 1)
+		inc.Config.JobName = name
+		_, err := client.Negotiate(t.Context(), inc, own(0))
+		require.NoError(t, err)
+		_, err = client.Sync(t.Context(), inc, tiers.SyncReport{Step: 1, Replicated: true})
+		require.NoError(t, err)
+		o, err := client.Backups(expired(t), inc, tiers.BackupReport{})
+		require.NoError(t, err)
+		return o
+	}
+	a := firstOrder("a1", "alpha")
+	require.NotEmpty(t, a.Backup)
+	assert.Equal(t, a.Backup, firstOrder("b1", "beta").Backup, "another job takes the same minute's name")
+	assert.Empty(t, firstOrder("a2", "alpha").Backup, "the same job waits for the next minute")
+}

@@ -822,6 +822,10 @@ type Job struct {
 	// resigned is set when this agent's newest incarnation of the job is not rank 0 (Resign),
 	// until it negotiates as rank 0 again: calls from other agents are sent to look again.
 	resigned bool // GUARDED_BY(mu)
+	// lastBackup is, by job name, the newest backup name an earlier coordinator decided
+	// (Options.LastBackup for the next one of that job). Names are unique per job: another
+	// job's held a job's first backup to the next minute (found by a black-box run).
+	lastBackup map[string]string // GUARDED_BY(mu)
 }
 
 // errNotRankZero is the UNAVAILABLE answer to a call from another agent that this agent cannot
@@ -842,14 +846,23 @@ func (j *Job) Resign() {
 	defer j.mu.Unlock()
 	j.resigned = true
 	if j.cur != nil {
-		j.opts.LastBackup = j.cur.lastBackup()
+		j.keepLastBackup()
 		j.cur.Close()
 		j.cur, j.ids = nil, nil
 	}
 }
 
+// keepLastBackup records the current coordinator's newest backup name for its job. Called with
+// mu held.
+func (j *Job) keepLastBackup() {
+	if j.lastBackup == nil {
+		j.lastBackup = map[string]string{}
+	}
+	j.lastBackup[j.cur.cfg.JobName] = j.cur.lastBackup()
+}
+
 // NewJob returns a Job whose coordinators use opts. Its LastBackup is carried from one
-// incarnation's coordinator to the next.
+// incarnation's coordinator to the next of the same job.
 func NewJob(opts Options) *Job { return &Job{opts: opts} }
 
 // isResigned reports whether Resign holds (see Job).
@@ -908,7 +921,6 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 	if remote && rank != 0 {
 		return nil, notRankZero("negotiation of rank %d, incarnation %s", rank, inc.ID)
 	}
-	opts := j.opts
 	if j.cur != nil {
 		if j.retired == nil {
 			j.retired = map[string]bool{}
@@ -918,10 +930,11 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 				j.retired[id] = true
 			}
 		}
-		opts.LastBackup = j.cur.lastBackup()
+		j.keepLastBackup()
 		j.cur.Close()
-		j.opts.LastBackup = opts.LastBackup
 	}
+	opts := j.opts
+	opts.LastBackup = max(opts.LastBackup, j.lastBackup[cfg.JobName])
 	next, err := NewJobCoordinator(cfg, opts)
 	if err != nil {
 		return nil, err
