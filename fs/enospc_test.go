@@ -248,15 +248,21 @@ func TestControlFilesPastAFullBudget(t *testing.T) {
 			// the yaml freed).
 			err = os.WriteFile(filepath.Join(dir, "other"), make([]byte, tiers.HeadroomChunk+1), 0o644)
 			assert.ErrorIs(t, err, syscall.ENOSPC, "another file still fails")
-			// The exemption goes with the name, not the file: renamed away, it is an ordinary
-			// file (a job renaming its yaml away again and again would overdraw the budget).
-			renamed := filepath.Join(dir, "renamed")
-			require.NoError(t, os.Rename(filepath.Join(dir, "replicator.yaml"), renamed))
-			f, err := os.OpenFile(renamed, os.O_WRONLY|os.O_APPEND, 0)
-			require.NoError(t, err)
-			_, err = f.Write(make([]byte, tiers.HeadroomChunk+1))
-			f.Close()
-			assert.ErrorIs(t, err, syscall.ENOSPC, "a control file renamed away")
+			// A control file cannot take another name (a job renaming or linking its yaml away
+			// again and again would overdraw the budget): EXDEV, so mv copies, and the copy is
+			// charged like any file.
+			yamlPath := filepath.Join(dir, "replicator.yaml")
+			assert.ErrorIs(t, os.Rename(yamlPath, filepath.Join(dir, "renamed")), syscall.EXDEV)
+			assert.ErrorIs(t, os.Link(yamlPath, filepath.Join(dir, "linked")), syscall.EXDEV)
+			require.NoError(t, os.Mkdir(filepath.Join(dir, "sub"), 0o755))
+			assert.ErrorIs(t, os.Rename(yamlPath, filepath.Join(dir, "sub", "replicator.yaml")), syscall.EXDEV)
+			require.NoError(t, os.Rename(yamlPath, filepath.Join(dir, "replicator.yaml.tmp")), "between control names")
+			// Written before it is a control file, the job's writes are charged as ever.
+			plain := filepath.Join(dir, "plain")
+			err = os.WriteFile(plain, make([]byte, tiers.HeadroomChunk+1), 0o644)
+			assert.ErrorIs(t, err, syscall.ENOSPC)
+			require.NoError(t, os.Rename(filepath.Join(dir, "replicator.yaml.tmp"), filepath.Join(dir, "replicator.yaml")))
+			require.NoError(t, os.Remove(filepath.Join(dir, "replicator.yaml")))
 		})
 	}
 }

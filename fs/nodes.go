@@ -491,6 +491,9 @@ func (d *dirNode) Link(ctx context.Context, target gofs.InodeEmbedder, name stri
 	case *specialNode:
 		n.addLink()
 	case *fileNode:
+		if n.isControl() {
+			return nil, syscall.EXDEV // see movesControlFile
+		}
 		if errno := n.addLink(); errno != 0 {
 			return nil, errno
 		}
@@ -554,6 +557,9 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 	if errno != 0 || src == dst {
 		return errno
 	}
+	if movesControlFile(src, np, newName) || (flags&unix.RENAME_EXCHANGE != 0 && movesControlFile(dst, d, name)) {
+		return syscall.EXDEV
+	}
 	if errno := d.checkRemove(name); errno != 0 {
 		return errno
 	}
@@ -567,6 +573,17 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 		d.fs.awaitReleases(doomed) // space.go
 	}
 	return 0
+}
+
+// movesControlFile reports whether in is a control file (replicator.yaml or .tmp at the top)
+// that would get a name that is not one: np/newName. A control file is written even past the
+// budget (fileNode.charge) so that a job that filled it can restart; moved or linked to another
+// name, its bytes would stay past the budget, and a job renaming replicator.yaml.tmp away again
+// and again overdrew the budget at will (found by a black-box run). Such a rename or link fails
+// with EXDEV: mv copies instead, and the copy is charged like any file.
+func movesControlFile(in *gofs.Inode, np *dirNode, newName string) bool {
+	f, ok := in.Operations().(*fileNode)
+	return ok && f.isControl() && !(np.IsRoot() && tiers.WriteLimit(newName) > 0)
 }
 
 // checkRename makes the checks rename(2) makes on tmpfs and returns the source and the entry the
