@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -826,6 +827,44 @@ type Job struct {
 	// (Options.LastBackup for the next one of that job). Names are unique per job: another
 	// job's held a job's first backup to the next minute (found by a black-box run).
 	lastBackup map[string]string // GUARDED_BY(mu)
+	// refusals are, by rank, the last call of the current incarnation's job refused for another
+	// job shape (a rank whose replicator.yaml differs): WaitingFor names it, where rank 0's wait
+	// said only "not yet rank R" (found by a black-box run).
+	refusals map[int]refusal // GUARDED_BY(mu)
+}
+
+// refusal is a call refused for its job shape.
+type refusal struct {
+	why string
+	at  time.Time
+}
+
+// refusalShown is how long after a refused call WaitingFor names it: the rank's agent retries
+// every few seconds while the shapes differ.
+const refusalShown = 30 * time.Second
+
+// refused records that a call of rank was refused for its job shape (why). The record goes with
+// the next incarnation.
+func (j *Job) refused(rank int, why string, at time.Time) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if j.refusals == nil {
+		j.refusals = map[int]refusal{}
+	}
+	j.refusals[rank] = refusal{why: why, at: at}
+}
+
+// refusalNote names the ranks refused for their job shape in the last refusalShown.
+func (j *Job) refusalNote(now time.Time) string {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	var notes []string
+	for _, rank := range slices.Sorted(maps.Keys(j.refusals)) {
+		if r := j.refusals[rank]; now.Sub(r.at) < refusalShown {
+			notes = append(notes, fmt.Sprintf("rank %d's agent is refused: %s", rank, r.why))
+		}
+	}
+	return strings.Join(notes, "; ")
 }
 
 // errNotRankZero is the UNAVAILABLE answer to a call from another agent that this agent cannot
@@ -939,6 +978,7 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 	if err != nil {
 		return nil, err
 	}
+	j.refusals = nil
 	j.cur, j.ids = next, make([]string, cfg.Nodes)
 	j.ids[rank] = inc.ID
 	return next, nil
@@ -1004,7 +1044,11 @@ var _ tiers.WaitDescriber = LocalClient{}
 // WaitingFor says which ranks inc's pending Negotiate or Restored waits for.
 func (l LocalClient) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	if c, _, err := l.coordinator(inc, false); err == nil {
-		return c.waitingFor()
+		what, nodes := c.waitingFor()
+		if note := l.Job.refusalNote(time.Now()); note != "" && what != "" {
+			what += "; " + note
+		}
+		return what, nodes
 	}
 	return "", false
 }

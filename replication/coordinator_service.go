@@ -168,6 +168,9 @@ func (s *CoordinatorService) admit(ctx context.Context, caller *peerpb.Caller, n
 	if err == nil {
 		c, inc, err = s.coordinator(from, caller, negotiate)
 	}
+	if errors.Is(err, ErrJobShape) {
+		s.cfg.Job.refused(from.Rank, err.Error(), s.cfg.Now())
+	}
 	if err != nil && !errors.Is(err, errNotStarted) && !errors.Is(err, errNotRankZero) {
 		method, _ := grpc.Method(ctx)
 		s.log.Warn("coordinator call refused", "peer", peerAddr(ctx), "method", method, "job", from.Job, "rank", from.Rank,

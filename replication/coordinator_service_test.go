@@ -274,6 +274,10 @@ func TestCoordinatorServiceRefusesOtherJobShape(t *testing.T) {
 	}
 	assert.Same(t, cur, current(job), "a refused call does not start an incarnation")
 	stillWaiting(t, first, "rank 0's negotiation")
+	// Rank 0's wait names the refused rank and why, not only "not yet rank 1".
+	what, _ := LocalClient{Job: job}.WaitingFor(inc0)
+	assert.Contains(t, what, "not yet rank 1")
+	assert.Contains(t, what, "rank 1's agent is refused: rank 1: job shape differs from the coordinator's incarnation")
 
 	// The right shape joins the incarnation.
 	_, err := r.Negotiate(t.Context(), agentInc("a1", 1, nodes), own(1, 1))
