@@ -11,12 +11,13 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/internal/syncbuf"
 )
 
 // Fault injection: the emulator sits behind faultInjector, which breaks
@@ -124,7 +125,7 @@ func TestGCSFaultStall(t *testing.T) {
 		f.faults.add(2, isMediaRead, stall(long)),
 		f.faults.add(1, func(r *http.Request) bool { return r.Method == http.MethodGet && !isMediaRead(r) }, stall(long)),
 	}
-	var logs lockedLog
+	var logs syncbuf.Buffer
 	old := slog.Default()
 	slog.SetDefault(slog.New(slog.NewTextHandler(&logs, nil)))
 	t.Cleanup(func() { slog.SetDefault(old) })
@@ -135,24 +136,6 @@ func TestGCSFaultStall(t *testing.T) {
 	// Each abandoned attempt is said: a stalled location left minutes without a word.
 	assert.Contains(t, logs.String(), "backup location: a request failed; trying again")
 	assert.Contains(t, logs.String(), "no progress for 500ms")
-}
-
-// lockedLog is a log sink safe for concurrent writers.
-type lockedLog struct {
-	mu  sync.Mutex
-	buf strings.Builder
-}
-
-func (l *lockedLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *lockedLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
 }
 
 // TestGCSFaultStallForever: a server that never answers ends in a clear error

@@ -9,7 +9,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
@@ -20,38 +19,21 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"github.com/mtcfs/mtcfs/internal/syncbuf"
 	"github.com/mtcfs/mtcfs/internal/testpki"
 	"github.com/mtcfs/mtcfs/replication/peerpb"
 )
-
-// syncBuffer is a log destination safe for the server's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // tlsPeer is a Receiver served with mutual TLS; refused handshakes are logged into log.
 type tlsPeer struct {
 	addr   string
 	sealed string
-	log    *syncBuffer
+	log    *syncbuf.Buffer
 }
 
 func startTLSPeer(t *testing.T, cfgs TLSConfigs) *tlsPeer {
 	t.Helper()
-	p := &tlsPeer{sealed: t.TempDir(), log: &syncBuffer{}}
+	p := &tlsPeer{sealed: t.TempDir(), log: &syncbuf.Buffer{}}
 	logger := slog.New(slog.NewTextHandler(p.log, nil))
 	r, err := NewReceiver(ReceiverConfig{
 		Dir:         filepath.Join(t.TempDir(), "incoming"),

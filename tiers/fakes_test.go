@@ -6,7 +6,6 @@ package tiers_test
 // tier is the real one (testStore, store_test.go).
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -23,6 +22,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mtcfs/mtcfs/internal/syncbuf"
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
@@ -482,27 +482,9 @@ type harness struct {
 	spool *tiers.Spool
 	coord *recordingCoordinator
 	r     *tiers.Replicator
-	logs  *lockedBuffer // what the replicator logged (also written to the test's output)
+	logs  *syncbuf.Buffer // what the replicator logged (also written to the test's output)
 
 	closeOnce sync.Once
-}
-
-// lockedBuffer is a bytes.Buffer safe for concurrent writes and reads.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 var nsCount atomic.Int64
@@ -527,7 +509,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	if err != nil {
 		t.Fatalf("OpenSpool: %v", err)
 	}
-	h := &harness{t: t, cfg: cfg, ns: ns, spool: spool, logs: &lockedBuffer{}}
+	h := &harness{t: t, cfg: cfg, ns: ns, spool: spool, logs: &syncbuf.Buffer{}}
 	opts := replication.Options{Clock: cfg.clock}
 	rcfg := tiers.ReplicatorConfig{
 		Spool:        spool,

@@ -1,13 +1,11 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -15,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
+	"github.com/mtcfs/mtcfs/internal/syncbuf"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -69,7 +68,7 @@ func TestBackupCommandsOnMistypedInput(t *testing.T) {
 // again later, and stops saying it when it is done. Before, a location that did not answer left
 // `mtcfs backups list` silent for minutes.
 func TestSlowStoreNotice(t *testing.T) {
-	var out syncBuffer
+	var out syncbuf.Buffer
 	stop := slowStore(&out, "backups list", fakeStoreName("gs://bucket/prefix"), 20*time.Millisecond, 20*time.Millisecond)
 	require.Eventually(t, func() bool { return strings.Count(out.String(), "\n") >= 2 }, 5*time.Second, time.Millisecond)
 	stop()
@@ -77,7 +76,7 @@ func TestSlowStoreNotice(t *testing.T) {
 	time.Sleep(60 * time.Millisecond)
 	assert.Equal(t, n, out.String(), "nothing after stop")
 	assert.Contains(t, n, "mtcfs backups list: still at work with gs://bucket/prefix after ")
-	var quick syncBuffer
+	var quick syncbuf.Buffer
 	slowStore(&quick, "backups list", fakeStoreName("gs://bucket"), time.Minute, time.Minute)()
 	assert.Empty(t, quick.String(), "a command done in time says nothing")
 }
@@ -85,24 +84,6 @@ func TestSlowStoreNotice(t *testing.T) {
 type fakeStoreName string
 
 func (s fakeStoreName) String() string { return string(s) }
-
-// syncBuffer is a bytes.Buffer safe for a writer and a reader on different goroutines.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // TestBackupsDeleteRemovesOnlyIncompleteBackups: `mtcfs backups delete` removes a backup an
 // upload cut short left (verify exits 1 while it is there, and no agent completes it once the
