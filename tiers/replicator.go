@@ -301,10 +301,19 @@ type interruptedJob struct {
 func (r *Replicator) tellInterrupted(p *interruptedJob) {
 	r.node.log.Warn("the job writes here without a replicator.yaml since the agent restarted: told to restart in replicator.failed",
 		"job", p.job, "incarnation", p.run.Incarnation)
-	cfg := &Config{JobName: p.job, NodeRank: p.run.Rank, Nodes: p.run.Nodes}
-	r.lines.failLine(cfg, fmt.Sprintf("the mtcfs agent of this node was restarted while incarnation %s (since %s) was running: "+
-		"an agent restart ends the incarnation, and the steps saved since the agent stopped are not checkpointed; restart the job (it restores its newest checkpoint)",
-		p.run.Incarnation, p.run.Since.Format(time.RFC3339)))
+	r.lines.failLine(p.config(), "the mtcfs agent of this node was restarted "+p.while("was running")+
+		" an agent restart ends the incarnation, and the steps saved since the agent stopped are not checkpointed; restart the job (it restores its newest checkpoint)")
+}
+
+// config is the job as its lines name it.
+func (p *interruptedJob) config() *Config {
+	return &Config{JobName: p.job, NodeRank: p.run.Rank, Nodes: p.run.Nodes}
+}
+
+// while names the incarnation in a restart notice, and what it did (which tells the two
+// notices apart: the restore window's line is withdrawn by that text).
+func (p *interruptedJob) while(did string) string {
+	return fmt.Sprintf("while incarnation %s (since %s) %s:", p.run.Incarnation, p.run.Since.Format(time.RFC3339), did)
 }
 
 // tellRestoreInterrupted tells an Orbax job whose restore markers the agent before this one
@@ -317,11 +326,10 @@ func (r *Replicator) tellRestoreInterrupted(p *interruptedJob, until time.Time) 
 	n := r.node
 	// ours tells this line from tellInterrupted's for the same incarnation, which withdraw
 	// must leave.
-	ours := fmt.Sprintf("while incarnation %s (since %s) waited for its restore:", p.run.Incarnation, p.run.Since.Format(time.RFC3339))
+	ours := p.while("waited for its restore")
 	n.log.Warn("the job waited for its restore markers when the agent restarted: told to restart in replicator.failed",
 		"job", p.job, "incarnation", p.run.Incarnation, "withdrawn_at", until)
-	cfg := &Config{JobName: p.job, NodeRank: p.run.Rank, Nodes: p.run.Nodes}
-	r.lines.failLine(cfg, "the mtcfs agent of this node was restarted "+ours+
+	r.lines.failLine(p.config(), "the mtcfs agent of this node was restarted "+ours+
 		" an agent restart ends the incarnation, and its restore markers will not come; restart the job (it restores its newest checkpoint)")
 	n.tasks.Go(func() {
 		t := time.NewTimer(until.Sub(n.now()))
