@@ -49,6 +49,25 @@ func (e *eventFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
 	e.m.release(cancel, func() { e.RawFileSystem.Release(cancel, in) })
 }
 
+// Write and Writev note the requests that write back pages of the kernel's page cache (pages a
+// job dirtied through a mapping), by their cancel channel, for fileHandle.Write: a refused one
+// loses bytes no system call of the job reports (writeback.go).
+func (e *eventFS) Write(cancel <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
+	if in.WriteFlags&fuse.WRITE_CACHE != 0 && cancel != nil {
+		e.m.pageWrites.Store(cancel, struct{}{})
+		defer e.m.pageWrites.Delete(cancel)
+	}
+	return e.RawFileSystem.Write(cancel, in, data)
+}
+
+func (e *eventFS) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
+	if in.WriteFlags&fuse.WRITE_CACHE != 0 && cancel != nil {
+		e.m.pageWrites.Store(cancel, struct{}{})
+		defer e.m.pageWrites.Delete(cancel)
+	}
+	return e.RawFileSystem.Writev(cancel, in, data)
+}
+
 // park stores ev for the request running on ctx; it is called by node methods. Without a
 // request (a call that did not come through the kernel) ev runs at once.
 func (m *mtfs) park(ctx context.Context, ev func()) {

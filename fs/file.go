@@ -463,6 +463,9 @@ func (h *fileHandle) charge(end int64) syscall.Errno {
 }
 
 func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
+	if hook := writeHook.Load(); hook != nil {
+		(*hook)(h.node.Path(nil))
+	}
 	var n int
 	errno := retryNoSpace(h.node.fs, func() syscall.Errno {
 		if errno := h.charge(off + int64(len(data))); errno != 0 {
@@ -480,8 +483,12 @@ func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32,
 		}
 		return 0
 	})
-	if errno != 0 {
+	switch {
+	case errno != 0:
+		h.node.fs.refusedWrite(ctx, h.node, errno)
 		return 0, errno
+	case n < len(data):
+		h.node.fs.refusedWrite(ctx, h.node, syscall.ENOSPC) // the spool's tmpfs took a part only
 	}
 	return uint32(n), 0
 }

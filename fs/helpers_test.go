@@ -61,6 +61,9 @@ func testMountSpool(t testing.TB, mode PassthroughMode, cfg tiers.SpoolConfig, m
 var modes = []PassthroughMode{PassthroughOn, PassthroughOff}
 
 func TestMain(m *testing.M) {
+	if spec := os.Getenv(mapperEnv); spec != "" {
+		os.Exit(runMapper(spec))
+	}
 	// Mount logs are noise in test output; failures say what they need.
 	slog.SetDefault(slog.New(slog.NewTextHandler(io.Discard, nil)))
 	os.Exit(m.Run())

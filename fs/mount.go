@@ -375,9 +375,9 @@ func Mount(dir string, opts Options) (*Server, error) {
 			return nil, fmt.Errorf("mount %s: %w", abs, err)
 		}
 	}
-	e := newEntryNotifier(srv, fd, abs, m.log)
+	e := newKernelNotifier(srv, fd, abs, m.log)
 	if e != nil {
-		m.notifier = e
+		m.notifier.Store(e)
 	}
 	closed := make(chan struct{})
 	go func() {
@@ -401,7 +401,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 		return nil, errors.New("--passthrough=on: the kernel refused FUSE passthrough (needs Linux ≥ 6.9 and CAP_SYS_ADMIN); use --passthrough=auto or off")
 	}
 	s.passthrough = m.passthrough.Load()
-	m.log.Info("mounted", "dir", abs, "passthrough", s.passthrough, "expire_only", m.notifier != nil && m.notifier.expireOnly, "notification_helper", m.notifier != nil && m.notifier.usesHelper(), "spool", opts.Spool.Dir(),
+	m.log.Info("mounted", "dir", abs, "passthrough", s.passthrough, "expire_only", e != nil && e.expireOnly, "notification_helper", e != nil && e.usesHelper(), "spool", opts.Spool.Dir(),
 		"budget", tiers.FormatSize(opts.Spool.Budget()), "budget_enforced_by", map[bool]string{true: "tmpfs", false: "agent"}[opts.Spool.KernelEnforced()])
 	return s, nil
 }

@@ -191,7 +191,7 @@ func (ns *namespace) Rename(oldName, newName string) error {
 	} else {
 		ns.m.sealedTop.Delete(newName)
 	}
-	if e := ns.m.notifier; e != nil && e.expireOnly {
+	if e := ns.m.notifier.Load(); e != nil && e.expireOnly {
 		ns.staleMu.Lock()
 		if ns.stale == nil {
 			ns.stale = map[string][]string{}
@@ -219,7 +219,7 @@ func (ns *namespace) Remove(name string) error {
 		ns.root.subdirs.Add(-1)
 	}
 	if _, live := ns.root.RmChild(name); live {
-		if e := ns.m.notifier; e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, name)) {
+		if e := ns.m.notifier.Load(); e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, name)) {
 			ns.root.NotifyDelete(name, ch)
 		}
 	}
@@ -228,7 +228,7 @@ func (ns *namespace) Remove(name string) error {
 		// a name a new entry has taken since: the kernel looked that name up to create it,
 		// which dropped the stale tree already, and would now drop the new one's.
 		if ns.root.GetChild(old) == nil {
-			if e := ns.m.notifier; e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, old)) {
+			if e := ns.m.notifier.Load(); e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, old)) {
 				ns.root.NotifyEntry(old)
 			}
 		}
@@ -240,12 +240,12 @@ func (ns *namespace) Remove(name string) error {
 
 // changed updates the root's times and makes the kernel drop what it cached about the root's
 // attributes (its nlink and mtime moved) and look the given names up again; where the kernel
-// can, the names' entries only expire (see entryNotifier), so that renaming a step of 100,000
+// can, the names' entries only expire (see kernelNotifier), so that renaming a step of 100,000
 // files does not wait for the kernel to drop its cache of all of them.
 func (ns *namespace) changed(names ...string) {
 	ns.root.touch(true)
 	for _, n := range names {
-		e := ns.m.notifier
+		e := ns.m.notifier.Load()
 		var err error
 		switch {
 		case e == nil:

@@ -482,9 +482,9 @@ func TestRenameKeepsTheKernelCacheBelow(t *testing.T) {
 		require.NoError(t, err)
 	}
 	expireOnly := srv.fuse.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY != 0
-	require.NotNil(t, srv.ns.m.notifier, "the mount's /dev/fuse descriptor was found")
-	require.Equal(t, expireOnly, srv.ns.m.notifier.expireOnly, "entries expire exactly when the kernel offers it")
-	require.True(t, srv.ns.m.notifier.usesHelper(), "the notifications go through the helper process")
+	require.NotNil(t, srv.ns.m.notifier.Load(), "the mount's /dev/fuse descriptor was found")
+	require.Equal(t, expireOnly, srv.ns.m.notifier.Load().expireOnly, "entries expire exactly when the kernel offers it")
+	require.True(t, srv.ns.m.notifier.Load().usesHelper(), "the notifications go through the helper process")
 	t.Logf("kernel can expire entries only: %v", expireOnly)
 
 	lookups := srv.Requests()["lookup"]
@@ -525,7 +525,7 @@ func TestRenameKeepsTheKernelCacheBelow(t *testing.T) {
 // only expires its entries; it skips where the kernel cannot (FUSE_EXPIRE_ONLY, Linux 6.2+).
 func mountExpiring(t *testing.T) (string, *Server) {
 	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
-	if srv.ns.m.notifier == nil || !srv.ns.m.notifier.expireOnly {
+	if srv.ns.m.notifier.Load() == nil || !srv.ns.m.notifier.Load().expireOnly {
 		t.Skip("the kernel cannot expire entries only (FUSE_EXPIRE_ONLY, Linux 6.2+): names are invalidated at once")
 	}
 	return dir, srv
@@ -665,7 +665,7 @@ func TestExpiryOfTheLongestNames(t *testing.T) {
 	_, err := os.Stat(filepath.Join(dir, long, "f"))
 	require.NoError(t, err)
 	newName := strings.Repeat("d", 250) + ".data"
-	require.NoError(t, srv.ns.m.notifier.expire(fuse.FUSE_ROOT_ID, long), "the kernel takes a 255-byte name")
+	require.NoError(t, srv.ns.m.notifier.Load().expire(fuse.FUSE_ROOT_ID, long), "the kernel takes a 255-byte name")
 	require.NoError(t, ns.Rename(long, newName))
 	_, err = os.Stat(filepath.Join(dir, long))
 	require.ErrorIs(t, err, os.ErrNotExist)

@@ -40,13 +40,19 @@ type mtfs struct {
 	freedGen  atomic.Uint64      // counts doomed files freed
 	// parkedRelease maps a RELEASE's cancel channel to a func to run once it is done.
 	parkedRelease sync.Map
-	// notifier sends the namespace's invalidations of top-level names (nil: go-fuse's calls
-	// do); set before Mount returns.
-	notifier *entryNotifier
+	// notifier sends the namespace's invalidations of top-level names and the write-back of
+	// mapped pages (nil: go-fuse's calls do); set once the mount is live.
+	notifier atomic.Pointer[kernelNotifier]
 	// writersMu guards writing: the files with handles that may write (fileNode.writers > 0),
 	// whose pages a job may have dirtied through a shared mapping (see writeBackUnder).
 	writersMu sync.Mutex
 	writing   map[*fileNode]struct{} // GUARDED_BY(writersMu)
+	// lossy holds the files some of whose mapped pages the agent could not store when the
+	// kernel wrote them back, with the errno (see writeBackUnder). GUARDED_BY(writersMu)
+	lossy map[*fileNode]syscall.Errno
+	// pageWrites holds the cancel channels of the WRITE requests running that write back pages
+	// of the kernel's page cache (eventFS.Write).
+	pageWrites sync.Map
 	// fdsReported is when reportOutOfFDs last logged (UnixNano; 0: never).
 	fdsReported atomic.Int64
 }
@@ -54,6 +60,10 @@ type mtfs struct {
 // lookupHook, when set (tests only), runs at the start of every LOOKUP the mount serves, with
 // the name looked up: a test stalls one to hold the directory's lock in the kernel.
 var lookupHook atomic.Pointer[func(name string)]
+
+// writeHook, when set (tests only), runs at the start of every WRITE the fallback data path
+// serves, with the file's path: a test stalls one to hold a write-back in the kernel.
+var writeHook atomic.Pointer[func(path string)]
 
 func (m *mtfs) isSealedTop(name string) bool {
 	_, ok := m.sealedTop.Load(name)
@@ -568,7 +578,9 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 			return errno
 		}
 	}
-	d.fs.writeBackUnder(src)
+	if errno := d.fs.writeBackUnder(src); errno != 0 {
+		return errno
+	}
 	if doomed := d.applyRename(ctx, name, np, newName, src, dst, flags, true); doomed != nil {
 		d.fs.awaitReleases(doomed) // space.go
 	}

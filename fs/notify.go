@@ -12,102 +12,144 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// entryNotifier tells the kernel that a name of the mount has changed, with
-// FUSE_NOTIFY_INVAL_ENTRY, which it writes itself (go-fuse v2.12 cannot set the notification's
-// flags), through a helper process where it can (notifier.go explains why).
+// kernelNotifier writes the notifications whose write(2) can wait for the kernel: through a
+// helper process where it can (notifier.go explains why), each kind through a helper of its
+// own, so that neither waits behind the other.
 //
-// Where the kernel can (FUSE_EXPIRE_ONLY, protocol 7.38, Linux 6.2+), a name's entry only
-// expires, without the kernel dropping what it cached below that name. A plain invalidation of
-// a step's directory makes the kernel drop every dentry and inode below it before it answers,
-// holding the lock of the mount's root: 0.4 s for a step of 100,000 files, during which the
-// job's own lookups and creates at the root wait, and the seal with them. Expired, the entry is
-// looked up again the next time a path walk reaches it, which is all the correctness needs; if
-// the directory it led to now has another name (a seal renames the step to its data name), the
-// kernel moves the cached dentry there on that lookup, and drops the subtree only if the old
-// name is asked for again.
+// Entry invalidations (FUSE_NOTIFY_INVAL_ENTRY, written here: go-fuse v2.12 cannot set the
+// notification's flags) tell the kernel that a name of the mount has changed. Where the kernel
+// can (FUSE_EXPIRE_ONLY, protocol 7.38, Linux 6.2+), a name's entry only expires, without the
+// kernel dropping what it cached below that name. A plain invalidation of a step's directory
+// makes the kernel drop every dentry and inode below it before it answers, holding the lock of
+// the mount's root: 0.4 s for a step of 100,000 files, during which the job's own lookups and
+// creates at the root wait, and the seal with them. Expired, the entry is looked up again the
+// next time a path walk reaches it, which is all the correctness needs; if the directory it led
+// to now has another name (a seal renames the step to its data name), the kernel moves the
+// cached dentry there on that lookup, and drops the subtree only if the old name is asked for
+// again.
+//
+// Page invalidations (FUSE_NOTIFY_INVAL_INODE from offset 0) have the kernel write back the
+// pages a job dirtied through a mapping before a commit (writeback.go); the kernel sends a WRITE
+// for each dirty page, which the agent's readers answer, before the write(2) returns. They must
+// not wait behind an entry invalidation: that one may wait for the root's lock, which the job's
+// rename holds while it waits for the very write-back (found by a review).
 //
 // A notification is one write(2) of a header and its arguments; the kernel takes it from any
 // descriptor of the connection, beside go-fuse's own writes.
-type entryNotifier struct {
+type kernelNotifier struct {
 	f          *os.File // a duplicate of the mount's /dev/fuse descriptor, close-on-exec
 	expireOnly bool     // the kernel can expire an entry only
-	mu         sync.Mutex
-	helper     *notifierHelper // GUARDED_BY(mu); nil: the notifications are written here
+	entries    notifyChannel
+	pages      notifyChannel
+}
+
+// notifyChannel is one helper process, or, without one, the agent writing itself.
+type notifyChannel struct {
+	mu     sync.Mutex
+	helper *notifierHelper // GUARDED_BY(mu); nil: the notifications are written here
 }
 
 // expire sends the notification that expires name in the directory of node id parent (only
 // when expireOnly).
-func (e *entryNotifier) expire(parent uint64, name string) error {
-	return e.send(parent, name, fuse.EXPIRE_ONLY)
+func (e *kernelNotifier) expire(parent uint64, name string) error {
+	return e.sendEntry(parent, name, fuse.EXPIRE_ONLY)
 }
 
 // invalidate makes the kernel drop name in the directory of node id parent, and everything it
 // cached below it.
-func (e *entryNotifier) invalidate(parent uint64, name string) error {
-	return e.send(parent, name, 0)
+func (e *kernelNotifier) invalidate(parent uint64, name string) error {
+	return e.sendEntry(parent, name, 0)
 }
 
-func (e *entryNotifier) send(parent uint64, name string, flags uint32) error {
-	const header = 16 // struct fuse_out_header: len, error (the notify code), unique (0)
-	msg := make([]byte, header+16+len(name)+1)
+// notifyHeader is struct fuse_out_header: len, error (the notify code), unique (0).
+const notifyHeader = 16
+
+func (e *kernelNotifier) sendEntry(parent uint64, name string, flags uint32) error {
+	msg := make([]byte, notifyHeader+16+len(name)+1)
 	binary.NativeEndian.PutUint32(msg[0:], uint32(len(msg)))
 	binary.NativeEndian.PutUint32(msg[4:], uint32(-fuse.NOTIFY_INVAL_ENTRY))
 	// struct fuse_notify_inval_entry_out: parent, namelen, flags; then the name and a NUL.
-	binary.NativeEndian.PutUint64(msg[header:], parent)
-	binary.NativeEndian.PutUint32(msg[header+8:], uint32(len(name)))
-	binary.NativeEndian.PutUint32(msg[header+12:], flags)
-	copy(msg[header+16:], name)
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.helper != nil {
-		err, ok := e.helper.send(msg)
+	binary.NativeEndian.PutUint64(msg[notifyHeader:], parent)
+	binary.NativeEndian.PutUint32(msg[notifyHeader+8:], uint32(len(name)))
+	binary.NativeEndian.PutUint32(msg[notifyHeader+12:], flags)
+	copy(msg[notifyHeader+16:], name)
+	return e.entries.send(e.f, msg)
+}
+
+// writeBackPages has the kernel write back the dirty pages of the file of node id node and drop
+// its cached pages and attributes (FUSE_NOTIFY_INVAL_INODE from offset 0 to the end).
+func (e *kernelNotifier) writeBackPages(node uint64) error {
+	msg := make([]byte, notifyHeader+24)
+	binary.NativeEndian.PutUint32(msg[0:], uint32(len(msg)))
+	binary.NativeEndian.PutUint32(msg[4:], uint32(-fuse.NOTIFY_INVAL_INODE))
+	// struct fuse_notify_inval_inode_out: ino, off, len (0: to the end).
+	binary.NativeEndian.PutUint64(msg[notifyHeader:], node)
+	return e.pages.send(e.f, msg)
+}
+
+func (c *notifyChannel) send(f *os.File, msg []byte) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.helper != nil {
+		err, ok := c.helper.send(msg)
 		if ok {
 			return err
 		}
-		e.helper.close()
-		e.helper = nil
-		slog.Warn("the FUSE notification helper is gone; the agent writes its notifications itself from now on (a kill -9 of the agent may then leave its mount hung, see mtcfs mount's takeover of such a mount)")
+		c.helper.close()
+		c.helper = nil
+		slog.Warn("a FUSE notification helper is gone; the agent writes its notifications itself from now on (a kill -9 of the agent may then leave its mount hung, see mtcfs mount's takeover of such a mount)")
 	}
-	_, err := e.f.Write(msg)
+	_, err := f.Write(msg)
 	return err
 }
 
-// usesHelper reports whether the notifications go through the helper process.
-func (e *entryNotifier) usesHelper() bool {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.helper != nil
+func (c *notifyChannel) usesHelper() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.helper != nil
+}
+
+func (c *notifyChannel) close() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.helper != nil {
+		c.helper.close()
+		c.helper = nil
+	}
+}
+
+// usesHelper reports whether the notifications go through helper processes.
+func (e *kernelNotifier) usesHelper() bool {
+	return e.entries.usesHelper() && e.pages.usesHelper()
 }
 
 // notifyFailed reports whether err, from expire or invalidate, leaves the entry to invalidate
 // another way (ENOENT: the kernel has no entry for the name, nothing to do).
 func notifyFailed(err error) bool { return err != nil && !errors.Is(err, unix.ENOENT) }
 
-// close stops the helper and releases the duplicate; then every notification fails with
+// close stops the helpers and releases the duplicate; then every notification fails with
 // os.ErrClosed.
-func (e *entryNotifier) close() {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.helper != nil {
-		e.helper.close()
-		e.helper = nil
-	}
+func (e *kernelNotifier) close() {
+	e.entries.close()
+	e.pages.close()
 	e.f.Close()
 }
 
-// newEntryNotifier returns the notifier for srv's connection mounted at dir, given dup, a
+// newKernelNotifier returns the notifier for srv's connection mounted at dir, given dup, a
 // duplicate of its /dev/fuse descriptor (newServer's; -1 if none), or nil without one (the
-// caller then invalidates entries as go-fuse does). It owns dup either way.
-func newEntryNotifier(srv *fuse.Server, dup int, dir string, log *slog.Logger) *entryNotifier {
+// caller then notifies as go-fuse does). It owns dup either way.
+func newKernelNotifier(srv *fuse.Server, dup int, dir string, log *slog.Logger) *kernelNotifier {
 	if dup < 0 {
 		return nil
 	}
-	e := &entryNotifier{f: os.NewFile(uintptr(dup), "/dev/fuse"), expireOnly: srv.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY != 0}
-	h, err := startNotifier(dup, dir)
-	if err != nil {
-		log.Warn("no FUSE notification helper; the agent writes its notifications itself (a kill -9 of the agent may then leave its mount hung, see mtcfs mount's takeover of such a mount)", "err", err)
+	e := &kernelNotifier{f: os.NewFile(uintptr(dup), "/dev/fuse"), expireOnly: srv.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY != 0}
+	for _, c := range []*notifyChannel{&e.entries, &e.pages} {
+		h, err := startNotifier(dup, dir)
+		if err != nil {
+			log.Warn("no FUSE notification helper; the agent writes its notifications itself (a kill -9 of the agent may then leave its mount hung, see mtcfs mount's takeover of such a mount)", "err", err)
+		}
+		c.helper = h
 	}
-	e.helper = h
 	return e
 }
 

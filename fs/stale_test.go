@@ -130,11 +130,11 @@ func answeredWithin(access <-chan error, d time.Duration) (bool, error) {
 // notification goes through.
 func TestNotificationsWaitInTheHelper(t *testing.T) {
 	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
-	e := srv.ns.m.notifier
+	e := srv.ns.m.notifier.Load()
 	if e == nil || !e.usesHelper() {
 		t.Fatal("the mount has no notification helper")
 	}
-	helper := e.helper.cmd.Process.Pid
+	helper := e.entries.helper.cmd.Process.Pid
 	_, release := stallLookup(t, dir)
 	done := make(chan struct{})
 	go func() {
@@ -215,11 +215,11 @@ func kernelStacks(pid int) string {
 // the connection, which ends the lookup and its own write, and exits; the mount answers ENOTCONN.
 func TestHelperAbortsWhenTheAgentIsGoneMidWrite(t *testing.T) {
 	dir, srv, _, _ := mountWithEvents(t, PassthroughAuto)
-	e := srv.ns.m.notifier
+	e := srv.ns.m.notifier.Load()
 	if e == nil || !e.usesHelper() {
 		t.Fatal("the mount has no notification helper")
 	}
-	h := e.helper
+	h := e.entries.helper
 	job, _ := stallLookup(t, dir)
 	sent := make(chan error, 1)
 	go func() { sent <- e.expire(fuse.FUSE_ROOT_ID, "other") }()

@@ -1,9 +1,12 @@
 package fs
 
 import (
+	"context"
+	"maps"
 	"syscall"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 )
 
@@ -22,14 +25,22 @@ import (
 // agent (WRITE requests that other readers serve) before it drops it. Files without such a
 // handle, the usual case at a commit, cost nothing.
 //
-// The agent writes that notification itself (go-fuse's InodeNotify), not through the helper of
-// the entry notifications (notifier.go): the helper takes one notification at a time, and an
-// entry invalidation of the root waits for the root's lock, which the job's rename holds in the
-// kernel while it waits for this very request: the rename, the helper and this handler would
-// wait on each other for ever (found by a review). An invalidation of a file's pages takes no
-// directory lock. The price: a kill -9 that lands while the kernel writes the pages back leaves
-// the agent's thread waiting for WRITE replies nobody sends, as the entry notifications did
-// before the helper; the next mtcfs mount detaches such a mount.
+// The notification is written by a helper process of its own (kernelNotifier's pages channel,
+// notifier.go), not by the agent's thread: the write(2) returns only once the kernel has written
+// every dirty page back, with WRITE requests the agent's readers answer, and a kill -9 that
+// landed meanwhile left that thread waiting for replies no thread would send any more, and the
+// mount hung until the next mtcfs mount took it over (found by a review). It is not the helper
+// of the entry notifications either: the helper takes one notification at a time, and an entry
+// invalidation of the root waits for the root's lock, which the job's rename holds in the kernel
+// while it waits for this very request: the rename, the helper and this handler would wait on
+// each other for ever (found by a review). An invalidation of a file's pages takes no directory
+// lock.
+//
+// A page the agent refuses to store (ENOSPC: the spool is full), at the rename or at any time
+// before it (the kernel also writes dirty pages back on its own, and at munmap), is dropped by
+// the kernel: no system call of the job reports it for sure, and the checkpoint would lack it
+// without a word. Such a file is remembered, and a rename that would commit it fails with the
+// WRITE's errno: the job's save fails, and the step is not committed.
 
 // addWriter counts a handle of f that may write. Caller holds f.mu.
 func (f *fileNode) addWriter() {
@@ -56,13 +67,36 @@ func (f *fileNode) dropWriter() {
 	}
 }
 
-// writeBackUnder has the kernel write back what the job wrote through mappings of the files
-// at or below in that still have handles that may write (see above).
-func (m *mtfs) writeBackUnder(in *gofs.Inode) {
-	m.writersMu.Lock()
-	if len(m.writing) == 0 {
-		m.writersMu.Unlock()
+// refusedWrite notes a WRITE to f that the agent failed (or stored in part) with errno; if it
+// wrote back pages of the kernel's page cache (eventFS.Write), f is lossy.
+func (m *mtfs) refusedWrite(ctx context.Context, f *fileNode, errno syscall.Errno) {
+	c, ok := ctx.(*fuse.Context)
+	if !ok || c.Cancel == nil {
 		return
+	}
+	if _, page := m.pageWrites.Load(c.Cancel); !page {
+		return // the job's write(2) returns the error
+	}
+	m.writersMu.Lock()
+	if m.lossy == nil {
+		m.lossy = map[*fileNode]syscall.Errno{}
+	}
+	_, known := m.lossy[f]
+	m.lossy[f] = errno
+	m.writersMu.Unlock()
+	if !known {
+		m.log.Warn("the kernel wrote back pages the job wrote through a mapping, and the agent could not store them: they are lost, and a rename that would commit the file fails", "path", f.Path(nil), "err", errno)
+	}
+}
+
+// writeBackUnder has the kernel write back what the job wrote through mappings of the files
+// at or below in that still have handles that may write (see above). It returns the errno of a
+// page write-back the agent refused for a file at or below in, now or before (0: none).
+func (m *mtfs) writeBackUnder(in *gofs.Inode) syscall.Errno {
+	m.writersMu.Lock()
+	if len(m.writing) == 0 && len(m.lossy) == 0 {
+		m.writersMu.Unlock()
+		return 0
 	}
 	var files []*fileNode
 	for f := range m.writing {
@@ -73,11 +107,34 @@ func (m *mtfs) writeBackUnder(in *gofs.Inode) {
 		if !below(&f.Inode, in) {
 			continue
 		}
+		var errno syscall.Errno
+		if e := m.notifier.Load(); e != nil {
+			errno = gofs.ToErrno(e.writeBackPages(f.NodeID()))
+		} else {
+			errno = f.NotifyContent(0, 0)
+		}
 		// ENOENT: the kernel holds no inode for it, so no page either.
-		if errno := f.NotifyContent(0, 0); errno != 0 && errno != unix.ENOENT && errno != syscall.ENOSYS {
+		if errno != 0 && errno != unix.ENOENT && errno != syscall.ENOSYS {
 			m.log.Warn("have the kernel write back what the job wrote through a mapping before a rename", "path", f.Path(nil), "err", errno)
 		}
 	}
+	m.writersMu.Lock()
+	lossy := maps.Clone(m.lossy)
+	m.writersMu.Unlock()
+	var failed syscall.Errno
+	for f, errno := range lossy {
+		if _, parent := f.Parent(); parent == nil {
+			m.writersMu.Lock()
+			delete(m.lossy, f) // removed from the tree: nothing to commit
+			m.writersMu.Unlock()
+			continue
+		}
+		if failed == 0 && below(&f.Inode, in) {
+			m.log.Warn("a rename would commit a file that lacks pages the job wrote through a mapping; it fails", "path", f.Path(nil), "err", errno)
+			failed = errno
+		}
+	}
+	return failed
 }
 
 // below reports whether in is top or lies below it (by its first name).

@@ -777,6 +777,12 @@ func (n *Inode) NotifyContent(off, sz int64) syscall.Errno {
 	return syscall.Errno(n.bridge.server.InodeNotify(n.nodeId, off, sz))
 }
 
+// NodeID returns the node ID by which the kernel knows n (mtcfs: to write an inode
+// notification itself, see MTCFS.md).
+func (n *Inode) NodeID() uint64 {
+	return n.nodeId
+}
+
 // WriteCache stores data in the kernel cache.
 func (n *Inode) WriteCache(offset int64, data []byte) syscall.Errno {
 	if n.bridge.server == nil {
