@@ -107,3 +107,7 @@ func (s tierStore) Resumable(ctx context.Context, job, backup string, step int64
 func (s tierStore) CleanLeftovers(ctx context.Context, job string) (int, error) {
 	return s.b.CleanLeftovers(ctx, job)
 }
+
+func (s tierStore) DeleteIncomplete(ctx context.Context, job, backup string) (int, error) {
+	return s.b.DeleteIncomplete(ctx, job, backup, true)
+}

@@ -66,6 +66,9 @@ type backupOrder struct {
 	hashes   [][]string // by rank: the data its .meta files name, as reported with done (nil: not said)
 	retryAt  time.Time  // non-zero: a node failed; the order is given again then
 	attempts int
+	// superseded names the earlier orders this one replaced when a node failed them (see
+	// dropSuperseded).
+	superseded []string
 }
 
 func (b *backupState) init(every time.Duration, steps int) {
@@ -197,6 +200,7 @@ func (c *JobCoordinator) considerBackup(now time.Time) {
 			if name, ok := c.freeMinute(now); ok {
 				c.log.Info("backup superseded by a newer step", "backup", o.name, "step", o.step, "newer", b.latest)
 				c.orderBackup(now, name)
+				b.order.superseded = append(o.superseded, o.name)
 			}
 		default:
 			o.retryAt = time.Time{}
@@ -325,6 +329,9 @@ func (c *JobCoordinator) backupReport(rank int, rep tiers.BackupReport) {
 		b.order = nil
 		b.wake()
 		c.log.Info("backup complete", "backup", o.name, "step", o.step)
+		if len(o.superseded) > 0 {
+			go c.dropSuperseded(o.superseded)
+		}
 		c.considerBackup(now)
 	case rep.Failed == o.name && o.retryAt.IsZero():
 		o.attempts++
@@ -332,6 +339,24 @@ func (c *JobCoordinator) backupReport(rank int, rep tiers.BackupReport) {
 		c.log.Warn("backup failed on a node; it is ordered again", "backup", o.name, "step", o.step, "rank", rank,
 			"err", rep.Err, "retry_in", o.retryAt.Sub(now).String())
 		c.armBackupTimer(now, o.retryAt)
+	}
+}
+
+// dropSuperseded removes the backups of orders that a node failed and a newer step's order
+// replaced (names), once that newer backup is complete. Such an order stays incomplete for
+// good: the node that failed it may have freed its step meanwhile (after a partition heals,
+// the rejoining node's next step replicated before it took the order; found by a black-box
+// run), and `backups verify` flagged it until a user deleted it by hand. Every node has
+// reported on the newer order, so none still uploads into the older ones; a backup holding a
+// complete or damaged step is refused (mtcfs never deletes checkpoints).
+func (c *JobCoordinator) dropSuperseded(names []string) {
+	for _, name := range names {
+		n, err := c.store.DeleteIncomplete(c.ctx, c.cfg.JobName, name)
+		if err != nil {
+			c.log.Warn("could not remove the incomplete backup a newer one superseded (mtcfs backups delete removes it)", "backup", name, "err", err)
+			continue
+		}
+		c.log.Info("removed the incomplete backup a newer one superseded", "backup", name, "objects", n)
 	}
 }
 

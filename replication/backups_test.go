@@ -171,6 +171,15 @@ func TestBackupRetries(t *testing.T) {
 	want := tiers.BackupOrder{Backup: "2030-01-02_03-01", Step: 101}
 	assert.Equal(t, want, eventuallyOrder(t, c, 0))
 	assert.Equal(t, want, orderOf(t, c, 1, tiers.BackupReport{}))
+	// The failed order's backup stays incomplete for good: once the newer one is complete, and
+	// not before, it is removed.
+	store := c.store.(*fakeStore)
+	orderOf(t, c, 0, tiers.BackupReport{Done: want.Backup})
+	time.Sleep(50 * time.Millisecond)
+	assert.Empty(t, store.deletedBackups(), "nothing removed while the newer backup is incomplete")
+	orderOf(t, c, 1, tiers.BackupReport{Done: want.Backup})
+	require.Eventually(t, func() bool { return len(store.deletedBackups()) > 0 }, 5*time.Second, time.Millisecond)
+	assert.Equal(t, []string{o.Backup}, store.deletedBackups(), "the superseded backup is removed")
 }
 
 // A restored step no backup holds is backed up as soon as it is synced (it was committed before

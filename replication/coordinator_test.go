@@ -107,8 +107,9 @@ type fakeStore struct {
 	pinReads int                           // GUARDED_BY(mu); one per PlanRestore
 	// pinDown and listDown make restore.version, and the listings, unreadable: their reads hang
 	// until their context ends (a location that does not answer).
-	pinDown, listDown bool // GUARDED_BY(mu)
-	lists             int  // GUARDED_BY(mu); calls of Backups
+	pinDown, listDown bool     // GUARDED_BY(mu)
+	lists             int      // GUARDED_BY(mu); calls of Backups
+	deleted           []string // GUARDED_BY(mu); backups DeleteIncomplete removed
 	// cutShort maps a backup (listed in backups, with no complete step) to the step whose
 	// upload was cut short in it: Resumable says yes for that step and its data.
 	cutShort     map[string]int64    // GUARDED_BY(mu)
@@ -203,6 +204,22 @@ func (s *fakeStore) ClearRestoreVersion(ctx context.Context, job string) error {
 func (s *fakeStore) String() string { return "fake://backups" }
 
 func (s *fakeStore) CleanLeftovers(ctx context.Context, job string) (int, error) { return 0, nil }
+
+func (s *fakeStore) DeleteIncomplete(ctx context.Context, job, backup string) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.backups[backup]) > 0 {
+		return 0, errors.New("it holds a complete step")
+	}
+	s.deleted = append(s.deleted, backup)
+	return 1, nil
+}
+
+func (s *fakeStore) deletedBackups() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.deleted)
+}
 
 func (s *fakeStore) Resumable(ctx context.Context, job, backup string, step int64, data []string, shape tiers.Shape) (bool, string, error) {
 	if s.resumeGate != nil {

@@ -89,6 +89,10 @@ type BackupStore interface {
 	// data (the step's hashes) leaves nothing else in, and if not, why (see
 	// gcsbackend.Backups.Resumable).
 	Resumable(ctx context.Context, job, backup string, step int64, data []string, shape Shape) (ok bool, why string, err error)
+	// DeleteIncomplete removes backup when it holds no complete and no damaged step, an upload
+	// that no agent writes to any more (gcsbackend.Backups.DeleteIncomplete with force), and
+	// returns how many objects it removed; it refuses any other.
+	DeleteIncomplete(ctx context.Context, job, backup string) (int, error)
 	String() string
 }
 
