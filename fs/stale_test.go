@@ -225,19 +225,26 @@ func TestHelperAbortsWhenTheAgentIsGoneMidWrite(t *testing.T) {
 	go func() { sent <- e.expire(fuse.FUSE_ROOT_ID, "other") }()
 	waitInKernel(t, h.cmd.Process.Pid, "fuse_reverse_inval_entry")
 	h.life.Close() // the agent is gone, as far as the helper can tell
-
-	select {
-	case err := <-job:
-		if !errors.Is(err, unix.ECONNABORTED) && !errors.Is(err, unix.ENOTCONN) {
-			t.Errorf("the job's lookup returned %v, want the connection aborted", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the job's lookup still waits: the helper did not abort the connection")
-	}
+	requireAborted(t, dir, h, "lookup", job)
 	select {
 	case <-sent:
 	case <-time.After(5 * time.Second):
 		t.Fatal("the notification still waits after the abort")
+	}
+}
+
+// requireAborted checks that once the agent is gone, helper h aborts the connection of the
+// mount at dir: the job's call what, waiting for the agent, returns (on job) with the connection
+// aborted, h exits, and the mount answers ENOTCONN.
+func requireAborted(t *testing.T, dir string, h *notifierHelper, what string, job <-chan error) {
+	t.Helper()
+	select {
+	case err := <-job:
+		if !errors.Is(err, unix.ECONNABORTED) && !errors.Is(err, unix.ENOTCONN) {
+			t.Errorf("the job's %s returned %v, want the connection aborted", what, err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatalf("the job's %s still waits: the helper did not abort the connection", what)
 	}
 	pid := h.cmd.Process.Pid // reaped by startNotifier's cmd.Wait once it exits
 	for deadline := time.Now().Add(5 * time.Second); unix.Kill(pid, 0) == nil; time.Sleep(10 * time.Millisecond) {

@@ -201,24 +201,5 @@ func TestPagesHelperAbortsWhenTheAgentIsGone(t *testing.T) {
 	go func() { renamed <- os.Rename(tmp, filepath.Join(dir, "7")) }()
 	waitInKernel(t, h.cmd.Process.Pid, "fuse_reverse_inval_inode")
 	h.life.Close() // the agent is gone, as far as the helper can tell
-
-	select {
-	case err := <-renamed:
-		if !errors.Is(err, unix.ECONNABORTED) && !errors.Is(err, unix.ENOTCONN) {
-			t.Errorf("the job's rename returned %v, want the connection aborted", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the job's rename still waits: the helper did not abort the connection")
-	}
-	pid := h.cmd.Process.Pid // reaped by startNotifier's cmd.Wait once it exits
-	for deadline := time.Now().Add(5 * time.Second); unix.Kill(pid, 0) == nil; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Error("the helper did not exit")
-			break
-		}
-	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); !errors.Is(err, unix.ENOTCONN) {
-		t.Errorf("the mount answers %v after the abort, want ENOTCONN", err)
-	}
+	requireAborted(t, dir, h, "rename", renamed)
 }
