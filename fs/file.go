@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -37,6 +38,12 @@ type fileNode struct {
 	// limit is the largest size a control file may reach (0: none); such files never use
 	// passthrough, so that every write passes the check.
 	limit int64
+	// dataMu orders the agent's writes of the file's bytes (WRITE, fallocate, copy_file_range
+	// into it) with a copy of them into a checkpoint: a write holds it shared from its frozen
+	// check to the end of its change, exportTo exclusively. A write the job was told had
+	// succeeded was otherwise torn in the checkpoint when it ran during the copy (found by a
+	// black-box run).
+	dataMu sync.RWMutex
 }
 
 var (
@@ -249,6 +256,11 @@ var frozenChecked atomic.Pointer[func(*fileNode)]
 // space.go): exportTo waits for it as awaitReleases does, so that a just-closed file is linked,
 // not copied.
 func (f *fileNode) exportTo(rel string, link func(src string) error, create func() (*os.File, error)) (copied bool, err error) {
+	f.dataMu.Lock() // before mu: writes take it first (see dataMu)
+	defer f.dataMu.Unlock()
+	if errno := f.fs.lostPages(f); errno != 0 {
+		return false, fmt.Errorf("%s: %w", rel, &LostPagesError{Errno: errno})
+	}
 	f.mu.Lock()
 	if f.writers != 0 { // the common case takes the lock once
 		f.mu.Unlock()
@@ -368,6 +380,8 @@ func (f *fileNode) CopyFileRange(ctx context.Context, fhIn gofs.FileHandle, offI
 	if !ok1 || !ok2 || flags != 0 {
 		return 0, syscall.EINVAL
 	}
+	hout.node.dataMu.RLock()
+	defer hout.node.dataMu.RUnlock()
 	var n int
 	errno := retryNoSpace(f.fs, func() syscall.Errno {
 		if errno := hout.charge(int64(offOut + length)); errno != 0 {
@@ -463,13 +477,15 @@ func (h *fileHandle) charge(end int64) syscall.Errno {
 }
 
 func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
-	if hook := writeHook.Load(); hook != nil {
-		(*hook)(h.node.Path(nil))
-	}
+	h.node.dataMu.RLock()
+	defer h.node.dataMu.RUnlock()
 	var n int
 	errno := retryNoSpace(h.node.fs, func() syscall.Errno {
 		if errno := h.charge(off + int64(len(data))); errno != 0 {
 			return errno
+		}
+		if hook := writeHook.Load(); hook != nil {
+			(*hook)(h.node.Path(nil))
 		}
 		var err error
 		n, err = unix.Pwrite(h.fd, data, off)
@@ -553,6 +569,8 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 }
 
 func (h *fileHandle) Allocate(ctx context.Context, off uint64, size uint64, mode uint32) syscall.Errno {
+	h.node.dataMu.RLock()
+	defer h.node.dataMu.RUnlock()
 	if h.node.isFrozen() {
 		return syscall.EROFS
 	}

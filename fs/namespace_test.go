@@ -126,13 +126,19 @@ func (r *recorder) waitFor(t *testing.T, s string) {
 
 func mountWithEvents(t *testing.T, mode PassthroughMode) (string, *Server, *recorder, *tiers.Spool) {
 	t.Helper()
+	return mountWithEventsBudget(t, mode, 64<<20)
+}
+
+// mountWithEventsBudget is mountWithEvents with a spool of budget bytes.
+func mountWithEventsBudget(t *testing.T, mode PassthroughMode, budget int64) (string, *Server, *recorder, *tiers.Spool) {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("mount tests need root")
 	}
 	base := t.TempDir()
 	dir := filepath.Join(base, "mnt")
 	require.NoError(t, os.Mkdir(dir, 0o755))
-	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(base, "spool"), Budget: 64 << 20, MountTmpfs: true})
+	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(base, "spool"), Budget: budget, MountTmpfs: true})
 	require.NoError(t, err)
 	rec := &recorder{}
 	srv, err := Mount(dir, Options{Spool: spool, Passthrough: mode, Events: rec, InProcess: true})

@@ -61,8 +61,9 @@ type mtfs struct {
 // the name looked up: a test stalls one to hold the directory's lock in the kernel.
 var lookupHook atomic.Pointer[func(name string)]
 
-// writeHook, when set (tests only), runs at the start of every WRITE the fallback data path
-// serves, with the file's path: a test stalls one to hold a write-back in the kernel.
+// writeHook, when set (tests only), runs in every WRITE the fallback data path serves, after its
+// checks and before it stores the bytes, with the file's path: a test stalls one to hold a
+// write-back in the kernel, or a write that a commit's copy must wait for.
 var writeHook atomic.Pointer[func(path string)]
 
 func (m *mtfs) isSealedTop(name string) bool {
@@ -503,6 +504,12 @@ func (d *dirNode) Link(ctx context.Context, target gofs.InodeEmbedder, name stri
 	case *fileNode:
 		if n.isControl() {
 			return nil, syscall.EXDEV // see movesControlFile
+		}
+		// A link may commit the file (a pytorch .save): what the job wrote through a mapping
+		// goes to the agent first, as at a rename (writeback.go; a link commit missed it, found
+		// by a black-box run).
+		if errno := d.fs.writeBackUnder(&n.Inode); errno != 0 {
+			return nil, errno
 		}
 		if errno := n.addLink(); errno != 0 {
 			return nil, errno

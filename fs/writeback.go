@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"syscall"
 
@@ -87,6 +88,23 @@ func (m *mtfs) refusedWrite(ctx context.Context, f *fileNode, errno syscall.Errn
 	if !known {
 		m.log.Warn("the kernel wrote back pages the job wrote through a mapping, and the agent could not store them: they are lost, and a rename that would commit the file fails", "path", f.Path(nil), "err", errno)
 	}
+}
+
+// LostPagesError is why a checkpoint cannot take a file: pages the job wrote through a mapping
+// were refused (Errno) when the kernel wrote them back, and the kernel dropped them.
+type LostPagesError struct{ Errno syscall.Errno }
+
+func (e *LostPagesError) Error() string {
+	return fmt.Sprintf("bytes the job wrote through a shared mapping could not be stored when the kernel wrote them back (%v); they are lost", e.Errno)
+}
+
+func (e *LostPagesError) Unwrap() error { return e.Errno }
+
+// lostPages returns the errno of a refused write-back of f's pages (0: none).
+func (m *mtfs) lostPages(f *fileNode) syscall.Errno {
+	m.writersMu.Lock()
+	defer m.writersMu.Unlock()
+	return m.lossy[f]
 }
 
 // writeBackUnder has the kernel write back what the job wrote through mappings of the files

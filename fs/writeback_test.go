@@ -203,3 +203,83 @@ func TestPagesHelperAbortsWhenTheAgentIsGone(t *testing.T) {
 	h.life.Close() // the agent is gone, as far as the helper can tell
 	requireAborted(t, dir, h, "rename", renamed)
 }
+
+// TestWriteInFlightIsInTheCopy: a file still open for writing at a commit is copied into the
+// checkpoint. A WRITE that passed its checks before the commit froze the file and is still
+// storing its bytes when the copy starts is waited for: the job is told the write succeeded, so
+// the checkpoint has it whole (it had a torn one, found by a black-box run). A write after the
+// freeze fails with EROFS.
+func TestWriteInFlightIsInTheCopy(t *testing.T) {
+	dir, srv, _, _ := mountWithEvents(t, PassthroughOff)
+	tmp := filepath.Join(dir, "7.orbax-checkpoint-tmp")
+	require.NoError(t, os.Mkdir(tmp, 0o755))
+	f, err := os.OpenFile(filepath.Join(tmp, "w.bin"), os.O_CREATE|os.O_RDWR, 0o644)
+	require.NoError(t, err)
+	defer f.Close()
+	const size = 256 << 10
+	_, err = f.WriteAt(bytes.Repeat([]byte{'a'}, size), 0)
+	require.NoError(t, err)
+
+	entered, released := make(chan struct{}), make(chan struct{})
+	var enter, free sync.Once
+	hook := func(path string) {
+		if strings.HasSuffix(path, "w.bin") {
+			enter.Do(func() { close(entered) })
+			<-released
+		}
+	}
+	writeHook.Store(&hook)
+	release := func() { free.Do(func() { close(released) }) }
+	// Before f.Close, deferred above: a close waits for the write in flight on its descriptor.
+	defer func() { writeHook.Store(nil); release() }()
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := f.WriteAt(bytes.Repeat([]byte{'b'}, size), 0)
+		wrote <- err
+	}()
+	select {
+	case <-entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the write never reached the agent")
+	}
+
+	dst := filepath.Join(t.TempDir(), "sealed")
+	sealed := make(chan error, 1)
+	go func() {
+		_, err := srv.Namespace().Seal("7.orbax-checkpoint-tmp", dst)
+		sealed <- err
+	}()
+	select {
+	case err := <-sealed:
+		t.Fatalf("the seal returned (%v) while a write it had let through was storing its bytes", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	release()
+	require.NoError(t, <-wrote, "the write passed its checks before the freeze")
+	require.NoError(t, <-sealed)
+	got, err := os.ReadFile(filepath.Join(dst, "w.bin"))
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(bytes.Repeat([]byte{'b'}, size), got), "the checkpoint has %d bytes of the write that succeeded, of %d", bytes.Count(got, []byte{'b'}), size)
+	writeHook.Store(nil)
+	_, err = f.WriteAt([]byte("late"), 0)
+	require.True(t, errors.Is(err, syscall.EROFS), "a write after the freeze returned %v, want EROFS", err)
+}
+
+// TestLostPagesFailTheSeal: a file some of whose mapped pages were refused at a write-back is not
+// taken into a checkpoint, whatever commits it (a link or a close commits a pytorch .save without
+// a rename): the seal fails and says why.
+func TestLostPagesFailTheSeal(t *testing.T) {
+	const budget = 16 << 20
+	dir, srv, _, _ := mountWithEventsBudget(t, PassthroughOff, budget)
+	mapDirty(t, filepath.Join(dir, "m.bin"), 2*budget, 'm')
+	// The mapper's pages go back at its munmap at the latest.
+	f, err := os.OpenFile(filepath.Join(dir, "m.bin"), os.O_RDWR, 0)
+	require.NoError(t, err)
+	err = f.Sync() // the write-back
+	f.Close()
+	require.True(t, errors.Is(err, syscall.ENOSPC), "fsync returned %v: the write-back must have been refused", err)
+	_, err = srv.Namespace().Seal("m.bin", filepath.Join(t.TempDir(), "sealed"))
+	var lost *LostPagesError
+	require.True(t, errors.As(err, &lost), "the seal returned %v, want the lost pages named", err)
+	require.True(t, errors.Is(err, syscall.ENOSPC), "%v", err)
+}
