@@ -588,6 +588,11 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 	if errno := d.fs.writeBackUnder(src); errno != 0 {
 		return errno
 	}
+	if np.IsRoot() { // where a rename commits a step
+		if errno := d.fs.roomForCopies(src); errno != 0 {
+			return errno
+		}
+	}
 	if doomed := d.applyRename(ctx, name, np, newName, src, dst, flags, true); doomed != nil {
 		d.fs.awaitReleases(doomed) // space.go
 	}

@@ -283,3 +283,28 @@ func TestLostPagesFailTheSeal(t *testing.T) {
 	require.True(t, errors.As(err, &lost), "the seal returned %v, want the lost pages named", err)
 	require.True(t, errors.Is(err, syscall.ENOSPC), "%v", err)
 }
+
+// TestRenameFailsWhenCopiesDoNotFit: a file still open for writing at a commit's rename is copied
+// into the checkpoint; when the copies cannot fit in the spool, the rename fails with ENOSPC
+// (it returned, and the step could not be sealed). Closed, the file is linked, and the rename
+// goes through.
+func TestRenameFailsWhenCopiesDoNotFit(t *testing.T) {
+	const budget = 16 << 20
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, _ := testMount(t, mode, budget)
+			tmp := filepath.Join(dir, "7.orbax-checkpoint-tmp")
+			require.NoError(t, os.Mkdir(tmp, 0o755))
+			f, err := os.OpenFile(filepath.Join(tmp, "big.bin"), os.O_CREATE|os.O_RDWR, 0o644)
+			require.NoError(t, err)
+			defer f.Close()
+			_, err = f.Write(bytes.Repeat([]byte{'b'}, 10<<20))
+			require.NoError(t, err)
+
+			err = os.Rename(tmp, filepath.Join(dir, "7"))
+			require.True(t, errors.Is(err, syscall.ENOSPC), "the rename returned %v, want ENOSPC", err)
+			require.NoError(t, f.Close())
+			require.NoError(t, os.Rename(tmp, filepath.Join(dir, "7")), "closed, the file is linked")
+		})
+	}
+}
