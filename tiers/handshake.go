@@ -77,7 +77,7 @@ func (h *handshake) answer() {
 		h.lines.errLine(cfg, msg)
 	}
 	h.freeOtherJobs(cfg)
-	run := Running{Incarnation: inc.ID, Framework: cfg.Framework, Rank: cfg.NodeRank, Nodes: cfg.Nodes, Since: h.now().UTC()}
+	run := Running{Incarnation: inc.ID, Framework: cfg.Framework, Rank: cfg.NodeRank, Nodes: cfg.Nodes, Since: h.now().UTC(), TracksRestore: true}
 	if err := h.withRoom(func() error { return h.spool.SetRunning(cfg.JobName, run) }); errors.Is(err, errNoOwnerRecord) {
 		h.log.Debug("spool owner record", "err", err)
 	} else if err != nil {

@@ -245,7 +245,7 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 			"job", o.Job, "framework", o.Running.Framework, "incarnation", o.Running.Incarnation, "rank", o.Running.Rank, "since", o.Running.Since)
 		if o.Running.Framework == FrameworkOrbax {
 			p := &interruptedJob{job: o.Job, run: *o.Running}
-			if until := o.Running.Since.Add(r.restoreWait()); !o.Running.Restored && n.now().Before(until) {
+			if until := o.Running.Since.Add(r.restoreWait()); o.Running.TracksRestore && !o.Running.Restored && n.now().Before(until) {
 				r.tellRestoreInterrupted(p, until)
 			}
 			// Also armed in the restore window: a job that took its marker just before the

@@ -124,6 +124,11 @@ type Running struct {
 	// Restored: the restore markers were published (MarkRestored). An Orbax job under an
 	// agent restarted before that waits for markers that will not come.
 	Restored bool `json:"restored,omitempty"`
+	// TracksRestore: the agent that wrote the record sets Restored (an agent of an earlier
+	// version does not: its record says nothing of the markers, and a restarted agent read
+	// the missing field as "not published", and told a job that had restored long before that
+	// its markers would not come; found by a black-box run of a rolling upgrade).
+	TracksRestore bool `json:"tracks_restore,omitempty"`
 }
 
 // DefaultSpoolRoot is the directory that holds the default spools of this user: shared by root

@@ -10,6 +10,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -1624,6 +1625,33 @@ func TestAgentRestartInTheRestoreWindowTellsTheJob(t *testing.T) {
 	o = orbaxClient(t, n.dir, job, 60)
 	require.NoError(t, restoresStep(ctx, o, 30), "%s", f.log())
 	stopAgent(t, f)
+
+	// An agent of an earlier version says nothing of the markers in its record: a job it
+	// answered within the window, which has its markers, is not told they will not come (it
+	// was, in a rolling upgrade: found by a black-box run). Its next save is told the agent
+	// was restarted.
+	owner := filepath.Join(n.spool, tiers.OwnerFile)
+	data, err := os.ReadFile(owner)
+	require.NoError(t, err)
+	var rec map[string]any
+	require.NoError(t, json.Unmarshal(data, &rec))
+	run, ok := rec["running"].(map[string]any)
+	require.True(t, ok, "the record names the incarnation: %s", data)
+	delete(run, "restored")
+	delete(run, "tracks_restore")
+	run["since"] = time.Now().UTC().Format(time.RFC3339Nano)
+	data, err = json.Marshal(rec)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(owner, data, 0o600))
+	g := n.start(t)
+	time.Sleep(200 * time.Millisecond)
+	assert.NoFileExists(t, failed, "%s", g.log())
+	require.NoError(t, os.Mkdir(filepath.Join(n.dir, "40.orbax-checkpoint-tmp"), 0o755))
+	repWait(t, 10*time.Second, "replicator.failed at the job's save", func() bool { return pathExists(failed) })
+	got = lines()
+	require.Len(t, got, 1, "%s", g.log())
+	assert.Contains(t, got[0], "was running")
+	stopAgent(t, g)
 }
 
 // TestMappedWritesAreInTheCommit: what the job wrote through a shared writable mapping still
