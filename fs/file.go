@@ -133,6 +133,9 @@ func (f *fileNode) setattr(fh gofs.FileHandle, in *fuse.SetAttrIn) syscall.Errno
 		if err != nil {
 			return f.fs.toErrno("truncate", err)
 		}
+		if size == 0 {
+			f.fs.rewritten(f) // the lost pages are gone with the rest (writeback.go)
+		}
 	}
 	atime, aok := in.GetATime()
 	mtime, mok := in.GetMTime()
@@ -218,6 +221,7 @@ func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileH
 			return nil, 0, f.fs.toErrno("open", err)
 		}
 		f.chargeTo(0, true)
+		f.fs.rewritten(f)
 	}
 	f.opens++
 	h := &fileHandle{node: f, fd: fd, writable: flags&syscall.O_ACCMODE != syscall.O_RDONLY}

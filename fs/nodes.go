@@ -588,6 +588,11 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 	if errno := d.fs.writeBackUnder(src); errno != 0 {
 		return errno
 	}
+	if flags&unix.RENAME_EXCHANGE != 0 {
+		if errno := d.fs.writeBackUnder(dst); errno != 0 { // it is swapped in: it may commit too
+			return errno
+		}
+	}
 	if np.IsRoot() { // where a rename commits a step
 		if errno := d.fs.roomForCopies(src); errno != 0 {
 			return errno

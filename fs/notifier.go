@@ -61,8 +61,8 @@ type notifierHelper struct {
 }
 
 // startNotifier starts a helper that writes notifications on a clone of the mount's /dev/fuse
-// descriptor fd, for the mount at dir.
-func startNotifier(fd int, dir string) (*notifierHelper, error) {
+// descriptor fd, for the mount at dir; kind (entries, pages) names it in ps.
+func startNotifier(fd int, dir, kind string) (*notifierHelper, error) {
 	// The running executable itself, even if its file was replaced (an upgrade in place) or
 	// removed since: a newer or older binary at its path might not be this helper.
 	exe := "/proc/self/exe"
@@ -98,7 +98,7 @@ func startNotifier(fd int, dir string) (*notifierHelper, error) {
 	defer lifeR.Close()
 	cmd := &exec.Cmd{
 		Path:       exe,
-		Args:       []string{"mtcfs-fuse-notifier", dir},
+		Args:       []string{"mtcfs-fuse-notifier", dir, kind},
 		Env:        append(os.Environ(), notifierEnv+"=1"),
 		ExtraFiles: []*os.File{theirs, cloneFile, lifeR}, // fds 3, 4 and 5
 		Dir:        "/",

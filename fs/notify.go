@@ -143,10 +143,10 @@ func newKernelNotifier(srv *fuse.Server, dup int, dir string, log *slog.Logger) 
 		return nil
 	}
 	e := &kernelNotifier{f: os.NewFile(uintptr(dup), "/dev/fuse"), expireOnly: srv.KernelSettings().Flags64()&fuse.CAP_HAS_EXPIRE_ONLY != 0}
-	for _, c := range []*notifyChannel{&e.entries, &e.pages} {
-		h, err := startNotifier(dup, dir)
+	for kind, c := range map[string]*notifyChannel{"entries": &e.entries, "pages": &e.pages} {
+		h, err := startNotifier(dup, dir, kind)
 		if err != nil {
-			log.Warn("no FUSE notification helper; the agent writes its notifications itself (a kill -9 of the agent may then leave its mount hung, see mtcfs mount's takeover of such a mount)", "err", err)
+			log.Warn("no FUSE notification helper; the agent writes these notifications itself (a kill -9 of the agent may then leave its mount hung, see mtcfs mount's takeover of such a mount)", "helper", kind, "err", err)
 		}
 		c.helper = h
 	}

@@ -100,6 +100,14 @@ func (e *LostPagesError) Error() string {
 
 func (e *LostPagesError) Unwrap() error { return e.Errno }
 
+// rewritten forgets that f lost pages: the job truncated it to nothing (a rewrite starts so),
+// and what it writes from then on is checked anew. Caller holds f.mu.
+func (m *mtfs) rewritten(f *fileNode) {
+	m.writersMu.Lock()
+	delete(m.lossy, f)
+	m.writersMu.Unlock()
+}
+
 // lostPages returns the errno of a refused write-back of f's pages (0: none).
 func (m *mtfs) lostPages(f *fileNode) syscall.Errno {
 	m.writersMu.Lock()

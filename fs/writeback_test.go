@@ -169,6 +169,13 @@ func TestRefusedWriteBackFailsTheRename(t *testing.T) {
 	require.True(t, errors.Is(err, os.ErrNotExist), "the step was committed: %v", err)
 	_, err = os.Stat(tmp)
 	require.NoError(t, err, "the step keeps its temporary name")
+
+	// Rewritten from nothing, the file has no lost pages any more: the commit goes through.
+	require.NoError(t, os.WriteFile(filepath.Join(tmp, "m.bin"), []byte("rewritten"), 0o644))
+	require.NoError(t, os.Rename(tmp, filepath.Join(dir, "7")))
+	got, err := os.ReadFile(filepath.Join(dir, "7", "m.bin"))
+	require.NoError(t, err)
+	require.Equal(t, "rewritten", string(got))
 }
 
 // TestPagesHelperAbortsWhenTheAgentIsGone: the pages' helper waits in the kernel for a WRITE of

@@ -109,5 +109,9 @@ func (s tierStore) CleanLeftovers(ctx context.Context, job string) (int, error) 
 }
 
 func (s tierStore) DeleteIncomplete(ctx context.Context, job, backup string) (int, error) {
-	return s.b.DeleteIncomplete(ctx, job, backup, true)
+	n, err := s.b.DeleteIncomplete(ctx, job, backup, true)
+	if IsNotFound(err) {
+		return 0, nil // nothing was written to it: nothing to remove
+	}
+	return n, err
 }
