@@ -1,11 +1,14 @@
 package fs
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -419,6 +422,8 @@ type fileHandle struct {
 	// the first one reports the commit (Events.Flushed) before close returns.
 	commitsOnClose bool
 	flushed        bool // GUARDED_BY(node.mu); no longer counted in node.writers
+	// abandoned: the first FLUSH came from a process a signal killed (killedBy); no commit.
+	abandoned bool // GUARDED_BY(node.mu)
 }
 
 var (
@@ -541,17 +546,48 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 		return 0
 	}
 	f := h.node
+	sig := killedBy(ctx)
 	f.mu.Lock()
 	first := !h.flushed
 	if first {
 		h.flushed = true
+		h.abandoned = sig != 0
 		f.dropWriter()
 	}
 	f.mu.Unlock()
-	if first {
+	if first && sig == 0 {
 		f.fs.events.Flushed(f.Path(nil))
 	}
 	return 0
+}
+
+// pfExiting is the kernel's PF_EXITING task flag: the task is in exit.
+const pfExiting = 0x4
+
+// killedBy returns the signal that is killing the process whose request ctx is (the kernel
+// closes its files as it exits), 0 if none or if that cannot be told (no caller, a caller in
+// another pid namespace, /proc unreadable).
+func killedBy(ctx context.Context) int {
+	c, ok := ctx.(*fuse.Context)
+	if !ok || c.Caller.Pid == 0 {
+		return 0
+	}
+	b, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(c.Caller.Pid), 10) + "/stat")
+	if err != nil {
+		return 0
+	}
+	// After the command's closing parenthesis: the state is field 3, flags field 9,
+	// exit_code field 52 (proc(5)); exit_code is set before the files are closed.
+	fields := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	if len(fields) < 50 {
+		return 0
+	}
+	flags, err1 := strconv.ParseUint(fields[6], 10, 64)
+	code, err2 := strconv.Atoi(fields[49])
+	if err1 != nil || err2 != nil || flags&pfExiting == 0 {
+		return 0
+	}
+	return code & 0x7f
 }
 
 func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
@@ -567,7 +603,14 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	f.mu.Unlock()
 	f.fs.afterRelease(ctx, f.released)
 	if h.writable && f.fs.events != nil {
-		f.fs.events.Closed(f.Path(nil))
+		f.mu.Lock()
+		abandoned := h.abandoned
+		f.mu.Unlock()
+		if abandoned {
+			f.fs.events.Abandoned(f.Path(nil))
+		} else {
+			f.fs.events.Closed(f.Path(nil))
+		}
 	}
 	return h.node.fs.toErrno("release", err)
 }

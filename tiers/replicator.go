@@ -402,6 +402,10 @@ func (r *Replicator) Created(path string, typ layout.EntryType) {
 	r.queue.push(event{kind: evCreated, path: path, typ: typ})
 }
 func (r *Replicator) Flushed(path string) { r.recorder.record(event{kind: evClosed, path: path}) }
+func (r *Replicator) Abandoned(path string) {
+	r.node.yield.closed()
+	r.queue.push(event{kind: evAbandoned, path: path})
+}
 
 var _ Events = (*Replicator)(nil)
 
@@ -488,6 +492,13 @@ func (r *Replicator) handle(ev event) {
 		r.recorder.noteMisnamed(ev)
 	case ev.kind == evRenamed:
 		r.recorder.noteMisnamed(ev) // recorded on the rename's request already
+	case ev.kind == evAbandoned:
+		// A torch.save cut short by a kill -9 was committed, sealed, backed up and restored as
+		// the newest step, which the job then could not load (found by a black-box run).
+		r.node.log.Warn("a .save closed by a process that a signal killed is not a commit: it may be cut short", "name", ev.path)
+		if inc := r.incs.get(); inc != nil {
+			r.lines.incLine(inc, fmt.Sprintf("%s: closed by a process that a signal killed while it held it open for writing; not committed (it may be cut short)", ev.path))
+		}
 	}
 }
 
@@ -509,4 +520,5 @@ const (
 	evRenamed
 	evTooLarge
 	evCreated
+	evAbandoned
 )

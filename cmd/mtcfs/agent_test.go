@@ -26,6 +26,9 @@ import (
 var binPath string
 
 func TestMain(m *testing.M) {
+	if spec := os.Getenv(writerEnv); spec != "" {
+		runWriter(spec)
+	}
 	dir, err := os.MkdirTemp("", "mtcfs-bin")
 	if err != nil {
 		panic(err)

@@ -16,6 +16,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path"
 	"path/filepath"
 	"regexp"
@@ -1734,6 +1735,57 @@ func TestMappedWritesAreInALinkCommit(t *testing.T) {
 				countDiff(want, got), size, a.log())
 		})
 	}
+}
+
+// writerEnv makes the test binary a writer (runWriter) instead of running the tests.
+const writerEnv = "MTCFS_TEST_WRITER"
+
+// runWriter is a job process that writes part of a file and ends with it open: spec is
+// "kill:PATH" (it kills itself with SIGKILL) or "exit:PATH" (it exits with status 0). The
+// kernel closes the file as the process exits; nothing else closes or duplicates it.
+func runWriter(spec string) {
+	end, path, _ := strings.Cut(spec, ":")
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
+	if err != nil {
+		os.Exit(2)
+	}
+	if _, err := f.Write([]byte("part of a save")); err != nil {
+		os.Exit(2)
+	}
+	if end == "kill" {
+		syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	}
+	os.Exit(0)
+}
+
+// TestSaveOfAKilledProcessIsNotACommit: a pytorch job commits a .save at its close. A process
+// killed by a signal while it writes one has it closed by the kernel as it exits: that close is
+// not a commit (a torch.save cut short by a kill -9 was committed, backed up, and restored as the
+// newest step, which the job could not load; found by a black-box run). A process that exits
+// normally with the file still open commits it as before.
+func TestSaveOfAKilledProcessIsNotACommit(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	pytorchStart(t, n.dir, "killed")
+	write := func(step int, end string) error {
+		cmd := exec.Command(os.Args[0])
+		cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s:%s", writerEnv, end, filepath.Join(n.dir, fmt.Sprintf("killed-s%d-n0-w0.save", step))))
+		return cmd.Run()
+	}
+	err := write(7, "kill")
+	var ee *exec.ExitError
+	require.True(t, errors.As(err, &ee) && ee.ProcessState.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL, "the writer was killed: %v", err)
+	require.NoError(t, write(8, "exit"))
+
+	waitStepSealed(t, n.dir, "killed", 8)
+	assert.NoFileExists(t, metaPath(n.dir, "killed", 7), "the killed writer's .save was committed\n%s", a.log())
+	assert.Contains(t, a.log(), "a .save closed by a process that a signal killed is not a commit")
+	repWait(t, 5*time.Second, "the job told", func() bool {
+		data, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+		return strings.Contains(string(data), "killed-s7-n0-w0.save: closed by a process that a signal killed")
+	})
 }
 
 func countDiff(a, b []byte) (n int) {
