@@ -273,6 +273,7 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 		return err
 	}
 	// Then from a peer that holds it, in RAM.
+	var noSpace error // a fetch that failed for lack of room here: the hint the job needs
 	for _, holder := range plan.Holders[hash] {
 		if holder == cfg.NodeRank || r.peers == nil {
 			continue
@@ -298,6 +299,9 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 			return nil
 		}
 		r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "err", err)
+		if errors.Is(err, syscall.ENOSPC) {
+			noSpace = err
+		}
 	}
 	// Last, a backup: the plan's, or (when the plan found the step in RAM) the newest backup
 	// holding exactly this data for this slot.
@@ -306,6 +310,11 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 		backup = r.findBackupOf(ctx, cfg, plan.Step, Slot{cfg.NodeRank, w}, hash)
 	}
 	if backup == "" || r.store == nil {
+		if noSpace != nil {
+			// A peer holds it, and it did not fit here (found by a black-box run: the job was
+			// told the data was nowhere).
+			return fmt.Errorf("%s: a peer holds it, but the fetch failed: %w; and no complete backup holds it", dataName, noSpace)
+		}
 		return fmt.Errorf("%s is not in this node's RAM nor a peer's, and no complete backup holds it", dataName)
 	}
 	incoming, err := r.download(ctx, inc, plan.Step, backup, hash)
