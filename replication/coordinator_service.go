@@ -463,10 +463,14 @@ func (r *RemoteCoordinator) RestoreFailed(ctx context.Context, inc tiers.Incarna
 		return err
 	}
 	req := &peerpb.RestoreFailedRequest{Caller: caller, Reason: reason}
-	return r.call(ctx, inc, "RestoreFailed", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) error {
+	err = r.call(ctx, inc, "RestoreFailed", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) error {
 		_, err := c.RestoreFailed(ctx, req, opt)
 		return err
 	})
+	if status.Code(err) == codes.Unimplemented {
+		return fmt.Errorf("rank 0's agent is of an earlier version: %w (%v)", errors.ErrUnsupported, err)
+	}
+	return err
 }
 
 func (r *RemoteCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {

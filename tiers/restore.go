@@ -63,7 +63,7 @@ func (r *restorer) run(inc *incarnation) {
 		tctx, cancel := context.WithTimeout(r.ctx, restoreFailedTimeout)
 		defer cancel()
 		if err := rep.RestoreFailed(tctx, inc.Incarnation, msg); err != nil {
-			r.log.Warn("tell the other nodes that this node's restore failed", "err", err)
+			r.log.Warn("could not tell the other nodes that this node's restore failed: their jobs wait for their restore until they give up", "err", err)
 		}
 	}
 	// Steps the job committed before it restarted count: wait until they are sealed, so that
