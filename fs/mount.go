@@ -231,7 +231,7 @@ func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 			return false, fmt.Errorf("%s is a FUSE mount that does not answer (nothing within %v), and the agent process %d that mounted it still runs (stopped? see its state in /proc/%d/status); stop it first", abs, takeoverAfter, pid, pid)
 		}
 		if err := fusectl.Abort(abs); err != nil {
-			return false, fmt.Errorf("%s is a FUSE mount that does not answer and whose agent is gone; aborting its connection failed: %w (as root: echo 1 > /sys/fs/fuse/connections/<its device minor>/abort, then umount -l %s)", abs, err, abs)
+			return false, fmt.Errorf("%s is a FUSE mount that does not answer and whose agent is gone; aborting its connection failed: %w (as root: %s)", abs, err, fusectl.ByHand(abs))
 		}
 		slog.Warn("aborted the connection of a mount that did not answer: its agent is gone and a thread of it (or of a job) waited on the mount", "dir", abs, "waited", takeoverAfter)
 	case !errors.Is(err, unix.ENOTCONN) && !errors.Is(err, unix.ECONNABORTED):

@@ -208,7 +208,7 @@ func ValidateJobName(name string) error {
 		// clients' globs (*.restore) do not see: the job waited for markers it was given.
 		return fmt.Errorf("%q starts with \".\": the markers named after the job would be hidden files, which *.restore globs skip; start it with a letter, a digit, \"_\" or \"-\"", name)
 	case len(name) > maxJobNameLen:
-		return fmt.Errorf("is %d characters long; at most %d are allowed", len(name), maxJobNameLen)
+		return fmt.Errorf("is %d bytes long; at most %d are allowed", len(name), maxJobNameLen)
 	}
 	for _, r := range name {
 		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-') {

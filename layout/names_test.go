@@ -221,7 +221,7 @@ func TestValidateJobName(t *testing.T) {
 		{"a\\b", `"a\\b" contains '\\'; ` + allowed},
 		{"a*", `"a*" contains '*'; ` + allowed},
 		{"naïve", `"naïve" contains 'ï'; ` + allowed},
-		{strings.Repeat("x", 201), "is 201 characters long; at most 200 are allowed"},
+		{strings.Repeat("x", 201), "is 201 bytes long; at most 200 are allowed"},
 	}
 	for _, tt := range invalid {
 		err := ValidateJobName(tt.name)

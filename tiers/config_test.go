@@ -265,7 +265,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{"job-name newline", edit(validBase, `job-name: "a\nb"`), `job-name: "a\nb" contains '\n'; use only letters A-Z and a-z, digits, ".", "_" and "-"`},
 		{"job-name unicode", edit(validBase, "job-name: jöb"), `job-name: "jöb" contains 'ö'; use only letters A-Z and a-z, digits, ".", "_" and "-"`},
 		{"job-name dollar kept", edit(validBase, "job-name: a$1"), `job-name: "a$1" contains '$'; use only letters A-Z and a-z, digits, ".", "_" and "-"`},
-		{"job-name too long", edit(validBase, "job-name: "+long), "job-name: is 201 characters long; at most 200 are allowed"},
+		{"job-name too long", edit(validBase, "job-name: "+long), "job-name: is 201 bytes long; at most 200 are allowed"},
 		{"job-name boolean", edit(validBase, "job-name: true"), "job-name: must be a string, got boolean true"},
 		{"job-name list", edit(validBase, "job-name: [a]"), "job-name: must be a string, got a list"},
 		{"job-name mapping", edit(validBase, "job-name: {a: b}"), "job-name: must be a string, got a mapping"},

@@ -40,6 +40,17 @@ func Abort(dir string) error {
 	return err
 }
 
+// ByHand returns the shell commands that abort the connection of the FUSE mount at dir and
+// detach it, as root, with its connection number filled in when the mount table has it.
+func ByHand(dir string) string {
+	minor, ok, _ := connectionOf(dir)
+	if !ok {
+		minor = "<its device minor, the second number of its device in /proc/self/mountinfo>"
+	}
+	return fmt.Sprintf("mountpoint -q %s || mount -t fusectl none %s; echo 1 > %s/%s/abort; umount -l %s",
+		connections, connections, connections, minor, dir)
+}
+
 // Mount is a line of the mount table.
 type Mount struct {
 	Point  string // the mount point, unescaped

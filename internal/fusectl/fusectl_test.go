@@ -33,3 +33,12 @@ func TestConnectionOfAnEscapedPath(t *testing.T) {
 	_, ok = connectionIn(parseMounts(info), `/tmp/a\040b`)
 	require.False(t, ok, "the escaped form is not the path")
 }
+
+// TestByHand: the commands for an operator mount fusectl first (often not mounted), and name the
+// directory; without a FUSE mount there, they say where the connection number comes from.
+func TestByHand(t *testing.T) {
+	dir := t.TempDir()
+	cmd := ByHand(dir)
+	require.Contains(t, cmd, "mount -t fusectl none /sys/fs/fuse/connections; echo 1 > /sys/fs/fuse/connections/<its device minor")
+	require.Contains(t, cmd, "umount -l "+dir)
+}
