@@ -205,9 +205,30 @@ func refusal(s SpoolInfo) error {
 	return fmt.Errorf("spool %s is in use by %s serving %s: stop that agent first (SIGTERM; it keeps the spool if it holds checkpoints), then free it", s.Dir, who, mp)
 }
 
-// ReapOrphaned frees, at agent start, the kept spools whose mount directory no longer exists:
-// no agent will ever adopt them. A spool in use is never touched, nor is own (the spool this
-// agent is about to open).
+// ReapGrace is how long a kept spool whose mount directory is gone must have been unused before
+// a starting agent reaps it: a mount directory removed and made again between an agent's stop
+// and its next start (a pod's emptyDir made anew, a user's rm -rf and mkdir) cost the
+// checkpoints when any other agent started in between (found by a black-box run).
+const ReapGrace = 10 * time.Minute
+
+// lastUsed is when the spool was last used, as far as can be told: its owner record's time,
+// or a later change of its directory, files or commit records.
+func lastUsed(s SpoolInfo) time.Time {
+	var t time.Time
+	if s.LastUsed != nil {
+		t = *s.LastUsed
+	}
+	for _, p := range []string{s.Dir, filepath.Join(s.Dir, "files"), filepath.Join(s.Dir, commitsDir)} {
+		if fi, err := os.Stat(p); err == nil && fi.ModTime().After(t) {
+			t = fi.ModTime()
+		}
+	}
+	return t
+}
+
+// ReapOrphaned frees, at agent start, the kept spools whose mount directory no longer exists
+// and that have not been used for ReapGrace: no agent will ever adopt them. A spool in use is
+// never touched, nor is own (the spool this agent is about to open).
 func (h Spools) ReapOrphaned(own string, log *slog.Logger) {
 	spools, err := h.List()
 	if err != nil {
@@ -216,6 +237,11 @@ func (h Spools) ReapOrphaned(own string, log *slog.Logger) {
 	}
 	for _, s := range spools {
 		if s.Dir == own || !s.Orphaned() || s.InUse {
+			continue
+		}
+		if idle := time.Since(lastUsed(s)); idle < ReapGrace {
+			log.Info("a kept spool's mount directory is gone; the spool is kept until it has been unused for the grace time (mtcfs spool free --orphaned frees it now)",
+				"spool", s.Dir, "mount", s.MountPath, "job", s.Job, "unused_for", idle.Round(time.Second).String(), "grace", ReapGrace.String())
 			continue
 		}
 		if err := FreeSpool(s); err != nil {

@@ -882,6 +882,7 @@ func TestGuaranteeKeptSpoolsAreOwned(t *testing.T) {
 	waitStepSealed(t, g.dir, "gone", 10)
 	stopAgent(t, ga)
 	require.True(t, isMounted(g.spool))
+	ageSpool(t, g.spool) // unused for longer than the reaping grace
 	require.NoError(t, os.Remove(g.dir))
 	c := n.start(t)
 	if !strings.Contains(c.log(), "spool="+g.spool+" ") {

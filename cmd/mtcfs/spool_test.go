@@ -192,9 +192,20 @@ func TestSpoolReapedAtMount(t *testing.T) {
 	live.start(t)
 	tamperOwner(t, live.spool, filepath.Join(filepath.Dir(live.dir), "no-such-mount"))
 	nb := newRepNode(t)
+	// A mount directory removed just now, and made again, keeps its spool (found by a
+	// black-box run: another agent starting in between reaped it).
+	recent, _ := keptSpoolNode(t, "recent")
+	require.NoError(t, os.Remove(recent.dir))
+	ageSpool(t, gone.spool)
 	require.NoError(t, os.Remove(gone.dir)) // last: any agent starting from now on reaps it
 
 	b := nb.start(t)
+	require.DirExists(t, recent.spool, "a spool unused for less than the grace was reaped\n%s", b.log())
+	require.NoError(t, os.Mkdir(recent.dir, 0o755))
+	ra := recent.start(t)
+	o := orbaxClient(t, recent.dir, "recent", 60)
+	require.NoError(t, restoresStep(repCtx(t), o, 10), "%s", ra.log())
+	stopAgent(t, ra)
 	log := b.log()
 	require.Contains(t, log, "reaped a kept spool whose mount directory no longer exists")
 	var line string
@@ -217,6 +228,27 @@ func TestSpoolReapedAtMount(t *testing.T) {
 
 // tamperOwner makes a spool's owner record name another mount path, as if its mount directory
 // were gone: what a reaper must still not free while an agent uses the spool.
+// ageSpool makes the kept spool at spool look unused for longer than the reaping grace: its
+// owner record's time and its directories' times are set back.
+func ageSpool(t *testing.T, spool string) {
+	t.Helper()
+	old := time.Now().Add(-tiers.ReapGrace - time.Minute)
+	p := filepath.Join(spool, "owner.json")
+	data, err := os.ReadFile(p)
+	require.NoError(t, err)
+	var rec map[string]any
+	require.NoError(t, json.Unmarshal(data, &rec))
+	rec["last_used"] = old.UTC().Format(time.RFC3339Nano)
+	data, err = json.Marshal(rec)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(p, data, 0o600))
+	for _, d := range []string{spool, filepath.Join(spool, "files"), filepath.Join(spool, "commits")} {
+		if _, err := os.Stat(d); err == nil {
+			require.NoError(t, os.Chtimes(d, old, old))
+		}
+	}
+}
+
 func tamperOwner(t *testing.T, spool, mountPath string) {
 	t.Helper()
 	p := filepath.Join(spool, "owner.json")
