@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -88,6 +89,9 @@ type commitRecorder struct {
 	pending     map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
 	// sealed is closed (and replaced) whenever a name leaves pending.
 	sealed chan struct{} // GUARDED_BY(mu)
+	// unanswered counts the commits made while no job was answered (no incarnation), for the
+	// log: 1, then every 100th.
+	unanswered atomic.Int64
 }
 
 func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
@@ -198,6 +202,7 @@ func (cr *commitRecorder) record(ev event) {
 	mark := cr.yield.openMark() // the save this commit ends; its sealer yields to a next one
 	inc := cr.incs.get()
 	if inc == nil {
+		cr.noteUnanswered(ev)
 		return
 	}
 	c, ok := cr.commitOf(inc, ev)
@@ -224,6 +229,33 @@ func (cr *commitRecorder) record(ev event) {
 		cr.metrics.committed()
 	}
 	cr.out.push(pendingCommit{commit: c, err: err, openMark: mark})
+}
+
+// noteUnanswered logs a step committed while the agent answered no job since it started: an
+// agent upgraded under a running job whose predecessor recorded no incarnation (an earlier
+// version) took the job's saves for 11 minutes without a word, and the job's restart lost them
+// (found by a black-box run of a rolling upgrade).
+func (cr *commitRecorder) noteUnanswered(ev event) {
+	step := ""
+	switch {
+	case strings.Contains(ev.path, "/"):
+		return
+	case ev.kind == evRenamed && ev.typ == layout.EntryDir:
+		if s, ok := layout.ParseStepDir(ev.path); ok {
+			step = strconv.FormatInt(s, 10)
+		}
+	case ev.kind == evClosed || ev.kind == evRenamed:
+		if m, ok := layout.ParseMarkerName(ev.path); ok && m.Kind == layout.MarkerSave {
+			step = strconv.FormatInt(m.Step, 10)
+		}
+	}
+	if step == "" {
+		return
+	}
+	if n := cr.unanswered.Add(1); n == 1 || n%100 == 0 {
+		cr.log.Warn("a step was committed while this agent answers no job (no replicator.yaml since it started): it is not checkpointed; the job must restart to be checkpointed again",
+			"name", ev.path, "step", step, "unanswered_commits", n)
+	}
 }
 
 // writeCommitRecord freezes and links the committed tree into a new record and writes its

@@ -1738,6 +1738,22 @@ func TestMappedWritesAreInALinkCommit(t *testing.T) {
 	}
 }
 
+// TestCommitWithNoJobAnsweredIsLogged: a step committed while the agent answers no job (an
+// agent started under a running job whose predecessor, of an earlier version, recorded nothing
+// of it) is not checkpointed; the log says so, where it said nothing (found by a black-box run
+// of a rolling upgrade).
+func TestCommitWithNoJobAnsweredIsLogged(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	require.NoError(t, os.Mkdir(filepath.Join(n.dir, "5.orbax-checkpoint-tmp"), 0o755))
+	require.NoError(t, os.Rename(filepath.Join(n.dir, "5.orbax-checkpoint-tmp"), filepath.Join(n.dir, "5")))
+	repWait(t, 5*time.Second, "the warning", func() bool {
+		return strings.Contains(a.log(), "a step was committed while this agent answers no job")
+	})
+	stopAgent(t, a)
+}
+
 // writerEnv makes the test binary a writer (runWriter) instead of running the tests.
 const writerEnv = "MTCFS_TEST_WRITER"
 
