@@ -362,6 +362,18 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		}
 		s.ownMount = true
 	}
+	if owned && shortOfRoom(cfg.Dir) {
+		// The predecessor's open-ended files (below) filled the spool: a save cut short by
+		// ENOSPC, a scratch file. They are removed now, before this agent writes anything: its
+		// owner record and the .meta files of its adoption failed with ENOSPC at every start,
+		// and the committed step in the spool could not be restored until an operator freed
+		// the spool, and the step with it (found by a black-box run).
+		removeTrash(cfg.Dir)
+		if err := clearDir(s.FilesDir()); err != nil && !errors.Is(err, os.ErrNotExist) {
+			s.unlock()
+			return nil, fmt.Errorf("clear stale spool files of a full spool: %w", err)
+		}
+	}
 	if owned {
 		if err := s.recordOwner(ResolveMountPath(cfg.MountPath)); err != nil {
 			// Keep whatever the spool holds: it may be a predecessor's checkpoints.
@@ -503,6 +515,7 @@ func (s *Spool) writeOwnerLocked() error {
 	rand.Read(rnd[:])
 	tmp := filepath.Join(s.dir, "."+OwnerFile+".tmp-"+hex.EncodeToString(rnd[:]))
 	if err := os.WriteFile(tmp, append(data, '\n'), 0o600); err != nil {
+		os.Remove(tmp)
 		return fmt.Errorf("record spool owner: %w", err)
 	}
 	if err := os.Rename(tmp, filepath.Join(s.dir, OwnerFile)); err != nil {
@@ -861,6 +874,16 @@ func removeTrash(dir string) {
 			os.RemoveAll(filepath.Join(dir, e.Name()))
 		}
 	}
+}
+
+// shortOfRoom reports whether the file system of dir has less room than the agent's start
+// writes (its records and the headroom for them).
+func shortOfRoom(dir string) bool {
+	var st unix.Statfs_t
+	if unix.Statfs(dir, &st) != nil {
+		return false
+	}
+	return int64(st.Bavail)*st.Bsize < 2*HeadroomSize
 }
 
 func clearDir(dir string) error {

@@ -1754,6 +1754,52 @@ func TestCommitWithNoJobAnsweredIsLogged(t *testing.T) {
 	stopAgent(t, a)
 }
 
+// TestRestartOnASpoolFullOfAnUncommittedSave: a save cut short by ENOSPC (never committed) fills
+// the spool; the agent is stopped, or killed. The next agent must start, and the job restore the
+// step it committed before: every start failed with ENOSPC writing the agent's own records,
+// until an operator freed the spool and the step with it (found by a black-box run).
+func TestRestartOnASpoolFullOfAnUncommittedSave(t *testing.T) {
+	needRoot(t)
+	for _, stop := range []string{"sigterm", "kill"} {
+		t.Run(stop, func(t *testing.T) {
+			ctx := repCtx(t)
+			n := newRepNode(t)
+			n.args = []string{"--memory", "16MiB"}
+			const job = "full"
+			a := n.start(t)
+			o := orbaxClient(t, n.dir, job, 60)
+			_, _, err := o.Start(ctx)
+			require.NoError(t, err)
+			require.NoError(t, o.Save(ctx, 1))
+			waitStepSealed(t, n.dir, job, 1)
+
+			tmp := filepath.Join(n.dir, "2.orbax-checkpoint-tmp")
+			require.NoError(t, os.Mkdir(tmp, 0o755))
+			f, err := os.Create(filepath.Join(tmp, "big"))
+			require.NoError(t, err)
+			chunk := bytes.Repeat([]byte{'x'}, 1<<20)
+			for i := 0; i < 32; i++ {
+				if _, err = f.Write(chunk); err != nil {
+					break
+				}
+			}
+			require.ErrorIs(t, err, syscall.ENOSPC, "the save fills the spool")
+			require.NoError(t, f.Close())
+			if stop == "kill" {
+				killAgent(t, a)
+				forceUnmount(n.dir)
+			} else {
+				stopAgent(t, a)
+			}
+
+			b := n.start(t)
+			o = orbaxClient(t, n.dir, job, 60)
+			require.NoError(t, restoresStep(ctx, o, 1), "%s", b.log())
+			stopAgent(t, b)
+		})
+	}
+}
+
 // writerEnv makes the test binary a writer (runWriter) instead of running the tests.
 const writerEnv = "MTCFS_TEST_WRITER"
 
