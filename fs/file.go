@@ -186,10 +186,10 @@ func (f *fileNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uin
 	if flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 		f.fs.awaitReleases(nil) // space.go
 	}
-	return f.open(flags)
+	return f.open(ctx, flags)
 }
 
-func (f *fileNode) open(flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+func (f *fileNode) open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	// Checked under mu, as the writer is counted: Seal marks a file frozen before exportTo takes
@@ -212,12 +212,12 @@ func (f *fileNode) open(flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 		return nil, 0, f.fs.toErrno("open", err)
 	}
 	name, parent := f.Parent()
-	return f.openFd(fd, flags, parent != nil && parent.IsRoot() && tiers.CommitsOnClose(name))
+	return f.openFd(ctx, fd, flags, parent != nil && parent.IsRoot() && tiers.CommitsOnClose(name))
 }
 
 // openFd makes a handle of fd, an open descriptor of the spool file; commitsOnClose says the
 // file is a top-level name whose close may commit a step (tiers.CommitsOnClose). Caller holds mu.
-func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileHandle, uint32, syscall.Errno) {
+func (f *fileNode) openFd(ctx context.Context, fd int, flags uint32, commitsOnClose bool) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&syscall.O_TRUNC != 0 && flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 		if err := unix.Ftruncate(fd, 0); err != nil {
 			unix.Close(fd)
@@ -234,6 +234,9 @@ func (f *fileNode) openFd(fd int, flags uint32, commitsOnClose bool) (gofs.FileH
 	if h.writable {
 		f.addWriter()
 		h.commitsOnClose = f.fs.events != nil && commitsOnClose
+		if h.commitsOnClose {
+			h.opener = callerProcess(ctx)
+		}
 	}
 	if f.fs.events != nil {
 		f.fs.events.Opened(h.writable)
@@ -422,8 +425,13 @@ type fileHandle struct {
 	// the first one reports the commit (Events.Flushed) before close returns.
 	commitsOnClose bool
 	flushed        bool // GUARDED_BY(node.mu); no longer counted in node.writers
-	// abandoned: the first FLUSH came from a process a signal killed (killedBy); no commit.
-	abandoned bool // GUARDED_BY(node.mu)
+	// opener is the process (thread group) that opened the handle, 0 if unknown: the writer,
+	// for a .save (torch.save opens, writes and closes in one process).
+	opener int
+	// abandoned: the opener was killed by a signal with the handle open (killedBy) before it
+	// closed it: no close commits (a forked child holding the descriptor may outlive it).
+	// GUARDED_BY(node.mu)
+	abandoned bool
 }
 
 var (
@@ -546,17 +554,53 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 		return 0
 	}
 	f := h.node
+	if h.opener != 0 && callerProcess(ctx) != h.opener {
+		// Another process holding the descriptor closed it (a forked child, killed or not,
+		// a child closing what it inherited before its exec): not the writer's close. The
+		// writer's close commits; a child's commit came while the writer still wrote, and a
+		// killed child's refused a whole file (found by a black-box run). Should the writer's
+		// close never come through here, the last release commits (Closed).
+		return 0
+	}
 	sig := killedBy(ctx)
 	f.mu.Lock()
-	first := !h.flushed
+	first := !h.flushed && !h.abandoned
 	if first {
-		h.flushed = true
-		h.abandoned = sig != 0
+		if sig != 0 {
+			h.abandoned = true
+		} else {
+			h.flushed = true
+		}
 		f.dropWriter()
 	}
 	f.mu.Unlock()
 	if first && sig == 0 {
 		f.fs.events.Flushed(f.Path(nil))
+	}
+	return 0
+}
+
+// callerProcess returns the process (thread group id) of the caller of the request on ctx, 0 if
+// it cannot be told.
+func callerProcess(ctx context.Context) int {
+	c, ok := ctx.(*fuse.Context)
+	if !ok || c.Caller.Pid == 0 {
+		return 0
+	}
+	return tgid(int(c.Caller.Pid))
+}
+
+// tgid returns the thread group of thread tid (0: unknown).
+func tgid(tid int) int {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(tid) + "/status")
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Tgid:"); ok {
+			n, _ := strconv.Atoi(strings.TrimSpace(v))
+			return n
+		}
 	}
 	return 0
 }
@@ -596,7 +640,7 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	f.mu.Lock()
 	f.opens--
 	f.releasing++
-	if h.writable && !h.flushed {
+	if h.writable && !h.flushed && !h.abandoned {
 		f.dropWriter()
 	}
 	f.maybeFree()

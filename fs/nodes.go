@@ -431,7 +431,7 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 	}
 	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
 	fn.mu.Lock()
-	fh, fflags, errno := fn.openFd(fd, flags, d.IsRoot() && tiers.CommitsOnClose(name))
+	fh, fflags, errno := fn.openFd(ctx, fd, flags, d.IsRoot() && tiers.CommitsOnClose(name))
 	fn.mu.Unlock()
 	if errno != 0 {
 		fn.dropLink()

@@ -22,6 +22,7 @@ import (
 	"regexp"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -1803,22 +1804,54 @@ func TestRestartOnASpoolFullOfAnUncommittedSave(t *testing.T) {
 // writerEnv makes the test binary a writer (runWriter) instead of running the tests.
 const writerEnv = "MTCFS_TEST_WRITER"
 
-// runWriter is a job process that writes part of a file and ends with it open: spec is
-// "kill:PATH" (it kills itself with SIGKILL) or "exit:PATH" (it exits with status 0). The
-// kernel closes the file as the process exits; nothing else closes or duplicates it.
+// runWriter is a job process that writes a file: spec is "END:PATH". END is
+//   - kill: it writes part of the file and kills itself with SIGKILL;
+//   - exit: it writes part of the file and exits with status 0;
+//   - forkkill: it writes part, starts a child that inherits the descriptor, which is killed,
+//     then writes the rest, closes the file and exits 0;
+//   - killwithchild: it starts a child that inherits the descriptor and ends normally a second
+//     later, prints the child's pid, writes part of the file and kills itself with SIGKILL.
+//
+// The kernel closes the file as each process exits; nothing else closes or duplicates it (the
+// descriptor is opened without O_CLOEXEC so that an exec does not close the child's copy).
 func runWriter(spec string) {
 	end, path, _ := strings.Cut(spec, ":")
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
+	fd, err := unix.Open(path, unix.O_CREAT|unix.O_WRONLY|unix.O_TRUNC, 0o644)
 	if err != nil {
 		os.Exit(2)
 	}
-	if _, err := f.Write([]byte("part of a save")); err != nil {
-		os.Exit(2)
+	write := func(s string) {
+		if _, err := unix.Write(fd, []byte(s)); err != nil {
+			os.Exit(2)
+		}
 	}
-	if end == "kill" {
+	switch end {
+	case "forkkill":
+		write("part of ")
+		child := exec.Command("sleep", "60")
+		if child.Start() != nil {
+			os.Exit(2)
+		}
+		child.Process.Kill()
+		child.Wait()
+		write("a save")
+		unix.Close(fd)
+		os.Exit(0)
+	case "killwithchild":
+		child := exec.Command("sleep", "1")
+		if child.Start() != nil {
+			os.Exit(2)
+		}
+		fmt.Println(child.Process.Pid)
+		write("part of a save")
+		syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	case "kill":
+		write("part of a save")
 		syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {}
 	}
+	write("part of a save")
 	os.Exit(0)
 }
 
@@ -1832,23 +1865,51 @@ func TestSaveOfAKilledProcessIsNotACommit(t *testing.T) {
 	n := newRepNode(t)
 	a := n.start(t)
 	pytorchStart(t, n.dir, "killed")
-	write := func(step int, end string) error {
+	write := func(step int, end string) (string, error) {
 		cmd := exec.Command(os.Args[0])
 		cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s:%s", writerEnv, end, filepath.Join(n.dir, fmt.Sprintf("killed-s%d-n0-w0.save", step))))
-		return cmd.Run()
+		out, err := cmd.Output()
+		return string(out), err
 	}
-	err := write(7, "kill")
-	var ee *exec.ExitError
-	require.True(t, errors.As(err, &ee) && ee.ProcessState.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL, "the writer was killed: %v", err)
-	require.NoError(t, write(8, "exit"))
-
+	killed := func(err error) bool {
+		var ee *exec.ExitError
+		return errors.As(err, &ee) && ee.ProcessState.Sys().(syscall.WaitStatus).Signal() == syscall.SIGKILL
+	}
+	told := func(name string) {
+		t.Helper()
+		repWait(t, 5*time.Second, "the job told of "+name, func() bool {
+			data, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+			return strings.Contains(string(data), name+": closed by a process that a signal killed")
+		})
+	}
+	_, err := write(7, "kill")
+	require.True(t, killed(err), "the writer was killed: %v", err)
+	_, err = write(8, "exit")
+	require.NoError(t, err)
 	waitStepSealed(t, n.dir, "killed", 8)
 	assert.NoFileExists(t, metaPath(n.dir, "killed", 7), "the killed writer's .save was committed\n%s", a.log())
 	assert.Contains(t, a.log(), "a .save closed by a process that a signal killed is not a commit")
-	repWait(t, 5*time.Second, "the job told", func() bool {
-		data, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
-		return strings.Contains(string(data), "killed-s7-n0-w0.save: closed by a process that a signal killed")
-	})
+	told("killed-s7-n0-w0.save")
+
+	// A forked child holding the descriptor is killed while the writer goes on: the writer's
+	// close commits the whole file (the child's death refused it; found by a black-box run).
+	_, err = write(9, "forkkill")
+	require.NoError(t, err)
+	waitStepSealed(t, n.dir, "killed", 9)
+	got, err := os.ReadFile(rankData(t, n.dir, "killed", 9, 0))
+	require.NoError(t, err)
+	assert.Equal(t, "part of a save", string(got))
+
+	// The writer is killed while a child holds the descriptor: the child's normal end later
+	// does not commit the file the writer left cut short.
+	out, err := write(10, "killwithchild")
+	require.True(t, killed(err), "the writer was killed: %v", err)
+	child, err := strconv.Atoi(strings.TrimSpace(out))
+	require.NoError(t, err, "the writer printed its child's pid: %q", out)
+	told("killed-s10-n0-w0.save")
+	repWait(t, 10*time.Second, "the child's end", func() bool { return syscall.Kill(child, 0) != nil })
+	time.Sleep(300 * time.Millisecond) // its close, had it committed, is recorded by now
+	assert.NoFileExists(t, metaPath(n.dir, "killed", 10), "a cut-short .save was committed at the close of a child\n%s", a.log())
 }
 
 func countDiff(a, b []byte) (n int) {
