@@ -1677,19 +1677,7 @@ func TestMappedWritesAreInTheCommit(t *testing.T) {
 
 			tmp := filepath.Join(n.dir, "7.orbax-checkpoint-tmp")
 			require.NoError(t, os.Mkdir(tmp, 0o755))
-			f, err := os.OpenFile(filepath.Join(tmp, "m.bin"), os.O_CREATE|os.O_RDWR, 0o644)
-			require.NoError(t, err)
-			defer f.Close()
-			const size = 1 << 20
-			require.NoError(t, f.Truncate(size))
-			m, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-			require.NoError(t, err)
-			defer unix.Munmap(m)
-			want := make([]byte, size)
-			for _, off := range []int{0, 4096*37 + 11, size - 5} {
-				copy(want[off:], "mapped")
-				copy(m[off:], "mapped")
-			}
+			want := scribbleMapped(t, filepath.Join(tmp, "m.bin"))
 			require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "7")), "the commit")
 
 			waitStepSealed(t, n.dir, "mapped", 7)
@@ -1698,7 +1686,7 @@ func TestMappedWritesAreInTheCommit(t *testing.T) {
 			got, err := os.ReadFile(filepath.Join(n.dir, strings.TrimSpace(string(hash))+".data", "m.bin"))
 			require.NoError(t, err)
 			require.True(t, bytes.Equal(want, got), "the checkpoint lacks bytes written through the mapping (%d of %d bytes differ)\n%s",
-				countDiff(want, got), size, a.log())
+				countDiff(want, got), len(want), a.log())
 		})
 	}
 }
@@ -1715,26 +1703,14 @@ func TestMappedWritesAreInALinkCommit(t *testing.T) {
 			a := n.start(t)
 			pytorchStart(t, n.dir, "mappedpt")
 
-			f, err := os.OpenFile(filepath.Join(n.dir, "scratch"), os.O_CREATE|os.O_RDWR, 0o644)
-			require.NoError(t, err)
-			defer f.Close()
-			const size = 1 << 20
-			require.NoError(t, f.Truncate(size))
-			m, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-			require.NoError(t, err)
-			defer unix.Munmap(m)
-			want := make([]byte, size)
-			for _, off := range []int{0, 4096*37 + 11, size - 5} {
-				copy(want[off:], "mapped")
-				copy(m[off:], "mapped")
-			}
+			want := scribbleMapped(t, filepath.Join(n.dir, "scratch"))
 			require.NoError(t, os.Link(filepath.Join(n.dir, "scratch"), filepath.Join(n.dir, "mappedpt-s7-n0-w0.save")), "the commit")
 
 			waitStepSealed(t, n.dir, "mappedpt", 7)
 			got, err := os.ReadFile(rankData(t, n.dir, "mappedpt", 7, 0))
 			require.NoError(t, err)
 			require.True(t, bytes.Equal(want, got), "the checkpoint lacks bytes written through the mapping (%d of %d bytes differ)\n%s",
-				countDiff(want, got), size, a.log())
+				countDiff(want, got), len(want), a.log())
 		})
 	}
 }
@@ -1910,6 +1886,26 @@ func TestSaveOfAKilledProcessIsNotACommit(t *testing.T) {
 	repWait(t, 10*time.Second, "the child's end", func() bool { return syscall.Kill(child, 0) != nil })
 	time.Sleep(300 * time.Millisecond) // its close, had it committed, is recorded by now
 	assert.NoFileExists(t, metaPath(n.dir, "killed", 10), "a cut-short .save was committed at the close of a child\n%s", a.log())
+}
+
+// scribbleMapped creates p with 1 MiB, writes a few bytes at odd offsets through a shared
+// writable mapping that stays open until the test ends, and returns the file's expected bytes.
+func scribbleMapped(t *testing.T, p string) []byte {
+	t.Helper()
+	f, err := os.OpenFile(p, os.O_CREATE|os.O_RDWR, 0o644)
+	require.NoError(t, err)
+	t.Cleanup(func() { f.Close() })
+	const size = 1 << 20
+	require.NoError(t, f.Truncate(size))
+	m, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Munmap(m) }) // registered last: runs before the close
+	want := make([]byte, size)
+	for _, off := range []int{0, 4096*37 + 11, size - 5} {
+		copy(want[off:], "mapped")
+		copy(m[off:], "mapped")
+	}
+	return want
 }
 
 func countDiff(a, b []byte) (n int) {
