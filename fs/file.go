@@ -3,6 +3,7 @@ package fs
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -554,7 +555,8 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 		return 0
 	}
 	f := h.node
-	if h.opener != 0 && callerProcess(ctx) != h.opener {
+	caller := callerProcess(ctx)
+	if h.opener != 0 && caller != 0 && caller != h.opener {
 		// Another process holding the descriptor closed it (a forked child, killed or not,
 		// a child closing what it inherited before its exec): not the writer's close. The
 		// writer's close commits; a child's commit came while the writer still wrote, and a
@@ -563,6 +565,16 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 		return 0
 	}
 	sig := killedBy(ctx)
+	if sig != 0 && (h.opener == 0 || caller != h.opener) {
+		sig = 0 // not known to be the writer's death: a close like any other
+	}
+	if sig == 0 && tornZip(h.fd) {
+		// A zip (torch.save writes one) without its end: its writer has not finished it, or
+		// never will (killed, seen from another pid namespace where the checks above see
+		// nothing). Not a commit now; a later close may find it whole, the last release
+		// abandons it (found by a review: the deployments' pods see no pids).
+		return 0
+	}
 	f.mu.Lock()
 	first := !h.flushed && !h.abandoned
 	if first {
@@ -578,6 +590,31 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 		f.fs.events.Flushed(f.Path(nil))
 	}
 	return 0
+}
+
+// tornZip reports whether the file open at fd begins as a zip archive and lacks the record a
+// zip writer writes last, at its end (end of central directory): an archive its writer did not
+// finish. Other files say nothing (false).
+func tornZip(fd int) bool {
+	var head [4]byte
+	if n, err := unix.Pread(fd, head[:], 0); err != nil || n < len(head) || string(head[:]) != "PK\x03\x04" {
+		return false
+	}
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil {
+		return false
+	}
+	const eocd = 22 // the record without its comment, which is at most 65535 bytes
+	tail := make([]byte, min(st.Size, eocd+0xffff))
+	if n, err := unix.Pread(fd, tail, st.Size-int64(len(tail))); err != nil || n != len(tail) {
+		return false
+	}
+	for i := len(tail) - eocd; i >= 0; i-- {
+		if string(tail[i:i+4]) == "PK\x05\x06" && i+eocd+int(binary.LittleEndian.Uint16(tail[i+20:])) == len(tail) {
+			return false
+		}
+	}
+	return true
 }
 
 // callerProcess returns the process (thread group id) of the caller of the request on ctx, 0 if
@@ -635,8 +672,17 @@ func killedBy(ctx context.Context) int {
 }
 
 func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
-	err := unix.Close(h.fd)
 	f := h.node
+	f.mu.Lock()
+	why := ""
+	switch {
+	case h.abandoned:
+		why = "closed by the process that wrote it while a signal killed it"
+	case h.commitsOnClose && !h.flushed && tornZip(h.fd):
+		why = "a zip archive without its end (torch.save writes one): its writer did not finish it"
+	}
+	f.mu.Unlock()
+	err := unix.Close(h.fd)
 	f.mu.Lock()
 	f.opens--
 	f.releasing++
@@ -647,11 +693,8 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	f.mu.Unlock()
 	f.fs.afterRelease(ctx, f.released)
 	if h.writable && f.fs.events != nil {
-		f.mu.Lock()
-		abandoned := h.abandoned
-		f.mu.Unlock()
-		if abandoned {
-			f.fs.events.Abandoned(f.Path(nil))
+		if why != "" {
+			f.fs.events.Abandoned(f.Path(nil), why)
 		} else {
 			f.fs.events.Closed(f.Path(nil))
 		}

@@ -41,9 +41,9 @@ func (r *recorder) add(s string) {
 	r.events = append(r.events, s)
 	r.mu.Unlock()
 }
-func (r *recorder) Closed(path string)    { r.add("closed " + path) }
-func (r *recorder) TooLarge(path string)  { r.add("toolarge " + path) }
-func (r *recorder) Abandoned(path string) { r.add("abandoned " + path) }
+func (r *recorder) Closed(path string)         { r.add("closed " + path) }
+func (r *recorder) TooLarge(path string)       { r.add("toolarge " + path) }
+func (r *recorder) Abandoned(path, why string) { r.add("abandoned " + path) }
 func (r *recorder) Opened(writing bool) {
 	if writing {
 		r.opened.Add(1)

@@ -593,7 +593,7 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 			return errno
 		}
 	}
-	if np.IsRoot() { // where a rename commits a step
+	if np.IsRoot() && commitName(src, newName) { // a rename that commits a step
 		if errno := d.fs.roomForCopies(src); errno != 0 {
 			return errno
 		}
@@ -602,6 +602,16 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 		d.fs.awaitReleases(doomed) // space.go
 	}
 	return 0
+}
+
+// commitName reports whether in, given the top-level name, may commit a step: a directory named
+// as a step, or a .save (the framework decides later; this errs on committing).
+func commitName(in *gofs.Inode, name string) bool {
+	if in.IsDir() {
+		_, ok := layout.ParseStepDir(name)
+		return ok
+	}
+	return tiers.CommitsOnClose(name)
 }
 
 // movesControlFile reports whether in is a control file (replicator.yaml or .tmp at the top)

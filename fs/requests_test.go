@@ -19,7 +19,7 @@ func (e *countsEvents) TooLarge(string)                                {}
 func (e *countsEvents) Opened(bool)                                    {}
 func (e *countsEvents) Created(string, layout.EntryType)               {}
 func (e *countsEvents) Flushed(string)                                 {}
-func (e *countsEvents) Abandoned(string)                               {}
+func (e *countsEvents) Abandoned(string, string)                       {}
 func (e *countsEvents) ObserveFUSERequests(f func() map[string]uint64) { e.counts = f }
 
 // TestRequestCounts checks that the mount counts the requests it serves, by operation, and hands

@@ -101,10 +101,10 @@ type Events interface {
 	// Flushed: the job closed a descriptor of path, opened for writing, where CommitsOnClose
 	// said so. It is called synchronously, before close(2) returns to the job.
 	Flushed(path string)
-	// Abandoned replaces Flushed and Closed for such a descriptor that the kernel closed for a
-	// process a signal killed (kill -9, a crash): the file may be cut short, and its close is
-	// not a commit.
-	Abandoned(path string)
+	// Abandoned replaces Flushed and Closed for such a descriptor whose file is known to be cut
+	// short, why says how (the kernel closed it for the writer a signal killed, or it is a zip
+	// its writer did not finish): its close is not a commit.
+	Abandoned(path, why string)
 }
 
 // CommitsOnClose reports whether closing the top-level name after writing it may commit a step

@@ -402,9 +402,9 @@ func (r *Replicator) Created(path string, typ layout.EntryType) {
 	r.queue.push(event{kind: evCreated, path: path, typ: typ})
 }
 func (r *Replicator) Flushed(path string) { r.recorder.record(event{kind: evClosed, path: path}) }
-func (r *Replicator) Abandoned(path string) {
+func (r *Replicator) Abandoned(path, why string) {
 	r.node.yield.closed()
-	r.queue.push(event{kind: evAbandoned, path: path})
+	r.queue.push(event{kind: evAbandoned, path: path, old: why})
 }
 
 var _ Events = (*Replicator)(nil)
@@ -495,9 +495,9 @@ func (r *Replicator) handle(ev event) {
 	case ev.kind == evAbandoned:
 		// A torch.save cut short by a kill -9 was committed, sealed, backed up and restored as
 		// the newest step, which the job then could not load (found by a black-box run).
-		r.node.log.Warn("a .save closed by a process that a signal killed is not a commit: it may be cut short", "name", ev.path)
+		r.node.log.Warn("a .save cut short is not a commit", "name", ev.path, "why", ev.old)
 		if inc := r.incs.get(); inc != nil {
-			r.lines.incLine(inc, fmt.Sprintf("%s: closed by a process that a signal killed while it held it open for writing; not committed (it may be cut short)", ev.path))
+			r.lines.incLine(inc, fmt.Sprintf("%s: %s; not committed (it is cut short)", ev.path, ev.old))
 		}
 	}
 }
@@ -510,9 +510,10 @@ func randomID() string {
 
 // event is one change reported by package fs.
 type event struct {
-	kind      int
-	path, old string
-	typ       layout.EntryType
+	kind int
+	path string
+	old  string // a rename's old path; for evAbandoned, why the file is cut short
+	typ  layout.EntryType
 }
 
 const (

@@ -120,8 +120,8 @@ func (r *restorer) run(inc *incarnation) {
 			if err := r.restoreSlot(ctx, inc, plan, w, hash); err != nil {
 				msg := fmt.Sprintf("restore of step %d failed: %v", plan.Step, err)
 				switch {
-				case !errors.Is(err, syscall.ENOSPC):
-				case r.spool.KernelEnforced():
+				case !errors.Is(err, syscall.ENOSPC) && !errors.Is(err, ErrNoSpace):
+				case r.spool.KernelEnforced() || errors.Is(err, ErrNoSpace):
 					total, used := r.spool.Usage()
 					msg += fmt.Sprintf(" (the checkpoint does not fit in this node's RAM budget: --memory %s, %s in use; sparse files and hard links come back full size from peers and backups): restart the agent with a larger --memory",
 						FormatSize(total), FormatSize(used))
@@ -299,7 +299,7 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 			return nil
 		}
 		r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "err", err)
-		if errors.Is(err, syscall.ENOSPC) {
+		if errors.Is(err, syscall.ENOSPC) || errors.Is(err, ErrNoSpace) {
 			noSpace = err
 		}
 	}

@@ -8,6 +8,7 @@ package main
 // elsewhere.)
 
 import (
+	"archive/zip"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -1802,6 +1803,20 @@ func runWriter(spec string) {
 		}
 	}
 	switch end {
+	case "zipcut", "zipwhole":
+		// A zip as torch.save writes one, cut before its central directory or whole.
+		var b bytes.Buffer
+		z := zip.NewWriter(&b)
+		w, _ := z.Create("archive/data.pkl")
+		w.Write(bytes.Repeat([]byte("tensor"), 1000))
+		z.Close()
+		data := b.Bytes()
+		if end == "zipcut" {
+			data = data[:len(data)/2]
+		}
+		write(string(data))
+		unix.Close(fd)
+		os.Exit(0)
 	case "forkkill":
 		write("part of ")
 		child := exec.Command("sleep", "60")
@@ -1855,7 +1870,7 @@ func TestSaveOfAKilledProcessIsNotACommit(t *testing.T) {
 		t.Helper()
 		repWait(t, 5*time.Second, "the job told of "+name, func() bool {
 			data, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
-			return strings.Contains(string(data), name+": closed by a process that a signal killed")
+			return strings.Contains(string(data), name+": closed by the process that wrote it while a signal killed it; not committed")
 		})
 	}
 	_, err := write(7, "kill")
@@ -1864,7 +1879,7 @@ func TestSaveOfAKilledProcessIsNotACommit(t *testing.T) {
 	require.NoError(t, err)
 	waitStepSealed(t, n.dir, "killed", 8)
 	assert.NoFileExists(t, metaPath(n.dir, "killed", 7), "the killed writer's .save was committed\n%s", a.log())
-	assert.Contains(t, a.log(), "a .save closed by a process that a signal killed is not a commit")
+	assert.Contains(t, a.log(), "a .save cut short is not a commit")
 	told("killed-s7-n0-w0.save")
 
 	// A forked child holding the descriptor is killed while the writer goes on: the writer's
@@ -1886,6 +1901,19 @@ func TestSaveOfAKilledProcessIsNotACommit(t *testing.T) {
 	repWait(t, 10*time.Second, "the child's end", func() bool { return syscall.Kill(child, 0) != nil })
 	time.Sleep(300 * time.Millisecond) // its close, had it committed, is recorded by now
 	assert.NoFileExists(t, metaPath(n.dir, "killed", 10), "a cut-short .save was committed at the close of a child\n%s", a.log())
+
+	// Where the agent cannot see the writer (another pid namespace: a pod), a zip cut short
+	// (torch.save writes one) still tells: its close is not a commit. A whole zip commits.
+	_, err = write(11, "zipcut")
+	require.NoError(t, err)
+	repWait(t, 5*time.Second, "the job told of the cut zip", func() bool {
+		data, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+		return strings.Contains(string(data), "killed-s11-n0-w0.save: a zip archive without its end")
+	})
+	_, err = write(12, "zipwhole")
+	require.NoError(t, err)
+	waitStepSealed(t, n.dir, "killed", 12)
+	assert.NoFileExists(t, metaPath(n.dir, "killed", 11), "a cut zip was committed\n%s", a.log())
 }
 
 // scribbleMapped creates p with 1 MiB, writes a few bytes at odd offsets through a shared
