@@ -6,6 +6,7 @@ package tiers
 // directory is gone.
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -228,18 +229,23 @@ func lastUsed(s SpoolInfo) time.Time {
 
 // ReapOrphaned frees, at agent start, the kept spools whose mount directory no longer exists
 // and that have not been used for ReapGrace: no agent will ever adopt them. A spool in use is
-// never touched, nor is own (the spool this agent is about to open).
-func (h Spools) ReapOrphaned(own string, log *slog.Logger) {
+// never touched, nor is own (the spool this agent is about to open). It returns how long until
+// the youngest orphan it kept is due (0: none), for the agent to look again then: an orphan's
+// RAM is not held until some later start.
+func (h Spools) ReapOrphaned(own string, log *slog.Logger) (again time.Duration) {
 	spools, err := h.List()
 	if err != nil {
 		log.Warn("cannot look for orphaned spools", "err", err)
-		return
+		return 0
 	}
 	for _, s := range spools {
 		if s.Dir == own || !s.Orphaned() || s.InUse {
 			continue
 		}
 		if idle := time.Since(lastUsed(s)); idle < ReapGrace {
+			if due := ReapGrace - idle + time.Second; again == 0 || due < again {
+				again = due
+			}
 			log.Info("a kept spool's mount directory is gone; the spool is kept until it has been unused for the grace time (mtcfs spool free --orphaned frees it now)",
 				"spool", s.Dir, "mount", s.MountPath, "job", s.Job, "unused_for", idle.Round(time.Second).String(), "grace", ReapGrace.String())
 			continue
@@ -253,6 +259,22 @@ func (h Spools) ReapOrphaned(own string, log *slog.Logger) {
 		}
 		log.Info("reaped a kept spool whose mount directory no longer exists", "spool", s.Dir, "mount", s.MountPath,
 			"mount_state", s.MountState, "job", s.Job, "steps", s.Steps, "bytes", s.Bytes)
+	}
+	return again
+}
+
+// ReapOrphanedLater runs ReapOrphaned again after again, and so on while it keeps orphans that
+// are not due yet, until ctx ends.
+func (h Spools) ReapOrphanedLater(ctx context.Context, own string, again time.Duration, log *slog.Logger) {
+	for again > 0 {
+		t := time.NewTimer(again)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		again = h.ReapOrphaned(own, log)
 	}
 }
 

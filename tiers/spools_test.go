@@ -2,10 +2,12 @@ package tiers
 
 import (
 	"bytes"
+	"encoding/json"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/mtcfs/mtcfs/internal/fusectl"
 	"github.com/stretchr/testify/assert"
@@ -185,4 +187,46 @@ func TestExitingStatus(t *testing.T) {
 	} {
 		assert.Equal(t, c.want, exitingStatus(status(c.state, c.sigPnd, c.shdPnd)), "%+v", c)
 	}
+}
+
+// An orphaned kept spool used moments ago is kept at an agent's start, and reaped by that
+// agent once it is due, not at some later start: its RAM is not held meanwhile.
+func TestOrphanReapedOnceDue(t *testing.T) {
+	base := t.TempDir()
+	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	s, err := OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountPath: mnt})
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "meta"), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "meta", "llama-s10-n0-w0.meta"), []byte("abc"), 0o600))
+	var log bytes.Buffer
+	logger := slog.New(slog.NewTextHandler(&log, nil))
+	s.Release(logger)
+	require.DirExists(t, dir, "a spool holding a checkpoint is kept")
+	require.NoError(t, os.Remove(mnt))
+
+	// Last used a moment less than the grace ago.
+	used := time.Now().Add(-ReapGrace + 2*time.Second)
+	p := filepath.Join(dir, OwnerFile)
+	data, err := os.ReadFile(p)
+	require.NoError(t, err)
+	var rec map[string]any
+	require.NoError(t, json.Unmarshal(data, &rec))
+	rec["last_used"] = used.UTC().Format(time.RFC3339Nano)
+	data, err = json.Marshal(rec)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(p, data, 0o600))
+	for _, d := range []string{dir, filepath.Join(dir, "files"), filepath.Join(dir, "meta")} {
+		if _, err := os.Stat(d); err == nil {
+			require.NoError(t, os.Chtimes(d, used, used))
+		}
+	}
+
+	h := Spools{Dirs: func() []string { return []string{dir} }}
+	again := h.ReapOrphaned("", logger)
+	require.DirExists(t, dir, "an orphan used less than the grace ago is kept")
+	require.Greater(t, again, time.Duration(0))
+	require.LessOrEqual(t, again, 4*time.Second)
+	h.ReapOrphanedLater(t.Context(), "", again, logger)
+	assert.NoDirExists(t, dir, "the orphan is reaped once due\n%s", log.String())
 }

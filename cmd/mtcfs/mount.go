@@ -541,7 +541,7 @@ func runMount(cfg mountConfig) error {
 	if err := checkSpoolPlacement(cfg.dir, cfg.spoolDir); err != nil {
 		return err
 	}
-	localSpools.ReapOrphaned(cfg.spoolDir, slog.Default())
+	reapAgain := localSpools.ReapOrphaned(cfg.spoolDir, slog.Default())
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: cfg.spoolDir, Budget: cfg.budget, MountTmpfs: os.Geteuid() == 0, MountPath: cfg.dir})
 	if err != nil {
 		return err
@@ -631,6 +631,7 @@ func runMount(cfg mountConfig) error {
 	info.Dir, info.Passthrough = srv.Dir(), srv.Passthrough()
 	shown.Store(&info)
 	ctx, cancel := context.WithCancel(context.Background())
+	go localSpools.ReapOrphanedLater(ctx, cfg.spoolDir, reapAgain, slog.Default())
 	defer cancel()
 	if err := rep.Start(ctx, srv.Namespace()); err != nil {
 		return failed(fmt.Errorf("start replicator: %w", err))
