@@ -568,7 +568,7 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 	if sig != 0 && (h.opener == 0 || caller != h.opener) {
 		sig = 0 // not known to be the writer's death: a close like any other
 	}
-	if sig == 0 && tornZip(h.fd) {
+	if sig == 0 && cutShort(h.fd) != "" {
 		// A zip (torch.save writes one) without its end: its writer has not finished it, or
 		// never will (killed, seen from another pid namespace where the checks above see
 		// nothing). Not a commit now; a later close may find it whole, the last release
@@ -590,6 +590,20 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 		f.fs.events.Flushed(f.Path(nil))
 	}
 	return 0
+}
+
+// cutShort says why the .save open at fd cannot be a whole one ("": it may be): empty (a writer
+// killed between its open and its first write, or whose forked child closed the descriptor
+// first; found by a black-box run), or a zip without its end (tornZip).
+func cutShort(fd int) string {
+	var st unix.Stat_t
+	switch {
+	case unix.Fstat(fd, &st) == nil && st.Size == 0:
+		return "empty: its writer did not write it"
+	case tornZip(fd):
+		return "a zip archive without its end (torch.save writes one): its writer did not finish it"
+	}
+	return ""
 }
 
 // tornZip reports whether the file open at fd begins as a zip archive and lacks the record a
@@ -678,8 +692,8 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	switch {
 	case h.abandoned:
 		why = "closed by the process that wrote it while a signal killed it"
-	case h.commitsOnClose && !h.flushed && tornZip(h.fd):
-		why = "a zip archive without its end (torch.save writes one): its writer did not finish it"
+	case h.commitsOnClose && !h.flushed:
+		why = cutShort(h.fd)
 	}
 	f.mu.Unlock()
 	err := unix.Close(h.fd)

@@ -1803,6 +1803,9 @@ func runWriter(spec string) {
 		}
 	}
 	switch end {
+	case "empty":
+		unix.Close(fd)
+		os.Exit(0)
 	case "zipcut", "zipwhole":
 		// A zip as torch.save writes one, cut before its central directory or whole.
 		var b bytes.Buffer
@@ -1914,6 +1917,16 @@ func TestSaveOfAKilledProcessIsNotACommit(t *testing.T) {
 	require.NoError(t, err)
 	waitStepSealed(t, n.dir, "killed", 12)
 	assert.NoFileExists(t, metaPath(n.dir, "killed", 11), "a cut zip was committed\n%s", a.log())
+
+	// An empty .save (a writer killed between its open and its first write, unseen from
+	// another pid namespace) is not a commit either (found by a black-box run).
+	_, err = write(13, "empty")
+	require.NoError(t, err)
+	repWait(t, 5*time.Second, "the job told of the empty .save", func() bool {
+		data, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+		return strings.Contains(string(data), "killed-s13-n0-w0.save: empty: its writer did not write it")
+	})
+	assert.NoFileExists(t, metaPath(n.dir, "killed", 13), "an empty .save was committed\n%s", a.log())
 }
 
 // scribbleMapped creates p with 1 MiB, writes a few bytes at odd offsets through a shared
