@@ -241,7 +241,11 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	// only, so a line for them would stay and abort their restart (a local rank other than 0
 	// reads it before rank 0 wrote the yaml): they are only warned of in the log.
 	if o := n.spool.Owner(); o.Running != nil && o.Job != "" && !n.hasName(layout.ReplicatorYAMLName) {
-		n.log.Warn("the agent before this one stopped after it answered a job: if that job still runs, it must restart (an Orbax job is told in replicator.failed at its next save)",
+		told := " (an Orbax job is told in replicator.failed at its next save)"
+		if f := o.Running.Framework; f != FrameworkOrbax && f != "" {
+			told = " (a " + o.Running.Framework + " job reads replicator.failed at its start only: it is not told)"
+		}
+		n.log.Warn("the agent before this one stopped after it answered a job: if that job still runs, it must restart"+told,
 			"job", o.Job, "framework", o.Running.Framework, "incarnation", o.Running.Incarnation, "rank", o.Running.Rank, "since", o.Running.Since)
 		if o.Running.Framework == FrameworkOrbax {
 			p := &interruptedJob{job: o.Job, run: *o.Running}
