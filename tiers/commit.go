@@ -90,8 +90,10 @@ type commitRecorder struct {
 	// sealed is closed (and replaced) whenever a name leaves pending.
 	sealed chan struct{} // GUARDED_BY(mu)
 	// unanswered counts the commits made while no job was answered (no incarnation), for the
-	// log: 1, then every 100th.
-	unanswered atomic.Int64
+	// log: 1, then every 100th. lastUnanswered is the name counted last: a .save is reported
+	// at its flush and again at its close, and is one commit.
+	unanswered     int    // GUARDED_BY(mu)
+	lastUnanswered string // GUARDED_BY(mu)
 }
 
 func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
@@ -252,7 +254,16 @@ func (cr *commitRecorder) noteUnanswered(ev event) {
 	if step == "" {
 		return
 	}
-	if n := cr.unanswered.Add(1); n == 1 || n%100 == 0 {
+	cr.mu.Lock()
+	if ev.path == cr.lastUnanswered {
+		cr.mu.Unlock()
+		return
+	}
+	cr.lastUnanswered = ev.path
+	cr.unanswered++
+	n := cr.unanswered
+	cr.mu.Unlock()
+	if n == 1 || n%100 == 0 {
 		cr.log.Warn("a step was committed while this agent answers no job (no replicator.yaml since it started): it is not checkpointed; the job must restart to be checkpointed again",
 			"name", ev.path, "step", step, "unanswered_commits", n)
 	}

@@ -408,7 +408,7 @@ func (r *Replicator) Created(path string, typ layout.EntryType) {
 func (r *Replicator) Flushed(path string) { r.recorder.record(event{kind: evClosed, path: path}) }
 func (r *Replicator) Abandoned(path, why string) {
 	r.node.yield.closed()
-	r.queue.push(event{kind: evAbandoned, path: path, old: why})
+	r.queue.push(event{kind: evAbandoned, path: path, why: why})
 }
 
 var _ Events = (*Replicator)(nil)
@@ -499,9 +499,9 @@ func (r *Replicator) handle(ev event) {
 	case ev.kind == evAbandoned:
 		// A torch.save cut short by a kill -9 was committed, sealed, backed up and restored as
 		// the newest step, which the job then could not load (found by a black-box run).
-		r.node.log.Warn("a .save cut short is not a commit", "name", ev.path, "why", ev.old)
+		r.node.log.Warn("a .save cut short is not a commit", "name", ev.path, "why", ev.why)
 		if inc := r.incs.get(); inc != nil {
-			r.lines.incLine(inc, fmt.Sprintf("%s: %s; not committed (it is cut short)", ev.path, ev.old))
+			r.lines.incLine(inc, fmt.Sprintf("%s: %s; not committed (it is cut short)", ev.path, ev.why))
 		}
 	}
 }
@@ -516,7 +516,8 @@ func randomID() string {
 type event struct {
 	kind int
 	path string
-	old  string // a rename's old path; for evAbandoned, why the file is cut short
+	old  string // a rename's old path
+	why  string // for evAbandoned: why the file is cut short
 	typ  layout.EntryType
 }
 
