@@ -580,3 +580,45 @@ func short2(t *testing.T) context.Context {
 	t.Cleanup(cancel)
 	return ctx
 }
+
+// TestRestoreFromAPeerThatDoesNotFit: a node replaced with a smaller --memory than its step
+// needs gets the step's data from no backup (none was taken yet) and cannot fetch it from the
+// peer that holds it. The job is told that a peer holds it and what to do; before, it was told
+// the data was nowhere (found by a black-box run of a rolling upgrade).
+func TestRestoreFromAPeerThatDoesNotFit(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	c := newCluster(t, 2)
+	client := func(r int) *jobsim.Orbax {
+		o := c.client(t, r)
+		o.PeerRanks = []int{1 - r}
+		o.Content = jobsim.Content{Files: 3, FileSize: 8 << 20} // 24 MiB a node
+		return o
+	}
+	c.all(t, func(r int) error {
+		o := client(r)
+		if _, _, err := o.Start(ctx); err != nil {
+			return err
+		}
+		return o.Save(ctx, 10)
+	})
+	replica := rankMetaPath(c.nodes[0].dir, "trio", 10, 1)
+	repWait(t, 30*time.Second, "rank 1's replica on rank 0", func() bool { return pathExists(replica) })
+
+	killAgent(t, c.agents[1])
+	forceUnmount(c.nodes[1].dir)
+	c.nodes[1].dropSpool(t)
+	c.agents[1] = c.nodes[1].start(t, "--memory", "16MiB")
+
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for r := range 2 {
+		wg.Go(func() { errs[r] = restoresStep(ctx, client(r), 10) })
+	}
+	wg.Wait()
+	require.Error(t, errs[1], "24 MiB cannot be restored within 16 MiB")
+	assert.Contains(t, errs[1].Error(), "a peer holds it, but the fetch failed")
+	assert.Contains(t, errs[1].Error(), "the checkpoint does not fit in this node's RAM budget: --memory 16.0MiB")
+	assert.Contains(t, errs[1].Error(), "restart the agent with a larger --memory")
+	assert.NotContains(t, errs[1].Error(), "nor a peer's")
+}
