@@ -159,6 +159,14 @@ func (r *restorer) run(inc *incarnation) {
 	if plan.Found && plan.Backup != "" {
 		r.backups.restoredFrom(cfg.JobName, plan.Backup, plan.Step)
 	}
+	if plan.Found && plan.Step == 0 && cfg.Framework == FrameworkPyTorchDistributed {
+		// NeMo commits global step g as step g-1 and takes no restore of step 0: a job whose
+		// only save was global step 1 started from scratch without a word (found by a
+		// black-box run). The job cannot be made to take it; it is told.
+		msg := "step 0 (NeMo's global step 1) is restored, but NeMo takes no restore of step 0: the job starts from scratch"
+		r.log.Warn(msg, "job", cfg.JobName)
+		r.lines.incLine(inc, msg)
+	}
 	// The state is "running" before the job can see a marker, so status never lags behind it.
 	inc.restoreDone(plan.Step)
 	for w := 0; w < cfg.WorkersPerNode; w++ {

@@ -382,6 +382,37 @@ func TestNeMoLifecycle(t *testing.T) {
 	require.NoError(t, c.VerifyRestored(ctx, 12))
 }
 
+// TestNeMoOnlySaveAtGlobalStepOne: NeMo commits global step 1 as step 0, and takes no restore
+// of step 0. The agent cannot make it take one; it tells the job and the log, where the job
+// started from scratch without a word (found by a black-box run).
+func TestNeMoOnlySaveAtGlobalStepOne(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	const job = "gpt"
+	a := n.start(t)
+	c := nemoClient(t, n.dir, job)
+	require.NoError(t, c.Handshake(ctx))
+	_, found, err := c.Restore(ctx)
+	require.NoError(t, err)
+	require.False(t, found)
+	require.NoError(t, c.Save(ctx, 1))
+	waitStepSealed(t, n.dir, job, 0)
+
+	c = nemoClient(t, n.dir, job)
+	require.NoError(t, c.Handshake(ctx))
+	_, found, err = c.Restore(ctx)
+	require.NoError(t, err)
+	require.False(t, found, "NeMo leaves a step-0 marker alone")
+	const said = "step 0 (NeMo's global step 1) is restored, but NeMo takes no restore of step 0"
+	repWait(t, 5*time.Second, "the line in replicator.errors", func() bool {
+		b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+		return strings.Contains(string(b)+strings.Join(c.Errors(), "\n"), said)
+	})
+	require.Contains(t, a.log(), said)
+	stopAgent(t, a)
+}
+
 // TestRestoreFromBackup: a node that lost its RAM tier restores from the backup; a backup with
 // a missing data object is reported damaged (by backups verify and list, and to the job) and
 // never restored.
