@@ -183,15 +183,21 @@ func StatusAddrs(dir string) ([]Info, error) {
 // Stopped reports whether process pid is stopped (SIGSTOP, or a debugger: state T or t in
 // /proc/PID/stat). A frozen cgroup does not show there.
 func Stopped(pid int) bool {
+	st := procState(pid)
+	return st == 'T' || st == 't'
+}
+
+// procState is the state letter of process pid in /proc/PID/stat (0: unknown).
+func procState(pid int) byte {
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
-		return false
+		return 0
 	}
 	i := bytes.LastIndexByte(data, ')') // the command name may hold spaces and parentheses
 	if i < 0 || i+2 >= len(data) {
-		return false
+		return 0
 	}
-	return data[i+2] == 'T' || data[i+2] == 't'
+	return data[i+2]
 }
 
 // alive reports whether the process that wrote the registry file p still runs ("": a process
@@ -199,6 +205,9 @@ func Stopped(pid int) bool {
 func alive(info Info, p string) bool {
 	if unix.Kill(info.PID, 0) == unix.ESRCH {
 		return false
+	}
+	if st := procState(info.PID); st == 'Z' || st == 'X' {
+		return false // dead, not yet reaped by its parent (found by a black-box run)
 	}
 	start, err := ProcStartTime(info.PID)
 	if err != nil {

@@ -64,3 +64,30 @@ func TestStopped(t *testing.T) {
 	assert.Eventually(t, func() bool { return !Stopped(pid) }, 5*time.Second, time.Millisecond)
 	assert.False(t, Stopped(1<<30), "no such process")
 }
+
+// TestZombieIsNotAlive: an agent that died and that its parent has not reaped yet (a zombie)
+// is not a running agent; status and spool list counted it as one (found by a black-box run).
+func TestZombieIsNotAlive(t *testing.T) {
+	cmd := exec.Command("sleep", "30")
+	require.NoError(t, cmd.Start())
+	reaped := false
+	t.Cleanup(func() {
+		if !reaped {
+			cmd.Process.Kill()
+			cmd.Wait()
+		}
+	})
+	pid := cmd.Process.Pid
+	start, err := ProcStartTime(pid)
+	require.NoError(t, err)
+	p := filepath.Join(t.TempDir(), "agent.json")
+	require.NoError(t, os.WriteFile(p, nil, 0o644))
+	info := Info{PID: pid, Dir: "/srv/x", StartTime: start}
+	assert.True(t, alive(info, p))
+	require.NoError(t, cmd.Process.Kill())
+	assert.Eventually(t, func() bool { return procState(pid) == 'Z' }, 5*time.Second, time.Millisecond, "not reaped: a zombie")
+	assert.False(t, alive(info, p), "a zombie")
+	cmd.Wait()
+	reaped = true
+	assert.False(t, alive(info, p), "gone")
+}
