@@ -680,6 +680,12 @@ func (t mountTable) isMountPoint(p string) bool {
 // isSpoolTmpfs tells whether a spool tmpfs is mounted at dir now.
 func isSpoolTmpfs(dir string) bool { return readMounts().isSpoolTmpfs(dir) }
 
+// findable reports whether List finds the spool at dir without a running agent: a spool tmpfs,
+// or a directory of the default root.
+func findable(dir string) bool {
+	return isSpoolTmpfs(dir) || filepath.Dir(dir) == DefaultSpoolRoot()
+}
+
 // distinctFileBytes is the size of the distinct files below dir (hard links counted once: sealed data
 // shares its bytes with the files it was made from).
 func distinctFileBytes(dir string) int64 {
@@ -720,7 +726,10 @@ func (s *Spool) Release(log *slog.Logger) {
 		if state == MountExists {
 			s.Detach()
 			target := mountPath
-			if target == "" {
+			if target == "" || !findable(s.Dir()) {
+				// A non-root agent's --spool outside the default root is a plain directory that
+				// no discovery finds once the agent is gone: `spool free MOUNT` said it found
+				// nothing to free (found by a re-check helper).
 				target = s.Dir()
 			}
 			why := "it holds committed checkpoints"

@@ -42,7 +42,9 @@ func TestSpoolsKeepFindFree(t *testing.T) {
 	// that file beside the owner record, and was then refused by FreeSpool as not a spool.
 	require.NoError(t, s.SetShape(Shape{Nodes: 1, Workers: 1}))
 	s.Release(logger)
-	assert.Contains(t, log.String(), "free it with: mtcfs spool free "+mnt, "a spool holding a checkpoint is kept")
+	// A plain directory outside the default root: no discovery finds it once its agent is gone,
+	// so the line names it, not the mount path (with which `spool free` found nothing).
+	assert.Contains(t, log.String(), "free it with: mtcfs spool free "+dir+"\"", "a spool holding a checkpoint is kept")
 	assert.DirExists(t, dir)
 
 	found, err = spools.Find(dir, nil)
