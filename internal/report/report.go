@@ -51,16 +51,16 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 		if p == nil {
 			continue
 		}
-		pct := 0.0
-		if p.Total > 0 {
-			pct = 100 * float64(p.Done) / float64(p.Total)
-		}
 		what := p.Source
 		if p.Kind == "backup" {
 			what = "to " + p.Backup
 		}
-		fmt.Fprintf(w, "  %-10s step %d %s: %s of %s (%.0f%%), running %v\n", p.Kind, p.Step, what,
-			tiers.FormatSize(p.Done), tiers.FormatSize(p.Total), pct, time.Since(p.Started).Round(time.Second))
+		// The size is known once the step's files are listed; before, "0B of 0B (0%)".
+		moved := fmt.Sprintf("%s so far", tiers.FormatSize(p.Done))
+		if p.Total > 0 {
+			moved = fmt.Sprintf("%s of %s (%.0f%%)", tiers.FormatSize(p.Done), tiers.FormatSize(p.Total), 100*float64(p.Done)/float64(p.Total))
+		}
+		fmt.Fprintf(w, "  %-10s step %d %s: %s, running %v\n", p.Kind, p.Step, what, moved, time.Since(p.Started).Round(time.Second))
 	}
 	if rp := st.RePush; rp != nil {
 		tries := fmt.Sprintf("%d tries failed", rp.Failed)

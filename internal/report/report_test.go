@@ -43,6 +43,12 @@ func TestStatus(t *testing.T) {
 	} {
 		assert.Contains(t, out, want)
 	}
+
+	// A backup whose size is not known yet (its files not listed): no "0B of 0B (0%)".
+	var starting strings.Builder
+	Status(&starting, info, tiers.Status{Spool: spool, Replicated: -1,
+		Backup: &tiers.ProgressView{Kind: "backup", Step: 30, Backup: "2026-12-02_11-00", Started: time.Now()}})
+	assert.Contains(t, starting.String(), "  backup     step 30 to 2026-12-02_11-00: 0B so far, running 0s\n")
 }
 
 func TestSpools(t *testing.T) {
