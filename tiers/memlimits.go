@@ -109,6 +109,10 @@ func (l MemoryLimits) CheckBudget(budget int64) error {
 	return nil
 }
 
+// minGoMemoryLimit is the least --go-memory-limit taken: the agent's heap (gRPC buffers, the
+// namespace's nodes, hashing) is tens of MiB at rest.
+const minGoMemoryLimit = 32 << 20
+
 // SetGoMemoryLimit decides the Go runtime's soft memory limit (the heap, not the spool, which is
 // tmpfs) from --go-memory-limit: "auto" takes 90% of what the cgroup leaves once the spool's
 // budget is counted (the spool's pages may be charged to the same cgroup), none without a cgroup
@@ -136,6 +140,10 @@ func (l MemoryLimits) SetGoMemoryLimit(flag string, budget int64) (int64, string
 	n, err := ParseSize(flag)
 	if err != nil {
 		return 0, "", errors.New("--go-memory-limit: want auto, off or a size such as 512MiB")
+	}
+	if n < minGoMemoryLimit {
+		// 1KiB was accepted: the collector then runs without pause and the agent crawls.
+		return 0, "", fmt.Errorf("--go-memory-limit %s is less than the agent's own heap needs (at least %s): give more, or off", flag, FormatSize(minGoMemoryLimit))
 	}
 	debug.SetMemoryLimit(n)
 	return n, "--go-memory-limit", nil

@@ -85,6 +85,8 @@ func TestGoMemoryLimit(t *testing.T) {
 	assert.Equal(t, int64(512<<20), got)
 	_, _, err = l.SetGoMemoryLimit("lots", 2<<30)
 	require.Error(t, err)
+	_, _, err = l.SetGoMemoryLimit("1KiB", 2<<30)
+	require.ErrorContains(t, err, "--go-memory-limit 1KiB is less than the agent's own heap needs (at least 32.0MiB)")
 }
 
 // TestFormatSize: sizes print short; a GiB count exactly when it is short (a budget as given).
