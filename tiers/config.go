@@ -187,16 +187,26 @@ func ParseConfig(data []byte, getenv func(string) string) (*Config, []string, er
 				return nil, nil, ce
 			}
 		case key == keyJobName || key == keyFramework || key == keyNodes || key == keyNodeRank:
-			return nil, nil, &ConfigError{Key: key, Problem: "required"}
+			return nil, nil, givenNoValue(&ConfigError{Key: key, Problem: "required"}, settings)
 		}
 		if ce := c.check(key); ce != nil {
-			return nil, nil, ce
+			return nil, nil, givenNoValue(ce, settings)
 		}
 	}
 	if c.PeerRanks != nil && c.PeersPerNode > 0 {
 		warnings = append(warnings, fmt.Sprintf("%s ignored: %s is given", keyPeersPerNode, keyPeerRanks))
 	}
 	return c, warnings, nil
+}
+
+// givenNoValue adds to a problem of a key written with no value ("backup-interval-minutes:"),
+// which counts as absent, that the file gives it none: "one of backup-interval-minutes or
+// backup-interval-steps is required" alone sent the user looking for a missing line.
+func givenNoValue(ce *ConfigError, settings map[string]*setting) *ConfigError {
+	if s := settings[ce.Key]; s != nil && isNull(s.value) {
+		ce.Problem += fmt.Sprintf(" (line %d gives %s no value)", s.line, ce.Key)
+	}
+	return ce
 }
 
 // Validate checks c as ParseConfig checks a parsed file, in the same order,

@@ -252,7 +252,7 @@ func TestParseConfigErrors(t *testing.T) {
 
 		// job-name
 		{"job-name missing", edit(validBase, "-job-name"), "job-name: required"},
-		{"job-name null", edit(validBase, "job-name:"), "job-name: required"},
+		{"job-name null", edit(validBase, "job-name:"), "job-name: required (line 1 gives job-name no value)"},
 		{"job-name empty", edit(validBase, `job-name: ""`), `job-name: must not be empty, got ""`},
 		{"job-name unset variable", edit(validBase, "job-name: $UNSET"), `job-name: must not be empty, got "$UNSET" (expands to "")`},
 		{"job-name slash", edit(validBase, "job-name: a/b"), `job-name: "a/b" must not contain "/" or ".."`},
@@ -282,7 +282,7 @@ func TestParseConfigErrors(t *testing.T) {
 
 		// nodes
 		{"nodes missing", edit(validBase, "-nodes"), "nodes: required"},
-		{"nodes null", edit(validBase, "nodes: ~"), "nodes: required"},
+		{"nodes null", edit(validBase, "nodes: ~"), "nodes: required (line 4 gives nodes no value)"},
 		{"nodes zero", edit(validBase, "nodes: 0"), "nodes: must be > 0, got 0"},
 		{"nodes negative", edit(validBase, "nodes: -4"), "nodes: must be > 0, got -4"},
 		{"nodes word", edit(validBase, "nodes: four"), `nodes: must be an integer, got "four"`},
@@ -311,7 +311,7 @@ func TestParseConfigErrors(t *testing.T) {
 
 		// peer-ranks and peers-per-node
 		{"peers missing", edit(validBase, "-peers-per-node"), "peer-ranks: one of peer-ranks or peers-per-node is required"},
-		{"peer-ranks null, no peers-per-node", edit(validBase, "-peers-per-node", "peer-ranks:"), "peer-ranks: one of peer-ranks or peers-per-node is required"},
+		{"peer-ranks null, no peers-per-node", edit(validBase, "-peers-per-node", "peer-ranks:"), "peer-ranks: one of peer-ranks or peers-per-node is required (line 6 gives peer-ranks no value)"},
 		{"peer-ranks self", edit(validBase, "peer-ranks: [1, 2]"), "peer-ranks: rank 2 is this node's own rank"},
 		{"peer-ranks out of range", edit(validBase, "peer-ranks: [7]"), "peer-ranks: rank 7 is out of range [0, 4)"},
 		{"peer-ranks negative", edit(validBase, "peer-ranks: [-1]"), "peer-ranks: rank -1 is out of range [0, 4)"},
@@ -332,6 +332,7 @@ func TestParseConfigErrors(t *testing.T) {
 
 		// backup interval
 		{"backup missing", edit(validBase, "-backup-interval-minutes"), "backup-interval-minutes: one of backup-interval-minutes or backup-interval-steps is required"},
+		{"backup null", edit(validBase, "backup-interval-minutes:"), "backup-interval-minutes: one of backup-interval-minutes or backup-interval-steps is required (line 6 gives backup-interval-minutes no value)"},
 		{"backup minutes negative", edit(validBase, "backup-interval-minutes: -1"), "backup-interval-minutes: must be > 0, got -1"},
 		{"backup minutes zero", edit(validBase, "backup-interval-minutes: 0"), "backup-interval-minutes: must be > 0, got 0"},
 		{"backup minutes negative string", edit(validBase, `backup-interval-minutes: "-0.5"`), "backup-interval-minutes: must be > 0, got -0.5"},
