@@ -18,12 +18,11 @@ func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 // its own goroutine (restorer.run), which ends with the incarnation.
 type handshake struct {
 	*node
-	getenv    func(string) string
-	incs      *incarnations
-	lines     *jobLines
-	retention *retention      // frees what this node holds of other jobs
-	recorder  *commitRecorder // names waiting for sealing stay in the namespace
-	restorer  *restorer
+	getenv   func(string) string
+	incs     *incarnations
+	lines    *jobLines
+	recorder *commitRecorder // names waiting for sealing stay in the namespace
+	restorer *restorer
 }
 
 // answer reads and consumes replicator.yaml.
@@ -76,7 +75,6 @@ func (h *handshake) answer() {
 	for _, msg := range h.incs.takeStartupErrors() {
 		h.lines.errLine(cfg, msg)
 	}
-	h.freeOtherJobs(cfg)
 	run := Running{Incarnation: inc.ID, Framework: cfg.Framework, Rank: cfg.NodeRank, Nodes: cfg.Nodes, Since: h.now().UTC(), TracksRestore: true}
 	if err := h.withRoom(func() error { return h.spool.SetRunning(cfg.JobName, run) }); errors.Is(err, errNoOwnerRecord) {
 		h.log.Debug("spool owner record", "err", err)
@@ -115,18 +113,6 @@ func (h *handshake) cleanNamespace() {
 			h.log.Error("clean namespace", "name", n, "err", err)
 		}
 	}
-}
-
-// freeOtherJobs frees what this node's RAM holds of other jobs (a mount path reused by another
-// job): it is never restored for this one and must not take this job's budget (SPEC §10).
-func (h *handshake) freeOtherJobs(cfg *Config) {
-	names := h.retention.dropMetas(func(m layout.MarkerName, _ string) bool { return m.Job != cfg.JobName })
-	if len(names) == 0 {
-		return
-	}
-	h.retention.retain(cfg) // frees the data no kept .meta names
-	h.log.Warn("freed checkpoints of other jobs", "metas", names, "job", cfg.JobName)
-	h.lines.errLine(cfg, fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName))
 }
 
 // partialConfig recovers job name, rank and nodes from an invalid yaml for the failure line.

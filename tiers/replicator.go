@@ -219,7 +219,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	// The start of each incarnation: the handshake answers replicator.yaml and starts the
 	// restore, which waits until what was committed before is sealed, restores, starts the
 	// incarnation's backup loop and queues the restored step to the syncer.
-	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines, retention: r.retention,
+	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines,
 		recorder: r.recorder, restorer: &restorer{node: n, coord: cfg.Coordinator, store: cfg.Store, peers: cfg.Peers,
 			incs: r.incs, lines: r.lines, retention: r.retention, recorder: r.recorder, backups: r.backups, synced: syncQ}}
 

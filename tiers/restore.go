@@ -84,6 +84,7 @@ func (r *restorer) run(inc *incarnation) {
 		return
 	}
 	r.backups.start(inc)
+	r.freeOtherJobs(inc)
 	for _, line := range plan.Errors {
 		r.lines.errLine(cfg, line)
 	}
@@ -189,6 +190,22 @@ func (r *restorer) run(inc *incarnation) {
 	if err := r.withRoom(func() error { return r.spool.MarkRestored(inc.ID) }); err != nil && !errors.Is(err, errNoOwnerRecord) {
 		r.log.Warn("record the restore in the spool's owner record", "err", err)
 	}
+}
+
+// freeOtherJobs frees what this node's RAM holds of other jobs (a mount path reused by another
+// job): it is never restored for this one and must not take this job's budget (SPEC §10).
+// It runs once every node negotiated the job, not at the handshake: one rank started with a
+// mistyped job-name freed the real job's steps there before the coordinator refused it, and
+// the job, its yaml fixed, restored an older step (found by a black-box run).
+func (r *restorer) freeOtherJobs(inc *incarnation) {
+	cfg := inc.Config
+	names := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool { return m.Job != cfg.JobName })
+	if len(names) == 0 {
+		return
+	}
+	r.retention.retain(cfg) // frees the data no kept .meta names
+	r.log.Warn("freed checkpoints of other jobs", "metas", names, "job", cfg.JobName)
+	r.lines.incLine(inc, fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName))
 }
 
 // dropAbandonedSteps forgets this job's steps newer than the one the job restores (all of them on

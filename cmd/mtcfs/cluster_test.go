@@ -622,3 +622,28 @@ func TestRestoreFromAPeerThatDoesNotFit(t *testing.T) {
 	assert.Contains(t, errs[1].Error(), "restart the agent with a larger --memory")
 	assert.NotContains(t, errs[1].Error(), "nor a peer's")
 }
+
+// TestMistypedJobNameOnOneRank: one rank's job restarts with a mistyped job-name while the
+// job's incarnation runs on the others. The coordinator refuses it, and that node keeps the
+// job's checkpoints: they were freed at the handshake, before the refusal, and the job, its
+// yaml fixed, restored an older step (found by a black-box run).
+func TestMistypedJobNameOnOneRank(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	c := newCluster(t, 2)
+	clients := c.startAll(t, ctx, 0)
+	c.all(t, func(r int) error { return clients[r].Save(ctx, 10) })
+	for r := range 2 {
+		meta := rankMetaPath(c.nodes[r].dir, "trio", 10, r)
+		repWait(t, 10*time.Second, fmt.Sprintf("rank %d to seal step 10", r), func() bool { return pathExists(meta) })
+	}
+
+	typo := c.client(t, 1)
+	typo.Job = "trio-typo"
+	_, _, err := typo.Start(ctx)
+	require.Error(t, err, "the coordinator refuses a job-name its incarnation does not have")
+	assert.FileExists(t, rankMetaPath(c.nodes[1].dir, "trio", 10, 1), "rank 1 freed the job's step")
+	assert.NotContains(t, c.agents[1].log(), "freed checkpoints of other jobs")
+
+	c.startAll(t, ctx, 10) // the yaml fixed: the job restores its step
+}
