@@ -117,7 +117,7 @@ func whyNotOurs(cfg *Config, m layout.MarkerName) string {
 
 // noteMisnamed tells the job, once per incarnation and name, that the .save ev names is not a
 // commit of this node (whyNotOurs), or that a directory renamed to digits is no step name (a
-// leading zero, or past int64). It runs on the control loop, never on a FUSE request: it
+// leading zero, past int64, or negative). It runs on the control loop, never on a FUSE request: it
 // writes replicator.errors.
 func (cr *commitRecorder) noteMisnamed(ev event) {
 	inc := cr.incs.get()
@@ -128,13 +128,25 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	var why string
 	switch {
 	case cfg.Framework != FrameworkPyTorch:
-		if ev.kind != evRenamed || ev.typ != layout.EntryDir || strings.Trim(ev.path, "0123456789") != "" {
+		if ev.kind != evRenamed || ev.typ != layout.EntryDir {
+			return
+		}
+		digits, negative := strings.CutPrefix(ev.path, "-")
+		if digits == "" || strings.Trim(digits, "0123456789") != "" {
 			return
 		}
 		if _, ok := layout.ParseStepDir(ev.path); ok {
 			return
 		}
 		why = fmt.Sprintf("a step directory is named by its step in decimal, without leading zeros, at most %d", int64(math.MaxInt64))
+		if negative {
+			// NeMo commits global step g as g-1: its save at global step 0 is renamed to -1, and
+			// was dropped at the next start without a word (found by a black-box run).
+			why = "a step is not negative"
+			if cfg.Framework == FrameworkPyTorchDistributed {
+				why += " (NeMo's save at global step 0 is renamed to -1; its saves from global step 1 on are checkpointed)"
+			}
+		}
 	default:
 		m, ok := layout.ParseMarkerName(ev.path)
 		if !ok || m.Kind != layout.MarkerSave {

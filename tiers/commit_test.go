@@ -314,6 +314,28 @@ func TestMisnamedStepDirIsReported(t *testing.T) {
 	}
 }
 
+// TestNeMoSaveAtGlobalStepZeroIsReported: NeMo renames its save of global step 0 to -1, which
+// is no step; the job is told, where the directory was dropped at the next start without a
+// word (found by a black-box run).
+func TestNeMoSaveAtGlobalStepZeroIsReported(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.yamlNemo(withKeys("framework: pytorch.distributed"))
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	h.makeTree("step=0", map[string]string{"common.pt": "weights"})
+	h.rename("step=0", "-1")
+	h.eventually("a line", func() string {
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 {
+			return fmt.Sprintf("replicator.errors = %q, want 1 line", l)
+		}
+		return ""
+	})
+	errs := strings.Join(h.lines(layout.ReplicatorErrorsName), "\n")
+	if !strings.Contains(errs, "-1 is not committed (its step is not checkpointed): a step is not negative (NeMo's save at global step 0 is renamed to -1; its saves from global step 1 on are checkpointed)") {
+		t.Errorf("replicator.errors:\n%s", errs)
+	}
+}
+
 // TestCommittedSaveIsNotReportedAfterARestart: a .save committed at its flush under one
 // incarnation whose close is handled after a new replicator.yaml changed workers-per-node is not
 // reported as misnamed: it was committed.
