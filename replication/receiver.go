@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
@@ -258,8 +259,19 @@ func peerAddr(ctx context.Context) string {
 	return "unknown"
 }
 
+// noRoom gives a write that found this node's RAM full (ENOSPC) the code ResourceExhausted and
+// says what to do: the sender's job read a raw "no space left on device" with code Unknown
+// (found by a black-box run).
+func noRoom(err error) error {
+	if err == nil || !errors.Is(err, syscall.ENOSPC) || status.Code(err) != codes.Unknown {
+		return err
+	}
+	return errExhausted("the receiving node's RAM is full (%v): give its agent a larger --memory", err)
+}
+
 // PushFiles receives one stream of a transfer.
 func (r *Receiver) PushFiles(stream grpc.ClientStreamingServer[peerpb.PushMessage, peerpb.PushReply]) (err error) {
+	defer func() { err = noRoom(err) }()
 	ctx := stream.Context()
 	from, err := r.authenticate(ctx)
 	if err != nil {
@@ -489,6 +501,7 @@ func (r *Receiver) expire(t *transfer) {
 // discard drops t and everything received for it; reason is logged. It is safe to call more
 // than once.
 func (r *Receiver) discard(t *transfer, reason error) error {
+	reason = noRoom(reason)
 	r.mu.Lock()
 	if t.gone {
 		r.mu.Unlock()
@@ -523,7 +536,8 @@ func (r *Receiver) discard(t *transfer, reason error) error {
 }
 
 // Commit verifies a transfer whose streams have all ended and hands it to Accept.
-func (r *Receiver) Commit(ctx context.Context, req *peerpb.CommitRequest) (*peerpb.CommitReply, error) {
+func (r *Receiver) Commit(ctx context.Context, req *peerpb.CommitRequest) (_ *peerpb.CommitReply, err error) {
+	defer func() { err = noRoom(err) }()
 	from, err := r.authenticate(ctx)
 	if err != nil {
 		return nil, err

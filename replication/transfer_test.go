@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -379,6 +380,22 @@ func TestAcceptFailureFailsCommit(t *testing.T) {
 	})
 	err := testSender(1).Push(t.Context(), dial(t, p.addr), pushReq(name, src))
 	require.ErrorContains(t, err, "sealed area full")
+	p.requireNoIncoming(t)
+}
+
+// A replica that does not fit in the receiver's RAM (ENOSPC) is refused as ResourceExhausted,
+// naming --memory; the sender's job read a raw "no space left on device" with code Unknown.
+func TestNoRoomForAReplicaSaysSo(t *testing.T) {
+	src, name := makeTree(t, rand.New(rand.NewPCG(4, 5)), 1000)
+	p := startPeer(t, func(c *ReceiverConfig) {
+		c.Accept = func(context.Context, string, int, string, string) error {
+			return &os.PathError{Op: "write", Path: "x.attrs", Err: syscall.ENOSPC}
+		}
+	})
+	err := testSender(1).Push(t.Context(), dial(t, p.addr), pushReq(name, src))
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.ErrorContains(t, err, "the receiving node's RAM is full")
+	require.ErrorContains(t, err, "give its agent a larger --memory")
 	p.requireNoIncoming(t)
 }
 
