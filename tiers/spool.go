@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -324,6 +325,11 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 	}
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create spool directory: %w", err)
+	}
+	if cfg.MountPath != "" {
+		if err := checkSpoolOwnership(cfg.Dir, DefaultSpoolRoot()); err != nil {
+			return nil, err
+		}
 	}
 	s := &Spool{dir: cfg.Dir, budget: cfg.Budget}
 	owned := cfg.MountPath != ""
@@ -789,6 +795,45 @@ func checkSpoolDir(dir string) error {
 		return fmt.Errorf("spool %s is not empty and not an mtcfs spool (no %s of an agent; it holds %s): the agent would hide it under its tmpfs and remove it once the spool is freed; give a new or empty directory", dir, OwnerFile, listSome(names, 5))
 	}
 	return nil
+}
+
+// checkSpoolOwnership refuses a spool that another user made or can change: the spool
+// directory, and the default root above it (defaultRoot), must be this agent's user's, and the
+// root writable by no one else. Another local user who made /dev/shm/mtcfs-UID (0777) before the victim's
+// first agent could swap a kept spool for one of theirs, and the victim's next agent adopted it
+// and restored the other user's bytes as its job's step (found by a black-box run).
+func checkSpoolOwnership(dir, defaultRoot string) error {
+	euid := os.Geteuid()
+	inRoot := filepath.Dir(dir) == defaultRoot
+	check := func(path, what string, noOthers bool) error {
+		stat := os.Stat // a --spool of the user's choosing may be a symlink
+		if inRoot {
+			stat = os.Lstat // below the default root, one is planted
+		}
+		fi, err := stat(path)
+		if err != nil {
+			return fmt.Errorf("spool %s: %w", dir, err)
+		}
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		if !ok {
+			return nil
+		}
+		switch {
+		case !fi.IsDir():
+			return fmt.Errorf("%s %s is not a directory (a symlink?): another user may have made it; remove it, or give --spool in a directory of yours", what, path)
+		case int(st.Uid) != euid:
+			return fmt.Errorf("%s %s belongs to uid %d, not to this agent's user (uid %d): another user may have made it to plant checkpoints; remove it (as root), or give --spool in a directory of yours", what, path, st.Uid, euid)
+		case noOthers && fi.Mode().Perm()&0o022 != 0:
+			return fmt.Errorf("%s %s is writable by others (mode %04o): another user could swap a kept spool in it; chmod go-w it, or give --spool in a directory of yours", what, path, fi.Mode().Perm())
+		}
+		return nil
+	}
+	if inRoot {
+		if err := check(defaultRoot, "the spool root", true); err != nil {
+			return err
+		}
+	}
+	return check(dir, "the spool", false)
 }
 
 // removeSpoolDir removes a spool directory no tmpfs is mounted on any more. unmounted says the

@@ -182,3 +182,33 @@ func TestSpoolHeadroom(t *testing.T) {
 	assert.NoFileExists(t, filepath.Join(dir, HeadroomFile))
 	assert.True(t, isSpoolEntry(HeadroomFile))
 }
+
+// A spool that another user made, or in a default root others can write to, is refused: a
+// local user who made /dev/shm/mtcfs-UID (0777) before the victim's first agent swapped a kept
+// spool for one of theirs, and the victim's job restored the other user's bytes (found by a
+// black-box run).
+func TestSpoolOfAnotherUserIsRefused(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: to give directories to another user")
+	}
+	root := filepath.Join(t.TempDir(), "mtcfs-0")
+	dir := filepath.Join(root, "ckpt-0123456789ab")
+	require.NoError(t, os.MkdirAll(dir, 0o700))
+	require.NoError(t, checkSpoolOwnership(dir, root))
+
+	require.NoError(t, os.Chmod(root, 0o777))
+	err := checkSpoolOwnership(dir, root)
+	require.ErrorContains(t, err, "the spool root "+root+" is writable by others (mode 0777)")
+	require.NoError(t, os.Chmod(root, 0o700))
+
+	require.NoError(t, os.Chown(root, 1000, 1000))
+	require.ErrorContains(t, checkSpoolOwnership(dir, root), "the spool root "+root+" belongs to uid 1000, not to this agent's user (uid 0)")
+	require.NoError(t, os.Chown(root, 0, 0))
+
+	require.NoError(t, os.Chown(dir, 1000, 1000))
+	_, err = OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountPath: filepath.Join(t.TempDir(), "mnt")})
+	require.ErrorContains(t, err, "the spool "+dir+" belongs to uid 1000")
+	require.NoError(t, os.Remove(dir))
+	require.NoError(t, os.Symlink(t.TempDir(), dir))
+	require.ErrorContains(t, checkSpoolOwnership(dir, root), "is not a directory (a symlink?)")
+}
