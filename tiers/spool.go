@@ -144,12 +144,22 @@ func DefaultSpoolRoot() string {
 // DefaultSpoolDir derives a spool directory from the mount path, so that several agents on one
 // machine never share a spool and a restarted agent finds its predecessor's data. The path is
 // resolved first (ResolveMountPath): a mount reached through a symlink has the same spool.
+// maxSpoolBase is the most of the mount directory's name a default spool's name keeps, so that
+// with "-" and 12 hex digits it stays within NAME_MAX (255).
+const maxSpoolBase = 200
+
 func DefaultSpoolDir(mountPath string) string {
 	abs := ResolveMountPath(mountPath)
 	sum := sha256.Sum256([]byte(abs))
 	base := filepath.Base(abs)
 	if base == "/" || base == "." {
 		base = "root"
+	}
+	// The hash names the spool; the base only helps a reader. A mount directory named with
+	// 243 bytes or more made a spool name past NAME_MAX, and the agent could not start (found
+	// by a black-box run).
+	if len(base) > maxSpoolBase {
+		base = base[:maxSpoolBase]
 	}
 	return filepath.Join(DefaultSpoolRoot(), base+"-"+hex.EncodeToString(sum[:6]))
 }

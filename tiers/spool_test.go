@@ -211,6 +211,13 @@ func TestResolveMountPath(t *testing.T) {
 	if d := tiers.DefaultSpoolDir(real); filepath.Dir(d) != tiers.DefaultSpoolRoot() || !strings.HasPrefix(filepath.Base(d), "mnt-") {
 		t.Errorf("DefaultSpoolDir(%s) = %s, want %s/mnt-<hash>", real, d, tiers.DefaultSpoolRoot())
 	}
+	// A mount directory with a 255-byte name: the spool's name stays within NAME_MAX, and two
+	// such directories that differ past the kept part still differ.
+	long1, long2 := filepath.Join(base, strings.Repeat("x", 254)+"1"), filepath.Join(base, strings.Repeat("x", 254)+"2")
+	d1, d2 := tiers.DefaultSpoolDir(long1), tiers.DefaultSpoolDir(long2)
+	if len(filepath.Base(d1)) > 255 || d1 == d2 {
+		t.Errorf("DefaultSpoolDir of 255-byte names: %s (%d bytes), %s", filepath.Base(d1), len(filepath.Base(d1)), filepath.Base(d2))
+	}
 }
 
 func openOwned(t *testing.T, dir, mountPath string, tmpfs bool) *tiers.Spool {
