@@ -372,7 +372,8 @@ func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration) (
 }
 
 // warnVolatileBackups warns when a file:// backup location is in RAM (tmpfs, ramfs): the backups
-// are what restores a job after its nodes are lost, and these would be lost with them.
+// are what restores a job after its nodes are lost, and these would be lost with them; and when
+// the agent may not write there.
 func warnVolatileBackups(rawURL string) {
 	u, err := url.Parse(rawURL)
 	if err != nil || u.Scheme != "file" || u.Path == "" {
@@ -382,6 +383,12 @@ func warnVolatileBackups(rawURL string) {
 	existing, _ := resolveExisting(filepath.Clean(u.Path))
 	if unix.Statfs(existing, &st) != nil {
 		return
+	}
+	if err := unix.Access(existing, unix.W_OK|unix.X_OK); err != nil {
+		// The probe only reads: a location its user may not write to said "can be read", and
+		// the first backup failed (found by a black-box run).
+		slog.Warn("the backup location cannot be written by this agent: every backup will fail until it can; give a directory its user may write to",
+			"backup", rawURL, "dir", existing, "err", err)
 	}
 	switch {
 	case st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC:

@@ -110,6 +110,26 @@ func TestBackupLocationInRAM(t *testing.T) {
 	stopAgent(t, b)
 }
 
+// TestBackupLocationNotWritable: a file:// location the agent cannot write to (here a read-only
+// file system; for a user, a directory of root's) is warned of at start. The start's probe only
+// reads, and said "the backup location can be read" (found by a black-box run).
+func TestBackupLocationNotWritable(t *testing.T) {
+	needRoot(t)
+	ro := t.TempDir()
+	require.NoError(t, unix.Mount("mtcfs-test-ro", ro, "tmpfs", unix.MS_RDONLY, "size=1m"))
+	t.Cleanup(func() { unix.Unmount(ro, unix.MNT_DETACH) })
+	n := newRepNode(t)
+	n.backup = "file://" + filepath.Join(ro, "sub")
+	a := n.start(t)
+	assert.Contains(t, a.log(), "the backup location cannot be written by this agent")
+	stopAgent(t, a)
+
+	n.backup = ""
+	b := n.start(t)
+	assert.NotContains(t, b.log(), "cannot be written")
+	stopAgent(t, b)
+}
+
 // TestSmallSpoolFileSystem: an agent that accounts for the budget itself (not root: no tmpfs of
 // its own) warns when the spool's file system has less room than the budget, as a container's
 // 64 MiB /dev/shm has for --memory 2GiB: the job's writes would fail before the budget is used.
