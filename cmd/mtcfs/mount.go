@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -429,6 +430,31 @@ func checkSpoolPlacement(dir, spool string) error {
 	return nil
 }
 
+// checkNoMountsBelow refuses a mount directory that holds other mounts: the mount would hide
+// them from their users. An agent started on the parent of another agent's mount took the
+// other job's CHECKPOINT_DIR away, with only a warning of hidden entries (found by a black-box
+// run).
+func checkNoMountsBelow(dir string) error {
+	mounts, err := fusectl.Mounts()
+	if err != nil {
+		return nil // nothing to tell by: the kernel's table is unreadable
+	}
+	var below []string
+	for _, m := range mounts {
+		if m.Point != dir && within(m.Point, dir) && !slices.Contains(below, m.Point) {
+			below = append(below, m.Point)
+		}
+	}
+	if len(below) == 0 {
+		return nil
+	}
+	more := ""
+	if len(below) > 3 {
+		below, more = below[:3], fmt.Sprintf(" and %d more", len(below)-3)
+	}
+	return fmt.Errorf("%s holds other mounts (%s%s): a mount on it would hide them from their users (another agent's job would lose its directory); give another directory, or unmount them first", dir, strings.Join(below, ", "), more)
+}
+
 // checkBackupPlacement refuses a file:// backup location at or below the mount directory dir.
 // The agent would write its backups through its own mount: they would live in the RAM they are
 // meant to outlive, be hidden from every other agent and tool, and be removed with the job's
@@ -532,6 +558,9 @@ func runMount(cfg mountConfig) error {
 	// The directory the mount lands on: a symlink is followed, so a mount reached through a
 	// link is the same mount (refused above while live; same default spool).
 	cfg.dir = tiers.ResolveMountPath(cfg.dir)
+	if err := checkNoMountsBelow(cfg.dir); err != nil {
+		return err
+	}
 	if err := checkBackupPlacement(cfg.dir, cfg.backupURL); err != nil {
 		return err
 	}

@@ -130,6 +130,25 @@ func TestBackupLocationNotWritable(t *testing.T) {
 	stopAgent(t, b)
 }
 
+// TestMountOverOtherMounts: an agent started on the parent of another agent's mount is refused,
+// naming the mount below; it took the other job's directory away with a warning of hidden
+// entries (found by a black-box run).
+func TestMountOverOtherMounts(t *testing.T) {
+	needRoot(t)
+	parent := t.TempDir()
+	child := newRepNode(t)
+	child.dir = filepath.Join(parent, "child")
+	require.NoError(t, os.Mkdir(child.dir, 0o755))
+	a := child.start(t)
+	out, code := runBounded(t, 30*time.Second, "mount", parent, "--memory", "64MiB", "--spool", filepath.Join(t.TempDir(), "spool"))
+	require.Equal(t, 1, code, "the start should fail\n%s", out)
+	assert.Contains(t, out, parent+" holds other mounts ("+child.dir+"): a mount on it would hide them")
+	assert.False(t, isMounted(parent))
+	_, err := os.ReadDir(child.dir)
+	require.NoError(t, err, "the other agent's mount still serves")
+	stopAgent(t, a)
+}
+
 // TestSmallSpoolFileSystem: an agent that accounts for the budget itself (not root: no tmpfs of
 // its own) warns when the spool's file system has less room than the budget, as a container's
 // 64 MiB /dev/shm has for --memory 2GiB: the job's writes would fail before the budget is used.
