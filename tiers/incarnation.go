@@ -30,6 +30,8 @@ type incarnation struct {
 	// transferTold is set once the job was told of a long restore transfer (one line per
 	// restore, not per worker or attempt).
 	transferTold atomic.Bool
+	// fillTold is set once the job was told that unreplicated steps fill this node's RAM.
+	fillTold atomic.Bool
 	// user is the job's user, the owner of the replicator.yaml it wrote (-1: unknown, or
 	// root): a step restored for it is given to it (Namespace.Reown). Set before the restore
 	// starts.

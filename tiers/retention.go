@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -277,6 +278,20 @@ func (rt *retention) inventory(rank int) Inventory {
 		}
 	}
 	return inv
+}
+
+// stepsAbove lists, in order, the steps above floor that this node holds of job's rank.
+func (rt *retention) stepsAbove(job string, rank int, floor int64) []int64 {
+	rt.mu.Lock()
+	var steps []int64
+	for name := range rt.metas {
+		if m, ok := layout.ParseMarkerName(name); ok && m.Job == job && m.Node == rank && m.Step > floor && !slices.Contains(steps, m.Step) {
+			steps = append(steps, m.Step)
+		}
+	}
+	rt.mu.Unlock()
+	slices.Sort(steps)
+	return steps
 }
 
 // steps lists the .meta files held, for status.

@@ -647,3 +647,45 @@ func TestMistypedJobNameOnOneRank(t *testing.T) {
 
 	c.startAll(t, ctx, 10) // the yaml fixed: the job restores its step
 }
+
+// TestUnreplicatedStepsFillingRAMAreTold: with its peer's agent gone, a node keeps every step
+// its job saves (each waits for a newer one to replicate) until its RAM is full and the job's
+// write fails with ENOSPC. The job is told before that, once, with what to do; it was told only
+// that a push failed (found by a black-box run).
+func TestUnreplicatedStepsFillingRAMAreTold(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	c := newCluster(t, 2)
+	clients := make([]*jobsim.Orbax, 2)
+	c.all(t, func(r int) error {
+		clients[r] = c.client(t, r)
+		clients[r].PeerRanks = []int{1 - r}
+		clients[r].Content = jobsim.Content{Files: 2, FileSize: 9 << 19} // 9 MiB a node, of 64
+		_, _, err := clients[r].Start(ctx)
+		return err
+	})
+	c.all(t, func(r int) error { return clients[r].Save(ctx, 1) })
+	replica := rankMetaPath(c.nodes[0].dir, "trio", 1, 1)
+	repWait(t, 20*time.Second, "rank 1's step 1 on rank 0", func() bool { return pathExists(replica) })
+	repWait(t, 20*time.Second, "step 1 replicated on every node, for rank 0", func() bool {
+		out, _ := runMtcfs(t, "status", c.nodes[0].dir)
+		return strings.Contains(out, "latest replicated on every node 1")
+	})
+
+	killAgent(t, c.agents[1]) // rank 0's pushes fail from now on; its job saves on
+	forceUnmount(c.nodes[1].dir)
+	const warning = "steps (2 to 5) are kept until a newer step is replicated on every node (latest replicated: "
+	for step := int64(2); step <= 5; step++ {
+		require.NoError(t, clients[0].Save(ctx, step), "step %d", step)
+		waitStepSealed(t, c.nodes[0].dir, "trio", step)
+		if step < 5 { // 4 steps of 9 MiB, and rank 1's step 1: 45 of 64 MiB
+			assert.NotContains(t, c.agents[0].log(), "are kept until a newer step is replicated", "before step %d", step)
+		}
+	}
+	repWait(t, 10*time.Second, "the warning", func() bool { return strings.Contains(c.agents[0].log(), warning) })
+	require.Contains(t, c.agents[0].log(), "give the agent a larger --memory")
+	b, err := os.ReadFile(filepath.Join(c.nodes[0].dir, "replicator.errors"))
+	require.NoError(t, err)
+	require.Contains(t, string(b)+strings.Join(clients[0].Errors(), "\n"), warning)
+	require.Equal(t, 1, strings.Count(c.agents[0].log(), `level=WARN msg="this node's RAM is `), "told once")
+}
