@@ -78,6 +78,9 @@ type Server struct {
 	ns          *namespace
 	requests    *requestCounts
 	log         *slog.Logger
+	// device is the mount's device number (major:minor) in the mount table: it names the mount
+	// where it is now, also after a directory above it was renamed ("": unknown).
+	device string
 	// closed is closed once the serve loop has ended and this process's descriptors of the
 	// mount's /dev/fuse (go-fuse's, the notifier's duplicate) are closed. Unmount waits for it:
 	// a mount started next in this process must not see them close meanwhile (newServer tells
@@ -105,6 +108,9 @@ func (s *Server) Wait() { s.fuse.Wait() }
 // directory inside), it is detached lazily: new accesses fail and it goes away when the last
 // user leaves.
 func (s *Server) Unmount() error {
+	if where := s.Where(); where != s.dir {
+		return s.unmountMoved(where)
+	}
 	err := s.fuse.Unmount()
 	if err == nil {
 		<-s.closed // the serve loop has ended (go-fuse's Unmount waited for its readers)
@@ -130,6 +136,54 @@ func (s *Server) Unmount() error {
 		s.log.Warn("the mount is busy: it is detached, and goes away once these processes leave it", "dir", s.dir, "processes", list, "unmount", err)
 	default:
 		s.log.Warn("the unmount did not go through: the mount is detached, and goes away once whatever uses it leaves it (no process in this PID namespace is seen using it)", "dir", s.dir, "unmount", err)
+	}
+	s.fuse.Wait()
+	<-s.closed
+	return nil
+}
+
+// Where is the mount point now: Dir, unless a directory above it was renamed while it was
+// mounted (the kernel moves the mount with it).
+func (s *Server) Where() string {
+	if s.device == "" {
+		return s.dir
+	}
+	mounts, err := fusectl.Mounts()
+	if err != nil {
+		return s.dir
+	}
+	where := ""
+	for _, m := range mounts {
+		if m.Device == s.device && m.IsFUSE() {
+			if m.Point == s.dir {
+				return s.dir
+			}
+			where = m.Point
+		}
+	}
+	if where == "" {
+		return s.dir // unmounted already (from outside)
+	}
+	return where
+}
+
+// unmountMoved unmounts the mount where it is now: go-fuse's unmount names the mount point it
+// was given, which no longer leads to it. Before, the stop failed ("unmount …: no such file or
+// directory"), left the moved mount dead, and freed the spool as orphaned (found by a
+// black-box run).
+func (s *Server) unmountMoved(where string) error {
+	s.log.Warn("the mount was moved while the agent served it (a directory above it was renamed): it is unmounted where it is now", "dir", s.dir, "now", where)
+	var err error
+	if os.Geteuid() == 0 {
+		if err = unix.Unmount(where, 0); errors.Is(err, unix.EBUSY) {
+			s.log.Warn("the moved mount is busy: it is detached, and goes away once whatever uses it leaves it", "dir", where)
+			err = unix.Unmount(where, unix.MNT_DETACH)
+		}
+	} else if out, e := exec.Command("fusermount3", "-u", "-z", where).CombinedOutput(); e != nil {
+		err = fmt.Errorf("fusermount3 -uz: %s", strings.TrimSpace(string(out)))
+	}
+	if err != nil {
+		return fmt.Errorf("unmount %s (moved from %s): %w", where, s.dir, err)
 	}
 	s.fuse.Wait()
 	<-s.closed
@@ -388,6 +442,13 @@ func Mount(dir string, opts Options) (*Server, error) {
 		close(closed)
 	}()
 	s := &Server{dir: abs, fuse: srv, ns: &namespace{m: m, root: rootNode}, requests: counts, closed: closed, log: m.log}
+	if mounts, err := fusectl.Mounts(); err == nil {
+		for _, mt := range mounts { // of mounts stacked on abs, the last is this one
+			if mt.Point == abs && mt.IsFUSE() {
+				s.device = mt.Device
+			}
+		}
+	}
 	if o, ok := opts.Events.(interface {
 		ObserveFUSERequests(func() map[string]uint64)
 	}); ok {

@@ -460,6 +460,19 @@ func (s *Spool) SetRunning(job string, run Running) error {
 	return s.writeOwnerLocked()
 }
 
+// MountMoved records that the spool's mount directory is now mountPath: a directory above it
+// was renamed while the agent served it. The spool is then kept for the next agent there
+// (Release), who finds it by that record (FindKeptFor).
+func (s *Spool) MountMoved(mountPath string) error {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.lock == nil {
+		return errNoOwnerRecord
+	}
+	s.owner.MountPath = ResolveMountPath(mountPath)
+	return s.writeOwnerLocked()
+}
+
 // MarkRestored records that the restore markers of incarnation were published, if the owner
 // record still names it. It is an error on a spool opened without a MountPath.
 func (s *Spool) MarkRestored(incarnation string) error {

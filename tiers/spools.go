@@ -263,6 +263,26 @@ func (h Spools) ReapOrphaned(own string, log *slog.Logger) (again time.Duration)
 	return again
 }
 
+// KeptFor finds the one kept spool, not in use and not the mount path's default spool, that
+// records mountPath: a mount moved while its agent served it (Spool.MountMoved).
+func (h Spools) KeptFor(mountPath string) (SpoolInfo, bool) {
+	spools, err := h.List()
+	if err != nil {
+		return SpoolInfo{}, false
+	}
+	real, def := ResolveMountPath(mountPath), DefaultSpoolDir(mountPath)
+	var found []SpoolInfo
+	for _, s := range spools {
+		if s.MountPath == real && s.Dir != def && !s.InUse {
+			found = append(found, s)
+		}
+	}
+	if len(found) != 1 {
+		return SpoolInfo{}, false
+	}
+	return found[0], true
+}
+
 // ReapOrphanedLater runs ReapOrphaned again after again, and so on while it keeps orphans that
 // are not due yet, until ctx ends.
 func (h Spools) ReapOrphanedLater(ctx context.Context, own string, again time.Duration, log *slog.Logger) {

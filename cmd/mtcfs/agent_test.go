@@ -119,7 +119,11 @@ func startAgent(t *testing.T, dir, spool string, args ...string) *agent {
 func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...string) *agent {
 	t.Helper()
 	a := &agent{t: t, dir: dir, spool: spool, done: make(chan struct{})}
-	argv := append(append(append([]string(nil), prefix...), binPath), append([]string{"mount", dir, "--spool", spool, "--memory", "64MiB"}, args...)...)
+	mount := []string{"mount", dir, "--spool", spool, "--memory", "64MiB"}
+	if spool == "" { // the default spool, under /dev/shm/mtcfs
+		mount = []string{"mount", dir, "--memory", "64MiB"}
+	}
+	argv := append(append(append([]string(nil), prefix...), binPath), append(mount, args...)...)
 	a.cmd = exec.Command(argv[0], argv[1:]...)
 	serving := make(chan struct{})
 	var once sync.Once

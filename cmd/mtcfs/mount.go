@@ -235,6 +235,14 @@ func cmdMount(args []string) int {
 	}
 	if cfg.spoolDir == "" {
 		cfg.spoolDir = tiers.DefaultSpoolDir(cfg.dir)
+		if _, err := os.Lstat(cfg.spoolDir); errors.Is(err, os.ErrNotExist) {
+			// A mount moved while its agent served it (a directory above renamed) left its
+			// spool, with its checkpoints, recording the new path under the old path's name.
+			if kept, ok := localSpools.KeptFor(cfg.dir); ok {
+				slog.Info("using the kept spool that records this mount directory (the mount was moved here while an agent served it)", "spool", kept.Dir, "mount", kept.MountPath, "job", kept.Job, "steps", kept.Steps)
+				cfg.spoolDir = kept.Dir
+			}
+		}
 	}
 	if err := runMount(cfg); err != nil {
 		slog.Error("mtcfs mount failed", "err", err)
@@ -699,8 +707,16 @@ func runMount(cfg mountConfig) error {
 		stopping.Stopping = true
 		agents.Register(stopping) // the same file; the deferred unregister removes it
 		rep.Close()
+		where := srv.Where()
 		if err := unmountBounded(srv, sigs, first); err != nil {
 			return err
+		}
+		if where != srv.Dir() {
+			// The spool is kept for the next agent at the new path (spool.Release), which finds
+			// it by this record (Spools.KeptFor).
+			if err := spool.MountMoved(where); err != nil {
+				slog.Warn("record the moved mount directory in the spool's owner record", "err", err)
+			}
 		}
 	case <-done:
 		slog.Warn("filesystem was unmounted from outside; exiting", "dir", srv.Dir())

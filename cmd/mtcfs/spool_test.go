@@ -507,3 +507,47 @@ func TestBackupInsideTheMount(t *testing.T) {
 		assert.NoError(t, checkBackupPlacement(dir, backup), backup)
 	}
 }
+
+// TestMountMovedWhileServing: a directory above the mount is renamed while the agent serves it
+// (the kernel moves the mount with it). The stop unmounts it where it is now and keeps the spool,
+// and the next agent on the new path, with the default spool, restores the job's step from it.
+// Before, the stop failed to unmount, left a dead mount at the new path, and freed the spool as
+// orphaned: the step was lost (found by a black-box run).
+func TestMountMovedWhileServing(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	base := t.TempDir()
+	dir, moved := filepath.Join(base, "par", "m"), filepath.Join(base, "par2", "m")
+	require.NoError(t, os.MkdirAll(dir, 0o755))
+	backup := "file://" + t.TempDir()
+	t.Cleanup(func() {
+		forceUnmount(moved)
+		forceUnmount(dir)
+		for _, p := range []string{dir, moved} {
+			runMtcfs(t, "spool", "free", p)
+		}
+	})
+	a := startAgentIn(t, nil, dir, "", "--backup", backup)
+	const job = "moved"
+	o := orbaxClient(t, dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 1))
+	waitStepSealed(t, dir, job, 1)
+
+	require.NoError(t, os.Rename(filepath.Join(base, "par"), filepath.Join(base, "par2")))
+	require.True(t, isMounted(moved), "the kernel moved the mount")
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
+	require.Equal(t, 0, a.wait(30*time.Second), "clean stop should exit 0\n%s", a.log())
+	require.False(t, isMounted(moved), "the moved mount is left behind\n%s", a.log())
+	require.Contains(t, a.log(), "it is unmounted where it is now")
+	require.Contains(t, a.log(), "spool kept for the next agent on this mount")
+	require.NotContains(t, a.log(), "freeing the spool although it holds committed checkpoints")
+
+	b := startAgentIn(t, nil, moved, "", "--backup", backup)
+	require.Contains(t, b.log(), "using the kept spool that records this mount directory")
+	o = orbaxClient(t, moved, job, 60)
+	require.NoError(t, restoresStep(ctx, o, 1), "%s", b.log())
+	require.Contains(t, b.log(), "adopted from spool")
+	stopAgent(t, b)
+}
