@@ -298,7 +298,9 @@ func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 		return true, nil
 	}
 	if out, err := exec.Command("fusermount3", "-u", "-z", abs).CombinedOutput(); err != nil {
-		return false, fmt.Errorf("detach stale mount %s: %s", abs, strings.TrimSpace(string(out)))
+		// fusermount3 detaches only its user's own mounts: a root agent's that died left this
+		// one, and its words ("entry for … not found in /etc/mtab") said nothing of that.
+		return false, fmt.Errorf("detach stale mount %s: %s: it is not your user's mount (a root agent's that died?); have root detach it (umount -l %s)", abs, strings.TrimSpace(string(out)), abs)
 	}
 	return true, nil
 }
