@@ -153,6 +153,12 @@ func cmdMount(args []string) int {
 	if cfg.owner, err = parseOwner(*uid, *gid, *mode); err != nil {
 		return flagError(fset, err)
 	}
+	if os.Geteuid() != 0 && ((*uid >= 0 && *uid != os.Geteuid()) || (*gid >= 0 && *gid != os.Getegid()) || flagSet(fset, "mode")) {
+		// Without root the mount has no allow_other: the kernel lets no other user in,
+		// whatever the root's owner and mode say (found by a black-box run).
+		slog.Warn("without root, only this user can use the mount (no allow_other): --uid, --gid and --mode change what the root shows, not who may enter; run the agent as root to serve another user's job",
+			"uid", os.Geteuid())
+	}
 	switch {
 	case flagSet(fset, "rank") && *rank < 0:
 		return flagError(fset, fmt.Errorf("--rank %d: want a rank ≥ 0", *rank))
