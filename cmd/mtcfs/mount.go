@@ -137,6 +137,9 @@ func cmdMount(args []string) int {
 	if len(pos) != 1 {
 		return flagError(fset, fmt.Errorf("want exactly one mount directory, got %d arguments", len(pos)))
 	}
+	if pos[0] == "" {
+		return flagError(fset, errors.New("the mount directory is empty (an unset variable?): give its path"))
+	}
 	if *drain < 0 {
 		return flagError(fset, fmt.Errorf("--drain-timeout %v: want a duration ≥ 0, such as 30s", *drain))
 	}
