@@ -433,6 +433,7 @@ type fileHandle struct {
 	// closed it: no close commits (a forked child holding the descriptor may outlive it).
 	// GUARDED_BY(node.mu)
 	abandoned bool
+	signal    int // GUARDED_BY(node.mu); the signal that killed the opener, when abandoned
 }
 
 var (
@@ -579,7 +580,7 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 	first := !h.flushed && !h.abandoned
 	if first {
 		if sig != 0 {
-			h.abandoned = true
+			h.abandoned, h.signal = true, sig
 		} else {
 			h.flushed = true
 		}
@@ -691,7 +692,7 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	why := ""
 	switch {
 	case h.abandoned:
-		why = "closed by the process that wrote it while a signal killed it"
+		why = fmt.Sprintf("closed by the process that wrote it while a signal (%s) killed it", unix.SignalName(unix.Signal(h.signal)))
 	case h.commitsOnClose && !h.flushed:
 		why = cutShort(h.fd)
 	}
@@ -707,6 +708,11 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	f.mu.Unlock()
 	f.fs.afterRelease(ctx, f.released)
 	if h.writable && f.fs.events != nil {
+		if total, used := f.fs.spool.Usage(); why != "" && total-used < 1<<20 {
+			// torch.save that met ENOSPC aborts its process: the line named only the signal
+			// (found by a black-box run).
+			why += fmt.Sprintf("; this node's RAM budget is full (--memory %s): a write may have failed with ENOSPC first", tiers.FormatSize(total))
+		}
 		if why != "" {
 			f.fs.events.Abandoned(f.Path(nil), why)
 		} else {

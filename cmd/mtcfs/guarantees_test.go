@@ -1873,7 +1873,7 @@ func TestSaveOfAKilledProcessIsNotACommit(t *testing.T) {
 		t.Helper()
 		repWait(t, 5*time.Second, "the job told of "+name, func() bool {
 			data, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
-			return strings.Contains(string(data), name+": closed by the process that wrote it while a signal killed it; not committed")
+			return strings.Contains(string(data), name+": closed by the process that wrote it while a signal (SIGKILL) killed it; not committed")
 		})
 	}
 	_, err := write(7, "kill")
