@@ -1611,7 +1611,10 @@ func TestAgentRestartInTheRestoreWindowTellsTheJob(t *testing.T) {
 	// The mount's status files do not outlive an agent: the next one tells the job again.
 	assert.Len(t, lines(), 1, "%s", e.log())
 	repWait(t, 30*time.Second, "the line withdrawn", func() bool { return !pathExists(failed) })
-	assert.Contains(t, e.log(), "no job read the restart notice while it could wait for its restore: withdrawn")
+	// Logged after the removal, and read from the agent's output a moment later.
+	repWait(t, 5*time.Second, "the withdrawal logged", func() bool {
+		return strings.Contains(e.log(), "no job read the restart notice while it could wait for its restore: withdrawn")
+	})
 	// A job that took its marker just before the agent stopped (the record did not say so yet)
 	// and saves after the withdrawal is still told, at that save (found by a review).
 	require.NoError(t, os.Mkdir(filepath.Join(n.dir, "40.orbax-checkpoint-tmp"), 0o755))
