@@ -58,6 +58,9 @@ type Spool struct {
 	ownerMu sync.Mutex
 	owner   Owner
 	shape   Shape // the zero Shape: none
+	// shapeJob is the job shape is of: another job answered meanwhile (a rank started with a
+	// mistyped job-name) sees no shape, and the record stays for its job (SavedShape).
+	shapeJob string
 
 	closeOnce sync.Once
 	// trash is set while a predecessor's files, moved aside by clearFiles, wait for RemoveTrash.
@@ -332,12 +335,16 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		if err := checkSpoolDir(cfg.Dir); err != nil {
 			return nil, err
 		}
+		// Before anything is made through a planted symlink, and again once made.
+		if err := checkSpoolOwnership(cfg.Dir, DefaultSpoolRoot(), !cfg.MountTmpfs); err != nil {
+			return nil, err
+		}
 	}
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create spool directory: %w", err)
 	}
 	if cfg.MountPath != "" {
-		if err := checkSpoolOwnership(cfg.Dir, DefaultSpoolRoot()); err != nil {
+		if err := checkSpoolOwnership(cfg.Dir, DefaultSpoolRoot(), !cfg.MountTmpfs); err != nil {
 			return nil, err
 		}
 	}
@@ -445,14 +452,14 @@ func (s *Spool) Owner() Owner {
 }
 
 // SetRunning records the job whose data the spool holds from now on and the incarnation of it
-// the agent answers (see Owner.Running), in one write; another job's shape is forgotten. It is
-// an error on a spool opened without a MountPath (nothing is recorded there).
+// the agent answers (see Owner.Running), in one write. Another job's shape is not shown to this
+// one (SavedShape), and is kept until this job's shape replaces it (SetShape, once its restore
+// negotiation succeeded): a rank started with a mistyped job-name forgot it, and the job, back
+// under its name, dropped steps it kept for a node's loss as of an unknown shape (found by a
+// review). It is an error on a spool opened without a MountPath (nothing is recorded there).
 func (s *Spool) SetRunning(job string, run Running) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.owner.Job != job && s.shape != (Shape{}) {
-		s.forgetShapeLocked() // another job's shape says nothing of this one's
-	}
 	s.owner.Job, s.owner.Running = job, &run
 	if s.lock == nil {
 		return errNoOwnerRecord
@@ -497,7 +504,7 @@ func (s *Spool) MarkRestored(incarnation string) error {
 func (s *Spool) SetShape(shape Shape) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.shape == shape {
+	if s.shape == shape && s.shapeJob == s.owner.Job {
 		return nil
 	}
 	data, _ := json.Marshal(shape)
@@ -505,7 +512,7 @@ func (s *Spool) SetShape(shape Shape) error {
 		s.forgetShapeLocked()
 		return fmt.Errorf("record the job's shape: %w", err)
 	}
-	s.shape = shape
+	s.shape, s.shapeJob = shape, s.owner.Job
 	return nil
 }
 
@@ -523,7 +530,7 @@ func (s *Spool) readShape() {
 		return
 	}
 	s.ownerMu.Lock()
-	s.shape = shape
+	s.shape, s.shapeJob = shape, s.owner.Job // the job that held the spool wrote it
 	s.ownerMu.Unlock()
 }
 
@@ -531,6 +538,9 @@ func (s *Spool) readShape() {
 func (s *Spool) SavedShape() Shape {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
+	if s.shapeJob != s.owner.Job {
+		return Shape{} // another job's
+	}
 	return s.shape
 }
 
@@ -820,12 +830,16 @@ func checkSpoolDir(dir string) error {
 	return nil
 }
 
-// checkSpoolOwnership refuses a spool that another user made or can change: the spool
-// directory, and the default root above it (defaultRoot), must be this agent's user's, and the
-// root writable by no one else. Another local user who made /dev/shm/mtcfs-UID (0777) before the victim's
-// first agent could swap a kept spool for one of theirs, and the victim's next agent adopted it
-// and restored the other user's bytes as its job's step (found by a black-box run).
-func checkSpoolOwnership(dir, defaultRoot string) error {
+// checkSpoolOwnership refuses a spool that another user made or can change. Another local user
+// who made /dev/shm/mtcfs-UID (0777) before the victim's first agent could swap a kept spool
+// for one of theirs, and the victim's next agent adopted it and restored the other user's bytes
+// as its job's step (found by a black-box run). For a plain spool (no tmpfs of its own: an agent
+// without root), the spool directory, and the default root above it (defaultRoot), must be this
+// user's, and the root writable by no one else. A tmpfs spool (root) is a fresh root-owned 0700
+// tmpfs mounted over the directory, which hides whatever was planted there: only a symlink
+// planted for the default root or a spool below it is refused (root would follow it). What does
+// not exist yet is made by the agent (0700).
+func checkSpoolOwnership(dir, defaultRoot string, plain bool) error {
 	euid := os.Geteuid()
 	inRoot := filepath.Dir(dir) == defaultRoot
 	check := func(path, what string, noOthers bool) error {
@@ -834,16 +848,17 @@ func checkSpoolOwnership(dir, defaultRoot string) error {
 			stat = os.Lstat // below the default root, one is planted
 		}
 		fi, err := stat(path)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
 		if err != nil {
 			return fmt.Errorf("spool %s: %w", dir, err)
 		}
 		st, ok := fi.Sys().(*syscall.Stat_t)
-		if !ok {
-			return nil
-		}
 		switch {
 		case !fi.IsDir():
 			return fmt.Errorf("%s %s is not a directory (a symlink?): another user may have made it; remove it, or give --spool in a directory of yours", what, path)
+		case !plain || !ok:
 		case int(st.Uid) != euid:
 			return fmt.Errorf("%s %s belongs to uid %d, not to this agent's user (uid %d): another user may have made it to plant checkpoints; remove it (as root), or give --spool in a directory of yours", what, path, st.Uid, euid)
 		case noOthers && fi.Mode().Perm()&0o022 != 0:

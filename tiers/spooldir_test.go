@@ -183,26 +183,30 @@ func TestSpoolHeadroom(t *testing.T) {
 	assert.True(t, isSpoolEntry(HeadroomFile))
 }
 
-// A spool that another user made, or in a default root others can write to, is refused: a
-// local user who made /dev/shm/mtcfs-UID (0777) before the victim's first agent swapped a kept
-// spool for one of theirs, and the victim's job restored the other user's bytes (found by a
-// black-box run).
+// A plain spool (an agent without root) that another user made, or in a default root others
+// can write to, is refused: a local user who made /dev/shm/mtcfs-UID (0777) before the victim's
+// first agent swapped a kept spool for one of theirs, and the victim's job restored the other
+// user's bytes (found by a black-box run). A tmpfs spool (root) is refused only a planted
+// symlink: its tmpfs hides whatever was planted below it.
 func TestSpoolOfAnotherUserIsRefused(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: to give directories to another user")
 	}
 	root := filepath.Join(t.TempDir(), "mtcfs-0")
 	dir := filepath.Join(root, "ckpt-0123456789ab")
+	require.NoError(t, checkSpoolOwnership(dir, root, true), "nothing made yet")
 	require.NoError(t, os.MkdirAll(dir, 0o700))
-	require.NoError(t, checkSpoolOwnership(dir, root))
+	require.NoError(t, checkSpoolOwnership(dir, root, true))
 
 	require.NoError(t, os.Chmod(root, 0o777))
-	err := checkSpoolOwnership(dir, root)
+	err := checkSpoolOwnership(dir, root, true)
 	require.ErrorContains(t, err, "the spool root "+root+" is writable by others (mode 0777)")
+	require.NoError(t, checkSpoolOwnership(dir, root, false), "a tmpfs spool")
 	require.NoError(t, os.Chmod(root, 0o700))
 
 	require.NoError(t, os.Chown(root, 1000, 1000))
-	require.ErrorContains(t, checkSpoolOwnership(dir, root), "the spool root "+root+" belongs to uid 1000, not to this agent's user (uid 0)")
+	require.ErrorContains(t, checkSpoolOwnership(dir, root, true), "the spool root "+root+" belongs to uid 1000, not to this agent's user (uid 0)")
+	require.NoError(t, checkSpoolOwnership(dir, root, false), "a tmpfs spool")
 	require.NoError(t, os.Chown(root, 0, 0))
 
 	require.NoError(t, os.Chown(dir, 1000, 1000))
@@ -210,5 +214,7 @@ func TestSpoolOfAnotherUserIsRefused(t *testing.T) {
 	require.ErrorContains(t, err, "the spool "+dir+" belongs to uid 1000")
 	require.NoError(t, os.Remove(dir))
 	require.NoError(t, os.Symlink(t.TempDir(), dir))
-	require.ErrorContains(t, checkSpoolOwnership(dir, root), "is not a directory (a symlink?)")
+	for _, plain := range []bool{true, false} {
+		require.ErrorContains(t, checkSpoolOwnership(dir, root, plain), "is not a directory (a symlink?)")
+	}
 }

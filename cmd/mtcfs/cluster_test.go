@@ -644,6 +644,7 @@ func TestMistypedJobNameOnOneRank(t *testing.T) {
 	require.Error(t, err, "the coordinator refuses a job-name its incarnation does not have")
 	assert.FileExists(t, rankMetaPath(c.nodes[1].dir, "trio", 10, 1), "rank 1 freed the job's step")
 	assert.NotContains(t, c.agents[1].log(), "freed checkpoints of other jobs")
+	assert.FileExists(t, filepath.Join(c.nodes[1].spool, "shape.json"), "rank 1 forgot the job's shape, by which it keeps steps for a node's loss")
 
 	c.startAll(t, ctx, 10) // the yaml fixed: the job restores its step
 }
