@@ -84,6 +84,7 @@ func (inc *incarnation) noteReplicated(step int64) {
 	inc.mu.Lock()
 	inc.replicated = max(inc.replicated, step)
 	inc.mu.Unlock()
+	inc.fillTold.Store(false) // replication caught up: a later outage is told again
 }
 
 // incarnations knows the job's current incarnation.

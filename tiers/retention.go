@@ -280,18 +280,60 @@ func (rt *retention) inventory(rank int) Inventory {
 	return inv
 }
 
+// warnIfFilling tells the job, once until a step replicates again, when the steps that wait for
+// a newer one to replicate are about to fill this node's RAM: with a peer unreachable, each save
+// was kept and the job's next write failed with ENOSPC, having been told only that a push
+// failed (found by a black-box run). It is said when a push of the newest step just failed
+// (pushFailed) and another step of the average size held does not fit, or when three steps or
+// more wait with the RAM 75% full (replication does not keep up).
+func warnIfFilling(n *node, rt *retention, incs *incarnations, lines *jobLines, inc *incarnation, pushFailed bool) {
+	total, used := n.spool.Usage()
+	if total <= 0 || inc.fillTold.Load() || !incs.isCurrent(inc) {
+		return
+	}
+	cfg := inc.Config
+	_, replicated, restored := incs.latest()
+	floor := replicated
+	if floor < 0 {
+		floor = restored
+	}
+	steps, held := rt.stepsAbove(cfg.JobName, cfg.NodeRank, floor)
+	if len(steps) == 0 || held == 0 {
+		return
+	}
+	tight := pushFailed && total-used < used/int64(held)
+	lagging := len(steps) >= 3 && used*4 >= total*3
+	if !(tight || lagging) || !inc.fillTold.CompareAndSwap(false, true) {
+		return
+	}
+	repl := "none yet"
+	if replicated >= 0 {
+		repl = fmt.Sprintf("step %d", replicated)
+	}
+	kept := fmt.Sprintf("%d steps (%d to %d) are", len(steps), steps[0], steps[len(steps)-1])
+	if len(steps) == 1 {
+		kept = fmt.Sprintf("step %d is", steps[0])
+	}
+	msg := fmt.Sprintf("this node's RAM is %d%% full, and %s kept until a newer step is replicated on every node (latest replicated: %s): the job's saves fail with ENOSPC once it is full; see why replication fails (the lines above, mtcfs status), or give the agent a larger --memory",
+		used*100/total, kept, repl)
+	n.log.Warn(msg)
+	lines.incLine(inc, msg)
+}
+
 // stepsAbove lists, in order, the steps above floor that this node holds of job's rank.
-func (rt *retention) stepsAbove(job string, rank int, floor int64) []int64 {
+// It also counts the distinct data this node holds (its own and its peers' replicas).
+func (rt *retention) stepsAbove(job string, rank int, floor int64) (steps []int64, held int) {
 	rt.mu.Lock()
-	var steps []int64
-	for name := range rt.metas {
+	data := map[string]bool{}
+	for name, hash := range rt.metas {
+		data[hash] = true
 		if m, ok := layout.ParseMarkerName(name); ok && m.Job == job && m.Node == rank && m.Step > floor && !slices.Contains(steps, m.Step) {
 			steps = append(steps, m.Step)
 		}
 	}
 	rt.mu.Unlock()
 	slices.Sort(steps)
-	return steps
+	return steps, len(data)
 }
 
 // steps lists the .meta files held, for status.

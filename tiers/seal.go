@@ -78,38 +78,8 @@ func (s *sealer) run() {
 			continue
 		}
 		s.out.push(sealedStep{commit: c, dataName: dataName, meta: meta})
-		s.warnIfFilling(c)
+		warnIfFilling(s.node, s.retention, s.incs, s.lines, c.inc, false)
 	}
-}
-
-// warnIfFilling tells the job, once per incarnation, when steps that wait for a newer one to
-// replicate fill this node's RAM: with a peer unreachable, each save was kept and the job's
-// next write failed with ENOSPC, having been told only that a push failed (found by a
-// black-box run). Three steps or more newer than the latest replicated one, with the spool 75%
-// full, say that replication does not keep up.
-func (s *sealer) warnIfFilling(c commit) {
-	total, used := s.spool.Usage()
-	if total <= 0 || used*4 < total*3 || c.inc.fillTold.Load() || !s.incs.isCurrent(c.inc) {
-		return
-	}
-	cfg := c.inc.Config
-	_, replicated, restored := s.incs.latest()
-	floor := replicated
-	if floor < 0 {
-		floor = restored
-	}
-	steps := s.retention.stepsAbove(cfg.JobName, cfg.NodeRank, floor)
-	if len(steps) < 3 || !c.inc.fillTold.CompareAndSwap(false, true) {
-		return
-	}
-	repl := "none yet"
-	if replicated >= 0 {
-		repl = fmt.Sprintf("step %d", replicated)
-	}
-	msg := fmt.Sprintf("this node's RAM is %d%% full, and %d steps (%d to %d) are kept until a newer step is replicated on every node (latest replicated: %s): the job's saves fail with ENOSPC once it is full; see why replication fails (the lines above, mtcfs status), or give the agent a larger --memory",
-		used*100/total, len(steps), steps[0], steps[len(steps)-1], repl)
-	s.log.Warn(msg)
-	s.lines.incLine(c.inc, msg)
 }
 
 // seal turns a recorded commit into <hash>.data and writes its .meta (SPEC §3). No byte is

@@ -94,6 +94,9 @@ func (sy *syncer) run() {
 			sy.stopRePush()
 		}
 		failedPeers := sy.replicate(s)
+		if len(failedPeers) > 0 {
+			warnIfFilling(sy.node, sy.retention, sy.incs, sy.lines, s.inc, true)
+		}
 		k := stepKey{s.inc, s.step}
 		p := steps[k]
 		if p == nil {

@@ -652,41 +652,54 @@ func TestMistypedJobNameOnOneRank(t *testing.T) {
 // TestUnreplicatedStepsFillingRAMAreTold: with its peer's agent gone, a node keeps every step
 // its job saves (each waits for a newer one to replicate) until its RAM is full and the job's
 // write fails with ENOSPC. The job is told before that, once, with what to do; it was told only
-// that a push failed (found by a black-box run).
+// that a push failed (found by a black-box run). Told when a failed push leaves no room for
+// another step (a budget sized as the README says: the next save fails), or when steps pile up.
 func TestUnreplicatedStepsFillingRAMAreTold(t *testing.T) {
 	needRoot(t)
-	ctx := repCtx(t)
-	c := newCluster(t, 2)
-	clients := make([]*jobsim.Orbax, 2)
-	c.all(t, func(r int) error {
-		clients[r] = c.client(t, r)
-		clients[r].PeerRanks = []int{1 - r}
-		clients[r].Content = jobsim.Content{Files: 2, FileSize: 9 << 19} // 9 MiB a node, of 64
-		_, _, err := clients[r].Start(ctx)
-		return err
-	})
-	c.all(t, func(r int) error { return clients[r].Save(ctx, 1) })
-	replica := rankMetaPath(c.nodes[0].dir, "trio", 1, 1)
-	repWait(t, 20*time.Second, "rank 1's step 1 on rank 0", func() bool { return pathExists(replica) })
-	repWait(t, 20*time.Second, "step 1 replicated on every node, for rank 0", func() bool {
-		out, _ := runMtcfs(t, "status", c.nodes[0].dir)
-		return strings.Contains(out, "latest replicated on every node 1")
-	})
+	for _, tc := range []struct {
+		name     string
+		fileSize int64 // two files a step, in a 64 MiB budget
+		last     int64 // the step saved last, after the peer's loss: the first told
+		warning  string
+	}{
+		{"sized as the README says", 8 << 20, 2, "and step 2 is kept until a newer step is replicated on every node (latest replicated: step 1)"},
+		{"steps pile up", 9 << 19, 5, "and 4 steps (2 to 5) are kept until a newer step is replicated on every node (latest replicated: step 1)"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := repCtx(t)
+			c := newCluster(t, 2)
+			clients := make([]*jobsim.Orbax, 2)
+			c.all(t, func(r int) error {
+				clients[r] = c.client(t, r)
+				clients[r].PeerRanks = []int{1 - r}
+				clients[r].Content = jobsim.Content{Files: 2, FileSize: tc.fileSize}
+				_, _, err := clients[r].Start(ctx)
+				return err
+			})
+			c.all(t, func(r int) error { return clients[r].Save(ctx, 1) })
+			replica := rankMetaPath(c.nodes[0].dir, "trio", 1, 1)
+			repWait(t, 20*time.Second, "rank 1's step 1 on rank 0", func() bool { return pathExists(replica) })
+			repWait(t, 20*time.Second, "step 1 replicated on every node, for rank 0", func() bool {
+				out, _ := runMtcfs(t, "status", c.nodes[0].dir)
+				return strings.Contains(out, "latest replicated on every node 1")
+			})
 
-	killAgent(t, c.agents[1]) // rank 0's pushes fail from now on; its job saves on
-	forceUnmount(c.nodes[1].dir)
-	const warning = "steps (2 to 5) are kept until a newer step is replicated on every node (latest replicated: "
-	for step := int64(2); step <= 5; step++ {
-		require.NoError(t, clients[0].Save(ctx, step), "step %d", step)
-		waitStepSealed(t, c.nodes[0].dir, "trio", step)
-		if step < 5 { // 4 steps of 9 MiB, and rank 1's step 1: 45 of 64 MiB
-			assert.NotContains(t, c.agents[0].log(), "are kept until a newer step is replicated", "before step %d", step)
-		}
+			killAgent(t, c.agents[1]) // rank 0's pushes fail from now on; its job saves on
+			forceUnmount(c.nodes[1].dir)
+			for step := int64(2); step <= tc.last; step++ {
+				require.NoError(t, clients[0].Save(ctx, step), "step %d", step)
+				waitStepSealed(t, c.nodes[0].dir, "trio", step)
+				if step < tc.last {
+					time.Sleep(2 * time.Second) // its push fails meanwhile
+					assert.NotContains(t, c.agents[0].log(), "kept until a newer step is replicated", "before step %d", step)
+				}
+			}
+			repWait(t, 15*time.Second, "the warning", func() bool { return strings.Contains(c.agents[0].log(), tc.warning) })
+			require.Contains(t, c.agents[0].log(), "give the agent a larger --memory")
+			b, err := os.ReadFile(filepath.Join(c.nodes[0].dir, "replicator.errors"))
+			require.NoError(t, err)
+			require.Contains(t, string(b)+strings.Join(clients[0].Errors(), "\n"), tc.warning)
+			require.Equal(t, 1, strings.Count(c.agents[0].log(), `level=WARN msg="this node's RAM is `), "told once")
+		})
 	}
-	repWait(t, 10*time.Second, "the warning", func() bool { return strings.Contains(c.agents[0].log(), warning) })
-	require.Contains(t, c.agents[0].log(), "give the agent a larger --memory")
-	b, err := os.ReadFile(filepath.Join(c.nodes[0].dir, "replicator.errors"))
-	require.NoError(t, err)
-	require.Contains(t, string(b)+strings.Join(clients[0].Errors(), "\n"), warning)
-	require.Equal(t, 1, strings.Count(c.agents[0].log(), `level=WARN msg="this node's RAM is `), "told once")
 }
