@@ -266,7 +266,7 @@ func noRoom(err error) error {
 	if err == nil || !errors.Is(err, syscall.ENOSPC) || status.Code(err) != codes.Unknown {
 		return err
 	}
-	return errExhausted("the receiving node's RAM is full (%v): give its agent a larger --memory", err)
+	return errExhausted("the receiving node's RAM is full (%v): give its agent a larger --memory (an agent without root: more room on its spool's file system, a container's /dev/shm)", err)
 }
 
 // PushFiles receives one stream of a transfer.

@@ -90,10 +90,10 @@ type commitRecorder struct {
 	// sealed is closed (and replaced) whenever a name leaves pending.
 	sealed chan struct{} // GUARDED_BY(mu)
 	// unanswered counts the commits made while no job was answered (no incarnation), for the
-	// log: 1, then every 100th. lastUnanswered is the name counted last: a .save is reported
-	// at its flush and again at its close, and is one commit.
-	unanswered     int    // GUARDED_BY(mu)
-	lastUnanswered string // GUARDED_BY(mu)
+	// log: 1, then every 100th. countedUnanswered holds the names counted (forgotten past 1024):
+	// a .save is reported at its flush and again at its close, and is one commit.
+	unanswered        int             // GUARDED_BY(mu)
+	countedUnanswered map[string]bool // GUARDED_BY(mu)
 }
 
 func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
@@ -144,7 +144,7 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 			// was dropped at the next start without a word (found by a black-box run).
 			why = "a step is not negative"
 			if cfg.Framework == FrameworkPyTorchDistributed {
-				why += " (NeMo's save at global step 0 is renamed to -1; its saves from global step 1 on are checkpointed)"
+				why += " (NeMo's save at global step 0 is renamed to -1; NeMo restores its saves from global step 2 on)"
 			}
 		}
 	default:
@@ -267,11 +267,14 @@ func (cr *commitRecorder) noteUnanswered(ev event) {
 		return
 	}
 	cr.mu.Lock()
-	if ev.path == cr.lastUnanswered {
+	if cr.countedUnanswered[ev.path] {
 		cr.mu.Unlock()
 		return
 	}
-	cr.lastUnanswered = ev.path
+	if cr.countedUnanswered == nil || len(cr.countedUnanswered) >= 1024 {
+		cr.countedUnanswered = map[string]bool{}
+	}
+	cr.countedUnanswered[ev.path] = true
 	cr.unanswered++
 	n := cr.unanswered
 	cr.mu.Unlock()

@@ -331,7 +331,7 @@ func TestNeMoSaveAtGlobalStepZeroIsReported(t *testing.T) {
 		return ""
 	})
 	errs := strings.Join(h.lines(layout.ReplicatorErrorsName), "\n")
-	if !strings.Contains(errs, "-1 is not committed (its step is not checkpointed): a step is not negative (NeMo's save at global step 0 is renamed to -1; its saves from global step 1 on are checkpointed)") {
+	if !strings.Contains(errs, "-1 is not committed (its step is not checkpointed): a step is not negative (NeMo's save at global step 0 is renamed to -1; NeMo restores its saves from global step 2 on)") {
 		t.Errorf("replicator.errors:\n%s", errs)
 	}
 }

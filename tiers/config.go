@@ -203,8 +203,18 @@ func ParseConfig(data []byte, getenv func(string) string) (*Config, []string, er
 // which counts as absent, that the file gives it none: "one of backup-interval-minutes or
 // backup-interval-steps is required" alone sent the user looking for a missing line.
 func givenNoValue(ce *ConfigError, settings map[string]*setting) *ConfigError {
-	if s := settings[ce.Key]; s != nil && isNull(s.value) {
-		ce.Problem += fmt.Sprintf(" (line %d gives %s no value)", s.line, ce.Key)
+	keys := []string{ce.Key}
+	switch ce.Key { // the pairs of which one is required, reported under the first
+	case keyPeerRanks:
+		keys = append(keys, keyPeersPerNode)
+	case keyBackupMinutes:
+		keys = append(keys, keyBackupSteps)
+	}
+	for _, k := range keys {
+		if s := settings[k]; s != nil && isNull(s.value) {
+			ce.Problem += fmt.Sprintf(" (line %d gives %s no value)", s.line, k)
+			break
+		}
 	}
 	return ce
 }

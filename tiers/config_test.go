@@ -332,6 +332,7 @@ func TestParseConfigErrors(t *testing.T) {
 
 		// backup interval
 		{"backup missing", edit(validBase, "-backup-interval-minutes"), "backup-interval-minutes: one of backup-interval-minutes or backup-interval-steps is required"},
+		{"backup steps null", edit(validBase, "-backup-interval-minutes", "backup-interval-steps:"), "backup-interval-minutes: one of backup-interval-minutes or backup-interval-steps is required (line 6 gives backup-interval-steps no value)"},
 		{"backup null", edit(validBase, "backup-interval-minutes:"), "backup-interval-minutes: one of backup-interval-minutes or backup-interval-steps is required (line 6 gives backup-interval-minutes no value)"},
 		{"backup minutes negative", edit(validBase, "backup-interval-minutes: -1"), "backup-interval-minutes: must be > 0, got -1"},
 		{"backup minutes zero", edit(validBase, "backup-interval-minutes: 0"), "backup-interval-minutes: must be > 0, got 0"},

@@ -84,6 +84,11 @@ func (r *restorer) run(inc *incarnation) {
 		return
 	}
 	r.backups.start(inc)
+	// Data is named by its content: another job's may be this plan's too, which peers fetch
+	// from here until the restore is over (found by a review).
+	for hash := range plan.Holders {
+		defer r.retention.hold(hash + ".data")()
+	}
 	r.freeOtherJobs(inc)
 	for _, line := range plan.Errors {
 		r.lines.errLine(cfg, line)

@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unicode/utf8"
 
 	"golang.org/x/sys/unix"
 
@@ -148,8 +149,9 @@ func DefaultSpoolRoot() string {
 // machine never share a spool and a restarted agent finds its predecessor's data. The path is
 // resolved first (ResolveMountPath): a mount reached through a symlink has the same spool.
 // maxSpoolBase is the most of the mount directory's name a default spool's name keeps, so that
-// with "-" and 12 hex digits it stays within NAME_MAX (255).
-const maxSpoolBase = 200
+// with "-" and 12 hex digits it stays within NAME_MAX (255): every name that worked before keeps
+// its spool.
+const maxSpoolBase = 255 - 13
 
 func DefaultSpoolDir(mountPath string) string {
 	abs := ResolveMountPath(mountPath)
@@ -162,7 +164,11 @@ func DefaultSpoolDir(mountPath string) string {
 	// 243 bytes or more made a spool name past NAME_MAX, and the agent could not start (found
 	// by a black-box run).
 	if len(base) > maxSpoolBase {
-		base = base[:maxSpoolBase]
+		cut := maxSpoolBase
+		for cut > maxSpoolBase-utf8.UTFMax && !utf8.RuneStart(base[cut]) {
+			cut-- // not inside a character: spool list prints the name
+		}
+		base = base[:cut]
 	}
 	return filepath.Join(DefaultSpoolRoot(), base+"-"+hex.EncodeToString(sum[:6]))
 }

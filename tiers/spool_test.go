@@ -8,6 +8,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"golang.org/x/sys/unix"
 
@@ -238,6 +239,14 @@ func TestResolveMountPath(t *testing.T) {
 	d1, d2 := tiers.DefaultSpoolDir(long1), tiers.DefaultSpoolDir(long2)
 	if len(filepath.Base(d1)) > 255 || d1 == d2 {
 		t.Errorf("DefaultSpoolDir of 255-byte names: %s (%d bytes), %s", filepath.Base(d1), len(filepath.Base(d1)), filepath.Base(d2))
+	}
+	// A 242-byte name, which worked before the cut, keeps its spool's name; a cut never splits a
+	// character.
+	if d := filepath.Base(tiers.DefaultSpoolDir(filepath.Join(base, strings.Repeat("y", 242)))); !strings.HasPrefix(d, strings.Repeat("y", 242)+"-") || len(d) != 255 {
+		t.Errorf("DefaultSpoolDir of a 242-byte name: %s", d)
+	}
+	if d := filepath.Base(tiers.DefaultSpoolDir(filepath.Join(base, strings.Repeat("é", 127)))); !utf8.ValidString(d) || len(d) > 255 {
+		t.Errorf("DefaultSpoolDir of a 254-byte UTF-8 name: %q (%d bytes)", d, len(d))
 	}
 }
 

@@ -842,7 +842,7 @@ func TestGuaranteeKeptSpoolsAreOwned(t *testing.T) {
 	require.False(t, found, "the new job restored step %d of the old one\n%s", step, b.log())
 	freed := strings.Join(o.Errors(), "\n")
 	if strings.Contains(b.log(), "adopted from spool") {
-		// The agent could not know the job before the handshake; the handshake frees it.
+		// The agent could not know the job before the handshake; its restore negotiation frees it.
 		assert.Contains(t, freed, "this node's RAM held checkpoints of other jobs (old-s10-n0-w0.meta); they were freed")
 		t.Logf("the old job's step was adopted at start and freed at the handshake: %s", freed)
 	} else {

@@ -402,7 +402,7 @@ func warnVolatileBackups(rawURL string) {
 	if unix.Statfs(existing, &st) != nil {
 		return
 	}
-	if err := unix.Access(existing, unix.W_OK|unix.X_OK); err != nil {
+	if err := unix.Faccessat(unix.AT_FDCWD, existing, unix.W_OK|unix.X_OK, unix.AT_EACCESS); err != nil {
 		// The probe only reads: a location its user may not write to said "can be read", and
 		// the first backup failed (found by a black-box run).
 		slog.Warn("the backup location cannot be written by this agent: every backup will fail until it can; give a directory its user may write to",
