@@ -288,8 +288,8 @@ func (rt *retention) inventory(rank int) Inventory {
 // more wait with the RAM 75% full (replication does not keep up).
 func warnIfFilling(n *node, rt *retention, incs *incarnations, lines *jobLines, inc *incarnation, pushFailed bool) {
 	total, used := n.spool.Usage()
-	if total <= 0 || inc.fillTold.Load() || !incs.isCurrent(inc) {
-		return
+	if total <= 0 || inc.fillTold.Load() || !incs.isCurrent(inc) || (!pushFailed && used*4 < total*3) {
+		return // the common case on the seal path: one statfs
 	}
 	cfg := inc.Config
 	_, replicated, restored := incs.latest()

@@ -145,14 +145,14 @@ func DefaultSpoolRoot() string {
 	return filepath.Join("/dev/shm", "mtcfs-"+strconv.Itoa(os.Geteuid()))
 }
 
-// DefaultSpoolDir derives a spool directory from the mount path, so that several agents on one
-// machine never share a spool and a restarted agent finds its predecessor's data. The path is
-// resolved first (ResolveMountPath): a mount reached through a symlink has the same spool.
 // maxSpoolBase is the most of the mount directory's name a default spool's name keeps, so that
 // with "-" and 12 hex digits it stays within NAME_MAX (255): every name that worked before keeps
 // its spool.
 const maxSpoolBase = 255 - 13
 
+// DefaultSpoolDir derives a spool directory from the mount path, so that several agents on one
+// machine never share a spool and a restarted agent finds its predecessor's data. The path is
+// resolved first (ResolveMountPath): a mount reached through a symlink has the same spool.
 func DefaultSpoolDir(mountPath string) string {
 	abs := ResolveMountPath(mountPath)
 	sum := sha256.Sum256([]byte(abs))

@@ -708,6 +708,7 @@ func runMount(cfg mountConfig) error {
 
 	done := make(chan struct{})
 	go func() { srv.Wait(); close(done) }()
+	where := srv.Dir() // where the mount is when it goes: a directory above may be renamed
 	select {
 	case first := <-sigs:
 		ready.Store(false)
@@ -716,7 +717,7 @@ func runMount(cfg mountConfig) error {
 		stopping.Stopping = true
 		agents.Register(stopping) // the same file; the deferred unregister removes it
 		rep.Close()
-		where := srv.Where()
+		where = srv.Where()
 		if err := unmountBounded(srv, sigs, first); err != nil {
 			return err
 		}
@@ -730,6 +731,6 @@ func runMount(cfg mountConfig) error {
 	case <-done:
 		slog.Warn("filesystem was unmounted from outside; exiting", "dir", srv.Dir())
 	}
-	slog.Info("unmounted", "dir", srv.Dir())
+	slog.Info("unmounted", "dir", where)
 	return nil
 }
