@@ -91,12 +91,16 @@ func Local() ([]Info, error) { return localIn(Dirs()) }
 // localIn is Local over dirs, this user's first. In a directory that is neither this user's nor
 // root's (root looking at users' development agents, in a world-writable /tmp), an entry counts
 // only if its file belongs to the user its pid runs as: no one can pass an agent off as another
-// user's, or as root's.
+// user's, or as root's. In this user's own directory (not root's), only this user's files count:
+// another user who made /tmp/mtcfs-UID first could plant an entry that held the user's spool
+// "in use" and answered their status (found by a black-box run).
 func localIn(dirs []string) ([]Info, error) {
 	var out []Info
 	seen := map[int]bool{}
+	euid := os.Geteuid()
 	for i, dir := range dirs {
 		foreign := i > 0 && dir != rootDir
+		own := i == 0 && dir != rootDir
 		ents, err := os.ReadDir(dir)
 		if os.IsNotExist(err) || (err != nil && (i > 0 || os.IsPermission(err))) {
 			// Another user's, or this user's own made unreadable by an environment kept across
@@ -123,11 +127,20 @@ func localIn(dirs []string) ([]Info, error) {
 			if foreign && !ownedByItsProcess(p, info.PID) {
 				continue
 			}
+			if own && !ownedBy(p, euid) {
+				continue
+			}
 			seen[info.PID] = true
 			out = append(out, info)
 		}
 	}
 	return out, nil
+}
+
+// ownedBy reports whether the file p belongs to uid.
+func ownedBy(p string, uid int) bool {
+	var st unix.Stat_t
+	return unix.Lstat(p, &st) == nil && int(st.Uid) == uid
 }
 
 // ownedByItsProcess reports whether the file p belongs to the user process pid runs as.

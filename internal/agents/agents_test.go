@@ -91,3 +91,26 @@ func TestZombieIsNotAlive(t *testing.T) {
 	reaped = true
 	assert.False(t, alive(info, p), "gone")
 }
+
+// TestPlantedEntryInOwnRegistry: in a user's own registry directory, which another user may
+// have made first (a world-writable /tmp), only the user's files count: a planted entry held the
+// user's spool "in use" and answered their status (found by a black-box run).
+func TestPlantedEntryInOwnRegistry(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: to give the entry to another user")
+	}
+	dir := t.TempDir()
+	me := os.Getpid()
+	start, err := ProcStartTime(me)
+	require.NoError(t, err)
+	p := filepath.Join(dir, strconv.Itoa(me)+".json")
+	data, _ := json.Marshal(Info{PID: me, Dir: "/srv/mine", StartTime: start})
+	require.NoError(t, os.WriteFile(p, data, 0o644))
+	list, err := localIn([]string{dir})
+	require.NoError(t, err)
+	require.Len(t, list, 1, "this user's entry")
+	require.NoError(t, os.Chown(p, 1000, 1000))
+	list, err = localIn([]string{dir})
+	require.NoError(t, err)
+	assert.Empty(t, list, "an entry another user planted in this user's directory")
+}
