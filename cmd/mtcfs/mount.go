@@ -364,7 +364,7 @@ const backupProbeTimeout = 30 * time.Second
 // missing credentials or a wrong bucket would otherwise show only when a job starts (its restore
 // reads the location first, and fails). The agent serves either way: the location may come back.
 // It returns the function that ends the probe.
-func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration) (stop func()) {
+func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration, readOnly bool) (stop func()) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	done := make(chan struct{})
 	go func() { // ends with ctx
@@ -374,7 +374,11 @@ func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration) (
 		_, _, err := b.Store.List(ctx, ".mtcfs-probe/", "/")
 		switch {
 		case err == nil:
-			slog.Info("the backup location can be read", "backup", rawURL)
+			if readOnly {
+				slog.Info("the backup location can be read, not written (above)", "backup", rawURL)
+			} else {
+				slog.Info("the backup location can be read", "backup", rawURL)
+			}
 		case errors.Is(err, context.DeadlineExceeded):
 			slog.Warn("the backup location did not answer within "+timeout.String()+": a job's restore, and every backup, will wait on it",
 				"backup", rawURL, "err", err)
@@ -392,7 +396,7 @@ func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration) (
 // warnVolatileBackups warns when a file:// backup location is in RAM (tmpfs, ramfs): the backups
 // are what restores a job after its nodes are lost, and these would be lost with them; and when
 // the agent may not write there.
-func warnVolatileBackups(rawURL string) {
+func warnVolatileBackups(rawURL string) (readOnly bool) {
 	u, err := url.Parse(rawURL)
 	if err != nil || u.Scheme != "file" || u.Path == "" {
 		return
@@ -407,6 +411,7 @@ func warnVolatileBackups(rawURL string) {
 		// the first backup failed (found by a black-box run).
 		slog.Warn("the backup location cannot be written by this agent: every backup will fail until it can; give a directory its user may write to",
 			"backup", rawURL, "dir", existing, "err", err)
+		readOnly = true
 	}
 	switch {
 	case st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC:
@@ -414,6 +419,7 @@ func warnVolatileBackups(rawURL string) {
 	case st.Type == unix.FUSE_SUPER_MAGIC && inMtcfsMount(existing):
 		slog.Warn("the backup location is inside another mtcfs mount, whose files live in that agent's RAM: its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
 	}
+	return readOnly
 }
 
 // inMtcfsMount reports whether the path p is inside an mtcfs mount: the deepest mount point at
@@ -585,8 +591,8 @@ func runMount(cfg mountConfig) error {
 	if err != nil {
 		return err
 	}
-	warnVolatileBackups(cfg.backupURL)
-	defer probeBackups(backups, cfg.backupURL, backupProbeTimeout)()
+	readOnly := warnVolatileBackups(cfg.backupURL)
+	defer probeBackups(backups, cfg.backupURL, backupProbeTimeout, readOnly)()
 	backups.Compress = cfg.compress
 	if abs, err := filepath.Abs(cfg.spoolDir); err == nil {
 		cfg.spoolDir = abs

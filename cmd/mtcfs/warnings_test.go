@@ -122,6 +122,8 @@ func TestBackupLocationNotWritable(t *testing.T) {
 	n.backup = "file://" + filepath.Join(ro, "sub")
 	a := n.start(t)
 	assert.Contains(t, a.log(), "the backup location cannot be written by this agent")
+	repWait(t, 10*time.Second, "the probe's line", func() bool { return strings.Contains(a.log(), "the backup location can be read") })
+	assert.Contains(t, a.log(), "the backup location can be read, not written (above)", "not a plain \"can be read\" after the warning")
 	stopAgent(t, a)
 
 	n.backup = ""
