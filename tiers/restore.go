@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -88,6 +90,11 @@ func (r *restorer) run(inc *incarnation) {
 	// from here until the restore is over (found by a review).
 	for hash := range plan.Holders {
 		defer r.retention.hold(hash + ".data")()
+	}
+	if f, ok := r.spool.TakeFreed(cfg.JobName); ok {
+		// The job's steps were freed here for another job (a job-name mistyped on every rank,
+		// or a one-node job): the job restored an older step, or nothing, without a word.
+		r.lines.incLine(inc, fmt.Sprintf("this node's RAM held step(s) %s of this job; they were freed at %s when job %s, another job-name, restored on this mount: only what a peer or a backup holds is restored", joinSteps(f.Steps), f.At.Format(time.RFC3339), f.By))
 	}
 	r.freeOtherJobs(inc)
 	for _, line := range plan.Errors {
@@ -209,8 +216,29 @@ func (r *restorer) freeOtherJobs(inc *incarnation) {
 		return
 	}
 	r.retention.retain(cfg) // frees the data no kept .meta names
+	byJob := map[string][]int64{}
+	for _, name := range names {
+		if m, ok := layout.ParseMarkerName(name); ok && !slices.Contains(byJob[m.Job], m.Step) {
+			byJob[m.Job] = append(byJob[m.Job], m.Step)
+		}
+	}
+	for job, steps := range byJob {
+		slices.Sort(steps)
+		if err := r.spool.RecordFreed(job, steps, cfg.JobName); err != nil && !errors.Is(err, errNoOwnerRecord) {
+			r.log.Warn("record the freed steps in the spool's owner record", "job", job, "err", err)
+		}
+	}
 	r.log.Warn("freed checkpoints of other jobs", "metas", names, "job", cfg.JobName)
 	r.lines.incLine(inc, fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName))
+}
+
+// joinSteps writes steps as "2, 3, 5".
+func joinSteps(steps []int64) string {
+	s := make([]string, len(steps))
+	for i, st := range steps {
+		s[i] = strconv.FormatInt(st, 10)
+	}
+	return strings.Join(s, ", ")
 }
 
 // dropAbandonedSteps forgets this job's steps newer than the one the job restores (all of them on

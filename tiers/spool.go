@@ -117,7 +117,20 @@ type Owner struct {
 	// when it starts was preceded by one stopped while the job may still be running: the job's
 	// saves since are not checkpointed until it restarts (a new replicator.yaml replaces it).
 	Running *Running `json:"running,omitempty"`
+	// Freed records, by job, the steps of that job this spool held and freed for another job
+	// (a job-name changed on the mount): the job, back under its name, is told (TakeFreed).
+	Freed map[string]Freed `json:"freed,omitempty"`
 }
+
+// Freed is what another job's negotiation freed of a job (Owner.Freed).
+type Freed struct {
+	Steps []int64   `json:"steps"`
+	By    string    `json:"by"` // the job that took the spool
+	At    time.Time `json:"at"`
+}
+
+// maxFreedJobs bounds Owner.Freed: the oldest records go first.
+const maxFreedJobs = 8
 
 // Running is an incarnation of the job, as the spool's owner record keeps it (Owner.Running).
 type Running struct {
@@ -445,7 +458,7 @@ func (s *Spool) recordOwner(mountPath string) error {
 	}
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	s.owner = Owner{MountPath: mountPath, Job: prev.Job, Running: prev.Running, PID: os.Getpid()}
+	s.owner = Owner{MountPath: mountPath, Job: prev.Job, Running: prev.Running, Freed: prev.Freed, PID: os.Getpid()}
 	return s.writeOwnerLocked()
 }
 
@@ -471,6 +484,44 @@ func (s *Spool) SetRunning(job string, run Running) error {
 		return errNoOwnerRecord
 	}
 	return s.writeOwnerLocked()
+}
+
+// RecordFreed records that steps of job were freed for job by (see Owner.Freed).
+func (s *Spool) RecordFreed(job string, steps []int64, by string) error {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.lock == nil {
+		return errNoOwnerRecord
+	}
+	if s.owner.Freed == nil {
+		s.owner.Freed = map[string]Freed{}
+	}
+	for len(s.owner.Freed) >= maxFreedJobs {
+		oldest := ""
+		for j, f := range s.owner.Freed {
+			if oldest == "" || f.At.Before(s.owner.Freed[oldest].At) {
+				oldest = j
+			}
+		}
+		delete(s.owner.Freed, oldest)
+	}
+	s.owner.Freed[job] = Freed{Steps: steps, By: by, At: time.Now().UTC().Truncate(time.Second)}
+	return s.writeOwnerLocked()
+}
+
+// TakeFreed returns and forgets what another job freed of job (ok false: nothing).
+func (s *Spool) TakeFreed(job string) (Freed, bool) {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	f, ok := s.owner.Freed[job]
+	if !ok {
+		return Freed{}, false
+	}
+	delete(s.owner.Freed, job)
+	if s.lock != nil {
+		s.writeOwnerLocked() // at worst the job is told twice
+	}
+	return f, true
 }
 
 // MountMoved records that the spool's mount directory is now mountPath: a directory above it

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"syscall"
 	"testing"
@@ -42,7 +43,7 @@ func TestSpoolOwnerRecorded(t *testing.T) {
 			if o.MountPath != mnt || o.Job != "" || o.PID != os.Getpid() || o.LastUsed.Before(before) {
 				t.Fatalf("owner after open = %+v, want mount %s, no job, pid %d, used after %v", o, mnt, os.Getpid(), before)
 			}
-			if got := s.Owner(); got != o {
+			if got := s.Owner(); !reflect.DeepEqual(got, o) {
 				t.Fatalf("Owner() = %+v, file says %+v", got, o)
 			}
 			if err := s.SetRunning("llama", tiers.Running{Incarnation: "first"}); err != nil {

@@ -703,3 +703,42 @@ func TestUnreplicatedStepsFillingRAMAreTold(t *testing.T) {
 		})
 	}
 }
+
+// TestJobToldItsStepsWereFreedForAnotherJob: a one-node job restarted once under a mistyped
+// job-name frees the job's steps (another job took the mount). Back under its name, the job is
+// told what was freed and by which job; it restored nothing without a word (found by a
+// black-box run).
+func TestJobToldItsStepsWereFreedForAnotherJob(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, "train", 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	for _, step := range []int64{1, 2} {
+		require.NoError(t, o.Save(ctx, step))
+		waitStepSealed(t, n.dir, "train", step)
+	}
+	typo := orbaxClient(t, n.dir, "trian", 60)
+	_, found, err := typo.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found)
+	assert.Contains(t, strings.Join(typo.Errors(), "\n"), "this node's RAM held checkpoints of other jobs (train-s2-n0-w0.meta); they were freed") // step 1 went once 2 was saved
+
+	stopAgent(t, a) // the record survives a restart of the agent too
+	b := n.start(t)
+	o = orbaxClient(t, n.dir, "train", 60)
+	_, found, err = o.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found, "no peer nor backup holds the steps")
+	told := "this node's RAM held step(s) 2 of this job; they were freed at "
+	errs := strings.Join(o.Errors(), "\n")
+	require.Contains(t, errs, told)
+	require.Contains(t, errs, "when job trian, another job-name, restored on this mount")
+	o = orbaxClient(t, n.dir, "train", 60) // told once
+	_, _, err = o.Start(ctx)
+	require.NoError(t, err)
+	require.NotContains(t, strings.Join(o.Errors(), "\n"), told)
+	stopAgent(t, b)
+}
