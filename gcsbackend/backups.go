@@ -642,6 +642,10 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		}
 		defer r.Close()
 		n, crc, err := copyCRC(ctx, io.Discard, r)
+		if ce := (*ChecksumError)(nil); errors.As(err, &ce) {
+			note(c.hash, "%s: its bytes no longer match the crc32c the store keeps (%v)", c.name, err)
+			return nil
+		}
 		if err != nil {
 			return fmt.Errorf("read %s: %w", c.name, err)
 		}

@@ -602,7 +602,7 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 			if err == io.EOF {
 				err = nil // the next call reports it
 			}
-			return n, err
+			return n, badCRC(r.s.url(r.name), err)
 		}
 		if err == nil {
 			return 0, nil // io.Reader allows it; nothing is wrong
@@ -617,6 +617,9 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 		if r.ctx.Err() != nil {
 			return 0, r.ctx.Err()
 		}
+		if ce := badCRC(r.s.url(r.name), err); ce != err {
+			return 0, ce
+		}
 		if !stalled && !storage.ShouldRetry(err) {
 			return 0, r.s.mapErr("read", r.name, err)
 		}
@@ -630,6 +633,25 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 		}
 		// Reopen at r.off on the next loop.
 	}
+}
+
+// badCRC turns the client's check of a whole object's CRC32C at its end ("storage: bad CRC on
+// read: got G, want W", no error type of its own) into a *ChecksumError: the stored bytes no
+// longer match the CRC32C the store keeps. backups verify stopped there with "error" instead
+// of reporting the data damaged and going on (found by a black-box run).
+func badCRC(name string, err error) error {
+	const text = "bad CRC on read"
+	if err == nil {
+		return nil
+	}
+	msg := err.Error()
+	i := strings.Index(msg, text)
+	if i < 0 {
+		return err
+	}
+	var got, want uint32
+	fmt.Sscanf(msg[i:], text+": got %d, want %d", &got, &want)
+	return &ChecksumError{Name: name, Want: want, Got: got}
 }
 
 func (r *gcsReader) closeReader() {

@@ -709,3 +709,40 @@ func TestGCSPutFile(t *testing.T) {
 		})
 	}
 }
+
+// TestVerifyReportsBitRotTheStoreCatches: data objects whose bytes changed under the CRC32C
+// the store keeps (bit rot) make the client's read fail at the object's end. Deep verify
+// reports each as damage and goes on; it stopped at the first with "error" (found by a
+// black-box run). A plain read of such an object is a *ChecksumError.
+func TestVerifyReportsBitRotTheStoreCatches(t *testing.T) {
+	f := newFakeGCS(t)
+	s := f.store(t, "backups/test", testGCSOptions())
+	b := &Backups{Store: s, Parallelism: 3}
+	const backup = "2025-06-30_14-30"
+	uploadStep(t, b, backup, 100, 2, 1)
+	var rotted []string
+	f.srv.mu.Lock()
+	for name, o := range f.srv.buckets[testBucket] {
+		if strings.Contains(name, ".data/") && len(o.data) > 0 && len(rotted) < 2 {
+			o.data[len(o.data)/2] ^= 0x10 // its crc stays
+			rotted = append(rotted, strings.TrimPrefix(name, "backups/test/"))
+		}
+	}
+	f.srv.mu.Unlock()
+	require.Len(t, rotted, 2)
+
+	r, err := s.Open(context.Background(), rotted[0], 0, -1)
+	require.NoError(t, err)
+	_, err = io.ReadAll(r)
+	r.Close()
+	var ce *ChecksumError
+	require.ErrorAs(t, err, &ce)
+
+	rep := verify(t, b, backup, VerifyOptions{Deep: true})
+	require.True(t, rep.Damaged(), "%+v", rep)
+	problems := ""
+	for _, st := range rep.Steps {
+		problems += strings.Join(st.Problems, "\n")
+	}
+	assert.Equal(t, 2, strings.Count(problems, "its bytes no longer match the crc32c the store keeps"), "each rotted object is named:\n%s", problems)
+}
