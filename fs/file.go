@@ -708,10 +708,13 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	f.mu.Unlock()
 	f.fs.afterRelease(ctx, f.released)
 	if h.writable && f.fs.events != nil {
-		if total, used := f.fs.spool.Usage(); why != "" && total-used < 1<<20 {
+		if why != "" {
 			// torch.save that met ENOSPC aborts its process: the line named only the signal
-			// (found by a black-box run).
-			why += fmt.Sprintf("; this node's RAM budget is full (--memory %s): a write may have failed with ENOSPC first", tiers.FormatSize(total))
+			// (found by a black-box run). Looked at only then: a statfs per release cost every
+			// small file's close.
+			if total, used := f.fs.spool.Usage(); total-used < 1<<20 {
+				why += fmt.Sprintf("; this node's RAM budget is full (--memory %s): a write may have failed with ENOSPC first", tiers.FormatSize(total))
+			}
 		}
 		if why != "" {
 			f.fs.events.Abandoned(f.Path(nil), why)
