@@ -692,7 +692,11 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	why := ""
 	switch {
 	case h.abandoned:
-		why = fmt.Sprintf("closed by the process that wrote it while a signal (%s) killed it", unix.SignalName(unix.Signal(h.signal)))
+		name := unix.SignalName(unix.Signal(h.signal))
+		if name == "" {
+			name = fmt.Sprintf("signal %d", h.signal) // a real-time one
+		}
+		why = fmt.Sprintf("closed by the process that wrote it while a signal (%s) killed it", name)
 	case h.commitsOnClose && !h.flushed:
 		why = cutShort(h.fd)
 	}

@@ -78,9 +78,10 @@ type Server struct {
 	ns          *namespace
 	requests    *requestCounts
 	log         *slog.Logger
-	// device is the mount's device number (major:minor) in the mount table: it names the mount
-	// where it is now, also after a directory above it was renamed ("": unknown).
-	device string
+	// mountID is the mount's ID in the mount table: it names the mount where it is now, also
+	// after a directory above it was renamed; a bind mount or a propagated copy of it has the
+	// same device but an ID of its own ("": unknown).
+	mountID, device string
 	// closed is closed once the serve loop has ended and this process's descriptors of the
 	// mount's /dev/fuse (go-fuse's, the notifier's duplicate) are closed. Unmount waits for it:
 	// a mount started next in this process must not see them close meanwhile (newServer tells
@@ -145,7 +146,7 @@ func (s *Server) Unmount() error {
 // Where is the mount point now: Dir, unless a directory above it was renamed while it was
 // mounted (the kernel moves the mount with it).
 func (s *Server) Where() string {
-	if s.device == "" {
+	if s.mountID == "" {
 		return s.dir
 	}
 	mounts, err := fusectl.Mounts()
@@ -154,10 +155,7 @@ func (s *Server) Where() string {
 	}
 	where := ""
 	for _, m := range mounts {
-		if m.Device == s.device && m.IsFUSE() {
-			if m.Point == s.dir {
-				return s.dir
-			}
+		if m.ID == s.mountID && m.Device == s.device { // an ID reused after an unmount from outside: another device
 			where = m.Point
 		}
 	}
@@ -447,7 +445,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 	if mounts, err := fusectl.Mounts(); err == nil {
 		for _, mt := range mounts { // of mounts stacked on abs, the last is this one
 			if mt.Point == abs && mt.IsFUSE() {
-				s.device = mt.Device
+				s.mountID, s.device = mt.ID, mt.Device
 			}
 		}
 	}

@@ -602,7 +602,10 @@ func (r *gcsReader) Read(p []byte) (int, error) {
 			if err == io.EOF {
 				err = nil // the next call reports it
 			}
-			return n, badCRC(r.s.url(r.name), err)
+			if err != nil {
+				err = badCRC(r.s.url(r.name), err)
+			}
+			return n, err
 		}
 		if err == nil {
 			return 0, nil // io.Reader allows it; nothing is wrong
@@ -650,7 +653,9 @@ func badCRC(name string, err error) error {
 		return err
 	}
 	var got, want uint32
-	fmt.Sscanf(msg[i:], text+": got %d, want %d", &got, &want)
+	if n, _ := fmt.Sscanf(msg[i:], text+": got %d, want %d", &got, &want); n != 2 {
+		return err // the client's wording changed: keep its error as it is
+	}
 	return &ChecksumError{Name: name, Want: want, Got: got}
 }
 

@@ -91,7 +91,7 @@ func (r *restorer) run(inc *incarnation) {
 	for hash := range plan.Holders {
 		defer r.retention.hold(hash + ".data")()
 	}
-	if f, ok := r.spool.TakeFreed(cfg.JobName); ok {
+	if f, ok := r.spool.TakeFreed(cfg.JobName); ok && len(f.Steps) > 0 && (!plan.Found || plan.Step < slices.Max(f.Steps)) {
 		// The job's steps were freed here for another job (a job-name mistyped on every rank,
 		// or a one-node job): the job restored an older step, or nothing, without a word.
 		r.lines.incLine(inc, fmt.Sprintf("this node's RAM held step(s) %s of this job; they were freed at %s when job %s, another job-name, restored on this mount: only what a peer or a backup holds is restored", joinSteps(f.Steps), f.At.Format(time.RFC3339), f.By))

@@ -526,7 +526,7 @@ func (s *Spool) TakeFreed(job string) (Freed, bool) {
 
 // MountMoved records that the spool's mount directory is now mountPath: a directory above it
 // was renamed while the agent served it. The spool is then kept for the next agent there
-// (Release), who finds it by that record (FindKeptFor).
+// (Release), who finds it by that record (Spools.KeptFor).
 func (s *Spool) MountMoved(mountPath string) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
@@ -890,16 +890,18 @@ func checkSpoolDir(dir string) error {
 // checkSpoolOwnership refuses a spool that another user made or can change. Another local user
 // who made /dev/shm/mtcfs-UID (0777) before the victim's first agent could swap a kept spool
 // for one of theirs, and the victim's next agent adopted it and restored the other user's bytes
-// as its job's step (found by a black-box run). For a plain spool (no tmpfs of its own: an agent
-// without root), the spool directory, and the default root above it (defaultRoot), must be this
-// user's, and the root writable by no one else. A tmpfs spool (root) is a fresh root-owned 0700
-// tmpfs mounted over the directory, which hides whatever was planted there: only a symlink
-// planted for the default root or a spool below it is refused (root would follow it). What does
-// not exist yet is made by the agent (0700).
+// as its job's step (found by a black-box run). The default root above the spool (defaultRoot)
+// must be this user's and writable by no one else, also for root: a user who made
+// /dev/shm/mtcfs could later rename what is below it and plant symlinks that root's clearing,
+// unmounting and removal follow (found by a review). The spool directory itself must be this
+// user's for a plain spool (no tmpfs of its own: an agent without root); a tmpfs spool is a fresh
+// root-owned 0700 tmpfs mounted over it, which hides whatever was planted there, so a --spool
+// directory a user made first is taken by root. What does not exist yet is made by the agent
+// (0700).
 func checkSpoolOwnership(dir, defaultRoot string, plain bool) error {
 	euid := os.Geteuid()
 	inRoot := filepath.Dir(dir) == defaultRoot
-	check := func(path, what string, noOthers bool) error {
+	check := func(path, what string, root bool) error {
 		stat := os.Stat // a --spool of the user's choosing may be a symlink
 		if inRoot {
 			stat = os.Lstat // below the default root, one is planted
@@ -915,10 +917,10 @@ func checkSpoolOwnership(dir, defaultRoot string, plain bool) error {
 		switch {
 		case !fi.IsDir():
 			return fmt.Errorf("%s %s is not a directory (a symlink?): another user may have made it; remove it, or give --spool in a directory of yours", what, path)
-		case !plain || !ok:
+		case !ok || (!plain && !root):
 		case int(st.Uid) != euid:
 			return fmt.Errorf("%s %s belongs to uid %d, not to this agent's user (uid %d): another user may have made it to plant checkpoints; remove it (as root), or give --spool in a directory of yours", what, path, st.Uid, euid)
-		case noOthers && fi.Mode().Perm()&0o022 != 0:
+		case root && fi.Mode().Perm()&0o022 != 0:
 			return fmt.Errorf("%s %s is writable by others (mode %04o): another user could swap a kept spool in it; chmod go-w it, or give --spool in a directory of yours", what, path, fi.Mode().Perm())
 		}
 		return nil

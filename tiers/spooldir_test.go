@@ -201,15 +201,16 @@ func TestSpoolOfAnotherUserIsRefused(t *testing.T) {
 	require.NoError(t, os.Chmod(root, 0o777))
 	err := checkSpoolOwnership(dir, root, true)
 	require.ErrorContains(t, err, "the spool root "+root+" is writable by others (mode 0777)")
-	require.NoError(t, checkSpoolOwnership(dir, root, false), "a tmpfs spool")
+	require.ErrorContains(t, checkSpoolOwnership(dir, root, false), "is writable by others", "a tmpfs spool's root too")
 	require.NoError(t, os.Chmod(root, 0o700))
 
 	require.NoError(t, os.Chown(root, 1000, 1000))
 	require.ErrorContains(t, checkSpoolOwnership(dir, root, true), "the spool root "+root+" belongs to uid 1000, not to this agent's user (uid 0)")
-	require.NoError(t, checkSpoolOwnership(dir, root, false), "a tmpfs spool")
+	require.ErrorContains(t, checkSpoolOwnership(dir, root, false), "belongs to uid 1000", "a tmpfs spool's root too")
 	require.NoError(t, os.Chown(root, 0, 0))
 
 	require.NoError(t, os.Chown(dir, 1000, 1000))
+	require.NoError(t, checkSpoolOwnership(dir, root, false), "a tmpfs spool's own directory: its tmpfs hides what is below")
 	_, err = OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountPath: filepath.Join(t.TempDir(), "mnt")})
 	require.ErrorContains(t, err, "the spool "+dir+" belongs to uid 1000")
 	require.NoError(t, os.Remove(dir))

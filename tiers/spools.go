@@ -273,7 +273,9 @@ func (h Spools) KeptFor(mountPath string) (SpoolInfo, bool) {
 	real, def := ResolveMountPath(mountPath), DefaultSpoolDir(mountPath)
 	var found []SpoolInfo
 	for _, s := range spools {
-		if s.MountPath == real && s.Dir != def && !s.InUse {
+		// Only this user's, in this user's default root: root lists users' spools too, and
+		// took a user's moved spool, hiding it under a tmpfs of its own (found by a review).
+		if s.MountPath == real && s.Dir != def && !s.InUse && s.UID == os.Geteuid() && filepath.Dir(s.Dir) == DefaultSpoolRoot() {
 			found = append(found, s)
 		}
 	}

@@ -33,6 +33,7 @@ type mountConfig struct {
 	dir           string
 	budget        int64
 	spoolDir      string
+	spoolDefault  bool // spoolDir is the default one, not --spool
 	passthrough   mfs.PassthroughMode
 	httpAddr      string
 	debugFuse     bool
@@ -244,14 +245,7 @@ func cmdMount(args []string) int {
 	}
 	if cfg.spoolDir == "" {
 		cfg.spoolDir = tiers.DefaultSpoolDir(cfg.dir)
-		if _, err := os.Lstat(cfg.spoolDir); errors.Is(err, os.ErrNotExist) {
-			// A mount moved while its agent served it (a directory above renamed) left its
-			// spool, with its checkpoints, recording the new path under the old path's name.
-			if kept, ok := localSpools.KeptFor(cfg.dir); ok {
-				slog.Info("using the kept spool that records this mount directory (the mount was moved here while an agent served it)", "spool", kept.Dir, "mount", kept.MountPath, "job", kept.Job, "steps", kept.Steps)
-				cfg.spoolDir = kept.Dir
-			}
-		}
+		cfg.spoolDefault = true
 	}
 	if err := runMount(cfg); err != nil {
 		slog.Error("mtcfs mount failed", "err", err)
@@ -594,6 +588,15 @@ func runMount(cfg mountConfig) error {
 	readOnly := warnVolatileBackups(cfg.backupURL)
 	defer probeBackups(backups, cfg.backupURL, backupProbeTimeout, readOnly)()
 	backups.Compress = cfg.compress
+	if _, err := os.Lstat(cfg.spoolDir); cfg.spoolDefault && errors.Is(err, os.ErrNotExist) {
+		// A mount moved while its agent served it (a directory above renamed) left its spool,
+		// with its checkpoints, recording the new path under the old path's name. Looked for
+		// after the wait for a stopping agent: it records the move as it stops.
+		if kept, ok := localSpools.KeptFor(cfg.dir); ok {
+			slog.Info("using the kept spool that records this mount directory (the mount was moved here while an agent served it)", "spool", kept.Dir, "mount", kept.MountPath, "job", kept.Job, "steps", kept.Steps)
+			cfg.spoolDir = kept.Dir
+		}
+	}
 	if abs, err := filepath.Abs(cfg.spoolDir); err == nil {
 		cfg.spoolDir = abs
 	}
@@ -719,20 +722,23 @@ func runMount(cfg mountConfig) error {
 	case first := <-sigs:
 		ready.Store(false)
 		slog.Info("stopping", "signal", first.sig.String())
-		stopping := info
-		stopping.Stopping = true
-		agents.Register(stopping) // the same file; the deferred unregister removes it
-		rep.Close()
 		where = srv.Where()
-		if err := unmountBounded(srv, sigs, first); err != nil {
-			return err
-		}
 		if where != srv.Dir() {
 			// The spool is kept for the next agent at the new path (spool.Release), which finds
-			// it by this record (Spools.KeptFor).
+			// it by this record (Spools.KeptFor). Recorded before the unmount: a busy mount's
+			// stop may end at its 30 s limit, and the spool was then freed as orphaned (found by
+			// a review).
 			if err := spool.MountMoved(where); err != nil {
 				slog.Warn("record the moved mount directory in the spool's owner record", "err", err)
 			}
+		}
+		stopping := info
+		stopping.Stopping = true
+		stopping.Dir = where      // an agent started there meanwhile waits for this one
+		agents.Register(stopping) // the same file; the deferred unregister removes it
+		rep.Close()
+		if err := unmountBounded(srv, sigs, first); err != nil {
+			return err
 		}
 	case <-done:
 		slog.Warn("filesystem was unmounted from outside; exiting", "dir", srv.Dir())

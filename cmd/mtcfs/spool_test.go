@@ -535,9 +535,21 @@ func TestMountMovedWhileServing(t *testing.T) {
 	require.NoError(t, o.Save(ctx, 1))
 	waitStepSealed(t, dir, job, 1)
 
+	spool := tiers.DefaultSpoolDir(dir)
 	require.NoError(t, os.Rename(filepath.Join(base, "par"), filepath.Join(base, "par2")))
 	require.True(t, isMounted(moved), "the kernel moved the mount")
+	// A process holds the moved mount busy: the stop waits for it (up to 30 s, then gives up).
+	// The new path is in the spool's record before that wait, so that a stop that gives up
+	// keeps the spool too (found by a review).
+	held, err := os.Open(metaPath(moved, job, 1))
+	require.NoError(t, err)
+	defer held.Close()
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
+	repWait(t, 10*time.Second, "the new path in the spool's record while the stop waits", func() bool {
+		o, err := tiers.ReadOwner(spool)
+		return err == nil && o.MountPath == moved
+	})
+	require.NoError(t, held.Close())
 	require.Equal(t, 0, a.wait(30*time.Second), "clean stop should exit 0\n%s", a.log())
 	require.False(t, isMounted(moved), "the moved mount is left behind\n%s", a.log())
 	require.Contains(t, a.log(), "it is unmounted where it is now")

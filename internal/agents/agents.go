@@ -76,7 +76,7 @@ func Register(info Info) (unregister func()) {
 	data, _ := json.Marshal(info)
 	if err := os.MkdirAll(dir, 0o755); err == nil {
 		tmp := p + ".tmp"
-		if os.WriteFile(tmp, data, 0o644) == nil {
+		if writeNew(tmp, data) == nil {
 			os.Rename(tmp, p)
 		}
 	}
@@ -135,6 +135,21 @@ func localIn(dirs []string) ([]Info, error) {
 		}
 	}
 	return out, nil
+}
+
+// writeNew writes data to a new file at p, never through a symlink planted there: a user's
+// registry directory may have been made by another user (found by a review).
+func writeNew(p string, data []byte) error {
+	os.Remove(p) // a stale one, or a planted symlink (removed, not followed)
+	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, 0o644)
+	if err != nil {
+		return err
+	}
+	_, err = f.Write(data)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // ownedBy reports whether the file p belongs to uid.

@@ -53,6 +53,7 @@ func ByHand(dir string) string {
 
 // Mount is a line of the mount table.
 type Mount struct {
+	ID     string // the mount's ID (mountinfo field 1): kept when a directory above is renamed
 	Point  string // the mount point, unescaped
 	Device string // major:minor
 	FSType string // "tmpfs", "fuse.mtcfs", …
@@ -83,7 +84,7 @@ func parseMounts(mountinfo string) []Mount {
 		if !found || len(f) < 5 || len(g) < 2 {
 			continue
 		}
-		out = append(out, Mount{Point: UnescapePath(f[4]), Device: f[2], FSType: g[0], Source: g[1]})
+		out = append(out, Mount{ID: f[0], Point: UnescapePath(f[4]), Device: f[2], FSType: g[0], Source: g[1]})
 	}
 	return out
 }
