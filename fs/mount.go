@@ -171,10 +171,20 @@ func (s *Server) Where() string {
 // black-box run).
 func (s *Server) unmountMoved(where string) error {
 	s.log.Warn("the mount was moved while the agent served it (a directory above it was renamed): it is unmounted where it is now", "dir", s.dir, "now", where)
+	// Who holds it, looked up while /proc still shows the paths (as Unmount does): the stop
+	// otherwise waits with no word (found by a review).
+	const show = 5
+	users, n := mountUsers(where, show)
+	if n > 0 {
+		list := strings.Join(users, ", ")
+		if n > show {
+			list += fmt.Sprintf(" and %d more", n-show)
+		}
+		s.log.Warn("the moved mount is busy: it is detached, and goes away once these processes leave it", "dir", where, "processes", list)
+	}
 	var err error
 	if os.Geteuid() == 0 {
 		if err = unix.Unmount(where, 0); errors.Is(err, unix.EBUSY) {
-			s.log.Warn("the moved mount is busy: it is detached, and goes away once whatever uses it leaves it", "dir", where)
 			err = unix.Unmount(where, unix.MNT_DETACH)
 		}
 	} else if out, e := exec.Command("fusermount3", "-u", "-z", where).CombinedOutput(); e != nil {

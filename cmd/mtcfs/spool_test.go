@@ -549,6 +549,9 @@ func TestMountMovedWhileServing(t *testing.T) {
 		o, err := tiers.ReadOwner(spool)
 		return err == nil && o.MountPath == moved
 	})
+	repWait(t, 10*time.Second, "the processes holding the moved mount named", func() bool {
+		return strings.Contains(a.log(), "the moved mount is busy") && strings.Contains(a.log(), fmt.Sprintf("pid %d", os.Getpid()))
+	})
 	require.NoError(t, held.Close())
 	require.Equal(t, 0, a.wait(30*time.Second), "clean stop should exit 0\n%s", a.log())
 	require.False(t, isMounted(moved), "the moved mount is left behind\n%s", a.log())
