@@ -654,7 +654,7 @@ func badCRC(name string, err error) error {
 	}
 	var got, want uint32
 	if n, _ := fmt.Sscanf(msg[i:], text+": got %d, want %d", &got, &want); n != 2 {
-		return err // the client's wording changed: keep its error as it is
+		return &ChecksumError{Name: name, Detail: msg} // the client's wording changed: its words
 	}
 	return &ChecksumError{Name: name, Want: want, Got: got}
 }

@@ -124,9 +124,15 @@ func (e *PreconditionError) Unwrap() error { return e.Err }
 type ChecksumError struct {
 	Name      string
 	Want, Got uint32
+	// Detail, when set, replaces Want and Got in the message: a client's own words for a
+	// mismatch whose values it did not give in a form read here.
+	Detail string
 }
 
 func (e *ChecksumError) Error() string {
+	if e.Detail != "" {
+		return fmt.Sprintf("object %q: crc32c mismatch: %s", e.Name, e.Detail)
+	}
 	return fmt.Sprintf("object %q: crc32c mismatch: want %08x, got %08x", e.Name, e.Want, e.Got)
 }
 

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
@@ -925,12 +926,48 @@ func checkSpoolOwnership(dir, defaultRoot string, plain bool) error {
 		}
 		return nil
 	}
+	if inRoot && !plain && euid == 0 {
+		if err := takeRoot(defaultRoot); err != nil {
+			return err
+		}
+	}
 	if inRoot {
 		if err := check(defaultRoot, "the spool root", true); err != nil {
 			return err
 		}
 	}
 	return check(dir, "the spool", false)
+}
+
+// takeRoot gives root's default spool root to root, mode 0700, when someone else owns it or may
+// write to it: mtcfs run without root once used /dev/shm/mtcfs too, which left it a user's, and
+// refusing it (or removing it, with root's kept spool tmpfs below) stopped root agents there
+// (found by a review). Once root's, no one else can plant anything more in it; what is there
+// already is checked entry by entry (a symlink is refused, a directory hidden under a tmpfs).
+func takeRoot(path string) error {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
+		return nil // made by the agent
+	}
+	if err != nil {
+		return fmt.Errorf("the spool root %s: %w (a symlink? remove it)", path, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fmt.Errorf("the spool root %s: %w", path, err)
+	}
+	if st.Uid == 0 && st.Mode&0o022 == 0 {
+		return nil
+	}
+	if err := unix.Fchown(fd, 0, 0); err != nil {
+		return fmt.Errorf("the spool root %s belongs to uid %d: %w", path, st.Uid, err)
+	}
+	if err := unix.Fchmod(fd, 0o700); err != nil {
+		return fmt.Errorf("the spool root %s: %w", path, err)
+	}
+	slog.Warn("the spool root belonged to another user or was writable by others (an agent run without root by an earlier version makes it a user's): it is root's now, mode 0700", "dir", path, "uid_was", st.Uid, "mode_was", fmt.Sprintf("%04o", st.Mode&0o7777))
+	return nil
 }
 
 // removeSpoolDir removes a spool directory no tmpfs is mounted on any more. unmounted says the

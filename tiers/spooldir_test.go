@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -186,8 +187,9 @@ func TestSpoolHeadroom(t *testing.T) {
 // A plain spool (an agent without root) that another user made, or in a default root others
 // can write to, is refused: a local user who made /dev/shm/mtcfs-UID (0777) before the victim's
 // first agent swapped a kept spool for one of theirs, and the victim's job restored the other
-// user's bytes (found by a black-box run). A tmpfs spool (root) is refused only a planted
-// symlink: its tmpfs hides whatever was planted below it.
+// user's bytes (found by a black-box run). For a tmpfs spool (root), the default root is taken
+// back (root's, 0700), a planted symlink refused, and a spool directory a user made taken: its
+// tmpfs hides whatever was planted below it.
 func TestSpoolOfAnotherUserIsRefused(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: to give directories to another user")
@@ -201,13 +203,17 @@ func TestSpoolOfAnotherUserIsRefused(t *testing.T) {
 	require.NoError(t, os.Chmod(root, 0o777))
 	err := checkSpoolOwnership(dir, root, true)
 	require.ErrorContains(t, err, "the spool root "+root+" is writable by others (mode 0777)")
-	require.ErrorContains(t, checkSpoolOwnership(dir, root, false), "is writable by others", "a tmpfs spool's root too")
-	require.NoError(t, os.Chmod(root, 0o700))
+	require.NoError(t, checkSpoolOwnership(dir, root, false), "a tmpfs spool's root is taken back")
+	fi, err := os.Stat(root)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o700), fi.Mode().Perm())
 
 	require.NoError(t, os.Chown(root, 1000, 1000))
 	require.ErrorContains(t, checkSpoolOwnership(dir, root, true), "the spool root "+root+" belongs to uid 1000, not to this agent's user (uid 0)")
-	require.ErrorContains(t, checkSpoolOwnership(dir, root, false), "belongs to uid 1000", "a tmpfs spool's root too")
-	require.NoError(t, os.Chown(root, 0, 0))
+	require.NoError(t, checkSpoolOwnership(dir, root, false), "a tmpfs spool's root is taken back")
+	var st syscall.Stat_t
+	require.NoError(t, syscall.Stat(root, &st))
+	require.Equal(t, uint32(0), st.Uid)
 
 	require.NoError(t, os.Chown(dir, 1000, 1000))
 	require.NoError(t, checkSpoolOwnership(dir, root, false), "a tmpfs spool's own directory: its tmpfs hides what is below")

@@ -588,6 +588,9 @@ func runMount(cfg mountConfig) error {
 	readOnly := warnVolatileBackups(cfg.backupURL)
 	defer probeBackups(backups, cfg.backupURL, backupProbeTimeout, readOnly)()
 	backups.Compress = cfg.compress
+	if abs, err := filepath.Abs(cfg.spoolDir); err == nil && abs == tiers.DefaultSpoolDir(cfg.dir) {
+		cfg.spoolDefault = true // --spool naming the default one
+	}
 	if _, err := os.Lstat(cfg.spoolDir); cfg.spoolDefault && errors.Is(err, os.ErrNotExist) {
 		// A mount moved while its agent served it (a directory above renamed) left its spool,
 		// with its checkpoints, recording the new path under the old path's name. Looked for

@@ -32,6 +32,9 @@ func TestConnectionOfAnEscapedPath(t *testing.T) {
 	require.False(t, ok, "not a FUSE mount")
 	_, ok = connectionIn(parseMounts(info), `/tmp/a\040b`)
 	require.False(t, ok, "the escaped form is not the path")
+	// The mount ID (field 1) names a mount wherever it is moved (fs.Server.Where).
+	m := parseMounts(info)
+	require.Equal(t, []string{"36", "37", "38"}, []string{m[0].ID, m[1].ID, m[2].ID})
 }
 
 // TestByHand: the commands for an operator mount fusectl first (often not mounted), and name the
