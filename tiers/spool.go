@@ -478,9 +478,21 @@ func (s *Spool) Owner() Owner {
 // under its name, dropped steps it kept for a node's loss as of an unknown shape (found by a
 // review). It is an error on a spool opened without a MountPath (nothing is recorded there).
 func (s *Spool) SetRunning(job string, run Running) error {
+	return s.updateOwner(func(o *Owner) bool {
+		o.Job, o.Running = job, &run
+		return true
+	})
+}
+
+// updateOwner changes the owner record with change, under ownerMu, and writes it when change
+// says it changed it. It is errNoOwnerRecord on a spool opened without a MountPath (the change
+// is kept in memory only).
+func (s *Spool) updateOwner(change func(o *Owner) bool) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	s.owner.Job, s.owner.Running = job, &run
+	if !change(&s.owner) {
+		return nil
+	}
 	if s.lock == nil {
 		return errNoOwnerRecord
 	}
@@ -489,70 +501,58 @@ func (s *Spool) SetRunning(job string, run Running) error {
 
 // RecordFreed records that steps of job were freed for job by (see Owner.Freed).
 func (s *Spool) RecordFreed(job string, steps []int64, by string) error {
-	s.ownerMu.Lock()
-	defer s.ownerMu.Unlock()
-	if s.lock == nil {
-		return errNoOwnerRecord
-	}
-	if s.owner.Freed == nil {
-		s.owner.Freed = map[string]Freed{}
-	}
-	for len(s.owner.Freed) >= maxFreedJobs {
-		oldest := ""
-		for j, f := range s.owner.Freed {
-			if oldest == "" || f.At.Before(s.owner.Freed[oldest].At) {
-				oldest = j
-			}
+	return s.updateOwner(func(o *Owner) bool {
+		if o.Freed == nil {
+			o.Freed = map[string]Freed{}
 		}
-		delete(s.owner.Freed, oldest)
-	}
-	s.owner.Freed[job] = Freed{Steps: steps, By: by, At: time.Now().UTC().Truncate(time.Second)}
-	return s.writeOwnerLocked()
+		for len(o.Freed) >= maxFreedJobs {
+			oldest := ""
+			for j, f := range o.Freed {
+				if oldest == "" || f.At.Before(o.Freed[oldest].At) {
+					oldest = j
+				}
+			}
+			delete(o.Freed, oldest)
+		}
+		o.Freed[job] = Freed{Steps: steps, By: by, At: time.Now().UTC().Truncate(time.Second)}
+		return true
+	})
 }
 
-// TakeFreed returns and forgets what another job freed of job (ok false: nothing).
-func (s *Spool) TakeFreed(job string) (Freed, bool) {
-	s.ownerMu.Lock()
-	defer s.ownerMu.Unlock()
-	f, ok := s.owner.Freed[job]
-	if !ok {
-		return Freed{}, false
-	}
-	delete(s.owner.Freed, job)
-	if s.lock != nil {
-		s.writeOwnerLocked() // at worst the job is told twice
-	}
-	return f, true
+// TakeFreed returns and forgets what another job freed of job (ok false: nothing). A record
+// that cannot be written back tells the job again at its next start.
+func (s *Spool) TakeFreed(job string) (f Freed, ok bool) {
+	s.updateOwner(func(o *Owner) bool {
+		if f, ok = o.Freed[job]; ok {
+			delete(o.Freed, job)
+		}
+		return ok
+	})
+	return f, ok
 }
 
 // MountMoved records that the spool's mount directory is now mountPath: a directory above it
 // was renamed while the agent served it. The spool is then kept for the next agent there
 // (Release), who finds it by that record (Spools.KeptFor).
 func (s *Spool) MountMoved(mountPath string) error {
-	s.ownerMu.Lock()
-	defer s.ownerMu.Unlock()
-	if s.lock == nil {
-		return errNoOwnerRecord
-	}
-	s.owner.MountPath = ResolveMountPath(mountPath)
-	return s.writeOwnerLocked()
+	return s.updateOwner(func(o *Owner) bool {
+		o.MountPath = ResolveMountPath(mountPath)
+		return true
+	})
 }
 
 // MarkRestored records that the restore markers of incarnation were published, if the owner
 // record still names it. It is an error on a spool opened without a MountPath.
 func (s *Spool) MarkRestored(incarnation string) error {
-	s.ownerMu.Lock()
-	defer s.ownerMu.Unlock()
-	if s.owner.Running == nil || s.owner.Running.Incarnation != incarnation || s.owner.Running.Restored {
-		return nil
-	}
-	run := *s.owner.Running
-	run.Restored = true
-	s.owner.Running = &run
-	if s.lock == nil {
-		return errNoOwnerRecord
-	}
-	return s.writeOwnerLocked()
+	return s.updateOwner(func(o *Owner) bool {
+		if o.Running == nil || o.Running.Incarnation != incarnation || o.Running.Restored {
+			return false
+		}
+		run := *o.Running
+		run.Restored = true
+		o.Running = &run
+		return true
+	})
 }
 
 // SetShape records (in ShapeFile) the shape of the job whose steps the spool holds from now
