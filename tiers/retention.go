@@ -286,13 +286,13 @@ func (rt *retention) inventory(rank int) Inventory {
 // failed (found by a black-box run). It is said when a push of the newest step just failed
 // (pushFailed) and another step of the average size held does not fit, or when three steps or
 // more wait with the RAM 75% full (replication does not keep up).
-func warnIfFilling(n *node, rt *retention, incs *incarnations, lines *jobLines, inc *incarnation, pushFailed bool) {
-	total, used := n.spool.Usage()
-	if total <= 0 || inc.fillTold.Load() || !incs.isCurrent(inc) || (!pushFailed && used*4 < total*3) {
+func (rt *retention) warnIfFilling(lines *jobLines, inc *incarnation, pushFailed bool) {
+	total, used := rt.spool.Usage()
+	if total <= 0 || inc.fillTold.Load() || !rt.incs.isCurrent(inc) || (!pushFailed && used*4 < total*3) {
 		return // the common case on the seal path: one statfs
 	}
 	cfg := inc.Config
-	_, replicated, restored := incs.latest()
+	_, replicated, restored := rt.incs.latest()
 	floor := replicated
 	if floor < 0 {
 		floor = restored
@@ -316,7 +316,7 @@ func warnIfFilling(n *node, rt *retention, incs *incarnations, lines *jobLines, 
 	}
 	msg := fmt.Sprintf("this node's RAM is %d%% full, and %s kept until a newer step is replicated on every node (latest replicated: %s): the job's saves fail with ENOSPC once it is full; see why replication fails (the lines above, mtcfs status), or give the agent a larger --memory",
 		used*100/total, kept, repl)
-	n.log.Warn(msg)
+	rt.log.Warn(msg)
 	lines.incLine(inc, msg)
 }
 

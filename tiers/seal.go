@@ -78,7 +78,7 @@ func (s *sealer) run() {
 			continue
 		}
 		s.out.push(sealedStep{commit: c, dataName: dataName, meta: meta})
-		warnIfFilling(s.node, s.retention, s.incs, s.lines, c.inc, false)
+		s.retention.warnIfFilling(s.lines, c.inc, false)
 	}
 }
 

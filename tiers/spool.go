@@ -892,9 +892,10 @@ func checkSpoolDir(dir string) error {
 // who made /dev/shm/mtcfs-UID (0777) before the victim's first agent could swap a kept spool
 // for one of theirs, and the victim's next agent adopted it and restored the other user's bytes
 // as its job's step (found by a black-box run). The default root above the spool (defaultRoot)
-// must be this user's and writable by no one else, also for root: a user who made
-// /dev/shm/mtcfs could later rename what is below it and plant symlinks that root's clearing,
-// unmounting and removal follow (found by a review). The spool directory itself must be this
+// must be this user's and writable by no one else, also for root, who first takes it back
+// (takeRoot): a user who made /dev/shm/mtcfs could later rename what is below it and plant
+// symlinks that root's clearing, unmounting and removal follow (found by a review). The spool
+// directory itself must be this
 // user's for a plain spool (no tmpfs of its own: an agent without root); a tmpfs spool is a fresh
 // root-owned 0700 tmpfs mounted over it, which hides whatever was planted there, so a --spool
 // directory a user made first is taken by root. What does not exist yet is made by the agent

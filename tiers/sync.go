@@ -95,7 +95,7 @@ func (sy *syncer) run() {
 		}
 		failedPeers := sy.replicate(s)
 		if len(failedPeers) > 0 {
-			warnIfFilling(sy.node, sy.retention, sy.incs, sy.lines, s.inc, true)
+			sy.retention.warnIfFilling(sy.lines, s.inc, true)
 		}
 		k := stepKey{s.inc, s.step}
 		p := steps[k]
