@@ -895,11 +895,10 @@ func checkSpoolDir(dir string) error {
 // must be this user's and writable by no one else, also for root, who first takes it back
 // (takeRoot): a user who made /dev/shm/mtcfs could later rename what is below it and plant
 // symlinks that root's clearing, unmounting and removal follow (found by a review). The spool
-// directory itself must be this
-// user's for a plain spool (no tmpfs of its own: an agent without root); a tmpfs spool is a fresh
-// root-owned 0700 tmpfs mounted over it, which hides whatever was planted there, so a --spool
-// directory a user made first is taken by root. What does not exist yet is made by the agent
-// (0700).
+// directory itself must be this user's for a plain spool (no tmpfs of its own: an agent without
+// root); a tmpfs spool is a fresh root-owned 0700 tmpfs mounted over it, which hides whatever
+// was planted there, so a --spool directory a user made first is taken by root. What does not
+// exist yet is made by the agent (0700).
 func checkSpoolOwnership(dir, defaultRoot string, plain bool) error {
 	euid := os.Geteuid()
 	inRoot := filepath.Dir(dir) == defaultRoot
