@@ -92,16 +92,24 @@ func TestSpoolsKeepFindFree(t *testing.T) {
 	assert.NoDirExists(t, dir)
 }
 
-// A spool whose mount directory is gone is freed on release even though it holds a checkpoint:
-// no agent would ever adopt it.
-func TestSpoolReleaseFreesOrphan(t *testing.T) {
+// spoolWithStep opens a spool for a mount directory of its own, holding one step of job
+// llama, as a running agent has it.
+func spoolWithStep(t *testing.T) (s *Spool, mnt, dir string) {
+	t.Helper()
 	base := t.TempDir()
-	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	mnt, dir = filepath.Join(base, "mnt"), filepath.Join(base, "spool")
 	require.NoError(t, os.Mkdir(mnt, 0o755))
 	s, err := OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountPath: mnt})
 	require.NoError(t, err)
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "meta"), 0o700))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "meta", "llama-s10-n0-w0.meta"), []byte("abc"), 0o600))
+	return s, mnt, dir
+}
+
+// A spool whose mount directory is gone is freed on release even though it holds a checkpoint:
+// no agent would ever adopt it.
+func TestSpoolReleaseFreesOrphan(t *testing.T) {
+	s, mnt, dir := spoolWithStep(t)
 	require.NoError(t, os.Remove(mnt))
 	var log bytes.Buffer
 	s.Release(slog.New(slog.NewTextHandler(&log, nil)))
@@ -194,13 +202,7 @@ func TestExitingStatus(t *testing.T) {
 // An orphaned kept spool used moments ago is kept at an agent's start, and reaped by that
 // agent once it is due, not at some later start: its RAM is not held meanwhile.
 func TestOrphanReapedOnceDue(t *testing.T) {
-	base := t.TempDir()
-	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
-	require.NoError(t, os.Mkdir(mnt, 0o755))
-	s, err := OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountPath: mnt})
-	require.NoError(t, err)
-	require.NoError(t, os.MkdirAll(filepath.Join(dir, "meta"), 0o700))
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "meta", "llama-s10-n0-w0.meta"), []byte("abc"), 0o600))
+	s, mnt, dir := spoolWithStep(t)
 	var log bytes.Buffer
 	logger := slog.New(slog.NewTextHandler(&log, nil))
 	s.Release(logger)
