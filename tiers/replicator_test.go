@@ -811,7 +811,13 @@ func TestRestoreFromBackup(t *testing.T) {
 			s.deleteObject(t, "job", layout.BackupName(minute(2)), h[2]+".data")
 			s.deleteObject(t, "job", layout.BackupName(minute(1)), h[1]+".data")
 		}, 0},
+		// The owners and modes are not part of what makes a backup complete (an earlier agent
+		// kept none): the step restores, and the log says its entries got the defaults.
+		{"newest lacks its owners and modes", func(t *testing.T, s *testStore, h map[int64]string) {
+			s.deleteObject(t, "job", layout.BackupName(minute(2)), h[2]+".data.attrs")
+		}, 2},
 	}
+	const noAttrs = "the backup keeps no owners and modes for this data"
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -837,6 +843,10 @@ func TestRestoreFromBackup(t *testing.T) {
 			}
 			if got := h.spoolGlob(hashes[tc.step] + ".data"); len(got) != 1 {
 				t.Errorf("restored data is not in the spool: %q", got)
+			}
+			_, attrsErr := os.Lstat(filepath.Join(store.root, "job", layout.BackupName(minute(tc.step)), hashes[tc.step]+".data.attrs"))
+			if warned := strings.Contains(h.logs.String(), noAttrs); warned != errors.Is(attrsErr, os.ErrNotExist) {
+				t.Errorf("the backup's attrs object: %v; warned %q: %v", attrsErr, noAttrs, warned)
 			}
 		})
 	}

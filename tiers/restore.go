@@ -513,6 +513,11 @@ func (r *restorer) download(ctx context.Context, inc *incarnation, step int64, b
 		return incoming, err
 	}
 	r.log.Info("restored from backup", "data", dataName, "bytes", p.Done())
+	if _, err := os.Lstat(layout.AttrsFile(incoming)); errors.Is(err, os.ErrNotExist) {
+		// The backup's <hash>.data.attrs object is gone, too large or unreadable (or the data was
+		// backed up by an agent that kept none): nothing else would tell.
+		r.log.Warn("the backup keeps no owners and modes for this data: its entries get the agent's (root, files 0644, directories 0755), or the job's user if it runs as another", "backup", backup, "data", dataName, "object", dataName+".attrs")
+	}
 	r.metrics.restored("backup", r.now().Sub(p.Started).Seconds())
 	r.metrics.moved("backup", "in", p.Done())
 	return incoming, nil
