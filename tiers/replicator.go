@@ -43,6 +43,9 @@ type ReplicatorConfig struct {
 	// markers (SPEC §9: 300 s), with some slack; 0 means DefaultRestoreWait. An agent restarted
 	// in that window tells the job at once, and withdraws the line once the wait is over.
 	RestoreWait time.Duration
+	// KeptSpools lists this machine's spools (Spools.List), so that a restore that finds less
+	// than a kept spool of the job holds, where no agent serves it, says so; nil: none looked at.
+	KeptSpools func() ([]SpoolInfo, error)
 }
 
 // DefaultRestoreWait is ReplicatorConfig.RestoreWait's default: the Orbax client's 300 s,
@@ -221,7 +224,8 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	// incarnation's backup loop and queues the restored step to the syncer.
 	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines,
 		recorder: r.recorder, restorer: &restorer{node: n, coord: cfg.Coordinator, store: cfg.Store, peers: cfg.Peers,
-			incs: r.incs, lines: r.lines, retention: r.retention, recorder: r.recorder, backups: r.backups, synced: syncQ}}
+			incs: r.incs, lines: r.lines, retention: r.retention, recorder: r.recorder, backups: r.backups, synced: syncQ,
+			keptSpools: cfg.KeptSpools}}
 
 	// Replicas from peers land in the inbox.
 	r.inbox = newInbox(n, r.retention)

@@ -30,6 +30,8 @@ type restorer struct {
 	recorder  *commitRecorder   // restores wait until what was committed before is sealed
 	backups   *backupRunner     // started once the incarnation negotiated
 	synced    *fifo[sealedStep] // the syncer's queue: the restored step is protected again
+	// keptSpools lists the machine's spools (ReplicatorConfig.KeptSpools); nil: none.
+	keptSpools func() ([]SpoolInfo, error)
 }
 
 // run runs SPEC §5 for this node: negotiate, publish replicator.prerestore,
@@ -96,6 +98,7 @@ func (r *restorer) run(inc *incarnation) {
 		// or a one-node job): the job restored an older step, or nothing, without a word.
 		r.lines.incLine(inc, fmt.Sprintf("this node's RAM held step(s) %s of this job; they were freed at %s when job %s, another job-name, restored on this mount: only what a peer or a backup holds is restored", joinSteps(f.Steps), f.At.Format(time.RFC3339), f.By))
 	}
+	r.tellOrphanedSteps(inc, plan)
 	r.freeOtherJobs(inc)
 	for _, line := range plan.Errors {
 		r.lines.errLine(cfg, line)
@@ -453,6 +456,41 @@ func (r *restorer) findBackupOf(ctx context.Context, cfg *Config, step int64, sl
 		}
 	}
 	return ""
+}
+
+// tellOrphanedSteps tells the job about steps of its own that a kept spool holds where no agent
+// serves it, its mount directory gone, when they are newer than what plan restores: the job's
+// mount directory was moved or renamed while no agent ran, and this agent started with a new,
+// empty spool, restoring an older step or nothing without a word; the orphan is freed once
+// unused for ReapGrace (found by a black-box run). Only this user's spools count.
+func (r *restorer) tellOrphanedSteps(inc *incarnation, plan RestorePlan) {
+	if r.keptSpools == nil {
+		return
+	}
+	cfg := inc.Config
+	spools, err := r.keptSpools()
+	if err != nil {
+		r.log.Warn("cannot look for kept spools of this job", "err", err)
+		return
+	}
+	for _, s := range spools {
+		if s.Dir == r.spool.Dir() || s.InUse || !s.Orphaned() || s.UID != os.Geteuid() {
+			continue
+		}
+		var steps []int64 // of this job (its .meta names say), newer than the plan's
+		for _, name := range s.Metas {
+			if m, ok := layout.ParseMarkerName(name); ok && m.Job == cfg.JobName && (!plan.Found || m.Step > plan.Step) && !slices.Contains(steps, m.Step) {
+				steps = append(steps, m.Step)
+			}
+		}
+		if len(steps) == 0 {
+			continue
+		}
+		slices.Sort(steps)
+		due := lastUsed(s).Add(ReapGrace)
+		r.lines.incLine(inc, fmt.Sprintf("spool %s holds step(s) %s of this job, newer than what this restore finds, but no agent serves it: its mount directory %s is gone (moved or renamed while no agent ran?). To restore from it, stop this agent and start it again with --spool %s, or move the directory back to %s and start the agent there; an agent starting after %s frees it",
+			s.Dir, joinSteps(steps), s.MountPath, s.Dir, s.MountPath, due.UTC().Format(time.RFC3339)))
+	}
 }
 
 var errNotInRAM = errors.New("not in RAM")

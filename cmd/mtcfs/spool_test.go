@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -565,4 +566,54 @@ func TestMountMovedWhileServing(t *testing.T) {
 	require.NoError(t, restoresStep(ctx, o, 1), "%s", b.log())
 	require.Contains(t, b.log(), "adopted from spool")
 	stopAgent(t, b)
+}
+
+// TestMountDirMovedWhileStopped: the job's mount directory renamed while no agent ran. The
+// agent started on the new path has a new, empty spool; the kept spool of the old path holds
+// the job's newer step, and is reaped once unused for ReapGrace. Before, the job restored an
+// older step (or nothing) without a word and lost the newer one (found by a black-box run).
+// Now the job is told in replicator.errors which spool holds what, and the advice works.
+func TestMountDirMovedWhileStopped(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	base := t.TempDir()
+	dir, moved := filepath.Join(base, "m"), filepath.Join(base, "m-renamed")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	old := tiers.DefaultSpoolDir(dir)
+	t.Cleanup(func() {
+		forceUnmount(moved)
+		forceUnmount(dir)
+		runMtcfs(t, "spool", "free", old)
+		runMtcfs(t, "spool", "free", moved)
+	})
+	const job = "renamed-dir"
+	a := startAgentIn(t, nil, dir, "")
+	o := orbaxClient(t, dir, job, 0)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 1))
+	waitStepSealed(t, dir, job, 1)
+	stopAgent(t, a)
+	require.DirExists(t, old, "the spool with the step is kept")
+	require.NoError(t, os.Rename(dir, moved))
+
+	b := startAgentIn(t, nil, moved, "")
+	o = orbaxClient(t, moved, job, 0)
+	_, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.False(t, found, "a new spool, no peer, no backup: nothing to restore")
+	told := fmt.Sprintf("spool %s holds step(s) 1 of this job, newer than what this restore finds, but no agent serves it: its mount directory %s is gone", old, dir)
+	require.True(t, slices.ContainsFunc(o.Errors(), func(l string) bool { return strings.Contains(l, told) }),
+		"replicator.errors %q\nwant a line saying %q", o.Errors(), told)
+	require.True(t, slices.ContainsFunc(o.Errors(), func(l string) bool { return strings.Contains(l, "start it again with --spool "+old) }), "%q", o.Errors())
+	stopAgent(t, b)
+
+	// The advice: the same mount with the kept spool restores the step.
+	c := startAgentIn(t, nil, moved, old)
+	o = orbaxClient(t, moved, job, 0)
+	require.NoError(t, restoresStep(ctx, o, 1), "%s", c.log())
+	for _, l := range o.Errors() {
+		require.NotContains(t, l, "no agent serves it", "the spool served is not an orphan")
+	}
+	stopAgent(t, c)
 }
