@@ -326,7 +326,7 @@ func resizeError(cfg SpoolConfig, err error) error {
 			}
 			return fmt.Errorf("the kept spool at %s holds %s of checkpoints, more than the memory budget (--memory) of %s: "+
 				"start with --memory %s or more (twice what it holds: the restored step stays in RAM until the job's next save is complete) "+
-				"to restore them from RAM, or free the spool first (mtcfs spool free %s; the job then restores from a peer or a backup)",
+				"to restore them from RAM, or free the spool first (mtcfs spool free %s; its checkpoints are then lost unless a peer or a backup holds them)",
 				cfg.Dir, FormatSize(held), FormatSize(cfg.Budget), FormatSize(roundUpBudget(2*held)), free)
 		}
 	}
