@@ -127,6 +127,15 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	cfg := inc.Config
 	var why string
 	switch {
+	case cfg.Framework != FrameworkPyTorch && ev.kind == evCreated && ev.typ == layout.EntryDir:
+		if _, ok := layout.ParseStepDir(ev.path); !ok {
+			return
+		}
+		// A copy (mv across file systems, cp -r) makes the directory: its bytes looked saved,
+		// Orbax listed the step, and the job's next start removed it as the stale directory
+		// it is (SPEC §2), without a word (found by a black-box run).
+		why = "a directory made under a step's name (mkdir, or a copy such as cp -r or mv from another file system) is not a commit: only a directory renamed onto the step's name commits it (make it as " +
+			ev.path + layout.OrbaxTmpSuffix + ", then rename it to " + ev.path + "); the job's next start removes it"
 	case cfg.Framework != FrameworkPyTorch:
 		if ev.kind != evRenamed || ev.typ != layout.EntryDir {
 			return

@@ -314,6 +314,33 @@ func TestMisnamedStepDirIsReported(t *testing.T) {
 	}
 }
 
+// TestStepDirMadeNotRenamedIsReported: a directory made under a step's name (a copy moved in
+// from another file system) is not a commit, and the job's next start removes it; the job is
+// told at once, where it lost it without a word (found by a black-box run). A directory renamed
+// onto the name commits, with nothing to say.
+func TestStepDirMadeNotRenamedIsReported(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.yamlOrbax(baseYAML)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	h.makeTree("12", map[string]string{"state": "weights"})
+	h.r.Created("12", layout.EntryDir)
+	h.makeTree("notastep", nil)
+	h.r.Created("notastep", layout.EntryDir)
+	h.orbaxSave(13, map[string]string{"state": "weights 13"})
+	h.waitSealed("job", 13, "13")
+	h.eventually("a line", func() string {
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 {
+			return fmt.Sprintf("replicator.errors = %q, want 1 line", l)
+		}
+		return ""
+	})
+	errs := strings.Join(h.lines(layout.ReplicatorErrorsName), "\n")
+	if want := "12 is not committed (its step is not checkpointed): a directory made under a step's name (mkdir, or a copy such as cp -r or mv from another file system) is not a commit: only a directory renamed onto the step's name commits it (make it as 12.orbax-checkpoint-tmp, then rename it to 12); the job's next start removes it"; !strings.Contains(errs, want) {
+		t.Errorf("replicator.errors:\n%s\nwant %q", errs, want)
+	}
+}
+
 // TestNeMoSaveAtGlobalStepZeroIsReported: NeMo renames its save of global step 0 to -1, which
 // is no step; the job is told, where the directory was dropped at the next start without a
 // word (found by a black-box run).

@@ -1960,3 +1960,33 @@ func countDiff(a, b []byte) (n int) {
 	}
 	return n + max(len(a), len(b)) - min(len(a), len(b))
 }
+
+// TestStepDirCopiedInIsTold: a step directory moved in from another file system (mv copies it:
+// mkdir, then the files) is no commit (SPEC §3), and the job's next start removes it (SPEC §2).
+// The job is told when it is made, through the kernel's mkdir, while its bytes are still there
+// to be renamed; before, they were lost without a word (found by a black-box run).
+func TestStepDirCopiedInIsTold(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	const job = "copiedin"
+	o := orbaxClient(t, n.dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 1))
+	require.NoError(t, os.Mkdir(filepath.Join(n.dir, "5"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "5", "_CHECKPOINT_METADATA"), []byte("{}"), 0o644))
+	const told = "5 is not committed (its step is not checkpointed): a directory made under a step's name"
+	repWait(t, 10*time.Second, "the line in replicator.errors", func() bool {
+		b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+		return strings.Contains(string(b), told)
+	})
+	require.NoError(t, o.Save(ctx, 2)) // reads replicator.errors first, as Orbax does
+	require.True(t, slices.ContainsFunc(o.Errors(), func(l string) bool { return strings.Contains(l, told) }), "%q", o.Errors())
+	waitStepSealed(t, n.dir, job, 2)
+	o = orbaxClient(t, n.dir, job, 60)
+	require.NoError(t, restoresStep(ctx, o, 2), "%s", a.log())
+	require.NoDirExists(t, filepath.Join(n.dir, "5"), "the next start removes what never was a checkpoint")
+	stopAgent(t, a)
+}
