@@ -291,7 +291,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 			return info, fmt.Errorf("seal %s: %w", name, err)
 		}
 		if copied {
-			info.Copied++
+			info.Copied, info.CopiedExample = 1, name
 		}
 		return info, nil
 	}
@@ -316,7 +316,8 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	defer files.Close()
 	filesPrefix := files.Path() + "/"
 	var copied atomic.Int64
-	linkFile := func(n *fileNode, d *layout.Dir, cn string) error {
+	var copiedExample atomic.Pointer[string]
+	linkFile := func(n *fileNode, d *layout.Dir, cn, dir string) error {
 		c, err := n.exportTo(cn, func(src string) error {
 			if base, ok := strings.CutPrefix(src, filesPrefix); ok && !strings.Contains(base, "/") {
 				return d.LinkFrom(files, base, cn)
@@ -325,8 +326,12 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 		}, func() (*os.File, error) {
 			return d.Open(cn, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 		})
-		if c {
-			copied.Add(1)
+		if c && copied.Add(1) == 1 {
+			p := name + "/" + cn
+			if dir != "" {
+				p = name + "/" + dir + "/" + cn
+			}
+			copiedExample.Store(&p)
 		}
 		if errors.Is(err, errUnlinked) {
 			return nil // the job's unlink came first: the file is not part of the commit
@@ -349,6 +354,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	type fileAt struct {
 		n    *fileNode
 		name string
+		dir  string // its directory's path from the step's top ("": the top)
 	}
 	// The owners and modes go to info.Attrs (the walk runs on this goroutine only): the
 	// sealed copy's own are the agent's, private to the spool.
@@ -384,7 +390,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 			case *specialNode:
 				err = sd.d.Create(layout.TreeEntry{Path: cn, Type: specialType(c.StableAttr().Mode), Rdev: uint64(n.rdev)}, 0o600)
 			case *fileNode:
-				fileList = append(fileList, fileAt{n, cn})
+				fileList = append(fileList, fileAt{n, cn, rel})
 			}
 			if err != nil {
 				return err
@@ -400,7 +406,7 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 					return nil // another part failed: the record is dropped
 				}
 				for _, f := range part {
-					if err := linkFile(f.n, sd.d, f.name); err != nil {
+					if err := linkFile(f.n, sd.d, f.name, f.dir); err != nil {
 						return err
 					}
 				}
@@ -417,6 +423,9 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 		err = gerr
 	}
 	info.Copied = int(copied.Load())
+	if p := copiedExample.Load(); p != nil {
+		info.CopiedExample = *p
+	}
 	info.Attrs = attrs.Attrs()
 	if err != nil {
 		os.RemoveAll(dst)

@@ -37,6 +37,7 @@ func TestSealManyFiles(t *testing.T) {
 	info, err := srv.Namespace().Seal("9", rec)
 	require.NoError(t, err)
 	require.Equal(t, 1, info.Copied, "the file open for writing is copied")
+	require.Equal(t, "9/big/open", info.CopiedExample)
 	require.Zero(t, openIn(t, rec), "the seal left descriptors open (a directory of several parts)")
 
 	want, err := layout.ListTree(p("9"))

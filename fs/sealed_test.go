@@ -118,6 +118,7 @@ func TestSealCopiesFilesOpenForWriting(t *testing.T) {
 			info, err := srv.Namespace().Seal("7", rec)
 			require.NoError(t, err)
 			require.Equal(t, 1, info.Copied)
+			require.Equal(t, "7/open", info.CopiedExample, "the copied file, for the job's line")
 
 			_, err = w.WriteAt([]byte("AFTER!"), 0)
 			if srv.Passthrough() {

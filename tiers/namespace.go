@@ -70,6 +70,8 @@ type SealInfo struct {
 	// Copied counts files that were open for writing and were copied: the job's tree then
 	// diverges from the checkpoint, whose namespace entry must be rebuilt from the sealed copy.
 	Copied int
+	// CopiedExample is the path of one of the copied files, from the namespace's root.
+	CopiedExample string
 	// Attrs are the owners and modes of the sealed entries (nil: the namespace keeps none).
 	Attrs *layout.Attrs
 }

@@ -128,6 +128,14 @@ func (s *sealer) publish(c commit, dataName, meta string) error {
 	} else if !c.atClose {
 		s.retention.markVerified(dataName) // hashed just now, and frozen since the commit
 	}
+	if n := c.sealed.Copied; n > 0 {
+		// With passthrough the writer never gets an error afterwards: the step looked whole,
+		// and restored without what it wrote after the rename, without a word (found by a
+		// black-box run).
+		s.log.Warn("a step was committed with files still open for writing: they were copied as they were at the commit", "step", c.step, "files", n, "e.g.", c.sealed.CopiedExample)
+		s.lines.incLine(c.inc, fmt.Sprintf("step %d was committed with %d file(s) still open for writing (%s): the checkpoint holds their bytes as they were at the commit, not what is written through those descriptors afterwards; close every file of a step before the rename (or close) that commits it",
+			c.step, n, c.sealed.CopiedExample))
+	}
 	switch {
 	case s.hasName(dataName):
 		s.ns.Remove(c.name)

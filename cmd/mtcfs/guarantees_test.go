@@ -1990,3 +1990,42 @@ func TestStepDirCopiedInIsTold(t *testing.T) {
 	require.NoDirExists(t, filepath.Join(n.dir, "5"), "the next start removes what never was a checkpoint")
 	stopAgent(t, a)
 }
+
+// TestCommitWithAFileOpenForWritingIsTold: a file still open for writing when its step commits
+// is copied into the checkpoint as it is then. With passthrough the writer's later writes
+// succeed, into its own copy, so nothing told the job that the checkpoint lacks them; now
+// replicator.errors names the step and the file (found by a black-box run).
+func TestCommitWithAFileOpenForWritingIsTold(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	const job = "openwriter"
+	o := orbaxClient(t, n.dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	tmp := filepath.Join(n.dir, "4.orbax-checkpoint-tmp")
+	require.NoError(t, os.MkdirAll(filepath.Join(tmp, "state"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(tmp, "state", "closed"), []byte("closed"), 0o644))
+	w, err := os.OpenFile(filepath.Join(tmp, "state", "open"), os.O_CREATE|os.O_WRONLY, 0o644)
+	require.NoError(t, err)
+	defer w.Close()
+	_, err = w.WriteString("at the commit")
+	require.NoError(t, err)
+	require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "4")))
+	waitStepSealed(t, n.dir, job, 4)
+	const told = "step 4 was committed with 1 file(s) still open for writing (4/state/open): the checkpoint holds their bytes as they were at the commit"
+	repWait(t, 5*time.Second, "the line in replicator.errors", func() bool {
+		b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+		return strings.Contains(string(b), told)
+	})
+	require.NoError(t, w.Close())
+
+	// Closed before the rename, nothing to say.
+	require.NoError(t, o.Save(ctx, 5))
+	waitStepSealed(t, n.dir, job, 5)
+	time.Sleep(200 * time.Millisecond)
+	b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+	require.NotContains(t, string(b), "step 5 was committed with", "%s", a.log())
+	stopAgent(t, a)
+}
