@@ -43,6 +43,11 @@ func attrOf(in *gofs.Inode) layout.Attr {
 	return in.Operations().(interface{ attr() layout.Attr }).attr()
 }
 
+// hasXattrs reports whether in has extended attributes.
+func hasXattrs(in *gofs.Inode) bool {
+	return in.Operations().(interface{ hasXattrs() bool }).hasXattrs()
+}
+
 func entryType(in *gofs.Inode) layout.EntryType {
 	switch in.Operations().(type) {
 	case *dirNode:
@@ -282,6 +287,9 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	}
 	children := freeze(ch)
 	ns.m.sealedTop.Store(name, struct{}{})
+	if ns.m.xattrs && hasXattrs(ch) {
+		info.Xattrs++
+	}
 	if fn, ok := ch.Operations().(*fileNode); ok {
 		info.Attrs = layout.NewAttrsBuilder(fn.attr(), false).Attrs()
 		copied, err := fn.exportTo(dst, func(src string) error { return os.Link(src, dst) }, func() (*os.File, error) {
@@ -373,6 +381,9 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 				return rel + "/" + cn
 			}
 			attrs.Add(entryType(c), attrOf(c), path)
+			if ns.m.xattrs && hasXattrs(c) {
+				info.Xattrs++
+			}
 			var err error
 			switch n := c.Operations().(type) {
 			case *dirNode:

@@ -25,6 +25,7 @@ type mtfs struct {
 	nextIno     atomic.Uint64
 	parked      sync.Map // request cancel channel -> event to emit when the request succeeded
 	log         *slog.Logger
+	xattrs      bool // extended attributes served (Options.Xattrs): Seal counts the entries having some
 	// sealedTop holds the top-level names of committed checkpoints (the trees Seal and Import
 	// made) and of the .meta files the agent writes: the job can neither remove, rename nor
 	// replace them.
@@ -215,6 +216,13 @@ func (m *meta) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 	m.xattr[attr] = append([]byte(nil), data...)
 	m.ctime = time.Now()
 	return 0
+}
+
+// hasXattrs reports whether the node has extended attributes (checkpoints do not keep them).
+func (m *meta) hasXattrs() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.xattr) > 0
 }
 
 func (m *meta) Removexattr(ctx context.Context, attr string) syscall.Errno {

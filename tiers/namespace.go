@@ -72,6 +72,8 @@ type SealInfo struct {
 	Copied int
 	// CopiedExample is the path of one of the copied files, from the namespace's root.
 	CopiedExample string
+	// Xattrs counts the entries that have extended attributes, which a checkpoint does not keep.
+	Xattrs int
 	// Attrs are the owners and modes of the sealed entries (nil: the namespace keeps none).
 	Attrs *layout.Attrs
 }

@@ -136,6 +136,11 @@ func (s *sealer) publish(c commit, dataName, meta string) error {
 		s.lines.incLine(c.inc, fmt.Sprintf("step %d was committed with %d file(s) still open for writing (%s): the checkpoint holds their bytes as they were at the commit, not what is written through those descriptors afterwards; close every file of a step before the rename (or close) that commits it",
 			c.step, n, c.sealed.CopiedExample))
 	}
+	if n := c.sealed.Xattrs; n > 0 {
+		// They were served (--xattrs) but dropped from every tier without a word (found by a
+		// black-box run).
+		s.lines.incLine(c.inc, fmt.Sprintf("step %d: %d entries have extended attributes, which checkpoints do not keep: restored, the step has none", c.step, n))
+	}
 	switch {
 	case s.hasName(dataName):
 		s.ns.Remove(c.name)

@@ -2029,3 +2029,36 @@ func TestCommitWithAFileOpenForWritingIsTold(t *testing.T) {
 	require.NotContains(t, string(b), "step 5 was committed with", "%s", a.log())
 	stopAgent(t, a)
 }
+
+// TestXattrsInACheckpointAreTold: with --xattrs the mount serves extended attributes, but a
+// checkpoint does not keep them (as it keeps no times): a step saved with some is restored
+// without them. The job is told at the commit; before, they were dropped from every tier
+// without a word (found by a black-box run).
+func TestXattrsInACheckpointAreTold(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t, "--xattrs")
+	const job = "xattrs"
+	o := orbaxClient(t, n.dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	tmp := filepath.Join(n.dir, "4.orbax-checkpoint-tmp")
+	require.NoError(t, os.MkdirAll(filepath.Join(tmp, "state"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(tmp, "state", "w"), []byte("weights"), 0o644))
+	require.NoError(t, unix.Setxattr(filepath.Join(tmp, "state", "w"), "user.sha256", []byte("abc"), 0))
+	require.NoError(t, unix.Setxattr(filepath.Join(tmp, "state"), "user.kind", []byte("dir"), 0))
+	require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "4")))
+	waitStepSealed(t, n.dir, job, 4)
+	const told = "step 4: 2 entries have extended attributes, which checkpoints do not keep: restored, the step has none"
+	repWait(t, 5*time.Second, "the line in replicator.errors", func() bool {
+		b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+		return strings.Contains(string(b), told)
+	})
+	require.NoError(t, o.Save(ctx, 5)) // none: nothing to say
+	waitStepSealed(t, n.dir, job, 5)
+	time.Sleep(200 * time.Millisecond)
+	b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+	require.NotContains(t, string(b), "step 5:", "%s", a.log())
+	stopAgent(t, a)
+}
