@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
+	"syscall"
 	"testing"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -472,4 +474,36 @@ func TestStepSealedWithoutAttrsTooLargeToKeep(t *testing.T) {
 	hash6 := h.orbaxSave(6, checkpointFiles("6"))
 	h.waitSealed("job", 6, "6")
 	assert.Len(t, h.spoolGlob(hash6+".data.attrs"), 1, "the next step keeps its own")
+}
+
+// TestCommitRecordFailingOnAShortageIsTriedAgain: a commit whose record cannot be written for a
+// shortage that passes (the agent out of open files while the job holds many) is tried again
+// until it is recorded and sealed, and the restore waits for it. Before, the record was dropped
+// once, the job's rename having returned: the job's restart restored the step before it (found
+// by a black-box run with a low open-file limit).
+func TestCommitRecordFailingOnAShortageIsTriedAgain(t *testing.T) {
+	t.Parallel()
+	var fails atomic.Int32
+	h := newHarness(t, harnessConfig{sealErr: func(name string) error {
+		if name == "2" && fails.Add(1) <= 3 {
+			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.EMFILE}
+		}
+		return nil
+	}})
+	h.yamlOrbax(baseYAML)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.waitSealed("job", 1, "1")
+	hash := h.orbaxSave(2, checkpointFiles("2"))
+	h.waitSealed("job", 2, "2")
+	if n := fails.Load(); n != 4 {
+		t.Errorf("%d tries of the record, want 4 (3 failed)", n)
+	}
+	if l := h.lines(layout.ReplicatorErrorsName); len(l) != 0 {
+		t.Errorf("replicator.errors = %q: the step was sealed in the end", l)
+	}
+	h.yamlOrbax(baseYAML) // the job restarts on the same agent
+	restore := marker("job", 2, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore)
+	h.checkRestoreLink(restore, hash, checkpointFiles("2"))
 }

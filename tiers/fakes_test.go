@@ -51,6 +51,8 @@ type dirNamespace struct {
 	spoolFiles func(name string) // GUARDED_BY(mu)
 	// failImport, when set, may fail an Import of name before it does anything.
 	failImport func(name string) error
+	// failSeal, when set, may fail a Seal of name before it does anything.
+	failSeal func(name string) error
 	// sealAttrs, when set, gives the Attrs a Seal of name returns (nil: the top's owner).
 	sealAttrs func(name string) *layout.Attrs
 }
@@ -170,6 +172,11 @@ func (ns *dirNamespace) Remove(name string) error {
 // more), so that every sealed step carries attrs through the replicator as the real one does.
 func (ns *dirNamespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	ns.record("seal", name)
+	if ns.failSeal != nil {
+		if err := ns.failSeal(name); err != nil {
+			return tiers.SealInfo{}, err
+		}
+	}
 	fi, err := os.Lstat(ns.path(name))
 	if err != nil {
 		return tiers.SealInfo{}, err
@@ -461,6 +468,8 @@ type harnessConfig struct {
 	// coord replaces the agent's own coordinator (multi-node tests); peers is the transport.
 	coord tiers.Coordinator
 	peers tiers.PeerTransport
+	// sealErr, when set, may fail the namespace's seals (dirNamespace.failSeal).
+	sealErr func(name string) error
 	// importErr, when set, may fail the namespace's imports (dirNamespace.failImport).
 	importErr func(name string) error
 	// sealAttrs, when set, gives the namespace's seals their Attrs (dirNamespace.sealAttrs).
@@ -504,6 +513,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 		t.Fatal(err)
 	}
 	ns.failImport = cfg.importErr
+	ns.failSeal = cfg.sealErr
 	ns.sealAttrs = cfg.sealAttrs
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(cfg.root, "spool"), Budget: 64 << 20})
 	if err != nil {

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"syscall"
+	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -70,6 +72,9 @@ func (s *sealer) run() {
 		if err == nil {
 			dataName, meta, err = s.seal(c, pc.openMark)
 		}
+		if err != nil && (pc.err != nil || errors.As(err, new(hashError))) && retryableSeal(err) {
+			dataName, meta, err = s.retry(&c, pc, err)
+		}
 		s.recorder.done(c.name)
 		if err != nil {
 			s.log.Error("seal failed", "step", c.step, "worker", c.worker, "err", err)
@@ -81,6 +86,70 @@ func (s *sealer) run() {
 		s.retention.warnIfFilling(s.lines, c.inc, false)
 	}
 }
+
+// sealRetries are the waits between the tries of a commit whose record or hashing failed on a
+// passing shortage (sealRetryable): some 2 minutes in all. Meanwhile the step stays pending, so
+// a restore waits for it.
+var sealRetries = func() []time.Duration {
+	var d []time.Duration
+	for wait, total := 100*time.Millisecond, time.Duration(0); total < 2*time.Minute; wait = min(2*wait, 5*time.Second) {
+		d = append(d, wait)
+		total += wait
+	}
+	return d
+}()
+
+// retryableSeal reports whether a commit's record or hash failed on a shortage that passes: open
+// files (the job held the agent's descriptors), memory, or the spool's room. A committed step
+// whose record could not be written on such an error was dropped, the job's rename having
+// returned: a job restart on the same agent, or the agent's, restored the step before (found by
+// a black-box run with a low open-file limit).
+func retryableSeal(err error) bool {
+	for _, e := range []error{syscall.EMFILE, syscall.ENFILE, syscall.ENOMEM, syscall.ENOSPC, syscall.EAGAIN, syscall.EINTR} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// retry tries again to record (when its record failed: the tree is still frozen under its name in
+// the namespace) and seal the commit c, after the waits of sealRetries, until it succeeds, fails
+// otherwise, or the agent stops.
+func (s *sealer) retry(c *commit, pc pendingCommit, err error) (dataName, meta string, _ error) {
+	recorded := pc.err == nil
+	for i, wait := range sealRetries {
+		if i == 0 || i%10 == 0 {
+			s.log.Warn("sealing a committed step failed; trying again", "step", c.step, "worker", c.worker, "err", err, "tries", i+1)
+		}
+		select {
+		case <-s.ctx.Done():
+			return "", "", err
+		case <-time.After(wait):
+		}
+		if !recorded {
+			if err = s.recorder.writeCommitRecord(c); err != nil {
+				if !retryableSeal(err) {
+					return "", "", err
+				}
+				continue
+			}
+			recorded = true
+			s.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name, "tries", i+2)
+			s.metrics.committed()
+		}
+		if dataName, meta, err = s.seal(*c, pc.openMark); err == nil || !errors.As(err, new(hashError)) || !retryableSeal(err) {
+			return dataName, meta, err
+		}
+	}
+	return "", "", err
+}
+
+// hashError is seal's error from hashing the record, before anything of it moved.
+type hashError struct{ err error }
+
+func (e hashError) Error() string { return e.err.Error() }
+func (e hashError) Unwrap() error { return e.err }
 
 // seal turns a recorded commit into <hash>.data and writes its .meta (SPEC §3). No byte is
 // copied: the record's tree is hashed where it is and renamed into spool/sealed, and the
@@ -94,7 +163,7 @@ func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err erro
 	ctx := layout.WithPacer(context.Background(), func() { s.yield.waitForNextSave(s.ctx, openMark) })
 	err = s.withRoom(func() (err error) { dataName, err = hashRecord(ctx, c.dir, s.digests); return err })
 	if err != nil {
-		return "", "", err
+		return "", "", hashError{err} // nothing moved yet: it can be tried again
 	}
 	meta = layout.MarkerName{Job: cfg.JobName, Step: c.step, Node: cfg.NodeRank, Worker: c.worker, Kind: layout.MarkerMeta}.String()
 	err = s.retention.publish(func() error { return s.publish(c, dataName, meta) })
