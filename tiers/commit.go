@@ -50,6 +50,8 @@ type commit struct {
 	at     time.Time
 	dir    string   // the record in spool/commits
 	sealed SealInfo // what Seal did
+	// attrsErr says why the owners and modes were not kept (nil: kept); the sealer tells the job.
+	attrsErr error
 	// atClose: committed by closing a .save; a duplicate of that descriptor, or a mapping of
 	// the file, could still write, so the sealed data is not trusted without a hash check.
 	atClose bool
@@ -313,6 +315,7 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 		// and modes) rather than not at all.
 		if err := cr.withRoom(func() error { return layout.WriteAttrs(dst, c.sealed.Attrs) }); err != nil {
 			cr.log.Warn("the step's owners and modes are not kept", "step", c.step, "worker", c.worker, "err", err)
+			c.attrsErr = err
 		}
 	}
 	if err != nil {

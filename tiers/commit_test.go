@@ -452,7 +452,7 @@ func TestMoveDataTakesItsAttrsAlong(t *testing.T) {
 
 // TestStepSealedWithoutAttrsTooLargeToKeep: owners and modes that cannot be kept (an encoding
 // readers would refuse, or no room left in the spool for them) do not cost the step: it is
-// sealed without them (the log says so), and the next step keeps its own.
+// sealed without them (the log and the job are told), and the next step keeps its own.
 func TestStepSealedWithoutAttrsTooLargeToKeep(t *testing.T) {
 	t.Parallel()
 	huge := layout.NewAttrsBuilder(layout.Attr{Mode: 0o755}, true)
@@ -474,6 +474,15 @@ func TestStepSealedWithoutAttrsTooLargeToKeep(t *testing.T) {
 	hash6 := h.orbaxSave(6, checkpointFiles("6"))
 	h.waitSealed("job", 6, "6")
 	assert.Len(t, h.spoolGlob(hash6+".data.attrs"), 1, "the next step keeps its own")
+	// The job is told, once: they were lost with a line in the log only (found by a black-box run).
+	h.eventually("the line", func() string {
+		l := h.lines(layout.ReplicatorErrorsName)
+		if len(l) != 1 || !strings.Contains(l[0], "step 5 (worker 0): its owners and modes are not kept (") ||
+			!strings.Contains(l[0], "restored, its entries get the agent's (root, files 0644, directories 0755)") {
+			return fmt.Sprintf("replicator.errors = %q, want one line of step 5's owners and modes", l)
+		}
+		return ""
+	})
 }
 
 // TestCommitRecordFailingOnAShortageIsTriedAgain: a commit whose record cannot be written for a

@@ -71,6 +71,8 @@ type Spool struct {
 	// headroomMu guards the headroom file; headroom is what it holds (see HeadroomSize).
 	headroomMu sync.Mutex
 	headroom   atomic.Int64
+	// grown is what growForRecords added to the tmpfs (see Grown).
+	grown int64
 }
 
 // HeadroomSize is room in a spool tmpfs kept from the job: the tmpfs is that much larger than
@@ -404,6 +406,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 			}
 		}
 		s.ownMount = true
+		os.Remove(filepath.Join(cfg.Dir, HeadroomFile)) // a killed predecessor's: this agent makes its own
 	}
 	if owned && shortOfRoom(cfg.Dir) {
 		// The predecessor's open-ended files (below) filled the spool: a save cut short by
@@ -415,6 +418,12 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		if err := clearDir(s.FilesDir()); err != nil && !errors.Is(err, os.ErrNotExist) {
 			s.unlock()
 			return nil, fmt.Errorf("clear stale spool files of a full spool: %w", err)
+		}
+	}
+	if s.ownMount {
+		if err := s.growForRecords(cfg); err != nil {
+			s.unlock()
+			return nil, err
 		}
 	}
 	if owned {
@@ -448,6 +457,35 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 
 // Dir is the spool's root directory.
 func (s *Spool) Dir() string { return s.dir }
+
+// Grown is how much larger than the budget and its headroom the spool's tmpfs was made at start
+// (growForRecords); 0 normally.
+func (s *Spool) Grown() int64 { return s.grown }
+
+// growForRecords makes an adopted spool tmpfs that holds more than the budget, but no more than
+// the budget and its headroom, HeadroomSize larger than what it holds: a step committed with the
+// budget full to the last byte has its records in the headroom, and with the same --memory the
+// next agent had no room for the .meta files of its adoption and failed at every start (found by
+// a black-box run). What it holds beyond that, the resize refused already (resizeError).
+func (s *Spool) growForRecords(cfg SpoolConfig) error {
+	// The headroom (FillHeadroom takes all of it or nothing), and room for what the start
+	// writes before it fills the headroom (owner.json through a temporary name).
+	const need = HeadroomSize + 256<<10
+	var st unix.Statfs_t
+	if err := unix.Statfs(cfg.Dir, &st); err != nil || int64(st.Bavail)*st.Bsize >= need {
+		return nil
+	}
+	held := (int64(st.Blocks) - int64(st.Bfree)) * st.Bsize
+	size := (held + need + 4095) &^ 4095
+	if held <= cfg.Budget || size <= cfg.Budget+HeadroomSize {
+		return nil
+	}
+	if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT, "size="+strconv.FormatInt(size, 10)+",mode=0700"); err != nil {
+		return fmt.Errorf("resize spool tmpfs at %s to %s for the agent's records: %w", cfg.Dir, FormatSize(size), err)
+	}
+	s.grown = size - cfg.Budget - HeadroomSize
+	return nil
+}
 
 // recordOwner writes owner.json for mountPath. The job recorded by a previous agent stays (the
 // replicator compares it with its own job before adopting anything, see Owner and SetRunning).

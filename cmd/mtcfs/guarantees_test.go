@@ -2062,3 +2062,58 @@ func TestXattrsInACheckpointAreTold(t *testing.T) {
 	require.NotContains(t, string(b), "step 5:", "%s", a.log())
 	stopAgent(t, a)
 }
+
+// TestStepThatFilledTheBudgetRestoresAfterARestart: a step committed with --memory full to the
+// last byte (small files until ENOSPC) keeps its records in the spool's headroom. The next
+// agent, with the same --memory, had no room for the .meta of its adoption and failed at every
+// start, after a kill -9 and after a clean stop alike (found by a black-box run). It starts now,
+// and the job restores the step whole.
+func TestStepThatFilledTheBudgetRestoresAfterARestart(t *testing.T) {
+	needRoot(t)
+	for _, stop := range []string{"kill", "term"} {
+		t.Run(stop, func(t *testing.T) {
+			ctx := repCtx(t)
+			n := newRepNode(t)
+			a := n.start(t, "--memory", "16MiB")
+			const job = "fullbudget"
+			o := orbaxClient(t, n.dir, job, 60)
+			_, _, err := o.Start(ctx)
+			require.NoError(t, err)
+			tmp := filepath.Join(n.dir, "1.orbax-checkpoint-tmp")
+			require.NoError(t, os.Mkdir(tmp, 0o755))
+			require.NoError(t, os.WriteFile(filepath.Join(tmp, "_CHECKPOINT_METADATA"), []byte("{}"), 0o644))
+			names := []string{"_CHECKPOINT_METADATA"}
+			for i := 0; ; i++ {
+				name := fmt.Sprintf("f%06d", i)
+				if err := os.WriteFile(filepath.Join(tmp, name), []byte(strings.Repeat("x", 100)), 0o640); err != nil {
+					require.ErrorIs(t, err, syscall.ENOSPC)
+					os.Remove(filepath.Join(tmp, name))
+					break
+				}
+				names = append(names, name)
+			}
+			require.Greater(t, len(names), 1000, "the budget holds small files")
+			require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "1")))
+			waitStepSealed(t, n.dir, job, 1)
+			if stop == "kill" {
+				killAgent(t, a)
+			} else {
+				stopAgent(t, a)
+			}
+
+			b := n.start(t, "--memory", "16MiB")
+			require.Contains(t, b.log(), "its tmpfs is made that much larger so that the agent can start")
+			o = orbaxClient(t, n.dir, job, 60)
+			step, found, err := o.Start(ctx)
+			require.NoError(t, err, "%s", b.log())
+			require.True(t, found && step == 1, "restored step %d (found %v), want 1\n%s", step, found, b.log())
+			ents, err := os.ReadDir(filepath.Join(n.dir, "1"))
+			require.NoError(t, err)
+			require.Len(t, ents, len(names), "every file restored")
+			fi, err := os.Stat(filepath.Join(n.dir, "1", names[len(names)-1])) // the last that fit
+			require.NoError(t, err)
+			require.Equal(t, int64(100), fi.Size())
+			stopAgent(t, b)
+		})
+	}
+}

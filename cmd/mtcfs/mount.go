@@ -613,6 +613,10 @@ func runMount(cfg mountConfig) error {
 	}
 	defer spool.Release(slog.Default())
 	warnSmallSpoolFS(spool)
+	if g := spool.Grown(); g > 0 {
+		slog.Warn("the kept spool holds more than --memory allows, its records of a step committed with the budget full included: its tmpfs is made that much larger so that the agent can start; the job's saves fail with ENOSPC until a step is freed (--memory needs room for two steps)",
+			"spool", spool.Dir(), "memory", tiers.FormatSize(cfg.budget), "larger_by", tiers.FormatSize(g))
+	}
 
 	store := gcsbackend.TierStore(backups)
 	secret, err := readSecretFile(cfg.secretFile)
