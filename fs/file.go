@@ -569,11 +569,14 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 	if sig != 0 && (h.opener == 0 || caller != h.opener) {
 		sig = 0 // not known to be the writer's death: a close like any other
 	}
-	if sig == 0 && cutShort(h.fd) != "" {
+	if sig == 0 && (cutShort(h.fd) != "" || f.fs.noRoomLeft()) {
 		// A zip (torch.save writes one) without its end: its writer has not finished it, or
 		// never will (killed, seen from another pid namespace where the checks above see
 		// nothing). Not a commit now; a later close may find it whole, the last release
-		// abandons it (found by a review: the deployments' pods see no pids).
+		// abandons it (found by a review: the deployments' pods see no pids). So for any .save
+		// closed with the budget used up: a write to it most likely failed with ENOSPC, and a
+		// raw one cut short so was committed, and replaced the step before it (found by a
+		// black-box run; a zip's end tells, other formats do not).
 		return 0
 	}
 	f.mu.Lock()
@@ -591,6 +594,13 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 		f.fs.events.Flushed(f.Path(nil))
 	}
 	return 0
+}
+
+// noRoomLeft reports whether the budget is used up to its last page: a write to a .save closed
+// then most likely failed with ENOSPC (with passthrough the agent does not see the write).
+func (m *mtfs) noRoomLeft() bool {
+	total, used := m.spool.Usage()
+	return total-used < 4096
 }
 
 // cutShort says why the .save open at fd cannot be a whole one ("": it may be): empty (a writer
@@ -699,6 +709,9 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 		why = fmt.Sprintf("closed by the process that wrote it while a signal (%s) killed it", name)
 	case h.commitsOnClose && !h.flushed:
 		why = cutShort(h.fd)
+		if why == "" && f.fs.noRoomLeft() {
+			why = "closed with no room left for it"
+		}
 	}
 	f.mu.Unlock()
 	err := unix.Close(h.fd)

@@ -2117,3 +2117,43 @@ func TestStepThatFilledTheBudgetRestoresAfterARestart(t *testing.T) {
 		})
 	}
 }
+
+// TestRawSaveCutShortByENOSPCIsNotACommit: framework pytorch commits a .save at its close. One
+// whose write failed with ENOSPC (--memory used up) and that its writer then closed (Python's
+// with) was committed cut short: it replaced the whole step before it, which retention freed,
+// and the next start restored the torn file without a word (found by a black-box run). A zip
+// (torch.save) tells by its missing end; a raw file does not, so a .save closed with the budget
+// used up to its last page is not a commit: the job is told, and the step before it stays.
+func TestRawSaveCutShortByENOSPCIsNotACommit(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t, "--memory", "16MiB")
+	pytorchStart(t, n.dir, "raw")
+	save := func(step int, size int) error {
+		f, err := os.Create(filepath.Join(n.dir, fmt.Sprintf("raw-s%d-n0-w0.save", step)))
+		require.NoError(t, err)
+		_, werr := f.Write(bytes.Repeat([]byte{byte(step)}, size))
+		require.NoError(t, f.Close())
+		return werr
+	}
+	require.NoError(t, save(1, 4<<20))
+	waitStepSealed(t, n.dir, "raw", 1)
+	require.ErrorIs(t, save(2, 40<<20), syscall.ENOSPC, "the save does not fit")
+	repWait(t, 5*time.Second, "the job told", func() bool {
+		data, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+		return strings.Contains(string(data), "raw-s2-n0-w0.save: closed with no room left for it; this node's RAM budget is full")
+	})
+	assert.NoFileExists(t, metaPath(n.dir, "raw", 2), "a .save cut short by ENOSPC was committed\n%s", a.log())
+	require.NoError(t, os.Remove(filepath.Join(n.dir, "raw-s2-n0-w0.save")))
+
+	// The step before it is kept and restored whole; a save that fits commits again.
+	stopAgent(t, a)
+	b := n.start(t, "--memory", "16MiB")
+	markers := pytorchStart(t, n.dir, "raw")
+	got, err := os.ReadFile(filepath.Join(n.dir, markers["raw-s1-n0-w0.restore"]))
+	require.NoError(t, err, "markers %v\n%s", markers, b.log())
+	require.Equal(t, bytes.Repeat([]byte{1}, 4<<20), got, "step 1 restored whole")
+	require.NoError(t, save(3, 4<<20))
+	waitStepSealed(t, n.dir, "raw", 3)
+	stopAgent(t, b)
+}
