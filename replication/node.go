@@ -197,6 +197,7 @@ func (n *Node) Start(rep *tiers.Replicator, spool *tiers.Spool) error {
 		Digests:     rep.Digests(),
 		MaxIncoming: spool.Budget(),
 		Reserve:     spool.Reserve,
+		NoRoom:      rep.RefusedForRoom,
 		Compression: n.cfg.Compression,
 		Yield:       rep.YieldToSaves,
 		Logger:      n.log,

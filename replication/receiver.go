@@ -64,6 +64,10 @@ type ReceiverConfig struct {
 	// accounts for it); an error refuses it with ResourceExhausted. tiers.Spool.Reserve
 	// fits.
 	Reserve func(delta int64) error
+	// NoRoom, when set, is called when a transfer is refused or fails for lack of room on this
+	// node (ResourceExhausted): the sender's job is told, and this node's job may need to be
+	// (its saves fail with ENOSPC while the RAM is full).
+	NoRoom func()
 	// IdleTimeout drops a transfer that received nothing for this long (a sender that died
 	// between streams, or never committed). Default 2 minutes.
 	IdleTimeout time.Duration
@@ -269,9 +273,18 @@ func noRoom(err error) error {
 	return errExhausted("the receiving node's RAM is full (%v): give its agent a larger --memory (an agent without root: more room on its spool's file system, a container's /dev/shm)", err)
 }
 
+// refused is noRoom that also tells NoRoom when err refuses a transfer for lack of room.
+func (r *Receiver) refused(err error) error {
+	err = noRoom(err)
+	if err != nil && status.Code(err) == codes.ResourceExhausted && r.cfg.NoRoom != nil {
+		r.cfg.NoRoom()
+	}
+	return err
+}
+
 // PushFiles receives one stream of a transfer.
 func (r *Receiver) PushFiles(stream grpc.ClientStreamingServer[peerpb.PushMessage, peerpb.PushReply]) (err error) {
-	defer func() { err = noRoom(err) }()
+	defer func() { err = r.refused(err) }()
 	ctx := stream.Context()
 	from, err := r.authenticate(ctx)
 	if err != nil {
@@ -537,7 +550,7 @@ func (r *Receiver) discard(t *transfer, reason error) error {
 
 // Commit verifies a transfer whose streams have all ended and hands it to Accept.
 func (r *Receiver) Commit(ctx context.Context, req *peerpb.CommitRequest) (_ *peerpb.CommitReply, err error) {
-	defer func() { err = noRoom(err) }()
+	defer func() { err = r.refused(err) }()
 	from, err := r.authenticate(ctx)
 	if err != nil {
 		return nil, err

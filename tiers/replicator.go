@@ -424,6 +424,15 @@ func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, na
 	return r.inbox.accept(job, rank, name, path)
 }
 
+// RefusedForRoom is told when this node refused a peer's replica for lack of room: the job's own
+// saves then fail with ENOSPC too, while the steps its RAM holds wait for that replica. Only the
+// peer's job was told; this node's job got bare ENOSPC for ever (found by a black-box run).
+func (r *Replicator) RefusedForRoom() {
+	if inc := r.incs.get(); inc != nil {
+		r.retention.warnIfFillingBecause(r.lines, inc, true, "a peer's replica was refused for lack of room on this node: ")
+	}
+}
+
 // SealedPath is where this node holds the data name, for peers that fetch it.
 func (r *Replicator) SealedPath(name string) (string, error) { return r.retention.sealedPath(name) }
 

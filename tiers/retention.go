@@ -287,6 +287,11 @@ func (rt *retention) inventory(rank int) Inventory {
 // (pushFailed) and another step of the average size held does not fit, or when three steps or
 // more wait with the RAM 75% full (replication does not keep up).
 func (rt *retention) warnIfFilling(lines *jobLines, inc *incarnation, pushFailed bool) {
+	rt.warnIfFillingBecause(lines, inc, pushFailed, "")
+}
+
+// warnIfFillingBecause is warnIfFilling whose line begins with why, when not "".
+func (rt *retention) warnIfFillingBecause(lines *jobLines, inc *incarnation, pushFailed bool, why string) {
 	total, used := rt.spool.Usage()
 	if total <= 0 || inc.fillTold.Load() || !rt.incs.isCurrent(inc) || (!pushFailed && used*4 < total*3) {
 		return // the common case on the seal path: one statfs
@@ -314,8 +319,8 @@ func (rt *retention) warnIfFilling(lines *jobLines, inc *incarnation, pushFailed
 	if len(steps) == 1 {
 		kept = fmt.Sprintf("step %d is", steps[0])
 	}
-	msg := fmt.Sprintf("this node's RAM is %d%% full, and %s kept until a newer step is replicated on every node (latest replicated: %s): the job's saves fail with ENOSPC once it is full; see why replication fails (the lines above, mtcfs status), or give the agent a larger --memory",
-		used*100/total, kept, repl)
+	msg := fmt.Sprintf("%sthis node's RAM is %d%% full, and %s kept until a newer step is replicated on every node (latest replicated: %s): the job's saves fail with ENOSPC once it is full; see why replication fails (the lines above, mtcfs status), or give the agent a larger --memory",
+		why, used*100/total, kept, repl)
 	rt.log.Warn(msg)
 	lines.incLine(inc, msg)
 }

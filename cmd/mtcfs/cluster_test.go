@@ -704,6 +704,48 @@ func TestUnreplicatedStepsFillingRAMAreTold(t *testing.T) {
 	}
 }
 
+// TestNodeRefusingAReplicaForRoomTellsItsJob: rank 1's RAM (under the README's sizing) holds
+// its steps 1 and 2 and rank 0's step 1, and has no room for rank 0's step 2. Rank 0's job is
+// told its push failed; rank 1's steps wait for that replica, nothing is freed, and its job's
+// saves fail with ENOSPC from then on. Its job was told nothing (found by a black-box run); it is
+// told now, once, what fills the RAM and what to do.
+func TestNodeRefusingAReplicaForRoomTellsItsJob(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	c := newClusterWith(t, 2, func(rank int) []string {
+		if rank == 0 {
+			return []string{"--memory", "256MiB"}
+		}
+		return nil // 64 MiB
+	})
+	clients := make([]*jobsim.Orbax, 2)
+	c.all(t, func(r int) error {
+		clients[r] = c.client(t, r)
+		clients[r].PeerRanks = []int{1 - r}
+		clients[r].Content = jobsim.Content{Files: 2, FileSize: 10 << 20}
+		_, _, err := clients[r].Start(ctx)
+		return err
+	})
+	c.all(t, func(r int) error { return clients[r].Save(ctx, 1) })
+	repWait(t, 20*time.Second, "step 1 replicated on every node, for rank 1", func() bool {
+		out, _ := runMtcfs(t, "status", c.nodes[1].dir)
+		return strings.Contains(out, "latest replicated on every node 1")
+	})
+	c.all(t, func(r int) error { return clients[r].Save(ctx, 2) })
+	const told = "a peer's replica was refused for lack of room on this node: this node's RAM is"
+	repWait(t, 20*time.Second, "rank 1's job told", func() bool {
+		b, _ := os.ReadFile(filepath.Join(c.nodes[1].dir, "replicator.errors"))
+		return strings.Contains(string(b), told)
+	})
+	require.Contains(t, c.agents[1].log(), "and step 2 is kept until a newer step is replicated on every node (latest replicated: step 1)")
+	repWait(t, 30*time.Second, "rank 0's job told its push failed", func() bool {
+		b, _ := os.ReadFile(filepath.Join(c.nodes[0].dir, "replicator.errors"))
+		return strings.Contains(string(b), "the receiving node's RAM is full")
+	})
+	b, _ := os.ReadFile(filepath.Join(c.nodes[0].dir, "replicator.errors"))
+	require.NotContains(t, string(b), told, "rank 0 refused nothing")
+}
+
 // TestJobToldItsStepsWereFreedForAnotherJob: a one-node job restarted once under a mistyped
 // job-name frees the job's steps (another job took the mount). Back under its name, the job is
 // told what was freed and by which job; it restored nothing without a word (found by a
