@@ -162,8 +162,9 @@ func validateHash(hash string) error {
 }
 
 // shapeName is mtcfs's record of the job's shape in a backup, beside the reference layout:
-// {"format":"mtcfs-backup-v1","nodes":N,"workers":W,"data-parallelism":D} (D 0: data-parallel mode
-// off; records made before it was there lack it, and say nothing of it). Every node writes the same bytes, create-if-absent. Verify uses it when
+// {"format":"mtcfs-backup-v1","nodes":N,"workers":W,"data-parallelism":D}, without D when it is 0
+// (data-parallel mode off): as agents before it wrote every record, which say nothing of it.
+// Every node writes the same bytes, create-if-absent. Verify uses it when
 // the caller does not know the shape, instead of inferring it from the .meta names present
 // (which cannot see a whole missing rank), and reports it (BackupReport.Saved), so that a job of
 // another shape does not restore the backup.
@@ -178,6 +179,17 @@ const shapeFormat = "mtcfs-backup-v1"
 
 func (b *Backups) putShape(ctx context.Context, dir string, s tiers.Shape) error {
 	data, _ := json.Marshal(backupShape{Format: shapeFormat, Shape: s})
+	if s.DataParallelism == 0 {
+		// The bytes an agent before data-parallelism writes for the same shape: its
+		// create-if-absent fails on any other, and it has no way round it, so every upload of
+		// such a node into a backup this one recorded first failed, and the backup never
+		// completed (found by a black-box run of mixed versions).
+		data, _ = json.Marshal(struct {
+			Format  string `json:"format"`
+			Nodes   int    `json:"nodes"`
+			Workers int    `json:"workers"`
+		}{shapeFormat, s.Nodes, s.Workers})
+	}
 	err := PutBytes(ctx, b.Store, dir+shapeName, data, true)
 	var pe *PreconditionError
 	if errors.As(err, &pe) {

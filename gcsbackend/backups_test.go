@@ -863,6 +863,28 @@ func TestShapeRecordOfAnEarlierAgent(t *testing.T) {
 	assert.True(t, r.Complete(), "%+v", r)
 }
 
+// TestShapeRecordAsAnEarlierAgentWritesIt: without data-parallelism the record is the bytes an
+// agent before data-parallelism writes for the same shape, so that such an agent, whose
+// create-if-absent accepts no other bytes, uploads into a backup a later agent recorded first.
+func TestShapeRecordAsAnEarlierAgentWritesIt(t *testing.T) {
+	ctx := context.Background()
+	b := newTestBackups(t)
+	const backup = "2025-06-30_14-30"
+	dir := testJob + "/" + backup + "/"
+	require.NoError(t, b.putShape(ctx, dir, tiers.Shape{Nodes: 2, Workers: 1}))
+	earlier := []byte(`{"format":"mtcfs-backup-v1","nodes":2,"workers":1}`)
+	require.NoError(t, PutBytes(ctx, b.Store, dir+shapeName, earlier, true), "an earlier agent's create-if-absent")
+	got, err := ReadSmall(ctx, b.Store, dir+shapeName, 4096)
+	require.NoError(t, err)
+	assert.Equal(t, string(earlier), string(got))
+
+	const dp = "2025-06-30_14-31"
+	require.NoError(t, b.putShape(ctx, testJob+"/"+dp+"/", tiers.Shape{Nodes: 4, Workers: 1, DataParallelism: 2}))
+	s, ok := b.readShape(ctx, testJob+"/"+dp+"/")
+	require.True(t, ok)
+	assert.Equal(t, 2, s.DataParallelism, "data-parallelism is recorded when there is some")
+}
+
 // TestMetaNamingNoDataIsDamage: a .meta is written last, by mtcfs, and names a data hash; one
 // that names none was written over since.
 func TestMetaNamingNoDataIsDamage(t *testing.T) {

@@ -603,7 +603,7 @@ func (s *Spool) SetShape(shape Shape) error {
 	if s.shape == shape && s.shapeJob == s.owner.Job {
 		return nil
 	}
-	data, _ := json.Marshal(shape)
+	data, _ := json.Marshal(shapeRecord{Shape: shape, Job: s.owner.Job})
 	if err := layout.WriteFileAtomic(filepath.Join(s.dir, ShapeFile), data); err != nil {
 		s.forgetShapeLocked()
 		return fmt.Errorf("record the job's shape: %w", err)
@@ -618,16 +618,34 @@ func (s *Spool) forgetShapeLocked() {
 	os.Remove(filepath.Join(s.dir, ShapeFile))
 }
 
-// readShape loads ShapeFile; an unreadable or invalid record is no record.
+// shapeRecord is ShapeFile's content: the Shape's fields, and the job it is of (an agent before
+// this one wrote no job: the owner record's is meant).
+type shapeRecord struct {
+	Shape
+	Job string `json:"job,omitempty"`
+}
+
+// readShape loads ShapeFile; an unreadable or invalid record is no record. So is one that an
+// agent which keeps no shape records may have outdated: such an agent (before 2026-12-03) also
+// drops the owner record's Running incarnation when it rewrites it. One ran on the spool after
+// it was written: the job changed its shape (or the job its name) there, and the next agent
+// freed the new shape's steps as of the old one (found by a black-box run of mixed versions).
 func (s *Spool) readShape() {
 	data, err := os.ReadFile(filepath.Join(s.dir, ShapeFile))
-	var shape Shape
-	if err != nil || json.Unmarshal(data, &shape) != nil || !shape.valid() {
+	var rec shapeRecord
+	if err != nil || json.Unmarshal(data, &rec) != nil || !rec.Shape.valid() {
 		return
 	}
 	s.ownerMu.Lock()
-	s.shape, s.shapeJob = shape, s.owner.Job // the job that held the spool wrote it
-	s.ownerMu.Unlock()
+	defer s.ownerMu.Unlock()
+	if s.owner.Running == nil {
+		return
+	}
+	job := rec.Job
+	if job == "" {
+		job = s.owner.Job // the job that held the spool wrote it
+	}
+	s.shape, s.shapeJob = rec.Shape, job
 }
 
 // SavedShape is the recorded shape of the job's steps (the zero Shape: none recorded).

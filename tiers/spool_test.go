@@ -1,6 +1,7 @@
 package tiers_test
 
 import (
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -423,5 +424,62 @@ func TestRoundUpBudget(t *testing.T) {
 		if got := tiers.RoundUpBudget(c.n); got != c.want {
 			t.Errorf("RoundUpBudget(%d) = %s, want %s", c.n, tiers.FormatSize(got), tiers.FormatSize(c.want))
 		}
+	}
+}
+
+// TestShapeRecordOutdated: the shape record is of the job that wrote it, and says nothing once
+// an agent that keeps no shape records (one before them, which also drops the owner record's
+// running incarnation) answered on the spool. A job that changed its shape under such an agent
+// had its new steps freed by the next agent, as of the old shape; a job of another name was
+// given the record (found by a black-box run of mixed versions).
+func TestShapeRecordOutdated(t *testing.T) {
+	base := t.TempDir()
+	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	mustMkdir(t, mnt)
+	shape := tiers.Shape{Nodes: 2, Workers: 1}
+	s := openOwned(t, dir, mnt, false)
+	if err := s.SetRunning("llama", tiers.Running{Incarnation: "first"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SetShape(shape); err != nil {
+		t.Fatal(err)
+	}
+	// The job restarts under another name (one rank's typo): the record stays for llama.
+	if err := s.SetRunning("other", tiers.Running{Incarnation: "second"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Detach(); err != nil {
+		t.Fatal(err)
+	}
+	s = openOwned(t, dir, mnt, false)
+	if got := s.SavedShape(); got != (tiers.Shape{}) {
+		t.Fatalf("reopened with job other recorded: shape %v, want none (llama's)", got)
+	}
+	if err := s.SetRunning("llama", tiers.Running{Incarnation: "third"}); err != nil || s.SavedShape() != shape {
+		t.Fatalf("llama back: %v, shape %v, want %v", err, s.SavedShape(), shape)
+	}
+	if err := s.Detach(); err != nil {
+		t.Fatal(err)
+	}
+
+	// An earlier agent answers llama (of one node now): it rewrites the owner record without
+	// the running incarnation, and leaves the shape record as it was.
+	var o map[string]any
+	data, err := os.ReadFile(filepath.Join(dir, tiers.OwnerFile))
+	if err == nil {
+		err = json.Unmarshal(data, &o)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	delete(o, "running")
+	data, _ = json.Marshal(o)
+	if err := os.WriteFile(filepath.Join(dir, tiers.OwnerFile), data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s = openOwned(t, dir, mnt, false)
+	defer s.Detach()
+	if got := s.SavedShape(); got != (tiers.Shape{}) {
+		t.Fatalf("after an earlier agent answered: shape %v, want none (outdated)", got)
 	}
 }
