@@ -39,6 +39,48 @@ type pushers struct {
 	early     *earlyPushes
 	lines     *jobLines
 	byRank    map[int]*pusher
+
+	// pushing are the pushes running now, by rank, for status: a long one showed nothing but
+	// "latest replicated … none yet" (found by a black-box run over a slow link).
+	mu      sync.Mutex
+	pushing map[int]PushView // GUARDED_BY(mu)
+}
+
+// PushView is a push of a sealed step to a peer, running now (Status.Pushing).
+type PushView struct {
+	inc     *incarnation
+	Step    int64     `json:"step"`
+	Rank    int       `json:"to_rank"`
+	Started time.Time `json:"started"`
+	Attempt int       `json:"attempt"`
+}
+
+// running records (attempt > 0) or forgets the push of c to rank.
+func (ps *pushers) running(c commit, rank, attempt int, started time.Time) {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	if attempt == 0 {
+		delete(ps.pushing, rank)
+		return
+	}
+	if ps.pushing == nil {
+		ps.pushing = map[int]PushView{}
+	}
+	ps.pushing[rank] = PushView{inc: c.inc, Step: c.step, Rank: rank, Started: started, Attempt: attempt}
+}
+
+// status lists the pushes of job's steps running now, by rank.
+func (ps *pushers) status(job string) []PushView {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	var out []PushView
+	for _, v := range ps.pushing {
+		if v.inc.Config.JobName == job {
+			out = append(out, v)
+		}
+	}
+	slices.SortFunc(out, func(a, b PushView) int { return a.Rank - b.Rank })
+	return out
 }
 
 func newPushers(n *node, transport PeerTransport, early *earlyPushes, lines *jobLines) *pushers {
@@ -87,7 +129,9 @@ func (p *pusher) push(ctx context.Context, s sealedStep, early *earlyGroup, data
 		attempts = 1
 	}
 	var err error
+	defer p.running(c, p.rank, 0, start)
 	for attempt, wait := 1, pushBackoff; ; attempt, wait = attempt+1, wait*2 {
+		p.running(c, p.rank, attempt, start)
 		err = p.pushStep(ctx, c, s.dataName, s.meta, early, metaOnly)
 		if err == nil || attempt >= attempts || ctx.Err() != nil {
 			break

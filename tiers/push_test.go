@@ -44,6 +44,19 @@ func TestPushesToPeersRunInParallel(t *testing.T) {
 	if hs[1].exists(meta) {
 		t.Fatalf("rank 1 holds %s while its pushes are blocked", meta)
 	}
+	// The push running shows in status (a long one showed nothing; found by a black-box run).
+	hs[0].eventually("the running push in status", func() string {
+		if p := hs[0].r.Status().Pushing; len(p) != 1 || p[0].Step != 1 || p[0].Rank != 1 || p[0].Attempt != 1 || p[0].Started.IsZero() {
+			return fmt.Sprintf("status shows pushes %+v, want step 1 to rank 1", p)
+		}
+		return ""
+	})
 	close(release)
 	hs[1].waitExists(meta)
+	hs[0].eventually("no push in status once done", func() string {
+		if p := hs[0].r.Status().Pushing; len(p) != 0 {
+			return fmt.Sprintf("status shows pushes %+v once done", p)
+		}
+		return ""
+	})
 }

@@ -54,7 +54,9 @@ type Status struct {
 	Restore    *ProgressView `json:"restore,omitempty"`
 	Backup     *ProgressView `json:"backup,omitempty"`
 	// RePush is the newest step's pushes that failed and are tried again later, if any.
-	RePush      *RePushView `json:"re_push,omitempty"`
+	RePush *RePushView `json:"re_push,omitempty"`
+	// Pushing are the pushes of a sealed step to peers running now, by rank.
+	Pushing     []PushView  `json:"pushing,omitempty"`
 	LastBackup  string      `json:"last_backup,omitempty"`
 	BackupStore string      `json:"backup_store,omitempty"`
 	Spool       SpoolStatus `json:"spool"`
@@ -135,6 +137,7 @@ func (r *Replicator) Status() Status {
 	backup, st.LastBackup, st.BackedUp = r.backups.status(job)
 	st.Backup = backup.view()
 	st.RePush = r.syncer.status(job)
+	st.Pushing = r.syncer.pushers.status(job)
 	st.Errors = r.lines.recentErrors(job)
 	st.Steps = r.retention.steps()
 	if r.cfg.Store != nil {

@@ -62,6 +62,13 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 		}
 		fmt.Fprintf(w, "  %-10s step %d %s: %s, running %v\n", p.Kind, p.Step, what, moved, time.Since(p.Started).Round(time.Second))
 	}
+	for _, p := range st.Pushing {
+		try := ""
+		if p.Attempt > 1 {
+			try = fmt.Sprintf(", try %d", p.Attempt)
+		}
+		fmt.Fprintf(w, "  %-10s step %d to rank %d: running %v%s\n", "replicate", p.Step, p.Rank, time.Since(p.Started).Round(time.Second), try)
+	}
 	if rp := st.RePush; rp != nil {
 		tries := fmt.Sprintf("%d tries failed", rp.Failed)
 		if rp.Failed == 1 {

@@ -30,6 +30,8 @@ func TestStatus(t *testing.T) {
 		Steps:  []tiers.StepInRAM{{Step: 30, Rank: 1, Data: "Dabc.data"}},
 		Backup: &tiers.ProgressView{Kind: "backup", Step: 30, Backup: "2026-12-02_11-00", Started: time.Now(), Done: 1 << 20, Total: 4 << 20},
 		RePush: &tiers.RePushView{Step: 30, To: []int{0, 3}, Failed: 2, Next: time.Now().Add(61 * time.Second)},
+		Pushing: []tiers.PushView{{Step: 30, Rank: 0, Started: time.Now().Add(-12 * time.Second), Attempt: 1},
+			{Step: 30, Rank: 3, Started: time.Now().Add(-3 * time.Second), Attempt: 2}},
 		Errors: []string{"step 20: sync failed"}})
 	out := running.String()
 	for _, want := range []string{
@@ -39,6 +41,8 @@ func TestStatus(t *testing.T) {
 		"  in RAM     step 30 node 1: Dabc.data\n",
 		"  backup     step 30 to 2026-12-02_11-00: 1.0MiB of 4.0MiB (25%), running 0s\n",
 		"  re-push    step 30 to rank 0, 3: 2 tries failed, next in 1m1s\n",
+		"  replicate  step 30 to rank 0: running 12s\n",
+		"  replicate  step 30 to rank 3: running 3s, try 2\n",
 		"  error      step 20: sync failed\n",
 	} {
 		assert.Contains(t, out, want)
