@@ -174,7 +174,7 @@ func Backups(ctx context.Context, w io.Writer, b *gcsbackend.Backups, job string
 			// An upload still running looks like one cut short: say which it may be.
 			if last, err := b.LastWrite(ctx, job, name); err == nil && !last.IsZero() {
 				if age := time.Since(last); age < gcsbackend.RecentWrite {
-					notes = append(notes, fmt.Sprintf("written %v ago: an upload may still be running", age.Round(time.Second)))
+					notes = append(notes, fmt.Sprintf("written %v ago: an upload may still be running, or was cut short (the agents' logs say)", age.Round(time.Second)))
 				} else {
 					notes = append(notes, "an upload cut short (mtcfs backups delete "+name+" removes it)")
 				}
