@@ -1,6 +1,7 @@
 package gcsbackend
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -170,6 +171,13 @@ func validateHash(hash string) error {
 // another shape does not restore the backup.
 const shapeName = "mtcfs-backup.json"
 
+// dpName records data-parallelism 0 beside a shapeName record without the field (the bytes of
+// agents before data-parallelism, which every node writes alike: see putShape), so that "off"
+// stays told apart from "not recorded". Only agents that write it read it.
+const dpName = "mtcfs-backup-dp.json"
+
+var dpOff = []byte(`{"data-parallelism":0}`)
+
 type backupShape struct {
 	Format      string `json:"format"`
 	tiers.Shape        // DataParallelism -1 once read: not recorded
@@ -189,6 +197,11 @@ func (b *Backups) putShape(ctx context.Context, dir string, s tiers.Shape) error
 			Nodes   int    `json:"nodes"`
 			Workers int    `json:"workers"`
 		}{shapeFormat, s.Nodes, s.Workers})
+		// Before the record: a reader that finds the record finds this too, or an earlier
+		// agent wrote the record (which says nothing of data-parallelism).
+		if err := PutBytes(ctx, b.Store, dir+dpName, dpOff, true); err != nil && !errors.As(err, new(*PreconditionError)) {
+			return fmt.Errorf("record the job's shape (%s): %w", s, err)
+		}
 	}
 	err := PutBytes(ctx, b.Store, dir+shapeName, data, true)
 	var pe *PreconditionError
@@ -222,6 +235,11 @@ func (b *Backups) readShape(ctx context.Context, dir string) (backupShape, bool)
 	s := backupShape{Shape: tiers.Shape{DataParallelism: -1}} // what a record without the field keeps
 	if json.Unmarshal(data, &s) != nil || s.Format != shapeFormat || s.Nodes <= 0 || s.Workers <= 0 || s.DataParallelism < -1 {
 		return backupShape{}, false
+	}
+	if s.DataParallelism == -1 {
+		if dp, err := ReadSmall(ctx, b.Store, dir+dpName, 64); err == nil && bytes.Equal(dp, dpOff) {
+			s.DataParallelism = 0
+		}
 	}
 	return s, true
 }

@@ -839,7 +839,8 @@ func TestRecordedShapeFindsAMissingHighestRank(t *testing.T) {
 // TestShapeRecordOfAnEarlierAgent: nodes of one job upgraded one after another write one backup.
 // An earlier agent recorded the shape without data-parallelism; a later one, of the same nodes
 // and workers, uploads into that backup (before, its create-if-absent record failed on the other
-// bytes, and so did every upload of that node); another shape is still refused.
+// bytes, and so did every upload of that node); another shape is still refused, and so is
+// another data-parallelism than the 0 a node of this version recorded beside it.
 func TestShapeRecordOfAnEarlierAgent(t *testing.T) {
 	ctx := context.Background()
 	b := newTestBackups(t)
@@ -853,14 +854,28 @@ func TestShapeRecordOfAnEarlierAgent(t *testing.T) {
 			Hash: fakeHash(true, fmt.Sprint(rank)), Source: src, Shape: shape})
 	}
 	require.NoError(t, up(0, tiers.Shape{Nodes: 2, Workers: 1}))
+	// That node recorded its data-parallelism, 0, beside the earlier record: a node of the same
+	// backup that says otherwise is of another job shape.
 	err := up(1, tiers.Shape{Nodes: 2, Workers: 1, DataParallelism: 2})
-	require.NoError(t, err, "an unrecorded data-parallelism says nothing against it")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "shape")
 	err = up(1, tiers.Shape{Nodes: 3, Workers: 1})
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "shape")
+	require.NoError(t, up(1, tiers.Shape{Nodes: 2, Workers: 1}))
 	r := verify(t, b, backup, VerifyOptions{})
 	assert.Equal(t, 2, r.Nodes)
 	assert.True(t, r.Complete(), "%+v", r)
+
+	// Where no node of this version recorded a data-parallelism of 0, the earlier record says
+	// nothing against a data-parallel job of the same nodes and workers.
+	const dpBackup = "2025-06-30_14-31"
+	require.NoError(t, PutBytes(ctx, b.Store, testJob+"/"+dpBackup+"/"+shapeName, []byte(`{"format":"mtcfs-backup-v1","nodes":2,"workers":1}`), true))
+	for rank := range 2 {
+		require.NoError(t, b.Upload(ctx, UploadRequest{Job: testJob, Backup: dpBackup, Step: 7, Slot: Slot{rank, 0},
+			Hash: fakeHash(true, fmt.Sprint(rank)), Source: src, Shape: tiers.Shape{Nodes: 2, Workers: 1, DataParallelism: 2}}),
+			"an unrecorded data-parallelism says nothing against it")
+	}
 }
 
 // TestShapeRecordAsAnEarlierAgentWritesIt: without data-parallelism the record is the bytes an
@@ -877,6 +892,9 @@ func TestShapeRecordAsAnEarlierAgentWritesIt(t *testing.T) {
 	got, err := ReadSmall(ctx, b.Store, dir+shapeName, 4096)
 	require.NoError(t, err)
 	assert.Equal(t, string(earlier), string(got))
+	s0, ok := b.readShape(ctx, dir)
+	require.True(t, ok)
+	assert.Equal(t, 0, s0.DataParallelism, "off, as recorded beside it (not 'not recorded')")
 
 	const dp = "2025-06-30_14-31"
 	require.NoError(t, b.putShape(ctx, testJob+"/"+dp+"/", tiers.Shape{Nodes: 4, Workers: 1, DataParallelism: 2}))

@@ -36,7 +36,7 @@ func (b *Backups) Resumable(ctx context.Context, job, backup string, step int64,
 	}
 	for _, o := range objs {
 		rel := strings.TrimPrefix(o.Name, dir)
-		if rel == shapeName || strings.Contains("/"+rel, "/"+tempPrefix) {
+		if rel == shapeName || rel == dpName || strings.Contains("/"+rel, "/"+tempPrefix) {
 			continue
 		}
 		if m, ok := layout.ParseMarkerName(rel); ok && m.Kind == layout.MarkerMeta && m.Job == job {

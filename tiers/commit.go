@@ -298,6 +298,7 @@ func (cr *commitRecorder) noteUnanswered(ev event) {
 // writeCommitRecord freezes and links the committed tree into a new record and writes its
 // commit.json.
 func (cr *commitRecorder) writeCommitRecord(c *commit) error {
+	c.attrsErr = nil // a try before may have failed where this one does not
 	cr.spool.FillHeadroom()
 	root := cr.spoolDir(commitsDir)
 	if err := os.MkdirAll(root, 0o700); err != nil {
@@ -385,6 +386,12 @@ func (cr *commitRecorder) adoptRecords(report func(string)) error {
 		if err := cr.adoptRecord(dir); err != nil {
 			cr.log.Error("a commit recorded by the previous agent could not be sealed", "record", dir, "err", err)
 			cr.metrics.error(errKindSeal)
+			if retryableSeal(err) {
+				// A shortage that may pass: the record stays for the next start rather than
+				// lose the step (the job's rename returned).
+				report(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v; its record is kept in the spool, and the agent's next start tries again", err))
+				continue
+			}
 			report(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
 		}
 		if err := dropRecord(dir); err != nil {
@@ -406,7 +413,13 @@ func (cr *commitRecorder) adoptRecord(dir string) error {
 	if err := json.Unmarshal(raw, &rec); err != nil || layout.ValidateJobName(rec.Job) != nil {
 		return fmt.Errorf("%s: bad record %q", commitRecordName, raw)
 	}
-	dataName, err := hashRecord(context.Background(), dir, cr.digests) // before anything runs: nothing to yield to
+	// In the headroom if need be: a step that filled the budget to the last page was lost to a
+	// kill -9 before its seal, its record's notes finding no room (found by a black-box run).
+	var dataName string
+	err = cr.withRoom(func() (err error) {
+		dataName, err = hashRecord(context.Background(), dir, cr.digests) // before anything runs: nothing to yield to
+		return err
+	})
 	if err == nil {
 		_, err = moveRecord(dir, cr.spoolDir("sealed", dataName))
 	}
@@ -414,7 +427,9 @@ func (cr *commitRecorder) adoptRecord(dir string) error {
 	if err != nil {
 		return fmt.Errorf("step %d of job %s: %w", rec.Step, rec.Job, err)
 	}
-	if err := layout.WriteFileAtomic(cr.spoolDir("meta", rec.meta()), []byte(strings.TrimSuffix(dataName, ".data"))); err != nil {
+	if err := cr.withRoom(func() error {
+		return layout.WriteFileAtomic(cr.spoolDir("meta", rec.meta()), []byte(strings.TrimSuffix(dataName, ".data")))
+	}); err != nil {
 		return err
 	}
 	cr.log.Info("sealed a step committed before the restart", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "data", dataName)

@@ -101,7 +101,7 @@ func (l *jobLines) withdraw(file, ours string) bool {
 	case len(keep) == 0:
 		err = l.ns.Remove(file)
 	default:
-		err = l.ns.WriteFile(file, keep)
+		err = l.withRoom(func() error { return l.ns.WriteFile(file, keep) })
 	}
 	if err != nil {
 		l.log.Error("withdraw a line of "+file, "err", err)

@@ -276,7 +276,7 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	}
 	if j := r.cfg.JaxInit; j != nil {
 		content := []byte(strings.Join([]string{itoa(int64(j.Rank)), j.Coordinator, ""}, "\n"))
-		if err := ns.WriteFile(layout.JaxInitInfoName, content); err != nil {
+		if err := n.withRoom(func() error { return ns.WriteFile(layout.JaxInitInfoName, content) }); err != nil {
 			return err
 		}
 	}

@@ -119,7 +119,7 @@ func (r *restorer) run(inc *incarnation) {
 			pre = fmt.Sprintf("{restore-step: %d, restore-backup: %s}\n", plan.Step, plan.Backup)
 		}
 	}
-	if err := r.ns.WriteFile(layout.PrerestoreName, []byte(pre)); err != nil {
+	if err := r.withRoom(func() error { return r.ns.WriteFile(layout.PrerestoreName, []byte(pre)) }); err != nil {
 		failPlanned(fmt.Sprintf("write %s: %v", layout.PrerestoreName, err))
 		return
 	}

@@ -76,6 +76,10 @@ func (s *sealer) run() {
 			dataName, meta, err = s.retry(&c, pc, err)
 		}
 		s.recorder.done(c.name)
+		if errors.Is(err, errRecordedForNext) {
+			s.log.Warn("the agent stops before a committed step could be sealed: it is recorded in the spool, and the next agent seals it", "step", c.step, "worker", c.worker)
+			continue
+		}
 		if err != nil {
 			s.log.Error("seal failed", "step", c.step, "worker", c.worker, "err", err)
 			s.metrics.error(errKindSeal)
@@ -92,12 +96,15 @@ func (s *sealer) run() {
 // a restore waits for it.
 var sealRetries = func() []time.Duration {
 	var d []time.Duration
-	for wait, total := 100*time.Millisecond, time.Duration(0); total < 2*time.Minute; wait = min(2*wait, 5*time.Second) {
+	for wait, total := 100*time.Millisecond, time.Duration(0); total < sealRetryFor; wait = min(2*wait, 5*time.Second) {
 		d = append(d, wait)
 		total += wait
 	}
 	return d
 }()
+
+// sealRetryFor is how long after its commit a commit is tried again (see sealRetries).
+const sealRetryFor = 2 * time.Minute
 
 // retryableSeal reports whether a commit's record or hash failed on a shortage that passes: open
 // files (the job held the agent's descriptors), memory, or the spool's room. A committed step
@@ -118,18 +125,23 @@ func retryableSeal(err error) bool {
 // otherwise, or the agent stops.
 func (s *sealer) retry(c *commit, pc pendingCommit, err error) (dataName, meta string, _ error) {
 	recorded := pc.err == nil
+	// From the commit's time, not this try's: commits that queue behind one that cannot be
+	// recorded share its wait, and a restore waiting for them all waits some 2 minutes at most
+	// (a review: one after another they added up past the job's 300 s).
+	deadline := time.Now().Add(sealRetryFor - s.now().Sub(c.at))
 	for i, wait := range sealRetries {
 		if i == 0 || i%10 == 0 {
 			s.log.Warn("sealing a committed step failed; trying again", "step", c.step, "worker", c.worker, "err", err, "tries", i+1)
 		}
+		stopping := false
 		select {
 		case <-s.ctx.Done():
-			return "", "", err
-		case <-time.After(wait):
+			stopping = true // one last try: the job's rename returned, and nothing else records it
+		case <-time.After(min(wait, max(time.Until(deadline), 0))):
 		}
 		if !recorded {
 			if err = s.recorder.writeCommitRecord(c); err != nil {
-				if !retryableSeal(err) {
+				if !retryableSeal(err) || stopping || !time.Now().Before(deadline) {
 					return "", "", err
 				}
 				continue
@@ -138,12 +150,23 @@ func (s *sealer) retry(c *commit, pc pendingCommit, err error) (dataName, meta s
 			s.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name, "tries", i+2)
 			s.metrics.committed()
 		}
-		if dataName, meta, err = s.seal(*c, pc.openMark); err == nil || !errors.As(err, new(hashError)) || !retryableSeal(err) {
+		if stopping && recorded {
+			// Recorded: the next agent adopts and seals it (hashing waits for nothing now).
+			return "", "", errRecordedForNext
+		}
+		if dataName, meta, err = s.seal(*c, pc.openMark); err == nil || !errors.As(err, new(hashError)) || !retryableSeal(err) || stopping {
 			return dataName, meta, err
+		}
+		if !time.Now().Before(deadline) {
+			break
 		}
 	}
 	return "", "", err
 }
+
+// errRecordedForNext ends the tries of a commit recorded in the spool when the agent stops: the
+// next agent seals it (no line for the job, whose step is not lost).
+var errRecordedForNext = errors.New("recorded; the next agent seals it")
 
 // hashError is seal's error from hashing the record, before anything of it moved.
 type hashError struct{ err error }
@@ -170,6 +193,7 @@ func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err erro
 	if err != nil {
 		return "", "", err
 	}
+	s.tellSealed(c)
 	took := s.now().Sub(c.at)
 	s.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", took.String())
 	s.metrics.sealed(took.Seconds())
@@ -197,25 +221,6 @@ func (s *sealer) publish(c commit, dataName, meta string) error {
 	} else if !c.atClose {
 		s.retention.markVerified(dataName) // hashed just now, and frozen since the commit
 	}
-	if n := c.sealed.Copied; n > 0 {
-		// With passthrough the writer never gets an error afterwards: the step looked whole,
-		// and restored without what it wrote after the rename, without a word (found by a
-		// black-box run).
-		s.log.Warn("a step was committed with files still open for writing: they were copied as they were at the commit", "step", c.step, "files", n, "e.g.", c.sealed.CopiedExample)
-		s.lines.incLine(c.inc, fmt.Sprintf("step %d was committed with %d file(s) still open for writing (%s): the checkpoint holds their bytes as they were at the commit, not what is written through those descriptors afterwards; close every file of a step before the rename (or close) that commits it",
-			c.step, n, c.sealed.CopiedExample))
-	}
-	if c.attrsErr != nil {
-		// In the log only, they were restored as the agent's without a word (found by a
-		// black-box run: 32,763 files of a step that filled the budget).
-		s.lines.incLine(c.inc, fmt.Sprintf("step %d (worker %d): its owners and modes are not kept (%v): restored, its entries get the agent's (root, files 0644, directories 0755), or the job's user if it runs as another",
-			c.step, c.worker, c.attrsErr))
-	}
-	if n := c.sealed.Xattrs; n > 0 {
-		// They were served (--xattrs) but dropped from every tier without a word (found by a
-		// black-box run).
-		s.lines.incLine(c.inc, fmt.Sprintf("step %d: %d entries have extended attributes, which checkpoints do not keep: restored, the step has none", c.step, n))
-	}
 	switch {
 	case s.hasName(dataName):
 		s.ns.Remove(c.name)
@@ -237,6 +242,29 @@ func (s *sealer) publish(c commit, dataName, meta string) error {
 	}
 	dropRecord(c.dir) // the .meta is in the spool: the record has served
 	return nil
+}
+
+// tellSealed tells the job what the sealed step c lacks of what it saved, once it is sealed.
+func (s *sealer) tellSealed(c commit) {
+	if n := c.sealed.Copied; n > 0 {
+		// With passthrough the writer never gets an error afterwards: the step looked whole,
+		// and restored without what it wrote after the rename, without a word (found by a
+		// black-box run).
+		s.log.Warn("a step was committed with files still open for writing: they were copied as they were at the commit", "step", c.step, "files", n, "e.g.", c.sealed.CopiedExample)
+		s.lines.incLine(c.inc, fmt.Sprintf("step %d was committed with %d file(s) still open for writing (%s): the checkpoint holds their bytes as they were at the commit, not what is written through those descriptors afterwards; close every file of a step before the rename (or close) that commits it",
+			c.step, n, c.sealed.CopiedExample))
+	}
+	if c.attrsErr != nil {
+		// In the log only, they were restored as the agent's without a word (found by a
+		// black-box run: 32,763 files of a step that filled the budget).
+		s.lines.incLine(c.inc, fmt.Sprintf("step %d (worker %d): its owners and modes are not kept (%v): restored, its entries get the agent's (root, files 0644, directories 0755), or the job's user if it runs as another",
+			c.step, c.worker, c.attrsErr))
+	}
+	if n := c.sealed.Xattrs; n > 0 {
+		// They were served (--xattrs) but dropped from every tier without a word (found by a
+		// black-box run).
+		s.lines.incLine(c.inc, fmt.Sprintf("step %d: %d entries have extended attributes, which checkpoints do not keep: restored after an agent restart, from a peer or from a backup, the step has none", c.step, n))
+	}
 }
 
 // latest returns lastSealed if it is job's, else -1.

@@ -71,8 +71,9 @@ type Spool struct {
 	// headroomMu guards the headroom file; headroom is what it holds (see HeadroomSize).
 	headroomMu sync.Mutex
 	headroom   atomic.Int64
-	// grown is what growForRecords added to the tmpfs (see Grown).
-	grown int64
+	// headroomSize is what the headroom holds when full: HeadroomSize, or more in a tmpfs made
+	// larger for the records of a step that filled the budget (sizeForRecords).
+	headroomSize int64
 }
 
 // HeadroomSize is room in a spool tmpfs kept from the job: the tmpfs is that much larger than
@@ -382,7 +383,15 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		s.lock = lock
 	}
 	if cfg.MountTmpfs {
-		opts := "size=" + strconv.FormatInt(cfg.Budget+HeadroomSize, 10) + ",mode=0700"
+		size := cfg.Budget + HeadroomSize
+		if isTmpfsMount(cfg.Dir) {
+			// The predecessor's headroom is this agent's to make again: held, it could fail the
+			// resize below.
+			os.Remove(filepath.Join(cfg.Dir, HeadroomFile))
+			size = max(size, sizeForRecords(cfg))
+		}
+		opts := "size=" + strconv.FormatInt(size, 10) + ",mode=0700"
+		s.headroomSize = size - cfg.Budget
 		if isTmpfsMount(cfg.Dir) {
 			if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT, opts); err != nil {
 				s.unlock()
@@ -406,7 +415,6 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 			}
 		}
 		s.ownMount = true
-		os.Remove(filepath.Join(cfg.Dir, HeadroomFile)) // a killed predecessor's: this agent makes its own
 	}
 	if owned && shortOfRoom(cfg.Dir) {
 		// The predecessor's open-ended files (below) filled the spool: a save cut short by
@@ -418,12 +426,6 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		if err := clearDir(s.FilesDir()); err != nil && !errors.Is(err, os.ErrNotExist) {
 			s.unlock()
 			return nil, fmt.Errorf("clear stale spool files of a full spool: %w", err)
-		}
-	}
-	if s.ownMount {
-		if err := s.growForRecords(cfg); err != nil {
-			s.unlock()
-			return nil, err
 		}
 	}
 	if owned {
@@ -459,32 +461,32 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 func (s *Spool) Dir() string { return s.dir }
 
 // Grown is how much larger than the budget and its headroom the spool's tmpfs was made at start
-// (growForRecords); 0 normally.
-func (s *Spool) Grown() int64 { return s.grown }
+// (sizeForRecords); 0 normally. The job's part stays the budget: the rest is headroom.
+func (s *Spool) Grown() int64 { return max(s.headroomSize-HeadroomSize, 0) }
 
-// growForRecords makes an adopted spool tmpfs that holds more than the budget, but no more than
-// the budget and its headroom, HeadroomSize larger than what it holds: a step committed with the
-// budget full to the last byte has its records in the headroom, and with the same --memory the
-// next agent had no room for the .meta files of its adoption and failed at every start (found by
-// a black-box run). What it holds beyond that, the resize refused already (resizeError).
-func (s *Spool) growForRecords(cfg SpoolConfig) error {
-	// The headroom (FillHeadroom takes all of it or nothing), and room for what the start
-	// writes before it fills the headroom (owner.json through a temporary name).
-	const need = HeadroomSize + 256<<10
+// maxRecordsOver bounds what a kept spool may hold beyond the budget and still be taken as the
+// agent's records in its headroom (sizeForRecords) rather than checkpoints of a larger budget
+// (refused: resizeError).
+const maxRecordsOver = 4 * HeadroomSize
+
+// sizeForRecords is the size an adopted spool tmpfs needs when it holds more than the budget
+// (headroom file removed), at most maxRecordsOver more: what it holds, a full headroom, and room
+// for what the start writes before it fills the headroom (owner.json through a temporary name).
+// A step committed with the budget full to the last byte has its records in the headroom: with
+// the same --memory the next agent had no room for the .meta files of its adoption and failed at
+// every start (found by a black-box run). The extra size is headroom (Spool.headroomSize), not
+// the job's, so that the budget does not creep up from start to start (found by a review).
+// 0: no need.
+func sizeForRecords(cfg SpoolConfig) int64 {
 	var st unix.Statfs_t
-	if err := unix.Statfs(cfg.Dir, &st); err != nil || int64(st.Bavail)*st.Bsize >= need {
-		return nil
+	if unix.Statfs(cfg.Dir, &st) != nil {
+		return 0
 	}
 	held := (int64(st.Blocks) - int64(st.Bfree)) * st.Bsize
-	size := (held + need + 4095) &^ 4095
-	if held <= cfg.Budget || size <= cfg.Budget+HeadroomSize {
-		return nil
+	if held <= cfg.Budget || held > cfg.Budget+maxRecordsOver {
+		return 0
 	}
-	if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT, "size="+strconv.FormatInt(size, 10)+",mode=0700"); err != nil {
-		return fmt.Errorf("resize spool tmpfs at %s to %s for the agent's records: %w", cfg.Dir, FormatSize(size), err)
-	}
-	s.grown = size - cfg.Budget - HeadroomSize
-	return nil
+	return (held + HeadroomSize + 256<<10 + 4095) &^ 4095
 }
 
 // recordOwner writes owner.json for mountPath. The job recorded by a previous agent stays (the
@@ -626,10 +628,13 @@ type shapeRecord struct {
 }
 
 // readShape loads ShapeFile; an unreadable or invalid record is no record. So is one that an
-// agent which keeps no shape records may have outdated: such an agent (before 2026-12-03) also
-// drops the owner record's Running incarnation when it rewrites it. One ran on the spool after
-// it was written: the job changed its shape (or the job its name) there, and the next agent
-// freed the new shape's steps as of the old one (found by a black-box run of mixed versions).
+// agent which keeps no shape records may have outdated: such an agent also keeps no Running
+// incarnation in the owner record, and drops it when it rewrites the record, so a record
+// without one says that such an agent may have answered the job since. One did: the job changed
+// its shape (or its name) there, and the next agent freed the new shape's steps as of the old
+// one (found by a black-box run of mixed versions). Builds that kept shape records but no
+// Running incarnation are distrusted too: the safe direction (an unknown shape drops nothing
+// the plan restores).
 func (s *Spool) readShape() {
 	data, err := os.ReadFile(filepath.Join(s.dir, ShapeFile))
 	var rec shapeRecord
@@ -782,7 +787,7 @@ func (s *Spool) Usage() (total, used int64) {
 		var st unix.Statfs_t
 		if err := unix.Statfs(s.dir, &st); err == nil {
 			size := int64(st.Blocks) * st.Bsize
-			total = max(size-HeadroomSize, 0)
+			total = max(size-s.headroomSize, 0)
 			used = size - int64(st.Bfree)*st.Bsize - s.headroom.Load()
 			return total, min(max(used, 0), total)
 		}
@@ -793,12 +798,12 @@ func (s *Spool) Usage() (total, used int64) {
 // FillHeadroom makes the headroom file hold HeadroomSize again, if there is room for it. The
 // agent calls it before it writes a commit record and after it frees data.
 func (s *Spool) FillHeadroom() {
-	if !s.ownMount || s.headroom.Load() == HeadroomSize {
+	if !s.ownMount || s.headroom.Load() == s.headroomSize {
 		return
 	}
 	s.headroomMu.Lock()
 	defer s.headroomMu.Unlock()
-	if s.headroom.Load() == HeadroomSize {
+	if s.headroom.Load() == s.headroomSize {
 		return
 	}
 	f, err := os.OpenFile(filepath.Join(s.dir, HeadroomFile), os.O_RDWR|os.O_CREATE|unix.O_CLOEXEC, 0o600)
@@ -807,8 +812,22 @@ func (s *Spool) FillHeadroom() {
 	}
 	defer f.Close()
 	// A tmpfs fallocate that runs out of room gives back what it took.
-	if unix.Fallocate(int(f.Fd()), 0, 0, HeadroomSize) == nil {
-		s.headroom.Store(HeadroomSize)
+	if unix.Fallocate(int(f.Fd()), 0, 0, s.headroomSize) == nil {
+		s.headroom.Store(s.headroomSize)
+		return
+	}
+	if s.headroomSize == HeadroomSize {
+		return // taken back whole, once there is room (the job meanwhile has none)
+	}
+	// A tmpfs made larger for a kept step's records holds more than the budget: the headroom
+	// takes what is free, and the rest as steps are freed (the job has no room until then).
+	var st unix.Statfs_t
+	if unix.Statfs(s.dir, &st) != nil {
+		return
+	}
+	want := (s.headroom.Load() + int64(st.Bavail)*st.Bsize) &^ 4095
+	if want > s.headroom.Load() && unix.Fallocate(int(f.Fd()), 0, 0, want) == nil {
+		s.headroom.Store(want)
 	}
 }
 

@@ -2050,7 +2050,7 @@ func TestXattrsInACheckpointAreTold(t *testing.T) {
 	require.NoError(t, unix.Setxattr(filepath.Join(tmp, "state"), "user.kind", []byte("dir"), 0))
 	require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "4")))
 	waitStepSealed(t, n.dir, job, 4)
-	const told = "step 4: 2 entries have extended attributes, which checkpoints do not keep: restored, the step has none"
+	const told = "step 4: 2 entries have extended attributes, which checkpoints do not keep: restored after an agent restart, from a peer or from a backup, the step has none"
 	repWait(t, 5*time.Second, "the line in replicator.errors", func() bool {
 		b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
 		return strings.Contains(string(b), told)
@@ -2070,11 +2070,21 @@ func TestXattrsInACheckpointAreTold(t *testing.T) {
 // and the job restores the step whole.
 func TestStepThatFilledTheBudgetRestoresAfterARestart(t *testing.T) {
 	needRoot(t)
-	for _, stop := range []string{"kill", "term"} {
-		t.Run(stop, func(t *testing.T) {
+	for _, tc := range []struct {
+		stop  string
+		freed int // files removed after the ENOSPC, before the commit
+	}{{"kill", 0}, {"term", 0}, {"kill", 2}, {"term", 2}, {"killbeforeseal", 0}, {"killbeforeseal", 2}} {
+		stop := tc.stop
+		t.Run(fmt.Sprintf("%s-%d", stop, tc.freed), func(t *testing.T) {
 			ctx := repCtx(t)
 			n := newRepNode(t)
+			if stop == "killbeforeseal" {
+				// Killed between the rename and the seal: the next agent seals the record, and
+				// its notes found no room (found by a black-box run).
+				t.Setenv(sealDelayEnv, "5s")
+			}
 			a := n.start(t, "--memory", "16MiB")
+			t.Setenv(sealDelayEnv, "")
 			const job = "fullbudget"
 			o := orbaxClient(t, n.dir, job, 60)
 			_, _, err := o.Start(ctx)
@@ -2093,16 +2103,21 @@ func TestStepThatFilledTheBudgetRestoresAfterARestart(t *testing.T) {
 				names = append(names, name)
 			}
 			require.Greater(t, len(names), 1000, "the budget holds small files")
+			for range tc.freed {
+				require.NoError(t, os.Remove(filepath.Join(tmp, names[len(names)-1])))
+				names = names[:len(names)-1]
+			}
 			require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "1")))
-			waitStepSealed(t, n.dir, job, 1)
-			if stop == "kill" {
+			if stop != "killbeforeseal" {
+				waitStepSealed(t, n.dir, job, 1)
+			}
+			if stop != "term" {
 				killAgent(t, a)
 			} else {
 				stopAgent(t, a)
 			}
 
 			b := n.start(t, "--memory", "16MiB")
-			require.Contains(t, b.log(), "its tmpfs is made that much larger so that the agent can start")
 			o = orbaxClient(t, n.dir, job, 60)
 			step, found, err := o.Start(ctx)
 			require.NoError(t, err, "%s", b.log())
@@ -2113,7 +2128,18 @@ func TestStepThatFilledTheBudgetRestoresAfterARestart(t *testing.T) {
 			fi, err := os.Stat(filepath.Join(n.dir, "1", names[len(names)-1])) // the last that fit
 			require.NoError(t, err)
 			require.Equal(t, int64(100), fi.Size())
-			stopAgent(t, b)
+			// The job has no room for more (the budget stays --memory), and the next agent, after
+			// a kill -9 of this one (its headroom left behind), starts and restores the step too:
+			// a tmpfs made larger once failed the start after it (found by a review).
+			require.ErrorIs(t, os.WriteFile(filepath.Join(n.dir, "more"), make([]byte, 256<<10), 0o644), syscall.ENOSPC)
+			os.Remove(filepath.Join(n.dir, "more"))
+			killAgent(t, b)
+			c := n.start(t, "--memory", "16MiB")
+			o = orbaxClient(t, n.dir, job, 60)
+			step, found, err = o.Start(ctx)
+			require.NoError(t, err, "%s", c.log())
+			require.True(t, found && step == 1, "the third agent restored step %d (found %v), want 1\n%s", step, found, c.log())
+			stopAgent(t, c)
 		})
 	}
 }
@@ -2156,4 +2182,28 @@ func TestRawSaveCutShortByENOSPCIsNotACommit(t *testing.T) {
 	require.NoError(t, save(3, 4<<20))
 	waitStepSealed(t, n.dir, "raw", 3)
 	stopAgent(t, b)
+}
+
+// TestRootAgentRaisesALowDescriptorLimit: the agent holds a descriptor for each file open in the
+// mount; with a low limit (256) a job holding many files open left the agent none to record a
+// commit (found by a black-box run). A root agent raises the limit, hard one included.
+func TestRootAgentRaisesALowDescriptorLimit(t *testing.T) {
+	needRoot(t)
+	if _, err := exec.LookPath("prlimit"); err != nil {
+		t.Skip("prlimit (util-linux) is not installed")
+	}
+	n := newRepNode(t)
+	a := startAgentIn(t, []string{"prlimit", "--nofile=256:256"}, n.dir, n.spool)
+	require.Contains(t, a.log(), "raised the agent's file descriptor limit")
+	require.NotContains(t, a.log(), "low file descriptor limit")
+	limits, err := os.ReadFile(fmt.Sprintf("/proc/%d/limits", a.cmd.Process.Pid))
+	require.NoError(t, err)
+	for _, line := range strings.Split(string(limits), "\n") {
+		if strings.HasPrefix(line, "Max open files") {
+			f := strings.Fields(line)
+			require.NotEqual(t, "256", f[3], "soft limit: %s", line)
+			require.NotEqual(t, "256", f[4], "hard limit: %s", line)
+		}
+	}
+	stopAgent(t, a)
 }

@@ -296,9 +296,31 @@ const lowFDLimit = 16384
 // warnLowFDLimit warns when the agent's descriptor limit is low: the agent holds a descriptor
 // for every file open in the mount, so the limit caps how many the job can hold open at once
 // (beyond it the job sees "Too many open files", fs logs why).
+//
+// As root it first raises a low limit, hard one included, to the system's ceiling
+// (fs.nr_open, at most 1Mi): out of descriptors while the job held many files open, the agent
+// could not record a commit (found by a black-box run with a limit of 256).
 func warnLowFDLimit() {
 	var rl unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err == nil && rl.Cur != unix.RLIM_INFINITY && rl.Cur < lowFDLimit {
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) != nil {
+		return
+	}
+	if rl.Cur != unix.RLIM_INFINITY && rl.Cur < lowFDLimit && os.Geteuid() == 0 {
+		ceiling := uint64(1 << 20)
+		if b, err := os.ReadFile("/proc/sys/fs/nr_open"); err == nil {
+			if n, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64); err == nil && n > 0 {
+				ceiling = min(ceiling, n)
+			}
+		}
+		if ceiling > rl.Cur {
+			raised := unix.Rlimit{Cur: ceiling, Max: max(ceiling, rl.Max)}
+			if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &raised); err == nil {
+				slog.Info("raised the agent's file descriptor limit: it holds one for each file open in the mount", "from", rl.Cur, "to", ceiling)
+				rl = raised
+			}
+		}
+	}
+	if rl.Cur != unix.RLIM_INFINITY && rl.Cur < lowFDLimit {
 		slog.Warn("low file descriptor limit: the agent holds one for each file open in the mount, so the job can hold at most about this many open at once; raise it (ulimit -n, systemd LimitNOFILE, the container's nofile limit)",
 			"limit", rl.Cur)
 	}
