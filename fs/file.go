@@ -434,6 +434,9 @@ type fileHandle struct {
 	// GUARDED_BY(node.mu)
 	abandoned bool
 	signal    int // GUARDED_BY(node.mu); the signal that killed the opener, when abandoned
+	// noRoom: a close of this .save found the budget used up (noRoomLeft) and did not commit it;
+	// its release does not either, whatever room there is by then (a review).
+	noRoom bool // GUARDED_BY(node.mu)
 }
 
 var (
@@ -569,7 +572,12 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 	if sig != 0 && (h.opener == 0 || caller != h.opener) {
 		sig = 0 // not known to be the writer's death: a close like any other
 	}
-	if sig == 0 && (cutShort(h.fd) != "" || f.fs.noRoomLeft()) {
+	if sig == 0 && cutShort(h.fd) == "" && !isZip(h.fd) && f.fs.noRoomLeft() {
+		f.mu.Lock()
+		h.noRoom = true
+		f.mu.Unlock()
+	}
+	if sig == 0 && (cutShort(h.fd) != "" || h.isNoRoom()) {
 		// A zip (torch.save writes one) without its end: its writer has not finished it, or
 		// never will (killed, seen from another pid namespace where the checks above see
 		// nothing). Not a commit now; a later close may find it whole, the last release
@@ -596,8 +604,23 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 	return 0
 }
 
-// noRoomLeft reports whether the budget is used up to its last page: a write to a .save closed
-// then most likely failed with ENOSPC (with passthrough the agent does not see the write).
+// isNoRoom reports h.noRoom.
+func (h *fileHandle) isNoRoom() bool {
+	h.node.mu.Lock()
+	defer h.node.mu.Unlock()
+	return h.noRoom
+}
+
+// isZip reports whether the file open at fd begins as a zip archive (torch.save writes one):
+// whether it is whole, its end tells (tornZip), not the room left.
+func isZip(fd int) bool {
+	var head [4]byte
+	n, err := unix.Pread(fd, head[:], 0)
+	return err == nil && n == len(head) && string(head[:]) == "PK\x03\x04"
+}
+
+// noRoomLeft reports whether the budget is used up to its last page: a write to a raw .save
+// closed then most likely failed with ENOSPC (with passthrough the agent does not see the write).
 func (m *mtfs) noRoomLeft() bool {
 	total, used := m.spool.Usage()
 	return total-used < 4096
@@ -709,7 +732,7 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 		why = fmt.Sprintf("closed by the process that wrote it while a signal (%s) killed it", name)
 	case h.commitsOnClose && !h.flushed:
 		why = cutShort(h.fd)
-		if why == "" && f.fs.noRoomLeft() {
+		if why == "" && (h.noRoom || (!isZip(h.fd) && f.fs.noRoomLeft())) {
 			why = "closed with no room left for it"
 		}
 	}

@@ -2149,7 +2149,8 @@ func TestStepThatFilledTheBudgetRestoresAfterARestart(t *testing.T) {
 // with) was committed cut short: it replaced the whole step before it, which retention freed,
 // and the next start restored the torn file without a word (found by a black-box run). A zip
 // (torch.save) tells by its missing end; a raw file does not, so a .save closed with the budget
-// used up to its last page is not a commit: the job is told, and the step before it stays.
+// used up to its last page is not a commit: the job is told, and the step before it stays. A whole
+// zip closed then commits.
 func TestRawSaveCutShortByENOSPCIsNotACommit(t *testing.T) {
 	needRoot(t)
 	n := newRepNode(t)
@@ -2172,15 +2173,35 @@ func TestRawSaveCutShortByENOSPCIsNotACommit(t *testing.T) {
 	assert.NoFileExists(t, metaPath(n.dir, "raw", 2), "a .save cut short by ENOSPC was committed\n%s", a.log())
 	require.NoError(t, os.Remove(filepath.Join(n.dir, "raw-s2-n0-w0.save")))
 
-	// The step before it is kept and restored whole; a save that fits commits again.
+	// A whole zip (torch.save) closed while something else used the budget up commits: its end
+	// tells that it is whole, not the room left (a review).
+	z, err := os.Create(filepath.Join(n.dir, "raw-s4-n0-w0.save"))
+	require.NoError(t, err)
+	zw := zip.NewWriter(z)
+	entry, err := zw.Create("archive/data.pkl")
+	require.NoError(t, err)
+	_, err = entry.Write(bytes.Repeat([]byte{4}, 64<<10))
+	require.NoError(t, err)
+	require.NoError(t, zw.Close())
+	filler, err := os.Create(filepath.Join(n.dir, "filler"))
+	require.NoError(t, err)
+	_, err = filler.Write(make([]byte, 40<<20))
+	require.ErrorIs(t, err, syscall.ENOSPC)
+	require.NoError(t, filler.Close())
+	require.NoError(t, z.Close())
+	waitStepSealed(t, n.dir, "raw", 4)
+	require.NoError(t, os.Remove(filepath.Join(n.dir, "filler")))
+
+	// The newest whole step restores; a save that fits commits again.
 	stopAgent(t, a)
 	b := n.start(t, "--memory", "16MiB")
 	markers := pytorchStart(t, n.dir, "raw")
-	got, err := os.ReadFile(filepath.Join(n.dir, markers["raw-s1-n0-w0.restore"]))
+	require.Contains(t, markers, "raw-s4-n0-w0.restore", "the newest step, the whole zip")
+	got, err := os.ReadFile(filepath.Join(n.dir, markers["raw-s4-n0-w0.restore"]))
 	require.NoError(t, err, "markers %v\n%s", markers, b.log())
-	require.Equal(t, bytes.Repeat([]byte{1}, 4<<20), got, "step 1 restored whole")
-	require.NoError(t, save(3, 4<<20))
-	waitStepSealed(t, n.dir, "raw", 3)
+	require.Equal(t, "PK\x03\x04", string(got[:4]))
+	require.NoError(t, save(5, 4<<20))
+	waitStepSealed(t, n.dir, "raw", 5)
 	stopAgent(t, b)
 }
 
