@@ -98,7 +98,6 @@ func (r *restorer) run(inc *incarnation) {
 		// or a one-node job): the job restored an older step, or nothing, without a word.
 		r.lines.incLine(inc, fmt.Sprintf("this node's RAM held step(s) %s of this job; they were freed at %s when job %s, another job-name, restored on this mount: only what a peer or a backup holds is restored", joinSteps(f.Steps), f.At.Format(time.RFC3339), f.By))
 	}
-	r.tellOrphanedSteps(inc, plan)
 	r.freeOtherJobs(inc)
 	for _, line := range plan.Errors {
 		r.lines.errLine(cfg, line)
@@ -205,6 +204,7 @@ func (r *restorer) run(inc *incarnation) {
 	if err := r.withRoom(func() error { return r.spool.MarkRestored(inc.ID) }); err != nil && !errors.Is(err, errNoOwnerRecord) {
 		r.log.Warn("record the restore in the spool's owner record", "err", err)
 	}
+	r.tellOrphanedSteps(inc, plan) // after the markers: it lists the machine's spools (a review)
 }
 
 // freeOtherJobs frees what this node's RAM holds of other jobs (a mount path reused by another
@@ -477,9 +477,9 @@ func (r *restorer) tellOrphanedSteps(inc *incarnation, plan RestorePlan) {
 		if s.Dir == r.spool.Dir() || s.InUse || !s.Orphaned() || s.UID != os.Geteuid() {
 			continue
 		}
-		var steps []int64 // of this job (its .meta names say), newer than the plan's
+		var steps []int64 // of this job and rank (its .meta names say), newer than the plan's
 		for _, name := range s.Metas {
-			if m, ok := layout.ParseMarkerName(name); ok && m.Job == cfg.JobName && (!plan.Found || m.Step > plan.Step) && !slices.Contains(steps, m.Step) {
+			if m, ok := layout.ParseMarkerName(name); ok && m.Job == cfg.JobName && m.Node == cfg.NodeRank && (!plan.Found || m.Step > plan.Step) && !slices.Contains(steps, m.Step) {
 				steps = append(steps, m.Step)
 			}
 		}
@@ -487,9 +487,16 @@ func (r *restorer) tellOrphanedSteps(inc *incarnation, plan RestorePlan) {
 			continue
 		}
 		slices.Sort(steps)
-		due := lastUsed(s).Add(ReapGrace)
-		r.lines.incLine(inc, fmt.Sprintf("spool %s holds step(s) %s of this job, newer than what this restore finds, but no agent serves it: its mount directory %s is gone (moved or renamed while no agent ran?). To restore from it, stop this agent and start it again with --spool %s, or move the directory back to %s and start the agent there; an agent starting after %s frees it",
-			s.Dir, joinSteps(steps), s.MountPath, s.Dir, s.MountPath, due.UTC().Format(time.RFC3339)))
+		due := lastUsed(s).Add(ReapGrace).UTC().Format(time.RFC3339)
+		what := fmt.Sprintf("spool %s holds step(s) %s of this job, newer than what this restore finds, but no agent serves it: its mount directory %s is gone (moved or renamed while no agent ran?)", s.Dir, joinSteps(steps), s.MountPath)
+		if cfg.Nodes > 1 {
+			// The other nodes drop their parts of steps newer than this restore's now: this
+			// node's part alone restores nothing (a review).
+			r.lines.incLine(inc, fmt.Sprintf("%s. It is this node's part only: the other nodes drop theirs of steps newer than this restore; an agent starting after %s frees it", what, due))
+			continue
+		}
+		r.lines.incLine(inc, fmt.Sprintf("%s. To restore from it, stop this agent and start it again with --spool %s, or move the directory back to %s and start the agent there; an agent starting after %s frees it",
+			what, s.Dir, s.MountPath, due))
 	}
 }
 

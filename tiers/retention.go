@@ -303,7 +303,20 @@ func (rt *retention) warnIfFillingBecause(lines *jobLines, inc *incarnation, pus
 		floor = restored
 	}
 	steps, held := rt.stepsAbove(cfg.JobName, cfg.NodeRank, floor)
-	if len(steps) == 0 || held == 0 {
+	if held == 0 {
+		return
+	}
+	if len(steps) == 0 {
+		// No step of this node waits (a job restarted: the restored one is the floor), yet a
+		// peer's replica found no room: the job's saves fail with ENOSPC too, and its restart
+		// was told nothing (found by a black-box run).
+		if why == "" || total-used >= used/int64(held) || !inc.fillTold.CompareAndSwap(false, true) {
+			return
+		}
+		msg := fmt.Sprintf("%sthis node's RAM is %d%% full (%s of --memory %s, %d checkpoints: this node's and its peers' replicas): the job's saves fail with ENOSPC once it is full; give the agent a larger --memory",
+			why, used*100/total, FormatSize(used), FormatSize(total), held)
+		rt.log.Warn(msg)
+		lines.incLine(inc, msg)
 		return
 	}
 	tight := pushFailed && total-used < used/int64(held)

@@ -83,7 +83,13 @@ func (s *sealer) run() {
 		if err != nil {
 			s.log.Error("seal failed", "step", c.step, "worker", c.worker, "err", err)
 			s.metrics.error(errKindSeal)
-			s.lines.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v", c.step, c.worker, err))
+			// What it means, and what to do when it is a shortage (a re-run held the agent's
+			// descriptors for longer than the tries last: the line said only the error).
+			hint := ""
+			if retryableSeal(err) {
+				hint = " (tried for 2 minutes: raise the agent's --memory or descriptor limit, or hold fewer files open)"
+			}
+			s.lines.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v; the step is not checkpointed: a restart restores the one before it%s", c.step, c.worker, err, hint))
 			continue
 		}
 		s.out.push(sealedStep{commit: c, dataName: dataName, meta: meta})

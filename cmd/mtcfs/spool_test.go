@@ -10,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -603,9 +602,11 @@ func TestMountDirMovedWhileStopped(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, found, "a new spool, no peer, no backup: nothing to restore")
 	told := fmt.Sprintf("spool %s holds step(s) 1 of this job, newer than what this restore finds, but no agent serves it: its mount directory %s is gone", old, dir)
-	require.True(t, slices.ContainsFunc(o.Errors(), func(l string) bool { return strings.Contains(l, told) }),
-		"replicator.errors %q\nwant a line saying %q", o.Errors(), told)
-	require.True(t, slices.ContainsFunc(o.Errors(), func(l string) bool { return strings.Contains(l, "start it again with --spool "+old) }), "%q", o.Errors())
+	repWait(t, 10*time.Second, "the job told (after its markers)", func() bool {
+		b, _ := os.ReadFile(filepath.Join(moved, "replicator.errors"))
+		all := string(b) + strings.Join(o.Errors(), "\n")
+		return strings.Contains(all, told) && strings.Contains(all, "start it again with --spool "+old)
+	})
 	stopAgent(t, b)
 
 	// The advice: the same mount with the kept spool restores the step.
