@@ -572,12 +572,16 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 	if sig != 0 && (h.opener == 0 || caller != h.opener) {
 		sig = 0 // not known to be the writer's death: a close like any other
 	}
-	if sig == 0 && cutShort(h.fd) == "" && !isZip(h.fd) && f.fs.noRoomLeft() {
+	short := ""
+	if sig == 0 {
+		short = cutShort(h.fd)
+	}
+	if sig == 0 && short == "" && !isZip(h.fd) && f.fs.noRoomLeft() {
 		f.mu.Lock()
 		h.noRoom = true
 		f.mu.Unlock()
 	}
-	if sig == 0 && (cutShort(h.fd) != "" || h.isNoRoom()) {
+	if sig == 0 && (short != "" || h.isNoRoom()) {
 		// A zip (torch.save writes one) without its end: its writer has not finished it, or
 		// never will (killed, seen from another pid namespace where the checks above see
 		// nothing). Not a commit now; a later close may find it whole, the last release

@@ -48,7 +48,8 @@ type commit struct {
 	name   string
 	group  string // the name the step was saved under before the rename that committed it
 	at     time.Time
-	dir    string   // the record in spool/commits
+	wall   time.Time // at, by the machine's clock (at may be a test's): retries are bounded by it
+	dir    string    // the record in spool/commits
 	sealed SealInfo // what Seal did
 	// attrsErr says why the owners and modes were not kept (nil: kept); the sealer tells the job.
 	attrsErr error
@@ -195,7 +196,7 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 // renamed in or linked in.
 func (cr *commitRecorder) commitOf(inc *incarnation, ev event) (commit, bool) {
 	cfg := inc.Config
-	c := commit{inc: inc, name: ev.path, at: cr.now()}
+	c := commit{inc: inc, name: ev.path, at: cr.now(), wall: time.Now()}
 	switch {
 	case strings.Contains(ev.path, "/"):
 		return c, false
@@ -386,9 +387,10 @@ func (cr *commitRecorder) adoptRecords(report func(string)) error {
 		if err := cr.adoptRecord(dir); err != nil {
 			cr.log.Error("a commit recorded by the previous agent could not be sealed", "record", dir, "err", err)
 			cr.metrics.error(errKindSeal)
-			if retryableSeal(err) {
-				// A shortage that may pass: the record stays for the next start rather than
-				// lose the step (the job's rename returned).
+			if retryableSeal(err) && errors.As(err, new(hashError)) {
+				// A shortage that may pass, before the data moved: the record stays for the
+				// next start rather than lose the step (the job's rename returned). Once the
+				// data moved, adoption would free it as unnamed (a review): it is dropped.
 				report(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v; its record is kept in the spool, and the agent's next start tries again", err))
 				continue
 			}
@@ -415,9 +417,19 @@ func (cr *commitRecorder) adoptRecord(dir string) error {
 	}
 	// In the headroom if need be: a step that filled the budget to the last page was lost to a
 	// kill -9 before its seal, its record's notes finding no room (found by a black-box run).
+	// A newer commit of the same step, sealed since this record was left (by an agent that
+	// could not seal it, which went on serving): that one wins, as a newer commit does
+	// (found by a review: the old record replaced it at the next start).
+	if fi, err := os.Stat(cr.spoolDir("meta", rec.meta())); err == nil && fi.ModTime().After(rec.At) {
+		cr.log.Warn("a commit record older than the sealed step of the same name is dropped", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "committed", rec.At)
+		return nil
+	}
 	var dataName string
 	err = cr.withRoom(func() (err error) {
 		dataName, err = hashRecord(context.Background(), dir, cr.digests) // before anything runs: nothing to yield to
+		if err != nil {
+			err = hashError{err}
+		}
 		return err
 	})
 	if err == nil {

@@ -531,3 +531,44 @@ func TestCommitRecordFailingOnAShortageIsTriedAgain(t *testing.T) {
 		t.Errorf("replicator.errors = %q: the step was sealed in the end", l)
 	}
 }
+
+// TestOlderCommitRecordDoesNotReplaceANewerSeal: a record an agent left unsealed (killed, or a
+// seal that failed) must not, at the next start, replace a newer commit of the same step sealed
+// since: the newer commit wins, as it does while one agent runs (found by a review).
+func TestOlderCommitRecordDoesNotReplaceANewerSeal(t *testing.T) {
+	t.Parallel()
+	block := make(chan struct{})
+	blocked := make(chan struct{}, 1)
+	old := newHarness(t, harnessConfig{clock: newFakeClock(time.Now().Add(-time.Hour)), beforeSeal: func(int64) {
+		select {
+		case blocked <- struct{}{}:
+			<-block
+		default:
+		}
+	}})
+	old.start(baseYAML, "job")
+	old.orbaxSave(7, checkpointFiles("old"))
+	<-blocked
+	root := snapshotSpool(t, old) // the record of the old commit, unsealed
+	close(block)
+
+	newer := newHarness(t, harnessConfig{})
+	newer.start(baseYAML, "job")
+	hash := newer.orbaxSave(7, checkpointFiles("new"))
+	newer.waitSealed("job", 7, "7")
+	meta := marker("job", 7, 0, 0, layout.MarkerMeta)
+	for _, p := range []string{filepath.Join("meta", meta), filepath.Join("sealed", hash+".data")} {
+		if err := copyTreeLinks(filepath.Join(newer.cfg.root, "spool", p), filepath.Join(root, "spool", p)); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	h := newHarness(t, harnessConfig{root: root})
+	h.yamlOrbax(baseYAML)
+	restore := marker("job", 7, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore)
+	h.checkRestoreLink(restore, hash, checkpointFiles("new"))
+	if got := h.spoolGlob("commits/*"); len(got) != 0 {
+		t.Errorf("records left: %q", got)
+	}
+}

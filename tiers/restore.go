@@ -98,6 +98,14 @@ func (r *restorer) run(inc *incarnation) {
 		// or a one-node job): the job restored an older step, or nothing, without a word.
 		r.lines.incLine(inc, fmt.Sprintf("this node's RAM held step(s) %s of this job; they were freed at %s when job %s, another job-name, restored on this mount: only what a peer or a backup holds is restored", joinSteps(f.Steps), f.At.Format(time.RFC3339), f.By))
 	}
+	// It lists the machine's spools (every process's command line): off the restore's path,
+	// but waited for a moment, so that a job that reads replicator.errors only at its restore
+	// (NeMo, pytorch) sees the line (reviews).
+	orphansTold := make(chan struct{})
+	go func() {
+		defer close(orphansTold)
+		r.tellOrphanedSteps(inc, plan)
+	}()
 	r.freeOtherJobs(inc)
 	for _, line := range plan.Errors {
 		r.lines.errLine(cfg, line)
@@ -110,6 +118,10 @@ func (r *restorer) run(inc *incarnation) {
 	// old shape; a record that cannot be written is removed (unknown, never stale).
 	if err := r.spool.SetShape(cfg.Shape()); err != nil {
 		r.log.Error("record the job's shape in the spool", "err", err)
+	}
+	select {
+	case <-orphansTold:
+	case <-time.After(orphanWait):
 	}
 	pre := "{}\n"
 	if plan.Found {
@@ -204,7 +216,6 @@ func (r *restorer) run(inc *incarnation) {
 	if err := r.withRoom(func() error { return r.spool.MarkRestored(inc.ID) }); err != nil && !errors.Is(err, errNoOwnerRecord) {
 		r.log.Warn("record the restore in the spool's owner record", "err", err)
 	}
-	r.tellOrphanedSteps(inc, plan) // after the markers: it lists the machine's spools (a review)
 }
 
 // freeOtherJobs frees what this node's RAM holds of other jobs (a mount path reused by another
@@ -457,6 +468,9 @@ func (r *restorer) findBackupOf(ctx context.Context, cfg *Config, step int64, sl
 	}
 	return ""
 }
+
+// orphanWait bounds how long a restore waits for tellOrphanedSteps before its prerestore.
+const orphanWait = 500 * time.Millisecond
 
 // tellOrphanedSteps tells the job about steps of its own that a kept spool holds where no agent
 // serves it, its mount directory gone, when they are newer than what plan restores: the job's

@@ -87,9 +87,14 @@ func (s *sealer) run() {
 			// descriptors for longer than the tries last: the line said only the error).
 			hint := ""
 			if retryableSeal(err) {
-				hint = " (tried for 2 minutes: raise the agent's --memory or descriptor limit, or hold fewer files open)"
+				hint = " (raise the agent's --memory or descriptor limit, or hold fewer files open)"
 			}
-			s.lines.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v; the step is not checkpointed: a restart restores the one before it%s", c.step, c.worker, err, hint))
+			what := "the step is not checkpointed: a restart restores the one before it"
+			if errors.As(err, new(hashError)) {
+				// Recorded, not hashed: the record stays in the spool (a review).
+				what = "its record stays in the spool: the agent's next start seals it (a job restart on this agent restores the step before it)"
+			}
+			s.lines.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v; %s%s", c.step, c.worker, err, what, hint))
 			continue
 		}
 		s.out.push(sealedStep{commit: c, dataName: dataName, meta: meta})
@@ -134,7 +139,7 @@ func (s *sealer) retry(c *commit, pc pendingCommit, err error) (dataName, meta s
 	// From the commit's time, not this try's: commits that queue behind one that cannot be
 	// recorded share its wait, and a restore waiting for them all waits some 2 minutes at most
 	// (a review: one after another they added up past the job's 300 s).
-	deadline := time.Now().Add(sealRetryFor - s.now().Sub(c.at))
+	deadline := c.wall.Add(sealRetryFor)
 	for i, wait := range sealRetries {
 		if i == 0 || i%10 == 0 {
 			s.log.Warn("sealing a committed step failed; trying again", "step", c.step, "worker", c.worker, "err", err, "tries", i+1)

@@ -388,6 +388,13 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 			// The predecessor's headroom is this agent's to make again: held, it could fail the
 			// resize below.
 			os.Remove(filepath.Join(cfg.Dir, HeadroomFile))
+			if owned && sizeForRecords(cfg) > 0 {
+				// Beyond the budget: the predecessor's open-ended files (garbage, see
+				// clearFiles) go first, so that only records count (a review: they made the
+				// size creep from start to start).
+				removeTrash(cfg.Dir)
+				clearDir(s.FilesDir())
+			}
 			size = max(size, sizeForRecords(cfg))
 		}
 		opts := "size=" + strconv.FormatInt(size, 10) + ",mode=0700"
@@ -486,7 +493,7 @@ func sizeForRecords(cfg SpoolConfig) int64 {
 	if held <= cfg.Budget || held > cfg.Budget+maxRecordsOver {
 		return 0
 	}
-	return (held + HeadroomSize + 256<<10 + 4095) &^ 4095
+	return min((held+HeadroomSize+256<<10+4095)&^4095, cfg.Budget+maxRecordsOver+HeadroomSize)
 }
 
 // recordOwner writes owner.json for mountPath. The job recorded by a previous agent stays (the
@@ -825,7 +832,7 @@ func (s *Spool) FillHeadroom() {
 	if unix.Statfs(s.dir, &st) != nil {
 		return
 	}
-	want := (s.headroom.Load() + int64(st.Bavail)*st.Bsize) &^ 4095
+	want := min((s.headroom.Load()+int64(st.Bavail)*st.Bsize)&^4095, s.headroomSize)
 	if want > s.headroom.Load() && unix.Fallocate(int(f.Fd()), 0, 0, want) == nil {
 		s.headroom.Store(want)
 	}

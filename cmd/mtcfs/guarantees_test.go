@@ -2118,6 +2118,10 @@ func TestStepThatFilledTheBudgetRestoresAfterARestart(t *testing.T) {
 			}
 
 			b := n.start(t, "--memory", "16MiB")
+			if tc.freed == 0 && stop != "term" {
+				// The records beyond the budget (a clean stop leaves no headroom to count).
+				require.Contains(t, b.log(), "its tmpfs is made that much larger so that the agent can start")
+			}
 			o = orbaxClient(t, n.dir, job, 60)
 			step, found, err := o.Start(ctx)
 			require.NoError(t, err, "%s", b.log())
@@ -2207,24 +2211,31 @@ func TestRawSaveCutShortByENOSPCIsNotACommit(t *testing.T) {
 
 // TestRootAgentRaisesALowDescriptorLimit: the agent holds a descriptor for each file open in the
 // mount; with a low limit (256) a job holding many files open left the agent none to record a
-// commit (found by a black-box run). A root agent raises the limit, hard one included.
+// commit (found by a black-box run). A root agent raises the limit, hard one included, where it
+// may (CAP_SYS_RESOURCE: not in every container, nor on the development VM); where it may not,
+// its warning says why.
 func TestRootAgentRaisesALowDescriptorLimit(t *testing.T) {
 	needRoot(t)
-	if _, err := exec.LookPath("prlimit"); err != nil {
-		t.Skip("prlimit (util-linux) is not installed")
-	}
+	may := exec.Command("prlimit", "--nofile=256:256", "prlimit", "--nofile=1048576:1048576", "true").Run() == nil
 	n := newRepNode(t)
 	a := startAgentIn(t, []string{"prlimit", "--nofile=256:256"}, n.dir, n.spool)
-	require.Contains(t, a.log(), "raised the agent's file descriptor limit")
-	require.NotContains(t, a.log(), "low file descriptor limit")
 	limits, err := os.ReadFile(fmt.Sprintf("/proc/%d/limits", a.cmd.Process.Pid))
 	require.NoError(t, err)
+	var soft, hard string
 	for _, line := range strings.Split(string(limits), "\n") {
-		if strings.HasPrefix(line, "Max open files") {
-			f := strings.Fields(line)
-			require.NotEqual(t, "256", f[3], "soft limit: %s", line)
-			require.NotEqual(t, "256", f[4], "hard limit: %s", line)
+		if f := strings.Fields(line); strings.HasPrefix(line, "Max open files") && len(f) >= 5 {
+			soft, hard = f[3], f[4]
 		}
+	}
+	if may {
+		require.Contains(t, a.log(), "raised the agent's file descriptor limit")
+		require.NotContains(t, a.log(), "low file descriptor limit")
+		require.NotEqual(t, "256", soft)
+		require.NotEqual(t, "256", hard)
+	} else {
+		require.Contains(t, a.log(), "low file descriptor limit")
+		require.Contains(t, a.log(), "raise_err=\"operation not permitted\"")
+		require.Equal(t, "256", hard)
 	}
 	stopAgent(t, a)
 }

@@ -305,6 +305,7 @@ func warnLowFDLimit() {
 	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) != nil {
 		return
 	}
+	var raiseErr error
 	if rl.Cur != unix.RLIM_INFINITY && rl.Cur < lowFDLimit && os.Geteuid() == 0 {
 		ceiling := uint64(1 << 20)
 		if b, err := os.ReadFile("/proc/sys/fs/nr_open"); err == nil {
@@ -314,15 +315,19 @@ func warnLowFDLimit() {
 		}
 		if ceiling > rl.Cur {
 			raised := unix.Rlimit{Cur: ceiling, Max: max(ceiling, rl.Max)}
-			if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &raised); err == nil {
+			if raiseErr = unix.Setrlimit(unix.RLIMIT_NOFILE, &raised); raiseErr == nil {
 				slog.Info("raised the agent's file descriptor limit: it holds one for each file open in the mount", "from", rl.Cur, "to", ceiling)
 				rl = raised
 			}
 		}
 	}
 	if rl.Cur != unix.RLIM_INFINITY && rl.Cur < lowFDLimit {
+		args := []any{"limit", rl.Cur}
+		if raiseErr != nil {
+			args = append(args, "raise_err", raiseErr.Error()) // root without CAP_SYS_RESOURCE (a container)
+		}
 		slog.Warn("low file descriptor limit: the agent holds one for each file open in the mount, so the job can hold at most about this many open at once; raise it (ulimit -n, systemd LimitNOFILE, the container's nofile limit)",
-			"limit", rl.Cur)
+			args...)
 	}
 }
 
