@@ -50,7 +50,7 @@ type commit struct {
 	at     time.Time
 	wall   time.Time // at, by the machine's clock (at may be a test's): retries are bounded by it
 	dir    string    // the record in spool/commits
-	sealed SealInfo // what Seal did
+	sealed SealInfo  // what Seal did
 	// attrsErr says why the owners and modes were not kept (nil: kept); the sealer tells the job.
 	attrsErr error
 	// atClose: committed by closing a .save; a duplicate of that descriptor, or a mapping of
