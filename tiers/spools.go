@@ -19,6 +19,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -302,7 +303,24 @@ func (h Spools) ReapOrphanedLater(ctx context.Context, own string, again time.Du
 
 // List finds the spools: the union of the spool tmpfs mounts, the directories with an owner
 // record under the default spool roots, and the spools of the running agents.
-func (h Spools) List() ([]SpoolInfo, error) {
+func (h Spools) List() ([]SpoolInfo, error) { return h.list(nil) }
+
+// Orphaned lists the spools List would whose owner record names a mount directory that no
+// longer exists, inspecting only those: a restore asks at every start (ReplicatorConfig.
+// KeptSpools), and inspecting a spool without its own tmpfs walks all its files (a review).
+func (h Spools) Orphaned() ([]SpoolInfo, error) {
+	return h.list(func(dir string) bool {
+		o, err := ReadOwner(dir)
+		if err != nil || o.MountPath == "" {
+			return false
+		}
+		_, err = os.Lstat(o.MountPath)
+		return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENOTDIR)
+	})
+}
+
+// list is List over the spools keep accepts (nil: all).
+func (h Spools) list(keep func(dir string) bool) ([]SpoolInfo, error) {
 	agents, err := h.users()
 	if err != nil {
 		return nil, err
@@ -336,6 +354,16 @@ func (h Spools) List() ([]SpoolInfo, error) {
 	for _, a := range agents {
 		if a.SpoolDir != "" {
 			dirs[a.SpoolDir] = true
+		}
+	}
+	if keep != nil {
+		for d := range dirs {
+			if !keep(d) {
+				delete(dirs, d)
+			}
+		}
+		if len(dirs) == 0 {
+			return nil, nil
 		}
 	}
 	procs := mountProcesses()

@@ -670,7 +670,7 @@ func runMount(cfg mountConfig) error {
 		beforeSeal = func(int64) { time.Sleep(d) }
 	}
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
-		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, KeptSpools: localSpools.List})
+		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, KeptSpools: localSpools.Orphaned})
 	var ready atomic.Bool
 	info := agents.Info{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
 	var shown atomic.Pointer[agents.Info] // what /status shows; info is completed below
