@@ -30,10 +30,19 @@ const recentLines = 20
 
 // errLine appends a line to replicator.errors; failLine to replicator.failed (SPEC §2.3).
 func (l *jobLines) errLine(cfg *Config, msg string) {
-	l.appendLine(layout.ReplicatorErrorsName, "ERR", cfg, msg)
+	l.appendLines(layout.ReplicatorErrorsName, "ERR", cfg, msg)
+}
+
+// errLines appends lines to replicator.errors in one write: the job reads and unlinks the file,
+// and a line appended between its read and its unlink is lost (the next write replaces the file
+// it then unlinks), so lines of one moment go together (a CI run lost two of a plan's three).
+func (l *jobLines) errLines(cfg *Config, msgs []string) {
+	if len(msgs) > 0 {
+		l.appendLines(layout.ReplicatorErrorsName, "ERR", cfg, msgs...)
+	}
 }
 func (l *jobLines) failLine(cfg *Config, msg string) {
-	l.appendLine(layout.ReplicatorFailedName, "FATAL", cfg, msg)
+	l.appendLines(layout.ReplicatorFailedName, "FATAL", cfg, msg)
 }
 
 // incLine reports an error of a background task of inc; once a newer incarnation started, the
@@ -47,7 +56,7 @@ func (l *jobLines) incLine(inc *incarnation, msg string) {
 	l.errLine(inc.Config, msg)
 }
 
-func (l *jobLines) appendLine(file, level string, cfg *Config, msg string) {
+func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) {
 	l.writeMu.Lock()
 	defer l.writeMu.Unlock()
 	job, rank, nodes := "?", "?", "?"
@@ -62,22 +71,26 @@ func (l *jobLines) appendLine(file, level string, cfg *Config, msg string) {
 			nodes = itoa(int64(cfg.Nodes))
 		}
 	}
-	msg = oneLine(msg)
-	line := fmt.Sprintf("%s job=%s node=%s/%s %s %s\n", l.now().UTC().Format("2006-01-02T15:04:05Z"), job, rank, nodes, level, msg)
+	var lines []string
+	for _, msg := range msgs {
+		lines = append(lines, fmt.Sprintf("%s job=%s node=%s/%s %s %s\n", l.now().UTC().Format("2006-01-02T15:04:05Z"), job, rank, nodes, level, oneLine(msg)))
+	}
 	old, err := l.ns.ReadFile(file, 1<<20)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		l.log.Error("read "+file, "err", err)
 	}
-	if err := l.withRoom(func() error { return l.ns.WriteFile(file, append(old, line...)) }); err != nil {
+	if err := l.withRoom(func() error { return l.ns.WriteFile(file, append(old, strings.Join(lines, "")...)) }); err != nil {
 		l.log.Error("write "+file, "err", err)
 	}
-	l.log.Warn("reported to the job", "file", file, "message", msg)
-	l.mu.Lock()
-	l.recent = append(l.recent, reportedLine{job, strings.TrimSpace(line)})
-	if len(l.recent) > recentLines {
-		l.recent = l.recent[len(l.recent)-recentLines:]
+	for i, msg := range msgs {
+		l.log.Warn("reported to the job", "file", file, "message", oneLine(msg))
+		l.mu.Lock()
+		l.recent = append(l.recent, reportedLine{job, strings.TrimSpace(lines[i])})
+		if len(l.recent) > recentLines {
+			l.recent = l.recent[len(l.recent)-recentLines:]
+		}
+		l.mu.Unlock()
 	}
-	l.mu.Unlock()
 }
 
 // withdraw removes the lines of file that contain ours, and file with them if no other line is

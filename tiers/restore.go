@@ -107,9 +107,7 @@ func (r *restorer) run(inc *incarnation) {
 		r.tellOrphanedSteps(inc, plan)
 	}()
 	r.freeOtherJobs(inc)
-	for _, line := range plan.Errors {
-		r.lines.errLine(cfg, line)
-	}
+	r.lines.errLines(cfg, plan.Errors)
 	r.dropAbandonedSteps(cfg, plan)
 	r.dropOtherShapeSteps(cfg, plan)
 	// What the spool holds from now on is of this shape: the steps above the plan's are gone,
