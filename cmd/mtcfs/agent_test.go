@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mtcfs/mtcfs/internal/fusectl"
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 var binPath string
@@ -158,6 +159,9 @@ func startAgentIn(t *testing.T, prefix []string, dir, spool string, args ...stri
 		}
 		forceUnmount(dir)
 		forceUnmount(spool)
+		if spool != "" && filepath.Dir(spool) == tiers.DefaultSpoolRoot() {
+			os.Remove(spool) // a default-root spool given by --spool: its directory, empty now
+		}
 	})
 	select {
 	case <-serving:
