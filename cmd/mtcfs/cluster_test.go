@@ -719,13 +719,16 @@ func TestNodeRefusingAReplicaForRoomTellsItsJob(t *testing.T) {
 		return nil // 64 MiB
 	})
 	clients := make([]*jobsim.Orbax, 2)
-	c.all(t, func(r int) error {
-		clients[r] = c.client(t, r)
-		clients[r].PeerRanks = []int{1 - r}
-		clients[r].Content = jobsim.Content{Files: 2, FileSize: 10 << 20}
-		_, _, err := clients[r].Start(ctx)
-		return err
-	})
+	startJob := func() { // 20 MiB per node and step: under the README's sizing on rank 1
+		c.all(t, func(r int) error {
+			clients[r] = c.client(t, r)
+			clients[r].PeerRanks = []int{1 - r}
+			clients[r].Content = jobsim.Content{Files: 2, FileSize: 10 << 20}
+			_, _, err := clients[r].Start(ctx)
+			return err
+		})
+	}
+	startJob()
 	c.all(t, func(r int) error { return clients[r].Save(ctx, 1) })
 	repWait(t, 20*time.Second, "step 1 replicated on every node, for rank 1", func() bool {
 		out, _ := runMtcfs(t, "status", c.nodes[1].dir)
@@ -747,13 +750,7 @@ func TestNodeRefusingAReplicaForRoomTellsItsJob(t *testing.T) {
 
 	// The job restarts: rank 1's RAM still has no room for rank 0's next step, and its job is
 	// told again, though no step of its own waits now (found by a black-box re-run).
-	c.all(t, func(r int) error {
-		clients[r] = c.client(t, r)
-		clients[r].PeerRanks = []int{1 - r}
-		clients[r].Content = jobsim.Content{Files: 2, FileSize: 10 << 20}
-		_, _, err := clients[r].Start(ctx)
-		return err
-	})
+	startJob()
 	require.NoError(t, clients[0].Save(ctx, 3))
 	clients[1].Save(ctx, 3) // fails with ENOSPC, or not: the line is what matters
 	repWait(t, 30*time.Second, "rank 1's restarted job told", func() bool {

@@ -2014,20 +2014,30 @@ func TestCommitWithAFileOpenForWritingIsTold(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "4")))
 	waitStepSealed(t, n.dir, job, 4)
-	const told = "step 4 was committed with 1 file(s) still open for writing (4/state/open): the checkpoint holds their bytes as they were at the commit"
+	waitErrorsLine(t, n.dir, "step 4 was committed with 1 file(s) still open for writing (4/state/open): the checkpoint holds their bytes as they were at the commit")
+	require.NoError(t, w.Close())
+	saveToldNothing(t, ctx, o, n.dir, 5, "step 5 was committed with", a) // closed before the rename
+	stopAgent(t, a)
+}
+
+// waitErrorsLine waits until dir's replicator.errors holds a line that contains told.
+func waitErrorsLine(t *testing.T, dir, told string) {
+	t.Helper()
 	repWait(t, 5*time.Second, "the line in replicator.errors", func() bool {
-		b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+		b, _ := os.ReadFile(filepath.Join(dir, "replicator.errors"))
 		return strings.Contains(string(b), told)
 	})
-	require.NoError(t, w.Close())
+}
 
-	// Closed before the rename, nothing to say.
-	require.NoError(t, o.Save(ctx, 5))
-	waitStepSealed(t, n.dir, job, 5)
+// saveToldNothing saves step with o and checks, a moment after it is sealed, that dir's
+// replicator.errors holds nothing that contains what.
+func saveToldNothing(t *testing.T, ctx context.Context, o *jobsim.Orbax, dir string, step int64, what string, a *agent) {
+	t.Helper()
+	require.NoError(t, o.Save(ctx, step))
+	waitStepSealed(t, dir, o.Job, step)
 	time.Sleep(200 * time.Millisecond)
-	b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
-	require.NotContains(t, string(b), "step 5 was committed with", "%s", a.log())
-	stopAgent(t, a)
+	b, _ := os.ReadFile(filepath.Join(dir, "replicator.errors"))
+	require.NotContains(t, string(b), what, "%s", a.log())
 }
 
 // TestXattrsInACheckpointAreTold: with --xattrs the mount serves extended attributes, but a
@@ -2050,16 +2060,8 @@ func TestXattrsInACheckpointAreTold(t *testing.T) {
 	require.NoError(t, unix.Setxattr(filepath.Join(tmp, "state"), "user.kind", []byte("dir"), 0))
 	require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "4")))
 	waitStepSealed(t, n.dir, job, 4)
-	const told = "step 4: 2 entries have extended attributes, which checkpoints do not keep: restored after an agent restart, from a peer or from a backup, the step has none"
-	repWait(t, 5*time.Second, "the line in replicator.errors", func() bool {
-		b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
-		return strings.Contains(string(b), told)
-	})
-	require.NoError(t, o.Save(ctx, 5)) // none: nothing to say
-	waitStepSealed(t, n.dir, job, 5)
-	time.Sleep(200 * time.Millisecond)
-	b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
-	require.NotContains(t, string(b), "step 5:", "%s", a.log())
+	waitErrorsLine(t, n.dir, "step 4: 2 entries have extended attributes, which checkpoints do not keep: restored after an agent restart, from a peer or from a backup, the step has none")
+	saveToldNothing(t, ctx, o, n.dir, 5, "step 5:", a) // none: nothing to say
 	stopAgent(t, a)
 }
 
