@@ -274,7 +274,11 @@ func (s *sealer) tellSealed(c commit) {
 	if n := c.sealed.Xattrs; n > 0 {
 		// They were served (--xattrs) but dropped from every tier without a word (found by a
 		// black-box run).
-		s.lines.incLine(c.inc, fmt.Sprintf("step %d: %d entries have extended attributes, which checkpoints do not keep: restored after an agent restart, from a peer or from a backup, the step has none", c.step, n))
+		have := fmt.Sprintf("%d entries have", n)
+		if n == 1 {
+			have = "1 entry has"
+		}
+		s.lines.incLine(c.inc, fmt.Sprintf("step %d: %s extended attributes, which checkpoints do not keep: restored after an agent restart, from a peer or from a backup, the step has none", c.step, have))
 	}
 }
 
