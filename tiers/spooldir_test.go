@@ -225,3 +225,68 @@ func TestSpoolOfAnotherUserIsRefused(t *testing.T) {
 		require.ErrorContains(t, checkSpoolOwnership(dir, root, plain), "is not a directory (a symlink?)")
 	}
 }
+
+// TestSpoolGrownForRecords: a kept spool that holds more than the budget by the agent's records
+// (a step committed with the budget full to the last page) is reopened with the same budget in
+// a tmpfs larger by what the records took, plus room for the start. The extra is headroom: the
+// headroom takes what is free at once and the rest once a step is freed, and the job's part
+// (Usage, and what it can write) stays the budget (found by a black-box run and two reviews).
+func TestSpoolGrownForRecords(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	dir, mnt := filepath.Join(t.TempDir(), "spool"), filepath.Join(t.TempDir(), "mnt")
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	open := func() *Spool {
+		s, err := OpenSpool(SpoolConfig{Dir: dir, Budget: MinBudget, MountTmpfs: true, MountPath: mnt})
+		require.NoError(t, err)
+		return s
+	}
+	fill := func(p string) (written int64) {
+		f, err := os.Create(p)
+		require.NoError(t, err)
+		defer f.Close()
+		chunk := make([]byte, 64<<10)
+		for {
+			n, err := f.Write(chunk)
+			written += int64(n)
+			if err != nil {
+				require.ErrorIs(t, err, unix.ENOSPC)
+				return written
+			}
+		}
+	}
+	s := open()
+	assert.Zero(t, s.Grown(), "a new spool")
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "sealed"), 0o700))
+	step := filepath.Join(dir, "sealed", "step")
+	fill(step) // a committed step that takes the whole budget
+	for i := range 3 { // the agent's records, in the headroom
+		write := func() error { return os.WriteFile(filepath.Join(dir, fmt.Sprintf("record%d", i)), make([]byte, 64<<10), 0o600) }
+		err := write()
+		for s.UseHeadroom(err) {
+			err = write()
+		}
+		require.NoError(t, err)
+	}
+	require.NoError(t, s.Detach())
+
+	s = open()
+	assert.Positive(t, s.Grown(), "the tmpfs is made larger for the records")
+	total, _ := s.Usage()
+	assert.EqualValues(t, MinBudget, total, "the job's part stays the budget")
+	fi, err := os.Stat(filepath.Join(dir, HeadroomFile))
+	require.NoError(t, err)
+	assert.Positive(t, fi.Size(), "the headroom takes what is free")
+	assert.Less(t, fi.Size(), s.headroomSize, "not all of its target while the step holds the rest")
+
+	require.NoError(t, os.Remove(step)) // the step is freed
+	s.FillHeadroom()
+	fi, err = os.Stat(filepath.Join(dir, HeadroomFile))
+	require.NoError(t, err)
+	assert.Equal(t, s.headroomSize, fi.Size(), "the whole target once there is room")
+	written := fill(filepath.Join(s.FilesDir(), "job"))
+	assert.LessOrEqual(t, written, int64(MinBudget), "the job writes no more than the budget")
+	assert.Greater(t, written, int64(MinBudget-(1<<20)), "and about all of it (the records keep a little)")
+	require.NoError(t, s.Detach())
+}
