@@ -261,8 +261,11 @@ func TestSpoolGrownForRecords(t *testing.T) {
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "sealed"), 0o700))
 	step := filepath.Join(dir, "sealed", "step")
 	fill(step) // a committed step that takes the whole budget
-	for i := range 3 { // the agent's records, in the headroom
-		write := func() error { return os.WriteFile(filepath.Join(dir, fmt.Sprintf("record%d", i)), make([]byte, 64<<10), 0o600) }
+	// The agent's records, in the headroom.
+	for i := range 3 {
+		write := func() error {
+			return os.WriteFile(filepath.Join(dir, fmt.Sprintf("record%d", i)), make([]byte, 64<<10), 0o600)
+		}
 		err := write()
 		for s.UseHeadroom(err) {
 			err = write()
