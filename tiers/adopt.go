@@ -47,7 +47,7 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 		hash := strings.TrimSpace(string(content))
 		dataName := hash + ".data"
 		if _, statErr := os.Lstat(rt.spoolDir("sealed", dataName)); err == nil && dataParallel && errors.Is(statErr, fs.ErrNotExist) && layout.IsDataName(dataName) {
-			if err := rt.withRoom(func() error { return rt.ns.WriteFile(name, []byte(hash)) }); err != nil {
+			if err := rt.writeFile(name, []byte(hash)); err != nil {
 				return err
 			}
 			rt.mu.Lock()
@@ -94,7 +94,7 @@ func (rt *retention) adopt(ctx context.Context, report func(string)) error {
 		}
 		// In the headroom if need be: a spool whose step filled the budget to the last page
 		// had no room for it, and the agent failed at every start (found by a black-box run).
-		if err := rt.withRoom(func() error { return rt.ns.WriteFile(name, []byte(hash)) }); err != nil {
+		if err := rt.writeFile(name, []byte(hash)); err != nil {
 			return err
 		}
 		rt.mu.Lock()

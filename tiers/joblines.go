@@ -79,7 +79,7 @@ func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) 
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		l.log.Error("read "+file, "err", err)
 	}
-	if err := l.withRoom(func() error { return l.ns.WriteFile(file, append(old, strings.Join(lines, "")...)) }); err != nil {
+	if err := l.writeFile(file, append(old, strings.Join(lines, "")...)); err != nil {
 		l.log.Error("write "+file, "err", err)
 	}
 	for i, msg := range msgs {
@@ -114,7 +114,7 @@ func (l *jobLines) withdraw(file, ours string) bool {
 	case len(keep) == 0:
 		err = l.ns.Remove(file)
 	default:
-		err = l.withRoom(func() error { return l.ns.WriteFile(file, keep) })
+		err = l.writeFile(file, keep)
 	}
 	if err != nil {
 		l.log.Error("withdraw a line of "+file, "err", err)

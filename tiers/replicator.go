@@ -167,6 +167,14 @@ func (n *node) withRoom(write func() error) error {
 	return err
 }
 
+// writeFile writes one of the agent's own files (a .meta, a status line, a marker) into the
+// namespace, in the spool's headroom if the job's writes used up the budget: each such write
+// needs a page, and one without the headroom failed the agent's start, its restore, or the line
+// telling the job why (found by black-box runs, one call site at a time).
+func (n *node) writeFile(name string, data []byte) error {
+	return n.withRoom(func() error { return n.ns.WriteFile(name, data) })
+}
+
 // spoolDir is a path in the spool.
 func (n *node) spoolDir(parts ...string) string {
 	return filepath.Join(append([]string{n.spool.Dir()}, parts...)...)
@@ -276,7 +284,7 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
 	}
 	if j := r.cfg.JaxInit; j != nil {
 		content := []byte(strings.Join([]string{itoa(int64(j.Rank)), j.Coordinator, ""}, "\n"))
-		if err := n.withRoom(func() error { return ns.WriteFile(layout.JaxInitInfoName, content) }); err != nil {
+		if err := n.writeFile(layout.JaxInitInfoName, content); err != nil {
 			return err
 		}
 	}

@@ -128,7 +128,7 @@ func (r *restorer) run(inc *incarnation) {
 			pre = fmt.Sprintf("{restore-step: %d, restore-backup: %s}\n", plan.Step, plan.Backup)
 		}
 	}
-	if err := r.withRoom(func() error { return r.ns.WriteFile(layout.PrerestoreName, []byte(pre)) }); err != nil {
+	if err := r.writeFile(layout.PrerestoreName, []byte(pre)); err != nil {
 		failPlanned(fmt.Sprintf("write %s: %v", layout.PrerestoreName, err))
 		return
 	}
@@ -201,7 +201,7 @@ func (r *restorer) run(inc *incarnation) {
 			err = r.ns.Symlink(plan.Data[Slot{cfg.NodeRank, w}]+".data", name)
 		} else {
 			name := layout.MarkerName{Job: cfg.JobName, Step: 0, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerRestore}.String()
-			err = r.ns.WriteFile(name, nil)
+			err = r.writeFile(name, nil)
 		}
 		if err != nil {
 			fail(fmt.Sprintf("create restore marker: %v", err))

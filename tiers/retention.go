@@ -67,7 +67,7 @@ func (rt *retention) writeMeta(name, content string) error {
 	if err := rt.withRoom(func() error { return layout.WriteFileAtomic(filepath.Join(dir, name), []byte(content)) }); err != nil {
 		return err
 	}
-	if err := rt.withRoom(func() error { return rt.ns.WriteFile(name, []byte(content)) }); err != nil {
+	if err := rt.writeFile(name, []byte(content)); err != nil {
 		return err
 	}
 	rt.mu.Lock()
