@@ -768,9 +768,7 @@ func TestJobToldItsStepsWereFreedForAnotherJob(t *testing.T) {
 	ctx := repCtx(t)
 	n := newRepNode(t)
 	a := n.start(t)
-	o := orbaxClient(t, n.dir, "train", 60)
-	_, _, err := o.Start(ctx)
-	require.NoError(t, err)
+	o := startedOrbax(t, ctx, n.dir, "train", 60)
 	for _, step := range []int64{1, 2} {
 		require.NoError(t, o.Save(ctx, step))
 		waitStepSealed(t, n.dir, "train", step)

@@ -1971,9 +1971,7 @@ func TestStepDirCopiedInIsTold(t *testing.T) {
 	n := newRepNode(t)
 	a := n.start(t)
 	const job = "copiedin"
-	o := orbaxClient(t, n.dir, job, 60)
-	_, _, err := o.Start(ctx)
-	require.NoError(t, err)
+	o := startedOrbax(t, ctx, n.dir, job, 60)
 	require.NoError(t, o.Save(ctx, 1))
 	require.NoError(t, os.Mkdir(filepath.Join(n.dir, "5"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "5", "_CHECKPOINT_METADATA"), []byte("{}"), 0o644))
@@ -2001,9 +1999,7 @@ func TestCommitWithAFileOpenForWritingIsTold(t *testing.T) {
 	n := newRepNode(t)
 	a := n.start(t)
 	const job = "openwriter"
-	o := orbaxClient(t, n.dir, job, 60)
-	_, _, err := o.Start(ctx)
-	require.NoError(t, err)
+	o := startedOrbax(t, ctx, n.dir, job, 60)
 	tmp := filepath.Join(n.dir, "4.orbax-checkpoint-tmp")
 	require.NoError(t, os.MkdirAll(filepath.Join(tmp, "state"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(tmp, "state", "closed"), []byte("closed"), 0o644))
@@ -2050,9 +2046,7 @@ func TestXattrsInACheckpointAreTold(t *testing.T) {
 	n := newRepNode(t)
 	a := n.start(t, "--xattrs")
 	const job = "xattrs"
-	o := orbaxClient(t, n.dir, job, 60)
-	_, _, err := o.Start(ctx)
-	require.NoError(t, err)
+	o := startedOrbax(t, ctx, n.dir, job, 60)
 	tmp := filepath.Join(n.dir, "4.orbax-checkpoint-tmp")
 	require.NoError(t, os.MkdirAll(filepath.Join(tmp, "state"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(tmp, "state", "w"), []byte("weights"), 0o644))

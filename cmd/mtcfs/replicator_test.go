@@ -79,6 +79,15 @@ func (n repNode) dropSpool(t *testing.T) {
 	require.NoError(t, os.RemoveAll(n.spool))
 }
 
+// startedOrbax is orbaxClient once its start (the handshake and the restore) succeeded.
+func startedOrbax(t *testing.T, ctx context.Context, dir, job string, backupMinutes float64) *jobsim.Orbax {
+	t.Helper()
+	o := orbaxClient(t, dir, job, backupMinutes)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	return o
+}
+
 func orbaxClient(t *testing.T, dir, job string, backupMinutes float64) *jobsim.Orbax {
 	return &jobsim.Orbax{
 		Dir: dir, Job: job, Rank: 0, Nodes: 1,

@@ -587,9 +587,7 @@ func TestMountDirMovedWhileStopped(t *testing.T) {
 	})
 	const job = "renamed-dir"
 	a := startAgentIn(t, nil, dir, "")
-	o := orbaxClient(t, dir, job, 0)
-	_, _, err := o.Start(ctx)
-	require.NoError(t, err)
+	o := startedOrbax(t, ctx, dir, job, 0)
 	require.NoError(t, o.Save(ctx, 1))
 	waitStepSealed(t, dir, job, 1)
 	stopAgent(t, a)
