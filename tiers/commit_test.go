@@ -78,7 +78,7 @@ func TestCommitSurvivesAKillAtEveryPointOfSealing(t *testing.T) {
 			restore := marker("job", 7, 0, 0, layout.MarkerRestore)
 			h2.waitMarkers(restore)
 			h2.checkRestoreLink(restore, hash, files)
-			if got := h2.spoolGlob("commits/*"); len(got) != 0 {
+			if got := h2.spoolEntries("commits/*"); len(got) != 0 {
 				t.Errorf("records left after recovery: %q", got)
 			}
 		})
@@ -110,10 +110,10 @@ func TestIncompleteAndBrokenCommitRecords(t *testing.T) {
 	if len(errs) != 1 || !strings.Contains(errs[0], "step 9 of job job") || !strings.Contains(errs[0], "could not be sealed") {
 		t.Fatalf("replicator.errors = %q, want one line about step 9", errs)
 	}
-	if got := h.spoolGlob("commits/*"); len(got) != 0 {
+	if got := h.spoolEntries("commits/*"); len(got) != 0 {
 		t.Errorf("records left: %q", got)
 	}
-	if got := h.spoolGlob("meta/*"); len(got) != 0 {
+	if got := h.spoolEntries("meta/*"); len(got) != 0 {
 		t.Errorf("metas: %q", got)
 	}
 }
@@ -165,7 +165,7 @@ func TestOtherJobsDataIsFreed(t *testing.T) {
 	h2 := h.restart()
 	h2.yamlOrbax(strings.Replace(baseYAML, "job-name: job", "job-name: other", 1))
 	h2.waitMarkers(marker("other", 0, 0, 0, layout.MarkerRestore))
-	if got := h2.spoolGlob("sealed/*"); len(got) != 0 {
+	if got := h2.spoolEntries("sealed/*"); len(got) != 0 {
 		t.Errorf("spool still holds %q of job 'job'", got)
 	}
 	if h2.exists(hash+".data") || h2.exists(marker("job", 3, 0, 0, layout.MarkerMeta)) {
@@ -471,7 +471,7 @@ func TestStepSealedWithoutAttrsTooLargeToKeep(t *testing.T) {
 	hash := h.orbaxSave(5, checkpointFiles("5"))
 	h.waitSealed("job", 5, "5")
 	assert.Empty(t, h.spoolGlob(hash+".data.attrs*"), "nothing kept")
-	assert.Empty(t, h.spoolGlob("commits/*"), "no record left")
+	assert.Empty(t, h.spoolEntries("commits/*"), "no record left")
 	hash6 := h.orbaxSave(6, checkpointFiles("6"))
 	h.waitSealed("job", 6, "6")
 	assert.Len(t, h.spoolGlob(hash6+".data.attrs"), 1, "the next step keeps its own")
@@ -568,7 +568,7 @@ func TestOlderCommitRecordDoesNotReplaceANewerSeal(t *testing.T) {
 	restore := marker("job", 7, 0, 0, layout.MarkerRestore)
 	h.waitMarkers(restore)
 	h.checkRestoreLink(restore, hash, checkpointFiles("new"))
-	if got := h.spoolGlob("commits/*"); len(got) != 0 {
+	if got := h.spoolEntries("commits/*"); len(got) != 0 {
 		t.Errorf("records left: %q", got)
 	}
 }

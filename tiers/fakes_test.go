@@ -818,6 +818,14 @@ func (h *harness) spoolGlob(pattern string) []string {
 	return m
 }
 
+// spoolEntries returns the spool's paths matching pattern, relative to the spool ("commits/*":
+// the commit records). spoolGlob("commits/*") matched nothing, always: assertions of no record
+// left could not fail.
+func (h *harness) spoolEntries(pattern string) []string {
+	m, _ := filepath.Glob(filepath.Join(h.cfg.root, "spool", pattern))
+	return m
+}
+
 // checkTree reports how the checkpoint at p (followed if it is a symlink, like a .restore
 // marker) differs from files, relative path → content ("" when it holds exactly those files).
 func checkTree(p string, files map[string]string) string {
