@@ -426,7 +426,7 @@ func (cr *commitRecorder) adoptRecord(dir string) error {
 	}
 	var dataName string
 	err = cr.withRoom(func() (err error) {
-		dataName, err = hashRecord(context.Background(), dir, cr.digests) // before anything runs: nothing to yield to
+		dataName, err = cr.hashCommit(context.Background(), dir, rec.Step) // before anything runs: nothing to yield to
 		if err != nil {
 			err = hashError{err}
 		}

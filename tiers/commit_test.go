@@ -532,6 +532,142 @@ func TestCommitRecordFailingOnAShortageIsTriedAgain(t *testing.T) {
 	}
 }
 
+// TestCommitRecordedAtTheLastTryIsSealedByTheNextAgent: an agent that stops while the record
+// of a commit still fails on a shortage tries once more; recorded then, the commit is sealed by
+// the next agent, and restored. Without that try the step was lost (its rename had returned).
+func TestCommitRecordedAtTheLastTryIsSealedByTheNextAgent(t *testing.T) {
+	t.Parallel()
+	var r atomic.Pointer[tiers.Replicator]
+	var tries atomic.Int32
+	h := newHarness(t, harnessConfig{sealErr: func(name string) error {
+		if name != "2" {
+			return nil
+		}
+		tries.Add(1)
+		if rr := r.Load(); rr == nil || !rr.BackupsStopping() { // passes once the agent stops
+			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.EMFILE}
+		}
+		return nil
+	}})
+	r.Store(h.r)
+	h.start(baseYAML, "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.waitSealed("job", 1, "1")
+	hash := h.orbaxSave(2, checkpointFiles("2"))
+	h.eventually("tries of the record", func() string {
+		if n := tries.Load(); n < 2 {
+			return fmt.Sprintf("%d tries", n)
+		}
+		return ""
+	})
+	h.close()
+	if !strings.Contains(h.logs.String(), "the agent stops before a committed step could be sealed") {
+		t.Fatalf("no last try recorded the commit: %d tries", tries.Load())
+	}
+	if l := h.lines(layout.ReplicatorErrorsName); len(l) != 0 {
+		t.Errorf("replicator.errors = %q: the step is not lost", l)
+	}
+
+	next := newHarness(t, harnessConfig{root: h.cfg.root})
+	next.yamlOrbax(baseYAML)
+	restore := marker("job", 2, 0, 0, layout.MarkerRestore)
+	next.waitMarkers(restore)
+	next.checkRestoreLink(restore, hash, checkpointFiles("2"))
+}
+
+// TestSealGivenUpTellsTheJobWhatItMeans: a commit whose record still fails on a shortage when
+// its tries end is not checkpointed, and the job is told so and what to do; its restart
+// restores the step before it, as the line says.
+func TestSealGivenUpTellsTheJobWhatItMeans(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, sealErr: func(name string) error {
+		if name == "2" {
+			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.EMFILE}
+		}
+		return nil
+	}})
+	h.start(baseYAML, "job")
+	hash1 := h.orbaxSave(1, checkpointFiles("1"))
+	h.waitSealed("job", 1, "1")
+	h.orbaxSave(2, checkpointFiles("2"))
+	want := "sealing step 2 (worker 0) failed: open commits/x/data/state: too many open files; the step is not checkpointed: " +
+		"a restart restores the one before it (raise the agent's --memory or descriptor limit, or hold fewer files open)"
+	h.eventually("the line", func() string {
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 || !strings.HasSuffix(l[0], " ERR "+want) {
+			return fmt.Sprintf("replicator.errors = %q", l)
+		}
+		return ""
+	})
+	os.Remove(h.path(layout.ReplicatorErrorsName)) // read and unlinked, as the job does
+	h.yamlOrbax(baseYAML)
+	restore := marker("job", 1, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore)
+	h.checkRestoreLink(restore, hash1, checkpointFiles("1"))
+}
+
+// TestRecordNotHashedStaysForTheNextStarts: a commit recorded but not hashed when its tries end
+// keeps its record; an agent start that cannot hash it either keeps it again and says so, and
+// the next start seals and restores it. The job is told at each step what it means.
+func TestRecordNotHashedStaysForTheNextStarts(t *testing.T) {
+	t.Parallel()
+	fault := func(step int64) error {
+		if step == 2 {
+			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.EMFILE}
+		}
+		return nil
+	}
+	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, hashFault: fault})
+	h.start(baseYAML, "job")
+	hash1 := h.orbaxSave(1, checkpointFiles("1"))
+	h.waitSealed("job", 1, "1")
+	hash2 := h.orbaxSave(2, checkpointFiles("2"))
+	h.eventually("the line", func() string {
+		for _, l := range h.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, " ERR sealing step 2 (worker 0) failed: ") && strings.HasSuffix(l, "too many open files; its record stays in the spool: "+
+				"the agent's next start seals it, and until then a job restart on this agent restores the step before it (raise the agent's --memory or descriptor limit, or hold fewer files open)") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
+	})
+	if got := h.spoolEntries("commits/*"); len(got) != 1 {
+		t.Fatalf("records = %q, want the one of step 2", got)
+	}
+	// The job restarts on this agent: the step before it, as the line says.
+	h.yamlOrbax(baseYAML)
+	restore1 := marker("job", 1, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore1)
+	h.checkRestoreLink(restore1, hash1, checkpointFiles("1"))
+
+	// The agent restarts, and hashing still fails: the record is kept again, and the job told.
+	h2 := h.restart()
+	h2.yamlOrbax(baseYAML)
+	h2.waitMarkers(restore1)
+	h2.eventually("the adoption's line", func() string {
+		for _, l := range h2.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "could not be sealed") && strings.Contains(l, "its record is kept in the spool, and the agent's next start tries again") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors = %q", h2.lines(layout.ReplicatorErrorsName))
+	})
+	if got := h2.spoolEntries("commits/*"); len(got) != 1 {
+		t.Fatalf("records = %q, want the one of step 2 kept", got)
+	}
+	h2.close()
+
+	cfg := h.cfg
+	cfg.hashFault = nil
+	h3 := newHarness(t, cfg)
+	h3.yamlOrbax(baseYAML)
+	restore2 := marker("job", 2, 0, 0, layout.MarkerRestore)
+	h3.waitMarkers(restore2)
+	h3.checkRestoreLink(restore2, hash2, checkpointFiles("2"))
+	if got := h3.spoolEntries("commits/*"); len(got) != 0 {
+		t.Errorf("records left: %q", got)
+	}
+}
+
 // TestOlderCommitRecordDoesNotReplaceANewerSeal: a record an agent left unsealed (killed, or a
 // seal that failed) must not, at the next start, replace a newer commit of the same step sealed
 // since: the newer commit wins, as it does while one agent runs (found by a review).

@@ -47,3 +47,11 @@ func (r *Replicator) BackupsStopping() bool { return r.backups.isStopping() }
 
 // WithdrawLines is jobLines.withdraw, for replicator_test.go.
 func (r *Replicator) WithdrawLines(file, ours string) bool { return r.lines.withdraw(file, ours) }
+
+// SetSealRetryFor sets how long after its commit a commit whose record or hash failed on a
+// shortage is tried again (sealRetryFor by default).
+func (r *Replicator) SetSealRetryFor(d time.Duration) { r.sealer.retryFor.Store(int64(d)) }
+
+// SetHashFault makes f fail the hashing of commit records, of the sealer and of adoption alike;
+// only before Start.
+func (r *Replicator) SetHashFault(f func(step int64) error) { r.node.hashFault = f }

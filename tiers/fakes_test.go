@@ -472,6 +472,10 @@ type harnessConfig struct {
 	sealErr func(name string) error
 	// importErr, when set, may fail the namespace's imports (dirNamespace.failImport).
 	importErr func(name string) error
+	// hashFault, when set, may fail the hashing of commit records (Replicator.SetHashFault).
+	hashFault func(step int64) error
+	// sealRetryFor, when not 0, bounds the tries of a seal that failed on a shortage.
+	sealRetryFor time.Duration
 	// sealAttrs, when set, gives the namespace's seals their Attrs (dirNamespace.sealAttrs).
 	sealAttrs func(name string) *layout.Attrs
 	// cpuIdle is the replicator's CPUIdle (nil: /proc/stat).
@@ -541,6 +545,12 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	}
 	rcfg.Peers = cfg.peers
 	h.r = tiers.NewReplicator(rcfg)
+	if cfg.hashFault != nil {
+		h.r.SetHashFault(cfg.hashFault)
+	}
+	if cfg.sealRetryFor != 0 {
+		h.r.SetSealRetryFor(cfg.sealRetryFor)
+	}
 	if err := h.r.Start(context.Background(), ns); err != nil {
 		t.Fatalf("Start: %v", err)
 	}

@@ -150,6 +150,19 @@ type node struct {
 	yield *yielder
 	// waits says when a restore waiting for the other nodes tells of it (waitnotice.go).
 	waits *waitNotices
+	// hashFault, a test's (export_test.go, set before Start), may fail the hashing of a
+	// commit's record, in sealing and in adoption alike.
+	hashFault func(step int64) error
+}
+
+// hashCommit is hashRecord of the record at dir of step, as sealing and adoption do it.
+func (n *node) hashCommit(ctx context.Context, dir string, step int64) (string, error) {
+	if n.hashFault != nil {
+		if err := n.hashFault(step); err != nil {
+			return "", err
+		}
+	}
+	return hashRecord(ctx, dir, n.digests)
 }
 
 // withRoom runs write, and again after some of the spool's headroom was freed for it while it
@@ -220,6 +233,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	r.recorder = newCommitRecorder(n, r.incs, sealQ, r.lines)
 	r.sealer = &sealer{node: n, in: sealQ, out: syncQ, beforeSeal: cfg.BeforeSeal, recorder: r.recorder, retention: r.retention, incs: r.incs,
 		lines: r.lines, lastSealed: -1}
+	r.sealer.retryFor.Store(int64(sealRetryFor))
 	r.early = newEarlyPushes(n, cfg.Peers, r.incs)
 	r.syncer = &syncer{node: n, in: syncQ, coord: cfg.Coordinator, incs: r.incs, retention: r.retention, lines: r.lines,
 		pushers: newPushers(n, cfg.Peers, r.early, r.lines)}

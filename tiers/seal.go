@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -26,6 +27,8 @@ type sealer struct {
 	lines     *jobLines
 	// beforeSeal is ReplicatorConfig.BeforeSeal (nil: none).
 	beforeSeal func(step int64)
+	// retryFor is how long after its commit a commit is tried again: sealRetryFor, or a test's.
+	retryFor atomic.Int64
 
 	mu sync.Mutex
 	// lastSealed is the highest step this agent sealed for the incarnation current at the time
@@ -92,7 +95,7 @@ func (s *sealer) run() {
 			what := "the step is not checkpointed: a restart restores the one before it"
 			if errors.As(err, new(hashError)) {
 				// Recorded, not hashed: the record stays in the spool (a review).
-				what = "its record stays in the spool: the agent's next start seals it (a job restart on this agent restores the step before it)"
+				what = "its record stays in the spool: the agent's next start seals it, and until then a job restart on this agent restores the step before it"
 			}
 			s.lines.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v; %s%s", c.step, c.worker, err, what, hint))
 			continue
@@ -139,7 +142,7 @@ func (s *sealer) retry(c *commit, pc pendingCommit, err error) (dataName, meta s
 	// From the commit's time, not this try's: commits that queue behind one that cannot be
 	// recorded share its wait, and a restore waiting for them all waits some 2 minutes at most
 	// (a review: one after another they added up past the job's 300 s).
-	deadline := c.wall.Add(sealRetryFor)
+	deadline := c.wall.Add(time.Duration(s.retryFor.Load()))
 	for i, wait := range sealRetries {
 		if i == 0 || i%10 == 0 {
 			s.log.Warn("sealing a committed step failed; trying again", "step", c.step, "worker", c.worker, "err", err, "tries", i+1)
@@ -195,7 +198,7 @@ func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err erro
 	// node goes first (yield.go). No cancellable context: a committed step is sealed even while
 	// the agent stops (its stop ends the waits).
 	ctx := layout.WithPacer(context.Background(), func() { s.yield.waitForNextSave(s.ctx, openMark) })
-	err = s.withRoom(func() (err error) { dataName, err = hashRecord(ctx, c.dir, s.digests); return err })
+	err = s.withRoom(func() (err error) { dataName, err = s.hashCommit(ctx, c.dir, c.step); return err })
 	if err != nil {
 		return "", "", hashError{err} // nothing moved yet: it can be tried again
 	}
