@@ -89,6 +89,10 @@ type commitRecorder struct {
 	// a new incarnation starts it afresh (it held one entry per step of a misnamed job, forever).
 	misnamed    map[string]bool // GUARDED_BY(mu)
 	misnamedInc string          // GUARDED_BY(mu)
+	// madeDirs holds the step directories made (mkdir) in misnamedInc and told of at the first
+	// file the job writes in them (noteWrittenIn): one made empty and then replaced by a rename
+	// onto it commits, and was told as no commit first (a black-box run).
+	madeDirs map[string]bool // GUARDED_BY(mu)
 	pending     map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
 	// sealed is closed (and replaced) whenever a name leaves pending.
 	sealed chan struct{} // GUARDED_BY(mu)
@@ -139,6 +143,13 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 		// it is (SPEC §2), without a word (found by a black-box run).
 		why = "a directory made under a step's name (mkdir, or a copy such as cp -r or mv from another file system) is not a commit: only a directory renamed onto the step's name commits it (make it as " +
 			ev.path + layout.OrbaxTmpSuffix + ", then rename it to " + ev.path + "); the job's next start removes it"
+		if !ev.filled {
+			cr.mu.Lock()
+			cr.forInc(inc)
+			cr.madeDirs[ev.path] = true
+			cr.mu.Unlock()
+			return
+		}
 	case cfg.Framework != FrameworkPyTorch:
 		if ev.kind != evRenamed || ev.typ != layout.EntryDir {
 			return
@@ -173,9 +184,7 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	// changed the job's shape came before its close was handled) waits for sealing or was
 	// sealed, which takes its name away; a misnamed one stays a plain file under its name.
 	cr.mu.Lock()
-	if cr.misnamedInc != inc.ID {
-		cr.misnamed, cr.misnamedInc = map[string]bool{}, inc.ID
-	}
+	cr.forInc(inc)
 	pending, seen := cr.pending[ev.path], cr.misnamed[ev.path]
 	cr.mu.Unlock()
 	if pending || seen || !cr.hasName(ev.path) {
@@ -189,6 +198,30 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 		return
 	}
 	cr.lines.incLine(inc, fmt.Sprintf("%s is not committed (its step is not checkpointed): %s", ev.path, why))
+}
+
+// forInc starts misnamed and madeDirs afresh for a new incarnation inc.
+func (cr *commitRecorder) forInc(inc *incarnation) { // REQUIRES(mu)
+	if cr.misnamedInc != inc.ID {
+		cr.misnamed, cr.madeDirs, cr.misnamedInc = map[string]bool{}, map[string]bool{}, inc.ID
+	}
+}
+
+// noteWrittenIn is told of each file the job closed below the top-level name dir: a step
+// directory it made gets the line of noteMisnamed now, a copy being written into it.
+func (cr *commitRecorder) noteWrittenIn(dir string) {
+	inc := cr.incs.get()
+	if inc == nil {
+		return
+	}
+	cr.mu.Lock()
+	cr.forInc(inc)
+	made := cr.madeDirs[dir]
+	delete(cr.madeDirs, dir)
+	cr.mu.Unlock()
+	if made {
+		cr.noteMisnamed(event{kind: evCreated, typ: layout.EntryDir, path: dir, filled: true})
+	}
 }
 
 // commitOf recognises the commit signals of SPEC §3 for inc: a directory renamed to a bare

@@ -319,28 +319,36 @@ func TestMisnamedStepDirIsReported(t *testing.T) {
 
 // TestStepDirMadeNotRenamedIsReported: a directory made under a step's name (a copy moved in
 // from another file system) is not a commit, and the job's next start removes it; the job is
-// told at once, where it lost it without a word (found by a black-box run). A directory renamed
-// onto the name commits, with nothing to say.
+// told once a file is written in it, where it lost it without a word (found by a black-box
+// run). A directory renamed onto the name commits, with nothing to say, also onto an empty one
+// the job made first (told as no commit before: a black-box run).
 func TestStepDirMadeNotRenamedIsReported(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessConfig{})
 	h.yamlOrbax(baseYAML)
 	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	require.NoError(t, os.Mkdir(h.path("14"), 0o755)) // made empty, renamed onto later
+	h.r.Created("14", layout.EntryDir)
+	require.NoError(t, os.Mkdir(h.path("12"), 0o755))
+	h.r.Created("12", layout.EntryDir) // the kernel's mkdir, then the copy's files
 	h.makeTree("12", map[string]string{"state": "weights"})
-	h.r.Created("12", layout.EntryDir)
 	h.makeTree("notastep", nil)
 	h.r.Created("notastep", layout.EntryDir)
-	h.orbaxSave(13, map[string]string{"state": "weights 13"})
-	h.waitSealed("job", 13, "13")
-	h.eventually("a line", func() string {
-		if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 {
-			return fmt.Sprintf("replicator.errors = %q, want 1 line", l)
+	want := "12 is not committed (its step is not checkpointed): a directory made under a step's name (mkdir, or a copy such as cp -r or mv from another file system) is not a commit: only a directory renamed onto the step's name commits it (make it as 12.orbax-checkpoint-tmp, then rename it to 12); the job's next start removes it"
+	h.eventually("a line", func() string { // handled after the mkdir of 14, events being handled in order
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 || !strings.HasSuffix(l[0], " ERR "+want) {
+			return fmt.Sprintf("replicator.errors = %q, want 1 line of 12", l)
 		}
 		return ""
 	})
-	errs := strings.Join(h.lines(layout.ReplicatorErrorsName), "\n")
-	if want := "12 is not committed (its step is not checkpointed): a directory made under a step's name (mkdir, or a copy such as cp -r or mv from another file system) is not a commit: only a directory renamed onto the step's name commits it (make it as 12.orbax-checkpoint-tmp, then rename it to 12); the job's next start removes it"; !strings.Contains(errs, want) {
-		t.Errorf("replicator.errors:\n%s\nwant %q", errs, want)
+	h.orbaxSave(13, map[string]string{"state": "weights 13"})
+	h.waitSealed("job", 13, "13")
+	h.makeTree("tmp14", map[string]string{"state": "weights 14"})
+	require.NoError(t, syscall.Rename(h.path("tmp14"), h.path("14"))) // onto the empty directory (os.Rename refuses)
+	h.r.Renamed("tmp14", "14", layout.EntryDir)
+	h.waitSealed("job", 14, "14")
+	if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 {
+		t.Errorf("replicator.errors = %q, want only the line of 12", l)
 	}
 }
 

@@ -511,6 +511,8 @@ func (r *Replicator) handle(ev event) {
 		// a temporary name and rename it (tensorstore) are caught at the rename.
 		if ev.kind == evClosed || (ev.kind == evRenamed && ev.typ == layout.EntryFile) {
 			r.early.closed(ev.path)
+			top, _, _ := strings.Cut(ev.path, "/")
+			r.recorder.noteWrittenIn(top)
 		}
 		return
 	}
@@ -553,6 +555,8 @@ type event struct {
 	path string
 	old  string // a rename's old path
 	why  string // for evAbandoned: why the file is cut short
+	// filled, of an evCreated step directory: the job wrote a file in it since (noteWrittenIn).
+	filled bool
 	typ  layout.EntryType
 }
 
