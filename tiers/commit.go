@@ -93,7 +93,7 @@ type commitRecorder struct {
 	// file the job writes in them (noteWrittenIn): one made empty and then replaced by a rename
 	// onto it commits, and was told as no commit first (a black-box run).
 	madeDirs map[string]bool // GUARDED_BY(mu)
-	pending     map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
+	pending  map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
 	// sealed is closed (and replaced) whenever a name leaves pending.
 	sealed chan struct{} // GUARDED_BY(mu)
 	// unanswered counts the commits made while no job was answered (no incarnation), for the

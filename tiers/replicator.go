@@ -557,7 +557,7 @@ type event struct {
 	why  string // for evAbandoned: why the file is cut short
 	// filled, of an evCreated step directory: the job wrote a file in it since (noteWrittenIn).
 	filled bool
-	typ  layout.EntryType
+	typ    layout.EntryType
 }
 
 const (
