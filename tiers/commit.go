@@ -101,6 +101,8 @@ type commitRecorder struct {
 	// a .save is reported at its flush and again at its close, and is one commit.
 	unanswered        int             // GUARDED_BY(mu)
 	countedUnanswered map[string]bool // GUARDED_BY(mu)
+	// kept holds the records a seal could not hash for a shortage, by directory (keep).
+	kept map[string]keptRecord // GUARDED_BY(mu)
 }
 
 func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
@@ -405,6 +407,11 @@ func (cr *commitRecorder) pendingNames() map[string]bool {
 // adoption publishes what the spool holds. A record without commit.json was not complete when
 // the job's rename could have returned, and is dropped. It runs at Start, before any other
 // stage; a record it cannot seal goes to report, for the next handshake.
+//
+// Of the records of one slot's step (one kept by an agent that could not hash it, and one of
+// the job's commit of the step again since), only the newest is sealed; and a .meta sealed since
+// a record was made wins over it, by the .meta's time before adoption wrote any (a review:
+// sealed in name order, the older record's new .meta made the newer record look older).
 func (cr *commitRecorder) adoptRecords(report func(string)) error {
 	root := cr.spoolDir(commitsDir)
 	ents, err := os.ReadDir(root)
@@ -415,50 +422,97 @@ func (cr *commitRecorder) adoptRecords(report func(string)) error {
 		return err
 	}
 	sort.Slice(ents, func(i, j int) bool { return ents[i].Name() < ents[j].Name() })
+	type found struct {
+		dir string
+		rec commitRecord
+	}
+	var recs []found
+	newest := map[string]time.Time{}   // .meta name → its newest record's commit time
+	metaTime := map[string]time.Time{} // .meta name → the time of the .meta sealed before
 	for _, e := range ents {
 		dir := filepath.Join(root, e.Name())
-		if err := cr.adoptRecord(dir); err != nil {
+		rec, ok, err := readRecord(dir)
+		if err != nil {
 			cr.log.Error("a commit recorded by the previous agent could not be sealed", "record", dir, "err", err)
+			cr.metrics.error(errKindSeal)
+			if retryableSeal(err) {
+				report(fmt.Sprintf("a step committed before the agent restarted could not be read: %v; its record is kept in the spool for the agent's next start", err))
+				continue
+			}
+			report(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
+		}
+		if !ok {
+			if err := dropRecord(dir); err != nil {
+				return err
+			}
+			continue
+		}
+		m := rec.meta()
+		recs = append(recs, found{dir, rec})
+		if t, seen := newest[m]; !seen || rec.At.After(t) {
+			newest[m] = rec.At
+		}
+		if fi, err := os.Stat(cr.spoolDir("meta", m)); err == nil {
+			metaTime[m] = fi.ModTime()
+		}
+	}
+	for _, f := range recs {
+		rec, m := f.rec, f.rec.meta()
+		var err error
+		switch {
+		case rec.At.Before(newest[m]):
+			cr.log.Warn("a commit record older than another of the same step is dropped", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "committed", rec.At)
+		case metaTime[m].After(rec.At):
+			// A newer commit of the same step, sealed since this record was left (by an agent
+			// that could not seal it, which went on serving): that one wins, as a newer commit
+			// does (found by a review: the old record replaced it at the next start).
+			cr.log.Warn("a commit record older than the sealed step of the same name is dropped", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "committed", rec.At)
+		default:
+			err = cr.sealRecord(f.dir, rec)
+		}
+		if err != nil {
+			cr.log.Error("a commit recorded by the previous agent could not be sealed", "record", f.dir, "err", err)
 			cr.metrics.error(errKindSeal)
 			if retryableSeal(err) && errors.As(err, new(hashError)) {
 				// A shortage that may pass, before the data moved: the record stays for the
 				// next start rather than lose the step (the job's rename returned). Once the
 				// data moved, adoption would free it as unnamed (a review): it is dropped.
-				report(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v; its record is kept in the spool, and the agent's next start tries again", err))
+				cr.keep(f.dir, rec.Job, rec.Step)
+				report(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v; its record is kept in the spool for the agent's next start, "+
+					"but a restore of the job before that continues from an older step and drops it", err))
 				continue
 			}
 			report(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v", err))
 		}
-		if err := dropRecord(dir); err != nil {
+		if err := dropRecord(f.dir); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func (cr *commitRecorder) adoptRecord(dir string) error {
+// readRecord reads the commit.json of the record at dir; ok is false when it has none (it was
+// not complete: the commit never returned) or it is bad (err says why).
+func readRecord(dir string) (rec commitRecord, ok bool, err error) {
 	raw, err := os.ReadFile(filepath.Join(dir, commitRecordName))
 	if errors.Is(err, os.ErrNotExist) {
-		return nil // incomplete: the commit never returned
+		return rec, false, nil
 	}
 	if err != nil {
-		return err
+		return rec, false, err
 	}
-	var rec commitRecord
 	if err := json.Unmarshal(raw, &rec); err != nil || layout.ValidateJobName(rec.Job) != nil {
-		return fmt.Errorf("%s: bad record %q", commitRecordName, raw)
+		return rec, false, fmt.Errorf("%s: bad record %q", commitRecordName, raw)
 	}
-	// In the headroom if need be: a step that filled the budget to the last page was lost to a
-	// kill -9 before its seal, its record's notes finding no room (found by a black-box run).
-	// A newer commit of the same step, sealed since this record was left (by an agent that
-	// could not seal it, which went on serving): that one wins, as a newer commit does
-	// (found by a review: the old record replaced it at the next start).
-	if fi, err := os.Stat(cr.spoolDir("meta", rec.meta())); err == nil && fi.ModTime().After(rec.At) {
-		cr.log.Warn("a commit record older than the sealed step of the same name is dropped", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "committed", rec.At)
-		return nil
-	}
+	return rec, true, nil
+}
+
+// sealRecord seals the record at dir of rec into spool/sealed, with its .meta in spool/meta, in
+// the headroom if need be: a step that filled the budget to the last page was lost to a kill -9
+// before its seal, its record's notes finding no room (found by a black-box run).
+func (cr *commitRecorder) sealRecord(dir string, rec commitRecord) error {
 	var dataName string
-	err = cr.withRoom(func() (err error) {
+	err := cr.withRoom(func() (err error) {
 		dataName, err = cr.hashCommit(context.Background(), dir, rec.Step) // before anything runs: nothing to yield to
 		if err != nil {
 			err = hashError{err}
@@ -479,6 +533,44 @@ func (cr *commitRecorder) adoptRecord(dir string) error {
 	}
 	cr.log.Info("sealed a step committed before the restart", "step", rec.Step, "worker", rec.Worker, "job", rec.Job, "data", dataName)
 	return nil
+}
+
+// keep notes the record at dir, of step of job, that a seal could not hash for a shortage: it
+// stays in the spool for the agent's next start, unless the job's restore abandons its step
+// first (dropKept).
+func (cr *commitRecorder) keep(dir, job string, step int64) {
+	cr.mu.Lock()
+	defer cr.mu.Unlock()
+	if cr.kept == nil {
+		cr.kept = map[string]keptRecord{}
+	}
+	cr.kept[dir] = keptRecord{job, step}
+}
+
+type keptRecord struct {
+	job  string
+	step int64
+}
+
+// dropKept drops the kept records of job whose step abandon says the job's restore abandons, and
+// returns their steps: their step is of the timeline the job left (as dropAbandonedSteps drops
+// .meta entries), and their bytes took RAM no retention could free (a review).
+func (cr *commitRecorder) dropKept(job string, abandon func(step int64) bool) (steps []int64) {
+	cr.mu.Lock()
+	var dirs []string
+	for dir, k := range cr.kept {
+		if k.job == job && abandon(k.step) {
+			dirs, steps = append(dirs, dir), append(steps, k.step)
+			delete(cr.kept, dir)
+		}
+	}
+	cr.mu.Unlock()
+	for _, dir := range dirs {
+		if err := dropRecord(dir); err != nil {
+			cr.log.Error("drop a kept commit record", "record", dir, "err", err)
+		}
+	}
+	return steps
 }
 
 // dropRecord removes a commit record that has served: commit.json first, so that a record cut

@@ -614,8 +614,8 @@ func TestSealGivenUpTellsTheJobWhatItMeans(t *testing.T) {
 }
 
 // TestRecordNotHashedStaysForTheNextStarts: a commit recorded but not hashed when its tries end
-// keeps its record; an agent start that cannot hash it either keeps it again and says so, and
-// the next start seals and restores it. The job is told at each step what it means.
+// keeps its record, and the job is told to restart the agent first; an agent start that cannot
+// hash it either keeps it again, and the next start seals and restores it.
 func TestRecordNotHashedStaysForTheNextStarts(t *testing.T) {
 	t.Parallel()
 	fault := func(step int64) error {
@@ -626,13 +626,13 @@ func TestRecordNotHashedStaysForTheNextStarts(t *testing.T) {
 	}
 	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, hashFault: fault})
 	h.start(baseYAML, "job")
-	hash1 := h.orbaxSave(1, checkpointFiles("1"))
+	h.orbaxSave(1, checkpointFiles("1"))
 	h.waitSealed("job", 1, "1")
 	hash2 := h.orbaxSave(2, checkpointFiles("2"))
 	h.eventually("the line", func() string {
 		for _, l := range h.lines(layout.ReplicatorErrorsName) {
-			if strings.Contains(l, " ERR sealing step 2 (worker 0) failed: ") && strings.HasSuffix(l, "too many open files; its record stays in the spool: "+
-				"the agent's next start seals it, and until then a job restart on this agent restores the step before it (raise the agent's --memory or descriptor limit, or hold fewer files open)") {
+			if strings.Contains(l, " ERR sealing step 2 (worker 0) failed: ") && strings.HasSuffix(l, "too many open files; its record stays in the spool, and the agent's next start seals it: "+
+				"restart the agent before the job (a job restart on this agent restores the step before it, and drops this one) (raise the agent's --memory or descriptor limit, or hold fewer files open)") {
 				return ""
 			}
 		}
@@ -641,26 +641,14 @@ func TestRecordNotHashedStaysForTheNextStarts(t *testing.T) {
 	if got := h.spoolEntries("commits/*"); len(got) != 1 {
 		t.Fatalf("records = %q, want the one of step 2", got)
 	}
-	// The job restarts on this agent: the step before it, as the line says.
-	h.yamlOrbax(baseYAML)
-	restore1 := marker("job", 1, 0, 0, layout.MarkerRestore)
-	h.waitMarkers(restore1)
-	h.checkRestoreLink(restore1, hash1, checkpointFiles("1"))
 
-	// The agent restarts, and hashing still fails: the record is kept again, and the job told.
+	// The agent restarts, and hashing still fails: the record is kept again.
 	h2 := h.restart()
-	h2.yamlOrbax(baseYAML)
-	h2.waitMarkers(restore1)
-	h2.eventually("the adoption's line", func() string {
-		for _, l := range h2.lines(layout.ReplicatorErrorsName) {
-			if strings.Contains(l, "could not be sealed") && strings.Contains(l, "its record is kept in the spool, and the agent's next start tries again") {
-				return ""
-			}
-		}
-		return fmt.Sprintf("replicator.errors = %q", h2.lines(layout.ReplicatorErrorsName))
-	})
 	if got := h2.spoolEntries("commits/*"); len(got) != 1 {
 		t.Fatalf("records = %q, want the one of step 2 kept", got)
+	}
+	if !strings.Contains(h2.logs.String(), "a commit recorded by the previous agent could not be sealed") {
+		t.Error("the adoption did not say it could not seal the record")
 	}
 	h2.close()
 
@@ -672,6 +660,85 @@ func TestRecordNotHashedStaysForTheNextStarts(t *testing.T) {
 	h3.waitMarkers(restore2)
 	h3.checkRestoreLink(restore2, hash2, checkpointFiles("2"))
 	if got := h3.spoolEntries("commits/*"); len(got) != 0 {
+		t.Errorf("records left: %q", got)
+	}
+}
+
+// TestJobRestoreDropsTheKeptRecordOfAStepItAbandons: a job that restarts on the agent that kept
+// a record it could not hash continues from the step before it (as the job was told): the
+// record goes with the rest of that timeline, and its RAM with it. Before, it stayed, holding
+// a step's bytes no retention freed, and the agent's next start sealed it as the newest step
+// of a timeline the job had left (a review).
+func TestJobRestoreDropsTheKeptRecordOfAStepItAbandons(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{sealRetryFor: 300 * time.Millisecond, hashFault: func(step int64) error {
+		if step == 2 {
+			return &os.PathError{Op: "read", Path: "commits/x/data/state", Err: syscall.ENOMEM}
+		}
+		return nil
+	}})
+	h.start(baseYAML, "job")
+	hash1 := h.orbaxSave(1, checkpointFiles("1"))
+	h.waitSealed("job", 1, "1")
+	h.orbaxSave(2, checkpointFiles("2"))
+	h.eventually("the line", func() string {
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) == 0 || !strings.Contains(l[0], "its record stays in the spool") {
+			return fmt.Sprintf("replicator.errors = %q", l)
+		}
+		return ""
+	})
+	h.yamlOrbax(baseYAML)
+	restore1 := marker("job", 1, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore1)
+	h.checkRestoreLink(restore1, hash1, checkpointFiles("1"))
+	if got := h.spoolEntries("commits/*"); len(got) != 0 {
+		t.Errorf("records = %q: the restore of step 1 abandons step 2", got)
+	}
+	cfg := h.cfg
+	cfg.hashFault = nil
+	h.close()
+	h2 := newHarness(t, cfg)
+	h2.yamlOrbax(baseYAML)
+	h2.waitMarkers(restore1)
+	h2.checkRestoreLink(restore1, hash1, checkpointFiles("1"))
+}
+
+// TestNewestOfTwoRecordsOfAStepIsSealed: of two records of one step left unsealed (the older
+// kept by an agent that could not hash it, the newer of the job's commit of the step again, cut
+// by a kill), the newer is sealed and restored. Sealed in name order, the older one's new .meta
+// made the newer record look older than the step sealed, which dropped it (a review).
+func TestNewestOfTwoRecordsOfAStepIsSealed(t *testing.T) {
+	t.Parallel()
+	leave := func(at time.Time, tag string) (root, hash string) {
+		block := make(chan struct{})
+		blocked := make(chan struct{}, 1)
+		h := newHarness(t, harnessConfig{clock: newFakeClock(at), beforeSeal: func(int64) {
+			select {
+			case blocked <- struct{}{}:
+				<-block
+			default:
+			}
+		}})
+		h.start(baseYAML, "job")
+		hash = h.orbaxSave(7, checkpointFiles(tag))
+		<-blocked
+		root = snapshotSpool(t, h) // the record of the commit, unsealed
+		close(block)
+		return root, hash
+	}
+	root, _ := leave(time.Now().Add(-time.Hour), "older")
+	newerRoot, hash := leave(time.Now().Add(-30*time.Minute), "newer")
+	recs, err := filepath.Glob(filepath.Join(newerRoot, "spool", "commits", "*"))
+	require.NoError(t, err)
+	require.Len(t, recs, 1)
+	require.NoError(t, copyTreeLinks(recs[0], filepath.Join(root, "spool", "commits", filepath.Base(recs[0]))))
+
+	h := newHarness(t, harnessConfig{root: root})
+	h.yamlOrbax(baseYAML)
+	restore := marker("job", 7, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore)
+	h.checkRestoreLink(restore, hash, checkpointFiles("newer"))
+	if got := h.spoolEntries("commits/*"); len(got) != 0 {
 		t.Errorf("records left: %q", got)
 	}
 }

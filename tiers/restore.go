@@ -259,6 +259,9 @@ func joinSteps(steps []int64) string {
 // that looks complete but mixes two saves. Every node drops them (all restore the same plan),
 // its own .meta files and the replicas it holds.
 func (r *restorer) dropAbandonedSteps(cfg *Config, plan RestorePlan) {
+	if steps := r.recorder.dropKept(cfg.JobName, func(step int64) bool { return !plan.Found || step > plan.Step }); len(steps) > 0 {
+		r.log.Warn("dropped the commit records kept for the agent's next start: the job continues from an older step", "restored", plan.Step, "found", plan.Found, "steps", steps)
+	}
 	drop := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool {
 		return m.Job == cfg.JobName && (!plan.Found || m.Step > plan.Step)
 	})
@@ -286,6 +289,9 @@ func (r *restorer) dropOtherShapeSteps(cfg *Config, plan RestorePlan) {
 	saved := r.spool.SavedShape()
 	if saved.Nodes > 0 && cfg.Shape().Restores(saved, true) {
 		return
+	}
+	if steps := r.recorder.dropKept(cfg.JobName, func(int64) bool { return true }); len(steps) > 0 {
+		r.log.Warn("dropped the commit records kept for the agent's next start: the job's shape changed", "steps", steps)
 	}
 	fromRAM := saved.Nodes == 0 && plan.Found && plan.Backup == ""
 	drop := r.retention.dropMetas(func(m layout.MarkerName, hash string) bool {

@@ -93,9 +93,12 @@ func (s *sealer) run() {
 				hint = " (raise the agent's --memory or descriptor limit, or hold fewer files open)"
 			}
 			what := "the step is not checkpointed: a restart restores the one before it"
-			if errors.As(err, new(hashError)) {
-				// Recorded, not hashed: the record stays in the spool (a review).
-				what = "its record stays in the spool: the agent's next start seals it, and until then a job restart on this agent restores the step before it"
+			if errors.As(err, new(hashError)) && retryableSeal(err) {
+				// Recorded, not hashed, for a shortage: the record stays in the spool (a
+				// review). Another error is not expected to pass: the next start drops the record
+				// if it fails again. A restore of the job drops it if it abandons its step.
+				s.recorder.keep(c.dir, c.inc.Config.JobName, c.step)
+				what = "its record stays in the spool, and the agent's next start seals it: restart the agent before the job (a job restart on this agent restores the step before it, and drops this one)"
 			}
 			s.lines.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v; %s%s", c.step, c.worker, err, what, hint))
 			continue
