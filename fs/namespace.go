@@ -144,8 +144,13 @@ func (ns *namespace) WriteFile(name string, data []byte) error {
 	if err != nil {
 		return err
 	}
-	_, err = unix.Write(fd, data)
+	n, err := unix.Write(fd, data)
 	unix.Close(fd)
+	if err == nil && n < len(data) {
+		// A full tmpfs writes what fits and says nothing: a line cut short, and the caller's
+		// headroom never used (a review).
+		err = unix.ENOSPC
+	}
 	if err != nil {
 		os.Remove(p)
 		return fmt.Errorf("write %s: %w", name, err)

@@ -102,7 +102,9 @@ func (r *restorer) run(inc *incarnation) {
 	// but waited for a moment, so that a job that reads replicator.errors only at its restore
 	// (NeMo, pytorch) sees the line (reviews).
 	orphansTold := make(chan struct{})
+	r.tasks.Add(1) // Close waits for it: it writes a line
 	go func() {
+		defer r.tasks.Done()
 		defer close(orphansTold)
 		r.tellOrphanedSteps(inc, plan)
 	}()
@@ -114,7 +116,7 @@ func (r *restorer) run(inc *incarnation) {
 	// those of another shape too, and the plan never picks one this shape cannot restore.
 	// Recorded after the drops, so that a crash in between leaves the old shape on steps of the
 	// old shape; a record that cannot be written is removed (unknown, never stale).
-	if err := r.spool.SetShape(cfg.Shape()); err != nil {
+	if err := r.withRoom(func() error { return r.spool.SetShape(cfg.Shape()) }); err != nil { // a full budget removed it (a review)
 		r.log.Error("record the job's shape in the spool", "err", err)
 	}
 	select {

@@ -388,10 +388,11 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 			// The predecessor's headroom is this agent's to make again: held, it could fail the
 			// resize below.
 			os.Remove(filepath.Join(cfg.Dir, HeadroomFile))
-			if owned && sizeForRecords(cfg) > 0 {
+			if held, ok := spoolHeld(cfg.Dir); owned && ok && held > cfg.Budget {
 				// Beyond the budget: the predecessor's open-ended files (garbage, see
 				// clearFiles) go first, so that only records count (a review: they made the
-				// size creep from start to start).
+				// size creep from start to start). Whatever they hold: held past the bound of
+				// sizeForRecords by garbage, the spool was refused (a review).
 				removeTrash(cfg.Dir)
 				clearDir(s.FilesDir())
 			}
@@ -485,15 +486,20 @@ const maxRecordsOver = 4 * HeadroomSize
 // the job's, so that the budget does not creep up from start to start (found by a review).
 // 0: no need.
 func sizeForRecords(cfg SpoolConfig) int64 {
-	var st unix.Statfs_t
-	if unix.Statfs(cfg.Dir, &st) != nil {
-		return 0
-	}
-	held := (int64(st.Blocks) - int64(st.Bfree)) * st.Bsize
-	if held <= cfg.Budget || held > cfg.Budget+maxRecordsOver {
+	held, ok := spoolHeld(cfg.Dir)
+	if !ok || held <= cfg.Budget || held > cfg.Budget+maxRecordsOver {
 		return 0
 	}
 	return min((held+HeadroomSize+256<<10+4095)&^4095, cfg.Budget+maxRecordsOver+HeadroomSize)
+}
+
+// spoolHeld is what the file system at dir holds, in bytes.
+func spoolHeld(dir string) (int64, bool) {
+	var st unix.Statfs_t
+	if unix.Statfs(dir, &st) != nil {
+		return 0, false
+	}
+	return (int64(st.Blocks) - int64(st.Bfree)) * st.Bsize, true
 }
 
 // recordOwner writes owner.json for mountPath. The job recorded by a previous agent stays (the

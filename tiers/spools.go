@@ -19,7 +19,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -307,20 +306,21 @@ func (h Spools) List() ([]SpoolInfo, error) { return h.list(nil) }
 
 // Orphaned lists the spools List would whose owner record names a mount directory that no
 // longer exists, inspecting only those: a restore asks at every start (ReplicatorConfig.
-// KeptSpools), and inspecting a spool without its own tmpfs walks all its files (a review).
+// KeptSpools), and inspecting a spool without its own tmpfs walks all its files (a review). A
+// mount directory that is a mount point is not looked at (a stopped agent's FUSE mount would
+// hang the look: a review), nor one that does not answer within mountStatTimeout.
 func (h Spools) Orphaned() ([]SpoolInfo, error) {
-	return h.list(func(dir string) bool {
+	return h.list(func(dir string, mounts mountTable) bool {
 		o, err := ReadOwner(dir)
 		if err != nil || o.MountPath == "" {
 			return false
 		}
-		_, err = os.Lstat(o.MountPath)
-		return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENOTDIR)
+		return mountPathState(o.MountPath, mounts) == MountGone
 	})
 }
 
-// list is List over the spools keep accepts (nil: all).
-func (h Spools) list(keep func(dir string) bool) ([]SpoolInfo, error) {
+// list is List over the spools keep accepts (nil: all); keep gets the mount table read once.
+func (h Spools) list(keep func(dir string, mounts mountTable) bool) ([]SpoolInfo, error) {
 	agents, err := h.users()
 	if err != nil {
 		return nil, err
@@ -358,7 +358,7 @@ func (h Spools) list(keep func(dir string) bool) ([]SpoolInfo, error) {
 	}
 	if keep != nil {
 		for d := range dirs {
-			if !keep(d) {
+			if !keep(d, mounts) {
 				delete(dirs, d)
 			}
 		}
