@@ -2,6 +2,8 @@ package tiers
 
 import (
 	"context"
+	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"sync"
@@ -50,21 +52,17 @@ func (r *stuckRoot) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.A
 	return 0
 }
 
-// TestMountPathStateAsksNoStoppedServer: the state of a mount path that is a mount point is
-// known without a stat, which would wait for the mount's server (another agent, stopped); a path
-// below such a mount is given mountStatTimeout and then counts as existing, never as gone.
-func TestMountPathStateAsksNoStoppedServer(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("mounting FUSE here needs root")
-	}
-	dir := t.TempDir()
-	root := &stuckRoot{release: make(chan struct{})}
+// stuckMount mounts a stuckRoot (not armed) at a new directory, and sets mountStatTimeout to
+// 200 ms for the test; unstick releases the waiting requests.
+func stuckMount(t *testing.T) (dir string, root *stuckRoot, unstick func()) {
+	dir = t.TempDir()
+	root = &stuckRoot{release: make(chan struct{})}
 	zero := time.Duration(0)
 	srv, err := gofs.Mount(dir, root, &gofs.Options{EntryTimeout: &zero, AttrTimeout: &zero, NegativeTimeout: &zero,
 		MountOptions: fuse.MountOptions{DirectMount: true, FsName: "stuck", Name: "stuck"}})
 	require.NoError(t, err)
 	var once sync.Once
-	unstick := func() { once.Do(func() { root.armed.Store(false); close(root.release) }) }
+	unstick = func() { once.Do(func() { root.armed.Store(false); close(root.release) }) }
 	t.Cleanup(func() {
 		unstick()
 		if srv.Unmount() != nil {
@@ -75,6 +73,57 @@ func TestMountPathStateAsksNoStoppedServer(t *testing.T) {
 	old := mountStatTimeout
 	mountStatTimeout = 200 * time.Millisecond
 	t.Cleanup(func() { mountStatTimeout = old })
+	return dir, root, unstick
+}
+
+// TestOrphanedAsksNoStoppedServer: the orphaned spools a restore looks for at every start are
+// found without a stat of a mount directory that is a mount point (another agent's, stopped),
+// and one below such a mount that does not answer is not orphaned. Before, the look waited for
+// the stopped server, and each restore left a goroutine waiting (found by a review).
+func TestOrphanedAsksNoStoppedServer(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting FUSE here needs root")
+	}
+	dir, root, _ := stuckMount(t)
+	base := t.TempDir()
+	gone := filepath.Join(base, "gone")
+	require.NoError(t, os.Mkdir(gone, 0o755))
+	var dirs []string
+	for i, mnt := range []string{dir, filepath.Join(dir, "below"), gone} {
+		sd := filepath.Join(base, fmt.Sprintf("spool%d", i))
+		s, err := OpenSpool(SpoolConfig{Dir: sd, Budget: MinBudget, MountPath: mnt})
+		require.NoError(t, err)
+		require.NoError(t, os.MkdirAll(filepath.Join(sd, "meta"), 0o700)) // a step: the spool is kept
+		require.NoError(t, os.WriteFile(filepath.Join(sd, "meta", "llama-s10-n0-w0.meta"), []byte("abc"), 0o600))
+		s.Release(slog.New(slog.DiscardHandler))
+		dirs = append(dirs, sd)
+	}
+	require.NoError(t, os.Remove(gone))
+	h := Spools{Dirs: func() []string { return dirs }, Users: func() ([]SpoolUser, error) { return nil, nil }}
+	root.armed.Store(true)
+	done := make(chan []SpoolInfo, 1)
+	go func() {
+		found, err := h.Orphaned()
+		assert.NoError(t, err)
+		done <- found
+	}()
+	select {
+	case found := <-done:
+		require.Len(t, found, 1)
+		assert.Equal(t, dirs[2], found[0].Dir, "the spool of the mount directory gone")
+	case <-time.After(10 * time.Second): // a hang, whatever the machine's speed
+		t.Fatal("Orphaned waited for the stopped server")
+	}
+}
+
+// TestMountPathStateAsksNoStoppedServer: the state of a mount path that is a mount point is
+// known without a stat, which would wait for the mount's server (another agent, stopped); a path
+// below such a mount is given mountStatTimeout and then counts as existing, never as gone.
+func TestMountPathStateAsksNoStoppedServer(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting FUSE here needs root")
+	}
+	dir, root, unstick := stuckMount(t)
 	root.armed.Store(true)
 
 	state := func(p string) string {
