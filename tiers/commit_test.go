@@ -177,6 +177,46 @@ func TestOtherJobsDataIsFreed(t *testing.T) {
 	}
 }
 
+// TestRestoreLinesInOneWrite: the lines a restore has for the job (here: another job's steps
+// freed now, and a newer step of the job's in an orphaned spool) reach replicator.errors in one write before
+// the prerestore: the job reads the file and unlinks it, and a line appended between the two is
+// lost (a clean-clone CI run lost plan lines; a review found the others written one by one).
+func TestRestoreLinesInOneWrite(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	h.orbaxSave(3, checkpointFiles("3"))
+	h.waitSealed("job", 3, "3")
+	h2 := h.restart()
+	other := strings.Replace(baseYAML, "job-name: job", "job-name: other", 1)
+	h2.yamlOrbax(other)
+	h2.waitMarkers(marker("other", 0, 0, 0, layout.MarkerRestore))
+	h2.orbaxSave(1, checkpointFiles("other 1"))
+	h2.waitSealed("other", 1, "1")
+	h2.close()
+	cfg := h2.cfg
+	orphan := tiers.SpoolInfo{Dir: t.TempDir(), MountPath: "/gone", Metas: []string{marker("job", 9, 0, 0, layout.MarkerMeta)},
+		UID: os.Geteuid(), MountState: tiers.MountGone}
+	cfg.keptSpools = func() ([]tiers.SpoolInfo, error) { return []tiers.SpoolInfo{orphan}, nil }
+	h3 := newHarness(t, cfg)
+	h3.yamlOrbax(baseYAML)
+	h3.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	errs := h3.lines(layout.ReplicatorErrorsName)
+	if len(errs) != 2 || !strings.Contains(errs[0], "held checkpoints of other jobs (other-s1-n0-w0.meta)") || !strings.Contains(errs[1], "holds step(s) 9 of this job") {
+		t.Fatalf("replicator.errors = %q, want the two lines", errs)
+	}
+	var writes []int
+	ops := h3.ns.opLog()
+	for i, op := range ops {
+		if op == "write "+layout.ReplicatorErrorsName {
+			writes = append(writes, i)
+		}
+	}
+	if pre := slices.Index(ops, "write "+layout.PrerestoreName); len(writes) != 1 || writes[0] > pre {
+		t.Errorf("replicator.errors written at ops %v, the prerestore at %d: want one write before it", writes, pre)
+	}
+}
+
 // Data whose integrity the agent cannot vouch for (a .save committed at its close: a duplicate
 // descriptor could still write) is hashed before a restore uses it; a copy that fails is
 // reported and restored from the backup (SPEC §10).

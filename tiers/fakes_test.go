@@ -476,6 +476,8 @@ type harnessConfig struct {
 	hashFault func(step int64) error
 	// sealRetryFor, when not 0, bounds the tries of a seal that failed on a shortage.
 	sealRetryFor time.Duration
+	// keptSpools is the replicator's KeptSpools (nil: none).
+	keptSpools func() ([]tiers.SpoolInfo, error)
 	// sealAttrs, when set, gives the namespace's seals their Attrs (dirNamespace.sealAttrs).
 	sealAttrs func(name string) *layout.Attrs
 	// cpuIdle is the replicator's CPUIdle (nil: /proc/stat).
@@ -534,6 +536,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 		DrainTimeout: cfg.drain,
 		BeforeSeal:   cfg.beforeSeal,
 		CPUIdle:      cfg.cpuIdle,
+		KeptSpools:   cfg.keptSpools,
 	}
 	if cfg.store != nil {
 		opts.Store, rcfg.Store = cfg.store, cfg.store // no typed nil in the interfaces

@@ -93,23 +93,28 @@ func (r *restorer) run(inc *incarnation) {
 	for hash := range plan.Holders {
 		defer r.retention.hold(hash + ".data")()
 	}
+	// The restore's lines go to replicator.errors in one write, before the prerestore: the
+	// job reads the file and unlinks it, and a line appended between the two is lost (a
+	// clean-clone CI run lost plan lines; a review, the others).
+	var lines []string
 	if f, ok := r.spool.TakeFreed(cfg.JobName); ok && len(f.Steps) > 0 && (!plan.Found || plan.Step < slices.Max(f.Steps)) {
 		// The job's steps were freed here for another job (a job-name mistyped on every rank,
 		// or a one-node job): the job restored an older step, or nothing, without a word.
-		r.lines.incLine(inc, fmt.Sprintf("this node's RAM held step(s) %s of this job; they were freed at %s when job %s, another job-name, restored on this mount: only what a peer or a backup holds is restored", joinSteps(f.Steps), f.At.Format(time.RFC3339), f.By))
+		lines = append(lines, fmt.Sprintf("this node's RAM held step(s) %s of this job; they were freed at %s when job %s, another job-name, restored on this mount: only what a peer or a backup holds is restored", joinSteps(f.Steps), f.At.Format(time.RFC3339), f.By))
 	}
 	// It lists the machine's spools (every process's command line): off the restore's path,
 	// but waited for a moment, so that a job that reads replicator.errors only at its restore
 	// (NeMo, pytorch) sees the line (reviews).
-	orphansTold := make(chan struct{})
-	r.tasks.Add(1) // Close waits for it: it writes a line
+	orphans := make(chan []string, 1)
+	r.tasks.Add(1) // Close waits for it
 	go func() {
 		defer r.tasks.Done()
-		defer close(orphansTold)
-		r.tellOrphanedSteps(inc, plan)
+		orphans <- r.orphanedStepLines(inc, plan)
 	}()
-	r.freeOtherJobs(inc)
-	r.lines.errLines(cfg, plan.Errors)
+	if l := r.freeOtherJobs(inc); l != "" {
+		lines = append(lines, l)
+	}
+	lines = append(lines, plan.Errors...)
 	r.dropAbandonedSteps(cfg, plan)
 	r.dropOtherShapeSteps(cfg, plan)
 	// What the spool holds from now on is of this shape: the steps above the plan's are gone,
@@ -120,8 +125,21 @@ func (r *restorer) run(inc *incarnation) {
 		r.log.Error("record the job's shape in the spool", "err", err)
 	}
 	select {
-	case <-orphansTold:
+	case l := <-orphans:
+		lines = append(lines, l...)
 	case <-time.After(orphanWait):
+		r.tasks.Add(1)
+		go func() { // late: on their own
+			defer r.tasks.Done()
+			for _, l := range <-orphans {
+				r.lines.incLine(inc, l)
+			}
+		}()
+	}
+	if r.incs.isCurrent(inc) {
+		r.lines.errLines(cfg, lines)
+	} else if len(lines) > 0 {
+		r.log.Error("errors of an earlier incarnation", "incarnation", inc.ID, "messages", lines)
 	}
 	pre := "{}\n"
 	if plan.Found {
@@ -223,11 +241,11 @@ func (r *restorer) run(inc *incarnation) {
 // It runs once every node negotiated the job, not at the handshake: one rank started with a
 // mistyped job-name freed the real job's steps there before the coordinator refused it, and
 // the job, its yaml fixed, restored an older step (found by a black-box run).
-func (r *restorer) freeOtherJobs(inc *incarnation) {
+func (r *restorer) freeOtherJobs(inc *incarnation) (line string) {
 	cfg := inc.Config
 	names := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool { return m.Job != cfg.JobName })
 	if len(names) == 0 {
-		return
+		return ""
 	}
 	r.retention.retain(cfg) // frees the data no kept .meta names
 	byJob := map[string][]int64{}
@@ -243,7 +261,7 @@ func (r *restorer) freeOtherJobs(inc *incarnation) {
 		}
 	}
 	r.log.Warn("freed checkpoints of other jobs", "metas", names, "job", cfg.JobName)
-	r.lines.incLine(inc, fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName))
+	return fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName)
 }
 
 // joinSteps writes steps as "2, 3, 5".
@@ -475,23 +493,23 @@ func (r *restorer) findBackupOf(ctx context.Context, cfg *Config, step int64, sl
 	return ""
 }
 
-// orphanWait bounds how long a restore waits for tellOrphanedSteps before its prerestore.
+// orphanWait bounds how long a restore waits for orphanedStepLines before its prerestore.
 const orphanWait = 500 * time.Millisecond
 
-// tellOrphanedSteps tells the job about steps of its own that a kept spool holds where no agent
+// orphanedStepLines are the lines that tell the job about steps of its own that a kept spool holds where no agent
 // serves it, its mount directory gone, when they are newer than what plan restores: the job's
 // mount directory was moved or renamed while no agent ran, and this agent started with a new,
 // empty spool, restoring an older step or nothing without a word; the orphan is freed once
 // unused for ReapGrace (found by a black-box run). Only this user's spools count.
-func (r *restorer) tellOrphanedSteps(inc *incarnation, plan RestorePlan) {
+func (r *restorer) orphanedStepLines(inc *incarnation, plan RestorePlan) (lines []string) {
 	if r.keptSpools == nil {
-		return
+		return nil
 	}
 	cfg := inc.Config
 	spools, err := r.keptSpools()
 	if err != nil {
 		r.log.Warn("cannot look for kept spools of this job", "err", err)
-		return
+		return nil
 	}
 	for _, s := range spools {
 		if s.Dir == r.spool.Dir() || s.InUse || !s.Orphaned() || s.UID != os.Geteuid() {
@@ -512,12 +530,13 @@ func (r *restorer) tellOrphanedSteps(inc *incarnation, plan RestorePlan) {
 		if cfg.Nodes > 1 {
 			// The other nodes drop their parts of steps newer than this restore's now: this
 			// node's part alone restores nothing (a review).
-			r.lines.incLine(inc, fmt.Sprintf("%s. It is this node's part only: the other nodes drop theirs of steps newer than this restore; an agent starting after %s frees it", what, due))
+			lines = append(lines, fmt.Sprintf("%s. It is this node's part only: the other nodes drop theirs of steps newer than this restore; an agent starting after %s frees it", what, due))
 			continue
 		}
-		r.lines.incLine(inc, fmt.Sprintf("%s. To restore from it, stop this agent and start it again with --spool %s, or move the directory back to %s and start the agent there; an agent starting after %s frees it",
+		lines = append(lines, fmt.Sprintf("%s. To restore from it, stop this agent and start it again with --spool %s, or move the directory back to %s and start the agent there; an agent starting after %s frees it",
 			what, s.Dir, s.MountPath, due))
 	}
+	return lines
 }
 
 var errNotInRAM = errors.New("not in RAM")
