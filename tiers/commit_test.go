@@ -544,27 +544,8 @@ func TestCommitRecordFailingOnAShortageIsTriedAgain(t *testing.T) {
 	var failing atomic.Bool
 	var tries atomic.Int32
 	failing.Store(true)
-	h := newHarness(t, harnessConfig{sealErr: func(name string) error {
-		if name != "2" {
-			return nil
-		}
-		tries.Add(1)
-		if failing.Load() {
-			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.EMFILE}
-		}
-		return nil
-	}})
-	h.yamlOrbax(baseYAML)
-	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
-	h.orbaxSave(1, checkpointFiles("1"))
-	h.waitSealed("job", 1, "1")
-	hash := h.orbaxSave(2, checkpointFiles("2"))
-	h.eventually("tries of the record", func() string {
-		if n := tries.Load(); n < 3 {
-			return fmt.Sprintf("%d tries", n)
-		}
-		return ""
-	})
+	h := newHarness(t, harnessConfig{sealErr: emfileFor2(&tries, failing.Load)})
+	_, hash := h.saveTwoWhileRecordFails(&tries, 3)
 	// The job restarts on the same agent while the record still fails: its restore waits.
 	h.yamlOrbax(baseYAML)
 	time.Sleep(300 * time.Millisecond)
@@ -580,6 +561,50 @@ func TestCommitRecordFailingOnAShortageIsTriedAgain(t *testing.T) {
 	}
 }
 
+// emfileFor2 is a harnessConfig.sealErr that fails the record of step 2 with EMFILE while
+// failing says so, counting its tries.
+func emfileFor2(tries *atomic.Int32, failing func() bool) func(string) error {
+	return func(name string) error {
+		if name != "2" {
+			return nil
+		}
+		tries.Add(1)
+		if failing() {
+			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.EMFILE}
+		}
+		return nil
+	}
+}
+
+// failFor2 is a harnessConfig.hashFault that fails the hashing of step 2's record with errno,
+// counting its tries.
+func failFor2(tries *atomic.Int32, errno syscall.Errno) func(int64) error {
+	return func(step int64) error {
+		if step != 2 {
+			return nil
+		}
+		tries.Add(1)
+		return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: errno}
+	}
+}
+
+// saveTwoWhileRecordFails starts the job, saves step 1 (sealed) and step 2, and waits until the
+// record or hash of step 2 was tried n times (emfileFor2, failFor2); it returns their hashes.
+func (h *harness) saveTwoWhileRecordFails(tries *atomic.Int32, n int32) (hash1, hash2 string) {
+	h.t.Helper()
+	h.start(baseYAML, "job")
+	hash1 = h.orbaxSave(1, checkpointFiles("1"))
+	h.waitSealed("job", 1, "1")
+	hash2 = h.orbaxSave(2, checkpointFiles("2"))
+	h.eventually("tries of the record", func() string {
+		if got := tries.Load(); got < n {
+			return fmt.Sprintf("%d tries", got)
+		}
+		return ""
+	})
+	return hash1, hash2
+}
+
 // TestCommitRecordedAtTheLastTryIsSealedByTheNextAgent: an agent that stops while the record
 // of a commit still fails on a shortage tries once more; recorded then, the commit is sealed by
 // the next agent, and restored. Without that try the step was lost (its rename had returned).
@@ -587,27 +612,12 @@ func TestCommitRecordedAtTheLastTryIsSealedByTheNextAgent(t *testing.T) {
 	t.Parallel()
 	var r atomic.Pointer[tiers.Replicator]
 	var tries atomic.Int32
-	h := newHarness(t, harnessConfig{sealErr: func(name string) error {
-		if name != "2" {
-			return nil
-		}
-		tries.Add(1)
-		if rr := r.Load(); rr == nil || !rr.BackupsStopping() { // passes once the agent stops
-			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.EMFILE}
-		}
-		return nil
-	}})
+	h := newHarness(t, harnessConfig{sealErr: emfileFor2(&tries, func() bool { // passes once the agent stops
+		rr := r.Load()
+		return rr == nil || !rr.BackupsStopping()
+	})})
 	r.Store(h.r)
-	h.start(baseYAML, "job")
-	h.orbaxSave(1, checkpointFiles("1"))
-	h.waitSealed("job", 1, "1")
-	hash := h.orbaxSave(2, checkpointFiles("2"))
-	h.eventually("tries of the record", func() string {
-		if n := tries.Load(); n < 2 {
-			return fmt.Sprintf("%d tries", n)
-		}
-		return ""
-	})
+	_, hash := h.saveTwoWhileRecordFails(&tries, 2)
 	h.close()
 	if !strings.Contains(h.logs.String(), "the agent stops before a committed step could be sealed") {
 		t.Fatalf("no last try recorded the commit: %d tries", tries.Load())
@@ -616,11 +626,7 @@ func TestCommitRecordedAtTheLastTryIsSealedByTheNextAgent(t *testing.T) {
 		t.Errorf("replicator.errors = %q: the step is not lost", l)
 	}
 
-	next := newHarness(t, harnessConfig{root: h.cfg.root})
-	next.yamlOrbax(baseYAML)
-	restore := marker("job", 2, 0, 0, layout.MarkerRestore)
-	next.waitMarkers(restore)
-	next.checkRestoreLink(restore, hash, checkpointFiles("2"))
+	newHarness(t, harnessConfig{root: h.cfg.root}).restoresFromRecords(2, hash, checkpointFiles("2"))
 }
 
 // TestSealGivenUpTellsTheJobWhatItMeans: a commit whose record still fails on a shortage when
@@ -628,16 +634,9 @@ func TestCommitRecordedAtTheLastTryIsSealedByTheNextAgent(t *testing.T) {
 // restores the step before it, as the line says.
 func TestSealGivenUpTellsTheJobWhatItMeans(t *testing.T) {
 	t.Parallel()
-	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, sealErr: func(name string) error {
-		if name == "2" {
-			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.EMFILE}
-		}
-		return nil
-	}})
-	h.start(baseYAML, "job")
-	hash1 := h.orbaxSave(1, checkpointFiles("1"))
-	h.waitSealed("job", 1, "1")
-	h.orbaxSave(2, checkpointFiles("2"))
+	var tries atomic.Int32
+	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, sealErr: emfileFor2(&tries, func() bool { return true })})
+	hash1, _ := h.saveTwoWhileRecordFails(&tries, 1)
 	want := "sealing step 2 (worker 0) failed: open commits/x/data/state: too many open files; the step is not checkpointed: " +
 		"a restart restores the one before it (raise the agent's --memory or descriptor limit, or hold fewer files open)"
 	h.eventually("the line", func() string {
@@ -646,11 +645,8 @@ func TestSealGivenUpTellsTheJobWhatItMeans(t *testing.T) {
 		}
 		return ""
 	})
-	os.Remove(h.path(layout.ReplicatorErrorsName)) // read and unlinked, as the job does
-	h.yamlOrbax(baseYAML)
-	restore := marker("job", 1, 0, 0, layout.MarkerRestore)
-	h.waitMarkers(restore)
-	h.checkRestoreLink(restore, hash1, checkpointFiles("1"))
+	os.Remove(h.path(layout.ReplicatorErrorsName))        // read and unlinked, as the job does
+	h.restoresFromRecords(1, hash1, checkpointFiles("1")) // no record: the step is not checkpointed
 }
 
 // TestRecordNotHashedStaysForTheNextStarts: a commit recorded but not hashed when its tries end
@@ -658,17 +654,9 @@ func TestSealGivenUpTellsTheJobWhatItMeans(t *testing.T) {
 // hash it either keeps it again, and the next start seals and restores it.
 func TestRecordNotHashedStaysForTheNextStarts(t *testing.T) {
 	t.Parallel()
-	fault := func(step int64) error {
-		if step == 2 {
-			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.EMFILE}
-		}
-		return nil
-	}
-	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, hashFault: fault})
-	h.start(baseYAML, "job")
-	h.orbaxSave(1, checkpointFiles("1"))
-	h.waitSealed("job", 1, "1")
-	hash2 := h.orbaxSave(2, checkpointFiles("2"))
+	var tries atomic.Int32
+	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, hashFault: failFor2(&tries, syscall.EMFILE)})
+	_, hash2 := h.saveTwoWhileRecordFails(&tries, 1)
 	h.eventually("the line", func() string {
 		for _, l := range h.lines(layout.ReplicatorErrorsName) {
 			if strings.Contains(l, " ERR sealing step 2 (worker 0) failed: ") && strings.HasSuffix(l, "too many open files; its record stays in the spool, and the agent's next start seals it: "+
@@ -694,14 +682,7 @@ func TestRecordNotHashedStaysForTheNextStarts(t *testing.T) {
 
 	cfg := h.cfg
 	cfg.hashFault = nil
-	h3 := newHarness(t, cfg)
-	h3.yamlOrbax(baseYAML)
-	restore2 := marker("job", 2, 0, 0, layout.MarkerRestore)
-	h3.waitMarkers(restore2)
-	h3.checkRestoreLink(restore2, hash2, checkpointFiles("2"))
-	if got := h3.spoolEntries("commits/*"); len(got) != 0 {
-		t.Errorf("records left: %q", got)
-	}
+	newHarness(t, cfg).restoresFromRecords(2, hash2, checkpointFiles("2"))
 }
 
 // TestJobRestoreDropsTheKeptRecordOfAStepItAbandons: a job that restarts on the agent that kept
@@ -711,16 +692,9 @@ func TestRecordNotHashedStaysForTheNextStarts(t *testing.T) {
 // of a timeline the job had left (a review).
 func TestJobRestoreDropsTheKeptRecordOfAStepItAbandons(t *testing.T) {
 	t.Parallel()
-	h := newHarness(t, harnessConfig{sealRetryFor: 300 * time.Millisecond, hashFault: func(step int64) error {
-		if step == 2 {
-			return &os.PathError{Op: "read", Path: "commits/x/data/state", Err: syscall.ENOMEM}
-		}
-		return nil
-	}})
-	h.start(baseYAML, "job")
-	hash1 := h.orbaxSave(1, checkpointFiles("1"))
-	h.waitSealed("job", 1, "1")
-	h.orbaxSave(2, checkpointFiles("2"))
+	var tries atomic.Int32
+	h := newHarness(t, harnessConfig{sealRetryFor: 300 * time.Millisecond, hashFault: failFor2(&tries, syscall.ENOMEM)})
+	hash1, _ := h.saveTwoWhileRecordFails(&tries, 1)
 	h.eventually("the line", func() string {
 		if l := h.lines(layout.ReplicatorErrorsName); len(l) == 0 || !strings.Contains(l[0], "its record stays in the spool") {
 			return fmt.Sprintf("replicator.errors = %q", l)
@@ -773,13 +747,19 @@ func TestNewestOfTwoRecordsOfAStepIsSealed(t *testing.T) {
 	require.Len(t, recs, 1)
 	require.NoError(t, copyTreeLinks(recs[0], filepath.Join(root, "spool", "commits", filepath.Base(recs[0]))))
 
-	h := newHarness(t, harnessConfig{root: root})
+	newHarness(t, harnessConfig{root: root}).restoresFromRecords(7, hash, checkpointFiles("newer"))
+}
+
+// restoresFromRecords starts the job on h and checks that it restores step (hash, files) with
+// no commit record left in the spool.
+func (h *harness) restoresFromRecords(step int64, hash string, files map[string]string) {
+	h.t.Helper()
 	h.yamlOrbax(baseYAML)
-	restore := marker("job", 7, 0, 0, layout.MarkerRestore)
+	restore := marker("job", step, 0, 0, layout.MarkerRestore)
 	h.waitMarkers(restore)
-	h.checkRestoreLink(restore, hash, checkpointFiles("newer"))
+	h.checkRestoreLink(restore, hash, files)
 	if got := h.spoolEntries("commits/*"); len(got) != 0 {
-		t.Errorf("records left: %q", got)
+		h.t.Errorf("records left: %q", got)
 	}
 }
 
@@ -814,12 +794,5 @@ func TestOlderCommitRecordDoesNotReplaceANewerSeal(t *testing.T) {
 		}
 	}
 
-	h := newHarness(t, harnessConfig{root: root})
-	h.yamlOrbax(baseYAML)
-	restore := marker("job", 7, 0, 0, layout.MarkerRestore)
-	h.waitMarkers(restore)
-	h.checkRestoreLink(restore, hash, checkpointFiles("new"))
-	if got := h.spoolEntries("commits/*"); len(got) != 0 {
-		t.Errorf("records left: %q", got)
-	}
+	newHarness(t, harnessConfig{root: root}).restoresFromRecords(7, hash, checkpointFiles("new"))
 }
