@@ -369,11 +369,15 @@ func (c *JobCoordinator) withdraw(rank int) {
 // computePlan runs tiers.PlanRestore once, on the frozen inventories, and publishes the result.
 func (c *JobCoordinator) computePlan() {
 	start := c.clock.Now()
-	invs, inferred := inferFromColumns(c.cfg, c.invs) // c.invs is frozen: planning is set
+	// What nodes that missed restores hold above them goes first: inferred from, it would
+	// stand for their column-mates too.
+	invs, gen, stale, staleLines := tiers.CutStaleTimelines(c.cfg, c.invs) // c.invs is frozen: planning is set
+	invs, inferred := inferFromColumns(c.cfg, invs)
 	plan, err := tiers.PlanRestore(c.ctx, c.cfg, invs, c.store, c.planLimits)
 	if err != nil {
 		err = fmt.Errorf("restore plan: %w", err)
 	}
+	plan.Generation, plan.StaleAbove, plan.Errors = gen, stale, append(staleLines, plan.Errors...)
 	// Backup names stay unique across incarnations within one minute: start from the newest
 	// name the store already has. The listing is bounded like the plan's read of
 	// restore.version, and skipped when that failed: the markers wait for it. Not known, the
@@ -424,6 +428,10 @@ func (c *JobCoordinator) computePlan() {
 // shares nothing mutable with plan.
 func PlanForRank(plan tiers.RestorePlan, rank, workers int) tiers.RestorePlan {
 	out := plan
+	out.StaleAbove = nil
+	if b, ok := plan.StaleAbove[rank]; ok {
+		out.StaleAbove = map[int]int64{rank: b}
+	}
 	out.Data = make(map[tiers.Slot]string, workers)
 	out.Holders = map[string][]int{}
 	out.Errors = slices.Clone(plan.Errors)

@@ -695,7 +695,7 @@ func configFromPB(s *peerpb.JobShape, rank int) *tiers.Config {
 }
 
 func inventoryToPB(inv tiers.Inventory) *peerpb.Inventory {
-	m := &peerpb.Inventory{Metas: inv.Metas, Data: inv.Data}
+	m := &peerpb.Inventory{Metas: inv.Metas, Data: inv.Data, Generation: inv.Timeline.Generation, Restores: inv.Timeline.Restores}
 	if s := inv.Shape; s.Nodes > 0 {
 		m.SavedShape = &peerpb.SavedShape{Nodes: int32(s.Nodes), WorkersPerNode: int32(s.Workers), DataParallelism: int32(s.DataParallelism)}
 	}
@@ -709,6 +709,9 @@ func inventoryFromPB(rank int, m *peerpb.Inventory) tiers.Inventory {
 	if inv.Metas == nil {
 		inv.Metas = map[string]string{}
 	}
+	if g := m.GetGeneration(); g > 0 {
+		inv.Timeline = tiers.Timeline{Generation: g, Restores: m.GetRestores()}
+	}
 	if s := m.GetSavedShape(); s.GetNodes() > 0 && s.GetWorkersPerNode() > 0 && s.GetDataParallelism() >= 0 {
 		inv.Shape = tiers.Shape{Nodes: int(s.GetNodes()), Workers: int(s.GetWorkersPerNode()), DataParallelism: int(s.GetDataParallelism())}
 	}
@@ -721,7 +724,13 @@ func inventoryFromPB(rank int, m *peerpb.Inventory) tiers.Inventory {
 func validText(s string) string { return strings.ToValidUTF8(s, "\uFFFD") }
 
 func planToPB(p tiers.RestorePlan) *peerpb.RestorePlan {
-	m := &peerpb.RestorePlan{Step: p.Step, Found: p.Found, Backup: p.Backup, Pinned: p.Pinned}
+	m := &peerpb.RestorePlan{Step: p.Step, Found: p.Found, Backup: p.Backup, Pinned: p.Pinned, Generation: p.Generation}
+	for rank, b := range p.StaleAbove {
+		if m.StaleAbove == nil {
+			m.StaleAbove = map[int32]int64{}
+		}
+		m.StaleAbove[int32(rank)] = b
+	}
 	for _, e := range p.Errors {
 		m.Errors = append(m.Errors, validText(e))
 	}
@@ -744,12 +753,18 @@ func planToPB(p tiers.RestorePlan) *peerpb.RestorePlan {
 // planFromPB always returns non-nil Data and Holders, as PlanForRank does.
 func planFromPB(m *peerpb.RestorePlan) tiers.RestorePlan {
 	p := tiers.RestorePlan{
-		Step: m.GetStep(), Found: m.GetFound(), Backup: m.GetBackup(), Errors: m.GetErrors(), Pinned: m.GetPinned(),
+		Step: m.GetStep(), Found: m.GetFound(), Backup: m.GetBackup(), Errors: m.GetErrors(), Pinned: m.GetPinned(), Generation: m.GetGeneration(),
 		Data:    make(map[tiers.Slot]string, len(m.GetData())),
 		Holders: make(map[string][]int, len(m.GetHolders())),
 	}
 	for _, d := range m.GetData() {
 		p.Data[tiers.Slot{Rank: int(d.GetRank()), Worker: int(d.GetWorker())}] = d.GetHash()
+	}
+	for rank, b := range m.GetStaleAbove() {
+		if p.StaleAbove == nil {
+			p.StaleAbove = map[int]int64{}
+		}
+		p.StaleAbove[int(rank)] = b
 	}
 	for hash, rs := range m.GetHolders() {
 		ranks := make([]int, len(rs.GetRanks()))

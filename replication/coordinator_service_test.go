@@ -400,9 +400,10 @@ func TestCoordinatorPlanConversion(t *testing.T) {
 	t.Parallel()
 	plan := tiers.RestorePlan{
 		Step: 42, Found: true, Backup: "2030-01-02_03-04", Pinned: "2030-01-01_00-00",
-		Data:    map[tiers.Slot]string{{Rank: 3, Worker: 0}: hashOf("a"), {Rank: 3, Worker: 1}: hashOf("b")},
-		Holders: map[string][]int{hashOf("a"): {1, 3}, hashOf("b"): {}},
-		Errors:  []string{"one", "two"},
+		Data:       map[tiers.Slot]string{{Rank: 3, Worker: 0}: hashOf("a"), {Rank: 3, Worker: 1}: hashOf("b")},
+		Holders:    map[string][]int{hashOf("a"): {1, 3}, hashOf("b"): {}},
+		Errors:     []string{"one", "two"},
+		Generation: 5, StaleAbove: map[int]int64{2: 3, 3: -1},
 	}
 	assert.Equal(t, plan, planFromPB(planToPB(plan)))
 	// An error naming a path that is not UTF-8 (a damaged backup's file "caf\xe9") still goes
@@ -418,6 +419,8 @@ func TestCoordinatorPlanConversion(t *testing.T) {
 	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)))
 	inv.Shape = tiers.Shape{Nodes: 4, Workers: 2, DataParallelism: 2}
 	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)), "the saved shape travels")
+	inv.Timeline = tiers.Timeline{Generation: 4, Restores: map[int64]int64{4: 8, 3: -1}}
+	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)), "the timeline travels")
 	bad := inventoryToPB(inv)
 	bad.SavedShape.WorkersPerNode = 0
 	assert.Equal(t, tiers.Shape{}, inventoryFromPB(2, bad).Shape, "a shape no job has is unknown")

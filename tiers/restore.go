@@ -77,7 +77,9 @@ func (r *restorer) run(inc *incarnation) {
 	}
 	var plan RestorePlan
 	err := r.waitNoticed(inc, "the restore negotiation", negotiationHint, func() (err error) {
-		plan, err = r.coord.Negotiate(ctx, inc.Incarnation, r.retention.inventory(cfg.NodeRank))
+		inv := r.retention.inventory(cfg.NodeRank)
+		inv.Timeline = r.spool.Timeline(cfg.JobName)
+		plan, err = r.coord.Negotiate(ctx, inc.Incarnation, inv)
 		return err
 	})
 	if err != nil {
@@ -115,6 +117,7 @@ func (r *restorer) run(inc *incarnation) {
 		lines = append(lines, l)
 	}
 	lines = append(lines, plan.Errors...)
+	r.dropStaleTimeline(cfg, plan)
 	r.dropAbandonedSteps(cfg, plan)
 	r.dropOtherShapeSteps(cfg, plan)
 	// What the spool holds from now on is of this shape: the steps above the plan's are gone,
@@ -123,6 +126,14 @@ func (r *restorer) run(inc *incarnation) {
 	// old shape; a record that cannot be written is removed (unknown, never stale).
 	if err := r.withRoom(func() error { return r.spool.SetShape(cfg.Shape()) }); err != nil { // a full budget removed it (a review)
 		r.log.Error("record the job's shape in the spool", "err", err)
+	} else if plan.Generation > 0 {
+		step := int64(-1)
+		if plan.Found {
+			step = plan.Step
+		}
+		if err := r.withRoom(func() error { return r.spool.RecordRestore(plan.Generation, step) }); err != nil {
+			r.log.Error("record the restore in the spool", "err", err)
+		}
 	}
 	select {
 	case l := <-orphans:
@@ -271,6 +282,23 @@ func joinSteps(steps []int64) string {
 		s[i] = strconv.FormatInt(st, 10)
 	}
 	return strings.Join(s, ", ")
+}
+
+// dropStaleTimeline forgets this job's steps above the one plan.StaleAbove gives this node: its
+// agent missed restores of the job, and they are of a timeline the job left (CutStaleTimelines).
+func (r *restorer) dropStaleTimeline(cfg *Config, plan RestorePlan) {
+	bound, ok := plan.StaleAbove[cfg.NodeRank]
+	if !ok {
+		return
+	}
+	drop := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool {
+		return m.Job == cfg.JobName && m.Step > bound
+	})
+	if len(drop) == 0 {
+		return
+	}
+	r.log.Warn("dropped the steps of a timeline the job left while this node's agent was away", "above", bound, "metas", drop)
+	r.retention.retain(cfg) // frees their data
 }
 
 // dropAbandonedSteps forgets this job's steps newer than the one the job restores (all of them on

@@ -26,6 +26,9 @@ type Inventory struct {
 	// the job last planned a restore (the zero Shape: unknown, a new spool). The steps of its
 	// .meta entries are passed over by a job of a shape that cannot restore them.
 	Shape Shape
+	// Timeline is the restores of the job this node took part in, as its spool recorded them
+	// (the zero Timeline: unknown, a new spool or an agent before timelines).
+	Timeline Timeline
 }
 
 // RestorePlan is the job-wide restore decision of SPEC §5.
@@ -41,6 +44,12 @@ type RestorePlan struct {
 	Holders map[string][]int
 	// Errors are lines every node writes to replicator.errors before its markers.
 	Errors []string
+	// Generation numbers this restore (CutStaleTimelines; 0: none, a coordinator before
+	// timelines): every node records it with the step restored (Spool.RecordRestore).
+	Generation int64
+	// StaleAbove holds, for each node that missed restores of the job, the step above which
+	// what it holds is of a timeline the job left: the node drops it.
+	StaleAbove map[int]int64
 	// Pinned is the restore.version content that was in force ("" when none).
 	Pinned string
 	// BackupsUnread: restore.version could not be read, and the step comes from RAM. Only the

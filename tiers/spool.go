@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -63,6 +64,9 @@ type Spool struct {
 	// shapeJob is the job shape is of: another job answered meanwhile (a rank started with a
 	// mistyped job-name) sees no shape, and the record stays for its job (SavedShape).
 	shapeJob string
+	// timeline is the restores of shapeJob this node took part in (RecordRestore), kept in
+	// ShapeFile with the shape.
+	timeline Timeline
 
 	closeOnce sync.Once
 	// trash is set while a predecessor's files, moved aside by clearFiles, wait for RemoveTrash.
@@ -618,18 +622,75 @@ func (s *Spool) SetShape(shape Shape) error {
 	if s.shape == shape && s.shapeJob == s.owner.Job {
 		return nil
 	}
-	data, _ := json.Marshal(shapeRecord{Shape: shape, Job: s.owner.Job})
-	if err := layout.WriteFileAtomic(filepath.Join(s.dir, ShapeFile), data); err != nil {
-		s.forgetShapeLocked()
+	tl := s.timeline
+	if s.shapeJob != s.owner.Job {
+		tl = Timeline{} // another job's
+	}
+	if err := s.writeShapeLocked(shape, tl); err != nil {
 		return fmt.Errorf("record the job's shape: %w", err)
 	}
-	s.shape, s.shapeJob = shape, s.owner.Job
+	return nil
+}
+
+// writeShapeLocked writes ShapeFile for the owner's job; it removes it when it cannot. Called
+// with ownerMu held.
+func (s *Spool) writeShapeLocked(shape Shape, tl Timeline) error {
+	data, _ := json.Marshal(shapeRecord{Shape: shape, Job: s.owner.Job, Generation: tl.Generation, Restores: tl.Restores})
+	if err := layout.WriteFileAtomic(filepath.Join(s.dir, ShapeFile), data); err != nil {
+		s.forgetShapeLocked()
+		return err
+	}
+	s.shape, s.shapeJob, s.timeline = shape, s.owner.Job, tl
+	return nil
+}
+
+// Timeline is the restores of a job a node took part in: Generation, the newest one's (0: none
+// known), and Restores, the step each restore it remembers restored (-1: none), by generation.
+// Every restore is where the job's timeline may fork: the steps above the one restored are
+// dropped on every node that takes part, and saved again. A node that missed restores (its
+// agent away meanwhile, its spool kept) still holds those steps of the timeline the job left,
+// which must not combine with the other nodes' (CutStaleTimelines).
+type Timeline struct {
+	Generation int64
+	Restores   map[int64]int64
+}
+
+// maxTimelineRestores bounds the restores a Timeline remembers.
+const maxTimelineRestores = 64
+
+// Timeline returns the recorded restores of job (none: the zero Timeline).
+func (s *Spool) Timeline(job string) Timeline {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.shapeJob != job || s.shape == (Shape{}) {
+		return Timeline{}
+	}
+	return Timeline{Generation: s.timeline.Generation, Restores: maps.Clone(s.timeline.Restores)}
+}
+
+// RecordRestore records, with the shape (SetShape first), that the node took part in the restore
+// of generation gen of the owner's job, which restored step (-1: none).
+func (s *Spool) RecordRestore(gen, step int64) error {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.shapeJob != s.owner.Job || s.shape == (Shape{}) {
+		return errors.New("no shape recorded")
+	}
+	tl := Timeline{Generation: gen, Restores: map[int64]int64{gen: step}}
+	for g, st := range s.timeline.Restores {
+		if g < gen && g > gen-maxTimelineRestores {
+			tl.Restores[g] = st
+		}
+	}
+	if err := s.writeShapeLocked(s.shape, tl); err != nil {
+		return fmt.Errorf("record the restore: %w", err)
+	}
 	return nil
 }
 
 // forgetShapeLocked removes the shape record. Called with ownerMu held.
 func (s *Spool) forgetShapeLocked() {
-	s.shape = Shape{}
+	s.shape, s.timeline = Shape{}, Timeline{}
 	os.Remove(filepath.Join(s.dir, ShapeFile))
 }
 
@@ -638,6 +699,10 @@ func (s *Spool) forgetShapeLocked() {
 type shapeRecord struct {
 	Shape
 	Job string `json:"job,omitempty"`
+	// The job's Timeline (absent: an agent before timelines wrote it; an older agent that
+	// rewrites the record drops them: unknown, never a stale timeline).
+	Generation int64           `json:"generation,omitempty"`
+	Restores   map[int64]int64 `json:"restores,omitempty"`
 }
 
 // readShape loads ShapeFile; an unreadable or invalid record is no record. So is one that an
@@ -664,6 +729,9 @@ func (s *Spool) readShape() {
 		job = s.owner.Job // the job that held the spool wrote it
 	}
 	s.shape, s.shapeJob = rec.Shape, job
+	if rec.Generation > 0 {
+		s.timeline = Timeline{Generation: rec.Generation, Restores: rec.Restores}
+	}
 }
 
 // SavedShape is the recorded shape of the job's steps (the zero Shape: none recorded).

@@ -194,7 +194,12 @@ type Inventory struct {
 	// The shape of the job whose steps the node holds, as its spool recorded it at the job's last
 	// restore plan (tiers.Inventory.Shape); absent when unknown (a new spool). A step the job
 	// cannot restore in its shape is passed over (tiers.Shape.Restores).
-	SavedShape    *SavedShape `protobuf:"bytes,3,opt,name=saved_shape,json=savedShape,proto3" json:"saved_shape,omitempty"`
+	SavedShape *SavedShape `protobuf:"bytes,3,opt,name=saved_shape,json=savedShape,proto3" json:"saved_shape,omitempty"`
+	// The restores of the job the node took part in (tiers.Timeline): the newest one's
+	// generation (0: unknown), and the step each remembered one restored (-1: none). A node that
+	// missed restores holds steps of a timeline the job left above them (tiers.CutStaleTimelines).
+	Generation    int64           `protobuf:"varint,4,opt,name=generation,proto3" json:"generation,omitempty"`
+	Restores      map[int64]int64 `protobuf:"bytes,5,rep,name=restores,proto3" json:"restores,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -246,6 +251,20 @@ func (x *Inventory) GetData() []string {
 func (x *Inventory) GetSavedShape() *SavedShape {
 	if x != nil {
 		return x.SavedShape
+	}
+	return nil
+}
+
+func (x *Inventory) GetGeneration() int64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
+func (x *Inventory) GetRestores() map[int64]int64 {
+	if x != nil {
+		return x.Restores
 	}
 	return nil
 }
@@ -424,9 +443,13 @@ type RestorePlan struct {
 	Backup string                 `protobuf:"bytes,3,opt,name=backup,proto3" json:"backup,omitempty"`
 	Data   []*SlotData            `protobuf:"bytes,4,rep,name=data,proto3" json:"data,omitempty"`
 	// hash → the ranks holding it in RAM.
-	Holders       map[string]*Ranks `protobuf:"bytes,5,rep,name=holders,proto3" json:"holders,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	Errors        []string          `protobuf:"bytes,6,rep,name=errors,proto3" json:"errors,omitempty"`
-	Pinned        string            `protobuf:"bytes,7,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	Holders map[string]*Ranks `protobuf:"bytes,5,rep,name=holders,proto3" json:"holders,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Errors  []string          `protobuf:"bytes,6,rep,name=errors,proto3" json:"errors,omitempty"`
+	Pinned  string            `protobuf:"bytes,7,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	// The restore's generation (0: a coordinator before timelines): recorded by every node.
+	Generation int64 `protobuf:"varint,8,opt,name=generation,proto3" json:"generation,omitempty"`
+	// Rank → the step above which what it holds is of a timeline the job left: it drops it.
+	StaleAbove    map[int32]int64 `protobuf:"bytes,9,rep,name=stale_above,json=staleAbove,proto3" json:"stale_above,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -508,6 +531,20 @@ func (x *RestorePlan) GetPinned() string {
 		return x.Pinned
 	}
 	return ""
+}
+
+func (x *RestorePlan) GetGeneration() int64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
+func (x *RestorePlan) GetStaleAbove() map[int32]int64 {
+	if x != nil {
+		return x.StaleAbove
+	}
+	return nil
 }
 
 type NegotiateRequest struct {
@@ -1043,16 +1080,23 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x06Caller\x124\n" +
 	"\x05shape\x18\x01 \x01(\v2\x1e.mtcfs.replication.v1.JobShapeR\x05shape\x12 \n" +
 	"\vincarnation\x18\x02 \x01(\tR\vincarnation\x12\x12\n" +
-	"\x04rank\x18\x03 \x01(\x05R\x04rank\"\xde\x01\n" +
+	"\x04rank\x18\x03 \x01(\x05R\x04rank\"\x86\x03\n" +
 	"\tInventory\x12@\n" +
 	"\x05metas\x18\x01 \x03(\v2*.mtcfs.replication.v1.Inventory.MetasEntryR\x05metas\x12\x12\n" +
 	"\x04data\x18\x02 \x03(\tR\x04data\x12A\n" +
 	"\vsaved_shape\x18\x03 \x01(\v2 .mtcfs.replication.v1.SavedShapeR\n" +
-	"savedShape\x1a8\n" +
+	"savedShape\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x04 \x01(\x03R\n" +
+	"generation\x12I\n" +
+	"\brestores\x18\x05 \x03(\v2-.mtcfs.replication.v1.Inventory.RestoresEntryR\brestores\x1a8\n" +
 	"\n" +
 	"MetasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"w\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n" +
+	"\rRestoresEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\x03R\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"w\n" +
 	"\n" +
 	"SavedShape\x12\x14\n" +
 	"\x05nodes\x18\x01 \x01(\x05R\x05nodes\x12(\n" +
@@ -1063,7 +1107,7 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x06worker\x18\x02 \x01(\x05R\x06worker\x12\x12\n" +
 	"\x04hash\x18\x03 \x01(\tR\x04hash\"\x1d\n" +
 	"\x05Ranks\x12\x14\n" +
-	"\x05ranks\x18\x01 \x03(\x05R\x05ranks\"\xd6\x02\n" +
+	"\x05ranks\x18\x01 \x03(\x05R\x05ranks\"\x89\x04\n" +
 	"\vRestorePlan\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x14\n" +
 	"\x05found\x18\x02 \x01(\bR\x05found\x12\x16\n" +
@@ -1071,10 +1115,18 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x04data\x18\x04 \x03(\v2\x1e.mtcfs.replication.v1.SlotDataR\x04data\x12H\n" +
 	"\aholders\x18\x05 \x03(\v2..mtcfs.replication.v1.RestorePlan.HoldersEntryR\aholders\x12\x16\n" +
 	"\x06errors\x18\x06 \x03(\tR\x06errors\x12\x16\n" +
-	"\x06pinned\x18\a \x01(\tR\x06pinned\x1aW\n" +
+	"\x06pinned\x18\a \x01(\tR\x06pinned\x12\x1e\n" +
+	"\n" +
+	"generation\x18\b \x01(\x03R\n" +
+	"generation\x12R\n" +
+	"\vstale_above\x18\t \x03(\v21.mtcfs.replication.v1.RestorePlan.StaleAboveEntryR\n" +
+	"staleAbove\x1aW\n" +
 	"\fHoldersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x121\n" +
-	"\x05value\x18\x02 \x01(\v2\x1b.mtcfs.replication.v1.RanksR\x05value:\x028\x01\"\x87\x01\n" +
+	"\x05value\x18\x02 \x01(\v2\x1b.mtcfs.replication.v1.RanksR\x05value:\x028\x01\x1a=\n" +
+	"\x0fStaleAboveEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\x05R\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\x87\x01\n" +
 	"\x10NegotiateRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\x12=\n" +
 	"\tinventory\x18\x02 \x01(\v2\x1f.mtcfs.replication.v1.InventoryR\tinventory\"G\n" +
@@ -1126,7 +1178,7 @@ func file_coordinator_proto_rawDescGZIP() []byte {
 	return file_coordinator_proto_rawDescData
 }
 
-var file_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_coordinator_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_coordinator_proto_goTypes = []any{
 	(*JobShape)(nil),             // 0: mtcfs.replication.v1.JobShape
 	(*Caller)(nil),               // 1: mtcfs.replication.v1.Caller
@@ -1146,37 +1198,41 @@ var file_coordinator_proto_goTypes = []any{
 	(*BackupsRequest)(nil),       // 15: mtcfs.replication.v1.BackupsRequest
 	(*BackupsReply)(nil),         // 16: mtcfs.replication.v1.BackupsReply
 	nil,                          // 17: mtcfs.replication.v1.Inventory.MetasEntry
-	nil,                          // 18: mtcfs.replication.v1.RestorePlan.HoldersEntry
+	nil,                          // 18: mtcfs.replication.v1.Inventory.RestoresEntry
+	nil,                          // 19: mtcfs.replication.v1.RestorePlan.HoldersEntry
+	nil,                          // 20: mtcfs.replication.v1.RestorePlan.StaleAboveEntry
 }
 var file_coordinator_proto_depIdxs = []int32{
 	0,  // 0: mtcfs.replication.v1.Caller.shape:type_name -> mtcfs.replication.v1.JobShape
 	17, // 1: mtcfs.replication.v1.Inventory.metas:type_name -> mtcfs.replication.v1.Inventory.MetasEntry
 	3,  // 2: mtcfs.replication.v1.Inventory.saved_shape:type_name -> mtcfs.replication.v1.SavedShape
-	4,  // 3: mtcfs.replication.v1.RestorePlan.data:type_name -> mtcfs.replication.v1.SlotData
-	18, // 4: mtcfs.replication.v1.RestorePlan.holders:type_name -> mtcfs.replication.v1.RestorePlan.HoldersEntry
-	1,  // 5: mtcfs.replication.v1.NegotiateRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	2,  // 6: mtcfs.replication.v1.NegotiateRequest.inventory:type_name -> mtcfs.replication.v1.Inventory
-	6,  // 7: mtcfs.replication.v1.NegotiateReply.plan:type_name -> mtcfs.replication.v1.RestorePlan
-	1,  // 8: mtcfs.replication.v1.RestoredRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	1,  // 9: mtcfs.replication.v1.RestoreFailedRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	1,  // 10: mtcfs.replication.v1.SyncRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	1,  // 11: mtcfs.replication.v1.BackupsRequest.caller:type_name -> mtcfs.replication.v1.Caller
-	5,  // 12: mtcfs.replication.v1.RestorePlan.HoldersEntry.value:type_name -> mtcfs.replication.v1.Ranks
-	7,  // 13: mtcfs.replication.v1.Coordinator.Negotiate:input_type -> mtcfs.replication.v1.NegotiateRequest
-	9,  // 14: mtcfs.replication.v1.Coordinator.Restored:input_type -> mtcfs.replication.v1.RestoredRequest
-	11, // 15: mtcfs.replication.v1.Coordinator.RestoreFailed:input_type -> mtcfs.replication.v1.RestoreFailedRequest
-	13, // 16: mtcfs.replication.v1.Coordinator.Sync:input_type -> mtcfs.replication.v1.SyncRequest
-	15, // 17: mtcfs.replication.v1.Coordinator.Backups:input_type -> mtcfs.replication.v1.BackupsRequest
-	8,  // 18: mtcfs.replication.v1.Coordinator.Negotiate:output_type -> mtcfs.replication.v1.NegotiateReply
-	10, // 19: mtcfs.replication.v1.Coordinator.Restored:output_type -> mtcfs.replication.v1.RestoredReply
-	12, // 20: mtcfs.replication.v1.Coordinator.RestoreFailed:output_type -> mtcfs.replication.v1.RestoreFailedReply
-	14, // 21: mtcfs.replication.v1.Coordinator.Sync:output_type -> mtcfs.replication.v1.SyncReply
-	16, // 22: mtcfs.replication.v1.Coordinator.Backups:output_type -> mtcfs.replication.v1.BackupsReply
-	18, // [18:23] is the sub-list for method output_type
-	13, // [13:18] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	18, // 3: mtcfs.replication.v1.Inventory.restores:type_name -> mtcfs.replication.v1.Inventory.RestoresEntry
+	4,  // 4: mtcfs.replication.v1.RestorePlan.data:type_name -> mtcfs.replication.v1.SlotData
+	19, // 5: mtcfs.replication.v1.RestorePlan.holders:type_name -> mtcfs.replication.v1.RestorePlan.HoldersEntry
+	20, // 6: mtcfs.replication.v1.RestorePlan.stale_above:type_name -> mtcfs.replication.v1.RestorePlan.StaleAboveEntry
+	1,  // 7: mtcfs.replication.v1.NegotiateRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	2,  // 8: mtcfs.replication.v1.NegotiateRequest.inventory:type_name -> mtcfs.replication.v1.Inventory
+	6,  // 9: mtcfs.replication.v1.NegotiateReply.plan:type_name -> mtcfs.replication.v1.RestorePlan
+	1,  // 10: mtcfs.replication.v1.RestoredRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	1,  // 11: mtcfs.replication.v1.RestoreFailedRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	1,  // 12: mtcfs.replication.v1.SyncRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	1,  // 13: mtcfs.replication.v1.BackupsRequest.caller:type_name -> mtcfs.replication.v1.Caller
+	5,  // 14: mtcfs.replication.v1.RestorePlan.HoldersEntry.value:type_name -> mtcfs.replication.v1.Ranks
+	7,  // 15: mtcfs.replication.v1.Coordinator.Negotiate:input_type -> mtcfs.replication.v1.NegotiateRequest
+	9,  // 16: mtcfs.replication.v1.Coordinator.Restored:input_type -> mtcfs.replication.v1.RestoredRequest
+	11, // 17: mtcfs.replication.v1.Coordinator.RestoreFailed:input_type -> mtcfs.replication.v1.RestoreFailedRequest
+	13, // 18: mtcfs.replication.v1.Coordinator.Sync:input_type -> mtcfs.replication.v1.SyncRequest
+	15, // 19: mtcfs.replication.v1.Coordinator.Backups:input_type -> mtcfs.replication.v1.BackupsRequest
+	8,  // 20: mtcfs.replication.v1.Coordinator.Negotiate:output_type -> mtcfs.replication.v1.NegotiateReply
+	10, // 21: mtcfs.replication.v1.Coordinator.Restored:output_type -> mtcfs.replication.v1.RestoredReply
+	12, // 22: mtcfs.replication.v1.Coordinator.RestoreFailed:output_type -> mtcfs.replication.v1.RestoreFailedReply
+	14, // 23: mtcfs.replication.v1.Coordinator.Sync:output_type -> mtcfs.replication.v1.SyncReply
+	16, // 24: mtcfs.replication.v1.Coordinator.Backups:output_type -> mtcfs.replication.v1.BackupsReply
+	20, // [20:25] is the sub-list for method output_type
+	15, // [15:20] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_coordinator_proto_init() }
@@ -1190,7 +1246,7 @@ func file_coordinator_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_coordinator_proto_rawDesc), len(file_coordinator_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   19,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -1,0 +1,159 @@
+package tiers_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mtcfs/mtcfs/tiers"
+)
+
+// timelineInvs is the cluster of a black-box run: three nodes, each pushing to the next. Rank 0's
+// agent went away after restore 1 with steps 1–3 of timeline A in its spool (hashes 100+step,
+// held by itself only: the pushes were cut); a replacement took rank 0, the job restored step 1
+// (restore 2) and saved steps 2–3 again (timeline B: 200+step for rank 0's slot, replicated to
+// rank 1; 300+ and 400+ for ranks 1 and 2). Then the old rank 0 came back.
+func timelineInvs() []tiers.Inventory {
+	inv := func(rank int, gen int64, restores map[int64]int64) tiers.Inventory {
+		return tiers.Inventory{Rank: rank, Metas: map[string]string{}, Timeline: tiers.Timeline{Generation: gen, Restores: restores}}
+	}
+	invs := []tiers.Inventory{inv(0, 1, map[int64]int64{1: -1}), inv(1, 2, map[int64]int64{1: -1, 2: 1}), inv(2, 2, map[int64]int64{1: -1, 2: 1})}
+	hold := func(rank int, step int64, slot, hash int) {
+		invs[rank].Metas[metaOf(step, slot, 0)] = hx(hash)
+		invs[rank].Data = append(invs[rank].Data, hx(hash))
+	}
+	hold(0, 1, 0, 101) // step 1: the common timeline, replicated everywhere
+	hold(1, 1, 0, 101)
+	hold(1, 1, 1, 301)
+	hold(2, 1, 1, 301)
+	hold(2, 1, 2, 401)
+	hold(0, 1, 2, 401)
+	for step := int64(2); step <= 3; step++ {
+		hold(0, step, 0, 100+int(step)) // timeline A, rank 0's own
+		hold(1, step, 0, 200+int(step)) // timeline B: the replacement's, replicated to rank 1
+		hold(1, step, 1, 300+int(step))
+		hold(2, step, 1, 300+int(step))
+		hold(2, step, 2, 400+int(step))
+	}
+	return invs
+}
+
+// TestStaleTimelineIsNotCombined: a node that missed a restore of the job (its agent away while
+// a replacement took its rank) holds steps of a timeline the job left; they are not combined
+// with the other nodes' saves of the same steps. Before, its own data of step 3 (timeline A) was
+// restored with the others' (timeline B), with no word (found by a black-box run).
+func TestStaleTimelineIsNotCombined(t *testing.T) {
+	t.Parallel()
+	cfg := planConfig(3, 1)
+	invs := timelineInvs()
+	before := fmt.Sprint(invs)
+	cut, gen, above, lines := tiers.CutStaleTimelines(cfg, invs)
+	assert.Equal(t, before, fmt.Sprint(invs), "the inventories given are not changed")
+	assert.EqualValues(t, 3, gen, "the restore after the newest")
+	assert.Equal(t, map[int]int64{0: 1}, above, "rank 0 missed restore 2, of step 1")
+	require.Len(t, lines, 1)
+	assert.Equal(t, "the RAM of rank 0 holds step(s) 2, 3 of a timeline the job left: its agent was away when the job restored step 1 and went on from there; they are not restored, and are dropped", lines[0])
+
+	plan, err := tiers.PlanRestore(context.Background(), cfg, cut, nil, tiers.PlanLimits{})
+	require.NoError(t, err)
+	assert.True(t, plan.Found)
+	assert.EqualValues(t, 3, plan.Step)
+	assert.Equal(t, slots("n0-w0", hx(203), "n1-w0", hx(303), "n2-w0", hx(403)), plan.Data, "timeline B everywhere")
+
+	// Without the cut, rank 0's own save won: the mix this prevents.
+	mixed, err := tiers.PlanRestore(context.Background(), cfg, invs, nil, tiers.PlanLimits{})
+	require.NoError(t, err)
+	assert.Equal(t, hx(103), mixed.Data[tiers.Slot{}])
+
+	// The replica of timeline B gone too: rank 0's slot of steps 2–3 is nowhere, and step 1 is
+	// restored, never timeline A's.
+	invs = timelineInvs()
+	for step := int64(2); step <= 3; step++ {
+		delete(invs[1].Metas, metaOf(step, 0, 0))
+	}
+	cut, _, _, _ = tiers.CutStaleTimelines(cfg, invs)
+	plan, err = tiers.PlanRestore(context.Background(), cfg, cut, nil, tiers.PlanLimits{})
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, plan.Step)
+}
+
+// TestTimelineCutBounds: the step a stale node keeps up to is the lowest restored by the
+// restores it missed; a restore no record tells the step of, or too many missed, count as none
+// (everything of the job goes); unknown timelines and current ones are left alone.
+func TestTimelineCutBounds(t *testing.T) {
+	t.Parallel()
+	cfg := planConfig(3, 1)
+	steps := func(rank int, ss ...int64) map[string]string {
+		m := map[string]string{}
+		for _, s := range ss {
+			m[metaOf(s, rank, 0)] = hx(int(s))
+		}
+		return m
+	}
+	inv := func(rank int, gen int64, restores map[int64]int64) tiers.Inventory {
+		return tiers.Inventory{Rank: rank, Metas: steps(rank, 1, 2, 3, 4, 5, 6), Timeline: tiers.Timeline{Generation: gen, Restores: restores}}
+	}
+	for _, tc := range []struct {
+		name  string
+		invs  []tiers.Inventory
+		above map[int]int64
+	}{
+		{"all current", []tiers.Inventory{inv(0, 4, nil), inv(1, 4, nil), inv(2, 4, nil)}, nil},
+		{"unknown timelines", []tiers.Inventory{inv(0, 0, nil), inv(1, 4, map[int64]int64{4: 2}), inv(2, 0, nil)}, nil},
+		{"missed two: the lower", []tiers.Inventory{inv(0, 2, nil), inv(1, 4, map[int64]int64{3: 5, 4: 2}), inv(2, 4, map[int64]int64{4: 2})}, map[int]int64{0: 2}},
+		{"missed one not told", []tiers.Inventory{inv(0, 2, nil), inv(1, 4, map[int64]int64{4: 5}), inv(2, 4, nil)}, map[int]int64{0: -1}},
+		{"missed a fresh start", []tiers.Inventory{inv(0, 3, nil), inv(1, 4, map[int64]int64{4: -1}), inv(2, 4, nil)}, map[int]int64{0: -1}},
+		{"missed too many", []tiers.Inventory{inv(0, 1, nil), inv(1, 100, map[int64]int64{100: 5}), inv(2, 100, nil)}, map[int]int64{0: -1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cut, _, above, _ := tiers.CutStaleTimelines(cfg, tc.invs)
+			assert.Equal(t, tc.above, above)
+			for _, inv := range cut {
+				b, stale := tc.above[inv.Rank]
+				for name := range steps(inv.Rank, 1, 2, 3, 4, 5, 6) {
+					_, kept := inv.Metas[name]
+					var s int64
+					fmt.Sscanf(name[strings.Index(name, "-s")+2:], "%d", &s)
+					assert.Equal(t, !stale || s <= b, kept, "rank %d %s", inv.Rank, name)
+				}
+			}
+		})
+	}
+}
+
+// TestSpoolRecordsRestores: the restores a node took part in are kept with the shape, for the
+// job they are of, the newest maxTimelineRestores of them, across a reopen.
+func TestSpoolRecordsRestores(t *testing.T) {
+	t.Parallel()
+	base := t.TempDir()
+	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	s, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: dir, Budget: tiers.MinBudget, MountPath: mnt})
+	require.NoError(t, err)
+	require.Error(t, s.RecordRestore(1, 5), "no shape recorded")
+	require.NoError(t, s.SetRunning("job", tiers.Running{Incarnation: "i1"}))
+	require.NoError(t, s.SetShape(tiers.Shape{Nodes: 2, Workers: 1}))
+	for g := int64(1); g <= 70; g++ {
+		require.NoError(t, s.RecordRestore(g, g*10))
+	}
+	tl := s.Timeline("job")
+	assert.EqualValues(t, 70, tl.Generation)
+	assert.Len(t, tl.Restores, 64)
+	assert.EqualValues(t, 700, tl.Restores[70])
+	assert.EqualValues(t, 70, tl.Restores[7])
+	assert.Equal(t, tiers.Timeline{}, s.Timeline("other"), "another job's")
+	require.NoError(t, s.SetShape(tiers.Shape{Nodes: 4, Workers: 1}))
+	assert.EqualValues(t, 70, s.Timeline("job").Generation, "a new shape keeps the job's timeline")
+	require.NoError(t, s.Detach())
+
+	s, err = tiers.OpenSpool(tiers.SpoolConfig{Dir: dir, Budget: tiers.MinBudget, MountPath: mnt})
+	require.NoError(t, err)
+	defer s.Detach()
+	assert.EqualValues(t, 700, s.Timeline("job").Restores[70], "kept across a reopen")
+}
