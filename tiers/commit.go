@@ -344,9 +344,13 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 	if err := os.Mkdir(c.dir, 0o700); err != nil {
 		return err
 	}
-	var err error
 	dst := filepath.Join(c.dir, commitDataName)
-	if c.sealed, err = cr.ns.Seal(c.name, dst); err == nil {
+	err := cr.fds.retry(func() (err error) {
+		os.RemoveAll(dst) // what a try cut short by the descriptors left
+		c.sealed, err = cr.ns.Seal(c.name, dst)
+		return err
+	})
+	if err == nil {
 		// Before commit.json: part of the record. Too large, or no room left for them (a spool at
 		// its budget), the step is sealed without them (it restores with the agent's owners
 		// and modes) rather than not at all.

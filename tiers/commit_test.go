@@ -649,6 +649,60 @@ func TestSealGivenUpTellsTheJobWhatItMeans(t *testing.T) {
 	h.restoresFromRecords(1, hash1, checkpointFiles("1")) // no record: the step is not checkpointed
 }
 
+// TestGiveUpLineReachesTheRestartedJob: a job that restarts while a commit's record still
+// fails waits for the tries; when they end, the line saying the step is lost is the restarted
+// job's. Before, it went to the incarnation that committed, was logged as an earlier one's, and
+// the restarted job got the step before without a word (found by a black-box run).
+func TestGiveUpLineReachesTheRestartedJob(t *testing.T) {
+	t.Parallel()
+	var tries atomic.Int32
+	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, sealErr: emfileFor2(&tries, func() bool { return true })})
+	hash1, _ := h.saveTwoWhileRecordFails(&tries, 1)
+	h.yamlOrbax(baseYAML)
+	h.restoresFromRecords(1, hash1, checkpointFiles("1"))
+	h.eventually("the line", func() string {
+		for _, l := range h.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "sealing step 2 (worker 0) failed: ") && strings.Contains(l, "the step is not checkpointed") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
+	})
+}
+
+// TestLinesWhoseWriteFailedGoWithTheNext: a line for the job whose write failed (the agent out
+// of descriptors, say) is written with the next one, not lost; it was logged as reported.
+func TestLinesWhoseWriteFailedGoWithTheNext(t *testing.T) {
+	t.Parallel()
+	var failing atomic.Bool
+	failing.Store(true)
+	h := newHarness(t, harnessConfig{writeErr: func(name string) error {
+		if name == layout.ReplicatorErrorsName && failing.Load() {
+			return &os.PathError{Op: "open", Path: name, Err: syscall.ENFILE}
+		}
+		return nil
+	}})
+	h.start(baseYAML, "job")
+	h.makeTree("tmp", map[string]string{"state": "weights"})
+	h.rename("tmp", "007")
+	h.eventually("the failed write", func() string {
+		if !strings.Contains(h.logs.String(), "the lines are written with the next one") {
+			return "not yet"
+		}
+		return ""
+	})
+	failing.Store(false)
+	h.makeTree("tmp", map[string]string{"state": "weights"})
+	h.rename("tmp", "-3")
+	h.eventually("both lines", func() string {
+		l := h.lines(layout.ReplicatorErrorsName)
+		if len(l) != 2 || !strings.Contains(l[0], "007 is not committed") || !strings.Contains(l[1], "-3 is not committed") {
+			return fmt.Sprintf("replicator.errors = %q", l)
+		}
+		return ""
+	})
+}
+
 // TestRecordNotHashedStaysForTheNextStarts: a commit recorded but not hashed when its tries end
 // keeps its record, and the job is told to restart the agent first; an agent start that cannot
 // hash it either keeps it again, and the next start seals and restores it.

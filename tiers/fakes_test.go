@@ -53,6 +53,8 @@ type dirNamespace struct {
 	failImport func(name string) error
 	// failSeal, when set, may fail a Seal of name before it does anything.
 	failSeal func(name string) error
+	// failWrite, when set, may fail a WriteFile of name before it does anything.
+	failWrite func(name string) error
 	// sealAttrs, when set, gives the Attrs a Seal of name returns (nil: the top's owner).
 	sealAttrs func(name string) *layout.Attrs
 }
@@ -131,6 +133,11 @@ func (ns *dirNamespace) ReadFile(name string, limit int64) ([]byte, error) {
 
 func (ns *dirNamespace) WriteFile(name string, data []byte) error {
 	ns.record("write", name)
+	if ns.failWrite != nil {
+		if err := ns.failWrite(name); err != nil {
+			return err
+		}
+	}
 	tmp := ns.tmpName()
 	if err := os.WriteFile(tmp, data, 0o644); err != nil {
 		return err
@@ -472,6 +479,8 @@ type harnessConfig struct {
 	sealErr func(name string) error
 	// importErr, when set, may fail the namespace's imports (dirNamespace.failImport).
 	importErr func(name string) error
+	// writeErr, when set, may fail the namespace's writes (dirNamespace.failWrite).
+	writeErr func(name string) error
 	// hashFault, when set, may fail the hashing of commit records (Replicator.SetHashFault).
 	hashFault func(step int64) error
 	// sealRetryFor, when not 0, bounds the tries of a seal that failed on a shortage.
@@ -520,6 +529,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	}
 	ns.failImport = cfg.importErr
 	ns.failSeal = cfg.sealErr
+	ns.failWrite = cfg.writeErr
 	ns.sealAttrs = cfg.sealAttrs
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(cfg.root, "spool"), Budget: 64 << 20})
 	if err != nil {

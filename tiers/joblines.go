@@ -20,6 +20,8 @@ type jobLines struct {
 	writeMu sync.Mutex
 	mu      sync.Mutex
 	recent  []reportedLine // GUARDED_BY(mu); the last lines reported, oldest first
+	// unwritten holds, per file, lines whose write failed: the next write to it adds them.
+	unwritten map[string][]string // GUARDED_BY(mu)
 }
 
 // reportedLine is a line reported to a job, kept for status.
@@ -75,15 +77,31 @@ func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) 
 	for _, msg := range msgs {
 		lines = append(lines, fmt.Sprintf("%s job=%s node=%s/%s %s %s\n", l.now().UTC().Format("2006-01-02T15:04:05Z"), job, rank, nodes, level, oneLine(msg)))
 	}
+	// Lines a write failed for go first: they were said to be reported, and were lost (a
+	// black-box run: the give-up line of a commit met the descriptor limit too).
+	l.mu.Lock()
+	unwritten := l.unwritten[file]
+	delete(l.unwritten, file)
+	l.mu.Unlock()
 	old, err := l.ns.ReadFile(file, 1<<20)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		l.log.Error("read "+file, "err", err)
 	}
-	if err := l.writeFile(file, append(old, strings.Join(lines, "")...)); err != nil {
-		l.log.Error("write "+file, "err", err)
+	werr := l.writeFile(file, append(old, strings.Join(append(unwritten, lines...), "")...))
+	if werr != nil {
+		l.log.Error("write "+file+": the lines are written with the next one", "err", werr, "lines", len(unwritten)+len(lines))
+		l.mu.Lock()
+		if l.unwritten == nil {
+			l.unwritten = map[string][]string{}
+		}
+		l.unwritten[file] = append(unwritten, lines...)
+		if n := len(l.unwritten[file]); n > recentLines {
+			l.unwritten[file] = l.unwritten[file][n-recentLines:]
+		}
+		l.mu.Unlock()
 	}
 	for i, msg := range msgs {
-		l.log.Warn("reported to the job", "file", file, "message", oneLine(msg))
+		l.log.Warn("reported to the job", "file", file, "message", oneLine(msg), "written", werr == nil)
 		l.mu.Lock()
 		l.recent = append(l.recent, reportedLine{job, strings.TrimSpace(lines[i])})
 		if len(l.recent) > recentLines {

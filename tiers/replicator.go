@@ -150,6 +150,8 @@ type node struct {
 	yield *yielder
 	// waits says when a restore waiting for the other nodes tells of it (waitnotice.go).
 	waits *waitNotices
+	// fds are spare descriptors for the agent's own records (fdreserve.go).
+	fds *fdReserve
 	// hashFault, a test's (export_test.go, set before Start), may fail the hashing of a
 	// commit's record, in sealing and in adoption alike.
 	hashFault func(step int64) error
@@ -170,12 +172,12 @@ func (n *node) hashCommit(ctx context.Context, dir string, step int64) (string, 
 // filled its budget. The headroom is first taken back if there is room for it.
 func (n *node) withRoom(write func() error) error {
 	n.spool.FillHeadroom()
-	err := write()
+	err := n.fds.retry(write)
 	for used := false; n.spool.UseHeadroom(err); used = true {
 		if !used {
 			n.log.Warn("the spool is full: the agent's records use its headroom", "err", err)
 		}
-		err = write()
+		err = n.fds.retry(write)
 	}
 	return err
 }
@@ -212,7 +214,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 		cfg.Logger = slog.Default()
 	}
 	n := &node{spool: cfg.Spool, now: cfg.Now, log: cfg.Logger, digests: &layout.DigestCache{}, yield: newYielder(cfg.CPUIdle),
-		waits: newWaitNotices()}
+		waits: newWaitNotices(), fds: &fdReserve{}}
 	r := &Replicator{cfg: cfg, node: n, queue: newFIFO[event]()}
 	if cfg.Registerer != nil {
 		n.metrics = NewMetrics(cfg.Registerer, r)
@@ -256,10 +258,16 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 
 // Start adopts committed data a previous agent left in the spool, writes jax-init-info.txt,
 // and starts the stages' goroutines. ctx bounds the replicator's life.
-func (r *Replicator) Start(ctx context.Context, ns Namespace) error {
+func (r *Replicator) Start(ctx context.Context, ns Namespace) (err error) {
 	n := r.node
 	n.ns = ns
 	n.ctx, r.cancel = context.WithCancel(ctx)
+	n.fds.fill()
+	defer func() {
+		if err != nil {
+			n.fds.close()
+		}
+	}()
 	// The job is told at its first save (tellInterrupted), which the control loop sees once
 	// adoption is over. A replicator.yaml already there (one the job wrote while no agent was
 	// mounted, or right now) means the job is restarting: it needs no telling. Only an Orbax
@@ -404,6 +412,7 @@ func (r *Replicator) Close() {
 	r.cancel()           // incarnations, restores, pushes and backups end; sealing does not
 	r.node.tasks.Wait()  // the control loop closes the sealer's queue: what was committed is sealed
 	r.inbox.stopTimers() // replica holds no longer matter
+	r.node.fds.close()
 }
 
 // Events (called on FUSE request goroutines: record and return; a commit is recorded in the

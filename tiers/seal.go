@@ -100,7 +100,13 @@ func (s *sealer) run() {
 				s.recorder.keep(c.dir, c.inc.Config.JobName, c.step)
 				what = "its record stays in the spool, and the agent's next start seals it: restart the agent before the job (a job restart on this agent restores the step before it, and drops this one)"
 			}
-			s.lines.incLine(c.inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v; %s%s", c.step, c.worker, err, what, hint))
+			// To the job's incarnation now: one that restarted during the tries restored the
+			// step before it and was not told why (a black-box run).
+			inc := c.inc
+			if cur := s.incs.get(); cur != nil && cur.Config.JobName == inc.Config.JobName {
+				inc = cur
+			}
+			s.lines.incLine(inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v; %s%s", c.step, c.worker, err, what, hint))
 			continue
 		}
 		s.out.push(sealedStep{commit: c, dataName: dataName, meta: meta})

@@ -1,0 +1,68 @@
+package tiers
+
+import (
+	"errors"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// fdReserve holds a few spare descriptors for the agent's own records. The agent holds a
+// descriptor for each file open in the mount, so a job that holds many meets the agent's limit:
+// its own opens then fail with EMFILE, as they should, but so did the record of the commit it
+// had just made (the rename had returned), and the line telling the job so; a kill of the agent
+// then lost the step (found by black-box runs with a lowered limit). Released, the reserve gives
+// such a write its descriptors back once.
+type fdReserve struct {
+	mu  sync.Mutex
+	fds []int // GUARDED_BY(mu)
+}
+
+// fdReserveSize is how many descriptors the reserve holds: a commit's record needs two at a time
+// (a file copied into it), its notes one each, a line for the job one.
+const fdReserveSize = 8
+
+// fill opens what the reserve lacks, as far as the limit lets it.
+func (r *fdReserve) fill() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for len(r.fds) < fdReserveSize {
+		fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return
+		}
+		r.fds = append(r.fds, fd)
+	}
+}
+
+// release closes the reserve's descriptors; it reports whether it held any.
+func (r *fdReserve) release() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, fd := range r.fds {
+		unix.Close(fd)
+	}
+	held := len(r.fds) > 0
+	r.fds = nil
+	return held
+}
+
+// retry runs op, and once more with the reserve released if it failed for lack of descriptors;
+// the reserve is then filled again, as far as it can be.
+func (r *fdReserve) retry(op func() error) error {
+	err := op()
+	if r == nil || !errors.Is(err, syscall.EMFILE) || !r.release() {
+		return err
+	}
+	err = op()
+	r.fill()
+	return err
+}
+
+// close releases the reserve for good.
+func (r *fdReserve) close() {
+	if r != nil {
+		r.release()
+	}
+}
