@@ -460,6 +460,31 @@ func TestCommitPyTorchWorkers(t *testing.T) {
 	}
 }
 
+// TestSameContentOfAnotherSlotIsNoStall: two workers saving identical bytes for one step is no
+// sign of training not making progress; it was said at every save (found by a black-box run of
+// two ranks with identical parts). The same bytes as the slot's own earlier step still are.
+func TestSameContentOfAnotherSlotIsNoStall(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.yamlNemo(withKeys("framework: pytorch", "workers-per-node: 2"))
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore), marker("job", 0, 0, 1, layout.MarkerRestore))
+	for w := range 2 {
+		save := marker("job", 1, 0, w, layout.MarkerSave)
+		h.writeFile(save, "identical state")
+		h.waitExists(marker("job", 1, 0, w, layout.MarkerMeta))
+	}
+	save := marker("job", 2, 0, 1, layout.MarkerSave)
+	h.writeFile(save, "identical state") // worker 1 saves what it saved at step 1
+	h.waitExists(marker("job", 2, 0, 1, layout.MarkerMeta))
+	h.eventually("one line", func() string {
+		l := h.lines(layout.ReplicatorErrorsName)
+		if len(l) != 1 || !strings.Contains(l[0], "step 2 has exactly the content of an earlier checkpoint") {
+			return fmt.Sprintf("replicator.errors = %q, want the line of step 2 only", l)
+		}
+		return ""
+	})
+}
+
 func TestSealingTheSameContentTwiceIsReported(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessConfig{})

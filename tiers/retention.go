@@ -264,6 +264,22 @@ func (rt *retention) markVerified(dataName string) {
 }
 
 // inventory lists what this node holds in RAM for the restore negotiation.
+// earlierOwnStep reports whether a .meta of an earlier step of cfg's job, of this node and
+// worker, names hash.
+func (rt *retention) earlierOwnStep(cfg *Config, worker int, step int64, hash string) bool {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	for name, h := range rt.metas {
+		if h != hash {
+			continue
+		}
+		if m, ok := layout.ParseMarkerName(name); ok && m.Job == cfg.JobName && m.Node == cfg.NodeRank && m.Worker == worker && m.Step < step {
+			return true
+		}
+	}
+	return false
+}
+
 func (rt *retention) inventory(rank int) Inventory {
 	inv := Inventory{Rank: rank, Metas: map[string]string{}, Shape: rt.spool.SavedShape()}
 	rt.mu.Lock()

@@ -239,9 +239,11 @@ func (s *sealer) publish(c commit, dataName, meta string) error {
 	if err != nil {
 		return err
 	}
-	if dup {
+	if dup && s.retention.earlierOwnStep(c.inc.Config, c.worker, c.step, strings.TrimSuffix(dataName, ".data")) {
+		// Only an earlier step of this slot says so: another rank's replica of the same step
+		// (identical parts, data parallelism) said it at every save (a black-box run).
 		s.lines.incLine(c.inc, fmt.Sprintf("step %d has exactly the content of an earlier checkpoint (%s): training is not making progress", c.step, dataName))
-	} else if !c.atClose {
+	} else if !dup && !c.atClose {
 		s.retention.markVerified(dataName) // hashed just now, and frozen since the commit
 	}
 	switch {
