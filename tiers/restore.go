@@ -396,35 +396,34 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 		}
 		return err
 	}
-	// Then from a peer that holds it, in RAM.
-	var noSpace error // a fetch that failed for lack of room here: the hint the job needs
+	// Then from a peer that holds it, in RAM. A fetch cut short quickly (a connection reset) is
+	// tried again once: one reset failed the whole job's restore, which the next start made in
+	// seconds from the same peer (found by a black-box run).
+	var noSpace, fetchErr error // the last fetch that failed (for lack of room here): what the job is told
+	failedFrom := -1
 	for _, holder := range plan.Holders[hash] {
 		if holder == cfg.NodeRank || r.peers == nil {
 			continue
 		}
-		dir := r.spoolDir("incoming", randomID())
-		if err := os.MkdirAll(dir, 0o700); err != nil {
-			return err
-		}
-		start := r.now()
-		p := &Progress{Kind: "restore", Step: plan.Step, Source: fmt.Sprintf("peer %d", holder), Started: start}
-		inc.setRestoreProgress(p)
-		err := r.noticedTransfer(inc, p, func() error { return r.peers.Fetch(ctx, inc.Incarnation, holder, dataName, dir, p.update) })
-		inc.setRestoreProgress(nil)
-		if err == nil {
-			err = publish(filepath.Join(dir, dataName))
-		}
-		os.RemoveAll(dir)
-		if err == nil {
-			took := r.now().Sub(start)
-			r.log.Info("restored from a peer", "data", dataName, "peer", holder, "took", took.String())
-			r.metrics.restored("peer", took.Seconds())
-			r.metrics.moved("peer", "in", p.Done())
-			return nil
-		}
-		r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "err", err)
-		if errors.Is(err, syscall.ENOSPC) || errors.Is(err, ErrNoSpace) {
-			noSpace = err
+		for try := 1; ; try++ {
+			wall := time.Now()
+			err := r.fetchFrom(ctx, inc, plan.Step, holder, dataName, publish)
+			if err == nil {
+				return nil
+			}
+			r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "try", try, "err", err)
+			fetchErr, failedFrom = err, holder
+			if errors.Is(err, syscall.ENOSPC) || errors.Is(err, ErrNoSpace) {
+				noSpace = err
+				break
+			}
+			if try == peerFetchTries || time.Since(wall) > peerFetchRetryWithin || ctx.Err() != nil {
+				break
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(peerFetchRetryAfter):
+			}
 		}
 	}
 	// Last, a backup: the plan's, or (when the plan found the step in RAM) the newest backup
@@ -439,6 +438,11 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 			// told the data was nowhere).
 			return fmt.Errorf("%s: a peer holds it, but the fetch failed: %w; and no complete backup holds it", dataName, noSpace)
 		}
+		if fetchErr != nil {
+			// So did one that failed otherwise (a black-box run: a reset link was told as data
+			// that was nowhere).
+			return fmt.Errorf("%s: rank %d holds it, but the fetch failed: %w; and no complete backup holds it (a restart of the job tries again)", dataName, failedFrom, fetchErr)
+		}
 		return fmt.Errorf("%s is not in this node's RAM nor a peer's, and no complete backup holds it", dataName)
 	}
 	incoming, err := r.download(ctx, inc, plan.Step, backup, hash)
@@ -449,6 +453,39 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 		return err
 	}
 	return publish(incoming)
+}
+
+// Peer fetches that fail within peerFetchRetryWithin are tried peerFetchTries times in all,
+// peerFetchRetryAfter apart; a slower failure (a stalled peer) is not tried again.
+const (
+	peerFetchTries       = 3
+	peerFetchRetryWithin = 10 * time.Second
+	peerFetchRetryAfter  = time.Second
+)
+
+// fetchFrom fetches dataName from holder's RAM and publishes it.
+func (r *restorer) fetchFrom(ctx context.Context, inc *incarnation, step int64, holder int, dataName string, publish func(string) error) error {
+	dir := r.spoolDir("incoming", randomID())
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	start := r.now()
+	p := &Progress{Kind: "restore", Step: step, Source: fmt.Sprintf("peer %d", holder), Started: start}
+	inc.setRestoreProgress(p)
+	err := r.noticedTransfer(inc, p, func() error { return r.peers.Fetch(ctx, inc.Incarnation, holder, dataName, dir, p.update) })
+	inc.setRestoreProgress(nil)
+	if err == nil {
+		err = publish(filepath.Join(dir, dataName))
+	}
+	if err != nil {
+		return err
+	}
+	took := r.now().Sub(start)
+	r.log.Info("restored from a peer", "data", dataName, "peer", holder, "took", took.String())
+	r.metrics.restored("peer", took.Seconds())
+	r.metrics.moved("peer", "in", p.Done())
+	return nil
 }
 
 // publishSlot publishes a slot's data and its .meta, inside retention.publish: the data that

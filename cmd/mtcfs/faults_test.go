@@ -284,6 +284,39 @@ func TestReplicationFaults(t *testing.T) {
 	require.Contains(t, rc.agents[0].log(), "restored from a peer")
 }
 
+// TestPeerFetchSurvivesOneReset: a restore whose fetch from the peer holding the data is reset
+// once tries it again, and restores. Before, one reset failed the whole job's restore, telling
+// it the data was in no peer's RAM; its next start restored it from that very peer in seconds
+// (found by a black-box run).
+func TestPeerFetchSurvivesOneReset(t *testing.T) {
+	needRoot(t)
+	rc := newRingCluster(t, "fetchreset")
+	clients, _ := rc.start(t)
+	rc.save(t, clients, 10)
+	rc.waitReplicated(t, 10)
+	rc.loseNode(t, 0)
+	p := rc.proxy
+	// Slow enough to be caught in flight: every byte from rank 1 waits 300 ms.
+	p.SetLink(faultproxy.Down, faultproxy.Link{Latency: 300 * time.Millisecond})
+	base := p.Forwarded()
+	reset := make(chan struct{})
+	go func() {
+		defer close(reset)
+		for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
+			if p.Forwarded() > base {
+				p.ResetAll()
+				return
+			}
+		}
+	}()
+	_, restored := rc.start(t)
+	<-reset
+	require.EqualValues(t, 10, restored)
+	log := rc.agents[0].log()
+	require.Contains(t, log, "fetch from a peer failed", "the reset reached the fetch")
+	require.Contains(t, log, "restored from a peer")
+}
+
 // loseNode replaces rank's machine: the agent is killed and its RAM is gone.
 func (rc *ringCluster) loseNode(t *testing.T, rank int) {
 	t.Helper()
