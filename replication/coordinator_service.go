@@ -30,6 +30,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/mtcfs/mtcfs/replication/peerpb"
@@ -109,6 +110,9 @@ func (s *CoordinatorService) Restored(ctx context.Context, req *peerpb.RestoredR
 	if err != nil {
 		return nil, err
 	}
+	// The caller learns that this coordinator holds its call (RestoredGiveUp counts from
+	// the last one that did).
+	grpc.SendHeader(ctx, metadata.Pairs(restoredHeldHeader, "1"))
 	if err := c.Restored(ctx, inc.Config.NodeRank); err != nil {
 		return nil, coordinatorStatus(err)
 	}
@@ -308,6 +312,10 @@ const (
 	// the job client's 300 s wait for its restore, so that a misconfigured rank still fails
 	// within it, with the reason.
 	DefaultShapeGrace = 4 * time.Minute
+	// DefaultRestoredGiveUp is how long a Restored call retries a coordinator it cannot reach:
+	// rank 0 planned the restore, and without it the restore cannot finish. Every rank waited
+	// until its job gave up (330 s) when rank 0's agent died mid-restore (a black-box run).
+	DefaultRestoredGiveUp = 90 * time.Second
 )
 
 // RemoteCoordinatorConfig configures a RemoteCoordinator.
@@ -335,6 +343,10 @@ type RemoteCoordinatorConfig struct {
 	// may not have read its new replicator.yaml yet. Past it the refusal stands: an agent of
 	// another shape than rank 0's is misconfigured. Default DefaultShapeGrace; negative: none.
 	ShapeGrace time.Duration
+	// RestoredGiveUp is how long a Restored call is retried while no attempt reaches a
+	// coordinator that holds it (one held, then cut, starts the count again). Default
+	// DefaultRestoredGiveUp; negative: until the call's context ends.
+	RestoredGiveUp time.Duration
 	// Logger receives one line per retried failure after the first. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -404,6 +416,9 @@ func NewRemoteCoordinator(cfg RemoteCoordinatorConfig) (*RemoteCoordinator, erro
 	if cfg.ShapeGrace == 0 {
 		cfg.ShapeGrace = DefaultShapeGrace
 	}
+	if cfg.RestoredGiveUp == 0 {
+		cfg.RestoredGiveUp = DefaultRestoredGiveUp
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -436,7 +451,7 @@ func (r *RemoteCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnation
 	err = r.call(ctx, inc, "Negotiate", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) (err error) {
 		reply, err = c.Negotiate(ctx, req, opt)
 		return err
-	})
+	}, nil)
 	if err != nil {
 		return tiers.RestorePlan{}, err
 	}
@@ -449,11 +464,21 @@ func (r *RemoteCoordinator) Restored(ctx context.Context, inc tiers.Incarnation)
 		return err
 	}
 	req := &peerpb.RestoredRequest{Caller: caller}
+	held := false // the latest attempt reached a coordinator that held it (restoredHeldHeader)
 	return r.call(ctx, inc, "Restored", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) error {
-		_, err := c.Restored(ctx, req, opt)
+		var hdr metadata.MD
+		_, err := c.Restored(ctx, req, opt, grpc.Header(&hdr))
+		held = len(hdr.Get(restoredHeldHeader)) > 0
 		return err
+	}, func() bool {
+		h := held
+		held = false
+		return h
 	})
 }
+
+// restoredHeldHeader is the header a coordinator sends as it takes a Restored call to hold.
+const restoredHeldHeader = "mtcfs-restored-held"
 
 // RestoreFailed tells rank 0 that this node's restore failed. A coordinator of an earlier
 // version answers Unimplemented: the other nodes then wait until their jobs give up.
@@ -466,7 +491,7 @@ func (r *RemoteCoordinator) RestoreFailed(ctx context.Context, inc tiers.Incarna
 	err = r.call(ctx, inc, "RestoreFailed", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) error {
 		_, err := c.RestoreFailed(ctx, req, opt)
 		return err
-	})
+	}, nil)
 	if status.Code(err) == codes.Unimplemented {
 		return fmt.Errorf("rank 0's agent is of an earlier version: %w (%v)", errors.ErrUnsupported, err)
 	}
@@ -483,7 +508,7 @@ func (r *RemoteCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep
 	err = r.call(ctx, inc, "Sync", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) (err error) {
 		reply, err = c.Sync(ctx, req, opt)
 		return err
-	})
+	}, nil)
 	if err != nil {
 		return tiers.SyncDecision{}, err
 	}
@@ -502,7 +527,7 @@ func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, 
 	err = r.call(ctx, inc, "Backups", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) (err error) {
 		reply, err = c.Backups(ctx, req, opt)
 		return err
-	})
+	}, nil)
 	if err != nil {
 		// The long poll ended without an order at the caller's deadline. The server ends the
 		// call at its copy of that deadline, which can pass a moment before ctx's does: the
@@ -519,8 +544,10 @@ func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, 
 // call makes one RPC, authenticated as inc's agent, retrying while it fails with UNAVAILABLE
 // (or the address cannot be had) and ctx allows; a Negotiate refused for its job shape is
 // retried for ShapeGrace.
+// reached, when not nil, reports (once) whether the latest attempt reached a coordinator that
+// held the call: Restored gives up RestoredGiveUp after the last that did.
 func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, method string,
-	rpc func(context.Context, peerpb.CoordinatorClient, grpc.CallOption) error) error {
+	rpc func(context.Context, peerpb.CoordinatorClient, grpc.CallOption) error, reached func() bool) error {
 	creds := grpc.PerRPCCredentials(Credentials(Identity{
 		Job: inc.Config.JobName, Incarnation: inc.ID, Rank: inc.Config.NodeRank, Instance: r.cfg.Instance,
 	}, r.cfg.Secret))
@@ -532,6 +559,7 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 	// A Negotiate refused for its job shape waits for rank 0 to take that shape until then (set
 	// at the first such refusal: time spent unable to reach rank 0 does not count).
 	var shapeUntil time.Time
+	var unreached time.Time // Restored: since when no attempt reached a coordinator that held it
 	giveUp := func(err error, attempts int) error {
 		if last == nil {
 			return err
@@ -576,6 +604,14 @@ func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, met
 		last = err
 		if waits {
 			r.setFailing(err)
+		}
+		if method == "Restored" && r.cfg.RestoredGiveUp > 0 {
+			if unreached.IsZero() || (reached != nil && reached()) {
+				unreached = time.Now() // the first failure, or a call held until it was cut
+			}
+			if waited := time.Since(unreached); waited > r.cfg.RestoredGiveUp {
+				return fmt.Errorf("%w; rank 0's coordinator, which planned this restore, was not reached for %v: the restore cannot finish without it (its agent stopped, or the link to it is down): restart the job", err, waited.Round(time.Second))
+			}
 		}
 		switch {
 		case isTLSRefusal(err):

@@ -344,6 +344,44 @@ func TestCoordinatorServiceRefusesCallerOfAnotherRank(t *testing.T) {
 	assert.Equal(t, codes.PermissionDenied, status.Code(err), "%v", err)
 }
 
+// TestRestoredGivesUpOnAGoneCoordinator: a rank waiting for the others to restore gives up once
+// rank 0's coordinator, which planned the restore, has not been reached for RestoredGiveUp, with
+// the reason; a coordinator that holds the call is waited for however long. Before, every rank
+// waited until its job gave up (330 s) when rank 0's agent died mid-restore (a black-box run).
+func TestRestoredGivesUpOnAGoneCoordinator(t *testing.T) {
+	t.Parallel()
+	gone := newRemote(t, fixedAddr("127.0.0.1:1"), coordSecret) // port 1: never served here
+	gone.cfg.RestoredGiveUp = 300 * time.Millisecond
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	err := gone.Restored(ctx, agentInc("a1", 1, 2))
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "rank 0's coordinator, which planned this restore, was not reached for")
+	assert.Contains(t, err.Error(), "restart the job")
+	assert.Less(t, time.Since(start), 20*time.Second, "given up, not waited for the context")
+
+	// A coordinator that holds the call: waited for past the give-up time.
+	const nodes = 2
+	job := NewJob(Options{})
+	addr := startCoordinatorService(t, job)
+	r := newRemote(t, fixedAddr(addr), coordSecret)
+	r.cfg.RestoredGiveUp = 300 * time.Millisecond
+	inc1 := agentInc("a1", 1, nodes)
+	p0 := async(func() error {
+		_, err := LocalClient{Job: job}.Negotiate(t.Context(), agentInc("a0", 0, nodes), own(0, 5))
+		return err
+	})
+	_, err = r.Negotiate(t.Context(), inc1, own(1, 5))
+	require.NoError(t, err)
+	require.NoError(t, result(t, p0, "rank 0's negotiation"))
+	held := async(func() error { return r.Restored(t.Context(), inc1) })
+	time.Sleep(time.Second)
+	stillWaiting(t, held, "rank 1 waiting for rank 0's restore")
+	require.NoError(t, LocalClient{Job: job}.Restored(t.Context(), agentInc("a0", 0, nodes)))
+	require.NoError(t, result(t, held, "rank 1's Restored"))
+}
+
 func TestRemoteCoordinatorRetriesUntilServerUp(t *testing.T) {
 	t.Parallel()
 	const nodes = 2
