@@ -661,6 +661,68 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 // starts right after the commit, on a node without an idle CPU, goes first (it would otherwise
 // pay for that hashing: clusterbench's save started the moment the previous step committed).
 // Files opened for writing before the commit do not hold the seal.
+// nextSave writes a file under dir every 10 ms, counting them in opens (from 0; -1 once
+// stopped), until the returned func is called (or the test ends, also on failure: before its
+// directories are removed).
+func (h *harness) nextSave(dir string, opens *atomic.Int64) (stop func()) {
+	opens.Store(0)
+	done := make(chan struct{})
+	stopped := make(chan struct{})
+	var once sync.Once
+	go func() {
+		defer close(stopped)
+		for i := 0; ; i++ {
+			h.writeFile(fmt.Sprintf("%s/f%d", dir, i), "next")
+			opens.Add(1)
+			select {
+			case <-done:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}()
+	stop = func() {
+		once.Do(func() {
+			close(done)
+			<-stopped
+			opens.Store(-1)
+		})
+	}
+	h.t.Cleanup(stop)
+	return stop
+}
+
+// TestSealHurriesWithACommitBehind: a seal yielding to the job's next save goes on once another
+// commit waits behind it: a job saving back to back kept the sealer yielding, its committed
+// steps piled up unsealed, and a save failed with ENOSPC (found by a black-box run).
+func TestSealHurriesWithACommitBehind(t *testing.T) {
+	t.Parallel()
+	idle := tiers.NewIdleClock(0)
+	var opens atomic.Int64
+	h := newHarness(t, harnessConfig{cpuIdle: idle.Read, beforeSeal: func(step int64) {
+		// Step 1's seal starts once the next save opened a file after the commit.
+		for deadline := time.Now().Add(time.Minute); step == 1 && opens.Load() < 2 && time.Now().Before(deadline); {
+			time.Sleep(time.Millisecond)
+		}
+	}})
+	h.r.SetNextSaveGap(time.Hour)
+	h.start(withKeys(), "job")
+	stop := h.nextSave("9"+layout.OrbaxTmpSuffix, &opens)
+	defer stop()
+	tmp := "1" + layout.OrbaxTmpSuffix
+	h.makeTree(tmp, checkpointFiles("1"))
+	h.rename(tmp, "1")
+	time.Sleep(300 * time.Millisecond)
+	if h.exists(marker("job", 1, 0, 0, layout.MarkerMeta)) {
+		t.Fatal("step 1 was sealed while the next save went on, on a busy node: nothing to hurry")
+	}
+	h.orbaxSave(2, checkpointFiles("2"))
+	h.waitSealed("job", 1, "1") // while the next save goes on
+	stop()                      // step 2, with nothing behind it, yields until then
+	h.r.SetNextSaveGap(50 * time.Millisecond)
+	h.waitSealed("job", 2, "2")
+}
+
 func TestSealYieldsToTheNextSave(t *testing.T) {
 	t.Parallel()
 	idle := tiers.NewIdleClock(0)
@@ -689,35 +751,7 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 	h.start(withKeys(), "job")
 	release := h.holdOpen("log/held", "a descriptor open since before the commit")
 	defer release()
-	// nextSave writes a file under dir every 10 ms until the returned func is called (or the
-	// test ends, also on failure: before its directories are removed).
-	nextSave := func(dir string) (stop func()) {
-		opens.Store(0)
-		done := make(chan struct{})
-		stopped := make(chan struct{})
-		var once sync.Once
-		go func() {
-			defer close(stopped)
-			for i := 0; ; i++ {
-				h.writeFile(fmt.Sprintf("%s/f%d", dir, i), "next")
-				opens.Add(1)
-				select {
-				case <-done:
-					return
-				case <-time.After(10 * time.Millisecond):
-				}
-			}
-		}()
-		stop = func() {
-			once.Do(func() {
-				close(done)
-				<-stopped
-				opens.Store(-1)
-			})
-		}
-		t.Cleanup(stop)
-		return stop
-	}
+	nextSave := func(dir string) (stop func()) { return h.nextSave(dir, &opens) }
 
 	tmp := "1" + layout.OrbaxTmpSuffix
 	h.makeTree(tmp, checkpointFiles("seal"))

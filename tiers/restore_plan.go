@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -237,13 +238,20 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			}
 			p.shaped(fmt.Sprintf("step %d in the nodes' RAM %s; this job has %s: %s and freed (only a backup of that shape can restore it, to a job of that shape)", s, others[s], cfg.Shape(), shapeWhy))
 		}
-		if !fromRAM {
+		// Also from RAM when a node's RAM is new while the others' took part in restores: the
+		// steps above were likely committed everywhere and lost with that node's RAM, not cut
+		// short by a crash (a black-box run: two committed steps went without a word).
+		if fresh := newRAMRanks(invs); !fromRAM || len(fresh) > 0 {
 			incomplete := incompleteSteps(cfg, invs, plan.Holders, others)
 			for _, s := range sortedSteps(incomplete) {
 				if plan.Found && s <= plan.Step {
 					break // restored (from a backup or a peer), or below it: nothing lost
 				}
-				p.incomplete(fmt.Sprintf("step %d in the nodes' RAM is incomplete and is not restored: %s", s, incomplete[s]))
+				line := fmt.Sprintf("step %d in the nodes' RAM is incomplete and is not restored: %s", s, incomplete[s])
+				if len(fresh) > 0 {
+					line += fmt.Sprintf("; the RAM of rank %s is new (a replaced machine, or its spool lost)", listSome(fresh, 3))
+				}
+				p.incomplete(line)
 			}
 		}
 		p.merge(backups)
@@ -416,6 +424,21 @@ func damageLine(cfg *Config, store BackupStore, backup string, d DamagedStep) st
 // incompleteSteps maps each step of the job in the nodes' RAM (of its shape) that is not
 // complete to what it lacks: the slots no live node holds a .meta of (a save cut short, or a
 // node whose RAM was lost before its replica was made) and those whose data no live node holds.
+// newRAMRanks lists the ranks whose inventory is empty and knows no restore, while another took
+// part in restores of the job: a node that replaced one, or lost its spool.
+func newRAMRanks(invs []Inventory) (ranks []string) {
+	known := false
+	for _, inv := range invs {
+		known = known || inv.Timeline.Generation > 0
+	}
+	for _, inv := range invs {
+		if known && inv.Timeline.Generation == 0 && len(inv.Metas) == 0 && len(inv.Data) == 0 {
+			ranks = append(ranks, strconv.Itoa(inv.Rank))
+		}
+	}
+	return ranks
+}
+
 func incompleteSteps(cfg *Config, invs []Inventory, holders map[string][]int, others map[int64]string) map[int64]string {
 	type slotState struct{ meta, data bool }
 	steps := map[int64]map[Slot]*slotState{}

@@ -157,3 +157,44 @@ func TestSpoolRecordsRestores(t *testing.T) {
 	defer s.Detach()
 	assert.EqualValues(t, 700, s.Timeline("job").Restores[70], "kept across a reopen")
 }
+
+// TestStepsLostWithANewNodesRAMAreTold: the job restores from RAM a step older than steps the
+// other nodes hold, while one node's RAM is new (a replaced machine): the steps above were lost
+// with its RAM, and the job is told, where it went back two committed steps without a word
+// (found by a black-box run). Over a save cut short by a crash (every node's RAM known), the
+// restore says nothing, as before.
+func TestStepsLostWithANewNodesRAMAreTold(t *testing.T) {
+	t.Parallel()
+	cfg := planConfig(3, 1)
+	invs := func(fresh bool) []tiers.Inventory {
+		tl := tiers.Timeline{Generation: 1, Restores: map[int64]int64{1: -1}}
+		out := []tiers.Inventory{
+			{Rank: 0, Metas: map[string]string{metaOf(1, 0, 0): hx(100), metaOf(1, 2, 0): hx(120)}, Data: []string{hx(100), hx(120)}, Timeline: tl},
+			{Rank: 1, Metas: map[string]string{metaOf(1, 0, 0): hx(100), metaOf(1, 1, 0): hx(110)}, Data: []string{hx(100), hx(110)}, Timeline: tl},
+			{Rank: 2, Metas: map[string]string{metaOf(1, 1, 0): hx(110), metaOf(1, 2, 0): hx(120)}, Data: []string{hx(110), hx(120)}, Timeline: tl},
+		}
+		for step := int64(2); step <= 3; step++ {
+			for r := 1; r <= 2; r++ {
+				out[r].Metas[metaOf(step, r, 0)] = hx(100*int(step) + 10*r)
+				out[r].Data = append(out[r].Data, hx(100*int(step)+10*r))
+			}
+		}
+		if fresh {
+			out[0] = tiers.Inventory{Rank: 0, Metas: map[string]string{}}
+		}
+		return out
+	}
+	plan, err := tiers.PlanRestore(context.Background(), cfg, invs(true), nil, tiers.PlanLimits{})
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, plan.Step)
+	require.Len(t, plan.Errors, 3, "%q", plan.Errors)
+	assert.Contains(t, plan.Errors[0], "step 3 in the nodes' RAM is incomplete and is not restored: no live node holds a .meta of rank 0 worker 0")
+	assert.Contains(t, plan.Errors[0], "; the RAM of rank 0 is new (a replaced machine, or its spool lost)")
+	assert.Contains(t, plan.Errors[1], "step 2 in the nodes' RAM is incomplete")
+	assert.Equal(t, "2 incomplete steps in RAM; restoring step 1 from the nodes' RAM instead", plan.Errors[2])
+
+	plan, err = tiers.PlanRestore(context.Background(), cfg, invs(false), nil, tiers.PlanLimits{})
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, plan.Step)
+	assert.Empty(t, plan.Errors, "a save cut short by a crash says nothing")
+}

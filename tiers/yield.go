@@ -220,11 +220,12 @@ func (y *yielder) openMark() int64 { return y.lastOpen.Load() }
 // save) within the last savingGap, on a contended node; then when the job stops opening files,
 // after y.limit, once that save is y.limit old, or when ctx ends. Sealing hashes the files the
 // early hasher left while the job saved the step, and a save started the moment the step
-// committed would otherwise pay for them.
-func (y *yielder) waitForNextSave(ctx context.Context, mark int64) time.Duration {
+// committed would otherwise pay for them. It goes on at once when hurry says so (asked only
+// while it would wait): the RAM the seal frees is what the job's next saves need.
+func (y *yielder) waitForNextSave(ctx context.Context, mark int64, hurry func() bool) time.Duration {
 	return y.waitWhile(ctx, y.limit, func(now time.Time) bool {
 		last := y.lastOpen.Load()
-		return last > mark && y.at(now)-last < y.nextSaveGap.Load() && y.saveAge(now) < y.limit
+		return last > mark && y.at(now)-last < y.nextSaveGap.Load() && y.saveAge(now) < y.limit && !hurry()
 	}, &y.hashWaited)
 }
 

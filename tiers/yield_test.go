@@ -407,14 +407,15 @@ func TestYielderSealerWaitsOnlyForANextSave(t *testing.T) {
 	y := newYielderClock((&idleClock{known: true}).read, now)
 	y.opened(true) // the step's last file, or a log held open
 	mark := y.openMark()
-	if d := y.waitForNextSave(t.Context(), mark); d != 0 {
+	never := func() bool { return false }
+	if d := y.waitForNextSave(t.Context(), mark, never); d != 0 {
 		t.Fatalf("the sealer waited %v for the save it seals", d)
 	}
 	// A next save: an open after the mark. The wait ends once that open is savingGap old.
 	clock.Add(int64(time.Millisecond))
 	y.opened(true)
 	done := make(chan time.Duration, 1)
-	go func() { done <- y.waitForNextSave(t.Context(), mark) }()
+	go func() { done <- y.waitForNextSave(t.Context(), mark, never) }()
 	select {
 	case <-done:
 		t.Fatal("the sealer went on during a next save on a busy node")
@@ -428,5 +429,23 @@ func TestYielderSealerWaitsOnlyForANextSave(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the sealer still waits after the next save's opens stopped")
+	}
+
+	// In a hurry (commits wait behind, or the RAM fills), it waits no longer: the job's saves
+	// back to back had its committed steps pile up unsealed until ENOSPC (a black-box run).
+	var hurry atomic.Bool
+	clock.Add(int64(time.Millisecond))
+	y.opened(true)
+	go func() { done <- y.waitForNextSave(t.Context(), mark, hurry.Load) }()
+	select {
+	case <-done:
+		t.Fatal("the sealer went on during a next save on a busy node")
+	case <-time.After(100 * time.Millisecond):
+	}
+	hurry.Store(true)
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the sealer still waits in a hurry")
 	}
 }
