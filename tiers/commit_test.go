@@ -703,6 +703,96 @@ func TestLinesWhoseWriteFailedGoWithTheNext(t *testing.T) {
 	})
 }
 
+// TestLinesAreNeitherOverwrittenNorCarriedOver: a line whose read of replicator.errors failed
+// is not written over the lines the job has not read yet (it wrote only the new line, erasing
+// them: a review); it goes with the next line of its incarnation, and never into the next
+// incarnation's file.
+func TestLinesAreNeitherOverwrittenNorCarriedOver(t *testing.T) {
+	t.Parallel()
+	var failing atomic.Bool
+	h := newHarness(t, harnessConfig{readErr: func(name string) error {
+		if name == layout.ReplicatorErrorsName && failing.Load() {
+			return &os.PathError{Op: "open", Path: name, Err: syscall.ENFILE}
+		}
+		return nil
+	}})
+	h.start(baseYAML, "job")
+	misname := func(name string) {
+		h.makeTree("tmp", map[string]string{"state": "weights"})
+		h.rename("tmp", name)
+	}
+	waitLines := func(want ...string) {
+		h.eventually("the lines", func() string {
+			l := h.lines(layout.ReplicatorErrorsName)
+			if len(l) != len(want) {
+				return fmt.Sprintf("replicator.errors = %q, want %q", l, want)
+			}
+			for i, w := range want {
+				if !strings.Contains(l[i], w+" is not committed") {
+					return fmt.Sprintf("replicator.errors = %q, want %q", l, want)
+				}
+			}
+			return ""
+		})
+	}
+	misname("01")
+	waitLines("01")
+	failing.Store(true)
+	misname("02")
+	h.eventually("the failed write", func() string {
+		if !strings.Contains(h.logs.String(), "the lines are written with the next one") {
+			return "not yet"
+		}
+		return ""
+	})
+	waitLines("01") // not overwritten
+	failing.Store(false)
+	misname("03")
+	waitLines("01", "02", "03")
+
+	// A line of this incarnation that could not be written is not the next one's news.
+	failing.Store(true)
+	misname("04")
+	h.eventually("the second failed write", func() string {
+		if strings.Count(h.logs.String(), "the lines are written with the next one") < 2 {
+			return "not yet"
+		}
+		return ""
+	})
+	failing.Store(false)
+	require.NoError(t, os.Remove(h.path(layout.ReplicatorErrorsName)))                  // read and unlinked, as the job does
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore)))) // the new incarnation's, waited for below
+	h.yamlOrbax(baseYAML)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	misname("-5")
+	waitLines("-5")
+}
+
+// TestKeptRecordGoesWithARestartDuringTheTries: a job that restarts while a commit's hash still
+// fails waits for the tries; when they end, its restore continues from the step before and drops
+// the record, which the line says (it said the next start would seal it), and no agent start
+// seals that step of the timeline the job left.
+func TestKeptRecordGoesWithARestartDuringTheTries(t *testing.T) {
+	t.Parallel()
+	var tries atomic.Int32
+	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, hashFault: failFor2(&tries, syscall.EMFILE)})
+	hash1, _ := h.saveTwoWhileRecordFails(&tries, 1)
+	h.yamlOrbax(baseYAML)
+	h.restoresFromRecords(1, hash1, checkpointFiles("1"))
+	h.eventually("the line", func() string {
+		for _, l := range h.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "sealing step 2 (worker 0) failed: ") && strings.Contains(l, "the step is not checkpointed: the job's restart restores the one before it") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
+	})
+	cfg := h.cfg
+	cfg.hashFault = nil
+	h.close()
+	newHarness(t, cfg).restoresFromRecords(1, hash1, checkpointFiles("1"))
+}
+
 // TestRecordNotHashedStaysForTheNextStarts: a commit recorded but not hashed when its tries end
 // keeps its record, and the job is told to restart the agent first; an agent start that cannot
 // hash it either keeps it again, and the next start seals and restores it.

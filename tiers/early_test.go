@@ -657,10 +657,6 @@ func TestEarlyHashYieldsToTheJob(t *testing.T) {
 	})
 }
 
-// Sealing hashes the files the early hasher left while the job saved the step; a save the job
-// starts right after the commit, on a node without an idle CPU, goes first (it would otherwise
-// pay for that hashing: clusterbench's save started the moment the previous step committed).
-// Files opened for writing before the commit do not hold the seal.
 // nextSave writes a file under dir every 10 ms, counting them in opens (from 0; -1 once
 // stopped), until the returned func is called (or the test ends, also on failure: before its
 // directories are removed).
@@ -723,6 +719,10 @@ func TestSealHurriesWithACommitBehind(t *testing.T) {
 	h.waitSealed("job", 2, "2")
 }
 
+// Sealing hashes the files the early hasher left while the job saved the step; a save the job
+// starts right after the commit, on a node without an idle CPU, goes first (it would otherwise
+// pay for that hashing: clusterbench's save started the moment the previous step committed).
+// Files opened for writing before the commit do not hold the seal.
 func TestSealYieldsToTheNextSave(t *testing.T) {
 	t.Parallel()
 	idle := tiers.NewIdleClock(0)

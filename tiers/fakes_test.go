@@ -53,8 +53,9 @@ type dirNamespace struct {
 	failImport func(name string) error
 	// failSeal, when set, may fail a Seal of name before it does anything.
 	failSeal func(name string) error
-	// failWrite, when set, may fail a WriteFile of name before it does anything.
-	failWrite func(name string) error
+	// failWrite, when set, may fail a WriteFile of name before it does anything; failRead a
+	// ReadFile.
+	failWrite, failRead func(name string) error
 	// sealAttrs, when set, gives the Attrs a Seal of name returns (nil: the top's owner).
 	sealAttrs func(name string) *layout.Attrs
 }
@@ -123,6 +124,11 @@ func (ns *dirNamespace) List() ([]tiers.DirEntry, error) {
 
 func (ns *dirNamespace) ReadFile(name string, limit int64) ([]byte, error) {
 	ns.record("read", name)
+	if ns.failRead != nil {
+		if err := ns.failRead(name); err != nil {
+			return nil, err
+		}
+	}
 	f, err := os.Open(ns.path(name))
 	if err != nil {
 		return nil, err
@@ -479,8 +485,9 @@ type harnessConfig struct {
 	sealErr func(name string) error
 	// importErr, when set, may fail the namespace's imports (dirNamespace.failImport).
 	importErr func(name string) error
-	// writeErr, when set, may fail the namespace's writes (dirNamespace.failWrite).
-	writeErr func(name string) error
+	// writeErr and readErr, when set, may fail the namespace's writes and reads
+	// (dirNamespace.failWrite, failRead).
+	writeErr, readErr func(name string) error
 	// hashFault, when set, may fail the hashing of commit records (Replicator.SetHashFault).
 	hashFault func(step int64) error
 	// sealRetryFor, when not 0, bounds the tries of a seal that failed on a shortage.
@@ -529,7 +536,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	}
 	ns.failImport = cfg.importErr
 	ns.failSeal = cfg.sealErr
-	ns.failWrite = cfg.writeErr
+	ns.failWrite, ns.failRead = cfg.writeErr, cfg.readErr
 	ns.sealAttrs = cfg.sealAttrs
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(cfg.root, "spool"), Budget: 64 << 20})
 	if err != nil {

@@ -15,8 +15,9 @@ import (
 // then lost the step (found by black-box runs with a lowered limit). Released, the reserve gives
 // such a write its descriptors back once.
 type fdReserve struct {
-	mu  sync.Mutex
-	fds []int // GUARDED_BY(mu)
+	mu     sync.Mutex
+	fds    []int // GUARDED_BY(mu)
+	closed bool  // GUARDED_BY(mu); close ran: fill opens nothing more (a review: a retry in flight leaked)
 }
 
 // fdReserveSize is how many descriptors the reserve holds: a commit's record needs two at a time
@@ -27,7 +28,7 @@ const fdReserveSize = 8
 func (r *fdReserve) fill() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for len(r.fds) < fdReserveSize {
+	for !r.closed && len(r.fds) < fdReserveSize {
 		fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
 			return
@@ -51,6 +52,9 @@ func (r *fdReserve) release() bool {
 // retry runs op, and once more with the reserve released if it failed for lack of descriptors;
 // the reserve is then filled again, as far as it can be.
 func (r *fdReserve) retry(op func() error) error {
+	if r != nil && r.short() {
+		r.fill() // used before, and the job's opens took the descriptors it freed: take them back
+	}
 	err := op()
 	if r == nil || !errors.Is(err, syscall.EMFILE) || !r.release() {
 		return err
@@ -60,9 +64,19 @@ func (r *fdReserve) retry(op func() error) error {
 	return err
 }
 
+// short reports whether the reserve lacks descriptors.
+func (r *fdReserve) short() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return !r.closed && len(r.fds) < fdReserveSize
+}
+
 // close releases the reserve for good.
 func (r *fdReserve) close() {
 	if r != nil {
 		r.release()
+		r.mu.Lock()
+		r.closed = true
+		r.mu.Unlock()
 	}
 }

@@ -21,7 +21,13 @@ type jobLines struct {
 	mu      sync.Mutex
 	recent  []reportedLine // GUARDED_BY(mu); the last lines reported, oldest first
 	// unwritten holds, per file, lines whose write failed: the next write to it adds them.
-	unwritten map[string][]string // GUARDED_BY(mu)
+	unwritten map[string]unwrittenLines // GUARDED_BY(mu)
+}
+
+// unwrittenLines are lines of the incarnation of cfg whose write failed.
+type unwrittenLines struct {
+	cfg   *Config
+	lines []string
 }
 
 // reportedLine is a line reported to a job, kept for status.
@@ -79,25 +85,38 @@ func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) 
 	}
 	// Lines a write failed for go first: they were said to be reported, and were lost (a
 	// black-box run: the give-up line of a commit met the descriptor limit too).
+	// Only the same incarnation's (the same Config): a line of an earlier one, or of another
+	// job, is not the news of this one (SPEC §2; a review).
 	l.mu.Lock()
-	unwritten := l.unwritten[file]
+	u := l.unwritten[file]
 	delete(l.unwritten, file)
 	l.mu.Unlock()
-	old, err := l.ns.ReadFile(file, 1<<20)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		l.log.Error("read "+file, "err", err)
+	if u.cfg != cfg && len(u.lines) > 0 {
+		l.log.Error("lines of an earlier incarnation never written to "+file, "lines", u.lines)
+		u.lines = nil
 	}
-	werr := l.writeFile(file, append(old, strings.Join(append(unwritten, lines...), "")...))
+	all := strings.Join(append(u.lines, lines...), "")
+	// Read and written as one, in the headroom and with the spare descriptors: a read that
+	// failed (out of descriptors) wrote the new lines over those the job had not read yet (a
+	// review).
+	werr := l.withRoom(func() error {
+		old, err := l.ns.ReadFile(file, 1<<20)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("read: %w", err)
+		}
+		return l.ns.WriteFile(file, append(old, all...))
+	})
 	if werr != nil {
-		l.log.Error("write "+file+": the lines are written with the next one", "err", werr, "lines", len(unwritten)+len(lines))
+		l.log.Error("write "+file+": the lines are written with the next one", "err", werr, "lines", len(u.lines)+len(lines))
+		u.cfg, u.lines = cfg, append(u.lines, lines...)
+		if n := len(u.lines); n > recentLines {
+			u.lines = u.lines[n-recentLines:]
+		}
 		l.mu.Lock()
 		if l.unwritten == nil {
-			l.unwritten = map[string][]string{}
+			l.unwritten = map[string]unwrittenLines{}
 		}
-		l.unwritten[file] = append(unwritten, lines...)
-		if n := len(l.unwritten[file]); n > recentLines {
-			l.unwritten[file] = l.unwritten[file][n-recentLines:]
-		}
+		l.unwritten[file] = u
 		l.mu.Unlock()
 	}
 	for i, msg := range msgs {

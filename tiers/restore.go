@@ -124,16 +124,17 @@ func (r *restorer) run(inc *incarnation) {
 	// those of another shape too, and the plan never picks one this shape cannot restore.
 	// Recorded after the drops, so that a crash in between leaves the old shape on steps of the
 	// old shape; a record that cannot be written is removed (unknown, never stale).
-	if err := r.withRoom(func() error { return r.spool.SetShape(cfg.Shape()) }); err != nil { // a full budget removed it (a review)
-		r.log.Error("record the job's shape in the spool", "err", err)
-	} else if plan.Generation > 0 {
-		step := int64(-1)
-		if plan.Found {
-			step = plan.Step
-		}
-		if err := r.withRoom(func() error { return r.spool.RecordRestore(plan.Generation, step) }); err != nil {
-			r.log.Error("record the restore in the spool", "err", err)
-		}
+	step := int64(-1)
+	if plan.Found {
+		step = plan.Step
+	}
+	if superseded() {
+		return // the spool may serve another job by now: its shape and timeline are not this one's
+	}
+	if err := r.withRoom(func() error {
+		return r.spool.SetShapeRestored(cfg.JobName, inc.ID, cfg.Shape(), plan.Generation, step)
+	}); err != nil { // a full budget removed it (a review)
+		r.log.Error("record the job's shape and restore in the spool", "err", err)
 	}
 	select {
 	case l := <-orphans:
@@ -291,6 +292,7 @@ func (r *restorer) dropStaleTimeline(cfg *Config, plan RestorePlan) {
 	if !ok {
 		return
 	}
+	r.recorder.dropKept(cfg.JobName, func(step int64) bool { return step > bound })
 	drop := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool {
 		return m.Job == cfg.JobName && m.Step > bound
 	})

@@ -46,7 +46,7 @@ type RestorePlan struct {
 	// Errors are lines every node writes to replicator.errors before its markers.
 	Errors []string
 	// Generation numbers this restore (CutStaleTimelines; 0: none, a coordinator before
-	// timelines): every node records it with the step restored (Spool.RecordRestore).
+	// timelines): every node records it with the step restored (Spool.SetShapeRestored).
 	Generation int64
 	// StaleAbove holds, for each node that missed restores of the job, the step above which
 	// what it holds is of a timeline the job left: the node drops it.
@@ -421,9 +421,6 @@ func damageLine(cfg *Config, store BackupStore, backup string, d DamagedStep) st
 		backup, d.Step, first, more, backup, store, cfg.JobName)
 }
 
-// incompleteSteps maps each step of the job in the nodes' RAM (of its shape) that is not
-// complete to what it lacks: the slots no live node holds a .meta of (a save cut short, or a
-// node whose RAM was lost before its replica was made) and those whose data no live node holds.
 // newRAMRanks lists the ranks whose inventory is empty and knows no restore, while another took
 // part in restores of the job: a node that replaced one, or lost its spool.
 func newRAMRanks(invs []Inventory) (ranks []string) {
@@ -439,6 +436,9 @@ func newRAMRanks(invs []Inventory) (ranks []string) {
 	return ranks
 }
 
+// incompleteSteps maps each step of the job in the nodes' RAM (of its shape) that is not
+// complete to what it lacks: the slots no live node holds a .meta of (a save cut short, or a
+// node whose RAM was lost before its replica was made) and those whose data no live node holds.
 func incompleteSteps(cfg *Config, invs []Inventory, holders map[string][]int, others map[int64]string) map[int64]string {
 	type slotState struct{ meta, data bool }
 	steps := map[int64]map[Slot]*slotState{}

@@ -263,7 +263,6 @@ func (rt *retention) markVerified(dataName string) {
 	rt.mu.Unlock()
 }
 
-// inventory lists what this node holds in RAM for the restore negotiation.
 // earlierOwnStep reports whether a .meta of an earlier step of cfg's job, of this node and
 // worker, names hash.
 func (rt *retention) earlierOwnStep(cfg *Config, worker int, step int64, hash string) bool {
@@ -280,6 +279,7 @@ func (rt *retention) earlierOwnStep(cfg *Config, worker int, step int64, hash st
 	return false
 }
 
+// inventory lists what this node holds in RAM for the restore negotiation.
 func (rt *retention) inventory(rank int) Inventory {
 	inv := Inventory{Rank: rank, Metas: map[string]string{}, Shape: rt.spool.SavedShape()}
 	rt.mu.Lock()

@@ -78,6 +78,14 @@ func (s *sealer) run() {
 		if err != nil && (pc.err != nil || errors.As(err, new(hashError))) && retryableSeal(err) {
 			dataName, meta, err = s.retry(&c, pc, err)
 		}
+		kept := err != nil && !errors.Is(err, errRecordedForNext) && errors.As(err, new(hashError)) && retryableSeal(err)
+		if kept {
+			// Recorded, not hashed, for a shortage: the record stays in the spool (a review).
+			// Another error is not expected to pass: the next start drops the record if it
+			// fails again. A restore of the job drops it if it abandons its step: known kept
+			// before done wakes a restore waiting for the commit (a review: it ran first).
+			s.recorder.keep(c.dir, c.inc.Config.JobName, c.step)
+		}
 		s.recorder.done(c.name)
 		if errors.Is(err, errRecordedForNext) {
 			s.log.Warn("the agent stops before a committed step could be sealed: it is recorded in the spool, and the next agent seals it", "step", c.step, "worker", c.worker)
@@ -92,19 +100,18 @@ func (s *sealer) run() {
 			if retryableSeal(err) {
 				hint = " (raise the agent's --memory or descriptor limit, or hold fewer files open)"
 			}
-			what := "the step is not checkpointed: a restart restores the one before it"
-			if errors.As(err, new(hashError)) && retryableSeal(err) {
-				// Recorded, not hashed, for a shortage: the record stays in the spool (a
-				// review). Another error is not expected to pass: the next start drops the record
-				// if it fails again. A restore of the job drops it if it abandons its step.
-				s.recorder.keep(c.dir, c.inc.Config.JobName, c.step)
-				what = "its record stays in the spool, and the agent's next start seals it: restart the agent before the job (a job restart on this agent restores the step before it, and drops this one)"
-			}
 			// To the job's incarnation now: one that restarted during the tries restored the
 			// step before it and was not told why (a black-box run).
 			inc := c.inc
 			if cur := s.incs.get(); cur != nil && cur.Config.JobName == inc.Config.JobName {
 				inc = cur
+			}
+			what := "the step is not checkpointed: a restart restores the one before it"
+			switch {
+			case kept && inc != c.inc:
+				what = "the step is not checkpointed: the job's restart restores the one before it" // and drops the record
+			case kept:
+				what = "its record stays in the spool, and the agent's next start seals it: restart the agent before the job (a job restart on this agent restores the step before it, and drops this one)"
 			}
 			s.lines.incLine(inc, fmt.Sprintf("sealing step %d (worker %d) failed: %v; %s%s", c.step, c.worker, err, what, hint))
 			continue

@@ -64,7 +64,7 @@ type Spool struct {
 	// shapeJob is the job shape is of: another job answered meanwhile (a rank started with a
 	// mistyped job-name) sees no shape, and the record stays for its job (SavedShape).
 	shapeJob string
-	// timeline is the restores of shapeJob this node took part in (RecordRestore), kept in
+	// timeline is the restores of shapeJob this node took part in (SetShapeRestored), kept in
 	// ShapeFile with the shape.
 	timeline Timeline
 
@@ -635,7 +635,7 @@ func (s *Spool) SetShape(shape Shape) error {
 // writeShapeLocked writes ShapeFile for the owner's job; it removes it when it cannot. Called
 // with ownerMu held.
 func (s *Spool) writeShapeLocked(shape Shape, tl Timeline) error {
-	data, _ := json.Marshal(shapeRecord{Shape: shape, Job: s.owner.Job, Generation: tl.Generation, Restores: tl.Restores})
+	data, _ := json.Marshal(shapeRecord{Shape: shape, Job: s.owner.Job, Generation: tl.Generation, Restores: tl.Restores, TimelineOf: tl.of})
 	if err := layout.WriteFileAtomic(filepath.Join(s.dir, ShapeFile), data); err != nil {
 		s.forgetShapeLocked()
 		return err
@@ -653,6 +653,11 @@ func (s *Spool) writeShapeLocked(shape Shape, tl Timeline) error {
 type Timeline struct {
 	Generation int64
 	Restores   map[int64]int64
+	// of is the incarnation whose restore recorded it: the timeline is trusted at the next
+	// start only while the owner record still names that incarnation. An agent of an earlier
+	// release answering a job in between keeps no timeline, and rewrites no shape record of an
+	// unchanged shape: the numbers it left were stale, and cut a node's good steps (a review).
+	of string
 }
 
 // maxTimelineRestores bounds the restores a Timeline remembers.
@@ -668,22 +673,34 @@ func (s *Spool) Timeline(job string) Timeline {
 	return Timeline{Generation: s.timeline.Generation, Restores: maps.Clone(s.timeline.Restores)}
 }
 
-// RecordRestore records, with the shape (SetShape first), that the node took part in the restore
-// of generation gen of the owner's job, which restored step (-1: none).
-func (s *Spool) RecordRestore(gen, step int64) error {
+// errOtherJob refuses to record a restore of a job the spool no longer serves.
+var errOtherJob = errors.New("the spool serves another job now")
+
+// SetShapeRestored is SetShape at the restore of incarnation inc of job, recording with the
+// shape, in one write, that the node took part in the restore of generation gen, which
+// restored step (-1: none); gen 0 (a coordinator before timelines numbers no restore) forgets
+// the timeline: the node missed no restore it knows of, and may have missed one since. It
+// refuses when the spool serves another job now (a restore superseded by its handshake). The
+// shape is given, so that a try again after no room (withRoom) writes the whole record.
+func (s *Spool) SetShapeRestored(job, inc string, shape Shape, gen, step int64) error {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.shapeJob != s.owner.Job || s.shape == (Shape{}) {
-		return errors.New("no shape recorded")
+	if s.owner.Job != job {
+		return errOtherJob
 	}
-	tl := Timeline{Generation: gen, Restores: map[int64]int64{gen: step}}
-	for g, st := range s.timeline.Restores {
-		if g < gen && g > gen-maxTimelineRestores {
-			tl.Restores[g] = st
+	var tl Timeline
+	if gen > 0 {
+		tl = Timeline{Generation: gen, Restores: map[int64]int64{gen: step}, of: inc}
+		if s.shapeJob == job {
+			for g, st := range s.timeline.Restores {
+				if g < gen && g > gen-maxTimelineRestores {
+					tl.Restores[g] = st
+				}
+			}
 		}
 	}
-	if err := s.writeShapeLocked(s.shape, tl); err != nil {
-		return fmt.Errorf("record the restore: %w", err)
+	if err := s.writeShapeLocked(shape, tl); err != nil {
+		return fmt.Errorf("record the job's shape and restore: %w", err)
 	}
 	return nil
 }
@@ -700,9 +717,11 @@ type shapeRecord struct {
 	Shape
 	Job string `json:"job,omitempty"`
 	// The job's Timeline (absent: an agent before timelines wrote it; an older agent that
-	// rewrites the record drops them: unknown, never a stale timeline).
+	// rewrites the record drops them, and one that answers a job without rewriting it changes
+	// the owner record's incarnation: unknown, never a stale timeline).
 	Generation int64           `json:"generation,omitempty"`
 	Restores   map[int64]int64 `json:"restores,omitempty"`
+	TimelineOf string          `json:"timeline_of,omitempty"` // Timeline.of
 }
 
 // readShape loads ShapeFile; an unreadable or invalid record is no record. So is one that an
@@ -729,8 +748,8 @@ func (s *Spool) readShape() {
 		job = s.owner.Job // the job that held the spool wrote it
 	}
 	s.shape, s.shapeJob = rec.Shape, job
-	if rec.Generation > 0 {
-		s.timeline = Timeline{Generation: rec.Generation, Restores: rec.Restores}
+	if rec.Generation > 0 && rec.TimelineOf == s.owner.Running.Incarnation {
+		s.timeline = Timeline{Generation: rec.Generation, Restores: rec.Restores, of: rec.TimelineOf}
 	}
 }
 

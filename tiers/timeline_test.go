@@ -128,19 +128,26 @@ func TestTimelineCutBounds(t *testing.T) {
 }
 
 // TestSpoolRecordsRestores: the restores a node took part in are kept with the shape, for the
-// job they are of, the newest maxTimelineRestores of them, across a reopen.
+// job they are of, the newest maxTimelineRestores of them, across a reopen while the owner
+// record names the incarnation that recorded them; not for another job, not once another
+// incarnation was answered without recording one (an agent of an earlier release: its numbers
+// are stale), and not from a coordinator that numbers no restore.
 func TestSpoolRecordsRestores(t *testing.T) {
 	t.Parallel()
 	base := t.TempDir()
 	mnt, dir := filepath.Join(base, "mnt"), filepath.Join(base, "spool")
 	require.NoError(t, os.Mkdir(mnt, 0o755))
-	s, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: dir, Budget: tiers.MinBudget, MountPath: mnt})
-	require.NoError(t, err)
-	require.Error(t, s.RecordRestore(1, 5), "no shape recorded")
+	open := func() *tiers.Spool {
+		s, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: dir, Budget: tiers.MinBudget, MountPath: mnt})
+		require.NoError(t, err)
+		return s
+	}
+	s := open()
+	shape := tiers.Shape{Nodes: 2, Workers: 1}
+	require.ErrorContains(t, s.SetShapeRestored("job", "i1", shape, 1, 5), "serves another job", "no job answered yet")
 	require.NoError(t, s.SetRunning("job", tiers.Running{Incarnation: "i1"}))
-	require.NoError(t, s.SetShape(tiers.Shape{Nodes: 2, Workers: 1}))
 	for g := int64(1); g <= 70; g++ {
-		require.NoError(t, s.RecordRestore(g, g*10))
+		require.NoError(t, s.SetShapeRestored("job", "i1", shape, g, g*10))
 	}
 	tl := s.Timeline("job")
 	assert.EqualValues(t, 70, tl.Generation)
@@ -152,10 +159,22 @@ func TestSpoolRecordsRestores(t *testing.T) {
 	assert.EqualValues(t, 70, s.Timeline("job").Generation, "a new shape keeps the job's timeline")
 	require.NoError(t, s.Detach())
 
-	s, err = tiers.OpenSpool(tiers.SpoolConfig{Dir: dir, Budget: tiers.MinBudget, MountPath: mnt})
-	require.NoError(t, err)
-	defer s.Detach()
+	s = open()
 	assert.EqualValues(t, 700, s.Timeline("job").Restores[70], "kept across a reopen")
+	// An agent of an earlier release answers the job (its own incarnation in the owner record)
+	// and leaves the shape record as it is.
+	require.NoError(t, s.SetRunning("job", tiers.Running{Incarnation: "old-agent"}))
+	require.NoError(t, s.Detach())
+	s = open()
+	assert.Equal(t, tiers.Timeline{}, s.Timeline("job"), "numbers the earlier agent did not keep are not trusted")
+	require.NoError(t, s.SetRunning("job", tiers.Running{Incarnation: "i2"}))
+	require.NoError(t, s.SetShapeRestored("job", "i2", shape, 3, 1))
+	assert.EqualValues(t, 3, s.Timeline("job").Generation)
+	require.NoError(t, s.SetShapeRestored("job", "i2", shape, 0, 1), "a coordinator that numbers no restore")
+	assert.Equal(t, tiers.Timeline{}, s.Timeline("job"))
+	assert.Equal(t, shape, s.SavedShape())
+	require.ErrorContains(t, s.SetShapeRestored("other", "i3", shape, 4, 1), "serves another job", "a superseded restore of another job")
+	require.NoError(t, s.Detach())
 }
 
 // TestStepsLostWithANewNodesRAMAreTold: the job restores from RAM a step older than steps the
