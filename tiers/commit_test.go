@@ -657,17 +657,26 @@ func TestGiveUpLineReachesTheRestartedJob(t *testing.T) {
 	t.Parallel()
 	var tries atomic.Int32
 	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, sealErr: emfileFor2(&tries, func() bool { return true })})
-	hash1, _ := h.saveTwoWhileRecordFails(&tries, 1)
+	h.restartDuringTries(&tries, "the step is not checkpointed")
+}
+
+// restartDuringTries saves steps 1 and 2 (whose record or hash fails: tries counts them), restarts
+// the job during the tries, checks that it restores step 1 with no record left, and waits for
+// the line of step 2's failure, which contains want; it returns step 1's hash.
+func (h *harness) restartDuringTries(tries *atomic.Int32, want string) string {
+	h.t.Helper()
+	hash1, _ := h.saveTwoWhileRecordFails(tries, 1)
 	h.yamlOrbax(baseYAML)
 	h.restoresFromRecords(1, hash1, checkpointFiles("1"))
 	h.eventually("the line", func() string {
 		for _, l := range h.lines(layout.ReplicatorErrorsName) {
-			if strings.Contains(l, "sealing step 2 (worker 0) failed: ") && strings.Contains(l, "the step is not checkpointed") {
+			if strings.Contains(l, "sealing step 2 (worker 0) failed: ") && strings.Contains(l, want) {
 				return ""
 			}
 		}
 		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
 	})
+	return hash1
 }
 
 // TestLinesWhoseWriteFailedGoWithTheNext: a line for the job whose write failed (the agent out
@@ -776,17 +785,7 @@ func TestKeptRecordGoesWithARestartDuringTheTries(t *testing.T) {
 	t.Parallel()
 	var tries atomic.Int32
 	h := newHarness(t, harnessConfig{sealRetryFor: time.Second, hashFault: failFor2(&tries, syscall.EMFILE)})
-	hash1, _ := h.saveTwoWhileRecordFails(&tries, 1)
-	h.yamlOrbax(baseYAML)
-	h.restoresFromRecords(1, hash1, checkpointFiles("1"))
-	h.eventually("the line", func() string {
-		for _, l := range h.lines(layout.ReplicatorErrorsName) {
-			if strings.Contains(l, "sealing step 2 (worker 0) failed: ") && strings.Contains(l, "the step is not checkpointed: the job's restart restores the one before it") {
-				return ""
-			}
-		}
-		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
-	})
+	hash1 := h.restartDuringTries(&tries, "the step is not checkpointed: the job's restart restores the one before it")
 	cfg := h.cfg
 	cfg.hashFault = nil
 	h.close()
