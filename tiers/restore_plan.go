@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -171,7 +173,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 		sort.Ints(hs)
 	}
 	others := OtherShapeSteps(cfg, invs)
-	ramStep, ramData, inRAM := clusterStep(cfg, invs, plan.Holders, others)
+	ramStep, ramData, inRAM, mixed := clusterStep(cfg, invs, plan.Holders, others)
 	ctx, cancel := context.WithTimeoutCause(ctx, limits.Store, fmt.Errorf("the backup location %v did not answer within %v", store, limits.Store))
 	defer cancel()
 	var pinLost string // why restore.version could not be read, when RAM is restored instead
@@ -241,6 +243,12 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 		// Also from RAM when a node's RAM is new while the others' took part in restores: the
 		// steps above were likely committed everywhere and lost with that node's RAM, not cut
 		// short by a crash (a black-box run: two committed steps went without a word).
+		for _, s := range sortedSteps(mixed) {
+			if plan.Found && s <= plan.Step {
+				break
+			}
+			p.incomplete(fmt.Sprintf("step %d in the nodes' RAM is not restored: %s", s, mixed[s]))
+		}
 		if fresh := newRAMRanks(invs); !fromRAM || len(fresh) > 0 {
 			incomplete := incompleteSteps(cfg, invs, plan.Holders, others)
 			for _, s := range sortedSteps(incomplete) {
@@ -498,9 +506,20 @@ func slotName(s Slot) string { return fmt.Sprintf("rank %d worker %d", s.Rank, s
 // the replica of the earlier save), the slot's own node wins: its .meta is of its newest commit
 // of the step; among replicas, the lowest rank's, so that the plan does not depend on order.
 // Steps in others (saved by a job of another shape) are never picked.
-func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others map[int64]string) (int64, map[Slot]string, bool) {
+//
+// Nodes that did not all take part in the same restores (their timelines differ, or some are
+// unknown: an agent of an earlier release, one whose numbers were cleared) cannot tell which of
+// two saves of a slot's step is the newer: the step is passed over (mixed, with why), never
+// restored from two timelines (a black-box run: a node of the previous release, away while the
+// job went back, came back and its own save of step 3 was restored beside the others' newer one).
+func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others map[int64]string) (int64, map[Slot]string, bool, map[int64]string) {
 	bySlot := map[int64]map[Slot]string{}
-	owned := map[int64]map[Slot]bool{} // the slot's .meta came from its own node
+	owned := map[int64]map[Slot]bool{}             // the slot's .meta came from its own node
+	saves := map[int64]map[Slot]map[string][]int{} // the hashes of each slot's step, by the ranks holding the .meta
+	sameTimeline := true
+	for _, inv := range invs {
+		sameTimeline = sameTimeline && inv.Timeline.Generation == invs[0].Timeline.Generation
+	}
 	for _, inv := range invs {
 		for name, hash := range inv.Metas {
 			m, inShape, ok := JobMeta(cfg, name)
@@ -514,6 +533,13 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others
 				bySlot[m.Step], owned[m.Step] = map[Slot]string{}, map[Slot]bool{}
 			}
 			slot := Slot{m.Node, m.Worker}
+			if saves[m.Step] == nil {
+				saves[m.Step] = map[Slot]map[string][]int{}
+			}
+			if saves[m.Step][slot] == nil {
+				saves[m.Step][slot] = map[string][]int{}
+			}
+			saves[m.Step][slot][hash] = append(saves[m.Step][slot][hash], inv.Rank)
 			if _, seen := bySlot[m.Step][slot]; seen && (owned[m.Step][slot] || inv.Rank != m.Node) {
 				continue // the owner's is kept; otherwise the first (lowest rank) replica
 			}
@@ -521,10 +547,52 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others
 			owned[m.Step][slot] = inv.Rank == m.Node
 		}
 	}
-	for _, s := range sortedSteps(bySlot) {
-		if len(bySlot[s]) == cfg.Nodes*cfg.WorkersPerNode {
-			return s, bySlot[s], true
+	mixed := map[int64]string{}
+	if !sameTimeline {
+		for step, slots := range saves {
+			var why []string
+			for _, slot := range sortedSlots(slots) {
+				if hs := slots[slot]; len(hs) > 1 {
+					var who []string
+					for _, h := range slices.Sorted(maps.Keys(hs)) {
+						who = append(who, "rank "+joinInts(hs[h]))
+					}
+					why = append(why, fmt.Sprintf("%s (%s hold different saves of it)", slotName(slot), strings.Join(who, " and ")))
+				}
+			}
+			if len(why) > 0 {
+				mixed[step] = "it holds two saves of " + listSome(why, 2) + ", and the nodes did not all take part in the same restores (one away while the job went back, or of an earlier release): which is newer cannot be told"
+			}
 		}
 	}
-	return 0, nil, false
+	for _, s := range sortedSteps(bySlot) {
+		if _, ok := mixed[s]; ok {
+			continue
+		}
+		if len(bySlot[s]) == cfg.Nodes*cfg.WorkersPerNode {
+			return s, bySlot[s], true, mixed
+		}
+	}
+	return 0, nil, false, mixed
+}
+
+// sortedSlots returns the keys of m in rank, then worker order.
+func sortedSlots[V any](m map[Slot]V) []Slot {
+	out := slices.Collect(maps.Keys(m))
+	slices.SortFunc(out, func(a, b Slot) int {
+		if a.Rank != b.Rank {
+			return a.Rank - b.Rank
+		}
+		return a.Worker - b.Worker
+	})
+	return out
+}
+
+// joinInts joins ranks with commas.
+func joinInts(ns []int) string {
+	s := make([]string, len(ns))
+	for i, n := range ns {
+		s[i] = strconv.Itoa(n)
+	}
+	return strings.Join(s, ", ")
 }

@@ -66,10 +66,11 @@ func TestStaleTimelineIsNotCombined(t *testing.T) {
 	assert.EqualValues(t, 3, plan.Step)
 	assert.Equal(t, slots("n0-w0", hx(203), "n1-w0", hx(303), "n2-w0", hx(403)), plan.Data, "timeline B everywhere")
 
-	// Without the cut, rank 0's own save won: the mix this prevents.
-	mixed, err := tiers.PlanRestore(context.Background(), cfg, invs, nil, tiers.PlanLimits{})
+	// Without the cut, rank 0's own save won (the mix it prevents); now the two saves of its
+	// slot are passed over, and step 1 restored (TestTwoSavesOfAStepAcrossTimelinesAreNotCombined).
+	uncut, err := tiers.PlanRestore(context.Background(), cfg, invs, nil, tiers.PlanLimits{})
 	require.NoError(t, err)
-	assert.Equal(t, hx(103), mixed.Data[tiers.Slot{}])
+	assert.EqualValues(t, 1, uncut.Step)
 
 	// The replica of timeline B gone too: rank 0's slot of steps 2–3 is nowhere, and step 1 is
 	// restored, never timeline A's.
@@ -216,4 +217,33 @@ func TestStepsLostWithANewNodesRAMAreTold(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 1, plan.Step)
 	assert.Empty(t, plan.Errors, "a save cut short by a crash says nothing")
+}
+
+// TestTwoSavesOfAStepAcrossTimelinesAreNotCombined: when the nodes did not all take part in the
+// same restores (one of an earlier release, whose timeline is unknown), two saves of a slot's
+// step cannot be told apart: the step is passed over with a line, never restored from two
+// timelines (found by a black-box run: the node of the earlier release came back with its own
+// save of step 3 beside the replica of the job's newer one). With the same timeline on every
+// node, the slot's own save wins, as before (a step saved again).
+func TestTwoSavesOfAStepAcrossTimelinesAreNotCombined(t *testing.T) {
+	t.Parallel()
+	cfg := planConfig(3, 1)
+	invs := timelineInvs()
+	invs[0].Timeline = tiers.Timeline{} // rank 0's agent kept no timeline
+	plan, err := tiers.PlanRestore(context.Background(), cfg, invs, nil, tiers.PlanLimits{})
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, plan.Step, "neither save of steps 2–3 of rank 0 is taken")
+	require.Len(t, plan.Errors, 3, "%q", plan.Errors)
+	assert.Equal(t, "step 3 in the nodes' RAM is not restored: it holds two saves of rank 0 worker 0 (rank 0 and rank 1 hold different saves of it), and the nodes did not all take part in the same restores (one away while the job went back, or of an earlier release): which is newer cannot be told", plan.Errors[0])
+	assert.Contains(t, plan.Errors[1], "step 2 in the nodes' RAM is not restored: it holds two saves of rank 0 worker 0")
+	assert.Equal(t, "2 incomplete steps in RAM; restoring step 1 from the nodes' RAM instead", plan.Errors[2])
+
+	for i := range invs {
+		invs[i].Timeline = tiers.Timeline{Generation: 2}
+	}
+	plan, err = tiers.PlanRestore(context.Background(), cfg, invs, nil, tiers.PlanLimits{})
+	require.NoError(t, err)
+	assert.EqualValues(t, 3, plan.Step)
+	assert.Equal(t, hx(103), plan.Data[tiers.Slot{}], "the same timeline everywhere: the slot's own save")
+	assert.Empty(t, plan.Errors)
 }
