@@ -380,6 +380,31 @@ func TestRestoredGivesUpOnAGoneCoordinator(t *testing.T) {
 	stillWaiting(t, held, "rank 1 waiting for rank 0's restore")
 	require.NoError(t, LocalClient{Job: job}.Restored(t.Context(), agentInc("a0", 0, nodes)))
 	require.NoError(t, result(t, held, "rank 1's Restored"))
+
+	// A held call cut, then held again and cut again, past the give-up time in all: each hold
+	// (the coordinator's header) starts the count again, so the rank goes on waiting.
+	job2 := NewJob(Options{})
+	p := newFaultProxy(t, startCoordinatorService(t, job2))
+	r2 := newRemote(t, fixedAddr(p.Addr()), coordSecret)
+	r2.cfg.RestoredGiveUp = time.Second // a reconnection through the proxy takes milliseconds
+	p0 = async(func() error {
+		_, err := LocalClient{Job: job2}.Negotiate(t.Context(), agentInc("b0", 0, nodes), own(0, 5))
+		return err
+	})
+	inc1 = agentInc("b1", 1, nodes)
+	_, err = r2.Negotiate(t.Context(), inc1, own(1, 5))
+	require.NoError(t, err)
+	require.NoError(t, result(t, p0, "rank 0's negotiation"))
+	held = async(func() error { return r2.Restored(t.Context(), inc1) })
+	for range 3 {
+		time.Sleep(1500 * time.Millisecond) // longer than the give-up time
+		stillWaiting(t, held, "rank 1 held by rank 0, its link cut")
+		p.ResetAll()
+	}
+	time.Sleep(500 * time.Millisecond)
+	stillWaiting(t, held, "rank 1 held by rank 0 after the cuts")
+	require.NoError(t, LocalClient{Job: job2}.Restored(t.Context(), agentInc("b0", 0, nodes)))
+	require.NoError(t, result(t, held, "rank 1's Restored after the cuts"))
 }
 
 func TestRemoteCoordinatorRetriesUntilServerUp(t *testing.T) {
