@@ -212,6 +212,9 @@ func (cr *commitRecorder) forInc(inc *incarnation) { // REQUIRES(mu)
 // noteWrittenIn is told of each file the job closed below the top-level name dir: a step
 // directory it made gets the line of noteMisnamed now, a copy being written into it.
 func (cr *commitRecorder) noteWrittenIn(dir string) {
+	if _, ok := layout.ParseStepDir(dir); !ok {
+		return // most closes (under S.orbax-checkpoint-tmp): no lock on the control loop for them
+	}
 	inc := cr.incs.get()
 	if inc == nil {
 		return

@@ -1,6 +1,9 @@
 package tiers
 
-import "time"
+import (
+	"fmt"
+	"time"
+)
 
 // IdleClock is the CPU idle source of yield_test.go, for the package's external tests (a
 // ReplicatorConfig.CPUIdle whose CPUs idle at a settable rate).
@@ -55,3 +58,23 @@ func (r *Replicator) SetSealRetryFor(d time.Duration) { r.sealer.retryFor.Store(
 // SetHashFault makes f fail the hashing of commit records, of the sealer and of adoption alike;
 // only before Start.
 func (r *Replicator) SetHashFault(f func(step int64) error) { r.node.hashFault = f }
+
+// SetShape records (in ShapeFile) the shape of the job whose steps the spool holds from now
+// on, keeping its timeline, for the tests of the shape record; the agent records it with the
+// restore (SetShapeRestored). A record that cannot be written (a full spool) is removed: the
+// shape is then unknown, never a stale one.
+func (s *Spool) SetShape(shape Shape) error {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.shape == shape && s.shapeJob == s.owner.Job {
+		return nil
+	}
+	tl := s.timeline
+	if s.shapeJob != s.owner.Job {
+		tl = Timeline{} // another job's
+	}
+	if err := s.writeShapeLocked(shape, tl); err != nil {
+		return fmt.Errorf("record the job's shape: %w", err)
+	}
+	return nil
+}

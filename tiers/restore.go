@@ -276,11 +276,11 @@ func (r *restorer) freeOtherJobs(inc *incarnation) (line string) {
 	return fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName)
 }
 
-// joinSteps writes steps as "2, 3, 5".
-func joinSteps(steps []int64) string {
+// joinSteps writes steps (or ranks) as "2, 3, 5".
+func joinSteps[T ~int | ~int64](steps []T) string {
 	s := make([]string, len(steps))
 	for i, st := range steps {
-		s[i] = strconv.FormatInt(st, 10)
+		s[i] = strconv.FormatInt(int64(st), 10)
 	}
 	return strings.Join(s, ", ")
 }

@@ -555,7 +555,7 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others
 				if hs := slots[slot]; len(hs) > 1 {
 					var who []string
 					for _, h := range slices.Sorted(maps.Keys(hs)) {
-						who = append(who, "rank "+joinInts(hs[h]))
+						who = append(who, "rank "+joinSteps(hs[h]))
 					}
 					why = append(why, fmt.Sprintf("%s (%s hold different saves of it)", slotName(slot), strings.Join(who, " and ")))
 				}
@@ -586,13 +586,4 @@ func sortedSlots[V any](m map[Slot]V) []Slot {
 		return a.Worker - b.Worker
 	})
 	return out
-}
-
-// joinInts joins ranks with commas.
-func joinInts(ns []int) string {
-	s := make([]string, len(ns))
-	for i, n := range ns {
-		s[i] = strconv.Itoa(n)
-	}
-	return strings.Join(s, ", ")
 }

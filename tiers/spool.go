@@ -111,7 +111,7 @@ type SpoolConfig struct {
 // OwnerFile is the name, in the spool's root, of the record saying whom the spool belongs to.
 const OwnerFile = "owner.json"
 
-// ShapeFile records the shape of the job whose steps a spool holds (see Spool.SetShape). It is
+// ShapeFile records the shape of the job whose steps a spool holds (see Spool.SetShapeRestored). It is
 // apart from OwnerFile so that it can always be removed, even from a full spool.
 const ShapeFile = "shape.json"
 
@@ -530,7 +530,7 @@ func (s *Spool) Owner() Owner {
 
 // SetRunning records the job whose data the spool holds from now on and the incarnation of it
 // the agent answers (see Owner.Running), in one write. Another job's shape is not shown to this
-// one (SavedShape), and is kept until this job's shape replaces it (SetShape, once its restore
+// one (SavedShape), and is kept until this job's shape replaces it (SetShapeRestored, once its restore
 // negotiation succeeded): a rank started with a mistyped job-name forgot it, and the job, back
 // under its name, dropped steps it kept for a node's loss as of an unknown shape (found by a
 // review). It is an error on a spool opened without a MountPath (nothing is recorded there).
@@ -612,26 +612,6 @@ func (s *Spool) MarkRestored(incarnation string) error {
 	})
 }
 
-// SetShape records (in ShapeFile) the shape of the job whose steps the spool holds from now
-// on: the job's at its restore plan, in which its steps here are saved or restored. A job
-// restarted in a shape that cannot restore them passes them over. When the record cannot be
-// written (a full spool), it is removed: the shape is then unknown, never a stale one.
-func (s *Spool) SetShape(shape Shape) error {
-	s.ownerMu.Lock()
-	defer s.ownerMu.Unlock()
-	if s.shape == shape && s.shapeJob == s.owner.Job {
-		return nil
-	}
-	tl := s.timeline
-	if s.shapeJob != s.owner.Job {
-		tl = Timeline{} // another job's
-	}
-	if err := s.writeShapeLocked(shape, tl); err != nil {
-		return fmt.Errorf("record the job's shape: %w", err)
-	}
-	return nil
-}
-
 // writeShapeLocked writes ShapeFile for the owner's job; it removes it when it cannot. Called
 // with ownerMu held.
 func (s *Spool) writeShapeLocked(shape Shape, tl Timeline) error {
@@ -676,8 +656,9 @@ func (s *Spool) Timeline(job string) Timeline {
 // errOtherJob refuses to record a restore of a job the spool no longer serves.
 var errOtherJob = errors.New("the spool serves another job now")
 
-// SetShapeRestored is SetShape at the restore of incarnation inc of job, recording with the
-// shape, in one write, that the node took part in the restore of generation gen, which
+// SetShapeRestored records (in ShapeFile), at the restore of incarnation inc of job, the shape
+// of the job whose steps the spool holds from now on (a job restarted in a shape that cannot
+// restore them passes them over), and with it, in one write, that the node took part in the restore of generation gen, which
 // restored step (-1: none); gen 0 (a coordinator before timelines numbers no restore) forgets
 // the timeline: the node missed no restore it knows of, and may have missed one since. It
 // refuses when the spool serves another job now (a restore superseded by its handshake). The
