@@ -790,3 +790,35 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 		t.Fatal("step 3, committed, was not sealed by the agent's stop")
 	}
 }
+
+// TestSealHurriesWithTheRAMHalfUsed: a seal yielding to the job's next save goes on once the RAM
+// budget is half used, with no commit behind it: the unsealed step holds RAM that retention
+// frees only once a newer step is sealed, and the next save needs it.
+func TestSealHurriesWithTheRAMHalfUsed(t *testing.T) {
+	t.Parallel()
+	idle := tiers.NewIdleClock(0)
+	var opens atomic.Int64
+	h := newHarness(t, harnessConfig{cpuIdle: idle.Read, beforeSeal: func(step int64) {
+		for deadline := time.Now().Add(time.Minute); step == 1 && opens.Load() < 2 && time.Now().Before(deadline); {
+			time.Sleep(time.Millisecond)
+		}
+	}})
+	h.r.SetNextSaveGap(time.Hour)
+	h.start(withKeys(), "job")
+	stop := h.nextSave("9"+layout.OrbaxTmpSuffix, &opens)
+	defer stop()
+	tmp := "1" + layout.OrbaxTmpSuffix
+	h.makeTree(tmp, checkpointFiles("1"))
+	h.rename(tmp, "1")
+	time.Sleep(300 * time.Millisecond)
+	if h.exists(marker("job", 1, 0, 0, layout.MarkerMeta)) {
+		t.Fatal("step 1 was sealed while the next save went on, on a busy node, with the RAM nearly empty: nothing to hurry")
+	}
+	// The job's files are charged by package fs as they are written; the harness's namespace
+	// charges nothing, so the next save's bytes are charged here.
+	total, used := h.spool.Usage()
+	charge := total/2 - used
+	h.spool.Charge(charge)
+	defer h.spool.Charge(-charge)
+	h.waitSealed("job", 1, "1") // while the next save goes on
+}
