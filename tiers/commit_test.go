@@ -14,6 +14,7 @@ import (
 
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -937,4 +938,69 @@ func TestOlderCommitRecordDoesNotReplaceANewerSeal(t *testing.T) {
 	}
 
 	newHarness(t, harnessConfig{root: root}).restoresFromRecords(7, hash, checkpointFiles("new"))
+}
+
+// TestStatusNamesAStepInItsSealTries: a committed step whose record, or then whose hash, fails
+// on a shortage shows in the status (and as mtcfs_seal_retrying) while it is tried again, and
+// no longer once it is sealed. Before, it showed nowhere until the give-up (a black-box run).
+func TestStatusNamesAStepInItsSealTries(t *testing.T) {
+	t.Parallel()
+	var recordFails, hashFails atomic.Bool
+	recordFails.Store(true)
+	hashFails.Store(true)
+	var tries, hashTries atomic.Int32
+	h := newHarness(t, harnessConfig{sealErr: emfileFor2(&tries, recordFails.Load), hashFault: func(step int64) error {
+		if step == 2 && hashFails.Load() {
+			hashTries.Add(1)
+			return &os.PathError{Op: "open", Path: "commits/x/data/state", Err: syscall.ENOMEM}
+		}
+		return nil
+	}})
+	reg := prometheus.NewRegistry()
+	tiers.NewMetrics(reg, h.r)
+	retrying := func() float64 {
+		fams, err := reg.Gather()
+		require.NoError(t, err)
+		for _, f := range fams {
+			if f.GetName() == "mtcfs_seal_retrying" {
+				return f.GetMetric()[0].GetGauge().GetValue()
+			}
+		}
+		t.Fatal("mtcfs_seal_retrying is not exported")
+		return 0
+	}
+	h.saveTwoWhileRecordFails(&tries, 2)
+	seen := func(recorded bool, errText string) {
+		h.eventually("the step in its tries", func() string {
+			sv := h.r.Status().Sealing
+			switch {
+			case sv == nil:
+				return "no step in its tries in the status"
+			case sv.Step != 2 || sv.Worker != 0 || sv.Recorded != recorded || sv.Tries < 2 || !strings.Contains(sv.Err, errText):
+				return fmt.Sprintf("status shows %+v", *sv)
+			case sv.Until.Sub(sv.Committed) != 2*time.Minute:
+				return fmt.Sprintf("tried until %v after the commit, want 2m", sv.Until.Sub(sv.Committed))
+			}
+			return ""
+		})
+		assert.EqualValues(t, 1, retrying())
+	}
+	seen(false, "too many open files")
+	recordFails.Store(false) // recorded at the next try; then its hash fails
+	h.eventually("hash tries", func() string {
+		if hashTries.Load() < 2 {
+			return "not yet"
+		}
+		return ""
+	})
+	seen(true, "cannot allocate memory")
+	hashFails.Store(false)
+	h.waitSealed("job", 2, "2")
+	h.eventually("the sealed step out of the status", func() string {
+		if sv := h.r.Status().Sealing; sv != nil {
+			return fmt.Sprintf("status shows %+v", *sv)
+		}
+		return ""
+	})
+	assert.Zero(t, retrying())
 }

@@ -79,6 +79,13 @@ func NewMetrics(reg prometheus.Registerer, r *Replicator) *Metrics {
 	reg.MustRegister(m.seal, m.replicate, m.backup, m.restore, m.bytes, m.errors, m.commits,
 		gauge("mtcfs_ram_budget_bytes", "The RAM tier's budget (--memory).", func(s Status) float64 { return float64(s.Spool.Budget) }),
 		gauge("mtcfs_ram_used_bytes", "Bytes in use in the RAM tier.", func(s Status) float64 { return float64(s.Spool.Used) }),
+		gauge("mtcfs_seal_retrying", "1 while a committed step's record or hash, failed on a shortage (open files, memory, the RAM tier's room), is tried again (mtcfs status names the step); 0 otherwise.",
+			func(s Status) float64 {
+				if s.Sealing != nil {
+					return 1
+				}
+				return 0
+			}),
 		fuseRequestsCollector{m},
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "mtcfs_replication_yield_seconds_total",
 			Help: "Time pushes to peers waited before starting, and pushes from peers before they were read, because the job was saving on a busy node."}, r.node.yield.waitedSeconds),

@@ -36,6 +36,10 @@ type sealer struct {
 	// job does.
 	lastSealed    int64  // GUARDED_BY(mu)
 	lastSealedJob string // GUARDED_BY(mu)
+	// trying is the committed step whose record or hash is being tried again (nil: none), for
+	// mtcfs status: before, a step in its tries showed nowhere until the give-up (a black-box
+	// run).
+	trying *SealTryView // GUARDED_BY(mu)
 }
 
 // pendingCommit is a recorded commit waiting for the sealer (err: the record failed; openMark:
@@ -159,7 +163,21 @@ func (s *sealer) retry(c *commit, pc pendingCommit, err error) (dataName, meta s
 	// recorded share its wait, and a restore waiting for them all waits some 2 minutes at most
 	// (a review: one after another they added up past the job's 300 s).
 	deadline := c.wall.Add(time.Duration(s.retryFor.Load()))
+	view := SealTryView{job: c.inc.Config.JobName, Step: c.step, Worker: c.worker, Committed: c.wall, Until: deadline}
+	show := func(tries int, err error, recorded bool) {
+		v := view
+		v.Tries, v.Err, v.Recorded = tries, err.Error(), recorded
+		s.mu.Lock()
+		s.trying = &v
+		s.mu.Unlock()
+	}
+	defer func() {
+		s.mu.Lock()
+		s.trying = nil
+		s.mu.Unlock()
+	}()
 	for i, wait := range sealRetries {
+		show(i+1, err, recorded)
 		if i == 0 || i%10 == 0 {
 			s.log.Warn("sealing a committed step failed; trying again", "step", c.step, "worker", c.worker, "err", err, "tries", i+1)
 		}
@@ -316,6 +334,17 @@ func (s *sealer) tellSealed(c commit) {
 }
 
 // latest returns lastSealed if it is job's, else -1.
+// tryingView is the step of job whose seal is being tried again, if any.
+func (s *sealer) tryingView(job string) *SealTryView {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.trying == nil || s.trying.job != job {
+		return nil
+	}
+	v := *s.trying
+	return &v
+}
+
 func (s *sealer) latest(job string) int64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -55,6 +55,9 @@ type Status struct {
 	Backup     *ProgressView `json:"backup,omitempty"`
 	// RePush is the newest step's pushes that failed and are tried again later, if any.
 	RePush *RePushView `json:"re_push,omitempty"`
+	// Sealing is the committed step whose record or hash failed on a shortage and is being
+	// tried again, if any.
+	Sealing *SealTryView `json:"sealing_retried,omitempty"`
 	// Pushing are the pushes of a sealed step to peers running now, by rank.
 	Pushing     []PushView  `json:"pushing,omitempty"`
 	LastBackup  string      `json:"last_backup,omitempty"`
@@ -79,6 +82,23 @@ type RePushView struct {
 	Failed int       `json:"failed_tries"` // the first one included
 	Trying bool      `json:"trying"`       // a try is running now
 	Next   time.Time `json:"next_try"`     // when not Trying
+}
+
+// SealTryView is a committed step whose record or hash failed on a passing shortage (open
+// files, memory, the spool's room) and is tried again until Until. Until it is sealed the step
+// is not in RAM for a restore: a job restart waits for the tries, and a step still not sealed
+// at Until is lost to it (the job is told).
+type SealTryView struct {
+	job       string
+	Step      int64     `json:"step"`
+	Worker    int       `json:"worker"`
+	Committed time.Time `json:"committed"`
+	// Recorded: the commit record is written, and only the hash failed (the agent's next start
+	// seals a record kept at the give-up).
+	Recorded bool      `json:"recorded"`
+	Tries    int       `json:"failed_tries"` // the first one included
+	Err      string    `json:"last_error"`
+	Until    time.Time `json:"tried_until"`
 }
 
 // ProgressView is a snapshot of a Progress.
@@ -137,6 +157,7 @@ func (r *Replicator) Status() Status {
 	backup, st.LastBackup, st.BackedUp = r.backups.status(job)
 	st.Backup = backup.view()
 	st.RePush = r.syncer.status(job)
+	st.Sealing = r.sealer.tryingView(job)
 	st.Pushing = r.syncer.pushers.status(job)
 	st.Errors = r.lines.recentErrors(job)
 	st.Steps = r.retention.steps()

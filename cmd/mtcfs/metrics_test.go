@@ -89,6 +89,7 @@ func TestMetrics(t *testing.T) {
 	assert.EqualValues(t, 2, value(t, fams, "mtcfs_seal_duration_seconds", nil), "two seals observed")
 	assert.EqualValues(t, 1, value(t, fams, "mtcfs_backup_duration_seconds", nil))
 	assert.Positive(t, value(t, fams, "mtcfs_ram_used_bytes", nil))
+	assert.Zero(t, value(t, fams, "mtcfs_seal_retrying", nil), "no step in its seal tries")
 	assert.Positive(t, value(t, fams, "mtcfs_transferred_bytes_total", map[string]string{"tier": "backup", "direction": "out"}))
 	assert.Zero(t, value(t, fams, "mtcfs_transferred_bytes_total", map[string]string{"tier": "peer", "direction": "out"}), "a one-node job pushes nothing")
 	for _, kind := range []string{"seal", "replication", "sync", "backup", "restore", "verify", "config"} {

@@ -62,6 +62,14 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 		}
 		fmt.Fprintf(w, "  %-10s step %d %s: %s, running %v\n", p.Kind, p.Step, what, moved, time.Since(p.Started).Round(time.Second))
 	}
+	if sv := st.Sealing; sv != nil {
+		what, then := "its record could not be written", "then it is lost: a restart restores the step before it"
+		if sv.Recorded {
+			what, then = "recorded, its hash failed", "then its record waits for the agent's next start"
+		}
+		fmt.Fprintf(w, "  sealing    step %d worker %d, committed %v ago: %s (%s), %d tries; tried again for %v more (%s)\n",
+			sv.Step, sv.Worker, time.Since(sv.Committed).Round(time.Second), what, sv.Err, sv.Tries, max(time.Until(sv.Until), 0).Round(time.Second), then)
+	}
 	for _, p := range st.Pushing {
 		try := ""
 		if p.Attempt > 1 {

@@ -53,6 +53,20 @@ func TestStatus(t *testing.T) {
 	Status(&starting, info, tiers.Status{Spool: spool, Replicated: -1,
 		Backup: &tiers.ProgressView{Kind: "backup", Step: 30, Backup: "2026-12-02_11-00", Started: time.Now()}})
 	assert.Contains(t, starting.String(), "  backup     step 30 to 2026-12-02_11-00: 0B so far, running 0s\n")
+
+	// A committed step whose record is tried again, then one recorded whose hash is.
+	for recorded, want := range map[bool]string{
+		false: "  sealing    step 31 worker 1, committed 12s ago: its record could not be written (open x: too many open files), 5 tries; " +
+			"tried again for 1m48s more (then it is lost: a restart restores the step before it)\n",
+		true: "  sealing    step 31 worker 1, committed 12s ago: recorded, its hash failed (open x: too many open files), 5 tries; " +
+			"tried again for 1m48s more (then its record waits for the agent's next start)\n",
+	} {
+		var b strings.Builder
+		now := time.Now()
+		Status(&b, info, tiers.Status{Spool: spool, Replicated: -1, Sealing: &tiers.SealTryView{Step: 31, Worker: 1,
+			Committed: now.Add(-12 * time.Second), Recorded: recorded, Tries: 5, Err: "open x: too many open files", Until: now.Add(108*time.Second + 400*time.Millisecond)}})
+		assert.Contains(t, b.String(), want)
+	}
 }
 
 func TestSpools(t *testing.T) {
