@@ -103,10 +103,14 @@ type commitRecorder struct {
 	countedUnanswered map[string]bool // GUARDED_BY(mu)
 	// kept holds the records a seal could not hash for a shortage, by directory (keep).
 	kept map[string]keptRecord // GUARDED_BY(mu)
+	// triesLeft are records of failed tries that could not be removed yet (dropTry).
+	triesLeft []string // GUARDED_BY(mu)
+	// removeAll is os.RemoveAll, or a test's.
+	removeAll func(string) error
 }
 
 func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
-	return &commitRecorder{node: n, incs: incs, out: out, lines: lines, pending: map[string]bool{}, sealed: make(chan struct{})}
+	return &commitRecorder{node: n, incs: incs, out: out, lines: lines, pending: map[string]bool{}, sealed: make(chan struct{}), removeAll: os.RemoveAll}
 }
 
 // whyNotOurs says why a .save the job wrote is not a commit of this node ("" when it is one):
@@ -338,6 +342,7 @@ func (cr *commitRecorder) noteUnanswered(ev event) {
 // commit.json.
 func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 	c.attrsErr = nil // a try before may have failed where this one does not
+	cr.dropTry("")
 	cr.spool.FillHeadroom()
 	root := cr.spoolDir(commitsDir)
 	if err := os.MkdirAll(root, 0o700); err != nil {
@@ -363,17 +368,45 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 		}
 	}
 	if err != nil {
-		os.RemoveAll(c.dir)
+		cr.dropTry(c.dir)
 		return err
 	}
 	cfg := c.inc.Config
 	rec := commitRecord{Job: cfg.JobName, Incarnation: c.inc.ID, Rank: cfg.NodeRank, Worker: c.worker, Step: c.step, Name: c.name, At: c.at.UTC()}
 	data, _ := json.Marshal(rec)
 	if err := cr.withRoom(func() error { return layout.WriteFileAtomic(filepath.Join(c.dir, commitRecordName), data) }); err != nil {
-		os.RemoveAll(c.dir)
+		cr.dropTry(c.dir)
 		return err
 	}
 	return nil
+}
+
+// dropTry removes the record dir a failed try made (none: ""), and those earlier ones could
+// not. The descriptors a try lacked are lacking for os.RemoveAll too, which opens the
+// directories it empties: it runs with the reserve, and a record it still cannot remove is
+// removed at a later try. Each try left one before, holding links to the step's bytes until the
+// agent's restart (a black-box run: 30 records after the give-up).
+func (cr *commitRecorder) dropTry(dir string) {
+	cr.mu.Lock()
+	dirs := cr.triesLeft
+	cr.triesLeft = nil
+	cr.mu.Unlock()
+	if dir != "" {
+		dirs = append(dirs, dir)
+	}
+	var left []string
+	var err error
+	for _, d := range dirs {
+		if e := cr.fds.retry(func() error { return cr.removeAll(d) }); e != nil {
+			left, err = append(left, d), e
+		}
+	}
+	if len(left) > 0 {
+		cr.log.Warn("the records of failed tries could not be removed yet: a later try removes them", "records", len(left), "err", err)
+		cr.mu.Lock()
+		cr.triesLeft = append(cr.triesLeft, left...)
+		cr.mu.Unlock()
+	}
 }
 
 // done forgets that name waits for sealing and wakes waitSealed.

@@ -1004,3 +1004,41 @@ func TestStatusNamesAStepInItsSealTries(t *testing.T) {
 	})
 	assert.Zero(t, retrying())
 }
+
+// TestRecordsOfFailedTriesAreRemoved: the record each failed try of a commit makes is removed,
+// also when its removal fails at first for lack of descriptors (a later try removes it). Before,
+// os.RemoveAll failed as the try had, and the records stayed until the agent's restart, holding
+// links to the step's bytes (a black-box run: 30 after the give-up).
+func TestRecordsOfFailedTriesAreRemoved(t *testing.T) {
+	t.Parallel()
+	var recordFails, removeFails atomic.Bool
+	recordFails.Store(true)
+	removeFails.Store(true)
+	var tries atomic.Int32
+	h := newHarness(t, harnessConfig{sealErr: emfileFor2(&tries, recordFails.Load), recordRemoveErr: func(string) error {
+		if removeFails.Load() {
+			return &os.PathError{Op: "open", Path: "commits/x", Err: syscall.EMFILE}
+		}
+		return nil
+	}})
+	h.saveTwoWhileRecordFails(&tries, 4) // a try seals twice, the second time with the reserve
+	if got := h.spoolEntries("commits/*"); len(got) < 2 {
+		t.Fatalf("records = %q: the removals failed, 2 tries leave 2", got)
+	}
+	removeFails.Store(false)
+	n := tries.Load()
+	h.eventually("the records of the failed tries removed", func() string {
+		if tries.Load() < n+1 {
+			return "no try since"
+		}
+		if got := h.spoolEntries("commits/*"); len(got) != 0 {
+			return fmt.Sprintf("records = %q", got)
+		}
+		return ""
+	})
+	recordFails.Store(false)
+	h.waitSealed("job", 2, "2")
+	if got := h.spoolEntries("commits/*"); len(got) != 0 {
+		t.Fatalf("records = %q after the seal", got)
+	}
+}

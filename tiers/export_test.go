@@ -2,6 +2,7 @@ package tiers
 
 import (
 	"fmt"
+	"os"
 	"time"
 )
 
@@ -58,6 +59,17 @@ func (r *Replicator) SetSealRetryFor(d time.Duration) { r.sealer.retryFor.Store(
 // SetHashFault makes f fail the hashing of commit records, of the sealer and of adoption alike;
 // only before Start.
 func (r *Replicator) SetHashFault(f func(step int64) error) { r.node.hashFault = f }
+
+// SetRecordRemoveFault makes f fail the removals of commit records a failed try made (nil: it
+// lets them run); only before Start.
+func (r *Replicator) SetRecordRemoveFault(f func(dir string) error) {
+	r.recorder.removeAll = func(dir string) error {
+		if err := f(dir); err != nil {
+			return err
+		}
+		return os.RemoveAll(dir)
+	}
+}
 
 // SetShape records (in ShapeFile) the shape of the job whose steps the spool holds from now
 // on, keeping its timeline, for the tests of the shape record; the agent records it with the

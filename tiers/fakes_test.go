@@ -427,9 +427,23 @@ type recordingCoordinator struct {
 	order func(*tiers.BackupOrder)
 
 	mu        sync.Mutex
+	incs      []tiers.Incarnation  // GUARDED_BY(mu); every Negotiate's
 	syncs     []tiers.SyncReport   // GUARDED_BY(mu)
 	decisions []tiers.SyncDecision // GUARDED_BY(mu)
 	reports   []tiers.BackupReport // GUARDED_BY(mu); every non-empty backup report
+}
+
+func (c *recordingCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {
+	c.mu.Lock()
+	c.incs = append(c.incs, inc)
+	c.mu.Unlock()
+	return c.Coordinator.Negotiate(ctx, inc, inv)
+}
+
+func (c *recordingCoordinator) negotiated() []tiers.Incarnation {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.incs)
 }
 
 func (c *recordingCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, rep tiers.BackupReport) (tiers.BackupOrder, error) {
@@ -490,6 +504,11 @@ type harnessConfig struct {
 	writeErr, readErr func(name string) error
 	// hashFault, when set, may fail the hashing of commit records (Replicator.SetHashFault).
 	hashFault func(step int64) error
+	// mountPath, when set, is the spool's MountPath: it keeps an owner record (and a lock,
+	// released by the harness's close).
+	mountPath string
+	// recordRemoveErr, when set, may fail the removals of records failed tries made.
+	recordRemoveErr func(dir string) error
 	// sealRetryFor, when not 0, bounds the tries of a seal that failed on a shortage.
 	sealRetryFor time.Duration
 	// keptSpools is the replicator's KeptSpools (nil: none).
@@ -538,7 +557,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	ns.failSeal = cfg.sealErr
 	ns.failWrite, ns.failRead = cfg.writeErr, cfg.readErr
 	ns.sealAttrs = cfg.sealAttrs
-	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(cfg.root, "spool"), Budget: 64 << 20})
+	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(cfg.root, "spool"), Budget: 64 << 20, MountPath: cfg.mountPath})
 	if err != nil {
 		t.Fatalf("OpenSpool: %v", err)
 	}
@@ -568,6 +587,9 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	if cfg.hashFault != nil {
 		h.r.SetHashFault(cfg.hashFault)
 	}
+	if cfg.recordRemoveErr != nil {
+		h.r.SetRecordRemoveFault(cfg.recordRemoveErr)
+	}
 	if cfg.sealRetryFor != 0 {
 		h.r.SetSealRetryFor(cfg.sealRetryFor)
 	}
@@ -579,7 +601,14 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 }
 
 // close stops the agent (idempotent); its spool stays for a restart.
-func (h *harness) close() { h.closeOnce.Do(h.r.Close) }
+func (h *harness) close() {
+	h.closeOnce.Do(func() {
+		h.r.Close()
+		if h.cfg.mountPath != "" {
+			h.spool.Detach()
+		}
+	})
+}
 
 // restart stops the agent and starts a new one on the same spool with an empty namespace.
 func (h *harness) restart() *harness {
