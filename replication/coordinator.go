@@ -951,6 +951,19 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 	if j.retired[inc.ID] {
 		return nil, fmt.Errorf("incarnation %s of rank %d: %w (superseded by a newer one)", inc.ID, rank, ErrOtherIncarnation)
 	}
+	if negotiate {
+		// The agent gave these up for inc: a call of theirs arriving late (held by a stalled
+		// link, or retried as the job restarted) replaced inc's id while the plan was gathered,
+		// and inc's Restored then failed as not negotiated (found by a black-box run).
+		for _, id := range inc.Superseded {
+			if id != inc.ID {
+				if j.retired == nil {
+					j.retired = map[string]bool{}
+				}
+				j.retired[id] = true
+			}
+		}
+	}
 	if j.cur != nil && sameJob(j.cur.cfg, cfg) {
 		switch known := j.ids[rank]; {
 		case known == inc.ID:

@@ -209,7 +209,10 @@ func (s *CoordinatorService) coordinator(from Identity, caller *peerpb.Caller, n
 	// Not atomic with the check above: if the rank-0 agent starts an incarnation of another
 	// shape in between, this Negotiate starts one of the old shape again (and the rank-0
 	// agent's gets ErrClosed). Closing that needs the check inside Job.Coordinator's lock.
-	inc := tiers.Incarnation{ID: from.Incarnation, Config: cfg}
+	inc := tiers.Incarnation{ID: from.Incarnation, Config: cfg, Superseded: caller.GetSuperseded()}
+	if len(inc.Superseded) > tiers.MaxSuperseded {
+		return nil, inc, errInvalid("%d superseded incarnations: at most %d are sent", len(inc.Superseded), tiers.MaxSuperseded)
+	}
 	c, err := s.cfg.Job.RemoteCoordinator(cfg.NodeRank, inc, negotiate)
 	if err != nil {
 		return nil, inc, coordinatorStatus(err)
@@ -713,6 +716,7 @@ func callerToPB(inc tiers.Incarnation) (*peerpb.Caller, error) {
 		},
 		Incarnation: inc.ID,
 		Rank:        int32(c.NodeRank),
+		Superseded:  inc.Superseded,
 	}, nil
 }
 

@@ -581,3 +581,37 @@ func TestOnlyRankZeroStartsAnIncarnation(t *testing.T) {
 		require.NoError(t, result(t, ch, "Negotiate once rank 0 is back"))
 	}
 }
+
+// TestCoordinatorServiceRefusesASupersededCaller: the ids an agent's Negotiate names as
+// superseded travel with it, and a late call of one of them is refused (not retried).
+func TestCoordinatorServiceRefusesASupersededCaller(t *testing.T) {
+	t.Parallel()
+	const nodes = 3
+	j := newCoordinatorJob(t, nodes, Options{Clock: newFakeClock()})
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	late := agentInc("given-up", 1, nodes)
+	j.incs[1].Superseded = []string{late.ID}
+	calls := make([]<-chan error, nodes)
+	for _, r := range []int{0, 1} {
+		calls[r] = async(func() error { _, err := j.clients[r].Negotiate(ctx, j.incs[r], own(r, 10)); return err })
+	}
+	require.Eventually(t, func() bool { return j.job.idOf(1) == j.incs[1].ID }, 10*time.Second, time.Millisecond)
+	_, err := j.clients[1].Negotiate(ctx, late, own(1, 10))
+	require.ErrorIs(t, err, ErrOtherIncarnation)
+	assert.ErrorContains(t, err, "superseded by a newer one")
+	calls[2] = async(func() error { _, err := j.clients[2].Negotiate(ctx, j.incs[2], own(2, 10)); return err })
+	for r, ch := range calls {
+		require.NoError(t, result(t, ch, fmt.Sprint("Negotiate of rank ", r)))
+	}
+	var wg sync.WaitGroup
+	for r := range nodes {
+		wg.Go(func() { assert.NoError(t, j.clients[r].Restored(ctx, j.incs[r]), "rank %d", r) })
+	}
+	wg.Wait()
+
+	long := agentInc("long", 2, nodes)
+	long.Superseded = make([]string, tiers.MaxSuperseded+1)
+	_, err = j.clients[2].Negotiate(ctx, long, own(2, 10))
+	assert.ErrorContains(t, err, "at most 8 are sent")
+}

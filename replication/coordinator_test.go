@@ -1088,3 +1088,80 @@ func TestLateCompletionWaitsForARestart(t *testing.T) {
 	}
 	assert.Equal(t, int64(20), (<-plan1).Step, "the plan is of the new inventories")
 }
+
+// TestLateNegotiateOfAGivenUpIncarnation: a Negotiate of an incarnation an agent gave up (held
+// by a stalled link, or retried as the job restarted) that reaches the coordinator after the
+// agent's newer one neither replaces it nor joins: the newer one names the ids it supersedes.
+// Before, it replaced the newer id while the plan was gathered; the newer one got the plan and
+// its Restored failed as "not negotiated", and the other ranks waited for it until their jobs
+// gave up (found by a black-box run of a stalled link to rank 0). Arriving first, the late call
+// is replaced by the newer one while the plan is gathered, as before. (Once the plan is made
+// with the late call's inventory, the newer one is a restart of the job, told to look for rank
+// 0 again: that incarnation's restore waits for it until the job restarts.)
+func TestLateNegotiateOfAGivenUpIncarnation(t *testing.T) {
+	t.Parallel()
+	const nodes = 3
+	for _, tc := range []struct {
+		name       string
+		lateFirst  bool // the late call arrives before the agent's newer one
+		lateResult error
+	}{
+		{"late after the newer one", false, ErrOtherIncarnation},
+		{"late before the newer one", true, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			job := NewJob(Options{Clock: newFakeClock()})
+			client := LocalClient{Job: job}
+			negotiate := func(inc tiers.Incarnation) <-chan error {
+				return async(func() error {
+					c, err := job.RemoteCoordinator(inc.Config.NodeRank, inc, true)
+					if err == nil {
+						_, err = c.Negotiate(t.Context(), inc.Config.NodeRank, own(inc.Config.NodeRank, 10))
+					}
+					return err
+				})
+			}
+			incs := []tiers.Incarnation{agentInc("b0", 0, nodes), agentInc("b1", 1, nodes), agentInc("b2", 2, nodes)}
+			late := agentInc("a1", 1, nodes)
+			incs[1].Superseded = []string{"x1", late.ID}
+			calls := make([]<-chan error, nodes)
+			calls[0] = async(func() error { _, err := client.Negotiate(t.Context(), incs[0], own(0, 10)); return err })
+			require.Eventually(t, func() bool { return job.idOf(0) == "b0" }, 10*time.Second, time.Millisecond)
+			var lateCall <-chan error
+			if tc.lateFirst {
+				lateCall = negotiate(late)
+				require.Eventually(t, func() bool { return job.idOf(1) == late.ID }, 10*time.Second, time.Millisecond)
+			}
+			calls[1] = negotiate(incs[1])
+			require.Eventually(t, func() bool { return job.idOf(1) == "b1" }, 10*time.Second, time.Millisecond)
+			if !tc.lateFirst {
+				lateCall = negotiate(late)
+				require.ErrorIs(t, result(t, lateCall, "the late Negotiate"), tc.lateResult)
+			}
+			calls[2] = negotiate(incs[2])
+			for r, ch := range calls {
+				require.NoError(t, result(t, ch, fmt.Sprint("Negotiate of rank ", r)))
+			}
+			if tc.lateFirst {
+				require.NoError(t, result(t, lateCall, "the replaced late Negotiate"))
+			}
+			var wg sync.WaitGroup
+			for _, inc := range incs {
+				wg.Go(func() { assert.NoError(t, client.Restored(t.Context(), inc), "rank %d", inc.Config.NodeRank) })
+			}
+			wg.Wait()
+			assert.ErrorIs(t, client.Restored(t.Context(), late), ErrOtherIncarnation)
+		})
+	}
+}
+
+// idOf is the agent incarnation id the current incarnation coordinates for rank.
+func (j *Job) idOf(rank int) string {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if rank < len(j.ids) {
+		return j.ids[rank]
+	}
+	return ""
+}

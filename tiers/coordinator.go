@@ -8,6 +8,10 @@ import (
 type Incarnation struct {
 	ID     string // unique per start, random
 	Config *Config
+	// Superseded are the ids of the agent's earlier incarnations, the newest last (a few): it
+	// gave them up for this one, and a call of theirs that reaches the coordinator late (held
+	// by a stalled link, or retried as the job restarted) must neither join nor replace it.
+	Superseded []string
 }
 
 // SyncReport is what a node tells the coordinator after it committed (and replicated) a step.

@@ -63,6 +63,7 @@ func (h *handshake) answer() {
 		return
 	}
 	inc := newIncarnation(h.ctx, cfg)
+	inc.Superseded = h.incs.supersede(inc.ID)
 	// The job's user: a root writer says nothing of it (a launcher may write the yaml for a job
 	// that then runs as someone else), and root reads any checkpoint anyway.
 	if uid, _, err := h.ns.Owner(layout.ReplicatorYAMLName); err == nil && uid != 0 {

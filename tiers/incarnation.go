@@ -2,6 +2,7 @@ package tiers
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"sync/atomic"
 )
@@ -100,6 +101,25 @@ type incarnations struct {
 	// recorded commit it could not seal, data failing its hash): reported to the job at the next
 	// handshake, never dropped silently.
 	startupErrors []string // GUARDED_BY(mu)
+	// given are the ids of the agent's incarnations, the newest last (MaxSuperseded; the first
+	// may be the previous agent's on this spool): each new one names those before it as
+	// superseded (Incarnation.Superseded).
+	given []string // GUARDED_BY(mu)
+}
+
+// MaxSuperseded is how many earlier incarnation ids an agent names with a new one.
+const MaxSuperseded = 8
+
+// supersede records id as the agent's newest incarnation and returns the ids before it.
+func (s *incarnations) supersede(id string) []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	before := slices.Clone(s.given)
+	s.given = append(s.given, id)
+	if len(s.given) > MaxSuperseded {
+		s.given = slices.Delete(s.given, 0, len(s.given)-MaxSuperseded)
+	}
+	return before
 }
 
 func (s *incarnations) get() *incarnation {

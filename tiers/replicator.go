@@ -227,6 +227,11 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	// State the stages share: the job's incarnations, the lines reported to it, and what this
 	// node holds in RAM (retention).
 	r.incs = &incarnations{}
+	if run := cfg.Spool.Owner().Running; run != nil && run.Incarnation != "" {
+		// The previous agent's on this spool: a call of it held by a stalled link may still
+		// reach the coordinator.
+		r.incs.given = []string{run.Incarnation}
+	}
 	r.lines = &jobLines{node: n, incs: r.incs}
 	r.retention = newRetention(n, r.incs)
 

@@ -24,6 +24,8 @@ import (
 
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // baseYAML is a valid one-node Orbax replicator.yaml, as Orbax writes it (one key per line,
@@ -1488,4 +1490,38 @@ func TestWithdrawLines(t *testing.T) {
 	if h.r.WithdrawLines(layout.ReplicatorFailedName, "while incarnation abc ") {
 		t.Fatal("nothing to withdraw from a missing file")
 	}
+}
+
+// TestIncarnationsNameTheOnesTheySupersede: each Negotiate names the agent's earlier
+// incarnations, the previous agent's last one on the spool included, so that the coordinator
+// refuses a call of theirs arriving late (replication's TestLateNegotiateOfAGivenUpIncarnation).
+func TestIncarnationsNameTheOnesTheySupersede(t *testing.T) {
+	t.Parallel()
+	mnt := filepath.Join(t.TempDir(), "mnt")
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	h := newHarness(t, harnessConfig{mountPath: mnt})
+	restart := func(h *harness) {
+		if err := os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))); err != nil && !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+		h.start(baseYAML, "job")
+	}
+	restart(h)
+	restart(h)
+	incs := h.coord.negotiated()
+	require.Len(t, incs, 2)
+	assert.Empty(t, incs[0].Superseded, "a new spool's first incarnation")
+	assert.Equal(t, []string{incs[0].ID}, incs[1].Superseded)
+	h2 := h.restart()
+	restart(h2)
+	incs2 := h2.coord.negotiated()
+	require.Len(t, incs2, 1)
+	assert.Equal(t, []string{incs[1].ID}, incs2[0].Superseded, "the previous agent's last incarnation, from the spool's owner record")
+	for range tiers.MaxSuperseded + 2 {
+		restart(h2)
+	}
+	incs2 = h2.coord.negotiated()
+	last := incs2[len(incs2)-1].Superseded
+	assert.Len(t, last, tiers.MaxSuperseded)
+	assert.Equal(t, incs2[len(incs2)-2].ID, last[len(last)-1], "the newest last")
 }

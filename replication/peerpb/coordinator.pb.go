@@ -127,8 +127,12 @@ type Caller struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Shape *JobShape              `protobuf:"bytes,1,opt,name=shape,proto3" json:"shape,omitempty"`
 	// The agent's incarnation id (tiers.Incarnation.ID).
-	Incarnation   string `protobuf:"bytes,2,opt,name=incarnation,proto3" json:"incarnation,omitempty"`
-	Rank          int32  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	Incarnation string `protobuf:"bytes,2,opt,name=incarnation,proto3" json:"incarnation,omitempty"`
+	Rank        int32  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	// The ids of the agent's earlier incarnations it gave up for this one (tiers.Incarnation.
+	// Superseded; a few, the newest last): a late call of theirs is refused. Agents of earlier
+	// versions send none.
+	Superseded    []string `protobuf:"bytes,4,rep,name=superseded,proto3" json:"superseded,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -182,6 +186,13 @@ func (x *Caller) GetRank() int32 {
 		return x.Rank
 	}
 	return 0
+}
+
+func (x *Caller) GetSuperseded() []string {
+	if x != nil {
+		return x.Superseded
+	}
+	return nil
 }
 
 // Inventory is what one node holds in RAM.
@@ -1076,11 +1087,14 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x17assume_data_parallelism\x18\x04 \x01(\x05R\x15assumeDataParallelism\x126\n" +
 	"\x17backup_interval_minutes\x18\x05 \x01(\x01R\x15backupIntervalMinutes\x122\n" +
 	"\x15backup_interval_steps\x18\x06 \x01(\x05R\x13backupIntervalSteps\x12\x1c\n" +
-	"\tframework\x18\a \x01(\tR\tframework\"t\n" +
+	"\tframework\x18\a \x01(\tR\tframework\"\x94\x01\n" +
 	"\x06Caller\x124\n" +
 	"\x05shape\x18\x01 \x01(\v2\x1e.mtcfs.replication.v1.JobShapeR\x05shape\x12 \n" +
 	"\vincarnation\x18\x02 \x01(\tR\vincarnation\x12\x12\n" +
-	"\x04rank\x18\x03 \x01(\x05R\x04rank\"\x86\x03\n" +
+	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x1e\n" +
+	"\n" +
+	"superseded\x18\x04 \x03(\tR\n" +
+	"superseded\"\x86\x03\n" +
 	"\tInventory\x12@\n" +
 	"\x05metas\x18\x01 \x03(\v2*.mtcfs.replication.v1.Inventory.MetasEntryR\x05metas\x12\x12\n" +
 	"\x04data\x18\x02 \x03(\tR\x04data\x12A\n" +
