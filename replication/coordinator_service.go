@@ -735,7 +735,8 @@ func configFromPB(s *peerpb.JobShape, rank int) *tiers.Config {
 }
 
 func inventoryToPB(inv tiers.Inventory) *peerpb.Inventory {
-	m := &peerpb.Inventory{Metas: inv.Metas, Data: inv.Data, Generation: inv.Timeline.Generation, Restores: inv.Timeline.Restores}
+	m := &peerpb.Inventory{Metas: inv.Metas, Data: inv.Data, Generation: inv.Timeline.Generation, Restores: inv.Timeline.Restores,
+		GenerationFloor: inv.Timeline.Floor}
 	if s := inv.Shape; s.Nodes > 0 {
 		m.SavedShape = &peerpb.SavedShape{Nodes: int32(s.Nodes), WorkersPerNode: int32(s.Workers), DataParallelism: int32(s.DataParallelism)}
 	}
@@ -752,6 +753,7 @@ func inventoryFromPB(rank int, m *peerpb.Inventory) tiers.Inventory {
 	if g := m.GetGeneration(); g > 0 {
 		inv.Timeline = tiers.Timeline{Generation: g, Restores: m.GetRestores()}
 	}
+	inv.Timeline.Floor = max(m.GetGenerationFloor(), 0)
 	if s := m.GetSavedShape(); s.GetNodes() > 0 && s.GetWorkersPerNode() > 0 && s.GetDataParallelism() >= 0 {
 		inv.Shape = tiers.Shape{Nodes: int(s.GetNodes()), Workers: int(s.GetWorkersPerNode()), DataParallelism: int(s.GetDataParallelism())}
 	}

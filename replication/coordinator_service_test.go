@@ -482,8 +482,10 @@ func TestCoordinatorPlanConversion(t *testing.T) {
 	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)))
 	inv.Shape = tiers.Shape{Nodes: 4, Workers: 2, DataParallelism: 2}
 	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)), "the saved shape travels")
-	inv.Timeline = tiers.Timeline{Generation: 4, Restores: map[int64]int64{4: 8, 3: -1}}
+	inv.Timeline = tiers.Timeline{Generation: 4, Restores: map[int64]int64{4: 8, 3: -1}, Floor: 6}
 	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)), "the timeline travels")
+	inv.Timeline = tiers.Timeline{Floor: 6}
+	assert.Equal(t, inv, inventoryFromPB(2, inventoryToPB(inv)), "the floor travels without a timeline")
 	bad := inventoryToPB(inv)
 	bad.SavedShape.WorkersPerNode = 0
 	assert.Equal(t, tiers.Shape{}, inventoryFromPB(2, bad).Shape, "a shape no job has is unknown")

@@ -516,9 +516,17 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others
 	bySlot := map[int64]map[Slot]string{}
 	owned := map[int64]map[Slot]bool{}             // the slot's .meta came from its own node
 	saves := map[int64]map[Slot]map[string][]int{} // the hashes of each slot's step, by the ranks holding the .meta
-	sameTimeline := true
+	// Nodes holding nothing of the job (a new machine) bring no save to tell apart: left out,
+	// they no longer made a step saved again on one timeline pass over (a review).
+	sameTimeline, gen := true, int64(-1)
 	for _, inv := range invs {
-		sameTimeline = sameTimeline && inv.Timeline.Generation == invs[0].Timeline.Generation
+		if !holdsJobSteps(cfg, inv) {
+			continue
+		}
+		if gen < 0 {
+			gen = inv.Timeline.Generation
+		}
+		sameTimeline = sameTimeline && inv.Timeline.Generation == gen
 	}
 	for _, inv := range invs {
 		for name, hash := range inv.Metas {
@@ -574,6 +582,16 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others
 		}
 	}
 	return 0, nil, false, mixed
+}
+
+// holdsJobSteps reports whether inv holds a .meta of a step of the job.
+func holdsJobSteps(cfg *Config, inv Inventory) bool {
+	for name := range inv.Metas {
+		if _, _, ok := JobMeta(cfg, name); ok {
+			return true
+		}
+	}
+	return false
 }
 
 // sortedSlots returns the keys of m in rank, then worker order.

@@ -67,6 +67,11 @@ type Spool struct {
 	// timeline is the restores of shapeJob this node took part in (SetShapeRestored), kept in
 	// ShapeFile with the shape.
 	timeline Timeline
+	// recorded is the newest trusted timeline of recordedJob, recorded or read: a record
+	// written again after no room (withRoom) merges the earlier restores from it, where the
+	// failed write had forgotten them (a review: history {1, 2, 3} became {4}).
+	recorded    Timeline
+	recordedJob string
 
 	closeOnce sync.Once
 	// trash is set while a predecessor's files, moved aside by clearFiles, wait for RemoveTrash.
@@ -155,6 +160,11 @@ type Running struct {
 	// the missing field as "not published", and told a job that had restored long before that
 	// its markers would not come; found by a black-box run of a rolling upgrade).
 	TracksRestore bool `json:"tracks_restore,omitempty"`
+	// Continues is the incarnation whose recorded timeline the agent trusted when it wrote the
+	// record ("": none): a restart before this incarnation records its restore trusts that
+	// timeline still. Before, such a restart (a crash during the restore negotiation) found
+	// another incarnation than the one that recorded it and forgot it (a review).
+	Continues string `json:"continues,omitempty"`
 }
 
 // DefaultSpoolRoot is the directory that holds the default spools of this user: shared by root
@@ -536,6 +546,10 @@ func (s *Spool) Owner() Owner {
 // review). It is an error on a spool opened without a MountPath (nothing is recorded there).
 func (s *Spool) SetRunning(job string, run Running) error {
 	return s.updateOwner(func(o *Owner) bool {
+		run.Continues = ""
+		if s.shapeJob == job && s.timeline.Generation > 0 {
+			run.Continues = s.timeline.of
+		}
 		o.Job, o.Running = job, &run
 		return true
 	})
@@ -615,12 +629,13 @@ func (s *Spool) MarkRestored(incarnation string) error {
 // writeShapeLocked writes ShapeFile for the owner's job; it removes it when it cannot. Called
 // with ownerMu held.
 func (s *Spool) writeShapeLocked(shape Shape, tl Timeline) error {
-	data, _ := json.Marshal(shapeRecord{Shape: shape, Job: s.owner.Job, Generation: tl.Generation, Restores: tl.Restores, TimelineOf: tl.of})
+	data, _ := json.Marshal(shapeRecord{Shape: shape, Job: s.owner.Job, Generation: tl.Generation, Restores: tl.Restores, TimelineOf: tl.of, Floor: tl.Floor})
 	if err := layout.WriteFileAtomic(filepath.Join(s.dir, ShapeFile), data); err != nil {
 		s.forgetShapeLocked()
 		return err
 	}
 	s.shape, s.shapeJob, s.timeline = shape, s.owner.Job, tl
+	s.recorded, s.recordedJob = tl, s.owner.Job
 	return nil
 }
 
@@ -633,6 +648,12 @@ func (s *Spool) writeShapeLocked(shape Shape, tl Timeline) error {
 type Timeline struct {
 	Generation int64
 	Restores   map[int64]int64
+	// Floor is the highest generation the spool knew of the job, kept when its timeline is
+	// not trusted or was cleared: the coordinator numbers a restore above every node's, so that
+	// numbers never go back. Before, nodes whose numbers were all cleared numbered the next
+	// restore 1 again, and a node away at a higher number then looked current, or made them
+	// look stale (a review).
+	Floor int64
 	// of is the incarnation whose restore recorded it: the timeline is trusted at the next
 	// start only while the owner record still names that incarnation. An agent of an earlier
 	// release answering a job in between keeps no timeline, and rewrites no shape record of an
@@ -650,7 +671,7 @@ func (s *Spool) Timeline(job string) Timeline {
 	if s.shapeJob != job || s.shape == (Shape{}) {
 		return Timeline{}
 	}
-	return Timeline{Generation: s.timeline.Generation, Restores: maps.Clone(s.timeline.Restores)}
+	return Timeline{Generation: s.timeline.Generation, Restores: maps.Clone(s.timeline.Restores), Floor: max(s.timeline.Floor, s.timeline.Generation)}
 }
 
 // errOtherJob refuses to record a restore of a job the spool no longer serves.
@@ -669,14 +690,19 @@ func (s *Spool) SetShapeRestored(job, inc string, shape Shape, gen, step int64) 
 	if s.owner.Job != job {
 		return errOtherJob
 	}
-	var tl Timeline
+	var before Timeline // the restores to keep
+	if s.recordedJob == job {
+		before = s.recorded
+	}
+	tl := Timeline{Floor: max(gen, before.Floor, before.Generation)}
+	if s.shapeJob == job {
+		tl.Floor = max(tl.Floor, s.timeline.Floor, s.timeline.Generation)
+	}
 	if gen > 0 {
-		tl = Timeline{Generation: gen, Restores: map[int64]int64{gen: step}, of: inc}
-		if s.shapeJob == job {
-			for g, st := range s.timeline.Restores {
-				if g < gen && g > gen-maxTimelineRestores {
-					tl.Restores[g] = st
-				}
+		tl.Generation, tl.Restores, tl.of = gen, map[int64]int64{gen: step}, inc
+		for g, st := range before.Restores {
+			if g < gen && g > gen-maxTimelineRestores {
+				tl.Restores[g] = st
 			}
 		}
 	}
@@ -688,7 +714,7 @@ func (s *Spool) SetShapeRestored(job, inc string, shape Shape, gen, step int64) 
 
 // forgetShapeLocked removes the shape record. Called with ownerMu held.
 func (s *Spool) forgetShapeLocked() {
-	s.shape, s.timeline = Shape{}, Timeline{}
+	s.shape, s.timeline = Shape{}, Timeline{Floor: max(s.timeline.Floor, s.timeline.Generation)}
 	os.Remove(filepath.Join(s.dir, ShapeFile))
 }
 
@@ -703,6 +729,7 @@ type shapeRecord struct {
 	Generation int64           `json:"generation,omitempty"`
 	Restores   map[int64]int64 `json:"restores,omitempty"`
 	TimelineOf string          `json:"timeline_of,omitempty"` // Timeline.of
+	Floor      int64           `json:"floor,omitempty"`       // Timeline.Floor
 }
 
 // readShape loads ShapeFile; an unreadable or invalid record is no record. So is one that an
@@ -729,8 +756,13 @@ func (s *Spool) readShape() {
 		job = s.owner.Job // the job that held the spool wrote it
 	}
 	s.shape, s.shapeJob = rec.Shape, job
-	if rec.Generation > 0 && rec.TimelineOf == s.owner.Running.Incarnation {
-		s.timeline = Timeline{Generation: rec.Generation, Restores: rec.Restores, of: rec.TimelineOf}
+	floor := max(rec.Floor, rec.Generation)
+	run := s.owner.Running
+	if rec.Generation > 0 && rec.TimelineOf != "" && (rec.TimelineOf == run.Incarnation || rec.TimelineOf == run.Continues) {
+		s.timeline = Timeline{Generation: rec.Generation, Restores: rec.Restores, of: rec.TimelineOf, Floor: floor}
+		s.recorded, s.recordedJob = s.timeline, job
+	} else {
+		s.timeline = Timeline{Floor: floor}
 	}
 }
 

@@ -8,7 +8,7 @@ import (
 )
 
 // CutStaleTimelines numbers a restore of the job (the generation after the newest any node took
-// part in) and takes out of invs what nodes that missed restores hold above the step restored at
+// part in or knew of, Timeline.Floor) and takes out of invs what nodes that missed restores hold above the step restored at
 // the first of those: the job continued from that step and saved the steps above it again, so
 // theirs are of a timeline the job left. Before, such a node (its agent away, its spool kept,
 // while a replacement took its rank and the job restored) came back with its own save of a step
@@ -21,8 +21,10 @@ import (
 // job when anything was taken out.
 func CutStaleTimelines(cfg *Config, invs []Inventory) (out []Inventory, gen int64, above map[int]int64, lines []string) {
 	restored := map[int64]int64{}
+	floor := int64(0) // numbers are never given again, also by nodes that forgot theirs
 	for _, inv := range invs {
 		gen = max(gen, inv.Timeline.Generation)
+		floor = max(floor, inv.Timeline.Floor)
 		for g, step := range inv.Timeline.Restores {
 			if s, ok := restored[g]; !ok || step < s {
 				restored[g] = step
@@ -75,5 +77,5 @@ func CutStaleTimelines(cfg *Config, invs []Inventory) (out []Inventory, gen int6
 		}
 		lines = append(lines, fmt.Sprintf("the RAM of rank %d holds step(s) %s of a timeline the job left: its agent was away when the job %s and went on from there; they are not restored, and are dropped", inv.Rank, joinSteps(steps), since))
 	}
-	return out, gen + 1, above, lines
+	return out, max(gen, floor) + 1, above, lines
 }

@@ -2,6 +2,7 @@ package tiers_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -162,17 +163,49 @@ func TestSpoolRecordsRestores(t *testing.T) {
 
 	s = open()
 	assert.EqualValues(t, 700, s.Timeline("job").Restores[70], "kept across a reopen")
-	// An agent of an earlier release answers the job (its own incarnation in the owner record)
-	// and leaves the shape record as it is.
-	require.NoError(t, s.SetRunning("job", tiers.Running{Incarnation: "old-agent"}))
+	// The job restarts, and its agent restarts before the restore is recorded (a crash during
+	// the negotiation): the timeline the new incarnation continued is still trusted.
+	require.NoError(t, s.SetRunning("job", tiers.Running{Incarnation: "i1b"}))
 	require.NoError(t, s.Detach())
 	s = open()
-	assert.Equal(t, tiers.Timeline{}, s.Timeline("job"), "numbers the earlier agent did not keep are not trusted")
+	assert.EqualValues(t, 700, s.Timeline("job").Restores[70], "kept across a restart before the restore was recorded")
+	require.NoError(t, s.SetRunning("job", tiers.Running{Incarnation: "i1c"}))
+	require.NoError(t, s.Detach())
+	s = open()
+	assert.EqualValues(t, 70, s.Timeline("job").Generation, "and across a second one")
+	require.NoError(t, s.Detach())
+	// An agent of an earlier release answers the job (its own incarnation in the owner record,
+	// which it rewrites without the fields it does not know) and leaves the shape record as it is.
+	ownerPath := filepath.Join(dir, tiers.OwnerFile)
+	var owner map[string]any
+	data, err := os.ReadFile(ownerPath)
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(data, &owner))
+	owner["running"] = map[string]any{"incarnation": "old-agent", "rank": 0, "nodes": 2, "since": "2030-01-02T03:00:00Z", "tracks_restore": true}
+	data, err = json.Marshal(owner)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(ownerPath, data, 0o600))
+	s = open()
+	tl = s.Timeline("job")
+	assert.Zero(t, tl.Generation, "numbers the earlier agent did not keep are not trusted")
+	assert.Empty(t, tl.Restores)
+	assert.EqualValues(t, 70, tl.Floor, "the highest number known stays, so that none is given again")
 	require.NoError(t, s.SetRunning("job", tiers.Running{Incarnation: "i2"}))
-	require.NoError(t, s.SetShapeRestored("job", "i2", shape, 3, 1))
-	assert.EqualValues(t, 3, s.Timeline("job").Generation)
+	require.NoError(t, s.SetShapeRestored("job", "i2", shape, 71, 1))
+	assert.EqualValues(t, 71, s.Timeline("job").Generation)
+	// A record that must be written again after no room keeps the restores before it (the
+	// failed write forgot them).
+	tmp := filepath.Join(dir, "."+tiers.ShapeFile+".tmp")
+	require.NoError(t, os.Mkdir(tmp, 0o700)) // the write fails, as in a full spool
+	require.Error(t, s.SetShapeRestored("job", "i2", shape, 72, 2))
+	os.Remove(tmp) // the failed write's cleaning removed the empty directory already
+	require.NoError(t, s.SetShapeRestored("job", "i2", shape, 72, 2))
+	assert.Equal(t, map[int64]int64{71: 1, 72: 2}, s.Timeline("job").Restores)
 	require.NoError(t, s.SetShapeRestored("job", "i2", shape, 0, 1), "a coordinator that numbers no restore")
-	assert.Equal(t, tiers.Timeline{}, s.Timeline("job"))
+	assert.Equal(t, tiers.Timeline{Floor: 72}, s.Timeline("job"))
+	require.NoError(t, s.Detach())
+	s = open()
+	assert.Equal(t, tiers.Timeline{Floor: 72}, s.Timeline("job"), "the floor is kept across a reopen")
 	assert.Equal(t, shape, s.SavedShape())
 	require.ErrorContains(t, s.SetShapeRestored("other", "i3", shape, 4, 1), "serves another job", "a superseded restore of another job")
 	require.NoError(t, s.Detach())
@@ -246,4 +279,68 @@ func TestTwoSavesOfAStepAcrossTimelinesAreNotCombined(t *testing.T) {
 	assert.EqualValues(t, 3, plan.Step)
 	assert.Equal(t, hx(103), plan.Data[tiers.Slot{}], "the same timeline everywhere: the slot's own save")
 	assert.Empty(t, plan.Errors)
+}
+
+// TestRestoresAreNumberedAboveEveryFloor: a restore is numbered above the highest generation any
+// node knew of, also when no node trusts its timeline any more (Timeline.Floor). Before, nodes
+// whose numbers were all cleared numbered the next restore 1 again; a node away at generation 5
+// then made them look stale, and their newer steps were cut (a review).
+func TestRestoresAreNumberedAboveEveryFloor(t *testing.T) {
+	t.Parallel()
+	cfg := planConfig(2, 1)
+	_, gen, above, _ := tiers.CutStaleTimelines(cfg, []tiers.Inventory{
+		{Rank: 0, Metas: map[string]string{}, Timeline: tiers.Timeline{Floor: 5}},
+		{Rank: 1, Metas: map[string]string{}, Timeline: tiers.Timeline{Floor: 4}},
+	})
+	assert.EqualValues(t, 6, gen, "numbered above the floors")
+	assert.Empty(t, above)
+
+	// The restore so numbered, 6, restored step 20; node A, away since generation 5, comes back
+	// with a step 25 of the timeline the job left.
+	hold := func(inv *tiers.Inventory, step int64, slot, hash int) {
+		inv.Metas[metaOf(step, slot, 0)] = hx(hash)
+		inv.Data = append(inv.Data, hx(hash))
+	}
+	a := tiers.Inventory{Rank: 0, Metas: map[string]string{}, Timeline: tiers.Timeline{Generation: 5, Restores: map[int64]int64{5: 10}, Floor: 5}}
+	b := tiers.Inventory{Rank: 1, Metas: map[string]string{}, Timeline: tiers.Timeline{Generation: 6, Restores: map[int64]int64{6: 20}, Floor: 6}}
+	hold(&a, 20, 0, 1020)
+	hold(&a, 20, 1, 2020)
+	hold(&a, 25, 0, 1025)
+	for s := int64(29); s <= 30; s++ {
+		hold(&b, s, 1, 2000+int(s))
+		hold(&b, s, 0, 1500+int(s)) // the replica of A's replacement's save
+	}
+	cut, gen, above, lines := tiers.CutStaleTimelines(cfg, []tiers.Inventory{a, b})
+	assert.EqualValues(t, 7, gen)
+	assert.Equal(t, map[int]int64{0: 20}, above, "A missed restore 6, which restored step 20")
+	require.Len(t, lines, 1)
+	assert.Contains(t, lines[0], "the RAM of rank 0 holds step(s) 25 of a timeline the job left")
+	plan, err := tiers.PlanRestore(context.Background(), cfg, cut, nil, tiers.PlanLimits{})
+	require.NoError(t, err)
+	assert.EqualValues(t, 30, plan.Step, "B's steps, of the timeline the job is on, are not cut")
+}
+
+// TestNewNodeDoesNotMakeAStepSavedAgainPassOver: a node holding nothing of the job (a new
+// machine, no timeline) beside nodes of one timeline does not make a step its slot saved again
+// (a peer still holding the replica of the first save) pass over: the slot's own save wins, as
+// with one timeline everywhere. Before, the new node's unknown timeline made the step pass over,
+// and an older one was restored (a review).
+func TestNewNodeDoesNotMakeAStepSavedAgainPassOver(t *testing.T) {
+	t.Parallel()
+	cfg := planConfig(3, 1)
+	tl := tiers.Timeline{Generation: 4, Restores: map[int64]int64{4: 10}}
+	own0 := tiers.Inventory{Rank: 0, Timeline: tl, Metas: map[string]string{metaOf(40, 0, 0): hx(2), metaOf(40, 1, 0): hx(11), metaOf(30, 0, 0): hx(30), metaOf(30, 1, 0): hx(31)},
+		Data: []string{hx(2), hx(11), hx(30), hx(31)}}
+	own1 := tiers.Inventory{Rank: 1, Timeline: tl, Metas: map[string]string{metaOf(40, 1, 0): hx(12), metaOf(40, 0, 0): hx(1), metaOf(40, 2, 0): hx(42), metaOf(30, 1, 0): hx(31), metaOf(30, 2, 0): hx(32), metaOf(30, 0, 0): hx(30)},
+		Data: []string{hx(12), hx(1), hx(42), hx(31), hx(32), hx(30)}}
+	for _, third := range []tiers.Inventory{{Rank: 2, Timeline: tl, Metas: map[string]string{}}, {Rank: 2, Metas: map[string]string{}}} {
+		plan, err := tiers.PlanRestore(context.Background(), cfg, []tiers.Inventory{own0, own1, third}, nil, tiers.PlanLimits{})
+		require.NoError(t, err)
+		assert.EqualValues(t, 40, plan.Step, "third node's generation %d", third.Timeline.Generation)
+	}
+	// A third node holding a save of the job, of an unknown timeline, still makes it pass over.
+	other := tiers.Inventory{Rank: 2, Metas: map[string]string{metaOf(40, 0, 0): hx(3)}, Data: []string{hx(3)}}
+	plan, err := tiers.PlanRestore(context.Background(), cfg, []tiers.Inventory{own0, own1, other}, nil, tiers.PlanLimits{})
+	require.NoError(t, err)
+	assert.EqualValues(t, 30, plan.Step)
 }

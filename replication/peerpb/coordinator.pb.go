@@ -209,10 +209,13 @@ type Inventory struct {
 	// The restores of the job the node took part in (tiers.Timeline): the newest one's
 	// generation (0: unknown), and the step each remembered one restored (-1: none). A node that
 	// missed restores holds steps of a timeline the job left above them (tiers.CutStaleTimelines).
-	Generation    int64           `protobuf:"varint,4,opt,name=generation,proto3" json:"generation,omitempty"`
-	Restores      map[int64]int64 `protobuf:"bytes,5,rep,name=restores,proto3" json:"restores,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Generation int64           `protobuf:"varint,4,opt,name=generation,proto3" json:"generation,omitempty"`
+	Restores   map[int64]int64 `protobuf:"bytes,5,rep,name=restores,proto3" json:"restores,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// The highest generation the node knew of the job, also when its timeline is unknown
+	// (tiers.Timeline.Floor): restores are numbered above every node's, never again from 1.
+	GenerationFloor int64 `protobuf:"varint,6,opt,name=generation_floor,json=generationFloor,proto3" json:"generation_floor,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Inventory) Reset() {
@@ -278,6 +281,13 @@ func (x *Inventory) GetRestores() map[int64]int64 {
 		return x.Restores
 	}
 	return nil
+}
+
+func (x *Inventory) GetGenerationFloor() int64 {
+	if x != nil {
+		return x.GenerationFloor
+	}
+	return 0
 }
 
 // SavedShape is how a job laid out its checkpoints (tiers.Shape).
@@ -1094,7 +1104,7 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x1e\n" +
 	"\n" +
 	"superseded\x18\x04 \x03(\tR\n" +
-	"superseded\"\x86\x03\n" +
+	"superseded\"\xb1\x03\n" +
 	"\tInventory\x12@\n" +
 	"\x05metas\x18\x01 \x03(\v2*.mtcfs.replication.v1.Inventory.MetasEntryR\x05metas\x12\x12\n" +
 	"\x04data\x18\x02 \x03(\tR\x04data\x12A\n" +
@@ -1103,7 +1113,8 @@ const file_coordinator_proto_rawDesc = "" +
 	"\n" +
 	"generation\x18\x04 \x01(\x03R\n" +
 	"generation\x12I\n" +
-	"\brestores\x18\x05 \x03(\v2-.mtcfs.replication.v1.Inventory.RestoresEntryR\brestores\x1a8\n" +
+	"\brestores\x18\x05 \x03(\v2-.mtcfs.replication.v1.Inventory.RestoresEntryR\brestores\x12)\n" +
+	"\x10generation_floor\x18\x06 \x01(\x03R\x0fgenerationFloor\x1a8\n" +
 	"\n" +
 	"MetasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
