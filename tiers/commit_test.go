@@ -1042,3 +1042,24 @@ func TestRecordsOfFailedTriesAreRemoved(t *testing.T) {
 		t.Fatalf("records = %q after the seal", got)
 	}
 }
+
+// TestLinesGoOnPastTheFilesLimit: once replicator.errors passed its size limit unread (an Orbax
+// job reads it at its restarts), the lines before are dropped with a line saying so, and the
+// new ones are written. Before, the read failed (EFBIG) and no line reached the job any more (a
+// review).
+func TestLinesGoOnPastTheFilesLimit(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	h.writeFile(layout.ReplicatorErrorsName, strings.Repeat("an old line the job did not read\n", (1<<20)/33+1))
+	h.makeTree("tmp", map[string]string{"state": "weights"})
+	h.rename("tmp", "007")
+	h.eventually("the lines", func() string {
+		l := h.lines(layout.ReplicatorErrorsName)
+		if len(l) != 2 || !strings.Contains(l[0], "ERR the lines before this one were dropped: replicator.errors passed 1048576 bytes unread") ||
+			!strings.Contains(l[1], "007 is not committed") {
+			return fmt.Sprintf("replicator.errors = %.300q", l)
+		}
+		return ""
+	})
+}

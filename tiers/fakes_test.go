@@ -134,7 +134,11 @@ func (ns *dirNamespace) ReadFile(name string, limit int64) ([]byte, error) {
 		return nil, err
 	}
 	defer f.Close()
-	return io.ReadAll(io.LimitReader(f, limit))
+	data, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err == nil && int64(len(data)) > limit { // as package fs
+		return nil, fmt.Errorf("read %s: larger than %d bytes: %w", name, limit, syscall.EFBIG)
+	}
+	return data, err
 }
 
 func (ns *dirNamespace) WriteFile(name string, data []byte) error {

@@ -6,6 +6,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"syscall"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -64,6 +65,9 @@ func (l *jobLines) incLine(inc *incarnation, msg string) {
 	l.errLine(inc.Config, msg)
 }
 
+// maxLinesFile bounds replicator.errors and replicator.failed as the agent reads them back.
+const maxLinesFile = 1 << 20
+
 func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) {
 	l.writeMu.Lock()
 	defer l.writeMu.Unlock()
@@ -100,8 +104,15 @@ func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) 
 	// failed (out of descriptors) wrote the new lines over those the job had not read yet (a
 	// review).
 	werr := l.withRoom(func() error {
-		old, err := l.ns.ReadFile(file, 1<<20)
-		if err != nil && !errors.Is(err, os.ErrNotExist) {
+		old, err := l.ns.ReadFile(file, maxLinesFile)
+		switch {
+		case errors.Is(err, syscall.EFBIG):
+			// Unread for long (an Orbax job reads it at its restarts): the lines before go, not
+			// every line from now on (a review: none was written any more).
+			l.log.Warn(file+" passed its size limit unread: the lines before are dropped", "limit", maxLinesFile)
+			old = fmt.Appendf(nil, "%s job=%s node=%s/%s %s the lines before this one were dropped: %s passed %d bytes unread\n",
+				l.now().UTC().Format("2006-01-02T15:04:05Z"), job, rank, nodes, level, file, maxLinesFile)
+		case err != nil && !errors.Is(err, os.ErrNotExist):
 			return fmt.Errorf("read: %w", err)
 		}
 		return l.ns.WriteFile(file, append(old, all...))
@@ -135,7 +146,7 @@ func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) 
 func (l *jobLines) withdraw(file, ours string) bool {
 	l.writeMu.Lock()
 	defer l.writeMu.Unlock()
-	old, err := l.ns.ReadFile(file, 1<<20)
+	old, err := l.ns.ReadFile(file, maxLinesFile)
 	if err != nil {
 		return false
 	}
