@@ -15,6 +15,10 @@ import (
 // then lost the step (found by black-box runs with a lowered limit). Released, the reserve gives
 // such a write its descriptors back once.
 type fdReserve struct {
+	// use is held by the retry whose op runs on the released reserve: retries take turns, and
+	// no refill takes the released descriptors back under it (a review: another caller's
+	// refill before use did, and the record fell into its 2-minute tries).
+	use    sync.Mutex
 	mu     sync.Mutex
 	fds    []int // GUARDED_BY(mu)
 	closed bool  // GUARDED_BY(mu); close ran: fill opens nothing more (a review: a retry in flight leaked)
@@ -52,11 +56,20 @@ func (r *fdReserve) release() bool {
 // retry runs op, and once more with the reserve released if it failed for lack of descriptors;
 // the reserve is then filled again, as far as it can be.
 func (r *fdReserve) retry(op func() error) error {
-	if r != nil && r.short() {
+	if r != nil && r.short() && r.use.TryLock() {
 		r.fill() // used before, and the job's opens took the descriptors it freed: take them back
+		r.use.Unlock()
 	}
 	err := op()
-	if r == nil || !errors.Is(err, syscall.EMFILE) || !r.release() {
+	if r == nil || !errors.Is(err, syscall.EMFILE) {
+		return err
+	}
+	r.use.Lock()
+	defer r.use.Unlock()
+	if r.short() {
+		r.fill() // an earlier turn used them: refilled as far as the limit lets it
+	}
+	if !r.release() {
 		return err
 	}
 	err = op()
@@ -73,10 +86,14 @@ func (r *fdReserve) short() bool {
 
 // close releases the reserve for good.
 func (r *fdReserve) close() {
-	if r != nil {
-		r.release()
-		r.mu.Lock()
-		r.closed = true
-		r.mu.Unlock()
+	if r == nil {
+		return
 	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.closed = true // in the same hold as the release: a fill in between leaked (a review)
+	for _, fd := range r.fds {
+		unix.Close(fd)
+	}
+	r.fds = nil
 }

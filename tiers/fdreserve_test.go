@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -68,4 +69,51 @@ func TestFDReserveGivesARecordItsDescriptors(t *testing.T) {
 	r.close()
 	r.fill()
 	require.Empty(t, r.fds, "closed: nothing opened again")
+}
+
+// TestFDReserveRetriesTakeTurns: a second write failing for lack of descriptors while a first
+// one runs on the released reserve waits for its turn, and gets the reserve filled again. Before,
+// its refill took the released descriptors back from under the first write (a review).
+func TestFDReserveRetriesTakeTurns(t *testing.T) {
+	var r fdReserve
+	r.fill()
+	defer r.close()
+	emfileFirst := func(inReserve func()) func() error {
+		calls := 0
+		return func() error {
+			if calls++; calls == 1 {
+				return syscall.EMFILE
+			}
+			if inReserve != nil {
+				inReserve()
+			}
+			return nil
+		}
+	}
+	inA, goA, aDone, bDone := make(chan struct{}), make(chan struct{}), make(chan error, 1), make(chan error, 1)
+	go func() {
+		aDone <- r.retry(emfileFirst(func() {
+			close(inA)
+			<-goA
+		}))
+	}()
+	<-inA
+	r.mu.Lock()
+	released := len(r.fds)
+	r.mu.Unlock()
+	require.Zero(t, released, "the first write runs on the released reserve")
+	go func() { bDone <- r.retry(emfileFirst(nil)) }()
+	select {
+	case err := <-bDone:
+		t.Fatalf("the second write returned (%v) while the first held the reserve", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	r.mu.Lock()
+	released = len(r.fds)
+	r.mu.Unlock()
+	require.Zero(t, released, "nothing took the released descriptors back")
+	close(goA)
+	require.NoError(t, <-aDone)
+	require.NoError(t, <-bDone)
+	require.Len(t, r.fds, fdReserveSize)
 }
