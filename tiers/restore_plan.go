@@ -247,13 +247,16 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			if plan.Found && s <= plan.Step {
 				break
 			}
-			p.incomplete(fmt.Sprintf("step %d in the nodes' RAM is not restored: %s", s, mixed[s]))
+			p.mixed(fmt.Sprintf("step %d in the nodes' RAM is not restored: %s", s, mixed[s]))
 		}
 		if fresh := newRAMRanks(invs); !fromRAM || len(fresh) > 0 {
 			incomplete := incompleteSteps(cfg, invs, plan.Holders, others)
 			for _, s := range sortedSteps(incomplete) {
 				if plan.Found && s <= plan.Step {
 					break // restored (from a backup or a peer), or below it: nothing lost
+				}
+				if _, told := mixed[s]; told {
+					continue // one line a step
 				}
 				line := fmt.Sprintf("step %d in the nodes' RAM is incomplete and is not restored: %s", s, incomplete[s])
 				if len(fresh) > 0 {
@@ -328,8 +331,8 @@ const maxPassedLines = 5
 // checkpoints of a job of another shape: a line for each of the first maxPassedLines, and how
 // many of each there were.
 type passedOver struct {
-	first                                       []string
-	nDamaged, nShaped, nIncomplete, nUnfinished int
+	first                                               []string
+	nDamaged, nShaped, nIncomplete, nUnfinished, nMixed int
 }
 
 func (r *passedOver) add(line string) {
@@ -353,6 +356,12 @@ func (r *passedOver) incomplete(line string) {
 	r.add(line)
 }
 
+// mixed counts a complete step in RAM passed over for holding two saves of a slot.
+func (r *passedOver) mixed(line string) {
+	r.nMixed++
+	r.add(line)
+}
+
 func (r *passedOver) unfinished(line string) {
 	r.nUnfinished++
 	r.add(line)
@@ -367,16 +376,20 @@ func (r *passedOver) merge(o passedOver) {
 	r.nShaped += o.nShaped
 	r.nIncomplete += o.nIncomplete
 	r.nUnfinished += o.nUnfinished
+	r.nMixed += o.nMixed
 }
 
 // lines returns the replicator.errors lines (none when nothing was passed over): one per
 // checkpoint kept, then the counts followed by outcome, what the restore does instead.
 func (r *passedOver) lines(outcome string) []string {
-	n := r.nDamaged + r.nShaped + r.nIncomplete + r.nUnfinished
+	n := r.nDamaged + r.nShaped + r.nIncomplete + r.nUnfinished + r.nMixed
 	if n == 0 {
 		return nil
 	}
 	var parts []string
+	if r.nMixed > 0 {
+		parts = append(parts, fmt.Sprintf("%d step%s in RAM holding two saves of a slot", r.nMixed, plural(r.nMixed)))
+	}
 	if r.nIncomplete > 0 {
 		parts = append(parts, fmt.Sprintf("%d incomplete step%s in RAM", r.nIncomplete, plural(r.nIncomplete)))
 	}

@@ -269,7 +269,7 @@ func TestTwoSavesOfAStepAcrossTimelinesAreNotCombined(t *testing.T) {
 	require.Len(t, plan.Errors, 3, "%q", plan.Errors)
 	assert.Equal(t, "step 3 in the nodes' RAM is not restored: it holds two saves of rank 0 worker 0 (rank 0 and rank 1 hold different saves of it), and the nodes did not all take part in the same restores (one away while the job went back, or of an earlier release): which is newer cannot be told", plan.Errors[0])
 	assert.Contains(t, plan.Errors[1], "step 2 in the nodes' RAM is not restored: it holds two saves of rank 0 worker 0")
-	assert.Equal(t, "2 incomplete steps in RAM; restoring step 1 from the nodes' RAM instead", plan.Errors[2])
+	assert.Equal(t, "2 steps in RAM holding two saves of a slot; restoring step 1 from the nodes' RAM instead", plan.Errors[2], "complete steps, not incomplete ones")
 
 	for i := range invs {
 		invs[i].Timeline = tiers.Timeline{Generation: 2}
