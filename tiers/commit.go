@@ -107,6 +107,9 @@ type commitRecorder struct {
 	triesLeft []string // GUARDED_BY(mu)
 	// removeAll is os.RemoveAll, or a test's.
 	removeAll func(string) error
+	// afterDone, when set (tests), runs at the end of done: whatever the sealer does after done
+	// comes too late for a restore that waited for the commit.
+	afterDone func(name string)
 }
 
 func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
@@ -416,6 +419,9 @@ func (cr *commitRecorder) done(name string) {
 	close(cr.sealed)
 	cr.sealed = make(chan struct{})
 	cr.mu.Unlock()
+	if cr.afterDone != nil {
+		cr.afterDone(name)
+	}
 }
 
 // waitSealed returns once no commit waits for sealing, or ctx ends.

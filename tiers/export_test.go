@@ -60,6 +60,10 @@ func (r *Replicator) SetSealRetryFor(d time.Duration) { r.sealer.retryFor.Store(
 // only before Start.
 func (r *Replicator) SetHashFault(f func(step int64) error) { r.node.hashFault = f }
 
+// SetAfterSealDone makes f run at the end of each commit's done (the sealer went past it);
+// only before Start.
+func (r *Replicator) SetAfterSealDone(f func(name string)) { r.recorder.afterDone = f }
+
 // SetRecordRemoveFault makes f fail the removals of commit records a failed try made (nil: it
 // lets them run); only before Start.
 func (r *Replicator) SetRecordRemoveFault(f func(dir string) error) {

@@ -508,6 +508,8 @@ type harnessConfig struct {
 	writeErr, readErr func(name string) error
 	// hashFault, when set, may fail the hashing of commit records (Replicator.SetHashFault).
 	hashFault func(step int64) error
+	// afterSealDone, when set, runs at the end of each commit's done (SetAfterSealDone).
+	afterSealDone func(name string)
 	// mountPath, when set, is the spool's MountPath: it keeps an owner record (and a lock,
 	// released by the harness's close).
 	mountPath string
@@ -590,6 +592,9 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	h.r = tiers.NewReplicator(rcfg)
 	if cfg.hashFault != nil {
 		h.r.SetHashFault(cfg.hashFault)
+	}
+	if cfg.afterSealDone != nil {
+		h.r.SetAfterSealDone(cfg.afterSealDone)
 	}
 	if cfg.recordRemoveErr != nil {
 		h.r.SetRecordRemoveFault(cfg.recordRemoveErr)
