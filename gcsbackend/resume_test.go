@@ -131,3 +131,55 @@ func TestNamingTheColumnsDataOfAFinishedSlot(t *testing.T) {
 	assert.Equal(t, hashes[Slot{0, 0}], hashOf(t, b, backup, 4, Slot{0, 0}), "the finished slot keeps its .meta")
 	assert.True(t, verify(t, b, backup, VerifyOptions{Nodes: 2, Workers: 1}).Complete())
 }
+
+// losingStore deletes the object named lose right after it is uploaded, as a store that lost it
+// while the upload ran (an emulator restarted empty; a delete --force of the backup).
+type losingStore struct {
+	ObjectStore
+	lose string
+}
+
+func (s *losingStore) PutFile(ctx context.Context, t FileTransfer) (uint32, error) {
+	crc, err := s.ObjectStore.PutFile(ctx, t)
+	if err == nil && strings.HasSuffix(t.Name, s.lose) {
+		err = s.ObjectStore.Delete(ctx, t.Name)
+	}
+	return crc, err
+}
+
+// TestUploadOfDataTheStoreLostFails: an upload whose data objects are not all in the store when
+// its manifest would be written fails (to be tried again) without writing the manifest or the
+// .meta; one whose manifest is there from an earlier try but whose objects are not drops the
+// manifest, so that the next try uploads them again. Before, the .meta named data that was not
+// there: the backup counted complete, damaged, and the step was never backed up again (found
+// by a black-box run).
+func TestUploadOfDataTheStoreLostFails(t *testing.T) {
+	ctx := context.Background()
+	store := &losingStore{ObjectStore: newTestStore(t), lose: "state/array_0"}
+	b := &Backups{Store: store, Parallelism: 3}
+	const backup = "2025-06-30_14-30"
+	dir := backupDir(testJob, backup)
+	src := t.TempDir()
+	writeTree(t, src, slotTree(7, Slot{0, 0}))
+	h := fakeHash(true, "lost")
+	req := UploadRequest{Job: testJob, Backup: backup, Step: 7, Slot: Slot{0, 0}, Hash: h, Source: src}
+	err := b.Upload(ctx, req)
+	require.ErrorIs(t, err, ErrObjectsMissing)
+	assert.ErrorContains(t, err, "1 of 7 ("+dir+dataObject(h, "state/array_0")+" first)")
+	for _, name := range []string{manifestName(h), metaName(testJob, 7, Slot{0, 0})} {
+		_, err := store.Stat(ctx, dir+name)
+		assert.True(t, IsNotFound(err), "%s written: %v", name, err)
+	}
+	store.lose = "none"
+	require.NoError(t, b.Upload(ctx, req), "the try again uploads what was lost")
+	assert.True(t, verify(t, b, backup, VerifyOptions{Deep: true}).Complete())
+
+	// Lost after the manifest was written by a try cut short before its .meta.
+	require.NoError(t, store.Delete(ctx, dir+metaName(testJob, 7, Slot{0, 0})))
+	require.NoError(t, store.Delete(ctx, dir+dataObject(h, "state/array_1")))
+	require.ErrorIs(t, b.Upload(ctx, req), ErrObjectsMissing)
+	_, err = store.Stat(ctx, dir+manifestName(h))
+	assert.True(t, IsNotFound(err), "the manifest of lost data stays: %v", err)
+	require.NoError(t, b.Upload(ctx, req))
+	assert.True(t, verify(t, b, backup, VerifyOptions{Deep: true}).Complete())
+}

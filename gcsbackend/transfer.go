@@ -130,6 +130,13 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	// same files.
 	switch have, err := b.readManifest(ctx, dir, req.Hash); {
 	case err == nil && sameFiles(have, m):
+		if err := b.checkObjects(ctx, dir, req.Hash, have); err != nil {
+			// Lost since: the next try uploads them again, and writes the manifest again.
+			if derr := b.Store.Delete(ctx, dir+manifestName(req.Hash)); derr != nil && !IsNotFound(derr) {
+				return errors.Join(err, derr)
+			}
+			return err
+		}
 		if req.Progress != nil {
 			req.Progress(0, 0)
 		}
@@ -176,11 +183,48 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 	} else if pe := (*fs.PathError)(nil); errors.As(err, &pe) && !errors.Is(err, fs.ErrNotExist) {
 		return err
 	}
+	if err := b.checkObjects(ctx, dir, req.Hash, m); err != nil {
+		return err
+	}
 	data, err := m.encode()
 	if err != nil {
 		return err
 	}
 	return PutBytes(ctx, b.Store, dir+manifestName(req.Hash), data, true)
+}
+
+// ErrObjectsMissing fails an upload whose data objects are not all in the store when its
+// manifest would be written: the store lost some while the upload ran. The upload is tried again.
+var ErrObjectsMissing = errors.New("objects of the data are missing from the backup")
+
+// checkObjects checks, by one listing of the data's prefix, that every object m names is in
+// the store with its size. A store that lost objects while the upload ran (an emulator
+// restarted empty, or `mtcfs backups delete --force` of the backup under way) took the
+// manifest and the .meta of data that was not there: the backup counted complete while it was
+// damaged, and the step was never backed up again (found by a black-box run).
+func (b *Backups) checkObjects(ctx context.Context, dir, hash string, m *manifest) error {
+	objs, _, err := b.Store.List(ctx, dir+dataName(hash), "")
+	if err != nil {
+		return fmt.Errorf("list the uploaded data: %w", err)
+	}
+	have := make(map[string]int64, len(objs))
+	for _, o := range objs {
+		have[o.Name] = o.Size
+	}
+	var missing []string
+	for _, f := range m.Files {
+		size := f.Size
+		if f.Codec != "" {
+			size = f.StoredSize
+		}
+		if got, ok := have[dir+f.object(hash)]; !ok || got != size {
+			missing = append(missing, dir+f.object(hash))
+		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("%d of %d (%s first): the store lost them while the upload ran: %w", len(missing), len(m.Files), missing[0], ErrObjectsMissing)
+	}
+	return nil
 }
 
 // keptChunks is how many encoded chunks per request in flight an upload's
