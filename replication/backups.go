@@ -20,8 +20,10 @@ package replication
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -55,7 +57,24 @@ type backupState struct {
 	order     *backupOrder  // the backup being taken, nil when none
 	changed   chan struct{} // closed and replaced whenever order changes: wakes waiting calls
 	stopTimer func() bool
+
+	// lastName is the backup this incarnation completed last (of step backedUp; "": none), and
+	// auditAt when the store is next asked whether it still holds that step (auditing: asking
+	// now). Nothing else was due then. A backup that vanished from the location (deleted, a
+	// bucket emptied, the disk of a file:// location unmounted) was never noticed: status said
+	// backed up, no step was backed up again, and a restore after RAM loss went back (found by
+	// black-box runs).
+	lastName string
+	auditAt  time.Time
+	auditing bool
 }
+
+// backupAuditMin bounds how often the newest backup is checked (every backup interval, and
+// every backupAuditSteps in backup-interval-steps mode).
+const (
+	backupAuditMin   = time.Minute
+	backupAuditSteps = 10 * time.Minute
+)
 
 // backupOrder is one backup of the job: every node uploads its part of step to name.
 type backupOrder struct {
@@ -210,6 +229,7 @@ func (c *JobCoordinator) considerBackup(now time.Time) {
 		return
 	}
 	if b.latest < 0 || b.latest <= b.backedUp {
+		c.auditBackup(now)
 		return
 	}
 	due := (b.steps > 0 && b.synced >= b.steps) || (b.every > 0 && !now.Before(b.clockFrom.Add(b.every)))
@@ -234,6 +254,56 @@ func (c *JobCoordinator) considerBackup(now time.Time) {
 	if name, ok := c.freeMinute(now); ok {
 		c.orderBackup(now, name)
 	}
+}
+
+// auditEvery is how often the newest backup is checked.
+func (c *JobCoordinator) auditEvery() time.Duration {
+	if c.backups.every > 0 {
+		return max(c.backups.every, backupAuditMin)
+	}
+	return backupAuditSteps
+}
+
+// auditBackup checks, when it is time, that the store still holds the step of the backup this
+// incarnation completed last, with nothing else due; the step is backed up again at once if not.
+// Called with mu held.
+func (c *JobCoordinator) auditBackup(now time.Time) {
+	b := &c.backups
+	if b.lastName == "" || b.auditing || b.order != nil {
+		return
+	}
+	if now.Before(b.auditAt) {
+		c.armBackupTimer(now, b.auditAt)
+		return
+	}
+	b.auditing = true
+	name, step := b.lastName, b.backedUp
+	go func() { // owned by c: ends with c.ctx
+		steps, damaged, err := c.store.CompleteSteps(c.ctx, c.cfg.JobName, name, c.cfg.Shape())
+		held := err != nil && !errors.Is(err, tiers.ErrNoBackup) // the store cannot say: nothing is done
+		for _, s := range steps {
+			held = held || s.Step == step
+		}
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		b.auditing = false
+		now := c.clock.Now()
+		b.auditAt = now.Add(c.auditEvery())
+		if held && err != nil {
+			c.log.Debug("could not check that the newest backup is still there", "backup", name, "err", err)
+		}
+		if !held && b.lastName == name && b.backedUp == step {
+			why := "is gone from the backup location"
+			for _, d := range damaged {
+				if d.Step == step {
+					why = "is damaged: " + strings.Join(d.Problems, "; ")
+				}
+			}
+			c.log.Warn("the newest backup "+why+" (deleted, a bucket emptied, a file:// disk unmounted?): its step is backed up again", "backup", name, "step", step)
+			b.lastName, b.backedUp, b.clockFrom, b.synced = "", -1, time.Time{}, b.steps
+		}
+		c.considerBackup(now)
+	}()
 }
 
 // freeMinute returns the backup name of now's UTC minute, or, when that minute has a backup
@@ -328,6 +398,9 @@ func (c *JobCoordinator) backupReport(rank int, rep tiers.BackupReport) {
 		b.backedUp = max(b.backedUp, o.step)
 		b.order = nil
 		b.wake()
+		if o.step == b.backedUp {
+			b.lastName, b.auditAt = o.name, now.Add(c.auditEvery())
+		}
 		c.log.Info("backup complete", "backup", o.name, "step", o.step)
 		if len(o.superseded) > 0 {
 			go c.dropSuperseded(o.superseded)

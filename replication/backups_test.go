@@ -69,7 +69,8 @@ func allDone(t *testing.T, c *JobCoordinator, nodes int, name string) {
 func TestBackupOrderedOnTheClock(t *testing.T) {
 	t.Parallel()
 	const nodes = 2
-	c, clock := backupJob(t, nodes, 5, 0, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
+	store := &fakeStore{backups: map[string][]tiers.BackupStep{}}
+	c, clock := backupJob(t, nodes, 5, 0, store, nil)
 	for _, res := range syncAll(t, c, nodes, 100) {
 		require.NoError(t, res.err)
 	}
@@ -98,11 +99,58 @@ func TestBackupOrderedOnTheClock(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("a waiting Backups call was not woken by the order")
 	}
-	// Nothing new to back up: no order, however long.
+	// Nothing new to back up: no order, however long (the backup stays in the store).
+	store.mu.Lock()
+	store.backups["2030-01-02_03-10"] = []tiers.BackupStep{{Step: 101}}
+	store.mu.Unlock()
 	allDone(t, c, nodes, "2030-01-02_03-10")
-	clock.Advance(time.Hour)
+	for range 12 {
+		clock.Advance(5 * time.Minute)
+		time.Sleep(5 * time.Millisecond)
+	}
 	time.Sleep(20 * time.Millisecond)
 	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup)
+}
+
+// TestVanishedBackupIsTakenAgain: the backup this incarnation completed last is checked every
+// interval while nothing else is due; gone from the location (deleted, a bucket emptied, a
+// file:// disk unmounted) or damaged, its step is backed up again at once. Before, it was never
+// noticed: status said backed up, and a restore after RAM loss went back (black-box runs).
+func TestVanishedBackupIsTakenAgain(t *testing.T) {
+	t.Parallel()
+	for _, steps := range []int{0, 3} {
+		const nodes = 2
+		store := &fakeStore{backups: map[string][]tiers.BackupStep{}}
+		minutes, every := 5.0, 5*time.Minute
+		if steps > 0 {
+			minutes, every = 0, backupAuditSteps
+		}
+		c, clock := backupJob(t, nodes, minutes, steps, store, nil)
+		for s := int64(100); s < 100+int64(max(steps, 1)); s++ {
+			for _, res := range syncAll(t, c, nodes, s) {
+				require.NoError(t, res.err)
+			}
+		}
+		if steps == 0 {
+			clock.Advance(every)
+		}
+		o := eventuallyOrder(t, c, 0)
+		store.mu.Lock()
+		store.backups[o.Backup] = []tiers.BackupStep{{Step: o.Step}}
+		store.mu.Unlock()
+		allDone(t, c, nodes, o.Backup)
+		clock.Advance(every)
+		time.Sleep(20 * time.Millisecond)
+		assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "still there: nothing to do")
+
+		store.mu.Lock()
+		delete(store.backups, o.Backup) // gone
+		store.mu.Unlock()
+		clock.Advance(every)
+		again := eventuallyOrder(t, c, 1)
+		assert.Equal(t, o.Step, again.Step, "interval-steps %d", steps)
+		assert.NotEqual(t, o.Backup, again.Backup, "under a new name")
+	}
 }
 
 // Orders every N steps, one at a time (never while one runs), one per UTC minute.
