@@ -658,6 +658,11 @@ func isSpoolFile(name string) bool {
 }
 
 func looksLikeSpool(dir string) bool {
+	// A FUSE mount is no spool, and is not touched: the lstat of one whose agent is stopped
+	// (SIGSTOP) waits for it, and `mtcfs spool free MOUNT` hung there (found by a black-box run).
+	if slices.ContainsFunc(readMounts(), func(m fusectl.Mount) bool { return m.Point == dir && m.IsFUSE() }) {
+		return false
+	}
 	fi, err := os.Lstat(dir)
 	if err != nil || !fi.IsDir() {
 		return false

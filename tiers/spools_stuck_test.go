@@ -147,3 +147,38 @@ func TestMountPathStateAsksNoStoppedServer(t *testing.T) {
 	unstick()
 	assert.Equal(t, MountGone, state(filepath.Join(dir, "below")), "answered, the path below is gone")
 }
+
+// TestFindAsksNoStoppedServer: `mtcfs spool free MOUNT` of a mount whose agent is stopped
+// (SIGSTOP) finds the spool without asking the mount: a FUSE mount is never taken for a spool
+// directory. Before, its lstat waited for the stopped agent, for as long as it was stopped
+// (found by a black-box run).
+func TestFindAsksNoStoppedServer(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting FUSE here needs root")
+	}
+	dir, root, _ := stuckMount(t)
+	sd := filepath.Join(t.TempDir(), "spool")
+	s, err := OpenSpool(SpoolConfig{Dir: sd, Budget: MinBudget, MountPath: dir})
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(filepath.Join(sd, "meta"), 0o700)) // a step: the spool is kept
+	require.NoError(t, os.WriteFile(filepath.Join(sd, "meta", "llama-s10-n0-w0.meta"), []byte("abc"), 0o600))
+	s.Release(slog.New(slog.DiscardHandler))
+	h := Spools{Dirs: func() []string { return []string{sd} }, Users: func() ([]SpoolUser, error) { return nil, nil }}
+	spools, err := h.List()
+	require.NoError(t, err)
+	root.armed.Store(true)
+	done := make(chan []SpoolInfo, 1)
+	go func() {
+		found, err := h.Find(dir, spools)
+		assert.NoError(t, err)
+		done <- found
+	}()
+	select {
+	case found := <-done:
+		require.Len(t, found, 1)
+		assert.Equal(t, sd, found[0].Dir)
+	case <-time.After(10 * time.Second): // a hang, whatever the machine's speed
+		t.Fatal("Find waited for the stopped server")
+	}
+	assert.Zero(t, root.asked.Load(), "the mount was asked")
+}
