@@ -37,6 +37,29 @@ type incarnation struct {
 	// root): a step restored for it is given to it (Namespace.Reown). Set before the restore
 	// starts.
 	user int64
+	// sealedHere are the .meta names of the steps the job committed in this incarnation and
+	// this node sealed: the incarnation's restore never drops them as of a timeline the job
+	// left (a job that went on saving while its restore waited had them dropped when a held
+	// negotiation completed, and its next start restored an older step, or nothing; found by a
+	// black-box run).
+	sealedHere map[string]bool // GUARDED_BY(mu)
+}
+
+// noteSealedHere records that the job's commit of this incarnation was sealed as meta.
+func (inc *incarnation) noteSealedHere(meta string) {
+	inc.mu.Lock()
+	if inc.sealedHere == nil {
+		inc.sealedHere = map[string]bool{}
+	}
+	inc.sealedHere[meta] = true
+	inc.mu.Unlock()
+}
+
+// isSealedHere reports whether meta is of a step the job committed in this incarnation.
+func (inc *incarnation) isSealedHere(meta string) bool {
+	inc.mu.Lock()
+	defer inc.mu.Unlock()
+	return inc.sealedHere[meta]
 }
 
 func newIncarnation(parent context.Context, cfg *Config) *incarnation {

@@ -23,6 +23,7 @@ import (
 	"gopkg.in/yaml.v3"
 
 	"github.com/mtcfs/mtcfs/layout"
+	"github.com/mtcfs/mtcfs/replication"
 	"github.com/mtcfs/mtcfs/tiers"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -1524,4 +1525,61 @@ func TestIncarnationsNameTheOnesTheySupersede(t *testing.T) {
 	last := incs2[len(incs2)-1].Superseded
 	assert.Len(t, last, tiers.MaxSuperseded)
 	assert.Equal(t, incs2[len(incs2)-2].ID, last[len(last)-1], "the newest last")
+}
+
+// gatedCoordinator holds every Negotiate while gate is set (a link to rank 0 that stalls).
+type gatedCoordinator struct {
+	tiers.Coordinator
+	gate atomic.Pointer[chan struct{}]
+}
+
+func (g *gatedCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {
+	if ch := g.gate.Load(); ch != nil {
+		select {
+		case <-*ch:
+		case <-ctx.Done():
+			return tiers.RestorePlan{}, ctx.Err()
+		}
+	}
+	return g.Coordinator.Negotiate(ctx, inc, inv)
+}
+
+// TestStepsCommittedWhileTheRestoreWaitsAreKept: a job that goes on saving while its restore
+// waits for the negotiation (a held link to rank 0) keeps those steps when the restore ends
+// with an older one: they are no timeline the job left. Before, the restore dropped them as
+// such, and the job's next start restored an older step, or nothing, without a word (found by a
+// black-box run).
+func TestStepsCommittedWhileTheRestoreWaitsAreKept(t *testing.T) {
+	t.Parallel()
+	gated := &gatedCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}}
+	h := newHarness(t, harnessConfig{coord: gated})
+	h.start(baseYAML, "job")
+	h.orbaxSave(5, checkpointFiles("5"))
+	h.waitSealed("job", 5, "5")
+	gate := make(chan struct{})
+	gated.gate.Store(&gate)
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+	h.yamlOrbax(baseYAML) // the job restarts; its negotiation is held
+	h.waitGone(layout.ReplicatorYAMLName)
+	hash6 := h.orbaxSave(6, checkpointFiles("6")) // and it saves without waiting for its markers
+	h.waitSealed("job", 6, "6")
+	close(gate)
+	h.waitMarkers(marker("job", 5, 0, 0, layout.MarkerRestore))
+	h.eventually("the line", func() string {
+		for _, l := range h.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "step(s) 6 were committed before this restore ended (the job saved without waiting for its .restore markers): the restore takes step 5, and they are kept, not dropped") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
+	})
+	require.True(t, h.exists(marker("job", 6, 0, 0, layout.MarkerMeta)), "step 6 was dropped")
+	gated.gate.Store(nil)
+	for _, m := range []string{marker("job", 5, 0, 0, layout.MarkerRestore), layout.ReplicatorErrorsName} {
+		require.NoError(t, os.Remove(h.path(m)))
+	}
+	h.yamlOrbax(baseYAML)
+	restore6 := marker("job", 6, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore6)
+	h.checkRestoreLink(restore6, hash6, checkpointFiles("6"))
 }

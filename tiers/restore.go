@@ -118,7 +118,9 @@ func (r *restorer) run(inc *incarnation) {
 	}
 	lines = append(lines, plan.Errors...)
 	r.dropStaleTimeline(cfg, plan)
-	r.dropAbandonedSteps(cfg, plan)
+	if l := r.dropAbandonedSteps(inc, plan); l != "" {
+		lines = append(lines, l)
+	}
 	r.dropOtherShapeSteps(cfg, plan)
 	// What the spool holds from now on is of this shape: the steps above the plan's are gone,
 	// those of another shape too, and the plan never picks one this shape cannot restore.
@@ -307,19 +309,41 @@ func (r *restorer) dropStaleTimeline(cfg *Config, plan RestorePlan) {
 // a fresh start): the job continues from the restored step and will save those step numbers
 // again, and a .meta of the old timeline must never combine with ones of the new into a step
 // that looks complete but mixes two saves. Every node drops them (all restore the same plan),
-// its own .meta files and the replicas it holds.
-func (r *restorer) dropAbandonedSteps(cfg *Config, plan RestorePlan) {
+// its own .meta files and the replicas it holds. Steps the job committed in this incarnation
+// (it went on saving while the restore waited) are no other timeline: they stay, and the line
+// it returns for the job says so.
+func (r *restorer) dropAbandonedSteps(inc *incarnation, plan RestorePlan) string {
+	cfg := inc.Config
 	if steps := r.recorder.dropKept(cfg.JobName, func(step int64) bool { return !plan.Found || step > plan.Step }); len(steps) > 0 {
 		r.log.Warn("dropped the commit records kept for the agent's next start: the job continues from an older step", "restored", plan.Step, "found", plan.Found, "steps", steps)
 	}
+	var kept []int64
 	drop := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool {
-		return m.Job == cfg.JobName && (!plan.Found || m.Step > plan.Step)
+		above := m.Job == cfg.JobName && (!plan.Found || m.Step > plan.Step)
+		if above && inc.isSealedHere(m.String()) {
+			if !slices.Contains(kept, m.Step) {
+				kept = append(kept, m.Step)
+			}
+			return false
+		}
+		return above
 	})
+	line := ""
+	if len(kept) > 0 {
+		slices.Sort(kept)
+		restored := "nothing"
+		if plan.Found {
+			restored = fmt.Sprintf("step %d", plan.Step)
+		}
+		line = fmt.Sprintf("step(s) %s were committed before this restore ended (the job saved without waiting for its .restore markers): the restore takes %s, and they are kept, not dropped", joinSteps(kept), restored)
+		r.log.Warn("kept steps the job committed while its restore waited", "restored", plan.Step, "found", plan.Found, "steps", kept)
+	}
 	if len(drop) == 0 {
-		return
+		return line
 	}
 	r.log.Info("dropped the steps of an abandoned timeline: the job continues from the restored step", "restored", plan.Step, "found", plan.Found, "metas", drop)
 	r.retention.retain(cfg) // frees their data
+	return line
 }
 
 // dropOtherShapeSteps forgets the steps of the job this node holds when the spool's recorded
