@@ -456,6 +456,18 @@ func TestBackupCutShortIsResumed(t *testing.T) {
 		require.NoError(t, res.err)
 	}
 	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 50}, eventuallyOrder(t, c3, 0))
+
+	// The complete backup before it holds step 50 of a timeline the job left (the number saved
+	// again since): the cut-short upload of the restored step 50 is still resumed. Before, the
+	// number alone counted it backed up, and a new backup left the cut-short one incomplete
+	// (found by a black-box run).
+	s4 := store(50)
+	s4.backups["2030-01-02_02-50"] = []tiers.BackupStep{{Step: 50, Data: map[tiers.Slot]string{{Rank: 0}: dataOf(0, 40), {Rank: 1}: dataOf(1, 40)}}}
+	c4, _ := backupJob(t, nodes, 30, 0, s4, invs)
+	for _, res := range syncAll(t, c4, nodes, 50) {
+		require.NoError(t, res.err)
+	}
+	assert.Equal(t, resumed, eventuallyOrder(t, c4, 0))
 }
 
 // Backup names are unique per job: a job's first backup is not held to the next minute by the

@@ -403,6 +403,7 @@ func (c *JobCoordinator) computePlan() {
 	c.pinned = plan.Pinned
 	c.floor = max(c.floor, newest)
 	resume := c.backupsAfterPlan(plan, newestStep, unfinished)
+	backedUp := c.backups.backedUp // not newestStep's number: the same number saved again is another step
 	c.mu.Unlock()
 	close(c.planned)
 	if err != nil {
@@ -415,7 +416,7 @@ func (c *JobCoordinator) computePlan() {
 		// After the plan is out (the markers do not wait for it), before the restored step's
 		// first order (which waits for it).
 		lctx, cancel := context.WithTimeout(c.ctx, c.planLimits.PinRead)
-		name := c.resumable(lctx, plan, newest, newestStep.Step)
+		name := c.resumable(lctx, plan, newest, backedUp)
 		cancel()
 		c.mu.Lock()
 		c.resumeDecided(name)
