@@ -688,14 +688,14 @@ func (h *harness) nextSave(dir string, opens *atomic.Int64) (stop func()) {
 	return stop
 }
 
-// TestSealHurriesWithACommitBehind: a seal yielding to the job's next save goes on once another
-// commit waits behind it: a job saving back to back kept the sealer yielding, its committed
-// steps piled up unsealed, and a save failed with ENOSPC (found by a black-box run).
-func TestSealHurriesWithACommitBehind(t *testing.T) {
-	t.Parallel()
+// sealYieldingToTheNextSave starts a job on a busy node that commits step 1 and goes on writing
+// a next save (until stop, or the test's end), and checks that step 1's seal yields to it, with
+// nothing to hurry it (no commit behind it, the RAM nearly empty).
+func sealYieldingToTheNextSave(t *testing.T) (h *harness, stop func()) {
+	t.Helper()
 	idle := tiers.NewIdleClock(0)
 	var opens atomic.Int64
-	h := newHarness(t, harnessConfig{cpuIdle: idle.Read, beforeSeal: func(step int64) {
+	h = newHarness(t, harnessConfig{cpuIdle: idle.Read, beforeSeal: func(step int64) {
 		// Step 1's seal starts once the next save opened a file after the commit.
 		for deadline := time.Now().Add(time.Minute); step == 1 && opens.Load() < 2 && time.Now().Before(deadline); {
 			time.Sleep(time.Millisecond)
@@ -703,15 +703,23 @@ func TestSealHurriesWithACommitBehind(t *testing.T) {
 	}})
 	h.r.SetNextSaveGap(time.Hour)
 	h.start(withKeys(), "job")
-	stop := h.nextSave("9"+layout.OrbaxTmpSuffix, &opens)
-	defer stop()
+	stop = h.nextSave("9"+layout.OrbaxTmpSuffix, &opens) // also stopped at the test's end
 	tmp := "1" + layout.OrbaxTmpSuffix
 	h.makeTree(tmp, checkpointFiles("1"))
 	h.rename(tmp, "1")
 	time.Sleep(300 * time.Millisecond)
 	if h.exists(marker("job", 1, 0, 0, layout.MarkerMeta)) {
-		t.Fatal("step 1 was sealed while the next save went on, on a busy node: nothing to hurry")
+		t.Fatal("step 1 was sealed while the next save went on, on a busy node, with nothing to hurry it")
 	}
+	return h, stop
+}
+
+// TestSealHurriesWithACommitBehind: a seal yielding to the job's next save goes on once another
+// commit waits behind it: a job saving back to back kept the sealer yielding, its committed
+// steps piled up unsealed, and a save failed with ENOSPC (found by a black-box run).
+func TestSealHurriesWithACommitBehind(t *testing.T) {
+	t.Parallel()
+	h, stop := sealYieldingToTheNextSave(t)
 	h.orbaxSave(2, checkpointFiles("2"))
 	h.waitSealed("job", 1, "1") // while the next save goes on
 	stop()                      // step 2, with nothing behind it, yields until then
@@ -796,24 +804,7 @@ func TestSealYieldsToTheNextSave(t *testing.T) {
 // frees only once a newer step is sealed, and the next save needs it.
 func TestSealHurriesWithTheRAMHalfUsed(t *testing.T) {
 	t.Parallel()
-	idle := tiers.NewIdleClock(0)
-	var opens atomic.Int64
-	h := newHarness(t, harnessConfig{cpuIdle: idle.Read, beforeSeal: func(step int64) {
-		for deadline := time.Now().Add(time.Minute); step == 1 && opens.Load() < 2 && time.Now().Before(deadline); {
-			time.Sleep(time.Millisecond)
-		}
-	}})
-	h.r.SetNextSaveGap(time.Hour)
-	h.start(withKeys(), "job")
-	stop := h.nextSave("9"+layout.OrbaxTmpSuffix, &opens)
-	defer stop()
-	tmp := "1" + layout.OrbaxTmpSuffix
-	h.makeTree(tmp, checkpointFiles("1"))
-	h.rename(tmp, "1")
-	time.Sleep(300 * time.Millisecond)
-	if h.exists(marker("job", 1, 0, 0, layout.MarkerMeta)) {
-		t.Fatal("step 1 was sealed while the next save went on, on a busy node, with the RAM nearly empty: nothing to hurry")
-	}
+	h, _ := sealYieldingToTheNextSave(t)
 	// The job's files are charged by package fs as they are written; the harness's namespace
 	// charges nothing, so the next save's bytes are charged here.
 	total, used := h.spool.Usage()
