@@ -237,11 +237,13 @@ func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err erro
 		return "", "", hashError{err} // nothing moved yet: it can be tried again
 	}
 	meta = layout.MarkerName{Job: cfg.JobName, Step: c.step, Node: cfg.NodeRank, Worker: c.worker, Kind: layout.MarkerMeta}.String()
+	// Before the .meta is out: a restore of the incarnation dropping the steps above its own
+	// must not find it unnoted (a clean-clone CI run: it was noted after).
+	c.inc.noteSealedHere(meta)
 	err = s.retention.publish(func() error { return s.publish(c, dataName, meta) })
 	if err != nil {
 		return "", "", err
 	}
-	c.inc.noteSealedHere(meta)
 	s.tellSealed(c)
 	took := s.now().Sub(c.at)
 	s.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", took.String())
