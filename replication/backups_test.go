@@ -139,8 +139,13 @@ func TestVanishedBackupIsTakenAgain(t *testing.T) {
 		store.backups[o.Backup] = []tiers.BackupStep{{Step: o.Step}}
 		store.mu.Unlock()
 		allDone(t, c, nodes, o.Backup)
+		checked := clock.Now().Add(every)
 		clock.Advance(every)
-		time.Sleep(20 * time.Millisecond)
+		require.Eventually(t, func() bool { // the check ran, and the next is armed
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			return !c.backups.auditing && c.backups.auditAt.After(checked)
+		}, 5*time.Second, time.Millisecond)
 		assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "still there: nothing to do")
 
 		store.mu.Lock()
