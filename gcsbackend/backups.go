@@ -621,21 +621,11 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		}
 		h := hashes[i]
 		for _, f := range m.Files {
-			object := f.object(h)
-			a, ok := index[object]
-			name := object
-			if f.Object != "" {
-				name = fmt.Sprintf("%s (file %.80q)", name, f.Path)
-			}
-			switch {
-			case !ok:
-				note(h, "%s missing", name)
-			case a.Size != f.storedSize():
-				note(h, "%s has %d bytes, manifest says %d", name, a.Size, f.storedSize())
+			switch problem := listedProblem(index, h, f, !deep); {
+			case problem != "":
+				note(h, "%s", problem)
 			case deep:
-				reads = append(reads, check{h, object, name, f})
-			case a.CRC32C != f.storedCRC():
-				note(h, "%s has crc32c %08x, manifest says %08x", name, a.CRC32C, f.storedCRC())
+				reads = append(reads, check{h, f.object(h), objectLabel(h, f), f})
 			}
 		}
 	}
@@ -686,6 +676,31 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 		return nil
 	})
 	return problems, unknown, err
+}
+
+// objectLabel names file f of hash's data in messages: its object, and the file's path when the
+// object's name does not show it.
+func objectLabel(hash string, f manifestFile) string {
+	if f.Object != "" {
+		return fmt.Sprintf("%s (file %.80q)", f.object(hash), f.Path)
+	}
+	return f.object(hash)
+}
+
+// listedProblem says what a listing of the backup (index: its objects by name relative to the
+// backup) shows wrong with file f of hash's data: missing, another size, or, with crc, another
+// CRC32C than the manifest's; "" when nothing.
+func listedProblem(index map[string]ObjectAttrs, hash string, f manifestFile, crc bool) string {
+	a, ok := index[f.object(hash)]
+	switch {
+	case !ok:
+		return objectLabel(hash, f) + " missing"
+	case a.Size != f.storedSize():
+		return fmt.Sprintf("%s has %d bytes, manifest says %d", objectLabel(hash, f), a.Size, f.storedSize())
+	case crc && a.CRC32C != f.storedCRC():
+		return fmt.Sprintf("%s has crc32c %08x, manifest says %08x", objectLabel(hash, f), a.CRC32C, f.storedCRC())
+	}
+	return ""
 }
 
 // manifestError marks a manifest that exists but cannot be used: a property

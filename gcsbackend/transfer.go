@@ -198,7 +198,7 @@ func (b *Backups) uploadData(ctx context.Context, dir string, req UploadRequest)
 var ErrObjectsMissing = errors.New("objects of the data are missing from the backup")
 
 // checkObjects checks, by one listing of the data's prefix, that every object m names is in
-// the store with its size. A store that lost objects while the upload ran (an emulator
+// the store with its size and CRC32C (listedProblem, as Verify does). A store that lost objects while the upload ran (an emulator
 // restarted empty, or `mtcfs backups delete --force` of the backup under way) took the
 // manifest and the .meta of data that was not there: the backup counted complete while it was
 // damaged, and the step was never backed up again (found by a black-box run).
@@ -207,22 +207,20 @@ func (b *Backups) checkObjects(ctx context.Context, dir, hash string, m *manifes
 	if err != nil {
 		return fmt.Errorf("list the uploaded data: %w", err)
 	}
-	have := make(map[string]int64, len(objs))
+	index := make(map[string]ObjectAttrs, len(objs))
 	for _, o := range objs {
-		have[o.Name] = o.Size
+		index[strings.TrimPrefix(o.Name, dir)] = o
 	}
-	var missing []string
+	n, first, why := 0, "", ""
 	for _, f := range m.Files {
-		size := f.Size
-		if f.Codec != "" {
-			size = f.StoredSize
-		}
-		if got, ok := have[dir+f.object(hash)]; !ok || got != size {
-			missing = append(missing, dir+f.object(hash))
+		if p := listedProblem(index, hash, f, true); p != "" {
+			if n++; n == 1 {
+				first, why = f.object(hash), p
+			}
 		}
 	}
-	if len(missing) > 0 {
-		return fmt.Errorf("%d of %d (%s first): the store lost them while the upload ran: %w", len(missing), len(m.Files), missing[0], ErrObjectsMissing)
+	if n > 0 {
+		return fmt.Errorf("%d of %d (%s%s first): %s; the store lost them while the upload ran: %w", n, len(m.Files), dir, first, why, ErrObjectsMissing)
 	}
 	return nil
 }
