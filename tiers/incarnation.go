@@ -42,12 +42,17 @@ type incarnation struct {
 	// left (a job that went on saving while its restore waited had them dropped when a held
 	// negotiation completed, and its next start restored an older step, or nothing; found by a
 	// black-box run).
-	sealedHere map[string]bool // GUARDED_BY(mu)
+	sealedHere map[string]bool // GUARDED_BY(mu); noted while the restore runs only
 }
 
-// noteSealedHere records that the job's commit of this incarnation was sealed as meta.
+// noteSealedHere records that the job's commit of this incarnation was sealed as meta, while
+// the restore runs: only it asks (the set went on growing with every save after it).
 func (inc *incarnation) noteSealedHere(meta string) {
 	inc.mu.Lock()
+	if inc.phase != "restoring" {
+		inc.mu.Unlock()
+		return
+	}
 	if inc.sealedHere == nil {
 		inc.sealedHere = map[string]bool{}
 	}
@@ -93,6 +98,7 @@ func (inc *incarnation) setWaiting(what string) {
 func (inc *incarnation) restoreDone(step int64) {
 	inc.mu.Lock()
 	inc.restored, inc.phase = step, "running"
+	inc.sealedHere = nil // the restore's drops are done
 	inc.committed = max(inc.committed, step)
 	inc.mu.Unlock()
 }
