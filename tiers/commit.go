@@ -345,7 +345,6 @@ func (cr *commitRecorder) noteUnanswered(ev event) {
 // commit.json.
 func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 	c.attrsErr = nil // a try before may have failed where this one does not
-	cr.dropTry("")
 	cr.spool.FillHeadroom()
 	root := cr.spoolDir(commitsDir)
 	if err := os.MkdirAll(root, 0o700); err != nil {
@@ -387,8 +386,9 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 // dropTry removes the record dir a failed try made (none: ""), and those earlier ones could
 // not. The descriptors a try lacked are lacking for os.RemoveAll too, which opens the
 // directories it empties: it runs with the reserve, and a record it still cannot remove is
-// removed at a later try. Each try left one before, holding links to the step's bytes until the
-// agent's restart (a black-box run: 30 records after the give-up).
+// removed by the sealer's next dropTry (before each try, and after each commit), off the job's
+// rename. Each try left one before, holding links to the step's bytes until the agent's restart
+// (a black-box run: 30 records after the give-up).
 func (cr *commitRecorder) dropTry(dir string) {
 	cr.mu.Lock()
 	dirs := cr.triesLeft
