@@ -677,7 +677,9 @@ func runMount(cfg mountConfig) error {
 	shown.Store(&agents.Info{PID: info.PID, Version: info.Version})
 	if cfg.httpAddr != "" {
 		addr, stop, err := agents.Serve(cfg.httpAddr, &ready, func() any { return statusReply{Info: *shown.Load(), Status: rep.Status()} },
-			promhttp.HandlerFor(metrics, promhttp.HandlerOpts{}), slog.Default())
+			// A collector that fails (the process collector reads /proc, which needs descriptors a
+			// job holding many files open took) leaves its metrics out, not every metric.
+			promhttp.HandlerFor(metrics, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}), slog.Default())
 		if err != nil {
 			return fmt.Errorf("--http %s: %w", cfg.httpAddr, err)
 		}

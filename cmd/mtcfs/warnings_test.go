@@ -64,6 +64,18 @@ func TestAgentOutOfDescriptors(t *testing.T) {
 	})
 	assert.Equal(t, 1, strings.Count(a.log(), "the agent is out of file descriptors"), "logged once, not per failed open")
 
+	// Out of descriptors, the agent still answers `mtcfs status` and /metrics, one connection
+	// after another, with its own metrics (before, accept(2) failed and status timed out; a
+	// black-box run). The process collector's, which read /proc, may be missing.
+	addr := agentHTTPAddr(t, a)
+	for range 2 {
+		out, code := runMtcfs(t, "status", "--http", addr)
+		require.Equal(t, 0, code, "mtcfs status out of descriptors:\n%s", out)
+		assert.Contains(t, out, dir)
+		fams := scrape(t, addr)
+		assert.Equal(t, 1.0, value(t, fams, "mtcfs_build_info", nil))
+	}
+
 	closeAll()
 	f, err := os.Create(filepath.Join(dir, "after"))
 	require.NoError(t, err, "the files closed, the agent opens again")

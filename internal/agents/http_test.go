@@ -1,13 +1,21 @@
 package agents
 
 import (
+	"bufio"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
+	"os"
+	"os/exec"
+	"runtime"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -49,4 +57,67 @@ func TestServe(t *testing.T) {
 
 	_, err = FetchStatus(strings.TrimSuffix(addr, "/") + "/nothing")
 	assert.Error(t, err, "a path that is not an agent's answers 404")
+}
+
+// TestServeOutOfDescriptors: an agent whose descriptors a job took (EMFILE on every open) still
+// answers /status, one connection after another (before, accept(2) failed and `mtcfs status`
+// timed out), also when a client keeps its connection alive. The agent is a child process: the limit is the whole process's.
+func TestServeOutOfDescriptors(t *testing.T) {
+	if os.Getenv("MTCFS_TEST_EMFILE_CHILD") == "1" {
+		emfileChild()
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestServeOutOfDescriptors$")
+	cmd.Env = append(os.Environ(), "MTCFS_TEST_EMFILE_CHILD=1")
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	line, err := bufio.NewReader(out).ReadString('\n')
+	require.NoError(t, err, "the child prints its address once out of descriptors")
+	addr, ok := strings.CutPrefix(strings.TrimSpace(line), "addr ")
+	require.True(t, ok, "child said %q", line)
+
+	// Each request on a client of its own, which keeps its connection alive if the agent lets
+	// it (a Prometheus scraper does): one on the spare must not keep the next one out.
+	for i := range 3 {
+		c := http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{}}
+		resp, err := c.Get("http://" + addr + "/status")
+		require.NoError(t, err, "request %d", i)
+		body, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		require.NoError(t, err)
+		assert.Equal(t, http.StatusOK, resp.StatusCode)
+		assert.Contains(t, string(body), `"pid": 7`, "request %d", i)
+	}
+}
+
+// emfileChild serves, then opens descriptors until none is left, says its address and waits.
+func emfileChild() {
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: 64, Max: 64}); err != nil {
+		fmt.Println("setrlimit", err)
+		os.Exit(1)
+	}
+	var ready atomic.Bool
+	addr, _, err := Serve("127.0.0.1:0", &ready, func() any { return Info{PID: 7} }, http.NotFoundHandler(), slog.New(slog.DiscardHandler))
+	if err != nil {
+		fmt.Println("serve", err)
+		os.Exit(1)
+	}
+	var held []*os.File
+	for {
+		f, err := os.Open(os.DevNull)
+		if err != nil {
+			if !errors.Is(err, syscall.EMFILE) {
+				fmt.Println("open", err)
+				os.Exit(1)
+			}
+			break
+		}
+		held = append(held, f)
+	}
+	fmt.Println("addr", addr)
+	time.Sleep(2 * time.Minute) // killed by the test
+	runtime.KeepAlive(held)
 }
