@@ -289,7 +289,7 @@ func (cr *commitRecorder) record(ev event) {
 	cr.pending[c.name] = true
 	cr.mu.Unlock()
 	inc.earlyCommitted(c.group)
-	err := cr.writeCommitRecord(&c)
+	err := cr.writeCommitRecord(&c, true)
 	if errors.Is(err, os.ErrNotExist) && ev.kind == evClosed {
 		// The release of a .save that was already committed (and sealed) at its flush.
 		cr.done(c.name)
@@ -343,7 +343,15 @@ func (cr *commitRecorder) noteUnanswered(ev event) {
 
 // writeCommitRecord freezes and links the committed tree into a new record and writes its
 // commit.json.
-func (cr *commitRecorder) writeCommitRecord(c *commit) error {
+//
+// inRequest: it runs on the FUSE request of the job's rename (or flush), which must not wait
+// for the descriptor reserve (fdReserve.tryRetry) nor remove the records of failed tries: a
+// failed record is left to the sealer's tries, which remove it (dropTry).
+func (cr *commitRecorder) writeCommitRecord(c *commit, inRequest bool) error {
+	retry := cr.fds.retry
+	if inRequest {
+		retry = cr.fds.tryRetry
+	}
 	c.attrsErr = nil // a try before may have failed where this one does not
 	cr.spool.FillHeadroom()
 	root := cr.spoolDir(commitsDir)
@@ -355,7 +363,7 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 		return err
 	}
 	dst := filepath.Join(c.dir, commitDataName)
-	err := cr.fds.retry(func() (err error) {
+	err := retry(func() (err error) {
 		os.RemoveAll(dst) // what a try cut short by the descriptors left
 		c.sealed, err = cr.ns.Seal(c.name, dst)
 		return err
@@ -364,39 +372,45 @@ func (cr *commitRecorder) writeCommitRecord(c *commit) error {
 		// Before commit.json: part of the record. Too large, or no room left for them (a spool at
 		// its budget), the step is sealed without them (it restores with the agent's owners
 		// and modes) rather than not at all.
-		if err := cr.withRoom(func() error { return layout.WriteAttrs(dst, c.sealed.Attrs) }); err != nil {
+		if err := cr.withRoomWith(func() error { return layout.WriteAttrs(dst, c.sealed.Attrs) }, retry); err != nil {
 			cr.log.Warn("the step's owners and modes are not kept", "step", c.step, "worker", c.worker, "err", err)
 			c.attrsErr = err
 		}
 	}
 	if err != nil {
-		cr.dropTry(c.dir)
+		cr.leaveTry(c.dir)
 		return err
 	}
 	cfg := c.inc.Config
 	rec := commitRecord{Job: cfg.JobName, Incarnation: c.inc.ID, Rank: cfg.NodeRank, Worker: c.worker, Step: c.step, Name: c.name, At: c.at.UTC()}
 	data, _ := json.Marshal(rec)
-	if err := cr.withRoom(func() error { return layout.WriteFileAtomic(filepath.Join(c.dir, commitRecordName), data) }); err != nil {
-		cr.dropTry(c.dir)
+	if err := cr.withRoomWith(func() error { return layout.WriteFileAtomic(filepath.Join(c.dir, commitRecordName), data) }, retry); err != nil {
+		cr.leaveTry(c.dir)
 		return err
 	}
 	return nil
 }
 
-// dropTry removes the record dir a failed try made (none: ""), and those earlier ones could
-// not. The descriptors a try lacked are lacking for os.RemoveAll too, which opens the
-// directories it empties: it runs with the reserve, and a record it still cannot remove is
-// removed by the sealer's next dropTry (before each try, and after each commit), off the job's
-// rename. Each try left one before, holding links to the step's bytes until the agent's restart
-// (a black-box run: 30 records after the give-up).
-func (cr *commitRecorder) dropTry(dir string) {
+// leaveTry leaves the record dir of a failed try to the sealer's next dropTry: every failed
+// record reaches the sealer, which tries it again, and removes what failed tries left before
+// each try and after the commit is done (the removal opens directories, which a shortage of
+// descriptors also lacks, and it is not done on the job's request).
+func (cr *commitRecorder) leaveTry(dir string) {
+	cr.mu.Lock()
+	cr.triesLeft = append(cr.triesLeft, dir)
+	cr.mu.Unlock()
+}
+
+// dropTry removes the record dirs failed tries left (leaveTry); the sealer calls it before each
+// try and after each commit. The descriptors a try lacked are lacking for os.RemoveAll too,
+// which opens the directories it empties: it runs with the reserve, and a record it still cannot
+// remove is removed by the next dropTry. Each try left one before, holding links to the step's
+// bytes until the agent's restart (a black-box run: 30 records after the give-up).
+func (cr *commitRecorder) dropTry() {
 	cr.mu.Lock()
 	dirs := cr.triesLeft
 	cr.triesLeft = nil
 	cr.mu.Unlock()
-	if dir != "" {
-		dirs = append(dirs, dir)
-	}
 	var left []string
 	var err error
 	for _, d := range dirs {

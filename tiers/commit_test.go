@@ -562,6 +562,50 @@ func TestCommitRecordFailingOnAShortageIsTriedAgain(t *testing.T) {
 	}
 }
 
+// TestRecordOnTheRenameDoesNotWaitForTheReserve: the record of a commit, written on the job's
+// rename (a FUSE request, during which the kernel holds the lock of the mount's root), does not
+// wait for the descriptor reserve while another write holds it; the sealer records the commit
+// once the shortage passed. Before, it waited, and the write holding the reserve, when it
+// changed a name at the root, waited for the kernel's notification, which waited for the root's
+// lock: the mount hung (a review).
+func TestRecordOnTheRenameDoesNotWaitForTheReserve(t *testing.T) {
+	t.Parallel()
+	var failing atomic.Bool
+	var tries atomic.Int32
+	failing.Store(true)
+	h := newHarness(t, harnessConfig{sealErr: emfileFor2(&tries, failing.Load)})
+	h.start(baseYAML, "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.waitSealed("job", 1, "1")
+	tmp := "2" + layout.OrbaxTmpSuffix
+	h.makeTree(tmp, checkpointFiles("2"))
+	require.NoError(t, os.Rename(h.path(tmp), h.path("2")))
+	release := h.r.HoldFDReserve()
+	renamed := make(chan struct{})
+	go func() {
+		h.r.Renamed(tmp, "2", layout.EntryDir) // the rename's request
+		close(renamed)
+	}()
+	select {
+	case <-renamed:
+		release()
+	case <-time.After(20 * time.Second):
+		release()
+		<-renamed
+		t.Fatal("the rename's record waited for the descriptor reserve another write held")
+	}
+	require.NotZero(t, tries.Load(), "the record was tried on the rename")
+	failing.Store(false)
+	h.waitSealed("job", 2, "2")
+	h.eventually("no record of a failed try left", func() string {
+		ents, _ := os.ReadDir(filepath.Join(h.cfg.root, "spool", "commits"))
+		if len(ents) != 0 {
+			return fmt.Sprintf("%d records", len(ents))
+		}
+		return ""
+	})
+}
+
 // emfileFor2 is a harnessConfig.sealErr that fails the record of step 2 with EMFILE while
 // failing says so, counting its tries.
 func emfileFor2(tries *atomic.Int32, failing func() bool) func(string) error {

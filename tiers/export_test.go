@@ -94,3 +94,10 @@ func (s *Spool) SetShape(shape Shape) error {
 	}
 	return nil
 }
+
+// HoldFDReserve takes the descriptor reserve's turn, as a write running on the released reserve
+// does, until the returned function is called.
+func (r *Replicator) HoldFDReserve() (release func()) {
+	r.node.fds.use.Lock()
+	return r.node.fds.use.Unlock
+}

@@ -54,8 +54,18 @@ func (r *fdReserve) release() bool {
 }
 
 // retry runs op, and once more with the reserve released if it failed for lack of descriptors;
-// the reserve is then filled again, as far as it can be.
-func (r *fdReserve) retry(op func() error) error {
+// the reserve is then filled again, as far as it can be. It waits for another write's turn on
+// the reserve: never on a FUSE request's goroutine (tryRetry).
+func (r *fdReserve) retry(op func() error) error { return r.retryWith(op, true) }
+
+// tryRetry is retry for a FUSE request (the record of a job's rename): it does not wait for
+// another write's turn on the reserve, and returns op's error instead. That write may be
+// waiting for the kernel's lock of the mount's root, which the job's rename holds until the
+// request returns (a notification of a name at the root): waiting for it hung the mount (a
+// review). The sealer tries such a record again.
+func (r *fdReserve) tryRetry(op func() error) error { return r.retryWith(op, false) }
+
+func (r *fdReserve) retryWith(op func() error, wait bool) error {
 	if r != nil && r.short() && r.use.TryLock() {
 		r.fill() // used before, and the job's opens took the descriptors it freed: take them back
 		r.use.Unlock()
@@ -64,7 +74,11 @@ func (r *fdReserve) retry(op func() error) error {
 	if r == nil || !errors.Is(err, syscall.EMFILE) {
 		return err
 	}
-	r.use.Lock()
+	if wait {
+		r.use.Lock()
+	} else if !r.use.TryLock() {
+		return err
+	}
 	defer r.use.Unlock()
 	if r.short() {
 		r.fill() // an earlier turn used them: refilled as far as the limit lets it

@@ -170,14 +170,17 @@ func (n *node) hashCommit(ctx context.Context, dir string, step int64) (string, 
 // withRoom runs write, and again after some of the spool's headroom was freed for it while it
 // fails for lack of room (see HeadroomSize): the agent's records must not fail because the job
 // filled its budget. The headroom is first taken back if there is room for it.
-func (n *node) withRoom(write func() error) error {
+func (n *node) withRoom(write func() error) error { return n.withRoomWith(write, n.fds.retry) }
+
+// withRoomWith is withRoom with the descriptor reserve's retry or tryRetry (on a FUSE request).
+func (n *node) withRoomWith(write func() error, retry func(func() error) error) error {
 	n.spool.FillHeadroom()
-	err := n.fds.retry(write)
+	err := retry(write)
 	for used := false; n.spool.UseHeadroom(err); used = true {
 		if !used {
 			n.log.Warn("the spool is full: the agent's records use its headroom", "err", err)
 		}
-		err = n.fds.retry(write)
+		err = retry(write)
 	}
 	return err
 }

@@ -91,7 +91,7 @@ func (s *sealer) run() {
 			s.recorder.keep(c.dir, c.inc.Config.JobName, c.step)
 		}
 		s.recorder.done(c.name)
-		s.recorder.dropTry("") // what failed tries of this commit left
+		s.recorder.dropTry() // what failed tries of this commit left
 		if errors.Is(err, errRecordedForNext) {
 			s.log.Warn("the agent stops before a committed step could be sealed: it is recorded in the spool, and the next agent seals it", "step", c.step, "worker", c.worker)
 			continue
@@ -189,8 +189,8 @@ func (s *sealer) retry(c *commit, pc pendingCommit, err error) (dataName, meta s
 		case <-time.After(min(wait, max(time.Until(deadline), 0))):
 		}
 		if !recorded {
-			s.recorder.dropTry("") // the records of the tries before, if they could not be removed then
-			if err = s.recorder.writeCommitRecord(c); err != nil {
+			s.recorder.dropTry() // the records of the tries before, if they could not be removed then
+			if err = s.recorder.writeCommitRecord(c, false); err != nil {
 				if !retryableSeal(err) || stopping || !time.Now().Before(deadline) {
 					return "", "", err
 				}
