@@ -537,7 +537,7 @@ func (cr *commitRecorder) adoptRecords(report func(string)) error {
 				// A shortage that may pass, before the data moved: the record stays for the
 				// next start rather than lose the step (the job's rename returned). Once the
 				// data moved, adoption would free it as unnamed (a review): it is dropped.
-				cr.keep(f.dir, rec.Job, rec.Step)
+				cr.keep(f.dir, rec.Job, rec.Incarnation, rec.Step)
 				report(fmt.Sprintf("a step committed before the agent restarted could not be sealed: %v; its record is kept in the spool for the agent's next start, "+
 					"but a restore of the job before that continues from an older step and drops it", err))
 				continue
@@ -595,31 +595,33 @@ func (cr *commitRecorder) sealRecord(dir string, rec commitRecord) error {
 	return nil
 }
 
-// keep notes the record at dir, of step of job, that a seal could not hash for a shortage: it
-// stays in the spool for the agent's next start, unless the job's restore abandons its step
-// first (dropKept).
-func (cr *commitRecorder) keep(dir, job string, step int64) {
+// keep notes the record at dir, of step of job, committed by incarnation inc, that a seal could
+// not hash for a shortage: it stays in the spool for the agent's next start, unless the job's
+// restore abandons its step first (dropKept).
+func (cr *commitRecorder) keep(dir, job, inc string, step int64) {
 	cr.mu.Lock()
 	defer cr.mu.Unlock()
 	if cr.kept == nil {
 		cr.kept = map[string]keptRecord{}
 	}
-	cr.kept[dir] = keptRecord{job, step}
+	cr.kept[dir] = keptRecord{job, inc, step}
 }
 
 type keptRecord struct {
-	job  string
-	step int64
+	job, inc string
+	step     int64
 }
 
-// dropKept drops the kept records of job whose step abandon says the job's restore abandons, and
-// returns their steps: their step is of the timeline the job left (as dropAbandonedSteps drops
-// .meta entries), and their bytes took RAM no retention could free (a review).
-func (cr *commitRecorder) dropKept(job string, abandon func(step int64) bool) (steps []int64) {
+// dropKept drops the kept records of incarnations of job other than restoring whose step abandon
+// says the job's restore abandons, and returns their steps: their step is of the timeline the
+// job left (as dropAbandonedSteps drops .meta entries), and their bytes took RAM no retention
+// could free (a review). The restoring incarnation's own commits (the job saved while its
+// restore waited) are of no timeline it left: they stay.
+func (cr *commitRecorder) dropKept(job, restoring string, abandon func(step int64) bool) (steps []int64) {
 	cr.mu.Lock()
 	var dirs []string
 	for dir, k := range cr.kept {
-		if k.job == job && abandon(k.step) {
+		if k.job == job && k.inc != restoring && abandon(k.step) {
 			dirs, steps = append(dirs, dir), append(steps, k.step)
 			delete(cr.kept, dir)
 		}

@@ -94,6 +94,20 @@ func (inc *incarnation) setWaiting(what string) {
 	inc.mu.Unlock()
 }
 
+// restoring reports whether the incarnation's restore still runs (not done, not failed).
+func (inc *incarnation) restoring() bool {
+	inc.mu.Lock()
+	defer inc.mu.Unlock()
+	return inc.phase == "restoring"
+}
+
+// restoreFailed reports whether the incarnation's restore failed.
+func (inc *incarnation) restoreFailed() bool {
+	inc.mu.Lock()
+	defer inc.mu.Unlock()
+	return inc.phase == "failed"
+}
+
 // restoreDone records the outcome of the restore: the job runs from step (0: from scratch).
 func (inc *incarnation) restoreDone(step int64) {
 	inc.mu.Lock()

@@ -1544,6 +1544,54 @@ func (g *gatedCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnation,
 	return g.Coordinator.Negotiate(ctx, inc, inv)
 }
 
+// TestStepsCommittedWhileAFreshStartWaitsAreKept: on the job's first start (no shape recorded
+// in the spool yet), the steps it commits while its negotiation is held are kept too, and its
+// next start restores them. Before, the restore kept them from one drop and dropped them in
+// the next, as of an unrecorded shape, after telling the job they were kept; and their sync,
+// refused before the restore ended, was never made (a review).
+func TestStepsCommittedWhileAFreshStartWaitsAreKept(t *testing.T) {
+	t.Parallel()
+	gated := &gatedCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}}
+	h := newHarness(t, harnessConfig{coord: gated})
+	gate := make(chan struct{})
+	gated.gate.Store(&gate)
+	h.yamlOrbax(baseYAML) // the job starts; its negotiation is held
+	h.waitGone(layout.ReplicatorYAMLName)
+	hash3 := h.orbaxSave(3, checkpointFiles("3")) // it saves without waiting for its markers
+	h.waitSealed("job", 3, "3")
+	close(gate)
+	restore0 := marker("job", 0, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore0)
+	h.eventually("the line", func() string {
+		for _, l := range h.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "step(s) 3 were committed before this restore ended (the job saved without waiting for its .restore markers): the restore takes nothing, and they are kept, not dropped") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
+	})
+	require.True(t, h.exists(marker("job", 3, 0, 0, layout.MarkerMeta)), "step 3 was dropped:\n%s", h.logs.String())
+	// Synced once the restore was done: the coordinator refused it before ("not negotiated",
+	// a line the job could do nothing with), and it was never synced until a next save.
+	h.eventually("step 3 synced", func() string {
+		if st := h.r.Status(); st.Replicated != 3 {
+			return fmt.Sprintf("latest replicated step %d", st.Replicated)
+		}
+		return ""
+	})
+	for _, l := range h.lines(layout.ReplicatorErrorsName) {
+		require.NotContains(t, l, "sync of step")
+	}
+	gated.gate.Store(nil)
+	for _, m := range []string{restore0, layout.ReplicatorErrorsName} {
+		require.NoError(t, os.Remove(h.path(m)))
+	}
+	h.yamlOrbax(baseYAML)
+	restore3 := marker("job", 3, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore3)
+	h.checkRestoreLink(restore3, hash3, checkpointFiles("3"))
+}
+
 // TestStepsCommittedWhileTheRestoreWaitsAreKept: a job that goes on saving while its restore
 // waits for the negotiation (a held link to rank 0) keeps those steps when the restore ends
 // with an older one: they are no timeline the job left. Before, the restore dropped them as
@@ -1573,6 +1621,17 @@ func TestStepsCommittedWhileTheRestoreWaitsAreKept(t *testing.T) {
 		}
 		return "neither its markers nor replicator.failed"
 	})
+	if h.exists(restore5) { // step 6 is synced once the restore is done
+		h.eventually("step 6 synced", func() string {
+			if st := h.r.Status(); st.Replicated != 6 {
+				return fmt.Sprintf("latest replicated step %d", st.Replicated)
+			}
+			return ""
+		})
+		for _, l := range h.lines(layout.ReplicatorErrorsName) {
+			require.NotContains(t, l, "sync of step")
+		}
+	}
 	h.eventually("the line", func() string {
 		for _, l := range h.lines(layout.ReplicatorErrorsName) {
 			if strings.Contains(l, "step(s) 6 were committed before this restore ended (the job saved without waiting for its .restore markers): the restore takes step 5, and they are kept, not dropped") {

@@ -117,11 +117,15 @@ func (r *restorer) run(inc *incarnation) {
 		lines = append(lines, l)
 	}
 	lines = append(lines, plan.Errors...)
-	r.dropStaleTimeline(cfg, plan)
-	if l := r.dropAbandonedSteps(inc, plan); l != "" {
-		lines = append(lines, l)
+	// None of the drops takes a step the job committed in this incarnation: it went on saving
+	// while the restore waited, and those steps are of no timeline or shape it left (a review:
+	// the other drops took what dropAbandonedSteps said it kept).
+	r.dropStaleTimeline(inc, plan)
+	kept := r.dropAbandonedSteps(inc, plan)
+	r.dropOtherShapeSteps(inc, plan)
+	if kept != "" {
+		lines = append(lines, kept)
 	}
-	r.dropOtherShapeSteps(cfg, plan)
 	// What the spool holds from now on is of this shape: the steps above the plan's are gone,
 	// those of another shape too, and the plan never picks one this shape cannot restore.
 	// Recorded after the drops, so that a crash in between leaves the old shape on steps of the
@@ -228,6 +232,7 @@ func (r *restorer) run(inc *incarnation) {
 	}
 	// The state is "running" before the job can see a marker, so status never lags behind it.
 	inc.restoreDone(plan.Step)
+	r.synced.push(sealedStep{restoreDone: true}) // after the restored step's: its sync goes first
 	for w := 0; w < cfg.WorkersPerNode; w++ {
 		var err error
 		if plan.Found {
@@ -289,14 +294,15 @@ func joinSteps[T ~int | ~int64](steps []T) string {
 
 // dropStaleTimeline forgets this job's steps above the one plan.StaleAbove gives this node: its
 // agent missed restores of the job, and they are of a timeline the job left (CutStaleTimelines).
-func (r *restorer) dropStaleTimeline(cfg *Config, plan RestorePlan) {
+func (r *restorer) dropStaleTimeline(inc *incarnation, plan RestorePlan) {
+	cfg := inc.Config
 	bound, ok := plan.StaleAbove[cfg.NodeRank]
 	if !ok {
 		return
 	}
-	r.recorder.dropKept(cfg.JobName, func(step int64) bool { return step > bound })
+	r.recorder.dropKept(cfg.JobName, inc.ID, func(step int64) bool { return step > bound })
 	drop := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool {
-		return m.Job == cfg.JobName && m.Step > bound
+		return m.Job == cfg.JobName && m.Step > bound && !inc.isSealedHere(m.String())
 	})
 	if len(drop) == 0 {
 		return
@@ -314,7 +320,7 @@ func (r *restorer) dropStaleTimeline(cfg *Config, plan RestorePlan) {
 // it returns for the job says so.
 func (r *restorer) dropAbandonedSteps(inc *incarnation, plan RestorePlan) string {
 	cfg := inc.Config
-	if steps := r.recorder.dropKept(cfg.JobName, func(step int64) bool { return !plan.Found || step > plan.Step }); len(steps) > 0 {
+	if steps := r.recorder.dropKept(cfg.JobName, inc.ID, func(step int64) bool { return !plan.Found || step > plan.Step }); len(steps) > 0 {
 		r.log.Warn("dropped the commit records kept for the agent's next start: the job continues from an older step", "restored", plan.Step, "found", plan.Found, "steps", steps)
 	}
 	var kept []int64
@@ -359,18 +365,19 @@ func (r *restorer) dropAbandonedSteps(inc *incarnation, plan RestorePlan) string
 //
 // Steps below the one restored are no loss; those above are dropped anyway
 // (dropAbandonedSteps).
-func (r *restorer) dropOtherShapeSteps(cfg *Config, plan RestorePlan) {
+func (r *restorer) dropOtherShapeSteps(inc *incarnation, plan RestorePlan) {
+	cfg := inc.Config
 	saved := r.spool.SavedShape()
 	if saved.Nodes > 0 && cfg.Shape().Restores(saved, true) {
 		return
 	}
-	if steps := r.recorder.dropKept(cfg.JobName, func(int64) bool { return true }); len(steps) > 0 {
+	if steps := r.recorder.dropKept(cfg.JobName, inc.ID, func(int64) bool { return true }); len(steps) > 0 {
 		r.log.Warn("dropped the commit records kept for the agent's next start: the job's shape changed", "steps", steps)
 	}
 	fromRAM := saved.Nodes == 0 && plan.Found && plan.Backup == ""
 	drop := r.retention.dropMetas(func(m layout.MarkerName, hash string) bool {
 		switch {
-		case m.Job != cfg.JobName:
+		case m.Job != cfg.JobName || inc.isSealedHere(m.String()): // of this shape: the job's own commit
 			return false
 		case fromRAM:
 			return m.Step != plan.Step || m.Node >= cfg.Nodes || m.Worker >= cfg.WorkersPerNode

@@ -61,6 +61,9 @@ type sealedStep struct {
 	// rePush, when not 0, makes this no step but the tick of a later try of the syncer's
 	// pending pushes (syncer.arm).
 	rePush uint64
+	// restoreDone makes this no step but the news that a restore is done: the syncs that
+	// waited for it go (syncer.afterRestore).
+	restoreDone bool
 }
 
 func (s *sealer) run() {
@@ -88,7 +91,7 @@ func (s *sealer) run() {
 			// Another error is not expected to pass: the next start drops the record if it
 			// fails again. A restore of the job drops it if it abandons its step: known kept
 			// before done wakes a restore waiting for the commit (a review: it ran first).
-			s.recorder.keep(c.dir, c.inc.Config.JobName, c.step)
+			s.recorder.keep(c.dir, c.inc.Config.JobName, c.inc.ID, c.step)
 		}
 		s.recorder.done(c.name)
 		s.recorder.dropTry() // what failed tries of this commit left

@@ -42,9 +42,21 @@ type syncer struct {
 	pending *rePush     // the step to push again, if any
 	timer   *time.Timer // queues pending's next try: a tick (sealedStep.rePush = gen)
 	gen     uint64      // the tick of pending's next try
+	// afterRestore are the syncs of steps the job committed while its restore ran (it saved
+	// without waiting for its markers), in order: the coordinator refuses an incarnation's
+	// sync before its negotiation ends ("not negotiated", which the job was told, and the step
+	// was never synced nor backed up until a next save; a review). They are synced once the
+	// restore is done (sealedStep.restoreDone), before any later step.
+	afterRestore []waitingSync
 
 	viewMu sync.Mutex
 	view   *RePushView // GUARDED_BY(viewMu); pending, for status
+}
+
+// waitingSync is a sync that waits for its incarnation's restore to end.
+type waitingSync struct {
+	c          commit
+	replicated bool
 }
 
 // rePush is a step whose pushes to some peers failed: by worker, its sealed step and the peers
@@ -87,6 +99,10 @@ func (sy *syncer) run() {
 				sy.tryAgain()
 			}
 			continue // a tick of a try that is no longer pending
+		}
+		if s.restoreDone {
+			sy.syncAfterRestore()
+			continue
 		}
 		// Any step of the current incarnation (the next one, or the same step saved again)
 		// supersedes the later tries; a step of an earlier incarnation sealed late does not.
@@ -278,6 +294,24 @@ func (sy *syncer) replicateTo(ctx context.Context, s sealedStep, peers []int, ag
 	return failed
 }
 
+// syncAfterRestore syncs the steps whose sync waited for their incarnation's restore, once it
+// is done; those of an incarnation that ended go.
+func (sy *syncer) syncAfterRestore() {
+	waiting := sy.afterRestore
+	sy.afterRestore = nil
+	for i, w := range waiting {
+		switch {
+		case !sy.incs.isCurrent(w.c.inc) || w.c.inc.restoreFailed():
+			// The job restarts: its next incarnation's restore finds the step.
+		case w.c.inc.restoring():
+			sy.afterRestore = waiting[i:] // not done yet (a tick of an earlier incarnation's end)
+			return
+		default:
+			sy.sync(w.c, w.replicated)
+		}
+	}
+}
+
 // sync reports a step every worker of this node sealed and replicated (replicated: all
 // succeeded) to the coordinator, and frees what retention no longer needs. (Backups are
 // ordered by the coordinator on its own clock, see backupRunner.) It returns whether the
@@ -286,6 +320,11 @@ func (sy *syncer) sync(c commit, replicated bool) bool {
 	if !sy.incs.isCurrent(c.inc) {
 		return false // an older incarnation's step: sealed and kept, but not synced
 	}
+	if c.inc.restoring() {
+		sy.afterRestore = append(sy.afterRestore, waitingSync{c, replicated})
+		return false
+	}
+	sy.syncAfterRestore()
 	c.inc.noteCommitted(c.step)
 	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
 	if err != nil && c.inc.ctx.Err() != nil {
