@@ -974,6 +974,18 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 		case known == "" || !j.cur.negotiationStarted():
 			j.ids[rank] = inc.ID
 			return j.cur, nil
+		case slices.Contains(inc.Superseded, known):
+			// The plan counts on an incarnation inc gave up: it never reaches the barrier. A
+			// late call of it (held by a stalled link) may have reached the coordinator before
+			// inc's and completed the set; before, inc was told to look for rank 0 until the
+			// job gave up, and the other ranks waited for it at the barrier (a review). The
+			// incarnation ends: its callers get ErrClosed (a Negotiate negotiates again, a
+			// restore waiting at the barrier fails at once, and the job restarts), and rank 0
+			// starts the next one. (On a plain restart of the job the same happens a moment
+			// before rank 0's Negotiate would do it.)
+			j.keepLastBackup()
+			j.cur.Close()
+			j.cur, j.ids = nil, nil
 		}
 	} else if !negotiate {
 		return nil, fmt.Errorf("incarnation %s of rank %d: %w (not negotiated)", inc.ID, rank, ErrOtherIncarnation)

@@ -1156,6 +1156,64 @@ func TestLateNegotiateOfAGivenUpIncarnation(t *testing.T) {
 	}
 }
 
+// TestLateNegotiateCompletingThePlan: a late Negotiate of an incarnation its agent gave up that
+// arrives last of all ranks, so that the plan starts with it, ends that plan when the agent's
+// newer incarnation negotiates: the ranks waiting at the barrier are told at once (their jobs
+// restart), and the next negotiation completes. Before, the newer one was told to look for
+// rank 0 on every retry, and the other ranks waited at the barrier until their jobs gave up
+// (a review).
+func TestLateNegotiateCompletingThePlan(t *testing.T) {
+	t.Parallel()
+	const nodes = 3
+	job := NewJob(Options{Clock: newFakeClock()})
+	client := LocalClient{Job: job}
+	negotiate := func(inc tiers.Incarnation) <-chan error {
+		return async(func() error {
+			c, err := job.RemoteCoordinator(inc.Config.NodeRank, inc, true)
+			if err == nil {
+				_, err = c.Negotiate(t.Context(), inc.Config.NodeRank, own(inc.Config.NodeRank, 10))
+			}
+			return err
+		})
+	}
+	incs := []tiers.Incarnation{agentInc("b0", 0, nodes), agentInc("b1", 1, nodes), agentInc("b2", 2, nodes)}
+	late := agentInc("a1", 1, nodes)
+	incs[1].Superseded = []string{late.ID}
+	calls := make([]<-chan error, nodes)
+	calls[0] = async(func() error { _, err := client.Negotiate(t.Context(), incs[0], own(0, 10)); return err })
+	require.Eventually(t, func() bool { return job.idOf(0) == "b0" }, 10*time.Second, time.Millisecond)
+	calls[2] = negotiate(incs[2])
+	require.Eventually(t, func() bool { return job.idOf(2) == "b2" }, 10*time.Second, time.Millisecond)
+	require.NoError(t, result(t, negotiate(late), "the late Negotiate, which completes the set"))
+	for _, r := range []int{0, 2} {
+		require.NoError(t, result(t, calls[r], fmt.Sprint("Negotiate of rank ", r)))
+	}
+	barrier := make([]<-chan error, nodes)
+	for _, r := range []int{0, 2} {
+		barrier[r] = async(func() error { return client.Restored(t.Context(), incs[r]) })
+	}
+	c, err := job.RemoteCoordinator(1, incs[1], true)
+	require.ErrorIs(t, err, errNotRankZero, "the newer incarnation: the plan is over, rank 0 starts the next (got %v)", c)
+	for _, r := range []int{0, 2} { // waiting at the barrier (closed), or arriving after (not negotiated)
+		err := result(t, barrier[r], fmt.Sprint("Restored of rank ", r))
+		require.True(t, errors.Is(err, ErrClosed) || errors.Is(err, ErrOtherIncarnation), "rank %d told at once: %v", r, err)
+	}
+	// The job restarts on every rank: the agents negotiate again.
+	incs = []tiers.Incarnation{agentInc("c0", 0, nodes), agentInc("c1", 1, nodes), agentInc("c2", 2, nodes)}
+	calls[0] = async(func() error { _, err := client.Negotiate(t.Context(), incs[0], own(0, 10)); return err })
+	require.Eventually(t, func() bool { return job.idOf(0) == "c0" }, 10*time.Second, time.Millisecond)
+	calls[1], calls[2] = negotiate(incs[1]), negotiate(incs[2])
+	for r, ch := range calls {
+		require.NoError(t, result(t, ch, fmt.Sprint("Negotiate of rank ", r)))
+	}
+	var wg sync.WaitGroup
+	for _, inc := range incs {
+		wg.Go(func() { assert.NoError(t, client.Restored(t.Context(), inc), "rank %d", inc.Config.NodeRank) })
+	}
+	wg.Wait()
+	assert.ErrorIs(t, client.Restored(t.Context(), late), ErrOtherIncarnation)
+}
+
 // idOf is the agent incarnation id the current incarnation coordinates for rank.
 func (j *Job) idOf(rank int) string {
 	j.mu.Lock()
