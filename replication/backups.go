@@ -107,7 +107,12 @@ func (b *backupState) wake() {
 // is synced). With unfinished (the newest backup has no complete step) it returns true when the
 // caller must find out whether that backup is an upload of the restored step cut short and tell
 // resumeDecided; the step's first order waits for that. Called with mu held.
-func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, newest tiers.BackupStep, unfinished bool) (resume bool) {
+//
+// The backup that holds the step counted as backed up (plan.Backup, or newestName when it holds
+// the restored step) is audited from then on, as one this incarnation completed: before, a
+// backup of an earlier incarnation was never checked until the job saved a newer step (a
+// review), and a restart after RAM loss is what that check is for.
+func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, newest tiers.BackupStep, newestName string, unfinished bool) (resume bool) {
 	b := &c.backups
 	// The job's history goes on from the restored step. A backup of a later step holds
 	// another history: the one a pinned restore of an older backup went back from, or that a
@@ -121,11 +126,14 @@ func (c *JobCoordinator) backupsAfterPlan(plan tiers.RestorePlan, newest tiers.B
 	case !plan.Found:
 		b.backedUp = -1
 	case plan.Backup != "":
-		b.backedUp = plan.Step
+		b.backedUp, b.lastName = plan.Step, plan.Backup
 	case newest.Step == plan.Step && maps.Equal(newest.Data, plan.Data):
-		b.backedUp = plan.Step
+		b.backedUp, b.lastName = plan.Step, newestName
 	default:
 		b.backedUp = min(newest.Step, plan.Step-1)
+	}
+	if b.lastName != "" {
+		b.auditAt = c.clock.Now().Add(c.auditEvery())
 	}
 	if plan.Found && plan.Step > b.backedUp {
 		b.started, b.clockFrom, b.synced = true, time.Time{}, b.steps
@@ -146,10 +154,10 @@ func (c *JobCoordinator) resumeDecided(name string) {
 }
 
 // newestBackedUp returns the highest complete step of the job's newest backup that has one
-// (Step -1: none, or the store cannot say), looking at a few of the newest of names (the job's
-// backups, newest first) only, and whether the newest of names has no complete step (an
-// upload cut short, perhaps).
-func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) (step tiers.BackupStep, unfinished bool) {
+// (Step -1: none, or the store cannot say) and that backup's name, looking at a few of the
+// newest of names (the job's backups, newest first) only, and whether the newest of names has
+// no complete step (an upload cut short, perhaps).
+func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) (step tiers.BackupStep, name string, unfinished bool) {
 	const look = 5
 	for i, name := range names {
 		if i == look {
@@ -157,13 +165,13 @@ func (c *JobCoordinator) newestBackedUp(ctx context.Context, names []string) (st
 		}
 		steps, _, err := c.store.CompleteSteps(ctx, c.cfg.JobName, name, c.cfg.Shape())
 		if err == nil && len(steps) > 0 {
-			return steps[0], unfinished
+			return steps[0], name, unfinished
 		}
 		if i == 0 {
 			unfinished = err == nil
 		}
 	}
-	return tiers.BackupStep{Step: -1}, unfinished
+	return tiers.BackupStep{Step: -1}, "", unfinished
 }
 
 // resumable returns backup when it is an upload of the plan's step cut short, which completing

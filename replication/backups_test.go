@@ -158,6 +158,38 @@ func TestVanishedBackupIsTakenAgain(t *testing.T) {
 	}
 }
 
+// TestRestoredBackupIsAudited: the backup that holds the step an incarnation restored (from it,
+// or from RAM when the newest backup holds that very step) is checked like one it completed:
+// gone, the step is backed up again. Before, only a backup completed in this incarnation was
+// checked, and a restart after RAM loss, which that check is for, never checked the one it
+// came back from (a review).
+func TestRestoredBackupIsAudited(t *testing.T) {
+	t.Parallel()
+	const nodes, name = 2, "2030-01-01_00-02"
+	data := func(step int64) map[tiers.Slot]string {
+		return map[tiers.Slot]string{{Rank: 0}: dataOf(0, step), {Rank: 1}: dataOf(1, step)}
+	}
+	for _, plan := range []tiers.RestorePlan{
+		{Found: true, Step: 20, Data: data(20)},
+		{Found: true, Step: 20, Data: data(20), Backup: name},
+	} {
+		store := &fakeStore{backups: map[string][]tiers.BackupStep{name: {{Step: 20, Data: data(20)}}}}
+		c, clock := backupJob(t, nodes, 1, 0, store, nil)
+		c.mu.Lock()
+		c.backupsAfterPlan(plan, tiers.BackupStep{Step: 20, Data: data(20)}, name, false)
+		c.mu.Unlock()
+		for _, res := range syncAll(t, c, nodes, 20) {
+			require.NoError(t, res.err)
+		}
+		assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "backed up: nothing to do")
+		store.mu.Lock()
+		delete(store.backups, name)
+		store.mu.Unlock()
+		clock.Advance(time.Minute)
+		assert.Equal(t, int64(20), eventuallyOrder(t, c, 0).Step, "restored from %q: the step is backed up again", plan.Backup)
+	}
+}
+
 // Orders every N steps, one at a time (never while one runs), one per UTC minute.
 func TestBackupOrdersEveryNSteps(t *testing.T) {
 	t.Parallel()
@@ -286,7 +318,7 @@ func TestBackupAfterGoingBack(t *testing.T) {
 	// A fresh start (the job's own choice: no step restorable in its shape) beside the backups.
 	c2, clock2 := backupJob(t, nodes, 1, 0, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
 	c2.mu.Lock()
-	c2.backupsAfterPlan(tiers.RestorePlan{}, tiers.BackupStep{Step: 20, Data: data(20)}, false)
+	c2.backupsAfterPlan(tiers.RestorePlan{}, tiers.BackupStep{Step: 20, Data: data(20)}, "", false)
 	c2.mu.Unlock()
 	for _, res := range syncAll(t, c2, nodes, 5) {
 		require.NoError(t, res.err)
@@ -309,7 +341,7 @@ func TestBackupAfterGoingBack(t *testing.T) {
 	} {
 		c3, _ := backupJob(t, nodes, 1, 0, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
 		c3.mu.Lock()
-		c3.backupsAfterPlan(tiers.RestorePlan{Found: true, Step: 20, Data: data(20)}, tc.newest, false)
+		c3.backupsAfterPlan(tiers.RestorePlan{Found: true, Step: 20, Data: data(20)}, tc.newest, "", false)
 		c3.mu.Unlock()
 		for _, res := range syncAll(t, c3, nodes, 20) {
 			require.NoError(t, res.err)

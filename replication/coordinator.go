@@ -384,8 +384,8 @@ func (c *JobCoordinator) computePlan() {
 	// restored step counts as not backed up (a backup of it is taken again) and the names as
 	// free from this incarnation's floor on (an upload into an existing backup of the same
 	// minute adds to it; the location was not answering).
-	var newest string
-	newestStep := tiers.BackupStep{Step: -1} // the newest backup's highest complete step
+	var newest, newestName string
+	newestStep := tiers.BackupStep{Step: -1} // the newest backup's highest complete step (in newestName)
 	unfinished := false                      // the newest backup has no complete step: perhaps an upload cut short
 	if c.store != nil && err == nil && !plan.BackupsUnread {
 		lctx, cancel := context.WithTimeout(c.ctx, c.planLimits.PinRead)
@@ -394,7 +394,7 @@ func (c *JobCoordinator) computePlan() {
 			c.log.Warn("list backups", "err", lerr)
 		} else if len(names) > 0 {
 			newest = names[0]
-			newestStep, unfinished = c.newestBackedUp(lctx, names)
+			newestStep, newestName, unfinished = c.newestBackedUp(lctx, names)
 		}
 		cancel()
 	}
@@ -402,7 +402,7 @@ func (c *JobCoordinator) computePlan() {
 	c.plan, c.planErr = plan, err
 	c.pinned = plan.Pinned
 	c.floor = max(c.floor, newest)
-	resume := c.backupsAfterPlan(plan, newestStep, unfinished)
+	resume := c.backupsAfterPlan(plan, newestStep, newestName, unfinished)
 	backedUp := c.backups.backedUp // not newestStep's number: the same number saved again is another step
 	c.mu.Unlock()
 	close(c.planned)
