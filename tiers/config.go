@@ -196,6 +196,9 @@ func ParseConfig(data []byte, getenv func(string) string) (*Config, []string, er
 	if c.PeerRanks != nil && c.PeersPerNode > 0 {
 		warnings = append(warnings, fmt.Sprintf("%s ignored: %s is given", keyPeersPerNode, keyPeerRanks))
 	}
+	if w := c.fewerPeers(); w != "" {
+		warnings = append(warnings, w)
+	}
 	return c, warnings, nil
 }
 
@@ -229,6 +232,34 @@ func (c *Config) Validate() error {
 		}
 	}
 	return nil
+}
+
+// fewerPeers says when peers-per-node gives this node fewer peers than it asks for and the job
+// has: SPEC §4's choice repeats ranks (3 nodes, 2 peers each: ranks 0 and 2 get one), and a
+// job that asked for 2 copies of each step lost a step when two nodes lost their RAM, with no
+// word before (a black-box run).
+func (c *Config) fewerPeers() string {
+	if c.PeerRanks != nil || c.PeersPerNode <= 0 || c.Nodes <= 1 {
+		return ""
+	}
+	most := c.Nodes - 1
+	if d := c.AssumeDataParallelism; d > 0 {
+		most = d - 1 // the other members of its column
+	}
+	peers := c.Peers()
+	if len(peers) >= min(c.PeersPerNode, most) {
+		return ""
+	}
+	return fmt.Sprintf("%s: %d gives this node (rank %d of %d) %d peer(s), %s: the ranks chosen for it repeat (SPEC §4); list %s to choose them",
+		keyPeersPerNode, c.PeersPerNode, c.NodeRank, c.Nodes, len(peers), rankNames(peers), keyPeerRanks)
+}
+
+// rankNames writes ranks as "rank 1" or "ranks 0, 2".
+func rankNames(ranks []int) string {
+	if len(ranks) == 1 {
+		return fmt.Sprintf("rank %d", ranks[0])
+	}
+	return "ranks " + joinSteps(ranks)
 }
 
 // Peers returns the ranks this node replicates to: the explicit peer-ranks

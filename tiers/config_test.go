@@ -163,6 +163,21 @@ func TestParseConfigValid(t *testing.T) {
 				BackupIntervalMinutes: 30, WorkersPerNode: 1},
 		},
 		{
+			name: "peers-per-node giving fewer peers than asked says so",
+			doc:  edit(validBase, "nodes: 3", "node-rank: 0", "peers-per-node: 2"),
+			want: Config{JobName: "j", Framework: "orbax", NodeRank: 0, Nodes: 3, PeersPerNode: 2,
+				BackupIntervalMinutes: 30, WorkersPerNode: 1},
+			warnings: []string{"peers-per-node: 2 gives this node (rank 0 of 3) 1 peer(s), rank 1: the ranks chosen for it repeat (SPEC §4); list peer-ranks to choose them"},
+			peers:    []int{1},
+		},
+		{
+			name: "peers-per-node giving what is asked says nothing",
+			doc:  edit(validBase, "nodes: 3", "node-rank: 1", "peers-per-node: 2"),
+			want: Config{JobName: "j", Framework: "orbax", NodeRank: 1, Nodes: 3, PeersPerNode: 2,
+				BackupIntervalMinutes: 30, WorkersPerNode: 1},
+			peers: []int{0, 2},
+		},
+		{
 			name: "explicit ranks win over peers-per-node",
 			doc:  edit(validBase, "peer-ranks: [0, 1]"),
 			want: Config{JobName: "j", Framework: "orbax", NodeRank: 2, Nodes: 4, PeerRanks: []int{0, 1}, PeersPerNode: 1,
