@@ -828,7 +828,10 @@ type Job struct {
 	mu      sync.Mutex      // LOCK ORDERING: before JobCoordinator.mu
 	cur     *JobCoordinator // GUARDED_BY(mu); nil before the first negotiation
 	ids     []string        // GUARDED_BY(mu); by rank: the agent incarnation id cur coordinates
-	retired map[string]bool // GUARDED_BY(mu); the ids of every earlier incarnation (a few per restart)
+	retired map[string]bool // GUARDED_BY(mu); the ids of earlier incarnations (a few per restart)
+	// retiredOrder holds retired's ids, the oldest first: only the newest maxRetired are kept
+	// (a review: the set grew by a few ids at every restart of a long job).
+	retiredOrder []string // GUARDED_BY(mu)
 	// resigned is set when this agent's newest incarnation of the job is not rank 0 (Resign),
 	// until it negotiates as rank 0 again: calls from other agents are sent to look again.
 	resigned bool // GUARDED_BY(mu)
@@ -958,10 +961,7 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 		// and inc's Restored then failed as not negotiated (found by a black-box run).
 		for _, id := range inc.Superseded {
 			if id != inc.ID {
-				if j.retired == nil {
-					j.retired = map[string]bool{}
-				}
-				j.retired[id] = true
+				j.retire(id)
 			}
 		}
 	}
@@ -995,12 +995,9 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 		return nil, notRankZero("negotiation of rank %d, incarnation %s", rank, inc.ID)
 	}
 	if j.cur != nil {
-		if j.retired == nil {
-			j.retired = map[string]bool{}
-		}
 		for _, id := range j.ids {
 			if id != "" {
-				j.retired[id] = true
+				j.retire(id)
 			}
 		}
 		j.keepLastBackup()
@@ -1016,6 +1013,28 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 	j.cur, j.ids = next, make([]string, cfg.Nodes)
 	j.ids[rank] = inc.ID
 	return next, nil
+}
+
+// maxRetired is how many retired incarnation ids a Job remembers: a late call is of one of the
+// last few restarts, never of thousands ago.
+const maxRetired = 4096
+
+// retire refuses id's calls from now on. Called with mu held.
+func (j *Job) retire(id string) {
+	if j.retired[id] {
+		return
+	}
+	if j.retired == nil {
+		j.retired = map[string]bool{}
+	}
+	j.retired[id] = true
+	j.retiredOrder = append(j.retiredOrder, id)
+	if n := len(j.retiredOrder) - maxRetired; n > 0 {
+		for _, old := range j.retiredOrder[:n] {
+			delete(j.retired, old)
+		}
+		j.retiredOrder = slices.Delete(j.retiredOrder, 0, n)
+	}
 }
 
 // sameJob reports whether two agents' configs describe the same job layout.

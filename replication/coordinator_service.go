@@ -210,8 +210,10 @@ func (s *CoordinatorService) coordinator(from Identity, caller *peerpb.Caller, n
 	// shape in between, this Negotiate starts one of the old shape again (and the rank-0
 	// agent's gets ErrClosed). Closing that needs the check inside Job.Coordinator's lock.
 	inc := tiers.Incarnation{ID: from.Incarnation, Config: cfg, Superseded: caller.GetSuperseded()}
-	if len(inc.Superseded) > tiers.MaxSuperseded {
-		return nil, inc, errInvalid("%d superseded incarnations: at most %d are sent", len(inc.Superseded), tiers.MaxSuperseded)
+	if n := len(inc.Superseded); n > tiers.MaxSuperseded {
+		// The newest (last) are kept: an agent of a later version sending more is still served
+		// (a review: it was refused, and could never negotiate with this one).
+		inc.Superseded = inc.Superseded[n-tiers.MaxSuperseded:]
 	}
 	c, err := s.cfg.Job.RemoteCoordinator(cfg.NodeRank, inc, negotiate)
 	if err != nil {

@@ -612,8 +612,35 @@ func TestCoordinatorServiceRefusesASupersededCaller(t *testing.T) {
 	}
 	wg.Wait()
 
+	// More ids than this version sends (a later one's): the newest are taken, not refused.
 	long := agentInc("long", 2, nodes)
-	long.Superseded = make([]string, tiers.MaxSuperseded+1)
-	_, err = j.clients[2].Negotiate(ctx, long, own(2, 10))
-	assert.ErrorContains(t, err, "at most 8 are sent")
+	for i := range tiers.MaxSuperseded + 1 {
+		long.Superseded = append(long.Superseded, fmt.Sprint("old-", i))
+	}
+	short, cancelShort := context.WithTimeout(ctx, time.Second)
+	defer cancelShort()
+	_, err = j.clients[2].Negotiate(short, long, own(2, 10))
+	require.Error(t, err, "rank 0 has not restarted: no plan for it")
+	assert.NotContains(t, err.Error(), "superseded incarnations")
+	j.job.mu.Lock()
+	defer j.job.mu.Unlock()
+	assert.False(t, j.job.retired["old-0"], "the oldest beyond the bound is left")
+	assert.True(t, j.job.retired[fmt.Sprint("old-", tiers.MaxSuperseded)], "the newest is retired")
+}
+
+// TestRetiredIdsAreBounded: a Job remembers the newest maxRetired retired incarnation ids.
+func TestRetiredIdsAreBounded(t *testing.T) {
+	t.Parallel()
+	j := NewJob(Options{})
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	for i := range maxRetired + 10 {
+		j.retire(fmt.Sprint(i))
+		j.retire(fmt.Sprint(i)) // twice: counted once
+	}
+	assert.Len(t, j.retired, maxRetired)
+	assert.Len(t, j.retiredOrder, maxRetired)
+	assert.False(t, j.retired["9"])
+	assert.True(t, j.retired["10"])
+	assert.True(t, j.retired[fmt.Sprint(maxRetired+9)])
 }
