@@ -378,30 +378,34 @@ func (cr *commitRecorder) writeCommitRecord(c *commit, inRequest bool) error {
 		}
 	}
 	if err != nil {
-		cr.leaveTry(c.dir)
+		cr.failedTry(c.dir, inRequest)
 		return err
 	}
 	cfg := c.inc.Config
 	rec := commitRecord{Job: cfg.JobName, Incarnation: c.inc.ID, Rank: cfg.NodeRank, Worker: c.worker, Step: c.step, Name: c.name, At: c.at.UTC()}
 	data, _ := json.Marshal(rec)
 	if err := cr.withRoomWith(func() error { return layout.WriteFileAtomic(filepath.Join(c.dir, commitRecordName), data) }, retry); err != nil {
-		cr.leaveTry(c.dir)
+		cr.failedTry(c.dir, inRequest)
 		return err
 	}
 	return nil
 }
 
-// leaveTry leaves the record dir of a failed try to the sealer's next dropTry: every failed
-// record reaches the sealer, which tries it again, and removes what failed tries left before
-// each try and after the commit is done (the removal opens directories, which a shortage of
-// descriptors also lacks, and it is not done on the job's request).
-func (cr *commitRecorder) leaveTry(dir string) {
+// failedTry removes the record dir of a failed try (dropTry), or, on the job's request, leaves it
+// to the sealer's next dropTry: every failed record reaches the sealer, which tries it again,
+// and removes what failed tries left before each try and after the commit is done (the
+// removal opens directories, which a shortage of descriptors also lacks, and waits for the
+// descriptor reserve).
+func (cr *commitRecorder) failedTry(dir string, inRequest bool) {
 	cr.mu.Lock()
 	cr.triesLeft = append(cr.triesLeft, dir)
 	cr.mu.Unlock()
+	if !inRequest {
+		cr.dropTry()
+	}
 }
 
-// dropTry removes the record dirs failed tries left (leaveTry); the sealer calls it before each
+// dropTry removes the record dirs failed tries left (failedTry); the sealer calls it before each
 // try and after each commit. The descriptors a try lacked are lacking for os.RemoveAll too,
 // which opens the directories it empties: it runs with the reserve, and a record it still cannot
 // remove is removed by the next dropTry. Each try left one before, holding links to the step's
