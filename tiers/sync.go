@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"maps"
@@ -101,7 +102,7 @@ func (sy *syncer) run() {
 			continue // a tick of a try that is no longer pending
 		}
 		if s.restoreDone {
-			sy.syncAfterRestore()
+			sy.syncAfterRestore(nil)
 			continue
 		}
 		// Any step of the current incarnation (the next one, or the same step saved again)
@@ -296,20 +297,30 @@ func (sy *syncer) replicateTo(ctx context.Context, s sealedStep, peers []int, ag
 
 // syncAfterRestore syncs the steps whose sync waited for their incarnation's restore, once it
 // is done; those of an incarnation that ended go.
-func (sy *syncer) syncAfterRestore() {
+//
+// They go in step order: the restored step's sync (queued by the restore) comes after those of
+// the steps the job saved meanwhile, and the coordinator refuses a step below one already
+// reported.
+// It returns what the sync of c (one of them, if not nil) returned.
+func (sy *syncer) syncAfterRestore(c *commit) (synced bool) {
 	waiting := sy.afterRestore
 	sy.afterRestore = nil
+	slices.SortStableFunc(waiting, func(a, b waitingSync) int { return cmp.Compare(a.c.step, b.c.step) })
 	for i, w := range waiting {
 		switch {
 		case !sy.incs.isCurrent(w.c.inc) || w.c.inc.restoreFailed():
 			// The job restarts: its next incarnation's restore finds the step.
 		case w.c.inc.restoring():
 			sy.afterRestore = waiting[i:] // not done yet (a tick of an earlier incarnation's end)
-			return
+			return synced
 		default:
-			sy.sync(w.c, w.replicated)
+			ok := sy.syncNow(w.c, w.replicated)
+			if c != nil && w.c.inc == c.inc && w.c.step == c.step && w.c.worker == c.worker {
+				synced = ok
+			}
 		}
 	}
+	return synced
 }
 
 // sync reports a step every worker of this node sealed and replicated (replicated: all
@@ -320,11 +331,20 @@ func (sy *syncer) sync(c commit, replicated bool) bool {
 	if !sy.incs.isCurrent(c.inc) {
 		return false // an older incarnation's step: sealed and kept, but not synced
 	}
-	if c.inc.restoring() {
+	if c.inc.restoring() || len(sy.afterRestore) > 0 {
+		// Waits, or goes in order with those that waited (the restored step's, queued before
+		// the restore was done, may come after it).
 		sy.afterRestore = append(sy.afterRestore, waitingSync{c, replicated})
-		return false
+		if c.inc.restoring() {
+			return false
+		}
+		return sy.syncAfterRestore(&c)
 	}
-	sy.syncAfterRestore()
+	return sy.syncNow(c, replicated)
+}
+
+// syncNow is sync once nothing waits.
+func (sy *syncer) syncNow(c commit, replicated bool) bool {
 	c.inc.noteCommitted(c.step)
 	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
 	if err != nil && c.inc.ctx.Err() != nil {
