@@ -631,7 +631,7 @@ func (s *Spool) MarkRestored(incarnation string) error {
 func (s *Spool) writeShapeLocked(shape Shape, tl Timeline) error {
 	data, _ := json.Marshal(shapeRecord{Shape: shape, Job: s.owner.Job, Generation: tl.Generation, Restores: tl.Restores, TimelineOf: tl.of, Floor: tl.Floor})
 	if err := layout.WriteFileAtomic(filepath.Join(s.dir, ShapeFile), data); err != nil {
-		s.forgetShapeLocked()
+		s.forgetShapeLocked(max(tl.Floor, tl.Generation))
 		return err
 	}
 	s.shape, s.shapeJob, s.timeline = shape, s.owner.Job, tl
@@ -668,8 +668,13 @@ const maxTimelineRestores = 64
 func (s *Spool) Timeline(job string) Timeline {
 	s.ownerMu.Lock()
 	defer s.ownerMu.Unlock()
-	if s.shapeJob != job || s.shape == (Shape{}) {
+	if s.shapeJob != job {
 		return Timeline{}
+	}
+	if s.shape == (Shape{}) {
+		// The record could not be written (and was removed): no timeline is trusted, but the
+		// numbers known are never given again (a review: the floor was not reported).
+		return Timeline{Floor: max(s.timeline.Floor, s.timeline.Generation)}
 	}
 	return Timeline{Generation: s.timeline.Generation, Restores: maps.Clone(s.timeline.Restores), Floor: max(s.timeline.Floor, s.timeline.Generation)}
 }
@@ -712,9 +717,10 @@ func (s *Spool) SetShapeRestored(job, inc string, shape Shape, gen, step int64) 
 	return nil
 }
 
-// forgetShapeLocked removes the shape record. Called with ownerMu held.
-func (s *Spool) forgetShapeLocked() {
-	s.shape, s.timeline = Shape{}, Timeline{Floor: max(s.timeline.Floor, s.timeline.Generation)}
+// forgetShapeLocked removes the shape record; the highest generation known (floor, or the
+// timeline's) stays as the Floor the next inventory reports. Called with ownerMu held.
+func (s *Spool) forgetShapeLocked(floor int64) {
+	s.shape, s.timeline = Shape{}, Timeline{Floor: max(floor, s.timeline.Floor, s.timeline.Generation)}
 	os.Remove(filepath.Join(s.dir, ShapeFile))
 }
 

@@ -198,6 +198,7 @@ func TestSpoolRecordsRestores(t *testing.T) {
 	tmp := filepath.Join(dir, "."+tiers.ShapeFile+".tmp")
 	require.NoError(t, os.Mkdir(tmp, 0o700)) // the write fails, as in a full spool
 	require.Error(t, s.SetShapeRestored("job", "i2", shape, 72, 2))
+	assert.Equal(t, tiers.Timeline{Floor: 72}, s.Timeline("job"), "no timeline trusted without its record, but the numbers known are still told")
 	os.Remove(tmp) // the failed write's cleaning removed the empty directory already
 	require.NoError(t, s.SetShapeRestored("job", "i2", shape, 72, 2))
 	assert.Equal(t, map[int64]int64{71: 1, 72: 2}, s.Timeline("job").Restores)
