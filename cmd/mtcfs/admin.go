@@ -49,7 +49,7 @@ func cmdStatus(args []string) int {
 			return 1
 		}
 	}
-	var replies []json.RawMessage
+	replies := []json.RawMessage{} // --json: [] when no agent answered, not null
 	code := 0
 	for _, a := range targets {
 		body, err := agents.FetchStatus(a.HTTP)

@@ -1,9 +1,12 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -133,4 +136,22 @@ func TestBackupsDeleteRemovesOnlyIncompleteBackups(t *testing.T) {
 	out, code = runMtcfs(t, "backups", "delete", cut, "--backup", url, "--job", "train")
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "has no backup "+cut)
+}
+
+// TestStatusJSONOfNoAgent: `mtcfs status --json` of an agent that does not answer prints an
+// empty list on stdout (it printed null) and the reason on stderr, and exits 1.
+func TestStatusJSONOfNoAgent(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	ln.Close() // nothing listens there now
+	cmd := exec.Command(binPath, "status", "--json", "--http", addr)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err = cmd.Run()
+	var ee *exec.ExitError
+	require.ErrorAs(t, err, &ee)
+	assert.Equal(t, 1, ee.ExitCode())
+	assert.Equal(t, "[]\n", stdout.String())
+	assert.Contains(t, stderr.String(), "mtcfs status: agent at "+addr)
 }
