@@ -76,7 +76,8 @@ func (b *Backups) Upload(ctx context.Context, req UploadRequest) error {
 	meta := dir + metaName(req.Job, req.Step, req.Slot)
 	if req.Shape.Nodes > 0 && req.Shape.Workers > 0 {
 		if err := b.putShape(ctx, dir, req.Shape); err != nil {
-			return fmt.Errorf("upload %s: %w", meta, err)
+			// The backup's first write: not the .meta's (a black-box run read it as such).
+			return fmt.Errorf("upload step %d (%s) to %s: %w", req.Step, req.Slot, dir, err)
 		}
 	}
 	if req.Source == "" {

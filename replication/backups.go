@@ -301,13 +301,13 @@ func (c *JobCoordinator) auditBackup(now time.Time) {
 			c.log.Debug("could not check that the newest backup is still there", "backup", name, "err", err)
 		}
 		if !held && b.lastName == name && b.backedUp == step {
-			why := "is gone from the backup location"
+			why := "is gone from the backup location (deleted, a bucket emptied, a file:// disk unmounted?)"
 			for _, d := range damaged {
 				if d.Step == step {
-					why = "is damaged: " + strings.Join(d.Problems, "; ")
+					why = "is damaged (" + strings.Join(d.Problems, "; ") + ")"
 				}
 			}
-			c.log.Warn("the newest backup "+why+" (deleted, a bucket emptied, a file:// disk unmounted?): its step is backed up again", "backup", name, "step", step)
+			c.log.Warn("the newest backup "+why+": its step is backed up again", "backup", name, "step", step)
 			b.lastName, b.backedUp, b.clockFrom, b.synced = "", -1, time.Time{}, b.steps
 		}
 		c.considerBackup(now)
