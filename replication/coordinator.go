@@ -798,6 +798,19 @@ func (c *JobCoordinator) waitingFor() (what string, nodes bool) {
 }
 
 // negotiationStarted reports whether the inventories are frozen.
+// barrierOpen reports whether the restore barrier was neither passed (every rank restored) nor
+// failed.
+func (c *JobCoordinator) barrierOpen() bool {
+	select {
+	case <-c.allRestored:
+		return false
+	case <-c.restoreFailed:
+		return false
+	default:
+		return true
+	}
+}
+
 func (c *JobCoordinator) negotiationStarted() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -974,15 +987,18 @@ func (j *Job) coordinator(rank int, inc tiers.Incarnation, negotiate, remote boo
 		case known == "" || !j.cur.negotiationStarted():
 			j.ids[rank] = inc.ID
 			return j.cur, nil
-		case slices.Contains(inc.Superseded, known):
+		case rank != 0 && slices.Contains(inc.Superseded, known) && j.cur.barrierOpen():
 			// The plan counts on an incarnation inc gave up: it never reaches the barrier. A
 			// late call of it (held by a stalled link) may have reached the coordinator before
 			// inc's and completed the set; before, inc was told to look for rank 0 until the
 			// job gave up, and the other ranks waited for it at the barrier (a review). The
 			// incarnation ends: its callers get ErrClosed (a Negotiate negotiates again, a
 			// restore waiting at the barrier fails at once, and the job restarts), and rank 0
-			// starts the next one. (On a plain restart of the job the same happens a moment
-			// before rank 0's Negotiate would do it.)
+			// starts the next one. The other ids are not retired: they are current ones, of
+			// the ranks that negotiated this plan. Rank 0, and an incarnation whose barrier was
+			// passed (a plain restart of the job), take the way below: a new incarnation that
+			// retires every id of this one (a review: this branch skipped that, and a late call
+			// of an old incarnation then joined the next plan).
 			j.keepLastBackup()
 			j.cur.Close()
 			j.cur, j.ids = nil, nil
