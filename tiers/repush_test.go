@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication"
 )
@@ -242,5 +244,54 @@ func TestSyncAbandonedAtARestartIsNoError(t *testing.T) {
 	})
 	if logs := hs[0].logs.String(); strings.Contains(logs, "sync of step 1 failed") || strings.Contains(logs, "level=ERROR") {
 		t.Errorf("the abandoned sync was logged as an error:\n%s", logs)
+	}
+}
+
+// TestStepsSavedWhileTheRestoreWaitsArePushedAgain: a two-node job that saves step 3 on both
+// ranks while their restore waits for the negotiation pushed it to the peer, whose own restore
+// then dropped the replica as above the step restored; the step is pushed again once the
+// restore is done, and counts as replicated only then. Before, the peer lost the replica, and
+// the step was reported replicated on every node all the same (a review).
+func TestStepsSavedWhileTheRestoreWaitsArePushedAgain(t *testing.T) {
+	t.Parallel()
+	job := replication.NewJob(replication.Options{LagTimeout: 10 * time.Second})
+	gate := make(chan struct{})
+	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]layout.FileDigest{}}
+	var hs []*harness
+	for rank := range 2 {
+		gated := &gatedCoordinator{Coordinator: replication.LocalClient{Job: job}}
+		gated.gate.Store(&gate)
+		h := newHarness(t, harnessConfig{coord: gated, peers: tr})
+		tr.nodes[rank] = h
+		hs = append(hs, h)
+	}
+	for rank, h := range hs { // the job starts; the negotiation is held
+		h.yamlOrbax(withKeys("nodes: 2", fmt.Sprintf("node-rank: %d", rank), fmt.Sprintf("peer-ranks: [%d]", 1-rank)))
+		h.waitGone(layout.ReplicatorYAMLName)
+	}
+	for rank, h := range hs { // and saves step 3 without waiting for its markers
+		h.orbaxSave(3, map[string]string{"state": fmt.Sprintf("state of rank %d", rank)})
+	}
+	for rank, h := range hs { // the replicas reach the peers while the restores wait
+		h.eventually("the peer's replica", func() string {
+			if !h.exists(marker("job", 3, 1-rank, 0, layout.MarkerMeta)) {
+				return fmt.Sprintf("names %v", h.names())
+			}
+			return ""
+		})
+	}
+	close(gate)
+	for rank, h := range hs {
+		h.waitMarkers(marker("job", 0, rank, 0, layout.MarkerRestore))
+	}
+	for rank, h := range hs {
+		h.eventually("step 3 replicated", func() string {
+			if st := h.r.Status(); st.Replicated != 3 {
+				return fmt.Sprintf("latest replicated %d", st.Replicated)
+			}
+			return ""
+		})
+		require.True(t, h.exists(marker("job", 3, 1-rank, 0, layout.MarkerMeta)), "rank %d holds no replica of rank %d's step 3: %v", rank, 1-rank, h.names())
+		require.True(t, h.exists(marker("job", 3, rank, 0, layout.MarkerMeta)), "rank %d's own step 3", rank)
 	}
 }

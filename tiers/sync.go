@@ -54,10 +54,14 @@ type syncer struct {
 	view   *RePushView // GUARDED_BY(viewMu); pending, for status
 }
 
-// waitingSync is a sync that waits for its incarnation's restore to end.
+// waitingSync is a sync that waits for its incarnation's restore to end. again are the sealed
+// steps (one per worker) of a step the job committed while the restore ran: its pushes then
+// reached peers whose own restore drops what is above the step restored, so it is pushed again
+// once the restore is done (every node's drops come before the restore barrier).
 type waitingSync struct {
 	c          commit
 	replicated bool
+	again      []sealedStep
 }
 
 // rePush is a step whose pushes to some peers failed: by worker, its sealed step and the peers
@@ -106,8 +110,13 @@ func (sy *syncer) run() {
 			continue
 		}
 		// Any step of the current incarnation (the next one, or the same step saved again)
-		// supersedes the later tries; a step of an earlier incarnation sealed late does not.
-		if sy.pending != nil && (sy.incs.isCurrent(s.inc) || !sy.incs.isCurrent(sy.pending.c.inc)) {
+		// supersedes the later tries; a step of an earlier incarnation sealed late does not,
+		// nor does the restored step, queued after a newer one the job saved while its restore
+		// waited (a review: that one's tries were cancelled).
+		olderRestored := func() bool {
+			return sy.pending != nil && s.restored && s.inc == sy.pending.c.inc && s.step < sy.pending.c.step
+		}
+		if sy.pending != nil && !olderRestored() && (sy.incs.isCurrent(s.inc) || !sy.incs.isCurrent(sy.pending.c.inc)) {
 			sy.stopRePush()
 		}
 		failedPeers := sy.replicate(s)
@@ -130,10 +139,19 @@ func (sy *syncer) run() {
 			continue
 		}
 		delete(steps, k)
+		if !s.restored && sy.incs.isCurrent(s.inc) && s.inc.restoring() {
+			// Committed while the restore runs: pushed again, and synced, once it is done.
+			var again []sealedStep
+			for _, w := range slices.Sorted(maps.Keys(p.pushes)) {
+				again = append(again, p.pushes[w].s)
+			}
+			sy.afterRestore = append(sy.afterRestore, waitingSync{c: s.commit, again: again})
+			continue
+		}
 		failed := maps.Clone(p.pushes)
 		maps.DeleteFunc(failed, func(_ int, f workerPushes) bool { return len(f.peers) == 0 })
 		synced := sy.sync(s.commit, len(failed) == 0)
-		if len(failed) > 0 && sy.incs.isCurrent(s.inc) && s.inc.ctx.Err() == nil {
+		if len(failed) > 0 && sy.incs.isCurrent(s.inc) && s.inc.ctx.Err() == nil && !olderRestored() {
 			sy.stopRePush()
 			sy.pending = &rePush{c: s.commit, failed: failed, wait: time.Duration(sy.rePushFirst.Load()), tries: 1, synced: synced}
 			sy.arm()
@@ -244,6 +262,11 @@ func (sy *syncer) tryAgain() {
 		if p.synced {
 			sy.sync(p.c, true)
 		}
+		for i, w := range sy.afterRestore { // its sync waits for the restore: replicated now
+			if w.c.inc == p.c.inc && w.c.step == p.c.step {
+				sy.afterRestore[i].replicated = true
+			}
+		}
 	case superseded:
 		// The step queued will stop this one when popped; armed again in case it does not.
 		p.tries--
@@ -308,15 +331,36 @@ func (sy *syncer) syncAfterRestore(c *commit) (synced bool) {
 	slices.SortStableFunc(waiting, func(a, b waitingSync) int { return cmp.Compare(a.c.step, b.c.step) })
 	for i, w := range waiting {
 		switch {
-		case !sy.incs.isCurrent(w.c.inc) || w.c.inc.restoreFailed():
-			// The job restarts: its next incarnation's restore finds the step.
+		case !sy.incs.isCurrent(w.c.inc):
+			// The job restarted: its next incarnation's restore finds the step.
 		case w.c.inc.restoring():
 			sy.afterRestore = waiting[i:] // not done yet (a tick of an earlier incarnation's end)
 			return synced
+		case w.again != nil:
+			failed := map[int]workerPushes{}
+			for _, s := range w.again {
+				if peers := sy.replicate(s); len(peers) > 0 {
+					failed[s.worker] = workerPushes{s: s, peers: peers}
+				}
+			}
+			if len(failed) > 0 {
+				sy.retention.warnIfFilling(sy.lines, w.c.inc, true)
+			}
+			ok := sy.syncNow(w.c, len(failed) == 0)
+			if len(failed) > 0 && w.c.inc.ctx.Err() == nil {
+				sy.stopRePush()
+				sy.pending = &rePush{c: w.c, failed: failed, wait: time.Duration(sy.rePushFirst.Load()), tries: 1, synced: ok}
+				sy.arm()
+			}
 		default:
 			ok := sy.syncNow(w.c, w.replicated)
 			if c != nil && w.c.inc == c.inc && w.c.step == c.step && w.c.worker == c.worker {
 				synced = ok
+			}
+			if p := sy.pending; p != nil && p.c.inc == w.c.inc && p.c.step == w.c.step {
+				// Its pushes are tried again: the coordinator decided it now, and is told
+				// again once they succeed (a review: the deferred sync had said no).
+				p.synced = p.synced || ok
 			}
 		}
 	}
@@ -334,7 +378,7 @@ func (sy *syncer) sync(c commit, replicated bool) bool {
 	if c.inc.restoring() || len(sy.afterRestore) > 0 {
 		// Waits, or goes in order with those that waited (the restored step's, queued before
 		// the restore was done, may come after it).
-		sy.afterRestore = append(sy.afterRestore, waitingSync{c, replicated})
+		sy.afterRestore = append(sy.afterRestore, waitingSync{c: c, replicated: replicated})
 		if c.inc.restoring() {
 			return false
 		}
