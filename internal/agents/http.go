@@ -111,7 +111,20 @@ func (l *spareListener) refill() {
 
 func (l *spareListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
-	if err == nil || !errors.Is(err, syscall.EMFILE) && !errors.Is(err, syscall.ENFILE) {
+	if err == nil {
+		l.mu.Lock()
+		lent := l.spare < 0 && !l.closed
+		l.mu.Unlock()
+		if lent {
+			// Accepted while the spare is not held: perhaps on the descriptor a connection on
+			// the spare just gave back, before the spare was taken again. It is one too: a
+			// scraper keeping it alive kept the spare's descriptor (a review).
+			l.refill()
+			return &spareConn{Conn: c, l: l}, nil
+		}
+		return c, nil
+	}
+	if !errors.Is(err, syscall.EMFILE) && !errors.Is(err, syscall.ENFILE) {
 		return c, err
 	}
 	l.mu.Lock()
