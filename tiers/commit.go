@@ -56,6 +56,9 @@ type commit struct {
 	// atClose: committed by closing a .save; a duplicate of that descriptor, or a mapping of
 	// the file, could still write, so the sealed data is not trusted without a hash check.
 	atClose bool
+	// duringRestore: committed while the incarnation's restore ran (the job did not wait for its
+	// markers); a commit after it ends the restored step's use (incarnation.inUse).
+	duringRestore bool
 }
 
 // commitRecord is commit.json: enough to name the step's .meta after a crash.
@@ -241,7 +244,7 @@ func (cr *commitRecorder) noteWrittenIn(dir string) {
 // renamed in or linked in.
 func (cr *commitRecorder) commitOf(inc *incarnation, ev event) (commit, bool) {
 	cfg := inc.Config
-	c := commit{inc: inc, name: ev.path, at: cr.now(), wall: time.Now()}
+	c := commit{inc: inc, name: ev.path, at: cr.now(), wall: time.Now(), duringRestore: inc.restoring()}
 	switch {
 	case strings.Contains(ev.path, "/"):
 		return c, false

@@ -19,6 +19,11 @@ type incarnation struct {
 	mu       sync.Mutex
 	phase    string // GUARDED_BY(mu); "restoring", "running", "failed"
 	restored int64  // GUARDED_BY(mu); step restored (0: none)
+	// inUse is the step the restore published markers for, which the job may still read, until
+	// a step it commits after the restore is sealed (-1: none). Retention keeps it: a step the
+	// job committed while its restore waited, synced once the restore was done, freed the
+	// restored step's data under the job that then read it (a black-box run: ENOENT).
+	inUse int64 // GUARDED_BY(mu)
 	// committed is the highest step every worker of this node sealed (or the restored step).
 	committed int64 // GUARDED_BY(mu)
 	// replicated is the highest step the coordinator reported replicated on every node (-1:
@@ -69,7 +74,7 @@ func (inc *incarnation) isSealedHere(meta string) bool {
 
 func newIncarnation(parent context.Context, cfg *Config) *incarnation {
 	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring", replicated: -1,
-		early: map[string]*earlyGroup{}, user: -1}
+		early: map[string]*earlyGroup{}, user: -1, inUse: -1}
 	inc.ctx, inc.cancel = context.WithCancel(parent)
 	return inc
 }
@@ -94,6 +99,30 @@ func (inc *incarnation) setWaiting(what string) {
 	inc.mu.Unlock()
 }
 
+// savedAfterRestore records that a step the job committed after its restore was done is sealed:
+// the restored step is no longer in use.
+func (inc *incarnation) savedAfterRestore() {
+	inc.mu.Lock()
+	inc.inUse = -1
+	inc.mu.Unlock()
+}
+
+// stepInUse returns the restored step the job may still read (-1: none).
+func (s *incarnations) stepInUse() int64 {
+	cur, last := s.both()
+	for _, inc := range []*incarnation{cur, last} {
+		if inc != nil {
+			inc.mu.Lock()
+			step := inc.inUse
+			inc.mu.Unlock()
+			if step >= 0 {
+				return step
+			}
+		}
+	}
+	return -1
+}
+
 // restoring reports whether the incarnation's restore still runs (not done, not failed).
 func (inc *incarnation) restoring() bool {
 	inc.mu.Lock()
@@ -108,10 +137,14 @@ func (inc *incarnation) restoreFailed() bool {
 	return inc.phase == "failed"
 }
 
-// restoreDone records the outcome of the restore: the job runs from step (0: from scratch).
-func (inc *incarnation) restoreDone(step int64) {
+// restoreDone records the outcome of the restore: the job runs from step (0: from scratch;
+// found: a step was restored, whose markers come next).
+func (inc *incarnation) restoreDone(step int64, found bool) {
 	inc.mu.Lock()
 	inc.restored, inc.phase = step, "running"
+	if found {
+		inc.inUse = step
+	}
 	inc.sealedHere = nil // the restore's drops are done
 	inc.committed = max(inc.committed, step)
 	inc.mu.Unlock()

@@ -1602,7 +1602,7 @@ func TestStepsCommittedWhileTheRestoreWaitsAreKept(t *testing.T) {
 	gated := &gatedCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}}
 	h := newHarness(t, harnessConfig{coord: gated})
 	h.start(baseYAML, "job")
-	h.orbaxSave(5, checkpointFiles("5"))
+	hash5 := h.orbaxSave(5, checkpointFiles("5"))
 	h.waitSealed("job", 5, "5")
 	gate := make(chan struct{})
 	gated.gate.Store(&gate)
@@ -1631,6 +1631,9 @@ func TestStepsCommittedWhileTheRestoreWaitsAreKept(t *testing.T) {
 		for _, l := range h.lines(layout.ReplicatorErrorsName) {
 			require.NotContains(t, l, "sync of step")
 		}
+		// The job reads its restored step now: step 6 (synced, replicated) did not free it, as
+		// it was committed before the restore was done (a black-box run: ENOENT).
+		h.checkRestoreLink(restore5, hash5, checkpointFiles("5"))
 	}
 	h.eventually("the line", func() string {
 		for _, l := range h.lines(layout.ReplicatorErrorsName) {

@@ -231,7 +231,7 @@ func (r *restorer) run(inc *incarnation) {
 		r.lines.incLine(inc, msg)
 	}
 	// The state is "running" before the job can see a marker, so status never lags behind it.
-	inc.restoreDone(plan.Step)
+	inc.restoreDone(plan.Step, plan.Found)
 	r.synced.push(sealedStep{restoreDone: true}) // after the restored step's: its sync goes first
 	for w := 0; w < cfg.WorkersPerNode; w++ {
 		var err error

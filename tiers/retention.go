@@ -147,6 +147,7 @@ func (rt *retention) retain(cfg *Config) {
 	rt.publishMu.Lock()
 	defer rt.publishMu.Unlock()
 	keepFrom, floor, restored := rt.incs.latest()
+	inUse := rt.incs.stepInUse()
 	// A newer step that did not replicate must not cost the one reported replicated: it is the
 	// step that survives the loss of a node (SPEC §7). Before the incarnation replicated any,
 	// what the restore found stays: the restored step and the older ones the incarnation before
@@ -164,7 +165,7 @@ func (rt *retention) retain(cfg *Config) {
 	rt.mu.Lock()
 	for name, hash := range rt.metas {
 		m, ok := layout.ParseMarkerName(name)
-		if ok && m.Job == cfg.JobName && m.Step < keepFrom && m.Step > keepUpTo && rt.backingUp[m.Step] == 0 {
+		if ok && m.Job == cfg.JobName && m.Step < keepFrom && m.Step > keepUpTo && m.Step != inUse && rt.backingUp[m.Step] == 0 {
 			drop = append(drop, name)
 		} else {
 			keepHash[hash] = true

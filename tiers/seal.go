@@ -249,6 +249,9 @@ func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err erro
 	if err != nil {
 		return "", "", err
 	}
+	if !c.duringRestore {
+		c.inc.savedAfterRestore()
+	}
 	s.tellSealed(c)
 	took := s.now().Sub(c.at)
 	s.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", took.String())
