@@ -383,6 +383,13 @@ var _ tiers.WaitDescriber = (*RemoteCoordinator)(nil)
 func (r *RemoteCoordinator) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if r.failing != nil && strings.Contains(r.failing.Error(), staleRegistration) {
+		// The address registered for rank 0 is served by another agent instance: rank 0's
+		// agent restarted, and registers again only when rank 0's job writes its yaml. The
+		// job-wide hint ("the restore goes on once they report") read as if waiting could end
+		// it (a black-box run).
+		return fmt.Sprintf("the coordinator (rank 0): the agent registered for it is gone (its address answers as another agent instance: rank 0's agent restarted), and rank 0 registers again when its job restarts; restart the job if rank 0's job did not (%v)", r.failing), true
+	}
 	if r.failing != nil {
 		return fmt.Sprintf("the coordinator (rank 0) has not answered yet: %v", r.failing), true
 	}

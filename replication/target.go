@@ -36,5 +36,8 @@ func checkTarget(ctx context.Context, self string) error {
 	if len(want) == 0 || want[0] == self {
 		return nil
 	}
-	return status.Errorf(codes.Unavailable, "this is agent instance %s, not %s: the caller used a stale registration; look the address up again", self, want[0])
+	return status.Errorf(codes.Unavailable, "this is agent instance %s, not %s: %s; look the address up again", self, want[0], staleRegistration)
 }
+
+// staleRegistration is the part of checkTarget's refusal its callers recognise.
+const staleRegistration = "the caller used a stale registration"

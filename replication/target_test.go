@@ -2,16 +2,22 @@ package replication
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"math/rand/v2"
 	"net"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // A push meant for another agent instance (a stale registration whose address another agent
@@ -73,4 +79,21 @@ func TestRemoteCoordinatorLooksAgainAfterAStaleTarget(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, <-done)
 	require.GreaterOrEqual(t, lookups.Load(), int32(2), "the refused call must look the address up again")
+}
+
+// TestWaitingForAStaleRankZero: a coordinator call refused as meant for another instance (rank
+// 0's agent restarted at the address registered) is told as such while it waits, with what ends
+// the wait; before, it read as any not-yet-answered call, beside "the restore goes on once they
+// report" (a black-box run).
+func TestWaitingForAStaleRankZero(t *testing.T) {
+	r := &RemoteCoordinator{}
+	r.setFailing(fmt.Errorf("coordinator Negotiate at 127.0.0.1:1: %w", checkTarget(
+		metadata.NewIncomingContext(t.Context(), metadata.Pairs(targetKey, "old")), "new")))
+	what, nodes := r.WaitingFor(tiers.Incarnation{})
+	assert.True(t, nodes)
+	assert.Contains(t, what, "rank 0's agent restarted")
+	assert.Contains(t, what, "restart the job")
+	r.setFailing(errors.New("connection refused"))
+	what, _ = r.WaitingFor(tiers.Incarnation{})
+	assert.Equal(t, "the coordinator (rank 0) has not answered yet: connection refused", what)
 }
