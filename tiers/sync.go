@@ -110,13 +110,10 @@ func (sy *syncer) run() {
 			continue
 		}
 		// Any step of the current incarnation (the next one, or the same step saved again)
-		// supersedes the later tries; a step of an earlier incarnation sealed late does not,
-		// nor does the restored step, queued after a newer one the job saved while its restore
-		// waited (a review: that one's tries were cancelled).
-		olderRestored := func() bool {
-			return sy.pending != nil && s.restored && s.inc == sy.pending.c.inc && s.step < sy.pending.c.step
-		}
-		if sy.pending != nil && !olderRestored() && (sy.incs.isCurrent(s.inc) || !sy.incs.isCurrent(sy.pending.c.inc)) {
+		// supersedes the later tries; a step of an earlier incarnation sealed late does not.
+		// (A step the job saved while its restore ran never has later tries here: it is pushed
+		// again after the restore, behind the restored step.)
+		if sy.pending != nil && (sy.incs.isCurrent(s.inc) || !sy.incs.isCurrent(sy.pending.c.inc)) {
 			sy.stopRePush()
 		}
 		failedPeers := sy.replicate(s)
@@ -151,12 +148,21 @@ func (sy *syncer) run() {
 		failed := maps.Clone(p.pushes)
 		maps.DeleteFunc(failed, func(_ int, f workerPushes) bool { return len(f.peers) == 0 })
 		synced := sy.sync(s.commit, len(failed) == 0)
-		if len(failed) > 0 && sy.incs.isCurrent(s.inc) && s.inc.ctx.Err() == nil && !olderRestored() {
-			sy.stopRePush()
-			sy.pending = &rePush{c: s.commit, failed: failed, wait: time.Duration(sy.rePushFirst.Load()), tries: 1, synced: synced}
-			sy.arm()
+		if len(failed) > 0 && sy.incs.isCurrent(s.inc) {
+			sy.pushLater(s.commit, failed, synced)
 		}
 	}
+}
+
+// pushLater makes c, whose pushes failed to the peers of failed, the step whose pushes are tried
+// again (synced: the coordinator decided it), unless its incarnation ended.
+func (sy *syncer) pushLater(c commit, failed map[int]workerPushes, synced bool) {
+	if c.inc.ctx.Err() != nil {
+		return
+	}
+	sy.stopRePush()
+	sy.pending = &rePush{c: c, failed: failed, wait: time.Duration(sy.rePushFirst.Load()), tries: 1, synced: synced}
+	sy.arm()
 }
 
 // arm queues a tick for the pending step after its wait, and shows it in the status.
@@ -347,10 +353,8 @@ func (sy *syncer) syncAfterRestore(c *commit) (synced bool) {
 				sy.retention.warnIfFilling(sy.lines, w.c.inc, true)
 			}
 			ok := sy.syncNow(w.c, len(failed) == 0)
-			if len(failed) > 0 && w.c.inc.ctx.Err() == nil {
-				sy.stopRePush()
-				sy.pending = &rePush{c: w.c, failed: failed, wait: time.Duration(sy.rePushFirst.Load()), tries: 1, synced: ok}
-				sy.arm()
+			if len(failed) > 0 {
+				sy.pushLater(w.c, failed, ok)
 			}
 		default:
 			ok := sy.syncNow(w.c, w.replicated)
