@@ -121,12 +121,44 @@ func TestHugePageHeap(t *testing.T) {
 		t.Fatalf("%d allocations of 8 MiB after HugePageHeap, none in a mapping marked for huge pages", len(kept))
 	}
 	if mode := TransparentHugePages(); (mode == "madvise" || mode == "always") && area.anonHugePages == 0 {
-		t.Errorf("THP mode %s: the touched allocation's mapping %#x-%#x holds no huge page", mode, area.start, area.end)
+		// Whether a marked page gets a huge page at its first touch is the kernel's choice: with
+		// memory too fragmented it gives 4 KiB pages (the project's CI once, on 2026-12-06). A
+		// mapping of this process's own, marked and touched now, tells whether it gives any.
+		if control := controlHugePage(t, huge); control == 0 {
+			t.Logf("THP mode %s: the kernel gave no huge page to a fresh marked mapping either (memory fragmented?): the backing is not checked, the marking is", mode)
+		} else {
+			t.Errorf("THP mode %s: the touched allocation's mapping %#x-%#x holds no huge page, where a fresh marked mapping got %d bytes of them", mode, area.start, area.end, control)
+		}
 	}
 	runtime.KeepAlive(kept)
 	if got, _ := HugePageHeap(huge); got != 0 {
 		t.Errorf("HugePageHeap of one huge page marked %d bytes, want 0 (below two there may be no whole one)", got)
 	}
+}
+
+// controlHugePage maps two huge pages' worth outside the Go heap, marks it with MADV_HUGEPAGE,
+// touches it and returns the bytes of it the kernel backs with huge pages.
+func controlHugePage(t *testing.T, huge int64) int64 {
+	t.Helper()
+	m, err := unix.Mmap(-1, 0, int(3*huge), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	base := uintptr(unsafe.Pointer(unsafe.SliceData(m)))
+	off := int((uintptr(huge) - base%uintptr(huge)) % uintptr(huge))
+	region := m[off : off+int(2*huge)]
+	if err := unix.Madvise(region, unix.MADV_HUGEPAGE); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < len(region); i += 4096 {
+		region[i] = 1
+	}
+	a, ok := areaOf(readSmaps(t), base+uintptr(off))
+	if !ok {
+		t.Fatalf("the control mapping at %#x is not in /proc/self/smaps", base+uintptr(off))
+	}
+	return a.anonHugePages
 }
 
 // Under an address-space limit (ulimit -v; strict overcommit behaves alike) a size the process
