@@ -47,14 +47,20 @@ vet:
 # such builds side by side took 5 minutes where one after the other reuses the first's work.
 # Tests unmount what they mount, also when they fail; a test binary killed by -timeout cannot,
 # so its leftovers (mounts under a test's temporary directory) are detached lazily before the check, and the check then reports them.
+# Each run has a temporary directory of its own (TMPDIR, mode 1777 as /tmp, for the tests whose
+# processes run as other users), and the sweep and the check look only there: two runs on one
+# machine (a CI run beside a developer's) detached each other's live mounts under /tmp, and
+# both failed. The directory is removed when no mount is left in it.
 test: vet
-	@status=0; \
+	@run=$$(mktemp -d "$(or $(TMPDIR),/tmp)/make-test.XXXXXX") && chmod 1777 "$$run" || exit 1; \
+	export TMPDIR="$$run"; echo "make test: temporary files in $$run"; \
+	status=0; \
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -skip '^TestPjdfstest$$' ./... || status=$$?; \
 	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent|Stress|Early|SlowPeer|CoordinatorSync|Yield|Pacer|RePush|TriedAgain' ./... || status=$$?; fi; \
 	$(GO) test -count=1 -timeout $(PJD_TIMEOUT) -run '^TestPjdfstest$$/^$(PJD_PATHS)$$' ./fs || status=$$?; \
 	for m in $(MODULES); do (cd $$m && $(GO) test -p 1 -race -count=1 -timeout $(TEST_TIMEOUT) ./...) || status=$$?; done; \
-	$(MAKE) --no-print-directory clean-test-mounts; \
-	$(MAKE) --no-print-directory check-mounts || status=1; \
+	$(MAKE) --no-print-directory clean-test-mounts TMPDIR="$$run"; \
+	if $(MAKE) --no-print-directory check-mounts TMPDIR="$$run"; then rm -rf "$$run"; else status=1; fi; \
 	exit $$status
 
 # pjdfstest on both data paths (passthrough and the fallback), verbose: the figures of
