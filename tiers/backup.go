@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -199,9 +200,18 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 	}
 	b.mu.Unlock()
 	if !told {
-		b.lines.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried, and told here once): %v", o.Backup, o.Step, err))
+		b.lines.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried, and told here once): %s%v", o.Backup, o.Step, locationFull(err), err))
 	}
 	return nil, err
+}
+
+// locationFull says what to do when err is a backup location out of space or quota (a file://
+// disk): the bare error ended a long line and read as one more transient failure.
+func locationFull(err error) string {
+	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
+		return "the backup location is full (free space there, or point --backup at a larger one; the retries go on until it fits): "
+	}
+	return ""
 }
 
 // upload uploads the data of p.Step for every worker of this node to p.Backup and returns the

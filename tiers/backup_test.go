@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -492,6 +494,32 @@ func TestBackupFailureIsToldOnce(t *testing.T) {
 	if n != 1 {
 		t.Fatalf("%d lines for one failing backup, want 1: %q", n, h.lines(layout.ReplicatorErrorsName))
 	}
+	if errs := h.read(layout.ReplicatorErrorsName); strings.Contains(errs, "location is full") {
+		t.Errorf("a refused upload is called a full location: %q", errs)
+	}
+}
+
+// A backup location out of space (a file:// disk) is named as such in the job's line, with
+// what to do: the bare "no space left on device" ended a long line and read as one more
+// transient failure, retried for ever (found by a black-box run).
+func TestBackupToAFullLocationSaysSo(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	store.setBeforeUpload(func(context.Context, tiers.Upload) error {
+		return fmt.Errorf("put x: %w", &os.PathError{Op: "write", Path: "/backups/x/.mtcfs-tmp-1", Err: syscall.ENOSPC})
+	})
+	h := newHarness(t, harnessConfig{store: store})
+	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.eventually("the line", func() string {
+		for _, l := range h.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "of step 1 failed (it is retried, and told here once): the backup location is full (free space there, or point --backup at a larger one") &&
+				strings.HasSuffix(l, "no space left on device") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
+	})
 }
 
 // Close while an order waits for the upload running on the node: once that upload ended, the
