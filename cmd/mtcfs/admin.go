@@ -90,12 +90,41 @@ func backupFlags(name, synopsis string) (*flagSetWithBackup, error) {
 	f := &flagSetWithBackup{fs: fset}
 	f.url = fset.String("backup", gcsbackend.DefaultURL(), "backup location: file:///abs/dir or gs://bucket[/prefix]")
 	f.job = fset.String("job", "", "job name (required)")
+	f.timeout = fset.Duration("timeout", 0, "give up on the backup location after this long, exit 1 (0: no limit; a location that does not answer is retried for several minutes)")
 	return f, nil
 }
 
 type flagSetWithBackup struct {
 	fs       *flag.FlagSet
 	url, job *string
+	timeout  *time.Duration
+}
+
+// context is the command's context: bounded by --timeout when given.
+func (f *flagSetWithBackup) context() (context.Context, context.CancelFunc) {
+	if *f.timeout > 0 {
+		return context.WithTimeout(context.Background(), *f.timeout)
+	}
+	return context.WithCancel(context.Background())
+}
+
+// gaveUp says that the command stopped at --timeout, err what it was doing then; it returns ""
+// when ctx has not expired.
+func (f *flagSetWithBackup) gaveUp(ctx context.Context) string {
+	if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return ""
+	}
+	return fmt.Sprintf("gave up after --timeout %v: %s did not answer in time", *f.timeout, *f.url)
+}
+
+// fail prints err (or, past --timeout, that the command gave up) after prefix and returns 1.
+func (f *flagSetWithBackup) fail(ctx context.Context, prefix string, err error) int {
+	if g := f.gaveUp(ctx); g != "" {
+		fmt.Fprintf(os.Stderr, "%s %s (%v)\n", prefix, g, err)
+		return 1
+	}
+	fmt.Fprintln(os.Stderr, prefix, err)
+	return 1
 }
 
 // open parses args and opens the backup location.
@@ -106,6 +135,9 @@ func (f *flagSetWithBackup) open(args []string) ([]string, *gcsbackend.Backups, 
 	}
 	if *f.job == "" {
 		return nil, nil, flagError(f.fs, errors.New("--job is required"))
+	}
+	if *f.timeout < 0 {
+		return nil, nil, flagError(f.fs, fmt.Errorf("--timeout %v: want a positive duration, or 0 for no limit", *f.timeout))
 	}
 	if err := layout.ValidateJobName(*f.job); err != nil {
 		return nil, nil, flagError(f.fs, fmt.Errorf("--job: %w", err))
@@ -160,7 +192,7 @@ func slowStore(w io.Writer, cmd string, store fmt.Stringer, after, every time.Du
 				return
 			case <-t.C:
 			}
-			fmt.Fprintf(w, "mtcfs %s: still at work with %s after %v (a location that does not answer is retried for several minutes; Ctrl-C interrupts)\n",
+			fmt.Fprintf(w, "mtcfs %s: still at work with %s after %v (a location that does not answer is retried for several minutes; Ctrl-C interrupts, --timeout bounds it)\n",
 				cmd, store, time.Since(start).Round(time.Second))
 			t.Reset(every)
 		}
@@ -196,13 +228,13 @@ func cmdBackups(args []string) int {
 	if code >= 0 {
 		return code
 	}
-	ctx := context.Background()
+	ctx, cancel := f.context()
+	defer cancel()
 	defer slowStore(os.Stderr, "backups "+verb, b.Store, slowStoreAfter, slowStoreEvery)()
 	job := *f.job
 	names, err := b.Names(ctx, job)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "mtcfs backups:", err)
-		return 1
+		return f.fail(ctx, "mtcfs backups:", err)
 	}
 	if len(names) == 0 {
 		fmt.Printf("no backups of job %s in %s\n", job, b.Store)
@@ -231,7 +263,12 @@ func cmdBackups(args []string) int {
 	if !pinned {
 		pin = ""
 	}
-	if !report.Backups(ctx, os.Stdout, b, job, names, verb == "verify", pin) && verb == "verify" {
+	ok := report.Backups(ctx, os.Stdout, b, job, names, verb == "verify", pin)
+	if g := f.gaveUp(ctx); g != "" {
+		fmt.Fprintf(os.Stderr, "mtcfs backups %s: %s; the listing above is not whole\n", verb, g)
+		return 1
+	}
+	if !ok && verb == "verify" {
 		return 1
 	}
 	return 0
@@ -251,7 +288,8 @@ func cmdBackupsDelete(args []string) int {
 	if len(pos) != 1 {
 		return flagError(f.fs, errors.New("want one backup NAME (an INCOMPLETE one in mtcfs backups list)"))
 	}
-	ctx := context.Background()
+	ctx, cancel := f.context()
+	defer cancel()
 	defer slowStore(os.Stderr, "backups delete", b.Store, slowStoreAfter, slowStoreEvery)()
 	n, err := b.DeleteIncomplete(ctx, *f.job, pos[0], *force)
 	switch {
@@ -259,8 +297,7 @@ func cmdBackupsDelete(args []string) int {
 		fmt.Fprintf(os.Stderr, "mtcfs backups delete: job %s has no backup %s in %s (see mtcfs backups list)\n", *f.job, pos[0], b.Store)
 		return 1
 	case err != nil:
-		fmt.Fprintln(os.Stderr, "mtcfs backups delete:", err)
-		return 1
+		return f.fail(ctx, "mtcfs backups delete:", err)
 	}
 	fmt.Printf("deleted the incomplete backup %s of job %s (%d objects)\n", pos[0], *f.job, n)
 	return 0
@@ -280,7 +317,8 @@ func cmdBackupsExport(args []string) int {
 		return flagError(f.fs, errors.New("want a backup NAME (see mtcfs backups list) and a destination DIR"))
 	}
 	name, dir := pos[0], pos[1]
-	ctx := context.Background()
+	ctx, cancel := f.context()
+	defer cancel()
 	start := time.Now()
 	last := start
 	progress := func(done, total int64) {
@@ -295,8 +333,7 @@ func cmdBackupsExport(args []string) int {
 		return 1
 	}
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "mtcfs backups export:", err)
-		return 1
+		return f.fail(ctx, "mtcfs backups export:", err)
 	}
 	for _, s := range rep.Skipped {
 		fmt.Fprintf(os.Stderr, "mtcfs backups export: step %d of backup %s is incomplete and was left out\n", s, name)
@@ -322,7 +359,8 @@ func cmdRestoreVersion(args []string) int {
 	if code >= 0 {
 		return code
 	}
-	ctx := context.Background()
+	ctx, cancel := f.context()
+	defer cancel()
 	defer slowStore(os.Stderr, "restore-version "+args[0], b.Store, slowStoreAfter, slowStoreEvery)()
 	if args[0] == "clear" {
 		if len(pos) != 0 {
@@ -330,16 +368,14 @@ func cmdRestoreVersion(args []string) int {
 		}
 		pin, pinned, err := b.ReadRestoreVersion(ctx, *f.job)
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "mtcfs restore-version:", err)
-			return 1
+			return f.fail(ctx, "mtcfs restore-version:", err)
 		}
 		if !pinned {
 			fmt.Printf("job %s has no restore.version in %s: nothing to clear (the next restore picks the newest checkpoint)\n", *f.job, b.Store)
 			return 0
 		}
 		if err := b.ClearRestoreVersion(ctx, *f.job); err != nil {
-			fmt.Fprintln(os.Stderr, "mtcfs restore-version:", err)
-			return 1
+			return f.fail(ctx, "mtcfs restore-version:", err)
 		}
 		fmt.Printf("restore.version of job %s (%s) cleared: the next restore picks the newest checkpoint\n", *f.job, pin)
 		return 0
@@ -353,16 +389,14 @@ func cmdRestoreVersion(args []string) int {
 		return 1
 	}
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "mtcfs restore-version: backup %s of job %s: %v\n", pos[0], *f.job, err)
-		return 1
+		return f.fail(ctx, fmt.Sprintf("mtcfs restore-version: backup %s of job %s:", pos[0], *f.job), err)
 	}
 	if _, ok := rep.HighestComplete(); !ok {
 		fmt.Fprintf(os.Stderr, "mtcfs restore-version: backup %s has no complete step; refusing to pin it (the job would start from scratch)\n", pos[0])
 		return 1
 	}
 	if err := b.SetRestoreVersion(ctx, *f.job, pos[0]); err != nil {
-		fmt.Fprintln(os.Stderr, "mtcfs restore-version:", err)
-		return 1
+		return f.fail(ctx, "mtcfs restore-version:", err)
 	}
 	step, _ := rep.HighestComplete()
 	fmt.Printf("job %s will restore step %d from backup %s at its next start (one-shot); the backup was taken by %s, and restores in %s\n", *f.job, step, pos[0],

@@ -84,6 +84,57 @@ func TestSlowStoreNotice(t *testing.T) {
 	assert.Empty(t, quick.String(), "a command done in time says nothing")
 }
 
+// TestBackupCommandsTimeout: --timeout bounds the backup-location commands against a location
+// that does not answer (a bucket behind a blackhole, here a listener that never replies): they
+// exit 1 saying they gave up, where they retried for about 8 minutes before (a black-box run).
+func TestBackupCommandsTimeout(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var held []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			held = append(held, c) // never answered
+		}
+	}()
+	t.Cleanup(func() { ln.Close() })
+	run := func(args ...string) (string, int, time.Duration) {
+		cmd := exec.Command(binPath, args...)
+		cmd.Env = append(os.Environ(), "STORAGE_EMULATOR_HOST="+ln.Addr().String())
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		start := time.Now()
+		err := cmd.Run()
+		code := 0
+		if ee, ok := err.(*exec.ExitError); ok {
+			code = ee.ExitCode()
+		} else {
+			require.NoError(t, err)
+		}
+		return out.String(), code, time.Since(start)
+	}
+	for _, args := range [][]string{
+		{"backups", "list"},
+		{"backups", "verify"},
+		{"backups", "delete", "2026-12-05_10-00"},
+		{"backups", "export", "2026-12-05_10-00", t.TempDir()},
+		{"restore-version", "set", "2026-12-05_10-00"},
+		{"restore-version", "clear"},
+	} {
+		out, code, took := run(append(args, "--backup", "gs://blackholed", "--job", "train", "--timeout", "2s")...)
+		assert.Equal(t, 1, code, "%v: %s", args, out)
+		assert.Contains(t, out, "gave up after --timeout 2s: gs://blackholed did not answer in time", "%v", args)
+		assert.Less(t, took, time.Minute, "%v", args) // bounded: not the minutes of retries
+	}
+	out, code, _ := run("backups", "list", "--backup", "gs://blackholed", "--job", "train", "--timeout", "-1s")
+	assert.Equal(t, 2, code, out)
+	assert.Contains(t, out, "--timeout -1s: want a positive duration, or 0 for no limit")
+}
+
 type fakeStoreName string
 
 func (s fakeStoreName) String() string { return string(s) }
