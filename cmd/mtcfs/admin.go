@@ -108,13 +108,13 @@ func (f *flagSetWithBackup) context() (context.Context, context.CancelFunc) {
 	return context.WithCancel(context.Background())
 }
 
-// gaveUp says that the command stopped at --timeout, err what it was doing then; it returns ""
-// when ctx has not expired.
+// gaveUp says that the command stopped at --timeout (a location that does not answer, or work
+// larger than the time given, an export say); it returns "" when ctx has not expired.
 func (f *flagSetWithBackup) gaveUp(ctx context.Context) string {
 	if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		return ""
 	}
-	return fmt.Sprintf("gave up after --timeout %v: %s did not answer in time", *f.timeout, *f.url)
+	return fmt.Sprintf("gave up after --timeout %v, still at work with %s", *f.timeout, *f.url)
 }
 
 // fail prints err (or, past --timeout, that the command gave up) after prefix and returns 1.
