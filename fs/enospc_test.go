@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -188,6 +189,48 @@ func TestENOSPCSpaceReturnsAtOnce(t *testing.T) {
 				require.Zero(t, nfailed, "%d of %d writes right after deleting the partial file failed: %v", nfailed, loops, failed)
 			})
 		}
+	}
+}
+
+// TestENOSPCWriteWaitsForADelayedRelease: the job deletes its partial file, closes it, and
+// writes through a descriptor opened before; go-fuse has read the RELEASE of the close but a
+// loaded machine has not run it yet (the hook delays it). The write that failed with ENOSPC
+// waits for it and is retried, rather than failing after the short grace given to a file found
+// really open (1 of 50 such writes failed in a clean-clone CI run).
+func TestENOSPCWriteWaitsForADelayedRelease(t *testing.T) {
+	const budget = 16 << 20
+	for _, tc := range []struct {
+		name       string
+		mountTmpfs bool
+	}{{"fallback-tmpfs", true}, {"fallback-accounted", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir, _ := testMountSpool(t, PassthroughOff, tiers.SpoolConfig{Budget: budget, MountTmpfs: tc.mountTmpfs})
+			chunk := bytes.Repeat([]byte{0xCD}, 1<<20)
+			require.NoError(t, os.WriteFile(filepath.Join(dir, "ballast"), bytes.Repeat(chunk, budget>>20-2), 0o644))
+			delay := func() { time.Sleep(3 * releaseGraceOpen) }
+			releaseHook.Store(&delay)
+			t.Cleanup(func() { releaseHook.Store(nil) })
+			big, next := filepath.Join(dir, "partial"), filepath.Join(dir, "next")
+			for i := range 5 {
+				old, err := os.Create(next)
+				require.NoError(t, err)
+				t.Cleanup(func() { old.Close() }) // before the unmount, which an open file would hold up
+				f, err := os.Create(big)
+				require.NoError(t, err)
+				t.Cleanup(func() { f.Close() })
+				var werr error
+				for n := 0; n < 4 && werr == nil; n++ {
+					_, werr = f.Write(chunk)
+				}
+				require.ErrorIs(t, werr, syscall.ENOSPC, "loop %d: filling the spool", i)
+				require.NoError(t, os.Remove(big))
+				require.NoError(t, f.Close())
+				_, err = old.Write(bytes.Repeat([]byte{0x11}, 64<<10))
+				require.NoError(t, err, "loop %d: the write right after deleting and closing the partial file", i)
+				require.NoError(t, old.Close())
+				require.NoError(t, os.Remove(next))
+			}
+		})
 	}
 }
 

@@ -46,6 +46,9 @@ func (e *eventFS) emit(cancel <-chan struct{}, st fuse.Status) fuse.Status {
 // Release frees a file's bytes through the node's handle; what the handle parked (see
 // mtfs.afterRelease) runs once go-fuse has also unregistered the passthrough backing file.
 func (e *eventFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
+	if hook := releaseHook.Load(); hook != nil {
+		(*hook)()
+	}
 	e.m.release(cancel, func() { e.RawFileSystem.Release(cancel, in) })
 }
 

@@ -537,7 +537,7 @@ func retryNoSpace(m *mtfs, op func() syscall.Errno) syscall.Errno {
 	gen := m.freedGen.Load()
 	errno := op()
 	if errno == syscall.ENOSPC {
-		m.awaitReleases(nil)
+		m.awaitReleasesFor(nil, releaseGraceFailed)
 		if m.freedGen.Load() != gen {
 			errno = op()
 		}

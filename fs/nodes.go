@@ -67,6 +67,10 @@ var lookupHook atomic.Pointer[func(name string)]
 // write-back in the kernel, or a write that a commit's copy must wait for.
 var writeHook atomic.Pointer[func(path string)]
 
+// releaseHook, when set (tests only), runs before a RELEASE request is counted as running: a
+// test delays it as the scheduler of a loaded machine delays a request go-fuse has read.
+var releaseHook atomic.Pointer[func()]
+
 func (m *mtfs) isSealedTop(name string) bool {
 	_, ok := m.sealedTop.Load(name)
 	return ok

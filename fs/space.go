@@ -34,7 +34,8 @@ import (
 //     (fallback path) write that failed with ENOSPC, which is retried once if a doomed file
 //     was freed meanwhile. The wait ends when the files are freed; it gives up after
 //     releaseGrace if no RELEASE is running (the files are really open; later waits give such
-//     files releaseGraceOpen) and never lasts longer than releaseWaitMax.
+//     files releaseGraceOpen, but a request that already failed with ENOSPC releaseGraceFailed)
+//     and never lasts longer than releaseWaitMax.
 //
 // The normal path pays almost nothing: no wait while there is space or no file is doomed, and
 // a RELEASE costs two atomic adds and a map entry more. Not covered: with passthrough, the
@@ -52,6 +53,12 @@ const (
 	// read before the request that waits, and starts within this time but for bad luck.
 	// (2 ms let 1 of 50 writes through with ENOSPC in a CI run on a heavily loaded machine.)
 	releaseGraceOpen = 10 * time.Millisecond
+	// releaseGraceFailed replaces both for a request that failed with ENOSPC (retryNoSpace): it
+	// fails for good when the wait gives up, so a RELEASE that go-fuse has read but a loaded
+	// machine has not run yet gets time to start. 10 ms let 1 of 50 writes through an old
+	// descriptor fail with ENOSPC right after the job deleted and closed its partial file, in a
+	// clean-clone CI run (make test runs the packages side by side, under -race).
+	releaseGraceFailed = 250 * time.Millisecond
 	// releaseWaitMax bounds every wait: a release that takes longer is stuck elsewhere.
 	releaseWaitMax = 2 * time.Second
 )
@@ -132,6 +139,11 @@ func (f *fileNode) holdsBytes() bool {
 // signals) does not end the wait: the request would fail with ENOSPC, or with EINTR that few
 // callers retry. The kernel abandons the request by itself if the job is being killed.
 func (m *mtfs) awaitReleases(only *fileNode) {
+	m.awaitReleasesFor(only, 0)
+}
+
+// awaitReleasesFor is awaitReleases giving a RELEASE at least minGrace to start.
+func (m *mtfs) awaitReleasesFor(only *fileNode, minGrace time.Duration) {
 	if m.ndoomed.Load() == 0 || !m.spaceShort() {
 		return
 	}
@@ -170,6 +182,7 @@ func (m *mtfs) awaitReleases(only *fileNode) {
 		if grace == 0 {
 			grace = releaseGraceOpen
 		}
+		grace = max(grace, minGrace)
 		elapsed := time.Since(start)
 		giveUp := elapsed >= releaseWaitMax || (elapsed >= grace && m.releasing.Load() == 0)
 		if giveUp {
