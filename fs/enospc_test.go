@@ -230,6 +230,33 @@ func TestENOSPCWriteWaitsForADelayedRelease(t *testing.T) {
 				require.NoError(t, old.Close())
 				require.NoError(t, os.Remove(next))
 			}
+			// A file the job really holds open: its first failed write waits the long grace,
+			// the next ones only the short one (a review: each waited 250 ms).
+			releaseHook.Store(nil)
+			held, err := os.Create(big)
+			require.NoError(t, err)
+			t.Cleanup(func() { held.Close() })
+			var werr error
+			for n := 0; n < 4 && werr == nil; n++ {
+				_, werr = held.Write(chunk)
+			}
+			require.ErrorIs(t, werr, syscall.ENOSPC)
+			require.NoError(t, os.Remove(big)) // doomed, and found really open by the unlink's wait
+			other, err := os.Create(next)
+			require.NoError(t, err)
+			t.Cleanup(func() { other.Close() })
+			var took []time.Duration
+			for range 4 {
+				start := time.Now()
+				_, err := other.Write(bytes.Repeat(chunk, 2))
+				took = append(took, time.Since(start))
+				require.ErrorIs(t, err, syscall.ENOSPC, "the held file keeps its bytes")
+			}
+			assert.GreaterOrEqual(t, took[0], releaseGraceFailed, "the first failed write waits for a release: %v", took)
+			// Three more at releaseGraceFailed each would take 750 ms: a bound with room for a
+			// loaded machine's scheduling.
+			assert.Less(t, took[1]+took[2]+took[3], 2*releaseGraceFailed, "later failed writes do not wait as long: %v", took)
+			require.NoError(t, held.Close())
 		})
 	}
 }

@@ -34,11 +34,11 @@ type mtfs struct {
 	// Files whose last name is gone while handles remain, and the RELEASE requests running;
 	// see space.go.
 	relMu     sync.Mutex
-	doomed    map[*fileNode]bool // -> found really open; GUARDED_BY(relMu)
-	ndoomed   atomic.Int32       // len(doomed), read without relMu
-	relCh     chan struct{}      // closed when a doomed file was freed; GUARDED_BY(relMu)
-	releasing atomic.Int32       // RELEASE requests running
-	freedGen  atomic.Uint64      // counts doomed files freed
+	doomed    map[*fileNode]doomState // GUARDED_BY(relMu)
+	ndoomed   atomic.Int32            // len(doomed), read without relMu
+	relCh     chan struct{}           // closed when a doomed file was freed; GUARDED_BY(relMu)
+	releasing atomic.Int32            // RELEASE requests running
+	freedGen  atomic.Uint64           // counts doomed files freed
 	// parkedRelease maps a RELEASE's cancel channel to a func to run once it is done.
 	parkedRelease sync.Map
 	// notifier sends the namespace's invalidations of top-level names and the write-back of
