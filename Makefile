@@ -48,19 +48,24 @@ vet:
 # Tests unmount what they mount, also when they fail; a test binary killed by -timeout cannot,
 # so its leftovers (mounts under a test's temporary directory) are detached lazily before the check, and the check then reports them.
 # Each run has a temporary directory of its own (TMPDIR, mode 1777 as /tmp, for the tests whose
-# processes run as other users), and the sweep and the check look only there: two runs on one
-# machine (a CI run beside a developer's) detached each other's live mounts under /tmp, and
-# both failed. The directory is removed when no mount is left in it.
+# processes run as other users; its path resolved, so that it reads as /proc/mounts shows it),
+# and the sweep and the check look only there: two runs on one machine (a CI run beside a
+# developer's) detached each other's live mounts under /tmp, and both failed. There every mount
+# is the run's, of any type. The directory is removed when no mount is left in it; a run
+# interrupted (Ctrl-C, SIGTERM) sweeps it first and keeps it, and its .owner names the run's
+# shell, so that a sweep run by hand takes it once that is gone.
 test: vet
-	@run=$$(mktemp -d "$(or $(TMPDIR),/tmp)/make-test.XXXXXX") && chmod 1777 "$$run" || exit 1; \
+	@base=$$(realpath -e "$(or $(TMPDIR),/tmp)") && run=$$(mktemp -d "$$base/make-test.XXXXXX") && \
+	chmod 1777 "$$run" && echo $$$$ > "$$run/.owner" || exit 1; \
 	export TMPDIR="$$run"; echo "make test: temporary files in $$run"; \
+	trap '$(MAKE) --no-print-directory clean-test-mounts TEST_RUN="$$run"; echo "make test: interrupted; $$run kept"; exit 130' INT TERM; \
 	status=0; \
 	$(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -skip '^TestPjdfstest$$' ./... || status=$$?; \
 	if [ $$status = 0 ]; then GOMAXPROCS=1 $(GO) test -race -count=1 -timeout $(TEST_TIMEOUT) -run 'Concurrent|Stress|Early|SlowPeer|CoordinatorSync|Yield|Pacer|RePush|TriedAgain' ./... || status=$$?; fi; \
 	$(GO) test -count=1 -timeout $(PJD_TIMEOUT) -run '^TestPjdfstest$$/^$(PJD_PATHS)$$' ./fs || status=$$?; \
 	for m in $(MODULES); do (cd $$m && $(GO) test -p 1 -race -count=1 -timeout $(TEST_TIMEOUT) ./...) || status=$$?; done; \
-	$(MAKE) --no-print-directory clean-test-mounts TMPDIR="$$run"; \
-	if $(MAKE) --no-print-directory check-mounts TMPDIR="$$run"; then rm -rf "$$run"; else status=1; fi; \
+	$(MAKE) --no-print-directory clean-test-mounts TEST_RUN="$$run"; \
+	if $(MAKE) --no-print-directory check-mounts TEST_RUN="$$run"; then rm -rf --one-file-system "$$run"; else status=1; fi; \
 	exit $$status
 
 # pjdfstest on both data paths (passthrough and the fallback), verbose: the figures of
@@ -68,19 +73,30 @@ test: vet
 pjdfstest:
 	$(GO) test -count=1 -timeout $(PJD_TIMEOUT) -run '^TestPjdfstest$$' -v ./fs
 
-# Test mounts live under the temporary directories go test makes (/tmp/Test*, /tmp/mtcfs-*). A
-# mount under /tmp/mtcfs-* that a running process names as one of its arguments (an agent:
-# mtcfs mount DIR --spool S) is not a leftover: a crashbench, a demo or a developer's agent runs
-# there beside the tests, and detaching its mounts broke it (three crashbench "violations" in one
-# session were this sweep). Under /tmp/Test* every mount is a test's: one still served (a test
-# binary killed with its agents running) is a leak, detached and reported.
-TEST_MOUNTS = awk '($$3 == "fuse.mtcfs" || $$1 == "mtcfs-spool") && $$2 ~ "^$(or $(TMPDIR),/tmp)/(Test|mtcfs-)" {print $$2}' /proc/mounts | \
-	while read -r m; do \
-		case "$$m" in $(or $(TMPDIR),/tmp)/mtcfs-*) \
-			for c in /proc/[0-9]*/cmdline; do cat "$$c" 2>/dev/null | tr '\0' '\n' | grep -qxF -- "$$m" && continue 2; done;; \
-		esac; \
-		echo "$$m"; \
-	done
+# With TEST_RUN (make test's own directory) every mount under it is the run's. Otherwise (the
+# targets run by hand) test mounts live under the temporary directories go test makes
+# ($TMPDIR/Test*, $TMPDIR/mtcfs-*) and in make test runs' directories whose shell is gone (an
+# interrupted run). A mount under $TMPDIR/mtcfs-* that a running process names as one of its
+# arguments (an agent: mtcfs mount DIR --spool S) is not a leftover: a crashbench, a demo or a
+# developer's agent runs there beside the tests, and detaching its mounts broke it (three
+# crashbench "violations" in one session were this sweep). Under Test* every mount is a test's:
+# one still served (a test binary killed with its agents running) is a leak, detached and reported.
+TEST_BASE = $(patsubst %/,%,$(or $(TMPDIR),/tmp))
+TEST_MOUNTS = if [ -n "$(TEST_RUN)" ]; then \
+		awk -v d="$(TEST_RUN)/" 'index($$2, d) == 1 {print $$2}' /proc/mounts | sort -r; \
+	else \
+		awk '($$3 == "fuse.mtcfs" || $$1 == "mtcfs-spool") && $$2 ~ "^$(TEST_BASE)/(Test|mtcfs-|make-test\\.)" {print $$2}' /proc/mounts | \
+		while read -r m; do \
+			case "$$m" in \
+			$(TEST_BASE)/mtcfs-*) \
+				for c in /proc/[0-9]*/cmdline; do cat "$$c" 2>/dev/null | tr '\0' '\n' | grep -qxF -- "$$m" && continue 2; done;; \
+			$(TEST_BASE)/make-test.*) \
+				r=$${m\#$(TEST_BASE)/}; p=$$(cat "$(TEST_BASE)/$${r%%/*}/.owner" 2>/dev/null); \
+				[ -n "$$p" ] && kill -0 "$$p" 2>/dev/null && continue;; \
+			esac; \
+			echo "$$m"; \
+		done; \
+	fi
 
 clean-test-mounts:
 	@$(TEST_MOUNTS) | while read -r m; do echo "detaching leftover test mount $$m"; umount -l "$$m" || true; done

@@ -53,7 +53,12 @@ func TestJobRunningAsAnotherUser(t *testing.T) {
 		t.Fatalf("setpriv (util-linux) is needed: %v", err)
 	}
 	n := newRepNode(t)
-	for p := filepath.Dir(n.dir); p != os.TempDir(); p = filepath.Dir(p) { // t.TempDir makes them 0700
+	// t.TempDir makes the directories below TMPDIR 0700. Stopping at a TMPDIR written otherwise
+	// (a trailing slash, a double one) never happened: the loop went on to chmod /tmp and / (a
+	// review).
+	tmp := filepath.Clean(os.TempDir())
+	for p := filepath.Dir(n.dir); p != tmp; p = filepath.Dir(p) {
+		require.True(t, strings.HasPrefix(p, tmp+"/"), "%s is not below TMPDIR %s", p, tmp)
 		require.NoError(t, os.Chmod(p, 0o755))
 	}
 	require.NoError(t, os.Chown(n.dir, 1000, 1000))
