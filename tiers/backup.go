@@ -48,8 +48,10 @@ type backupRunner struct {
 	// not known).
 	lastNamed     []string // GUARDED_BY(mu)
 	lastNamedStep int64    // GUARDED_BY(mu)
-	// toldFailed is the incarnation and backup whose failure the job was last told of.
+	// toldFailed is the incarnation and backup whose failure the job was last told of, toldFull
+	// whether that line (or a later one) said the location is full.
 	toldFailed string // GUARDED_BY(mu)
+	toldFull   bool   // GUARDED_BY(mu)
 	// active counts running backups, for stop to drain; no Add once stopping is set.
 	active sync.WaitGroup
 	// slot holds one token while an upload runs: one at a time on the node.
@@ -192,10 +194,13 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 	// The job is told once per backup: the order is given again with a backoff of 1 s doubling
 	// to a minute, and a location that keeps failing wrote a line per retry (found by a
 	// black-box run); the log has every attempt.
-	key := inc.ID + "/" + o.Backup
+	// A location found full after another failure of the same backup (a transient one first)
+	// is told too: the first line did not say what to do (a review).
+	key, full := inc.ID+"/"+o.Backup, locationFull(err) != ""
 	b.mu.Lock()
-	told := b.toldFailed == key
+	told := b.toldFailed == key && (b.toldFull || !full)
 	if !told && b.lines.incs.isCurrent(inc) { // a line goes to the current incarnation's job only
+		b.toldFull = full || (b.toldFailed == key && b.toldFull)
 		b.toldFailed = key
 	}
 	b.mu.Unlock()

@@ -501,25 +501,54 @@ func TestBackupFailureIsToldOnce(t *testing.T) {
 
 // A backup location out of space (a file:// disk) is named as such in the job's line, with
 // what to do: the bare "no space left on device" ended a long line and read as one more
-// transient failure, retried for ever (found by a black-box run).
+// transient failure, retried for ever (found by a black-box run). Found full after a transient
+// failure of the same backup, it is told too, once (a review: the line was told once per backup,
+// so the first failure's kind decided it).
 func TestBackupToAFullLocationSaysSo(t *testing.T) {
 	t.Parallel()
 	store := newTestStore(t)
+	clock := newFakeClock(baseTime)
+	var attempts atomic.Int32
 	store.setBeforeUpload(func(context.Context, tiers.Upload) error {
+		if attempts.Add(1) == 1 {
+			return errors.New("503 Service Unavailable")
+		}
 		return fmt.Errorf("put x: %w", &os.PathError{Op: "write", Path: "/backups/x/.mtcfs-tmp-1", Err: syscall.ENOSPC})
 	})
-	h := newHarness(t, harnessConfig{store: store})
+	h := newHarness(t, harnessConfig{store: store, clock: clock})
 	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
 	h.orbaxSave(1, checkpointFiles("1"))
-	h.eventually("the line", func() string {
-		for _, l := range h.lines(layout.ReplicatorErrorsName) {
-			if strings.Contains(l, "of step 1 failed (it is retried, and told here once): the backup location is full (free space there, or point --backup at a larger one") &&
-				strings.HasSuffix(l, "no space left on device") {
-				return ""
+	failures := func() int {
+		n := 0
+		for _, r := range h.coord.backupReports() {
+			if r.Failed != "" {
+				n++
 			}
 		}
-		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
-	})
+		return n
+	}
+	for attempt := 1; attempt <= 4; attempt++ {
+		h.eventually(fmt.Sprintf("failure %d", attempt), func() string {
+			if n := failures(); n < attempt {
+				return fmt.Sprintf("%d failures reported", n)
+			}
+			return ""
+		})
+		clock.Set(clock.Now().Add(time.Minute)) // the retry's backoff
+	}
+	var generic, full int
+	for _, l := range h.lines(layout.ReplicatorErrorsName) {
+		switch {
+		case strings.Contains(l, "of step 1 failed (it is retried, and told here once): the backup location is full (free space there, or point --backup at a larger one") &&
+			strings.HasSuffix(l, "no space left on device"):
+			full++
+		case strings.Contains(l, "of step 1 failed (it is retried, and told here once): 503 Service Unavailable"):
+			generic++
+		}
+	}
+	if generic != 1 || full != 1 {
+		t.Fatalf("%d lines of the first failure and %d of the full location, want 1 and 1: %q", generic, full, h.lines(layout.ReplicatorErrorsName))
+	}
 }
 
 // Close while an order waits for the upload running on the node: once that upload ended, the
