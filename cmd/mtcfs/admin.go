@@ -241,6 +241,10 @@ func cmdBackups(args []string) int {
 		if jobs := jobsIn(ctx, b); len(jobs) > 0 {
 			fmt.Printf("jobs with something there: %s\n", strings.Join(jobs, ", "))
 		}
+		if g := f.gaveUp(ctx); g != "" {
+			fmt.Fprintf(os.Stderr, "mtcfs backups %s: %s, looking for the jobs that have backups there\n", verb, g)
+			return 1
+		}
 		if len(pos) > 0 {
 			return 1
 		}
@@ -327,7 +331,13 @@ func cmdBackupsExport(args []string) int {
 			fmt.Fprintf(os.Stderr, "mtcfs backups export: %s of %s (%.0f%%)\n", tiers.FormatSize(done), tiers.FormatSize(total), 100*float64(done)/float64(total))
 		}
 	}
+	wasEmpty := emptyOrMissing(dir)
 	rep, err := b.Export(ctx, gcsbackend.ExportRequest{Job: *f.job, Backup: name, Dir: dir, Progress: progress})
+	if err != nil && wasEmpty && !emptyOrMissing(dir) {
+		// The next export refuses a directory that is not empty (a review: the give-up line of
+		// --timeout left the user to find that out).
+		err = fmt.Errorf("%w; %s holds what was exported before the failure: remove it before trying again", err, dir)
+	}
 	if gcsbackend.IsNotFound(err) {
 		fmt.Fprintf(os.Stderr, "mtcfs backups export: job %s has no backup %s in %s (see mtcfs backups list)\n", *f.job, name, b.Store)
 		return 1
@@ -345,6 +355,12 @@ func cmdBackupsExport(args []string) int {
 	fmt.Printf("exported step %s of backup %s (%d data, %s) to %s in %v\n", strings.Join(steps, ","), name, len(rep.Data),
 		tiers.FormatSize(rep.Bytes), dir, time.Since(start).Round(time.Millisecond))
 	return 0
+}
+
+// emptyOrMissing reports whether dir does not exist or holds nothing.
+func emptyOrMissing(dir string) bool {
+	names, err := os.ReadDir(dir)
+	return errors.Is(err, fs.ErrNotExist) || (err == nil && len(names) == 0)
 }
 
 // cmdRestoreVersion pins the next restore to a backup, or removes the pin (SPEC §5).
@@ -375,6 +391,9 @@ func cmdRestoreVersion(args []string) int {
 			return 0
 		}
 		if err := b.ClearRestoreVersion(ctx, *f.job); err != nil {
+			if f.gaveUp(ctx) != "" {
+				err = fmt.Errorf("%w; the pin may have been removed all the same: mtcfs backups list marks a pinned backup", err)
+			}
 			return f.fail(ctx, "mtcfs restore-version:", err)
 		}
 		fmt.Printf("restore.version of job %s (%s) cleared: the next restore picks the newest checkpoint\n", *f.job, pin)
@@ -396,6 +415,9 @@ func cmdRestoreVersion(args []string) int {
 		return 1
 	}
 	if err := b.SetRestoreVersion(ctx, *f.job, pos[0]); err != nil {
+		if f.gaveUp(ctx) != "" {
+			err = fmt.Errorf("%w; the pin may have been written all the same: mtcfs backups list marks the pinned backup", err)
+		}
 		return f.fail(ctx, "mtcfs restore-version:", err)
 	}
 	step, _ := rep.HighestComplete()

@@ -135,6 +135,30 @@ func TestBackupCommandsTimeout(t *testing.T) {
 	assert.Contains(t, out, "--timeout -1s: want a positive duration, or 0 for no limit")
 }
 
+// TestBackupsExportFailureSaysTheDirectoryIsPartial: an export that fails after writing (here the
+// data does not hash to the name its .meta gives) says that DIR holds part of it, which the next
+// export refuses (a review).
+func TestBackupsExportFailureSaysTheDirectoryIsPartial(t *testing.T) {
+	t.Parallel()
+	root := t.TempDir()
+	url := "file://" + root
+	store, err := gcsbackend.Open(url)
+	require.NoError(t, err)
+	src := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(src, "f"), []byte("state"), 0o644))
+	const backup = "2026-12-05_10-00"
+	require.NoError(t, (&gcsbackend.Backups{Store: store}).Upload(context.Background(), gcsbackend.UploadRequest{
+		Job: "train", Backup: backup, Step: 7, Hash: "D" + strings.Repeat("ab", 32), Source: src}))
+	dir := filepath.Join(t.TempDir(), "export")
+	out, code := runMtcfs(t, "backups", "export", backup, dir, "--backup", url, "--job", "train")
+	require.Equal(t, 1, code, out)
+	assert.Contains(t, out, "; "+dir+" holds what was exported before the failure: remove it before trying again")
+	out, code = runMtcfs(t, "backups", "export", backup, dir, "--backup", url, "--job", "train")
+	require.Equal(t, 1, code, out)
+	assert.Contains(t, out, "is not empty")
+	assert.NotContains(t, out, "holds what was exported before the failure", "a directory refused from the start is not called partial")
+}
+
 type fakeStoreName string
 
 func (s fakeStoreName) String() string { return string(s) }
