@@ -291,8 +291,8 @@ func (r *Replicator) Start(ctx context.Context, ns Namespace) (err error) {
 			"job", o.Job, "framework", o.Running.Framework, "incarnation", o.Running.Incarnation, "rank", o.Running.Rank, "since", o.Running.Since)
 		if o.Running.Framework == FrameworkOrbax {
 			p := &interruptedJob{job: o.Job, run: *o.Running}
-			if until := o.Running.Since.Add(r.restoreWait()); o.Running.TracksRestore && !o.Running.Restored && n.now().Before(until) {
-				r.tellRestoreInterrupted(p, until)
+			if until := o.Running.Since.Add(r.restoreWait()); o.Running.TracksRestore && n.now().Before(until) {
+				r.tellRestoreInterrupted(p, until, o.Running.Restored)
 			}
 			// Also armed in the restore window: a job that took its marker just before the
 			// agent stopped (the record not written yet) may save after the line is withdrawn.
@@ -364,19 +364,26 @@ func (p *interruptedJob) while(did string) string {
 
 // tellRestoreInterrupted tells an Orbax job whose restore markers the agent before this one
 // had not published yet that none will come: the job polls replicator.failed while it waits
-// for them (SPEC §9), and would otherwise time out after 300 s. The job may have ended as well
-// (the restart of a whole node, say): the line is withdrawn at until, when the job's wait is
-// over anyway, so that it does not stay for the next job to read (a NeMo local rank other
-// than 0 reads it before its rank 0 writes the yaml; an Orbax job's handshake removes it).
-func (r *Replicator) tellRestoreInterrupted(p *interruptedJob, until time.Time) {
+// for them (SPEC §9), and would otherwise time out after 300 s. So too when they were published
+// (published: the record says so) but the agent stopped before the job saw them: they went with
+// its mount (a black-box run: the job waited its 300 s); a job that took them is told the same
+// at its next save in any case (tellInterrupted), which reads this line. The job may have ended
+// as well (the restart of a whole node, say): the line is withdrawn at until, when the job's
+// wait is over anyway, so that it does not stay for the next job to read (a NeMo local rank
+// other than 0 reads it before its rank 0 writes the yaml; an Orbax job's handshake removes it).
+func (r *Replicator) tellRestoreInterrupted(p *interruptedJob, until time.Time, published bool) {
 	n := r.node
 	// ours tells this line from tellInterrupted's for the same incarnation, which withdraw
 	// must leave.
 	ours := p.while("waited for its restore")
-	n.log.Warn("the job waited for its restore markers when the agent restarted: told to restart in replicator.failed",
-		"job", p.job, "incarnation", p.run.Incarnation, "withdrawn_at", until)
-	r.lines.failLine(p.config(), "the mtcfs agent of this node was restarted "+ours+
-		" an agent restart ends the incarnation, and its restore markers will not come; restart the job (it restores its newest checkpoint)")
+	what := " an agent restart ends the incarnation, and its restore markers will not come; restart the job (it restores its newest checkpoint)"
+	if published {
+		ours = p.while("had its restore markers published")
+		what = " an agent restart ends the incarnation, and its markers went with the agent's mount: a job that had not seen them waits in vain, one that had fails at its next save; restart the job (it restores its newest checkpoint)"
+	}
+	n.log.Warn("the job may wait for its restore markers: the agent restarted in the restore window; told to restart in replicator.failed",
+		"job", p.job, "incarnation", p.run.Incarnation, "markers_published", published, "withdrawn_at", until)
+	r.lines.failLine(p.config(), "the mtcfs agent of this node was restarted "+ours+what)
 	n.tasks.Go(func() {
 		t := time.NewTimer(until.Sub(n.now()))
 		defer t.Stop()

@@ -1452,7 +1452,8 @@ func sameTree(root string, want tree) error {
 // goes on. An
 // incarnation lives in one agent's memory, so the new agent does not checkpoint the job's
 // saves; at the job's first write it says so in replicator.failed, which the job reads at its
-// next save and aborts. Its restart restores the newest checkpoint, and its handshake removes
+// next save and aborts (within the job's restore window, 300 s from its handshake, the new
+// agent says so at its start already: the job then stops at its next save). Its restart restores the newest checkpoint, and its handshake removes
 // the line. Before, the job went on saving, every save "succeeded" and none was checkpointed:
 // the next restore went back to the step before the agent restart (found by a black-box
 // rolling upgrade). A job that ended before the agent restart is not told anything, so that
@@ -1471,19 +1472,18 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 
 	b := n.start(t)
 	failed := filepath.Join(n.dir, "replicator.failed")
-	assert.NoFileExists(t, failed, "nothing is told before the job writes")
-	// The job never noticed the restart: its next save goes through, not checkpointed, and
-	// the one after it fails.
-	require.NoError(t, o.Save(ctx, 20))
-	// The line is written off the job's requests, on the agent's control loop.
+	// Within the job's restore window (300 s from its handshake) the new agent tells it at
+	// its start: the markers may not have reached the job (TestAgentRestartRightAfterTheMarkers
+	// TellsTheJob), and a job that took them stops at its next save, before it saves a step
+	// that would not be checkpointed.
 	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
-	err = o.Save(ctx, 30)
+	err = o.Save(ctx, 20)
 	var fatal *jobsim.FatalError
-	require.True(t, errors.As(err, &fatal), "the job's second save after the agent restart: want replicator.failed, got %v\n%s", err, b.log())
+	require.True(t, errors.As(err, &fatal), "the job's first save after the agent restart: want replicator.failed, got %v\n%s", err, b.log())
 	require.Len(t, fatal.Lines, 1)
 	assert.Contains(t, fatal.Lines[0], "job=roll node=0/1 FATAL the mtcfs agent of this node was restarted while incarnation")
+	assert.Contains(t, fatal.Lines[0], "had its restore markers published")
 	assert.Contains(t, fatal.Lines[0], "restart the job")
-	assert.Contains(t, b.log(), "the job writes here without a replicator.yaml since the agent restarted")
 	assert.NotContains(t, b.log(), `msg="step committed" step=20`, "step 20 was saved without an incarnation")
 
 	o = orbaxClient(t, n.dir, "roll", 60)
@@ -1512,10 +1512,9 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	stopAgent(t, d)
 	require.DirExists(t, n.spool, "the spool of a job without a checkpoint yet is kept")
 	e := n.start(t)
-	require.NoError(t, o.Save(ctx, 0))
 	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
-	err = o.Save(ctx, 1)
-	require.True(t, errors.As(err, &fatal), "the second save after the agent restart: want replicator.failed, got %v\n%s\nthe agent before:\n%s", err, e.log(), d.log())
+	err = o.Save(ctx, 0)
+	require.True(t, errors.As(err, &fatal), "the first save after the agent restart: want replicator.failed, got %v\n%s\nthe agent before:\n%s", err, e.log(), d.log())
 	stopAgent(t, e)
 
 	// A NeMo job reads replicator.failed only at its start: a line written under it would
@@ -1659,6 +1658,59 @@ func TestAgentRestartInTheRestoreWindowTellsTheJob(t *testing.T) {
 	require.Len(t, got, 1, "%s", g.log())
 	assert.Contains(t, got[0], "was running")
 	stopAgent(t, g)
+}
+
+// TestAgentRestartRightAfterTheMarkersTellsTheJob: an agent killed right after it published an
+// Orbax job's restore markers, before the job's poll (once a second) saw them: the markers go
+// with its mount, and the job waited its 300 s for them, told nothing (a black-box run). The
+// next agent tells it in replicator.failed, as when the restart came before the markers.
+func TestAgentRestartRightAfterTheMarkersTellsTheJob(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	failed := filepath.Join(n.dir, "replicator.failed")
+	yaml := filepath.Join(n.dir, "replicator.yaml")
+	const job = "after"
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, job, 60)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 10))
+	waitStepSealed(t, n.dir, job, 10)
+	running := func() tiers.Running {
+		data, _ := os.ReadFile(filepath.Join(n.spool, tiers.OwnerFile))
+		var rec struct{ Running *tiers.Running }
+		if json.Unmarshal(data, &rec) != nil || rec.Running == nil {
+			return tiers.Running{}
+		}
+		return *rec.Running
+	}
+	first := running().Incarnation
+	require.NotEmpty(t, first)
+	// The job restarts: its yaml is answered and its markers are published; it has not seen
+	// them yet when the agent dies.
+	require.NoError(t, os.WriteFile(yaml+".tmp", []byte(o.YAML()), 0o644))
+	require.NoError(t, os.Rename(yaml+".tmp", yaml))
+	repWait(t, 10*time.Second, "the markers and their record", func() bool {
+		markers, _ := filepath.Glob(filepath.Join(n.dir, "*.restore"))
+		r := running()
+		return len(markers) > 0 && r.Incarnation != first && r.Restored
+	})
+	killAgent(t, a)
+	b := n.start(t)
+	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
+	data, err := os.ReadFile(failed)
+	require.NoError(t, err)
+	got := strings.Split(strings.TrimSpace(string(data)), "\n")
+	require.Len(t, got, 1, "%s", b.log())
+	assert.Contains(t, got[0], "job=after node=0/1 FATAL the mtcfs agent of this node was restarted while incarnation")
+	assert.Contains(t, got[0], "had its restore markers published")
+	assert.Contains(t, got[0], "restart the job")
+	// The job reads and unlinks it, aborts, and restarts: it restores its step.
+	require.NoError(t, os.Remove(failed))
+	o = orbaxClient(t, n.dir, job, 60)
+	require.NoError(t, restoresStep(ctx, o, 10), "%s", b.log())
+	stopAgent(t, b)
 }
 
 // TestMappedWritesAreInTheCommit: what the job wrote through a shared writable mapping still
