@@ -151,10 +151,7 @@ func TestENOSPCSpaceReturnsAtOnce(t *testing.T) {
 					require.NoError(t, err)
 					f, err := os.Create(big)
 					require.NoError(t, err)
-					var werr error
-					for n := 0; n < 4 && werr == nil; n++ {
-						_, werr = f.Write(chunk)
-					}
+					werr := writeUntilFull(f, chunk)
 					require.ErrorIs(t, werr, syscall.ENOSPC, "loop %d: filling the spool", i)
 					switch {
 					case order.unlinkFirst:
@@ -218,10 +215,7 @@ func TestENOSPCWriteWaitsForADelayedRelease(t *testing.T) {
 				f, err := os.Create(big)
 				require.NoError(t, err)
 				t.Cleanup(func() { f.Close() })
-				var werr error
-				for n := 0; n < 4 && werr == nil; n++ {
-					_, werr = f.Write(chunk)
-				}
+				werr := writeUntilFull(f, chunk)
 				require.ErrorIs(t, werr, syscall.ENOSPC, "loop %d: filling the spool", i)
 				require.NoError(t, os.Remove(big))
 				require.NoError(t, f.Close())
@@ -236,10 +230,7 @@ func TestENOSPCWriteWaitsForADelayedRelease(t *testing.T) {
 			held, err := os.Create(big)
 			require.NoError(t, err)
 			t.Cleanup(func() { held.Close() })
-			var werr error
-			for n := 0; n < 4 && werr == nil; n++ {
-				_, werr = held.Write(chunk)
-			}
+			werr := writeUntilFull(held, chunk)
 			require.ErrorIs(t, werr, syscall.ENOSPC)
 			require.NoError(t, os.Remove(big)) // doomed, and found really open by the unlink's wait
 			other, err := os.Create(next)
@@ -259,6 +250,17 @@ func TestENOSPCWriteWaitsForADelayedRelease(t *testing.T) {
 			require.NoError(t, held.Close())
 		})
 	}
+}
+
+// writeUntilFull writes chunk to f up to 4 times, until a write fails, and returns its error
+// (ENOSPC once the 2 MiB left by the tests' ballast is used).
+func writeUntilFull(f *os.File, chunk []byte) error {
+	for range 4 {
+		if _, err := f.Write(chunk); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // TestAgentWritesPastAnAccountedBudget: with an agent-accounted budget (an unprivileged agent)

@@ -456,6 +456,30 @@ func TestResumedBackupStillRunningIsNotUploadedTwice(t *testing.T) {
 	}
 }
 
+// waitBackupFailures waits for each of n failed attempts of a backup that keeps failing to be
+// reported to the coordinator, moving clock past the retry's backoff after each.
+func (h *harness) waitBackupFailures(clock *fakeClock, n int) {
+	h.t.Helper()
+	failures := func() int {
+		n := 0
+		for _, r := range h.coord.backupReports() {
+			if r.Failed != "" {
+				n++
+			}
+		}
+		return n
+	}
+	for attempt := 1; attempt <= n; attempt++ {
+		h.eventually(fmt.Sprintf("failure %d", attempt), func() string {
+			if n := failures(); n < attempt {
+				return fmt.Sprintf("%d failures reported", n)
+			}
+			return ""
+		})
+		clock.Set(clock.Now().Add(time.Minute)) // the retry's backoff
+	}
+}
+
 // A backup that keeps failing is told to the job once, not at every retry (a location that
 // refused every upload wrote a 500-character line per retry, 1 s to a minute apart; found by a
 // black-box run). The coordinator hears of every failure.
@@ -467,24 +491,7 @@ func TestBackupFailureIsToldOnce(t *testing.T) {
 	h := newHarness(t, harnessConfig{store: store, clock: clock})
 	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
 	h.orbaxSave(1, checkpointFiles("1"))
-	failures := func() int {
-		n := 0
-		for _, r := range h.coord.backupReports() {
-			if r.Failed != "" {
-				n++
-			}
-		}
-		return n
-	}
-	for attempt := 1; attempt <= 3; attempt++ {
-		h.eventually(fmt.Sprintf("failure %d", attempt), func() string {
-			if n := failures(); n < attempt {
-				return fmt.Sprintf("%d failures reported", n)
-			}
-			return ""
-		})
-		clock.Set(clock.Now().Add(time.Minute)) // the retry's backoff
-	}
+	h.waitBackupFailures(clock, 3)
 	n := 0
 	for _, l := range h.lines(layout.ReplicatorErrorsName) {
 		if strings.Contains(l, "backup 2030-01-02_03-00 of step 1 failed") {
@@ -518,24 +525,7 @@ func TestBackupToAFullLocationSaysSo(t *testing.T) {
 	h := newHarness(t, harnessConfig{store: store, clock: clock})
 	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
 	h.orbaxSave(1, checkpointFiles("1"))
-	failures := func() int {
-		n := 0
-		for _, r := range h.coord.backupReports() {
-			if r.Failed != "" {
-				n++
-			}
-		}
-		return n
-	}
-	for attempt := 1; attempt <= 4; attempt++ {
-		h.eventually(fmt.Sprintf("failure %d", attempt), func() string {
-			if n := failures(); n < attempt {
-				return fmt.Sprintf("%d failures reported", n)
-			}
-			return ""
-		})
-		clock.Set(clock.Now().Add(time.Minute)) // the retry's backoff
-	}
+	h.waitBackupFailures(clock, 4)
 	var generic, full int
 	for _, l := range h.lines(layout.ReplicatorErrorsName) {
 		switch {

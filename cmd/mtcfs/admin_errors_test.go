@@ -20,19 +20,28 @@ import (
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
-// TestBackupCommandsOnMistypedInput: a mistyped --backup path, --job or backup NAME gets an
-// answer that says so, instead of an empty listing or a store's "object not found".
-func TestBackupCommandsOnMistypedInput(t *testing.T) {
-	t.Parallel()
-	root := t.TempDir()
-	url := "file://" + root
+// backupOfTrain makes a file:// location holding backup 2026-12-05_10-00 of job train: step 7,
+// one file, under a made-up hash (its data does not hash to it). It returns the directory and
+// its URL.
+func backupOfTrain(t *testing.T) (root, url string) {
+	t.Helper()
+	root = t.TempDir()
+	url = "file://" + root
 	store, err := gcsbackend.Open(url)
 	require.NoError(t, err)
 	src := t.TempDir()
 	require.NoError(t, os.WriteFile(filepath.Join(src, "f"), []byte("state"), 0o644))
-	const backup = "2026-12-05_10-00"
 	require.NoError(t, (&gcsbackend.Backups{Store: store}).Upload(context.Background(), gcsbackend.UploadRequest{
-		Job: "train", Backup: backup, Step: 7, Hash: "D" + strings.Repeat("ab", 32), Source: src}))
+		Job: "train", Backup: "2026-12-05_10-00", Step: 7, Hash: "D" + strings.Repeat("ab", 32), Source: src}))
+	return root, url
+}
+
+// TestBackupCommandsOnMistypedInput: a mistyped --backup path, --job or backup NAME gets an
+// answer that says so, instead of an empty listing or a store's "object not found".
+func TestBackupCommandsOnMistypedInput(t *testing.T) {
+	t.Parallel()
+	root, url := backupOfTrain(t)
+	const backup = "2026-12-05_10-00"
 
 	out, code := runMtcfs(t, "backups", "list", "--backup", url, "--job", "train")
 	require.Equal(t, 0, code, out)
@@ -140,15 +149,8 @@ func TestBackupCommandsTimeout(t *testing.T) {
 // export refuses (a review).
 func TestBackupsExportFailureSaysTheDirectoryIsPartial(t *testing.T) {
 	t.Parallel()
-	root := t.TempDir()
-	url := "file://" + root
-	store, err := gcsbackend.Open(url)
-	require.NoError(t, err)
-	src := t.TempDir()
-	require.NoError(t, os.WriteFile(filepath.Join(src, "f"), []byte("state"), 0o644))
+	_, url := backupOfTrain(t)
 	const backup = "2026-12-05_10-00"
-	require.NoError(t, (&gcsbackend.Backups{Store: store}).Upload(context.Background(), gcsbackend.UploadRequest{
-		Job: "train", Backup: backup, Step: 7, Hash: "D" + strings.Repeat("ab", 32), Source: src}))
 	dir := filepath.Join(t.TempDir(), "export")
 	out, code := runMtcfs(t, "backups", "export", backup, dir, "--backup", url, "--job", "train")
 	require.Equal(t, 1, code, out)

@@ -1537,6 +1537,28 @@ func TestAgentRestartUnderARunningJobStopsIt(t *testing.T) {
 	stopAgent(t, g)
 }
 
+// writeJobYAML writes o's replicator.yaml into dir as the Orbax client does: under a temporary
+// name, renamed into place.
+func writeJobYAML(t *testing.T, dir string, o *jobsim.Orbax) {
+	t.Helper()
+	yaml := filepath.Join(dir, "replicator.yaml")
+	require.NoError(t, os.WriteFile(yaml+".tmp", []byte(o.YAML()), 0o644))
+	require.NoError(t, os.Rename(yaml+".tmp", yaml))
+}
+
+// oneFailedLine waits for dir's replicator.failed and returns its line, which must be the only
+// one (a's log is shown otherwise).
+func oneFailedLine(t *testing.T, dir string, a *agent) string {
+	t.Helper()
+	failed := filepath.Join(dir, "replicator.failed")
+	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
+	data, err := os.ReadFile(failed)
+	require.NoError(t, err)
+	got := strings.Split(strings.TrimSpace(string(data)), "\n")
+	require.Len(t, got, 1, "%s", a.log())
+	return got[0]
+}
+
 // TestAgentRestartInTheRestoreWindowTellsTheJob: an agent restarted after it answered an Orbax
 // job's replicator.yaml but before it published the restore markers leaves the job waiting for
 // markers that will not come (for its 300 s). The next agent tells the job at its start, in
@@ -1555,8 +1577,7 @@ func TestAgentRestartInTheRestoreWindowTellsTheJob(t *testing.T) {
 	// answer it; the restore then waits for the delayed seals.
 	restartJob := func(o *jobsim.Orbax, a *agent) {
 		t.Helper()
-		require.NoError(t, os.WriteFile(yaml+".tmp", []byte(o.YAML()), 0o644))
-		require.NoError(t, os.Rename(yaml+".tmp", yaml))
+		writeJobYAML(t, n.dir, o)
 		repWait(t, 5*time.Second, "the handshake", func() bool { return !pathExists(yaml) })
 		markers, _ := filepath.Glob(filepath.Join(n.dir, "*.restore"))
 		require.Empty(t, markers, "the restore is held by the delayed seal\n%s", a.log())
@@ -1579,9 +1600,7 @@ func TestAgentRestartInTheRestoreWindowTellsTheJob(t *testing.T) {
 
 	t.Setenv(sealDelayEnv, "")
 	b := n.start(t)
-	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
-	got := lines()
-	require.Len(t, got, 1, "%s", b.log())
+	got := []string{oneFailedLine(t, n.dir, b)}
 	assert.Contains(t, got[0], "job=window node=0/1 FATAL the mtcfs agent of this node was restarted while incarnation")
 	assert.Contains(t, got[0], "waited for its restore")
 	assert.Contains(t, got[0], "restart the job")
@@ -1669,7 +1688,6 @@ func TestAgentRestartRightAfterTheMarkersTellsTheJob(t *testing.T) {
 	ctx := repCtx(t)
 	n := newRepNode(t)
 	failed := filepath.Join(n.dir, "replicator.failed")
-	yaml := filepath.Join(n.dir, "replicator.yaml")
 	const job = "after"
 	a := n.start(t)
 	o := orbaxClient(t, n.dir, job, 60)
@@ -1689,8 +1707,7 @@ func TestAgentRestartRightAfterTheMarkersTellsTheJob(t *testing.T) {
 	require.NotEmpty(t, first)
 	// The job restarts: its yaml is answered and its markers are published; it has not seen
 	// them yet when the agent dies.
-	require.NoError(t, os.WriteFile(yaml+".tmp", []byte(o.YAML()), 0o644))
-	require.NoError(t, os.Rename(yaml+".tmp", yaml))
+	writeJobYAML(t, n.dir, o)
 	repWait(t, 10*time.Second, "the markers and their record", func() bool {
 		markers, _ := filepath.Glob(filepath.Join(n.dir, "*.restore"))
 		r := running()
@@ -1698,11 +1715,7 @@ func TestAgentRestartRightAfterTheMarkersTellsTheJob(t *testing.T) {
 	})
 	killAgent(t, a)
 	b := n.start(t)
-	repWait(t, 10*time.Second, "replicator.failed", func() bool { return pathExists(failed) })
-	data, err := os.ReadFile(failed)
-	require.NoError(t, err)
-	got := strings.Split(strings.TrimSpace(string(data)), "\n")
-	require.Len(t, got, 1, "%s", b.log())
+	got := []string{oneFailedLine(t, n.dir, b)}
 	assert.Contains(t, got[0], "job=after node=0/1 FATAL the mtcfs agent of this node was restarted while incarnation")
 	assert.Contains(t, got[0], "had its restore markers published")
 	assert.Contains(t, got[0], "restart the job")
