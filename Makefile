@@ -84,16 +84,19 @@ pjdfstest:
 # crashbench "violations" in one session were this sweep). Under Test* every mount is a test's:
 # one still served (a test binary killed with its agents running) is a leak, detached and reported.
 TEST_BASE = $(patsubst %/,%,$(or $(TMPDIR),/tmp))
+# /proc/mounts writes a space, tab, newline or backslash of a path as an octal escape (\040):
+# unesc gives the path back, so that a TMPDIR with a space in it is swept and checked too.
+UNESCAPE = function unesc(s,  o) { o = ""; while (match(s, /\\[0-7][0-7][0-7]/)) { o = o substr(s, 1, RSTART - 1) sprintf("%c", substr(s, RSTART + 1, 1) * 64 + substr(s, RSTART + 2, 1) * 8 + substr(s, RSTART + 3, 1)); s = substr(s, RSTART + 4) } return o s }
 TEST_MOUNTS = if [ -n "$(TEST_RUN)" ]; then \
-		awk -v d="$(TEST_RUN)/" 'index($$2, d) == 1 {print $$2}' /proc/mounts | sort -r; \
+		awk -v d="$(TEST_RUN)/" '$(UNESCAPE) index(unesc($$2), d) == 1 {print unesc($$2)}' /proc/mounts | sort -r; \
 	else \
-		awk '($$3 == "fuse.mtcfs" || $$1 == "mtcfs-spool") && $$2 ~ "^$(TEST_BASE)/(Test|mtcfs-|make-test\\.)" {print $$2}' /proc/mounts | \
+		awk '$(UNESCAPE) ($$3 == "fuse.mtcfs" || $$1 == "mtcfs-spool") && index(unesc($$2), "$(TEST_BASE)/") == 1 && substr(unesc($$2), length("$(TEST_BASE)/") + 1) ~ /^(Test|mtcfs-|make-test\.)/ {print unesc($$2)}' /proc/mounts | \
 		while read -r m; do \
 			case "$$m" in \
-			$(TEST_BASE)/mtcfs-*) \
+			"$(TEST_BASE)"/mtcfs-*) \
 				for c in /proc/[0-9]*/cmdline; do cat "$$c" 2>/dev/null | tr '\0' '\n' | grep -qxF -- "$$m" && continue 2; done;; \
-			$(TEST_BASE)/make-test.*) \
-				r=$${m\#$(TEST_BASE)/}; p=$$(cat "$(TEST_BASE)/$${r%%/*}/.owner" 2>/dev/null); \
+			"$(TEST_BASE)"/make-test.*) \
+				r=$${m\#"$(TEST_BASE)"/}; p=$$(cat "$(TEST_BASE)/$${r%%/*}/.owner" 2>/dev/null); \
 				[ -n "$$p" ] && kill -0 "$$p" 2>/dev/null && continue;; \
 			esac; \
 			echo "$$m"; \
