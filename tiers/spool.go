@@ -415,7 +415,8 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		opts := "size=" + strconv.FormatInt(size, 10) + ",mode=0700"
 		s.headroomSize = size - cfg.Budget
 		if isTmpfsMount(cfg.Dir) {
-			if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT, opts); err != nil {
+			// A remount sets the mount's flags anew: without these, nosuid and nodev went.
+			if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 				s.unlock()
 				return nil, resizeError(cfg, err)
 			}

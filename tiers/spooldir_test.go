@@ -293,3 +293,25 @@ func TestSpoolGrownForRecords(t *testing.T) {
 	assert.Greater(t, written, int64(MinBudget-(1<<20)), "and about all of it (the records keep a little)")
 	require.NoError(t, s.Detach())
 }
+
+// TestSpoolTmpfsStaysNosuidNodev: the spool tmpfs is mounted nosuid and nodev, and stays so when
+// a restarted agent takes it back and resizes it (a remount sets the mount's flags anew: the
+// resize dropped both, found by a review of the documentation against the binary).
+func TestSpoolTmpfsStaysNosuidNodev(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	dir, mnt := filepath.Join(t.TempDir(), "spool"), filepath.Join(t.TempDir(), "mnt")
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	for i, budget := range []int64{MinBudget, 2 * MinBudget} {
+		s, err := OpenSpool(SpoolConfig{Dir: dir, Budget: budget, MountTmpfs: true, MountPath: mnt})
+		require.NoError(t, err)
+		var st unix.Statfs_t
+		require.NoError(t, unix.Statfs(dir, &st))
+		assert.NotZero(t, st.Flags&unix.ST_NOSUID, "open %d: mount flags %#x: want nosuid", i, st.Flags)
+		assert.NotZero(t, st.Flags&unix.ST_NODEV, "open %d: mount flags %#x: want nodev", i, st.Flags)
+		total, _ := s.Usage()
+		assert.EqualValues(t, budget, total, "open %d: the budget", i)
+		require.NoError(t, s.Detach()) // kept, as by an agent that stops with a step in RAM
+	}
+}
