@@ -73,7 +73,7 @@ func (inc *incarnation) isSealedHere(meta string) bool {
 }
 
 func newIncarnation(parent context.Context, cfg *Config) *incarnation {
-	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring", replicated: -1,
+	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring", committed: -1, replicated: -1,
 		early: map[string]*earlyGroup{}, user: -1, inUse: -1}
 	inc.ctx, inc.cancel = context.WithCancel(parent)
 	return inc
@@ -146,7 +146,10 @@ func (inc *incarnation) restoreDone(step int64, found bool) {
 		inc.inUse = step
 	}
 	inc.sealedHere = nil // the restore's drops are done
-	inc.committed = max(inc.committed, step)
+	// A start from scratch (step 0, not found) committed nothing: committed stays -1.
+	if found {
+		inc.committed = max(inc.committed, step)
+	}
 	inc.mu.Unlock()
 }
 
@@ -253,7 +256,7 @@ func (s *incarnations) takeStartupErrors() []string {
 func (s *incarnations) latest() (committed, replicated, restored int64) {
 	_, last := s.both()
 	if last == nil {
-		return 0, -1, 0
+		return -1, -1, 0
 	}
 	last.mu.Lock()
 	committed, replicated, restored = last.committed, last.replicated, last.restored

@@ -427,8 +427,8 @@ func TestCommitPyTorchWorkers(t *testing.T) {
 	if syncs, _ := h.coord.syncLog(); len(syncs) != 0 {
 		t.Fatalf("step 3 synced with only worker 1 committed: %+v", syncs)
 	}
-	if st := h.r.Status(); st.Committed != 0 {
-		t.Fatalf("step 3 counted as committed (%d) with only worker 1 sealed", st.Committed)
+	if st := h.r.Status(); st.Committed != -1 {
+		t.Fatalf("latest committed %d with only worker 1 of step 3 sealed on a fresh start: want -1 (none yet; step 0 is a step)", st.Committed)
 	}
 
 	// Worker 0 commits a directory renamed into place; now the step is complete.

@@ -130,7 +130,7 @@ func (p *Progress) view() *ProgressView {
 // Status returns a snapshot for `mtcfs status`. Each stage is read under its own lock, one
 // after the other.
 func (r *Replicator) Status() Status {
-	st := Status{Phase: "idle", Rank: -1, Replicated: -1}
+	st := Status{Phase: "idle", Rank: -1, Committed: -1, Replicated: -1}
 	current, last := r.incs.both()
 	job := "" // the job the steps shown are of: the newest incarnation's
 	restored := int64(0)

@@ -38,11 +38,7 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 		if st.Waiting != "" {
 			fmt.Fprintf(w, "  waiting    %s\n", st.Waiting)
 		}
-		repl := "none yet"
-		if st.Replicated >= 0 {
-			repl = fmt.Sprint(st.Replicated)
-		}
-		fmt.Fprintf(w, "  steps      restored %d, latest committed %d, latest replicated on every node %s\n", st.Restored, st.Committed, repl)
+		fmt.Fprintf(w, "  steps      restored %d, latest committed %s, latest replicated on every node %s\n", st.Restored, stepOrNone(st.Committed), stepOrNone(st.Replicated))
 	}
 	for _, s := range st.Steps {
 		fmt.Fprintf(w, "  in RAM     step %d node %d: %s\n", s.Step, s.Rank, s.Data)
@@ -208,4 +204,12 @@ func joinInts(ns []int) string {
 		parts[i] = strconv.Itoa(n)
 	}
 	return strings.Join(parts, ", ")
+}
+
+// stepOrNone writes a step, or "none yet" for -1 (no step yet: step 0 is a step).
+func stepOrNone(step int64) string {
+	if step < 0 {
+		return "none yet"
+	}
+	return fmt.Sprint(step)
 }

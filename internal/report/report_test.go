@@ -48,6 +48,12 @@ func TestStatus(t *testing.T) {
 		assert.Contains(t, out, want)
 	}
 
+	// A job that has committed nothing yet: not "latest committed 0", which is a step.
+	var fresh strings.Builder
+	Status(&fresh, info, tiers.Status{Incarnation: "inc", Job: "j", Framework: "orbax", Rank: 0, Nodes: 1, Phase: "running",
+		Committed: -1, Replicated: -1, Spool: spool})
+	assert.Contains(t, fresh.String(), "  steps      restored 0, latest committed none yet, latest replicated on every node none yet\n")
+
 	// A backup whose size is not known yet (its files not listed): no "0B of 0B (0%)".
 	var starting strings.Builder
 	Status(&starting, info, tiers.Status{Spool: spool, Replicated: -1,
