@@ -385,7 +385,7 @@ const backupProbeTimeout = 30 * time.Second
 // missing credentials or a wrong bucket would otherwise show only when a job starts (its restore
 // reads the location first, and fails). The agent serves either way: the location may come back.
 // It returns the function that ends the probe.
-func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration, readOnly bool) (stop func()) {
+func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration, loc backupPlace) (stop func()) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	done := make(chan struct{})
 	go func() { // ends with ctx
@@ -394,8 +394,10 @@ func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration, r
 		// many objects the location holds.
 		_, _, err := b.Store.List(ctx, ".mtcfs-probe/", "/")
 		switch {
+		case err == nil && loc.missing:
+			// Warned of above: "can be read" would reassure a user whose path is mistyped.
 		case err == nil:
-			if readOnly {
+			if loc.readOnly {
 				slog.Info("the backup location can be read, not written (above)", "backup", rawURL)
 			} else {
 				slog.Info("the backup location can be read", "backup", rawURL)
@@ -414,16 +416,29 @@ func probeBackups(b *gcsbackend.Backups, rawURL string, timeout time.Duration, r
 	}
 }
 
+// backupPlace is what the start found of a file:// backup location (warnVolatileBackups).
+type backupPlace struct {
+	readOnly bool // the agent may not write there
+	missing  bool // the directory does not exist yet
+}
+
 // warnVolatileBackups warns when a file:// backup location is in RAM (tmpfs, ramfs): the backups
-// are what restores a job after its nodes are lost, and these would be lost with them; and when
-// the agent may not write there.
-func warnVolatileBackups(rawURL string) (readOnly bool) {
+// are what restores a job after its nodes are lost, and these would be lost with them; when
+// the agent may not write there; and when the directory does not exist (a mistyped path, or the
+// disk it is on not mounted: the start said "can be read", found by a review).
+func warnVolatileBackups(rawURL string) (loc backupPlace) {
 	u, err := url.Parse(rawURL)
 	if err != nil || u.Scheme != "file" || u.Path == "" {
 		return
 	}
 	var st unix.Statfs_t // of the directory, or of the ancestor it will be made in
-	existing, _ := resolveExisting(filepath.Clean(u.Path))
+	existing, rest := resolveExisting(filepath.Clean(u.Path))
+	if rest != "" {
+		loc.missing = true
+		slog.Warn("the backup directory does not exist yet: the first backup makes it, and a restore finds no backup there; "+
+			"if it should exist (a mistyped path, the disk it is on not mounted), stop the agent and fix --backup",
+			"backup", rawURL, "missing", rest, "under", existing)
+	}
 	if unix.Statfs(existing, &st) != nil {
 		return
 	}
@@ -432,7 +447,7 @@ func warnVolatileBackups(rawURL string) (readOnly bool) {
 		// the first backup failed (found by a black-box run).
 		slog.Warn("the backup location cannot be written by this agent: every backup will fail until it can; give a directory its user may write to",
 			"backup", rawURL, "dir", existing, "err", err)
-		readOnly = true
+		loc.readOnly = true
 	}
 	switch {
 	case st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC:
@@ -440,7 +455,7 @@ func warnVolatileBackups(rawURL string) (readOnly bool) {
 	case st.Type == unix.FUSE_SUPER_MAGIC && inMtcfsMount(existing):
 		slog.Warn("the backup location is inside another mtcfs mount, whose files live in that agent's RAM: its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
 	}
-	return readOnly
+	return loc
 }
 
 // inMtcfsMount reports whether the path p is inside an mtcfs mount: the deepest mount point at
@@ -612,8 +627,8 @@ func runMount(cfg mountConfig) error {
 	if err != nil {
 		return err
 	}
-	readOnly := warnVolatileBackups(cfg.backupURL)
-	defer probeBackups(backups, cfg.backupURL, backupProbeTimeout, readOnly)()
+	loc := warnVolatileBackups(cfg.backupURL)
+	defer probeBackups(backups, cfg.backupURL, backupProbeTimeout, loc)()
 	backups.Compress = cfg.compress
 	if abs, err := filepath.Abs(cfg.spoolDir); err == nil && abs == tiers.DefaultSpoolDir(cfg.dir) {
 		cfg.spoolDefault = true // --spool naming the default one

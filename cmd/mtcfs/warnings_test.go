@@ -131,7 +131,7 @@ func TestBackupLocationNotWritable(t *testing.T) {
 	require.NoError(t, unix.Mount("mtcfs-test-ro", ro, "tmpfs", unix.MS_RDONLY, "size=1m"))
 	t.Cleanup(func() { unix.Unmount(ro, unix.MNT_DETACH) })
 	n := newRepNode(t)
-	n.backup = "file://" + filepath.Join(ro, "sub")
+	n.backup = "file://" + ro
 	a := n.start(t)
 	assert.Contains(t, a.log(), "the backup location cannot be written by this agent")
 	repWait(t, 10*time.Second, "the probe's line", func() bool { return strings.Contains(a.log(), "the backup location can be read") })
@@ -141,6 +141,27 @@ func TestBackupLocationNotWritable(t *testing.T) {
 	n.backup = ""
 	b := n.start(t)
 	assert.NotContains(t, b.log(), "cannot be written")
+	stopAgent(t, b)
+}
+
+// TestBackupLocationMissing: a file:// directory that does not exist (a mistyped path, a disk not
+// mounted) is warned of at start, and the probe does not say "can be read" (it did, found by a
+// review); an existing one is not warned of.
+func TestBackupLocationMissing(t *testing.T) {
+	needRoot(t)
+	const warning = "the backup directory does not exist yet"
+	n := newRepNode(t)
+	n.backup = "file://" + filepath.Join(t.TempDir(), "bakcups")
+	a := n.start(t)
+	assert.Contains(t, a.log(), warning)
+	assert.Contains(t, a.log(), "missing=bakcups")
+	stopAgent(t, a) // the probe has ended when the agent has
+	assert.NotContains(t, a.log(), "the backup location can be read")
+
+	n.backup = "file://" + t.TempDir()
+	b := n.start(t)
+	repWait(t, 10*time.Second, "the probe's line", func() bool { return strings.Contains(b.log(), "the backup location can be read") })
+	assert.NotContains(t, b.log(), warning)
 	stopAgent(t, b)
 }
 
