@@ -433,7 +433,10 @@ func warnVolatileBackups(rawURL string) (loc backupPlace) {
 	}
 	var st unix.Statfs_t // of the directory, or of the ancestor it will be made in
 	existing, rest := resolveExisting(filepath.Clean(u.Path))
-	if rest != "" {
+	if rest != "" && rawURL == gcsbackend.DefaultURL() {
+		loc.missing = true
+		slog.Info("the default backup directory is made at the first backup", "backup", rawURL)
+	} else if rest != "" {
 		loc.missing = true
 		slog.Warn("the backup directory does not exist yet: the first backup makes it, and a restore finds no backup there; "+
 			"if it should exist (a mistyped path, the disk it is on not mounted), stop the agent and fix --backup",

@@ -163,6 +163,15 @@ func TestBackupLocationMissing(t *testing.T) {
 	repWait(t, 10*time.Second, "the probe's line", func() bool { return strings.Contains(b.log(), "the backup location can be read") })
 	assert.NotContains(t, b.log(), warning)
 	stopAgent(t, b)
+
+	// The default location (--backup not given) on a fresh machine is no mistake: told, not warned.
+	home := filepath.Join(t.TempDir(), "fresh-home")
+	n.prefix = []string{"env", "XDG_DATA_HOME=" + home}
+	n.backup = "file://" + filepath.Join(home, "mtcfs", "backups") // what the agent takes without --backup
+	c := n.start(t)
+	assert.Contains(t, c.log(), "the default backup directory is made at the first backup")
+	assert.NotContains(t, c.log(), warning)
+	stopAgent(t, c)
 }
 
 // TestMountOverOtherMounts: an agent started on the parent of another agent's mount is refused,
