@@ -52,6 +52,12 @@ func cmdStatus(args []string) int {
 	replies := []json.RawMessage{} // --json: [] when no agent answered, not null
 	code := 0
 	for _, a := range targets {
+		if a.HTTP == "" && a.PID != 0 {
+			// Started with --http "": it answers nobody (it said "http: no Host in request URL").
+			fmt.Fprintf(os.Stderr, "mtcfs status: the agent of %s (pid %d) serves no HTTP endpoint (started with --http \"\"): its status is in its log; restart it with --http HOST:PORT to ask it\n", a.Dir, a.PID)
+			code = 1
+			continue
+		}
 		body, err := agents.FetchStatus(a.HTTP)
 		if err != nil {
 			switch {

@@ -232,3 +232,16 @@ func TestStatusJSONOfNoAgent(t *testing.T) {
 	assert.Equal(t, "[]\n", stdout.String())
 	assert.Contains(t, stderr.String(), "mtcfs status: agent at "+addr)
 }
+
+// TestStatusOfAnAgentWithoutHTTP: `mtcfs status DIR` of an agent started with --http "" says it
+// serves no HTTP endpoint (it printed `Get "http:///status": http: no Host in request URL`).
+func TestStatusOfAnAgentWithoutHTTP(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t, "--http", "")
+	out, code := runMtcfs(t, "status", n.dir)
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "serves no HTTP endpoint (started with --http \"\")")
+	assert.NotContains(t, out, "no Host")
+	stopAgent(t, a)
+}
