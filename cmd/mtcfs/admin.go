@@ -225,8 +225,7 @@ func cmdBackups(args []string) int {
 		return cmdBackupsDelete(args[1:])
 	}
 	if len(args) == 0 || (args[0] != "list" && args[0] != "verify") {
-		fmt.Fprintf(os.Stderr, "Usage: %s\n", synopsis)
-		return 2
+		return subcommandUsage("backups", synopsis, args)
 	}
 	verb := args[0]
 	f, _ := backupFlags("backups "+verb, synopsis)
@@ -373,8 +372,7 @@ func emptyOrMissing(dir string) bool {
 func cmdRestoreVersion(args []string) int {
 	const synopsis = "mtcfs restore-version set NAME|clear --backup URL --job NAME"
 	if len(args) == 0 || (args[0] != "set" && args[0] != "clear") {
-		fmt.Fprintf(os.Stderr, "Usage: %s\n", synopsis)
-		return 2
+		return subcommandUsage("restore-version", synopsis, args)
 	}
 	f, _ := backupFlags("restore-version "+args[0], synopsis)
 	pos, b, code := f.open(args[1:])

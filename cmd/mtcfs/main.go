@@ -16,7 +16,7 @@ const usage = `mtcfs — multi-tier checkpointing filesystem
 Usage:
   mtcfs mount DIR [--backup URL] [--backup-compress auto|off] [--memory SIZE] [--spool DIR] [--passthrough auto|on|off]
                   [--listen HOST:PORT] [--advertise HOST:PORT] [--peers RANK=HOST:PORT,...]
-                  [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F]
+                  [--peer-secret-file F] [--peer-tls-cert F --peer-tls-key F --peer-tls-ca F] [--peer-compress auto|on|off]
                   [--rank N --jax-coordinator HOST:PORT] [--http HOST:PORT] [--log-format json|text]
                   [--xattrs] [--debug-fuse] [--drain-timeout DURATION] [--takeover-after DURATION] [--go-memory-limit auto|off|SIZE]
                   [--heap-huge-pages SIZE|off]
@@ -26,6 +26,7 @@ Usage:
   mtcfs backups export NAME DIR --backup URL --job NAME   a backup's plain files, for other tools
   mtcfs backups delete NAME --backup URL --job NAME [--force]   remove an INCOMPLETE backup
   mtcfs restore-version set NAME|clear --backup URL --job NAME
+                                          (backups and restore-version: --timeout DURATION gives up after that long)
   mtcfs spool list [--json]               kept RAM spools: mount path, job, steps, bytes, agent
   mtcfs spool free PATH|--orphaned        free a mount's (or a spool directory's) kept spool,
                                           or every spool whose mount directory is gone

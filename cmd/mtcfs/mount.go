@@ -102,10 +102,10 @@ func cmdMount(args []string) int {
 	memory := fset.String("memory", "", "RAM budget for checkpoint bytes, e.g. 512MiB, 8GiB, 2G or bytes (default: half of physical memory)")
 	spoolDir := fset.String("spool", "", "spool directory holding checkpoint bytes (default: derived from DIR, under /dev/shm/mtcfs)")
 	passthrough := fset.String("passthrough", "auto", "FUSE passthrough for file data: auto, on or off")
-	httpAddr := fset.String("http", "127.0.0.1:0", "serve /livez, /readyz and /status on HOST:PORT (port 0 picks a free port; \"\" turns it off)")
+	httpAddr := fset.String("http", "127.0.0.1:0", "serve /livez, /readyz, /status (for mtcfs status) and /metrics (Prometheus) on HOST:PORT (port 0 picks a free port; \"\" turns it off)")
 	backup := fset.String("backup", gcsbackend.DefaultURL(), "backup location: file:///abs/dir or gs://bucket[/prefix]")
 	peerCompress := replication.CompressAuto
-	fset.Var(&peerCompress, "peer-compress", "compress checkpoint chunks sent to peers: auto (only when the link to a peer is measured slower than this machine's codec; loopback and fast NICs stay uncompressed), on or off")
+	fset.Var(&peerCompress, "peer-compress", "compress checkpoint chunks sent to peers: auto (only when the link to a peer is measured slower than this machine's codec; loopback and fast NICs stay uncompressed), on or off (default auto)")
 	compress := fset.String("backup-compress", "off", "backup data: auto stores files compressed where that pays (float tensors; Orbax cannot open such objects directly, see mtcfs backups export), off keeps every object as the job wrote it; use the same on every agent of a job")
 	rank := fset.Int("rank", -1, "this node's rank, written to jax-init-info.txt with --jax-coordinator")
 	jaxCoord := fset.String("jax-coordinator", "", "JAX coordinator HOST:PORT for jax-init-info.txt (with --rank)")

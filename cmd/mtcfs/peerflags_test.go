@@ -145,10 +145,31 @@ func TestFlagErrorIsSaidOnceAndLast(t *testing.T) {
 		out, code := runMtcfs(t, args...)
 		require.Equal(t, 2, code, "%v\n%s", args, out)
 		assert.Equal(t, 1, strings.Count(out, "Usage: mtcfs "), "%v: the usage once\n%s", args, out)
+		assert.NotContains(t, out, "Flags:", "%v: the synopsis, not every flag before the problem", args)
+		assert.Contains(t, out, "--help describes the flags", args)
 		lines := strings.Split(strings.TrimSpace(out), "\n")
 		assert.Regexp(t, `^mtcfs (mount|backups list): .*(invalid value "5" for flag -drain-timeout|flag provided but not defined: -bogus|flag provided but not defined: -nope|the mount directory is empty \(an unset variable\?\))`, lines[len(lines)-1], "%v: the problem last", args)
 	}
 	out, code := runMtcfs(t, "mount", "-h")
 	assert.Equal(t, 0, code)
 	assert.Equal(t, 1, strings.Count(out, "Usage: mtcfs mount"), out)
+	assert.Contains(t, out, "Flags:\n", "--help describes every flag")
+	assert.Contains(t, out, "-peer-compress", "--help describes every flag")
+}
+
+// TestUnknownSubcommandIsNamed: a command with subcommands names a word it does not know (it
+// printed only its synopsis), asks for one when none is given, and its --help exits 0 (backups
+// and restore-version exited 2, spool 0).
+func TestUnknownSubcommandIsNamed(t *testing.T) {
+	for _, cmd := range []string{"backups", "spool", "restore-version"} {
+		out, code := runMtcfs(t, cmd, "bogus")
+		assert.Equal(t, 2, code, out)
+		assert.Contains(t, out, "mtcfs "+cmd+": unknown subcommand \"bogus\"")
+		out, code = runMtcfs(t, cmd)
+		assert.Equal(t, 2, code, out)
+		assert.Contains(t, out, "mtcfs "+cmd+": a subcommand is needed")
+		out, code = runMtcfs(t, cmd, "--help")
+		assert.Equal(t, 0, code, out)
+		assert.Contains(t, out, "Usage: mtcfs "+cmd)
+	}
 }

@@ -31,11 +31,7 @@ var localSpools = tiers.Spools{Users: func() ([]tiers.SpoolUser, error) {
 
 func cmdSpool(args []string) int {
 	if len(args) == 0 || (args[0] != "list" && args[0] != "free") {
-		fmt.Fprintf(os.Stderr, "Usage: %s\n", spoolSynopsis)
-		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
-			return 0
-		}
-		return 2
+		return subcommandUsage("spool", spoolSynopsis, args)
 	}
 	if args[0] == "list" {
 		return cmdSpoolList(args[1:])
