@@ -204,14 +204,14 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 				plan.Errors = append(plan.Errors, shapeLine(shaped),
 					fmt.Sprintf("restore.version names backup %q, of a job of another shape: starting from scratch (start the job with that shape, pin another backup with mtcfs restore-version set, or clear the pin)", pin))
 			case errors.Is(err, ErrNoBackup):
-				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which does not exist in %s: starting from scratch", pin, store))
+				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which does not exist in %s: starting from scratch"+pinLost, pin, store))
 			case err != nil:
 				return plan, fmt.Errorf("check pinned backup %s: %w", pin, CauseFirst(ctx, err))
 			case len(steps) == 0 && len(damaged) > 0:
 				plan.Errors = append(plan.Errors, damageLine(cfg, store, pin, damaged[0]),
 					fmt.Sprintf("restore.version names backup %q, which has no intact step: starting from scratch (pin another backup with mtcfs restore-version set, or clear the pin)", pin))
 			case len(steps) == 0:
-				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which is incomplete: starting from scratch", pin))
+				plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version names backup %q, which is incomplete: starting from scratch"+pinLost, pin))
 			default:
 				plan.Step, plan.Found, plan.Backup, plan.Data = steps[0].Step, true, pin, steps[0].Data
 				var passed passedOver
@@ -618,3 +618,8 @@ func sortedSlots[V any](m map[Slot]V) []Slot {
 	})
 	return out
 }
+
+// pinLost ends the line of a pin that sends the job to scratch: what that costs, and what to do
+// (the line said only "starting from scratch", found by a review).
+const pinLost = " (the job's steps in the nodes' RAM are dropped with the timeline it leaves; its backups stay: " +
+	"mtcfs backups list shows them; pin one with mtcfs restore-version set, which refuses a missing or incomplete backup, or clear the pin)"
