@@ -1169,9 +1169,16 @@ func takeRoot(path string) error {
 // spool was such a tmpfs, just unmounted: its content went with it, and the directory below is
 // only removed if empty (whatever it holds was there before a tmpfs hid it). Otherwise the spool
 // was the directory itself: its spool entries go, then the directory. Anything else stays, and so
-// does the directory: those are not the agent's to remove (see checkSpoolDir).
+// does the directory: those are not the agent's to remove (see checkSpoolDir). A --spool given as
+// a symlink stays, and so does the directory it names: the user's (the link was removed, and
+// the next start made a plain directory in its place, found by a review).
 func removeSpoolDir(dir string, unmounted bool) error {
+	fi, err := os.Lstat(dir)
+	link := err == nil && fi.Mode()&os.ModeSymlink != 0
 	if unmounted {
+		if link {
+			return nil
+		}
 		err := os.Remove(dir)
 		if err == nil || errors.Is(err, os.ErrNotExist) {
 			return nil
@@ -1199,6 +1206,9 @@ func removeSpoolDir(dir string, unmounted bool) error {
 	}
 	if len(foreign) > 0 {
 		return fmt.Errorf("spool %s: its own entries removed; the directory stays, it holds entries that are not a spool's (%s)", dir, listSome(foreign, 5))
+	}
+	if link {
+		return nil
 	}
 	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove spool %s: %w", dir, err)

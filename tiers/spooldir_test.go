@@ -315,3 +315,26 @@ func TestSpoolTmpfsStaysNosuidNodev(t *testing.T) {
 		require.NoError(t, s.Detach()) // kept, as by an agent that stops with a step in RAM
 	}
 }
+
+// TestSpoolGivenAsASymlinkStays: a --spool given as a symlink to a directory of the user's is
+// used through it, and freeing the spool leaves the link and the directory: the link was
+// removed, and the next start made a plain directory in its place (found by a review).
+func TestSpoolGivenAsASymlinkStays(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	for _, tmpfs := range []bool{true, false} {
+		target, link := t.TempDir(), filepath.Join(t.TempDir(), "spool")
+		require.NoError(t, os.Symlink(target, link))
+		t.Cleanup(func() { unix.Unmount(target, unix.MNT_DETACH) })
+		for i := range 2 {
+			s, err := OpenSpool(SpoolConfig{Dir: link, Budget: MinBudget, MountTmpfs: tmpfs, MountPath: filepath.Join(t.TempDir(), "mnt")})
+			require.NoError(t, err, "tmpfs %v, open %d", tmpfs, i)
+			require.NoError(t, s.Close(), "tmpfs %v, open %d", tmpfs, i)
+			fi, err := os.Lstat(link)
+			require.NoError(t, err, "tmpfs %v, open %d: the link stays", tmpfs, i)
+			assert.NotZero(t, fi.Mode()&os.ModeSymlink, "tmpfs %v, open %d: still a symlink", tmpfs, i)
+			assert.DirExists(t, target, "tmpfs %v, open %d: the user's directory stays", tmpfs, i)
+		}
+	}
+}
