@@ -19,6 +19,7 @@ func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 type handshake struct {
 	*node
 	getenv   func(string) string
+	checkJob func(*Config) error // ReplicatorConfig.CheckJob
 	incs     *incarnations
 	lines    *jobLines
 	recorder *commitRecorder // names waiting for sealing stay in the namespace
@@ -45,6 +46,10 @@ func (h *handshake) answer() {
 	refused := false // valid, but not a job this agent can serve
 	if checker, ok := h.restorer.coord.(JobChecker); ok && err == nil {
 		err = checker.CheckJob(cfg)
+		refused = err != nil
+	}
+	if h.checkJob != nil && err == nil {
+		err = h.checkJob(cfg)
 		refused = err != nil
 	}
 

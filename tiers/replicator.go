@@ -46,6 +46,10 @@ type ReplicatorConfig struct {
 	// KeptSpools lists this machine's orphaned spools (Spools.Orphaned), so that a restore that finds less
 	// than a kept spool of the job holds, where no agent serves it, says so; nil: none looked at.
 	KeptSpools func() ([]SpoolInfo, error)
+	// CheckJob, when set, refuses (in replicator.failed) a valid job this agent cannot serve
+	// from how it was started: a file:// backup location whose directory for the job holds the
+	// mount (its backups would go into the agent's own RAM).
+	CheckJob func(cfg *Config) error
 }
 
 // DefaultRestoreWait is ReplicatorConfig.RestoreWait's default: the Orbax client's 300 s,
@@ -254,7 +258,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	// The start of each incarnation: the handshake answers replicator.yaml and starts the
 	// restore, which waits until what was committed before is sealed, restores, starts the
 	// incarnation's backup loop and queues the restored step to the syncer.
-	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines,
+	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines, checkJob: cfg.CheckJob,
 		recorder: r.recorder, restorer: &restorer{node: n, coord: cfg.Coordinator, store: cfg.Store, peers: cfg.Peers,
 			incs: r.incs, lines: r.lines, retention: r.retention, recorder: r.recorder, backups: r.backups, synced: syncQ,
 			keptSpools: cfg.KeptSpools}}

@@ -455,8 +455,6 @@ func warnVolatileBackups(rawURL string) (loc backupPlace) {
 	switch {
 	case st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC:
 		slog.Warn("the backup location is in RAM (tmpfs): its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
-	case st.Type == unix.FUSE_SUPER_MAGIC && inMtcfsMount(existing):
-		slog.Warn("the backup location is inside another mtcfs mount, whose files live in that agent's RAM: its backups do not survive a reboot or the node's loss; give a directory on a disk, or gs://", "backup", rawURL)
 	}
 	return loc
 }
@@ -528,6 +526,47 @@ func checkBackupPlacement(dir, rawURL string) error {
 	}
 	if within(resolvedPath(filepath.Clean(u.Path)), resolvedPath(dir)) {
 		return fmt.Errorf("--backup %s is inside the mount directory %s: backups written there would live in the agent's RAM, behind its own mount, and be lost with it; give a directory outside it, on a disk, or gs://", rawURL, dir)
+	}
+	// Another agent's mount: it was only warned of, and that agent's job removed the backups
+	// at its next start, as names of its namespace it did not know (found by a black-box run).
+	if existing, _ := resolveExisting(filepath.Clean(u.Path)); inMtcfsMount(existing) {
+		return fmt.Errorf("--backup %s is inside another agent's mtcfs mount: its files live in that agent's RAM, and that agent's job removes what it does not know there at its next start; give a directory on a disk, or gs://", rawURL)
+	}
+	return nil
+}
+
+// backupJobCheck refuses a job whose directory in a file:// backup location (<root>/<job>) holds
+// the mount directory dir: a location above the mount is fine for other jobs, but a job named
+// like the directory on the way backed up into its own mount, the agent's RAM, and said
+// "backup complete" (found by a black-box run). nil for other locations.
+func backupJobCheck(dir, rawURL string) func(*tiers.Config) error {
+	u, err := url.Parse(rawURL)
+	if err != nil || u.Scheme != "file" || u.Path == "" {
+		return nil
+	}
+	root := resolvedPath(filepath.Clean(u.Path))
+	if !within(dir, root) {
+		return nil
+	}
+	return func(cfg *tiers.Config) error {
+		jobDir := filepath.Join(root, cfg.JobName)
+		if !within(dir, jobDir) {
+			return nil
+		}
+		return fmt.Errorf("job-name: %s: this job's backups would go to %s, which holds the mount directory %s: they would live in the agent's RAM, behind its own mount, and be lost with it; give the job another name, or the agents a --backup directory that does not hold the mount",
+			cfg.JobName, jobDir, dir)
+	}
+}
+
+// checkBackupBesideSpool refuses a file:// backup location at or below the spool: the backups
+// took the job's RAM budget, and freeing the spool deleted them (found by a black-box run).
+func checkBackupBesideSpool(spool, rawURL string) error {
+	u, err := url.Parse(rawURL)
+	if err != nil || u.Scheme != "file" || u.Path == "" {
+		return nil
+	}
+	if within(resolvedPath(filepath.Clean(u.Path)), resolvedPath(spool)) {
+		return fmt.Errorf("--backup %s is inside the spool %s: backups written there would take the job's RAM budget and go when the spool is freed; give a directory outside it, on a disk, or gs://", rawURL, spool)
 	}
 	return nil
 }
@@ -651,6 +690,9 @@ func runMount(cfg mountConfig) error {
 	if err := checkSpoolPlacement(cfg.dir, cfg.spoolDir); err != nil {
 		return err
 	}
+	if err := checkBackupBesideSpool(cfg.spoolDir, cfg.backupURL); err != nil {
+		return err
+	}
 	reapAgain := localSpools.ReapOrphaned(cfg.spoolDir, slog.Default())
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: cfg.spoolDir, Budget: cfg.budget, MountTmpfs: os.Geteuid() == 0, MountPath: cfg.dir})
 	if err != nil {
@@ -688,7 +730,8 @@ func runMount(cfg mountConfig) error {
 		beforeSeal = func(int64) { time.Sleep(d) }
 	}
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
-		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, KeptSpools: localSpools.Orphaned})
+		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, KeptSpools: localSpools.Orphaned,
+		CheckJob: backupJobCheck(cfg.dir, cfg.backupURL)})
 	var ready atomic.Bool
 	info := agents.Info{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
 	var shown atomic.Pointer[agents.Info] // what /status shows; info is completed below

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/mtcfs/mtcfs/internal/agents"
+	"github.com/mtcfs/mtcfs/internal/jobsim"
 	"github.com/mtcfs/mtcfs/tiers"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -615,4 +616,40 @@ func TestMountDirMovedWhileStopped(t *testing.T) {
 		require.NotContains(t, l, "no agent serves it", "the spool served is not an orphan")
 	}
 	stopAgent(t, c)
+}
+
+// TestBackupIntoTheMountIsRefused: a file:// location may hold the mount directory (backups go
+// to <root>/<job>), but a job named like the directory on the way would back up into its own
+// mount, the agent's RAM: it is refused in replicator.failed (it was served, and said "backup
+// complete", found by a black-box run), while a job of another name is served. A location
+// inside the spool is refused at start: backups took the job's budget and went with the spool.
+func TestBackupIntoTheMountIsRefused(t *testing.T) {
+	needRoot(t)
+	base := t.TempDir()
+	n := repNode{dir: filepath.Join(base, "llama", "ckpt"), spool: filepath.Join(t.TempDir(), "spool"), backup: "file://" + base}
+	require.NoError(t, os.MkdirAll(n.dir, 0o755))
+	a := n.start(t)
+	writeJobYAML(t, n.dir, &jobsim.Orbax{Dir: n.dir, Job: "llama", Nodes: 1, BackupIntervalMinutes: 1})
+	line := oneFailedLine(t, n.dir, a)
+	assert.Contains(t, line, "FATAL job-name: llama: this job's backups would go to "+filepath.Join(base, "llama")+", which holds the mount directory "+n.dir)
+	require.NoError(t, os.Remove(filepath.Join(n.dir, "replicator.failed")))
+	repWait(t, 10*time.Second, "the refused yaml gone", func() bool { return !pathExists(filepath.Join(n.dir, "replicator.yaml")) })
+
+	// Another name: its backups go beside the mount, and it is served.
+	o := &jobsim.Orbax{Dir: n.dir, Job: "alpaca", Nodes: 1, BackupIntervalMinutes: 1}
+	writeJobYAML(t, n.dir, o)
+	repWait(t, 10*time.Second, "the s0 marker", func() bool {
+		m, _ := filepath.Glob(filepath.Join(n.dir, "*.restore"))
+		return len(m) > 0
+	})
+	assert.NoFileExists(t, filepath.Join(n.dir, "replicator.failed"))
+	stopAgent(t, a)
+
+	// Inside the spool.
+	spool := filepath.Join(t.TempDir(), "spool")
+	backup := "file://" + filepath.Join(spool, "backups")
+	out, code := runBounded(t, 30*time.Second, "mount", n.dir, "--backup", backup, "--memory", "64MiB", "--spool", spool)
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "--backup "+backup+" is inside the spool "+spool)
+	assert.False(t, isMounted(n.dir), "nothing is mounted")
 }
