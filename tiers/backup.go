@@ -128,7 +128,7 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 	b.active.Add(1)
 	b.mu.Unlock()
 	defer b.active.Done()
-	unkeep := b.retention.keepStep(o.Step)
+	unkeep := b.retention.keepStep(cfg.JobName, o.Step)
 	defer func() {
 		unkeep()
 		b.retention.retain(cfg)

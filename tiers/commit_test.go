@@ -1,6 +1,7 @@
 package tiers_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -176,6 +177,66 @@ func TestOtherJobsDataIsFreed(t *testing.T) {
 	if len(errs) != 1 || !strings.Contains(errs[0], "job-s3-n0-w0.meta") || !strings.Contains(errs[0], "freed") {
 		t.Errorf("replicator.errors = %q, want one line naming the freed checkpoint", errs)
 	}
+	// No backup held it: the line says so (it read the same whether or not one did).
+	if len(errs) == 1 && !strings.Contains(errs[0], "step(s) 3 of job job were in no backup this node completed") {
+		t.Errorf("replicator.errors = %q, want it to say step 3 was in no backup", errs)
+	}
+}
+
+// TestOtherJobsStepBeingBackedUpIsFreedAfterItsBackup: another job's step whose backup is
+// uploading when a job negotiates on the mount is kept until the backup ends, then freed. Freed
+// at once, it was neither in RAM nor yet in the backup when its job came back a moment later
+// (its name mistyped once), and that job started from scratch (found by a black-box run).
+func TestOtherJobsStepBeingBackedUpIsFreedAfterItsBackup(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	gate := make(chan struct{})
+	store.setBeforeUpload(func(ctx context.Context, _ tiers.Upload) error {
+		select {
+		case <-gate:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	})
+	h := newHarness(t, harnessConfig{store: store})
+	job := withKeys("backup-interval-steps: 1", "-backup-interval-minutes")
+	other := strings.Replace(job, "job-name: job", "job-name: other", 1)
+	meta := marker("job", 3, 0, 0, layout.MarkerMeta)
+	h.start(job, "job")
+	hash := h.orbaxSave(3, checkpointFiles("3"))
+	h.waitSealed("job", 3, "3")
+	h.eventually("the backup's upload", func() string {
+		if n, _, _ := store.counts(); n == 0 {
+			return "no upload yet"
+		}
+		return ""
+	})
+
+	h.yamlOrbax(other) // the job restarted under another name
+	h.waitMarkers(marker("other", 0, 0, 0, layout.MarkerRestore))
+	if !h.exists(hash+".data") || !h.exists(meta) {
+		t.Fatalf("step 3 of job 'job', being backed up, was freed: %q", h.names())
+	}
+	if errs := h.lines(layout.ReplicatorErrorsName); len(errs) != 1 || !strings.Contains(errs[0], "holds step 3 of job job, being backed up: freed once the backup ends") {
+		t.Errorf("replicator.errors = %q, want the line saying step 3 is freed once its backup ends", errs)
+	}
+	h.yamlOrbax(job) // back under its name before the backup ended: step 3 is restored
+	h.waitMarkers(marker("job", 3, 0, 0, layout.MarkerRestore))
+
+	h.yamlOrbax(other)
+	h.waitMarkers(marker("other", 0, 0, 0, layout.MarkerRestore))
+	time.Sleep(50 * time.Millisecond)
+	if !h.exists(hash + ".data") {
+		t.Fatalf("step 3 freed while its backup still runs: %q", h.names())
+	}
+	close(gate) // the backup ends: step 3 goes
+	h.eventually("step 3 of job 'job' freed once its backup ended", func() string {
+		if h.exists(hash+".data") || h.exists(meta) || len(h.spoolEntries("sealed/*")) != 0 {
+			return fmt.Sprintf("still there: %q", h.names())
+		}
+		return ""
+	})
 }
 
 // TestRestoreLinesInOneWrite: the lines a restore has for the job (here: another job's steps

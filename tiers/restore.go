@@ -1,9 +1,11 @@
 package tiers
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -260,27 +262,106 @@ func (r *restorer) run(inc *incarnation) {
 // It runs once every node negotiated the job, not at the handshake: one rank started with a
 // mistyped job-name freed the real job's steps there before the coordinator refused it, and
 // the job, its yaml fixed, restored an older step (found by a black-box run).
+// A step being backed up is freed once its backup ends (freeAfterBackups): one freed while it
+// uploaded was not in RAM, nor yet in the backup, when its job came back a moment later (its
+// name mistyped once), which started from scratch (found by a black-box run).
 func (r *restorer) freeOtherJobs(inc *incarnation) (line string) {
 	cfg := inc.Config
-	names := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool { return m.Job != cfg.JobName })
-	if len(names) == 0 {
+	var later []jobStep
+	names := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool {
+		if m.Job == cfg.JobName {
+			return false
+		}
+		if k := (jobStep{m.Job, m.Step}); r.retention.backingUp[k] > 0 { // called with mu held
+			if !slices.Contains(later, k) {
+				later = append(later, k)
+			}
+			return false
+		}
+		return true
+	})
+	if len(names) == 0 && len(later) == 0 {
 		return ""
 	}
-	r.retention.retain(cfg) // frees the data no kept .meta names
+	var parts []string
+	if len(names) > 0 {
+		r.retention.retain(cfg) // frees the data no kept .meta names
+		parts = append(parts, fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName))
+		parts = append(parts, r.recordFreed(cfg.JobName, names)...)
+		r.log.Warn("freed checkpoints of other jobs", "metas", names, "job", cfg.JobName)
+	}
+	if len(later) > 0 {
+		slices.SortFunc(later, func(a, b jobStep) int { return cmp.Or(strings.Compare(a.job, b.job), cmp.Compare(a.step, b.step)) })
+		var what []string
+		for _, k := range later {
+			what = append(what, fmt.Sprintf("step %d of job %s", k.step, k.job))
+		}
+		parts = append(parts, fmt.Sprintf("this node's RAM holds %s, being backed up: freed once the backup ends (this mount now serves job %s)", strings.Join(what, ", "), cfg.JobName))
+		r.log.Info("checkpoints of other jobs being backed up are freed once their backups end", "steps", what, "job", cfg.JobName)
+		r.tasks.Go(func() { r.freeAfterBackups(later) })
+	}
+	return strings.Join(parts, "; ")
+}
+
+// recordFreed records in the spool's owner record the steps of other jobs that the .meta files
+// names held, freed for job (the job, back under its name, is told), and returns what the job
+// that freed them is told of the ones this node had not seen in a complete backup.
+func (r *restorer) recordFreed(job string, names []string) (lines []string) {
 	byJob := map[string][]int64{}
 	for _, name := range names {
 		if m, ok := layout.ParseMarkerName(name); ok && !slices.Contains(byJob[m.Job], m.Step) {
 			byJob[m.Job] = append(byJob[m.Job], m.Step)
 		}
 	}
-	for job, steps := range byJob {
+	for _, other := range slices.Sorted(maps.Keys(byJob)) {
+		steps := byJob[other]
 		slices.Sort(steps)
-		if err := r.spool.RecordFreed(job, steps, cfg.JobName); err != nil && !errors.Is(err, errNoOwnerRecord) {
-			r.log.Warn("record the freed steps in the spool's owner record", "job", job, "err", err)
+		if err := r.spool.RecordFreed(other, steps, job); err != nil && !errors.Is(err, errNoOwnerRecord) {
+			r.log.Warn("record the freed steps in the spool's owner record", "job", other, "err", err)
+		}
+		_, _, backedUp := r.backups.status(other)
+		var unbacked []int64
+		for _, st := range steps {
+			if st > backedUp {
+				unbacked = append(unbacked, st)
+			}
+		}
+		if len(unbacked) > 0 {
+			// The line said "freed" alike whether or not a backup held them (a black-box run).
+			lines = append(lines, fmt.Sprintf("step(s) %s of job %s were in no backup this node completed (mtcfs backups list --job %s shows whether one holds them): unless another node or a backup holds them, they are lost", joinSteps(unbacked), other, other))
 		}
 	}
-	r.log.Warn("freed checkpoints of other jobs", "metas", names, "job", cfg.JobName)
-	return fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName)
+	return lines
+}
+
+// freeAfterBackups frees the steps of other jobs that freeOtherJobs kept while they were backed
+// up, once no backup holds them, unless the mount serves their job again by then.
+func (r *restorer) freeAfterBackups(steps []jobStep) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for slices.ContainsFunc(steps, func(k jobStep) bool { return r.retention.isBackingUp(k.job, k.step) }) {
+		select {
+		case <-r.ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+	_, last := r.incs.both()
+	if last == nil {
+		return
+	}
+	cfg := last.Config
+	names := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool {
+		return m.Job != cfg.JobName && slices.Contains(steps, jobStep{m.Job, m.Step})
+	})
+	if len(names) == 0 {
+		return // their job is back, or they went another way
+	}
+	r.retention.retain(cfg)
+	for _, l := range r.recordFreed(cfg.JobName, names) {
+		r.log.Warn(l)
+	}
+	r.log.Info("freed checkpoints of other jobs once their backups ended", "metas", names, "job", cfg.JobName)
 }
 
 // joinSteps writes steps (or ranks) as "2, 3, 5".

@@ -41,12 +41,18 @@ type retention struct {
 	// makes committed trees immutable): a restore from RAM uses them without hashing them again.
 	verified  map[string]bool // GUARDED_BY(mu)
 	holds     map[string]int  // GUARDED_BY(mu); data names held, and by how many
-	backingUp map[int64]int   // GUARDED_BY(mu); steps being backed up, and by how many backups
+	backingUp map[jobStep]int // GUARDED_BY(mu); steps being backed up, and by how many backups
+}
+
+// jobStep is a step of a job: a mount's RAM may hold two jobs' steps of one number.
+type jobStep struct {
+	job  string
+	step int64
 }
 
 func newRetention(n *node, incs *incarnations) *retention {
 	return &retention{node: n, incs: incs, metas: map[string]string{}, verified: map[string]bool{},
-		holds: map[string]int{}, backingUp: map[int64]int{}}
+		holds: map[string]int{}, backingUp: map[jobStep]int{}}
 }
 
 // publish runs f, which makes data appear in spool/sealed and writes the .meta naming it, so
@@ -100,19 +106,27 @@ func (rt *retention) isHeld(dataName string) bool {
 	return rt.holds[dataName] > 0
 }
 
-// keepStep keeps every .meta of step (and the data they name) until the returned release is
-// called: the step is being backed up.
-func (rt *retention) keepStep(step int64) (release func()) {
+// keepStep keeps every .meta of job's step (and the data they name) until the returned release
+// is called: the step is being backed up.
+func (rt *retention) keepStep(job string, step int64) (release func()) {
+	k := jobStep{job, step}
 	rt.mu.Lock()
-	rt.backingUp[step]++
+	rt.backingUp[k]++
 	rt.mu.Unlock()
 	return func() {
 		rt.mu.Lock()
-		if rt.backingUp[step]--; rt.backingUp[step] <= 0 {
-			delete(rt.backingUp, step)
+		if rt.backingUp[k]--; rt.backingUp[k] <= 0 {
+			delete(rt.backingUp, k)
 		}
 		rt.mu.Unlock()
 	}
+}
+
+// isBackingUp reports whether job's step is being backed up.
+func (rt *retention) isBackingUp(job string, step int64) bool {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	return rt.backingUp[jobStep{job, step}] > 0
 }
 
 // holdStep returns the hashes of this node's workers' data of step, each held until release is
@@ -165,7 +179,7 @@ func (rt *retention) retain(cfg *Config) {
 	rt.mu.Lock()
 	for name, hash := range rt.metas {
 		m, ok := layout.ParseMarkerName(name)
-		if ok && m.Job == cfg.JobName && m.Step < keepFrom && m.Step > keepUpTo && m.Step != inUse && rt.backingUp[m.Step] == 0 {
+		if ok && m.Job == cfg.JobName && m.Step < keepFrom && m.Step > keepUpTo && m.Step != inUse && rt.backingUp[jobStep{m.Job, m.Step}] == 0 {
 			drop = append(drop, name)
 		} else {
 			keepHash[hash] = true
@@ -192,7 +206,8 @@ func (rt *retention) retain(cfg *Config) {
 }
 
 // dropMetas forgets the .meta files whose names match (from the spool and the namespace) and
-// returns their names, sorted. The caller runs retain next to free their data.
+// returns their names, sorted. The caller runs retain next to free their data. match is called
+// with mu held.
 func (rt *retention) dropMetas(match func(m layout.MarkerName, hash string) bool) []string {
 	var drop []string
 	rt.mu.Lock()
@@ -229,7 +244,7 @@ func (rt *retention) dropUnheld(dataName string) bool {
 	hash := strings.TrimSuffix(dataName, ".data")
 	rt.mu.Lock()
 	for name, h := range rt.metas {
-		if m, ok := layout.ParseMarkerName(name); ok && h == hash && rt.backingUp[m.Step] > 0 {
+		if m, ok := layout.ParseMarkerName(name); ok && h == hash && rt.backingUp[jobStep{m.Job, m.Step}] > 0 {
 			rt.mu.Unlock()
 			return false // its step is being backed up
 		}
