@@ -239,6 +239,25 @@ func TestOtherJobsStepBeingBackedUpIsFreedAfterItsBackup(t *testing.T) {
 	})
 }
 
+// TestHandshakeSaysWhatItRemoved: the job's own top-level files, which every replicator.yaml
+// removes (SPEC §2.4), are named in the log (they went without a word: a black-box run).
+func TestHandshakeSaysWhatItRemoved(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	h.writeFile("config.json", "{}")
+	h.yamlOrbax(baseYAML)
+	h.eventually("the handshake", func() string {
+		if h.exists(layout.ReplicatorYAMLName) || h.exists("config.json") {
+			return fmt.Sprintf("%q", h.names())
+		}
+		return ""
+	})
+	if logs := h.logs.String(); !strings.Contains(logs, "removed the top-level entries that are not checkpoints") || !strings.Contains(logs, "config.json") {
+		t.Errorf("the log does not name config.json as removed:\n%s", logs)
+	}
+}
+
 // TestRestoreLinesInOneWrite: the lines a restore has for the job (here: another job's steps
 // freed now, and a newer step of the job's in an orphaned spool) reach replicator.errors in one write before
 // the prerestore: the job reads the file and unlinks it, and a line appended between the two is

@@ -110,6 +110,7 @@ func (h *handshake) cleanNamespace() {
 		return
 	}
 	pending := h.recorder.pendingNames()
+	var removed []string
 	for _, e := range ents {
 		n := e.Name
 		if pending[n] || n == layout.ReplicatorYAMLName || n == layout.JaxInitInfoName || strings.HasSuffix(n, ".meta") || layout.IsDataName(n) {
@@ -117,7 +118,14 @@ func (h *handshake) cleanNamespace() {
 		}
 		if err := h.ns.Remove(n); err != nil {
 			h.log.Error("clean namespace", "name", n, "err", err)
+		} else {
+			removed = append(removed, n)
 		}
+	}
+	if len(removed) > 0 {
+		// The job's own files (a config.json, logs) went without a word (a black-box run).
+		h.log.Info("removed the top-level entries that are not checkpoints, as at every replicator.yaml (SPEC §2.4): the mount keeps only checkpoints",
+			"count", len(removed), "names", listSome(removed, 10))
 	}
 }
 
