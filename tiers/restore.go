@@ -250,6 +250,12 @@ func (r *restorer) run(inc *incarnation) {
 		}
 	}
 	r.log.Info("restore markers published", "step", plan.Step, "found", plan.Found)
+	if plan.Found {
+		// A budget that holds the restored step but not a next save as large (an agent restarted
+		// with a smaller --memory) failed the save with ENOSPC, the job told nothing (a
+		// black-box run): the restored step stays until a newer one is complete.
+		r.retention.warnIfFillingBecause(r.lines, inc, true, fmt.Sprintf("after the restore of step %d, ", plan.Step))
+	}
 	// Recorded after the markers: an agent killed in between tells a job that already took
 	// its marker to restart (at its next save check), never leaves one waiting in silence.
 	if err := r.withRoom(func() error { return r.spool.MarkRestored(inc.ID) }); err != nil && !errors.Is(err, errNoOwnerRecord) {

@@ -2300,3 +2300,42 @@ func TestRootAgentRaisesALowDescriptorLimit(t *testing.T) {
 	}
 	stopAgent(t, a)
 }
+
+// TestRestoreIntoATightBudgetTellsTheJob: a restored step that leaves the RAM budget less room
+// than a step of its size (an agent restarted with a smaller --memory) is told to the job: its
+// next save fails with ENOSPC, and it was told nothing (a black-box run). A step that leaves
+// room is not.
+func TestRestoreIntoATightBudgetTellsTheJob(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	for _, mib := range []int64{40, 8} { // in --memory 64MiB
+		n := newRepNode(t)
+		a := n.start(t)
+		o := orbaxClient(t, n.dir, "tight", 30)
+		o.Content = jobsim.Content{Files: 1, FileSize: mib << 20}
+		_, _, err := o.Start(ctx)
+		require.NoError(t, err)
+		require.NoError(t, o.Save(ctx, 10))
+		waitStepSealed(t, n.dir, "tight", 10)
+		stopAgent(t, a)
+		a = n.start(t)
+		o = orbaxClient(t, n.dir, "tight", 30)
+		o.Content = jobsim.Content{Files: 1, FileSize: mib << 20}
+		require.NoError(t, restoresStep(ctx, o, 10))
+		errorsFile := filepath.Join(n.dir, "replicator.errors")
+		told := func() bool { // written just after the markers: read by the client, or still there
+			data, _ := os.ReadFile(errorsFile)
+			lines := append(o.Errors(), strings.Split(string(data), "\n")...)
+			return slices.ContainsFunc(lines, func(l string) bool {
+				return strings.Contains(l, "after the restore of step 10, this node's RAM is") && strings.Contains(l, "give the agent a larger --memory")
+			})
+		}
+		if mib == 40 {
+			repWait(t, 10*time.Second, "the line to the job", told)
+		} else {
+			time.Sleep(500 * time.Millisecond)
+			assert.False(t, told(), "%d MiB in 64 MiB leaves room", mib)
+		}
+		stopAgent(t, a)
+	}
+}
