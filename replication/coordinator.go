@@ -122,6 +122,12 @@ type Options struct {
 // rank r's inventory), so the plan logic itself stays the same for both modes. Only the highest
 // step every column can serve is inferred, since it is the one the plan picks; a step complete
 // without inference needs none.
+//
+// A data-parallel job restarted on fewer nodes with as many partitions (4 nodes of D = 2 → 2
+// nodes, with or without D) may run on the machines that held the other replicas: the .meta of
+// old rank r ≥ nodes is a source for its column r mod P, when the spool that holds it recorded a
+// data-parallel shape this job restores. Before, such a job started from scratch on ranks 2 and 3
+// while ranks 0 and 1 restored the same step (found by a black-box run).
 type JobCoordinator struct {
 	cfg        *tiers.Config // the job-wide fields; NodeRank and peers are not used
 	store      tiers.BackupStore
@@ -456,10 +462,13 @@ func PlanForRank(plan tiers.RestorePlan, rank, workers int) tiers.RestorePlan {
 // copied). invs[r] is rank r's inventory. The cost is O(total .meta entries + nodes·workers).
 func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Inventory, []tiers.Slot) {
 	d := cfg.AssumeDataParallelism
-	if d <= 0 || cfg.Nodes%d != 0 {
+	if d > 0 && cfg.Nodes%d != 0 {
 		return invs, nil
 	}
-	part := cfg.Nodes / d // P: the column of rank r is r mod P
+	part := cfg.Nodes // P: the column of rank r is r mod P
+	if d > 0 {
+		part = cfg.Nodes / d
+	}
 	held := map[string]bool{}
 	for _, inv := range invs {
 		for _, h := range inv.Data {
@@ -474,15 +483,20 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 	usable := map[int64]map[tiers.Slot]bool{}    // per step: slots with a .meta naming held data
 	columns := map[int64]map[columnSlot]source{} // per step: the lowest rank's usable .meta per column slot
 	for _, inv := range invs {
+		// A spool that recorded a data-parallel shape this job restores (as many partitions,
+		// workers alike) vouches for its .meta entries past this job's nodes: column-mates.
+		shrunk := inv.Shape.Nodes > 0 && inv.Shape.DataParallelism > 0 && cfg.Shape().Restores(inv.Shape, true)
 		for name, hash := range inv.Metas {
 			m, inShape, ok := tiers.JobMeta(cfg, name)
-			if !ok || !inShape || !held[hash] {
+			if !ok || !held[hash] || m.Worker >= cfg.WorkersPerNode || (!inShape && !shrunk) {
 				continue
 			}
 			if usable[m.Step] == nil {
 				usable[m.Step], columns[m.Step] = map[tiers.Slot]bool{}, map[columnSlot]source{}
 			}
-			usable[m.Step][tiers.Slot{Rank: m.Node, Worker: m.Worker}] = true
+			if inShape {
+				usable[m.Step][tiers.Slot{Rank: m.Node, Worker: m.Worker}] = true
+			}
 			cs := columnSlot{m.Node % part, m.Worker}
 			// The lowest rank (then the smallest hash) wins, so the plan does not depend on
 			// map order.

@@ -542,6 +542,50 @@ func TestCoordinatorInferenceLeavesInventoriesAlone(t *testing.T) {
 	assert.Equal(t, dataOf(1, 20), out[3].Metas[metaOf(20, 3, 0)], "rank 3 restores its column-mate's data")
 }
 
+// TestCoordinatorDataParallelJobShrunkOntoItsReplicas: a job of 4 nodes in 2 partitions (D = 2)
+// restarted on 2 nodes (with D = 1, or without data-parallel mode) on the machines that held
+// old ranks 2 and 3 restores their data: old rank 2 is a column-mate of old rank 0. It started
+// from scratch there, while on the machines of old ranks 0 and 1 it restored (a black-box run).
+// Spools that did not record a data-parallel shape vouch for nothing past the job's nodes.
+func TestCoordinatorDataParallelJobShrunkOntoItsReplicas(t *testing.T) {
+	t.Parallel()
+	saved := tiers.Shape{Nodes: 4, Workers: 1, DataParallelism: 2}
+	onOld := func(rank, oldRank int, shape tiers.Shape) tiers.Inventory {
+		inv := tiers.Inventory{Rank: rank, Metas: map[string]string{}, Shape: shape}
+		for _, s := range []int64{10, 20} {
+			inv.Metas[metaOf(s, oldRank, 0)] = dataOf(oldRank, s)
+			inv.Data = append(inv.Data, dataOf(oldRank, s))
+		}
+		return inv
+	}
+	for _, d := range []int{0, 1} {
+		cfg := testConfig(2)
+		cfg.AssumeDataParallelism = d
+		for _, olds := range [][2]int{{2, 3}, {3, 2}, {0, 3}} {
+			c := newCoordinator(t, cfg, Options{Clock: newFakeClock()})
+			for r, res := range negotiateAll(t, c, []tiers.Inventory{onOld(0, olds[0], saved), onOld(1, olds[1], saved)}) {
+				require.NoError(t, res.err, "D %d, old ranks %v, rank %d", d, olds, r)
+				assert.True(t, res.plan.Found, "D %d, old ranks %v, rank %d: %q", d, olds, r, res.plan.Errors)
+				assert.Equal(t, int64(20), res.plan.Step, "D %d, old ranks %v, rank %d", d, olds, r)
+				// New rank k takes the data of column k: an old rank ≡ k (mod 2).
+				want := dataOf(olds[r], 20)
+				if olds[r]%2 != r {
+					want = dataOf(olds[1-r], 20)
+				}
+				assert.Equal(t, want, res.plan.Data[tiers.Slot{Rank: r}], "D %d, old ranks %v, rank %d", d, olds, r)
+			}
+		}
+		// Without a record of the data-parallel shape, ranks 2 and 3 are not column-mates.
+		for _, shape := range []tiers.Shape{{}, {Nodes: 4, Workers: 1}} {
+			c := newCoordinator(t, cfg, Options{Clock: newFakeClock()})
+			for r, res := range negotiateAll(t, c, []tiers.Inventory{onOld(0, 2, shape), onOld(1, 3, shape)}) {
+				require.NoError(t, res.err)
+				assert.False(t, res.plan.Found, "D %d, recorded %v, rank %d: nothing vouches for ranks 2 and 3", d, shape, r)
+			}
+		}
+	}
+}
+
 func TestCoordinatorNegotiateReReport(t *testing.T) {
 	t.Parallel()
 	store := &fakeStore{}
