@@ -374,6 +374,11 @@ func (c *Config) check(key string) *ConfigError {
 		if c.WorkersPerNode > maxWorkersPerNode {
 			return problem("%d is more than the supported maximum of %d", c.WorkersPerNode, maxWorkersPerNode)
 		}
+		if c.WorkersPerNode > 1 && c.Framework == FrameworkOrbax {
+			// Served, no step was ever complete: the job trained without a checkpoint, told
+			// nothing until its restart (found by a black-box run).
+			return problem("%d with framework orbax: an Orbax step directory commits this node's worker 0 only (SPEC §3), so no step would ever be complete; give 1 (or leave the key out), or use framework pytorch, whose workers each commit a .save", c.WorkersPerNode)
+		}
 	}
 	return nil
 }

@@ -115,8 +115,8 @@ func TestParseConfigValid(t *testing.T) {
 		},
 		{
 			name: "numeric strings and integral floats",
-			doc:  "job-name: '007'\nframework: orbax\nnode-rank: \"3\"\nnodes: 4.0\npeer-ranks: ['1', 2.0]\nbackup-interval-steps: \"+10\"\nworkers-per-node: \" 2 \"",
-			want: Config{JobName: "007", Framework: "orbax", NodeRank: 3, Nodes: 4, PeerRanks: []int{1, 2},
+			doc:  "job-name: '007'\nframework: pytorch\nnode-rank: \"3\"\nnodes: 4.0\npeer-ranks: ['1', 2.0]\nbackup-interval-steps: \"+10\"\nworkers-per-node: \" 2 \"",
+			want: Config{JobName: "007", Framework: "pytorch", NodeRank: 3, Nodes: 4, PeerRanks: []int{1, 2},
 				BackupIntervalSteps: 10, WorkersPerNode: 2},
 			peers: []int{1, 2},
 		},
@@ -216,8 +216,8 @@ func TestParseConfigValid(t *testing.T) {
 		},
 		{
 			name: "yaml integer syntax",
-			doc:  edit(validBase, "nodes: 0x8", "workers-per-node: 1_0"),
-			want: Config{JobName: "j", Framework: "orbax", NodeRank: 2, Nodes: 8, PeersPerNode: 1,
+			doc:  edit(validBase, "framework: pytorch", "nodes: 0x8", "workers-per-node: 1_0"),
+			want: Config{JobName: "j", Framework: "pytorch", NodeRank: 2, Nodes: 8, PeersPerNode: 1,
 				BackupIntervalMinutes: 30, WorkersPerNode: 10},
 			peers: []int{3},
 		},
@@ -376,6 +376,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{"workers zero", edit(validBase, "workers-per-node: 0"), "workers-per-node: must be > 0, got 0"},
 		{"workers negative", edit(validBase, "workers-per-node: -1"), "workers-per-node: must be > 0, got -1"},
 		{"workers above maximum", edit(validBase, "workers-per-node: 5000"), "workers-per-node: 5000 is more than the supported maximum of 1024"},
+		{"orbax with two workers", edit(validBase, "framework: orbax", "workers-per-node: 2"), "workers-per-node: 2 with framework orbax: an Orbax step directory commits this node's worker 0 only (SPEC §3), so no step would ever be complete; give 1 (or leave the key out), or use framework pytorch, whose workers each commit a .save"},
 
 		// With several problems, the first in key order is reported.
 		{"order: job-name before framework", edit(validBase, "framework: x", "job-name: a/b"), `job-name: "a/b" must not contain "/" or ".."`},
