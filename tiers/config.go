@@ -246,6 +246,12 @@ func (c *Config) fewerPeers() string {
 	if d := c.AssumeDataParallelism; d > 0 {
 		most = d - 1 // the other members of its column
 	}
+	if most == 0 {
+		// Asked for peers, given none: "replicated" then means committed, and a node's loss
+		// left only the backup, with no word before (a black-box run).
+		return fmt.Sprintf("%s: %d gives this node no peer: with %s: %d every node is a column of its own, and only column-mates are peers (SPEC §4); a step counts as replicated once committed, and a node that loses its RAM restores from a backup only; list %s to choose peers",
+			keyPeersPerNode, c.PeersPerNode, keyDataParallelism, c.AssumeDataParallelism, keyPeerRanks)
+	}
 	peers := c.Peers()
 	if len(peers) >= min(c.PeersPerNode, most) {
 		return ""

@@ -145,8 +145,8 @@ func TestParseConfigValid(t *testing.T) {
 		{
 			// D = 1: one column holding every node, so no column-mates.
 			name: "data parallelism one",
-			doc:  edit(validBase, "assume-data-parallelism: 1"),
-			want: Config{JobName: "j", Framework: "orbax", NodeRank: 2, Nodes: 4, PeersPerNode: 1,
+			doc:  edit(validBase, "assume-data-parallelism: 1", "-peers-per-node", "peer-ranks: []"),
+			want: Config{JobName: "j", Framework: "orbax", NodeRank: 2, Nodes: 4, PeerRanks: []int{},
 				BackupIntervalMinutes: 30, AssumeDataParallelism: 1, WorkersPerNode: 1},
 		},
 		{
@@ -169,6 +169,13 @@ func TestParseConfigValid(t *testing.T) {
 				BackupIntervalMinutes: 30, WorkersPerNode: 1},
 			warnings: []string{"peers-per-node: 2 gives this node (rank 0 of 3) 1 peer(s), rank 1: the ranks chosen for it repeat (SPEC §4); list peer-ranks to choose them"},
 			peers:    []int{1},
+		},
+		{
+			name: "peers-per-node with data-parallelism 1 gives no peer and says so",
+			doc:  edit(validBase, "nodes: 2", "node-rank: 0", "peers-per-node: 1", "assume-data-parallelism: 1"),
+			want: Config{JobName: "j", Framework: "orbax", NodeRank: 0, Nodes: 2, PeersPerNode: 1, AssumeDataParallelism: 1,
+				BackupIntervalMinutes: 30, WorkersPerNode: 1},
+			warnings: []string{"peers-per-node: 1 gives this node no peer: with assume-data-parallelism: 1 every node is a column of its own, and only column-mates are peers (SPEC §4); a step counts as replicated once committed, and a node that loses its RAM restores from a backup only; list peer-ranks to choose peers"},
 		},
 		{
 			name: "peers-per-node giving what is asked says nothing",
