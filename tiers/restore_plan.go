@@ -238,7 +238,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			if plan.Found && s < plan.Step {
 				break
 			}
-			p.shaped(fmt.Sprintf("step %d in the nodes' RAM %s; this job has %s: %s and freed (only a backup of that shape can restore it, to a job of that shape)", s, others[s], cfg.Shape(), shapeWhy))
+			p.shaped(fmt.Sprintf("step %d in the nodes' RAM %s; this job has %s: %s and freed (a backup of that shape, if one holds it, restores it to a job of that shape: mtcfs backups list shows the backups' shapes)", s, others[s], cfg.Shape(), shapeWhy))
 		}
 		// Also from RAM when a node's RAM is new while the others' took part in restores: the
 		// steps above were likely committed everywhere and lost with that node's RAM, not cut

@@ -59,7 +59,7 @@ func TestStaleTimelineIsNotCombined(t *testing.T) {
 	assert.EqualValues(t, 3, gen, "the restore after the newest")
 	assert.Equal(t, map[int]int64{0: 1}, above, "rank 0 missed restore 2, of step 1")
 	require.Len(t, lines, 1)
-	assert.Equal(t, "the RAM of rank 0 holds step(s) 2, 3 of a timeline the job left: its agent was away when the job restored step 1 and went on from there; they are not restored, and are dropped", lines[0])
+	assert.Equal(t, "the RAM of rank 0 holds step(s) 2, 3 of a timeline the job left: its agent took no part when the job restored step 1 and went on from there (it was away, or not a node of the job then); they are not restored, and are dropped", lines[0])
 
 	plan, err := tiers.PlanRestore(context.Background(), cfg, cut, nil, tiers.PlanLimits{})
 	require.NoError(t, err)
