@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"sync"
 	"syscall"
 	"time"
@@ -205,13 +206,24 @@ func (b *backupRunner) take(inc *incarnation, o BackupOrder) (named []string, er
 	}
 	b.mu.Unlock()
 	if !told {
-		b.lines.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried, and told here once): %s%v", o.Backup, o.Step, locationFull(err), err))
+		b.lines.incLine(inc, fmt.Sprintf("backup %s of step %d failed (it is retried, and told here once): %s%s%v", o.Backup, o.Step, locationFull(err), otherWriter(cfg, err), err))
 	}
 	return nil, err
 }
 
 // locationFull says what to do when err is a backup location out of space or quota (a file://
 // disk): the bare error ended a long line and read as one more transient failure.
+// otherWriter explains a name of the backup that holds other bytes (a create-if-absent write
+// refused): another agent writes this job's backups under the same names. Two one-node jobs of
+// one job-name on one location did, each retrying for ever, and after a reboot one restored the
+// other's step, told only "precondition failed" (found by a black-box run).
+func otherWriter(cfg *Config, err error) string {
+	if !errors.Is(err, fs.ErrExist) {
+		return ""
+	}
+	return fmt.Sprintf("another agent wrote other bytes under this backup's names: two jobs, or two nodes, with job-name %s and node-rank %d use this backup location? (give each job its own job-name: they restore each other's checkpoints): ", cfg.JobName, cfg.NodeRank)
+}
+
 func locationFull(err error) string {
 	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
 		return "the backup location is full (free space there, or point --backup at a larger one; the retries go on until it fits): "

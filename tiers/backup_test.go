@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -503,6 +504,25 @@ func TestBackupFailureIsToldOnce(t *testing.T) {
 	}
 	if errs := h.read(layout.ReplicatorErrorsName); strings.Contains(errs, "location is full") {
 		t.Errorf("a refused upload is called a full location: %q", errs)
+	}
+}
+
+// A backup whose names hold other bytes (another agent writes this job's backups: two jobs of
+// one job-name on one location) says so: the job was told only "precondition failed", retried
+// for ever, and after a reboot one job restored the other's step (found by a black-box run).
+func TestBackupWrittenByAnotherAgentSaysSo(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	clock := newFakeClock(baseTime)
+	store.setBeforeUpload(func(context.Context, tiers.Upload) error {
+		return &gcsbackend.PreconditionError{Name: "job/2030-01-02_03-00/job-s1-n0-w0.meta", Err: fmt.Errorf("exists with different content: %w", fs.ErrExist)}
+	})
+	h := newHarness(t, harnessConfig{store: store, clock: clock})
+	h.start(withKeys("backup-interval-steps: 1", "-backup-interval-minutes"), "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.waitBackupFailures(clock, 2)
+	if errs := h.read(layout.ReplicatorErrorsName); !strings.Contains(errs, "another agent wrote other bytes under this backup's names: two jobs, or two nodes, with job-name job and node-rank 0 use this backup location?") {
+		t.Errorf("replicator.errors does not say another agent writes there: %q", errs)
 	}
 }
 
