@@ -43,7 +43,8 @@ type ReplicatorConfig struct {
 	// markers (SPEC §9: 300 s), with some slack; 0 means DefaultRestoreWait. An agent restarted
 	// in that window tells the job at once, and withdraws the line once the wait is over.
 	RestoreWait time.Duration
-	// KeptSpools lists this machine's orphaned spools (Spools.Orphaned), so that a restore that finds less
+	// KeptSpools lists this machine's orphaned spools and those of the agent's mount directory
+	// (Spools.OrphanedOrOf), so that a restore that finds less
 	// than a kept spool of the job holds, where no agent serves it, says so; nil: none looked at.
 	KeptSpools func() ([]SpoolInfo, error)
 	// CheckJob, when set, refuses (in replicator.failed) a valid job this agent cannot serve

@@ -696,8 +696,10 @@ func (r *restorer) orphanedStepLines(inc *incarnation, plan RestorePlan) (lines 
 		r.log.Warn("cannot look for kept spools of this job", "err", err)
 		return nil
 	}
+	mountPath := r.spool.Owner().MountPath
 	for _, s := range spools {
-		if s.Dir == r.spool.Dir() || s.InUse || !s.Orphaned() || s.UID != os.Geteuid() {
+		here := mountPath != "" && s.MountPath == mountPath // a spool of this mount, not in use
+		if s.Dir == r.spool.Dir() || s.InUse || !(s.Orphaned() || here) || s.UID != os.Geteuid() {
 			continue
 		}
 		var steps []int64 // of this job and rank (its .meta names say), newer than the plan's
@@ -710,6 +712,15 @@ func (r *restorer) orphanedStepLines(inc *incarnation, plan RestorePlan) (lines 
 			continue
 		}
 		slices.Sort(steps)
+		if here {
+			what := fmt.Sprintf("spool %s holds step(s) %s of this job, newer than what this restore finds: it records this mount directory, but this agent runs with the spool %s (another --spool than the agent before?)", s.Dir, joinSteps(steps), r.spool.Dir())
+			if cfg.Nodes > 1 {
+				lines = append(lines, what+". It is this node's part only: the other nodes drop theirs of steps newer than this restore")
+				continue
+			}
+			lines = append(lines, fmt.Sprintf("%s. To restore from it, stop this agent and start it again with --spool %s; mtcfs spool free %s frees it", what, s.Dir, s.Dir))
+			continue
+		}
 		due := lastUsed(s).Add(ReapGrace).UTC().Format(time.RFC3339)
 		what := fmt.Sprintf("spool %s holds step(s) %s of this job, newer than what this restore finds, but no agent serves it: its mount directory %s is gone (moved or renamed while no agent ran?)", s.Dir, joinSteps(steps), s.MountPath)
 		if cfg.Nodes > 1 {

@@ -319,6 +319,20 @@ func (h Spools) Orphaned() ([]SpoolInfo, error) {
 	})
 }
 
+// OrphanedOrOf lists what Orphaned does and the spools whose owner record names mountPath (the
+// mount directory of the agent asking, which may run with another spool: a --spool changed
+// between two starts left the job's steps in the old one, and its restore said nothing; found
+// by a black-box run).
+func (h Spools) OrphanedOrOf(mountPath string) ([]SpoolInfo, error) {
+	return h.list(func(dir string, mounts mountTable) bool {
+		o, err := ReadOwner(dir)
+		if err != nil || o.MountPath == "" {
+			return false
+		}
+		return o.MountPath == mountPath || mountPathState(o.MountPath, mounts) == MountGone
+	})
+}
+
 // list is List over the spools keep accepts (nil: all); keep gets the mount table read once.
 func (h Spools) list(keep func(dir string, mounts mountTable) bool) ([]SpoolInfo, error) {
 	agents, err := h.users()

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -652,4 +653,39 @@ func TestBackupIntoTheMountIsRefused(t *testing.T) {
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "--backup "+backup+" is inside the spool "+spool)
 	assert.False(t, isMounted(n.dir), "nothing is mounted")
+}
+
+// TestRestoreTellsOfTheKeptSpoolOfThisMount: an agent restarted on the same mount with another
+// --spool restores nothing from RAM, and the job is told that the kept spool of this mount holds
+// a newer step, and how to restore from it (it was told nothing: a black-box run). Started again
+// with that spool, the agent restores the step.
+func TestRestoreTellsOfTheKeptSpoolOfThisMount(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, "moved", 30)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 5))
+	waitStepSealed(t, n.dir, "moved", 5)
+	stopAgent(t, a) // the spool is kept with step 5
+
+	old := n.spool
+	n.spool = filepath.Join(t.TempDir(), "other-spool")
+	a = n.start(t)
+	o = orbaxClient(t, n.dir, "moved", 30)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	assert.False(t, found, "restored step %d", step)
+	want := "spool " + old + " holds step(s) 5 of this job, newer than what this restore finds: it records this mount directory, but this agent runs with the spool " + n.spool
+	assert.True(t, slices.ContainsFunc(o.Errors(), func(l string) bool {
+		return strings.Contains(l, want) && strings.Contains(l, "start it again with --spool "+old)
+	}), "replicator.errors: %q", o.Errors())
+	stopAgent(t, a)
+
+	n.spool = old
+	a = n.start(t)
+	require.NoError(t, restoresStep(ctx, orbaxClient(t, n.dir, "moved", 30), 5))
+	stopAgent(t, a)
 }
