@@ -440,6 +440,10 @@ func (r *Replicator) Close() {
 
 func (r *Replicator) Opened(writing bool) { r.node.yield.opened(writing) }
 
+// TellAtHandshake gives the job's next replicator.yaml a line in replicator.errors: something the
+// agent found at its start.
+func (r *Replicator) TellAtHandshake(line string) { r.incs.startupError(line) }
+
 // YieldToSaves returns once a push stream from a peer may be received: at once, unless this
 // node's job is saving while its CPUs are contended (see yield.go); at most 10 s later. It
 // reports whether it held the stream at all.

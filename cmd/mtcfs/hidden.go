@@ -3,9 +3,11 @@ package main
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -34,27 +36,43 @@ var hiddenYAMLWait = time.Second
 // is nothing to remove), which the caller calls once the agent runs: no later agent answers it
 // again then, and an agent whose start fails after the take leaves it for the next one (the
 // namespace that took it in goes with the failed agent, and the job still waits).
-func answerHidden(under *os.File, ns tiers.Namespace, events interface{ Closed(path string) }) (remove func()) {
+func answerHidden(under *os.File, ns tiers.Namespace, events hiddenEvents) (remove func()) {
 	names, err := under.Readdirnames(-1)
 	if err != nil {
 		slog.Warn("cannot list the mount directory under the mount", "err", err)
 		return nil
 	}
 	var others []string
+	yaml := false
 	for _, name := range names {
 		if name == layout.ReplicatorYAMLName {
-			remove = takeHiddenYAML(under, ns, events)
+			yaml = true
 		} else {
 			others = append(others, name)
 		}
 	}
 	if count := len(others); count > 0 {
+		shown := others
 		if count > 10 {
-			others = append(others[:10], "…")
+			shown = append(others[:10:10], "…")
 		}
-		slog.Warn("the mount hides entries of the mount directory (written while no agent was mounted on it)", "count", count, "names", others)
+		slog.Warn("the mount hides entries of the mount directory (written while no agent was mounted on it)", "count", count, "names", shown)
+		// Told to the job too, before a hidden yaml is answered: checkpoints of a run without
+		// mtcfs in the directory were hidden and the job started from scratch, told nothing
+		// (found by a black-box run).
+		events.TellAtHandshake(fmt.Sprintf("the mount directory held %d entr%s before the agent mounted on it (%s): the mount hides them from the job, and they are not restored (they are not checkpoints the agent saved); they stay under the mount: copy them out once the agent stops",
+			count, map[bool]string{true: "y", false: "ies"}[count == 1], strings.Join(shown, ", ")))
+	}
+	if yaml {
+		remove = takeHiddenYAML(under, ns, events)
 	}
 	return remove
+}
+
+// hiddenEvents is what answerHidden tells the replicator.
+type hiddenEvents interface {
+	Closed(path string)
+	TellAtHandshake(line string)
 }
 
 // takeHiddenYAML is answerHidden for the replicator.yaml under the mount; remove (nil: nothing to

@@ -31,6 +31,10 @@ func TestYAMLWrittenBeforeTheMount(t *testing.T) {
 	assert.Contains(t, a.log(), "answering a replicator.yaml written into the mount directory")
 	assert.Contains(t, a.log(), "the mount hides entries")
 	assert.Contains(t, a.log(), "stray")
+	// The job is told too (a run's checkpoints left there were hidden in silence: a black-box run).
+	hidden, err := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+	require.NoError(t, err)
+	assert.Contains(t, string(hidden), "the mount directory held 1 entry before the agent mounted on it (stray): the mount hides them from the job")
 	stopAgent(t, a)
 	ents, err := os.ReadDir(n.dir)
 	require.NoError(t, err)
