@@ -293,3 +293,38 @@ func TestRestoreFromRAMWithTheBackupLocationDown(t *testing.T) {
 	assert.Contains(t, errs, "a backup pinned there is not applied this time; restoring step 7 from the nodes' RAM")
 	stopAgent(t, b)
 }
+
+// TestStopSaysTheNewestStepIsInNoBackup: an agent stopped before the backup interval took the
+// newest step says so (it said only "spool kept", and a node lost afterwards lost the step: a
+// black-box run), and mtcfs status says it meanwhile; once backed up, neither says it.
+func TestStopSaysTheNewestStepIsInNoBackup(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	const warning = "stopping with the newest step in no backup yet"
+	n := newRepNode(t)
+	a := n.start(t)
+	o := orbaxClient(t, n.dir, "once", 600)
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 3))
+	waitStepSealed(t, n.dir, "once", 3)
+	out, code := runMtcfs(t, "status", n.dir)
+	require.Equal(t, 0, code, out)
+	assert.Contains(t, out, "; step 3 in RAM only, not in a backup yet")
+	stopAgent(t, a)
+	assert.Contains(t, a.log(), warning)
+
+	// A backup soon after the save: the stop after it says nothing of it.
+	n2 := newRepNode(t)
+	b := n2.start(t)
+	o = orbaxClient(t, n2.dir, "once", 0.01)
+	_, _, err = o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 4))
+	repWait(t, 30*time.Second, "the backup of step 4", func() bool { return strings.Contains(b.log(), "backup complete") })
+	out, code = runMtcfs(t, "status", n2.dir)
+	require.Equal(t, 0, code, out)
+	assert.NotContains(t, out, "in RAM only")
+	stopAgent(t, b)
+	assert.NotContains(t, b.log(), warning)
+}

@@ -1,6 +1,7 @@
 package report
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -46,6 +47,18 @@ func TestStatus(t *testing.T) {
 		"  error      step 20: sync failed\n",
 	} {
 		assert.Contains(t, out, want)
+	}
+
+	// The newest step in no backup yet: said on the backups line (a job that saved once, its
+	// interval not over, had it in RAM only, with no word anywhere).
+	for _, tc := range []struct {
+		sealed, backedUp int64
+		want             bool
+	}{{12, 10, true}, {12, -1, true}, {10, 10, false}, {-1, -1, false}} {
+		var b strings.Builder
+		Status(&b, info, tiers.Status{Spool: spool, BackupStore: "file:///b", Sealed: tc.sealed, BackedUp: tc.backedUp, Committed: -1, Replicated: -1})
+		line := fmt.Sprintf("  backups    file:///b; step %d in RAM only, not in a backup yet\n", tc.sealed)
+		assert.Equal(t, tc.want, strings.Contains(b.String(), line), "sealed %d, backed up %d:\n%s", tc.sealed, tc.backedUp, b.String())
 	}
 
 	// A job that has committed nothing yet: not "latest committed 0", which is a step.
