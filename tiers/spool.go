@@ -366,7 +366,11 @@ func roundUpBudget(n int64) int64 {
 // mounted by someone else (checkSpoolDir); an anonymous one (tests) is not checked.
 func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 	if cfg.Budget < MinBudget {
-		return nil, fmt.Errorf("memory budget %s is below the minimum %s", FormatSize(cfg.Budget), FormatSize(MinBudget))
+		hint := ""
+		if cfg.Budget < 1<<20 {
+			hint = " (a number without a unit is bytes: give --memory a unit, such as --memory 2GiB)"
+		}
+		return nil, fmt.Errorf("memory budget %s is below the minimum %s%s", FormatSize(cfg.Budget), FormatSize(MinBudget), hint)
 	}
 	if cfg.MountPath != "" {
 		if err := checkSpoolDir(cfg.Dir); err != nil {
