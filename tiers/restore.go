@@ -254,7 +254,7 @@ func (r *restorer) run(inc *incarnation) {
 		// A budget that holds the restored step but not a next save as large (an agent restarted
 		// with a smaller --memory) failed the save with ENOSPC, the job told nothing (a
 		// black-box run): the restored step stays until a newer one is complete.
-		r.retention.warnIfFillingBecause(r.lines, inc, true, fmt.Sprintf("after the restore of step %d, ", plan.Step))
+		r.retention.warnTightAfterRestore(r.lines, inc, plan.Step)
 	}
 	// Recorded after the markers: an agent killed in between tells a job that already took
 	// its marker to restart (at its next save check), never leaves one waiting in silence.

@@ -370,6 +370,25 @@ func (rt *retention) warnIfFillingBecause(lines *jobLines, inc *incarnation, pus
 	lines.incLine(inc, msg)
 }
 
+// warnTightAfterRestore tells the job when the RAM left after its restore of step has less room
+// than a step of the average size held: its next save fails with ENOSPC (the restored step stays
+// until a newer one is complete). Once per restore; it does not take warnIfFilling's once (a
+// replica refused later for lack of room must still be told: a clean-clone CI run).
+func (rt *retention) warnTightAfterRestore(lines *jobLines, inc *incarnation, step int64) {
+	total, used := rt.spool.Usage()
+	if total <= 0 || !rt.incs.isCurrent(inc) {
+		return
+	}
+	_, held := rt.stepsAbove(inc.Config.JobName, inc.Config.NodeRank, -1)
+	if held == 0 || total-used >= used/int64(held) {
+		return
+	}
+	msg := fmt.Sprintf("after the restore of step %d, this node's RAM is %d%% full (%s of --memory %s, %d checkpoint(s): this node's and its peers' replicas): a next save as large fails with ENOSPC; give the agent a larger --memory",
+		step, used*100/total, FormatSize(used), FormatSize(total), held)
+	rt.log.Warn(msg)
+	lines.incLine(inc, msg)
+}
+
 // stepsAbove lists, in order, the steps above floor that this node holds of job's rank.
 // It also counts the distinct data this node holds (its own and its peers' replicas).
 func (rt *retention) stepsAbove(job string, rank int, floor int64) (steps []int64, held int) {

@@ -2327,7 +2327,7 @@ func TestRestoreIntoATightBudgetTellsTheJob(t *testing.T) {
 			data, _ := os.ReadFile(errorsFile)
 			lines := append(o.Errors(), strings.Split(string(data), "\n")...)
 			return slices.ContainsFunc(lines, func(l string) bool {
-				return strings.Contains(l, "after the restore of step 10, this node's RAM is") && strings.Contains(l, "give the agent a larger --memory")
+				return strings.Contains(l, "after the restore of step 10, this node's RAM is") && strings.Contains(l, "a next save as large fails with ENOSPC; give the agent a larger --memory")
 			})
 		}
 		if mib == 40 {

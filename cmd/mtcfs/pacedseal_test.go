@@ -27,6 +27,7 @@ func TestKillWhileSealWaitsForNextSave(t *testing.T) {
 	needRoot(t)
 	ctx := repCtx(t)
 	n := newRepNode(t)
+	n.args = []string{"--memory", "160MiB"} // room for the next save beside the restored 47 MiB (else the job is told it has none)
 	const job = "paced"
 	a := n.start(t)
 	o := orbaxClient(t, n.dir, job, 60)
