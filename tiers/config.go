@@ -380,10 +380,10 @@ func (c *Config) check(key string) *ConfigError {
 		if c.WorkersPerNode > maxWorkersPerNode {
 			return problem("%d is more than the supported maximum of %d", c.WorkersPerNode, maxWorkersPerNode)
 		}
-		if c.WorkersPerNode > 1 && c.Framework == FrameworkOrbax {
+		if c.WorkersPerNode > 1 && c.Framework != FrameworkPyTorch {
 			// Served, no step was ever complete: the job trained without a checkpoint, told
-			// nothing until its restart (found by a black-box run).
-			return problem("%d with framework orbax: an Orbax step directory commits this node's worker 0 only (SPEC §3), so no step would ever be complete; give 1 (or leave the key out), or use framework pytorch, whose workers each commit a .save", c.WorkersPerNode)
+			// nothing until its restart (found by a black-box run; NeMo's rename too: a review).
+			return problem("%d with framework %s: the rename of a step directory commits this node's worker 0 only (SPEC §3), so no step would ever be complete; give 1 (or leave the key out), or use framework pytorch, whose workers each commit a .save", c.WorkersPerNode, c.Framework)
 		}
 	}
 	return nil

@@ -383,7 +383,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{"workers zero", edit(validBase, "workers-per-node: 0"), "workers-per-node: must be > 0, got 0"},
 		{"workers negative", edit(validBase, "workers-per-node: -1"), "workers-per-node: must be > 0, got -1"},
 		{"workers above maximum", edit(validBase, "workers-per-node: 5000"), "workers-per-node: 5000 is more than the supported maximum of 1024"},
-		{"orbax with two workers", edit(validBase, "framework: orbax", "workers-per-node: 2"), "workers-per-node: 2 with framework orbax: an Orbax step directory commits this node's worker 0 only (SPEC §3), so no step would ever be complete; give 1 (or leave the key out), or use framework pytorch, whose workers each commit a .save"},
+		{"orbax with two workers", edit(validBase, "framework: orbax", "workers-per-node: 2"), "workers-per-node: 2 with framework orbax: the rename of a step directory commits this node's worker 0 only (SPEC §3), so no step would ever be complete; give 1 (or leave the key out), or use framework pytorch, whose workers each commit a .save"},
+		{"nemo with two workers", edit(validBase, "framework: pytorch.distributed", "workers-per-node: 2"), "workers-per-node: 2 with framework pytorch.distributed: the rename of a step directory commits this node's worker 0 only (SPEC §3), so no step would ever be complete; give 1 (or leave the key out), or use framework pytorch, whose workers each commit a .save"},
 
 		// With several problems, the first in key order is reported.
 		{"order: job-name before framework", edit(validBase, "framework: x", "job-name: a/b"), `job-name: "a/b" must not contain "/" or ".."`},
