@@ -1289,6 +1289,11 @@ func clearDir(dir string) error {
 
 // isTmpfsMount reports whether dir is itself the root of a tmpfs mount.
 func isTmpfsMount(dir string) bool {
+	// A --spool given as a symlink: its target's parent, not the link's (a link on a disk to a
+	// new directory on /dev/shm looked like a tmpfs of its own: a review).
+	if r, err := filepath.EvalSymlinks(dir); err == nil {
+		dir = r
+	}
 	var st, parent unix.Stat_t
 	if unix.Stat(dir, &st) != nil || unix.Stat(filepath.Dir(dir), &parent) != nil {
 		return false

@@ -323,8 +323,14 @@ func TestSpoolGivenAsASymlinkStays(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("mounting a tmpfs needs root")
 	}
-	for _, tmpfs := range []bool{true, false} {
+	shm, err := os.MkdirTemp("/dev/shm", "mtcfs-spool-link-test-") // another file system than the link's, a tmpfs
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Unmount(shm, unix.MNT_DETACH); os.RemoveAll(shm) })
+	for i, tmpfs := range []bool{true, false, true} {
 		target, link := t.TempDir(), filepath.Join(t.TempDir(), "spool")
+		if i == 2 {
+			target = shm // a new directory on /dev/shm was taken for a kept spool tmpfs (a review)
+		}
 		require.NoError(t, os.Symlink(target, link))
 		t.Cleanup(func() { unix.Unmount(target, unix.MNT_DETACH) })
 		for i := range 2 {
