@@ -429,11 +429,11 @@ func (r *Replicator) Close() {
 	}
 	r.queue.close()  // the control loop ends once it handled what was queued
 	r.backups.stop() // no new backup starts; the running one gets the drain time
-	if st := r.Status(); r.cfg.Store != nil && st.Sealed >= 0 && st.Sealed > st.BackedUp {
+	if st := r.Status(); st.InRAMOnly != nil {
 		// A stop before the backup interval left the newest step in RAM only, and the stop said
 		// only "spool kept" (found by a black-box run).
 		r.node.log.Warn("stopping with the newest step in no backup yet: it lives in RAM only (this node's kept spool, and its peers') until the job runs again and a backup takes it",
-			"job", st.Job, "step", st.Sealed, "backed_up", st.BackedUp)
+			"job", st.Job, "step", *st.InRAMOnly, "backed_up", st.BackedUp)
 	}
 	r.cancel()           // incarnations, restores, pushes and backups end; sealing does not
 	r.node.tasks.Wait()  // the control loop closes the sealer's queue: what was committed is sealed

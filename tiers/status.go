@@ -47,6 +47,10 @@ type Status struct {
 	// BackedUp is the newest step whose part this node uploaded to a backup, or restored from
 	// one (-1: none yet).
 	BackedUp int64 `json:"latest_backed_up_step"`
+	// InRAMOnly is the newest step this agent sealed that no backup of its holds yet (nil: none,
+	// or no backup tier). Only what this agent sealed: a step restored from RAM after an agent
+	// restart may be in a backup the agent does not know of (a review).
+	InRAMOnly *int64 `json:"newest_step_in_ram_only,omitempty"`
 	// Replicated is the newest step the coordinator reported held by every node's peers
 	// (-1: none in this incarnation). Losing any one node cannot lose it.
 	Replicated int64         `json:"latest_replicated_step"`
@@ -150,11 +154,15 @@ func (r *Replicator) Status() Status {
 	// The restored step is sealed data too: before, a node that restored step 20 and had not
 	// sealed a step since said sealed -1 beside committed and replicated 20.
 	st.Sealed = r.sealer.latest(job)
+	sealedHere := st.Sealed
 	if restored > 0 { // 0: nothing restored (a restored step 0 is not told apart)
 		st.Sealed = max(st.Sealed, restored)
 	}
 	var backup *Progress
 	backup, st.LastBackup, st.BackedUp = r.backups.status(job)
+	if r.cfg.Store != nil && sealedHere >= 0 && sealedHere > st.BackedUp {
+		st.InRAMOnly = &sealedHere
+	}
 	st.Backup = backup.view()
 	st.RePush = r.syncer.status(job)
 	st.Sealing = r.sealer.tryingView(job)

@@ -327,4 +327,15 @@ func TestStopSaysTheNewestStepIsInNoBackup(t *testing.T) {
 	assert.NotContains(t, out, "in RAM only")
 	stopAgent(t, b)
 	assert.NotContains(t, b.log(), warning)
+
+	// Restarted, the agent restores step 4 from RAM and does not know of its backup: it claims
+	// nothing (it said "step 4 in RAM only": a review).
+	c := n2.start(t)
+	o = orbaxClient(t, n2.dir, "once", 0.01)
+	require.NoError(t, restoresStep(ctx, o, 4))
+	out, code = runMtcfs(t, "status", n2.dir)
+	require.Equal(t, 0, code, out)
+	assert.NotContains(t, out, "in RAM only")
+	stopAgent(t, c)
+	assert.NotContains(t, c.log(), warning)
 }

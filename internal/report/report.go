@@ -30,10 +30,10 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 	if st.LastBackup != "" {
 		fmt.Fprintf(w, " (last: %s)", st.LastBackup)
 	}
-	if st.BackupStore != "" && st.Sealed >= 0 && st.Sealed > st.BackedUp {
+	if st.InRAMOnly != nil {
 		// Until a backup takes it, the newest step lives in RAM only (a job that saved once, an
 		// agent stopped before the interval: a black-box run found no word of it anywhere).
-		fmt.Fprintf(w, "; step %d in RAM only, not in a backup yet", st.Sealed)
+		fmt.Fprintf(w, "; step %d in RAM only, not in a backup yet", *st.InRAMOnly)
 	}
 	fmt.Fprintln(w)
 	if st.Incarnation == "" {

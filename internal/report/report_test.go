@@ -1,7 +1,6 @@
 package report
 
 import (
-	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -51,14 +50,10 @@ func TestStatus(t *testing.T) {
 
 	// The newest step in no backup yet: said on the backups line (a job that saved once, its
 	// interval not over, had it in RAM only, with no word anywhere).
-	for _, tc := range []struct {
-		sealed, backedUp int64
-		want             bool
-	}{{12, 10, true}, {12, -1, true}, {10, 10, false}, {-1, -1, false}} {
+	for _, inRAMOnly := range []*int64{new(int64(12)), nil} {
 		var b strings.Builder
-		Status(&b, info, tiers.Status{Spool: spool, BackupStore: "file:///b", Sealed: tc.sealed, BackedUp: tc.backedUp, Committed: -1, Replicated: -1})
-		line := fmt.Sprintf("  backups    file:///b; step %d in RAM only, not in a backup yet\n", tc.sealed)
-		assert.Equal(t, tc.want, strings.Contains(b.String(), line), "sealed %d, backed up %d:\n%s", tc.sealed, tc.backedUp, b.String())
+		Status(&b, info, tiers.Status{Spool: spool, BackupStore: "file:///b", InRAMOnly: inRAMOnly, Committed: -1, Replicated: -1})
+		assert.Equal(t, inRAMOnly != nil, strings.Contains(b.String(), "  backups    file:///b; step 12 in RAM only, not in a backup yet\n"), "%v:\n%s", inRAMOnly, b.String())
 	}
 
 	// A job that has committed nothing yet: not "latest committed 0", which is a step.
