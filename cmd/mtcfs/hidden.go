@@ -47,7 +47,7 @@ func answerHidden(under *os.File, ns tiers.Namespace, events hiddenEvents) (remo
 	for _, name := range names {
 		if name == layout.ReplicatorYAMLName {
 			yaml = true
-		} else {
+		} else if name != "lost+found" { // a file system's own, when the mount directory is its root
 			others = append(others, name)
 		}
 	}

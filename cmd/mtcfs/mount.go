@@ -553,6 +553,12 @@ func backupJobCheck(dir, rawURL string) func(*tiers.Config) error {
 		if !within(dir, jobDir) {
 			return nil
 		}
+		if dir != jobDir {
+			// Its backups go beside the mount, but the agents walk and clean that directory
+			// (leftovers of backups cut short) and would reach into the mount (a review).
+			return fmt.Errorf("job-name: %s: this job's backup directory %s holds the mount directory %s: the agents walk and clean that directory and would reach into the mount, the agent's RAM; give the job another name, or the agents a --backup directory that does not hold the mount",
+				cfg.JobName, jobDir, dir)
+		}
 		return fmt.Errorf("job-name: %s: this job's backups would go to %s, which holds the mount directory %s: they would live in the agent's RAM, behind its own mount, and be lost with it; give the job another name, or the agents a --backup directory that does not hold the mount",
 			cfg.JobName, jobDir, dir)
 	}

@@ -627,7 +627,7 @@ func TestMountDirMovedWhileStopped(t *testing.T) {
 func TestBackupIntoTheMountIsRefused(t *testing.T) {
 	needRoot(t)
 	base := t.TempDir()
-	n := repNode{dir: filepath.Join(base, "llama", "ckpt"), spool: filepath.Join(t.TempDir(), "spool"), backup: "file://" + base}
+	n := repNode{dir: filepath.Join(base, "llama"), spool: filepath.Join(t.TempDir(), "spool"), backup: "file://" + base}
 	require.NoError(t, os.MkdirAll(n.dir, 0o755))
 	a := n.start(t)
 	writeJobYAML(t, n.dir, &jobsim.Orbax{Dir: n.dir, Job: "llama", Nodes: 1, BackupIntervalMinutes: 1})
@@ -645,6 +645,15 @@ func TestBackupIntoTheMountIsRefused(t *testing.T) {
 	})
 	assert.NoFileExists(t, filepath.Join(n.dir, "replicator.failed"))
 	stopAgent(t, a)
+
+	// A mount below <root>/<job>: the backups go beside it, but the agents walk and clean that
+	// directory (leftovers of cut-short backups), which would reach into the mount.
+	below := filepath.Join(base, "llama", "ckpt")
+	check := backupJobCheck(below, "file://"+base)
+	require.NotNil(t, check)
+	assert.ErrorContains(t, check(&tiers.Config{JobName: "llama"}), "this job's backup directory "+filepath.Join(base, "llama")+" holds the mount directory "+below+": the agents walk and clean that directory")
+	assert.NoError(t, check(&tiers.Config{JobName: "alpaca"}))
+	assert.Nil(t, backupJobCheck(below, "gs://bucket"+base), "gs:// holds no mount")
 
 	// Inside the spool.
 	spool := filepath.Join(t.TempDir(), "spool")
