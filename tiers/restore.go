@@ -232,6 +232,13 @@ func (r *restorer) run(inc *incarnation) {
 		r.log.Warn(msg, "job", cfg.JobName)
 		r.lines.incLine(inc, msg)
 	}
+	if plan.Found {
+		// A budget that holds the restored step but not a next save as large (an agent restarted
+		// with a smaller --memory) failed the save with ENOSPC, the job told nothing (a
+		// black-box run): the restored step stays until a newer one is complete. Before the
+		// markers, so that a job reads it while it waits for them.
+		r.retention.warnTightAfterRestore(r.lines, inc, plan.Step)
+	}
 	// The state is "running" before the job can see a marker, so status never lags behind it.
 	inc.restoreDone(plan.Step, plan.Found)
 	r.synced.push(sealedStep{restoreDone: true}) // after the restored step's: its sync goes first
@@ -250,12 +257,6 @@ func (r *restorer) run(inc *incarnation) {
 		}
 	}
 	r.log.Info("restore markers published", "step", plan.Step, "found", plan.Found)
-	if plan.Found {
-		// A budget that holds the restored step but not a next save as large (an agent restarted
-		// with a smaller --memory) failed the save with ENOSPC, the job told nothing (a
-		// black-box run): the restored step stays until a newer one is complete.
-		r.retention.warnTightAfterRestore(r.lines, inc, plan.Step)
-	}
 	// Recorded after the markers: an agent killed in between tells a job that already took
 	// its marker to restart (at its next save check), never leaves one waiting in silence.
 	if err := r.withRoom(func() error { return r.spool.MarkRestored(inc.ID) }); err != nil && !errors.Is(err, errNoOwnerRecord) {
