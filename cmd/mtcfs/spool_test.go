@@ -657,6 +657,7 @@ func TestBackupIntoTheMountIsRefused(t *testing.T) {
 
 	// Inside the spool.
 	spool := filepath.Join(t.TempDir(), "spool")
+	t.Cleanup(func() { forceUnmount(spool) }) // an agent that was not refused left its spool mounted
 	backup := "file://" + filepath.Join(spool, "backups")
 	out, code := runBounded(t, 30*time.Second, "mount", n.dir, "--backup", backup, "--memory", "64MiB", "--spool", spool)
 	assert.Equal(t, 1, code, out)
