@@ -427,12 +427,12 @@ type backupPlace struct {
 // the agent may not write there; and when the directory does not exist (a mistyped path, or the
 // disk it is on not mounted: the start said "can be read", found by a review).
 func warnVolatileBackups(rawURL string) (loc backupPlace) {
-	u, err := url.Parse(rawURL)
-	if err != nil || u.Scheme != "file" || u.Path == "" {
+	path, ok := fileBackupDir(rawURL)
+	if !ok {
 		return
 	}
 	var st unix.Statfs_t // of the directory, or of the ancestor it will be made in
-	existing, rest := resolveExisting(filepath.Clean(u.Path))
+	existing, rest := resolveExisting(path)
 	if rest != "" && rawURL == gcsbackend.DefaultURL() {
 		loc.missing = true
 		slog.Info("the default backup directory is made at the first backup", "backup", rawURL)
@@ -520,16 +520,16 @@ func checkNoMountsBelow(dir string) error {
 // meant to outlive, be hidden from every other agent and tool, and be removed with the job's
 // namespace; the agent must never touch its own mount either.
 func checkBackupPlacement(dir, rawURL string) error {
-	u, err := url.Parse(rawURL)
-	if err != nil || u.Scheme != "file" || u.Path == "" {
+	path, ok := fileBackupDir(rawURL)
+	if !ok {
 		return nil
 	}
-	if within(resolvedPath(filepath.Clean(u.Path)), resolvedPath(dir)) {
+	if within(resolvedPath(path), resolvedPath(dir)) {
 		return fmt.Errorf("--backup %s is inside the mount directory %s: backups written there would live in the agent's RAM, behind its own mount, and be lost with it; give a directory outside it, on a disk, or gs://", rawURL, dir)
 	}
 	// Another agent's mount: it was only warned of, and that agent's job removed the backups
 	// at its next start, as names of its namespace it did not know (found by a black-box run).
-	if existing, _ := resolveExisting(filepath.Clean(u.Path)); inMtcfsMount(existing) {
+	if existing, _ := resolveExisting(path); inMtcfsMount(existing) {
 		return fmt.Errorf("--backup %s is inside another agent's mtcfs mount: its files live in that agent's RAM, and that agent's job removes what it does not know there at its next start; give a directory on a disk, or gs://", rawURL)
 	}
 	return nil
@@ -540,11 +540,11 @@ func checkBackupPlacement(dir, rawURL string) error {
 // like the directory on the way backed up into its own mount, the agent's RAM, and said
 // "backup complete" (found by a black-box run). nil for other locations.
 func backupJobCheck(dir, rawURL string) func(*tiers.Config) error {
-	u, err := url.Parse(rawURL)
-	if err != nil || u.Scheme != "file" || u.Path == "" {
+	path, ok := fileBackupDir(rawURL)
+	if !ok {
 		return nil
 	}
-	root := resolvedPath(filepath.Clean(u.Path))
+	root := resolvedPath(path)
 	if !within(dir, root) {
 		return nil
 	}
@@ -567,14 +567,24 @@ func backupJobCheck(dir, rawURL string) func(*tiers.Config) error {
 // checkBackupBesideSpool refuses a file:// backup location at or below the spool: the backups
 // took the job's RAM budget, and freeing the spool deleted them (found by a black-box run).
 func checkBackupBesideSpool(spool, rawURL string) error {
-	u, err := url.Parse(rawURL)
-	if err != nil || u.Scheme != "file" || u.Path == "" {
+	path, ok := fileBackupDir(rawURL)
+	if !ok {
 		return nil
 	}
-	if within(resolvedPath(filepath.Clean(u.Path)), resolvedPath(spool)) {
+	if within(resolvedPath(path), resolvedPath(spool)) {
 		return fmt.Errorf("--backup %s is inside the spool %s: backups written there would take the job's RAM budget and go when the spool is freed; give a directory outside it, on a disk, or gs://", rawURL, spool)
 	}
 	return nil
+}
+
+// fileBackupDir returns the directory of a file:// backup location, cleaned (false: another
+// kind of location, or none).
+func fileBackupDir(rawURL string) (string, bool) {
+	u, err := url.Parse(rawURL)
+	if err != nil || u.Scheme != "file" || u.Path == "" {
+		return "", false
+	}
+	return filepath.Clean(u.Path), true
 }
 
 // within reports whether the clean absolute path p is parent or below it.
