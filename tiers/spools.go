@@ -309,27 +309,23 @@ func (h Spools) List() ([]SpoolInfo, error) { return h.list(nil) }
 // KeptSpools), and inspecting a spool without its own tmpfs walks all its files (a review). A
 // mount directory that is a mount point is not looked at (a stopped agent's FUSE mount would
 // hang the look: a review), nor one that does not answer within mountStatTimeout.
-func (h Spools) Orphaned() ([]SpoolInfo, error) {
-	return h.list(func(dir string, mounts mountTable) bool {
-		o, err := ReadOwner(dir)
-		if err != nil || o.MountPath == "" {
-			return false
-		}
-		return mountPathState(o.MountPath, mounts) == MountGone
-	})
-}
+func (h Spools) Orphaned() ([]SpoolInfo, error) { return h.OrphanedOrOf("", "") }
 
-// OrphanedOrOf lists what Orphaned does and the spools whose owner record names mountPath (the
-// mount directory of the agent asking, which may run with another spool: a --spool changed
-// between two starts left the job's steps in the old one, and its restore said nothing; found
-// by a black-box run).
-func (h Spools) OrphanedOrOf(mountPath string) ([]SpoolInfo, error) {
+// OrphanedOrOf lists what Orphaned does and the spools but own whose owner record names
+// mountPath (the mount directory of the agent asking, which may run with another spool: a
+// --spool changed between two starts left the job's steps in the old one, and its restore said
+// nothing; found by a black-box run). own, the asking agent's spool, is not inspected: without
+// a tmpfs that walks all its files, at every restore (a review).
+func (h Spools) OrphanedOrOf(mountPath, own string) ([]SpoolInfo, error) {
 	return h.list(func(dir string, mounts mountTable) bool {
+		if own != "" && filepath.Clean(dir) == filepath.Clean(own) {
+			return false
+		}
 		o, err := ReadOwner(dir)
 		if err != nil || o.MountPath == "" {
 			return false
 		}
-		return o.MountPath == mountPath || mountPathState(o.MountPath, mounts) == MountGone
+		return (mountPath != "" && o.MountPath == mountPath) || mountPathState(o.MountPath, mounts) == MountGone
 	})
 }
 

@@ -234,3 +234,28 @@ func TestOrphanReapedOnceDue(t *testing.T) {
 	h.ReapOrphanedLater(t.Context(), "", again, logger)
 	assert.NoDirExists(t, dir, "the orphan is reaped once due\n%s", log.String())
 }
+
+// TestOrphanedOrOf: the spools of a mount directory are listed with the orphaned ones, but the
+// asking agent's own spool is not inspected (without a tmpfs that walks all its files, at every
+// restore: a review); Orphaned lists only those whose mount directory is gone.
+func TestOrphanedOrOf(t *testing.T) {
+	s1, mnt, dir1 := spoolWithStep(t)
+	require.NoError(t, s1.Detach())
+	dir2 := filepath.Join(t.TempDir(), "spool")
+	s2, err := OpenSpool(SpoolConfig{Dir: dir2, Budget: MinBudget, MountPath: mnt})
+	require.NoError(t, err)
+	t.Cleanup(func() { s2.Detach() })
+	spools := Spools{Users: func() ([]SpoolUser, error) { return nil, nil }, Dirs: func() []string { return []string{dir1, dir2} }}
+	dirs := func(found []SpoolInfo, err error) []string {
+		require.NoError(t, err)
+		var out []string
+		for _, s := range found {
+			out = append(out, s.Dir)
+		}
+		return out
+	}
+	assert.Equal(t, []string{dir1}, dirs(spools.OrphanedOrOf(ResolveMountPath(mnt), dir2)), "the other spool of the mount, not the agent's own")
+	assert.Empty(t, dirs(spools.Orphaned()), "the mount directory exists")
+	require.NoError(t, os.Remove(mnt))
+	assert.ElementsMatch(t, []string{dir1, dir2}, dirs(spools.Orphaned()), "the mount directory is gone")
+}

@@ -746,7 +746,7 @@ func runMount(cfg mountConfig) error {
 		beforeSeal = func(int64) { time.Sleep(d) }
 	}
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
-		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, KeptSpools: func() ([]tiers.SpoolInfo, error) { return localSpools.OrphanedOrOf(cfg.dir) },
+		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, KeptSpools: func() ([]tiers.SpoolInfo, error) { return localSpools.OrphanedOrOf(cfg.dir, cfg.spoolDir) },
 		CheckJob: backupJobCheck(cfg.dir, cfg.backupURL)})
 	var ready atomic.Bool
 	info := agents.Info{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
