@@ -294,7 +294,7 @@ func (r *restorer) freeOtherJobs(inc *incarnation) (line string) {
 	if len(names) > 0 {
 		r.retention.retain(cfg) // frees the data no kept .meta names
 		parts = append(parts, fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName))
-		parts = append(parts, r.recordFreed(cfg.JobName, names)...)
+		parts = append(parts, r.unbackedLines(r.recordFreed(cfg.JobName, names))...)
 		r.log.Warn("freed checkpoints of other jobs", "metas", names, "job", cfg.JobName)
 	}
 	if len(later) > 0 {
@@ -311,30 +311,30 @@ func (r *restorer) freeOtherJobs(inc *incarnation) (line string) {
 }
 
 // recordFreed records in the spool's owner record the steps of other jobs that the .meta files
-// names held, freed for job (the job, back under its name, is told), and returns what the job
-// that freed them is told of the ones this node had not seen in a complete backup.
-func (r *restorer) recordFreed(job string, names []string) (lines []string) {
-	byJob := map[string][]int64{}
+// names held, freed for job (the job, back under its name, is told), and returns them by job.
+func (r *restorer) recordFreed(job string, names []string) (byJob map[string][]int64) {
+	byJob = map[string][]int64{}
 	for _, name := range names {
 		if m, ok := layout.ParseMarkerName(name); ok && !slices.Contains(byJob[m.Job], m.Step) {
 			byJob[m.Job] = append(byJob[m.Job], m.Step)
 		}
 	}
-	for _, other := range slices.Sorted(maps.Keys(byJob)) {
-		steps := byJob[other]
+	for other, steps := range byJob {
 		slices.Sort(steps)
 		if err := r.spool.RecordFreed(other, steps, job); err != nil && !errors.Is(err, errNoOwnerRecord) {
 			r.log.Warn("record the freed steps in the spool's owner record", "job", other, "err", err)
 		}
+	}
+	return byJob
+}
+
+// unbackedLines says, for the job that freed them, which of the freed steps (by job) this node
+// saw in no complete backup: the line said "freed" alike whether or not a backup held them (a
+// black-box run).
+func (r *restorer) unbackedLines(byJob map[string][]int64) (lines []string) {
+	for _, other := range slices.Sorted(maps.Keys(byJob)) {
 		_, _, backedUp := r.backups.status(other)
-		var unbacked []int64
-		for _, st := range steps {
-			if st > backedUp {
-				unbacked = append(unbacked, st)
-			}
-		}
-		if len(unbacked) > 0 {
-			// The line said "freed" alike whether or not a backup held them (a black-box run).
+		if unbacked := slices.DeleteFunc(slices.Clone(byJob[other]), func(st int64) bool { return st <= backedUp }); len(unbacked) > 0 {
 			lines = append(lines, fmt.Sprintf("step(s) %s of job %s were in no backup this node completed (mtcfs backups list --job %s shows whether one holds them): unless another node or a backup holds them, they are lost", joinSteps(unbacked), other, other))
 		}
 	}
@@ -365,10 +365,9 @@ func (r *restorer) freeAfterBackups(steps []jobStep) {
 		return // their job is back, or they went another way
 	}
 	r.retention.retain(cfg)
-	// Not what recordFreed says of backups: these were backed up, or tried, and the runner
-	// remembers one job's last backup only (a review: a false "lost" when the new job's backup
-	// ended meanwhile).
-	_ = r.recordFreed(cfg.JobName, names)
+	// No unbackedLines: these were backed up, or tried, and the runner remembers one job's last
+	// backup only (a review: a false "lost" when the new job's backup ended meanwhile).
+	r.recordFreed(cfg.JobName, names)
 	r.log.Info("freed checkpoints of other jobs once their backups ended", "metas", names, "job", cfg.JobName)
 }
 

@@ -342,7 +342,7 @@ func (rt *retention) warnIfFillingBecause(lines *jobLines, inc *incarnation, pus
 		// No step of this node waits (a job restarted: the restored one is the floor), yet a
 		// peer's replica found no room: the job's saves fail with ENOSPC too, and its restart
 		// was told nothing (found by a black-box run).
-		if why == "" || total-used >= used/int64(held) || !inc.fillTold.CompareAndSwap(false, true) {
+		if why == "" || !noRoomForAStep(total, used, held) || !inc.fillTold.CompareAndSwap(false, true) {
 			return
 		}
 		msg := fmt.Sprintf("%sthis node's RAM is %d%% full (%s of --memory %s, %d checkpoints: this node's and its peers' replicas): the job's saves fail with ENOSPC once it is full; give the agent a larger --memory",
@@ -351,7 +351,7 @@ func (rt *retention) warnIfFillingBecause(lines *jobLines, inc *incarnation, pus
 		lines.incLine(inc, msg)
 		return
 	}
-	tight := pushFailed && total-used < used/int64(held)
+	tight := pushFailed && noRoomForAStep(total, used, held)
 	lagging := len(steps) >= 3 && used*4 >= total*3
 	if !(tight || lagging) || !inc.fillTold.CompareAndSwap(false, true) {
 		return
@@ -380,7 +380,7 @@ func (rt *retention) warnTightAfterRestore(lines *jobLines, inc *incarnation, st
 		return
 	}
 	_, held := rt.stepsAbove(inc.Config.JobName, inc.Config.NodeRank, -1)
-	if held == 0 || total-used >= used/int64(held) {
+	if held == 0 || !noRoomForAStep(total, used, held) {
 		return
 	}
 	msg := fmt.Sprintf("after the restore of step %d, this node's RAM is %d%% full (%s of --memory %s, %d checkpoint(s): this node's and its peers' replicas): a next save as large fails with ENOSPC; give the agent a larger --memory",
@@ -388,6 +388,10 @@ func (rt *retention) warnTightAfterRestore(lines *jobLines, inc *incarnation, st
 	rt.log.Warn(msg)
 	lines.incLine(inc, msg)
 }
+
+// noRoomForAStep reports whether the RAM left (total - used) is less than a step of the average
+// size of the held data (held > 0): the job's next save would fail with ENOSPC.
+func noRoomForAStep(total, used int64, held int) bool { return total-used < used/int64(held) }
 
 // stepsAbove lists, in order, the steps above floor that this node holds of job's rank.
 // It also counts the distinct data this node holds (its own and its peers' replicas).
