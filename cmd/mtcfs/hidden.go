@@ -60,8 +60,12 @@ func answerHidden(under *os.File, ns tiers.Namespace, events hiddenEvents) (remo
 		// Told to the job too, before a hidden yaml is answered: checkpoints of a run without
 		// mtcfs in the directory were hidden and the job started from scratch, told nothing
 		// (found by a black-box run).
-		events.TellAtHandshake(fmt.Sprintf("the mount directory held %d entr%s before the agent mounted on it (%s): the mount hides them from the job, and they are not restored (they are not checkpoints the agent saved); they stay under the mount: copy them out once the agent stops",
-			count, map[bool]string{true: "y", false: "ies"}[count == 1], strings.Join(shown, ", ")))
+		entries := fmt.Sprintf("%d entries", count)
+		if count == 1 {
+			entries = "1 entry"
+		}
+		events.TellAtHandshake(fmt.Sprintf("the mount directory held %s before the agent mounted on it (%s): the mount hides them from the job, and they are not restored (they are not checkpoints the agent saved); they stay under the mount: copy them out once the agent stops",
+			entries, strings.Join(shown, ", ")))
 	}
 	if yaml {
 		remove = takeHiddenYAML(under, ns, events)

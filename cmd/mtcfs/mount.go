@@ -433,11 +433,9 @@ func warnVolatileBackups(rawURL string) (loc backupPlace) {
 	}
 	var st unix.Statfs_t // of the directory, or of the ancestor it will be made in
 	existing, rest := resolveExisting(path)
-	if rest != "" && rawURL == gcsbackend.DefaultURL() {
-		loc.missing = true
+	if loc.missing = rest != ""; loc.missing && rawURL == gcsbackend.DefaultURL() {
 		slog.Info("the default backup directory is made at the first backup", "backup", rawURL)
-	} else if rest != "" {
-		loc.missing = true
+	} else if loc.missing {
 		slog.Warn("the backup directory does not exist yet: the first backup makes it, and a restore finds no backup there; "+
 			"if it should exist (a mistyped path, the disk it is on not mounted), stop the agent and fix --backup",
 			"backup", rawURL, "missing", rest, "under", existing)
@@ -553,14 +551,14 @@ func backupJobCheck(dir, rawURL string) func(*tiers.Config) error {
 		if !within(dir, jobDir) {
 			return nil
 		}
+		what, holds, why := "backups would go to", ", which holds", "they would live in the agent's RAM, behind its own mount, and be lost with it"
 		if dir != jobDir {
 			// Its backups go beside the mount, but the agents walk and clean that directory
 			// (leftovers of backups cut short) and would reach into the mount (a review).
-			return fmt.Errorf("job-name: %s: this job's backup directory %s holds the mount directory %s: the agents walk and clean that directory and would reach into the mount, the agent's RAM; give the job another name, or the agents a --backup directory that does not hold the mount",
-				cfg.JobName, jobDir, dir)
+			what, holds, why = "backup directory", " holds", "the agents walk and clean that directory and would reach into the mount, the agent's RAM"
 		}
-		return fmt.Errorf("job-name: %s: this job's backups would go to %s, which holds the mount directory %s: they would live in the agent's RAM, behind its own mount, and be lost with it; give the job another name, or the agents a --backup directory that does not hold the mount",
-			cfg.JobName, jobDir, dir)
+		return fmt.Errorf("job-name: %s: this job's %s %s%s the mount directory %s: %s; give the job another name, or the agents a --backup directory that does not hold the mount",
+			cfg.JobName, what, jobDir, holds, dir, why)
 	}
 }
 
