@@ -2315,10 +2315,8 @@ func TestRestoreIntoATightBudgetTellsTheJob(t *testing.T) {
 	for _, mib := range []int64{40, 8} { // in --memory 64MiB
 		n := newRepNode(t)
 		a := n.start(t)
-		o := orbaxClient(t, n.dir, "tight", 30)
+		o := startedOrbax(t, ctx, n.dir, "tight", 30)
 		o.Content = jobsim.Content{Files: 1, FileSize: mib << 20}
-		_, _, err := o.Start(ctx)
-		require.NoError(t, err)
 		require.NoError(t, o.Save(ctx, 10))
 		waitStepSealed(t, n.dir, "tight", 10)
 		stopAgent(t, a)

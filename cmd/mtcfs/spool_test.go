@@ -674,9 +674,7 @@ func TestRestoreTellsOfTheKeptSpoolOfThisMount(t *testing.T) {
 	ctx := repCtx(t)
 	n := newRepNode(t)
 	a := n.start(t)
-	o := orbaxClient(t, n.dir, "moved", 30)
-	_, _, err := o.Start(ctx)
-	require.NoError(t, err)
+	o := startedOrbax(t, ctx, n.dir, "moved", 30)
 	require.NoError(t, o.Save(ctx, 5))
 	waitStepSealed(t, n.dir, "moved", 5)
 	stopAgent(t, a) // the spool is kept with step 5

@@ -303,9 +303,7 @@ func TestStopSaysTheNewestStepIsInNoBackup(t *testing.T) {
 	const warning = "stopping with the newest step in no backup yet"
 	n := newRepNode(t)
 	a := n.start(t)
-	o := orbaxClient(t, n.dir, "once", 600)
-	_, _, err := o.Start(ctx)
-	require.NoError(t, err)
+	o := startedOrbax(t, ctx, n.dir, "once", 600)
 	require.NoError(t, o.Save(ctx, 3))
 	waitStepSealed(t, n.dir, "once", 3)
 	out, code := runMtcfs(t, "status", n.dir)
@@ -317,9 +315,7 @@ func TestStopSaysTheNewestStepIsInNoBackup(t *testing.T) {
 	// A backup soon after the save: the stop after it says nothing of it.
 	n2 := newRepNode(t)
 	b := n2.start(t)
-	o = orbaxClient(t, n2.dir, "once", 0.01)
-	_, _, err = o.Start(ctx)
-	require.NoError(t, err)
+	o = startedOrbax(t, ctx, n2.dir, "once", 0.01)
 	require.NoError(t, o.Save(ctx, 4))
 	repWait(t, 30*time.Second, "the backup of step 4", func() bool { return strings.Contains(b.log(), "backup complete") })
 	out, code = runMtcfs(t, "status", n2.dir)
