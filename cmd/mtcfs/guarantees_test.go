@@ -1694,9 +1694,7 @@ func TestAgentRestartRightAfterTheMarkersTellsTheJob(t *testing.T) {
 	failed := filepath.Join(n.dir, "replicator.failed")
 	const job = "after"
 	a := n.start(t)
-	o := orbaxClient(t, n.dir, job, 60)
-	_, _, err := o.Start(ctx)
-	require.NoError(t, err)
+	o := startedOrbax(t, ctx, n.dir, job, 60)
 	require.NoError(t, o.Save(ctx, 10))
 	waitStepSealed(t, n.dir, job, 10)
 	running := func() tiers.Running {
