@@ -300,8 +300,8 @@ func TestManifestV3Checks(t *testing.T) {
 }
 
 // TestExport: export writes the complete steps of a compressed backup in the
-// plain reference layout; a missing backup and a non-empty or unusable
-// destination are clear errors.
+// plain reference layout, into a new directory whose missing parents it
+// makes; a missing backup and a non-empty or unusable destination are clear errors.
 func TestExport(t *testing.T) {
 	ctx := context.Background()
 	b := compressedBackups(newTestLocalDir(t))
@@ -310,7 +310,7 @@ func TestExport(t *testing.T) {
 	h0 := uploadHashedTree(t, b, "2026-01-01_00-00", 5, Slot{0, 0}, files0)
 	h1 := uploadHashedTree(t, b, "2026-01-01_00-00", 5, Slot{1, 0}, files1)
 
-	out := filepath.Join(t.TempDir(), "export")
+	out := filepath.Join(t.TempDir(), "exports", "llama", "export") // missing parents are made
 	var last, total int64
 	rep, err := b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: out,
 		Progress: func(d, tot int64) { assert.GreaterOrEqual(t, d, last); last, total = d, tot }})

@@ -138,7 +138,9 @@ func prepareExportDir(dir string) error {
 	fi, err := os.Stat(dir)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		if err := os.Mkdir(dir, 0o755); err != nil {
+		// Its missing parents too, as mkdir -p: an export is often aimed at a fresh scratch
+		// path (a black-box run: /scratch/exports/llama failed for want of /scratch/exports).
+		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return fmt.Errorf("export: create %s: %w", dir, err)
 		}
 		return nil
