@@ -35,6 +35,9 @@ type fileNode struct {
 	writers   int    // open handles that may write. GUARDED_BY(mu)
 	lingering bool   // keeps the bytes after the last name went (replacedByAgent). GUARDED_BY(mu)
 	accounted int64  // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
+	// holds are the agent's own reads of the spool file (HoldSpoolFile), which keep its bytes
+	// on tmpfs after its last name goes, like a handle. GUARDED_BY(mu)
+	holds map[*spoolHold]struct{}
 	// borrowed: backing is a file of a sealed record in the spool (a step imported at a restart
 	// or from a peer), which owns that name: the node never removes it, and gets a spool file
 	// name of its own before it gets a second name (addLink). GUARDED_BY(mu)
@@ -354,12 +357,73 @@ func (f *fileNode) dropLink() (doomed bool) {
 		f.nlink--
 	}
 	f.ctime = time.Now()
-	doomed = f.nlink == 0 && (f.opens > 0 || f.releasing > 0)
+	doomed = f.nlink == 0 && (f.opens > 0 || f.releasing > 0 || len(f.holds) > 0)
 	if doomed {
 		f.fs.doom(f)
 	}
+	if f.nlink == 0 {
+		f.cancelHolds()
+	}
 	f.maybeFree()
 	return doomed
+}
+
+// spoolHold is one read of a file's spool file by the agent (the early hashing and push of a
+// closed file): ended by its holder, or cancelled when the file's last name goes.
+type spoolHold struct {
+	cancel    context.CancelFunc
+	cancelled bool // by cancelHolds, and counted in mtfs.releasing until it ends. GUARDED_BY(fileNode.mu)
+}
+
+// cancelHolds cancels f's holds: the file lost its last name, so what they read is of no use,
+// and its bytes are freed once they end. A cancelled hold counts as a RELEASE under way until
+// it ends, so that the requests waiting for the space wait for it too (space.go). Caller holds
+// f.mu.
+func (f *fileNode) cancelHolds() {
+	for h := range f.holds {
+		if !h.cancelled {
+			h.cancelled = true
+			f.fs.releasing.Add(1)
+			h.cancel()
+		}
+	}
+}
+
+// hold starts a hold of f's spool file: its path and a context that ends when the file loses
+// its last name (or parent ends); end must be called once the reads are done.
+func (f *fileNode) hold(parent context.Context) (string, context.Context, func(), error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.backing == "" || f.nlink == 0 {
+		return "", nil, nil, os.ErrNotExist
+	}
+	ctx, cancel := context.WithCancel(parent)
+	h := &spoolHold{cancel: cancel}
+	if f.holds == nil {
+		f.holds = map[*spoolHold]struct{}{}
+	}
+	f.holds[h] = struct{}{}
+	return f.backing, ctx, func() { f.endHold(h) }, nil
+}
+
+// endHold ends hold h (once; later calls do nothing), and frees a doomed file it was the last
+// user of.
+func (f *fileNode) endHold(h *spoolHold) {
+	f.mu.Lock()
+	if _, ok := f.holds[h]; !ok {
+		f.mu.Unlock()
+		return
+	}
+	delete(f.holds, h)
+	h.cancel()
+	if h.cancelled {
+		f.fs.releasing.Add(-1)
+	}
+	gone := f.nlink == 0 && f.opens == 0 && f.releasing == 0 && len(f.holds) == 0
+	f.mu.Unlock()
+	if gone {
+		f.fs.undoom(f)
+	}
 }
 
 // maybeFree removes the spool file once no name and no open handle refers to it. Caller holds mu.
@@ -378,7 +442,7 @@ func (f *fileNode) maybeFree() {
 func (f *fileNode) released() {
 	f.mu.Lock()
 	f.releasing--
-	gone := f.nlink == 0 && f.opens == 0 && f.releasing == 0
+	gone := f.nlink == 0 && f.opens == 0 && f.releasing == 0 && len(f.holds) == 0
 	f.mu.Unlock()
 	if gone {
 		f.fs.undoom(f)

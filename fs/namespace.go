@@ -482,23 +482,22 @@ func freeze(in *gofs.Inode) map[*gofs.Inode]map[string]*gofs.Inode {
 
 func (m *meta) freeze() { m.frozen.Store(true) }
 
-func (ns *namespace) SpoolFile(path string) (string, error) {
+func (ns *namespace) HoldSpoolFile(ctx context.Context, path string) (string, context.Context, func(), error) {
 	in := ns.root.EmbeddedInode()
 	for _, part := range strings.Split(path, "/") {
 		if in = in.GetChild(part); in == nil {
-			return "", fmt.Errorf("%s: %w", path, os.ErrNotExist)
+			return "", nil, nil, fmt.Errorf("%s: %w", path, os.ErrNotExist)
 		}
 	}
 	fn, ok := in.Operations().(*fileNode)
 	if !ok {
-		return "", fmt.Errorf("%s is not a regular file", path)
+		return "", nil, nil, fmt.Errorf("%s is not a regular file", path)
 	}
-	fn.mu.Lock()
-	defer fn.mu.Unlock()
-	if fn.backing == "" {
-		return "", fmt.Errorf("%s: %w", path, os.ErrNotExist)
+	p, hctx, end, err := fn.hold(ctx)
+	if err != nil {
+		return "", nil, nil, fmt.Errorf("%s: %w", path, err)
 	}
-	return fn.backing, nil
+	return p, hctx, end, nil
 }
 
 func (ns *namespace) Owner(name string) (uid, gid uint32, err error) {

@@ -37,7 +37,7 @@ type mtfs struct {
 	doomed    map[*fileNode]doomState // GUARDED_BY(relMu)
 	ndoomed   atomic.Int32            // len(doomed), read without relMu
 	relCh     chan struct{}           // closed when a doomed file was freed; GUARDED_BY(relMu)
-	releasing atomic.Int32            // RELEASE requests running
+	releasing atomic.Int32            // RELEASE requests running, and cancelled holds not ended yet
 	freedGen  atomic.Uint64           // counts doomed files freed
 	// parkedRelease maps a RELEASE's cancel channel to a func to run once it is done.
 	parkedRelease sync.Map

@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -101,8 +102,9 @@ func TestSealManyDirectories(t *testing.T) {
 
 	// A spool file gone from under the agent: its link fails, and the seal with it.
 	build("5", 40, 30)
-	victim, err := srv.Namespace().SpoolFile("5/d17/f3")
+	victim, _, end, err := srv.Namespace().HoldSpoolFile(context.Background(), "5/d17/f3")
 	require.NoError(t, err)
+	end()
 	require.NoError(t, os.Remove(victim))
 	rec = filepath.Join(spool.Dir(), "rec5")
 	_, err = srv.Namespace().Seal("5", rec)

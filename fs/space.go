@@ -37,6 +37,13 @@ import (
 //     files releaseGraceOpen, but the first request that failed with ENOSPC after a file was
 //     found open releaseGraceFailed) and never lasts longer than releaseWaitMax.
 //
+// The agent reads spool files itself too (the early hash and push of a closed file, in package
+// tiers) on descriptors of its own, which keep the bytes like a handle. Such a read is a hold
+// (fileNode.hold, Namespace.HoldSpoolFile): losing the last name cancels it, dooms the file like
+// a handle would, and counts the cancelled hold as a RELEASE running until the reader lets go
+// (a black-box run: a job that filled its budget, closed and deleted the file and wrote again at
+// once got ENOSPC while the hash of the file it closed still read it).
+//
 // The normal path pays almost nothing: no wait while there is space or no file is doomed, and
 // a RELEASE costs two atomic adds and a map entry more. Not covered: with passthrough, the
 // writes of an already open descriptor never reach the agent, so after a file is deleted first

@@ -108,9 +108,11 @@ func (ns *dirNamespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	return tiers.SealInfo{}, linkTree(ns.path(name), dst)
 }
 
-func (ns *dirNamespace) SpoolFile(path string) (string, error) {
-	_, err := os.Lstat(ns.path(path))
-	return ns.path(path), err
+func (ns *dirNamespace) HoldSpoolFile(ctx context.Context, path string) (string, context.Context, func(), error) {
+	if _, err := os.Lstat(ns.path(path)); err != nil {
+		return "", nil, nil, err
+	}
+	return ns.path(path), ctx, func() {}, nil
 }
 
 // Owner is the owner of the file or directory at name.

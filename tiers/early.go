@@ -87,6 +87,7 @@ func (g *earlyGroup) firstOf(d layout.FileDigest) bool {
 type earlyPush struct {
 	g           *earlyGroup
 	group, path string // path: the file in the spool
+	name        string // the file in the mount, as the job closed it
 }
 
 // closed queues the file the job closed at path for hashing (and then an early push); called by
@@ -135,11 +136,15 @@ func (e *earlyPushes) runHasher() {
 			// a committed step: its sealed push waits for it (take).
 			e.yield.waitForJob(e.ctx)
 		}
-		p, err := e.ns.SpoolFile(f.path)
+		p, held, end, err := e.ns.HoldSpoolFile(e.ctx, f.path)
 		if err == nil {
-			if d, err = e.digests.HashFileCached(e.ctx, p); err != nil && e.ctx.Err() == nil {
+			// Held: a job that deletes the file meanwhile cancels the hash, and its next write
+			// waits for the descriptor to close (a black-box run: ENOSPC right after deleting a
+			// file that filled the budget, while this hash held its bytes).
+			if d, err = e.digests.HashFileCached(held, p); err != nil && held.Err() == nil {
 				e.log.Debug("early hash failed", "path", f.path, "err", err)
 			}
+			end()
 		} // else gone or renamed meanwhile: the sealer hashes it if it matters
 		if f.g == nil {
 			continue
@@ -152,7 +157,7 @@ func (e *earlyPushes) runHasher() {
 			continue
 		}
 		select {
-		case e.pushQ <- earlyPush{g: f.g, group: f.group, path: p}:
+		case e.pushQ <- earlyPush{g: f.g, group: f.group, path: p, name: f.path}:
 		default:
 			f.g.pending.Done() // the queue is full: the file goes with the sealed data
 		}
@@ -187,7 +192,18 @@ func (e *earlyPushes) runPusher() {
 		if et, ok := e.transportFor(inc.Config); ok && inc.ctx.Err() == nil {
 			for _, peer := range inc.Config.Peers() {
 				e.yield.wait(inc.ctx, e.yield.limit)
-				d, err := et.PushEarly(inc.ctx, inc.Incarnation, peer, p.group, p.path)
+				// Held while it reads, as the hash; a file renamed since (a writer's temporary
+				// name) is read unheld.
+				ctx, end := inc.ctx, func() {}
+				if sp, held, stop, err := e.ns.HoldSpoolFile(inc.ctx, p.name); err == nil {
+					if sp == p.path {
+						ctx, end = held, stop
+					} else {
+						stop()
+					}
+				}
+				d, err := et.PushEarly(ctx, inc.Incarnation, peer, p.group, p.path)
+				end()
 				if err != nil {
 					// Not fatal: the file is sent with the sealed data.
 					e.log.Debug("early push failed", "group", p.group, "to", peer, "err", err)

@@ -45,7 +45,7 @@ type dirNamespace struct {
 	mu   sync.Mutex
 	ops  []string              // GUARDED_BY(mu)
 	hook func(op, name string) // GUARDED_BY(mu); called before the operation, without mu
-	// spoolFiles, when set, makes SpoolFile answer as the mount does, with a path that stays
+	// spoolFiles, when set, makes HoldSpoolFile answer as the mount does, with a path that stays
 	// valid when the job renames the file (a hard link in scratch), and then call it with the
 	// name asked for, without mu.
 	spoolFiles func(name string) // GUARDED_BY(mu)
@@ -209,24 +209,24 @@ func (ns *dirNamespace) Seal(name, dst string) (tiers.SealInfo, error) {
 	return tiers.SealInfo{Attrs: attrs}, err
 }
 
-func (ns *dirNamespace) SpoolFile(path string) (string, error) {
+func (ns *dirNamespace) HoldSpoolFile(ctx context.Context, path string) (string, context.Context, func(), error) {
 	ns.record("spoolfile", path)
 	p := ns.path(path)
 	if _, err := os.Lstat(p); err != nil {
-		return "", err
+		return "", nil, nil, err
 	}
 	ns.mu.Lock()
 	after := ns.spoolFiles
 	ns.mu.Unlock()
 	if after == nil {
-		return p, nil
+		return p, ctx, func() {}, nil
 	}
 	stable := ns.tmpName()
 	if err := os.Link(p, stable); err != nil {
-		return "", err
+		return "", nil, nil, err
 	}
 	after(path)
-	return stable, nil
+	return stable, ctx, func() {}, nil
 }
 
 // Owner is the owner of the file or directory at name.

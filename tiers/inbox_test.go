@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"context"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -17,14 +18,16 @@ type nopNamespace struct{}
 
 var _ Namespace = nopNamespace{}
 
-func (nopNamespace) List() ([]DirEntry, error)                        { return nil, nil }
-func (nopNamespace) ReadFile(string, int64) ([]byte, error)           { return nil, os.ErrNotExist }
-func (nopNamespace) WriteFile(string, []byte) error                   { return nil }
-func (nopNamespace) Symlink(string, string) error                     { return nil }
-func (nopNamespace) Rename(string, string) error                      { return nil }
-func (nopNamespace) Remove(string) error                              { return nil }
-func (nopNamespace) Seal(string, string) (SealInfo, error)            { return SealInfo{}, nil }
-func (nopNamespace) SpoolFile(string) (string, error)                 { return "", os.ErrNotExist }
+func (nopNamespace) List() ([]DirEntry, error)              { return nil, nil }
+func (nopNamespace) ReadFile(string, int64) ([]byte, error) { return nil, os.ErrNotExist }
+func (nopNamespace) WriteFile(string, []byte) error         { return nil }
+func (nopNamespace) Symlink(string, string) error           { return nil }
+func (nopNamespace) Rename(string, string) error            { return nil }
+func (nopNamespace) Remove(string) error                    { return nil }
+func (nopNamespace) Seal(string, string) (SealInfo, error)  { return SealInfo{}, nil }
+func (nopNamespace) HoldSpoolFile(context.Context, string) (string, context.Context, func(), error) {
+	return "", nil, nil, os.ErrNotExist
+}
 func (nopNamespace) Import(string, string) error                      { return nil }
 func (nopNamespace) Owner(string) (uint32, uint32, error)             { return 0, 0, os.ErrNotExist }
 func (nopNamespace) Reown(string, *layout.Attrs, uint32) (int, error) { return 0, nil }

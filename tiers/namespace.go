@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"context"
 	"fmt"
 	"os"
 
@@ -32,9 +33,13 @@ type Namespace interface {
 	// becomes the file dst. Seal may run on a FUSE request's goroutine: the replicator records
 	// a commit with it before the job's rename (or close) returns.
 	Seal(name, dst string) (SealInfo, error)
-	// SpoolFile returns the spool file that holds the bytes of the regular file at path
-	// ("a/b/c", relative to the top), for reading them without going through the mount.
-	SpoolFile(path string) (string, error)
+	// HoldSpoolFile returns the spool file that holds the bytes of the regular file at path
+	// ("a/b/c", relative to the top), for reading them without going through the mount, with a
+	// context derived from ctx that ends when the file loses its last name: the reads must stop
+	// then, and end must be called once they are done (it may be called more than once). Until
+	// then a job that deletes the file and writes again waits for the end (SPEC §10: space
+	// returns at once; a descriptor of the agent's kept the bytes on tmpfs).
+	HoldSpoolFile(ctx context.Context, path string) (spoolPath string, held context.Context, end func(), err error)
 	// Import makes the spool tree at src (a file or a directory) visible as the top-level name,
 	// sharing its bytes (src's own files, or hard links of them), immutable to the job like a
 	// sealed tree: src must stay until the name is removed. It fails with ErrNameTaken if name
