@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -522,6 +523,50 @@ func TestEarlyFileRenamedByTheWriterIsPushedOnce(t *testing.T) {
 	}
 	if got, want := tr.consuming(), []string{"1/" + tmp + ":2"}; !slices.Equal(got, want) {
 		t.Errorf("consuming pushes %q, want %q", got, want)
+	}
+}
+
+// The early hash and push of a closed file read it under a hold (HoldSpoolFile): when the job
+// deletes the file during the read, the hold's context ends and the read stops, so that the
+// agent lets go of the bytes the job's next write needs (a black-box run: ENOSPC right after
+// deleting a file that filled the budget, while its early hash still read it). Every hold ends.
+func TestEarlyReadsStopWhenTheFileIsDeleted(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	h := hs[0]
+	tmp := "1" + layout.OrbaxTmpSuffix
+	h.ns.mu.Lock()
+	h.ns.cancelHold = func(name string, nth int) bool {
+		return (name == tmp+"/hashed-while-deleted" && nth == 1) || // the hasher's
+			(name == tmp+"/pushed-while-deleted" && nth == 2) // the pusher's
+	}
+	h.ns.mu.Unlock()
+	h.writeFile(tmp+"/a", "alpha")
+	h.waitEarlyTo(tr, 1, tmp, 1, "a pushed early")
+	h.writeFile(tmp+"/hashed-while-deleted", "bravo")
+	h.writeFile(tmp+"/pushed-while-deleted", "charlie")
+	h.writeFile(tmp+"/d", "delta") // hashed and pushed after the two: once d is pushed, they were tried
+	h.waitEarlyTo(tr, 1, tmp, 2, "d pushed early")
+	// The pushes run side by side: the push of pushed-while-deleted may come after d's.
+	h.eventually("every read held, and every hold ended", func() string {
+		h.ns.mu.Lock()
+		holds := maps.Clone(h.ns.holdsOf)
+		h.ns.mu.Unlock()
+		if holds[tmp+"/pushed-while-deleted"] != 2 || holds[tmp+"/d"] != 2 {
+			return fmt.Sprintf("holds %v: want the hash and the push of each file held", holds)
+		}
+		if n := h.ns.openHolds.Load(); n != 0 {
+			return fmt.Sprintf("%d holds open", n)
+		}
+		return ""
+	})
+	h.ns.mu.Lock()
+	if n := h.ns.holdsOf[tmp+"/hashed-while-deleted"]; n != 1 {
+		t.Errorf("%d holds of hashed-while-deleted, want 1: no push after its hash stopped", n)
+	}
+	h.ns.mu.Unlock()
+	if n := tr.earlyTo(1, tmp); n != 2 {
+		t.Errorf("%d early pushes, want 2 (a and d: the reads of the deleted files stop)", n)
 	}
 }
 

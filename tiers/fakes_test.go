@@ -49,6 +49,11 @@ type dirNamespace struct {
 	// valid when the job renames the file (a hard link in scratch), and then call it with the
 	// name asked for, without mu.
 	spoolFiles func(name string) // GUARDED_BY(mu)
+	// cancelHold, when set, makes the nth HoldSpoolFile of name (from 1) answer with a context
+	// already cancelled, as the mount does for a file the job deleted during the read.
+	cancelHold func(name string, nth int) bool // GUARDED_BY(mu)
+	holdsOf    map[string]int                  // GUARDED_BY(mu); HoldSpoolFile calls by name
+	openHolds  atomic.Int64                    // holds not ended yet
 	// failImport, when set, may fail an Import of name before it does anything.
 	failImport func(name string) error
 	// failSeal, when set, may fail a Seal of name before it does anything.
@@ -217,16 +222,27 @@ func (ns *dirNamespace) HoldSpoolFile(ctx context.Context, path string) (string,
 	}
 	ns.mu.Lock()
 	after := ns.spoolFiles
+	if ns.holdsOf == nil {
+		ns.holdsOf = map[string]int{}
+	}
+	ns.holdsOf[path]++
+	cancelled := ns.cancelHold != nil && ns.cancelHold(path, ns.holdsOf[path])
 	ns.mu.Unlock()
-	if after == nil {
-		return p, ctx, func() {}, nil
+	if after != nil {
+		stable := ns.tmpName()
+		if err := os.Link(p, stable); err != nil {
+			return "", nil, nil, err
+		}
+		after(path)
+		p = stable
 	}
-	stable := ns.tmpName()
-	if err := os.Link(p, stable); err != nil {
-		return "", nil, nil, err
+	held, cancel := context.WithCancel(ctx)
+	if cancelled {
+		cancel()
 	}
-	after(path)
-	return stable, ctx, func() {}, nil
+	ns.openHolds.Add(1)
+	var once sync.Once
+	return p, held, func() { once.Do(func() { cancel(); ns.openHolds.Add(-1) }) }, nil
 }
 
 // Owner is the owner of the file or directory at name.
