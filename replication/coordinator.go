@@ -410,6 +410,12 @@ func (c *JobCoordinator) computePlan() {
 	c.floor = max(c.floor, newest)
 	resume := c.backupsAfterPlan(plan, newestStep, newestName, unfinished)
 	backedUp := c.backups.backedUp // not newestStep's number: the same number saved again is another step
+	if plan.Found && plan.Backup == "" && backedUp == plan.Step {
+		// Restored from RAM, and the newest backup holds that very step: the nodes' status
+		// says so (a black-box run: after an agent restart, status and /metrics said nothing
+		// was backed up until the next backup, which the step did not need).
+		c.plan.BackedUpIn = c.backups.lastName
+	}
 	c.mu.Unlock()
 	close(c.planned)
 	if err != nil {

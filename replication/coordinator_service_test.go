@@ -462,7 +462,7 @@ func TestRemoteCoordinatorRetriesUntilServerUp(t *testing.T) {
 func TestCoordinatorPlanConversion(t *testing.T) {
 	t.Parallel()
 	plan := tiers.RestorePlan{
-		Step: 42, Found: true, Backup: "2030-01-02_03-04", Pinned: "2030-01-01_00-00",
+		Step: 42, Found: true, Backup: "2030-01-02_03-04", Pinned: "2030-01-01_00-00", BackedUpIn: "2030-01-02_03-05",
 		Data:       map[tiers.Slot]string{{Rank: 3, Worker: 0}: hashOf("a"), {Rank: 3, Worker: 1}: hashOf("b")},
 		Holders:    map[string][]int{hashOf("a"): {1, 3}, hashOf("b"): {}},
 		Errors:     []string{"one", "two"},

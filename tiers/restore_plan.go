@@ -41,6 +41,10 @@ type RestorePlan struct {
 	Found bool
 	// Backup is set when the step comes from a backup rather than from RAM in the cluster.
 	Backup string
+	// BackedUpIn names, for a step restored from RAM, the job's newest complete backup when it
+	// holds that very step: the nodes show it as their last backup, as after a restore from it
+	// ("": not known, or a coordinator of an earlier version).
+	BackedUpIn string
 	// Data is the hash each slot restores.
 	Data map[Slot]string
 	// Holders lists, per hash, the ranks that hold it in RAM (for fetching from peers).

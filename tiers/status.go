@@ -45,7 +45,7 @@ type Status struct {
 	Committed int64  `json:"latest_committed_step"`
 	Sealed    int64  `json:"latest_sealed_step"`
 	// BackedUp is the newest step whose part this node uploaded to a backup, or restored from
-	// one (-1: none yet).
+	// one, or restored from RAM while the job's newest complete backup held it (-1: none yet).
 	BackedUp int64 `json:"latest_backed_up_step"`
 	// InRAMOnly is the newest step this agent sealed that no backup of its holds yet (nil: none,
 	// or no backup tier). Only what this agent sealed: a step restored from RAM after an agent

@@ -689,6 +689,25 @@ func TestStatusJSON(t *testing.T) {
 	require.Equal(t, 0, code, out)
 	assert.Contains(t, out, "job        "+job)
 	assert.Contains(t, out, "last: "+st.LastBackup)
+
+	// After an agent restart, the job restores step 10 from RAM, and the newest backup holds
+	// that very step: status says so at once (a black-box run: backed up -1, no last backup,
+	// until a next backup that the step did not need).
+	killAgent(t, a)
+	b := n.start(t, "--http", "127.0.0.1:0")
+	addr = agentHTTPAddr(t, b)
+	o = orbaxClient(t, n.dir, job, fastBackupMinutes)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found && step == 10, "restored step %d (found %v), want 10", step, found)
+	out, code = runMtcfs(t, "status", "--json", "--http", addr)
+	require.Equal(t, 0, code, "status: %s", out)
+	var replies []statusReply
+	require.NoError(t, json.Unmarshal([]byte(out), &replies), "status --json: %s", out)
+	require.Len(t, replies, 1)
+	assert.Equal(t, st.LastBackup, replies[0].LastBackup, "the backup holding the restored step")
+	assert.EqualValues(t, 10, replies[0].BackedUp)
+	assert.Nil(t, replies[0].InRAMOnly, "step 10 is in a backup")
 }
 
 // TestKillDuringStartup: agents SIGKILLed at points spread over their start (spool, listener,

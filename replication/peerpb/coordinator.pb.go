@@ -470,7 +470,10 @@ type RestorePlan struct {
 	// The restore's generation (0: a coordinator before timelines): recorded by every node.
 	Generation int64 `protobuf:"varint,8,opt,name=generation,proto3" json:"generation,omitempty"`
 	// Rank → the step above which what it holds is of a timeline the job left: it drops it.
-	StaleAbove    map[int32]int64 `protobuf:"bytes,9,rep,name=stale_above,json=staleAbove,proto3" json:"stale_above,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	StaleAbove map[int32]int64 `protobuf:"bytes,9,rep,name=stale_above,json=staleAbove,proto3" json:"stale_above,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// For a step restored from RAM: the job's newest complete backup, when it holds that very
+	// step ("": not known). Nodes show it as their last backup.
+	BackedUpIn    string `protobuf:"bytes,10,opt,name=backed_up_in,json=backedUpIn,proto3" json:"backed_up_in,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -566,6 +569,13 @@ func (x *RestorePlan) GetStaleAbove() map[int32]int64 {
 		return x.StaleAbove
 	}
 	return nil
+}
+
+func (x *RestorePlan) GetBackedUpIn() string {
+	if x != nil {
+		return x.BackedUpIn
+	}
+	return ""
 }
 
 type NegotiateRequest struct {
@@ -1132,7 +1142,7 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x06worker\x18\x02 \x01(\x05R\x06worker\x12\x12\n" +
 	"\x04hash\x18\x03 \x01(\tR\x04hash\"\x1d\n" +
 	"\x05Ranks\x12\x14\n" +
-	"\x05ranks\x18\x01 \x03(\x05R\x05ranks\"\x89\x04\n" +
+	"\x05ranks\x18\x01 \x03(\x05R\x05ranks\"\xab\x04\n" +
 	"\vRestorePlan\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x14\n" +
 	"\x05found\x18\x02 \x01(\bR\x05found\x12\x16\n" +
@@ -1145,7 +1155,10 @@ const file_coordinator_proto_rawDesc = "" +
 	"generation\x18\b \x01(\x03R\n" +
 	"generation\x12R\n" +
 	"\vstale_above\x18\t \x03(\v21.mtcfs.replication.v1.RestorePlan.StaleAboveEntryR\n" +
-	"staleAbove\x1aW\n" +
+	"staleAbove\x12 \n" +
+	"\fbacked_up_in\x18\n" +
+	" \x01(\tR\n" +
+	"backedUpIn\x1aW\n" +
 	"\fHoldersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x121\n" +
 	"\x05value\x18\x02 \x01(\v2\x1b.mtcfs.replication.v1.RanksR\x05value:\x028\x01\x1a=\n" +
