@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -28,10 +29,17 @@ type memTransport struct {
 	early  map[string][]layout.FileDigest // "rank/group" → digests pushed early
 	// failEarly makes that many next early pushes fail (a peer briefly unreachable).
 	failEarly int
-	consum    []string    // "rank/group:acked" of each consuming push
-	drops     []string    // "rank/group"
-	calls     map[int]int // calls to each rank, failed or not
-	blocked   int         // pushes that waited on a block channel
+	// fetchFaults makes that many next fetches move a byte (if fetchFaultMoves), wait
+	// fetchFaultAfter and fail (a connection reset in the middle of a transfer); fetches counts
+	// the fetches tried.
+	fetchFaults     int
+	fetchFaultAfter time.Duration
+	fetchFaultMoves bool
+	fetches         int
+	consum          []string    // "rank/group:acked" of each consuming push
+	drops           []string    // "rank/group"
+	calls           map[int]int // calls to each rank, failed or not
+	blocked         int         // pushes that waited on a block channel
 }
 
 var _ tiers.EarlyTransport = (*memTransport)(nil)
@@ -87,6 +95,20 @@ func (m *memTransport) Push(ctx context.Context, inc tiers.Incarnation, rank int
 }
 
 func (m *memTransport) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string, progress func(done, total int64)) error {
+	m.mu.Lock()
+	m.fetches++
+	fault, after, moves := m.fetchFaults > 0, m.fetchFaultAfter, m.fetchFaultMoves
+	if fault {
+		m.fetchFaults--
+	}
+	m.mu.Unlock()
+	if fault {
+		if moves {
+			progress(1, 2)
+		}
+		time.Sleep(after)
+		return errors.New("injected: connection reset by peer, after a byte")
+	}
 	h, err := m.target(rank)
 	if err != nil {
 		return err
@@ -857,4 +879,58 @@ func TestSealHurriesWithTheRAMHalfUsed(t *testing.T) {
 	h.spool.Charge(charge)
 	defer h.spool.Charge(-charge)
 	h.waitSealed("job", 1, "1") // while the next save goes on
+}
+
+// A restore's fetch from the peer holding the data is cut after it moved bytes, later than the
+// quick-failure window (a reset 14 s into a fetch, in a black-box run on a link that was fine a
+// second later): it is tried again, and the node restores, rather than fail the job's restore.
+// A fetch that fails as late having moved nothing (a peer stalled from the start) is not.
+func TestPeerFetchCutAfterItMovedBytesIsTriedAgain(t *testing.T) {
+	t.Parallel()
+	for _, moved := range []bool{true, false} {
+		t.Run(fmt.Sprintf("moved=%v", moved), func(t *testing.T) {
+			hs, tr := newPair(t)
+			files := []map[string]string{checkpointFiles("rank0"), checkpointFiles("rank1")}
+			data := make([]string, 2)
+			var wg sync.WaitGroup
+			for r, h := range hs {
+				wg.Go(func() { data[r] = h.orbaxSave(1, files[r]) })
+			}
+			wg.Wait()
+			for r, h := range hs {
+				h.waitExists(fmt.Sprintf("job-s1-n%d-w0.meta", 1-r)) // replicated both ways
+			}
+			// Rank 0's machine is replaced: its RAM is gone.
+			hs[0].close()
+			fresh := newHarness(t, harnessConfig{coord: hs[1].cfg.coord, peers: tr})
+			fresh.r.SetFetchRetryWithin(10 * time.Millisecond)
+			tr.mu.Lock()
+			tr.nodes[0] = fresh
+			tr.fetchFaults, tr.fetchFaultAfter, tr.fetchFaultMoves = 1, 50*time.Millisecond, moved
+			tr.mu.Unlock()
+			hs[0] = fresh
+			for r, h := range hs {
+				wg.Go(func() {
+					h.yamlOrbax(withKeys("nodes: 2", fmt.Sprintf("node-rank: %d", r), fmt.Sprintf("peer-ranks: [%d]", 1-r), "job-name: job # the restart"))
+				})
+			}
+			wg.Wait()
+			if moved {
+				fresh.waitMarkers("job-s1-n0-w0.restore")
+				fresh.checkRestoreLink("job-s1-n0-w0.restore", strings.TrimSuffix(data[0], ".data"), files[0])
+				tr.mu.Lock()
+				defer tr.mu.Unlock()
+				if tr.fetches != 2 {
+					t.Errorf("%d fetches, want 2: the one cut short, and its second try", tr.fetches)
+				}
+				return
+			}
+			fresh.waitExists(layout.ReplicatorFailedName)
+			tr.mu.Lock()
+			defer tr.mu.Unlock()
+			if tr.fetches != 1 {
+				t.Errorf("%d fetches, want 1: a late failure that moved nothing is not tried again", tr.fetches)
+			}
+		})
+	}
 }

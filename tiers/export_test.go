@@ -101,3 +101,7 @@ func (r *Replicator) HoldFDReserve() (release func()) {
 	r.node.fds.use.Lock()
 	return r.node.fds.use.Unlock
 }
+
+// SetFetchRetryWithin sets how quickly a failed peer fetch that moved nothing must fail to be
+// tried again (peerFetchRetryWithin by default).
+func (r *Replicator) SetFetchRetryWithin(d time.Duration) { r.handshake.restorer.fetchRetryWithin.Store(int64(d)) }

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -34,6 +35,8 @@ type restorer struct {
 	synced    *fifo[sealedStep] // the syncer's queue: the restored step is protected again
 	// keptSpools lists the machine's spools (ReplicatorConfig.KeptSpools); nil: none.
 	keptSpools func() ([]SpoolInfo, error)
+	// fetchRetryWithin replaces peerFetchRetryWithin when set (tests).
+	fetchRetryWithin atomic.Int64
 }
 
 // run runs SPEC §5 for this node: negotiate, publish replicator.prerestore,
@@ -519,9 +522,10 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 		}
 		return err
 	}
-	// Then from a peer that holds it, in RAM. A fetch cut short quickly (a connection reset) is
-	// tried again once: one reset failed the whole job's restore, which the next start made in
-	// seconds from the same peer (found by a black-box run).
+	// Then from a peer that holds it, in RAM. A fetch cut short quickly (a connection reset), or
+	// cut short after it moved bytes, is tried again: one reset failed the whole job's restore,
+	// which the next start made in seconds from the same peer (found by black-box runs: also a
+	// reset 14 s into a fetch, on a link that was fine a second later).
 	var noSpace, fetchErr error // the last fetch that failed (for lack of room here): what the job is told
 	failedFrom := -1
 	for _, holder := range plan.Holders[hash] {
@@ -530,17 +534,21 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 		}
 		for try := 1; ; try++ {
 			wall := time.Now()
-			err := r.fetchFrom(ctx, inc, plan.Step, holder, dataName, publish)
+			moved, err := r.fetchFrom(ctx, inc, plan.Step, holder, dataName, publish)
 			if err == nil {
 				return nil
 			}
-			r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "try", try, "err", err)
+			r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "try", try, "moved", moved, "err", err)
 			fetchErr, failedFrom = err, holder
 			if errors.Is(err, syscall.ENOSPC) || errors.Is(err, ErrNoSpace) {
 				noSpace = err
 				break
 			}
-			if try == peerFetchTries || time.Since(wall) > peerFetchRetryWithin || ctx.Err() != nil {
+			within := peerFetchRetryWithin
+			if d := r.fetchRetryWithin.Load(); d > 0 {
+				within = time.Duration(d)
+			}
+			if try == peerFetchTries || (time.Since(wall) > within && moved == 0) || ctx.Err() != nil {
 				break
 			}
 			select {
@@ -578,19 +586,21 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 	return publish(incoming)
 }
 
-// Peer fetches that fail within peerFetchRetryWithin are tried peerFetchTries times in all,
-// peerFetchRetryAfter apart; a slower failure (a stalled peer) is not tried again.
+// Peer fetches that fail within peerFetchRetryWithin, or after moving bytes, are tried
+// peerFetchTries times in all, peerFetchRetryAfter apart; a slower failure that moved nothing (a
+// peer stalled from the start) is not tried again: a backup may hold the data.
 const (
 	peerFetchTries       = 3
 	peerFetchRetryWithin = 10 * time.Second
 	peerFetchRetryAfter  = time.Second
 )
 
-// fetchFrom fetches dataName from holder's RAM and publishes it.
-func (r *restorer) fetchFrom(ctx context.Context, inc *incarnation, step int64, holder int, dataName string, publish func(string) error) error {
+// fetchFrom fetches dataName from holder's RAM and publishes it. It returns the bytes that
+// arrived, also when it fails.
+func (r *restorer) fetchFrom(ctx context.Context, inc *incarnation, step int64, holder int, dataName string, publish func(string) error) (int64, error) {
 	dir := r.spoolDir("incoming", randomID())
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return err
+		return 0, err
 	}
 	defer os.RemoveAll(dir)
 	start := r.now()
@@ -602,13 +612,13 @@ func (r *restorer) fetchFrom(ctx context.Context, inc *incarnation, step int64, 
 		err = publish(filepath.Join(dir, dataName))
 	}
 	if err != nil {
-		return err
+		return p.Done(), err
 	}
 	took := r.now().Sub(start)
 	r.log.Info("restored from a peer", "data", dataName, "peer", holder, "took", took.String())
 	r.metrics.restored("peer", took.Seconds())
 	r.metrics.moved("peer", "in", p.Done())
-	return nil
+	return p.Done(), nil
 }
 
 // publishSlot publishes a slot's data and its .meta, inside retention.publish: the data that
