@@ -104,4 +104,6 @@ func (r *Replicator) HoldFDReserve() (release func()) {
 
 // SetFetchRetryWithin sets how quickly a failed peer fetch that moved nothing must fail to be
 // tried again (peerFetchRetryWithin by default).
-func (r *Replicator) SetFetchRetryWithin(d time.Duration) { r.handshake.restorer.fetchRetryWithin.Store(int64(d)) }
+func (r *Replicator) SetFetchRetryWithin(d time.Duration) {
+	r.handshake.restorer.fetchRetryWithin.Store(int64(d))
+}
