@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -307,11 +308,32 @@ func (n *Node) call(ctx context.Context, job string, rank int, f func(context.Co
 	switch code := status.Code(err); {
 	case code == codes.Unavailable || errors.Is(err, ErrStalled):
 		conn.ResetConnectBackoff()
-		fallthrough
+		if noAnswer(err) {
+			// gRPC's own words name a socket, not the peer (a black-box run: "error reading
+			// server preface: … use of closed network connection" was all the job read).
+			err = fmt.Errorf("no answer from the agent of rank %d at %s (stopped, gone, or the network between is down): %w", rank, p.Addr, err)
+		}
+		n.targets.drop(key, p)
 	case code == codes.NotFound: // "not held here": perhaps an agent that had the rank before
 		n.targets.drop(key, p)
 	}
 	return err
+}
+
+// noAnswer reports whether err is gRPC's transport failing to reach or hear the peer, rather than
+// an answer of the peer's (which may be UNAVAILABLE too: a wrong instance, a receiver closing).
+func noAnswer(err error) bool {
+	st, ok := status.FromError(err)
+	if !ok || st.Code() != codes.Unavailable {
+		return false
+	}
+	msg := st.Message()
+	for _, s := range []string{"connection error", "error reading from server", "keepalive", "transport is closing", "connection closed"} {
+		if strings.Contains(msg, s) {
+			return true
+		}
+	}
+	return false
 }
 
 // forgetTargets drops the agents found for job's ranks: a new incarnation may put its ranks on

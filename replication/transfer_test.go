@@ -3,7 +3,9 @@ package replication
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -215,6 +218,7 @@ func TestPushConnectionFaults(t *testing.T) {
 		}, 20 * time.Second},
 		{"reset", func(fp *faultproxy.Proxy) { fp.ResetAfter(300_000) }, func(t *testing.T, err error) {
 			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+			require.True(t, noAnswer(err), "a reset is told as no answer from the peer: %v", err)
 		}, 20 * time.Second},
 		{"delay", func(fp *faultproxy.Proxy) { fp.SetBoth(faultproxy.Faults{Delay: 2 * time.Millisecond}) }, func(t *testing.T, err error) {
 			require.NoError(t, err, "a slow link must only slow the push down")
@@ -472,4 +476,22 @@ func TestReceiverYieldsBeforeReadingChunks(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, s.Push(t.Context(), dial(t, p.addr), pushReq(layout.DataName(hash, false), small)))
 	require.Zero(t, held.Load())
+}
+
+// TestNoAnswer: the transport's own failures to reach or hear a peer are told apart from a
+// peer's answers with the same code (UNAVAILABLE), so that Node.call names the peer that did not
+// answer instead of passing on gRPC's words about a socket.
+func TestNoAnswer(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close()) // nothing listens there now
+	src, name := makeTree(t, rand.New(rand.NewPCG(7, 8)), peerChunk)
+	err = testSender(1).Push(t.Context(), dial(t, addr), pushReq(name, src))
+	require.Error(t, err)
+	assert.True(t, noAnswer(err), "connection refused: %v", err)
+	assert.True(t, noAnswer(fmt.Errorf("push: %w", err)), "wrapped: %v", err)
+	assert.False(t, noAnswer(status.Error(codes.Unavailable, "this is agent instance a, not b: gone; look the address up again")), "a peer's answer")
+	assert.False(t, noAnswer(status.Error(codes.NotFound, "connection error")), "another code")
+	assert.False(t, noAnswer(errors.New("connection error")), "not a gRPC error")
 }

@@ -364,7 +364,7 @@ func (rt *retention) warnIfFillingBecause(lines *jobLines, inc *incarnation, pus
 	if len(steps) == 1 {
 		kept = fmt.Sprintf("step %d is", steps[0])
 	}
-	msg := fmt.Sprintf("%sthis node's RAM is %d%% full, and %s kept until a newer step is replicated on every node (latest replicated: %s): the job's saves fail with ENOSPC once it is full; see why replication fails (the lines above, mtcfs status), or give the agent a larger --memory",
+	msg := fmt.Sprintf("%sthis node's RAM is %d%% full, and %s kept until a newer step is replicated on every node (latest replicated: %s): the job's saves fail with ENOSPC once it is full; see why steps are not replicated (mtcfs status, the agents' logs; a push that failed is told in a line of its own), or give the agent a larger --memory",
 		why, used*100/total, kept, repl)
 	rt.log.Warn(msg)
 	lines.incLine(inc, msg)

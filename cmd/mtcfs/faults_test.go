@@ -237,6 +237,9 @@ func TestReplicationFaults(t *testing.T) {
 	rc.waitNotReplicated(t, 40)
 	rc.requireNoReplica(t, 40, "resets")
 	p.SetReset(false)
+	// Told as the peer not answering, not in gRPC's words about a socket only (a black-box run).
+	require.Contains(t, strings.Join(append(clients[0].Errors(), agentStatus(t, rc.agents[0]).Errors...), "\n"),
+		"no answer from the agent of rank 1 at ", "a reset is told as no answer")
 
 	// A black hole for a while, then healed: whatever happens to step 50, step 60 replicates.
 	// (Whether the claimed step is still held after an unreplicated one is
