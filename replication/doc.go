@@ -55,7 +55,10 @@
 //     declared size of all transfers in progress to ReceiverConfig.MaxIncoming (and whatever
 //     ReceiverConfig.Reserve allows): a header past it is refused with ResourceExhausted.
 //   - A transfer that stops moving (a peer that hangs, a black-holed link) fails after
-//     Sender.StallTimeout with ErrStalled; a reset connection fails at once.
+//     Sender.StallTimeout with ErrStalled; a reset connection fails at once. Progress is a
+//     chunk; a fetch on a Node's connection also counts bytes arriving (connmeter.go), so that
+//     a link slower than a chunk per stall timeout does not fail a restore. A push on such a
+//     link still stalls (its written bytes sit in buffers), and is tried again later.
 //   - A receiver may hold a push stream of 1 MiB or more before it reads a chunk
 //     (ReceiverConfig.Yield: the agent's job is saving on a busy node), for less than the
 //     idle and stall timeouts; it announces its codecs only after that, saying it held the

@@ -83,6 +83,7 @@ type Node struct {
 
 	mu         sync.Mutex
 	conns      map[string]*grpc.ClientConn   // GUARDED_BY(mu); by address
+	meters     map[string]*connMeter         // GUARDED_BY(mu); by address, of conns
 	targets    targetCache                   // found peers, until a call fails
 	remotes    map[string]*RemoteCoordinator // GUARDED_BY(mu); per job
 	registered map[string]Registration       // GUARDED_BY(mu); this node's, per job
@@ -294,17 +295,23 @@ func (n *Node) call(ctx context.Context, job string, rank int, f func(context.Co
 	}
 	n.mu.Lock()
 	conn, ok := n.conns[p.Addr]
+	meter := n.meters[p.Addr]
 	if !ok {
 		var err error
-		conn, err = grpc.NewClient(p.Addr, append(DialOptions(), grpc.WithTransportCredentials(n.dial))...)
+		meter = &connMeter{}
+		conn, err = grpc.NewClient(p.Addr, append(DialOptions(), grpc.WithTransportCredentials(n.dial), grpc.WithContextDialer(meteredDialer(meter)))...)
 		if err != nil {
 			n.mu.Unlock()
 			return err
 		}
 		n.conns[p.Addr] = conn
+		if n.meters == nil {
+			n.meters = map[string]*connMeter{}
+		}
+		n.meters[p.Addr] = meter
 	}
 	n.mu.Unlock()
-	err := f(WithTarget(ctx, p.Instance), sender, conn)
+	err := f(WithTarget(withConnMeter(ctx, meter), p.Instance), sender, conn)
 	switch code := status.Code(err); {
 	case code == codes.Unavailable || errors.Is(err, ErrStalled):
 		conn.ResetConnectBackoff()

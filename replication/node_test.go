@@ -9,6 +9,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/emptypb"
 	"io"
 	"io/fs"
 	"log/slog"
@@ -655,4 +657,33 @@ func TestTargetCacheForgetsAcrossIncarnations(t *testing.T) {
 	c.drop(k0, moved)
 	_, ok, _ = c.get(k0)
 	require.False(t, ok)
+}
+
+// TestNodeCallsAreMetered: Node's calls to a peer run on a metered connection, and carry its
+// meter, so that a restore's fetch on a slow link is not failed as stalled while bytes arrive
+// (connmeter.go, TestSlowLinkIsNotAStall).
+func TestNodeCallsAreMetered(t *testing.T) {
+	t.Parallel()
+	const job, nodes = "metered", 2
+	secret := []byte("a secret of the pair, 32 bytes..")
+	lns, peers := staticPeers(t, nodes)
+	agents := make([]*testAgent, nodes)
+	for r := range agents {
+		agents[r] = startTestAgentWith(t, NodeConfig{Listener: lns[r], Peers: peers, Secret: secret}, t.TempDir())
+		agents[r].start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(layout.MarkerName{Job: job, Step: 0, Node: r, Kind: layout.MarkerRestore}.String())
+	}
+	var meter *connMeter
+	err := agents[0].node.call(t.Context(), job, 1, func(ctx context.Context, _ *Sender, conn *grpc.ClientConn) error {
+		meter = connMeterFrom(ctx)
+		return conn.Invoke(ctx, "/mtcfs.nosuch.Service/Method", &emptypb.Empty{}, &emptypb.Empty{})
+	})
+	require.Error(t, err, "no such method")
+	require.NotNil(t, meter, "the call's context carries its connection's meter")
+	agents[0].node.mu.Lock()
+	require.Same(t, meter, agents[0].node.meters[peers[1]], "the meter of the connection to rank 1")
+	agents[0].node.mu.Unlock()
+	require.Positive(t, meter.pending.Load(), "what the peer answered arrived through the meter")
 }

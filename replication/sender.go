@@ -544,12 +544,13 @@ type watchdog struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 	last   atomic.Int64 // Unix nanoseconds of the last progress
+	link   *connMeter   // the transfer's connection (nil: not metered)
 	done   chan struct{}
 	wg     sync.WaitGroup
 }
 
 func startWatchdog(parent context.Context, timeout time.Duration) *watchdog {
-	w := &watchdog{done: make(chan struct{})}
+	w := &watchdog{done: make(chan struct{}), link: connMeterFrom(parent)}
 	w.ctx, w.cancel = context.WithCancelCause(parent)
 	w.progress()
 	w.wg.Go(func() {
@@ -562,8 +563,12 @@ func startWatchdog(parent context.Context, timeout time.Duration) *watchdog {
 			case <-w.ctx.Done():
 				return
 			case <-tick.C:
-				if idle := time.Since(time.Unix(0, w.last.Load())); idle >= timeout {
-					w.cancel(fmt.Errorf("%w: no chunk moved for %v", ErrStalled, idle.Round(time.Millisecond)))
+				last := time.Unix(0, w.last.Load())
+				if moved := w.link.lastMoved(); moved.After(last) {
+					last = moved // the connection moves bytes: a chunk is on its way (connmeter.go)
+				}
+				if idle := time.Since(last); idle >= timeout {
+					w.cancel(fmt.Errorf("%w: no chunk and no bytes moved for %v", ErrStalled, idle.Round(time.Millisecond)))
 					return
 				}
 			}

@@ -17,7 +17,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/mtcfs/mtcfs/internal/faultproxy"
@@ -494,4 +496,39 @@ func TestNoAnswer(t *testing.T) {
 	assert.False(t, noAnswer(status.Error(codes.Unavailable, "this is agent instance a, not b: gone; look the address up again")), "a peer's answer")
 	assert.False(t, noAnswer(status.Error(codes.NotFound, "connection error")), "another code")
 	assert.False(t, noAnswer(errors.New("connection error")), "not a gRPC error")
+}
+
+// TestSlowLinkIsNotAStall: on a link slower than a chunk per stall timeout, a fetch whose bytes
+// keep arriving is not failed as stalled when its connection is metered (as Node's are): every
+// try of a restore's fetch failed at 200 KB/s in a black-box run ("no chunk moved for 33s").
+// Unmetered, the same fetch stalls; a metered connection whose bytes stop still does.
+func TestSlowLinkIsNotAStall(t *testing.T) {
+	const chunk = 1 << 20
+	src, name := makeTree(t, rand.New(rand.NewPCG(9, 10)), 2*chunk)
+	p := startPeer(t, nil)
+	require.NoError(t, testSender(2).Push(t.Context(), dial(t, p.addr), pushReq(name, src)))
+	fetch := func(metered bool, link faultproxy.Link, blackholeAfter int64) error {
+		fp := newFaultProxy(t, p.addr)
+		fp.SetLink(faultproxy.Down, link)
+		if blackholeAfter > 0 {
+			fp.BlackholeAfter(blackholeAfter)
+		}
+		s := testSender(1)
+		s.ChunkSize, s.StallTimeout = chunk, 700*time.Millisecond
+		ctx := t.Context()
+		opts := append(DialOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if metered {
+			m := &connMeter{}
+			opts = append(opts, grpc.WithContextDialer(meteredDialer(m)))
+			ctx = withConnMeter(ctx, m)
+		}
+		conn, err := grpc.NewClient(fp.Addr(), opts...)
+		require.NoError(t, err)
+		t.Cleanup(func() { conn.Close() })
+		return s.Fetch(ctx, conn, FetchRequest{Job: peerJob, Incarnation: "inc-1", DataName: name, Dir: t.TempDir()})
+	}
+	slow := faultproxy.Link{BytesPerSecond: 512 << 10} // a chunk takes 2 s, the stall timeout is 0.7 s
+	require.NoError(t, fetch(true, slow, 0), "a metered slow link")
+	require.ErrorIs(t, fetch(false, slow, 0), ErrStalled, "unmetered, the same link stalls")
+	require.ErrorIs(t, fetch(true, faultproxy.Link{}, 300_000), ErrStalled, "metered, bytes that stop still stall")
 }
