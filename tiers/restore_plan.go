@@ -180,7 +180,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	ramStep, ramData, inRAM, mixed := clusterStep(cfg, invs, plan.Holders, others)
 	ctx, cancel := context.WithTimeoutCause(ctx, limits.Store, fmt.Errorf("the backup location %v did not answer within %v", store, limits.Store))
 	defer cancel()
-	var pinLost string // why restore.version could not be read, when RAM is restored instead
+	var pinUnread string // why restore.version could not be read, when RAM is restored instead
 	if store != nil {
 		pctx, pcancel := ctx, context.CancelFunc(func() {})
 		if inRAM {
@@ -194,7 +194,7 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 		switch {
 		case err != nil && inRAM && ctx.Err() == nil:
 			plan.BackupsUnread = true
-			pinLost = fmt.Sprintf("restore.version in %v could not be read (%v): a backup pinned there is not applied this time", store, err)
+			pinUnread = fmt.Sprintf("restore.version in %v could not be read (%v): a backup pinned there is not applied this time", store, err)
 			ok = false
 		case err != nil:
 			return plan, fmt.Errorf("read restore.version: %w", CauseFirst(ctx, err))
@@ -275,8 +275,8 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 	var passed passedOver
 	if inRAM {
 		plan.Step, plan.Found, plan.Data = ramStep, true, ramData
-		if pinLost != "" {
-			plan.Errors = append(plan.Errors, fmt.Sprintf("%s; restoring step %d from the nodes' RAM", pinLost, ramStep))
+		if pinUnread != "" {
+			plan.Errors = append(plan.Errors, fmt.Sprintf("%s; restoring step %d from the nodes' RAM", pinUnread, ramStep))
 		}
 		plan.Errors = append(plan.Errors, report(true, passed, fmt.Sprintf("; restoring step %d from the nodes' RAM instead", ramStep))...)
 		return plan, nil
@@ -624,6 +624,7 @@ func sortedSlots[V any](m map[Slot]V) []Slot {
 }
 
 // pinLost ends the line of a pin that sends the job to scratch: what that costs, and what to do
-// (the line said only "starting from scratch", found by a review).
+// (the line said only "starting from scratch", found by a review; and again, a local variable of
+// PlanRestore shadowed it, found by a black-box run).
 const pinLost = " (the job's steps in the nodes' RAM are dropped with the timeline it leaves; its backups stay: " +
 	"mtcfs backups list shows them; pin one with mtcfs restore-version set, which refuses a missing or incomplete backup, or clear the pin)"

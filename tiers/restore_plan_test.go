@@ -74,6 +74,7 @@ func TestPlanRestore(t *testing.T) {
 		store   func(t *testing.T, s *testStore) // nil: no backup tier
 		want    tiers.RestorePlan                // Holders are checked separately
 		errText string                           // the one line of Errors must contain it
+		errMore string                           // and this too
 	}{
 		{
 			name: "highest step of one node", nodes: 1, workers: 1,
@@ -173,7 +174,8 @@ func TestPlanRestore(t *testing.T) {
 				s.setPin(t, "job", "1999-01-01_00-00")
 			},
 			want:    tiers.RestorePlan{Pinned: "1999-01-01_00-00"},
-			errText: `"1999-01-01_00-00", which does not exist`,
+			errText: `"1999-01-01_00-00", which does not exist in file://`,
+			errMore: `: starting from scratch (the job's steps in the nodes' RAM are dropped`,
 		},
 		{
 			name: "pinned backup incomplete: start from scratch", nodes: 2, workers: 1,
@@ -184,7 +186,8 @@ func TestPlanRestore(t *testing.T) {
 				s.setPin(t, "job", b2)
 			},
 			want:    tiers.RestorePlan{Pinned: b2},
-			errText: `"` + b2 + `", which is incomplete`,
+			errText: `"` + b2 + `", which is incomplete: starting from scratch (the job's steps in the nodes' RAM are dropped`,
+			errMore: `or clear the pin)`,
 		},
 	}
 	for _, tc := range tests {
@@ -212,8 +215,8 @@ func TestPlanRestore(t *testing.T) {
 			switch {
 			case tc.errText == "" && len(got.Errors) != 0:
 				t.Errorf("plan errors %q, want none", got.Errors)
-			case tc.errText != "" && (len(got.Errors) != 1 || !strings.Contains(got.Errors[0], tc.errText)):
-				t.Errorf("plan errors %q, want one containing %q", got.Errors, tc.errText)
+			case tc.errText != "" && (len(got.Errors) != 1 || !strings.Contains(got.Errors[0], tc.errText) || !strings.Contains(got.Errors[0], tc.errMore)):
+				t.Errorf("plan errors %q, want one containing %q and %q", got.Errors, tc.errText, tc.errMore)
 			}
 			// Holders: every hash some inventory holds, with its ranks sorted.
 			want := map[string][]int{}
