@@ -548,6 +548,11 @@ func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, 
 		if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
 			return tiers.BackupOrder{}, nil
 		}
+		if status.Code(err) == codes.Unimplemented {
+			// An agent from before backup orders (a black-box run mixed versions: this
+			// node's part of every backup was missing, and the job was told nothing).
+			return tiers.BackupOrder{}, fmt.Errorf("rank 0's agent is of an earlier version: %w (%v)", errors.ErrUnsupported, err)
+		}
 		return tiers.BackupOrder{}, err
 	}
 	return tiers.BackupOrder{Backup: reply.GetBackup(), Step: reply.GetStep(), Data: reply.GetData()}, nil

@@ -2,6 +2,7 @@ package replication
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -643,4 +644,24 @@ func TestRetiredIdsAreBounded(t *testing.T) {
 	assert.False(t, j.retired["9"])
 	assert.True(t, j.retired["10"])
 	assert.True(t, j.retired[fmt.Sprint(maxRetired+9)])
+}
+
+// TestRemoteCoordinatorOfAnEarlierVersion: a rank-0 agent from before a call (backup orders,
+// the report of a failed restore) answers Unimplemented; the remote coordinator says so with
+// errors.ErrUnsupported, which the node tells its job (a black-box run mixed versions: backup
+// orders failed as Unimplemented, logged as a retry, and the job was told nothing).
+func TestRemoteCoordinatorOfAnEarlierVersion(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := grpc.NewServer(ServerOptions()...)
+	peerpb.RegisterCoordinatorServer(srv, peerpb.UnimplementedCoordinatorServer{}) // knows no call
+	go srv.Serve(ln)
+	t.Cleanup(srv.Stop)
+	r := newRemote(t, fixedAddr(ln.Addr().String()), coordSecret)
+	inc := agentInc("a1", 1, 2)
+	_, err = r.Backups(t.Context(), inc, tiers.BackupReport{})
+	require.ErrorIs(t, err, errors.ErrUnsupported)
+	require.ErrorContains(t, err, "rank 0's agent is of an earlier version")
+	require.ErrorIs(t, r.RestoreFailed(t.Context(), inc, "gone"), errors.ErrUnsupported)
 }

@@ -80,6 +80,7 @@ func (b *backupRunner) start(inc *incarnation) {
 func (b *backupRunner) loop(inc *incarnation) {
 	var rep BackupReport
 	wait := time.Second
+	told := false // that rank 0's agent does not give backup orders
 	for inc.ctx.Err() == nil && !b.isStopping() {
 		ctx, cancel := context.WithTimeout(inc.ctx, backupPoll)
 		order, err := b.coord.Backups(ctx, inc.Incarnation, rep)
@@ -87,6 +88,18 @@ func (b *backupRunner) loop(inc *incarnation) {
 		if err != nil {
 			if inc.ctx.Err() != nil {
 				return
+			}
+			if errors.Is(err, errors.ErrUnsupported) {
+				// Rank 0's agent takes no part in this node's backups: every backup misses this
+				// node's part, and a restore after RAM loss would start from scratch. The job is
+				// told once; the agent asks again every 30 s meanwhile.
+				wait = 30 * time.Second
+				if !told {
+					told = true
+					msg := "backups of this node's part are not taken: " + err.Error() + "; run the same mtcfs version on every node of a job (README: to upgrade, stop the job, roll the agents, start the job)"
+					b.log.Error(msg)
+					b.lines.incLine(inc, msg)
+				}
 			}
 			b.log.Warn("asking the coordinator for backup orders failed", "err", err, "retry_in", wait.String())
 			select {

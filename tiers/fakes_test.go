@@ -445,6 +445,9 @@ type recordingCoordinator struct {
 
 	// order, when set, may change each backup order before the node gets it.
 	order func(*tiers.BackupOrder)
+	// backupsErr, when set, fails every Backups call with it (a coordinator that does not give
+	// orders: an agent of an earlier version answers Unimplemented).
+	backupsErr error
 
 	mu        sync.Mutex
 	incs      []tiers.Incarnation  // GUARDED_BY(mu); every Negotiate's
@@ -471,6 +474,9 @@ func (c *recordingCoordinator) Backups(ctx context.Context, inc tiers.Incarnatio
 		c.mu.Lock()
 		c.reports = append(c.reports, rep)
 		c.mu.Unlock()
+	}
+	if c.backupsErr != nil {
+		return tiers.BackupOrder{}, c.backupsErr
 	}
 	o, err := c.Coordinator.Backups(ctx, inc, rep)
 	if o.Backup != "" && c.order != nil {
@@ -541,6 +547,8 @@ type harnessConfig struct {
 	cpuIdle func() (time.Duration, bool)
 	// backupOrder, when set, may change each backup order the agent's own coordinator gives.
 	backupOrder func(*tiers.BackupOrder)
+	// backupsErr, when set, fails every backup order call of the agent's own coordinator.
+	backupsErr error
 }
 
 // baseTime is where fake clocks start: a whole UTC minute.
@@ -599,7 +607,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	if cfg.store != nil {
 		opts.Store, rcfg.Store = cfg.store, cfg.store // no typed nil in the interfaces
 	}
-	h.coord = &recordingCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(opts)}, order: cfg.backupOrder}
+	h.coord = &recordingCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(opts)}, order: cfg.backupOrder, backupsErr: cfg.backupsErr}
 	rcfg.Coordinator = h.coord
 	if cfg.coord != nil {
 		rcfg.Coordinator = cfg.coord

@@ -806,6 +806,32 @@ func TestBackupAfterEveryStep(t *testing.T) {
 	}
 }
 
+// TestBackupOrdersOfAnEarlierVersionAreTold: rank 0's agent, of an earlier version, gives no
+// backup orders (Unimplemented, errors.ErrUnsupported from the remote coordinator): no backup
+// holds this node's part, and the job is told once, not only the log every few seconds (a
+// black-box run mixed versions: the job learned it when a restore after RAM loss started from
+// scratch).
+func TestBackupOrdersOfAnEarlierVersionAreTold(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	h := newHarness(t, harnessConfig{store: store,
+		backupsErr: fmt.Errorf("rank 0's agent is of an earlier version: %w (unknown method Backups)", errors.ErrUnsupported)})
+	h.start(backupYAML, "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.eventually("the job told", func() string {
+		for _, l := range h.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "backups of this node's part are not taken: rank 0's agent is of an earlier version") &&
+				strings.Contains(l, "run the same mtcfs version on every node of a job") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors: %q", h.lines(layout.ReplicatorErrorsName))
+	})
+	if uploads, _ := store.uploadLog(); len(uploads) != 0 {
+		t.Errorf("uploads %+v without an order", uploads)
+	}
+}
+
 // backedUpStore runs an agent that saves steps 1 and 2, each backed up, and returns the store
 // and what each step holds.
 func backedUpStore(t *testing.T) (*testStore, map[int64]string, map[int64]map[string]string) {
