@@ -21,8 +21,10 @@ package replication
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -67,7 +69,19 @@ type backupState struct {
 	lastName string
 	auditAt  time.Time
 	auditing bool
+
+	// asked records the ranks that called Backups in this incarnation; tell is a line for rank
+	// 0's job (BackupOrder.Tell), told once (told).
+	asked      []bool
+	tell       string
+	told       bool
+	checkAsked func() bool // stops the timer of checkAskers
 }
+
+// backupAskGrace is how long after an order every rank must have asked for backup orders once:
+// one that has not takes no part in the job's backups (an agent of an earlier version did not,
+// found by a black-box run: every backup stayed incomplete, and no job was told).
+const backupAskGrace = 5 * time.Minute
 
 // backupAuditMin bounds how often the newest backup is checked (every backup interval, and
 // every backupAuditSteps in backup-interval-steps mode).
@@ -334,6 +348,37 @@ func (c *JobCoordinator) orderBackup(now time.Time, name string) {
 	b.clockFrom, b.synced = now, 0
 	b.wake()
 	c.log.Info("backup ordered", "backup", name, "step", b.latest)
+	if b.checkAsked == nil && !b.told {
+		b.checkAsked = c.clock.AfterFunc(backupAskGrace, c.checkAskers)
+	}
+}
+
+// checkAskers runs backupAskGrace after the incarnation's first order: the ranks that never
+// asked for an order are told of to rank 0's job.
+func (c *JobCoordinator) checkAskers() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	b := &c.backups
+	if c.ctx.Err() != nil || b.told {
+		return
+	}
+	var silent []string
+	for r := range c.cfg.Nodes {
+		if r >= len(b.asked) || !b.asked[r] {
+			silent = append(silent, strconv.Itoa(r))
+		}
+	}
+	if len(silent) == 0 {
+		return
+	}
+	what := "backup " + b.lastName
+	if o := b.order; o != nil {
+		what = fmt.Sprintf("backup %s of step %d", o.name, o.step)
+	}
+	b.tell = fmt.Sprintf("the agent of rank %s never asked for backup orders in the %v since the first one: it takes no part in the job's backups (an agent of an earlier mtcfs version, or one stuck), and %s stays incomplete; run the same mtcfs version on every node of a job (README: to upgrade, stop the job, roll the agents, start the job)",
+		strings.Join(silent, ", "), backupAskGrace, what)
+	c.log.Error(b.tell)
+	b.wake()
 }
 
 // armBackupTimer makes considerBackup run at at (replacing an earlier timer). Called with mu held.
@@ -357,8 +402,20 @@ func (c *JobCoordinator) Backups(ctx context.Context, rank int, rep tiers.Backup
 	}
 	c.mu.Lock()
 	c.backupReport(rank, rep)
+	if b := &c.backups; rank < c.cfg.Nodes {
+		if b.asked == nil {
+			b.asked = make([]bool, c.cfg.Nodes)
+		}
+		b.asked[rank] = true
+	}
 	for {
 		b := &c.backups
+		if b.tell != "" && !b.told && rank == 0 {
+			b.told = true
+			tell := b.tell
+			c.mu.Unlock()
+			return tiers.BackupOrder{Tell: tell}, nil
+		}
 		if o := b.order; o != nil && !o.done[rank] && o.retryAt.IsZero() {
 			up, names := c.columnUploader(rank)
 			if !names || o.done[up] {

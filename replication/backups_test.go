@@ -2,6 +2,7 @@ package replication
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -532,4 +533,43 @@ func TestBackupNamesArePerJob(t *testing.T) {
 	require.NotEmpty(t, a.Backup)
 	assert.Equal(t, a.Backup, firstOrder("b1", "beta").Backup, "another job takes the same minute's name")
 	assert.Empty(t, firstOrder("a2", "alpha").Backup, "the same job waits for the next minute")
+}
+
+// TestRankThatNeverAsksForOrdersIsTold: a rank that never asks for backup orders (an agent of an
+// earlier version did not; found by a black-box run: every backup stayed incomplete and no job
+// was told) is named to rank 0's job, once, backupAskGrace after the first order. A rank that
+// asked, even without finishing, is not.
+func TestRankThatNeverAsksForOrdersIsTold(t *testing.T) {
+	t.Parallel()
+	for _, rank1Asks := range []bool{false, true} {
+		t.Run(fmt.Sprintf("rank1asks=%v", rank1Asks), func(t *testing.T) {
+			const nodes = 2
+			c, clock := backupJob(t, nodes, 5, 0, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
+			for _, res := range syncAll(t, c, nodes, 100) {
+				require.NoError(t, res.err)
+			}
+			clock.Advance(5 * time.Minute)
+			o := eventuallyOrder(t, c, 0)
+			if rank1Asks {
+				eventuallyOrder(t, c, 1)
+			}
+			orderOf(t, c, 0, tiers.BackupReport{Done: o.Backup})
+			clock.Advance(backupAskGrace - time.Second)
+			time.Sleep(20 * time.Millisecond)
+			assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Tell, "not before the grace")
+			clock.Advance(time.Second)
+			var tell string
+			for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline) && tell == ""; time.Sleep(time.Millisecond) {
+				tell = orderOf(t, c, 0, tiers.BackupReport{}).Tell
+			}
+			if rank1Asks {
+				assert.Empty(t, tell)
+				return
+			}
+			assert.Contains(t, tell, "the agent of rank 1 never asked for backup orders")
+			assert.Contains(t, tell, "backup "+o.Backup+" of step 100 stays incomplete")
+			assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Tell, "told once")
+			assert.Empty(t, orderOf(t, c, 1, tiers.BackupReport{}).Tell, "to rank 0's job only")
+		})
+	}
 }

@@ -111,6 +111,9 @@ func (b *backupRunner) loop(inc *incarnation) {
 			continue // the report is sent again
 		}
 		wait, rep = time.Second, BackupReport{}
+		if order.Tell != "" {
+			b.lines.incLine(inc, order.Tell)
+		}
 		if order.Backup == "" {
 			continue
 		}

@@ -47,6 +47,10 @@ type BackupOrder struct {
 	// by worker, its column's last-partition node uploaded to Backup. The node uploads only its
 	// .meta files, naming that data, instead of its own data.
 	Data []string
+	// Tell, when set (and Backup is not), is a line for the job of this node: the coordinator
+	// found something wrong with the job's backups that no node's error shows (a rank that never
+	// asks for orders). Only the coordinator's own node gets it.
+	Tell string
 }
 
 // Coordinator runs the job-wide decisions (SPEC §4–6). The rank-0 agent coordinates, for a job

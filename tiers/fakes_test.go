@@ -448,6 +448,8 @@ type recordingCoordinator struct {
 	// backupsErr, when set, fails every Backups call with it (a coordinator that does not give
 	// orders: an agent of an earlier version answers Unimplemented).
 	backupsErr error
+	// tell, when set, is given once as a BackupOrder.Tell, with no order. GUARDED_BY(mu)
+	tell string
 
 	mu        sync.Mutex
 	incs      []tiers.Incarnation  // GUARDED_BY(mu); every Negotiate's
@@ -477,6 +479,13 @@ func (c *recordingCoordinator) Backups(ctx context.Context, inc tiers.Incarnatio
 	}
 	if c.backupsErr != nil {
 		return tiers.BackupOrder{}, c.backupsErr
+	}
+	c.mu.Lock()
+	tell := c.tell
+	c.tell = ""
+	c.mu.Unlock()
+	if tell != "" {
+		return tiers.BackupOrder{Tell: tell}, nil
 	}
 	o, err := c.Coordinator.Backups(ctx, inc, rep)
 	if o.Backup != "" && c.order != nil {
@@ -549,6 +558,8 @@ type harnessConfig struct {
 	backupOrder func(*tiers.BackupOrder)
 	// backupsErr, when set, fails every backup order call of the agent's own coordinator.
 	backupsErr error
+	// backupTell, when set, is a line the agent's own coordinator gives once (BackupOrder.Tell).
+	backupTell string
 }
 
 // baseTime is where fake clocks start: a whole UTC minute.
@@ -607,7 +618,7 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	if cfg.store != nil {
 		opts.Store, rcfg.Store = cfg.store, cfg.store // no typed nil in the interfaces
 	}
-	h.coord = &recordingCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(opts)}, order: cfg.backupOrder, backupsErr: cfg.backupsErr}
+	h.coord = &recordingCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(opts)}, order: cfg.backupOrder, backupsErr: cfg.backupsErr, tell: cfg.backupTell}
 	rcfg.Coordinator = h.coord
 	if cfg.coord != nil {
 		rcfg.Coordinator = cfg.coord

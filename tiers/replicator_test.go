@@ -830,6 +830,19 @@ func TestBackupOrdersOfAnEarlierVersionAreTold(t *testing.T) {
 	if uploads, _ := store.uploadLog(); len(uploads) != 0 {
 		t.Errorf("uploads %+v without an order", uploads)
 	}
+
+	// What the coordinator found wrong with the job's backups (a rank that never asks for
+	// orders) reaches the job of rank 0.
+	h2 := newHarness(t, harnessConfig{store: newTestStore(t), backupTell: "the agent of rank 1 never asked for backup orders"})
+	h2.start(backupYAML, "job")
+	h2.eventually("the coordinator's line told", func() string {
+		for _, l := range h2.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "the agent of rank 1 never asked for backup orders") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors: %q", h2.lines(layout.ReplicatorErrorsName))
+	})
 }
 
 // backedUpStore runs an agent that saves steps 1 and 2, each backed up, and returns the store
