@@ -107,3 +107,6 @@ func (r *Replicator) HoldFDReserve() (release func()) {
 func (r *Replicator) SetFetchRetryWithin(d time.Duration) {
 	r.handshake.restorer.fetchRetryWithin.Store(int64(d))
 }
+
+// TransferDetail is transferDetail, for the package's external tests.
+var TransferDetail = transferDetail

@@ -144,12 +144,7 @@ func (r *restorer) noticeTransfer(inc *incarnation, p *Progress, done <-chan str
 		if !logDue && !lineDue {
 			return
 		}
-		moved, total := p.Done(), atomic.LoadInt64(&p.Total)
-		rate := float64(moved) / took.Seconds()
-		detail := fmt.Sprintf("%s of %s after %s (%s/s)", FormatSize(moved), FormatSize(total), took.Round(time.Second), FormatSize(int64(rate)))
-		if rate > 0 && total > moved {
-			detail += fmt.Sprintf(", about %s left", (time.Duration(float64(total-moved)/rate) * time.Second).Round(time.Second))
-		}
+		detail := transferDetail(p.Done(), atomic.LoadInt64(&p.Total), took)
 		if logDue {
 			r.log.Warn("restore transfer takes long", "step", p.Step, "source", p.Source, "progress", detail)
 		}
@@ -157,6 +152,19 @@ func (r *restorer) noticeTransfer(inc *incarnation, p *Progress, done <-chan str
 			r.lines.errLine(inc.Config, fmt.Sprintf("restoring step %d from %s: %s; %s", p.Step, p.Source, detail, transferHint))
 		}
 	})
+}
+
+// transferDetail says how far a transfer of total bytes got after took: moved, the rate, and
+// what is left once at least 1% moved. Progress counts whole chunks (4 MiB), so a transfer on a
+// slow link has moved little for long, and the estimate then read "about 4027h left" (a
+// black-box run) for a transfer of 82 s.
+func transferDetail(moved, total int64, took time.Duration) string {
+	rate := float64(moved) / took.Seconds()
+	detail := fmt.Sprintf("%s of %s after %s (%s/s)", FormatSize(moved), FormatSize(total), took.Round(time.Second), FormatSize(int64(rate)))
+	if rate > 0 && total > moved && moved*100 >= total {
+		detail += fmt.Sprintf(", about %s left", (time.Duration(float64(total-moved)/rate) * time.Second).Round(time.Second))
+	}
+	return detail
 }
 
 // noticedTransfer runs transfer, telling of it while it lasts (noticeTransfer).

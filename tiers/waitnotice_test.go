@@ -201,3 +201,23 @@ func TestRestoreTellsOfSlowTransfersOnce(t *testing.T) {
 		t.Fatalf("%d lines of slow transfers, want 1: %q", n, h2.lines(layout.ReplicatorErrorsName))
 	}
 }
+
+// TestTransferDetail: what is left is estimated once a transfer moved 1% of its bytes; before,
+// a slow link's first chunk not yet in gave "81B of 16.0MiB after 1m10s (1B/s), about 4027h
+// left" for a transfer that took 82 s (a black-box run).
+func TestTransferDetail(t *testing.T) {
+	const mib = 1 << 20
+	for _, tc := range []struct {
+		moved, total int64
+		took         time.Duration
+		want         string
+	}{
+		{81, 16 * mib, 70 * time.Second, "81B of 16.0MiB after 1m10s (1B/s)"},
+		{8 * mib, 16 * mib, 40 * time.Second, "8.0MiB of 16.0MiB after 40s (204.8KiB/s), about 40s left"},
+		{0, 0, time.Second, "0B of 0B after 1s (0B/s)"},
+	} {
+		if got := tiers.TransferDetail(tc.moved, tc.total, tc.took); got != tc.want {
+			t.Errorf("TransferDetail(%d, %d, %v) = %q, want %q", tc.moved, tc.total, tc.took, got, tc.want)
+		}
+	}
+}
