@@ -427,5 +427,12 @@ func cmdRestoreVersion(args []string) int {
 	step, _ := rep.HighestComplete()
 	fmt.Printf("job %s will restore step %d from backup %s at its next start (one-shot); the backup was taken by %s, and restores in %s\n", *f.job, step, pos[0],
 		tiers.DescribeSaved(rep.Saved, rep.SavedRecorded), tiers.RestoredBy(rep.Saved, rep.SavedRecorded))
+	if !rep.SavedRecorded {
+		// Agents of early versions did not record the job's shape: a backup that lacks the
+		// parts of its highest ranks looks complete for fewer nodes. The agents of the real job
+		// then find it incomplete, and the pin starts the job from scratch (a black-box run).
+		fmt.Fprintf(os.Stderr, "mtcfs restore-version: backup %s does not record its job's shape (an agent of an early version took it): it is complete for a job of %s only; if the job has more nodes, its agents find it incomplete and the pin starts the job from scratch\n",
+			pos[0], rep.Saved)
+	}
 	return 0
 }

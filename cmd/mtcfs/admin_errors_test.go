@@ -74,6 +74,17 @@ func TestBackupCommandsOnMistypedInput(t *testing.T) {
 	assert.Equal(t, 1, code, out)
 	assert.Contains(t, out, "job train has no backup 2026-01-01_00-00 in "+url)
 	assert.NoFileExists(t, filepath.Join(root, "train", "restore.version"))
+
+	// A backup that records no job shape (written without it here, as agents of early
+	// versions did) is pinned with a warning: it may lack the parts of the job's highest ranks,
+	// and the agents then start the job from scratch (a black-box run pinned such a backup of
+	// a 2-node job, and lost the step in RAM).
+	require.NoFileExists(t, filepath.Join(root, "train", backup, "mtcfs-backup.json"))
+	out, code = runMtcfs(t, "restore-version", "set", backup, "--backup", url, "--job", "train")
+	assert.Equal(t, 0, code, out)
+	assert.Contains(t, out, "restores in a job with as many nodes as its .meta names and as many workers per node")
+	assert.Contains(t, out, "mtcfs restore-version: backup "+backup+" does not record its job's shape")
+	assert.Contains(t, out, "it is complete for a job of 1 node × 1 worker only; if the job has more nodes, its agents find it incomplete and the pin starts the job from scratch")
 }
 
 // TestSlowStoreNotice: a command at work with its backup location says so after a while, and
