@@ -415,6 +415,9 @@ func (f *fileNode) endHold(h *spoolHold) {
 		return
 	}
 	delete(f.holds, h)
+	if len(f.holds) == 0 {
+		f.holds = nil // a map per file hashed, kept for the file's life, was 190 B each (a review)
+	}
 	h.cancel()
 	if h.cancelled {
 		f.fs.releasing.Add(-1)

@@ -375,7 +375,7 @@ func (c *JobCoordinator) checkAskers() {
 	if o := b.order; o != nil {
 		what = fmt.Sprintf("backup %s of step %d", o.name, o.step)
 	}
-	b.tell = fmt.Sprintf("the agent of rank %s never asked for backup orders in the %v since the first one: it takes no part in the job's backups (an agent of an earlier mtcfs version, or one stuck), and %s stays incomplete; run the same mtcfs version on every node of a job (README: to upgrade, stop the job, roll the agents, start the job)",
+	b.tell = fmt.Sprintf("the agent of rank %s never asked for backup orders in the %v since the first one: it takes no part in the job's backups (an agent of an earlier mtcfs version, one without a backup location, or one stuck), and %s stays incomplete; run the same mtcfs version on every node of a job (README: to upgrade, stop the job, roll the agents, start the job)",
 		strings.Join(silent, ", "), backupAskGrace, what)
 	c.log.Error(b.tell)
 	b.wake()

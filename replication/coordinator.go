@@ -253,6 +253,9 @@ func (c *JobCoordinator) Close() {
 	if c.backups.stopTimer != nil {
 		c.backups.stopTimer()
 	}
+	if c.backups.checkAsked != nil {
+		c.backups.checkAsked()
+	}
 }
 
 func (c *JobCoordinator) checkRank(rank int) error {

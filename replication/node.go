@@ -318,7 +318,7 @@ func (n *Node) call(ctx context.Context, job string, rank int, f func(context.Co
 		if noAnswer(err) {
 			// gRPC's own words name a socket, not the peer (a black-box run: "error reading
 			// server preface: … use of closed network connection" was all the job read).
-			err = fmt.Errorf("no answer from the agent of rank %d at %s (stopped, gone, or the network between is down): %w", rank, p.Addr, err)
+			err = &noAnswerError{rank: rank, addr: p.Addr, err: err}
 		}
 		n.targets.drop(key, p)
 	case code == codes.NotFound: // "not held here": perhaps an agent that had the rank before
@@ -326,6 +326,20 @@ func (n *Node) call(ctx context.Context, job string, rank int, f func(context.Co
 	}
 	return err
 }
+
+// noAnswerError is a call that got no answer from the peer's agent: a transport failure, which a
+// later try may not meet (tiers restores try a fetch again on it, tiers.NoAnswer).
+type noAnswerError struct {
+	rank int
+	addr string
+	err  error
+}
+
+func (e *noAnswerError) Error() string {
+	return fmt.Sprintf("no answer from the agent of rank %d at %s (stopped, gone, or the network between is down): %v", e.rank, e.addr, e.err)
+}
+func (e *noAnswerError) Unwrap() error  { return e.err }
+func (e *noAnswerError) NoAnswer() bool { return true }
 
 // noAnswer reports whether err is gRPC's transport failing to reach or hear the peer, rather than
 // an answer of the peer's (which may be UNAVAILABLE too: a wrong instance, a receiver closing).

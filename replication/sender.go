@@ -215,7 +215,9 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 	key := linkKey(conn)
 	compress := s.Compress != CompressOff && s.compressTo(key) // decided once per transfer
 	stats := make([]streamStats, n)
-	w := startWatchdog(ctx, s.stallTimeout())
+	// Not the connection's meter: what a push writes sits in buffers before it crosses, and it
+	// would count another transfer's bytes on the connection (connmeter.go).
+	w := startWatchdog(withConnMeter(ctx, nil), s.stallTimeout())
 	peer := s.meter(key)
 	err = runStreams(w.ctx, n, func(ctx context.Context, i int) error {
 		return pushStream(ctx, client, opts, header, req.Source, m, i, n, chunk, w.progress, compress, peer, s.announceWait(), &stats[i])

@@ -496,6 +496,13 @@ func TestNoAnswer(t *testing.T) {
 	assert.False(t, noAnswer(status.Error(codes.Unavailable, "this is agent instance a, not b: gone; look the address up again")), "a peer's answer")
 	assert.False(t, noAnswer(status.Error(codes.NotFound, "connection error")), "another code")
 	assert.False(t, noAnswer(errors.New("connection error")), "not a gRPC error")
+
+	// As Node.call returns it: named, with its code, and marked for the restorer's retry.
+	wrapped := fmt.Errorf("fetch: %w", &noAnswerError{rank: 1, addr: addr, err: err})
+	assert.Contains(t, wrapped.Error(), "no answer from the agent of rank 1 at "+addr)
+	assert.Equal(t, codes.Unavailable, status.Code(wrapped))
+	assert.True(t, tiers.NoAnswer(wrapped))
+	assert.False(t, tiers.NoAnswer(err), "a bare transport error is not marked")
 }
 
 // TestSlowLinkIsNotAStall: on a link slower than a chunk per stall timeout, a fetch whose bytes
@@ -531,4 +538,19 @@ func TestSlowLinkIsNotAStall(t *testing.T) {
 	require.NoError(t, fetch(true, slow, 0), "a metered slow link")
 	require.ErrorIs(t, fetch(false, slow, 0), ErrStalled, "unmetered, the same link stalls")
 	require.ErrorIs(t, fetch(true, faultproxy.Link{}, 300_000), ErrStalled, "metered, bytes that stop still stall")
+}
+
+// TestMeteredDialerKeepsTheUserTimeout: gRPC sets TCP_USER_TIMEOUT (the keepalive timeout) only
+// on connections it dials itself; the metered dialer sets it, so that a peer gone silent is
+// dropped by the kernel after 10 s as before (a review: 0 on a metered connection).
+func TestMeteredDialerKeepsTheUserTimeout(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	c, err := meteredDialer(&connMeter{})(t.Context(), ln.Addr().String())
+	require.NoError(t, err)
+	defer c.Close()
+	d, err := userTimeout(c)
+	require.NoError(t, err)
+	assert.Equal(t, keepaliveTimeout, d)
 }

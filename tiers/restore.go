@@ -522,10 +522,10 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 		}
 		return err
 	}
-	// Then from a peer that holds it, in RAM. A fetch cut short quickly (a connection reset), or
-	// cut short after it moved bytes, is tried again: one reset failed the whole job's restore,
-	// which the next start made in seconds from the same peer (found by black-box runs: also a
-	// reset 14 s into a fetch, on a link that was fine a second later).
+	// Then from a peer that holds it, in RAM. A fetch cut short quickly, or later by the link (a
+	// connection reset), is tried again: one reset failed the whole job's restore, which the
+	// next start made in seconds from the same peer (found by black-box runs: also a reset 14 s
+	// into a fetch, on a link that was fine a second later).
 	var noSpace, fetchErr error // the last fetch that failed (for lack of room here): what the job is told
 	failedFrom := -1
 	for _, holder := range plan.Holders[hash] {
@@ -548,7 +548,7 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 			if d := r.fetchRetryWithin.Load(); d > 0 {
 				within = time.Duration(d)
 			}
-			if try == peerFetchTries || (time.Since(wall) > within && moved == 0) || ctx.Err() != nil {
+			if try == peerFetchTries || (time.Since(wall) > within && !NoAnswer(err)) || ctx.Err() != nil {
 				break
 			}
 			select {
@@ -586,9 +586,19 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 	return publish(incoming)
 }
 
-// Peer fetches that fail within peerFetchRetryWithin, or after moving bytes, are tried
-// peerFetchTries times in all, peerFetchRetryAfter apart; a slower failure that moved nothing (a
-// peer stalled from the start) is not tried again: a backup may hold the data.
+// Peer fetches that fail within peerFetchRetryWithin, or later for want of an answer (a reset
+// connection: NoAnswer), are tried peerFetchTries times in all, peerFetchRetryAfter apart. A
+// later failure of another kind is not tried again, and the backup is tried next: a stall (a
+// peer that stopped moving data, for the stall timeout), data that fails its check (the
+// holder's copy is bad: each try would move all of it again), or a failure here.
+//
+// NoAnswer reports whether err says a peer's agent did not answer (its transport failed), as the
+// peer transport marks such errors (a NoAnswer() bool method).
+func NoAnswer(err error) bool {
+	var e interface{ NoAnswer() bool }
+	return errors.As(err, &e) && e.NoAnswer()
+}
+
 const (
 	peerFetchTries       = 3
 	peerFetchRetryWithin = 10 * time.Second

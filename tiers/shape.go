@@ -101,7 +101,7 @@ func DescribeSaved(saved Shape, recorded bool) string {
 func RestoredBy(saved Shape, recorded bool) string {
 	switch {
 	case !recorded:
-		return "a job with as many nodes as its .meta names and as many workers per node, or a data-parallel one (a job with more nodes finds it incomplete)"
+		return "a job with as many nodes as its .meta names and as many workers per node (a job of more nodes, not data-parallel, finds it incomplete), or a data-parallel one"
 	case saved.DataParallelism < 0:
 		return "a job of the same nodes and workers per node (its data-parallelism was not recorded)"
 	default:

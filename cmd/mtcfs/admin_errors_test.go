@@ -82,7 +82,7 @@ func TestBackupCommandsOnMistypedInput(t *testing.T) {
 	require.NoFileExists(t, filepath.Join(root, "train", backup, "mtcfs-backup.json"))
 	out, code = runMtcfs(t, "restore-version", "set", backup, "--backup", url, "--job", "train")
 	assert.Equal(t, 0, code, out)
-	assert.Contains(t, out, "restores in a job with as many nodes as its .meta names and as many workers per node")
+	assert.Contains(t, out, "restores in a job with as many nodes as its .meta names and as many workers per node (a job of more nodes, not data-parallel, finds it incomplete)")
 	assert.Contains(t, out, "mtcfs restore-version: backup "+backup+" does not record its job's shape")
 	assert.Contains(t, out, "it is complete for a job of 1 node × 1 worker only; if the job has more nodes, its agents find it incomplete and the pin starts the job from scratch")
 }
