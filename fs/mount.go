@@ -143,6 +143,26 @@ func (s *Server) Unmount() error {
 	return nil
 }
 
+// Attached reports whether the mount is still in the mount table (true when that cannot be
+// told). A mount detached lazily (umount -l) while a process holds it stays served, but the
+// directory no longer leads to it: a job that restarts writes its replicator.yaml into the
+// directory below, and no agent answers (a black-box run: /readyz and status said ready).
+func (s *Server) Attached() bool {
+	if s.mountID == "" {
+		return true
+	}
+	mounts, err := fusectl.Mounts()
+	if err != nil {
+		return true
+	}
+	for _, m := range mounts {
+		if m.ID == s.mountID && m.Device == s.device {
+			return true
+		}
+	}
+	return false
+}
+
 // Where is the mount point now: Dir, unless a directory above it was renamed while it was
 // mounted (the kernel moves the mount with it).
 func (s *Server) Where() string {

@@ -1287,6 +1287,14 @@ func clearDir(dir string) error {
 	return nil
 }
 
+// Detached reports whether the tmpfs this spool mounted is no longer at its directory (unmounted
+// or detached from under the agent, umount -l): the checkpoints it held are out of reach, and
+// what the agent writes next lands on the disk below (a black-box run: status and the probes
+// said nothing). A spool without a tmpfs of its own is never detached.
+func (s *Spool) Detached() bool {
+	return s.ownMount && !isTmpfsMount(s.dir)
+}
+
 // isTmpfsMount reports whether dir is itself the root of a tmpfs mount.
 func isTmpfsMount(dir string) bool {
 	// A --spool given as a symlink: its target's parent, not the link's (a link on a disk to a

@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -747,11 +748,31 @@ func runMount(cfg mountConfig) error {
 		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, KeptSpools: func() ([]tiers.SpoolInfo, error) { return localSpools.OrphanedOrOf(cfg.dir, cfg.spoolDir) },
 		CheckJob: backupJobCheck(cfg.dir, cfg.backupURL)})
 	var ready atomic.Bool
+	var served atomic.Pointer[mfs.Server]
+	var toldUnready sync.Once
+	// /readyz: mounted, and still reachable. A mount detached lazily (umount -l) while a process
+	// held it, or a spool tmpfs unmounted from under the agent, left the probes at 200 and
+	// status at "running" while no job could use the node (a black-box run of an operator).
+	readyz := func() string {
+		if !ready.Load() {
+			return "not mounted"
+		}
+		why := ""
+		if s := served.Load(); s != nil && !s.Attached() {
+			why = "the mount at " + cfg.dir + " was detached (umount -l) while a process held it: no job can reach it; stop the agent (the spool is kept) and start it again"
+		} else if spool.Detached() {
+			why = "the spool's tmpfs at " + spool.Dir() + " was unmounted from under the agent: the checkpoints it held are out of reach; stop the agent and start it again"
+		}
+		if why != "" {
+			toldUnready.Do(func() { slog.Error(why) })
+		}
+		return why
+	}
 	info := agents.Info{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}
 	var shown atomic.Pointer[agents.Info] // what /status shows; info is completed below
 	shown.Store(&agents.Info{PID: info.PID, Version: info.Version})
 	if cfg.httpAddr != "" {
-		addr, stop, err := agents.Serve(cfg.httpAddr, &ready, func() any { return statusReply{Info: *shown.Load(), Status: rep.Status()} },
+		addr, stop, err := agents.Serve(cfg.httpAddr, readyz, func() any { return statusReply{Info: *shown.Load(), Status: rep.Status()} },
 			// A collector that fails (the process collector reads /proc, which needs descriptors a
 			// job holding many files open took) leaves its metrics out, not every metric.
 			promhttp.HandlerFor(metrics, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}), slog.Default())
@@ -823,6 +844,7 @@ func runMount(cfg mountConfig) error {
 	}
 	unregister := agents.Register(info)
 	defer unregister()
+	served.Store(srv)
 	ready.Store(true)
 	slog.Info("serving; stop with SIGINT or SIGTERM", "dir", srv.Dir(), "backup", store.String(), "version", version)
 

@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"net/http"
 	"os"
@@ -773,4 +774,45 @@ func TestKillDuringAdoption(t *testing.T) {
 		trash, _ := filepath.Glob(filepath.Join(n.spool, ".files-trash-*"))
 		return len(trash) == 0
 	}, 10*time.Second, 20*time.Millisecond, "the killed agents' files are never removed")
+}
+
+// TestReadyzSaysWhenTheNodeIsUnreachable: /readyz answers 503, with why, once the mount was
+// detached lazily while a process held it (the directory no longer leads to the agent: a job's
+// restart writes its replicator.yaml below it and waits in vain), or once the spool's tmpfs was
+// unmounted from under the agent. Both left the probes at 200 in a black-box run of an operator.
+func TestReadyzSaysWhenTheNodeIsUnreachable(t *testing.T) {
+	needRoot(t)
+	readyz := func(addr string) (int, string) {
+		resp, err := http.Get("http://" + addr + "/readyz")
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	t.Run("mount detached", func(t *testing.T) {
+		n := newRepNode(t)
+		a := n.start(t, "--http", "127.0.0.1:0")
+		addr := agentHTTPAddr(t, a)
+		code, _ := readyz(addr)
+		require.Equal(t, http.StatusOK, code)
+		held, err := os.Open(n.dir) // a process that holds the mount
+		require.NoError(t, err)
+		t.Cleanup(func() { held.Close() })
+		require.NoError(t, unix.Unmount(n.dir, unix.MNT_DETACH))
+		code, body := readyz(addr)
+		assert.Equal(t, http.StatusServiceUnavailable, code)
+		assert.Contains(t, body, "was detached (umount -l) while a process held it")
+		require.NoError(t, held.Close())
+		a.wait(30 * time.Second) // the last holder gone, the agent sees the unmount and exits
+	})
+	t.Run("spool unmounted", func(t *testing.T) {
+		n := newRepNode(t)
+		a := n.start(t, "--http", "127.0.0.1:0")
+		addr := agentHTTPAddr(t, a)
+		require.NoError(t, unix.Unmount(n.spool, unix.MNT_DETACH))
+		code, body := readyz(addr)
+		assert.Equal(t, http.StatusServiceUnavailable, code)
+		assert.Contains(t, body, "the spool's tmpfs at "+n.spool+" was unmounted from under the agent")
+		repWait(t, 10*time.Second, "the agent to log it", func() bool { return strings.Contains(a.log(), "was unmounted from under the agent") })
+	})
 }

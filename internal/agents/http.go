@@ -11,7 +11,6 @@ import (
 	"net/http"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -19,9 +18,10 @@ import (
 )
 
 // Serve serves an agent's HTTP endpoints on addr: /livez (the process runs), /readyz (ready
-// holds: the filesystem is mounted), /status (status() as JSON, what `mtcfs status` reads) and
-// /metrics (Prometheus). It returns the address it listens on and how to stop.
-func Serve(addr string, ready *atomic.Bool, status func() any, metrics http.Handler, log *slog.Logger) (string, func(), error) {
+// returns "": the filesystem is mounted and serves; else why not), /status (status() as JSON,
+// what `mtcfs status` reads) and /metrics (Prometheus). It returns the address it listens on and
+// how to stop.
+func Serve(addr string, ready func() string, status func() any, metrics http.Handler, log *slog.Logger) (string, func(), error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return "", nil, err
@@ -31,8 +31,8 @@ func Serve(addr string, ready *atomic.Bool, status func() any, metrics http.Hand
 		fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
-		if !ready.Load() {
-			http.Error(w, "not mounted", http.StatusServiceUnavailable)
+		if why := ready(); why != "" {
+			http.Error(w, why, http.StatusServiceUnavailable)
 			return
 		}
 		fmt.Fprintln(w, "ok")

@@ -26,7 +26,15 @@ import (
 func TestServe(t *testing.T) {
 	var ready atomic.Bool
 	metrics := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "mtcfs_build_info 1\n") })
-	addr, stop, err := Serve("127.0.0.1:0", &ready, func() any { return Info{PID: 42, Dir: "/ckpt"} }, metrics, slog.New(slog.DiscardHandler))
+	var why atomic.Value // what ready says once the mount is up ("": ready)
+	why.Store("")
+	readyz := func() string {
+		if !ready.Load() {
+			return "not mounted"
+		}
+		return why.Load().(string)
+	}
+	addr, stop, err := Serve("127.0.0.1:0", readyz, func() any { return Info{PID: 42, Dir: "/ckpt"} }, metrics, slog.New(slog.DiscardHandler))
 	require.NoError(t, err)
 	defer stop()
 	get := func(path string) (int, string) {
@@ -46,6 +54,11 @@ func TestServe(t *testing.T) {
 	ready.Store(true)
 	code, _ = get("/readyz")
 	assert.Equal(t, http.StatusOK, code)
+	why.Store("the mount was detached")
+	code, body = get("/readyz")
+	assert.Equal(t, http.StatusServiceUnavailable, code, "a mount that went away")
+	assert.Contains(t, body, "the mount was detached")
+	why.Store("")
 	_, body = get("/metrics")
 	assert.Equal(t, "mtcfs_build_info 1\n", body)
 
@@ -100,7 +113,12 @@ func emfileChild() {
 		os.Exit(1)
 	}
 	var ready atomic.Bool
-	addr, _, err := Serve("127.0.0.1:0", &ready, func() any { return Info{PID: 7} }, http.NotFoundHandler(), slog.New(slog.DiscardHandler))
+	addr, _, err := Serve("127.0.0.1:0", func() string {
+		if ready.Load() {
+			return ""
+		}
+		return "not mounted"
+	}, func() any { return Info{PID: 7} }, http.NotFoundHandler(), slog.New(slog.DiscardHandler))
 	if err != nil {
 		fmt.Println("serve", err)
 		os.Exit(1)
