@@ -59,7 +59,7 @@ func (l *jobLines) failLine(cfg *Config, msg string) {
 // must be its own (SPEC §2).
 func (l *jobLines) incLine(inc *incarnation, msg string) {
 	if !l.incs.isCurrent(inc) {
-		l.log.Error("error of an earlier incarnation", "incarnation", inc.ID, "message", msg)
+		l.log.Error("error of an earlier incarnation", "incarnation", inc.ID, "line", msg)
 		return
 	}
 	l.errLine(inc.Config, msg)
@@ -131,7 +131,9 @@ func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) 
 		l.mu.Unlock()
 	}
 	for i, msg := range msgs {
-		l.log.Warn("reported to the job", "file", file, "message", oneLine(msg), "written", werr == nil)
+		// "line", not "message": that is the JSON log's key of the log message itself, and a
+		// second one made the line invalid for strict parsers (an operator's black-box run).
+		l.log.Warn("reported to the job", "file", file, "line", oneLine(msg), "written", werr == nil)
 		l.mu.Lock()
 		l.recent = append(l.recent, reportedLine{job, strings.TrimSpace(lines[i])})
 		if len(l.recent) > recentLines {

@@ -342,6 +342,10 @@ func TestHealthAndJSONLogs(t *testing.T) {
 	dir := filepath.Join(base, "mnt")
 	require.NoError(t, os.Mkdir(dir, 0o755))
 	a := startAgent(t, dir, filepath.Join(base, "spool"), "--http", "127.0.0.1:0", "--log-format", "json")
+	// A line reported to the job is logged too: its text went under a second "message" key,
+	// which strict JSON parsers refuse (an operator's black-box run).
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "replicator.yaml"), []byte("job-name: j\nnodes: 1\nnode-rank: 0\nframework: orbax\nno-such-key: 1\n"), 0o644))
+	repWait(t, 10*time.Second, "the line reported to the job logged", func() bool { return strings.Contains(a.log(), "reported to the job") })
 
 	var addr string
 	for _, line := range strings.Split(a.log(), "\n") {
@@ -349,6 +353,7 @@ func TestHealthAndJSONLogs(t *testing.T) {
 		require.NoError(t, json.Unmarshal([]byte(line), &rec), "log line is not JSON: %s", line)
 		require.Contains(t, rec, "severity")
 		require.Contains(t, rec, "message")
+		require.Empty(t, duplicateKey(t, line), "a key twice in %s", line)
 		if rec["message"] == "http endpoints" {
 			addr, _ = rec["addr"].(string)
 		}
@@ -516,4 +521,26 @@ func waitStopped(t *testing.T, pid int) {
 		}
 		return len(stats) > 0
 	})
+}
+
+// duplicateKey returns a key that the JSON object line has twice at its top level ("": none).
+func duplicateKey(t *testing.T, line string) string {
+	t.Helper()
+	dec := json.NewDecoder(strings.NewReader(line))
+	tok, err := dec.Token()
+	require.NoError(t, err)
+	require.Equal(t, json.Delim('{'), tok)
+	seen := map[string]bool{}
+	for dec.More() {
+		tok, err := dec.Token()
+		require.NoError(t, err)
+		key := tok.(string)
+		if seen[key] {
+			return key
+		}
+		seen[key] = true
+		var v json.RawMessage
+		require.NoError(t, dec.Decode(&v))
+	}
+	return ""
 }
