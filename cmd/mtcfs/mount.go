@@ -874,7 +874,10 @@ func runMount(cfg mountConfig) error {
 			return err
 		}
 	case <-done:
-		slog.Warn("filesystem was unmounted from outside; exiting", "dir", srv.Dir())
+		// Exit 1: a supervisor that restarts on failure only (systemd's Restart=on-failure)
+		// left the node without its agent after an exit 0 (an operator's black-box run).
+		slog.Info("unmounted", "dir", where)
+		return fmt.Errorf("the filesystem at %s was unmounted from outside the agent (umount, or its last holder gone after umount -l): it no longer serves; exiting", srv.Dir())
 	}
 	slog.Info("unmounted", "dir", where)
 	return nil

@@ -803,7 +803,10 @@ func TestReadyzSaysWhenTheNodeIsUnreachable(t *testing.T) {
 		assert.Equal(t, http.StatusServiceUnavailable, code)
 		assert.Contains(t, body, "was detached (umount -l) while a process held it")
 		require.NoError(t, held.Close())
-		a.wait(30 * time.Second) // the last holder gone, the agent sees the unmount and exits
+		// The last holder gone, the agent sees the unmount and exits, with a failure for a
+		// supervisor that restarts on failure only (it exited 0: an operator's black-box run).
+		assert.Equal(t, 1, a.wait(30*time.Second))
+		assert.Contains(t, a.log(), "was unmounted from outside the agent")
 	})
 	t.Run("spool unmounted", func(t *testing.T) {
 		n := newRepNode(t)
