@@ -298,9 +298,11 @@ func (cr *commitRecorder) record(ev event) {
 		cr.done(c.name)
 		return
 	}
-	cr.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name, "err", err)
 	if err == nil {
+		cr.log.Info("step committed", "step", c.step, "worker", c.worker, "name", c.name)
 		cr.metrics.committed()
+	} else {
+		cr.log.Warn("step committed, its commit record not written yet", "step", c.step, "worker", c.worker, "name", c.name, "err", err)
 	}
 	cr.out.push(pendingCommit{commit: c, err: err, openMark: mark})
 }

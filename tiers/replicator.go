@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -112,9 +113,10 @@ type JaxInit struct {
 // held. No lock but publishMu and writeMu is held across a Namespace, BackupStore,
 // PeerTransport or Coordinator call.
 type Replicator struct {
-	cfg   ReplicatorConfig
-	node  *node
-	queue *fifo[event] // the job's events, to the control loop; open from NewReplicator on
+	cfg    ReplicatorConfig
+	node   *node
+	queue  *fifo[event] // the job's events, to the control loop; open from NewReplicator on
+	closed atomic.Bool  // Close ran (the agent calls it on its stop, and again deferred)
 
 	incs      *incarnations
 	lines     *jobLines
@@ -424,8 +426,8 @@ func jobActivity(ev event) bool {
 // is cut short, and left incomplete: its .meta, uploaded last, is missing); running restores
 // and pushes are cancelled; steps already committed are sealed first.
 func (r *Replicator) Close() {
-	if r.cancel == nil {
-		return
+	if r.cancel == nil || !r.closed.CompareAndSwap(false, true) {
+		return // a second call logged the stop's warnings twice (an operator's black-box run)
 	}
 	r.queue.close()  // the control loop ends once it handled what was queued
 	r.backups.stop() // no new backup starts; the running one gets the drain time
