@@ -367,6 +367,24 @@ func TestNodesReplicateAndRestore(t *testing.T) {
 }
 
 // staticPeers listens for n agents on loopback and maps their ranks to the addresses.
+// startStaticPair starts the two agents of job, given each other's address and a shared
+// secret, and waits until both restored (nothing: a fresh start).
+func startStaticPair(t *testing.T, job string) ([]*testAgent, StaticPeers) {
+	t.Helper()
+	const nodes = 2
+	secret := []byte("a secret of the pair, 32 bytes..")
+	lns, peers := staticPeers(t, nodes)
+	agents := make([]*testAgent, nodes)
+	for r := range agents {
+		agents[r] = startTestAgentWith(t, NodeConfig{Listener: lns[r], Peers: peers, Secret: secret}, t.TempDir())
+		agents[r].start(job, r, nodes)
+	}
+	for r, a := range agents {
+		a.waitFor(layout.MarkerName{Job: job, Step: 0, Node: r, Kind: layout.MarkerRestore}.String())
+	}
+	return agents, peers
+}
+
 func staticPeers(t *testing.T, n int) ([]net.Listener, StaticPeers) {
 	t.Helper()
 	lns := make([]net.Listener, n)
@@ -384,16 +402,9 @@ func staticPeers(t *testing.T, n int) ([]net.Listener, StaticPeers) {
 // a shared secret form a job and replicate; nothing is registered anywhere.
 func TestNodesWithStaticPeers(t *testing.T) {
 	t.Parallel()
-	const job, nodes = "pair", 2
-	secret := []byte("a secret of the pair, 32 bytes..")
-	lns, peers := staticPeers(t, nodes)
-	agents := make([]*testAgent, nodes)
-	for r := range agents {
-		agents[r] = startTestAgentWith(t, NodeConfig{Listener: lns[r], Peers: peers, Secret: secret}, t.TempDir())
-		agents[r].start(job, r, nodes)
-	}
+	const job = "pair"
+	agents, _ := startStaticPair(t, job)
 	for r, a := range agents {
-		a.waitFor(layout.MarkerName{Job: job, Step: 0, Node: r, Kind: layout.MarkerRestore}.String())
 		a.save(5, stepFiles(r, 5))
 	}
 	for r := range agents {
@@ -664,17 +675,8 @@ func TestTargetCacheForgetsAcrossIncarnations(t *testing.T) {
 // (connmeter.go, TestSlowLinkIsNotAStall).
 func TestNodeCallsAreMetered(t *testing.T) {
 	t.Parallel()
-	const job, nodes = "metered", 2
-	secret := []byte("a secret of the pair, 32 bytes..")
-	lns, peers := staticPeers(t, nodes)
-	agents := make([]*testAgent, nodes)
-	for r := range agents {
-		agents[r] = startTestAgentWith(t, NodeConfig{Listener: lns[r], Peers: peers, Secret: secret}, t.TempDir())
-		agents[r].start(job, r, nodes)
-	}
-	for r, a := range agents {
-		a.waitFor(layout.MarkerName{Job: job, Step: 0, Node: r, Kind: layout.MarkerRestore}.String())
-	}
+	const job = "metered"
+	agents, peers := startStaticPair(t, job)
 	var meter *connMeter
 	err := agents[0].node.call(t.Context(), job, 1, func(ctx context.Context, _ *Sender, conn *grpc.ClientConn) error {
 		meter = connMeterFrom(ctx)
