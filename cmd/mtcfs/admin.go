@@ -24,6 +24,9 @@ import (
 type statusReply struct {
 	agents.Info
 	tiers.Status
+	// NotReady is why /readyz answers 503 once the agent served ("": it is ready, or still
+	// starting): a mount detached, a spool unmounted from under the agent.
+	NotReady string `json:"not_ready,omitempty"`
 }
 
 // cmdStatus prints what the local agents (or the one at --http) hold and do.
@@ -86,6 +89,10 @@ func cmdStatus(args []string) int {
 			continue
 		}
 		report.Status(os.Stdout, st.Info, st.Status)
+		if st.NotReady != "" {
+			fmt.Printf("  NOT READY  %s\n", st.NotReady)
+			code = 1
+		}
 	}
 	return code
 }

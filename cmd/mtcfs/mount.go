@@ -772,7 +772,13 @@ func runMount(cfg mountConfig) error {
 	var shown atomic.Pointer[agents.Info] // what /status shows; info is completed below
 	shown.Store(&agents.Info{PID: info.PID, Version: info.Version})
 	if cfg.httpAddr != "" {
-		addr, stop, err := agents.Serve(cfg.httpAddr, readyz, func() any { return statusReply{Info: *shown.Load(), Status: rep.Status()} },
+		addr, stop, err := agents.Serve(cfg.httpAddr, readyz, func() any {
+			r := statusReply{Info: *shown.Load(), Status: rep.Status()}
+			if served.Load() != nil {
+				r.NotReady = readyz()
+			}
+			return r
+		},
 			// A collector that fails (the process collector reads /proc, which needs descriptors a
 			// job holding many files open took) leaves its metrics out, not every metric.
 			promhttp.HandlerFor(metrics, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}), slog.Default())

@@ -817,5 +817,9 @@ func TestReadyzSaysWhenTheNodeIsUnreachable(t *testing.T) {
 		assert.Equal(t, http.StatusServiceUnavailable, code)
 		assert.Contains(t, body, "the spool's tmpfs at "+n.spool+" was unmounted from under the agent")
 		repWait(t, 10*time.Second, "the agent to log it", func() bool { return strings.Contains(a.log(), "was unmounted from under the agent") })
+		// mtcfs status says it too, and fails (it said "running", a step "in RAM" that was gone).
+		out, code := runMtcfs(t, "status", "--http", addr)
+		assert.Equal(t, 1, code, out)
+		assert.Contains(t, out, "NOT READY  the spool's tmpfs at "+n.spool+" was unmounted")
 	})
 }
