@@ -393,8 +393,19 @@ func (sy *syncer) sync(c commit, replicated bool) bool {
 
 // syncNow is sync once nothing waits.
 func (sy *syncer) syncNow(c commit, replicated bool) bool {
+	c.inc.mu.Lock()
+	newer := c.inc.committed // the newest step this node reported in the incarnation
+	c.inc.mu.Unlock()
 	c.inc.noteCommitted(c.step)
 	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
+	if err != nil && newer > c.step && c.inc.ctx.Err() == nil {
+		// A newer step went first: the restored step, queued at the end of the restore, after
+		// a step the job committed while the restore waited. The coordinator takes steps in
+		// order, and the newer one stands for it; the job was told "sync of step 5 failed", a
+		// false alarm (a clean-clone run, 1 in about 100 of TestStepsCommittedWhileTheRestoreWaitsAreKept).
+		sy.log.Info("sync of an older step passed over: a newer one was reported first", "step", c.step, "newer", newer, "err", err)
+		return false
+	}
 	if err != nil && c.inc.ctx.Err() != nil {
 		// The incarnation ended (the job restarted, or the agent stops): nothing went wrong
 		// that the job or an operator should hear of (before, every restart logged an ERROR).
