@@ -97,29 +97,6 @@ func setUserTimeout(c *net.TCPConn, d time.Duration) error {
 	return serr
 }
 
-// userTimeout returns the connection's TCP_USER_TIMEOUT (tests).
-func userTimeout(c net.Conn) (time.Duration, error) {
-	if mc, ok := c.(*meteredConn); ok {
-		c = mc.Conn
-	}
-	tc, ok := c.(*net.TCPConn)
-	if !ok {
-		return 0, fmt.Errorf("not a TCP connection: %T", c)
-	}
-	raw, err := tc.SyscallConn()
-	if err != nil {
-		return 0, err
-	}
-	var ms int
-	var gerr error
-	if err := raw.Control(func(fd uintptr) {
-		ms, gerr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT)
-	}); err != nil {
-		return 0, err
-	}
-	return time.Duration(ms) * time.Millisecond, gerr
-}
-
 type connMeterKey struct{}
 
 // withConnMeter gives the transfers made with ctx the meter of their connection.

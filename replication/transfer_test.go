@@ -17,6 +17,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -553,4 +554,27 @@ func TestMeteredDialerKeepsTheUserTimeout(t *testing.T) {
 	d, err := userTimeout(c)
 	require.NoError(t, err)
 	assert.Equal(t, keepaliveTimeout, d)
+}
+
+// userTimeout returns the connection's TCP_USER_TIMEOUT (tests).
+func userTimeout(c net.Conn) (time.Duration, error) {
+	if mc, ok := c.(*meteredConn); ok {
+		c = mc.Conn
+	}
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return 0, fmt.Errorf("not a TCP connection: %T", c)
+	}
+	raw, err := tc.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var ms int
+	var gerr error
+	if err := raw.Control(func(fd uintptr) {
+		ms, gerr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT)
+	}); err != nil {
+		return 0, err
+	}
+	return time.Duration(ms) * time.Millisecond, gerr
 }
