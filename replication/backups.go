@@ -75,7 +75,7 @@ type backupState struct {
 	asked      []bool
 	tell       string
 	told       bool
-	checkAsked func() bool // stops the timer of checkAskers
+	stopAskCheck func() bool // stops the timer of checkAskers
 }
 
 // backupAskGrace is how long after an order every rank must have asked for backup orders once:
@@ -348,8 +348,8 @@ func (c *JobCoordinator) orderBackup(now time.Time, name string) {
 	b.clockFrom, b.synced = now, 0
 	b.wake()
 	c.log.Info("backup ordered", "backup", name, "step", b.latest)
-	if b.checkAsked == nil && !b.told {
-		b.checkAsked = c.clock.AfterFunc(backupAskGrace, c.checkAskers)
+	if b.stopAskCheck == nil && !b.told {
+		b.stopAskCheck = c.clock.AfterFunc(backupAskGrace, c.checkAskers)
 	}
 }
 
@@ -371,11 +371,11 @@ func (c *JobCoordinator) checkAskers() {
 	if len(silent) == 0 {
 		return
 	}
-	what := "backup " + b.lastName
+	what := "every backup lacks its part" // no order out now (one was given, and none completed)
 	if o := b.order; o != nil {
-		what = fmt.Sprintf("backup %s of step %d", o.name, o.step)
+		what = fmt.Sprintf("backup %s of step %d stays incomplete", o.name, o.step)
 	}
-	b.tell = fmt.Sprintf("the agent of rank %s never asked for backup orders in the %v since the first one: it takes no part in the job's backups (an agent of an earlier mtcfs version, one without a backup location, or one stuck), and %s stays incomplete; run the same mtcfs version on every node of a job (README: to upgrade, stop the job, roll the agents, start the job)",
+	b.tell = fmt.Sprintf("the agent of rank %s never asked for backup orders in the %v since the first one: it takes no part in the job's backups (an agent of an earlier mtcfs version, one without a backup location, or one stuck), and %s; run the same mtcfs version on every node of a job (README: to upgrade, stop the job, roll the agents, start the job)",
 		strings.Join(silent, ", "), backupAskGrace, what)
 	c.log.Error(b.tell)
 	b.wake()

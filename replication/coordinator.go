@@ -253,8 +253,8 @@ func (c *JobCoordinator) Close() {
 	if c.backups.stopTimer != nil {
 		c.backups.stopTimer()
 	}
-	if c.backups.checkAsked != nil {
-		c.backups.checkAsked()
+	if c.backups.stopAskCheck != nil {
+		c.backups.stopAskCheck()
 	}
 }
 
