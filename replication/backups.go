@@ -72,9 +72,9 @@ type backupState struct {
 
 	// asked records the ranks that called Backups in this incarnation; tell is a line for rank
 	// 0's job (BackupOrder.Tell), told once (told).
-	asked      []bool
-	tell       string
-	told       bool
+	asked        []bool
+	tell         string
+	told         bool
 	stopAskCheck func() bool // stops the timer of checkAskers
 }
 
