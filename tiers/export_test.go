@@ -110,3 +110,7 @@ func (r *Replicator) SetFetchRetryWithin(d time.Duration) {
 
 // TransferDetail is transferDetail, for the package's external tests.
 var TransferDetail = transferDetail
+
+// SetSyncerPopHook makes f run as the syncer takes each sealed step (restored: queued by a
+// restore), before it pushes or syncs it; only before Start.
+func (r *Replicator) SetSyncerPopHook(f func(step int64, restored bool)) { r.syncer.popHook = f }

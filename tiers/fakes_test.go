@@ -560,6 +560,8 @@ type harnessConfig struct {
 	backupsErr error
 	// backupTell, when set, is a line the agent's own coordinator gives once (BackupOrder.Tell).
 	backupTell string
+	// syncerPop, when set, runs as the syncer takes each sealed step (SetSyncerPopHook).
+	syncerPop func(step int64, restored bool)
 }
 
 // baseTime is where fake clocks start: a whole UTC minute.
@@ -636,6 +638,9 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	}
 	if cfg.sealRetryFor != 0 {
 		h.r.SetSealRetryFor(cfg.sealRetryFor)
+	}
+	if cfg.syncerPop != nil {
+		h.r.SetSyncerPopHook(cfg.syncerPop)
 	}
 	if err := h.r.Start(context.Background(), ns); err != nil {
 		t.Fatalf("Start: %v", err)

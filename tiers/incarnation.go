@@ -48,6 +48,26 @@ type incarnation struct {
 	// negotiation completed, and its next start restored an older step, or nothing; found by a
 	// black-box run).
 	sealedHere map[string]bool // GUARDED_BY(mu); noted while the restore runs only
+	// restoredSyncDue is set once the restored step is queued for its sync, until the syncer
+	// reaches it: the syncs of the steps the job commits meanwhile wait for it (a step sealed
+	// during the restore but taken by the syncer just after it went first, and the coordinator,
+	// which takes steps in order, then refused the restored one).
+	restoredSyncDue bool // GUARDED_BY(mu)
+}
+
+// setRestoredSyncDue records whether the restored step's sync is queued and not yet reached.
+func (inc *incarnation) setRestoredSyncDue(due bool) {
+	inc.mu.Lock()
+	inc.restoredSyncDue = due
+	inc.mu.Unlock()
+}
+
+// syncWaits reports whether a sync of the incarnation must wait: its restore runs, or the
+// restored step's sync is queued and not yet reached.
+func (inc *incarnation) syncWaits() bool {
+	inc.mu.Lock()
+	defer inc.mu.Unlock()
+	return inc.phase == "restoring" || inc.restoredSyncDue
 }
 
 // noteSealedHere records that the job's commit of this incarnation was sealed as meta, while

@@ -15,6 +15,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -1570,10 +1571,12 @@ func TestIncarnationsNameTheOnesTheySupersede(t *testing.T) {
 type gatedCoordinator struct {
 	tiers.Coordinator
 	gate atomic.Pointer[chan struct{}]
+	held atomic.Int64 // negotiations that reached a gate
 }
 
 func (g *gatedCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {
 	if ch := g.gate.Load(); ch != nil {
+		g.held.Add(1)
 		select {
 		case <-*ch:
 		case <-ctx.Done():
@@ -1581,6 +1584,98 @@ func (g *gatedCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnation,
 		}
 	}
 	return g.Coordinator.Negotiate(ctx, inc, inv)
+}
+
+// waitHeld waits for a negotiation to reach the gate: its inventory is taken, so a step the job
+// commits from now on is not in its plan (a step sealed before a late negotiation was, under
+// load, and the plan restored it rather than the step the test held the restore of).
+func (g *gatedCoordinator) waitHeld(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for g.held.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no negotiation reached the gate")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// syncOrderCoordinator is a gatedCoordinator that records the steps synced, in order, and
+// those the coordinator refused.
+type syncOrderCoordinator struct {
+	*gatedCoordinator
+	mu      sync.Mutex
+	synced  []int64
+	refused []int64
+}
+
+func (c *syncOrderCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
+	dec, err := c.gatedCoordinator.Sync(ctx, inc, rep)
+	c.mu.Lock()
+	if err != nil {
+		c.refused = append(c.refused, rep.Step)
+	} else {
+		c.synced = append(c.synced, rep.Step)
+	}
+	c.mu.Unlock()
+	return dec, err
+}
+
+// TestRestoredStepIsSyncedBeforeStepsCommittedDuringItsRestore: a step the job commits while
+// its restore waits, which the syncer takes only once the restore is done but before the
+// restored step, is synced after it. Before, it went first; the coordinator, which takes steps
+// in order, refused the restored step, and the job read "sync of step 5 failed" (1 run in about
+// 100 of TestStepsCommittedWhileTheRestoreWaitsAreKept). The order is forced here: the syncer
+// is held on step 6 until the restore is done, with the restored step queued behind it.
+func TestRestoredStepIsSyncedBeforeStepsCommittedDuringItsRestore(t *testing.T) {
+	t.Parallel()
+	coord := &syncOrderCoordinator{gatedCoordinator: &gatedCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}}}
+	taken6, release := make(chan struct{}), make(chan struct{})
+	releaseOnce := sync.OnceFunc(func() { close(release) })
+	var holding atomic.Bool
+	h := newHarness(t, harnessConfig{coord: coord, syncerPop: func(step int64, restored bool) {
+		if step == 6 && !restored && holding.CompareAndSwap(true, false) {
+			close(taken6)
+			<-release
+		}
+	}})
+	t.Cleanup(releaseOnce) // runs before the harness's close, which waits for the syncer
+	h.start(baseYAML, "job")
+	hash5 := h.orbaxSave(5, checkpointFiles("5"))
+	h.waitSealed("job", 5, "5")
+	gate := make(chan struct{})
+	coord.gate.Store(&gate)
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+	holding.Store(true)
+	h.yamlOrbax(baseYAML) // the job restarts; its negotiation is held
+	h.waitGone(layout.ReplicatorYAMLName)
+	coord.waitHeld(t)                    // its inventory is taken: the plan restores step 5
+	h.orbaxSave(6, checkpointFiles("6")) // and it saves without waiting for its markers
+	select {
+	case <-taken6: // the syncer holds step 6, taken while the restore runs
+	case <-time.After(30 * time.Second):
+		t.Fatal("the syncer did not take step 6")
+	}
+	close(gate)
+	restore5 := marker("job", 5, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore5) // the restore is done; the restored step is queued behind step 6
+	releaseOnce()
+	h.eventually("step 6 synced", func() string {
+		if st := h.r.Status(); st.Replicated != 6 {
+			return fmt.Sprintf("latest replicated step %d", st.Replicated)
+		}
+		return ""
+	})
+	coord.mu.Lock()
+	synced, refused := slices.Clone(coord.synced), slices.Clone(coord.refused)
+	coord.mu.Unlock()
+	require.Empty(t, refused, "syncs refused (synced: %v)", synced)
+	require.Equal(t, []int64{5, 6}, synced[len(synced)-2:], "the syncs, in order")
+	require.NotContains(t, h.logs.String(), "passed over")
+	for _, l := range h.lines(layout.ReplicatorErrorsName) {
+		require.NotContains(t, l, "sync of step")
+	}
+	h.checkRestoreLink(restore5, hash5, checkpointFiles("5"))
 }
 
 // TestStepsCommittedWhileAFreshStartWaitsAreKept: on the job's first start (no shape recorded
@@ -1596,6 +1691,7 @@ func TestStepsCommittedWhileAFreshStartWaitsAreKept(t *testing.T) {
 	gated.gate.Store(&gate)
 	h.yamlOrbax(baseYAML) // the job starts; its negotiation is held
 	h.waitGone(layout.ReplicatorYAMLName)
+	gated.waitHeld(t)
 	hash3 := h.orbaxSave(3, checkpointFiles("3")) // it saves without waiting for its markers
 	h.waitSealed("job", 3, "3")
 	close(gate)
@@ -1648,6 +1744,7 @@ func TestStepsCommittedWhileTheRestoreWaitsAreKept(t *testing.T) {
 	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
 	h.yamlOrbax(baseYAML) // the job restarts; its negotiation is held
 	h.waitGone(layout.ReplicatorYAMLName)
+	gated.waitHeld(t)
 	hash6 := h.orbaxSave(6, checkpointFiles("6")) // and it saves without waiting for its markers
 	h.waitSealed("job", 6, "6")
 	close(gate)

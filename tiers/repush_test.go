@@ -258,16 +258,18 @@ func TestStepsSavedWhileTheRestoreWaitsArePushedAgain(t *testing.T) {
 	gate := make(chan struct{})
 	tr := &memTransport{nodes: map[int]*harness{}, failTo: map[int]bool{}, early: map[string][]layout.FileDigest{}}
 	var hs []*harness
+	var gateds []*gatedCoordinator
 	for rank := range 2 {
 		gated := &gatedCoordinator{Coordinator: replication.LocalClient{Job: job}}
 		gated.gate.Store(&gate)
 		h := newHarness(t, harnessConfig{coord: gated, peers: tr})
 		tr.nodes[rank] = h
-		hs = append(hs, h)
+		hs, gateds = append(hs, h), append(gateds, gated)
 	}
 	for rank, h := range hs { // the job starts; the negotiation is held
 		h.yamlOrbax(withKeys("nodes: 2", fmt.Sprintf("node-rank: %d", rank), fmt.Sprintf("peer-ranks: [%d]", 1-rank)))
 		h.waitGone(layout.ReplicatorYAMLName)
+		gateds[rank].waitHeld(t)
 	}
 	for rank, h := range hs { // and saves step 3 without waiting for its markers
 		h.orbaxSave(3, map[string]string{"state": fmt.Sprintf("state of rank %d", rank)})

@@ -212,7 +212,9 @@ func (r *restorer) run(inc *incarnation) {
 		// The restored step is protected again without waiting for a new save (SPEC §10): it is
 		// pushed to this node's peers (only the .meta to a peer that held the data at the
 		// restore) and synced, so that "latest replicated on every node" covers it. Queued
-		// before the markers appear, it is synced before any step the job saves next.
+		// before the markers appear, it is synced before any step the job saves next, and
+		// before those it committed while the restore ran, whenever the syncer takes them.
+		inc.setRestoredSyncDue(true)
 		for w := 0; w < cfg.WorkersPerNode; w++ {
 			hash := plan.Data[Slot{cfg.NodeRank, w}]
 			r.synced.push(sealedStep{
