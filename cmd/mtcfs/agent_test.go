@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -408,6 +409,25 @@ func TestMountErrors(t *testing.T) {
 			require.Equal(t, tc.code, ee.ExitCode(), "%s", out)
 			require.Contains(t, string(out), tc.want)
 		})
+	}
+}
+
+// TestMountErrorUnderJSONLogs: with --log-format json, an agent that fails to start says why in
+// JSON lines only (it also printed one plain line, which a log parser expecting JSON refuses;
+// an operator's black-box run).
+func TestMountErrorUnderJSONLogs(t *testing.T) {
+	base := t.TempDir()
+	cmd := exec.Command(binPath, "mount", filepath.Join(base, "nope"), "--log-format", "json", "--spool", filepath.Join(base, "spool"))
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	err := cmd.Run()
+	var ee *exec.ExitError
+	require.True(t, errors.As(err, &ee), "want a failing exit, got %v\n%s", err, stderr.String())
+	require.Equal(t, 1, ee.ExitCode(), "%s", stderr.String())
+	require.Contains(t, stderr.String(), "does not exist; create it first")
+	for _, line := range strings.Split(strings.TrimSpace(stderr.String()), "\n") {
+		var rec map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &rec), "log line is not JSON: %s", line)
 	}
 }
 

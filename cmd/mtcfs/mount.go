@@ -250,7 +250,9 @@ func cmdMount(args []string) int {
 	}
 	if err := runMount(cfg); err != nil {
 		slog.Error("mtcfs mount failed", "err", err)
-		fmt.Fprintf(os.Stderr, "mtcfs mount: %v\n", err)
+		if *logFormat != "json" { // a plain line among JSON ones breaks the operator's log parser
+			fmt.Fprintf(os.Stderr, "mtcfs mount: %v\n", err)
+		}
 		return 1
 	}
 	return 0
