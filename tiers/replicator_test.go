@@ -1678,6 +1678,33 @@ func TestRestoredStepIsSyncedBeforeStepsCommittedDuringItsRestore(t *testing.T) 
 	h.checkRestoreLink(restore5, hash5, checkpointFiles("5"))
 }
 
+// TestAStepBelowTheRestoredOneIsToldNotSynced: a job handed step 3 by its restore (a new run
+// of the same job-name, say) that saves step 1 is told that step 1 is neither replicated nor
+// backed up, and why. The coordinator refuses a rank's steps out of order; for a while the
+// refusal was passed over in silence, and the run's work was lost with the RAM (a black-box run).
+func TestAStepBelowTheRestoredOneIsToldNotSynced(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	h.orbaxSave(3, checkpointFiles("3"))
+	h.waitSealed("job", 3, "3")
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+	h.yamlOrbax(baseYAML) // the job restarts, and is handed step 3
+	restore3 := marker("job", 3, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore3)
+	h.orbaxSave(1, checkpointFiles("1")) // and counts from 1 again
+	h.waitSealed("job", 1, "1")
+	h.eventually("the line", func() string {
+		for _, l := range h.lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, "step 1 was saved after step 3 in this run (restored or committed): steps are kept in increasing order, so step 1 stays in this node's RAM only, is not replicated nor backed up, and a restart restores step 3") {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors = %q", h.lines(layout.ReplicatorErrorsName))
+	})
+	require.Equal(t, int64(3), h.r.Status().Replicated)
+}
+
 // TestStepsCommittedWhileAFreshStartWaitsAreKept: on the job's first start (no shape recorded
 // in the spool yet), the steps it commits while its negotiation is held are kept too, and its
 // next start restores them. Before, the restore kept them from one drop and dropped them in

@@ -404,19 +404,23 @@ func (sy *syncer) sync(c commit, replicated bool) bool {
 // syncNow is sync once nothing waits.
 func (sy *syncer) syncNow(c commit, replicated bool) bool {
 	c.inc.mu.Lock()
-	newer := c.inc.committed // the newest step this node reported in the incarnation
+	newer := c.inc.committed // the newest step this node reported (or restored) in the incarnation
 	c.inc.mu.Unlock()
-	c.inc.noteCommitted(c.step)
-	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
-	if err != nil && newer > c.step && c.inc.ctx.Err() == nil {
-		// A newer step went first. The coordinator takes steps in order, and the newer one
-		// stands for this one: the job is not told (it read "sync of step 5 failed", a false
-		// alarm, when a step committed during the restore went before the restored one; the
-		// syncs now wait for the restored step's, see incarnation.restoredSyncDue). Logged as
-		// a warning: it means a sync went out of order.
-		sy.log.Warn("sync of an older step passed over: a newer one was reported first", "step", c.step, "newer", newer, "err", err)
+	if newer > c.step {
+		// The job saved a step below one it already committed or was restored (a new run of
+		// the same job-name counting from 1 again, after it was handed the old run's step 3).
+		// The coordinator takes each rank's steps in increasing order and refuses it: the step
+		// stays in this node's RAM, never replicated nor backed up, and a restart restores the
+		// newer step. A line said only "sync of step 1 failed: … already reported step 3";
+		// then, for a while, nothing (a black-box run: the new run's work was lost with the
+		// RAM, silently).
+		sy.log.Warn("a step below one already committed in this run is not synced", "step", c.step, "newer", newer)
+		sy.lines.incLine(c.inc, fmt.Sprintf("step %d was saved after step %d in this run (restored or committed): steps are kept in increasing order, so step %d stays in this node's RAM only, is not replicated nor backed up, and a restart restores step %d; a job that counts its steps from the start again must start a new timeline (mtcfs restore-version set, or another job-name)",
+			c.step, newer, c.step, newer))
 		return false
 	}
+	c.inc.noteCommitted(c.step)
+	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
 	if err != nil && c.inc.ctx.Err() != nil {
 		// The incarnation ended (the job restarted, or the agent stops): nothing went wrong
 		// that the job or an operator should hear of (before, every restart logged an ERROR).
