@@ -33,8 +33,13 @@ type fileNode struct {
 	opens     int    // open handles. GUARDED_BY(mu)
 	releasing int    // handles whose RELEASE request is still running (space.go). GUARDED_BY(mu)
 	writers   int    // open handles that may write. GUARDED_BY(mu)
-	lingering bool   // keeps the bytes after the last name went (replacedByAgent). GUARDED_BY(mu)
-	accounted int64  // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
+	// flushedOpen counts the passthrough handles whose writer's close committed the file
+	// (Flush) and that the kernel has not released: a duplicate of the descriptor, a forked
+	// child or a shared mapping still holds them, and with passthrough their writes go straight
+	// into the spool file, whose bytes Seal linked into the checkpoint. GUARDED_BY(mu)
+	flushedOpen int
+	lingering   bool  // keeps the bytes after the last name went (replacedByAgent). GUARDED_BY(mu)
+	accounted   int64 // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
 	// holds are the agent's own reads of the spool file (HoldSpoolFile), which keep its bytes
 	// on tmpfs after its last name goes, like a handle. GUARDED_BY(mu)
 	holds map[*spoolHold]struct{}
@@ -308,6 +313,26 @@ func (f *fileNode) exportTo(rel string, link func(src string) error, create func
 	return true, err
 }
 
+// openAfterCommit reports whether, after waiting up to wait for it to end, a passthrough handle
+// whose writer's close committed the file is still open (flushedOpen): its writes may change
+// the bytes linked into the checkpoint. The RELEASE of a close comes just after its FLUSH, so
+// a file closed the usual way (torch.save) does not wait.
+func (f *fileNode) openAfterCommit(wait time.Duration) bool {
+	deadline := time.Now().Add(wait)
+	for {
+		f.mu.Lock()
+		n := f.flushedOpen
+		f.mu.Unlock()
+		if n == 0 {
+			return false
+		}
+		if !time.Now().Before(deadline) {
+			return true
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 func (f *fileNode) addLink() syscall.Errno {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -493,6 +518,8 @@ type fileHandle struct {
 	// the first one reports the commit (Events.Flushed) before close returns.
 	commitsOnClose bool
 	flushed        bool // GUARDED_BY(node.mu); no longer counted in node.writers
+	// direct: the kernel reads and writes the spool file itself (PassthroughFd said so).
+	direct atomic.Bool
 	// opener is the process (thread group) that opened the handle, 0 if unknown: the writer,
 	// for a .save (torch.save opens, writes and closes in one process).
 	opener int
@@ -519,7 +546,9 @@ var (
 
 // PassthroughFd lets the kernel do reads, writes and mmap on the spool file directly.
 func (h *fileHandle) PassthroughFd() (int, bool) {
-	return h.fd, h.node.fs.passthrough.Load() && h.node.limit == 0
+	ok := h.node.fs.passthrough.Load() && h.node.limit == 0
+	h.direct.Store(ok)
+	return h.fd, ok
 }
 
 func (h *fileHandle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
@@ -658,6 +687,9 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 		// black-box run; a zip's end tells, other formats do not).
 		return 0
 	}
+	// A file committed already (by another handle's close, or a link) is frozen: this close
+	// is no commit of its own.
+	fresh := !f.isFrozen()
 	f.mu.Lock()
 	first := !h.flushed && !h.abandoned
 	if first {
@@ -665,11 +697,14 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 			h.abandoned, h.signal = true, sig
 		} else {
 			h.flushed = true
+			if h.direct.Load() {
+				f.flushedOpen++
+			}
 		}
 		f.dropWriter()
 	}
 	f.mu.Unlock()
-	if first && sig == 0 {
+	if first && sig == 0 && fresh {
 		f.fs.events.Flushed(f.Path(nil))
 	}
 	return 0
@@ -814,6 +849,9 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	f.releasing++
 	if h.writable && !h.flushed && !h.abandoned {
 		f.dropWriter()
+	}
+	if h.flushed && h.direct.Load() {
+		f.flushedOpen--
 	}
 	f.maybeFree()
 	f.mu.Unlock()

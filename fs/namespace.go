@@ -305,6 +305,8 @@ func (ns *namespace) Seal(name, dst string) (tiers.SealInfo, error) {
 		}
 		if copied {
 			info.Copied, info.CopiedExample = 1, name
+		} else {
+			info.OpenAfterCommit = fn.openAfterCommit // its close's descriptor may live on
 		}
 		return info, nil
 	}

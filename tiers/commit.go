@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"maps"
 	"math"
 	"os"
 	"path/filepath"
@@ -96,7 +95,7 @@ type commitRecorder struct {
 	// file the job writes in them (noteWrittenIn): one made empty and then replaced by a rename
 	// onto it commits, and was told as no commit first (a black-box run).
 	madeDirs map[string]bool // GUARDED_BY(mu)
-	pending  map[string]bool // GUARDED_BY(mu); top-level names recorded and not sealed yet
+	pending  map[string]int  // GUARDED_BY(mu); top-level names recorded and not sealed yet: how many commits of each
 	// sealed is closed (and replaced) whenever a name leaves pending.
 	sealed chan struct{} // GUARDED_BY(mu)
 	// unanswered counts the commits made while no job was answered (no incarnation), for the
@@ -116,7 +115,7 @@ type commitRecorder struct {
 }
 
 func newCommitRecorder(n *node, incs *incarnations, out *fifo[pendingCommit], lines *jobLines) *commitRecorder {
-	return &commitRecorder{node: n, incs: incs, out: out, lines: lines, pending: map[string]bool{}, sealed: make(chan struct{}), removeAll: os.RemoveAll}
+	return &commitRecorder{node: n, incs: incs, out: out, lines: lines, pending: map[string]int{}, sealed: make(chan struct{}), removeAll: os.RemoveAll}
 }
 
 // whyNotOurs says why a .save the job wrote is not a commit of this node ("" when it is one):
@@ -197,7 +196,7 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	// sealed, which takes its name away; a misnamed one stays a plain file under its name.
 	cr.mu.Lock()
 	cr.forInc(inc)
-	pending, seen := cr.pending[ev.path], cr.misnamed[ev.path]
+	pending, seen := cr.pending[ev.path] > 0, cr.misnamed[ev.path]
 	cr.mu.Unlock()
 	if pending || seen || !cr.hasName(ev.path) {
 		return
@@ -285,11 +284,11 @@ func (cr *commitRecorder) record(ev event) {
 	}
 	c.atClose = ev.kind == evClosed
 	cr.mu.Lock()
-	if cr.pending[c.name] {
+	if cr.pending[c.name] > 0 && !ev.fresh {
 		cr.mu.Unlock()
 		return // a close after the flush or rename of the same .save
 	}
-	cr.pending[c.name] = true
+	cr.pending[c.name]++
 	cr.mu.Unlock()
 	inc.earlyCommitted(c.group)
 	err := cr.writeCommitRecord(&c, true)
@@ -438,7 +437,9 @@ func (cr *commitRecorder) dropTry() {
 // done forgets that name waits for sealing and wakes waitSealed.
 func (cr *commitRecorder) done(name string) {
 	cr.mu.Lock()
-	delete(cr.pending, name)
+	if cr.pending[name]--; cr.pending[name] <= 0 {
+		delete(cr.pending, name)
+	}
 	close(cr.sealed)
 	cr.sealed = make(chan struct{})
 	cr.mu.Unlock()
@@ -468,7 +469,11 @@ func (cr *commitRecorder) waitSealed(ctx context.Context) error {
 func (cr *commitRecorder) pendingNames() map[string]bool {
 	cr.mu.Lock()
 	defer cr.mu.Unlock()
-	return maps.Clone(cr.pending)
+	names := make(map[string]bool, len(cr.pending))
+	for name := range cr.pending {
+		names[name] = true
+	}
+	return names
 }
 
 // adoptRecords seals the commits a previous agent recorded but did not seal (it was killed or

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -493,6 +494,48 @@ func TestNeMoSaveAtGlobalStepZeroIsReported(t *testing.T) {
 	if !strings.Contains(errs, "-1 is not committed (its step is not checkpointed): a step is not negative (NeMo's save at global step 0 is renamed to -1; NeMo restores its saves from global step 2 on)") {
 		t.Errorf("replicator.errors:\n%s", errs)
 	}
+}
+
+// TestSaveOfTheSameStepAgainWhileTheFirstIsPending: a .save of the same step saved again as soon
+// as the first one's name is free (its data renamed to <hash>.data), while the first commit
+// still counts as pending, is committed too: its close is a commit of its own (Flushed), not a
+// later close of the first file. It was passed over as one, and the second save was never
+// committed, without a word (a black-box run: 3 of 30 tries).
+func TestSaveOfTheSameStepAgainWhileTheFirstIsPending(t *testing.T) {
+	t.Parallel()
+	saved := marker("job", 5, 0, 0, layout.MarkerSave)
+	published, resume := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	h := newHarness(t, harnessConfig{afterPublish: func(step int64) {
+		once.Do(func() {
+			close(published)
+			<-resume
+		})
+	}})
+	releaseOnce := sync.OnceFunc(func() { close(resume) })
+	t.Cleanup(releaseOnce)
+	h.yamlNemo(withKeys("framework: pytorch"))
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	h.r.Opened(true)
+	h.writeFile(saved, "the first save")
+	h.r.Flushed(saved)
+	<-published // the first save's name went to its data; its commit still counts as pending
+	require.False(t, h.exists(saved))
+	h.r.Opened(true)
+	h.writeFile(saved, "the second save")
+	hash, _, err := layout.HashData(t.Context(), h.path(saved))
+	require.NoError(t, err)
+	want := strings.TrimSuffix(layout.DataName(hash, false), ".data")
+	h.r.Flushed(saved)
+	releaseOnce()
+	h.eventually("step 5 committed again, with the second save", func() string {
+		if got := strings.TrimSpace(h.read(marker("job", 5, 0, 0, layout.MarkerMeta))); got != want {
+			return fmt.Sprintf(".meta names %q, want %q; names %v", got, want, h.names())
+		}
+		return ""
+	})
+	h.r.Closed(saved) // its release, which comes after its flush (handled after it here, so
+	// that it cannot commit the file itself once the first commit is done)
 }
 
 // TestCommittedSaveIsNotReportedAfterARestart: a .save committed at its flush under one

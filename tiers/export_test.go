@@ -114,3 +114,7 @@ var TransferDetail = transferDetail
 // SetSyncerPopHook makes f run as the syncer takes each sealed step (restored: queued by a
 // restore), before it pushes or syncs it; only before Start.
 func (r *Replicator) SetSyncerPopHook(f func(step int64, restored bool)) { r.syncer.popHook = f }
+
+// SetAfterPublish makes f run once each commit's data has its name in the namespace, before the
+// commit stops counting as pending; only before Start.
+func (r *Replicator) SetAfterPublish(f func(step int64)) { r.sealer.afterPublish = f }

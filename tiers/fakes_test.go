@@ -562,6 +562,8 @@ type harnessConfig struct {
 	backupTell string
 	// syncerPop, when set, runs as the syncer takes each sealed step (SetSyncerPopHook).
 	syncerPop func(step int64, restored bool)
+	// afterPublish, when set, runs once a commit's data has its name (SetAfterPublish).
+	afterPublish func(step int64)
 }
 
 // baseTime is where fake clocks start: a whole UTC minute.
@@ -641,6 +643,9 @@ func newHarness(t *testing.T, cfg harnessConfig) *harness {
 	}
 	if cfg.syncerPop != nil {
 		h.r.SetSyncerPopHook(cfg.syncerPop)
+	}
+	if cfg.afterPublish != nil {
+		h.r.SetAfterPublish(cfg.afterPublish)
 	}
 	if err := h.r.Start(context.Background(), ns); err != nil {
 		t.Fatalf("Start: %v", err)

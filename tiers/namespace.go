@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -81,6 +82,13 @@ type SealInfo struct {
 	Xattrs int
 	// Attrs are the owners and modes of the sealed entries (nil: the namespace keeps none).
 	Attrs *layout.Attrs
+	// OpenAfterCommit, for a file linked (not copied) at the close that committed it, reports
+	// whether, after waiting up to wait, that close's descriptor is still open (a duplicate of
+	// it, a forked child, a shared mapping): with passthrough its writes change the linked
+	// bytes, so the sealer copies them first. nil: nothing can change them.
+	OpenAfterCommit func(wait time.Duration) bool
+	// StillOpen: the file was copied by the sealer because OpenAfterCommit said so (Copied is 1).
+	StillOpen bool
 }
 
 // DirEntry is one top-level name.
@@ -108,7 +116,8 @@ type Events interface {
 	// reported for top-level names only.
 	Created(path string, typ layout.EntryType)
 	// Flushed: the job closed a descriptor of path, opened for writing, where CommitsOnClose
-	// said so. It is called synchronously, before close(2) returns to the job.
+	// said so, and no close committed that file before. It is called synchronously, before
+	// close(2) returns to the job.
 	Flushed(path string)
 	// Abandoned replaces Flushed and Closed for such a descriptor whose file is known to be cut
 	// short, why says how (the kernel closed it for the writer a signal killed, or it is a zip

@@ -472,7 +472,9 @@ func (r *Replicator) TooLarge(path string) { r.queue.push(event{kind: evTooLarge
 func (r *Replicator) Created(path string, typ layout.EntryType) {
 	r.queue.push(event{kind: evCreated, path: path, typ: typ})
 }
-func (r *Replicator) Flushed(path string) { r.recorder.record(event{kind: evClosed, path: path}) }
+func (r *Replicator) Flushed(path string) {
+	r.recorder.record(event{kind: evClosed, path: path, fresh: true})
+}
 func (r *Replicator) Abandoned(path, why string) {
 	r.node.yield.closed()
 	r.queue.push(event{kind: evAbandoned, path: path, why: why})
@@ -598,7 +600,11 @@ type event struct {
 	why  string // for evAbandoned: why the file is cut short
 	// filled, of an evCreated step directory: the job wrote a file in it since (noteWrittenIn).
 	filled bool
-	typ    layout.EntryType
+	// fresh, of an evClosed: the close committing a file that no close committed before
+	// (Events.Flushed), never a later close of the same .save, even while an earlier commit of
+	// the name waits for sealing (a save of the same step again, right after the first).
+	fresh bool
+	typ   layout.EntryType
 }
 
 const (

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -27,6 +30,9 @@ type sealer struct {
 	lines     *jobLines
 	// beforeSeal is ReplicatorConfig.BeforeSeal (nil: none).
 	beforeSeal func(step int64)
+	// afterPublish, when set (tests, before Start), runs once a commit's data has its name in
+	// the namespace, before the commit stops counting as pending.
+	afterPublish func(step int64)
 	// retryFor is how long after its commit a commit is tried again: sealRetryFor, or a test's.
 	retryFor atomic.Int64
 
@@ -80,7 +86,7 @@ func (s *sealer) run() {
 			s.beforeSeal(c.step)
 		}
 		if err == nil {
-			dataName, meta, err = s.seal(c, pc.openMark)
+			dataName, meta, err = s.seal(&c, pc.openMark)
 		}
 		if err != nil && (pc.err != nil || errors.As(err, new(hashError))) && retryableSeal(err) {
 			dataName, meta, err = s.retry(&c, pc, err)
@@ -207,7 +213,7 @@ func (s *sealer) retry(c *commit, pc pendingCommit, err error) (dataName, meta s
 			// Recorded: the next agent adopts and seals it (hashing waits for nothing now).
 			return "", "", errRecordedForNext
 		}
-		if dataName, meta, err = s.seal(*c, pc.openMark); err == nil || !errors.As(err, new(hashError)) || !retryableSeal(err) || stopping {
+		if dataName, meta, err = s.seal(c, pc.openMark); err == nil || !errors.As(err, new(hashError)) || !retryableSeal(err) || stopping {
 			return dataName, meta, err
 		}
 		if !time.Now().Before(deadline) {
@@ -231,8 +237,11 @@ func (e hashError) Unwrap() error { return e.err }
 // copied: the record's tree is hashed where it is and renamed into spool/sealed, and the
 // namespace entry renamed — or, when Seal had to copy files the job still had open for writing,
 // replaced by the sealed copy (the job's descriptors keep their detached files).
-func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err error) {
+func (s *sealer) seal(c *commit, openMark int64) (dataName, meta string, err error) {
 	cfg := c.inc.Config
+	if err := s.copyIfStillOpen(c); err != nil {
+		return "", "", hashError{err}
+	}
 	// The files the early hasher left are hashed here; a next save the job started on a busy
 	// node goes first (yield.go). No cancellable context: a committed step is sealed even while
 	// the agent stops (its stop ends the waits).
@@ -245,14 +254,17 @@ func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err erro
 	// Before the .meta is out: a restore of the incarnation dropping the steps above its own
 	// must not find it unnoted (a clean-clone CI run: it was noted after).
 	c.inc.noteSealedHere(meta)
-	err = s.retention.publish(func() error { return s.publish(c, dataName, meta) })
+	err = s.retention.publish(func() error { return s.publish(*c, dataName, meta) })
 	if err != nil {
 		return "", "", err
+	}
+	if s.afterPublish != nil {
+		s.afterPublish(c.step)
 	}
 	if !c.duringRestore {
 		c.inc.savedAfterRestore()
 	}
-	s.tellSealed(c)
+	s.tellSealed(*c)
 	took := s.now().Sub(c.at)
 	s.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", took.String())
 	s.metrics.sealed(took.Seconds())
@@ -265,6 +277,60 @@ func (s *sealer) seal(c commit, openMark int64) (dataName, meta string, err erro
 		s.mu.Unlock()
 	}
 	return dataName, meta, nil
+}
+
+// stillOpenWait is how long the sealer waits for the RELEASE of a .save's close that committed
+// it, before it copies the file (copyIfStillOpen). The RELEASE follows the close at once; a
+// loaded machine may take some milliseconds to answer it.
+const stillOpenWait = 2 * time.Second
+
+// copyIfStillOpen makes the record's data of c a copy of its own when the descriptor whose close
+// committed it is still open after stillOpenWait (SealInfo.OpenAfterCommit): with passthrough,
+// writes through a duplicate of it, a forked child or a shared mapping went straight into the
+// bytes linked into the record, after (or while) they were hashed. The step's push was then
+// refused for ever, its backup listed complete with bytes that fail their name, and a restore
+// from it failed: the step was lost in every tier (a black-box run). The copy holds the bytes
+// as they were when it was made; the namespace entry is then rebuilt from it (Copied).
+func (s *sealer) copyIfStillOpen(c *commit) error {
+	open := c.sealed.OpenAfterCommit
+	if open == nil || !open(stillOpenWait) {
+		c.sealed.OpenAfterCommit = nil
+		return nil
+	}
+	p := filepath.Join(c.dir, commitDataName)
+	if err := s.withRoom(func() error { return copyOver(p) }); err != nil {
+		return fmt.Errorf("copy of %s, still open after the close that committed it: %w", c.name, err)
+	}
+	c.sealed.OpenAfterCommit = nil // decided: a later try hashes the copy
+	c.sealed.Copied, c.sealed.CopiedExample, c.sealed.StillOpen = 1, c.name, true
+	return nil
+}
+
+// copyOver replaces the file at p by a copy of its bytes (copy_file_range on tmpfs: no byte
+// enters the Go heap).
+func copyOver(p string) error {
+	src, err := os.Open(p)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	tmp := p + ".copy"
+	os.Remove(tmp) // a try before cut short
+	dst, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(dst, src)
+	if cerr := dst.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, p)
+	}
+	if err != nil {
+		os.Remove(tmp)
+	}
+	return err
 }
 
 // hurry reports whether a seal must not yield to the job's next save: another commit waits behind
@@ -319,7 +385,11 @@ func (s *sealer) publish(c commit, dataName, meta string) error {
 
 // tellSealed tells the job what the sealed step c lacks of what it saved, once it is sealed.
 func (s *sealer) tellSealed(c commit) {
-	if n := c.sealed.Copied; n > 0 {
+	if c.sealed.StillOpen {
+		s.log.Warn("a .save was still open after the close that committed it: it was copied as it was then", "step", c.step, "worker", c.worker, "name", c.name)
+		s.lines.incLine(c.inc, fmt.Sprintf("step %d: %s was still open %s after the close that committed it (a duplicate of its descriptor, a forked child, or a shared mapping): the checkpoint holds its bytes as they were then, not what is written through it afterwards; close (and unmap) every descriptor of a .save before the close that commits it",
+			c.step, c.name, stillOpenWait))
+	} else if n := c.sealed.Copied; n > 0 {
 		// With passthrough the writer never gets an error afterwards: the step looked whole,
 		// and restored without what it wrote after the rename, without a word (found by a
 		// black-box run).
