@@ -335,6 +335,9 @@ type RemoteCoordinatorConfig struct {
 	Target func(ctx context.Context) (addr, instance string, err error)
 	// Secret is the job's shared secret. Required.
 	Secret []byte
+	// Secrets, when set, gives the secret each call uses instead (Secret while it has none): an
+	// agent that adopts the job's secret anew (jobSecrets.check) calls with it from then on.
+	Secrets SecretFunc
 	// Instance is random per agent process (Identity.Instance). Required.
 	Instance string
 	// DialOptions replace the default DialOptions() with plain-text transport credentials.
@@ -565,9 +568,15 @@ func (r *RemoteCoordinator) Backups(ctx context.Context, inc tiers.Incarnation, 
 // held the call: Restored gives up RestoredGiveUp after the last that did.
 func (r *RemoteCoordinator) call(ctx context.Context, inc tiers.Incarnation, method string,
 	rpc func(context.Context, peerpb.CoordinatorClient, grpc.CallOption) error, reached func() bool) error {
+	secret := r.cfg.Secret
+	if r.cfg.Secrets != nil {
+		if s, ok := r.cfg.Secrets(inc.Config.JobName); ok {
+			secret = s
+		}
+	}
 	creds := grpc.PerRPCCredentials(Credentials(Identity{
 		Job: inc.Config.JobName, Incarnation: inc.ID, Rank: inc.Config.NodeRank, Instance: r.cfg.Instance,
-	}, r.cfg.Secret))
+	}, secret))
 	wait := r.cfg.RetryMin
 	refresh := false
 	var last error // the latest retried failure

@@ -1,6 +1,7 @@
 package replication
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -162,7 +163,8 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	case cfg.Secret != nil && len(cfg.Secret) < minSecretSize:
 		return nil, fmt.Errorf("node: the secret must be at least %d bytes", minSecretSize)
 	}
-	n.secrets = &jobSecrets{fixed: cfg.Secret, objects: cfg.Objects, byJob: map[string][]byte{}}
+	n.secrets = &jobSecrets{fixed: cfg.Secret, objects: cfg.Objects, log: n.log, recheck: secretRecheck,
+		byJob: map[string][]byte{}, checked: map[string]time.Time{}}
 	opts := ServerOptions()
 	if cfg.TLS != nil {
 		var server credentials.TransportCredentials
@@ -490,7 +492,7 @@ func (n *Node) coordinator(ctx context.Context, inc tiers.Incarnation) (tiers.Co
 		return r, nil
 	}
 	r, err = NewRemoteCoordinator(RemoteCoordinatorConfig{
-		Secret: secret, Instance: n.instance, Logger: n.log,
+		Secret: secret, Secrets: n.secrets.lookup, Instance: n.instance, Logger: n.log,
 		DialOptions: append(DialOptions(), grpc.WithTransportCredentials(n.dial)),
 		Target: func(ctx context.Context) (string, string, error) {
 			p, err := n.peers.Find(ctx, job, 0)
@@ -746,13 +748,27 @@ func (n *Node) Backups(ctx context.Context, inc tiers.Incarnation, rep tiers.Bac
 
 // jobSecrets holds the per-job shared secrets: the fixed one for every job, or the one the first
 // agent of the job created in the backup location.
+//
+// A secret taken from the location is checked against it again now and then (recheck, on a
+// use): deleted there (by hand, or by a lifecycle rule on old objects), an agent started
+// afterwards created a new one while the running agents kept theirs, and every restart of the
+// job failed on a wrong MAC until every agent was restarted (found by a black-box run). A
+// secret gone is put back; one that is not the one in use (made anew meanwhile) is taken, so
+// that every agent of the job comes to use the one in the location.
 type jobSecrets struct {
 	fixed   []byte
 	objects Objects
+	log     *slog.Logger
+	recheck time.Duration // how often a job's secret is checked against the location
 
-	mu    sync.Mutex
-	byJob map[string][]byte // GUARDED_BY(mu)
+	mu      sync.Mutex
+	byJob   map[string][]byte    // GUARDED_BY(mu)
+	checked map[string]time.Time // GUARDED_BY(mu); when each job's secret was last checked
+	checks  sync.WaitGroup       // the checks running (tests wait for them)
 }
+
+// secretRecheck is how often an agent checks a job's secret against the backup location.
+const secretRecheck = time.Minute
 
 func (s *jobSecrets) get(ctx context.Context, job string) ([]byte, error) {
 	if s.fixed != nil {
@@ -760,6 +776,11 @@ func (s *jobSecrets) get(ctx context.Context, job string) ([]byte, error) {
 	}
 	s.mu.Lock()
 	sec, ok := s.byJob[job]
+	due := ok && time.Since(s.checked[job]) >= s.recheck
+	if due {
+		s.checked[job] = time.Now()
+		s.checks.Go(func() { s.check(job, sec) }) // store I/O, off the caller's path
+	}
 	s.mu.Unlock()
 	if ok {
 		return sec, nil
@@ -776,7 +797,42 @@ func (s *jobSecrets) get(ctx context.Context, job string) ([]byte, error) {
 		return prev, nil
 	}
 	s.byJob[job] = sec
+	s.checked[job] = time.Now()
 	return sec, nil
+}
+
+// check compares job's secret in the location with sec, the one in use: it puts it back when it
+// is gone, and takes the one there when it differs.
+func (s *jobSecrets) check(job string, sec []byte) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	name := job + "/" + secretName
+	stored, err := s.objects.Get(ctx, name, secretLimit)
+	if errors.Is(err, fs.ErrNotExist) {
+		err = s.objects.PutIfAbsent(ctx, name, sec)
+		if err == nil {
+			s.log.Warn("the job's peer secret was gone from the backup location: put back (an agent started without it would make another, and the job's restarts would fail on a wrong MAC)",
+				"job", job, "location", s.objects.String())
+			return
+		}
+		if errors.Is(err, fs.ErrExist) { // made anew meanwhile
+			stored, err = s.objects.Get(ctx, name, secretLimit)
+		}
+	}
+	if err != nil {
+		s.log.Warn("the job's peer secret could not be checked against the backup location", "job", job, "err", err)
+		return
+	}
+	if bytes.Equal(stored, sec) || len(stored) < minSecretSize {
+		return
+	}
+	s.mu.Lock()
+	if bytes.Equal(s.byJob[job], sec) {
+		s.byJob[job] = stored
+	}
+	s.mu.Unlock()
+	s.log.Warn("the job's peer secret in the backup location is not the one this agent used (it was made anew, by an agent started while it was gone): this agent uses it from now on",
+		"job", job, "location", s.objects.String())
 }
 
 // lookup serves the gRPC side (a SecretFunc), which asks without a context.

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"sync"
@@ -15,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
+	"github.com/mtcfs/mtcfs/internal/syncbuf"
 )
 
 // dirObjects is a backup location on a local directory, as the agent opens a file:// --backup.
@@ -227,4 +229,45 @@ func TestSmallObjectsErrors(t *testing.T) {
 	names, err := o.List(ctx, "a/")
 	require.NoError(t, err)
 	assert.Equal(t, []string{"a/b"}, names, "only the objects directly below the prefix")
+}
+
+// TestSecretGoneIsPutBackAndANewOneIsTaken: an agent checks the job's secret against the backup
+// location now and then. One deleted there (by hand, or by a lifecycle rule on old objects) is
+// put back, so that an agent started afterwards does not make another; one made anew meanwhile
+// is taken, so that the agents come to agree. Before, each agent kept the secret it read at its
+// start, and after the secret was deleted every restart of the job failed on a wrong MAC until
+// every agent was restarted (a black-box run).
+func TestSecretGoneIsPutBackAndANewOneIsTaken(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	o := dirObjects(t, dir)
+	var logs syncbuf.Buffer
+	s := &jobSecrets{objects: o, log: slog.New(slog.NewTextHandler(&logs, nil)), recheck: 0,
+		byJob: map[string][]byte{}, checked: map[string]time.Time{}}
+	first, err := s.get(t.Context(), testJob)
+	require.NoError(t, err)
+
+	require.NoError(t, o.Delete(t.Context(), testJob+"/secret"))
+	again, err := s.get(t.Context(), testJob) // in use; the check puts it back
+	require.NoError(t, err)
+	require.Equal(t, first, again)
+	s.checks.Wait()
+	stored, err := o.Get(t.Context(), testJob+"/secret", 1<<10)
+	require.NoError(t, err)
+	require.Equal(t, first, stored, "the secret in use is put back")
+	require.Contains(t, logs.String(), "the job's peer secret was gone from the backup location: put back")
+
+	// Made anew by an agent started while it was gone.
+	require.NoError(t, o.Delete(t.Context(), testJob+"/secret"))
+	other, err := EnsureSecret(t.Context(), o, testJob)
+	require.NoError(t, err)
+	require.NotEqual(t, first, other)
+	_, err = s.get(t.Context(), testJob)
+	require.NoError(t, err)
+	s.checks.Wait()
+	now, err := s.get(t.Context(), testJob)
+	require.NoError(t, err)
+	require.Equal(t, other, now, "the secret in the location is taken")
+	require.Contains(t, logs.String(), "this agent uses it from now on")
+	s.checks.Wait()
 }
