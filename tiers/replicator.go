@@ -264,7 +264,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines, checkJob: cfg.CheckJob,
 		recorder: r.recorder, restorer: &restorer{node: n, coord: cfg.Coordinator, store: cfg.Store, peers: cfg.Peers,
 			incs: r.incs, lines: r.lines, retention: r.retention, recorder: r.recorder, backups: r.backups, synced: syncQ,
-			keptSpools: cfg.KeptSpools}}
+			keptSpools: cfg.KeptSpools, sealer: r.sealer}}
 
 	// Replicas from peers land in the inbox.
 	r.inbox = newInbox(n, r.retention)

@@ -1008,6 +1008,36 @@ func TestPinnedBackupWinsOverRAM(t *testing.T) {
 	}
 }
 
+// TestStatusAfterARestoreDropsNewerSteps: once a restore dropped the steps above the restored one
+// (the job went back to a pinned backup), status no longer names a dropped step as the newest,
+// in RAM only and not in a backup yet, nor does the stop's warning (a black-box run: "step 4 in
+// RAM only" after both nodes restored step 2, backed up).
+func TestStatusAfterARestoreDropsNewerSteps(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	h := newHarness(t, harnessConfig{store: store})
+	h.start(backupYAML, "job")
+	files1 := checkpointFiles("1")
+	hash1 := h.saveAndBackUp(1, files1)
+	h.orbaxSave(2, checkpointFiles("2"))
+	h.waitSealed("job", 2, "2")
+	if st := h.r.Status(); st.InRAMOnly == nil || *st.InRAMOnly != 2 {
+		t.Fatalf("before the restore: newest step in RAM only %v, want 2", st.InRAMOnly)
+	}
+	store.setPin(t, "job", layout.BackupName(minute(1))+"\n")
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+	h.yamlOrbax(backupYAML) // the job restarts, and goes back to step 1
+	restore := marker("job", 1, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore)
+	h.checkRestoreLink(restore, hash1, files1)
+	require.False(t, h.exists(marker("job", 2, 0, 0, layout.MarkerMeta)), "step 2 is dropped")
+	st := h.r.Status()
+	require.Nil(t, st.InRAMOnly, "a dropped step named in RAM only")
+	require.EqualValues(t, 1, st.Sealed)
+	h.close()
+	require.NotContains(t, h.logs.String(), "stopping with the newest step in no backup yet")
+}
+
 func TestNewIncarnation(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessConfig{})

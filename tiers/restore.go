@@ -35,6 +35,7 @@ type restorer struct {
 	synced    *fifo[sealedStep] // the syncer's queue: the restored step is protected again
 	// keptSpools lists the machine's spools (ReplicatorConfig.KeptSpools); nil: none.
 	keptSpools func() ([]SpoolInfo, error)
+	sealer     *sealer // its latest sealed step goes down with the steps a restore drops
 	// fetchRetryWithin replaces peerFetchRetryWithin when set (tests).
 	fetchRetryWithin atomic.Int64
 }
@@ -444,6 +445,16 @@ func (r *restorer) dropAbandonedSteps(inc *incarnation, plan RestorePlan) string
 	}
 	r.log.Info("dropped the steps of an abandoned timeline: the job continues from the restored step", "restored", plan.Step, "found", plan.Found, "metas", drop)
 	r.retention.retain(cfg) // frees their data
+	// Status and the stop's warning named a dropped step as the newest, "in RAM only, not in a
+	// backup yet", where the newest was the restored one, backed up (a black-box run).
+	newest := int64(-1)
+	if plan.Found {
+		newest = plan.Step
+	}
+	if len(kept) > 0 {
+		newest = max(newest, kept[len(kept)-1])
+	}
+	r.sealer.dropAbove(cfg.JobName, newest)
 	return line
 }
 

@@ -414,7 +414,6 @@ func (s *sealer) tellSealed(c commit) {
 	}
 }
 
-// latest returns lastSealed if it is job's, else -1.
 // tryingView is the step of job whose seal is being tried again, if any.
 func (s *sealer) tryingView(job string) *SealTryView {
 	s.mu.Lock()
@@ -426,6 +425,16 @@ func (s *sealer) tryingView(job string) *SealTryView {
 	return &v
 }
 
+// dropAbove lowers job's latest sealed step to newest when a restore dropped the steps above it.
+func (s *sealer) dropAbove(job string, newest int64) {
+	s.mu.Lock()
+	if s.lastSealedJob == job && s.lastSealed > newest {
+		s.lastSealed = newest
+	}
+	s.mu.Unlock()
+}
+
+// latest returns lastSealed if it is job's, else -1.
 func (s *sealer) latest(job string) int64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
