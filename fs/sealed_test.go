@@ -273,6 +273,32 @@ func TestCreatedAndFlushedEvents(t *testing.T) {
 	}
 }
 
+// TestCloseOfACommittedSaveIsNoFlush: a .save open twice is committed by the first close (the
+// agent seals it on that flush); the second close is of a file committed already and is not
+// reported as a flush. The agent takes every flush for a commit of a new file, also while an
+// earlier commit of the same name waits for sealing (a save of the same step again at once).
+func TestCloseOfACommittedSaveIsNoFlush(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, srv, rec, _ := mountWithEvents(t, mode)
+			const name = "job-s1-n0-w0.save"
+			first, err := os.Create(filepath.Join(dir, name))
+			require.NoError(t, err)
+			second, err := os.OpenFile(filepath.Join(dir, name), os.O_RDWR, 0)
+			require.NoError(t, err)
+			_, err = first.Write([]byte("state"))
+			require.NoError(t, err)
+			require.NoError(t, first.Close())
+			require.Equal(t, 1, rec.count("flushed "+name))
+			_, err = srv.Namespace().Seal(name, filepath.Join(t.TempDir(), "sealed")) // the commit
+			require.NoError(t, err)
+			require.NoError(t, second.Close())
+			rec.waitFor(t, "closed "+name) // the releases
+			require.Equal(t, 1, rec.count("flushed "+name), "the close of a committed file is no flush")
+		})
+	}
+}
+
 // TestChangeRacingSealCannotReachTheCheckpoint: an open for writing or a truncate that checked
 // the frozen mark just before the commit froze and linked the file must not change the linked
 // file afterwards (through passthrough an open's writes would go into the checkpoint). Each is
