@@ -38,8 +38,11 @@ type fileNode struct {
 	// child or a shared mapping still holds them, and with passthrough their writes go straight
 	// into the spool file, whose bytes Seal linked into the checkpoint. GUARDED_BY(mu)
 	flushedOpen int
-	lingering   bool  // keeps the bytes after the last name went (replacedByAgent). GUARDED_BY(mu)
-	accounted   int64 // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
+	// committing: a close is reporting this file's commit (Flush), which freezes it if the
+	// agent takes it. GUARDED_BY(mu)
+	committing bool
+	lingering  bool  // keeps the bytes after the last name went (replacedByAgent). GUARDED_BY(mu)
+	accounted  int64 // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
 	// holds are the agent's own reads of the spool file (HoldSpoolFile), which keep its bytes
 	// on tmpfs after its last name goes, like a handle. GUARDED_BY(mu)
 	holds map[*spoolHold]struct{}
@@ -236,7 +239,8 @@ func (f *fileNode) openFd(ctx context.Context, fd int, flags uint32, commitsOnCl
 		f.fs.rewritten(f)
 	}
 	f.opens++
-	h := &fileHandle{node: f, fd: fd, writable: flags&syscall.O_ACCMODE != syscall.O_RDONLY}
+	h := &fileHandle{node: f, fd: fd, writable: flags&syscall.O_ACCMODE != syscall.O_RDONLY,
+		direct: f.fs.passthrough.Load() && f.limit == 0}
 	// Nobody but the kernel changes a file's bytes, so its page cache stays valid across opens.
 	// (go-fuse drops the flag when it sets up passthrough.)
 	fflags := uint32(fuse.FOPEN_KEEP_CACHE)
@@ -518,8 +522,10 @@ type fileHandle struct {
 	// the first one reports the commit (Events.Flushed) before close returns.
 	commitsOnClose bool
 	flushed        bool // GUARDED_BY(node.mu); no longer counted in node.writers
-	// direct: the kernel reads and writes the spool file itself (PassthroughFd said so).
-	direct atomic.Bool
+	// direct: the kernel may read and write the spool file itself (passthrough). Decided at
+	// the open: go-fuse asks PassthroughFd only of an inode's first open, and later opens
+	// share its backing file (a review: a handle opened after a reader's never counted).
+	direct bool
 	// opener is the process (thread group) that opened the handle, 0 if unknown: the writer,
 	// for a .save (torch.save opens, writes and closes in one process).
 	opener int
@@ -546,9 +552,7 @@ var (
 
 // PassthroughFd lets the kernel do reads, writes and mmap on the spool file directly.
 func (h *fileHandle) PassthroughFd() (int, bool) {
-	ok := h.node.fs.passthrough.Load() && h.node.limit == 0
-	h.direct.Store(ok)
-	return h.fd, ok
+	return h.fd, h.node.fs.passthrough.Load() && h.node.limit == 0
 }
 
 func (h *fileHandle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
@@ -648,8 +652,11 @@ func (h *fileHandle) Fsync(ctx context.Context, flags uint32) syscall.Errno {
 // Flush is only sent for handles that may commit a step when closed (every other open carries
 // FOPEN_NOFLUSH, so that close(2) costs no round trip to the agent). It reports the close to
 // the listener, which records the commit before close(2) returns. From then on the handle no
-// longer counts as a writer: the file is linked, not copied, into the checkpoint (writes through
-// a duplicate of the descriptor after that are the job's bug, caught by the hash check).
+// longer counts as a writer: the file is linked, not copied, into the checkpoint. Writes through
+// a duplicate of the descriptor after that are the job's bug: without passthrough they fail;
+// with it, the sealer copies the file if the handle outlives the close (flushedOpen).
+// A close of a file committed already (frozen), or while another close reports it (committing),
+// is no commit of its own and is not reported.
 func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 	if !h.commitsOnClose {
 		return 0
@@ -687,25 +694,32 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 		// black-box run; a zip's end tells, other formats do not).
 		return 0
 	}
-	// A file committed already (by another handle's close, or a link) is frozen: this close
-	// is no commit of its own.
-	fresh := !f.isFrozen()
 	f.mu.Lock()
 	first := !h.flushed && !h.abandoned
+	// A file committed already (by another handle's close, or a link: it is frozen) is no
+	// commit of this close; claimed under mu, so that two handles closed at once do not both
+	// commit it (a review: two records of one file).
+	fresh := first && sig == 0 && !f.isFrozen() && !f.committing
+	if fresh {
+		f.committing = true
+	}
 	if first {
 		if sig != 0 {
 			h.abandoned, h.signal = true, sig
 		} else {
 			h.flushed = true
-			if h.direct.Load() {
+			if h.direct {
 				f.flushedOpen++
 			}
 		}
 		f.dropWriter()
 	}
 	f.mu.Unlock()
-	if first && sig == 0 && fresh {
+	if fresh {
 		f.fs.events.Flushed(f.Path(nil))
+		f.mu.Lock()
+		f.committing = false // frozen now if it was taken; a later close may commit it if not
+		f.mu.Unlock()
 	}
 	return 0
 }
@@ -850,7 +864,7 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	if h.writable && !h.flushed && !h.abandoned {
 		f.dropWriter()
 	}
-	if h.flushed && h.direct.Load() {
+	if h.flushed && h.direct {
 		f.flushedOpen--
 	}
 	f.maybeFree()

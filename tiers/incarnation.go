@@ -38,6 +38,10 @@ type incarnation struct {
 	transferTold atomic.Bool
 	// fillTold is set once the job was told that unreplicated steps fill this node's RAM.
 	fillTold atomic.Bool
+	// belowTold is set once the job was told that a step it saved below one already restored
+	// or committed is not synced (once per incarnation: a run counting from 1 under a restored
+	// step 1000 saves many).
+	belowTold atomic.Bool
 	// user is the job's user, the owner of the replicator.yaml it wrote (-1: unknown, or
 	// root): a step restored for it is given to it (Namespace.Reown). Set before the restore
 	// starts.

@@ -249,7 +249,7 @@ func (r *restorer) run(inc *incarnation) {
 	}
 	// The state is "running" before the job can see a marker, so status never lags behind it.
 	inc.restoreDone(plan.Step, plan.Found)
-	r.synced.push(sealedStep{restoreDone: true}) // after the restored step's: its sync goes first
+	r.synced.push(sealedStep{commit: commit{inc: inc}, restoreDone: true}) // after the restored step's: its sync goes first
 	for w := 0; w < cfg.WorkersPerNode; w++ {
 		var err error
 		if plan.Found {

@@ -279,9 +279,9 @@ func (s *sealer) seal(c *commit, openMark int64) (dataName, meta string, err err
 	return dataName, meta, nil
 }
 
-// stillOpenWait is how long the sealer waits for the RELEASE of a .save's close that committed
-// it, before it copies the file (copyIfStillOpen). The RELEASE follows the close at once; a
-// loaded machine may take some milliseconds to answer it.
+// stillOpenWait is how long after the close that committed a .save the sealer waits for that
+// close's RELEASE, before it copies the file (copyIfStillOpen). The RELEASE follows the close at
+// once; a loaded machine may take some milliseconds to answer it.
 const stillOpenWait = 2 * time.Second
 
 // copyIfStillOpen makes the record's data of c a copy of its own when the descriptor whose close
@@ -290,10 +290,11 @@ const stillOpenWait = 2 * time.Second
 // bytes linked into the record, after (or while) they were hashed. The step's push was then
 // refused for ever, its backup listed complete with bytes that fail their name, and a restore
 // from it failed: the step was lost in every tier (a black-box run). The copy holds the bytes
-// as they were when it was made; the namespace entry is then rebuilt from it (Copied).
+// as it read them (a write during the copy may be in it in part): every tier holds that copy,
+// hashed after it was made; the namespace entry is then rebuilt from it (Copied).
 func (s *sealer) copyIfStillOpen(c *commit) error {
 	open := c.sealed.OpenAfterCommit
-	if open == nil || !open(stillOpenWait) {
+	if open == nil || !open(max(time.Until(c.wall.Add(stillOpenWait)), 0)) {
 		c.sealed.OpenAfterCommit = nil
 		return nil
 	}
@@ -387,7 +388,7 @@ func (s *sealer) publish(c commit, dataName, meta string) error {
 func (s *sealer) tellSealed(c commit) {
 	if c.sealed.StillOpen {
 		s.log.Warn("a .save was still open after the close that committed it: it was copied as it was then", "step", c.step, "worker", c.worker, "name", c.name)
-		s.lines.incLine(c.inc, fmt.Sprintf("step %d: %s was still open %s after the close that committed it (a duplicate of its descriptor, a forked child, or a shared mapping): the checkpoint holds its bytes as they were then, not what is written through it afterwards; close (and unmap) every descriptor of a .save before the close that commits it",
+		s.lines.incLine(c.inc, fmt.Sprintf("step %d: %s was still open when it was sealed, %s or more after the close that committed it (a duplicate of its descriptor, a forked child, or a shared mapping): the checkpoint holds its bytes as they were copied then, not what is written through it afterwards; close (and unmap) every descriptor of a .save before the close that commits it",
 			c.step, c.name, stillOpenWait))
 	} else if n := c.sealed.Copied; n > 0 {
 		// With passthrough the writer never gets an error afterwards: the step looked whole,

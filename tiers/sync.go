@@ -87,8 +87,9 @@ type workerPushes struct {
 
 func (sy *syncer) run() {
 	type stepKey struct {
-		inc  *incarnation
-		step int64
+		inc      *incarnation
+		step     int64
+		restored bool // a restored step's parts never mix with a save of the same step's
 	}
 	type progress struct {
 		pushes map[int]workerPushes // by worker that reported; peers nil when its pushes succeeded
@@ -107,6 +108,11 @@ func (sy *syncer) run() {
 			continue // a tick of a try that is no longer pending
 		}
 		if s.restoreDone {
+			if s.inc != nil {
+				// Queued after the restored step's parts: they were all taken. Should its
+				// progress have been lost, the syncs waiting for it go now rather than never.
+				s.inc.setRestoredSyncDue(false)
+			}
 			sy.syncAfterRestore(nil)
 			continue
 		}
@@ -117,18 +123,19 @@ func (sy *syncer) run() {
 		// supersedes the later tries; a step of an earlier incarnation sealed late does not.
 		// (A step the job saved while its restore ran never has later tries here: it is pushed
 		// again after the restore, behind the restored step.)
-		if sy.pending != nil && (sy.incs.isCurrent(s.inc) || !sy.incs.isCurrent(sy.pending.c.inc)) {
+		// A restored step is older than any step of its incarnation that has later tries.
+		if sy.pending != nil && !s.restored && (sy.incs.isCurrent(s.inc) || !sy.incs.isCurrent(sy.pending.c.inc)) {
 			sy.stopRePush()
 		}
 		failedPeers := sy.replicate(s)
 		if len(failedPeers) > 0 {
 			sy.retention.warnIfFilling(sy.lines, s.inc, true)
 		}
-		k := stepKey{s.inc, s.step}
+		k := stepKey{s.inc, s.step, s.restored}
 		p := steps[k]
 		if p == nil {
 			for old := range steps {
-				if old.inc != s.inc {
+				if old.inc != s.inc && !sy.incs.isCurrent(old.inc) {
 					delete(steps, old) // an earlier incarnation's, never to be completed
 				}
 			}
@@ -415,8 +422,10 @@ func (sy *syncer) syncNow(c commit, replicated bool) bool {
 		// then, for a while, nothing (a black-box run: the new run's work was lost with the
 		// RAM, silently).
 		sy.log.Warn("a step below one already committed in this run is not synced", "step", c.step, "newer", newer)
-		sy.lines.incLine(c.inc, fmt.Sprintf("step %d was saved after step %d in this run (restored or committed): steps are kept in increasing order, so step %d stays in this node's RAM only, is not replicated nor backed up, and a restart restores step %d; a job that counts its steps from the start again must start a new timeline (mtcfs restore-version set, or another job-name)",
-			c.step, newer, c.step, newer))
+		if c.inc.belowTold.CompareAndSwap(false, true) {
+			sy.lines.incLine(c.inc, fmt.Sprintf("step %d was saved after step %d in this run (restored or committed): steps are kept in increasing order, so step %d (and any later one below step %d) stays in this node's RAM only, is not replicated nor backed up, and a restart restores step %d; a job that counts its steps from the start again needs another job-name (or the old steps removed from RAM and backups)",
+				c.step, newer, c.step, newer, newer))
+		}
 		return false
 	}
 	c.inc.noteCommitted(c.step)

@@ -1795,53 +1795,70 @@ func TestMappedWritesAreInALinkCommit(t *testing.T) {
 // was lost in every tier (found by a black-box run). The sealer now copies such a file once
 // the descriptor outlives the close by 2 s: the checkpoint is that copy, whatever is written
 // afterwards, and the job is told. On the fallback path the late writes fail with EROFS.
+//
+// readerFirst: a reader opens the .save before the writer does. go-fuse registers an inode's
+// passthrough backing file at its first open and shares it with the later ones without asking
+// them; the writer's handle was not counted as passthrough, and its dup wrote into the sealed
+// bytes again (a review).
 func TestSaveWrittenAfterItsCommittingClose(t *testing.T) {
 	needRoot(t)
 	for _, mode := range []string{"off", "auto"} {
-		t.Run("passthrough-"+mode, func(t *testing.T) {
-			n := newRepNode(t)
-			n.args = []string{"--passthrough", mode}
-			a := n.start(t)
-			const job = "lingerpt"
-			pytorchStart(t, n.dir, job)
-			f, err := os.Create(filepath.Join(n.dir, job+"-s1-n0-w0.save"))
-			require.NoError(t, err)
-			_, err = f.Write(randomBytes(1, 1<<20))
-			require.NoError(t, err)
-			dup, err := unix.Dup(int(f.Fd()))
-			require.NoError(t, err)
-			dupOpen := true
-			defer func() {
-				if dupOpen {
-					unix.Close(dup)
-				}
-			}()
-			require.NoError(t, f.Close(), "the commit")
-			_, lateErr := unix.Pwrite(dup, randomBytes(2, 1<<20), 0)
-			waitStepSealed(t, n.dir, job, 1)
-			data := rankData(t, n.dir, job, 1, 0)
-			requireNamedByContent := func(when string) {
-				t.Helper()
-				hash, _, err := layout.HashData(t.Context(), data)
-				require.NoError(t, err)
-				require.Equal(t, filepath.Base(data), layout.DataName(hash, false), "%s: the sealed bytes no longer hash to their name\n%s", when, a.log())
-			}
-			requireNamedByContent("sealed")
-			_, laterErr := unix.Pwrite(dup, randomBytes(3, 1<<20), 0) // after the seal
-			requireNamedByContent("written to after the seal")
-			require.NoError(t, unix.Close(dup))
-			dupOpen = false
-			requireNamedByContent("the descriptor closed")
-			if mode == "off" {
-				requireErrno(t, lateErr, "a write after the committing close", syscall.EROFS)
-				requireErrno(t, laterErr, "a write after the seal", syscall.EROFS)
-				return
-			}
-			require.NoError(t, lateErr, "with passthrough the kernel writes the spool file itself")
-			lines, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
-			require.Contains(t, string(lines), "step 1: "+job+"-s1-n0-w0.save was still open 2s after the close that committed it (a duplicate of its descriptor, a forked child, or a shared mapping)", "%s", a.log())
-		})
+		for _, readerFirst := range []bool{false, true} {
+			t.Run(fmt.Sprintf("passthrough-%s/reader-first-%v", mode, readerFirst), func(t *testing.T) {
+				saveWrittenAfterItsCommittingClose(t, mode, readerFirst)
+			})
+		}
 	}
+}
+
+func saveWrittenAfterItsCommittingClose(t *testing.T, mode string, readerFirst bool) {
+	n := newRepNode(t)
+	n.args = []string{"--passthrough", mode}
+	a := n.start(t)
+	const job = "lingerpt"
+	pytorchStart(t, n.dir, job)
+	save := filepath.Join(n.dir, job+"-s1-n0-w0.save")
+	if readerFirst {
+		r, err := os.OpenFile(save, os.O_RDONLY|os.O_CREATE, 0o644)
+		require.NoError(t, err)
+		defer r.Close()
+	}
+	f, err := os.OpenFile(save, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	require.NoError(t, err)
+	_, err = f.Write(randomBytes(1, 1<<20))
+	require.NoError(t, err)
+	dup, err := unix.Dup(int(f.Fd()))
+	require.NoError(t, err)
+	dupOpen := true
+	defer func() {
+		if dupOpen {
+			unix.Close(dup)
+		}
+	}()
+	require.NoError(t, f.Close(), "the commit")
+	_, lateErr := unix.Pwrite(dup, randomBytes(2, 1<<20), 0)
+	waitStepSealed(t, n.dir, job, 1)
+	data := rankData(t, n.dir, job, 1, 0)
+	requireNamedByContent := func(when string) {
+		t.Helper()
+		hash, _, err := layout.HashData(t.Context(), data)
+		require.NoError(t, err)
+		require.Equal(t, filepath.Base(data), layout.DataName(hash, false), "%s: the sealed bytes no longer hash to their name\n%s", when, a.log())
+	}
+	requireNamedByContent("sealed")
+	_, laterErr := unix.Pwrite(dup, randomBytes(3, 1<<20), 0) // after the seal
+	requireNamedByContent("written to after the seal")
+	require.NoError(t, unix.Close(dup))
+	dupOpen = false
+	requireNamedByContent("the descriptor closed")
+	if mode == "off" {
+		requireErrno(t, lateErr, "a write after the committing close", syscall.EROFS)
+		requireErrno(t, laterErr, "a write after the seal", syscall.EROFS)
+		return
+	}
+	require.NoError(t, lateErr, "with passthrough the kernel writes the spool file itself")
+	lines, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
+	require.Contains(t, string(lines), "step 1: "+job+"-s1-n0-w0.save was still open when it was sealed, 2s or more after the close that committed it (a duplicate of its descriptor, a forked child, or a shared mapping)", "%s", a.log())
 }
 
 // TestSaveOfTheSameStepAgainRightAfterTheFirst: a job that saves the same step's .save again as
