@@ -224,12 +224,16 @@ func (f *fileNode) open(ctx context.Context, flags uint32) (gofs.FileHandle, uin
 		return nil, 0, f.fs.toErrno("open", err)
 	}
 	name, parent := f.Parent()
-	return f.openFd(ctx, fd, flags, parent != nil && parent.IsRoot() && tiers.CommitsOnClose(name))
+	commitName := ""
+	if parent != nil && parent.IsRoot() && tiers.CommitsOnClose(name) {
+		commitName = name
+	}
+	return f.openFd(ctx, fd, flags, commitName)
 }
 
 // openFd makes a handle of fd, an open descriptor of the spool file; commitsOnClose says the
 // file is a top-level name whose close may commit a step (tiers.CommitsOnClose). Caller holds mu.
-func (f *fileNode) openFd(ctx context.Context, fd int, flags uint32, commitsOnClose bool) (gofs.FileHandle, uint32, syscall.Errno) {
+func (f *fileNode) openFd(ctx context.Context, fd int, flags uint32, commitName string) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&syscall.O_TRUNC != 0 && flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 		if err := unix.Ftruncate(fd, 0); err != nil {
 			unix.Close(fd)
@@ -246,9 +250,9 @@ func (f *fileNode) openFd(ctx context.Context, fd int, flags uint32, commitsOnCl
 	fflags := uint32(fuse.FOPEN_KEEP_CACHE)
 	if h.writable {
 		f.addWriter()
-		h.commitsOnClose = f.fs.events != nil && commitsOnClose
+		h.commitsOnClose = f.fs.events != nil && commitName != ""
 		if h.commitsOnClose {
-			h.opener = callerProcess(ctx)
+			h.opener, h.name = callerProcess(ctx), commitName
 		}
 	}
 	if f.fs.events != nil {
@@ -335,6 +339,18 @@ func (f *fileNode) openAfterCommit(wait time.Duration) bool {
 		}
 		time.Sleep(time.Millisecond)
 	}
+}
+
+// closedPath is the path a close of h is reported under: for a .save, the top-level name it was
+// opened under while that name still is the file's, else the file's path. A .save given a second
+// name while open (a hard link in a scratch directory) was reported under that name, the newest,
+// and its close committed nothing, without a word (found by a black-box run).
+func (h *fileHandle) closedPath() string {
+	f := h.node
+	if h.name != "" && f.Root().GetChild(h.name) == f.EmbeddedInode() {
+		return h.name
+	}
+	return f.Path(nil)
 }
 
 func (f *fileNode) addLink() syscall.Errno {
@@ -521,7 +537,9 @@ type fileHandle struct {
 	// commitsOnClose: the kernel sends FLUSH at each close(2) of this handle's descriptors, and
 	// the first one reports the commit (Events.Flushed) before close returns.
 	commitsOnClose bool
-	flushed        bool // GUARDED_BY(node.mu); no longer counted in node.writers
+	// name is the top-level name a handle that commitsOnClose was opened under.
+	name    string
+	flushed bool // GUARDED_BY(node.mu); no longer counted in node.writers
 	// direct: the kernel may read and write the spool file itself (passthrough). Decided at
 	// the open: go-fuse asks PassthroughFd only of an inode's first open, and later opens
 	// share its backing file (a review: a handle opened after a reader's never counted).
@@ -716,7 +734,7 @@ func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
 	}
 	f.mu.Unlock()
 	if fresh {
-		f.fs.events.Flushed(f.Path(nil))
+		f.fs.events.Flushed(h.closedPath())
 		f.mu.Lock()
 		f.committing = false // frozen now if it was taken; a later close may commit it if not
 		f.mu.Unlock()
@@ -880,9 +898,9 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 			}
 		}
 		if why != "" {
-			f.fs.events.Abandoned(f.Path(nil), why)
+			f.fs.events.Abandoned(h.closedPath(), why)
 		} else {
-			f.fs.events.Closed(f.Path(nil))
+			f.fs.events.Closed(h.closedPath())
 		}
 	}
 	return h.node.fs.toErrno("release", err)

@@ -443,7 +443,11 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 	}
 	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
 	fn.mu.Lock()
-	fh, fflags, errno := fn.openFd(ctx, fd, flags, d.IsRoot() && tiers.CommitsOnClose(name))
+	commitName := ""
+	if d.IsRoot() && tiers.CommitsOnClose(name) {
+		commitName = name
+	}
+	fh, fflags, errno := fn.openFd(ctx, fd, flags, commitName)
 	fn.mu.Unlock()
 	if errno != 0 {
 		fn.dropLink()

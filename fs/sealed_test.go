@@ -299,6 +299,29 @@ func TestCloseOfACommittedSaveIsNoFlush(t *testing.T) {
 	}
 }
 
+// TestCloseOfASaveWithASecondNameIsReportedUnderItsName: a .save given a second name while open
+// (a hard link in a scratch directory) is reported closed under the .save name it was opened
+// under, which commits it. It was reported under the newest name, and the step was never
+// committed, without a word (found by a black-box run).
+func TestCloseOfASaveWithASecondNameIsReportedUnderItsName(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, _, rec, _ := mountWithEvents(t, mode)
+			const name = "job-s1-n0-w0.save"
+			f, err := os.Create(filepath.Join(dir, name))
+			require.NoError(t, err)
+			_, err = f.Write([]byte("state"))
+			require.NoError(t, err)
+			require.NoError(t, os.Mkdir(filepath.Join(dir, "scratch"), 0o755))
+			require.NoError(t, os.Link(filepath.Join(dir, name), filepath.Join(dir, "scratch", "x1")))
+			require.NoError(t, f.Close())
+			require.True(t, rec.has("flushed "+name), "the close is reported under the .save name")
+			rec.waitFor(t, "closed "+name)
+			require.False(t, rec.has("flushed scratch/x1"))
+		})
+	}
+}
+
 // TestChangeRacingSealCannotReachTheCheckpoint: an open for writing or a truncate that checked
 // the frozen mark just before the commit froze and linked the file must not change the linked
 // file afterwards (through passthrough an open's writes would go into the checkpoint). Each is
