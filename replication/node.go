@@ -806,24 +806,16 @@ func (s *jobSecrets) get(ctx context.Context, job string) ([]byte, error) {
 func (s *jobSecrets) check(job string, sec []byte) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	name := job + "/" + secretName
-	stored, err := s.objects.Get(ctx, name, secretLimit)
-	if errors.Is(err, fs.ErrNotExist) {
-		err = s.objects.PutIfAbsent(ctx, name, sec)
-		if err == nil {
-			s.log.Warn("the job's peer secret was gone from the backup location: put back (an agent started without it would make another, and the job's restarts would fail on a wrong MAC)",
-				"job", job, "location", s.objects.String())
-			return
-		}
-		if errors.Is(err, fs.ErrExist) { // made anew meanwhile
-			stored, err = s.objects.Get(ctx, name, secretLimit)
-		}
-	}
+	stored, created, err := ensureSecret(ctx, s.objects, job, sec)
 	if err != nil {
 		s.log.Warn("the job's peer secret could not be checked against the backup location", "job", job, "err", err)
 		return
 	}
-	if bytes.Equal(stored, sec) || len(stored) < minSecretSize {
+	if created {
+		s.log.Warn("the job's peer secret was gone from the backup location: put back (an agent started without it would make another, and the job's restarts would fail on a wrong MAC)",
+			"job", job, "location", s.objects.String())
+	}
+	if bytes.Equal(stored, sec) {
 		return
 	}
 	s.mu.Lock()

@@ -231,27 +231,35 @@ func (g Registry) Unregister(ctx context.Context, reg Registration) error {
 // write wins and every agent returns the winner's secret. (On file:// the object is private to
 // the user, mode 0600.)
 func EnsureSecret(ctx context.Context, objects Objects, job string) ([]byte, error) {
+	fresh := make([]byte, SecretSize)
+	rand.Read(fresh) // never fails (crypto/rand)
+	secret, _, err := ensureSecret(ctx, objects, job, fresh)
+	return secret, err
+}
+
+// ensureSecret returns job's peer secret in the location, storing ifAbsent there first
+// (create-if-absent) when there is none; created says this call stored it.
+func ensureSecret(ctx context.Context, objects Objects, job string, ifAbsent []byte) (secret []byte, created bool, err error) {
 	if err := validateJob(job); err != nil {
-		return nil, err
+		return nil, false, err
 	}
 	name := job + "/" + secretName
-	secret, err := objects.Get(ctx, name, secretLimit)
+	secret, err = objects.Get(ctx, name, secretLimit)
 	if errors.Is(err, fs.ErrNotExist) {
-		fresh := make([]byte, SecretSize)
-		rand.Read(fresh) // never fails (crypto/rand)
-		err = objects.PutIfAbsent(ctx, name, fresh)
+		err = objects.PutIfAbsent(ctx, name, ifAbsent)
 		if err != nil && !errors.Is(err, fs.ErrExist) {
-			return nil, fmt.Errorf("create the peer secret of %s: %w", job, err)
+			return nil, false, fmt.Errorf("create the peer secret of %s: %w", job, err)
 		}
+		created = err == nil
 		// Created, or another agent won the race: either way the stored secret is the one.
 		secret, err = objects.Get(ctx, name, secretLimit)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("read the peer secret of %s: %w", job, err)
+		return nil, false, fmt.Errorf("read the peer secret of %s: %w", job, err)
 	}
 	if len(secret) < minSecretSize {
-		return nil, fmt.Errorf("the peer secret %s in %s has %d bytes, want at least %d: delete it to have a new one created",
+		return nil, false, fmt.Errorf("the peer secret %s in %s has %d bytes, want at least %d: stop the job's agents, delete it, and start them to have a new one created",
 			name, objects, len(secret), minSecretSize)
 	}
-	return secret, nil
+	return secret, created, nil
 }
