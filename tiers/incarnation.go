@@ -53,13 +53,15 @@ type incarnation struct {
 	// black-box run).
 	sealedHere map[string]bool // GUARDED_BY(mu); noted while the restore runs only
 	// restoredSyncDue is set once the restored step is queued for its sync, until the syncer
-	// reaches it: the syncs of the steps the job commits meanwhile wait for it (a step sealed
-	// during the restore but taken by the syncer just after it went first, and the coordinator,
-	// which takes steps in order, then refused the restored one).
+	// takes the restore's done tick, queued after it: the syncs of the incarnation wait until
+	// then and go in step order (a step sealed during the restore but taken by the syncer just
+	// after it went first, and the coordinator, which takes steps in order, then refused the
+	// restored one).
 	restoredSyncDue bool // GUARDED_BY(mu)
 }
 
-// setRestoredSyncDue records whether the restored step's sync is queued and not yet reached.
+// setRestoredSyncDue records whether the restored step's sync is queued and its restore's done
+// tick not yet taken.
 func (inc *incarnation) setRestoredSyncDue(due bool) {
 	inc.mu.Lock()
 	inc.restoredSyncDue = due

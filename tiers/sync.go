@@ -109,8 +109,8 @@ func (sy *syncer) run() {
 		}
 		if s.restoreDone {
 			if s.inc != nil {
-				// Queued after the restored step's parts: they were all taken. Should its
-				// progress have been lost, the syncs waiting for it go now rather than never.
+				// Queued after the restored step's parts: they were all taken, and their sync
+				// waits with those of the steps committed meanwhile; all go now, in order.
 				s.inc.setRestoredSyncDue(false)
 			}
 			sy.syncAfterRestore(nil)
@@ -158,9 +158,6 @@ func (sy *syncer) run() {
 		}
 		failed := maps.Clone(p.pushes)
 		maps.DeleteFunc(failed, func(_ int, f workerPushes) bool { return len(f.peers) == 0 })
-		if s.restored {
-			s.inc.setRestoredSyncDue(false) // the syncs that waited for it go after it
-		}
 		synced := sy.sync(s.commit, len(failed) == 0)
 		if len(failed) > 0 && sy.incs.isCurrent(s.inc) {
 			sy.pushLater(s.commit, failed, synced)
