@@ -224,15 +224,21 @@ func (f *fileNode) open(ctx context.Context, flags uint32) (gofs.FileHandle, uin
 		return nil, 0, f.fs.toErrno("open", err)
 	}
 	name, parent := f.Parent()
-	commitName := ""
-	if parent != nil && parent.IsRoot() && tiers.CommitsOnClose(name) {
-		commitName = name
-	}
-	return f.openFd(ctx, fd, flags, commitName)
+	return f.openFd(ctx, fd, flags, closeCommitName(parent != nil && parent.IsRoot(), name))
 }
 
-// openFd makes a handle of fd, an open descriptor of the spool file; commitsOnClose says the
-// file is a top-level name whose close may commit a step (tiers.CommitsOnClose). Caller holds mu.
+// closeCommitName is name when a file opened under it, at the top level when atRoot, may commit
+// a step when closed (tiers.CommitsOnClose), else "".
+func closeCommitName(atRoot bool, name string) string {
+	if atRoot && tiers.CommitsOnClose(name) {
+		return name
+	}
+	return ""
+}
+
+// openFd makes a handle of fd, an open descriptor of the spool file; commitName, when not "",
+// is the top-level name it was opened under, whose close may commit a step (closeCommitName).
+// Caller holds mu.
 func (f *fileNode) openFd(ctx context.Context, fd int, flags uint32, commitName string) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&syscall.O_TRUNC != 0 && flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 		if err := unix.Ftruncate(fd, 0); err != nil {

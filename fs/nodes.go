@@ -443,11 +443,7 @@ func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode ui
 	}
 	ch := d.NewPersistentInode(ctx, fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: d.fs.newIno()})
 	fn.mu.Lock()
-	commitName := ""
-	if d.IsRoot() && tiers.CommitsOnClose(name) {
-		commitName = name
-	}
-	fh, fflags, errno := fn.openFd(ctx, fd, flags, commitName)
+	fh, fflags, errno := fn.openFd(ctx, fd, flags, closeCommitName(d.IsRoot(), name))
 	fn.mu.Unlock()
 	if errno != 0 {
 		fn.dropLink()
