@@ -585,6 +585,16 @@ func readRecord(dir string) (rec commitRecord, ok bool, err error) {
 // the headroom if need be: a step that filled the budget to the last page was lost to a kill -9
 // before its seal, its record's notes finding no room (found by a black-box run).
 func (cr *commitRecorder) sealRecord(dir string, rec commitRecord) error {
+	if data := filepath.Join(dir, commitDataName); isRegular(data) {
+		// A .save: its bytes may still be written through a descriptor the job kept after the
+		// close that committed it (a dup, a forked child, a mapping). With passthrough those
+		// writes go on after the agent that linked the bytes died, into the record: a step
+		// adopted after a kill -9 changed under its hash (a test like a user's). A copy of its
+		// own is sealed instead; without room for it, the record as it is.
+		if err := cr.withRoom(func() error { return copyOver(data) }); err != nil {
+			cr.log.Warn("a .save committed before the restart is sealed without a copy of its own: a descriptor the job kept after its close could still change it", "step", rec.Step, "worker", rec.Worker, "err", err)
+		}
+	}
 	var dataName string
 	err := cr.withRoom(func() (err error) {
 		dataName, err = cr.hashCommit(context.Background(), dir, rec.Step) // before anything runs: nothing to yield to
@@ -707,4 +717,10 @@ func moveData(src, sealed string) (dup bool, err error) {
 		return true, os.RemoveAll(src)
 	}
 	return false, layout.RenameWithAttrs(src, sealed)
+}
+
+// isRegular reports whether p is a regular file (not following a symlink).
+func isRegular(p string) bool {
+	fi, err := os.Lstat(p)
+	return err == nil && fi.Mode().IsRegular()
 }

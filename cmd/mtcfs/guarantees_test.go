@@ -1861,6 +1861,39 @@ func saveWrittenAfterItsCommittingClose(t *testing.T, mode string, readerFirst b
 	require.Contains(t, string(lines), "step 1: "+job+"-s1-n0-w0.save was still open when it was sealed, 2s or more after the close that committed it (a duplicate of its descriptor, a forked child, or a shared mapping)", "%s", a.log())
 }
 
+// TestSaveWrittenAfterItsCommittingCloseAcrossAKill: the agent killed (-9) right after a .save's
+// close, while the job keeps a dup of its descriptor: with passthrough that descriptor still
+// writes into the spool file after the agent died, so into the commit record the next agent
+// adopts (found by trying it: the restored step changed under its hash). The next agent seals
+// a copy of its own: what the dup writes then changes nothing of the checkpoint.
+func TestSaveWrittenAfterItsCommittingCloseAcrossAKill(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	const job = "killedpt"
+	pytorchStart(t, n.dir, job)
+	f, err := os.Create(filepath.Join(n.dir, job+"-s1-n0-w0.save"))
+	require.NoError(t, err)
+	_, err = f.Write(randomBytes(1, 1<<20))
+	require.NoError(t, err)
+	dup, err := unix.Dup(int(f.Fd()))
+	require.NoError(t, err)
+	defer unix.Close(dup)
+	require.NoError(t, f.Close(), "the commit")
+	require.NoError(t, a.cmd.Process.Kill()) // within the sealer's 2 s wait for the dup's release
+	a.wait(10 * time.Second)
+	_, _ = unix.Pwrite(dup, randomBytes(2, 1<<20), 0) // passthrough: lands in the spool file
+	b := n.start(t)
+	markers := pytorchStart(t, n.dir, job)
+	require.Contains(t, markers, job+"-s1-n0-w0.restore", "%s", b.log())
+	data := rankData(t, n.dir, job, 1, 0)
+	_, _ = unix.Pwrite(dup, randomBytes(3, 1<<20), 0) // after the restart and the seal
+	hash, _, err := layout.HashData(t.Context(), data)
+	require.NoError(t, err)
+	require.Equal(t, filepath.Base(data), layout.DataName(hash, false), "the restored bytes no longer hash to their name\n%s", b.log())
+	stopAgent(t, b)
+}
+
 // TestSaveOfTheSameStepAgainRightAfterTheFirst: a job that saves the same step's .save again as
 // soon as the name is free (the first save sealed: its name went to <hash>.data) has the second
 // save committed, every time. Its close came while the first commit was still counted as
