@@ -742,6 +742,19 @@ func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
 		_, _, err := o.Start(ctx)
 		require.NoError(t, err)
 		require.NoError(t, o.Save(ctx, 10))
+		// The backup's first object (its description, which marks it incomplete) must be in
+		// place before the kill: killed earlier, the backup left nothing but a temporary file,
+		// there is nothing to complete, and the next agent rightly names its own backup by its
+		// own minute (CI saw that once, the kill at 07:07:59.6 and the next backup at 07:08).
+		var m []string
+		repWait(t, 20*time.Second, "the backup of step 10 to start", func() bool {
+			m = backupStartedRE.FindStringSubmatch(a.log())
+			return m != nil
+		})
+		repWait(t, 20*time.Second, "the backup's first object", func() bool {
+			_, err := os.Stat(filepath.Join(n.backupRoot, "crash", m[1], "mtcfs-backup.json"))
+			return err == nil
+		})
 		// The agent is stopped (SIGSTOP) once a temporary file of the backup exists, and killed
 		// only if one still does: each file is renamed into place when written, so one seen a
 		// moment before the kill may be gone by then (CI saw that once).
@@ -758,8 +771,6 @@ func TestGuaranteeBackupsRunOnTheirClock(t *testing.T) {
 			return false
 		})
 		killAgent(t, a)
-		m := backupStartedRE.FindStringSubmatch(a.log())
-		require.NotNil(t, m, "the killed agent logged the backup it started")
 		left := backupLeftovers(n.backupRoot)
 		require.NotEmpty(t, left, "kill -9 came between two files of the backup: no temporary file left to clean\n%s", a.log())
 		t.Logf("kill -9 left %d temporary file(s), e.g. %s", len(left), left[0])
