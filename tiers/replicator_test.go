@@ -1305,6 +1305,52 @@ func TestRestoreFromABackupThatRotted(t *testing.T) {
 	}
 }
 
+// TestRestoreFromABackupThatRottedInAReadOnlyLocation: as TestRestoreFromABackupThatRotted, but
+// the location refuses the record of the damage (read-only or full). Found by a black-box test:
+// every later start of the job failed on the same data, although the older backup was intact.
+// The agent remembers the damage (RememberDamage, as cmd wires the store) and its next plan
+// passes over it; the job is told that only this agent knows.
+func TestRestoreFromABackupThatRottedInAReadOnlyLocation(t *testing.T) {
+	t.Parallel()
+	store, hashes, files := backedUpStore(t)
+	rot(t, store, layout.BackupName(minute(2)), hashes[2])
+	store.BackupStore = tiers.RememberDamage(refusedMarks{store.BackupStore})
+
+	h := newHarness(t, harnessConfig{store: store})
+	h.yamlOrbax(backupYAML)
+	h.eventually("the restore to fail", func() string {
+		if l := h.lines(layout.ReplicatorFailedName); len(l) != 1 || !strings.Contains(l[0], "the backup location refused the record of its damage (read-only file system)") {
+			return fmt.Sprintf("replicator.failed = %q", l)
+		}
+		return ""
+	})
+	for _, o := range store.objectsOf(t, "job", layout.BackupName(minute(2))) {
+		if strings.HasSuffix(o.Name, ".damaged") {
+			t.Fatalf("%s is in the backup, but the location refused every write", o.Name)
+		}
+	}
+
+	h.yamlOrbax(backupYAML)
+	restore := marker("job", 1, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore)
+	h.checkPrerestore(map[string]any{"restore-step": 1, "restore-backup": layout.BackupName(minute(1))})
+	h.checkRestoreLink(restore, hashes[1], files[1])
+	errs := strings.Join(h.lines(layout.ReplicatorErrorsName), "\n")
+	for _, want := range []string{"backup " + layout.BackupName(minute(2)) + ": step 2 is damaged and is not restored: " + hashes[2] + ".data failed its check at a restore by this agent",
+		"1 damaged backup step; restoring step 1 from backup " + layout.BackupName(minute(1)) + " instead"} {
+		if !strings.Contains(errs, want) {
+			t.Errorf("replicator.errors:\n%s\nwant it to say %q", errs, want)
+		}
+	}
+}
+
+// refusedMarks is a backup location that refuses the record of damaged data.
+type refusedMarks struct{ tiers.BackupStore }
+
+func (refusedMarks) MarkDamaged(context.Context, string, string, string, string) error {
+	return errors.New("read-only file system")
+}
+
 // TestRestoreFromBackupAfterAFaultOnTheWay: data that fails its check once (a fault between the
 // store and the node) is downloaded again and restored; nothing is marked damaged.
 func TestRestoreFromBackupAfterAFaultOnTheWay(t *testing.T) {

@@ -792,7 +792,8 @@ func (r *restorer) fetchBackup(ctx context.Context, cfg *Config, backup, hash, i
 // verifies it against its hash; progress shows in mtcfs status. Data that fails its check is
 // downloaded once more (a fault on the way, not in the backup, passes then); failing again,
 // it is marked damaged in the backup, so that the job's next start passes over it (with a
-// line in replicator.errors) instead of failing on it again.
+// line in replicator.errors) instead of failing on it again; a location that refuses the mark
+// leaves the agent's memory of it (RememberDamage).
 func (r *restorer) download(ctx context.Context, inc *incarnation, step int64, backup, hash string) (string, error) {
 	cfg := inc.Config
 	dataName := hash + ".data"
@@ -819,7 +820,8 @@ func (r *restorer) download(ctx context.Context, inc *incarnation, step int64, b
 	if errors.Is(err, ErrCorruptBackup) && ctx.Err() == nil {
 		why := fmt.Sprintf("rank %d, %s: %v", cfg.NodeRank, r.now().UTC().Format(time.RFC3339), err)
 		if merr := r.store.MarkDamaged(ctx, cfg.JobName, backup, hash, why); merr != nil {
-			r.log.Error("could not mark the backup's data damaged", "backup", backup, "data", dataName, "err", merr)
+			r.log.Error("could not mark the backup's data damaged: this agent remembers it, and passes over it at the job's next start while the agent runs", "backup", backup, "data", dataName, "err", merr)
+			err = fmt.Errorf("%w; it failed twice, and the backup location refused the record of its damage (%v): this node's agent passes over it at the job's next start until the agent restarts (make the location writable so that every agent does)", err, merr)
 		} else {
 			r.log.Warn("marked the backup's data damaged", "backup", backup, "data", dataName)
 			err = fmt.Errorf("%w; it failed twice, and is now marked damaged in the backup (%s.data.damaged): the job's next start passes over it", err, hash)

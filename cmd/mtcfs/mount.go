@@ -722,7 +722,7 @@ func runMount(cfg mountConfig) error {
 			"spool", spool.Dir(), "memory", tiers.FormatSize(cfg.budget), "larger_by", tiers.FormatSize(g))
 	}
 
-	store := gcsbackend.TierStore(backups)
+	store := tiers.RememberDamage(gcsbackend.TierStore(backups))
 	secret, err := readSecretFile(cfg.secretFile)
 	if err != nil {
 		return err
