@@ -63,9 +63,8 @@ const (
 )
 
 var (
-	backupNameRE = regexp.MustCompile(`^\d{4}-\d{2}-\d{2}_\d{2}-\d{2}$`)
-	hashRE       = regexp.MustCompile(`^D?[0-9a-f]{64}$`)
-	metaRestRE   = regexp.MustCompile(`^s(\d+)-n(\d+)-w(\d+)\.meta$`)
+	hashRE     = regexp.MustCompile(`^D?[0-9a-f]{64}$`)
+	metaRestRE = regexp.MustCompile(`^s(\d+)-n(\d+)-w(\d+)\.meta$`)
 )
 
 // Slot identifies one training process: a node rank and a worker index.
@@ -149,7 +148,7 @@ func validateJob(job string) error {
 }
 
 func validateBackupName(name string) error {
-	if !backupNameRE.MatchString(name) {
+	if !layout.IsBackupName(name) {
 		return fmt.Errorf("backup name %q: want YYYY-MM-DD_HH-MM (UTC), e.g. %s", name, layout.BackupName(time.Now()))
 	}
 	return nil
@@ -260,7 +259,7 @@ func (b *Backups) Names(ctx context.Context, job string) ([]string, error) {
 	var names []string
 	for _, p := range prefixes {
 		name := strings.TrimSuffix(strings.TrimPrefix(p, job+"/"), "/")
-		if backupNameRE.MatchString(name) {
+		if layout.IsBackupName(name) {
 			names = append(names, name)
 		}
 	}

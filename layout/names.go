@@ -224,3 +224,8 @@ const backupNameLayout = "2006-01-02_15-04"
 // BackupName names a backup taken at t: its UTC minute, YYYY-MM-DD_HH-MM (SPEC §6). Names
 // sort in time order.
 func BackupName(t time.Time) string { return t.UTC().Format(backupNameLayout) }
+
+var backupNameRE = regexp.MustCompile(`^\d{4}-\d{2}-\d{2}_\d{2}-\d{2}$`)
+
+// IsBackupName reports whether s has the form of a backup name (YYYY-MM-DD_HH-MM).
+func IsBackupName(s string) bool { return backupNameRE.MatchString(s) }

@@ -928,6 +928,9 @@ func TestPinnedBackupUnusable(t *testing.T) {
 		texts []string // one per line of replicator.errors, each line naming the pin
 	}{
 		{"missing", func(*testing.T, *testStore, map[int64]string) string { return "2029-12-31_23-59" }, []string{"does not exist"}},
+		// No backup can have that name: as missing, not a failed restore (it was: found by a
+		// black-box test, a restore.version written by hand).
+		{"malformed", func(*testing.T, *testStore, map[int64]string) string { return "fresh-start-please" }, []string{"is not a backup name"}},
 		{"incomplete", func(t *testing.T, s *testStore, h map[int64]string) string {
 			// An upload that never finished: the .meta, written last, is not there.
 			s.deleteObject(t, "job", layout.BackupName(minute(1)), marker("job", 1, 0, 0, layout.MarkerMeta))

@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/mtcfs/mtcfs/layout"
 )
 
 // Slot is one training process of the job: a node rank and a worker index.
@@ -198,6 +200,12 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			ok = false
 		case err != nil:
 			return plan, fmt.Errorf("read restore.version: %w", CauseFirst(ctx, err))
+		}
+		if ok && !layout.IsBackupName(pin) {
+			// No backup has that name: as for a missing one (SPEC §5.1), not a failed restore.
+			plan.Pinned = pin
+			plan.Errors = append(plan.Errors, fmt.Sprintf("restore.version holds %q, which is not a backup name (YYYY-MM-DD_HH-MM, UTC): starting from scratch"+pinLost, pin))
+			return plan, nil
 		}
 		if ok {
 			plan.Pinned = pin
