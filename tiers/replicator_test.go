@@ -1044,6 +1044,31 @@ func TestStatusAfterARestoreDropsNewerSteps(t *testing.T) {
 	require.NotContains(t, h.logs.String(), "stopping with the newest step in no backup yet")
 }
 
+// TestStatusAfterARestartNamesTheRestoredStepInRAMOnly: the agent restarts while its newest
+// step is in no backup (the location refuses writes), and the job restores that step from RAM.
+// Status said nothing of it being in RAM only, as it had before the restart (a black-box run:
+// "step 2 in RAM only, not in a backup yet" gone after a kill -9 of the agent).
+func TestStatusAfterARestartNamesTheRestoredStepInRAMOnly(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	h := newHarness(t, harnessConfig{store: store})
+	h.start(backupYAML, "job")
+	h.saveAndBackUp(1, checkpointFiles("1"))
+	store.setBeforeUpload(func(context.Context, tiers.Upload) error { return errors.New("read-only file system") })
+	files2 := checkpointFiles("2")
+	hash2 := h.orbaxSave(2, files2)
+	h.waitSealed("job", 2, "2")
+
+	h2 := h.restart()
+	h2.yamlOrbax(backupYAML)
+	restore := marker("job", 2, 0, 0, layout.MarkerRestore)
+	h2.waitMarkers(restore)
+	h2.checkRestoreLink(restore, hash2, files2)
+	st := h2.r.Status()
+	require.NotNil(t, st.InRAMOnly, "the restored step 2 is in no backup (backed up %d)", st.BackedUp)
+	require.EqualValues(t, 2, *st.InRAMOnly)
+}
+
 func TestNewIncarnation(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessConfig{})

@@ -160,8 +160,15 @@ func (r *Replicator) Status() Status {
 	}
 	var backup *Progress
 	backup, st.LastBackup, st.BackedUp = r.backups.status(job)
-	if r.cfg.Store != nil && sealedHere >= 0 && sealedHere > st.BackedUp {
-		st.InRAMOnly = &sealedHere
+	// A step restored from RAM that no backup holds is in RAM only too (restored from a backup,
+	// or from RAM with the newest backup holding it, BackedUp says so): before, status said so
+	// before an agent restart and no longer after it.
+	inRAM := sealedHere
+	if restored > 0 {
+		inRAM = max(inRAM, restored)
+	}
+	if r.cfg.Store != nil && inRAM >= 0 && inRAM > st.BackedUp {
+		st.InRAMOnly = &inRAM
 	}
 	st.Backup = backup.view()
 	st.RePush = r.syncer.status(job)
