@@ -456,6 +456,28 @@ type recordingCoordinator struct {
 	syncs     []tiers.SyncReport   // GUARDED_BY(mu)
 	decisions []tiers.SyncDecision // GUARDED_BY(mu)
 	reports   []tiers.BackupReport // GUARDED_BY(mu); every non-empty backup report
+	failTells []time.Duration      // GUARDED_BY(mu); each RestoreFailed call's time left to its deadline
+}
+
+// RestoreFailed records the time the node gives the call, and passes it on.
+func (c *recordingCoordinator) RestoreFailed(ctx context.Context, inc tiers.Incarnation, reason string) error {
+	left := time.Duration(-1)
+	if d, ok := ctx.Deadline(); ok {
+		left = time.Until(d)
+	}
+	c.mu.Lock()
+	c.failTells = append(c.failTells, left)
+	c.mu.Unlock()
+	if rep, ok := c.Coordinator.(tiers.RestoreFailureReporter); ok {
+		return rep.RestoreFailed(ctx, inc, reason)
+	}
+	return nil
+}
+
+func (c *recordingCoordinator) restoreFailedCalls() []time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.failTells)
 }
 
 func (c *recordingCoordinator) Negotiate(ctx context.Context, inc tiers.Incarnation, inv tiers.Inventory) (tiers.RestorePlan, error) {

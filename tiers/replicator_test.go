@@ -1317,6 +1317,15 @@ func TestRestoreFromABackupThatRotted(t *testing.T) {
 	if _, downloads, _ := store.counts(); downloads != 2 {
 		t.Errorf("%d downloads, want 2 (one more after the first failed its check)", downloads)
 	}
+	// The other nodes are told, for as long as their jobs wait for their restore: a rank 0
+	// frozen past 10 s (SIGSTOP) was never told, and its job waited out its 300 s (a black-box
+	// run); the call is retried until rank 0 answers (RemoteCoordinator).
+	h.eventually("the other nodes to be told", func() string {
+		if calls := h.coord.restoreFailedCalls(); len(calls) != 1 || calls[0] < 4*time.Minute {
+			return fmt.Sprintf("RestoreFailed calls with time left %v, want one with the job's wait (5m)", calls)
+		}
+		return ""
+	})
 
 	// The job restarts: the rotted backup is passed over, with a word, for the older one.
 	h.yamlOrbax(backupYAML)

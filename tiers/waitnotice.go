@@ -31,8 +31,11 @@ type RestoreFailureReporter interface {
 	RestoreFailed(ctx context.Context, inc Incarnation, reason string) error
 }
 
-// restoreFailedTimeout bounds the call that tells the other nodes a restore failed.
-const restoreFailedTimeout = 10 * time.Second
+// restoreFailedTimeout bounds the call that tells the other nodes a restore failed: as long as
+// their jobs wait for their restore (Orbax, NeMo: 300 s), since the call is retried until rank 0
+// answers. It was 10 s: a rank 0 frozen longer (SIGSTOP, a stalled VM) was never told, and its
+// job waited out its 300 s although the others had failed (a black-box run).
+const restoreFailedTimeout = 5 * time.Minute
 
 // waitNotices says when a restore that waits for the other nodes tells of it: in the log after
 // logAfter and every logEvery after that, and once in replicator.errors after lineAfter. The job
