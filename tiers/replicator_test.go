@@ -1388,6 +1388,51 @@ func (refusedMarks) MarkDamaged(context.Context, string, string, string, string)
 	return errors.New("read-only file system")
 }
 
+// TestRestoreGivenUpAtTheBarrierTellsRankZero: a node that gives up waiting for the others at
+// the barrier (rank 0 not reached for 90 s: frozen, a stalled VM) tells rank 0, for when it
+// answers again: before, only failures before the barrier did, and a rank 0 frozen past the
+// give-up never learnt that this node's job had failed; its own job waited out its 300 s at a
+// barrier this node would never reach (a black-box run).
+func TestRestoreGivenUpAtTheBarrierTellsRankZero(t *testing.T) {
+	t.Parallel()
+	coord := &giveUpCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}}
+	h := newHarness(t, harnessConfig{coord: coord})
+	h.yamlOrbax(baseYAML)
+	h.eventually("the restore to fail", func() string {
+		if l := h.lines(layout.ReplicatorFailedName); len(l) != 1 || !strings.Contains(l[0], "waiting for the other nodes to restore failed: rank 0's coordinator") {
+			return fmt.Sprintf("replicator.failed = %q", l)
+		}
+		return ""
+	})
+	h.eventually("rank 0 to be told", func() string {
+		coord.mu.Lock()
+		defer coord.mu.Unlock()
+		if len(coord.told) != 1 || !strings.Contains(coord.told[0], "waiting for the other nodes to restore failed") {
+			return fmt.Sprintf("RestoreFailed reasons %q", coord.told)
+		}
+		return ""
+	})
+}
+
+// giveUpCoordinator fails every Restored call as a rank 0 not reached does, and records the
+// RestoreFailed calls.
+type giveUpCoordinator struct {
+	tiers.Coordinator
+	mu   sync.Mutex
+	told []string // GUARDED_BY(mu)
+}
+
+func (c *giveUpCoordinator) Restored(context.Context, tiers.Incarnation) error {
+	return errors.New("rank 0's coordinator, which planned this restore, was not reached for 1m30s: restart the job")
+}
+
+func (c *giveUpCoordinator) RestoreFailed(_ context.Context, _ tiers.Incarnation, reason string) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.told = append(c.told, reason)
+	return nil
+}
+
 // TestRestoreFromBackupAfterAFaultOnTheWay: data that fails its check once (a fault between the
 // store and the node) is downloaded again and restored; nothing is marked damaged.
 func TestRestoreFromBackupAfterAFaultOnTheWay(t *testing.T) {

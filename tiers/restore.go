@@ -69,12 +69,17 @@ func (r *restorer) run(inc *incarnation) {
 		}
 		// Bounded by the agent's life, not the incarnation's: the job restarts at the line
 		// written above, and its next yaml ends the incarnation while the call may still be
-		// retrying (found by a review).
-		tctx, cancel := context.WithTimeout(r.ctx, restoreFailedTimeout)
-		defer cancel()
-		if err := rep.RestoreFailed(tctx, inc.Incarnation, msg); err != nil {
-			r.log.Warn("could not tell the other nodes that this node's restore failed: their jobs wait for their restore until they give up", "err", err)
-		}
+		// retrying (found by a review). On its own goroutine: a rank 0 that cannot be reached
+		// is tried for minutes.
+		r.tasks.Add(1)
+		go func() {
+			defer r.tasks.Done()
+			tctx, cancel := context.WithTimeout(r.ctx, restoreFailedTimeout)
+			defer cancel()
+			if err := rep.RestoreFailed(tctx, inc.Incarnation, msg); err != nil {
+				r.log.Warn("could not tell the other nodes that this node's restore failed: their jobs wait for their restore until they give up", "err", err)
+			}
+		}()
 	}
 	// Steps the job committed before it restarted count: wait until they are sealed, so that
 	// the inventory holds them (SPEC §2: a committed step is never dropped).
@@ -203,7 +208,11 @@ func (r *restorer) run(inc *incarnation) {
 		}
 	}
 	if err := r.waitNoticed(inc, "the restore", barrierHint, func() error { return r.coord.Restored(ctx, inc.Incarnation) }); err != nil {
-		fail(fmt.Sprintf("waiting for the other nodes to restore failed: %v", err))
+		// Rank 0 is told too: one this node gave up on (not reached for 90 s: frozen, a stalled
+		// VM) learns it when it answers again, and fails its own job at once rather than leave
+		// it to wait out its 300 s at a barrier this node never reaches (a black-box run). One
+		// that told this node of another's failure already knows: the call changes nothing.
+		failPlanned(fmt.Sprintf("waiting for the other nodes to restore failed: %v", err))
 		return
 	}
 	if superseded() {
