@@ -381,6 +381,12 @@ func (c *JobCoordinator) computePlan() {
 	// What nodes that missed restores hold above them goes first: inferred from, it would
 	// stand for their column-mates too.
 	invs, gen, stale, staleLines := tiers.CutStaleTimelines(c.cfg, c.invs) // c.invs is frozen: planning is set
+	if part := c.cfg.Nodes / max(c.cfg.AssumeDataParallelism, 1); c.cfg.AssumeDataParallelism > 1 {
+		if holder, q, step, ok := columnsContradicted(c.cfg, invs, part); ok {
+			c.log.Warn("the job's peer-ranks are not mtcfs's data-parallel columns (ranks equal mod nodes/D): no node's data is taken for another's in this restore",
+				"holder", holder, "replica_of_rank", q, "step", step, "partitions", part)
+		}
+	}
 	invs, inferred := inferFromColumns(c.cfg, invs)
 	plan, err := tiers.PlanRestore(c.ctx, c.cfg, invs, c.store, c.planLimits)
 	if err != nil {
@@ -465,6 +471,27 @@ func PlanForRank(plan tiers.RestorePlan, rank, workers int) tiers.RestorePlan {
 	return out
 }
 
+// columnsContradicted reports a node (holder) that holds a replica of the .meta of rank q of
+// step, q not in holder's column (the ranks equal mod part): in data-parallel mode nodes
+// exchange .meta files with their peers only, so the job's peer-ranks are not mtcfs's columns
+// (Orbax computes them from process indices, which may differ from node ranks). Nothing is
+// then inferred: a node's data would stand for a rank the job does not consider equivalent (a
+// black-box run of the upstream code restored a rank with another column's data).
+func columnsContradicted(cfg *tiers.Config, invs []tiers.Inventory, part int) (holder, q int, step int64, ok bool) {
+	if part >= cfg.Nodes {
+		return 0, 0, 0, false // one node per column: nothing is inferred across ranks
+	}
+	for _, inv := range invs {
+		for name := range inv.Metas {
+			m, inShape, valid := tiers.JobMeta(cfg, name)
+			if valid && inShape && m.Node != inv.Rank && m.Node%part != inv.Rank%part {
+				return inv.Rank, m.Node, m.Step, true
+			}
+		}
+	}
+	return 0, 0, 0, false
+}
+
 // inferFromColumns implements the data-parallel inference described at JobCoordinator. It
 // returns invs itself when nothing is inferred, else a copy in which the inferred .meta entries
 // were added to the inventories of the ranks they are about (only those inventories' maps are
@@ -477,6 +504,9 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 	part := cfg.Nodes // P: the column of rank r is r mod P
 	if d > 0 {
 		part = cfg.Nodes / d
+	}
+	if _, _, _, ok := columnsContradicted(cfg, invs, part); ok {
+		return invs, nil
 	}
 	held := map[string]bool{}
 	for _, inv := range invs {

@@ -489,6 +489,16 @@ func TestCoordinatorNegotiate(t *testing.T) {
 			data: []string{dataOf(0, 10), dataOf(1, 10), dataOf(2, 10), dataOf(1, 10)}, holders: [][]int{{0}, {1}, {2}, {1}},
 		},
 		{
+			// The job's peer-ranks pair ranks 0 and 1, 2 and 3 (Orbax, process indices mapped
+			// to other node ranks): rank 0 holds rank 1's .meta. Rank 1's RAM is lost: its
+			// column-mate by rank (3) holds another partition's data, which a black-box run of
+			// the upstream code restored on rank 1. Nothing is inferred: the step is not
+			// complete in RAM.
+			name: "data-parallel: peer-ranks that are not mtcfs's columns: nothing inferred", nodes: 4, dp: 2,
+			invs: []tiers.Inventory{holding(own(0, 10, 20), 1, 20, false), {Rank: 1}, holding(own(2, 10, 20), 3, 20, false), holding(own(3, 10, 20), 2, 20, false)},
+			want: tiers.RestorePlan{},
+		},
+		{
 			name: "no inference without data-parallel mode", nodes: 4,
 			invs: []tiers.Inventory{own(0, 10, 20), own(1, 10, 20), own(2, 10, 20), {Rank: 3}},
 			want: tiers.RestorePlan{},

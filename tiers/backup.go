@@ -260,6 +260,13 @@ func (b *backupRunner) upload(cfg *Config, p *Progress, column []string) ([]stri
 	// Naming the column's data needs nothing of this node's: its own copy of the step may be
 	// freed by now (the job saved a newer step while the column's uploader uploaded).
 	named := 0
+	if outside := cfg.PeersOutsideColumn(); len(column) > 0 && len(outside) > 0 {
+		// The job's own column-mates are not mtcfs's: the column's data may be another
+		// partition's, so this node's .meta must name its own.
+		b.log.Warn("this node's peer-ranks are not in its data-parallel column: it uploads its own data rather than naming the column's",
+			"backup", p.Backup, "step", p.Step, "peers_outside_column", outside)
+		column = nil
+	}
 	if len(column) > 0 {
 		if len(column) == cfg.WorkersPerNode {
 			var err error

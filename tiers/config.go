@@ -268,6 +268,27 @@ func rankNames(ranks []int) string {
 	return "ranks " + joinSteps(ranks)
 }
 
+// PeersOutsideColumn returns the explicit peer-ranks that are not in this rank's data-parallel
+// column (the ranks equal to it mod nodes/D, SPEC §4); nil outside data-parallel mode (D > 1).
+// Orbax computes its peer-ranks from process indices mapped to node ranks, which may differ
+// from them: its column-mates are then not the ranks mtcfs takes for equivalent, and a node's
+// data must not stand for another's (a black-box run of the upstream code restored a rank with
+// another column's data, and backed up only half the columns).
+func (c *Config) PeersOutsideColumn() []int {
+	d := c.AssumeDataParallelism
+	if d <= 1 || c.Nodes%d != 0 || c.PeerRanks == nil {
+		return nil
+	}
+	part := c.Nodes / d
+	var out []int
+	for _, p := range c.PeerRanks {
+		if p%part != c.NodeRank%part {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
 // Peers returns the ranks this node replicates to: the explicit peer-ranks
 // when given, otherwise PeerRanks' choice for peers-per-node. Empty means no
 // peers; then the latest committed step counts as replicated (SPEC §2).

@@ -184,6 +184,54 @@ func TestDataParallelBackup(t *testing.T) {
 	}
 }
 
+// TestDataParallelPeersOtherThanColumns: Orbax computes peer-ranks from process indices mapped
+// to node ranks (multihost.runtime_to_distributed_ids), which may differ: here ranks 0 and 1,
+// and 2 and 3, hold equivalent data, while mtcfs's columns are the ranks equal mod P (0 and 2,
+// 1 and 3). A black-box run of the upstream code restored rank 1 with rank 3's data (another
+// partition's) after rank 1's RAM was lost, without a word, and the backup held only ranks 2
+// and 3's data. Now every node whose peers are outside its column backs up its own data, and
+// no node's data stands for another's: rank 1 restores its own data from the backup.
+func TestDataParallelPeersOtherThanColumns(t *testing.T) {
+	needRoot(t)
+	const (
+		job      = "dpperm"
+		nodes    = 4
+		dp       = 2
+		replaced = 1
+	)
+	c, dpClient := dataParallelCluster(t, job, nodes, dp, 0.01)
+	client := func(r int) *jobsim.Orbax {
+		o := dpClient(r)
+		o.PeerRanks = []int{r ^ 1}
+		return o
+	}
+	ctx := repCtx(t)
+	c.all(t, func(r int) error {
+		_, _, err := client(r).Start(ctx)
+		return err
+	})
+	c.all(t, func(r int) error { return client(r).Save(ctx, 10) })
+	name := waitCompleteBackup(t, c.nodes[0], job, 10)
+	datas, err := filepath.Glob(filepath.Join(c.backup, job, name, "*.data"))
+	require.NoError(t, err)
+	require.Len(t, datas, nodes, "every node's own data: %v", datas)
+	for r := range nodes {
+		require.Contains(t, c.agents[r].log(), "peer-ranks name ranks outside this node's data-parallel column", "rank %d", r)
+	}
+
+	// Rank 1's machine is replaced: the agent dies and its RAM is gone.
+	killAgent(t, c.agents[replaced])
+	forceUnmount(c.nodes[replaced].dir)
+	c.nodes[replaced].dropSpool(t)
+	c.agents[replaced] = c.nodes[replaced].start(t)
+	ctx = repCtx(t)
+	c.all(t, func(r int) error { return restoresStep(ctx, client(r), 10) })
+	for r := range nodes {
+		require.Equal(t, []string{fmt.Sprintf("ocdbt.process_%d", r)}, stateWriters(t, c.nodes[r].dir, 10), "rank %d restored another rank's data", r)
+	}
+	require.Contains(t, c.agents[0].log(), "the job's peer-ranks are not mtcfs's data-parallel columns")
+}
+
 // dataParallelCluster starts nodes agents (rank r listening on 127.0.0.r+1) and returns them with
 // rank r's client of a job with data-parallelism dp, whose peer is its column-mate.
 func dataParallelCluster(t *testing.T, job string, nodes, dp int, backupMinutes float64) (*cluster, func(rank int) *jobsim.Orbax) {
