@@ -189,8 +189,7 @@ func TestParseConfigValid(t *testing.T) {
 			doc:  edit(validBase, "peer-ranks: [0, 1]"),
 			want: Config{JobName: "j", Framework: "orbax", NodeRank: 2, Nodes: 4, PeerRanks: []int{0, 1}, PeersPerNode: 1,
 				BackupIntervalMinutes: 30, WorkersPerNode: 1},
-			warnings: []string{"peers-per-node ignored: peer-ranks is given"},
-			peers:    []int{0, 1},
+			peers: []int{0, 1},
 		},
 		{
 			name: "unknown keys are sorted warnings",

@@ -267,7 +267,6 @@ func TestHandshakeWarningsDoNotStopTheRun(t *testing.T) {
 		name, doc, warning string
 	}{
 		{"unknown key", withKeys("enable-telemetry: true"), `unknown key "enable-telemetry" ignored`},
-		{"both peer keys (explicit ranks win)", withKeys("peers-per-node: 1"), "peers-per-node ignored"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -283,6 +282,19 @@ func TestHandshakeWarningsDoNotStopTheRun(t *testing.T) {
 				t.Errorf("a warning must not be fatal: replicator.failed = %q", h.read(layout.ReplicatorFailedName))
 			}
 		})
+	}
+}
+
+// TestHandshakeNeMoPeerKeysSayNothing: NeMo writes peers-per-node: 1 beside peer-ranks at every
+// start; explicit ranks win (SPEC §4), and the job got an ERR line each time (a black-box run of
+// the upstream code).
+func TestHandshakeNeMoPeerKeysSayNothing(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(withKeys("peers-per-node: 1"), "job")
+	h.checkPrerestore(map[string]any{})
+	if h.exists(layout.ReplicatorErrorsName) {
+		t.Errorf("replicator.errors = %q, want none", h.read(layout.ReplicatorErrorsName))
 	}
 }
 
