@@ -383,8 +383,12 @@ func (c *JobCoordinator) computePlan() {
 	invs, gen, stale, staleLines := tiers.CutStaleTimelines(c.cfg, c.invs) // c.invs is frozen: planning is set
 	if part := c.cfg.Nodes / max(c.cfg.AssumeDataParallelism, 1); c.cfg.AssumeDataParallelism > 1 {
 		if holder, q, step, ok := columnsContradicted(c.cfg, invs, part); ok {
-			c.log.Warn("the job's peer-ranks are not mtcfs's data-parallel columns (ranks equal mod nodes/D): no node's data is taken for another's in this restore",
-				"holder", holder, "replica_of_rank", q, "step", step, "partitions", part)
+			cols, ok := peerColumns(c.cfg, invs, part)
+			c.log.Warn("the job's peer-ranks are not mtcfs's data-parallel columns (ranks equal mod nodes/D): columns are taken from the .meta replicas each node holds, of its peers",
+				"holder", holder, "replica_of_rank", q, "step", step, "partitions", part, "columns", cols, "complete", ok)
+			if !ok {
+				c.log.Warn("the nodes' .meta replicas do not make whole columns: no node's data is taken for another's in this restore")
+			}
 		}
 	}
 	invs, inferred := inferFromColumns(c.cfg, invs)
@@ -474,9 +478,10 @@ func PlanForRank(plan tiers.RestorePlan, rank, workers int) tiers.RestorePlan {
 // columnsContradicted reports a node (holder) that holds a replica of the .meta of rank q of
 // step, q not in holder's column (the ranks equal mod part): in data-parallel mode nodes
 // exchange .meta files with their peers only, so the job's peer-ranks are not mtcfs's columns
-// (Orbax computes them from process indices, which may differ from node ranks). Nothing is
-// then inferred: a node's data would stand for a rank the job does not consider equivalent (a
-// black-box run of the upstream code restored a rank with another column's data).
+// (Orbax computes them from process indices, which may differ from node ranks). The columns
+// then come from the replicas the nodes hold (peerColumns), or nothing is inferred: a node's
+// data must not stand for a rank the job does not hold for equivalent (a black-box run of the
+// upstream code restored a rank with another column's data).
 func columnsContradicted(cfg *tiers.Config, invs []tiers.Inventory, part int) (holder, q int, step int64, ok bool) {
 	if part >= cfg.Nodes {
 		return 0, 0, 0, false // one node per column: nothing is inferred across ranks
@@ -492,6 +497,56 @@ func columnsContradicted(cfg *tiers.Config, invs []tiers.Inventory, part int) (h
 	return 0, 0, 0, false
 }
 
+// peerColumns returns the job's own columns, by rank (each the lowest rank of its column), when
+// its peer-ranks are not mtcfs's (columnsContradicted): a node holds the .meta replicas of its
+// peers only, so a holder and the rank of a replica it holds are column-mates. ok is false
+// unless that evidence makes exactly part columns of nodes/part ranks each (a rank whose RAM and
+// whose peers' RAM were all lost is in none): then nothing is inferred.
+func peerColumns(cfg *tiers.Config, invs []tiers.Inventory, part int) (cols []int, ok bool) {
+	parent := make([]int, cfg.Nodes)
+	for r := range parent {
+		parent[r] = r
+	}
+	var find func(int) int
+	find = func(r int) int {
+		for parent[r] != r {
+			parent[r] = parent[parent[r]]
+			r = parent[r]
+		}
+		return r
+	}
+	for _, inv := range invs {
+		if inv.Rank < 0 || inv.Rank >= cfg.Nodes {
+			continue
+		}
+		for name := range inv.Metas {
+			m, inShape, valid := tiers.JobMeta(cfg, name)
+			if !valid || !inShape || m.Node == inv.Rank {
+				continue
+			}
+			a, b := find(inv.Rank), find(m.Node)
+			if a != b {
+				parent[max(a, b)] = min(a, b) // the lowest rank roots its column
+			}
+		}
+	}
+	size := map[int]int{}
+	cols = make([]int, cfg.Nodes)
+	for r := range cols {
+		cols[r] = find(r)
+		size[cols[r]]++
+	}
+	if len(size) != part {
+		return nil, false
+	}
+	for _, n := range size {
+		if n != cfg.Nodes/part {
+			return nil, false
+		}
+	}
+	return cols, true
+}
+
 // inferFromColumns implements the data-parallel inference described at JobCoordinator. It
 // returns invs itself when nothing is inferred, else a copy in which the inferred .meta entries
 // were added to the inventories of the ranks they are about (only those inventories' maps are
@@ -505,8 +560,19 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 	if d > 0 {
 		part = cfg.Nodes / d
 	}
-	if _, _, _, ok := columnsContradicted(cfg, invs, part); ok {
-		return invs, nil
+	colOf := func(rank int) int { return rank % part }
+	_, _, _, byPeers := columnsContradicted(cfg, invs, part)
+	if byPeers {
+		cols, ok := peerColumns(cfg, invs, part)
+		if !ok {
+			return invs, nil
+		}
+		colOf = func(rank int) int {
+			if rank >= len(cols) {
+				return -1 // a rank past the job's nodes: no column known
+			}
+			return cols[rank]
+		}
 	}
 	held := map[string]bool{}
 	for _, inv := range invs {
@@ -527,7 +593,7 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 		shrunk := inv.Shape.Nodes > 0 && inv.Shape.DataParallelism > 0 && cfg.Shape().Restores(inv.Shape, true)
 		for name, hash := range inv.Metas {
 			m, inShape, ok := tiers.JobMeta(cfg, name)
-			if !ok || !held[hash] || m.Worker >= cfg.WorkersPerNode || (!inShape && !shrunk) {
+			if !ok || !held[hash] || m.Worker >= cfg.WorkersPerNode || (!inShape && !shrunk) || colOf(m.Node) < 0 {
 				continue
 			}
 			if usable[m.Step] == nil {
@@ -536,7 +602,7 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 			if inShape {
 				usable[m.Step][tiers.Slot{Rank: m.Node, Worker: m.Worker}] = true
 			}
-			cs := columnSlot{m.Node % part, m.Worker}
+			cs := columnSlot{colOf(m.Node), m.Worker}
 			// The lowest rank (then the smallest hash) wins, so the plan does not depend on
 			// map order.
 			if cur, ok := columns[m.Step][cs]; !ok || m.Node < cur.rank || (m.Node == cur.rank && hash < cur.hash) {
@@ -575,7 +641,7 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 				}
 				out[r].Metas, copied = metas, true
 			}
-			src := columns[best][columnSlot{r % part, w}]
+			src := columns[best][columnSlot{colOf(r), w}]
 			name := layout.MarkerName{Job: cfg.JobName, Step: best, Node: r, Worker: w, Kind: layout.MarkerMeta}.String()
 			out[r].Metas[name] = src.hash
 			inferred = append(inferred, slot)

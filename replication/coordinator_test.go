@@ -492,10 +492,19 @@ func TestCoordinatorNegotiate(t *testing.T) {
 			// The job's peer-ranks pair ranks 0 and 1, 2 and 3 (Orbax, process indices mapped
 			// to other node ranks): rank 0 holds rank 1's .meta. Rank 1's RAM is lost: its
 			// column-mate by rank (3) holds another partition's data, which a black-box run of
-			// the upstream code restored on rank 1. Nothing is inferred: the step is not
-			// complete in RAM.
-			name: "data-parallel: peer-ranks that are not mtcfs's columns: nothing inferred", nodes: 4, dp: 2,
+			// the upstream code restored on rank 1. The columns come from the replicas held:
+			// rank 1 restores rank 0's data.
+			name: "data-parallel: peer-ranks that are not mtcfs's columns: columns from the replicas", nodes: 4, dp: 2,
 			invs: []tiers.Inventory{holding(own(0, 10, 20), 1, 20, false), {Rank: 1}, holding(own(2, 10, 20), 3, 20, false), holding(own(3, 10, 20), 2, 20, false)},
+			want: tiers.RestorePlan{Step: 20, Found: true},
+			data: []string{dataOf(0, 20), dataOf(0, 20), dataOf(2, 20), dataOf(3, 20)}, holders: [][]int{{0}, {0}, {2}, {3}},
+		},
+		{
+			// As above, but no replica pairs ranks 2 and 3: the columns are not whole, and
+			// nothing is inferred (rank 3, rank 1's column-mate by rank, holds another
+			// partition's data).
+			name: "data-parallel: peer-ranks that are not mtcfs's columns, replicas that do not make whole columns: nothing inferred", nodes: 4, dp: 2,
+			invs: []tiers.Inventory{holding(own(0, 10, 20), 1, 20, false), {Rank: 1}, own(2, 10, 20), own(3, 10, 20)},
 			want: tiers.RestorePlan{},
 		},
 		{

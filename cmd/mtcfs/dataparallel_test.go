@@ -190,7 +190,9 @@ func TestDataParallelBackup(t *testing.T) {
 // 1 and 3). A black-box run of the upstream code restored rank 1 with rank 3's data (another
 // partition's) after rank 1's RAM was lost, without a word, and the backup held only ranks 2
 // and 3's data. Now every node whose peers are outside its column backs up its own data, and
-// no node's data stands for another's: rank 1 restores its own data from the backup.
+// rank 0 takes the columns from the .meta replicas the nodes hold: rank 1 restores the data of
+// rank 0, its column-mate for the job; with every node's RAM lost, each restores its own data
+// from the backup.
 func TestDataParallelPeersOtherThanColumns(t *testing.T) {
 	needRoot(t)
 	const (
@@ -227,9 +229,28 @@ func TestDataParallelPeersOtherThanColumns(t *testing.T) {
 	ctx = repCtx(t)
 	c.all(t, func(r int) error { return restoresStep(ctx, client(r), 10) })
 	for r := range nodes {
-		require.Equal(t, []string{fmt.Sprintf("ocdbt.process_%d", r)}, stateWriters(t, c.nodes[r].dir, 10), "rank %d restored another rank's data", r)
+		writer := r
+		if r == replaced {
+			writer = r ^ 1
+		}
+		require.Equal(t, []string{fmt.Sprintf("ocdbt.process_%d", writer)}, stateWriters(t, c.nodes[r].dir, 10), "rank %d restored the data of the wrong writer", r)
 	}
 	require.Contains(t, c.agents[0].log(), "the job's peer-ranks are not mtcfs's data-parallel columns")
+	require.Regexp(t, `msg="restore plan" nodes=4 found=true step=10 .*inferred_metas=1 `, c.agents[0].log())
+
+	// Every node's RAM is lost: each rank restores its own data from the backup.
+	for r := range nodes {
+		stopAgent(t, c.agents[r])
+		c.nodes[r].dropSpool(t)
+	}
+	for r := range nodes {
+		c.agents[r] = c.nodes[r].start(t)
+	}
+	ctx = repCtx(t)
+	c.all(t, func(r int) error { return restoresStep(ctx, client(r), 10) })
+	for r := range nodes {
+		require.Equal(t, []string{fmt.Sprintf("ocdbt.process_%d", r)}, stateWriters(t, c.nodes[r].dir, 10), "rank %d restored another rank's data from the backup", r)
+	}
 }
 
 // dataParallelCluster starts nodes agents (rank r listening on 127.0.0.r+1) and returns them with

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -458,6 +459,11 @@ func (o *Orbax) mayRestoreFrom(writer int) bool {
 	}
 	if o.DataParallelism <= 0 || o.Nodes <= 0 || o.Nodes%o.DataParallelism != 0 {
 		return false
+	}
+	if o.PeerRanks != nil {
+		// As Orbax: the peer-ranks are the other processes of this one's column, which may
+		// not be the ranks equal to it mod P (process indices mapped to other node ranks).
+		return slices.Contains(o.PeerRanks, writer)
 	}
 	p := o.Nodes / o.DataParallelism
 	return writer%p == o.Rank%p
