@@ -102,6 +102,9 @@ type backupOrder struct {
 	// superseded names the earlier orders this one replaced when a node failed them (see
 	// dropSuperseded).
 	superseded []string
+	// stale: the step was saved again while this order ran; its backup may hold the earlier
+	// save, so it does not count as the step's backup.
+	stale bool
 }
 
 func (b *backupState) init(every time.Duration, steps int) {
@@ -210,9 +213,20 @@ func (c *JobCoordinator) resumable(ctx context.Context, plan tiers.RestorePlan, 
 
 // backupSynced records that every rank synced step and orders a backup if one is due. Called
 // with mu held.
-func (c *JobCoordinator) backupSynced(step int64) {
+func (c *JobCoordinator) backupSynced(step int64, resaved bool) {
 	b := &c.backups
 	now := c.clock.Now()
+	if resaved {
+		// The step saved again: a backup of it holds the earlier save, and one running now may
+		// too. It is backed up again.
+		if b.backedUp == step {
+			b.backedUp = step - 1
+			c.log.Info("step saved again after its backup: it is backed up again", "step", step, "backup", b.lastName)
+		}
+		if o := b.order; o != nil && o.step == step {
+			o.stale = true
+		}
+	}
 	if !b.started {
 		b.started, b.clockFrom = true, now
 	}
@@ -460,13 +474,19 @@ func (c *JobCoordinator) backupReport(rank int, rep tiers.BackupReport) {
 			}
 			return
 		}
-		b.backedUp = max(b.backedUp, o.step)
+		if !o.stale {
+			b.backedUp = max(b.backedUp, o.step)
+		}
 		b.order = nil
 		b.wake()
 		if o.step == b.backedUp {
 			b.lastName, b.auditAt = o.name, now.Add(c.auditEvery())
 		}
-		c.log.Info("backup complete", "backup", o.name, "step", o.step)
+		if o.stale {
+			c.log.Info("backup complete, of the step's earlier save: the step was saved again since", "backup", o.name, "step", o.step)
+		} else {
+			c.log.Info("backup complete", "backup", o.name, "step", o.step)
+		}
 		if len(o.superseded) > 0 {
 			go c.dropSuperseded(o.superseded)
 		}

@@ -3,6 +3,7 @@ package replication
 import (
 	"context"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -223,6 +224,46 @@ func TestBackupOrdersEveryNSteps(t *testing.T) {
 	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "the minute has a backup")
 	clock.Advance(time.Minute)
 	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-02", Step: 105}, eventuallyOrder(t, c, 1))
+}
+
+// TestStepSavedAgainIsBackedUpAgain: a step saved again (every rank reports it again, naming
+// other data) once it was backed up is backed up again; so is one saved again while its backup
+// ran, whose backup may hold the earlier save. Before, the second report was taken for a retry
+// of the first: a black-box run restored the first save from the backup after every node's RAM
+// was lost. A report naming the same data again stays a retry.
+func TestStepSavedAgainIsBackedUpAgain(t *testing.T) {
+	t.Parallel()
+	const nodes = 2
+	c, clock := backupJob(t, nodes, 0, 1, &fakeStore{backups: map[string][]tiers.BackupStep{}}, nil)
+	report := func(step int64, data string) {
+		t.Helper()
+		var wg sync.WaitGroup
+		errs := make([]error, nodes)
+		for r := range nodes {
+			wg.Go(func() {
+				_, errs[r] = c.Sync(t.Context(), r, tiers.SyncReport{Step: step, Data: fmt.Sprintf("%s-%d", data, r)})
+			})
+		}
+		wg.Wait()
+		for _, err := range errs {
+			require.NoError(t, err)
+		}
+	}
+	report(7, "first")
+	first := orderOf(t, c, 0, tiers.BackupReport{})
+	require.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-00", Step: 7}, first)
+	allDone(t, c, nodes, first.Backup)
+	report(7, "first") // a retry
+	clock.Advance(time.Minute)
+	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "a retry of the same save is not backed up again")
+
+	report(7, "second")
+	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-01", Step: 7}, eventuallyOrder(t, c, 0), "the second save of step 7")
+	// Saved a third time while that backup runs: once it completes, the step is backed up again.
+	report(7, "third")
+	allDone(t, c, nodes, "2030-01-02_03-01")
+	clock.Advance(time.Minute)
+	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-02", Step: 7}, eventuallyOrder(t, c, 1), "the third save of step 7")
 }
 
 // A failed (or cut short) backup is ordered again after a backoff, to the same name, and only

@@ -175,6 +175,7 @@ type JobCoordinator struct {
 	nRestored  int         // GUARDED_BY(mu)
 
 	synced  []int64              // GUARDED_BY(mu); by rank: the highest step reported, -1 for none
+	data    []string             // GUARDED_BY(mu); by rank: the data it reported with synced ("": not said)
 	ahead   int                  // GUARDED_BY(mu); a rank with the highest synced step
 	rounds  map[int64]*syncRound // GUARDED_BY(mu); the pending steps and the latest finished ones
 	pinned  string               // GUARDED_BY(mu); restore.version in force until its one-shot deletion
@@ -217,6 +218,7 @@ func NewJobCoordinator(cfg *tiers.Config, opts Options) (*JobCoordinator, error)
 		waiting:       make([]int, cfg.Nodes),
 		restored:      make([]bool, cfg.Nodes),
 		synced:        make([]int64, cfg.Nodes),
+		data:          make([]string, cfg.Nodes),
 		rounds:        map[int64]*syncRound{},
 		floor:         opts.LastBackup,
 		replicated:    -1,
@@ -734,6 +736,29 @@ func (c *JobCoordinator) Sync(ctx context.Context, rank int, rep tiers.SyncRepor
 // arrive counts rank's report and returns the round to wait for.
 func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, error) {
 	last := c.synced[rank]
+	if rep.Step == last && rep.Data != "" && c.data[rank] != "" && rep.Data != c.data[rank] {
+		// The step saved again by this rank, with other data. It was taken for a retry of the
+		// first save's sync: a step saved again once it was backed up was never backed up
+		// again (a black-box run restored the first save). The other ranks' reports of the
+		// step stand (they need not save it again).
+		c.data[rank] = rep.Data
+		c.log.Info("step saved again", "step", rep.Step, "rank", rank)
+		if r := c.rounds[rep.Step]; r != nil && r.err == nil {
+			if !rep.Replicated && !slices.Contains(r.missing, rank) {
+				r.missing = append(r.missing, rank)
+			}
+			if !r.finished() {
+				return r, nil // this rank is counted already; no backup of the step yet
+			}
+			c.backupSynced(rep.Step, true)
+			if rep.Replicated {
+				return c.replicatedLater(r, rank), nil
+			}
+			done := make(chan struct{})
+			close(done)
+			return &syncRound{step: r.step, done: done}, nil
+		}
+	}
 	if rep.Step <= last {
 		r := c.rounds[rep.Step]
 		if r == nil || (rep.Step < last && !r.finished()) {
@@ -745,7 +770,7 @@ func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, err
 		return r, nil // a retry: the outcome of the same round
 	}
 	aheadRank, aheadStep := c.ahead, c.synced[c.ahead]
-	c.synced[rank] = rep.Step
+	c.synced[rank], c.data[rank] = rep.Step, rep.Data
 	if rep.Step > aheadStep {
 		c.ahead = rank
 	}
@@ -766,8 +791,14 @@ func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, err
 			r.stop = c.clock.AfterFunc(c.lagTimeout, func() { c.expire(r) })
 		}
 	}
+	return c.count(r, rank, rep), nil
+}
+
+// count counts rank's report in r and completes r when every rank reported. Called with
+// c.mu held.
+func (c *JobCoordinator) count(r *syncRound, rank int, rep tiers.SyncReport) *syncRound {
 	if r.finished() {
-		return r, nil
+		return r
 	}
 	r.arrived++
 	if !rep.Replicated {
@@ -776,7 +807,7 @@ func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, err
 	if r.arrived == c.cfg.Nodes {
 		c.complete(r)
 	}
-	return r, nil
+	return r
 }
 
 func (r *syncRound) finished() bool {
@@ -818,7 +849,7 @@ func (c *JobCoordinator) complete(r *syncRound) {
 		c.log.Warn("step not replicated", "step", r.step, "ranks", r.missing)
 	}
 	c.finish(r, dec, nil)
-	c.backupSynced(r.step)
+	c.backupSynced(r.step, false)
 	// Every rank reported r.step, so every earlier round is finished and no rank can ask for
 	// it again (all are past it).
 	for step := range c.rounds {

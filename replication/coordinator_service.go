@@ -138,7 +138,7 @@ func (s *CoordinatorService) Sync(ctx context.Context, req *peerpb.SyncRequest) 
 	if req.GetStep() < 0 {
 		return nil, errInvalid("sync of step %d: steps are ≥ 0", req.GetStep())
 	}
-	dec, err := c.Sync(ctx, inc.Config.NodeRank, tiers.SyncReport{Step: req.GetStep(), Replicated: req.GetReplicated()})
+	dec, err := c.Sync(ctx, inc.Config.NodeRank, tiers.SyncReport{Step: req.GetStep(), Replicated: req.GetReplicated(), Data: req.GetData()})
 	if err != nil {
 		return nil, coordinatorStatus(err)
 	}
@@ -518,7 +518,7 @@ func (r *RemoteCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep
 	if err != nil {
 		return tiers.SyncDecision{}, err
 	}
-	req := &peerpb.SyncRequest{Caller: caller, Step: rep.Step, Replicated: rep.Replicated}
+	req := &peerpb.SyncRequest{Caller: caller, Step: rep.Step, Replicated: rep.Replicated, Data: rep.Data}
 	var reply *peerpb.SyncReply
 	err = r.call(ctx, inc, "Sync", func(ctx context.Context, c peerpb.CoordinatorClient, opt grpc.CallOption) (err error) {
 		reply, err = c.Sync(ctx, req, opt)

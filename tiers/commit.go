@@ -58,6 +58,8 @@ type commit struct {
 	// duringRestore: committed while the incarnation's restore ran (the job did not wait for its
 	// markers); a commit after it ends the restored step's use (incarnation.inUse).
 	duringRestore bool
+	// syncData names the node's data of the step, by worker, for its sync (SyncReport.Data).
+	syncData string
 }
 
 // commitRecord is commit.json: enough to name the step's .meta after a crash.

@@ -20,6 +20,9 @@ type SyncReport struct {
 	// Replicated is true when every peer of this node acknowledged a verified replica of the
 	// step (or the node has no peers). Only acknowledged replicas count (SPEC §4).
 	Replicated bool
+	// Data names the node's data of the step, by worker (comma-separated hashes; "": not
+	// said). A second report of the same step naming other data is the step saved again.
+	Data string
 }
 
 // SyncDecision is the coordinator's answer to a sync.

@@ -1081,6 +1081,28 @@ func TestStatusAfterARestartNamesTheRestoredStepInRAMOnly(t *testing.T) {
 	require.EqualValues(t, 2, *st.InRAMOnly)
 }
 
+// TestSyncNamesTheStepsData: a sync names the node's data of the step, so that the coordinator
+// tells a step saved again (other data) from a retry, and backs it up again.
+func TestSyncNamesTheStepsData(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	first := h.orbaxSave(1, checkpointFiles("first"))
+	h.waitSealed("job", 1, "1")
+	second := h.orbaxSave(1, checkpointFiles("second"))
+	h.eventually("both saves of step 1 synced", func() string {
+		syncs, _ := h.coord.syncLog()
+		var data []string
+		for _, s := range syncs {
+			data = append(data, s.Data)
+		}
+		if !slices.Equal(data, []string{first + ".data", second + ".data"}) {
+			return fmt.Sprintf("syncs name %q, want %q then %q", data, first+".data", second+".data")
+		}
+		return ""
+	})
+}
+
 func TestNewIncarnation(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessConfig{})

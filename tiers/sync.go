@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -147,20 +148,26 @@ func (sy *syncer) run() {
 			continue
 		}
 		delete(steps, k)
+		c := s.commit
+		var data []string
+		for _, w := range slices.Sorted(maps.Keys(p.pushes)) {
+			data = append(data, p.pushes[w].s.dataName)
+		}
+		c.syncData = strings.Join(data, ",")
 		if !s.restored && sy.incs.isCurrent(s.inc) && s.inc.restoring() {
 			// Committed while the restore runs: pushed again, and synced, once it is done.
 			var again []sealedStep
 			for _, w := range slices.Sorted(maps.Keys(p.pushes)) {
 				again = append(again, p.pushes[w].s)
 			}
-			sy.afterRestore = append(sy.afterRestore, waitingSync{c: s.commit, again: again})
+			sy.afterRestore = append(sy.afterRestore, waitingSync{c: c, again: again})
 			continue
 		}
 		failed := maps.Clone(p.pushes)
 		maps.DeleteFunc(failed, func(_ int, f workerPushes) bool { return len(f.peers) == 0 })
-		synced := sy.sync(s.commit, len(failed) == 0)
+		synced := sy.sync(c, len(failed) == 0)
 		if len(failed) > 0 && sy.incs.isCurrent(s.inc) {
-			sy.pushLater(s.commit, failed, synced)
+			sy.pushLater(c, failed, synced)
 		}
 	}
 }
@@ -426,7 +433,7 @@ func (sy *syncer) syncNow(c commit, replicated bool) bool {
 		return false
 	}
 	c.inc.noteCommitted(c.step)
-	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated})
+	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated, Data: c.syncData})
 	if err != nil && c.inc.ctx.Err() != nil {
 		// The incarnation ended (the job restarted, or the agent stops): nothing went wrong
 		// that the job or an operator should hear of (before, every restart logged an ERROR).

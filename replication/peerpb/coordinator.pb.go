@@ -848,7 +848,11 @@ type SyncRequest struct {
 	Step   int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
 	// Every peer this node replicates to acknowledged a verified replica of the step (or the
 	// job has no peers).
-	Replicated    bool `protobuf:"varint,4,opt,name=replicated,proto3" json:"replicated,omitempty"`
+	Replicated bool `protobuf:"varint,4,opt,name=replicated,proto3" json:"replicated,omitempty"`
+	// The node's data of the step, by worker (its hashes, comma-separated; "": not said, an
+	// agent of an earlier version). A second report of the same step naming other data is the
+	// step saved again: a new round, and the step is backed up again.
+	Data          string `protobuf:"bytes,5,opt,name=data,proto3" json:"data,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -902,6 +906,13 @@ func (x *SyncRequest) GetReplicated() bool {
 		return x.Replicated
 	}
 	return false
+}
+
+func (x *SyncRequest) GetData() string {
+	if x != nil {
+		return x.Data
+	}
+	return ""
 }
 
 type SyncReply struct {
@@ -1176,13 +1187,14 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x14RestoreFailedRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\"\x14\n" +
-	"\x12RestoreFailedReply\"}\n" +
+	"\x12RestoreFailedReply\"\x91\x01\n" +
 	"\vSyncRequest\x124\n" +
 	"\x06caller\x18\x01 \x01(\v2\x1c.mtcfs.replication.v1.CallerR\x06caller\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x1e\n" +
 	"\n" +
 	"replicated\x18\x04 \x01(\bR\n" +
-	"replicatedJ\x04\b\x03\x10\x04\"1\n" +
+	"replicated\x12\x12\n" +
+	"\x04data\x18\x05 \x01(\tR\x04dataJ\x04\b\x03\x10\x04\"1\n" +
 	"\tSyncReply\x12\x1e\n" +
 	"\n" +
 	"replicated\x18\x02 \x01(\bR\n" +
