@@ -609,6 +609,17 @@ func legacyDefaultSpoolDir(abs string) string {
 	return filepath.Join("/dev/shm", "mtcfs", base+"-"+hex.EncodeToString(sum[:6]))
 }
 
+// OwnerMountState returns the mount directory the spool at dir records (its owner record; ""
+// when none) and whether that directory exists (MountExists, MountGone, MountNotDir), as spool
+// list tells, without waiting on a stopped agent's mount.
+func OwnerMountState(dir string) (Owner, string) {
+	o, err := ReadOwner(dir)
+	if err != nil || o.MountPath == "" {
+		return o, MountUnknown
+	}
+	return o, mountPathState(o.MountPath, readMounts())
+}
+
 // mountStatTimeout bounds mountPathState's lstat.
 var mountStatTimeout = 2 * time.Second
 

@@ -284,6 +284,29 @@ func readSecretFile(file string) ([]byte, error) {
 	return secret, nil
 }
 
+// checkSpoolOfAnotherMount refuses a --spool that is the kept spool of another mount directory
+// that still exists: its checkpoints are that mount's job's, and this agent would adopt or drop
+// them (a black-box run: a mistyped --spool freed another job's only copy of its newest step at
+// this job's start). A kept spool whose mount directory is gone is the documented way to take its
+// checkpoints to another mount, and is served.
+func checkSpoolOfAnotherMount(dir, spool string) error {
+	o, state := tiers.OwnerMountState(spool)
+	if o.MountPath == "" || o.MountPath == dir || state != tiers.MountExists {
+		return nil
+	}
+	f, err := tiers.LockSpool(spool)
+	if err != nil {
+		return nil // in use (a live agent's: opening it says so) or unreadable: as before
+	}
+	f.Close()
+	job := ""
+	if o.Job != "" {
+		job = fmt.Sprintf(" (job %s)", o.Job)
+	}
+	return fmt.Errorf("--spool %s is the kept spool of the mount directory %s%s, which still exists: its checkpoints are that mount's, and this agent would drop them; give this mount its own --spool (or none: the default is one per mount directory), or serve %s with it. To take its checkpoints to this mount on purpose, move or remove %s first",
+		spool, o.MountPath, job, o.MountPath, o.MountPath)
+}
+
 func openBackups(url string) (*gcsbackend.Backups, error) {
 	store, err := gcsbackend.Open(url)
 	if err != nil {
@@ -705,6 +728,9 @@ func runMount(cfg mountConfig) error {
 		cfg.spoolDir = abs
 	}
 	if err := checkSpoolPlacement(cfg.dir, cfg.spoolDir); err != nil {
+		return err
+	}
+	if err := checkSpoolOfAnotherMount(cfg.dir, cfg.spoolDir); err != nil {
 		return err
 	}
 	if err := checkBackupBesideSpool(cfg.spoolDir, cfg.backupURL); err != nil {

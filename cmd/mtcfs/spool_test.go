@@ -619,6 +619,42 @@ func TestMountDirMovedWhileStopped(t *testing.T) {
 	stopAgent(t, c)
 }
 
+// TestSpoolOfAnotherMountIsRefused: a --spool that is the kept spool of another mount directory,
+// which still exists, is refused: a black-box run mistyped it, and the agent adopted the spool,
+// told the other job's restart notice to its own job, and freed the other job's only copy of its
+// newest step at its own job's start. That mount's agent then restores it. (With the other
+// mount directory gone, the kept spool is served: TestMountDirMovedWhileStopped.)
+func TestSpoolOfAnotherMountIsRefused(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	base := t.TempDir()
+	dir1, dir2 := filepath.Join(base, "m1"), filepath.Join(base, "m2")
+	require.NoError(t, os.Mkdir(dir1, 0o755))
+	require.NoError(t, os.Mkdir(dir2, 0o755))
+	spool1 := tiers.DefaultSpoolDir(dir1)
+	t.Cleanup(func() {
+		forceUnmount(dir1)
+		forceUnmount(dir2)
+		runMtcfs(t, "spool", "free", spool1)
+		runMtcfs(t, "spool", "free", tiers.DefaultSpoolDir(dir2))
+	})
+	const job = "owner-job"
+	a := startAgentIn(t, nil, dir1, "")
+	o := startedOrbax(t, ctx, dir1, job, 0)
+	require.NoError(t, o.Save(ctx, 1))
+	waitStepSealed(t, dir1, job, 1)
+	stopAgent(t, a)
+
+	out, code := runBounded(t, 30*time.Second, "mount", dir2, "--spool", spool1, "--memory", "64MiB")
+	require.Equal(t, 1, code, "the start should fail\n%s", out)
+	assert.Contains(t, out, "--spool "+spool1+" is the kept spool of the mount directory "+dir1+" (job "+job+"), which still exists")
+	assert.False(t, isMounted(dir2), "nothing is mounted at the refused start")
+
+	b := startAgentIn(t, nil, dir1, "")
+	require.NoError(t, restoresStep(ctx, orbaxClient(t, dir1, job, 0), 1), "%s", b.log())
+	stopAgent(t, b)
+}
+
 // TestBackupIntoTheMountIsRefused: a file:// location may hold the mount directory (backups go
 // to <root>/<job>), but a job named like the directory on the way would back up into its own
 // mount, the agent's RAM: it is refused in replicator.failed (it was served, and said "backup
