@@ -9,8 +9,10 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"os/signal"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/mtcfs/mtcfs/gcsbackend"
@@ -115,10 +117,20 @@ type flagSetWithBackup struct {
 
 // context is the command's context: bounded by --timeout when given.
 func (f *flagSetWithBackup) context() (context.Context, context.CancelFunc) {
+	// Ctrl-C (or SIGTERM) ends the command's work as --timeout does, so that what it leaves is
+	// cleaned up or named: an export interrupted left a hidden half-written data directory that
+	// made the next export refuse the destination (a black-box run). A second one kills.
+	base, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	go func() {
+		<-base.Done()
+		stop()
+	}()
 	if *f.timeout > 0 {
-		return context.WithTimeout(context.Background(), *f.timeout)
+		ctx, cancel := context.WithTimeout(base, *f.timeout)
+		return ctx, func() { cancel(); stop() }
 	}
-	return context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancel(base)
+	return ctx, func() { cancel(); stop() }
 }
 
 // gaveUp says that the command stopped at --timeout (a location that does not answer, or work
@@ -134,6 +146,10 @@ func (f *flagSetWithBackup) gaveUp(ctx context.Context) string {
 func (f *flagSetWithBackup) fail(ctx context.Context, prefix string, err error) int {
 	if g := f.gaveUp(ctx); g != "" {
 		fmt.Fprintf(os.Stderr, "%s %s (%v)\n", prefix, g, err)
+		return 1
+	}
+	if errors.Is(ctx.Err(), context.Canceled) {
+		fmt.Fprintf(os.Stderr, "%s interrupted (%v)\n", prefix, err)
 		return 1
 	}
 	fmt.Fprintln(os.Stderr, prefix, err)
@@ -333,6 +349,12 @@ func cmdBackupsExport(args []string) int {
 		return flagError(f.fs, errors.New("want a backup NAME (see mtcfs backups list) and a destination DIR"))
 	}
 	name, dir := pos[0], pos[1]
+	if existing, _ := resolveExisting(dir); inMtcfsMount(existing) {
+		// An export there lives in that agent's RAM, charged to its job's budget, and the job
+		// removes what it does not know there at its next start (a black-box run).
+		fmt.Fprintf(os.Stderr, "mtcfs backups export: %s is inside an mtcfs mount: the export would live in that agent's RAM, and its job removes what it does not know there at its next start; export to a directory on a disk\n", dir)
+		return 1
+	}
 	ctx, cancel := f.context()
 	defer cancel()
 	start := time.Now()

@@ -155,6 +155,57 @@ func TestBackupCommandsTimeout(t *testing.T) {
 	assert.Contains(t, out, "--timeout -1s: want a positive duration, or 0 for no limit")
 }
 
+// TestBackupCommandsStopAtCtrlC: Ctrl-C ends a backups command as --timeout does: it exits 1
+// saying it was interrupted, and an export leaves its destination as it found it. Before, the
+// process died of the signal, and an export left a hidden half-written data directory that made
+// the next export refuse the destination (a black-box run).
+func TestBackupCommandsStopAtCtrlC(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	go func() {
+		var held []net.Conn
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				for _, c := range held {
+					c.Close()
+				}
+				return
+			}
+			held = append(held, c) // never answered
+		}
+	}()
+	t.Cleanup(func() { ln.Close() })
+	dest := filepath.Join(t.TempDir(), "export")
+	for _, args := range [][]string{
+		{"backups", "list"},
+		{"backups", "verify"},
+		{"backups", "export", "2026-12-05_10-00", dest},
+	} {
+		cmd := exec.Command(binPath, append(args, "--backup", "gs://blackholed", "--job", "train")...)
+		cmd.Env = append(os.Environ(), "STORAGE_EMULATOR_HOST="+ln.Addr().String())
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		require.NoError(t, cmd.Start())
+		time.Sleep(time.Second)
+		require.NoError(t, cmd.Process.Signal(os.Interrupt))
+		done := make(chan error, 1)
+		go func() { done <- cmd.Wait() }()
+		select {
+		case err = <-done:
+		case <-time.After(30 * time.Second):
+			cmd.Process.Kill()
+			t.Fatalf("%v: still running 30 s after Ctrl-C: %s", args, out.String())
+		}
+		var ee *exec.ExitError
+		require.ErrorAs(t, err, &ee, "%v: %s", args, out.String())
+		assert.Equal(t, 1, ee.ExitCode(), "%v: exit 1, not death by the signal: %s", args, out.String())
+		assert.Contains(t, out.String(), "interrupted", "%v", args)
+	}
+	assert.True(t, emptyOrMissing(dest), "the export's destination is left as it was")
+}
+
 // TestBackupsExportFailureSaysTheDirectoryIsPartial: an export that fails after writing (here the
 // data does not hash to the name its .meta gives) says that DIR holds part of it, which the next
 // export refuses (a review).

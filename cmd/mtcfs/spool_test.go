@@ -655,6 +655,27 @@ func TestSpoolOfAnotherMountIsRefused(t *testing.T) {
 	stopAgent(t, b)
 }
 
+// TestExportIntoAMountIsRefused: `backups export` into an mtcfs mount is refused before anything
+// is written: the export took the job's RAM budget, and the job removed it at its next start
+// without a word (a black-box run).
+func TestExportIntoAMountIsRefused(t *testing.T) {
+	needRoot(t)
+	dir := filepath.Join(t.TempDir(), "m")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	t.Cleanup(func() {
+		forceUnmount(dir)
+		runMtcfs(t, "spool", "free", tiers.DefaultSpoolDir(dir))
+	})
+	a := startAgentIn(t, nil, dir, "")
+	for _, dest := range []string{dir, filepath.Join(dir, "export")} {
+		out, code := runMtcfs(t, "backups", "export", "2026-12-05_10-00", dest, "--backup", "file://"+t.TempDir(), "--job", "train")
+		require.Equal(t, 1, code, out)
+		assert.Contains(t, out, dest+" is inside an mtcfs mount")
+	}
+	assert.NoDirExists(t, filepath.Join(dir, "export"))
+	stopAgent(t, a)
+}
+
 // TestBackupIntoTheMountIsRefused: a file:// location may hold the mount directory (backups go
 // to <root>/<job>), but a job named like the directory on the way would back up into its own
 // mount, the agent's RAM: it is refused in replicator.failed (it was served, and said "backup
