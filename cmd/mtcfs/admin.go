@@ -105,7 +105,7 @@ func backupFlags(name, synopsis string) (*flagSetWithBackup, error) {
 	f := &flagSetWithBackup{fs: fset}
 	f.url = fset.String("backup", gcsbackend.DefaultURL(), "backup location: file:///abs/dir or gs://bucket[/prefix]")
 	f.job = fset.String("job", "", "job name (required)")
-	f.timeout = fset.Duration("timeout", 0, "give up on the backup location after this long, exit 1 (0: no limit; a location that does not answer is retried for several minutes)")
+	f.timeout = durationFlag(fset, "timeout", 0, "give up on the backup location after this `duration`, exit 1 (0: no limit; a location that does not answer is retried for several minutes)")
 	return f, nil
 }
 

@@ -390,6 +390,7 @@ func TestMountErrors(t *testing.T) {
 		{"budget without a unit", []string{"mount", base, "--memory", "512", "--spool", filepath.Join(t.TempDir(), "s")}, 1, "below the minimum 16.0MiB (a number without a unit is bytes: give --memory a unit, such as --memory 2GiB)"},
 		{"budget above the machine", []string{"mount", base, "--memory", "1000TiB"}, 2, "more than this machine's memory"},
 		{"bad drain timeout", []string{"mount", base, "--drain-timeout", "-1s"}, 2, "want a duration ≥ 0"},
+		{"drain timeout without a unit", []string{"mount", base, "--drain-timeout", "30"}, 2, `"30" is not a duration: want a number with a unit (ms, s, m, h), e.g. 30s or 2m`},
 		{"bad takeover time", []string{"mount", base, "--takeover-after", "0s"}, 2, "want a duration > 0"},
 		{"negative rank", []string{"mount", base, "--rank", "-1", "--jax-coordinator", "h:1"}, 2, "--rank -1: want a rank ≥ 0"},
 		{"rank without coordinator", []string{"mount", base, "--rank", "0"}, 2, "--rank and --jax-coordinator go together"},

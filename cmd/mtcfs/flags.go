@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"strings"
+	"time"
 )
 
 // parseFlags parses flags that may appear before, between or after positional arguments
@@ -86,4 +87,31 @@ func subcommandUsage(cmd, synopsis string, args []string) int {
 		fmt.Fprintf(os.Stderr, "\nmtcfs %s: unknown subcommand %q\n", cmd, args[0])
 		return 2
 	}
+}
+
+// durationValue is a flag.Value for a duration whose parse error says what is wanted: the flag
+// package's own said only "parse error" for "--drain-timeout 30" (a black-box run).
+type durationValue struct{ d *time.Duration }
+
+func (v durationValue) String() string {
+	if v.d == nil {
+		return "0s" // the zero value's: a default of 0 is not printed
+	}
+	return v.d.String()
+}
+
+func (v durationValue) Set(s string) error {
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("%q is not a duration: want a number with a unit (ms, s, m, h), e.g. 30s or 2m", s)
+	}
+	*v.d = d
+	return nil
+}
+
+// durationFlag defines a duration flag with durationValue's errors.
+func durationFlag(fs *flag.FlagSet, name string, def time.Duration, usage string) *time.Duration {
+	d := def
+	fs.Var(durationValue{&d}, name, usage)
+	return &d
 }

@@ -125,8 +125,8 @@ func cmdMount(args []string) int {
 	mode := fset.String("mode", "", "permission bits of the mount root in octal, e.g. 0770 (default: the mount point directory's)")
 	hugeHeap := fset.String("heap-huge-pages", "128MiB", "how much of the agent's Go heap asks the kernel for transparent huge pages (a restart builds its metadata, some 1 KB per adopted file, in fresh memory; 4 KiB page faults were a sixth of its CPU): a size, or off; resident memory may exceed the Go runtime's count by up to that much; without the flag, a quarter of the Go memory limit where that is less")
 	goMem := fset.String("go-memory-limit", "auto", "the Go runtime's soft memory limit: auto (90% of what a memory cgroup limit leaves beside --memory; none without one), off, or a size; GOMEMLIMIT wins")
-	drain := fset.Duration("drain-timeout", tiers.DefaultDrainTimeout, "on SIGTERM/SIGINT, how long a running backup may finish before it is cut short (left incomplete, retried by the next agent)")
-	takeover := fset.Duration("takeover-after", mfs.DefaultTakeoverAfter, "how long a mount already at DIR may leave a request unanswered before it is taken over (its connection aborted, as root) when no mtcfs mount process for DIR runs")
+	drain := durationFlag(fset, "drain-timeout", tiers.DefaultDrainTimeout, "on SIGTERM/SIGINT, the `duration` a running backup may take to finish before it is cut short (left incomplete, retried by the next agent)")
+	takeover := durationFlag(fset, "takeover-after", mfs.DefaultTakeoverAfter, "the `duration` a mount already at DIR may leave a request unanswered before it is taken over (its connection aborted, as root) when no mtcfs mount process for DIR runs")
 	pos, err := parseFlags(fset, args)
 	if err != nil {
 		return flagError(fset, err)
