@@ -329,6 +329,18 @@ func (b *backupRunner) nameColumn(cfg *Config, p *Progress, data []string) (int,
 	return len(data), nil
 }
 
+// sealed notes a step this node sealed: the step its last backup holds, sealed again naming
+// other data, is in no backup yet, and status says so (it said the step was backed up, while
+// rank 0 backs it up again: a black-box run).
+func (b *backupRunner) sealed(job string, step int64, worker int, hash string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.lastJob != job || b.lastStep != step || b.lastNamedStep != step || worker >= len(b.lastNamed) || b.lastNamed[worker] == hash {
+		return
+	}
+	b.lastStep = step - 1
+}
+
 // stop lets no new backup start and waits until the running one (if any) finished, at most the
 // drain time. Close calls it, then cancels the agent's context, which cuts an upload short.
 func (b *backupRunner) stop() {

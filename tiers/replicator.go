@@ -257,6 +257,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	r.syncer.rePushFirst.Store(int64(rePushFirst))
 	r.syncer.rePushMax.Store(int64(rePushMax))
 	r.backups = newBackupRunner(n, cfg.Store, cfg.Coordinator, r.retention, r.lines, cfg.DrainTimeout)
+	r.sealer.backups = r.backups
 
 	// The start of each incarnation: the handshake answers replicator.yaml and starts the
 	// restore, which waits until what was committed before is sealed, restores, starts the

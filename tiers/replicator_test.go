@@ -755,6 +755,26 @@ func (h *harness) saveAndBackUp(step int64, files map[string]string) string {
 	return hash
 }
 
+// TestStatusAfterAStepSavedAgainAfterItsBackup: a step sealed again, naming other data, after
+// this node backed it up is in RAM only, not in a backup yet, until its next backup completes:
+// status said it was backed up (a black-box run); the same data sealed again changes nothing.
+func TestStatusAfterAStepSavedAgainAfterItsBackup(t *testing.T) {
+	t.Parallel()
+	store := newTestStore(t)
+	h := newHarness(t, harnessConfig{store: store})
+	h.start(backupYAML, "job")
+	h.saveAndBackUp(3, checkpointFiles("first"))
+	require.Nil(t, h.r.Status().InRAMOnly, "step 3 is in a backup")
+	store.setBeforeUpload(func(context.Context, tiers.Upload) error { return errors.New("read-only file system") })
+	h.orbaxSave(3, checkpointFiles("second"))
+	h.eventually("step 3 in RAM only", func() string {
+		if st := h.r.Status(); st.InRAMOnly == nil || *st.InRAMOnly != 3 {
+			return fmt.Sprintf("in RAM only %v, backed up %d", st.InRAMOnly, st.BackedUp)
+		}
+		return ""
+	})
+}
+
 // TestStatusIsOfTheCurrentJob: the latest sealed and backed-up steps that status and the
 // metrics show are the current job's: another job started on the mount begins with none.
 // Before, it showed the steps of the job before it (found by a black-box run).

@@ -33,6 +33,8 @@ type sealer struct {
 	// afterPublish, when set (tests, before Start), runs once a commit's data has its name in
 	// the namespace, before the commit stops counting as pending.
 	afterPublish func(step int64)
+	// backups hears of each step sealed (backupRunner.sealed).
+	backups *backupRunner
 	// retryFor is how long after its commit a commit is tried again: sealRetryFor, or a test's.
 	retryFor atomic.Int64
 
@@ -265,6 +267,9 @@ func (s *sealer) seal(c *commit, openMark int64) (dataName, meta string, err err
 		c.inc.savedAfterRestore()
 	}
 	s.tellSealed(*c)
+	if s.backups != nil {
+		s.backups.sealed(cfg.JobName, c.step, c.worker, strings.TrimSuffix(dataName, ".data"))
+	}
 	took := s.now().Sub(c.at)
 	s.log.Info("step sealed", "step", c.step, "worker", c.worker, "data", dataName, "took", took.String())
 	s.metrics.sealed(took.Seconds())
