@@ -268,6 +268,9 @@ func (c *JobCoordinator) considerBackup(now time.Time) {
 		c.auditBackup(now)
 		return
 	}
+	if _, ok := c.resaves[b.latest]; ok {
+		return // being saved again: backed up once every rank did (or after the lag timeout)
+	}
 	due := (b.steps > 0 && b.synced >= b.steps) || (b.every > 0 && !now.Before(b.clockFrom.Add(b.every)))
 	if !due {
 		if b.every > 0 {

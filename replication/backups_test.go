@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
 )
 
@@ -264,6 +265,17 @@ func TestStepSavedAgainIsBackedUpAgain(t *testing.T) {
 	allDone(t, c, nodes, "2030-01-02_03-01")
 	clock.Advance(time.Minute)
 	assert.Equal(t, tiers.BackupOrder{Backup: "2030-01-02_03-02", Step: 7}, eventuallyOrder(t, c, 1), "the third save of step 7")
+
+	// Only rank 0 saves step 7 again: no backup until rank 1 did too (one now could take rank
+	// 1's earlier save beside rank 0's new one), or the lag timeout passed.
+	allDone(t, c, nodes, "2030-01-02_03-02")
+	clock.Advance(time.Minute)
+	_, err := c.Sync(t.Context(), 0, tiers.SyncReport{Step: 7, Data: "fourth-0"})
+	require.NoError(t, err)
+	assert.Empty(t, orderOf(t, c, 0, tiers.BackupReport{}).Backup, "rank 1 has not saved step 7 again")
+	clock.Advance(DefaultLagTimeout)
+	assert.Equal(t, tiers.BackupOrder{Backup: layout.BackupName(clock.Now()), Step: 7}, eventuallyOrder(t, c, 1),
+		"past the lag timeout, the step as the nodes hold it")
 }
 
 // A failed (or cut short) backup is ordered again after a backoff, to the same name, and only

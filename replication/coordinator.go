@@ -174,13 +174,15 @@ type JobCoordinator struct {
 	restored   []bool      // GUARDED_BY(mu); by rank
 	nRestored  int         // GUARDED_BY(mu)
 
-	synced  []int64              // GUARDED_BY(mu); by rank: the highest step reported, -1 for none
-	data    []string             // GUARDED_BY(mu); by rank: the data it reported with synced ("": not said)
-	ahead   int                  // GUARDED_BY(mu); a rank with the highest synced step
-	rounds  map[int64]*syncRound // GUARDED_BY(mu); the pending steps and the latest finished ones
-	pinned  string               // GUARDED_BY(mu); restore.version in force until its one-shot deletion
-	backups backupState          // GUARDED_BY(mu); see backups.go
-	floor   string               // GUARDED_BY(mu); the newest backup name known to exist or decided
+	synced []int64  // GUARDED_BY(mu); by rank: the highest step reported, -1 for none
+	data   []string // GUARDED_BY(mu); by rank: the data it reported with synced ("": not said)
+	// resaves are the steps being saved again (see noteResave), by step.
+	resaves map[int64]*resaveRound // GUARDED_BY(mu)
+	ahead   int                    // GUARDED_BY(mu); a rank with the highest synced step
+	rounds  map[int64]*syncRound   // GUARDED_BY(mu); the pending steps and the latest finished ones
+	pinned  string                 // GUARDED_BY(mu); restore.version in force until its one-shot deletion
+	backups backupState            // GUARDED_BY(mu); see backups.go
+	floor   string                 // GUARDED_BY(mu); the newest backup name known to exist or decided
 	// replicated is the highest step every rank reported replicated, -1 for none.
 	replicated int64 // GUARDED_BY(mu)
 }
@@ -220,6 +222,7 @@ func NewJobCoordinator(cfg *tiers.Config, opts Options) (*JobCoordinator, error)
 		synced:        make([]int64, cfg.Nodes),
 		data:          make([]string, cfg.Nodes),
 		rounds:        map[int64]*syncRound{},
+		resaves:       map[int64]*resaveRound{},
 		floor:         opts.LastBackup,
 		replicated:    -1,
 	}
@@ -385,7 +388,7 @@ func (c *JobCoordinator) computePlan() {
 	invs, gen, stale, staleLines := tiers.CutStaleTimelines(c.cfg, c.invs) // c.invs is frozen: planning is set
 	if part := c.cfg.Nodes / max(c.cfg.AssumeDataParallelism, 1); c.cfg.AssumeDataParallelism > 1 {
 		if holder, q, step, ok := columnsContradicted(c.cfg, invs, part); ok {
-			cols, ok := peerColumns(c.cfg, invs, part)
+			cols, ok := peerColumns(c.cfg, invs, part, step)
 			c.log.Warn("the job's peer-ranks are not mtcfs's data-parallel columns (ranks equal mod nodes/D): columns are taken from the .meta replicas each node holds, of its peers",
 				"holder", holder, "replica_of_rank", q, "step", step, "partitions", part, "columns", cols, "complete", ok)
 			if !ok {
@@ -499,12 +502,14 @@ func columnsContradicted(cfg *tiers.Config, invs []tiers.Inventory, part int) (h
 	return 0, 0, 0, false
 }
 
-// peerColumns returns the job's own columns, by rank (each the lowest rank of its column), when
-// its peer-ranks are not mtcfs's (columnsContradicted): a node holds the .meta replicas of its
-// peers only, so a holder and the rank of a replica it holds are column-mates. ok is false
-// unless that evidence makes exactly part columns of nodes/part ranks each (a rank whose RAM and
-// whose peers' RAM were all lost is in none): then nothing is inferred.
-func peerColumns(cfg *tiers.Config, invs []tiers.Inventory, part int) (cols []int, ok bool) {
+// peerColumns returns the job's own columns at step, by rank (each the lowest rank of its
+// column), when its peer-ranks are not mtcfs's (columnsContradicted): a node holds the .meta
+// replicas of its peers only, so a holder and the rank of a replica of step it holds are
+// column-mates. Only step's replicas count: the job may map its processes to ranks differently
+// at each start (a review). ok is false (cols nil) unless that evidence makes exactly part
+// columns of nodes/part ranks each (a rank whose RAM and whose peers' RAM were all lost is in
+// none): then nothing of step is inferred.
+func peerColumns(cfg *tiers.Config, invs []tiers.Inventory, part int, step int64) (cols []int, ok bool) {
 	parent := make([]int, cfg.Nodes)
 	for r := range parent {
 		parent[r] = r
@@ -523,7 +528,7 @@ func peerColumns(cfg *tiers.Config, invs []tiers.Inventory, part int) (cols []in
 		}
 		for name := range inv.Metas {
 			m, inShape, valid := tiers.JobMeta(cfg, name)
-			if !valid || !inShape || m.Node == inv.Rank {
+			if !valid || !inShape || m.Node == inv.Rank || m.Step != step {
 				continue
 			}
 			a, b := find(inv.Rank), find(m.Node)
@@ -562,16 +567,20 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 	if d > 0 {
 		part = cfg.Nodes / d
 	}
-	colOf := func(rank int) int { return rank % part }
+	colOf := func(step int64, rank int) int { return rank % part }
+	// Rank 0's own peer-ranks, or a replica a node holds, may say that the job's columns are
+	// not mtcfs's: they are then those the replicas of each step make (-1: none known).
 	_, _, _, byPeers := columnsContradicted(cfg, invs, part)
-	if byPeers {
-		cols, ok := peerColumns(cfg, invs, part)
-		if !ok {
-			return invs, nil
-		}
-		colOf = func(rank int) int {
+	if byPeers || len(cfg.PeersOutsideColumn()) > 0 {
+		perStep := map[int64][]int{}
+		colOf = func(step int64, rank int) int {
+			cols, ok := perStep[step]
+			if !ok {
+				cols, _ = peerColumns(cfg, invs, part, step)
+				perStep[step] = cols
+			}
 			if rank >= len(cols) {
-				return -1 // a rank past the job's nodes: no column known
+				return -1 // not whole columns, or a rank past the job's nodes
 			}
 			return cols[rank]
 		}
@@ -595,7 +604,7 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 		shrunk := inv.Shape.Nodes > 0 && inv.Shape.DataParallelism > 0 && cfg.Shape().Restores(inv.Shape, true)
 		for name, hash := range inv.Metas {
 			m, inShape, ok := tiers.JobMeta(cfg, name)
-			if !ok || !held[hash] || m.Worker >= cfg.WorkersPerNode || (!inShape && !shrunk) || colOf(m.Node) < 0 {
+			if !ok || !held[hash] || m.Worker >= cfg.WorkersPerNode || (!inShape && !shrunk) || colOf(m.Step, m.Node) < 0 {
 				continue
 			}
 			if usable[m.Step] == nil {
@@ -604,7 +613,7 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 			if inShape {
 				usable[m.Step][tiers.Slot{Rank: m.Node, Worker: m.Worker}] = true
 			}
-			cs := columnSlot{colOf(m.Node), m.Worker}
+			cs := columnSlot{colOf(m.Step, m.Node), m.Worker}
 			// The lowest rank (then the smallest hash) wins, so the plan does not depend on
 			// map order.
 			if cur, ok := columns[m.Step][cs]; !ok || m.Node < cur.rank || (m.Node == cur.rank && hash < cur.hash) {
@@ -643,7 +652,7 @@ func inferFromColumns(cfg *tiers.Config, invs []tiers.Inventory) ([]tiers.Invent
 				}
 				out[r].Metas, copied = metas, true
 			}
-			src := columns[best][columnSlot{colOf(r), w}]
+			src := columns[best][columnSlot{colOf(best, r), w}]
 			name := layout.MarkerName{Job: cfg.JobName, Step: best, Node: r, Worker: w, Kind: layout.MarkerMeta}.String()
 			out[r].Metas[name] = src.hash
 			inferred = append(inferred, slot)
@@ -733,6 +742,50 @@ func (c *JobCoordinator) Sync(ctx context.Context, rank int, rep tiers.SyncRepor
 	}
 }
 
+// resaveRound gathers the ranks that saved a step again, after every rank had synced it.
+type resaveRound struct {
+	ranks map[int]bool
+	stop  func() bool
+}
+
+// noteResave records that rank saved step again. A backup of the step running now may hold
+// either save of each rank: it does not count as the step's backup. The step is backed up again
+// once every rank saved it again, or lagTimeout after the first did (the others keep their
+// first save): ordered at the first report, a backup could take one rank's new save beside
+// another's old one (found by a review). Called with mu held.
+func (c *JobCoordinator) noteResave(step int64, rank int) {
+	if o := c.backups.order; o != nil && o.step == step {
+		o.stale = true
+	}
+	rr := c.resaves[step]
+	if rr == nil {
+		rr = &resaveRound{ranks: map[int]bool{}}
+		c.resaves[step] = rr
+		rr.stop = c.clock.AfterFunc(c.lagTimeout, func() {
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			if c.ctx.Err() == nil {
+				c.resaved(step, rr)
+			}
+		})
+	}
+	rr.ranks[rank] = true
+	if len(rr.ranks) == c.cfg.Nodes {
+		rr.stop()
+		c.resaved(step, rr)
+	}
+}
+
+// resaved ends rr, step's round of saves again, and has the step backed up again. Called with
+// mu held.
+func (c *JobCoordinator) resaved(step int64, rr *resaveRound) {
+	if c.resaves[step] != rr {
+		return // ended already
+	}
+	delete(c.resaves, step)
+	c.backupSynced(step, true)
+}
+
 // arrive counts rank's report and returns the round to wait for.
 func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, error) {
 	last := c.synced[rank]
@@ -750,7 +803,7 @@ func (c *JobCoordinator) arrive(rank int, rep tiers.SyncReport) (*syncRound, err
 			if !r.finished() {
 				return r, nil // this rank is counted already; no backup of the step yet
 			}
-			c.backupSynced(rep.Step, true)
+			c.noteResave(rep.Step, rank)
 			if rep.Replicated {
 				return c.replicatedLater(r, rank), nil
 			}

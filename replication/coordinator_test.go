@@ -500,6 +500,21 @@ func TestCoordinatorNegotiate(t *testing.T) {
 			data: []string{dataOf(0, 20), dataOf(0, 20), dataOf(2, 20), dataOf(3, 20)}, holders: [][]int{{0}, {0}, {2}, {3}},
 		},
 		{
+			// The job mapped its processes to ranks differently at each start: step 10's
+			// replicas pair 0-1 and 2-3, step 20's 0-3 and 1-2. Step 20's columns are step
+			// 20's replicas': rank 1 restores rank 2's data (all steps together made one
+			// column of four, and nothing was inferred).
+			name: "data-parallel: the columns of each step are its own replicas'", nodes: 4, dp: 2,
+			invs: []tiers.Inventory{
+				holding(holding(own(0, 10, 20), 1, 10, false), 3, 20, false),
+				{Rank: 1},
+				holding(holding(own(2, 10, 20), 3, 10, false), 1, 20, false),
+				holding(holding(own(3, 10, 20), 2, 10, false), 0, 20, false),
+			},
+			want: tiers.RestorePlan{Step: 20, Found: true},
+			data: []string{dataOf(0, 20), dataOf(2, 20), dataOf(2, 20), dataOf(3, 20)}, holders: [][]int{{0}, {2}, {2}, {3}},
+		},
+		{
 			// As above, but no replica pairs ranks 2 and 3: the columns are not whole, and
 			// nothing is inferred (rank 3, rank 1's column-mate by rank, holds another
 			// partition's data).

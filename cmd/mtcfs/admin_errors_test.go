@@ -188,7 +188,9 @@ func TestBackupCommandsStopAtCtrlC(t *testing.T) {
 		var out bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &out, &out
 		require.NoError(t, cmd.Start())
-		time.Sleep(time.Second)
+		// Time to reach its work (the handler is set before any request): the blackholed
+		// location holds it there for minutes.
+		time.Sleep(2 * time.Second)
 		require.NoError(t, cmd.Process.Signal(os.Interrupt))
 		done := make(chan error, 1)
 		go func() { done <- cmd.Wait() }()
