@@ -362,6 +362,19 @@ func (b *backupRunner) stop() {
 	select {
 	case <-done:
 	case <-time.After(b.drain):
+		b.mu.Lock()
+		if b.running != nil { // begun during the wait
+			backup, step = b.running.Backup, b.running.Step
+		}
+		b.mu.Unlock()
+		if backup == "" {
+			// An order between its start and its upload (waiting for the upload slot, or for
+			// the step's data): no backup of it was begun (it said backup="" step=-1, found by
+			// a black-box run).
+			b.log.Warn("a backup order had not begun its upload within the drain time: dropped, the next agent orders it again",
+				"drain_timeout", b.drain.String())
+			break
+		}
 		b.log.Warn("the running backup did not finish within the drain time: cut short, it stays incomplete and the next agent retries it",
 			"backup", backup, "step", step, "drain_timeout", b.drain.String())
 	}
