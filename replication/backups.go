@@ -213,20 +213,9 @@ func (c *JobCoordinator) resumable(ctx context.Context, plan tiers.RestorePlan, 
 
 // backupSynced records that every rank synced step and orders a backup if one is due. Called
 // with mu held.
-func (c *JobCoordinator) backupSynced(step int64, resaved bool) {
+func (c *JobCoordinator) backupSynced(step int64) {
 	b := &c.backups
 	now := c.clock.Now()
-	if resaved {
-		// The step saved again: a backup of it holds the earlier save, and one running now may
-		// too. It is backed up again.
-		if b.backedUp == step {
-			b.backedUp = step - 1
-			c.log.Info("step saved again after its backup: it is backed up again", "step", step, "backup", b.lastName)
-		}
-		if o := b.order; o != nil && o.step == step {
-			o.stale = true
-		}
-	}
 	if !b.started {
 		b.started, b.clockFrom = true, now
 	}

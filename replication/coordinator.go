@@ -783,7 +783,12 @@ func (c *JobCoordinator) resaved(step int64, rr *resaveRound) {
 		return // ended already
 	}
 	delete(c.resaves, step)
-	c.backupSynced(step, true)
+	// A backup of the step holds the earlier save (one running meanwhile is stale, noteResave).
+	if b := &c.backups; b.backedUp == step {
+		b.backedUp = step - 1
+		c.log.Info("step saved again after its backup: it is backed up again", "step", step, "backup", b.lastName)
+	}
+	c.backupSynced(step)
 }
 
 // arrive counts rank's report and returns the round to wait for.
@@ -902,7 +907,7 @@ func (c *JobCoordinator) complete(r *syncRound) {
 		c.log.Warn("step not replicated", "step", r.step, "ranks", r.missing)
 	}
 	c.finish(r, dec, nil)
-	c.backupSynced(r.step, false)
+	c.backupSynced(r.step)
 	// Every rank reported r.step, so every earlier round is finished and no rank can ask for
 	// it again (all are past it).
 	for step := range c.rounds {
