@@ -104,24 +104,35 @@ func TestSlowStoreNotice(t *testing.T) {
 	assert.Empty(t, quick.String(), "a command done in time says nothing")
 }
 
-// TestBackupCommandsTimeout: --timeout bounds the backup-location commands against a location
-// that does not answer (a bucket behind a blackhole, here a listener that never replies): they
-// exit 1 saying they gave up, where they retried for about 8 minutes before (a black-box run).
-func TestBackupCommandsTimeout(t *testing.T) {
-	t.Parallel()
+// blackholedLocation is a listener that accepts connections and never answers: a storage
+// emulator (STORAGE_EMULATOR_HOST) behind a blackhole. It closes them when the test ends.
+func blackholedLocation(t *testing.T) net.Listener {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	var held []net.Conn
 	go func() {
+		var held []net.Conn
 		for {
 			c, err := ln.Accept()
 			if err != nil {
+				for _, c := range held {
+					c.Close()
+				}
 				return
 			}
 			held = append(held, c) // never answered
 		}
 	}()
 	t.Cleanup(func() { ln.Close() })
+	return ln
+}
+
+// TestBackupCommandsTimeout: --timeout bounds the backup-location commands against a location
+// that does not answer (a bucket behind a blackhole, here a listener that never replies): they
+// exit 1 saying they gave up, where they retried for about 8 minutes before (a black-box run).
+func TestBackupCommandsTimeout(t *testing.T) {
+	t.Parallel()
+	ln := blackholedLocation(t)
 	run := func(args ...string) (string, int, time.Duration) {
 		cmd := exec.Command(binPath, args...)
 		cmd.Env = append(os.Environ(), "STORAGE_EMULATOR_HOST="+ln.Addr().String())
@@ -161,22 +172,7 @@ func TestBackupCommandsTimeout(t *testing.T) {
 // the next export refuse the destination (a black-box run).
 func TestBackupCommandsStopAtCtrlC(t *testing.T) {
 	t.Parallel()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	go func() {
-		var held []net.Conn
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				for _, c := range held {
-					c.Close()
-				}
-				return
-			}
-			held = append(held, c) // never answered
-		}
-	}()
-	t.Cleanup(func() { ln.Close() })
+	ln := blackholedLocation(t)
 	dest := filepath.Join(t.TempDir(), "export")
 	for _, args := range [][]string{
 		{"backups", "list"},
@@ -194,6 +190,7 @@ func TestBackupCommandsStopAtCtrlC(t *testing.T) {
 		require.NoError(t, cmd.Process.Signal(os.Interrupt))
 		done := make(chan error, 1)
 		go func() { done <- cmd.Wait() }()
+		var err error
 		select {
 		case err = <-done:
 		case <-time.After(30 * time.Second):
