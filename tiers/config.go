@@ -265,7 +265,7 @@ func rankNames(ranks []int) string {
 	if len(ranks) == 1 {
 		return fmt.Sprintf("rank %d", ranks[0])
 	}
-	return "ranks " + joinSteps(ranks)
+	return "ranks " + JoinSteps(ranks)
 }
 
 // PeersOutsideColumn returns the explicit peer-ranks that are not in this rank's data-parallel

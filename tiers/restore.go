@@ -113,7 +113,7 @@ func (r *restorer) run(inc *incarnation) {
 	if f, ok := r.spool.TakeFreed(cfg.JobName); ok && len(f.Steps) > 0 && (!plan.Found || plan.Step < slices.Max(f.Steps)) {
 		// The job's steps were freed here for another job (a job-name mistyped on every rank,
 		// or a one-node job): the job restored an older step, or nothing, without a word.
-		lines = append(lines, fmt.Sprintf("this node's RAM held step(s) %s of this job; they were freed at %s when job %s, another job-name, restored on this mount: only what a peer or a backup holds is restored", joinSteps(f.Steps), f.At.Format(time.RFC3339), f.By))
+		lines = append(lines, fmt.Sprintf("this node's RAM held step(s) %s of this job; they were freed at %s when job %s, another job-name, restored on this mount: only what a peer or a backup holds is restored", JoinSteps(f.Steps), f.At.Format(time.RFC3339), f.By))
 	}
 	// It lists the machine's spools (every process's command line): off the restore's path,
 	// but waited for a moment, so that a job that reads replicator.errors only at its restore
@@ -352,7 +352,7 @@ func (r *restorer) unbackedLines(byJob map[string][]int64) (lines []string) {
 	for _, other := range slices.Sorted(maps.Keys(byJob)) {
 		_, _, backedUp := r.backups.status(other)
 		if unbacked := slices.DeleteFunc(slices.Clone(byJob[other]), func(st int64) bool { return st <= backedUp }); len(unbacked) > 0 {
-			lines = append(lines, fmt.Sprintf("step(s) %s of job %s were in no backup this node completed (mtcfs backups list --job %s shows whether one holds them): unless another node or a backup holds them, they are lost", joinSteps(unbacked), other, other))
+			lines = append(lines, fmt.Sprintf("step(s) %s of job %s were in no backup this node completed (mtcfs backups list --job %s shows whether one holds them): unless another node or a backup holds them, they are lost", JoinSteps(unbacked), other, other))
 		}
 	}
 	return lines
@@ -388,8 +388,8 @@ func (r *restorer) freeAfterBackups(steps []jobStep) {
 	r.log.Info("freed checkpoints of other jobs once their backups ended", "metas", names, "job", cfg.JobName)
 }
 
-// joinSteps writes steps (or ranks) as "2, 3, 5".
-func joinSteps[T ~int | ~int64](steps []T) string {
+// JoinSteps writes steps (or ranks) as "2, 3, 5".
+func JoinSteps[T ~int | ~int64](steps []T) string {
 	s := make([]string, len(steps))
 	for i, st := range steps {
 		s[i] = strconv.FormatInt(int64(st), 10)
@@ -446,7 +446,7 @@ func (r *restorer) dropAbandonedSteps(inc *incarnation, plan RestorePlan) string
 		if plan.Found {
 			restored = fmt.Sprintf("step %d", plan.Step)
 		}
-		line = fmt.Sprintf("step(s) %s were committed before this restore ended (the job saved without waiting for its .restore markers): the restore takes %s, and they are kept, not dropped", joinSteps(kept), restored)
+		line = fmt.Sprintf("step(s) %s were committed before this restore ended (the job saved without waiting for its .restore markers): the restore takes %s, and they are kept, not dropped", JoinSteps(kept), restored)
 		r.log.Warn("kept steps the job committed while its restore waited", "restored", plan.Step, "found", plan.Found, "steps", kept)
 	}
 	if len(drop) == 0 {
@@ -758,7 +758,7 @@ func (r *restorer) orphanedStepLines(inc *incarnation, plan RestorePlan) (lines 
 		}
 		slices.Sort(steps)
 		if here {
-			what := fmt.Sprintf("spool %s holds step(s) %s of this job, newer than what this restore finds: it records this mount directory, but this agent runs with the spool %s (another --spool than the agent before?)", s.Dir, joinSteps(steps), r.spool.Dir())
+			what := fmt.Sprintf("spool %s holds step(s) %s of this job, newer than what this restore finds: it records this mount directory, but this agent runs with the spool %s (another --spool than the agent before?)", s.Dir, JoinSteps(steps), r.spool.Dir())
 			if cfg.Nodes > 1 {
 				lines = append(lines, what+". It is this node's part only: the other nodes drop theirs of steps newer than this restore")
 				continue
@@ -767,7 +767,7 @@ func (r *restorer) orphanedStepLines(inc *incarnation, plan RestorePlan) (lines 
 			continue
 		}
 		due := lastUsed(s).Add(ReapGrace).UTC().Format(time.RFC3339)
-		what := fmt.Sprintf("spool %s holds step(s) %s of this job, newer than what this restore finds, but no agent serves it: its mount directory %s is gone (moved or renamed while no agent ran?)", s.Dir, joinSteps(steps), s.MountPath)
+		what := fmt.Sprintf("spool %s holds step(s) %s of this job, newer than what this restore finds, but no agent serves it: its mount directory %s is gone (moved or renamed while no agent ran?)", s.Dir, JoinSteps(steps), s.MountPath)
 		if cfg.Nodes > 1 {
 			// The other nodes drop their parts of steps newer than this restore's now: this
 			// node's part alone restores nothing (a review).

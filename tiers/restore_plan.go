@@ -588,7 +588,7 @@ func clusterStep(cfg *Config, invs []Inventory, holders map[string][]int, others
 				if hs := slots[slot]; len(hs) > 1 {
 					var who []string
 					for _, h := range slices.Sorted(maps.Keys(hs)) {
-						who = append(who, "rank "+joinSteps(hs[h]))
+						who = append(who, "rank "+JoinSteps(hs[h]))
 					}
 					why = append(why, fmt.Sprintf("%s (%s hold different saves of it)", slotName(slot), strings.Join(who, " and ")))
 				}

@@ -75,7 +75,7 @@ func CutStaleTimelines(cfg *Config, invs []Inventory) (out []Inventory, gen int6
 		if bound >= 0 {
 			since = fmt.Sprintf("restored step %d", bound)
 		}
-		lines = append(lines, fmt.Sprintf("the RAM of rank %d holds step(s) %s of a timeline the job left: its agent took no part when the job %s and went on from there (it was away, or not a node of the job then); they are not restored, and are dropped", inv.Rank, joinSteps(steps), since))
+		lines = append(lines, fmt.Sprintf("the RAM of rank %d holds step(s) %s of a timeline the job left: its agent took no part when the job %s and went on from there (it was away, or not a node of the job then); they are not restored, and are dropped", inv.Rank, JoinSteps(steps), since))
 	}
 	return out, max(gen, floor) + 1, above, lines
 }

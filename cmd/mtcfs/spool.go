@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/mtcfs/mtcfs/internal/agents"
@@ -68,15 +66,6 @@ func cmdSpoolList(args []string) int {
 	return 0
 }
 
-// joinInts joins steps with ", ".
-func joinInts(steps []int64) string {
-	parts := make([]string, len(steps))
-	for i, s := range steps {
-		parts[i] = strconv.FormatInt(s, 10)
-	}
-	return strings.Join(parts, ", ")
-}
-
 func cmdSpoolFree(args []string) int {
 	fset := newFlagSet("spool free", "mtcfs spool free PATH|--orphaned")
 	orphaned := fset.Bool("orphaned", false, "free every spool not in use whose mount directory no longer exists")
@@ -124,7 +113,7 @@ func cmdSpoolFree(args []string) int {
 			// The newest step may have been in no backup yet (a black-box run freed its only
 			// copy and was told nothing).
 			fmt.Printf("note: step(s) %s of job %s were in it: only a peer's replica or a backup holds them now (mtcfs backups list --backup URL --job %s shows the backups)\n",
-				joinInts(s.Steps), s.Job, s.Job)
+				tiers.JoinSteps(s.Steps), s.Job, s.Job)
 		}
 		if run := owner.Running; run != nil && s.MountState == tiers.MountExists {
 			// The record went with the spool: the next agent cannot tell the job.
