@@ -1123,6 +1123,53 @@ func TestSyncNamesTheStepsData(t *testing.T) {
 	})
 }
 
+// TestWorkerSavingAStepTwiceBeforeTheOtherSavesItOnce: a pytorch node of two workers where
+// worker 1 saves step 3 twice before worker 0 saves it, then worker 0 saves it twice too. Once
+// every worker reported, each save syncs the step with the workers' latest data: {w0 first,
+// w1 second}, then {w0 second, w1 second}, what the node holds. Worker 0's second save waited
+// for a worker 1 that had already reported and was never synced: the coordinator kept, and
+// backed up, data the node had replaced (a reviewer's reading).
+func TestWorkerSavingAStepTwiceBeforeTheOtherSavesItOnce(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.yamlNemo(withKeys("framework: pytorch", "workers-per-node: 2"))
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore), marker("job", 0, 0, 1, layout.MarkerRestore))
+	save := func(w int, content string) string {
+		name := marker("job", 3, 0, w, layout.MarkerSave)
+		h.r.Opened(true)
+		require.NoError(t, os.WriteFile(h.path(name), []byte(content), 0o644))
+		h.r.Flushed(name) // the kernel's order: the close's flush, then the release
+		h.r.Closed(name)
+		h.waitGone(name)
+		meta := marker("job", 3, 0, w, layout.MarkerMeta)
+		var got string
+		h.eventually("worker's .meta names its save", func() string {
+			got = strings.TrimSpace(h.read(meta))
+			if h.read(got+".data") != content {
+				return fmt.Sprintf("%s names %q, not the data of %q", meta, got, content)
+			}
+			return ""
+		})
+		return got + ".data"
+	}
+	save(1, "worker 1, first save")
+	w1b := save(1, "worker 1, second save")
+	w0a := save(0, "worker 0, first save")
+	w0b := save(0, "worker 0, second save")
+	want := []string{w0a + "," + w1b, w0b + "," + w1b}
+	h.eventually("two syncs of step 3, each naming the workers' latest data", func() string {
+		syncs, _ := h.coord.syncLog()
+		var data []string
+		for _, s := range syncs {
+			data = append(data, s.Data)
+		}
+		if !slices.Equal(data, want) {
+			return fmt.Sprintf("syncs name %q, want %q", data, want)
+		}
+		return ""
+	})
+}
+
 func TestNewIncarnation(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessConfig{})

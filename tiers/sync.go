@@ -94,6 +94,7 @@ func (sy *syncer) run() {
 	}
 	type progress struct {
 		pushes map[int]workerPushes // by worker that reported; peers nil when its pushes succeeded
+		synced bool                 // every worker reported: each later report syncs it again
 	}
 	steps := map[stepKey]*progress{}
 	defer sy.stopRePush()
@@ -147,7 +148,22 @@ func (sy *syncer) run() {
 		if len(p.pushes) < s.inc.Config.WorkersPerNode {
 			continue
 		}
-		delete(steps, k)
+		// A step every worker reported stays, the newest such of the incarnation only: a
+		// worker that saves it again syncs it again at once, beside the other workers' latest
+		// data, which is what this node holds. (Taken off at the sync, a worker's second save
+		// made before another worker's first replaced its first, and another worker's second
+		// save then waited for a report that had come: the step was never synced with the data
+		// the node held, and its backup named data the node had replaced.)
+		if s.restored {
+			delete(steps, k)
+		} else {
+			for old, op := range steps {
+				if old != k && op.synced && old.inc == s.inc {
+					delete(steps, old)
+				}
+			}
+			p.synced = true
+		}
 		c := s.commit
 		var data []string
 		for _, w := range slices.Sorted(maps.Keys(p.pushes)) {
