@@ -10,6 +10,7 @@ import (
 	"io/fs"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
@@ -51,6 +52,7 @@ func cmdStatus(args []string) int {
 		}
 		if targets, err = agents.StatusAddrs(dir); err != nil {
 			fmt.Fprintln(os.Stderr, "mtcfs status:", err)
+			keptSpoolsOf(dir)
 			return 1
 		}
 	}
@@ -97,6 +99,36 @@ func cmdStatus(args []string) int {
 		}
 	}
 	return code
+}
+
+// keptSpoolsOf names, when no agent serves dir ("": any), the spools kept for it: the RAM an
+// agent that stopped (or was killed) still holds, its steps, and what to do with it. (A black-box
+// run of a stopped agent whose mount directory was gone heard only "no running agent serves".)
+func keptSpoolsOf(dir string) {
+	spools, err := localSpools.List()
+	if err != nil {
+		return
+	}
+	for _, s := range spools {
+		if s.InUse || (dir != "" && s.MountPath != dir) || len(s.Metas) == 0 {
+			continue
+		}
+		mp := s.MountPath
+		if mp == "" {
+			mp = "an unknown mount directory"
+		}
+		what := "no step"
+		if len(s.Steps) > 0 {
+			what = "step(s) " + tiers.JoinSteps(s.Steps)
+		}
+		fmt.Fprintf(os.Stderr, "mtcfs status: spool %s, kept for %s, holds job %s's %s (%s); ", s.Dir, mp, s.Job, what, tiers.FormatSize(s.Bytes))
+		switch {
+		case s.Orphaned():
+			fmt.Fprintf(os.Stderr, "its mount directory is %s: make it again and run mtcfs mount %s (with the same --spool, if it had one) to serve them, or free the RAM with mtcfs spool free %s (an agent starting on this machine frees it once it has been unused for 10 minutes)\n", s.MountState, mp, s.Dir)
+		default:
+			fmt.Fprintf(os.Stderr, "the next mtcfs mount %s (with the same --spool, if it had one) serves them; mtcfs spool free %s frees the RAM\n", mp, mp)
+		}
+	}
 }
 
 // backupFlags are the flags shared by the backup-location commands.
@@ -355,6 +387,10 @@ func cmdBackupsExport(args []string) int {
 		fmt.Fprintf(os.Stderr, "mtcfs backups export: %s is inside an mtcfs mount: the export would live in that agent's RAM, and its job removes what it does not know there at its next start; export to a directory on a disk\n", dir)
 		return 1
 	}
+	if why := exportIntoLocation(b, *f.job, dir); why != "" {
+		fmt.Fprintf(os.Stderr, "mtcfs backups export: %s is inside the backup location %s: %s; export to a directory outside it\n", dir, b.Store, why)
+		return 1
+	}
 	ctx, cancel := f.context()
 	defer cancel()
 	start := time.Now()
@@ -389,6 +425,38 @@ func cmdBackupsExport(args []string) int {
 	fmt.Printf("exported step %s of backup %s (%d data, %s) to %s in %v\n", strings.Join(steps, ","), name, len(rep.Data),
 		tiers.FormatSize(rep.Bytes), dir, time.Since(start).Round(time.Millisecond))
 	return 0
+}
+
+// exportIntoLocation says why an export of job's backup into dir would be taken for part of
+// the file:// backup location b ("": it would not): inside the job's directory there, or named
+// like a backup of any job there. (A black-box run exported into <root>/<job>/<backup-name>:
+// the export was listed as a DAMAGED backup from then on, every restore said so, and only rm
+// removed it.)
+func exportIntoLocation(b *gcsbackend.Backups, job, dir string) string {
+	root, ok := gcsbackend.LocalRoot(b.Store)
+	if !ok {
+		return ""
+	}
+	rootReal, _ := resolveExisting(root)
+	existing, rest := resolveExisting(dir)
+	abs, err := filepath.Abs(filepath.Join(existing, rest))
+	if err != nil {
+		return ""
+	}
+	rel, err := filepath.Rel(rootReal, abs)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
+		return ""
+	}
+	parts := strings.Split(rel, "/")
+	switch {
+	case rel == ".":
+		return "it is the location itself, whose directories are jobs"
+	case parts[0] == job:
+		return "it is job " + job + "'s directory there, whose directories are its backups"
+	case len(parts) > 1 && layout.IsBackupName(parts[1]):
+		return "it would read as backup " + parts[1] + " of job " + parts[0]
+	}
+	return ""
 }
 
 // emptyOrMissing reports whether dir does not exist or holds nothing.

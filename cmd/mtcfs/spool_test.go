@@ -121,6 +121,14 @@ func TestSpoolListAndFree(t *testing.T) {
 		assert.Contains(t, line, want, "spool list line for the kept spool")
 	}
 
+	// status of the stopped agent's mount names what it left in RAM (it said only "no running
+	// agent serves").
+	out, code = runMtcfs(t, "status", n.dir)
+	assert.Equal(t, 1, code, "%s", out)
+	assert.Contains(t, out, "no running agent serves "+n.dir)
+	assert.Contains(t, out, "spool "+n.spool+", kept for "+n.dir+", holds job "+job+"'s step(s) 10 (")
+	assert.Contains(t, out, "the next mtcfs mount "+n.dir+" (with the same --spool, if it had one) serves them; mtcfs spool free "+n.dir+" frees the RAM")
+
 	out, code = runMtcfs(t, "spool", "free", n.dir)
 	require.Equal(t, 0, code, "%s", out)
 	assert.Contains(t, out, "freed spool "+n.spool)
@@ -158,6 +166,13 @@ func TestSpoolFreeOrphaned(t *testing.T) {
 	require.NoError(t, os.Remove(notDir.dir))
 	require.NoError(t, os.WriteFile(notDir.dir, []byte("a file now"), 0o644))
 
+	// status of the mount whose directory is gone names its kept spool (a black-box run of a
+	// stopped agent whose directory was gone heard only "no running agent serves").
+	out, code := runMtcfs(t, "status", gone.dir)
+	assert.Equal(t, 1, code, "%s", out)
+	assert.Contains(t, out, "spool "+gone.spool+", kept for "+gone.dir)
+	assert.Contains(t, out, "its mount directory is gone: make it again and run mtcfs mount "+gone.dir+" (with the same --spool, if it had one) to serve them, or free the RAM with mtcfs spool free "+gone.spool)
+
 	list := spoolList(t)
 	for _, c := range []struct {
 		n     repNode
@@ -168,7 +183,7 @@ func TestSpoolFreeOrphaned(t *testing.T) {
 		assert.Equal(t, c.state, s.MountState, "mount state of %s", c.n.spool)
 	}
 
-	out, code := runMtcfs(t, "spool", "free", "--orphaned")
+	out, code = runMtcfs(t, "spool", "free", "--orphaned")
 	require.Equal(t, 0, code, "%s", out)
 	for _, n := range []repNode{gone, notDir} {
 		assert.Contains(t, out, "freed spool "+n.spool)
@@ -675,6 +690,33 @@ func TestExportIntoAMountIsRefused(t *testing.T) {
 	}
 	assert.NoDirExists(t, filepath.Join(dir, "export"))
 	stopAgent(t, a)
+}
+
+// TestExportIntoTheBackupLocationIsRefused: an export into the job's directory of a file://
+// location, or to a path named like a backup of any job there, is refused before anything is
+// written (a black-box run exported into <root>/<job>/<backup-name>, which was listed as a
+// DAMAGED backup from then on); other directories of the location's disk are not.
+func TestExportIntoTheBackupLocationIsRefused(t *testing.T) {
+	root := t.TempDir()
+	for dest, why := range map[string]string{
+		root:                         "it is the location itself",
+		filepath.Join(root, "train"): "it is job train's directory there",
+		filepath.Join(root, "train", "exports", "x"):            "it is job train's directory there",
+		filepath.Join(root, "other", "2026-12-05_10-00"):        "it would read as backup 2026-12-05_10-00 of job other",
+		filepath.Join(root, "other", "2026-12-05_10-00", "sub"): "it would read as backup 2026-12-05_10-00 of job other",
+	} {
+		out, code := runMtcfs(t, "backups", "export", "2026-12-05_10-00", dest, "--backup", "file://"+root, "--job", "train")
+		require.Equal(t, 1, code, out)
+		assert.Contains(t, out, dest+" is inside the backup location")
+		assert.Contains(t, out, why)
+	}
+	entries, err := os.ReadDir(root)
+	require.NoError(t, err)
+	assert.Empty(t, entries, "a refused export wrote into the location")
+	dest := filepath.Join(root, "exports", "x")
+	out, code := runMtcfs(t, "backups", "export", "2026-12-05_10-00", dest, "--backup", "file://"+root, "--job", "train")
+	assert.Equal(t, 1, code, out)
+	assert.Contains(t, out, "job train has no backup 2026-12-05_10-00", "a directory of the location's disk that is no job's is taken")
 }
 
 // TestBackupIntoTheMountIsRefused: a file:// location may hold the mount directory (backups go
