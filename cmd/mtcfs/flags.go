@@ -76,7 +76,7 @@ func flagSet(fset *flag.FlagSet, name string) bool {
 // and exit 0 for a request of help, else the word it did not know and exit 2. (An unknown word
 // printed the synopsis alone, and --help of backups and restore-version exited 2, of spool 0.)
 func subcommandUsage(cmd, synopsis string, args []string) int {
-	fmt.Fprintf(os.Stderr, "Usage: %s\n", synopsis)
+	fmt.Fprintf(os.Stderr, "Usage: %s\n(mtcfs %s SUBCOMMAND --help describes its flags)\n", synopsis, cmd)
 	switch {
 	case len(args) == 0:
 		fmt.Fprintf(os.Stderr, "\nmtcfs %s: a subcommand is needed\n", cmd)

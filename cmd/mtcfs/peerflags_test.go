@@ -159,7 +159,7 @@ func TestFlagErrorIsSaidOnceAndLast(t *testing.T) {
 
 // TestUnknownSubcommandIsNamed: a command with subcommands names a word it does not know (it
 // printed only its synopsis), asks for one when none is given, and its --help exits 0 (backups
-// and restore-version exited 2, spool 0).
+// and restore-version exited 2, spool 0) and says where the flags are described.
 func TestUnknownSubcommandIsNamed(t *testing.T) {
 	for _, cmd := range []string{"backups", "spool", "restore-version"} {
 		out, code := runMtcfs(t, cmd, "bogus")
@@ -171,5 +171,7 @@ func TestUnknownSubcommandIsNamed(t *testing.T) {
 		out, code = runMtcfs(t, cmd, "--help")
 		assert.Equal(t, 0, code, out)
 		assert.Contains(t, out, "Usage: mtcfs "+cmd)
+		// It printed the synopsis alone: where the flags are described was left to guess.
+		assert.Contains(t, out, "(mtcfs "+cmd+" SUBCOMMAND --help describes its flags)")
 	}
 }
