@@ -145,6 +145,12 @@ func Backups(ctx context.Context, w io.Writer, b *gcsbackend.Backups, job string
 	var problems []string // printed below the table, so that they do not widen its columns
 	for _, name := range names {
 		rep, err := b.Verify(ctx, job, name, gcsbackend.VerifyOptions{Deep: deep})
+		if err != nil && ctx.Err() != nil {
+			// Given up (--timeout) or interrupted: the caller says so below the table; a row of
+			// "context canceled" said nothing about the backup.
+			ok = false
+			break
+		}
 		if err != nil {
 			fmt.Fprintf(tw, "%s\terror\t\t\t%v\n", name, err)
 			ok = false

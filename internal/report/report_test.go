@@ -1,6 +1,7 @@
 package report
 
 import (
+	"context"
 	"strings"
 	"testing"
 	"time"
@@ -8,6 +9,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mtcfs/mtcfs/gcsbackend"
 	"github.com/mtcfs/mtcfs/internal/agents"
 	"github.com/mtcfs/mtcfs/tiers"
 )
@@ -99,4 +101,25 @@ func TestSpools(t *testing.T) {
 	assert.Equal(t, []string{"/dev/shm/a", "/ckpt", "j", "10,20", "2.0MiB", "serving", "(pid", "7)", "exists"}, strings.Fields(lines[1]))
 	assert.Equal(t, []string{"/dev/shm/b", "?", "-", "-", "0B", "none", "unknown"}, strings.Fields(lines[2]))
 	assert.Contains(t, lines[3], "mtcfs spool free --orphaned", "a spool no agent serves can be freed: the hint says how")
+}
+
+// stoppedStore is a backup location whose every listing fails with its context's error: a
+// command given up (--timeout) or interrupted (Ctrl-C) while it verifies.
+type stoppedStore struct{ gcsbackend.ObjectStore }
+
+func (stoppedStore) List(ctx context.Context, prefix, delimiter string) ([]gcsbackend.ObjectAttrs, []string, error) {
+	return nil, nil, ctx.Err()
+}
+
+// TestBackupsStopsWhenItsContextEnds: verify interrupted reports not-ok and prints no row for
+// the backups it did not reach (it printed "error … context canceled" for each, which said
+// nothing about them; a black-box run); the command says it was interrupted.
+func TestBackupsStopsWhenItsContextEnds(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	var out strings.Builder
+	ok := Backups(ctx, &out, &gcsbackend.Backups{Store: stoppedStore{}}, "train", []string{"2026-12-05_10-00", "2026-12-05_11-00"}, true, "")
+	assert.False(t, ok, "an interrupted verify does not pass")
+	assert.NotContains(t, out.String(), "context canceled")
+	assert.NotContains(t, out.String(), "2026-12-05_10-00")
 }
