@@ -397,7 +397,7 @@ func Mount(dir string, opts Options) (*Server, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	m := &mtfs{spool: opts.Spool, events: opts.Events, doomed: map[*fileNode]doomState{}, relCh: make(chan struct{}), log: opts.Logger, xattrs: opts.Xattrs}
+	m := &mtfs{spool: opts.Spool, events: opts.Events, doomed: map[*fileNode]doomState{}, relCh: make(chan struct{}), log: opts.Logger, xattrs: opts.Xattrs, mountDir: abs}
 	m.nextIno.Store(1)
 	rootNode := &dirNode{fs: m}
 	rootNode.init(context.Background(), 0o755)

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -215,6 +216,13 @@ func (ns *namespace) Rename(oldName, newName string) error {
 	return nil
 }
 
+// FreedButOpen counts the files whose last name went at least minAge ago (a step the agent
+// freed, or a file the job deleted) that the job still holds open or mapped, and the bytes they
+// keep in the spool until they are closed.
+func (ns *namespace) FreedButOpen(minAge time.Duration) (files int, bytes int64) {
+	return ns.m.freedButOpen(minAge)
+}
+
 func (ns *namespace) Remove(name string) error {
 	ns.staleMu.Lock()
 	stale := ns.stale[name]
@@ -244,6 +252,9 @@ func (ns *namespace) Remove(name string) error {
 		}
 	}
 	dropTree(ch)
+	if layout.IsDataName(name) {
+		ns.m.noteFreed(name)
+	}
 	ns.changed()
 	return nil
 }

@@ -31,6 +31,12 @@ type mtfs struct {
 	// replace them.
 	sealedTop sync.Map // name -> struct{}
 
+	// mountDir is the mount's path; freedData the data names the agent removed from the top
+	// lately, and when (mappedFreed).
+	mountDir  string
+	freedMu   sync.Mutex
+	freedData map[string]time.Time // GUARDED_BY(freedMu)
+
 	// Files whose last name is gone while handles remain, and the RELEASE requests running;
 	// see space.go.
 	relMu     sync.Mutex

@@ -1,7 +1,12 @@
 package fs
 
 import (
+	"bufio"
 	"context"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -76,17 +81,67 @@ const (
 type doomState struct {
 	reallyOpen bool // a wait gave up on it: the job holds it open
 	longWaited bool // a request that failed with ENOSPC waited releaseGraceFailed for it
+	since      time.Time
+	bytes      int64 // its spool file's blocks when it was doomed
 }
 
 // doom records that f lost its last name while handles remain or are being released. Caller
 // holds f.mu.
 func (m *mtfs) doom(f *fileNode) {
+	bytes := f.accounted
+	var st unix.Stat_t
+	if f.backing != "" && unix.Stat(f.backing, &st) == nil {
+		bytes = st.Blocks * 512
+	}
 	m.relMu.Lock()
 	if _, ok := m.doomed[f]; !ok {
-		m.doomed[f] = doomState{}
+		m.doomed[f] = doomState{since: time.Now(), bytes: bytes}
 		m.ndoomed.Add(1)
 	}
 	m.relMu.Unlock()
+}
+
+// freedButOpen counts the files that lost their last name (at least minAge ago, where the agent
+// knows when) and that a process still holds open or mapped (torch.load(mmap=True) keeps every
+// file it loaded mapped), and the bytes they keep in the spool: the RAM of a step the agent
+// freed comes back only when they are closed, and meanwhile the job's saves have that much less
+// room. Two kinds: doomed files whose handles the job holds (a descriptor; without passthrough,
+// a mapping too), and deleted spool files that processes map (with passthrough a mapping maps
+// the spool file itself, and the kernel releases the handle when its descriptor is closed: only
+// the processes' maps tell). The agent's own reads (holds) do not count: a freed file's are
+// cancelled.
+func (m *mtfs) freedButOpen(minAge time.Duration) (files int, bytes int64) {
+	held := m.mappedFreed() // by inode: a file both mapped and open counts once
+	defer func() {
+		for _, b := range held {
+			files++
+			bytes += b
+		}
+	}()
+	if m.ndoomed.Load() == 0 {
+		return
+	}
+	type doomedFile struct {
+		f     *fileNode
+		bytes int64
+	}
+	var old []doomedFile
+	m.relMu.Lock()
+	for f, st := range m.doomed {
+		if time.Since(st.since) >= minAge {
+			old = append(old, doomedFile{f, st.bytes})
+		}
+	}
+	m.relMu.Unlock()
+	for _, d := range old {
+		d.f.mu.Lock()
+		open := d.f.opens > 0
+		d.f.mu.Unlock()
+		if ino := d.f.StableAttr().Ino; open {
+			held[ino] = max(held[ino], d.bytes)
+		}
+	}
+	return
 }
 
 // undoom is called once doomed f's last RELEASE is done, and wakes the waiters.
@@ -207,7 +262,9 @@ func (m *mtfs) awaitReleasesFor(only *fileNode, minGrace time.Duration) {
 		giveUp := elapsed >= releaseWaitMax || (elapsed >= grace && m.releasing.Load() == 0)
 		if giveUp {
 			for _, f := range pending {
-				m.doomed[f] = doomState{reallyOpen: true, longWaited: m.doomed[f].longWaited || minGrace > 0}
+				st := m.doomed[f]
+				st.reallyOpen, st.longWaited = true, st.longWaited || minGrace > 0
+				m.doomed[f] = st
 			}
 		}
 		wake := m.relCh
@@ -237,4 +294,82 @@ func (m *mtfs) settle(done func() bool) {
 		}
 		time.Sleep(time.Millisecond)
 	}
+}
+
+// freedDataKept is how long a freed data name is remembered for mappedFreed.
+const freedDataKept = 10 * time.Minute
+
+// noteFreed remembers that the agent removed the data name (a step it freed) from the top.
+func (m *mtfs) noteFreed(name string) {
+	m.freedMu.Lock()
+	defer m.freedMu.Unlock()
+	if m.freedData == nil {
+		m.freedData = map[string]time.Time{}
+	}
+	now := time.Now()
+	for n, at := range m.freedData {
+		if now.Sub(at) > freedDataKept {
+			delete(m.freedData, n)
+		}
+	}
+	m.freedData[name] = now
+}
+
+// mappedFreed counts the files of data the agent freed in the last freedDataKept that the
+// processes this agent can see still map through the mount, and their mapped extent (an
+// estimate of the bytes they keep: the furthest byte mapped). With passthrough a mapping maps
+// the spool file itself, and the kernel releases the FUSE handle once the descriptor is
+// closed: the agent no longer sees the file open, only the processes' maps tell (they name
+// the mount's path, <mount>/<hash>.data/...).
+func (m *mtfs) mappedFreed() (extent map[uint64]int64) {
+	extent = map[uint64]int64{} // inode → furthest byte mapped
+	m.freedMu.Lock()
+	freed := make(map[string]bool, len(m.freedData))
+	for n := range m.freedData {
+		freed[n] = true
+	}
+	m.freedMu.Unlock()
+	if len(freed) == 0 || m.mountDir == "" {
+		return extent
+	}
+	procs, err := os.ReadDir("/proc")
+	if err != nil {
+		return extent
+	}
+	prefix := m.mountDir + "/"
+	for _, p := range procs {
+		if c := p.Name()[0]; c < '0' || c > '9' {
+			continue
+		}
+		f, err := os.Open(filepath.Join("/proc", p.Name(), "maps"))
+		if err != nil {
+			continue // gone, or not ours to read
+		}
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			line := sc.Text()
+			at := strings.Index(line, prefix)
+			if at < 0 {
+				continue
+			}
+			// start-end perms offset dev inode path
+			fields := strings.Fields(line[:at])
+			rel := strings.TrimSuffix(line[at+len(prefix):], " (deleted)")
+			top, _, _ := strings.Cut(rel, "/")
+			if len(fields) < 5 || !freed[top] {
+				continue
+			}
+			start, end, ok := strings.Cut(fields[0], "-")
+			lo, err1 := strconv.ParseUint(start, 16, 64)
+			hi, err2 := strconv.ParseUint(end, 16, 64)
+			off, err3 := strconv.ParseUint(fields[2], 16, 64)
+			ino, err4 := strconv.ParseUint(fields[4], 10, 64)
+			if !ok || err1 != nil || err2 != nil || err3 != nil || err4 != nil || hi < lo {
+				continue
+			}
+			extent[ino] = max(extent[ino], int64(off+hi-lo))
+		}
+		f.Close()
+	}
+	return extent
 }

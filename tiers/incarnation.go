@@ -38,6 +38,9 @@ type incarnation struct {
 	transferTold atomic.Bool
 	// fillTold is set once the job was told that unreplicated steps fill this node's RAM.
 	fillTold atomic.Bool
+	// heldOpenTold is set once the job was told that freed checkpoints it holds open or mapped
+	// keep their RAM (retention.warnIfHeldOpen).
+	heldOpenTold atomic.Bool
 	// belowTold is set once the job was told that a step it saved below one already restored
 	// or committed is not synced (once per incarnation: a run counting from 1 under a restored
 	// step 1000 saves many).

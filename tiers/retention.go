@@ -8,6 +8,8 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -29,6 +31,13 @@ import (
 type retention struct {
 	*node
 	incs *incarnations // for the latest committed, replicated and restored steps
+	// heldSuspect: a free left the RAM more than half full; heldCheck: a look at the freed
+	// files the job holds open is due (warnIfHeldOpen); heldLooked: when the last look began.
+	heldSuspect, heldCheck atomic.Bool
+	heldLooked             atomic.Int64
+	// heldOpenAfter is how long a freed file must stay open before the job is told
+	// (heldOpenAfterDefault; settable for tests).
+	heldOpenAfter time.Duration
 
 	// publishMu makes "data appears in spool/sealed and gets its .meta" atomic with respect to
 	// retain.
@@ -52,7 +61,53 @@ type jobStep struct {
 
 func newRetention(n *node, incs *incarnations) *retention {
 	return &retention{node: n, incs: incs, metas: map[string]string{}, verified: map[string]bool{},
-		holds: map[string]int{}, backingUp: map[jobStep]int{}}
+		holds: map[string]int{}, backingUp: map[jobStep]int{}, heldOpenAfter: heldOpenAfterDefault}
+}
+
+// FreedButOpen is what a Namespace may also do: count the files whose last name went at least
+// minAge ago that the job still holds open or mapped, and the bytes they keep in the spool.
+type FreedButOpen interface {
+	FreedButOpen(minAge time.Duration) (files int, bytes int64)
+}
+
+// A freed checkpoint's files the job still holds open keep their RAM; the job is told once per
+// incarnation when at least heldOpenMin bytes stay held heldOpenAfterDefault after the free
+// (a reader that is just finishing does not count).
+// It is looked for at most once every heldOpenEvery.
+const (
+	heldOpenMin          = 1 << 20
+	heldOpenAfterDefault = 5 * time.Second
+	heldOpenEvery        = time.Minute
+)
+
+// warnIfHeldOpen tells the job, once per incarnation, when files of checkpoints the agent freed
+// are still open or mapped (torch.load(mmap=True) keeps every file it loaded mapped): their RAM
+// stays used, and the job's saves fail with ENOSPC within a budget sized as the README says,
+// which nothing explained (a black-box run). It looks heldOpenAfter after a free, on a goroutine
+// of its own.
+func (rt *retention) warnIfHeldOpen(lines *jobLines, inc *incarnation) {
+	fb, ok := rt.ns.(FreedButOpen)
+	if !ok || inc.heldOpenTold.Load() {
+		return
+	}
+	// Only when a free left the RAM more than half full, and at most once every heldOpenEvery
+	// (not at every save: looking reads the processes' maps).
+	if !rt.heldSuspect.Swap(false) || time.Since(time.Unix(0, rt.heldLooked.Load())) < heldOpenEvery || !rt.heldCheck.CompareAndSwap(false, true) {
+		return
+	}
+	rt.heldLooked.Store(time.Now().UnixNano())
+	time.AfterFunc(rt.heldOpenAfter, func() {
+		defer rt.heldCheck.Store(false)
+		files, bytes := fb.FreedButOpen(rt.heldOpenAfter)
+		if bytes < heldOpenMin || !rt.incs.isCurrent(inc) || !inc.heldOpenTold.CompareAndSwap(false, true) {
+			return
+		}
+		total, _ := rt.spool.Usage()
+		msg := fmt.Sprintf("%d file(s) of checkpoints this node freed or the job deleted (%s) are still open or mapped by a process (torch.load(mmap=True) keeps what it loaded mapped): their RAM comes back only once they are closed and unmapped, and until then the job's saves have that much less of --memory %s and may fail with ENOSPC; load without mmap, close them, or give the agent a larger --memory",
+			files, FormatSize(bytes), FormatSize(total))
+		rt.log.Warn(msg)
+		lines.incLine(inc, msg)
+	})
 }
 
 // publish runs f, which makes data appear in spool/sealed and writes the .meta naming it, so
@@ -195,6 +250,7 @@ func (rt *retention) retain(cfg *Config) {
 	}
 	// Data that no kept .meta names goes too.
 	ents, _ := os.ReadDir(rt.spoolDir("sealed"))
+	freed := false
 	for _, e := range ents {
 		hash := strings.TrimSuffix(e.Name(), ".data")
 		if !layout.IsDataName(e.Name()) || keepHash[hash] || rt.isHeld(e.Name()) {
@@ -202,6 +258,12 @@ func (rt *retention) retain(cfg *Config) {
 		}
 		rt.freeData(e.Name())
 		rt.log.Info("freed", "data", e.Name())
+		freed = true
+	}
+	if total, used := rt.spool.Usage(); freed && used*2 > total {
+		// Freed, and the RAM is still more than half full, which a budget sized as the
+		// README says is not once a step is freed (warnIfHeldOpen).
+		rt.heldSuspect.Store(true)
 	}
 }
 

@@ -465,5 +465,6 @@ func (sy *syncer) syncNow(c commit, replicated bool) bool {
 		c.inc.noteReplicated(c.step)
 	}
 	sy.retention.retain(c.inc.Config)
+	sy.retention.warnIfHeldOpen(sy.lines, c.inc)
 	return true
 }
