@@ -196,6 +196,7 @@ func (n *Node) Start(rep *tiers.Replicator, spool *tiers.Spool) error {
 		Secrets:     n.secrets.lookup,
 		Instance:    n.instance,
 		Accept:      rep.AcceptReplica,
+		AdmitPush:   rep.AdmitReplica,
 		Lookup:      func(ctx context.Context, job, name string) (string, error) { return rep.SealedPath(name) },
 		Corrupt:     func(job, name string, err error) { rep.DropCorrupt(name, err) },
 		Digests:     rep.Digests(),

@@ -42,6 +42,11 @@ type ReceiverConfig struct {
 	// an error refuses the call with FailedPrecondition. The agent uses it to refuse callers of
 	// another incarnation of the job.
 	Admit func(ctx context.Context, from Identity) error
+	// AdmitPush, when set, is asked before a push of job's data from rank moves any byte; an
+	// error refuses it with FailedPrecondition. The agent refuses replicas while it serves no
+	// incarnation of the job: a replica there would count as replicated on a node outside the
+	// job (an agent a static --peers still names after its machine was replaced).
+	AdmitPush func(job string, rank int) error
 	// Accept takes a transfer that passed every check. path is the data, named dataName: a
 	// directory for "D<hash>.data", a regular file otherwise (also for a .meta). Accept must
 	// move it out of Dir (rename); whatever is left there is removed when it returns. An error
@@ -359,6 +364,11 @@ func (r *Receiver) join(ctx context.Context, from Identity, h *peerpb.PushHeader
 	if h.Job != from.Job || h.Incarnation != from.Incarnation || int(h.SenderRank) != from.Rank || h.SenderInstance != from.Instance {
 		return nil, errPermission("header names job %q incarnation %q rank %d instance %q; the call was signed as job %q incarnation %q rank %d instance %q",
 			h.Job, h.Incarnation, h.SenderRank, h.SenderInstance, from.Job, from.Incarnation, from.Rank, from.Instance)
+	}
+	if r.cfg.AdmitPush != nil {
+		if err := r.cfg.AdmitPush(from.Job, from.Rank); err != nil {
+			return nil, errPrecondition("%v", err)
+		}
 	}
 	m, err := checkManifest(h.Manifest, from.Job, true)
 	if err != nil {

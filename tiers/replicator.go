@@ -490,6 +490,23 @@ func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, na
 	return r.inbox.accept(job, rank, name, path)
 }
 
+// AdmitReplica says why this node takes no replica of job from rank now (nil: it takes it).
+// It takes replicas only while it serves an incarnation of job: an agent whose job has not
+// written replicator.yaml since the agent started is outside the running job, and a replica
+// acknowledged there counted as replicated while no restore of the job would ever ask it (a
+// black-box run: a replaced machine's old agent, still named by a static --peers, took rank 0's
+// replicas, and the step "replicated on every node" was lost with rank 0's RAM).
+func (r *Replicator) AdmitReplica(job string, rank int) error {
+	inc := r.incs.get()
+	switch {
+	case inc == nil:
+		return fmt.Errorf("the agent at this address serves no job: its job has not written replicator.yaml since it started (a machine replaced, whose peers' --peers still name this address? a replica here would be outside the job)")
+	case inc.Config.JobName != job:
+		return fmt.Errorf("the agent at this address serves job %s, not %s", inc.Config.JobName, job)
+	}
+	return nil
+}
+
 // RefusedForRoom is told when this node refused a peer's replica for lack of room: the job's own
 // saves then fail with ENOSPC too, while the steps its RAM holds wait for that replica. Only the
 // peer's job was told; this node's job got bare ENOSPC for ever (found by a black-box run).

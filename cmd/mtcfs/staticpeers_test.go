@@ -1,7 +1,11 @@
 package main
 
 import (
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -28,4 +32,49 @@ func TestStaticPeersLackingARank(t *testing.T) {
 	require.NoError(t, err, a.log())
 	assert.False(t, found)
 	stopAgent(t, a)
+}
+
+// TestStaleAgentNamedByStaticPeersTakesNoReplica: rank 1's machine was replaced, and rank 0's
+// --peers still names the old machine's address, where an agent runs that serves no job (the
+// old agent, back with its spool). It refuses rank 0's replica before any byte moves, so rank
+// 0's step is not counted replicated on a node outside the job, and rank 0's log says why. It
+// took the replica, status said "replicated on every node", and the step was lost with rank
+// 0's RAM (a black-box run).
+func TestStaleAgentNamedByStaticPeersTakesNoReplica(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	secret := filepath.Join(t.TempDir(), "secret")
+	require.NoError(t, os.WriteFile(secret, []byte("static-peers-test-secret-0123456789\n"), 0o600))
+	addrs := freeAddrs(t, "127.0.0.24", "127.0.0.25", "127.0.0.26") // rank 0, the stale agent, rank 1
+	stale := newRepNode(t)
+	stale.args = []string{"--listen", addrs[1], "--peers", "0=" + addrs[0] + ",1=" + addrs[1], "--peer-secret-file", secret}
+	staleAgent := stale.start(t)
+	c := &cluster{}
+	for r, peers := range []string{"0=" + addrs[0] + ",1=" + addrs[1], "0=" + addrs[0] + ",1=" + addrs[2]} {
+		node := newRepNode(t)
+		node.args = []string{"--listen", addrs[2*r], "--peers", peers, "--peer-secret-file", secret}
+		c.nodes = append(c.nodes, node)
+		c.agents = append(c.agents, node.start(t))
+	}
+	c.all(t, func(r int) error {
+		o := c.client(t, r)
+		o.PeerRanks = []int{1 - r}
+		if _, _, err := o.Start(ctx); err != nil {
+			return err
+		}
+		return o.Save(ctx, 10)
+	})
+	// Rank 1's replica reaches rank 0; rank 0's goes to the stale agent, which refuses it.
+	repWait(t, 20*time.Second, "rank 1's replica on rank 0", func() bool { return pathExists(rankMetaPath(c.nodes[0].dir, "trio", 10, 1)) })
+	repWait(t, 20*time.Second, "the refusal in rank 0's log", func() bool { return strings.Contains(c.agents[0].log(), "serves no job") })
+	assert.Contains(t, staleAgent.log(), "peer transfer refused")
+	entries, err := os.ReadDir(stale.dir)
+	require.NoError(t, err)
+	for _, e := range entries {
+		assert.NotContains(t, e.Name(), ".meta", "the stale agent holds a replica")
+	}
+	assert.False(t, pathExists(rankMetaPath(c.nodes[1].dir, "trio", 10, 0)), "rank 0's replica cannot be on rank 1: rank 0 does not know its address")
+	out, code := runMtcfs(t, "status", c.nodes[0].dir, "--json")
+	require.Equal(t, 0, code, out)
+	assert.NotContains(t, out, `"latest_replicated_step": 10`, "rank 0's step 10 counted replicated")
 }
