@@ -36,10 +36,11 @@ type memTransport struct {
 	fetchFaultAfter time.Duration
 	fetchFaultMoves bool
 	fetches         int
-	consum          []string    // "rank/group:acked" of each consuming push
-	drops           []string    // "rank/group"
-	calls           map[int]int // calls to each rank, failed or not
-	blocked         int         // pushes that waited on a block channel
+	consum          []string       // "rank/group:acked" of each consuming push
+	drops           []string       // "rank/group"
+	calls           map[int]int    // calls to each rank, failed or not
+	pushed          map[string]int // "rank/name" → pushes of name that reached rank
+	blocked         int            // pushes that waited on a block channel
 }
 
 var _ tiers.EarlyTransport = (*memTransport)(nil)
@@ -91,7 +92,20 @@ func (m *memTransport) Push(ctx context.Context, inc tiers.Incarnation, rank int
 	} else if err := os.WriteFile(dst, b, 0o644); err != nil {
 		return err
 	}
+	m.mu.Lock()
+	if m.pushed == nil {
+		m.pushed = map[string]int{}
+	}
+	m.pushed[fmt.Sprintf("%d/%s", rank, name)]++
+	m.mu.Unlock()
 	return h.r.AcceptReplica(ctx, inc.Config.JobName, inc.Config.NodeRank, name, dst)
+}
+
+// pushes counts the pushes of name that reached rank.
+func (m *memTransport) pushes(rank int, name string) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.pushed[fmt.Sprintf("%d/%s", rank, name)]
 }
 
 func (m *memTransport) Fetch(ctx context.Context, inc tiers.Incarnation, rank int, name, dir string, progress func(done, total int64)) error {

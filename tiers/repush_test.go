@@ -2,12 +2,14 @@ package tiers_test
 
 import (
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mtcfs/mtcfs/layout"
@@ -296,4 +298,63 @@ func TestStepsSavedWhileTheRestoreWaitsArePushedAgain(t *testing.T) {
 		require.True(t, h.exists(marker("job", 3, 1-rank, 0, layout.MarkerMeta)), "rank %d holds no replica of rank %d's step 3: %v", rank, 1-rank, h.names())
 		require.True(t, h.exists(marker("job", 3, rank, 0, layout.MarkerMeta)), "rank %d's own step 3", rank)
 	}
+}
+
+// TestWorkerSavingAgainAfterALaterTrySucceeded: on a pytorch node of two workers, worker 1's
+// push of step 3 failed and succeeded on a later try; then worker 0 saves step 3 again. The step
+// is synced again with both workers' data, and worker 1's data, which its peer holds, is not
+// pushed again: the sync kept the failure of worker 1's first try, reported the step not
+// replicated, and pushed worker 1's data once more (a review of the sync kept for saves again).
+func TestWorkerSavingAgainAfterALaterTrySucceeded(t *testing.T) {
+	t.Parallel()
+	hs, tr, setFail := rePushPair(t, func(rank int) string {
+		return fmt.Sprintf("job-name: job\nframework: pytorch\nnode-rank: %d\nnodes: 2\npeer-ranks: [%d]\nworkers-per-node: 2\nbackup-interval-minutes: 30", rank, 1-rank)
+	})
+	save := func(rank, w int, content string) string {
+		h := hs[rank]
+		name := marker("job", 3, rank, w, layout.MarkerSave)
+		h.r.Opened(true)
+		require.NoError(t, os.WriteFile(h.path(name), []byte(content), 0o644))
+		h.r.Flushed(name)
+		h.r.Closed(name)
+		meta := marker("job", 3, rank, w, layout.MarkerMeta)
+		var data string
+		h.eventually("the save sealed", func() string {
+			data = strings.TrimSpace(h.read(meta)) + ".data"
+			if h.read(data) != content {
+				return fmt.Sprintf("%s names %q, not the data of %q", meta, data, content)
+			}
+			return ""
+		})
+		return data
+	}
+	setFail(true) // rank 0's pushes to rank 1 fail
+	var w1 string
+	for rank := range 2 {
+		for w := range 2 {
+			if d := save(rank, w, fmt.Sprintf("rank %d worker %d", rank, w)); rank == 0 && w == 1 {
+				w1 = d
+			}
+		}
+	}
+	waitCommitted(hs[0], 3)
+	setFail(false)
+	hs[0].eventually("step 3 replicated on a later try", func() string {
+		if st := hs[0].r.Status(); st.Replicated != 3 {
+			return fmt.Sprintf("latest replicated %d", st.Replicated)
+		}
+		return ""
+	})
+	require.Equal(t, 1, tr.pushes(1, w1), "worker 1's data reached rank 1 once, on the later try")
+
+	again := save(0, 0, "rank 0 worker 0, saved again")
+	hs[0].eventually("the save again pushed to rank 1", func() string {
+		if n := tr.pushes(1, again); n != 1 {
+			return fmt.Sprintf("%d pushes of it", n)
+		}
+		return ""
+	})
+	time.Sleep(500 * time.Millisecond) // later tries come after 50 ms
+	assert.Equal(t, 1, tr.pushes(1, w1), "worker 1's data, which rank 1 holds, pushed again")
+	assert.Nil(t, hs[0].r.Status().RePush, "a later try pending after the save again replicated")
 }

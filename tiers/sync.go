@@ -42,9 +42,10 @@ type syncer struct {
 	// settable for tests).
 	rePushFirst, rePushMax atomic.Int64
 	// Only the run goroutine uses these.
-	pending *rePush     // the step to push again, if any
-	timer   *time.Timer // queues pending's next try: a tick (sealedStep.rePush = gen)
-	gen     uint64      // the tick of pending's next try
+	progress map[syncKey]*syncProgress // the steps whose workers' reports are gathered
+	pending  *rePush                   // the step to push again, if any
+	timer    *time.Timer               // queues pending's next try: a tick (sealedStep.rePush = gen)
+	gen      uint64                    // the tick of pending's next try
 	// afterRestore are the syncs of steps the job committed while its restore ran (it saved
 	// without waiting for its markers), in order: the coordinator refuses an incarnation's
 	// sync before its negotiation ends ("not negotiated", which the job was told, and the step
@@ -86,17 +87,37 @@ type workerPushes struct {
 	peers []int
 }
 
+// syncKey is a step of an incarnation whose workers' sealed parts the syncer gathers.
+type syncKey struct {
+	inc      *incarnation
+	step     int64
+	restored bool // a restored step's parts never mix with a save of the same step's
+}
+
+// syncProgress is what the workers of a step reported so far.
+type syncProgress struct {
+	pushes map[int]workerPushes // by worker that reported; peers nil when its pushes succeeded
+	synced bool                 // every worker reported: each later report syncs it again
+}
+
+// notePushed records that worker's pushes of s, tried again, now fail to peers only (none:
+// all acknowledged), so that a later sync of the step kept in progress (a worker saving it
+// again) does not report the failures of the first try (a review: the step read as not
+// replicated, and was pushed again, until that extra push succeeded).
+func (sy *syncer) notePushed(s sealedStep, worker int, peers []int) {
+	pr := sy.progress[syncKey{s.inc, s.step, s.restored}]
+	if pr == nil {
+		return
+	}
+	if wp, ok := pr.pushes[worker]; ok && wp.s.dataName == s.dataName {
+		wp.peers = peers
+		pr.pushes[worker] = wp
+	}
+}
+
 func (sy *syncer) run() {
-	type stepKey struct {
-		inc      *incarnation
-		step     int64
-		restored bool // a restored step's parts never mix with a save of the same step's
-	}
-	type progress struct {
-		pushes map[int]workerPushes // by worker that reported; peers nil when its pushes succeeded
-		synced bool                 // every worker reported: each later report syncs it again
-	}
-	steps := map[stepKey]*progress{}
+	sy.progress = map[syncKey]*syncProgress{}
+	steps := sy.progress
 	defer sy.stopRePush()
 	for {
 		s, ok := sy.in.pop()
@@ -133,7 +154,7 @@ func (sy *syncer) run() {
 		if len(failedPeers) > 0 {
 			sy.retention.warnIfFilling(sy.lines, s.inc, true)
 		}
-		k := stepKey{s.inc, s.step, s.restored}
+		k := syncKey{s.inc, s.step, s.restored}
 		p := steps[k]
 		if p == nil {
 			for old := range steps {
@@ -141,7 +162,7 @@ func (sy *syncer) run() {
 					delete(steps, old) // an earlier incarnation's, never to be completed
 				}
 			}
-			p = &progress{pushes: map[int]workerPushes{}}
+			p = &syncProgress{pushes: map[int]workerPushes{}}
 			steps[k] = p
 		}
 		p.pushes[s.worker] = workerPushes{s: s, peers: failedPeers}
@@ -284,7 +305,9 @@ func (sy *syncer) tryAgain() {
 		}
 	}()
 	for w, f := range p.failed {
-		if f.peers = sy.replicateTo(ctx, f.s, f.peers, true); len(f.peers) == 0 {
+		f.peers = sy.replicateTo(ctx, f.s, f.peers, true)
+		sy.notePushed(f.s, w, f.peers)
+		if len(f.peers) == 0 {
 			delete(p.failed, w)
 		} else {
 			p.failed[w] = f
