@@ -220,7 +220,7 @@ func (ns *namespace) Rename(oldName, newName string) error {
 // freed, or a file the job deleted) that the job still holds open or mapped, and the bytes they
 // keep in the spool until they are closed.
 func (ns *namespace) FreedButOpen(minAge time.Duration) (files int, bytes int64) {
-	return ns.m.freedButOpen(minAge)
+	return ns.m.freedButOpen(minAge, func(name string) bool { return ns.root.GetChild(name) != nil })
 }
 
 func (ns *namespace) Remove(name string) error {

@@ -110,8 +110,8 @@ func (m *mtfs) doom(f *fileNode) {
 // the spool file itself, and the kernel releases the handle when its descriptor is closed: only
 // the processes' maps tell). The agent's own reads (holds) do not count: a freed file's are
 // cancelled.
-func (m *mtfs) freedButOpen(minAge time.Duration) (files int, bytes int64) {
-	held := m.mappedFreed() // by inode: a file both mapped and open counts once
+func (m *mtfs) freedButOpen(minAge time.Duration, live func(name string) bool) (files int, bytes int64) {
+	held := m.mappedFreed(live) // by inode: a file both mapped and open counts once
 	defer func() {
 		for _, b := range held {
 			files++
@@ -137,7 +137,7 @@ func (m *mtfs) freedButOpen(minAge time.Duration) (files int, bytes int64) {
 		d.f.mu.Lock()
 		open := d.f.opens > 0
 		d.f.mu.Unlock()
-		if ino := d.f.StableAttr().Ino; open {
+		if ino := d.f.StableAttr().Ino; open && d.bytes > 0 {
 			held[ino] = max(held[ino], d.bytes)
 		}
 	}
@@ -321,12 +321,14 @@ func (m *mtfs) noteFreed(name string) {
 // the spool file itself, and the kernel releases the FUSE handle once the descriptor is
 // closed: the agent no longer sees the file open, only the processes' maps tell (they name
 // the mount's path, <mount>/<hash>.data/...).
-func (m *mtfs) mappedFreed() (extent map[uint64]int64) {
+func (m *mtfs) mappedFreed(live func(name string) bool) (extent map[uint64]int64) {
 	extent = map[uint64]int64{} // inode → furthest byte mapped
 	m.freedMu.Lock()
 	freed := make(map[string]bool, len(m.freedData))
 	for n := range m.freedData {
-		freed[n] = true
+		if !live(n) { // data freed, then back (a restore, a replica) is not freed
+			freed[n] = true
+		}
 	}
 	m.freedMu.Unlock()
 	if len(freed) == 0 || m.mountDir == "" {
@@ -352,11 +354,12 @@ func (m *mtfs) mappedFreed() (extent map[uint64]int64) {
 			if at < 0 {
 				continue
 			}
-			// start-end perms offset dev inode path
+			// start-end perms offset dev inode path: the path must be the mount's, not one
+			// that holds the mount's path further in.
 			fields := strings.Fields(line[:at])
 			rel := strings.TrimSuffix(line[at+len(prefix):], " (deleted)")
 			top, _, _ := strings.Cut(rel, "/")
-			if len(fields) < 5 || !freed[top] {
+			if len(fields) != 5 || !freed[top] {
 				continue
 			}
 			start, end, ok := strings.Cut(fields[0], "-")

@@ -36,7 +36,7 @@ type retention struct {
 	heldSuspect, heldCheck atomic.Bool
 	heldLooked             atomic.Int64
 	// heldOpenAfter is how long a freed file must stay open before the job is told
-	// (heldOpenAfterDefault; settable for tests).
+	// (heldOpenAfterDefault).
 	heldOpenAfter time.Duration
 
 	// publishMu makes "data appears in spool/sealed and gets its .meta" atomic with respect to
@@ -92,14 +92,17 @@ func (rt *retention) warnIfHeldOpen(lines *jobLines, inc *incarnation) {
 	}
 	// Only when a free left the RAM more than half full, and at most once every heldOpenEvery
 	// (not at every save: looking reads the processes' maps).
-	if !rt.heldSuspect.Swap(false) || time.Since(time.Unix(0, rt.heldLooked.Load())) < heldOpenEvery || !rt.heldCheck.CompareAndSwap(false, true) {
+	if time.Since(time.Unix(0, rt.heldLooked.Load())) < heldOpenEvery || !rt.heldSuspect.Swap(false) || !rt.heldCheck.CompareAndSwap(false, true) {
 		return
 	}
 	rt.heldLooked.Store(time.Now().UnixNano())
 	time.AfterFunc(rt.heldOpenAfter, func() {
 		defer rt.heldCheck.Store(false)
+		if inc.ctx.Err() != nil || !rt.incs.isCurrent(inc) {
+			return // the agent stops, or the job restarted
+		}
 		files, bytes := fb.FreedButOpen(rt.heldOpenAfter)
-		if bytes < heldOpenMin || !rt.incs.isCurrent(inc) || !inc.heldOpenTold.CompareAndSwap(false, true) {
+		if bytes < heldOpenMin || !inc.heldOpenTold.CompareAndSwap(false, true) {
 			return
 		}
 		total, _ := rt.spool.Usage()

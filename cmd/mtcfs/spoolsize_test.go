@@ -67,8 +67,7 @@ func TestRestartWithASmallerMemoryBudget(t *testing.T) {
 // TestFreedStepHeldMappedIsTold: a job that keeps the files of a step mapped (torch.load with
 // mmap=True does) after the agent freed that step keeps their RAM, and its saves then fail with
 // ENOSPC within a budget sized as documented; it is told once the mapping outlives the free by
-// a few seconds (a black-box run: ENOSPC, and nothing in replicator.errors or status). A step
-// freed while nothing holds it is not told.
+// a few seconds (a black-box run: ENOSPC, and nothing in replicator.errors or status).
 func TestFreedStepHeldMappedIsTold(t *testing.T) {
 	needRoot(t)
 	// With passthrough the mapping maps the spool file, and the kernel releases the handle at
@@ -99,14 +98,13 @@ func testFreedStepHeldMappedIsTold(t *testing.T, passthrough string, mapped bool
 		return string(b)
 	}
 
-	// Steps 1 and 2: step 1 is freed with nothing holding it.
+	// Steps 1 and 2: step 1 is freed with nothing holding it. (Nothing is looked for then: the
+	// RAM is less than half full. What is counted, and what not, is fs's TestFreedButOpen.)
 	require.NoError(t, o.Save(ctx, 1))
 	waitStepSealed(t, n.dir, job, 1)
 	require.NoError(t, o.Save(ctx, 2))
 	waitStepSealed(t, n.dir, job, 2)
 	repWait(t, 10*time.Second, "step 1 freed", func() bool { return !pathExists(metaPath(n.dir, job, 1)) })
-	time.Sleep(heldOpenAfter + 2*time.Second)
-	require.NotContains(t, errorsText(), told, "a step freed with nothing holding it")
 
 	// The job maps the files of step 2, as torch.load(mmap=True) does, and closes their
 	// descriptors.
@@ -131,7 +129,10 @@ func testFreedStepHeldMappedIsTold(t *testing.T, passthrough string, mapped bool
 		require.NoError(t, err)
 		st, err := f.Stat()
 		require.NoError(t, err)
-		if st.Size() == 0 || !mapped {
+		if st.Size() == 0 { // holds no RAM, and is not counted
+			return f.Close()
+		}
+		if !mapped {
 			open = append(open, f)
 			return nil
 		}
