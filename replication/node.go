@@ -79,8 +79,9 @@ type Node struct {
 	job      *Job                             // the coordinator, when this node is rank 0
 	srv      *grpc.Server
 
-	sender atomic.Pointer[Sender] // set by Start
-	recv   *Receiver              // set by Start; read by Close after srv.Stop
+	sender atomic.Pointer[Sender]           // set by Start
+	rep    atomic.Pointer[tiers.Replicator] // set by Start
+	recv   *Receiver                        // set by Start; read by Close after srv.Stop
 
 	mu         sync.Mutex
 	conns      map[string]*grpc.ClientConn   // GUARDED_BY(mu); by address
@@ -211,6 +212,7 @@ func (n *Node) Start(rep *tiers.Replicator, spool *tiers.Spool) error {
 		return err
 	}
 	n.recv = recv
+	n.rep.Store(rep)
 	n.sender.Store(&Sender{Instance: n.instance, Secrets: n.secrets.lookup, Digests: rep.Digests(), Compress: n.cfg.Compression})
 	recv.Register(n.srv)
 	go n.srv.Serve(n.cfg.Listener)
@@ -418,9 +420,18 @@ func (c *targetCache) forget(job string) {
 	}
 }
 
+// generation is the restore generation inc took part in, for its pushes (0: none recorded, or
+// the node not started).
+func (n *Node) generation(inc tiers.Incarnation) int64 {
+	if rep := n.rep.Load(); rep != nil {
+		return rep.RestoreGeneration(inc.Config.JobName, inc.ID)
+	}
+	return 0
+}
+
 func (n *Node) Push(ctx context.Context, inc tiers.Incarnation, rank int, name, path string) error {
 	return n.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, s *Sender, conn *grpc.ClientConn) error {
-		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID, Generation: n.generation(inc),
 			Rank: inc.Config.NodeRank, DataName: name, Source: path})
 	})
 }
@@ -449,14 +460,14 @@ func (n *Node) PushEarly(ctx context.Context, inc tiers.Incarnation, rank int, g
 		return d, err
 	}
 	return d, n.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, s *Sender, conn *grpc.ClientConn) error {
-		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID, Generation: n.generation(inc),
 			Rank: inc.Config.NodeRank, DataName: layout.DataName(hash, false), Source: path, EarlyGroup: group})
 	})
 }
 
 func (n *Node) PushConsuming(ctx context.Context, inc tiers.Incarnation, rank int, name, path, group string, acked map[layout.FileDigest]bool) error {
 	return n.call(ctx, inc.Config.JobName, rank, func(ctx context.Context, s *Sender, conn *grpc.ClientConn) error {
-		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID,
+		return s.Push(ctx, conn, PushRequest{Job: inc.Config.JobName, Incarnation: inc.ID, Generation: n.generation(inc),
 			Rank: inc.Config.NodeRank, DataName: name, Source: path, ConsumesGroup: group, Presumed: acked})
 	})
 }

@@ -42,11 +42,13 @@ type ReceiverConfig struct {
 	// an error refuses the call with FailedPrecondition. The agent uses it to refuse callers of
 	// another incarnation of the job.
 	Admit func(ctx context.Context, from Identity) error
-	// AdmitPush, when set, is asked before a push of job's data from rank moves any byte; an
-	// error refuses it with FailedPrecondition. The agent refuses replicas while it serves no
-	// incarnation of the job: a replica there would count as replicated on a node outside the
-	// job (an agent a static --peers still names after its machine was replaced).
-	AdmitPush func(job string, rank int) error
+	// AdmitPush, when set, is asked before a push of job's data from rank, whose incarnation
+	// took part in restore generation (0: none recorded), moves any byte; an error refuses it
+	// with FailedPrecondition. The agent refuses replicas while it serves no incarnation of the
+	// job, or one that took part in another restore: a replica there would count as replicated
+	// on a node outside the job (an agent a static --peers still names after its machine was
+	// replaced).
+	AdmitPush func(job string, rank int, generation int64) error
 	// Accept takes a transfer that passed every check. path is the data, named dataName: a
 	// directory for "D<hash>.data", a regular file otherwise (also for a .meta). Accept must
 	// move it out of Dir (rename); whatever is left there is removed when it returns. An error
@@ -366,7 +368,7 @@ func (r *Receiver) join(ctx context.Context, from Identity, h *peerpb.PushHeader
 			h.Job, h.Incarnation, h.SenderRank, h.SenderInstance, from.Job, from.Incarnation, from.Rank, from.Instance)
 	}
 	if r.cfg.AdmitPush != nil {
-		if err := r.cfg.AdmitPush(from.Job, from.Rank); err != nil {
+		if err := r.cfg.AdmitPush(from.Job, from.Rank, h.Generation); err != nil {
 			return nil, errPrecondition("%v", err)
 		}
 	}

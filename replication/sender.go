@@ -105,6 +105,9 @@ type PushRequest struct {
 	// those digests are not sent; if the peer no longer has them, the push is repeated whole.
 	ConsumesGroup string
 	Presumed      map[layout.FileDigest]bool
+	// Generation is the restore generation of the sender's incarnation (0: none recorded), for
+	// the receiver to check (peerpb.PushHeader.generation).
+	Generation int64
 }
 
 // FetchRequest names the data to fetch, who fetches it, and where it goes.
@@ -196,7 +199,7 @@ func (s *Sender) push(ctx context.Context, conn grpc.ClientConnInterface, req Pu
 	rand.Read(id)
 	header := &peerpb.PushHeader{TransferId: hex.EncodeToString(id), Job: req.Job, Incarnation: req.Incarnation,
 		SenderRank: int32(req.Rank), SenderInstance: s.Instance, Manifest: m.pb,
-		EarlyGroup: req.EarlyGroup, ConsumesGroup: req.ConsumesGroup}
+		EarlyGroup: req.EarlyGroup, ConsumesGroup: req.ConsumesGroup, Generation: req.Generation}
 	if req.ConsumesGroup != "" && len(req.Presumed) > 0 {
 		for i, f := range m.pb.Files {
 			if f.Size > 0 && req.Presumed[layout.FileDigest(f.Blake3)] {

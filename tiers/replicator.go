@@ -496,7 +496,12 @@ func (r *Replicator) AcceptReplica(ctx context.Context, job string, rank int, na
 // acknowledged there counted as replicated while no restore of the job would ever ask it (a
 // black-box run: a replaced machine's old agent, still named by a static --peers, took rank 0's
 // replicas, and the step "replicated on every node" was lost with rank 0's RAM).
-func (r *Replicator) AdmitReplica(job string, rank int) error {
+//
+// generation is the restore generation the sender's incarnation took part in (0: none
+// recorded): an incarnation here that took part in another one is of the job's timeline as it
+// was at an earlier start, not of the running job (the old agent never restarted, its job's
+// processes gone; a review).
+func (r *Replicator) AdmitReplica(job string, rank int, generation int64) error {
 	inc := r.incs.get()
 	switch {
 	case inc == nil:
@@ -504,7 +509,17 @@ func (r *Replicator) AdmitReplica(job string, rank int) error {
 	case inc.Config.JobName != job:
 		return fmt.Errorf("the agent at this address serves job %s, not %s", inc.Config.JobName, job)
 	}
+	if own := r.RestoreGeneration(job, inc.ID); generation > 0 && own > 0 && generation != own {
+		return fmt.Errorf("the agent at this address took part in restore %d of job %s, rank %d in restore %d: it is not a node of the running job (a machine replaced, whose peers' --peers still name this address? its job's processes may be gone while it runs)", own, job, rank, generation)
+	}
 	return nil
+}
+
+// RestoreGeneration is the generation of the restore that incarnation inc of job took part in
+// (0: none recorded for it: its restore has not recorded one yet, or failed, or was of a
+// coordinator that numbers none).
+func (r *Replicator) RestoreGeneration(job, inc string) int64 {
+	return r.node.spool.RestoreGeneration(job, inc)
 }
 
 // RefusedForRoom is told when this node refused a peer's replica for lack of room: the job's own

@@ -684,6 +684,17 @@ func (s *Spool) Timeline(job string) Timeline {
 	return Timeline{Generation: s.timeline.Generation, Restores: maps.Clone(s.timeline.Restores), Floor: max(s.timeline.Floor, s.timeline.Generation)}
 }
 
+// RestoreGeneration is the generation of the restore incarnation inc of job took part in, as
+// recorded (0: none recorded for that incarnation).
+func (s *Spool) RestoreGeneration(job, inc string) int64 {
+	s.ownerMu.Lock()
+	defer s.ownerMu.Unlock()
+	if s.shapeJob != job || s.timeline.of != inc || inc == "" {
+		return 0
+	}
+	return s.timeline.Generation
+}
+
 // errOtherJob refuses to record a restore of a job the spool no longer serves.
 var errOtherJob = errors.New("the spool serves another job now")
 

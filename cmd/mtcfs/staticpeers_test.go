@@ -78,3 +78,56 @@ func TestStaleAgentNamedByStaticPeersTakesNoReplica(t *testing.T) {
 	require.Equal(t, 0, code, out)
 	assert.NotContains(t, out, `"latest_replicated_step": 10`, "rank 0's step 10 counted replicated")
 }
+
+// TestStaleAgentOfAnEarlierStartTakesNoReplica: as above, but the old machine's agent still
+// runs and served the job before (its job's processes are gone): it still has an incarnation
+// of the job, of an earlier start. The push carries the restore generation of rank 0's start,
+// and the old agent, which took part in an earlier restore only, refuses it (a review: the
+// check of "no incarnation" alone let it take the replica).
+func TestStaleAgentOfAnEarlierStartTakesNoReplica(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	secret := filepath.Join(t.TempDir(), "secret")
+	require.NoError(t, os.WriteFile(secret, []byte("static-peers-test-secret-0123456789\n"), 0o600))
+	addrs := freeAddrs(t, "127.0.0.27", "127.0.0.28", "127.0.0.29") // rank 0, rank 1's old machine, its new one
+	c := &cluster{}
+	for r, peers := range []string{"0=" + addrs[0] + ",1=" + addrs[1], "0=" + addrs[0] + ",1=" + addrs[1]} {
+		node := newRepNode(t)
+		node.args = []string{"--listen", addrs[r], "--peers", peers, "--peer-secret-file", secret}
+		c.nodes = append(c.nodes, node)
+		c.agents = append(c.agents, node.start(t))
+	}
+	start := func(want int64, save int64) {
+		c.all(t, func(r int) error {
+			o := c.client(t, r)
+			o.PeerRanks = []int{1 - r}
+			if want > 0 {
+				if err := restoresStep(ctx, o, want); err != nil {
+					return err
+				}
+			} else if _, _, err := o.Start(ctx); err != nil {
+				return err
+			}
+			return o.Save(ctx, save)
+		})
+	}
+	start(0, 1)
+	for r := range 2 {
+		repWait(t, 20*time.Second, "step 1's replicas", func() bool { return pathExists(rankMetaPath(c.nodes[1-r].dir, "trio", 1, r)) })
+	}
+	// Rank 1's machine is replaced: a new agent at a new address; the old one keeps running,
+	// and rank 0's --peers still names it.
+	old, oldAgent := c.nodes[1], c.agents[1]
+	fresh := newRepNode(t)
+	fresh.args = []string{"--listen", addrs[2], "--peers", "0=" + addrs[0] + ",1=" + addrs[2], "--peer-secret-file", secret}
+	c.nodes[1], c.agents[1] = fresh, fresh.start(t)
+	start(1, 2) // rank 1 restores its step 1 from rank 0's replica
+	repWait(t, 20*time.Second, "the refusal in rank 0's log", func() bool {
+		return strings.Contains(c.agents[0].log(), "took part in restore")
+	})
+	assert.Contains(t, oldAgent.log(), "peer transfer refused")
+	assert.False(t, pathExists(rankMetaPath(old.dir, "trio", 2, 0)), "the old agent holds rank 0's step 2")
+	out, code := runMtcfs(t, "status", c.nodes[0].dir, "--json")
+	require.Equal(t, 0, code, out)
+	assert.NotContains(t, out, `"latest_replicated_step": 2`, "rank 0's step 2 counted replicated")
+}

@@ -437,7 +437,12 @@ type PushHeader struct {
 	// Indices into manifest.files, strictly increasing, that this transfer does not send: the
 	// receiver holds them as early files of consumes_group with the same size and digest. If it
 	// does not, the transfer is refused with NOT_FOUND and the sender pushes everything.
-	Presumed      []uint32 `protobuf:"varint,9,rep,packed,name=presumed,proto3" json:"presumed,omitempty"`
+	Presumed []uint32 `protobuf:"varint,9,rep,packed,name=presumed,proto3" json:"presumed,omitempty"`
+	// The generation of the restore the sender's incarnation took part in (0: none recorded):
+	// a receiver whose own incarnation took part in another one is not a node of the sender's
+	// running job (an agent a static --peers still names after its machine was replaced), and
+	// refuses the push.
+	Generation    int64 `protobuf:"varint,10,opt,name=generation,proto3" json:"generation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -533,6 +538,13 @@ func (x *PushHeader) GetPresumed() []uint32 {
 		return x.Presumed
 	}
 	return nil
+}
+
+func (x *PushHeader) GetGeneration() int64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
 }
 
 // Chunk is a piece of one file.
@@ -1167,7 +1179,7 @@ const file_peer_proto_rawDesc = "" +
 	"\aSpecial\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\fR\x04path\x125\n" +
 	"\x04type\x18\x02 \x01(\x0e2!.mtcfs.replication.v1.SpecialTypeR\x04type\x12\x12\n" +
-	"\x04rdev\x18\x03 \x01(\x04R\x04rdev\"\xcb\x02\n" +
+	"\x04rdev\x18\x03 \x01(\x04R\x04rdev\"\xeb\x02\n" +
 	"\n" +
 	"PushHeader\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
@@ -1181,7 +1193,11 @@ const file_peer_proto_rawDesc = "" +
 	"\vearly_group\x18\a \x01(\tR\n" +
 	"earlyGroup\x12%\n" +
 	"\x0econsumes_group\x18\b \x01(\tR\rconsumesGroup\x12\x1a\n" +
-	"\bpresumed\x18\t \x03(\rR\bpresumed\"\x97\x01\n" +
+	"\bpresumed\x18\t \x03(\rR\bpresumed\x12\x1e\n" +
+	"\n" +
+	"generation\x18\n" +
+	" \x01(\x03R\n" +
+	"generation\"\x97\x01\n" +
 	"\x05Chunk\x12\x12\n" +
 	"\x04file\x18\x01 \x01(\rR\x04file\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x12\n" +
