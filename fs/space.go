@@ -111,37 +111,28 @@ func (m *mtfs) doom(f *fileNode) {
 // the processes' maps tell). The agent's own reads (holds) do not count: a freed file's are
 // cancelled.
 func (m *mtfs) freedButOpen(minAge time.Duration, live func(name string) bool) (files int, bytes int64) {
-	held := m.mappedFreed(live) // by inode: a file both mapped and open counts once
-	defer func() {
-		for _, b := range held {
-			files++
-			bytes += b
-		}
-	}()
-	if m.ndoomed.Load() == 0 {
-		return
-	}
-	type doomedFile struct {
-		f     *fileNode
-		bytes int64
-	}
-	var old []doomedFile
+	held := m.mappedFreed(live)  // by inode: a file both mapped and open counts once
+	old := map[*fileNode]int64{} // doomed long enough, and its bytes
 	m.relMu.Lock()
 	for f, st := range m.doomed {
-		if time.Since(st.since) >= minAge {
-			old = append(old, doomedFile{f, st.bytes})
+		if time.Since(st.since) >= minAge && st.bytes > 0 {
+			old[f] = st.bytes
 		}
 	}
 	m.relMu.Unlock()
-	for _, d := range old {
-		d.f.mu.Lock()
-		open := d.f.opens > 0
-		d.f.mu.Unlock()
-		if ino := d.f.StableAttr().Ino; open && d.bytes > 0 {
-			held[ino] = max(held[ino], d.bytes)
+	for f, b := range old { // f.mu after relMu, not inside it (doom takes them the other way)
+		f.mu.Lock()
+		open := f.opens > 0
+		f.mu.Unlock()
+		if ino := f.StableAttr().Ino; open {
+			held[ino] = max(held[ino], b)
 		}
 	}
-	return
+	for _, b := range held {
+		files++
+		bytes += b
+	}
+	return files, bytes
 }
 
 // undoom is called once doomed f's last RELEASE is done, and wakes the waiters.

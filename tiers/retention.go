@@ -31,13 +31,10 @@ import (
 type retention struct {
 	*node
 	incs *incarnations // for the latest committed, replicated and restored steps
-	// heldSuspect: a free left the RAM more than half full; heldCheck: a look at the freed
-	// files the job holds open is due (warnIfHeldOpen); heldLooked: when the last look began.
-	heldSuspect, heldCheck atomic.Bool
-	heldLooked             atomic.Int64
-	// heldOpenAfter is how long a freed file must stay open before the job is told
-	// (heldOpenAfterDefault).
-	heldOpenAfter time.Duration
+	// heldSuspect: a free left the RAM more than half full; heldLooked: when the last look at
+	// the freed files the job holds open began (warnIfHeldOpen).
+	heldSuspect atomic.Bool
+	heldLooked  atomic.Int64
 
 	// publishMu makes "data appears in spool/sealed and gets its .meta" atomic with respect to
 	// retain.
@@ -61,7 +58,7 @@ type jobStep struct {
 
 func newRetention(n *node, incs *incarnations) *retention {
 	return &retention{node: n, incs: incs, metas: map[string]string{}, verified: map[string]bool{},
-		holds: map[string]int{}, backingUp: map[jobStep]int{}, heldOpenAfter: heldOpenAfterDefault}
+		holds: map[string]int{}, backingUp: map[jobStep]int{}}
 }
 
 // FreedButOpen is what a Namespace may also do: count the files whose last name went at least
@@ -71,20 +68,20 @@ type FreedButOpen interface {
 }
 
 // A freed checkpoint's files the job still holds open keep their RAM; the job is told once per
-// incarnation when at least heldOpenMin bytes stay held heldOpenAfterDefault after the free
-// (a reader that is just finishing does not count).
-// It is looked for at most once every heldOpenEvery.
+// incarnation when at least heldOpenMin bytes stay held heldOpenAfter after the free (a reader
+// that is just finishing does not count). It is looked for at most once every heldOpenEvery,
+// which is longer than heldOpenAfter: one look at a time.
 const (
-	heldOpenMin          = 1 << 20
-	heldOpenAfterDefault = 5 * time.Second
-	heldOpenEvery        = time.Minute
+	heldOpenMin   = 1 << 20
+	heldOpenAfter = 5 * time.Second
+	heldOpenEvery = time.Minute
 )
 
 // warnIfHeldOpen tells the job, once per incarnation, when files of checkpoints the agent freed
 // are still open or mapped (torch.load(mmap=True) keeps every file it loaded mapped): their RAM
 // stays used, and the job's saves fail with ENOSPC within a budget sized as the README says,
 // which nothing explained (a black-box run). It looks heldOpenAfter after a free, on a goroutine
-// of its own.
+// of its own. Only the syncer's goroutine calls it.
 func (rt *retention) warnIfHeldOpen(lines *jobLines, inc *incarnation) {
 	fb, ok := rt.ns.(FreedButOpen)
 	if !ok || inc.heldOpenTold.Load() {
@@ -92,16 +89,15 @@ func (rt *retention) warnIfHeldOpen(lines *jobLines, inc *incarnation) {
 	}
 	// Only when a free left the RAM more than half full, and at most once every heldOpenEvery
 	// (not at every save: looking reads the processes' maps).
-	if time.Since(time.Unix(0, rt.heldLooked.Load())) < heldOpenEvery || !rt.heldSuspect.Swap(false) || !rt.heldCheck.CompareAndSwap(false, true) {
+	if time.Since(time.Unix(0, rt.heldLooked.Load())) < heldOpenEvery || !rt.heldSuspect.Swap(false) {
 		return
 	}
 	rt.heldLooked.Store(time.Now().UnixNano())
-	time.AfterFunc(rt.heldOpenAfter, func() {
-		defer rt.heldCheck.Store(false)
+	time.AfterFunc(heldOpenAfter, func() {
 		if inc.ctx.Err() != nil || !rt.incs.isCurrent(inc) {
 			return // the agent stops, or the job restarted
 		}
-		files, bytes := fb.FreedButOpen(rt.heldOpenAfter)
+		files, bytes := fb.FreedButOpen(heldOpenAfter)
 		if bytes < heldOpenMin || !inc.heldOpenTold.CompareAndSwap(false, true) {
 			return
 		}
@@ -263,7 +259,10 @@ func (rt *retention) retain(cfg *Config) {
 		rt.log.Info("freed", "data", e.Name())
 		freed = true
 	}
-	if total, used := rt.spool.Usage(); freed && used*2 > total {
+	if !freed {
+		return
+	}
+	if total, used := rt.spool.Usage(); used*2 > total {
 		// Freed, and the RAM is still more than half full, which a budget sized as the
 		// README says is not once a step is freed (warnIfHeldOpen).
 		rt.heldSuspect.Store(true)

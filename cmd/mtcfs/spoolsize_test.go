@@ -92,7 +92,7 @@ func testFreedStepHeldMappedIsTold(t *testing.T, passthrough string, mapped bool
 	_, _, err := o.Start(ctx)
 	require.NoError(t, err)
 	const told = "are still open or mapped by a process"
-	const heldOpenAfter = 5 * time.Second // tiers.heldOpenAfterDefault
+	const heldOpenAfter = 5 * time.Second // tiers.heldOpenAfter
 	errorsText := func() string {
 		b, _ := os.ReadFile(filepath.Join(n.dir, "replicator.errors"))
 		return string(b)
