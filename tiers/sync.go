@@ -117,7 +117,6 @@ func (sy *syncer) notePushed(s sealedStep, worker int, peers []int) {
 
 func (sy *syncer) run() {
 	sy.progress = map[syncKey]*syncProgress{}
-	steps := sy.progress
 	defer sy.stopRePush()
 	for {
 		s, ok := sy.in.pop()
@@ -155,15 +154,15 @@ func (sy *syncer) run() {
 			sy.retention.warnIfFilling(sy.lines, s.inc, true)
 		}
 		k := syncKey{s.inc, s.step, s.restored}
-		p := steps[k]
+		p := sy.progress[k]
 		if p == nil {
-			for old := range steps {
+			for old := range sy.progress {
 				if old.inc != s.inc && !sy.incs.isCurrent(old.inc) {
-					delete(steps, old) // an earlier incarnation's, never to be completed
+					delete(sy.progress, old) // an earlier incarnation's, never to be completed
 				}
 			}
 			p = &syncProgress{pushes: map[int]workerPushes{}}
-			steps[k] = p
+			sy.progress[k] = p
 		}
 		p.pushes[s.worker] = workerPushes{s: s, peers: failedPeers}
 		if len(p.pushes) < s.inc.Config.WorkersPerNode {
@@ -176,11 +175,11 @@ func (sy *syncer) run() {
 		// save then waited for a report that had come: the step was never synced with the data
 		// the node held, and its backup named data the node had replaced.)
 		if s.restored {
-			delete(steps, k)
+			delete(sy.progress, k)
 		} else {
-			for old, op := range steps {
+			for old, op := range sy.progress {
 				if old != k && op.synced && old.inc == s.inc {
-					delete(steps, old)
+					delete(sy.progress, old)
 				}
 			}
 			p.synced = true
