@@ -38,10 +38,6 @@ type ReceiverConfig struct {
 	// Instance is this agent's instance id: calls meant for another instance (see WithTarget)
 	// are refused with UNAVAILABLE. Empty accepts every call.
 	Instance string
-	// Admit, when set, is asked about every authenticated caller before anything else happens;
-	// an error refuses the call with FailedPrecondition. The agent uses it to refuse callers of
-	// another incarnation of the job.
-	Admit func(ctx context.Context, from Identity) error
 	// AdmitPush, when set, is asked before a push of job's data from rank, whose incarnation
 	// took part in restore generation (0: none recorded), moves any byte; an error refuses it
 	// with FailedPrecondition. The agent refuses replicas while it serves no incarnation of the
@@ -244,16 +240,11 @@ func (r *Receiver) Close() error {
 	return errors.Join(errs...)
 }
 
-// authenticate checks a call's credentials and Admit, logging refusals with the peer address.
+// authenticate checks a call's credentials and target, logging refusals with the peer address.
 func (r *Receiver) authenticate(ctx context.Context) (Identity, error) {
 	from, err := Authenticate(ctx, r.cfg.Secrets, r.cfg.Now())
 	if err == nil {
 		err = checkTarget(ctx, r.cfg.Instance)
-	}
-	if err == nil && r.cfg.Admit != nil {
-		if aerr := r.cfg.Admit(ctx, from); aerr != nil {
-			err = errPrecondition("%s rank %d (incarnation %s, instance %s) not admitted: %v", from.Job, from.Rank, from.Incarnation, from.Instance, aerr)
-		}
 	}
 	if err != nil {
 		method, _ := grpc.Method(ctx)

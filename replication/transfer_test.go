@@ -254,13 +254,15 @@ func TestPushConnectionFaults(t *testing.T) {
 func TestAuthentication(t *testing.T) {
 	rnd := rand.New(rand.NewPCG(1, 2))
 	src, name := makeTree(t, rnd, 1000)
-	admitted := func(_ context.Context, from Identity) error {
-		if from.Incarnation != "inc-1" {
-			return errors.New("not the current incarnation")
+	// The receiver's incarnation took part in restore 2; a push of another start is refused
+	// (one that names none is not: an agent of an earlier release).
+	admitted := func(_ string, _ int, generation int64) error {
+		if generation > 0 && generation != 2 {
+			return errors.New("not of the current start")
 		}
 		return nil
 	}
-	p := startPeer(t, func(c *ReceiverConfig) { c.Admit = admitted })
+	p := startPeer(t, func(c *ReceiverConfig) { c.AdmitPush = admitted })
 	conn := dial(t, p.addr)
 	cases := []struct {
 		name   string
@@ -271,7 +273,7 @@ func TestAuthentication(t *testing.T) {
 		{"wrong secret", &Sender{Instance: "i", Secrets: StaticSecret(peerJob, []byte("guess"))}, pushReq(name, src), codes.Unauthenticated},
 		{"job not served", &Sender{Instance: "i", Secrets: StaticSecret("other", peerSecret)},
 			PushRequest{Job: "other", Incarnation: "inc-1", Rank: 1, DataName: name, Source: src}, codes.Unauthenticated},
-		{"old incarnation", testSender(1), PushRequest{Job: peerJob, Incarnation: "inc-0", Rank: 1, DataName: name, Source: src}, codes.FailedPrecondition},
+		{"another start", testSender(1), PushRequest{Job: peerJob, Incarnation: "inc-0", Rank: 1, DataName: name, Source: src, Generation: 1}, codes.FailedPrecondition},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
