@@ -437,19 +437,18 @@ func exportIntoLocation(b *gcsbackend.Backups, job, dir string) string {
 	if !ok {
 		return ""
 	}
-	rootReal, _ := resolveExisting(root)
-	existing, rest := resolveExisting(dir)
-	abs, err := filepath.Abs(filepath.Join(existing, rest))
+	abs, err := filepath.Abs(dir)
 	if err != nil {
 		return ""
 	}
-	rel, err := filepath.Rel(rootReal, abs)
-	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
+	p, rootReal := resolvedPath(abs), resolvedPath(root)
+	if !within(p, rootReal) {
 		return ""
 	}
+	rel := strings.TrimPrefix(strings.TrimPrefix(p, rootReal), "/")
 	parts := strings.Split(rel, "/")
 	switch {
-	case rel == ".":
+	case rel == "":
 		return "it is the location itself, whose directories are jobs"
 	case parts[0] == job:
 		return "it is job " + job + "'s directory there, whose directories are its backups"
