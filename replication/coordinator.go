@@ -433,6 +433,8 @@ func (c *JobCoordinator) computePlan() {
 		// says so (a black-box run: after an agent restart, status and /metrics said nothing
 		// was backed up until the next backup, which the step did not need).
 		c.plan.BackedUpIn = c.backups.lastName
+	} else if plan.Found && plan.Backup == "" && newestName != "" && newestStep.Step >= 0 && newestStep.Step < plan.Step {
+		c.plan.LastBackup, c.plan.LastBackupStep = newestName, newestStep.Step
 	}
 	c.mu.Unlock()
 	close(c.planned)

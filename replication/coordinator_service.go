@@ -789,7 +789,8 @@ func inventoryFromPB(rank int, m *peerpb.Inventory) tiers.Inventory {
 func validText(s string) string { return strings.ToValidUTF8(s, "\uFFFD") }
 
 func planToPB(p tiers.RestorePlan) *peerpb.RestorePlan {
-	m := &peerpb.RestorePlan{Step: p.Step, Found: p.Found, Backup: p.Backup, Pinned: p.Pinned, Generation: p.Generation, BackedUpIn: p.BackedUpIn}
+	m := &peerpb.RestorePlan{Step: p.Step, Found: p.Found, Backup: p.Backup, Pinned: p.Pinned, Generation: p.Generation, BackedUpIn: p.BackedUpIn,
+		LastBackup: p.LastBackup, LastBackupStep: p.LastBackupStep}
 	for rank, b := range p.StaleAbove {
 		if m.StaleAbove == nil {
 			m.StaleAbove = map[int32]int64{}
@@ -819,9 +820,9 @@ func planToPB(p tiers.RestorePlan) *peerpb.RestorePlan {
 func planFromPB(m *peerpb.RestorePlan) tiers.RestorePlan {
 	p := tiers.RestorePlan{
 		Step: m.GetStep(), Found: m.GetFound(), Backup: m.GetBackup(), Errors: m.GetErrors(), Pinned: m.GetPinned(), Generation: m.GetGeneration(),
-		BackedUpIn: m.GetBackedUpIn(),
-		Data:       make(map[tiers.Slot]string, len(m.GetData())),
-		Holders:    make(map[string][]int, len(m.GetHolders())),
+		BackedUpIn: m.GetBackedUpIn(), LastBackup: m.GetLastBackup(), LastBackupStep: m.GetLastBackupStep(),
+		Data:    make(map[tiers.Slot]string, len(m.GetData())),
+		Holders: make(map[string][]int, len(m.GetHolders())),
 	}
 	for _, d := range m.GetData() {
 		p.Data[tiers.Slot{Rank: int(d.GetRank()), Worker: int(d.GetWorker())}] = d.GetHash()

@@ -464,6 +464,7 @@ func TestCoordinatorPlanConversion(t *testing.T) {
 	t.Parallel()
 	plan := tiers.RestorePlan{
 		Step: 42, Found: true, Backup: "2030-01-02_03-04", Pinned: "2030-01-01_00-00", BackedUpIn: "2030-01-02_03-05",
+		LastBackup: "2030-01-02_03-03", LastBackupStep: 41,
 		Data:       map[tiers.Slot]string{{Rank: 3, Worker: 0}: hashOf("a"), {Rank: 3, Worker: 1}: hashOf("b")},
 		Holders:    map[string][]int{hashOf("a"): {1, 3}, hashOf("b"): {}},
 		Errors:     []string{"one", "two"},

@@ -240,6 +240,8 @@ func (r *restorer) run(inc *incarnation) {
 		r.backups.restoredFrom(cfg.JobName, plan.Backup, plan.Step)
 	} else if plan.Found && plan.BackedUpIn != "" {
 		r.backups.restoredFrom(cfg.JobName, plan.BackedUpIn, plan.Step)
+	} else if plan.Found && plan.LastBackup != "" && plan.LastBackupStep < plan.Step {
+		r.backups.restoredFrom(cfg.JobName, plan.LastBackup, plan.LastBackupStep)
 	}
 	if plan.Found && plan.Step == 0 && cfg.Framework == FrameworkPyTorchDistributed {
 		// NeMo commits global step g as step g-1 and takes no restore of step 0: a job whose

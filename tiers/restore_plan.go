@@ -47,6 +47,12 @@ type RestorePlan struct {
 	// holds that very step: the nodes show it as their last backup, as after a restore from it
 	// ("": not known, or a coordinator of an earlier version).
 	BackedUpIn string
+	// LastBackup names, for a step restored from RAM that BackedUpIn does not name, the job's
+	// newest complete backup when it holds an earlier step (LastBackupStep): the nodes show it
+	// as their last backup (a black-box run: after an agent restart, status named no backup
+	// while one of step 2 existed and step 3 was in RAM). "": none, or not known.
+	LastBackup     string
+	LastBackupStep int64
 	// Data is the hash each slot restores.
 	Data map[Slot]string
 	// Holders lists, per hash, the ranks that hold it in RAM (for fetching from peers).

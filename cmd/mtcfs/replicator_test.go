@@ -709,6 +709,36 @@ func TestStatusJSON(t *testing.T) {
 	assert.Equal(t, st.LastBackup, replies[0].LastBackup, "the backup holding the restored step")
 	assert.EqualValues(t, 10, replies[0].BackedUp)
 	assert.Nil(t, replies[0].InRAMOnly, "step 10 is in a backup")
+
+	// A step saved after it, in RAM only, restored after another agent restart: status still
+	// names the backup of step 10 as the last one (a black-box run: no "(last: …)" at all after
+	// the restart, while the other nodes named it) and step 20 as in RAM only.
+	o = orbaxClient(t, n.dir, job, 60) // no backup of step 20 before the kill
+	step, found, err = o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found && step == 10, "restored step %d (found %v), want 10", step, found)
+	require.NoError(t, o.Save(ctx, 20))
+	waitStepSealed(t, n.dir, job, 20)
+	killAgent(t, b)
+	c := n.start(t, "--http", "127.0.0.1:0")
+	addr = agentHTTPAddr(t, c)
+	o = orbaxClient(t, n.dir, job, 60)
+	step, found, err = o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found && step == 20, "restored step %d (found %v), want 20", step, found)
+	out, code = runMtcfs(t, "status", "--json", "--http", addr)
+	require.Equal(t, 0, code, "status: %s", out)
+	replies = nil
+	require.NoError(t, json.Unmarshal([]byte(out), &replies), "status --json: %s", out)
+	require.Len(t, replies, 1)
+	assert.Equal(t, st.LastBackup, replies[0].LastBackup, "the newest backup, of step 10")
+	assert.EqualValues(t, 10, replies[0].BackedUp)
+	if assert.NotNil(t, replies[0].InRAMOnly, "step 20 is in RAM only") {
+		assert.EqualValues(t, 20, *replies[0].InRAMOnly)
+	}
+	out, code = runMtcfs(t, "status", "--http", addr)
+	require.Equal(t, 0, code, out)
+	assert.Contains(t, out, "(last: "+st.LastBackup+"); step 20 in RAM only, not in a backup yet")
 }
 
 // TestKillDuringStartup: agents SIGKILLed at points spread over their start (spool, listener,

@@ -473,9 +473,14 @@ type RestorePlan struct {
 	StaleAbove map[int32]int64 `protobuf:"bytes,9,rep,name=stale_above,json=staleAbove,proto3" json:"stale_above,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	// For a step restored from RAM: the job's newest complete backup, when it holds that very
 	// step ("": not known). Nodes show it as their last backup.
-	BackedUpIn    string `protobuf:"bytes,10,opt,name=backed_up_in,json=backedUpIn,proto3" json:"backed_up_in,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	BackedUpIn string `protobuf:"bytes,10,opt,name=backed_up_in,json=backedUpIn,proto3" json:"backed_up_in,omitempty"`
+	// For a step restored from RAM that the newest complete backup does not hold, when that
+	// backup holds an earlier step: its name and step ("": none). Nodes show it as their last
+	// backup, and the restored step as in RAM only.
+	LastBackup     string `protobuf:"bytes,11,opt,name=last_backup,json=lastBackup,proto3" json:"last_backup,omitempty"`
+	LastBackupStep int64  `protobuf:"varint,12,opt,name=last_backup_step,json=lastBackupStep,proto3" json:"last_backup_step,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *RestorePlan) Reset() {
@@ -576,6 +581,20 @@ func (x *RestorePlan) GetBackedUpIn() string {
 		return x.BackedUpIn
 	}
 	return ""
+}
+
+func (x *RestorePlan) GetLastBackup() string {
+	if x != nil {
+		return x.LastBackup
+	}
+	return ""
+}
+
+func (x *RestorePlan) GetLastBackupStep() int64 {
+	if x != nil {
+		return x.LastBackupStep
+	}
+	return 0
 }
 
 type NegotiateRequest struct {
@@ -1153,7 +1172,7 @@ const file_coordinator_proto_rawDesc = "" +
 	"\x06worker\x18\x02 \x01(\x05R\x06worker\x12\x12\n" +
 	"\x04hash\x18\x03 \x01(\tR\x04hash\"\x1d\n" +
 	"\x05Ranks\x12\x14\n" +
-	"\x05ranks\x18\x01 \x03(\x05R\x05ranks\"\xab\x04\n" +
+	"\x05ranks\x18\x01 \x03(\x05R\x05ranks\"\xf6\x04\n" +
 	"\vRestorePlan\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x14\n" +
 	"\x05found\x18\x02 \x01(\bR\x05found\x12\x16\n" +
@@ -1169,7 +1188,10 @@ const file_coordinator_proto_rawDesc = "" +
 	"staleAbove\x12 \n" +
 	"\fbacked_up_in\x18\n" +
 	" \x01(\tR\n" +
-	"backedUpIn\x1aW\n" +
+	"backedUpIn\x12\x1f\n" +
+	"\vlast_backup\x18\v \x01(\tR\n" +
+	"lastBackup\x12(\n" +
+	"\x10last_backup_step\x18\f \x01(\x03R\x0elastBackupStep\x1aW\n" +
 	"\fHoldersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x121\n" +
 	"\x05value\x18\x02 \x01(\v2\x1b.mtcfs.replication.v1.RanksR\x05value:\x028\x01\x1a=\n" +
