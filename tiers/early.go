@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -65,11 +66,14 @@ func newEarlyPushes(n *node, transport PeerTransport, incs *incarnations) *early
 // earlyGroup is what this node pushed early for one top-level directory of an incarnation.
 type earlyGroup struct {
 	inc       *incarnation
-	committed bool           // GUARDED_BY(inc.mu); renamed to a step, being sealed
-	pending   sync.WaitGroup // early pushes queued or running
-	mu        sync.Mutex
-	acked     map[int]map[layout.FileDigest]bool // GUARDED_BY(mu); by peer rank
-	queued    map[layout.FileDigest]bool         // GUARDED_BY(mu); contents queued for a push
+	committed bool // GUARDED_BY(inc.mu); renamed to a step, being sealed
+	// superseded: the step is not pushed (a newer one is queued already); its queued early
+	// pushes are not made (syncer.skipPush)
+	superseded atomic.Bool
+	pending    sync.WaitGroup // early pushes queued or running
+	mu         sync.Mutex
+	acked      map[int]map[layout.FileDigest]bool // GUARDED_BY(mu); by peer rank
+	queued     map[layout.FileDigest]bool         // GUARDED_BY(mu); contents queued for a push
 }
 
 // firstOf reports whether no file with digest d was queued for a push in g yet, and records it.
@@ -189,8 +193,11 @@ func (e *earlyPushes) groupOf(path string) (*earlyGroup, string) {
 func (e *earlyPushes) runPusher() {
 	for p := range e.pushQ {
 		inc := p.g.inc
-		if et, ok := e.transportFor(inc.Config); ok && inc.ctx.Err() == nil {
+		if et, ok := e.transportFor(inc.Config); ok && inc.ctx.Err() == nil && !p.g.superseded.Load() {
 			for _, peer := range inc.Config.Peers() {
+				if p.g.superseded.Load() {
+					break
+				}
 				e.yield.wait(inc.ctx, e.yield.limit)
 				// Held while it reads, as the hash; a file renamed since (a writer's temporary
 				// name) is read unheld.

@@ -28,7 +28,10 @@ type incarnation struct {
 	committed int64 // GUARDED_BY(mu)
 	// replicated is the highest step the coordinator reported replicated on every node (-1:
 	// none yet).
-	replicated int64     // GUARDED_BY(mu)
+	replicated int64 // GUARDED_BY(mu)
+	// everywhere is the highest step whose sync the coordinator answered: every node of the
+	// job committed it (-1: none yet).
+	everywhere int64     // GUARDED_BY(mu)
 	restore    *Progress // GUARDED_BY(mu); the restore transfer running, for status
 	waiting    string    // GUARDED_BY(mu); what the restore waits for, for status ("": nothing)
 	// early holds, by top-level name, the files pushed to peers before their step committed.
@@ -102,7 +105,7 @@ func (inc *incarnation) isSealedHere(meta string) bool {
 }
 
 func newIncarnation(parent context.Context, cfg *Config) *incarnation {
-	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring", committed: -1, replicated: -1,
+	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring", committed: -1, replicated: -1, everywhere: -1,
 		early: map[string]*earlyGroup{}, user: -1, inUse: -1}
 	inc.ctx, inc.cancel = context.WithCancel(parent)
 	return inc
@@ -186,6 +189,13 @@ func (inc *incarnation) restoreDone(step int64, found bool) {
 func (inc *incarnation) noteCommitted(step int64) {
 	inc.mu.Lock()
 	inc.committed = max(inc.committed, step)
+	inc.mu.Unlock()
+}
+
+// noteEverywhere records that every node of the job committed step.
+func (inc *incarnation) noteEverywhere(step int64) {
+	inc.mu.Lock()
+	inc.everywhere = max(inc.everywhere, step)
 	inc.mu.Unlock()
 }
 
@@ -276,6 +286,18 @@ func (s *incarnations) takeStartupErrors() []string {
 	msgs := s.startupErrors
 	s.startupErrors = nil
 	return msgs
+}
+
+// everywhere returns the newest valid incarnation's highest step every node committed (-1:
+// none, or no valid incarnation).
+func (s *incarnations) everywhere() int64 {
+	_, last := s.both()
+	if last == nil {
+		return -1
+	}
+	last.mu.Lock()
+	defer last.mu.Unlock()
+	return last.everywhere
 }
 
 // latest returns the newest valid incarnation's latest committed and replicated steps, and the

@@ -39,6 +39,9 @@ type pushers struct {
 	early     *earlyPushes
 	lines     *jobLines
 	byRank    map[int]*pusher
+	// superseded reports whether a newer step of the same worker waits for its push already
+	// (syncer.superseded): a failed push of such a step is not tried again (nil: never).
+	superseded func(sealedStep) bool
 
 	// pushing are the pushes running now, by rank, for status: a long one showed nothing but
 	// "latest replicated … none yet" (found by a black-box run over a slow link).
@@ -134,6 +137,12 @@ func (p *pusher) push(ctx context.Context, s sealedStep, early *earlyGroup, data
 		p.running(c, p.rank, attempt, start)
 		err = p.pushStep(ctx, c, s.dataName, s.meta, early, metaOnly)
 		if err == nil || attempt >= attempts || ctx.Err() != nil {
+			break
+		}
+		if p.superseded != nil && p.superseded(s) {
+			// The newer step is pushed instead, now: tries of this one held it back, and
+			// the syncs behind it with it, while a peer whose RAM was full refused them
+			// (the syncs free the steps that filled it; a black-box run).
 			break
 		}
 		p.log.Warn("replication failed, retrying", "step", c.step, "to", p.rank, "attempt", attempt, "err", err)

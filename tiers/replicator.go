@@ -254,6 +254,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	r.early = newEarlyPushes(n, cfg.Peers, r.incs)
 	r.syncer = &syncer{node: n, in: syncQ, coord: cfg.Coordinator, incs: r.incs, retention: r.retention, lines: r.lines,
 		pushers: newPushers(n, cfg.Peers, r.early, r.lines)}
+	r.syncer.pushers.superseded = r.syncer.superseded
 	r.syncer.rePushFirst.Store(int64(rePushFirst))
 	r.syncer.rePushMax.Store(int64(rePushMax))
 	r.backups = newBackupRunner(n, cfg.Store, cfg.Coordinator, r.retention, r.lines, cfg.DrainTimeout)

@@ -1,6 +1,7 @@
 package tiers_test
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"slices"
@@ -357,4 +358,211 @@ func TestWorkerSavingAgainAfterALaterTrySucceeded(t *testing.T) {
 	time.Sleep(500 * time.Millisecond) // later tries come after 50 ms
 	assert.Equal(t, 1, tr.pushes(1, w1), "worker 1's data, which rank 1 holds, pushed again")
 	assert.Nil(t, hs[0].r.Status().RePush, "a later try pending after the save again replicated")
+}
+
+// Steps saved while an earlier step's push is still running are not all pushed in turn: only the
+// newest is, and the files of the others pushed early are dropped on the peer. Pushed in turn
+// over a link slower than the job's saves, every step waiting for its push was kept in RAM until
+// the RAM was full; the job's saves then failed with ENOSPC and the peers, just as full, refused
+// every push, also once the link was fast again (a black-box run).
+func TestStepsSupersededBeforeTheirPushAreNotPushed(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	block := make(chan struct{})
+	tr.mu.Lock()
+	tr.block = map[int]chan struct{}{1: block} // rank 0's pushes to rank 1 wait
+	tr.mu.Unlock()
+	released := false
+	defer func() {
+		if !released {
+			close(block)
+		}
+	}()
+	data := map[int64]string{}
+	for step := int64(1); step <= 4; step++ {
+		for rank, h := range hs {
+			// As orbaxSave, with the files pushed early before the commit.
+			tmp := fmt.Sprintf("%d%s", step, layout.OrbaxTmpSuffix)
+			h.makeTree(tmp, map[string]string{"state": fmt.Sprintf("step %d of rank %d", step, rank)})
+			h.waitEarlyTo(tr, 1-rank, tmp, 1, "the step's file pushed early")
+			hash, err := layout.HashDir(context.Background(), h.path(tmp))
+			require.NoError(t, err)
+			h.rename(tmp, fmt.Sprint(step))
+			if rank == 0 {
+				data[step] = "D" + hash + ".data"
+			}
+		}
+	}
+	hs[0].eventually("steps 1 to 4 sealed on rank 0, and step 1's push waiting", func() string {
+		tr.mu.Lock()
+		blocked := tr.blocked
+		tr.mu.Unlock()
+		if st := hs[0].r.Status(); st.Sealed != 4 || blocked == 0 {
+			return fmt.Sprintf("sealed %d, %d pushes waiting", st.Sealed, blocked)
+		}
+		return ""
+	})
+	close(block)
+	released = true
+	for _, h := range hs {
+		h.eventually("step 4 replicated", func() string {
+			if st := h.r.Status(); st.Replicated != 4 || st.Committed != 4 {
+				return fmt.Sprintf("latest committed %d, replicated %d", st.Committed, st.Replicated)
+			}
+			return ""
+		})
+	}
+	assert.Equal(t, 1, tr.pushes(1, data[1]), "step 1, whose push was running")
+	assert.Equal(t, 0, tr.pushes(1, data[2]), "step 2, superseded before its push")
+	assert.Equal(t, 0, tr.pushes(1, data[3]), "step 3, superseded before its push")
+	assert.Equal(t, 1, tr.pushes(1, data[4]), "step 4, the newest")
+	tr.mu.Lock()
+	drops := slices.Clone(tr.drops)
+	tr.mu.Unlock()
+	for _, step := range []int64{2, 3} {
+		group := fmt.Sprintf("1/%d%s", step, layout.OrbaxTmpSuffix)
+		assert.Contains(t, drops, group, "the files of step %d pushed early, dropped on rank 1", step)
+	}
+	time.Sleep(300 * time.Millisecond) // later tries of a failed push would come after 50 ms
+	assert.Nil(t, hs[0].r.Status().RePush, "a skipped push is not tried again")
+	assert.Equal(t, 0, tr.pushes(1, data[2])+tr.pushes(1, data[3]))
+	for _, l := range hs[0].lines(layout.ReplicatorErrorsName) {
+		assert.NotContains(t, l, "replicating step", "a skipped push is no failure told to the job")
+	}
+}
+
+// With the RAM filling, the steps between the latest replicated one and the newest step every
+// node committed are freed: the latest replicated survives a node's loss, and every node holds
+// the newer one. Kept while no push got through (peers whose RAM was full refused them), they
+// filled the RAM for good: the job's saves failed with ENOSPC (a black-box run).
+func TestStepsBetweenTheReplicatedAndTheCommittedOneGoWhenRAMFills(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	ownSteps := func(h *harness) []int64 {
+		var steps []int64
+		for _, s := range h.r.Status().Steps {
+			if s.Rank == rank(h, hs) {
+				steps = append(steps, s.Step)
+			}
+		}
+		slices.Sort(steps)
+		return steps
+	}
+	save := func(step int64) {
+		var wg sync.WaitGroup
+		for r, h := range hs {
+			wg.Go(func() { h.orbaxSave(step, map[string]string{"state": fmt.Sprintf("step %d of rank %d", step, r)}) })
+		}
+		wg.Wait()
+		for _, h := range hs {
+			waitCommitted(h, step)
+		}
+	}
+	save(1)
+	for _, h := range hs {
+		h.eventually("step 1 replicated", func() string {
+			if st := h.r.Status(); st.Replicated != 1 {
+				return fmt.Sprintf("latest replicated %d", st.Replicated)
+			}
+			return ""
+		})
+	}
+	tr.mu.Lock()
+	tr.failTo[0], tr.failTo[1] = true, true // no push gets through any more
+	tr.mu.Unlock()
+	for step := int64(2); step <= 4; step++ {
+		save(step)
+	}
+	// With room to spare, every step newer than the latest replicated one stays.
+	for _, h := range hs {
+		assert.Equal(t, []int64{1, 2, 3, 4}, ownSteps(h), "rank %d's steps in RAM, the RAM nearly empty", rank(h, hs))
+	}
+	// The RAM 3/4 full (the harness's namespace charges nothing itself): the next step's sync
+	// frees the steps between step 1, the latest replicated, and it.
+	charges := make([]int64, len(hs))
+	chargeTo := func(num, den int64) {
+		for i, h := range hs {
+			total, used := h.spool.Usage()
+			c := total/den*num - used
+			h.spool.Charge(c)
+			charges[i] += c
+		}
+	}
+	defer func() {
+		for i, h := range hs {
+			h.spool.Charge(-charges[i])
+		}
+	}()
+	want := func(what string, steps ...int64) {
+		for _, h := range hs {
+			h.eventually(what, func() string {
+				if got := ownSteps(h); !slices.Equal(got, steps) {
+					return fmt.Sprintf("steps in RAM %v, want %v", got, steps)
+				}
+				return ""
+			})
+			if st := h.r.Status(); st.Replicated != 1 {
+				t.Errorf("rank %d: latest replicated %d, want 1", rank(h, hs), st.Replicated)
+			}
+		}
+	}
+	chargeTo(3, 4)
+	save(5)
+	want("steps 2 to 4 freed", 1, 5)
+	// Still more than half full: the RAM still counts as filling, and step 5 goes at the next
+	// sync. (Freed only while 3/4 full, the steps a push's time brought filled it again.)
+	chargeTo(5, 8)
+	save(6)
+	want("step 5 freed", 1, 6)
+	// Less than half full: the steps stay again.
+	chargeTo(1, 4)
+	save(7)
+	want("step 6 kept, the RAM filling no more", 1, 6, 7)
+}
+
+// A failed push of a step that a newer step of the node supersedes is not tried again: the newer
+// step is pushed at once. The tries (three, 0.5 s and 1 s apart) held the newer step back, and
+// the syncs behind it, while a peer whose RAM was full refused every push (a black-box run).
+func TestFailedPushOfASupersededStepIsNotTriedAgain(t *testing.T) {
+	t.Parallel()
+	hs, tr := newPair(t)
+	block := make(chan struct{})
+	tr.mu.Lock()
+	tr.block = map[int]chan struct{}{1: block}
+	tr.mu.Unlock()
+	released := false
+	defer func() {
+		if !released {
+			close(block)
+		}
+	}()
+	for step := int64(1); step <= 2; step++ {
+		for rank, h := range hs {
+			tmp := fmt.Sprintf("%d%s", step, layout.OrbaxTmpSuffix)
+			h.makeTree(tmp, map[string]string{"state": fmt.Sprintf("step %d of rank %d", step, rank)})
+			h.waitEarlyTo(tr, 1-rank, tmp, 1, "the step's file pushed early")
+			h.rename(tmp, fmt.Sprint(step))
+		}
+	}
+	hs[0].eventually("step 2 sealed on rank 0, and step 1's push waiting", func() string {
+		tr.mu.Lock()
+		blocked := tr.blocked
+		tr.mu.Unlock()
+		if st := hs[0].r.Status(); st.Sealed != 2 || blocked == 0 {
+			return fmt.Sprintf("sealed %d, %d pushes waiting", st.Sealed, blocked)
+		}
+		return ""
+	})
+	tr.mu.Lock()
+	tr.failTo[1] = true
+	before := tr.calls[1]
+	tr.mu.Unlock()
+	close(block)
+	released = true
+	waitCommitted(hs[0], 2)
+	tr.mu.Lock()
+	calls := tr.calls[1] - before
+	tr.mu.Unlock()
+	// Step 1: its one try; step 2: the tries of a peer found down (2).
+	assert.Equal(t, 3, calls, "calls to rank 1 once its pushes failed")
 }

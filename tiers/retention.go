@@ -39,6 +39,8 @@ type retention struct {
 	// publishMu makes "data appears in spool/sealed and gets its .meta" atomic with respect to
 	// retain.
 	publishMu sync.Mutex
+	// filling: the RAM was found filling (3/4 used) and has not been below half since (retain).
+	filling bool // GUARDED_BY(publishMu)
 
 	mu    sync.Mutex
 	metas map[string]string // GUARDED_BY(mu); .meta name → hash, for every .meta held
@@ -216,6 +218,25 @@ func (rt *retention) retain(cfg *Config) {
 	defer rt.publishMu.Unlock()
 	keepFrom, floor, restored := rt.incs.latest()
 	inUse := rt.incs.stepInUse()
+	// With the RAM filling, the steps between the one that survives a node's loss (the latest
+	// replicated, or else the restored one) and the newest step every node committed go too:
+	// every node holds that newer step, which a restore without loss takes, and a restore
+	// after a loss takes the older one. Kept, they filled the RAM when pushes fell behind the
+	// job's saves (a link slower than the saves): the job's saves then failed with ENOSPC and
+	// the peers, just as full, refused every push, for good (a black-box run).
+	// The RAM counts as filling from 3/4 of it used until less than half is: freed only down to
+	// 3/4, the steps the next push's time brought filled it again (a black-box run: saves
+	// failed with ENOSPC for a few seconds at every push).
+	dropAbove, dropBelow := int64(-1), int64(-1)
+	if total, used := rt.spool.Usage(); total > 0 && (used >= total/4*3 || (rt.filling && used >= total/2)) {
+		rt.filling = true
+		dropAbove, dropBelow = floor, rt.incs.everywhere()
+		if floor < 0 {
+			dropAbove = restored
+		}
+	} else {
+		rt.filling = false
+	}
 	// A newer step that did not replicate must not cost the one reported replicated: it is the
 	// step that survives the loss of a node (SPEC §7). Before the incarnation replicated any,
 	// what the restore found stays: the restored step and the older ones the incarnation before
@@ -233,7 +254,9 @@ func (rt *retention) retain(cfg *Config) {
 	rt.mu.Lock()
 	for name, hash := range rt.metas {
 		m, ok := layout.ParseMarkerName(name)
-		if ok && m.Job == cfg.JobName && m.Step < keepFrom && m.Step > keepUpTo && m.Step != inUse && rt.backingUp[jobStep{m.Job, m.Step}] == 0 {
+		older := m.Step < keepFrom && m.Step > keepUpTo
+		between := m.Step > dropAbove && m.Step < dropBelow
+		if ok && m.Job == cfg.JobName && (older || between) && m.Step != inUse && rt.backingUp[jobStep{m.Job, m.Step}] == 0 {
 			drop = append(drop, name)
 		} else {
 			keepHash[hash] = true

@@ -85,6 +85,8 @@ type rePush struct {
 type workerPushes struct {
 	s     sealedStep
 	peers []int
+	// skipped: not pushed, a newer step of the worker being queued already (syncer.superseded)
+	skipped bool
 }
 
 // syncKey is a step of an incarnation whose workers' sealed parts the syncer gathers.
@@ -149,8 +151,11 @@ func (sy *syncer) run() {
 		if sy.pending != nil && !s.restored && (sy.incs.isCurrent(s.inc) || !sy.incs.isCurrent(sy.pending.c.inc)) {
 			sy.stopRePush()
 		}
-		failedPeers := sy.replicate(s)
-		if len(failedPeers) > 0 {
+		var failedPeers []int
+		skipped := sy.superseded(s)
+		if skipped {
+			failedPeers = sy.skipPush(s)
+		} else if failedPeers = sy.replicate(s); len(failedPeers) > 0 {
 			sy.retention.warnIfFilling(sy.lines, s.inc, true)
 		}
 		k := syncKey{s.inc, s.step, s.restored}
@@ -164,7 +169,7 @@ func (sy *syncer) run() {
 			p = &syncProgress{pushes: map[int]workerPushes{}}
 			sy.progress[k] = p
 		}
-		p.pushes[s.worker] = workerPushes{s: s, peers: failedPeers}
+		p.pushes[s.worker] = workerPushes{s: s, peers: failedPeers, skipped: skipped}
 		if len(p.pushes) < s.inc.Config.WorkersPerNode {
 			continue
 		}
@@ -202,10 +207,51 @@ func (sy *syncer) run() {
 		failed := maps.Clone(p.pushes)
 		maps.DeleteFunc(failed, func(_ int, f workerPushes) bool { return len(f.peers) == 0 })
 		synced := sy.sync(c, len(failed) == 0)
+		// A push skipped for a newer step is not tried again: the newer step's is.
+		maps.DeleteFunc(failed, func(_ int, f workerPushes) bool { return f.skipped })
 		if len(failed) > 0 && sy.incs.isCurrent(s.inc) {
 			sy.pushLater(c, failed, synced)
 		}
 	}
+}
+
+// superseded reports whether s, a step the job saved, need not be pushed: a newer step of the
+// same worker and incarnation is queued behind it already, and only the newest step replicated
+// matters to a restore. A link slower than the job's saves pushed every step in turn: the steps
+// waiting for their push were kept in RAM (each is newer than the latest replicated one) until
+// the RAM was full, the job's saves failed with ENOSPC, and the peers, just as full, refused
+// every push, also once the link was fast again (a black-box run). A step being restored, or
+// saved while its incarnation restores (pushed again once the restore is done), is pushed.
+func (sy *syncer) superseded(s sealedStep) bool {
+	if s.restored || len(s.inc.Config.Peers()) == 0 || sy.pushers.transport == nil || !sy.incs.isCurrent(s.inc) || s.inc.restoring() {
+		return false
+	}
+	return sy.in.has(func(q sealedStep) bool {
+		return q.rePush == 0 && !q.restoreDone && !q.restored && q.inc == s.inc && q.worker == s.worker && q.step > s.step
+	})
+}
+
+// skipPush passes over the pushes of s, superseded: the files of it pushed early (before its
+// commit) are dropped on the peers, and the pushes of them still queued are not made. It
+// returns the peers s is not replicated to: all of them.
+func (sy *syncer) skipPush(s sealedStep) []int {
+	peers := s.inc.Config.Peers()
+	sy.log.Info("step not pushed: a newer step of this node is queued for its push already", "step", s.step, "worker", s.worker)
+	if s.group == "" {
+		return peers
+	}
+	g := s.inc.takeEarlyGroup(s.group)
+	if g == nil {
+		return peers
+	}
+	g.superseded.Store(true)
+	g.pending.Wait() // the push of one file at most: the queued ones are not made
+	if et, ok := sy.pushers.early.transportFor(s.inc.Config); ok {
+		for _, peer := range g.peers() {
+			sy.pushers.early.dropOn(et, s.inc, peer, s.group)
+		}
+	}
+	return peers
 }
 
 // pushLater makes c, whose pushes failed to the peers of failed, the step whose pushes are tried
@@ -483,6 +529,7 @@ func (sy *syncer) syncNow(c commit, replicated bool) bool {
 		sy.lines.incLine(c.inc, fmt.Sprintf("sync of step %d failed: %v", c.step, err))
 		return false
 	}
+	c.inc.noteEverywhere(c.step)
 	if dec.Replicated && sy.incs.isCurrent(c.inc) {
 		c.inc.noteReplicated(c.step)
 	}
