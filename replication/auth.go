@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"errors"
 	"strconv"
 	"time"
 
@@ -111,13 +112,21 @@ func (callCredentials) RequireTransportSecurity() bool { return false }
 // appears). The peer service uses it for every call; other services of the agent can too.
 func Authenticate(ctx context.Context, secrets SecretFunc, now time.Time) (Identity, error) {
 	md, _ := metadata.FromIncomingContext(ctx)
+	method, _ := grpc.Method(ctx)
+	return authenticateMD(md, method, secrets, now)
+}
+
+// errJobNotServed is a call of a job whose secret this agent does not hold.
+var errJobNotServed = errors.New("not served by this agent")
+
+// authenticateMD is Authenticate of a call to method with the metadata md.
+func authenticateMD(md metadata.MD, method string, secrets SecretFunc, now time.Time) (Identity, error) {
 	get := func(k string) string {
 		if v := md.Get(k); len(v) == 1 {
 			return v[0]
 		}
 		return ""
 	}
-	method, _ := grpc.Method(ctx)
 	id := Identity{Job: get(mdJob), Incarnation: get(mdIncarnation), Instance: get(mdInstance)}
 	sum, err := hex.DecodeString(get(mdMAC))
 	if err != nil || len(sum) != sha256.Size {
@@ -143,7 +152,7 @@ func Authenticate(ctx context.Context, secrets SecretFunc, now time.Time) (Ident
 	}
 	secret, ok := secrets(id.Job)
 	if !ok {
-		return id, errUnauthenticated("job %q is not served by this agent", id.Job)
+		return id, errUnauthenticated("job %q is %w", id.Job, errJobNotServed)
 	}
 	if !hmac.Equal(sum, callMAC(secret, id, ts, method)) {
 		return id, errUnauthenticated("call to %s for job %q: wrong MAC (not signed with this job's secret)", method, id.Job)

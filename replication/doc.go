@@ -41,7 +41,10 @@
 //     accept a tree it cannot hold.
 //   - Every call is authenticated with an HMAC-SHA256 over the caller's job, incarnation, rank,
 //     instance, the time and the method, keyed by the job's shared secret (see Authenticate);
-//     refusals are Unauthenticated and logged with the peer's address.
+//     refusals are Unauthenticated and logged with the peer's address. A Node's server checks it
+//     from the headers, before the message is read (admitCall), with the secrets it holds;
+//     a call of a job it has not joined is refused as Unavailable. Refusals there are logged up
+//     to refusalBurst a minute, the others counted.
 //   - With mutual TLS (LoadTLS; mtcfs mount --peer-tls-cert/--peer-tls-key/--peer-tls-ca),
 //     connections are TLS 1.3, both ends present a certificate of the job's CA and verify the
 //     other's against it (server names are not checked, see tls.go), and refused handshakes are

@@ -75,6 +75,7 @@ type Node struct {
 	addr     string    // what the other agents are told: Advertise, else the listener's address
 	instance string    // random per process
 	secrets  *jobSecrets
+	refusals *refusalLog                      // of the calls admitCall refuses
 	dial     credentials.TransportCredentials // of every call to a peer: mutual TLS or plain TCP
 	job      *Job                             // the coordinator, when this node is rank 0
 	srv      *grpc.Server
@@ -166,7 +167,8 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	}
 	n.secrets = &jobSecrets{fixed: cfg.Secret, objects: cfg.Objects, log: n.log, recheck: secretRecheck,
 		byJob: map[string][]byte{}, checked: map[string]time.Time{}}
-	opts := ServerOptions()
+	n.refusals = &refusalLog{log: n.log}
+	opts := append(ServerOptions(), grpc.InTapHandle(n.admitCall))
 	if cfg.TLS != nil {
 		var server credentials.TransportCredentials
 		server, n.dial = cfg.TLS.TransportCredentials(n.log)
@@ -837,6 +839,18 @@ func (s *jobSecrets) check(job string, sec []byte) {
 	s.mu.Unlock()
 	s.log.Warn("the job's peer secret in the backup location is not the one this agent used (it was made anew, by an agent started while it was gone): this agent uses it from now on",
 		"job", job, "location", s.objects.String())
+}
+
+// cached returns job's secret if this agent holds it already (the fixed one, or one read from
+// the location), without store I/O.
+func (s *jobSecrets) cached(job string) ([]byte, bool) {
+	if s.fixed != nil {
+		return s.fixed, true
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	sec, ok := s.byJob[job]
+	return sec, ok
 }
 
 // lookup serves the gRPC side (a SecretFunc), which asks without a context.
