@@ -75,10 +75,13 @@ type Node struct {
 	addr     string    // what the other agents are told: Advertise, else the listener's address
 	instance string    // random per process
 	secrets  *jobSecrets
-	refusals *refusalLog                      // of the calls admitCall refuses
-	dial     credentials.TransportCredentials // of every call to a peer: mutual TLS or plain TCP
-	job      *Job                             // the coordinator, when this node is rank 0
-	srv      *grpc.Server
+	refusals *refusalLog // of the calls admitCall refuses
+	// notJoined: of those it refuses because this agent has not joined their job (yet), which
+	// a job's start makes (a rank that reaches rank 0's agent first)
+	notJoined *refusalLog
+	dial      credentials.TransportCredentials // of every call to a peer: mutual TLS or plain TCP
+	job       *Job                             // the coordinator, when this node is rank 0
+	srv       *grpc.Server
 
 	sender atomic.Pointer[Sender]           // set by Start
 	rep    atomic.Pointer[tiers.Replicator] // set by Start
@@ -167,7 +170,8 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	}
 	n.secrets = &jobSecrets{fixed: cfg.Secret, objects: cfg.Objects, log: n.log, recheck: secretRecheck,
 		byJob: map[string][]byte{}, checked: map[string]time.Time{}}
-	n.refusals = &refusalLog{log: n.log}
+	n.refusals = &refusalLog{log: n.log, level: slog.LevelWarn}
+	n.notJoined = &refusalLog{log: n.log, level: slog.LevelInfo}
 	opts := append(ServerOptions(), grpc.InTapHandle(n.admitCall))
 	if cfg.TLS != nil {
 		var server credentials.TransportCredentials
@@ -788,15 +792,7 @@ func (s *jobSecrets) get(ctx context.Context, job string) ([]byte, error) {
 	if s.fixed != nil {
 		return s.fixed, nil
 	}
-	s.mu.Lock()
-	sec, ok := s.byJob[job]
-	due := ok && time.Since(s.checked[job]) >= s.recheck
-	if due {
-		s.checked[job] = time.Now()
-		s.checks.Go(func() { s.check(job, sec) }) // store I/O, off the caller's path
-	}
-	s.mu.Unlock()
-	if ok {
+	if sec, ok := s.recheckIfDue(job); ok {
 		return sec, nil
 	}
 	// Not under mu: the store may be slow, and every peer call asks. Concurrent first calls
@@ -813,6 +809,19 @@ func (s *jobSecrets) get(ctx context.Context, job string) ([]byte, error) {
 	s.byJob[job] = sec
 	s.checked[job] = time.Now()
 	return sec, nil
+}
+
+// recheckIfDue returns job's secret if this agent holds it, and checks it against the location
+// in the background when the last check is recheck old.
+func (s *jobSecrets) recheckIfDue(job string) ([]byte, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	sec, ok := s.byJob[job]
+	if ok && time.Since(s.checked[job]) >= s.recheck {
+		s.checked[job] = time.Now()
+		s.checks.Go(func() { s.check(job, sec) }) // store I/O, off the caller's path
+	}
+	return sec, ok
 }
 
 // check compares job's secret in the location with sec, the one in use: it puts it back when it

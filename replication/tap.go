@@ -26,10 +26,17 @@ func (n *Node) admitCall(ctx context.Context, info *tap.Info) (context.Context, 
 	if err == nil {
 		return ctx, nil
 	}
-	if errors.Is(err, errJobNotServed) {
+	log := n.refusals
+	switch {
+	case errors.Is(err, errJobNotServed):
 		err = withCode(codes.Unavailable, "the agent at this address has not joined job %q (it serves no start of that job yet): the call is refused before its message is read", id.Job)
+		log = n.notJoined
+	case n.secrets.fixed == nil && id.Job != "":
+		// A wrong MAC for a job it holds a secret of: perhaps the secret in the location was
+		// made anew, which the services' lookup used to find by the call (a review).
+		n.secrets.recheckIfDue(id.Job)
 	}
-	n.refusals.note(time.Now(), "peer", peerAddr(ctx), "method", info.FullMethodName, "job", id.Job, "rank", id.Rank, "err", err)
+	log.note(time.Now(), "peer", peerAddr(ctx), "method", info.FullMethodName, "job", id.Job, "rank", id.Rank, "err", err)
 	return ctx, err
 }
 
@@ -42,6 +49,7 @@ const refusalBurst = 10
 // the others.
 type refusalLog struct {
 	log   *slog.Logger
+	level slog.Level
 	every time.Duration // the window: a minute when 0
 
 	mu         sync.Mutex
@@ -60,7 +68,7 @@ func (l *refusalLog) note(now time.Time, attrs ...any) {
 	if l.logged < refusalBurst {
 		l.logged++
 		l.mu.Unlock()
-		l.log.Warn("peer call refused", attrs...)
+		l.log.Log(context.Background(), l.level, "peer call refused", attrs...)
 		return
 	}
 	l.suppressed++
@@ -80,6 +88,6 @@ func (l *refusalLog) flush() {
 	l.suppressed, l.last = 0, nil
 	l.mu.Unlock()
 	if n > 0 {
-		l.log.Warn("more peer calls refused, not logged one by one", "count", n, "in", cmp.Or(l.every, time.Minute).String(), slog.Group("call", last...))
+		l.log.Log(context.Background(), l.level, "more peer calls refused, not logged one by one", "count", n, "in", cmp.Or(l.every, time.Minute).String(), slog.Group("call", last...))
 	}
 }

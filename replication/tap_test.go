@@ -90,3 +90,33 @@ func TestRefusalsAreLoggedAFewAMinute(t *testing.T) {
 	l.note(now.Add(time.Second), "n", 100)
 	assert.Equal(t, refusalBurst+1, strings.Count(out.String(), "peer call refused"))
 }
+
+// TestAWrongMACHasTheSecretCheckedAgain: a call refused for a wrong MAC has the agent check the
+// job's secret against the location (when the last check is a minute old): one made anew there
+// is taken. The services' lookup did so for every call; refused before it, a stale secret kept
+// refusing the job's calls (a review).
+func TestAWrongMACHasTheSecretCheckedAgain(t *testing.T) {
+	objects := dirObjects(t, t.TempDir())
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	a := startTestAgentWith(t, NodeConfig{Listener: ln, Objects: objects}, t.TempDir())
+	conn, err := grpc.NewClient(a.node.Addr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer conn.Close()
+	client := peerpb.NewCoordinatorClient(conn)
+	const job = "mine"
+	_, err = a.node.secrets.get(t.Context(), job)
+	require.NoError(t, err)
+	a.node.secrets.mu.Lock()
+	a.node.secrets.recheck = 0 // every refusal finds the check due
+	a.node.secrets.mu.Unlock()
+	fresh := bytes.Repeat([]byte{9}, SecretSize)
+	require.NoError(t, objects.Put(t.Context(), job+"/"+secretName, fresh))
+	as := grpc.PerRPCCredentials(Credentials(Identity{Job: job, Incarnation: "inc", Rank: 1, Instance: "other"}, fresh))
+	require.Eventually(t, func() bool {
+		_, err := client.Negotiate(t.Context(), &peerpb.NegotiateRequest{}, as)
+		return status.Code(err) == codes.InvalidArgument // through to the service
+	}, 10*time.Second, 50*time.Millisecond)
+	a.node.secrets.checks.Wait()
+	assert.Contains(t, a.log.String(), "this agent uses it from now on")
+}

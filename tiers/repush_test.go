@@ -566,3 +566,79 @@ func TestFailedPushOfASupersededStepIsNotTriedAgain(t *testing.T) {
 	// Step 1: its one try; step 2: the tries of a peer found down (2).
 	assert.Equal(t, 3, calls, "calls to rank 1 once its pushes failed")
 }
+
+// Whether a step is pushed is decided once for all the workers of a node: a step whose first
+// worker's push started before a newer step was saved is pushed for every worker. Decided per
+// worker, with pushes slower than the saves, worker 0 of each step was pushed and worker 1 was
+// not (its next step was queued by then): no step was ever replicated (a review).
+func TestEveryWorkerOfAStepBeingPushedIsPushed(t *testing.T) {
+	t.Parallel()
+	hs, tr, _ := rePushPair(t, func(rank int) string {
+		return fmt.Sprintf("job-name: job\nframework: pytorch\nnode-rank: %d\nnodes: 2\npeer-ranks: [%d]\nworkers-per-node: 2\nbackup-interval-minutes: 30", rank, 1-rank)
+	})
+	block := make(chan struct{})
+	tr.mu.Lock()
+	tr.block = map[int]chan struct{}{1: block} // rank 0's pushes to rank 1 wait
+	tr.mu.Unlock()
+	released := false
+	defer func() {
+		if !released {
+			close(block)
+		}
+	}()
+	save := func(rank, w int, step int64) string {
+		h := hs[rank]
+		name := marker("job", step, rank, w, layout.MarkerSave)
+		content := fmt.Sprintf("step %d rank %d worker %d", step, rank, w)
+		h.r.Opened(true)
+		require.NoError(t, os.WriteFile(h.path(name), []byte(content), 0o644))
+		h.r.Flushed(name)
+		h.r.Closed(name)
+		meta := marker("job", step, rank, w, layout.MarkerMeta)
+		var data string
+		h.eventually("the save sealed", func() string {
+			data = strings.TrimSpace(h.read(meta)) + ".data"
+			if h.read(data) != content {
+				return fmt.Sprintf("%s names %q, not the data of %q", meta, data, content)
+			}
+			return ""
+		})
+		return data
+	}
+	data := map[[2]int64]string{} // rank 0's, by step and worker
+	for rank := range 2 {
+		for w := range 2 {
+			if d := save(rank, w, 1); rank == 0 {
+				data[[2]int64{1, int64(w)}] = d
+			}
+		}
+	}
+	hs[0].eventually("worker 0's push of step 1 waiting", func() string {
+		tr.mu.Lock()
+		defer tr.mu.Unlock()
+		if tr.blocked == 0 {
+			return "no push waiting"
+		}
+		return ""
+	})
+	// Step 2 is saved, by both workers, while worker 0's push of step 1 runs.
+	for rank := range 2 {
+		for w := range 2 {
+			if d := save(rank, w, 2); rank == 0 {
+				data[[2]int64{2, int64(w)}] = d
+			}
+		}
+	}
+	close(block)
+	released = true
+	hs[0].eventually("step 2 replicated", func() string {
+		if st := hs[0].r.Status(); st.Replicated != 2 {
+			return fmt.Sprintf("latest replicated %d", st.Replicated)
+		}
+		return ""
+	})
+	assert.Equal(t, 1, tr.pushes(1, data[[2]int64{1, 0}]), "step 1 worker 0")
+	assert.Equal(t, 1, tr.pushes(1, data[[2]int64{1, 1}]), "step 1 worker 1: its step was being pushed")
+	assert.Equal(t, 1, tr.pushes(1, data[[2]int64{2, 0}]), "step 2 worker 0")
+	assert.Equal(t, 1, tr.pushes(1, data[[2]int64{2, 1}]), "step 2 worker 1")
+}

@@ -100,6 +100,7 @@ type syncKey struct {
 type syncProgress struct {
 	pushes map[int]workerPushes // by worker that reported; peers nil when its pushes succeeded
 	synced bool                 // every worker reported: each later report syncs it again
+	skip   bool                 // not pushed: superseded when its first worker reported
 }
 
 // notePushed records that worker's pushes of s, tried again, now fail to peers only (none:
@@ -151,13 +152,6 @@ func (sy *syncer) run() {
 		if sy.pending != nil && !s.restored && (sy.incs.isCurrent(s.inc) || !sy.incs.isCurrent(sy.pending.c.inc)) {
 			sy.stopRePush()
 		}
-		var failedPeers []int
-		skipped := sy.superseded(s)
-		if skipped {
-			failedPeers = sy.skipPush(s)
-		} else if failedPeers = sy.replicate(s); len(failedPeers) > 0 {
-			sy.retention.warnIfFilling(sy.lines, s.inc, true)
-		}
 		k := syncKey{s.inc, s.step, s.restored}
 		p := sy.progress[k]
 		if p == nil {
@@ -166,8 +160,19 @@ func (sy *syncer) run() {
 					delete(sy.progress, old) // an earlier incarnation's, never to be completed
 				}
 			}
-			p = &syncProgress{pushes: map[int]workerPushes{}}
+			// Whether the step is pushed is decided once, at its first worker's report, for
+			// all its workers: decided per worker, with pushes slower than the saves, worker 0
+			// of each step was the newest and pushed, worker 1 found its next step queued and
+			// was not, and no step was ever replicated (a review).
+			p = &syncProgress{pushes: map[int]workerPushes{}, skip: sy.superseded(s)}
 			sy.progress[k] = p
+		}
+		var failedPeers []int
+		skipped := p.skip
+		if skipped {
+			failedPeers = sy.skipPush(s)
+		} else if failedPeers = sy.replicate(s); len(failedPeers) > 0 {
+			sy.retention.warnIfFilling(sy.lines, s.inc, true)
 		}
 		p.pushes[s.worker] = workerPushes{s: s, peers: failedPeers, skipped: skipped}
 		if len(p.pushes) < s.inc.Config.WorkersPerNode {
@@ -216,7 +221,7 @@ func (sy *syncer) run() {
 }
 
 // superseded reports whether s, a step the job saved, need not be pushed: a newer step of the
-// same worker and incarnation is queued behind it already, and only the newest step replicated
+// incarnation (of any worker) is queued behind it already, and only the newest step replicated
 // matters to a restore. A link slower than the job's saves pushed every step in turn: the steps
 // waiting for their push were kept in RAM (each is newer than the latest replicated one) until
 // the RAM was full, the job's saves failed with ENOSPC, and the peers, just as full, refused
@@ -227,7 +232,7 @@ func (sy *syncer) superseded(s sealedStep) bool {
 		return false
 	}
 	return sy.in.has(func(q sealedStep) bool {
-		return q.rePush == 0 && !q.restoreDone && !q.restored && q.inc == s.inc && q.worker == s.worker && q.step > s.step
+		return q.rePush == 0 && !q.restoreDone && !q.restored && q.inc == s.inc && q.step > s.step
 	})
 }
 
