@@ -15,6 +15,7 @@ import (
 
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/replication"
+	"github.com/mtcfs/mtcfs/tiers"
 )
 
 // A push that failed is tried again while its step is the newest, without a line to the job at
@@ -641,4 +642,36 @@ func TestEveryWorkerOfAStepBeingPushedIsPushed(t *testing.T) {
 	assert.Equal(t, 1, tr.pushes(1, data[[2]int64{1, 1}]), "step 1 worker 1: its step was being pushed")
 	assert.Equal(t, 1, tr.pushes(1, data[[2]int64{2, 0}]), "step 2 worker 0")
 	assert.Equal(t, 1, tr.pushes(1, data[[2]int64{2, 1}]), "step 2 worker 1")
+}
+
+// A sync that waits shows in the status once it has waited SyncWaitShown: the steps committed
+// after it wait behind it, their pushes too (a black-box run: during a partition from rank 0, a
+// step committed meanwhile got no push for minutes, and the status said nothing of it).
+func TestALongSyncShowsInTheStatus(t *testing.T) {
+	t.Parallel()
+	clock := newFakeClock(baseTime)
+	hs, _ := newPairWith(t, harnessConfig{clock: clock})
+	hs[0].orbaxSave(1, map[string]string{"state": "rank 0"}) // rank 1 does not save: the sync waits
+	hs[0].eventually("step 1 committed, its sync waiting", func() string {
+		if st := hs[0].r.Status(); st.Committed != 1 {
+			return fmt.Sprintf("latest committed %d", st.Committed)
+		}
+		return ""
+	})
+	clock.Set(baseTime.Add(tiers.SyncWaitShown - time.Second))
+	assert.Nil(t, hs[0].r.Status().Syncing, "shown before it waited long")
+	clock.Set(baseTime.Add(tiers.SyncWaitShown))
+	hs[0].eventually("the sync in the status", func() string {
+		if s := hs[0].r.Status().Syncing; s == nil || s.Step != 1 {
+			return fmt.Sprintf("syncing %+v", s)
+		}
+		return ""
+	})
+	hs[1].orbaxSave(1, map[string]string{"state": "rank 1"})
+	hs[0].eventually("the sync done", func() string {
+		if st := hs[0].r.Status(); st.Syncing != nil || st.Replicated != 1 {
+			return fmt.Sprintf("syncing %+v, latest replicated %d", st.Syncing, st.Replicated)
+		}
+		return ""
+	})
 }

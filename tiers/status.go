@@ -59,6 +59,9 @@ type Status struct {
 	Backup     *ProgressView `json:"backup,omitempty"`
 	// RePush is the newest step's pushes that failed and are tried again later, if any.
 	RePush *RePushView `json:"re_push,omitempty"`
+	// Syncing is the step whose sync with the coordinator has waited SyncWaitShown or longer,
+	// if any: the steps committed after it wait for it (their pushes too).
+	Syncing *SyncingView `json:"syncing,omitempty"`
 	// Sealing is the committed step whose record or hash failed on a shortage and is being
 	// tried again, if any.
 	Sealing *SealTryView `json:"sealing_retried,omitempty"`
@@ -77,6 +80,16 @@ type StepInRAM struct {
 	Rank int    `json:"rank"`
 	Data string `json:"data"`
 }
+
+// SyncingView is a sync with the coordinator under way (Status.Syncing).
+type SyncingView struct {
+	Step  int64     `json:"step"`
+	Since time.Time `json:"since"`
+}
+
+// SyncWaitShown is how long a sync waits before the status shows it: a sync waits for every
+// node's report of the step, which takes a moment in a healthy job.
+const SyncWaitShown = 5 * time.Second
 
 // RePushView is the step whose pushes to some peers failed and are tried again later (syncer).
 type RePushView struct {
@@ -172,6 +185,7 @@ func (r *Replicator) Status() Status {
 	}
 	st.Backup = backup.view()
 	st.RePush = r.syncer.status(job)
+	st.Syncing = r.syncer.syncingView(job)
 	st.Sealing = r.sealer.tryingView(job)
 	st.Pushing = r.syncer.pushers.status(job)
 	st.Errors = r.lines.recentErrors(job)

@@ -53,8 +53,16 @@ type syncer struct {
 	// restore is done (sealedStep.restoreDone), before any later step.
 	afterRestore []waitingSync
 
-	viewMu sync.Mutex
-	view   *RePushView // GUARDED_BY(viewMu); pending, for status
+	viewMu  sync.Mutex
+	view    *RePushView // GUARDED_BY(viewMu); pending, for status
+	syncing *syncing    // GUARDED_BY(viewMu); the sync under way, for status
+}
+
+// syncing is a sync with the coordinator under way.
+type syncing struct {
+	inc   *incarnation
+	step  int64
+	since time.Time
 }
 
 // waitingSync is a sync that waits for its incarnation's restore to end. again are the sealed
@@ -301,6 +309,19 @@ func (sy *syncer) setView(p *rePush, next time.Time) {
 	sy.viewMu.Unlock()
 }
 
+// syncingView returns job's sync under way when it has waited SyncWaitShown or longer (a
+// black-box run: during a partition from rank 0, a step committed meanwhile waited minutes
+// behind the sync of the one before, with no push tried, and the status said nothing of it).
+func (sy *syncer) syncingView(job string) *SyncingView {
+	sy.viewMu.Lock()
+	defer sy.viewMu.Unlock()
+	s := sy.syncing
+	if s == nil || s.inc.Config.JobName != job || sy.now().Sub(s.since) < SyncWaitShown {
+		return nil
+	}
+	return &SyncingView{Step: s.step, Since: s.since}
+}
+
 // status returns the later tries of job's pushes, if any are pending in the current incarnation.
 func (sy *syncer) status(job string) *RePushView {
 	sy.viewMu.Lock()
@@ -522,7 +543,13 @@ func (sy *syncer) syncNow(c commit, replicated bool) bool {
 		return false
 	}
 	c.inc.noteCommitted(c.step)
+	sy.viewMu.Lock()
+	sy.syncing = &syncing{inc: c.inc, step: c.step, since: sy.now()}
+	sy.viewMu.Unlock()
 	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated, Data: c.syncData})
+	sy.viewMu.Lock()
+	sy.syncing = nil
+	sy.viewMu.Unlock()
 	if err != nil && c.inc.ctx.Err() != nil {
 		// The incarnation ended (the job restarted, or the agent stops): nothing went wrong
 		// that the job or an operator should hear of (before, every restart logged an ERROR).

@@ -34,7 +34,8 @@ func TestStatus(t *testing.T) {
 		RePush: &tiers.RePushView{Step: 30, To: []int{0, 3}, Failed: 2, Next: time.Now().Add(61 * time.Second)},
 		Pushing: []tiers.PushView{{Step: 30, Rank: 0, Started: time.Now().Add(-12 * time.Second), Attempt: 1},
 			{Step: 30, Rank: 3, Started: time.Now().Add(-3 * time.Second), Attempt: 2}},
-		Errors: []string{"step 20: sync failed"}})
+		Syncing: &tiers.SyncingView{Step: 31, Since: time.Now().Add(-72 * time.Second)},
+		Errors:  []string{"step 20: sync failed"}})
 	out := running.String()
 	for _, want := range []string{
 		"  backups    file:///b (last: 2026-12-02_10-00)\n",
@@ -45,6 +46,7 @@ func TestStatus(t *testing.T) {
 		"  re-push    step 30 to rank 0, 3: 2 tries failed, next in 1m1s\n",
 		"  replicate  step 30 to rank 0: running 12s\n",
 		"  replicate  step 30 to rank 3: running 3s, try 2\n",
+		"  syncing    step 31 with the coordinator (rank 0): waiting 1m12s for every node's report of it; the steps committed since wait behind it, their pushes too\n",
 		"  error      step 20: sync failed\n",
 	} {
 		assert.Contains(t, out, want)
