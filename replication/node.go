@@ -75,7 +75,8 @@ type Node struct {
 	addr     string    // what the other agents are told: Advertise, else the listener's address
 	instance string    // random per process
 	secrets  *jobSecrets
-	refusals *refusalLog // of the calls admitCall refuses
+	refusals *refusalLog              // of the calls admitCall refuses
+	receiver atomic.Pointer[Receiver] // recv, once Start made it
 	// notJoined: of those it refuses because this agent has not joined their job (yet), which
 	// a job's start makes (a rank that reaches rank 0's agent first)
 	notJoined *refusalLog
@@ -218,6 +219,7 @@ func (n *Node) Start(rep *tiers.Replicator, spool *tiers.Spool) error {
 		return err
 	}
 	n.recv = recv
+	n.receiver.Store(recv) // for PeerStats, which may run meanwhile
 	n.rep.Store(rep)
 	n.sender.Store(&Sender{Instance: n.instance, Secrets: n.secrets.lookup, Digests: rep.Digests(), Compress: n.cfg.Compression})
 	recv.Register(n.srv)
@@ -234,7 +236,13 @@ type PeerStats struct {
 	BytesSent        int64  // chunk bytes pushed, as read
 	WireBytesSent    int64  // the same chunks' bytes on the wire
 	ChunksCompressed int64  // chunks pushed compressed
-	Links            []PeerLink
+	// ChunksCorrupt counts the chunks received (pushed to this node, or fetched by it) that
+	// failed their CRC32C: dropped, and sent again.
+	ChunksCorrupt int64
+	// CallsRefused counts the calls the peer server refused before reading them: wrong or
+	// missing credentials, or a job this agent has not joined.
+	CallsRefused int64
+	Links        []PeerLink
 }
 
 // PeerStats returns the counters and link measurements of this node's sender (zero before
@@ -244,7 +252,12 @@ func (n *Node) PeerStats() PeerStats {
 	if s := n.sender.Load(); s != nil {
 		st.BytesSent, st.WireBytesSent, st.ChunksCompressed = s.BytesSent(), s.WireBytesSent(), s.ChunksCompressed()
 		st.Links = s.PeerLinks()
+		st.ChunksCorrupt += s.CorruptChunks()
 	}
+	if r := n.receiver.Load(); r != nil {
+		st.ChunksCorrupt += r.CorruptChunks()
+	}
+	st.CallsRefused = n.refusals.total.Load() + n.notJoined.total.Load()
 	return st
 }
 

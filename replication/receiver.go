@@ -111,6 +111,9 @@ type Receiver struct {
 	cfg       ReceiverConfig
 	log       *slog.Logger
 	manifests manifestCache
+	// corruptChunks counts the pushed chunks that failed their CRC32C (the sender sends them
+	// again): a link that corrupts data shows in the metrics.
+	corruptChunks atomic.Int64
 
 	// LOCK ORDERING: mu, then a sink's per-file locks (never the other way).
 	mu        sync.Mutex
@@ -239,6 +242,9 @@ func (r *Receiver) Close() error {
 	}
 	return errors.Join(errs...)
 }
+
+// CorruptChunks returns how many pushed chunks failed their CRC32C.
+func (r *Receiver) CorruptChunks() int64 { return r.corruptChunks.Load() }
 
 // authenticate checks a call's credentials and target, logging refusals with the peer address.
 func (r *Receiver) authenticate(ctx context.Context) (Identity, error) {
@@ -437,6 +443,9 @@ func (r *Receiver) join(ctx context.Context, from Identity, h *peerpb.PushHeader
 	r.mu.Unlock()
 
 	s, err := newSink(r.cfg.Dir, incomingPrefix, m)
+	if s != nil {
+		s.corrupt = &r.corruptChunks
+	}
 	if err == nil && len(t.presumed) > 0 {
 		if err = r.adoptEarly(t, h, s); err != nil {
 			s.discard(err)

@@ -68,6 +68,8 @@ type Sender struct {
 	bytesSent, wireSent, codedChunks atomic.Int64
 	// fetched, wireFetched and codedFetched count the same for the chunks fetched.
 	fetched, wireFetched, codedFetched atomic.Int64
+	// corruptChunks counts the fetched chunks that failed their CRC32C.
+	corruptChunks atomic.Int64
 
 	linksMu sync.Mutex
 	links   map[string]*linkMeter // GUARDED_BY(linksMu); by connection target
@@ -88,6 +90,9 @@ func (s *Sender) ChunksCompressed() int64 { return s.codedChunks.Load() }
 func (s *Sender) Fetched() (bytes, wireBytes, chunksCompressed int64) {
 	return s.fetched.Load(), s.wireFetched.Load(), s.codedFetched.Load()
 }
+
+// CorruptChunks returns how many fetched chunks failed their CRC32C.
+func (s *Sender) CorruptChunks() int64 { return s.corruptChunks.Load() }
 
 // PushRequest names the data to push and who pushes it.
 type PushRequest struct {
@@ -436,7 +441,10 @@ func (s *Sender) fetch(ctx context.Context, conn grpc.ClientConnInterface, req F
 		if req.MaxBytes > 0 && m.total > req.MaxBytes {
 			return nil, errExhausted("%d bytes, at most %d allowed", m.total, req.MaxBytes)
 		}
-		if sk, err = newSink(req.Dir, ".fetch-", m); err != nil {
+		if sk, err = newSink(req.Dir, ".fetch-", m); err == nil {
+			sk.corrupt = &s.corruptChunks
+		}
+		if err != nil {
 			return nil, err
 		}
 		first, total, started = pb, m.total, time.Now()

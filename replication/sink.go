@@ -47,6 +47,8 @@ type sink struct {
 	// linked in (verified when they arrived as early files, and not written since) and of the
 	// files hashed as their chunks arrived (sinkFile.hash).
 	known *layout.DigestCache
+	// corrupt counts the chunks that failed their CRC32C on arrival (nil: not counted).
+	corrupt *atomic.Int64
 }
 
 // sinkFile tracks what arrived for one file.
@@ -241,6 +243,9 @@ func (s *sink) write(c *inChunk, inf *inflater) (int64, error) {
 		crc = crc32.Update(crc, castagnoli, pieces[i])
 	}
 	if crc != c.crc {
+		if s.corrupt != nil {
+			s.corrupt.Add(1)
+		}
 		return 0, errCorrupt("chunk of %q at %d (%d bytes): CRC32C %08x, sender said %08x", meta.Path, c.offset, c.size, crc, c.crc)
 	}
 	switch c.codec {

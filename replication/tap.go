@@ -6,6 +6,7 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -51,6 +52,7 @@ type refusalLog struct {
 	log   *slog.Logger
 	level slog.Level
 	every time.Duration // the window: a minute when 0
+	total atomic.Int64  // refusals noted
 
 	mu         sync.Mutex
 	since      time.Time // GUARDED_BY(mu); start of the current minute
@@ -60,6 +62,7 @@ type refusalLog struct {
 }
 
 func (l *refusalLog) note(now time.Time, attrs ...any) {
+	l.total.Add(1)
 	every := cmp.Or(l.every, time.Minute)
 	l.mu.Lock()
 	if l.since.IsZero() || now.Sub(l.since) >= every {

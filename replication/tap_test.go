@@ -67,6 +67,7 @@ func TestCallsAreCheckedBeforeTheirMessageIsRead(t *testing.T) {
 	_, err = client.Negotiate(t.Context(), &peerpb.NegotiateRequest{}, as(job, secret))
 	assert.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
 	assert.Contains(t, a.log.String(), "peer call refused")
+	assert.EqualValues(t, 3, a.node.PeerStats().CallsRefused, "the refusals counted (mtcfs_peer_calls_refused_total)")
 }
 
 // TestRefusalsAreLoggedAFewAMinute: the refused calls of a minute are logged one by one up to

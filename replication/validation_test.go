@@ -320,6 +320,7 @@ func TestLateStreamGetsTheTransfersReason(t *testing.T) {
 	bad := &peerpb.Chunk{File: 0, Offset: 0, Data: []byte{1}, Crc32C: 12345}
 	err := raw.push(t.Context(), h, []*peerpb.Chunk{bad}, raw.creds(1))
 	require.Equal(t, codes.DataLoss, status.Code(err), "%v", err)
+	require.EqualValues(t, 1, p.recv.CorruptChunks(), "the chunk counted (mtcfs_peer_chunks_corrupt_total)")
 
 	err = raw.pushHeader(t.Context(), h, raw.creds(1)) // the second stream, late
 	require.Equal(t, codes.DataLoss, status.Code(err), "%v", err)
