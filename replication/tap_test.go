@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"io/fs"
 	"log/slog"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -27,13 +26,8 @@ import (
 // create that job's secret in the backup location (a black-box run).
 func TestCallsAreCheckedBeforeTheirMessageIsRead(t *testing.T) {
 	objects := dirObjects(t, t.TempDir())
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	a := startTestAgentWith(t, NodeConfig{Listener: ln, Objects: objects}, t.TempDir())
-	conn, err := grpc.NewClient(a.node.Addr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	client := peerpb.NewCoordinatorClient(conn)
+	a := startTestAgent(t, objects, t.TempDir())
+	client := coordinatorClient(t, a.node.Addr())
 	// A message larger than any request a job makes: refused all the same, from the headers.
 	big := &peerpb.NegotiateRequest{Caller: &peerpb.Caller{Incarnation: strings.Repeat("x", 8<<20)}}
 	call := func(opts ...grpc.CallOption) error {
@@ -49,7 +43,7 @@ func TestCallsAreCheckedBeforeTheirMessageIsRead(t *testing.T) {
 		assert.ErrorIs(t, err, fs.ErrNotExist, "a secret of job %s made for a caller", job)
 	}
 
-	err = call()
+	err := call()
 	assert.Equal(t, codes.Unauthenticated, status.Code(err), "%v", err)
 	err = call(as("stranger", bytes.Repeat([]byte{7}, SecretSize)))
 	assert.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
@@ -68,6 +62,15 @@ func TestCallsAreCheckedBeforeTheirMessageIsRead(t *testing.T) {
 	assert.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
 	assert.Contains(t, a.log.String(), "peer call refused")
 	assert.EqualValues(t, 3, a.node.PeerStats().CallsRefused, "the refusals counted (mtcfs_peer_calls_refused_total)")
+}
+
+// coordinatorClient calls the coordinator service at addr with no credentials of its own.
+func coordinatorClient(t *testing.T, addr string) peerpb.CoordinatorClient {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() })
+	return peerpb.NewCoordinatorClient(conn)
 }
 
 // TestRefusalsAreLoggedAFewAMinute: the refused calls of a minute are logged one by one up to
@@ -98,15 +101,10 @@ func TestRefusalsAreLoggedAFewAMinute(t *testing.T) {
 // refusing the job's calls (a review).
 func TestAWrongMACHasTheSecretCheckedAgain(t *testing.T) {
 	objects := dirObjects(t, t.TempDir())
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	a := startTestAgentWith(t, NodeConfig{Listener: ln, Objects: objects}, t.TempDir())
-	conn, err := grpc.NewClient(a.node.Addr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	require.NoError(t, err)
-	defer conn.Close()
-	client := peerpb.NewCoordinatorClient(conn)
+	a := startTestAgent(t, objects, t.TempDir())
+	client := coordinatorClient(t, a.node.Addr())
 	const job = "mine"
-	_, err = a.node.secrets.get(t.Context(), job)
+	_, err := a.node.secrets.get(t.Context(), job)
 	require.NoError(t, err)
 	a.node.secrets.mu.Lock()
 	a.node.secrets.recheck = 0 // every refusal finds the check due

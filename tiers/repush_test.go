@@ -309,27 +309,8 @@ func TestStepsSavedWhileTheRestoreWaitsArePushedAgain(t *testing.T) {
 // replicated, and pushed worker 1's data once more (a review of the sync kept for saves again).
 func TestWorkerSavingAgainAfterALaterTrySucceeded(t *testing.T) {
 	t.Parallel()
-	hs, tr, setFail := rePushPair(t, func(rank int) string {
-		return fmt.Sprintf("job-name: job\nframework: pytorch\nnode-rank: %d\nnodes: 2\npeer-ranks: [%d]\nworkers-per-node: 2\nbackup-interval-minutes: 30", rank, 1-rank)
-	})
-	save := func(rank, w int, content string) string {
-		h := hs[rank]
-		name := marker("job", 3, rank, w, layout.MarkerSave)
-		h.r.Opened(true)
-		require.NoError(t, os.WriteFile(h.path(name), []byte(content), 0o644))
-		h.r.Flushed(name)
-		h.r.Closed(name)
-		meta := marker("job", 3, rank, w, layout.MarkerMeta)
-		var data string
-		h.eventually("the save sealed", func() string {
-			data = strings.TrimSpace(h.read(meta)) + ".data"
-			if h.read(data) != content {
-				return fmt.Sprintf("%s names %q, not the data of %q", meta, data, content)
-			}
-			return ""
-		})
-		return data
-	}
+	hs, tr, setFail := rePushPair(t, pytorchTwoWorkers)
+	save := func(rank, w int, content string) string { return hs[rank].workerSave(3, rank, w, content) }
 	setFail(true) // rank 0's pushes to rank 1 fail
 	var w1 string
 	for rank := range 2 {
@@ -361,6 +342,75 @@ func TestWorkerSavingAgainAfterALaterTrySucceeded(t *testing.T) {
 	assert.Nil(t, hs[0].r.Status().RePush, "a later try pending after the save again replicated")
 }
 
+// pytorchTwoWorkers is the replicator.yaml of rank of a two-node pytorch job with two workers
+// per node, each node the other's peer.
+func pytorchTwoWorkers(rank int) string {
+	return fmt.Sprintf("job-name: job\nframework: pytorch\nnode-rank: %d\nnodes: 2\npeer-ranks: [%d]\nworkers-per-node: 2\nbackup-interval-minutes: 30", rank, 1-rank)
+}
+
+// workerSave saves step of worker w (on rank) as PyTorch does, a .save file closed, and returns
+// the data name its .meta names once it is sealed.
+func (h *harness) workerSave(step int64, rank, w int, content string) string {
+	h.t.Helper()
+	name := marker("job", step, rank, w, layout.MarkerSave)
+	h.r.Opened(true)
+	require.NoError(h.t, os.WriteFile(h.path(name), []byte(content), 0o644))
+	h.r.Flushed(name)
+	h.r.Closed(name)
+	meta := marker("job", step, rank, w, layout.MarkerMeta)
+	var data string
+	h.eventually("the save sealed", func() string {
+		data = strings.TrimSpace(h.read(meta)) + ".data"
+		if h.read(data) != content {
+			return fmt.Sprintf("%s names %q, not the data of %q", meta, data, content)
+		}
+		return ""
+	})
+	return data
+}
+
+// blockPushesTo makes the pushes to rank wait until release (called at the test's end too).
+func blockPushesTo(t *testing.T, tr *memTransport, rank int) (release func()) {
+	block := make(chan struct{})
+	tr.mu.Lock()
+	tr.block = map[int]chan struct{}{rank: block}
+	tr.mu.Unlock()
+	release = sync.OnceFunc(func() { close(block) })
+	t.Cleanup(release)
+	return release
+}
+
+// earlySave saves step on each rank of the pair as orbaxSave does, with its file pushed early to
+// the other rank before the commit, and returns each rank's data name.
+func earlySave(hs []*harness, tr *memTransport, step int64) []string {
+	var data []string
+	for rank, h := range hs {
+		h.t.Helper()
+		tmp := fmt.Sprintf("%d%s", step, layout.OrbaxTmpSuffix)
+		h.makeTree(tmp, map[string]string{"state": fmt.Sprintf("step %d of rank %d", step, rank)})
+		h.waitEarlyTo(tr, 1-rank, tmp, 1, "the step's file pushed early")
+		hash, err := layout.HashDir(context.Background(), h.path(tmp))
+		require.NoError(h.t, err)
+		h.rename(tmp, fmt.Sprint(step))
+		data = append(data, "D"+hash+".data")
+	}
+	return data
+}
+
+// waitPushWaiting waits until h sealed step sealed while a push to its peer waits (blockPushesTo).
+func waitPushWaiting(h *harness, tr *memTransport, sealed int64) {
+	h.t.Helper()
+	h.eventually(fmt.Sprintf("step %d sealed, and a push waiting", sealed), func() string {
+		tr.mu.Lock()
+		blocked := tr.blocked
+		tr.mu.Unlock()
+		if st := h.r.Status(); st.Sealed != sealed || blocked == 0 {
+			return fmt.Sprintf("sealed %d, %d pushes waiting", st.Sealed, blocked)
+		}
+		return ""
+	})
+}
+
 // Steps saved while an earlier step's push is still running are not all pushed in turn: only the
 // newest is, and the files of the others pushed early are dropped on the peer. Pushed in turn
 // over a link slower than the job's saves, every step waiting for its push was kept in RAM until
@@ -369,42 +419,14 @@ func TestWorkerSavingAgainAfterALaterTrySucceeded(t *testing.T) {
 func TestStepsSupersededBeforeTheirPushAreNotPushed(t *testing.T) {
 	t.Parallel()
 	hs, tr := newPair(t)
-	block := make(chan struct{})
-	tr.mu.Lock()
-	tr.block = map[int]chan struct{}{1: block} // rank 0's pushes to rank 1 wait
-	tr.mu.Unlock()
-	released := false
-	defer func() {
-		if !released {
-			close(block)
-		}
-	}()
+	release := blockPushesTo(t, tr, 1) // rank 0's pushes to rank 1 wait
+	// rank 0's data, by step
 	data := map[int64]string{}
 	for step := int64(1); step <= 4; step++ {
-		for rank, h := range hs {
-			// As orbaxSave, with the files pushed early before the commit.
-			tmp := fmt.Sprintf("%d%s", step, layout.OrbaxTmpSuffix)
-			h.makeTree(tmp, map[string]string{"state": fmt.Sprintf("step %d of rank %d", step, rank)})
-			h.waitEarlyTo(tr, 1-rank, tmp, 1, "the step's file pushed early")
-			hash, err := layout.HashDir(context.Background(), h.path(tmp))
-			require.NoError(t, err)
-			h.rename(tmp, fmt.Sprint(step))
-			if rank == 0 {
-				data[step] = "D" + hash + ".data"
-			}
-		}
+		data[step] = earlySave(hs, tr, step)[0]
 	}
-	hs[0].eventually("steps 1 to 4 sealed on rank 0, and step 1's push waiting", func() string {
-		tr.mu.Lock()
-		blocked := tr.blocked
-		tr.mu.Unlock()
-		if st := hs[0].r.Status(); st.Sealed != 4 || blocked == 0 {
-			return fmt.Sprintf("sealed %d, %d pushes waiting", st.Sealed, blocked)
-		}
-		return ""
-	})
-	close(block)
-	released = true
+	waitPushWaiting(hs[0], tr, 4)
+	release()
 	for _, h := range hs {
 		h.eventually("step 4 replicated", func() string {
 			if st := h.r.Status(); st.Replicated != 4 || st.Committed != 4 {
@@ -527,39 +549,16 @@ func TestStepsBetweenTheReplicatedAndTheCommittedOneGoWhenRAMFills(t *testing.T)
 func TestFailedPushOfASupersededStepIsNotTriedAgain(t *testing.T) {
 	t.Parallel()
 	hs, tr := newPair(t)
-	block := make(chan struct{})
-	tr.mu.Lock()
-	tr.block = map[int]chan struct{}{1: block}
-	tr.mu.Unlock()
-	released := false
-	defer func() {
-		if !released {
-			close(block)
-		}
-	}()
+	release := blockPushesTo(t, tr, 1) // rank 0's pushes to rank 1 wait
 	for step := int64(1); step <= 2; step++ {
-		for rank, h := range hs {
-			tmp := fmt.Sprintf("%d%s", step, layout.OrbaxTmpSuffix)
-			h.makeTree(tmp, map[string]string{"state": fmt.Sprintf("step %d of rank %d", step, rank)})
-			h.waitEarlyTo(tr, 1-rank, tmp, 1, "the step's file pushed early")
-			h.rename(tmp, fmt.Sprint(step))
-		}
+		earlySave(hs, tr, step)
 	}
-	hs[0].eventually("step 2 sealed on rank 0, and step 1's push waiting", func() string {
-		tr.mu.Lock()
-		blocked := tr.blocked
-		tr.mu.Unlock()
-		if st := hs[0].r.Status(); st.Sealed != 2 || blocked == 0 {
-			return fmt.Sprintf("sealed %d, %d pushes waiting", st.Sealed, blocked)
-		}
-		return ""
-	})
+	waitPushWaiting(hs[0], tr, 2)
 	tr.mu.Lock()
 	tr.failTo[1] = true
 	before := tr.calls[1]
 	tr.mu.Unlock()
-	close(block)
-	released = true
+	release()
 	waitCommitted(hs[0], 2)
 	tr.mu.Lock()
 	calls := tr.calls[1] - before
@@ -574,37 +573,10 @@ func TestFailedPushOfASupersededStepIsNotTriedAgain(t *testing.T) {
 // not (its next step was queued by then): no step was ever replicated (a review).
 func TestEveryWorkerOfAStepBeingPushedIsPushed(t *testing.T) {
 	t.Parallel()
-	hs, tr, _ := rePushPair(t, func(rank int) string {
-		return fmt.Sprintf("job-name: job\nframework: pytorch\nnode-rank: %d\nnodes: 2\npeer-ranks: [%d]\nworkers-per-node: 2\nbackup-interval-minutes: 30", rank, 1-rank)
-	})
-	block := make(chan struct{})
-	tr.mu.Lock()
-	tr.block = map[int]chan struct{}{1: block} // rank 0's pushes to rank 1 wait
-	tr.mu.Unlock()
-	released := false
-	defer func() {
-		if !released {
-			close(block)
-		}
-	}()
+	hs, tr, _ := rePushPair(t, pytorchTwoWorkers)
+	release := blockPushesTo(t, tr, 1) // rank 0's pushes to rank 1 wait
 	save := func(rank, w int, step int64) string {
-		h := hs[rank]
-		name := marker("job", step, rank, w, layout.MarkerSave)
-		content := fmt.Sprintf("step %d rank %d worker %d", step, rank, w)
-		h.r.Opened(true)
-		require.NoError(t, os.WriteFile(h.path(name), []byte(content), 0o644))
-		h.r.Flushed(name)
-		h.r.Closed(name)
-		meta := marker("job", step, rank, w, layout.MarkerMeta)
-		var data string
-		h.eventually("the save sealed", func() string {
-			data = strings.TrimSpace(h.read(meta)) + ".data"
-			if h.read(data) != content {
-				return fmt.Sprintf("%s names %q, not the data of %q", meta, data, content)
-			}
-			return ""
-		})
-		return data
+		return hs[rank].workerSave(step, rank, w, fmt.Sprintf("step %d rank %d worker %d", step, rank, w))
 	}
 	data := map[[2]int64]string{} // rank 0's, by step and worker
 	for rank := range 2 {
@@ -630,8 +602,7 @@ func TestEveryWorkerOfAStepBeingPushedIsPushed(t *testing.T) {
 			}
 		}
 	}
-	close(block)
-	released = true
+	release()
 	hs[0].eventually("step 2 replicated", func() string {
 		if st := hs[0].r.Status(); st.Replicated != 2 {
 			return fmt.Sprintf("latest replicated %d", st.Replicated)
