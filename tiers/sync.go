@@ -93,8 +93,6 @@ type rePush struct {
 type workerPushes struct {
 	s     sealedStep
 	peers []int
-	// skipped: not pushed, a newer step of the worker being queued already (syncer.superseded)
-	skipped bool
 }
 
 // syncKey is a step of an incarnation whose workers' sealed parts the syncer gathers.
@@ -176,13 +174,12 @@ func (sy *syncer) run() {
 			sy.progress[k] = p
 		}
 		var failedPeers []int
-		skipped := p.skip
-		if skipped {
+		if p.skip {
 			failedPeers = sy.skipPush(s)
 		} else if failedPeers = sy.replicate(s); len(failedPeers) > 0 {
 			sy.retention.warnIfFilling(sy.lines, s.inc, true)
 		}
-		p.pushes[s.worker] = workerPushes{s: s, peers: failedPeers, skipped: skipped}
+		p.pushes[s.worker] = workerPushes{s: s, peers: failedPeers}
 		if len(p.pushes) < s.inc.Config.WorkersPerNode {
 			continue
 		}
@@ -220,9 +217,8 @@ func (sy *syncer) run() {
 		failed := maps.Clone(p.pushes)
 		maps.DeleteFunc(failed, func(_ int, f workerPushes) bool { return len(f.peers) == 0 })
 		synced := sy.sync(c, len(failed) == 0)
-		// A push skipped for a newer step is not tried again: the newer step's is.
-		maps.DeleteFunc(failed, func(_ int, f workerPushes) bool { return f.skipped })
-		if len(failed) > 0 && sy.incs.isCurrent(s.inc) {
+		// A step not pushed for a newer one is not tried again: the newer step's push is.
+		if len(failed) > 0 && !p.skip && sy.incs.isCurrent(s.inc) {
 			sy.pushLater(c, failed, synced)
 		}
 	}
