@@ -105,6 +105,70 @@ func (s *Server) Passthrough() bool { return s.passthrough }
 // Wait blocks until the filesystem is unmounted.
 func (s *Server) Wait() { s.fuse.Wait() }
 
+// ErrLeftInPlace is returned by Stop when the mount was still in use when it had to give up: its
+// connection was ended, and the mount stays at its directory, unserved.
+var ErrLeftInPlace = errors.New("the mount is still in use: it is left in place, unserved")
+
+// busyRetry is how often Stop tries the unmount again while the mount is in use.
+const busyRetry = 200 * time.Millisecond
+
+// Stop unmounts the filesystem for an agent that stops. While it is busy (a process has a file
+// open or its working directory inside) it stays mounted and served, and the unmount is tried
+// again until those processes leave or giveUp is closed. Then its connection is ended (as root)
+// and the mount is left at its directory, unserved, and Stop returns ErrLeftInPlace: its users
+// get "Transport endpoint is not connected", as after a kill -9, and the next agent started on
+// the directory detaches it and serves. Before, a busy mount was detached at once and served
+// detached: the job's next save, made by its path as Orbax makes it, went into the plain
+// directory below, on the node's disk, for as long as the stop took (30 s and more under a
+// Kubernetes node agent whose pod was deleted: a black-box run), was told to have succeeded,
+// and was lost, hidden by the next mount.
+func (s *Server) Stop(giveUp <-chan struct{}) error {
+	if where := s.Where(); where != s.dir {
+		return s.unmountMoved(where)
+	}
+	err := s.fuse.Unmount()
+	if err == nil {
+		<-s.closed
+		return nil
+	}
+	const show = 5
+	users, n := mountUsers(s.dir, show)
+	list := strings.Join(users, ", ")
+	if n > show {
+		list += fmt.Sprintf(" and %d more", n-show)
+	}
+	if n == 0 {
+		list = "none seen in this PID namespace"
+	}
+	s.log.Warn("the mount is busy: it stays mounted and served while these processes use it; if they are still there when the stop gives up, it is left in place unserved (not detached: a save made meanwhile would land in the directory below it)", "dir", s.dir, "processes", list, "unmount", err)
+	tick := time.NewTicker(busyRetry)
+	defer tick.Stop()
+	for {
+		select {
+		case <-tick.C:
+			if s.Where() != s.dir {
+				return s.unmountMoved(s.Where())
+			}
+			if err = s.fuse.Unmount(); err == nil {
+				<-s.closed
+				return nil
+			}
+		case <-giveUp:
+			if os.Geteuid() == 0 {
+				if err := fusectl.Abort(s.dir); err != nil {
+					s.log.Warn("could not end the mount's connection; it ends when the agent exits", "dir", s.dir, "err", err)
+				} else {
+					select {
+					case <-s.closed:
+					case <-time.After(5 * time.Second):
+					}
+				}
+			}
+			return ErrLeftInPlace
+		}
+	}
+}
+
 // Unmount detaches the filesystem. If it is busy (a process has a file open or its working
 // directory inside), it is detached lazily: new accesses fail and it goes away when the last
 // user leaves.

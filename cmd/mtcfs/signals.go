@@ -2,11 +2,14 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
 	"time"
+
+	mfs "github.com/mtcfs/mtcfs/fs"
 )
 
 // repeatWindow is how soon after the first stop signal the same signal counts as part of the
@@ -59,15 +62,23 @@ func notifyStop() (sigs <-chan stopSignal, stop func()) {
 }
 
 // unmounter is what unmountBounded stops: the mount (mfs.Server).
-type unmounter interface{ Unmount() error }
+type unmounter interface {
+	Stop(giveUp <-chan struct{}) error
+}
 
-// unmountBounded unmounts, retrying while the mount is busy for a few seconds; a second signal
-// (not a repeat of the first within repeatWindow) or the deadline detaches it lazily instead.
+// stopWait bounds how long a stop waits for the processes that use the mount.
+const stopWait = 30 * time.Second
+
+// unmountBounded unmounts, trying again while the mount is in use, for up to stopWait; a second
+// signal (not a repeat of the first within repeatWindow) or the deadline gives up: the mount is
+// then left in place, unserved (see mfs.Server.Stop), and the agent exits 1.
 func unmountBounded(srv unmounter, sigs <-chan stopSignal, first stopSignal) error {
+	giveUp := make(chan struct{})
 	errc := make(chan error, 1)
-	go func() { errc <- srv.Unmount() }()
-	deadline := time.After(30 * time.Second)
-	for {
+	go func() { errc <- srv.Stop(giveUp) }()
+	deadline := time.After(stopWait)
+	var why string
+	for why == "" {
 		select {
 		case err := <-errc:
 			return err
@@ -76,11 +87,16 @@ func unmountBounded(srv unmounter, sigs <-chan stopSignal, first stopSignal) err
 				slog.Info("repeated stop signal ignored", "signal", s.sig.String(), "after", s.at.Sub(first.at).String())
 				continue
 			}
-			return errors.New("second signal: exiting without waiting for the unmount")
+			why = "second signal: exiting without waiting for the processes that use the mount"
 		case <-deadline:
-			return errors.New("unmount did not finish within 30s")
+			why = fmt.Sprintf("the mount was still in use after %v", stopWait)
 		}
 	}
+	close(giveUp)
+	if err := <-errc; err != nil && !errors.Is(err, mfs.ErrLeftInPlace) {
+		return fmt.Errorf("%s; unmount: %w", why, err)
+	}
+	return fmt.Errorf("%s: it is left in place, unserved (its users get \"Transport endpoint is not connected\"), so that nothing lands in the directory below it; the next agent started on it detaches it and serves, or umount -l removes it", why)
 }
 
 // sameStop reports whether s repeats first: the same signal, within repeatWindow.

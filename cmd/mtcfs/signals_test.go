@@ -15,12 +15,22 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	mfs "github.com/mtcfs/mtcfs/fs"
 )
 
-// fakeMount is an unmounter whose Unmount returns when released.
+// fakeMount is an unmounter whose Stop returns when released, or left in place when the stop
+// gives up.
 type fakeMount struct{ release chan error }
 
-func (m fakeMount) Unmount() error { return <-m.release }
+func (m fakeMount) Stop(giveUp <-chan struct{}) error {
+	select {
+	case err := <-m.release:
+		return err
+	case <-giveUp:
+		return mfs.ErrLeftInPlace
+	}
+}
 
 // TestUnmountBoundedRepeatedSignal: while the unmount runs, the same signal again within
 // repeatWindow of the first is part of the same stop (GNU timeout(1) sends the command one
@@ -86,18 +96,28 @@ func TestNotifyStopStampsArrival(t *testing.T) {
 }
 
 // TestSecondSignalEndsUnmountWait: an agent whose unmount cannot finish (a file held open in the
-// mount) keeps waiting after one SIGTERM, and exits at a second one sent after repeatWindow.
+// mount) keeps its mount in place and serves it after one SIGTERM, and exits at a second one
+// sent after repeatWindow, leaving the mount in place, unserved. Before, the busy mount was
+// detached at the first signal: a save the job made by its path meanwhile (Orbax saves by
+// absolute path) went into the plain directory below, was told to have succeeded, and was lost
+// under the next mount (a black-box run of a Kubernetes node agent: 30 s of such saves). The
+// next agent started on the directory replaces the mount left in place.
 func TestSecondSignalEndsUnmountWait(t *testing.T) {
 	needRoot(t)
 	base := t.TempDir()
 	dir := filepath.Join(base, "mnt")
 	require.NoError(t, os.Mkdir(dir, 0o755))
-	a := startAgent(t, dir, filepath.Join(base, "spool"))
+	spool := filepath.Join(base, "spool")
+	a := startAgent(t, dir, spool)
 	held, err := os.Create(filepath.Join(dir, "held"))
 	require.NoError(t, err)
 	defer held.Close()
+	t.Cleanup(func() { forceUnmount(dir) })
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
-	time.Sleep(repeatWindow + 2*time.Second) // the second SIGTERM must not count as a repeat
+	repWait(t, 10*time.Second, "the agent to say its mount is busy", func() bool { return strings.Contains(a.log(), "the mount is busy") })
+	require.True(t, isMounted(dir), "the busy mount was detached at the first signal")
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "during-stop"), []byte("x"), 0o644), "the mount still serves while the stop waits")
+	time.Sleep(repeatWindow + time.Second) // the second SIGTERM must not count as a repeat
 	select {
 	case <-a.done:
 		t.Fatalf("the agent exited while a file was held open in its mount\n%s", a.log())
@@ -105,9 +125,21 @@ func TestSecondSignalEndsUnmountWait(t *testing.T) {
 	}
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
 	assert.NotEqual(t, 0, a.wait(10*time.Second))
-	assert.Contains(t, a.log(), "second signal: exiting without waiting for the unmount")
-	held.Close()
-	forceUnmount(dir)
+	assert.Contains(t, a.log(), "second signal: exiting without waiting for the processes that use the mount: it is left in place, unserved")
+	assert.True(t, isMounted(dir), "the mount is left in place")
+	_, err = os.Stat(filepath.Join(dir, "anything"))
+	assert.ErrorIs(t, err, syscall.ENOTCONN, "the mount left in place is unserved")
+	held.Close() // (its writes may still succeed: with passthrough they go to the spool's file)
+
+	// The next agent on the directory replaces it; what the stop served meanwhile was written
+	// into the mount, so the directory below holds nothing.
+	b := startAgent(t, dir, spool)
+	assert.Contains(t, b.log(), "detached a stale mount left by an agent that died")
+	assert.NotContains(t, b.log(), "the mount hides entries")
+	stopAgent(t, b)
+	ents, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	assert.Empty(t, ents, "the plain directory below the mount")
 }
 
 // TestHangupStopsCleanly: SIGHUP (the terminal an agent was started from was closed) stops the
