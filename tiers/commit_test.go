@@ -259,6 +259,49 @@ func TestHandshakeSaysWhatItRemoved(t *testing.T) {
 	}
 }
 
+// TestJobToldAnotherJobSavedInItsMountMomentsAgo: two jobs on one mount (two trainer pods of
+// different jobs on one Kubernetes node agent) share its directory, and each restores the
+// other's saves (a black-box run). The job that takes the mount over is told when the other
+// job's freed step is recent; a step saved long ago (the mount reused between jobs) is freed as
+// before, without that line.
+func TestJobToldAnotherJobSavedInItsMountMomentsAgo(t *testing.T) {
+	t.Parallel()
+	const told = "both jobs use this one directory"
+	for _, tc := range []struct {
+		name string
+		age  time.Duration
+		want bool
+	}{{"moments ago", 0, true}, {"an hour ago", time.Hour, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t, harnessConfig{})
+			h.start(baseYAML, "job")
+			h.orbaxSave(3, checkpointFiles("3"))
+			h.waitSealed("job", 3, "3")
+			h2 := h.restart()
+			if tc.age > 0 {
+				metas := h2.spoolGlob("job-s3-*.meta")
+				if len(metas) != 1 {
+					t.Fatalf("spool metas %q, want job's step 3", metas)
+				}
+				old := time.Now().Add(-tc.age)
+				if err := os.Chtimes(metas[0], old, old); err != nil {
+					t.Fatal(err)
+				}
+			}
+			h2.yamlOrbax(strings.Replace(baseYAML, "job-name: job", "job-name: other", 1))
+			h2.waitMarkers(marker("other", 0, 0, 0, layout.MarkerRestore))
+			errs := strings.Join(h2.lines(layout.ReplicatorErrorsName), "\n")
+			if !strings.Contains(errs, "held checkpoints of other jobs (job-s3-n0-w0.meta)") {
+				t.Fatalf("replicator.errors = %q, want job's step 3 freed", errs)
+			}
+			if got := strings.Contains(errs, "job job saved its step 3 in this node's RAM") && strings.Contains(errs, told); got != tc.want {
+				t.Errorf("told that the jobs may share the mount: %v, want %v; replicator.errors = %q", got, tc.want, errs)
+			}
+		})
+	}
+}
+
 // TestRestoreLinesInOneWrite: the lines a restore has for the job (here: another job's steps
 // freed now, and a newer step of the job's in an orphaned spool) reach replicator.errors in one write before
 // the prerestore: the job reads the file and unlinks it, and a line appended between the two is

@@ -283,6 +283,10 @@ func (r *restorer) run(inc *incarnation) {
 	}
 }
 
+// otherJobRecent is how recent another job's step freed at a job's start must be for the job to
+// be told that the two jobs may share the mount.
+const otherJobRecent = 10 * time.Minute
+
 // freeOtherJobs frees what this node's RAM holds of other jobs (a mount path reused by another
 // job): it is never restored for this one and must not take this job's budget (SPEC §10).
 // It runs once every node negotiated the job, not at the handshake: one rank started with a
@@ -294,6 +298,11 @@ func (r *restorer) run(inc *incarnation) {
 func (r *restorer) freeOtherJobs(inc *incarnation) (line string) {
 	cfg := inc.Config
 	var later []jobStep
+	var newest struct { // the newest of the other jobs' steps freed, by its .meta's time
+		job  string
+		step int64
+		at   time.Time
+	}
 	names := r.retention.dropMetas(func(m layout.MarkerName, _ string) bool {
 		if m.Job == cfg.JobName {
 			return false
@@ -304,6 +313,9 @@ func (r *restorer) freeOtherJobs(inc *incarnation) (line string) {
 			}
 			return false
 		}
+		if fi, err := os.Stat(r.retention.spoolDir("meta", m.String())); err == nil && fi.ModTime().After(newest.at) {
+			newest.job, newest.step, newest.at = m.Job, m.Step, fi.ModTime()
+		}
 		return true
 	})
 	if len(names) == 0 && len(later) == 0 {
@@ -313,6 +325,16 @@ func (r *restorer) freeOtherJobs(inc *incarnation) (line string) {
 	if len(names) > 0 {
 		r.retention.retain(cfg) // frees the data no kept .meta names
 		parts = append(parts, fmt.Sprintf("this node's RAM held checkpoints of other jobs (%s); they were freed: this mount now serves job %s", strings.Join(names, ", "), cfg.JobName))
+		if ago := time.Since(newest.at); !newest.at.IsZero() && ago < otherJobRecent {
+			// Two jobs on one mount (two trainer pods of different jobs on one Kubernetes node
+			// agent) share one directory: the other job's next save is taken as this job's, and
+			// this job's restart restores it (a black-box run). Nothing in the files tells the
+			// two apart; this is the moment the agent can see it.
+			msg := fmt.Sprintf("job %s saved its step %d in this node's RAM %s ago: if it still runs on this node, both jobs use this one directory, and each would restore the other's saves; a mount serves one job at a time (give each job its own agent and directory, deploy/README.md)",
+				newest.job, newest.step, ago.Round(time.Second))
+			parts = append(parts, msg)
+			r.log.Warn("another job saved in this mount a moment ago: two jobs may share it", "other_job", newest.job, "step", newest.step, "ago", ago.Round(time.Second).String(), "job", cfg.JobName)
+		}
 		parts = append(parts, r.unbackedLines(r.recordFreed(cfg.JobName, names))...)
 		r.log.Warn("freed checkpoints of other jobs", "metas", names, "job", cfg.JobName)
 	}

@@ -202,6 +202,8 @@ type PodTemplate struct {
 	Indexed bool
 	// JobSet and ReplicatedJob name the JobSet the template belongs to, if any.
 	JobSet, ReplicatedJob string
+	// Job is the spec of the Job whose template it is (also a JobSet's), nil for other kinds.
+	Job *batchv1.JobSpec
 }
 
 func (p PodTemplate) String() string { return p.Doc.String() + " " + p.Where }
@@ -215,12 +217,12 @@ func PodTemplates(docs []Doc) []PodTemplate {
 		case *appsv1.DaemonSet:
 			out = append(out, PodTemplate{Doc: d, Where: "spec.template", Namespace: ns, Template: &o.Spec.Template})
 		case *batchv1.Job:
-			out = append(out, PodTemplate{Doc: d, Where: "spec.template", Namespace: ns, Template: &o.Spec.Template, Indexed: isIndexed(o.Spec)})
+			out = append(out, PodTemplate{Doc: d, Where: "spec.template", Namespace: ns, Template: &o.Spec.Template, Indexed: isIndexed(o.Spec), Job: &o.Spec})
 		case *JobSet:
 			for i := range o.Spec.ReplicatedJobs {
 				rj := &o.Spec.ReplicatedJobs[i]
 				out = append(out, PodTemplate{Doc: d, Where: fmt.Sprintf("spec.replicatedJobs[%d].template.spec.template", i), Namespace: ns,
-					Template: &rj.Template.Spec.Template, Indexed: isIndexed(rj.Template.Spec), JobSet: o.Name, ReplicatedJob: rj.Name})
+					Template: &rj.Template.Spec.Template, Indexed: isIndexed(rj.Template.Spec), JobSet: o.Name, ReplicatedJob: rj.Name, Job: &rj.Template.Spec})
 			}
 		case *corev1.Pod:
 			out = append(out, PodTemplate{Doc: d, Where: "spec", Namespace: ns, Template: &corev1.PodTemplateSpec{ObjectMeta: o.ObjectMeta, Spec: o.Spec}})

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -30,7 +31,7 @@ const (
 	readyz           = "/readyz"
 	metricsPath      = "/metrics"
 	defaultDrain     = 30 * time.Second
-	unmountBound     = 30 * time.Second // unmountBounded in cmd/mtcfs/mount.go
+	unmountBound     = 30 * time.Second // stopWait in cmd/mtcfs/signals.go
 	minLivenessGrace = 60 * time.Second // a liveness probe must tolerate this much silence
 )
 
@@ -56,6 +57,7 @@ func Check(docs []Doc, agent AgentFlags) []error {
 	var agents []Agent
 	type trainer struct {
 		where string
+		tpl   PodTemplate
 		pod   *corev1.Pod
 		c     *corev1.Container
 		dir   string
@@ -75,7 +77,7 @@ func Check(docs []Doc, agent AgentFlags) []error {
 					continue
 				}
 				if dir := EnvMap(env)["CHECKPOINT_DIR"]; dir != "" {
-					trainers = append(trainers, trainer{where, pod, c, dir})
+					trainers = append(trainers, trainer{where, tpl, pod, c, dir})
 				}
 				continue
 			}
@@ -129,9 +131,41 @@ func Check(docs []Doc, agent AgentFlags) []error {
 			// wait itself, or the job writes into the node's plain directory under the mount.
 			fail("%s: nothing holds the trainer back until the node agent answers %s: add an init container that waits for http://$(HOST_IP):%d%s", tr.where, readyz, agentHTTPPort(*served), readyz)
 		}
+		if served != nil && served.Pod != tr.pod {
+			checkOnePodPerNodeAgent(tr.where, tr.tpl, tr.pod, fail)
+		}
 	}
 	errs = append(errs, checkMonitoring(docs, agents)...)
 	return errs
+}
+
+// checkOnePodPerNodeAgent checks that a pod using the node agent is alone on its node: a node
+// agent's mount serves one job at a time, and every pod using it shares its one directory. Two
+// jobs' pods there each restored the other's saves as their own, and a Job's replacement pod,
+// started while the old one still terminated (the default podReplacementPolicy), had the old
+// pod's save on SIGTERM taken as its own (a black-box run).
+func checkOnePodPerNodeAgent(where string, tpl PodTemplate, pod *corev1.Pod, fail func(string, ...any)) {
+	if tpl.Job != nil && (tpl.Job.PodReplacementPolicy == nil || *tpl.Job.PodReplacementPolicy != batchv1.Failed) {
+		fail("%s: the Job's podReplacementPolicy is not Failed: a replacement pod starts while the old one still terminates (and may save on SIGTERM), both in the node agent's one directory; set podReplacementPolicy: Failed", where)
+	}
+	var aa []corev1.PodAffinityTerm
+	if a := pod.Spec.Affinity; a != nil && a.PodAntiAffinity != nil {
+		aa = a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution
+	}
+	for _, term := range aa {
+		if term.TopologyKey != corev1.LabelHostname || term.LabelSelector == nil {
+			continue
+		}
+		sel, err := metav1.LabelSelectorAsSelector(term.LabelSelector)
+		if err != nil || !sel.Matches(labels.Set(pod.Labels)) {
+			continue
+		}
+		// Any namespace: pods of other namespaces on the node share the hostPath too.
+		if ns := term.NamespaceSelector; ns != nil && len(ns.MatchLabels) == 0 && len(ns.MatchExpressions) == 0 {
+			return
+		}
+	}
+	fail("%s: nothing keeps a second pod using the node agent (of this job or another, in any namespace) off the node: add a required podAntiAffinity term on %s whose labelSelector matches this pod's labels, with namespaceSelector: {} (a node agent's mount serves one job at a time)", where, corev1.LabelHostname)
 }
 
 // waitsForReady reports whether an init container of pod polls the agent's /readyz on port.
