@@ -133,6 +133,10 @@ type Owner struct {
 	// Freed records, by job, the steps of that job this spool held and freed for another job
 	// (a job-name changed on the mount): the job, back under its name, is told (TakeFreed).
 	Freed map[string]Freed `json:"freed,omitempty"`
+	// Stopping: the agent holding the spool is stopping (MarkStopping); an agent started for
+	// the same mount path meanwhile, in another mount namespace (a Kubernetes pod replacing
+	// one that still terminates), waits for it instead of failing.
+	Stopping bool `json:"stopping,omitempty"`
 }
 
 // Freed is what another job's negotiation freed of a job (Owner.Freed).
@@ -297,7 +301,7 @@ var errSpoolReplaced = errors.New("the directory changed while it was being lock
 
 // lockOwned locks dir for a spool that a mount path owns, waiting a little for a command that
 // holds the lock briefly (mtcfs spool free, or a starting agent reaping spools).
-func lockOwned(dir string) (*os.File, error) {
+func lockOwned(dir, mountPath string) (*os.File, error) {
 	deadline := time.Now().Add(3 * time.Second)
 	for {
 		f, err := LockSpool(dir)
@@ -312,6 +316,11 @@ func lockOwned(dir string) (*os.File, error) {
 				who := "another process"
 				if o, e := ReadOwner(dir); e == nil {
 					who = fmt.Sprintf("the agent of %s (pid %d)", o.MountPath, o.PID)
+					if o.MountPath == mountPath {
+						// Not this machine's registry of agents (which stops a second agent on
+						// the directory before): another mount namespace, another pod.
+						who += ", the same mount directory in another mount namespace (another pod on this node?)"
+					}
 				}
 				return nil, fmt.Errorf("spool %s is in use by %s: stop that agent, or give this mount its own --spool DIR (a stopping agent keeps its spool while a running backup finishes, up to its --drain-timeout, and then while processes use its mount, up to 30 s; its log names them)", dir, who)
 			}
@@ -394,7 +403,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 	if owned {
 		// Before anything changes: an agent still using the spool must not see its tmpfs
 		// resized or its files cleared under it, and two starting agents must not both mount.
-		lock, err := lockOwned(cfg.Dir)
+		lock, err := lockOwned(cfg.Dir, cfg.MountPath)
 		if err != nil {
 			return nil, err
 		}
@@ -573,6 +582,15 @@ func (s *Spool) updateOwner(change func(o *Owner) bool) error {
 		return errNoOwnerRecord
 	}
 	return s.writeOwnerLocked()
+}
+
+// MarkStopping records that the agent holding the spool is stopping (Owner.Stopping). The next
+// agent's open writes a new record, without it.
+func (s *Spool) MarkStopping() error {
+	return s.updateOwner(func(o *Owner) bool {
+		o.Stopping = true
+		return true
+	})
 }
 
 // RecordFreed records that steps of job were freed for job by (see Owner.Freed).

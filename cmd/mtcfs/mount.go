@@ -672,6 +672,48 @@ func waitForStoppingAgent(dir string, limit time.Duration, sigs <-chan stopSigna
 	return nil
 }
 
+// waitForStoppingSpoolHolder waits, when the spool is held by an agent that is stopping for the
+// same mount path, until it lets the spool go, or limit passes, or a stop signal comes. That
+// agent is not in this machine's registry of agents when it runs in another mount namespace: a
+// Kubernetes Job's replacement pod starts while the old pod still terminates (its agent draining
+// a backup), with the same mount path in its own emptyDir and the node's spool. The new agent
+// failed at once with "spool … is in use", and was restarted with back-off until the old one was
+// gone (80 s in a black-box run).
+func waitForStoppingSpoolHolder(dir, spoolDir string, limit time.Duration, sigs <-chan stopSignal) error {
+	o, err := tiers.ReadOwner(spoolDir)
+	if err != nil || !o.Stopping || o.MountPath != dir {
+		return nil
+	}
+	free := func() bool {
+		f, err := tiers.LockSpool(spoolDir)
+		if err == nil {
+			f.Close()
+		}
+		return !errors.Is(err, tiers.ErrSpoolInUse)
+	}
+	if free() {
+		return nil
+	}
+	slog.Info("waiting for the agent that is stopping with this spool to let it go (it lets a running backup finish, then waits for the processes that use its mount; it may run in another mount namespace, a pod that terminates)",
+		"spool", spoolDir, "pid", o.PID, "mount", o.MountPath, "up_to", limit.String())
+	start := time.Now()
+	tick := time.NewTicker(200 * time.Millisecond)
+	defer tick.Stop()
+	deadline := time.After(limit)
+	for !free() {
+		select {
+		case s := <-sigs:
+			return fmt.Errorf("%s while waiting for the stopping agent pid %d to let spool %s go", s.sig, o.PID, spoolDir)
+		case <-deadline:
+			slog.Warn("the stopping agent still holds the spool; going on", "pid", o.PID, "waited", time.Since(start).Round(time.Millisecond).String())
+			return nil
+		case <-tick.C:
+		}
+	}
+	slog.Info("the stopping agent let the spool go", "pid", o.PID, "waited", time.Since(start).Round(time.Millisecond).String())
+	return nil
+}
+
 func runMount(cfg mountConfig) error {
 	// Before anything large is allocated: a restart's adoption is what the marked pages are for.
 	if cfg.heapHugePages > 0 {
@@ -728,6 +770,9 @@ func runMount(cfg mountConfig) error {
 		cfg.spoolDir = abs
 	}
 	if err := checkSpoolPlacement(cfg.dir, cfg.spoolDir); err != nil {
+		return err
+	}
+	if err := waitForStoppingSpoolHolder(cfg.dir, cfg.spoolDir, stoppingWait, sigs); err != nil {
 		return err
 	}
 	if err := checkSpoolOfAnotherMount(cfg.dir, cfg.spoolDir); err != nil {
@@ -903,6 +948,9 @@ func runMount(cfg mountConfig) error {
 		stopping.Stopping = true
 		stopping.Dir = where      // an agent started there meanwhile waits for this one
 		agents.Register(stopping) // the same file; the deferred unregister removes it
+		if err := spool.MarkStopping(); err != nil {
+			slog.Debug("record the stop in the spool's owner record", "err", err)
+		}
 		rep.Close()
 		if err := unmountBounded(srv, sigs, first); err != nil {
 			return err

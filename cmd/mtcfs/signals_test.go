@@ -284,3 +284,68 @@ func TestStopSaysWhoKeepsTheMountBusy(t *testing.T) {
 	}
 	assert.False(t, isMounted(n.dir))
 }
+
+// TestReplacementPodWaitsForTheStoppingAgentOfItsSpool: a Kubernetes Job's replacement pod
+// starts while the old pod still terminates. Its sidecar agent has the same mount path, in a
+// mount namespace of its own (another emptyDir), and the node's spool, which the old agent holds
+// while it stops (draining a backup, or waiting for its mount's users). It does not see the old
+// agent in its registry of agents; it waits for the spool instead of failing at once with
+// "spool … is in use" and being restarted with back-off (80 s in a black-box run), and then
+// serves with the old agent's RAM.
+func TestReplacementPodWaitsForTheStoppingAgentOfItsSpool(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	t.Cleanup(func() { forceUnmount(n.dir); forceUnmount(n.spool) })
+	held, err := os.Create(filepath.Join(n.dir, "held")) // keeps the old agent stopping
+	require.NoError(t, err)
+	t.Cleanup(func() { held.Close() })
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
+	repWait(t, 10*time.Second, "the old agent to wait for its mount's users", func() bool { return strings.Contains(a.log(), "the mount is busy") })
+
+	// The new pod: the same mount path in its own mount namespace, without the old pod's mount
+	// and without the machine's registry of agents.
+	script := fmt.Sprintf(`umount -l %s && mkdir -p /run/mtcfs && mount -t tmpfs tmpfs /run/mtcfs && exec "$0" "$@"`, n.dir)
+	b := exec.Command("unshare", "-m", "--propagation", "private", "sh", "-c", script,
+		binPath, "mount", n.dir, "--spool", n.spool, "--memory", "64MiB", "--backup", n.backupURL())
+	var mu sync.Mutex
+	var lines []string
+	logged := func(s string) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return strings.Contains(strings.Join(lines, "\n"), s)
+	}
+	exited, err := startLogged(b, func(line string) {
+		mu.Lock()
+		defer mu.Unlock()
+		lines = append(lines, line)
+	})
+	require.NoError(t, err)
+	bDone := make(chan struct{})
+	var bErr error
+	go func() { bErr = <-exited; close(bDone) }()
+	t.Cleanup(func() { b.Process.Kill(); <-bDone })
+	repWait(t, 10*time.Second, "the new agent to wait for the stopping one", func() bool {
+		select {
+		case <-bDone:
+			mu.Lock()
+			defer mu.Unlock()
+			t.Fatalf("the new agent exited while the old one stopped: %v\n%s", bErr, strings.Join(lines, "\n"))
+		default:
+		}
+		return logged("waiting for the agent that is stopping with this spool") && logged(fmt.Sprintf("pid=%d", a.cmd.Process.Pid))
+	})
+	assert.False(t, logged(servingLine), "the new agent served while the old one held the spool")
+
+	held.Close()
+	assert.Equal(t, 0, a.wait(30*time.Second), "%s", a.log())
+	repWait(t, 20*time.Second, "the new agent to serve", func() bool { return logged(servingLine) })
+	assert.True(t, logged("the stopping agent let the spool go"))
+	require.NoError(t, b.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-bDone:
+		assert.NoError(t, bErr)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the new agent did not stop")
+	}
+}
