@@ -2,14 +2,17 @@ package gcsbackend
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"io"
+	"log/slog"
 	"net/http"
 	"sync"
 	"time"
 
 	"cloud.google.com/go/storage"
+	"github.com/googleapis/gax-go/v2"
 )
 
 // Large files move in parts of PartSize, several at a time, each streamed
@@ -249,18 +252,47 @@ func (s *gcsStore) GetFile(ctx context.Context, t FileTransfer) (int64, uint32, 
 	if o.Size >= s.opts.ParallelThreshold {
 		partSize = s.opts.PartSize
 	}
-	parts := splitParts(o.Size, partSize)
-	prog := newPartProgress(t.Progress)
-	err = t.eachRequest(ctx, len(parts), func(ctx context.Context, i int) error {
-		crc, err := s.readRange(ctx, t, key, o.Generation, parts[i], prog.part(i))
-		parts[i].crc = crc
-		return err
-	})
-	if err != nil {
-		return 0, 0, err
+	// Bytes whose CRC32C is not the one GCS keeps for the object were damaged on the way (GCS
+	// checks its objects at rest): read again, up to transitReads times. Handed on, they failed
+	// the caller's check against the manifest, and a restore marked intact data damaged for good
+	// after two such reads (a black-box run, with a proxy flipping bits in two downloads).
+	pause := transitPause
+	for read := 1; ; read++ {
+		parts := splitParts(o.Size, partSize)
+		prog := newPartProgress(t.Progress)
+		err = t.eachRequest(ctx, len(parts), func(ctx context.Context, i int) error {
+			crc, err := s.readRange(ctx, t, key, o.Generation, parts[i], prog.part(i))
+			parts[i].crc = crc
+			return err
+		})
+		var crc uint32
+		var ce *ChecksumError
+		switch {
+		case errors.As(err, &ce): // the client's own check of a whole-object read
+		case err != nil:
+			return 0, 0, err
+		default:
+			if crc = combineParts(parts); crc == o.CRC32C {
+				return o.Size, crc, nil
+			}
+			err = &ChecksumError{Name: s.url(t.Name), Want: o.CRC32C, Got: crc}
+		}
+		if read == transitReads {
+			return 0, 0, fmt.Errorf("read %s: %d reads delivered bytes whose crc32c is not the one the store keeps for the object: damaged on the way (the network, a proxy), not in the store; try again later: %v", s.url(t.Name), read, err)
+		}
+		slog.Warn("backup location: bytes read do not match the crc32c the store keeps (damaged on the way); reading again", "object", s.url(t.Name), "read", read, "of", transitReads, "err", err)
+		if err := gax.Sleep(ctx, pause); err != nil {
+			return 0, 0, err
+		}
+		pause *= 2
 	}
-	return o.Size, combineParts(parts), nil
 }
+
+// transitReads bounds the reads of an object whose bytes arrive damaged (GetFile), transitPause
+// is the pause after the first, doubled after each next one.
+const transitReads = 5
+
+var transitPause = 500 * time.Millisecond
 
 // readRange copies one range of generation gen into the file and returns
 // its CRC32C. An attempt that fails is started over from the range's start.
@@ -296,7 +328,7 @@ func (s *gcsStore) readRange(ctx context.Context, t FileTransfer, key string, ge
 				break
 			}
 			if rerr != nil {
-				return rerr
+				return badCRC(s.url(t.Name), rerr) // the client's check of a whole object: GetFile reads it again
 			}
 		}
 		if got != p.size {
