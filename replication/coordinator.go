@@ -482,21 +482,35 @@ func PlanForRank(plan tiers.RestorePlan, rank, workers int) tiers.RestorePlan {
 	return out
 }
 
-// columnsContradicted reports a node (holder) that holds a replica of the .meta of rank q of
-// step, q not in holder's column (the ranks equal mod part): in data-parallel mode nodes
-// exchange .meta files with their peers only, so the job's peer-ranks are not mtcfs's columns
-// (Orbax computes them from process indices, which may differ from node ranks). The columns
-// then come from the replicas the nodes hold (peerColumns), or nothing is inferred: a node's
-// data must not stand for a rank the job does not hold for equivalent (a black-box run of the
-// upstream code restored a rank with another column's data).
+// columnsContradicted reports a node (holder) that holds .meta files of ranks q and r of one
+// step in different columns (the ranks equal mod part): in data-parallel mode nodes exchange
+// .meta files with their peers only, so the job's peer-ranks are not mtcfs's columns (Orbax
+// computes them from process indices, which may differ from node ranks). The columns then come
+// from the .meta files the nodes hold (peerColumns), or nothing is inferred: a node's data must
+// not stand for a rank the job does not hold for equivalent (a black-box run of the upstream
+// code restored a rank with another column's data).
+//
+// The evidence is the .meta files a node holds of one step, not the node's current rank: a
+// node holds its own and its peers' of the rank it had when the step was saved, and a job that
+// restarts may give it another rank (Kubernetes reschedules pods in any order). Compared with
+// its current rank, the replicas of a node whose rank moved to another column looked like such
+// a contradiction, nothing was inferred, and a step that a lost node's column-mates held was
+// dropped for an older one (a black-box run).
 func columnsContradicted(cfg *tiers.Config, invs []tiers.Inventory, part int) (holder, q int, step int64, ok bool) {
 	if part >= cfg.Nodes {
 		return 0, 0, 0, false // one node per column: nothing is inferred across ranks
 	}
 	for _, inv := range invs {
-		for name := range inv.Metas {
+		first := map[int64]int{} // per step: a rank of a .meta of it the node holds
+		for _, name := range slices.Sorted(maps.Keys(inv.Metas)) {
 			m, inShape, valid := tiers.JobMeta(cfg, name)
-			if valid && inShape && m.Node != inv.Rank && m.Node%part != inv.Rank%part {
+			if !valid || !inShape {
+				continue
+			}
+			r, seen := first[m.Step]
+			if !seen {
+				first[m.Step] = m.Node
+			} else if r%part != m.Node%part {
 				return inv.Rank, m.Node, m.Step, true
 			}
 		}
@@ -506,11 +520,12 @@ func columnsContradicted(cfg *tiers.Config, invs []tiers.Inventory, part int) (h
 
 // peerColumns returns the job's own columns at step, by rank (each the lowest rank of its
 // column), when its peer-ranks are not mtcfs's (columnsContradicted): a node holds the .meta
-// replicas of its peers only, so a holder and the rank of a replica of step it holds are
-// column-mates. Only step's replicas count: the job may map its processes to ranks differently
-// at each start (a review). ok is false (cols nil) unless that evidence makes exactly part
-// columns of nodes/part ranks each (a rank whose RAM and whose peers' RAM were all lost is in
-// none): then nothing of step is inferred.
+// files of the rank it had at step and of that rank's peers, so the ranks of the .meta files of
+// step a node holds are column-mates (see columnsContradicted for why its current rank is not).
+// Only step's .meta files count: the job may map its processes to ranks differently at each
+// start (a review). ok is false (cols nil) unless that evidence makes exactly part columns of
+// nodes/part ranks each (a rank whose RAM and whose peers' RAM were all lost is in none): then
+// nothing of step is inferred.
 func peerColumns(cfg *tiers.Config, invs []tiers.Inventory, part int, step int64) (cols []int, ok bool) {
 	parent := make([]int, cfg.Nodes)
 	for r := range parent {
@@ -525,15 +540,17 @@ func peerColumns(cfg *tiers.Config, invs []tiers.Inventory, part int, step int64
 		return r
 	}
 	for _, inv := range invs {
-		if inv.Rank < 0 || inv.Rank >= cfg.Nodes {
-			continue
-		}
+		held := -1 // a rank of a .meta of step the node holds
 		for name := range inv.Metas {
 			m, inShape, valid := tiers.JobMeta(cfg, name)
-			if !valid || !inShape || m.Node == inv.Rank || m.Step != step {
+			if !valid || !inShape || m.Step != step {
 				continue
 			}
-			a, b := find(inv.Rank), find(m.Node)
+			if held < 0 {
+				held = m.Node
+				continue
+			}
+			a, b := find(held), find(m.Node)
 			if a != b {
 				parent[max(a, b)] = min(a, b) // the lowest rank roots its column
 			}

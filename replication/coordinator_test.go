@@ -576,6 +576,60 @@ func TestCoordinatorInferenceLeavesInventoriesAlone(t *testing.T) {
 	assert.Equal(t, dataOf(1, 20), out[3].Metas[metaOf(20, 3, 0)], "rank 3 restores its column-mate's data")
 }
 
+// TestCoordinatorDataParallelRanksMovedAndNodesLost: a data-parallel job (6 nodes, D = 3: columns
+// {0,2,4} and {1,3,5}, each node's peer the next rank of its column) restarts with ranks 0 and 1
+// swapped between machines (Kubernetes reschedules pods in any order) and the machines of ranks
+// 3 and 5 lost. The machine now rank 0 holds the .meta files it held as rank 1 (its own and rank
+// 5's); compared with its current rank, they looked like a job whose peer-ranks are not mtcfs's
+// columns, nothing was inferred, and the step was dropped (a black-box run: 8 ranks started from
+// scratch). The .meta files a node holds of a step are column-mates, whatever its rank now: rank
+// 3 takes its column's data. A job whose peers are outside mtcfs's columns is still told apart.
+func TestCoordinatorDataParallelRanksMovedAndNodesLost(t *testing.T) {
+	t.Parallel()
+	const step = 20
+	col := []string{dataOf(0, step), dataOf(1, step)} // the data of each column (equal replicas)
+	holds := func(rank int, metas ...int) tiers.Inventory {
+		inv := tiers.Inventory{Rank: rank, Metas: map[string]string{}}
+		for _, m := range metas {
+			inv.Metas[metaOf(step, m, 0)] = col[m%2]
+		}
+		if len(metas) > 0 {
+			inv.Data = []string{col[metas[0]%2]}
+		}
+		return inv
+	}
+	cfg := testConfig(6)
+	cfg.AssumeDataParallelism = 3
+	invs := []tiers.Inventory{
+		holds(0, 1, 5), // the machine of rank 1 before
+		holds(1, 0, 4), // the machine of rank 0 before
+		holds(2, 2, 0),
+		holds(3), // lost
+		holds(4, 4, 2),
+		holds(5), // lost
+	}
+	if _, _, _, contradicted := columnsContradicted(cfg, invs, 2); contradicted {
+		t.Error("moved ranks taken for peer-ranks outside mtcfs's columns")
+	}
+	c := newCoordinator(t, cfg, Options{Clock: newFakeClock()})
+	for r, res := range negotiateAll(t, c, invs) {
+		require.NoError(t, res.err, "rank %d", r)
+		require.True(t, res.plan.Found, "rank %d: %q", r, res.plan.Errors)
+		assert.Equal(t, int64(step), res.plan.Step, "rank %d", r)
+		assert.Equal(t, col[r%2], res.plan.Data[tiers.Slot{Rank: r}], "rank %d restores its column's data", r)
+	}
+
+	// Peers outside the columns (rank r's peer r^1), no rank moved: still seen.
+	cfg = testConfig(4)
+	cfg.AssumeDataParallelism = 2
+	invs = []tiers.Inventory{holding(own(0, step), 1, step, false), holding(own(1, step), 0, step, false), holding(own(2, step), 3, step, false), holding(own(3, step), 2, step, false)}
+	_, _, _, contradicted := columnsContradicted(cfg, invs, 2)
+	assert.True(t, contradicted, "peer-ranks outside mtcfs's columns")
+	cols, ok := peerColumns(cfg, invs, 2, step)
+	assert.True(t, ok)
+	assert.Equal(t, []int{0, 0, 2, 2}, cols, "the job's columns, from the .meta files held")
+}
+
 // TestCoordinatorDataParallelJobShrunkOntoItsReplicas: a job of 4 nodes in 2 partitions (D = 2)
 // restarted on 2 nodes (with D = 1, or without data-parallel mode) on the machines that held
 // old ranks 2 and 3 restores their data: old rank 2 is a column-mate of old rank 0. It started
