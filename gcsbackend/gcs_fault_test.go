@@ -383,3 +383,41 @@ func TestGCSFaultOpenHonoursItsContext(t *testing.T) {
 	assert.Equal(t, "pinned", string(data))
 	require.NoError(t, r.Close())
 }
+
+// TestGCSFaultRestorePinAnswerLost: a restore pin written (or removed) whose every answer was
+// lost (the connection reset after the request went through) took effect: SetRestoreVersion and
+// ClearRestoreVersion read the pin back and succeed, where `mtcfs restore-version` said the
+// change failed, exit 1, and the operator, told so, left a pin in place (a black-box run). A
+// change that did not go through still fails.
+func TestGCSFaultRestorePinAnswerLost(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeGCS(t)
+	b := &Backups{Store: f.store(t, "jobs", testGCSOptions())}
+	const job, backup = "train", "2026-12-07_10-00"
+
+	lost := f.faults.add(1<<30, uploadOf(restoreVersionName), serveThen(http.StatusServiceUnavailable))
+	require.NoError(t, b.SetRestoreVersion(ctx, job, backup), "every answer lost, the pin written")
+	assert.NotZero(t, f.faults.hits(lost))
+	pin, pinned, err := b.ReadRestoreVersion(ctx, job)
+	require.NoError(t, err)
+	assert.True(t, pinned)
+	assert.Equal(t, backup, pin)
+
+	f.faults.clear()
+	isDelete := func(r *http.Request) bool {
+		return r.Method == http.MethodDelete && strings.Contains(r.URL.Path, restoreVersionName)
+	}
+	lost = f.faults.add(1<<30, isDelete, serveThen(http.StatusServiceUnavailable))
+	require.NoError(t, b.ClearRestoreVersion(ctx, job), "every answer lost, the pin removed")
+	assert.NotZero(t, f.faults.hits(lost))
+	_, pinned, err = b.ReadRestoreVersion(ctx, job)
+	require.NoError(t, err)
+	assert.False(t, pinned)
+
+	f.faults.clear()
+	f.faults.add(1<<30, uploadOf(restoreVersionName), respond(http.StatusServiceUnavailable))
+	require.Error(t, b.SetRestoreVersion(ctx, job, backup), "a write that never went through")
+	_, pinned, err = b.ReadRestoreVersion(ctx, job)
+	require.NoError(t, err)
+	assert.False(t, pinned)
+}
