@@ -55,7 +55,7 @@ func newWaitNotices() *waitNotices {
 
 // What the job is told after lineAfter, beside what the coordinator says it waits for.
 const (
-	negotiationHint = "every node's agent must be running, with the same job-name, backup location and peer secret (rank 0's log names calls it refused); the restore goes on once they report"
+	negotiationHint = "every node's agent must be running, with the same job-name, backup location and peer secret (rank 0's log names calls it refused), and the job's process on every node must have written its replicator.yaml (a rank whose process did not start is not reported); the restore goes on once they report"
 	barrierHint     = "they are still bringing their data in (mtcfs status on those nodes shows the progress), or their restore failed (replicator.failed there); the markers appear once every node has its data"
 )
 
