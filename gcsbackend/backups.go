@@ -551,6 +551,9 @@ func (b *Backups) verifyOnce(ctx context.Context, job, backup string, opts Verif
 	return rep, recorded, nil
 }
 
+// verifyRereads is how many times a deep verify reads again an object whose bytes do not match.
+const verifyRereads = 2
+
 // checkData returns, per hash, what is wrong with its data in the backup at
 // dir (no entry: complete), and the hashes whose manifest this version cannot
 // read (a newer format: not damage). index holds the backup's objects by
@@ -652,27 +655,60 @@ func (b *Backups) checkData(ctx context.Context, dir string, hashes []string, in
 			}
 			return nil
 		}
-		r, err := b.Store.Open(ctx, dir+c.object, 0, -1)
-		if IsNotFound(err) {
+		// A read's result: its bytes match the manifest (ok), or how they do not.
+		type result struct {
+			ok      bool
+			bad     *ChecksumError // the store's own check failed (GCS: the CRC32C it keeps)
+			n       int64
+			crc     uint32
+			missing bool
+		}
+		read := func() (result, error) {
+			r, err := b.Store.Open(ctx, dir+c.object, 0, -1)
+			if IsNotFound(err) {
+				return result{missing: true}, nil
+			}
+			if err != nil {
+				return result{}, err
+			}
+			defer r.Close()
+			n, crc, err := copyCRC(ctx, io.Discard, r)
+			if ce := (*ChecksumError)(nil); errors.As(err, &ce) {
+				return result{bad: ce}, nil
+			}
+			if err != nil {
+				return result{}, fmt.Errorf("read %s: %w", c.name, err)
+			}
+			return result{ok: n == c.want.Size && crc == uint32(c.want.CRC32C), n: n, crc: crc}, nil
+		}
+		first, err := read()
+		if err != nil || first.ok {
+			return err
+		}
+		if first.missing {
 			note(c.hash, "%s missing", c.name)
 			return nil
 		}
-		if err != nil {
-			return err
+		// Read again: bytes damaged on the way (a proxy, the network) differ from one read to
+		// the next, or come right; damage in the store reads the same every time. Reported as
+		// damage, a fault in transit made `verify` call an intact backup DAMAGED (a black-box
+		// run).
+		for range verifyRereads {
+			again, err := read()
+			switch {
+			case err != nil || again.ok:
+				return err
+			case again.missing || (again.bad == nil) != (first.bad == nil) || again.crc != first.crc ||
+				again.bad != nil && first.bad != nil && again.bad.Got != first.bad.Got:
+				return fmt.Errorf("read %s: its bytes differ from one read to the next (damaged on the way, not in the store, or changed meanwhile): verify again later", c.name)
+			}
 		}
-		defer r.Close()
-		n, crc, err := copyCRC(ctx, io.Discard, r)
-		if ce := (*ChecksumError)(nil); errors.As(err, &ce) {
-			note(c.hash, "%s: its bytes no longer match the crc32c the store keeps (%v)", c.name, err)
+		if first.bad != nil {
+			note(c.hash, "%s: its bytes no longer match the crc32c the store keeps (%v)", c.name, first.bad)
 			return nil
 		}
-		if err != nil {
-			return fmt.Errorf("read %s: %w", c.name, err)
-		}
-		if n != c.want.Size || crc != uint32(c.want.CRC32C) {
-			note(c.hash, "%s content (%d bytes, crc32c %08x) differs from the manifest (%d bytes, crc32c %08x)",
-				c.name, n, crc, c.want.Size, uint32(c.want.CRC32C))
-		}
+		note(c.hash, "%s content (%d bytes, crc32c %08x) differs from the manifest (%d bytes, crc32c %08x)",
+			c.name, first.n, first.crc, c.want.Size, uint32(c.want.CRC32C))
 		return nil
 	})
 	return problems, unknown, err

@@ -220,6 +220,48 @@ func corruptResponse(w http.ResponseWriter, r *http.Request, next http.Handler) 
 	w.Write(body)
 }
 
+// TestVerifyReadsAgainBytesDamagedOnTheWay: a deep verify whose read of an object comes back
+// damaged once (a fault on the way, not in the store) reads it again and finds the backup
+// complete; it called the intact backup DAMAGED (a black-box run with a proxy flipping bits). A
+// read damaged differently each time is an error of the verify (verify again later), not damage.
+func TestVerifyReadsAgainBytesDamagedOnTheWay(t *testing.T) {
+	f := newFakeGCS(t)
+	s := f.store(t, "backups/test", testGCSOptions())
+	b := &Backups{Store: s, Parallelism: 3}
+	const backup = "2025-06-30_14-30"
+	uploadStep(t, b, backup, 100, 2, 1)
+	dataRead := func(r *http.Request) bool { return isMediaRead(r) && strings.Contains(r.URL.Path, ".data/") }
+	once := f.faults.add(1, dataRead, corruptResponse)
+	rep := verify(t, b, backup, VerifyOptions{Deep: true})
+	assertAllHit(t, f, once)
+	require.False(t, rep.Damaged(), "%+v", rep)
+	for _, st := range rep.Steps {
+		assert.True(t, st.Complete, "step %d: %q", st.Step, st.Problems)
+	}
+
+	f.faults.clear()
+	n := 0
+	f.faults.add(1<<30, dataRead, func(w http.ResponseWriter, r *http.Request, next http.Handler) {
+		rec := httptest.NewRecorder()
+		next.ServeHTTP(rec, r)
+		body := rec.Body.Bytes()
+		f.faults.mu.Lock()
+		n++
+		if len(body) > 0 {
+			body[n%len(body)] ^= 0x5a // another byte each time
+		}
+		f.faults.mu.Unlock()
+		for k, v := range rec.Header() {
+			w.Header()[k] = v
+		}
+		w.WriteHeader(rec.Code)
+		w.Write(body)
+	})
+	_, err := b.Verify(context.Background(), testJob, backup, VerifyOptions{Deep: true})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "differ from one read to the next")
+}
+
 // randomBytes returns n pseudo-random bytes (seeded: reproducible).
 func randomBytes(n int, seed uint64) []byte {
 	b := make([]byte, n)
