@@ -126,36 +126,56 @@ func (s *Server) Stop(giveUp <-chan struct{}) error {
 	if where := s.Where(); where != s.dir {
 		return s.unmountMoved(where)
 	}
-	err := s.fuse.Unmount()
-	if err == nil {
-		<-s.closed
-		return nil
+	detached := !s.ownsDir() // detached from outside (umount -l): its users still hold it
+	if detached {
+		s.log.Warn("the mount was detached from outside (umount -l) and is still in use: the stop waits for its users, and leaves what is at the directory now alone", "dir", s.dir)
+	} else {
+		err := s.fuse.Unmount()
+		if err == nil {
+			<-s.closed
+			return nil
+		}
+		const show = 5
+		users, n := mountUsers(s.dir, show)
+		list := strings.Join(users, ", ")
+		if n > show {
+			list += fmt.Sprintf(" and %d more", n-show)
+		}
+		if n == 0 {
+			list = "none seen in this PID namespace"
+		}
+		s.log.Warn("the mount is busy: it stays mounted and served while these processes use it; if they are still there when the stop gives up, it is left in place unserved (not detached: a save made meanwhile would land in the directory below it)", "dir", s.dir, "processes", list, "unmount", err)
 	}
-	const show = 5
-	users, n := mountUsers(s.dir, show)
-	list := strings.Join(users, ", ")
-	if n > show {
-		list += fmt.Sprintf(" and %d more", n-show)
-	}
-	if n == 0 {
-		list = "none seen in this PID namespace"
-	}
-	s.log.Warn("the mount is busy: it stays mounted and served while these processes use it; if they are still there when the stop gives up, it is left in place unserved (not detached: a save made meanwhile would land in the directory below it)", "dir", s.dir, "processes", list, "unmount", err)
 	tick := time.NewTicker(busyRetry)
 	defer tick.Stop()
 	for {
 		select {
+		case <-s.closed:
+			return nil // detached from outside, and its last user left: the connection ended
 		case <-tick.C:
-			if s.Where() != s.dir {
-				return s.unmountMoved(s.Where())
+			// Only this mount is unmounted, never what another mounted at the directory since
+			// (a review: the mount table's numbers are reused, and a mount made after this one
+			// was detached from outside looked like this one moved, and was detached).
+			if detached || !s.ownsDir() {
+				if !detached {
+					s.log.Warn("the mount was detached from outside while the stop waited (umount -l); its users still hold it", "dir", s.dir)
+				}
+				detached = true
+				continue
 			}
-			if err = s.fuse.Unmount(); err == nil {
+			if s.fuse.Unmount() == nil {
 				<-s.closed
 				return nil
 			}
 		case <-giveUp:
-			if os.Geteuid() == 0 {
-				if err := fusectl.Abort(s.dir); err != nil {
+			select {
+			case <-s.closed:
+				return nil
+			default:
+			}
+			if _, minor, ok := strings.Cut(s.device, ":"); ok && os.Geteuid() == 0 {
+				// By its own connection, not by the directory: the mount there may be another's.
+				if err := fusectl.AbortConnection(minor); err != nil {
 					s.log.Warn("could not end the mount's connection; it ends when the agent exits", "dir", s.dir, "err", err)
 				} else {
 					select {
@@ -164,9 +184,35 @@ func (s *Server) Stop(giveUp <-chan struct{}) error {
 					}
 				}
 			}
+			if detached {
+				return ErrDetachedOutside
+			}
 			return ErrLeftInPlace
 		}
 	}
+}
+
+// ErrDetachedOutside is returned by Stop when the mount was detached from outside (umount -l)
+// while the stop waited, and was still in use when it gave up: its connection was ended.
+var ErrDetachedOutside = errors.New("the mount was detached from outside (umount -l) and still in use: its connection is ended")
+
+// ownsDir reports whether the mount at the directory is this one: the top FUSE mount there has
+// this server's device (unique while the server's connection lives; true when not known).
+func (s *Server) ownsDir() bool {
+	if s.device == "" {
+		return true
+	}
+	mounts, err := fusectl.Mounts()
+	if err != nil {
+		return true
+	}
+	top := ""
+	for _, m := range mounts { // of mounts stacked on the directory, the last is on top
+		if m.Point == s.dir {
+			top = m.Device
+		}
+	}
+	return top == s.device
 }
 
 // Unmount detaches the filesystem. If it is busy (a process has a file open or its working

@@ -93,7 +93,12 @@ func unmountBounded(srv unmounter, sigs <-chan stopSignal, first stopSignal) err
 		}
 	}
 	close(giveUp)
-	if err := <-errc; err != nil && !errors.Is(err, mfs.ErrLeftInPlace) {
+	switch err := <-errc; {
+	case err == nil:
+		return nil // unmounted as the stop gave up: its users left at that moment
+	case errors.Is(err, mfs.ErrDetachedOutside):
+		return fmt.Errorf("%s: %w", why, err)
+	case !errors.Is(err, mfs.ErrLeftInPlace):
 		return fmt.Errorf("%s; unmount: %w", why, err)
 	}
 	return fmt.Errorf("%s: it is left in place, unserved (its users get \"Transport endpoint is not connected\"), so that nothing lands in the directory below it; the next agent started on it detaches it and serves, or umount -l removes it", why)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	mfs "github.com/mtcfs/mtcfs/fs"
 )
@@ -348,4 +349,37 @@ func TestReplacementPodWaitsForTheStoppingAgentOfItsSpool(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("the new agent did not stop")
 	}
+}
+
+// TestStopLeavesAloneWhatIsMountedAtItsDirectoryNow: the mount was detached from outside
+// (umount -l) while a file in it stays open, and something else was mounted at the directory
+// since (here a tmpfs; another agent's mount, say). The stop must not unmount that: it waits for
+// its own mount's users, and ends when they leave. Before, the stop unmounted whatever was at
+// the directory (and a review made a stopping agent detach another session's spool, whose
+// mount had taken the numbers the detached mount had in the mount table).
+func TestStopLeavesAloneWhatIsMountedAtItsDirectoryNow(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	t.Cleanup(func() { forceUnmount(n.dir); forceUnmount(n.dir) })
+	held, err := os.Create(filepath.Join(n.dir, "held"))
+	require.NoError(t, err)
+	t.Cleanup(func() { held.Close() })
+	require.NoError(t, unix.Unmount(n.dir, unix.MNT_DETACH))
+	require.NoError(t, unix.Mount("tmpfs", n.dir, "tmpfs", 0, "size=1m"))
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "other"), []byte("x"), 0o644))
+
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
+	repWait(t, 10*time.Second, "the agent to see its mount detached from outside", func() bool {
+		return strings.Contains(a.log(), "the mount was detached from outside")
+	})
+	time.Sleep(time.Second) // a few of the stop's tries
+	_, err = os.Stat(filepath.Join(n.dir, "other"))
+	require.NoError(t, err, "the stopping agent unmounted what is at its directory now\n%s", a.log())
+
+	held.Close() // its mount's last user leaves: the connection ends, and so does the stop
+	assert.Equal(t, 0, a.wait(30*time.Second), "%s", a.log())
+	_, err = os.Stat(filepath.Join(n.dir, "other"))
+	assert.NoError(t, err, "what is at the directory now")
+	require.NoError(t, unix.Unmount(n.dir, 0))
 }

@@ -26,6 +26,13 @@ func Abort(dir string) error {
 	if err != nil || !ok {
 		return err
 	}
+	return AbortConnection(minor)
+}
+
+// AbortConnection aborts the FUSE connection numbered minor (the minor of its mounts' device,
+// "0:<minor>" in the mount table); a connection that is gone already is not an error. A server
+// aborting its own connection names it so: the mount at its directory may no longer be its own.
+func AbortConnection(minor string) error {
 	if ents, _ := os.ReadDir(connections); len(ents) == 0 {
 		// Not mounted (a mounted fusectl lists this connection at least).
 		if err := unix.Mount("fusectl", connections, "fusectl", 0, ""); err != nil {
@@ -33,7 +40,7 @@ func Abort(dir string) error {
 		}
 		defer unix.Unmount(connections, 0)
 	}
-	err = os.WriteFile(filepath.Join(connections, minor, "abort"), []byte("1"), 0)
+	err := os.WriteFile(filepath.Join(connections, minor, "abort"), []byte("1"), 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil // the connection is gone already
 	}
