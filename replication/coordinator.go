@@ -501,21 +501,38 @@ func columnsContradicted(cfg *tiers.Config, invs []tiers.Inventory, part int) (h
 		return 0, 0, 0, false // one node per column: nothing is inferred across ranks
 	}
 	for _, inv := range invs {
-		first := map[int64]int{} // per step: a rank of a .meta of it the node holds
-		for _, name := range slices.Sorted(maps.Keys(inv.Metas)) {
-			m, inShape, valid := tiers.JobMeta(cfg, name)
-			if !valid || !inShape {
-				continue
+		for step, ranks := range heldRanks(cfg, inv) {
+			for _, r := range ranks {
+				if r%part != ranks[0]%part {
+					return inv.Rank, r, step, true
+				}
 			}
-			r, seen := first[m.Step]
-			if !seen {
-				first[m.Step] = m.Node
-			} else if r%part != m.Node%part {
-				return inv.Rank, m.Node, m.Step, true
+			// A lone replica: the node's rank when the step was saved is not known, but this
+			// node did not save the step as its current rank (a save cut short, a node moved):
+			// taken as if it had, as before. A moved node's lone replica may so stop an
+			// inference that was right, but a lone replica of another column must not let one
+			// through that is wrong (a review: a rank restored with another column's data).
+			if len(ranks) == 1 && ranks[0] != inv.Rank && ranks[0]%part != inv.Rank%part && inv.Rank >= 0 && inv.Rank < cfg.Nodes {
+				return inv.Rank, ranks[0], step, true
 			}
 		}
 	}
 	return 0, 0, 0, false
+}
+
+// heldRanks lists, per step, the ranks (in order, each once) of the job's .meta files in shape
+// that inv holds.
+func heldRanks(cfg *tiers.Config, inv tiers.Inventory) map[int64][]int {
+	out := map[int64][]int{}
+	for name := range inv.Metas {
+		if m, inShape, valid := tiers.JobMeta(cfg, name); valid && inShape && !slices.Contains(out[m.Step], m.Node) {
+			out[m.Step] = append(out[m.Step], m.Node)
+		}
+	}
+	for _, ranks := range out {
+		slices.Sort(ranks)
+	}
+	return out
 }
 
 // peerColumns returns the job's own columns at step, by rank (each the lowest rank of its
@@ -539,21 +556,18 @@ func peerColumns(cfg *tiers.Config, invs []tiers.Inventory, part int, step int64
 		}
 		return r
 	}
+	union := func(x, y int) {
+		if a, b := find(x), find(y); a != b {
+			parent[max(a, b)] = min(a, b) // the lowest rank roots its column
+		}
+	}
 	for _, inv := range invs {
-		held := -1 // a rank of a .meta of step the node holds
-		for name := range inv.Metas {
-			m, inShape, valid := tiers.JobMeta(cfg, name)
-			if !valid || !inShape || m.Step != step {
-				continue
-			}
-			if held < 0 {
-				held = m.Node
-				continue
-			}
-			a, b := find(held), find(m.Node)
-			if a != b {
-				parent[max(a, b)] = min(a, b) // the lowest rank roots its column
-			}
+		ranks := heldRanks(cfg, inv)[step]
+		for _, r := range ranks {
+			union(ranks[0], r)
+		}
+		if len(ranks) == 1 && inv.Rank >= 0 && inv.Rank < cfg.Nodes {
+			union(inv.Rank, ranks[0]) // a lone replica, as in columnsContradicted
 		}
 	}
 	size := map[int]int{}

@@ -630,6 +630,35 @@ func TestCoordinatorDataParallelRanksMovedAndNodesLost(t *testing.T) {
 	assert.Equal(t, []int{0, 0, 2, 2}, cols, "the job's columns, from the .meta files held")
 }
 
+// TestCoordinatorDataParallelLoneReplicaOfAnotherColumn: a lone replica a node holds of a step
+// it did not save as its current rank still tells that the job's columns are not mtcfs's. Here
+// (6 nodes, D = 2) mtcfs's columns are {0,3},{1,4},{2,5} and the job's {0,3},{1,5},{2,4} (rank
+// 0's own peers agree with mtcfs); rank 4's save was cut short after it received rank 2's .meta,
+// and no other push ran. Taken as no evidence (a review of the moved-ranks change), rank 4 was
+// restored with rank 1's data, another column's.
+func TestCoordinatorDataParallelLoneReplicaOfAnotherColumn(t *testing.T) {
+	t.Parallel()
+	const step = 20
+	data := map[int]string{0: dataOf(0, step), 3: dataOf(0, step), 1: dataOf(1, step), 5: dataOf(1, step), 2: dataOf(2, step), 4: dataOf(2, step)}
+	ownOnly := func(rank int) tiers.Inventory {
+		return tiers.Inventory{Rank: rank, Metas: map[string]string{metaOf(step, rank, 0): data[rank]}, Data: []string{data[rank]}}
+	}
+	cfg := testConfig(6)
+	cfg.AssumeDataParallelism = 2
+	invs := []tiers.Inventory{ownOnly(0), ownOnly(1), ownOnly(2), ownOnly(3),
+		{Rank: 4, Metas: map[string]string{metaOf(step, 2, 0): data[2]}}, ownOnly(5)}
+	if _, _, _, contradicted := columnsContradicted(cfg, invs, 3); !contradicted {
+		t.Error("a lone replica of another column is no evidence")
+	}
+	c := newCoordinator(t, cfg, Options{Clock: newFakeClock()})
+	for r, res := range negotiateAll(t, c, invs) {
+		require.NoError(t, res.err, "rank %d", r)
+		if got, ok := res.plan.Data[tiers.Slot{Rank: 4}]; res.plan.Found && ok {
+			assert.Equal(t, data[4], got, "rank %d: rank 4 restores its own column's data, or nothing", r)
+		}
+	}
+}
+
 // TestCoordinatorDataParallelJobShrunkOntoItsReplicas: a job of 4 nodes in 2 partitions (D = 2)
 // restarted on 2 nodes (with D = 1, or without data-parallel mode) on the machines that held
 // old ranks 2 and 3 restores their data: old rank 2 is a column-mate of old rank 0. It started
