@@ -257,9 +257,9 @@ func (s *gcsStore) GetFile(ctx context.Context, t FileTransfer) (int64, uint32, 
 	// the caller's check against the manifest, and a restore marked intact data damaged for good
 	// after two such reads (a black-box run, with a proxy flipping bits in two downloads).
 	pause := transitPause
+	prog := newPartProgress(t.Progress) // its high-water marks: a read again is not counted twice
 	for read := 1; ; read++ {
 		parts := splitParts(o.Size, partSize)
-		prog := newPartProgress(t.Progress)
 		err = t.eachRequest(ctx, len(parts), func(ctx context.Context, i int) error {
 			crc, err := s.readRange(ctx, t, key, o.Generation, parts[i], prog.part(i))
 			parts[i].crc = crc

@@ -295,7 +295,7 @@ func TestJobToldAnotherJobSavedInItsMountMomentsAgo(t *testing.T) {
 			if !strings.Contains(errs, "held checkpoints of other jobs (job-s3-n0-w0.meta)") {
 				t.Fatalf("replicator.errors = %q, want job's step 3 freed", errs)
 			}
-			if got := strings.Contains(errs, "job job saved its step 3 in this node's RAM") && strings.Contains(errs, told); got != tc.want {
+			if got := strings.Contains(errs, "job job's step 3 came into this node's RAM") && strings.Contains(errs, told); got != tc.want {
 				t.Errorf("told that the jobs may share the mount: %v, want %v; replicator.errors = %q", got, tc.want, errs)
 			}
 		})

@@ -330,7 +330,7 @@ func (r *restorer) freeOtherJobs(inc *incarnation) (line string) {
 			// agent) share one directory: the other job's next save is taken as this job's, and
 			// this job's restart restores it (a black-box run). Nothing in the files tells the
 			// two apart; this is the moment the agent can see it.
-			msg := fmt.Sprintf("job %s saved its step %d in this node's RAM %s ago: if it still runs on this node, both jobs use this one directory, and each would restore the other's saves; a mount serves one job at a time (give each job its own agent and directory, deploy/README.md)",
+			msg := fmt.Sprintf("job %s's step %d came into this node's RAM %s ago (saved here, received from a peer, or restored): if that job still runs on this node, both jobs use this one directory, and each would restore the other's saves; a mount serves one job at a time (give each job its own agent and directory, deploy/README.md)",
 				newest.job, newest.step, ago.Round(time.Second))
 			parts = append(parts, msg)
 			r.log.Warn("another job saved in this mount a moment ago: two jobs may share it", "other_job", newest.job, "step", newest.step, "ago", ago.Round(time.Second).String(), "job", cfg.JobName)
