@@ -112,7 +112,16 @@ var ErrLeftInPlace = errors.New("the mount is still in use: it is left in place,
 // busyRetry is how often Stop tries the unmount again while the mount is in use.
 const busyRetry = 200 * time.Millisecond
 
-// Stop unmounts the filesystem for an agent that stops. While it is busy (a process has a file
+// StopQuiet is how long the mount must have seen no request that changes or opens anything
+// before Stop unmounts it: a save is a series of opens and closes, and an unmount between two of
+// its files sent the rest of it into the directory below (a black-box run: a save in progress
+// at the SIGTERM, cut in two, committed below the mount and lost; also a job's own save right
+// after the signal, on an idle mount). A variable for tests.
+var StopQuiet = time.Second
+
+// Stop unmounts the filesystem for an agent that stops, once the job has left it alone for
+// StopQuiet: no request that changes or opens anything (looks, listings and stats do not count:
+// a job polling for its restore markers does them). While it is in use (a process has a file
 // open or its working directory inside) it stays mounted and served, and the unmount is tried
 // again until those processes leave or giveUp is closed. Then its connection is ended (as root)
 // and the mount is left at its directory, unserved, and Stop returns ErrLeftInPlace: its users
@@ -121,7 +130,8 @@ const busyRetry = 200 * time.Millisecond
 // detached: the job's next save, made by its path as Orbax makes it, went into the plain
 // directory below, on the node's disk, for as long as the stop took (30 s and more under a
 // Kubernetes node agent whose pod was deleted: a black-box run), was told to have succeeded,
-// and was lost, hidden by the next mount.
+// and was lost, hidden by the next mount. A save that starts after the unmount still lands
+// below, and the next agent tells the job ("the mount directory held N entries …").
 func (s *Server) Stop(giveUp <-chan struct{}) error {
 	if where := s.Where(); where != s.dir {
 		return s.unmountMoved(where)
@@ -129,44 +139,16 @@ func (s *Server) Stop(giveUp <-chan struct{}) error {
 	detached := !s.ownsDir() // detached from outside (umount -l): its users still hold it
 	if detached {
 		s.log.Warn("the mount was detached from outside (umount -l) and is still in use: the stop waits for its users, and leaves what is at the directory now alone", "dir", s.dir)
-	} else {
-		err := s.fuse.Unmount()
-		if err == nil {
-			<-s.closed
-			return nil
-		}
-		const show = 5
-		users, n := mountUsers(s.dir, show)
-		list := strings.Join(users, ", ")
-		if n > show {
-			list += fmt.Sprintf(" and %d more", n-show)
-		}
-		if n == 0 {
-			list = "none seen in this PID namespace"
-		}
-		s.log.Warn("the mount is busy: it stays mounted and served while these processes use it; if they are still there when the stop gives up, it is left in place unserved (not detached: a save made meanwhile would land in the directory below it)", "dir", s.dir, "processes", list, "unmount", err)
 	}
-	tick := time.NewTicker(busyRetry)
+	busyTold := false
+	last, quietSince := s.requests.changes(), time.Now()
+	var lastTry time.Time
+	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
 	for {
 		select {
 		case <-s.closed:
 			return nil // detached from outside, and its last user left: the connection ended
-		case <-tick.C:
-			// Only this mount is unmounted, never what another mounted at the directory since
-			// (a review: the mount table's numbers are reused, and a mount made after this one
-			// was detached from outside looked like this one moved, and was detached).
-			if detached || !s.ownsDir() {
-				if !detached {
-					s.log.Warn("the mount was detached from outside while the stop waited (umount -l); its users still hold it", "dir", s.dir)
-				}
-				detached = true
-				continue
-			}
-			if s.fuse.Unmount() == nil {
-				<-s.closed
-				return nil
-			}
 		case <-giveUp:
 			select {
 			case <-s.closed:
@@ -188,6 +170,40 @@ func (s *Server) Stop(giveUp <-chan struct{}) error {
 				return ErrDetachedOutside
 			}
 			return ErrLeftInPlace
+		case <-tick.C:
+		}
+		if n := s.requests.changes(); n != last {
+			last, quietSince = n, time.Now()
+		}
+		if detached || time.Since(quietSince) < StopQuiet || time.Since(lastTry) < busyRetry {
+			continue
+		}
+		// Only this mount is unmounted, never what another mounted at the directory since (a
+		// review: the mount table's numbers are reused, and a mount made after this one was
+		// detached from outside looked like this one moved, and was detached).
+		if !s.ownsDir() {
+			s.log.Warn("the mount was detached from outside while the stop waited (umount -l); its users still hold it", "dir", s.dir)
+			detached = true
+			continue
+		}
+		err := s.fuse.Unmount()
+		lastTry = time.Now()
+		if err == nil {
+			<-s.closed
+			return nil
+		}
+		if !busyTold {
+			busyTold = true
+			const show = 5
+			users, n := mountUsers(s.dir, show)
+			list := strings.Join(users, ", ")
+			if n > show {
+				list += fmt.Sprintf(" and %d more", n-show)
+			}
+			if n == 0 {
+				list = "none seen in this PID namespace"
+			}
+			s.log.Warn("the mount is busy: it stays mounted and served while these processes use it; if they are still there when the stop gives up, it is left in place unserved (not detached: a save made meanwhile would land in the directory below it)", "dir", s.dir, "processes", list, "unmount", err)
 		}
 	}
 }

@@ -286,3 +286,23 @@ func (c *countingFS) Statx(cancel <-chan struct{}, in *fuse.StatxIn, out *fuse.S
 	c.n[opStatx].Add(1)
 	return c.RawFileSystem.Statx(cancel, in, out)
 }
+
+// quietOps are the requests that do not count as the job's use of the mount (changes): looks,
+// listings and stats, which a job polling for its restore markers makes, and the kernel's
+// forgets.
+var quietOps = [numFuseOps]bool{
+	opLookup: true, opForget: true, opGetattr: true, opReadlink: true, opAccess: true,
+	opGetxattr: true, opListxattr: true, opOpendir: true, opReaddir: true, opReaddirplus: true,
+	opReleasedir: true, opStatfs: true, opStatx: true,
+}
+
+// changes is how many requests that change or open something the mount has served.
+func (c *requestCounts) changes() uint64 {
+	var n uint64
+	for op := range numFuseOps {
+		if !quietOps[op] {
+			n += c[op].Load()
+		}
+	}
+	return n
+}

@@ -101,7 +101,7 @@ func unmountBounded(srv unmounter, sigs <-chan stopSignal, first stopSignal) err
 	case !errors.Is(err, mfs.ErrLeftInPlace):
 		return fmt.Errorf("%s; unmount: %w", why, err)
 	}
-	return fmt.Errorf("%s: it is left in place, unserved (its users get \"Transport endpoint is not connected\"), so that nothing lands in the directory below it; the next agent started on it detaches it and serves, or umount -l removes it", why)
+	return fmt.Errorf("%s: it is left in place, unserved (its users get \"Transport endpoint is not connected\"), so that nothing lands in the directory below it; the next agent started on it detaches it and serves, or umount -l (fusermount3 -u -z as a user) removes it; a shell whose working directory is in it must cd out by an absolute path", why)
 }
 
 // sameStop reports whether s repeats first: the same signal, within repeatWindow.

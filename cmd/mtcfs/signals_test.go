@@ -383,3 +383,40 @@ func TestStopLeavesAloneWhatIsMountedAtItsDirectoryNow(t *testing.T) {
 	assert.NoError(t, err, "what is at the directory now")
 	require.NoError(t, unix.Unmount(n.dir, 0))
 }
+
+// TestStopWaitsForASaveInProgress: a save in progress at the SIGTERM, made file after file by
+// path (open, write, close, with short gaps, as a job writes its tensors), goes into the mount
+// whole: the stop unmounts only once the mount has seen no change for a moment. Before, the
+// unmount came in a gap between two files (the mount was idle, or its one open file had just
+// been closed), and the rest of the save, committed by its rename, landed in the plain directory
+// below and was lost (a black-box run: 3 of 3).
+func TestStopWaitsForASaveInProgress(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	t.Cleanup(func() { forceUnmount(n.dir) })
+	yaml := "job-name: quiet\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 600\n"
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "replicator.yaml"), []byte(yaml), 0o644))
+	repWait(t, 10*time.Second, "the fresh-start marker", func() bool {
+		return pathExists(filepath.Join(n.dir, "quiet-s0-n0-w0.restore"))
+	})
+	tmp := filepath.Join(n.dir, "1.orbax-checkpoint-tmp")
+	require.NoError(t, os.Mkdir(tmp, 0o755))
+	require.NoError(t, a.cmd.Process.Signal(syscall.SIGTERM))
+	for i := range 20 { // about 0.6 s of a save after the signal
+		require.NoError(t, os.WriteFile(filepath.Join(tmp, fmt.Sprintf("f%02d", i)), []byte(strings.Repeat("x", 4096)), 0o644), "file %d", i)
+		time.Sleep(30 * time.Millisecond)
+	}
+	require.NoError(t, os.Rename(tmp, filepath.Join(n.dir, "1")))
+	assert.Equal(t, 0, a.wait(30*time.Second), "%s", a.log())
+	ents, err := os.ReadDir(n.dir)
+	require.NoError(t, err)
+	assert.Empty(t, ents, "the directory below the mount: the save landed there\n%s", a.log())
+
+	b := n.start(t)
+	require.NoError(t, os.WriteFile(filepath.Join(n.dir, "replicator.yaml"), []byte(yaml), 0o644))
+	repWait(t, 10*time.Second, "the restore of step 1", func() bool {
+		return pathExists(filepath.Join(n.dir, "quiet-s1-n0-w0.restore"))
+	})
+	stopAgent(t, b)
+}
