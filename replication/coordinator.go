@@ -396,10 +396,14 @@ func (c *JobCoordinator) computePlan() {
 			}
 		}
 	}
+	before := invs
 	invs, inferred := inferFromColumns(c.cfg, invs)
 	plan, err := tiers.PlanRestore(c.ctx, c.cfg, invs, c.store, c.planLimits)
 	if err != nil {
 		err = fmt.Errorf("restore plan: %w", err)
+	}
+	if line := inferredLine(c.cfg, plan, before, invs, inferred); line != "" {
+		plan.Errors = append(plan.Errors, line)
 	}
 	plan.Generation, plan.StaleAbove, plan.Errors = gen, stale, append(staleLines, plan.Errors...)
 	// Backup names stay unique across incarnations within one minute: start from the newest
@@ -454,6 +458,29 @@ func (c *JobCoordinator) computePlan() {
 		c.resumeDecided(name)
 		c.mu.Unlock()
 	}
+}
+
+// inferredLine tells the job which slots of the step restored from RAM take a data-parallel
+// column-mate's data, their own being in no live node's RAM ("" when none): a job whose
+// declared replicas do not save identical data (a model-parallel job that sets
+// assume-data-parallelism) got another rank's shards without a word (a black-box run).
+func inferredLine(cfg *tiers.Config, plan tiers.RestorePlan, before, after []tiers.Inventory, inferred []tiers.Slot) string {
+	if !plan.Found || plan.Backup != "" {
+		return ""
+	}
+	var who []string
+	for _, sl := range inferred {
+		name := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: sl.Rank, Worker: sl.Worker, Kind: layout.MarkerMeta}.String()
+		_, was := before[sl.Rank].Metas[name]
+		if _, is := after[sl.Rank].Metas[name]; is && !was {
+			who = append(who, fmt.Sprintf("rank %d worker %d", sl.Rank, sl.Worker))
+		}
+	}
+	if len(who) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("step %d: %s restore(s) the data of a data-parallel column-mate (assume-data-parallelism: %d), their own being in no live node's RAM: right only if the job's data-parallel replicas save identical data",
+		plan.Step, strings.Join(who, ", "), cfg.AssumeDataParallelism)
 }
 
 // PlanForRank returns rank's part of a job-wide plan: the job-wide fields, and Data and

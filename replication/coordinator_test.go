@@ -617,6 +617,7 @@ func TestCoordinatorDataParallelRanksMovedAndNodesLost(t *testing.T) {
 		require.True(t, res.plan.Found, "rank %d: %q", r, res.plan.Errors)
 		assert.Equal(t, int64(step), res.plan.Step, "rank %d", r)
 		assert.Equal(t, col[r%2], res.plan.Data[tiers.Slot{Rank: r}], "rank %d restores its column's data", r)
+		assert.Contains(t, strings.Join(res.plan.Errors, "\n"), "step 20: rank 3 worker 0 restore(s) the data of a data-parallel column-mate", "rank %d is told", r)
 	}
 
 	// Peers outside the columns (rank r's peer r^1), no rank moved: still seen.
