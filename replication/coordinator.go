@@ -405,6 +405,9 @@ func (c *JobCoordinator) computePlan() {
 	if line := inferredLine(c.cfg, plan, before, invs, inferred); line != "" {
 		plan.Errors = append(plan.Errors, line)
 	}
+	if line := unknownColumnsLine(c.cfg, plan, before); line != "" {
+		plan.Errors = append(plan.Errors, line)
+	}
 	plan.Generation, plan.StaleAbove, plan.Errors = gen, stale, append(staleLines, plan.Errors...)
 	// Backup names stay unique across incarnations within one minute: start from the newest
 	// name the store already has. The listing is bounded like the plan's read of
@@ -458,6 +461,35 @@ func (c *JobCoordinator) computePlan() {
 		c.resumeDecided(name)
 		c.mu.Unlock()
 	}
+}
+
+// unknownColumnsLine tells the job, when a step above the one restored was passed over in a
+// data-parallel job whose columns the .meta files the nodes hold do not make whole, that no
+// column-mate's data stood in for a lost rank's ("" otherwise). The plan's line said only "no
+// live node holds the data of rank 6" while column-mates held it (a black-box run).
+func unknownColumnsLine(cfg *tiers.Config, plan tiers.RestorePlan, invs []tiers.Inventory) string {
+	part := cfg.Nodes / max(cfg.AssumeDataParallelism, 1)
+	if cfg.AssumeDataParallelism <= 1 || cfg.Nodes%cfg.AssumeDataParallelism != 0 {
+		return ""
+	}
+	if _, _, _, contradicted := columnsContradicted(cfg, invs, part); !contradicted && len(cfg.PeersOutsideColumn()) == 0 {
+		return ""
+	}
+	var steps []int64
+	for _, inv := range invs {
+		for step := range heldRanks(cfg, inv) {
+			if (!plan.Found || step > plan.Step) && !slices.Contains(steps, step) {
+				steps = append(steps, step)
+			}
+		}
+	}
+	slices.Sort(steps)
+	for _, step := range slices.Backward(steps) {
+		if _, ok := peerColumns(cfg, invs, part, step); !ok {
+			return fmt.Sprintf("step %d: the .meta files the nodes hold of it do not make whole data-parallel columns (a node holds it under two ranks, having restored it as another rank than it saved it as; or the job's peer-ranks are not mtcfs's columns and a rank lost its RAM with all its peers), so no column-mate's data stands for a rank whose own no live node holds", step)
+		}
+	}
+	return ""
 }
 
 // inferredLine tells the job which slots of the step restored from RAM take a data-parallel

@@ -657,6 +657,8 @@ func TestCoordinatorDataParallelLoneReplicaOfAnotherColumn(t *testing.T) {
 		if got, ok := res.plan.Data[tiers.Slot{Rank: 4}]; res.plan.Found && ok {
 			assert.Equal(t, data[4], got, "rank %d: rank 4 restores its own column's data, or nothing", r)
 		}
+		assert.False(t, res.plan.Found, "rank %d: step 20 has no data for rank 4", r)
+		assert.Contains(t, strings.Join(res.plan.Errors, "\n"), "step 20: the .meta files the nodes hold of it do not make whole data-parallel columns", "rank %d is told why no column-mate stood in", r)
 	}
 }
 
