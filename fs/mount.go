@@ -194,12 +194,7 @@ func (s *Server) Stop(giveUp <-chan struct{}) error {
 		}
 		if !busyTold {
 			busyTold = true
-			const show = 5
-			users, n := mountUsers(s.dir, show)
-			list := strings.Join(users, ", ")
-			if n > show {
-				list += fmt.Sprintf(" and %d more", n-show)
-			}
+			list, n := usersLine(s.dir)
 			if n == 0 {
 				list = "none seen in this PID namespace"
 			}
@@ -245,8 +240,7 @@ func (s *Server) Unmount() error {
 	}
 	// Who holds it, looked up while the paths still show it (after the detach /proc shows them
 	// relative to nothing), told once it is detached: the stop otherwise waits with no word.
-	const show = 5
-	users, n := mountUsers(s.dir, show)
+	list, n := usersLine(s.dir)
 	if os.Geteuid() == 0 {
 		if e := unix.Unmount(s.dir, unix.MNT_DETACH); e != nil && !errors.Is(e, unix.EINVAL) {
 			return fmt.Errorf("unmount %s: %v; lazy detach: %w", s.dir, err, e)
@@ -256,10 +250,6 @@ func (s *Server) Unmount() error {
 	}
 	switch {
 	case n > 0:
-		list := strings.Join(users, ", ")
-		if n > show {
-			list += fmt.Sprintf(" and %d more", n-show)
-		}
 		s.log.Warn("the mount is busy: it is detached, and goes away once these processes leave it", "dir", s.dir, "processes", list, "unmount", err)
 	default:
 		s.log.Warn("the unmount did not go through: the mount is detached, and goes away once whatever uses it leaves it (no process in this PID namespace is seen using it)", "dir", s.dir, "unmount", err)
@@ -319,13 +309,7 @@ func (s *Server) unmountMoved(where string) error {
 	s.log.Warn("the mount was moved while the agent served it (a directory above it was renamed): it is unmounted where it is now", "dir", s.dir, "now", where)
 	// Who holds it, looked up while /proc still shows the paths (as Unmount does): the stop
 	// otherwise waits with no word (found by a review).
-	const show = 5
-	users, n := mountUsers(where, show)
-	if n > 0 {
-		list := strings.Join(users, ", ")
-		if n > show {
-			list += fmt.Sprintf(" and %d more", n-show)
-		}
+	if list, n := usersLine(where); n > 0 {
 		s.log.Warn("the moved mount is busy: it is detached, and goes away once these processes leave it", "dir", where, "processes", list)
 	}
 	var err error

@@ -60,3 +60,17 @@ func mountUsers(dir string, max int) (users []string, n int) {
 	}
 	return users, n
 }
+
+// usersShown is how many processes a log line names (usersLine).
+const usersShown = 5
+
+// usersLine names the processes that keep dir busy for a log line (mountUsers, the first
+// usersShown, "and K more"), and how many there were.
+func usersLine(dir string) (line string, n int) {
+	users, n := mountUsers(dir, usersShown)
+	line = strings.Join(users, ", ")
+	if n > usersShown {
+		line += fmt.Sprintf(" and %d more", n-usersShown)
+	}
+	return line, n
+}
