@@ -276,13 +276,7 @@ func TestStopSaysWhoKeepsTheMountBusy(t *testing.T) {
 	mu.Lock()
 	assert.False(t, servedEarly, "the new agent served before the stopping one exited")
 	mu.Unlock()
-	require.NoError(t, b.Process.Signal(syscall.SIGTERM))
-	select {
-	case <-bDone:
-		assert.NoError(t, bErr)
-	case <-time.After(30 * time.Second):
-		t.Fatal("the new agent did not stop")
-	}
+	stopStarted(t, b, bDone, &bErr)
 	assert.False(t, isMounted(n.dir))
 }
 
@@ -342,13 +336,7 @@ func TestReplacementPodWaitsForTheStoppingAgentOfItsSpool(t *testing.T) {
 	assert.Equal(t, 0, a.wait(30*time.Second), "%s", a.log())
 	repWait(t, 20*time.Second, "the new agent to serve", func() bool { return logged(servingLine) })
 	assert.True(t, logged("the stopping agent let the spool go"))
-	require.NoError(t, b.Process.Signal(syscall.SIGTERM))
-	select {
-	case <-bDone:
-		assert.NoError(t, bErr)
-	case <-time.After(30 * time.Second):
-		t.Fatal("the new agent did not stop")
-	}
+	stopStarted(t, b, bDone, &bErr)
 }
 
 // TestStopLeavesAloneWhatIsMountedAtItsDirectoryNow: the mount was detached from outside
@@ -419,4 +407,17 @@ func TestStopWaitsForASaveInProgress(t *testing.T) {
 		return pathExists(filepath.Join(n.dir, "quiet-s1-n0-w0.restore"))
 	})
 	stopAgent(t, b)
+}
+
+// stopStarted stops an agent a test started with startLogged (done closes once it exited, its
+// error then in *err) and requires a clean exit within 30 s.
+func stopStarted(t *testing.T, cmd *exec.Cmd, done <-chan struct{}, err *error) {
+	t.Helper()
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case <-done:
+		assert.NoError(t, *err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the new agent did not stop")
+	}
 }
