@@ -59,6 +59,9 @@ type fileNode struct {
 	// succeeded was otherwise torn in the checkpoint when it ran during the copy (found by a
 	// black-box run).
 	dataMu sync.RWMutex
+	// report: a version of a report file the agent wrote (reports.go); set before the node is
+	// published, never changed.
+	report *reportState
 }
 
 var (
@@ -195,6 +198,9 @@ func (f *fileNode) chargeImported(size int64) {
 }
 
 func (f *fileNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	if f.report != nil {
+		f.report.opened.Store(true)
+	}
 	if flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 		f.fs.awaitReleases(nil) // space.go
 	}

@@ -158,6 +158,13 @@ func (ns *namespace) WriteFile(name string, data []byte) error {
 	}
 	fn := &fileNode{fs: ns.m, backing: p, nlink: 1}
 	fn.init(context.Background(), 0o644)
+	if isReportName(name) {
+		var old *reportState
+		if o, ok := ns.child(name).(*fileNode); ok {
+			old = o.report
+		}
+		fn.report = newReportState(data, old)
+	}
 	// The agent's own files (a .meta, a line in replicator.failed) are counted even past an
 	// agent-accounted budget, as the tmpfs headroom lets them be written as root: the job's
 	// writes fail instead. Refused, a kept spool that held more than the budget failed the

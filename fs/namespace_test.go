@@ -133,6 +133,13 @@ func mountWithEvents(t *testing.T, mode PassthroughMode) (string, *Server, *reco
 // mountWithEventsBudget is mountWithEvents with a spool of budget bytes.
 func mountWithEventsBudget(t *testing.T, mode PassthroughMode, budget int64) (string, *Server, *recorder, *tiers.Spool) {
 	t.Helper()
+	return mountWithEventsWrapped(t, mode, budget, nil)
+}
+
+// mountWithEventsWrapped is mountWithEventsBudget whose mount gets wrap(recorder) as its Events
+// (nil: the recorder).
+func mountWithEventsWrapped(t *testing.T, mode PassthroughMode, budget int64, wrap func(*recorder) tiers.Events) (string, *Server, *recorder, *tiers.Spool) {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("mount tests need root")
 	}
@@ -142,7 +149,11 @@ func mountWithEventsBudget(t *testing.T, mode PassthroughMode, budget int64) (st
 	spool, err := tiers.OpenSpool(tiers.SpoolConfig{Dir: filepath.Join(base, "spool"), Budget: budget, MountTmpfs: true})
 	require.NoError(t, err)
 	rec := &recorder{}
-	srv, err := Mount(dir, Options{Spool: spool, Passthrough: mode, Events: rec, InProcess: true})
+	var events tiers.Events = rec
+	if wrap != nil {
+		events = wrap(rec)
+	}
+	srv, err := Mount(dir, Options{Spool: spool, Passthrough: mode, Events: events, InProcess: true})
 	if err != nil {
 		spool.Close()
 		t.Fatal(err)

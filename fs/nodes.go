@@ -552,11 +552,16 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 	if errno := d.checkRemove(name); errno != 0 {
 		return errno
 	}
+	var unread []string
+	if fn, ok := ch.Operations().(*fileNode); ok && fn.report != nil && d.IsRoot() {
+		unread = fn.unreadReport()
+	}
 	doomed := dropped(ch)
 	d.touch(true)
 	if doomed != nil {
 		d.fs.awaitReleases(doomed) // space.go
 	}
+	d.giveBackUnread(name, ch, unread)
 	return 0
 }
 

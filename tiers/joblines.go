@@ -186,3 +186,20 @@ func (l *jobLines) recentErrors(job string) []string {
 	}
 	return out
 }
+
+// giveBack writes again lines of file that the job removed without having read them (they were
+// added between its read and its unlink; see fs/reports.go), before the lines written since.
+func (l *jobLines) giveBack(file string, lines []string) {
+	l.writeMu.Lock()
+	defer l.writeMu.Unlock()
+	err := l.withRoom(func() error {
+		old, err := l.ns.ReadFile(file, maxLinesFile)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("read: %w", err)
+		}
+		return l.ns.WriteFile(file, append([]byte(strings.Join(lines, "")), old...))
+	})
+	if err != nil {
+		l.log.Error("write again lines of "+file+" the job removed unread: they are lost", "err", err, "lines", lines)
+	}
+}

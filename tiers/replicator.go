@@ -482,6 +482,10 @@ func (r *Replicator) Abandoned(path, why string) {
 	r.queue.push(event{kind: evAbandoned, path: path, why: why})
 }
 
+// Unread takes back lines of a report file (replicator.errors, replicator.failed) the job
+// removed without having read them: they are written again (fs.UnreadLines).
+func (r *Replicator) Unread(name string, lines []string) { r.lines.giveBack(name, lines) }
+
 var _ Events = (*Replicator)(nil)
 
 // AcceptReplica takes data or a .meta a peer pushed, already verified by the transport, and
