@@ -522,6 +522,11 @@ func Mount(dir string, opts Options) (*Server, error) {
 		NegativeTimeout: &timeout,
 		RootStableAttr:  &gofs.StableAttr{Ino: 1},
 		NullPermissions: true, // a mode of 0 is 0, as on tmpfs
+		// The tree is the agent's: go-fuse linking a looked-up node again after the LOOKUP
+		// (or removing the name after an UNLINK) undid the agent's replacement of that name
+		// meanwhile: a .meta replaced by a save of the same step came back as the replaced
+		// node, bytes gone, and stayed (a clean-clone CI run and a stress run).
+		TreeKeptByFS: true,
 		// go-fuse's own lines go through the mount's logger, in its format (--log-format json).
 		Logger: slog.NewLogLogger(m.log.With("component", "go-fuse").Handler(), slog.LevelWarn),
 		MountOptions: fuse.MountOptions{

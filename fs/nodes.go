@@ -344,8 +344,15 @@ func (d *dirNode) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (
 	if ch == nil {
 		return nil, syscall.ENOENT
 	}
+	if h := lookedUpHook.Load(); h != nil {
+		(*h)(name)
+	}
 	return ch, d.fillEntry(ctx, ch, out)
 }
+
+// lookedUpHook, when set (tests only), runs in every LOOKUP that found its name, after it took
+// the node: a test replaces the name meanwhile.
+var lookedUpHook atomic.Pointer[func(name string)]
 
 // checkNew vets a name the job is about to create in d.
 func (d *dirNode) checkNew(name string) syscall.Errno {
@@ -556,12 +563,18 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 	if fn, ok := ch.Operations().(*fileNode); ok && fn.report != nil && d.IsRoot() {
 		unread = fn.unreadReport()
 	}
+	// The name goes here, not in go-fuse after the handler (gofs.Options.TreeKeptByFS), and
+	// only if it still holds ch: the agent may have replaced it meanwhile (a line appended to
+	// replicator.errors), and the job's unlink then removes what is there now.
+	if !d.RmChildIf(name, ch) {
+		return d.Unlink(ctx, name)
+	}
 	doomed := dropped(ch)
 	d.touch(true)
 	if doomed != nil {
 		d.fs.awaitReleases(doomed) // space.go
 	}
-	d.giveBackUnread(name, ch, unread)
+	d.giveBackUnread(name, unread)
 	return 0
 }
 

@@ -5,10 +5,8 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/cespare/xxhash/v2"
-	gofs "github.com/hanwen/go-fuse/v2/fs"
 
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/tiers"
@@ -102,18 +100,14 @@ func (rs *reportState) unread(data []byte) []string {
 }
 
 // giveBackUnread hands lines of the report file name that the job unlinked unread to the
-// mount's Events, once the unlink of node ch is done (go-fuse removes the name after the
-// handler returns). Not on the request's goroutine, nor with its context: the agent writes the
-// file again through the namespace.
-func (d *dirNode) giveBackUnread(name string, ch *gofs.Inode, lines []string) {
+// mount's Events (the name is gone: Unlink removed it). Not on the request's goroutine, nor with
+// its context: the agent writes the file again through the namespace.
+func (d *dirNode) giveBackUnread(name string, lines []string) {
 	u, ok := d.fs.events.(UnreadLines)
 	if !ok || len(lines) == 0 {
 		return
 	}
 	go func() {
-		for deadline := time.Now().Add(5 * time.Second); d.GetChild(name) == ch && time.Now().Before(deadline); {
-			time.Sleep(time.Millisecond)
-		}
 		d.fs.log.Warn("the job removed "+name+" with lines it had not read (added after its read): they are written again", "lines", len(lines))
 		u.Unread(name, lines)
 	}()

@@ -383,7 +383,12 @@ func (b *rawBridge) Lookup(cancel <-chan struct{}, header *fuse.InHeader, name s
 		return errnoToStatus(errno)
 	}
 
-	child, _, _ = b.addNewChild(parent, name, child, nil, 0, out)
+	if b.options.TreeKeptByFS {
+		// mtcfs patch: registered for the kernel, not linked again (see Options).
+		child, _, _ = b.addNewNode(parent, "", child, nil, 0, out)
+	} else {
+		child, _, _ = b.addNewChild(parent, name, child, nil, 0, out)
+	}
 	child.setEntryOut(out)
 	b.setEntryOutTimeout(out)
 	return fuse.OK
@@ -504,7 +509,7 @@ func (b *rawBridge) Unlink(cancel <-chan struct{}, header *fuse.InHeader, name s
 
 	// TODO - this should not succeed silently.
 
-	if errno == 0 {
+	if errno == 0 && !b.options.TreeKeptByFS { // mtcfs patch: see Options
 		parent.RmChild(name)
 	}
 	return errnoToStatus(errno)

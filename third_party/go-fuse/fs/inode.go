@@ -631,6 +631,19 @@ retry:
 	return true, true
 }
 
+// RmChildIf removes the child name of n if it is ch, and reports whether it did (mtcfs
+// patch: a file system that keeps its tree itself, Options.TreeKeptByFS, removes a name
+// it looked up only if no other node replaced it meanwhile).
+func (n *Inode) RmChildIf(name string, ch *Inode) bool {
+	lockNode2(n, ch)
+	defer unlockNode2(n, ch)
+	if n.children.get(name) != ch {
+		return false
+	}
+	n.children.del(n, name)
+	return true
+}
+
 // MvChild executes a rename. If overwrite is set, a child at the
 // destination will be overwritten, should it exist. It returns false
 // if 'overwrite' is false, and the destination exists.
