@@ -2105,3 +2105,50 @@ func TestStepsCommittedWhileTheRestoreWaitsAreKept(t *testing.T) {
 	h.waitMarkers(restore6)
 	h.checkRestoreLink(restore6, hash6, checkpointFiles("6"))
 }
+
+// TestRestoredStepCommittedAgainWhileTheRestoreWaits: the job commits the very step its restore
+// is to take (step 5, new bytes) while the restore waits for the negotiation. The newer commit
+// is the step now: the restore takes it on this node, its .meta stays, and the next start
+// restores it. Before, the restore wrote the plan's older .meta over it, its data was freed, and
+// the next start restored the older bytes on this node beside the newer ones elsewhere, without
+// a word (found by a black-box run, 3 of 3).
+func TestRestoredStepCommittedAgainWhileTheRestoreWaits(t *testing.T) {
+	t.Parallel()
+	gated := &gatedCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}}
+	h := newHarness(t, harnessConfig{coord: gated})
+	h.start(baseYAML, "job")
+	hashOld := h.orbaxSave(5, checkpointFiles("5"))
+	h.waitSealed("job", 5, "5")
+	gate := make(chan struct{})
+	gated.gate.Store(&gate)
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+	h.yamlOrbax(baseYAML) // the job restarts; its negotiation is held
+	h.waitGone(layout.ReplicatorYAMLName)
+	gated.waitHeld(t)
+	hashNew := h.orbaxSave(5, checkpointFiles("5 again")) // the same step, before its markers
+	require.NotEqual(t, hashOld, hashNew)
+	meta := marker("job", 5, 0, 0, layout.MarkerMeta)
+	h.eventually("the new commit sealed", func() string {
+		if b, _ := os.ReadFile(h.path(meta)); string(b) != hashNew {
+			return fmt.Sprintf(".meta %q", b)
+		}
+		return ""
+	})
+	close(gate)
+	restore5 := marker("job", 5, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore5)
+	h.checkRestoreLink(restore5, hashNew, checkpointFiles("5 again"))
+	b, err := os.ReadFile(h.path(meta))
+	require.NoError(t, err)
+	require.Equal(t, hashNew, string(b), "the restore wrote the plan's older .meta over the new commit")
+
+	gated.gate.Store(nil)
+	for _, m := range []string{restore5, layout.ReplicatorErrorsName, layout.ReplicatorFailedName} {
+		if err := os.Remove(h.path(m)); err != nil && !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+	}
+	h.yamlOrbax(baseYAML)
+	h.waitMarkers(restore5)
+	h.checkRestoreLink(restore5, hashNew, checkpointFiles("5 again"))
+}

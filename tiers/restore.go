@@ -183,6 +183,9 @@ func (r *restorer) run(inc *incarnation) {
 	}
 	r.log.Info("restore plan", "found", plan.Found, "step", plan.Step, "backup", plan.Backup, "pinned", plan.Pinned)
 
+	// restored is the data each worker of this node restores: the plan's, or the job's own
+	// commit of the step in this incarnation (restoreSlot).
+	restored := map[int]string{}
 	if plan.Found {
 		for w := 0; w < cfg.WorkersPerNode; w++ {
 			slot := Slot{cfg.NodeRank, w}
@@ -191,7 +194,8 @@ func (r *restorer) run(inc *incarnation) {
 				failPlanned(fmt.Sprintf("restore plan for step %d has no data for %s", plan.Step, slot))
 				return
 			}
-			if err := r.restoreSlot(ctx, inc, plan, w, hash); err != nil {
+			var err error
+			if restored[w], err = r.restoreSlot(ctx, inc, plan, w, hash); err != nil {
 				msg := fmt.Sprintf("restore of step %d failed: %v", plan.Step, err)
 				switch {
 				case !errors.Is(err, syscall.ENOSPC) && !errors.Is(err, ErrNoSpace):
@@ -226,13 +230,17 @@ func (r *restorer) run(inc *incarnation) {
 		// before those it committed while the restore ran, whenever the syncer takes them.
 		inc.setRestoredSyncDue(true)
 		for w := 0; w < cfg.WorkersPerNode; w++ {
-			hash := plan.Data[Slot{cfg.NodeRank, w}]
+			hash := restored[w]
+			var holders []int
+			if hash == plan.Data[Slot{cfg.NodeRank, w}] {
+				holders = plan.Holders[hash]
+			}
 			r.synced.push(sealedStep{
 				commit:   commit{inc: inc, step: plan.Step, worker: w, at: r.now()},
 				dataName: hash + ".data",
 				meta:     layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String(),
 				restored: true,
-				holders:  plan.Holders[hash],
+				holders:  holders,
 			})
 		}
 	}
@@ -265,7 +273,7 @@ func (r *restorer) run(inc *incarnation) {
 		var err error
 		if plan.Found {
 			name := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerRestore}.String()
-			err = r.ns.Symlink(plan.Data[Slot{cfg.NodeRank, w}]+".data", name)
+			err = r.ns.Symlink(restored[w]+".data", name)
 		} else {
 			name := layout.MarkerName{Job: cfg.JobName, Step: 0, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerRestore}.String()
 			err = r.writeFile(name, nil)
@@ -538,15 +546,52 @@ func (r *restorer) dropOtherShapeSteps(inc *incarnation, plan RestorePlan) {
 // restoreSlot brings in worker w's data and publishes its .meta. The data is held (retention
 // skips it) from before the first look at the spool until its .meta names it, and every look
 // at the spool happens under publishMu, so a retention already running finishes first.
-func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan RestorePlan, w int, hash string) error {
+// restoreSlot restores worker w's data of the plan's step, hash, and returns the hash restored:
+// hash, or the data of the job's own commit of this step in this incarnation, sealed here while
+// the restore waited. That commit is the step now (a newer commit replaces the step, README):
+// the plan's older data written over its .meta had it freed, and the job's next restart restored
+// the older bytes on this node beside the newer ones on the others, without a word (found by a
+// black-box run).
+func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan RestorePlan, w int, hash string) (string, error) {
+	err := r.restoreSlotData(ctx, inc, plan, w, hash)
+	var again *savedAgainError
+	if !errors.As(err, &again) {
+		return hash, err
+	}
+	r.log.Warn("the job committed the step it restores again while the restore waited: this node restores that commit",
+		"step", plan.Step, "worker", w, "planned", hash+".data", "restored", again.hash+".data")
+	return again.hash, r.restoreSlotData(ctx, inc, plan, w, again.hash)
+}
+
+// savedAgainError: the job committed the slot's step in this incarnation, sealed as hash.
+type savedAgainError struct{ hash string }
+
+func (e *savedAgainError) Error() string { return "the step was committed again, as " + e.hash }
+
+func (r *restorer) restoreSlotData(ctx context.Context, inc *incarnation, plan RestorePlan, w int, hash string) error {
 	cfg := inc.Config
 	slotStart := r.now()
 	dataName := hash + ".data"
 	defer r.retention.hold(dataName)()
 	meta := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
 	sealed := r.spoolDir("sealed", dataName)
+	savedAgain := func() error {
+		if h, ok := r.retention.metaHash(meta); ok && h != hash && inc.isSealedHere(meta) {
+			return &savedAgainError{hash: h}
+		}
+		return nil
+	}
+	if err := savedAgain(); err != nil {
+		return err
+	}
 	publish := func(incoming string) error {
-		return r.retention.publish(func() error { return r.publishSlot(incoming, dataName, meta, inc.user) })
+		return r.retention.publish(func() error {
+			// Checked where the sealer writes its .meta: one sealed meanwhile is not written over.
+			if err := savedAgain(); err != nil {
+				return err
+			}
+			return r.publishSlot(incoming, dataName, meta, inc.user)
+		})
 	}
 	// First this node's own RAM. Data this agent sealed or verified is immutable to the job and
 	// trusted; anything else is hashed first, and a copy that fails is reported and replaced
@@ -581,8 +626,8 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 		for try := 1; ; try++ {
 			wall := time.Now()
 			moved, err := r.fetchFrom(ctx, inc, plan.Step, holder, dataName, publish)
-			if err == nil {
-				return nil
+			if err == nil || errors.As(err, new(*savedAgainError)) {
+				return err
 			}
 			r.log.Warn("fetch from a peer failed", "data", dataName, "peer", holder, "try", try, "moved", moved, "err", err)
 			fetchErr, failedFrom = err, holder

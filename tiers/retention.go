@@ -156,6 +156,14 @@ func (rt *retention) holdLocked(dataName string) (release func()) {
 	}
 }
 
+// metaHash returns the hash the .meta name holds, if this node has it.
+func (rt *retention) metaHash(name string) (string, bool) {
+	rt.mu.Lock()
+	defer rt.mu.Unlock()
+	h, ok := rt.metas[name]
+	return h, ok
+}
+
 func (rt *retention) isHeld(dataName string) bool {
 	rt.mu.Lock()
 	defer rt.mu.Unlock()
