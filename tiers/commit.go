@@ -163,6 +163,18 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 			cr.mu.Unlock()
 			return
 		}
+	case cfg.Framework == FrameworkPyTorch && ev.kind == evCreated && ev.typ == layout.EntryDir && ownSave(cfg, ev.path):
+		// A .save directory made in place (mkdir, then filled) looked saved, and the job's next
+		// start restored the step before without a word (found by a black-box run).
+		why = "a directory made under a .save name (mkdir, or a copy such as cp -r) is not a commit: a .save directory commits when it is renamed into place (make it under another name, then rename it to " +
+			ev.path + "); the job's next start removes it"
+		if !ev.filled { // told once a file is written in it: one made empty may be renamed onto
+			cr.mu.Lock()
+			cr.forInc(inc)
+			cr.madeDirs[ev.path] = true
+			cr.mu.Unlock()
+			return
+		}
 	case cfg.Framework != FrameworkPyTorch:
 		if ev.kind != evRenamed || ev.typ != layout.EntryDir {
 			return
@@ -213,6 +225,12 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 	cr.lines.incLine(inc, fmt.Sprintf("%s is not committed (its step is not checkpointed): %s", ev.path, why))
 }
 
+// ownSave reports whether name is a .save this node commits for cfg.
+func ownSave(cfg *Config, name string) bool {
+	m, ok := layout.ParseMarkerName(name)
+	return ok && m.Kind == layout.MarkerSave && whyNotOurs(cfg, m) == ""
+}
+
 // forInc starts misnamed and madeDirs afresh for a new incarnation inc.
 func (cr *commitRecorder) forInc(inc *incarnation) { // REQUIRES(mu)
 	if cr.misnamedInc != inc.ID {
@@ -223,7 +241,7 @@ func (cr *commitRecorder) forInc(inc *incarnation) { // REQUIRES(mu)
 // noteWrittenIn is told of each file the job closed below the top-level name dir: a step
 // directory it made gets the line of noteMisnamed now, a copy being written into it.
 func (cr *commitRecorder) noteWrittenIn(dir string) {
-	if _, ok := layout.ParseStepDir(dir); !ok {
+	if _, ok := layout.ParseStepDir(dir); !ok && !strings.HasSuffix(dir, ".save") {
 		return // most closes (under S.orbax-checkpoint-tmp): no lock on the control loop for them
 	}
 	inc := cr.incs.get()

@@ -517,6 +517,38 @@ func TestStepDirMadeNotRenamedIsReported(t *testing.T) {
 	}
 }
 
+// TestSaveDirMadeInPlaceIsReported: framework pytorch, a worker's .save made as a directory
+// in place (mkdir, then its files) is not a commit, and the job's next start removes it; the job
+// is told once a file is written in it, where its step was lost without a word (found by a
+// black-box run). A .save directory renamed into place commits, also onto an empty one.
+func TestSaveDirMadeInPlaceIsReported(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.yamlNemo(withKeys("framework: pytorch", "workers-per-node: 2"))
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore), marker("job", 0, 0, 1, layout.MarkerRestore))
+	made, empty := marker("job", 3, 0, 1, layout.MarkerSave), marker("job", 3, 0, 0, layout.MarkerSave)
+	require.NoError(t, os.Mkdir(h.path(empty), 0o755)) // made empty, renamed onto later
+	h.r.Created(empty, layout.EntryDir)
+	require.NoError(t, os.Mkdir(h.path(made), 0o755))
+	h.r.Created(made, layout.EntryDir)
+	h.makeTree(made, map[string]string{"model.pt": "weights"})
+	h.r.Closed(made + "/model.pt")
+	want := made + " is not committed (its step is not checkpointed): a directory made under a .save name (mkdir, or a copy such as cp -r) is not a commit: a .save directory commits when it is renamed into place (make it under another name, then rename it to " + made + "); the job's next start removes it"
+	h.eventually("a line", func() string {
+		if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 || !strings.HasSuffix(l[0], " ERR "+want) {
+			return fmt.Sprintf("replicator.errors = %q, want 1 line of %s", l, made)
+		}
+		return ""
+	})
+	h.makeTree("tmp", map[string]string{"model.pt": "weights 0"})
+	require.NoError(t, syscall.Rename(h.path("tmp"), h.path(empty)))
+	h.r.Renamed("tmp", empty, layout.EntryDir)
+	h.waitSealed("job", 3, empty)
+	if l := h.lines(layout.ReplicatorErrorsName); len(l) != 1 {
+		t.Errorf("replicator.errors = %q, want only the line of %s", l, made)
+	}
+}
+
 // TestNeMoSaveAtGlobalStepZeroIsReported: NeMo renames its save of global step 0 to -1, which
 // is no step; the job is told, where the directory was dropped at the next start without a
 // word (found by a black-box run).
