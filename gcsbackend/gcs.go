@@ -72,6 +72,12 @@ type GCSOptions struct {
 	StallTimeout time.Duration
 	// MaxAttempts bounds the attempts of one request. Default 8.
 	MaxAttempts int
+	// RetryFor keeps a request that fails on errors worth retrying going past MaxAttempts
+	// until this long after its first attempt. Default 2 minutes; negative: none. With
+	// MaxAttempts alone, the jittered backoff gave up after as little as 11 s: an outage of
+	// 20 s failed a restore, which then took an older step or none (a black-box run), where
+	// waiting loses minutes and a failed restore loses the training since that step.
+	RetryFor time.Duration
 	// BackoffInitial and BackoffMax shape the exponential backoff between
 	// attempts (with jitter). Defaults 500 ms and 16 s.
 	BackoffInitial, BackoffMax time.Duration
@@ -100,6 +106,9 @@ func (o GCSOptions) withDefaults() GCSOptions {
 	}
 	if o.MaxAttempts <= 0 {
 		o.MaxAttempts = 8
+	}
+	if o.RetryFor == 0 {
+		o.RetryFor = 2 * time.Minute
 	}
 	if o.BackoffInitial <= 0 {
 		o.BackoffInitial = 500 * time.Millisecond
@@ -265,12 +274,14 @@ func retryable(a *attempt, err error) bool {
 	return storage.ShouldRetry(err)
 }
 
-// retry runs fn until it succeeds, fails for good, or MaxAttempts are used.
-// op and name only label the error.
+// retry runs fn until it succeeds, fails for good, or MaxAttempts are used and RetryFor has
+// passed since the first attempt. op and name only label the error.
 func (s *gcsStore) retry(ctx context.Context, op, name string, fn func(a *attempt) error) error {
 	var err error
 	bo := s.backoff()
-	for n := 0; n < s.opts.MaxAttempts; n++ {
+	start := time.Now()
+	more := func(n int) bool { return n < s.opts.MaxAttempts || time.Since(start) < s.opts.RetryFor }
+	for n := 0; more(n); n++ {
 		if n > 0 {
 			if werr := gax.Sleep(ctx, bo.Pause()); werr != nil {
 				return fmt.Errorf("%s %s: %w (after %d attempts, last: %v)", op, s.url(name), werr, n, err)
@@ -293,13 +304,16 @@ func (s *gcsStore) retry(ctx context.Context, op, name string, fn func(a *attemp
 		if !(stalled || retryable(a, err)) {
 			return err
 		}
-		if n+1 < s.opts.MaxAttempts {
+		if more(n + 1) {
 			// Said at each try: a stalled location otherwise left minutes without a word
 			// (found by a black-box run with a frozen server).
-			slog.Warn("backup location: a request failed; trying again", "op", op, "object", s.url(name), "attempt", n+1, "of", s.opts.MaxAttempts, "err", err)
+			slog.Warn("backup location: a request failed; trying again", "op", op, "object", s.url(name), "attempt", n+1,
+				"until", fmt.Sprintf("%d attempts and %s", s.opts.MaxAttempts, max(s.opts.RetryFor, 0)), "failing_for", time.Since(start).Round(time.Millisecond).String(), "err", err)
+			continue
 		}
+		return fmt.Errorf("%s %s: giving up after %d attempts in %s: %w", op, s.url(name), n+1, time.Since(start).Round(time.Millisecond), err)
 	}
-	return fmt.Errorf("%s %s: giving up after %d attempts: %w", op, s.url(name), s.opts.MaxAttempts, err)
+	return fmt.Errorf("%s %s: giving up: %w", op, s.url(name), err)
 }
 
 // backoff is the pause between attempts: exponential from BackoffInitial to

@@ -421,3 +421,36 @@ func TestGCSFaultRestorePinAnswerLost(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, pinned)
 }
+
+// TestGCSFaultOutageLongerThanTheAttempts: every read fails with 503 for longer than the
+// attempts last. With the attempts alone, the download gives up (with the default backoff, an
+// outage of 20 s failed a restore after 11 s in a black-box run); with RetryFor it goes on
+// trying for that long, and the download completes once the location answers again.
+func TestGCSFaultOutageLongerThanTheAttempts(t *testing.T) {
+	ctx := context.Background()
+	f, b, tree, src := faultSetup(t, nil)
+	require.NoError(t, uploadFaultTree(b, src))
+	for _, retryFor := range []time.Duration{-1, 3 * time.Second} {
+		opts := testGCSOptions()
+		opts.PartSize = 256 << 10
+		opts.MaxAttempts = 2
+		opts.RetryFor = retryFor
+		b.Store = f.store(t, "bk", opts)
+		rule := f.faults.add(1<<30, isMediaRead, respond(http.StatusServiceUnavailable))
+		go func() { time.Sleep(500 * time.Millisecond); f.faults.clear() }() // the outage ends
+		dest := filepath.Join(t.TempDir(), "restored")
+		err := b.Download(ctx, DownloadRequest{Job: testJob, Backup: faultBackup, Hash: fakeHash(true, "fault"), Dest: dest})
+		assert.Positive(t, f.faults.hits(rule))
+		if retryFor < 0 {
+			require.Error(t, err, "two attempts, 40 ms apart at most, end inside the outage")
+			assert.Contains(t, err.Error(), "giving up after 2 attempts")
+			time.Sleep(time.Second) // the outage is over
+			continue
+		}
+		require.NoError(t, err, "tried until the outage was over")
+		got := readTree(t, dest)
+		for k, v := range tree {
+			assert.True(t, got[k] == v, "restored %s differs", k)
+		}
+	}
+}

@@ -66,6 +66,7 @@ func testGCSOptions() GCSOptions {
 	return GCSOptions{
 		StallTimeout:      10 * time.Second, // the stall tests set their own
 		MaxAttempts:       6,
+		RetryFor:          -1, // MaxAttempts alone; TestGCSFaultOutageLongerThanTheAttempts sets it
 		BackoffInitial:    5 * time.Millisecond,
 		BackoffMax:        40 * time.Millisecond,
 		PartSize:          1 << 20,
