@@ -118,3 +118,17 @@ func (r *Replicator) SetSyncerPopHook(f func(step int64, restored bool)) { r.syn
 // SetAfterPublish makes f run once each commit's data has its name in the namespace, before the
 // commit stops counting as pending; only before Start.
 func (r *Replicator) SetAfterPublish(f func(step int64)) { r.sealer.afterPublish = f }
+
+// ReportLine reports msg to the job of the current incarnation (fatal: in replicator.failed),
+// or, with job set, as a line of that job (rank 0 of 1).
+func (r *Replicator) ReportLine(job, msg string, fatal bool) {
+	cfg := r.incs.get().Config
+	if job != "" {
+		cfg = &Config{JobName: job, NodeRank: 0, Nodes: 1}
+	}
+	if fatal {
+		r.lines.failLine(cfg, msg)
+		return
+	}
+	r.lines.errLine(cfg, msg)
+}

@@ -74,12 +74,16 @@ func (h *handshake) answer() {
 	if uid, _, err := h.ns.Owner(layout.ReplicatorYAMLName); err == nil && uid != 0 {
 		inc.user = int64(uid)
 	}
+	unread := h.lines.takeUnread(cfg.JobName)
 	h.cleanNamespace()
 	for _, w := range warnings {
 		h.lines.errLine(cfg, w)
 	}
 	for _, msg := range h.incs.takeStartupErrors() {
 		h.lines.errLine(cfg, msg)
+	}
+	if len(unread) > 0 {
+		h.lines.errLines(cfg, unread)
 	}
 	run := Running{Incarnation: inc.ID, Framework: cfg.Framework, Rank: cfg.NodeRank, Nodes: cfg.Nodes, Since: h.now().UTC(), TracksRestore: true}
 	if err := h.withRoom(func() error { return h.spool.SetRunning(cfg.JobName, run) }); errors.Is(err, errNoOwnerRecord) {

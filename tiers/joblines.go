@@ -203,3 +203,47 @@ func (l *jobLines) giveBack(file string, lines []string) {
 		l.log.Error("write again lines of "+file+" the job removed unread: they are lost", "err", err, "lines", lines)
 	}
 }
+
+// maxUnreadCarried bounds the lines takeUnread carries into a new incarnation.
+const maxUnreadCarried = 20
+
+// takeUnread removes replicator.errors and replicator.failed, as every handshake does (SPEC
+// §2.4), and returns what they held for job as lines for its new incarnation. The job unlinks
+// what it reads, so whatever is left it never read: a NeMo or pytorch job reads them only at its
+// restore, and every line of its run (a push refused, a save cut short by a kill) was removed
+// unread at its next start (a black-box run: 5 of 5 lines). Lines of another job stay unsaid.
+func (l *jobLines) takeUnread(job string) []string {
+	l.writeMu.Lock()
+	defer l.writeMu.Unlock()
+	var out []string
+	more := 0
+	for _, file := range []string{layout.ReplicatorErrorsName, layout.ReplicatorFailedName} {
+		data, err := l.ns.ReadFile(file, maxLinesFile)
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		l.ns.Remove(file)
+		if err != nil {
+			continue
+		}
+		for line := range strings.Lines(string(data)) {
+			// "<time> job=J node=R/N LEVEL message"
+			f := strings.SplitN(strings.TrimSpace(line), " ", 5)
+			if len(f) < 5 || f[1] != "job="+job {
+				continue
+			}
+			if len(out) == maxUnreadCarried {
+				more++
+				continue
+			}
+			out = append(out, fmt.Sprintf("not read by the job before this start (%s, written at %s): %s %s", file, f[0], f[3], f[4]))
+		}
+	}
+	if more > 0 {
+		out = append(out, fmt.Sprintf("and %d more line(s) not read by the job before this start (the agent's log has them: \"reported to the job\")", more))
+	}
+	if len(out) > 0 {
+		l.log.Info("lines the job did not read before its new start are written again", "lines", len(out))
+	}
+	return out
+}

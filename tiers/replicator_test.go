@@ -1178,6 +1178,7 @@ func TestNewIncarnation(t *testing.T) {
 	if lines := h.lines(layout.ReplicatorErrorsName); len(lines) != 1 || !strings.Contains(lines[0], "first-key") {
 		t.Fatalf("replicator.errors = %q, want the first incarnation's warning", lines)
 	}
+	require.NoError(t, os.Remove(h.path(layout.ReplicatorErrorsName))) // read, as the job does
 	files := checkpointFiles("5")
 	hash := h.orbaxSave(5, files)
 	h.waitSealed("job", 5, "5")
@@ -2151,4 +2152,33 @@ func TestRestoredStepCommittedAgainWhileTheRestoreWaits(t *testing.T) {
 	h.yamlOrbax(baseYAML)
 	h.waitMarkers(restore5)
 	h.checkRestoreLink(restore5, hashNew, checkpointFiles("5 again"))
+}
+
+// TestLinesNotReadBeforeANewStartAreCarried: a NeMo or pytorch job reads replicator.errors and
+// replicator.failed only at its restore, and every handshake removes them: each line of its run
+// (a push refused, a save cut short) was removed unread at its next start (a black-box run: 5 of
+// 5). The new incarnation gets them, each said to be unread and when it was written; a line of
+// another job stays unsaid, and a job that read its file gets nothing again.
+func TestLinesNotReadBeforeANewStartAreCarried(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(withKeys("first-key: 1"), "job")
+	require.NoError(t, os.Remove(h.path(layout.ReplicatorErrorsName))) // read at its restore
+	h.r.ReportLine("", "a line of the run", false)
+	h.r.ReportLine("", "a fatal line of the run", true)
+	h.r.ReportLine("other", "another job's line", false)
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+	h.yamlOrbax(baseYAML)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	lines := h.lines(layout.ReplicatorErrorsName)
+	require.Len(t, lines, 2, "%q", lines)
+	require.Regexp(t, `job=job node=0/1 ERR not read by the job before this start \(replicator.errors, written at \S+Z\): ERR a line of the run$`, lines[0])
+	require.Regexp(t, `job=job node=0/1 ERR not read by the job before this start \(replicator.failed, written at \S+Z\): FATAL a fatal line of the run$`, lines[1])
+	require.False(t, h.exists(layout.ReplicatorFailedName), "the fatal line is no failure of the new start")
+
+	require.NoError(t, os.Remove(h.path(layout.ReplicatorErrorsName))) // read
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+	h.yamlOrbax(baseYAML)
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	require.Empty(t, h.lines(layout.ReplicatorErrorsName), "nothing was left unread")
 }
