@@ -498,6 +498,9 @@ func TestNoAnswer(t *testing.T) {
 	assert.True(t, noAnswer(fmt.Errorf("push: %w", err)), "wrapped: %v", err)
 	assert.False(t, noAnswer(status.Error(codes.Unavailable, "this is agent instance a, not b: gone; look the address up again")), "a peer's answer")
 	assert.False(t, noAnswer(status.Error(codes.NotFound, "connection error")), "another code")
+	for _, msg := range []string{"write tcp 127.0.0.1:42244->127.0.0.1:36559: write: connection reset by peer", "write tcp 127.0.0.1:1->127.0.0.1:2: write: broken pipe"} {
+		assert.True(t, noAnswer(status.Error(codes.Unavailable, msg)), "a reset while writing (a CI run): %s", msg)
+	}
 	assert.False(t, noAnswer(errors.New("connection error")), "not a gRPC error")
 
 	// As Node.call returns it: named, with its code, and marked for the restorer's retry.
