@@ -9,6 +9,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -425,6 +426,17 @@ func (h Spools) inspect(dir string, agents []SpoolUser, procs []mountProc, mount
 		s.Metas = append(s.Metas, e.Name())
 		steps[m.Step] = true
 		jobs[m.Job] = true
+	}
+	// Steps committed and recorded, not sealed yet (the agent stopped first; the next one seals
+	// them) are in the spool too: a stop while the job saved left steps 6 to 14 listed as 5,
+	// and `spool free` named 5 alone as lost (a black-box run).
+	recs, _ := filepath.Glob(filepath.Join(dir, commitsDir, "*", commitRecordName))
+	for _, p := range recs {
+		var rec commitRecord
+		if b, err := os.ReadFile(p); err == nil && json.Unmarshal(b, &rec) == nil && rec.Job != "" {
+			steps[rec.Step] = true
+			jobs[rec.Job] = true
+		}
 	}
 	for st := range steps {
 		s.Steps = append(s.Steps, st)

@@ -3,6 +3,7 @@ package tiers
 import (
 	"bytes"
 	"encoding/json"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -258,4 +259,23 @@ func TestOrphanedOrOf(t *testing.T) {
 	assert.Empty(t, dirs(spools.Orphaned()), "the mount directory exists")
 	require.NoError(t, os.Remove(mnt))
 	assert.ElementsMatch(t, []string{dir1, dir2}, dirs(spools.Orphaned()), "the mount directory is gone")
+}
+
+// TestKeptSpoolListsStepsCommittedNotSealed: steps the job committed while the agent stopped are
+// recorded, not sealed (the next agent seals them); the spool's listing names them too. It named
+// the sealed steps only: a stop under a job saving on listed 5 where 6 to 14 were kept, and
+// `spool free` said 5 alone was lost (found by a black-box run).
+func TestKeptSpoolListsStepsCommittedNotSealed(t *testing.T) {
+	s, _, dir := spoolWithStep(t)
+	rec := filepath.Join(dir, commitsDir, "r1")
+	require.NoError(t, os.MkdirAll(rec, 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(rec, commitRecordName), []byte(`{"job":"llama","incarnation":"i","rank":0,"worker":0,"step":12,"name":"12"}`), 0o600))
+	s.Release(slog.New(slog.NewTextHandler(io.Discard, nil)))
+	var spools Spools
+	found, err := spools.Find(dir, nil)
+	require.NoError(t, err)
+	require.Len(t, found, 1)
+	assert.Equal(t, []int64{10, 12}, found[0].Steps)
+	assert.Equal(t, "llama", found[0].Job)
+	require.NoError(t, FreeSpool(found[0]))
 }
