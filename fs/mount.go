@@ -119,6 +119,12 @@ const busyRetry = 200 * time.Millisecond
 // after the signal, on an idle mount). A variable for tests.
 var StopQuiet = time.Second
 
+// StopChangingTold is how long Stop waits for a quiet moment before it logs that the job keeps
+// changing the mount (it saves on): the busy line comes only once the mount is quiet and its
+// unmount fails, and a job saving on got none, only the give-up 30 s later (a black-box run). A
+// variable for tests.
+var StopChangingTold = 5 * time.Second
+
 // Stop unmounts the filesystem for an agent that stops, once the job has left it alone for
 // StopQuiet: no request that changes or opens anything (looks, listings and stats do not count:
 // a job polling for its restore markers does them). While it is in use (a process has a file
@@ -140,8 +146,10 @@ func (s *Server) Stop(giveUp <-chan struct{}) error {
 	if detached {
 		s.log.Warn("the mount was detached from outside (umount -l) and is still in use: the stop waits for its users, and leaves what is at the directory now alone", "dir", s.dir)
 	}
-	busyTold := false
-	last, quietSince := s.requests.changes(), time.Now()
+	busyTold, changingTold := false, false
+	start := time.Now()
+	last, quietSince := s.requests.changes(), start
+	first := last
 	var lastTry time.Time
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
@@ -174,6 +182,15 @@ func (s *Server) Stop(giveUp <-chan struct{}) error {
 		}
 		if n := s.requests.changes(); n != last {
 			last, quietSince = n, time.Now()
+		}
+		if !changingTold && !detached && time.Since(quietSince) < StopQuiet && time.Since(start) >= StopChangingTold {
+			changingTold = true
+			list, n := usersLine(s.dir)
+			if n == 0 {
+				list = "none holds it open now"
+			}
+			s.log.Warn(fmt.Sprintf("the job keeps changing the mount (it saves on): the stop unmounts once it has left the mount alone for %v; meanwhile the mount stays served, and steps it commits are sealed by the next agent (stop the job first, or let it finish its save)", StopQuiet),
+				"dir", s.dir, "changes", last-first, "in", time.Since(start).Round(time.Millisecond).String(), "processes", list)
 		}
 		if detached || time.Since(quietSince) < StopQuiet || time.Since(lastTry) < busyRetry {
 			continue
