@@ -128,6 +128,17 @@ func (r *restorer) run(inc *incarnation) {
 		lines = append(lines, l)
 	}
 	lines = append(lines, plan.Errors...)
+	if plan.Found && plan.Step == 0 && cfg.Framework == FrameworkPyTorchDistributed {
+		// NeMo commits global step g as step g-1 and takes no restore of step 0: a job whose
+		// only save was global step 1 started from scratch without a word (found by a
+		// black-box run). The job cannot be made to take it; it is told with the plan's lines,
+		// before the prerestore. NeMo reads replicator.errors once, as the yaml goes, before
+		// any restore line is written: it reads them at its next start (takeUnread), where the
+		// handshake removed them unread (a black-box run).
+		msg := "step 0 (NeMo's global step 1) is restored, but NeMo takes no restore of step 0: the job starts from scratch"
+		r.log.Warn(msg, "job", cfg.JobName)
+		lines = append(lines, msg)
+	}
 	// None of the drops takes a step the job committed in this incarnation: it went on saving
 	// while the restore waited, and those steps are of no timeline or shape it left (a review:
 	// the other drops took what dropAbandonedSteps said it kept).
@@ -250,14 +261,6 @@ func (r *restorer) run(inc *incarnation) {
 		r.backups.restoredFrom(cfg.JobName, plan.BackedUpIn, plan.Step)
 	} else if plan.Found && plan.LastBackup != "" && plan.LastBackupStep < plan.Step {
 		r.backups.restoredFrom(cfg.JobName, plan.LastBackup, plan.LastBackupStep)
-	}
-	if plan.Found && plan.Step == 0 && cfg.Framework == FrameworkPyTorchDistributed {
-		// NeMo commits global step g as step g-1 and takes no restore of step 0: a job whose
-		// only save was global step 1 started from scratch without a word (found by a
-		// black-box run). The job cannot be made to take it; it is told.
-		msg := "step 0 (NeMo's global step 1) is restored, but NeMo takes no restore of step 0: the job starts from scratch"
-		r.log.Warn(msg, "job", cfg.JobName)
-		r.lines.incLine(inc, msg)
 	}
 	if plan.Found {
 		// A budget that holds the restored step but not a next save as large (an agent restarted
