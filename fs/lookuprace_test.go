@@ -18,7 +18,22 @@ import (
 // new file must be what the job reads once the lookup is answered, and what the agent reads.
 func TestReplacedWhileItsLookupRuns(t *testing.T) {
 	for _, mode := range modes {
-		t.Run(string(mode), func(t *testing.T) {
+		t.Run(string(mode), func(t *testing.T) { replacedWhileLookedUp(t, mode, false) })
+	}
+}
+
+// TestReplacedWhileAReaddirplusLooksItUp: the same race through a listing (READDIRPLUS, which
+// the kernel asks for a job's first listing of a directory: glob, os.listdir), whose entries
+// go-fuse linked again just as a lookup's (a review).
+func TestReplacedWhileAReaddirplusLooksItUp(t *testing.T) {
+	replacedWhileLookedUp(t, PassthroughOn, true)
+}
+
+// replacedWhileLookedUp stalls a lookup of a .meta (by a read, or by a listing when listing)
+// after it took the node, replaces the .meta meanwhile, and checks that the replacement stays.
+func replacedWhileLookedUp(t *testing.T, mode PassthroughMode, listing bool) {
+	{
+		{
 			dir, srv, _, _ := mountWithEvents(t, mode)
 			ns := srv.Namespace()
 			const name = "job-s1-n0-w0.meta"
@@ -39,6 +54,21 @@ func TestReplacedWhileItsLookupRuns(t *testing.T) {
 
 			read := make(chan string, 1)
 			go func() {
+				if listing {
+					ents, err := os.ReadDir(dir)
+					if err != nil {
+						read <- err.Error()
+						return
+					}
+					for _, e := range ents {
+						if e.Name() == name {
+							read <- "first" // listed; what it reads is checked below
+							return
+						}
+					}
+					read <- "not listed"
+					return
+				}
 				b, err := os.ReadFile(p)
 				if err != nil {
 					read <- err.Error()
@@ -49,7 +79,7 @@ func TestReplacedWhileItsLookupRuns(t *testing.T) {
 			select {
 			case <-entered:
 			case <-time.After(5 * time.Second):
-				t.Fatal("the lookup never reached the agent")
+				t.Fatal("the lookup never reached the agent (no READDIRPLUS for the listing?)")
 			}
 			written := make(chan error, 1)
 			go func() { written <- ns.WriteFile(name, []byte("second")) }() // its notification waits for the lookup
@@ -73,6 +103,6 @@ func TestReplacedWhileItsLookupRuns(t *testing.T) {
 			b, err = os.ReadFile(p)
 			require.NoError(t, err, "the job's read after the lookup")
 			require.Equal(t, "second", string(b))
-		})
+		}
 	}
 }

@@ -836,12 +836,13 @@ type Options struct {
 	// directories.
 	NullPermissions bool
 
-	// TreeKeptByFS (mtcfs patch): the file system links and unlinks its nodes in the
-	// tree itself. Its Lookup returns the node linked under the name, and its Unlink
-	// removes the name (Inode.RmChildIf). The bridge then links nothing after a LOOKUP
-	// and removes nothing after an UNLINK: done after the handler returned, that undid a
-	// replacement or a removal the file system made meanwhile (a replaced file came back
-	// under its name, with its bytes gone, and stayed; see MTCFS.md).
+	// TreeKeptByFS (mtcfs patch): the file system keeps its tree itself. Its Lookup
+	// returns the node linked under the name, and its Unlink removes the name
+	// (Inode.RmChildIf). The bridge then links nothing after a LOOKUP or for an entry of
+	// a READDIRPLUS, and removes nothing after an UNLINK: done after the handler returned,
+	// that undid a replacement or a removal the file system made meanwhile (a replaced
+	// file came back under its name, with its bytes gone, and stayed; see MTCFS.md).
+	// Creates, RMDIR and RENAME still link, unlink and move as upstream.
 	TreeKeptByFS bool
 
 	// UID, if nonzero, is the default UID to use instead of the

@@ -1298,7 +1298,12 @@ func (b *rawBridge) readDirMaybeLookup(cancel <-chan struct{}, input *fuse.ReadI
 			}
 			// TODO: should break?
 		} else {
-			child, _, _ = b.addNewChild(n, de.Name, child, nil, 0, entryOut)
+			if b.options.TreeKeptByFS {
+				// mtcfs patch: registered for the kernel, not linked again (see Options).
+				child, _, _ = b.addNewNode(n, "", child, nil, 0, entryOut)
+			} else {
+				child, _, _ = b.addNewChild(n, de.Name, child, nil, 0, entryOut)
+			}
 			child.setEntryOut(entryOut)
 			b.setEntryOutTimeout(entryOut)
 			if de.Mode&syscall.S_IFMT != child.stableAttr.Mode&syscall.S_IFMT {
