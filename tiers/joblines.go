@@ -207,17 +207,22 @@ func (l *jobLines) giveBack(file string, lines []string) {
 // maxUnreadCarried bounds the lines takeUnread carries into a new incarnation.
 const maxUnreadCarried = 20
 
+// unreadLabel starts a line takeUnread carries.
+const unreadLabel = "not read by the job before this start"
+
 // takeUnread removes replicator.errors and replicator.failed, as every handshake does (SPEC
 // §2.4), and returns what they held for job as lines for its new incarnation. The job unlinks
 // what it reads, so whatever is left it never read: a NeMo or pytorch job reads them only at its
 // restore, and every line of its run (a push refused, a save cut short by a kill) was removed
-// unread at its next start (a black-box run: 5 of 5 lines). Lines of another job stay unsaid.
+// unread at its next start (a black-box run: 5 of 5 lines). Lines of another job stay unsaid;
+// so do the agent's restart notices (the new start is what they ask for), and lines carried
+// once already (a job that never unlinks them got them again at every start). Past
+// maxUnreadCarried, the fatal lines and the newest are kept (a review).
 func (l *jobLines) takeUnread(job string) []string {
 	l.writeMu.Lock()
 	defer l.writeMu.Unlock()
-	var out []string
-	more := 0
-	for _, file := range []string{layout.ReplicatorErrorsName, layout.ReplicatorFailedName} {
+	var fatal, errs []string
+	for _, file := range []string{layout.ReplicatorFailedName, layout.ReplicatorErrorsName} {
 		data, err := l.ns.ReadFile(file, maxLinesFile)
 		if errors.Is(err, os.ErrNotExist) {
 			continue
@@ -229,18 +234,25 @@ func (l *jobLines) takeUnread(job string) []string {
 		for line := range strings.Lines(string(data)) {
 			// "<time> job=J node=R/N LEVEL message"
 			f := strings.SplitN(strings.TrimSpace(line), " ", 5)
-			if len(f) < 5 || f[1] != "job="+job {
+			if len(f) < 5 || f[1] != "job="+job || strings.HasPrefix(f[4], unreadLabel) || strings.HasPrefix(f[4], restartNotice) {
 				continue
 			}
-			if len(out) == maxUnreadCarried {
-				more++
-				continue
+			carried := fmt.Sprintf("%s (%s, written at %s): %s %s", unreadLabel, file, f[0], f[3], f[4])
+			if file == layout.ReplicatorFailedName {
+				fatal = append(fatal, carried)
+			} else {
+				errs = append(errs, carried)
 			}
-			out = append(out, fmt.Sprintf("not read by the job before this start (%s, written at %s): %s %s", file, f[0], f[3], f[4]))
 		}
 	}
-	if more > 0 {
-		out = append(out, fmt.Sprintf("and %d more line(s) not read by the job before this start (the agent's log has them: \"reported to the job\")", more))
+	fatal = fatal[max(0, len(fatal)-maxUnreadCarried):]
+	dropped := 0
+	if room := maxUnreadCarried - len(fatal); len(errs) > room {
+		dropped, errs = len(errs)-room, errs[len(errs)-room:]
+	}
+	out := append(fatal, errs...)
+	if dropped > 0 {
+		out = append(out, fmt.Sprintf("and %d earlier line(s) %s (the agent's log has them: \"reported to the job\")", dropped, unreadLabel))
 	}
 	if len(out) > 0 {
 		l.log.Info("lines the job did not read before its new start are written again", "lines", len(out))

@@ -356,9 +356,12 @@ type interruptedJob struct {
 func (r *Replicator) tellInterrupted(p *interruptedJob) {
 	r.node.log.Warn("the job writes here without a replicator.yaml since the agent restarted: told to restart in replicator.failed",
 		"job", p.job, "incarnation", p.run.Incarnation)
-	r.lines.failLine(p.config(), "the mtcfs agent of this node was restarted "+p.while("was running")+
+	r.lines.failLine(p.config(), restartNotice+p.while("was running")+
 		" an agent restart ends the incarnation, and the steps saved since the agent stopped are not checkpointed; restart the job (it restores its newest checkpoint)")
 }
+
+// restartNotice starts the lines that tell a job its agent restarted under it.
+const restartNotice = "the mtcfs agent of this node was restarted "
 
 // config is the job as its lines name it.
 func (p *interruptedJob) config() *Config {
@@ -392,7 +395,7 @@ func (r *Replicator) tellRestoreInterrupted(p *interruptedJob, until time.Time, 
 	}
 	n.log.Warn("the job may wait for its restore markers: the agent restarted in the restore window; told to restart in replicator.failed",
 		"job", p.job, "incarnation", p.run.Incarnation, "markers_published", published, "withdrawn_at", until)
-	r.lines.failLine(p.config(), "the mtcfs agent of this node was restarted "+ours+what)
+	r.lines.failLine(p.config(), restartNotice+ours+what)
 	n.tasks.Go(func() {
 		t := time.NewTimer(until.Sub(n.now()))
 		defer t.Stop()

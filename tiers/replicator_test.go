@@ -2107,25 +2107,69 @@ func TestStepsCommittedWhileTheRestoreWaitsAreKept(t *testing.T) {
 	h.checkRestoreLink(restore6, hash6, checkpointFiles("6"))
 }
 
+// barrierCoordinator holds the barrier after the restore (Restored) while its gate is set.
+type barrierCoordinator struct {
+	tiers.Coordinator
+	gate atomic.Pointer[chan struct{}]
+	held atomic.Int64
+}
+
+func (g *barrierCoordinator) Restored(ctx context.Context, inc tiers.Incarnation) error {
+	if ch := g.gate.Load(); ch != nil {
+		g.held.Add(1)
+		select {
+		case <-*ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return g.Coordinator.Restored(ctx, inc)
+}
+
 // TestRestoredStepCommittedAgainWhileTheRestoreWaits: the job commits the very step its restore
-// is to take (step 5, new bytes) while the restore waits for the negotiation. The newer commit
-// is the step now: the restore takes it on this node, its .meta stays, and the next start
-// restores it. Before, the restore wrote the plan's older .meta over it, its data was freed, and
-// the next start restored the older bytes on this node beside the newer ones elsewhere, without
-// a word (found by a black-box run, 3 of 3).
+// is to take (step 5, new bytes) while the restore waits: for the negotiation, or, its data
+// published, for the other nodes (the barrier). The newer commit is the step now: the restore
+// takes it on this node, its .meta stays, and the next start restores it. Before, the restore
+// wrote the plan's older .meta over it, its data was freed, and the next start restored the
+// older bytes on this node beside the newer ones elsewhere, without a word (found by a black-box
+// run, 3 of 3); committed during the barrier, the marker named the older data, which was freed
+// (a review).
 func TestRestoredStepCommittedAgainWhileTheRestoreWaits(t *testing.T) {
 	t.Parallel()
+	for _, at := range []string{"negotiation", "barrier"} {
+		t.Run(at, func(t *testing.T) {
+			t.Parallel()
+			restoredStepCommittedAgain(t, at == "barrier")
+		})
+	}
+}
+
+func restoredStepCommittedAgain(t *testing.T, atBarrier bool) {
 	gated := &gatedCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}}
-	h := newHarness(t, harnessConfig{coord: gated})
+	barrier := &barrierCoordinator{Coordinator: gated}
+	h := newHarness(t, harnessConfig{coord: barrier})
 	h.start(baseYAML, "job")
 	hashOld := h.orbaxSave(5, checkpointFiles("5"))
 	h.waitSealed("job", 5, "5")
 	gate := make(chan struct{})
-	gated.gate.Store(&gate)
+	if atBarrier {
+		barrier.gate.Store(&gate)
+	} else {
+		gated.gate.Store(&gate)
+	}
 	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
-	h.yamlOrbax(baseYAML) // the job restarts; its negotiation is held
+	h.yamlOrbax(baseYAML) // the job restarts; its restore is held
 	h.waitGone(layout.ReplicatorYAMLName)
-	gated.waitHeld(t)
+	if atBarrier {
+		h.eventually("the barrier reached", func() string {
+			if barrier.held.Load() == 0 {
+				return "not yet"
+			}
+			return ""
+		})
+	} else {
+		gated.waitHeld(t)
+	}
 	hashNew := h.orbaxSave(5, checkpointFiles("5 again")) // the same step, before its markers
 	require.NotEqual(t, hashOld, hashNew)
 	meta := marker("job", 5, 0, 0, layout.MarkerMeta)
@@ -2144,6 +2188,7 @@ func TestRestoredStepCommittedAgainWhileTheRestoreWaits(t *testing.T) {
 	require.Equal(t, hashNew, string(b), "the restore wrote the plan's older .meta over the new commit")
 
 	gated.gate.Store(nil)
+	barrier.gate.Store(nil)
 	for _, m := range []string{restore5, layout.ReplicatorErrorsName, layout.ReplicatorFailedName} {
 		if err := os.Remove(h.path(m)); err != nil && !os.IsNotExist(err) {
 			t.Fatal(err)
@@ -2166,19 +2211,36 @@ func TestLinesNotReadBeforeANewStartAreCarried(t *testing.T) {
 	require.NoError(t, os.Remove(h.path(layout.ReplicatorErrorsName))) // read at its restore
 	h.r.ReportLine("", "a line of the run", false)
 	h.r.ReportLine("", "a fatal line of the run", true)
+	h.r.ReportLine("", "the mtcfs agent of this node was restarted while incarnation x …: restart the job", true) // what the new start does
 	h.r.ReportLine("other", "another job's line", false)
-	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
-	h.yamlOrbax(baseYAML)
-	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
-	lines := h.lines(layout.ReplicatorErrorsName)
+	restart := func() []string {
+		t.Helper()
+		require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+		h.yamlOrbax(baseYAML)
+		h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+		return h.lines(layout.ReplicatorErrorsName)
+	}
+	lines := restart()
 	require.Len(t, lines, 2, "%q", lines)
-	require.Regexp(t, `job=job node=0/1 ERR not read by the job before this start \(replicator.errors, written at \S+Z\): ERR a line of the run$`, lines[0])
-	require.Regexp(t, `job=job node=0/1 ERR not read by the job before this start \(replicator.failed, written at \S+Z\): FATAL a fatal line of the run$`, lines[1])
+	require.Regexp(t, `job=job node=0/1 ERR not read by the job before this start \(replicator.failed, written at \S+Z\): FATAL a fatal line of the run$`, lines[0])
+	require.Regexp(t, `job=job node=0/1 ERR not read by the job before this start \(replicator.errors, written at \S+Z\): ERR a line of the run$`, lines[1])
 	require.False(t, h.exists(layout.ReplicatorFailedName), "the fatal line is no failure of the new start")
 
+	// Not read again (a job that never unlinks): carried once, not at every start.
+	require.Empty(t, restart(), "carried lines are not carried again")
+
+	// Past the limit: the fatal line and the newest lines, and how many went.
+	h.r.ReportLine("", "fatal", true)
+	for i := range 25 {
+		h.r.ReportLine("", fmt.Sprintf("line %d", i), false)
+	}
+	lines = restart()
+	require.Len(t, lines, 21, "%q", lines)
+	require.Contains(t, lines[0], "FATAL fatal")
+	require.Contains(t, lines[1], "ERR line 6")
+	require.Contains(t, lines[19], "ERR line 24")
+	require.Contains(t, lines[20], "and 6 earlier line(s) not read by the job before this start")
+
 	require.NoError(t, os.Remove(h.path(layout.ReplicatorErrorsName))) // read
-	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
-	h.yamlOrbax(baseYAML)
-	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
-	require.Empty(t, h.lines(layout.ReplicatorErrorsName), "nothing was left unread")
+	require.Empty(t, restart(), "nothing was left unread")
 }

@@ -234,12 +234,34 @@ func (r *restorer) run(inc *incarnation) {
 		return
 	}
 	if plan.Found {
+		inc.setRestoredSyncDue(true) // the incarnation's syncs wait for the restored step's
+	}
+	// The state is "running" before the job can see a marker, so status never lags behind it.
+	// Where the sealer publishes: a commit of the restored step sealed during the wait for the
+	// other nodes is what this node restores (restoreSlot), and one sealed after this is a
+	// commit after the restore (a review: the marker named the older data, which was freed).
+	r.retention.publish(func() error {
+		for w := 0; plan.Found && w < cfg.WorkersPerNode; w++ {
+			meta := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
+			if h, ok := r.retention.metaHash(meta); ok && h != restored[w] && inc.isSealedHere(meta) {
+				r.log.Warn("the job committed the step it restores again while the restore waited: this node restores that commit",
+					"step", plan.Step, "worker", w, "planned", restored[w]+".data", "restored", h+".data")
+				restored[w] = h
+			}
+		}
+		inc.restoreDone(plan.Step, plan.Found)
+		return nil
+	})
+	committedAgain := false
+	for w := 0; plan.Found && w < cfg.WorkersPerNode; w++ {
+		committedAgain = committedAgain || restored[w] != plan.Data[Slot{cfg.NodeRank, w}]
+	}
+	if plan.Found {
 		// The restored step is protected again without waiting for a new save (SPEC §10): it is
 		// pushed to this node's peers (only the .meta to a peer that held the data at the
 		// restore) and synced, so that "latest replicated on every node" covers it. Queued
 		// before the markers appear, it is synced before any step the job saves next, and
 		// before those it committed while the restore ran, whenever the syncer takes them.
-		inc.setRestoredSyncDue(true)
 		for w := 0; w < cfg.WorkersPerNode; w++ {
 			hash := restored[w]
 			var holders []int
@@ -255,11 +277,14 @@ func (r *restorer) run(inc *incarnation) {
 			})
 		}
 	}
-	if plan.Found && plan.Backup != "" {
+	switch {
+	case committedAgain:
+		// A newer commit of the step is backed up as any step saved again is.
+	case plan.Found && plan.Backup != "":
 		r.backups.restoredFrom(cfg.JobName, plan.Backup, plan.Step)
-	} else if plan.Found && plan.BackedUpIn != "" {
+	case plan.Found && plan.BackedUpIn != "":
 		r.backups.restoredFrom(cfg.JobName, plan.BackedUpIn, plan.Step)
-	} else if plan.Found && plan.LastBackup != "" && plan.LastBackupStep < plan.Step {
+	case plan.Found && plan.LastBackup != "" && plan.LastBackupStep < plan.Step:
 		r.backups.restoredFrom(cfg.JobName, plan.LastBackup, plan.LastBackupStep)
 	}
 	if plan.Found {
@@ -269,8 +294,6 @@ func (r *restorer) run(inc *incarnation) {
 		// markers, so that a job reads it while it waits for them.
 		r.retention.warnTightAfterRestore(r.lines, inc, plan.Step)
 	}
-	// The state is "running" before the job can see a marker, so status never lags behind it.
-	inc.restoreDone(plan.Step, plan.Found)
 	r.synced.push(sealedStep{commit: commit{inc: inc}, restoreDone: true}) // after the restored step's: its sync goes first
 	for w := 0; w < cfg.WorkersPerNode; w++ {
 		var err error
@@ -556,14 +579,18 @@ func (r *restorer) dropOtherShapeSteps(inc *incarnation, plan RestorePlan) {
 // the older bytes on this node beside the newer ones on the others, without a word (found by a
 // black-box run).
 func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan RestorePlan, w int, hash string) (string, error) {
-	err := r.restoreSlotData(ctx, inc, plan, w, hash)
-	var again *savedAgainError
-	if !errors.As(err, &again) {
-		return hash, err
+	for {
+		err := r.restoreSlotData(ctx, inc, plan, w, hash)
+		var again *savedAgainError
+		if !errors.As(err, &again) {
+			return hash, err
+		}
+		// Again, each time the job committed the step anew meanwhile (a review: a second
+		// commit during the retry failed the restore).
+		r.log.Warn("the job committed the step it restores again while the restore waited: this node restores that commit",
+			"step", plan.Step, "worker", w, "planned", hash+".data", "restored", again.hash+".data")
+		hash = again.hash
 	}
-	r.log.Warn("the job committed the step it restores again while the restore waited: this node restores that commit",
-		"step", plan.Step, "worker", w, "planned", hash+".data", "restored", again.hash+".data")
-	return again.hash, r.restoreSlotData(ctx, inc, plan, w, again.hash)
 }
 
 // savedAgainError: the job committed the slot's step in this incarnation, sealed as hash.
