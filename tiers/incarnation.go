@@ -24,6 +24,11 @@ type incarnation struct {
 	// job committed while its restore waited, synced once the restore was done, freed the
 	// restored step's data under the job that then read it (a black-box run: ENOENT).
 	inUse int64 // GUARDED_BY(mu)
+	// inUseData are the hashes of the data this node restored for inUse (its markers name
+	// them): kept while the step is in use, also once a commit of the same step replaced its
+	// .meta (a black-box run: another process of the job saved the restored step again at once,
+	// and the marker the job read through named freed data).
+	inUseData []string // GUARDED_BY(mu)
 	// committed is the highest step every worker of this node sealed (or the restored step).
 	committed int64 // GUARDED_BY(mu)
 	// replicated is the highest step the coordinator reported replicated on every node (-1:
@@ -131,12 +136,31 @@ func (inc *incarnation) setWaiting(what string) {
 	inc.mu.Unlock()
 }
 
-// savedAfterRestore records that a step the job committed after its restore was done is sealed:
-// the restored step is no longer in use.
-func (inc *incarnation) savedAfterRestore() {
+// savedAfterRestore records that step, which the job committed after its restore was done, is
+// sealed: a step above the restored one ends the restored step's use (the job went on from it);
+// the restored step saved again does not (the job may still read what it restored).
+func (inc *incarnation) savedAfterRestore(step int64) {
 	inc.mu.Lock()
-	inc.inUse = -1
+	if step > inc.inUse {
+		inc.inUse, inc.inUseData = -1, nil
+	}
 	inc.mu.Unlock()
+}
+
+// dataInUse returns the hashes of the data the restored step in use names here (none: none).
+func (s *incarnations) dataInUse() []string {
+	cur, last := s.both()
+	var out []string
+	for _, inc := range []*incarnation{cur, last} {
+		if inc != nil {
+			inc.mu.Lock()
+			if inc.inUse >= 0 {
+				out = append(out, inc.inUseData...)
+			}
+			inc.mu.Unlock()
+		}
+	}
+	return out
 }
 
 // stepInUse returns the restored step the job may still read (-1: none).
@@ -171,11 +195,11 @@ func (inc *incarnation) restoreFailed() bool {
 
 // restoreDone records the outcome of the restore: the job runs from step (0: from scratch;
 // found: a step was restored, whose markers come next).
-func (inc *incarnation) restoreDone(step int64, found bool) {
+func (inc *incarnation) restoreDone(step int64, found bool, data []string) {
 	inc.mu.Lock()
 	inc.restored, inc.phase = step, "running"
 	if found {
-		inc.inUse = step
+		inc.inUse, inc.inUseData = step, data
 	}
 	inc.sealedHere = nil // the restore's drops are done
 	// A start from scratch (step 0, not found) committed nothing: committed stays -1.

@@ -249,7 +249,11 @@ func (r *restorer) run(inc *incarnation) {
 				restored[w] = h
 			}
 		}
-		inc.restoreDone(plan.Step, plan.Found)
+		var data []string
+		for w := 0; plan.Found && w < cfg.WorkersPerNode; w++ {
+			data = append(data, restored[w])
+		}
+		inc.restoreDone(plan.Step, plan.Found, data)
 		return nil
 	})
 	committedAgain := false

@@ -274,6 +274,9 @@ func (rt *retention) retain(cfg *Config) {
 		delete(rt.metas, name)
 	}
 	rt.mu.Unlock()
+	for _, hash := range rt.incs.dataInUse() {
+		keepHash[hash] = true // the restored step's data, which its markers name
+	}
 	for _, name := range drop {
 		os.Remove(rt.spoolDir("meta", name))
 		rt.ns.Remove(name)

@@ -264,7 +264,7 @@ func (s *sealer) seal(c *commit, openMark int64) (dataName, meta string, err err
 		s.afterPublish(c.step)
 	}
 	if !c.duringRestore {
-		c.inc.savedAfterRestore()
+		c.inc.savedAfterRestore(c.step)
 	}
 	s.tellSealed(*c)
 	if s.backups != nil {
