@@ -82,14 +82,23 @@ func TestHugePageHeap(t *testing.T) {
 		// 4 KiB pages (madvise does not convert what is mapped already): the mapping held no huge
 		// page in one of five clean-clone runs of make test on 2026-12-05. The agent
 		// marks its heap at start, before anything large is allocated, as a fresh process does.
-		out, err := runTestInChild("TestHugePageHeap", "MTCFS_HUGEHEAP_FRESH=1", "-test.count=1", "-test.v")
-		if err != nil {
-			t.Fatalf("TestHugePageHeap in a fresh process failed (%v):\n%.4000s", err, out)
+		// Up to three fresh processes: even with the control mapping given huge pages just
+		// before, the heap's touched mapping got none in two clean-clone CI runs of 2026-12-06/07
+		// (the kernel's choice at that instant); the marking itself is checked every time, and a
+		// heap that never gets huge pages fails all three.
+		var out []byte
+		var err error
+		for try := 1; try <= 3; try++ {
+			out, err = runTestInChild("TestHugePageHeap", "MTCFS_HUGEHEAP_FRESH=1", "-test.count=1", "-test.v")
+			if err == nil && strings.Contains(string(out), "--- PASS: TestHugePageHeap") {
+				return
+			}
+			if !strings.Contains(string(out), "holds no huge page") {
+				break // another failure: not the kernel's choice
+			}
+			t.Logf("try %d: the heap's mapping got no huge page; trying in another fresh process", try)
 		}
-		if !strings.Contains(string(out), "--- PASS: TestHugePageHeap") {
-			t.Fatalf("TestHugePageHeap in a fresh process did not pass:\n%.4000s", out)
-		}
-		return
+		t.Fatalf("TestHugePageHeap in a fresh process failed (%v):\n%.4000s", err, out)
 	}
 	const size = 32 << 20
 	n, err := HugePageHeap(size)
