@@ -62,6 +62,8 @@ type fileNode struct {
 	// report: a version of a report file the agent wrote (reports.go); set before the node is
 	// published, never changed.
 	report *reportState
+	// reportVer is the node's version among report files (reportVersion; 0: not asked yet).
+	reportVer atomic.Uint64
 }
 
 var (

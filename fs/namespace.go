@@ -141,9 +141,30 @@ func (ns *namespace) install(name string, ch *gofs.Inode, sealed bool) error {
 }
 
 func (ns *namespace) WriteFile(name string, data []byte) error {
-	p, fd, err := ns.m.spool.NewFile()
+	fn, ch, err := ns.newAgentFile(name, data)
 	if err != nil {
 		return err
+	}
+	if isReportName(name) {
+		var old *reportState
+		if o, ok := ns.child(name).(*fileNode); ok {
+			old = o.report
+		}
+		fn.report = newReportState(data, old)
+	}
+	if err := ns.install(name, ch, fn.isFrozen()); err != nil {
+		fn.dropLink()
+		return err
+	}
+	return nil
+}
+
+// newAgentFile makes a file of the agent's holding data, for the top-level name, not yet in the
+// tree.
+func (ns *namespace) newAgentFile(name string, data []byte) (*fileNode, *gofs.Inode, error) {
+	p, fd, err := ns.m.spool.NewFile()
+	if err != nil {
+		return nil, nil, err
 	}
 	n, err := unix.Write(fd, data)
 	unix.Close(fd)
@@ -154,17 +175,10 @@ func (ns *namespace) WriteFile(name string, data []byte) error {
 	}
 	if err != nil {
 		os.Remove(p)
-		return fmt.Errorf("write %s: %w", name, err)
+		return nil, nil, fmt.Errorf("write %s: %w", name, err)
 	}
 	fn := &fileNode{fs: ns.m, backing: p, nlink: 1}
 	fn.init(context.Background(), 0o644)
-	if isReportName(name) {
-		var old *reportState
-		if o, ok := ns.child(name).(*fileNode); ok {
-			old = o.report
-		}
-		fn.report = newReportState(data, old)
-	}
 	// The agent's own files (a .meta, a line in replicator.failed) are counted even past an
 	// agent-accounted budget, as the tmpfs headroom lets them be written as root: the job's
 	// writes fail instead. Refused, a kept spool that held more than the budget failed the
@@ -173,17 +187,11 @@ func (ns *namespace) WriteFile(name string, data []byte) error {
 	// A .meta names the committed data it describes; like that data, it is the agent's to
 	// change: the job's unlink, rename, write or truncate fails with EROFS (the agent publishes
 	// it again at its next start, from the spool: it must not seem to go away meanwhile).
-	meta := false
 	if mk, ok := layout.ParseMarkerName(name); ok && mk.Kind == layout.MarkerMeta {
-		meta = true
 		fn.freeze()
 	}
 	ch := ns.root.NewPersistentInode(context.Background(), fn, gofs.StableAttr{Mode: syscall.S_IFREG, Ino: ns.m.newIno()})
-	if err := ns.install(name, ch, meta); err != nil {
-		fn.dropLink()
-		return err
-	}
-	return nil
+	return fn, ch, nil
 }
 
 func (ns *namespace) Symlink(target, name string) error {

@@ -62,6 +62,10 @@ type mtfs struct {
 	pageWrites sync.Map
 	// fdsReported is when reportOutOfFDs last logged (UnixNano; 0: never).
 	fdsReported atomic.Int64
+	// reportMu orders the agent's versioned rewrites of report files with the job's unlinks of
+	// them (reports.go); held for tree changes only, never across a kernel notification.
+	reportMu      sync.Mutex
+	nextReportVer atomic.Uint64
 }
 
 // lookupHook, when set (tests only), runs at the start of every LOOKUP the mount serves, with
@@ -566,7 +570,15 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 	// The name goes here, not in go-fuse after the handler (gofs.Options.TreeKeptByFS), and
 	// only if it still holds ch: the agent may have replaced it meanwhile (a line appended to
 	// replicator.errors), and the job's unlink then removes what is there now.
-	if !d.RmChildIf(name, ch) {
+	report := d.IsRoot() && isReportName(name)
+	if report {
+		d.fs.reportMu.Lock()
+	}
+	removed := d.RmChildIf(name, ch)
+	if report {
+		d.fs.reportMu.Unlock()
+	}
+	if !removed {
 		return d.Unlink(ctx, name)
 	}
 	doomed := dropped(ch)

@@ -104,18 +104,19 @@ func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) 
 	// failed (out of descriptors) wrote the new lines over those the job had not read yet (a
 	// review).
 	werr := l.withRoom(func() error {
-		old, err := l.ns.ReadFile(file, maxLinesFile)
-		switch {
-		case errors.Is(err, syscall.EFBIG):
-			// Unread for long (an Orbax job reads it at its restarts): the lines before go, not
-			// every line from now on (a review: none was written any more).
-			l.log.Warn(file+" passed its size limit unread: the lines before are dropped", "limit", maxLinesFile)
-			old = fmt.Appendf(nil, "%s job=%s node=%s/%s %s the lines before this one were dropped: %s passed %d bytes unread\n",
-				l.now().UTC().Format("2006-01-02T15:04:05Z"), job, rank, nodes, level, file, maxLinesFile)
-		case err != nil && !errors.Is(err, os.ErrNotExist):
-			return fmt.Errorf("read: %w", err)
-		}
-		return l.ns.WriteFile(file, append(old, all...))
+		return l.rewrite(file, func(old []byte, err error) ([]byte, bool, error) {
+			switch {
+			case errors.Is(err, syscall.EFBIG):
+				// Unread for long (an Orbax job reads it at its restarts): the lines before go,
+				// not every line from now on (a review: none was written any more).
+				l.log.Warn(file+" passed its size limit unread: the lines before are dropped", "limit", maxLinesFile)
+				old = fmt.Appendf(nil, "%s job=%s node=%s/%s %s the lines before this one were dropped: %s passed %d bytes unread\n",
+					l.now().UTC().Format("2006-01-02T15:04:05Z"), job, rank, nodes, level, file, maxLinesFile)
+			case err != nil && !errors.Is(err, os.ErrNotExist):
+				return nil, false, fmt.Errorf("read: %w", err)
+			}
+			return append(old, all...), false, nil
+		})
 	})
 	if werr != nil {
 		l.log.Error("write "+file+": the lines are written with the next one", "err", werr, "lines", len(u.lines)+len(lines))
@@ -148,29 +149,72 @@ func (l *jobLines) appendLines(file, level string, cfg *Config, msgs ...string) 
 func (l *jobLines) withdraw(file, ours string) bool {
 	l.writeMu.Lock()
 	defer l.writeMu.Unlock()
-	old, err := l.ns.ReadFile(file, maxLinesFile)
-	if err != nil {
+	removed := false
+	err := l.withRoom(func() error {
+		return l.rewrite(file, func(old []byte, err error) ([]byte, bool, error) {
+			removed = false
+			if err != nil {
+				return nil, false, errNoChange
+			}
+			var keep []byte
+			for line := range strings.Lines(string(old)) {
+				if !strings.Contains(line, ours) {
+					keep = append(keep, line...)
+				}
+			}
+			if len(keep) == len(old) {
+				return nil, false, errNoChange
+			}
+			removed = true
+			return keep, len(keep) == 0, nil
+		})
+	})
+	if errors.Is(err, errNoChange) {
 		return false
-	}
-	var keep []byte
-	for line := range strings.Lines(string(old)) {
-		if !strings.Contains(line, ours) {
-			keep = append(keep, line...)
-		}
-	}
-	switch {
-	case len(keep) == len(old):
-		return false
-	case len(keep) == 0:
-		err = l.ns.Remove(file)
-	default:
-		err = l.writeFile(file, keep)
 	}
 	if err != nil {
 		l.log.Error("withdraw a line of "+file, "err", err)
 		return false
 	}
-	return true
+	return removed
+}
+
+// errNoChange: a rewrite's change has nothing to write.
+var errNoChange = errors.New("no change")
+
+// rewrite sets file to what change makes of its content (change gets the read's error: a file
+// that does not exist has os.ErrNotExist; remove: no file), read and written as one against the
+// job's unlink where the namespace allows it (ReportFiles): an unlink between the two had the
+// job read the lines it had read once more. change may be called again. Caller holds writeMu.
+func (l *jobLines) rewrite(file string, change func(old []byte, readErr error) (data []byte, remove bool, err error)) error {
+	rf, versioned := l.ns.(ReportFiles)
+	for try := 1; ; try++ {
+		var old []byte
+		var ver uint64
+		var err error
+		if versioned {
+			old, ver, err = rf.ReadReport(file, maxLinesFile)
+		} else {
+			old, err = l.ns.ReadFile(file, maxLinesFile)
+		}
+		data, remove, err := change(old, err)
+		if err != nil {
+			return err
+		}
+		switch {
+		case !versioned && remove:
+			return l.ns.Remove(file)
+		case !versioned:
+			return l.ns.WriteFile(file, data)
+		case remove:
+			err = rf.RemoveReport(file, ver)
+		default:
+			err = rf.ReplaceReport(file, data, ver)
+		}
+		if !errors.Is(err, ErrReportChanged) || try == 50 {
+			return err
+		}
+	}
 }
 
 // recentErrors returns the last lines reported to job (of every incarnation of it; another job's
@@ -193,11 +237,12 @@ func (l *jobLines) giveBack(file string, lines []string) {
 	l.writeMu.Lock()
 	defer l.writeMu.Unlock()
 	err := l.withRoom(func() error {
-		old, err := l.ns.ReadFile(file, maxLinesFile)
-		if err != nil && !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("read: %w", err)
-		}
-		return l.ns.WriteFile(file, append([]byte(strings.Join(lines, "")), old...))
+		return l.rewrite(file, func(old []byte, err error) ([]byte, bool, error) {
+			if err != nil && !errors.Is(err, os.ErrNotExist) {
+				return nil, false, fmt.Errorf("read: %w", err)
+			}
+			return append([]byte(strings.Join(lines, "")), old...), false, nil
+		})
 	})
 	if err != nil {
 		l.log.Error("write again lines of "+file+" the job removed unread: they are lost", "err", err, "lines", lines)
@@ -223,14 +268,14 @@ func (l *jobLines) takeUnread(job string) []string {
 	defer l.writeMu.Unlock()
 	var fatal, errs []string
 	for _, file := range []string{layout.ReplicatorFailedName, layout.ReplicatorErrorsName} {
-		data, err := l.ns.ReadFile(file, maxLinesFile)
-		if errors.Is(err, os.ErrNotExist) {
-			continue
-		}
-		l.ns.Remove(file)
-		if err != nil {
-			continue
-		}
+		var data []byte
+		l.rewrite(file, func(old []byte, err error) ([]byte, bool, error) {
+			if errors.Is(err, os.ErrNotExist) {
+				return nil, false, errNoChange
+			}
+			data = old // nil when unreadable: removed all the same
+			return nil, true, nil
+		})
 		for line := range strings.Lines(string(data)) {
 			// "<time> job=J node=R/N LEVEL message"
 			f := strings.SplitN(strings.TrimSpace(line), " ", 5)

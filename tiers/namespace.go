@@ -2,6 +2,7 @@ package tiers
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"time"
@@ -69,6 +70,19 @@ type Namespace interface {
 // ErrNameTaken is the error (wrapped) of an Import or ImportVerified whose name exists already.
 // It is an os.ErrExist, but other failures of an import can be too (a link whose new name was
 // taken): only this one says that the name is there.
+// ReportFiles is implemented by namespaces that rewrite a report file (replicator.errors,
+// replicator.failed) only if it is still the version the agent read: the job reads such a file
+// and unlinks it, and an unlink between the agent's read and its write had the job read the
+// same lines again. Versions are never 0; 0 stands for no file.
+type ReportFiles interface {
+	ReadReport(name string, limit int64) (data []byte, version uint64, err error)
+	ReplaceReport(name string, data []byte, version uint64) error
+	RemoveReport(name string, version uint64) error
+}
+
+// ErrReportChanged: the report file is no longer the version read.
+var ErrReportChanged = errors.New("the report file changed since it was read")
+
 var ErrNameTaken = fmt.Errorf("the name exists in the namespace: %w", os.ErrExist)
 
 // SealInfo says what Seal did besides linking.
