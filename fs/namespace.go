@@ -89,6 +89,11 @@ func (ns *namespace) ReadFile(name string, limit int64) ([]byte, error) {
 	if !ok {
 		return nil, fmt.Errorf("read %s: %w", name, os.ErrNotExist)
 	}
+	return fn.readAll(name, limit)
+}
+
+// readAll reads the bytes of f, known as name, up to limit (EFBIG past it).
+func (fn *fileNode) readAll(name string, limit int64) ([]byte, error) {
 	fn.mu.Lock()
 	p := fn.backing
 	fn.mu.Unlock()
@@ -141,16 +146,12 @@ func (ns *namespace) install(name string, ch *gofs.Inode, sealed bool) error {
 }
 
 func (ns *namespace) WriteFile(name string, data []byte) error {
+	if isReportName(name) {
+		return ns.replaceReport(name, data, 0, false) // one path for the agent's report files
+	}
 	fn, ch, err := ns.newAgentFile(name, data)
 	if err != nil {
 		return err
-	}
-	if isReportName(name) {
-		var old *reportState
-		if o, ok := ns.child(name).(*fileNode); ok {
-			old = o.report
-		}
-		fn.report = newReportState(data, old)
 	}
 	if err := ns.install(name, ch, fn.isFrozen()); err != nil {
 		fn.dropLink()

@@ -197,25 +197,26 @@ func (ns *namespace) ReadReport(name string, limit int64) ([]byte, uint64, error
 	if err != nil || fn == nil {
 		return nil, 0, fmt.Errorf("read %s: %w", name, os.ErrNotExist)
 	}
-	data, err := ns.ReadFile(name, limit)
-	if err != nil {
-		return nil, ver, err
-	}
-	// ReadFile read the node there now: a replacement in between is seen by the version
-	// check of the write that follows (the version taken first is the older one).
-	return data, ver, nil
+	data, err := fn.readAll(name, limit) // the node of that version, whatever is there now
+	return data, ver, err
 }
 
 // ReplaceReport writes data as the report file name if the name still holds version (0: no
 // file); otherwise it returns tiers.ErrReportChanged and changes nothing.
 func (ns *namespace) ReplaceReport(name string, data []byte, version uint64) error {
+	return ns.replaceReport(name, data, version, true)
+}
+
+// replaceReport writes data as the report file name; when check is set, only if the name still
+// holds version.
+func (ns *namespace) replaceReport(name string, data []byte, version uint64, check bool) error {
 	fn, ch, err := ns.newAgentFile(name, data)
 	if err != nil {
 		return err
 	}
 	ns.m.reportMu.Lock()
 	old, ofn, ver, err := ns.currentReport(name)
-	if err == nil && ver != version {
+	if err == nil && check && ver != version {
 		err = tiers.ErrReportChanged
 	}
 	if err != nil {

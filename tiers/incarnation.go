@@ -147,36 +147,22 @@ func (inc *incarnation) savedAfterRestore(step int64) {
 	inc.mu.Unlock()
 }
 
-// dataInUse returns the hashes of the data the restored step in use names here (none: none).
-func (s *incarnations) dataInUse() []string {
-	cur, last := s.both()
-	var out []string
-	for _, inc := range []*incarnation{cur, last} {
-		if inc != nil {
-			inc.mu.Lock()
-			if inc.inUse >= 0 {
-				out = append(out, inc.inUseData...)
-			}
-			inc.mu.Unlock()
-		}
-	}
-	return out
-}
-
-// stepInUse returns the restored step the job may still read (-1: none).
-func (s *incarnations) stepInUse() int64 {
+// inUse returns the restored step the job may still read (-1: none) and the data its markers
+// name here, of the current incarnation or else the one before.
+func (s *incarnations) inUse() (step int64, data []string) {
 	cur, last := s.both()
 	for _, inc := range []*incarnation{cur, last} {
-		if inc != nil {
-			inc.mu.Lock()
-			step := inc.inUse
-			inc.mu.Unlock()
-			if step >= 0 {
-				return step
-			}
+		if inc == nil {
+			continue
+		}
+		inc.mu.Lock()
+		step, data = inc.inUse, inc.inUseData
+		inc.mu.Unlock()
+		if step >= 0 {
+			return step, data
 		}
 	}
-	return -1
+	return -1, nil
 }
 
 // restoring reports whether the incarnation's restore still runs (not done, not failed).

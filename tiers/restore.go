@@ -243,7 +243,7 @@ func (r *restorer) run(inc *incarnation) {
 	r.retention.publish(func() error {
 		for w := 0; plan.Found && w < cfg.WorkersPerNode; w++ {
 			meta := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
-			if h, ok := r.retention.metaHash(meta); ok && h != restored[w] && inc.isSealedHere(meta) {
+			if h, again := r.committedAgain(inc, meta, restored[w]); again {
 				r.log.Warn("the job committed the step it restores again while the restore waited: this node restores that commit",
 					"step", plan.Step, "worker", w, "planned", restored[w]+".data", "restored", h+".data")
 				restored[w] = h
@@ -597,6 +597,13 @@ func (r *restorer) restoreSlot(ctx context.Context, inc *incarnation, plan Resto
 	}
 }
 
+// committedAgain returns the data meta names now, when the job committed that slot's step in
+// this incarnation as other data than hash (sealed here while the restore ran).
+func (r *restorer) committedAgain(inc *incarnation, meta, hash string) (string, bool) {
+	h, ok := r.retention.metaHash(meta)
+	return h, ok && h != hash && inc.isSealedHere(meta)
+}
+
 // savedAgainError: the job committed the slot's step in this incarnation, sealed as hash.
 type savedAgainError struct{ hash string }
 
@@ -610,7 +617,7 @@ func (r *restorer) restoreSlotData(ctx context.Context, inc *incarnation, plan R
 	meta := layout.MarkerName{Job: cfg.JobName, Step: plan.Step, Node: cfg.NodeRank, Worker: w, Kind: layout.MarkerMeta}.String()
 	sealed := r.spoolDir("sealed", dataName)
 	savedAgain := func() error {
-		if h, ok := r.retention.metaHash(meta); ok && h != hash && inc.isSealedHere(meta) {
+		if h, again := r.committedAgain(inc, meta, hash); again {
 			return &savedAgainError{hash: h}
 		}
 		return nil

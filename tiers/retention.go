@@ -225,7 +225,7 @@ func (rt *retention) retain(cfg *Config) {
 	rt.publishMu.Lock()
 	defer rt.publishMu.Unlock()
 	keepFrom, floor, restored := rt.incs.latest()
-	inUse := rt.incs.stepInUse()
+	inUse, inUseData := rt.incs.inUse() // read once: the step and its data go together
 	// With the RAM filling, the steps between the one that survives a node's loss (the latest
 	// replicated, or else the restored one) and the newest step every node committed go too:
 	// every node holds that newer step, which a restore without loss takes, and a restore
@@ -274,7 +274,7 @@ func (rt *retention) retain(cfg *Config) {
 		delete(rt.metas, name)
 	}
 	rt.mu.Unlock()
-	for _, hash := range rt.incs.dataInUse() {
+	for _, hash := range inUseData {
 		keepHash[hash] = true // the restored step's data, which its markers name
 	}
 	for _, name := range drop {
