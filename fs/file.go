@@ -41,7 +41,14 @@ type fileNode struct {
 	// committing: a close is reporting this file's commit (Flush), which freezes it if the
 	// agent takes it. GUARDED_BY(mu)
 	committing bool
-	lingering  bool  // keeps the bytes after the last name went (replacedByAgent). GUARDED_BY(mu)
+	lingering  bool // keeps the bytes after the last name went (replacedByAgent). GUARDED_BY(mu)
+	// kernelHeld: the job removed the last name (unlink, or a rename over it) and the kernel
+	// may still hold the node: an open(2) that resolved the name just before sends its OPEN
+	// now. The bytes stay until the kernel forgets the node (OnForget), so that such an open
+	// gets the old content, as on tmpfs, not ENOENT (black-box h53: 1 open in 5 failed in a
+	// loop racing a rename over the file). Not when the spool is nearly full (roomToKeep):
+	// see space.go. GUARDED_BY(mu)
+	kernelHeld bool
 	accounted  int64 // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
 	// holds are the agent's own reads of the spool file (HoldSpoolFile), which keep its bytes
 	// on tmpfs after its last name goes, like a handle. GUARDED_BY(mu)
@@ -75,6 +82,7 @@ var (
 	_ = (gofs.NodeSetxattrer)((*fileNode)(nil))
 	_ = (gofs.NodeRemovexattrer)((*fileNode)(nil))
 	_ = (gofs.NodeListxattrer)((*fileNode)(nil))
+	_ = (gofs.NodeOnForgetter)((*fileNode)(nil))
 )
 
 // newFile makes a node with a new, empty spool file and returns the file's open descriptor,
@@ -410,6 +418,15 @@ func (f *fileNode) replacedByAgent() {
 const replacedLinger = time.Second
 
 func (f *fileNode) dropLink() (doomed bool) {
+	doomed, _ = f.dropLinkBy(false)
+	return doomed
+}
+
+// dropLinkBy is dropLink; byJob says the job's own unlink or rename removed the name, the
+// kernel's view of it changing with ours: when it was the last, the bytes stay until the kernel
+// forgets the node (kernelHeld), and forget says so — the caller must then call
+// f.ForgetPersistent once the tree no longer holds the name, without mu.
+func (f *fileNode) dropLinkBy(byJob bool) (doomed, forget bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.nlink > 0 {
@@ -417,14 +434,20 @@ func (f *fileNode) dropLink() (doomed bool) {
 	}
 	f.ctime = time.Now()
 	doomed = f.nlink == 0 && (f.opens > 0 || f.releasing > 0 || len(f.holds) > 0)
+	forget = byJob && f.nlink == 0 && f.backing != "" && !f.kernelHeld && f.fs.roomToKeep()
+	if forget {
+		f.kernelHeld = true
+	}
 	if doomed {
 		f.fs.doom(f)
+	} else if forget {
+		f.fs.doomUntilForgotten(f)
 	}
 	if f.nlink == 0 {
 		f.cancelHolds()
 	}
 	f.maybeFree()
-	return doomed
+	return doomed, forget
 }
 
 // spoolHold is one read of a file's spool file by the agent (the early hashing and push of a
@@ -481,7 +504,39 @@ func (f *fileNode) endHold(h *spoolHold) {
 	if h.cancelled {
 		f.fs.releasing.Add(-1)
 	}
-	gone := f.nlink == 0 && f.opens == 0 && f.releasing == 0 && len(f.holds) == 0
+	gone := f.unused()
+	f.mu.Unlock()
+	if gone {
+		f.fs.undoom(f)
+	}
+}
+
+// unused reports whether nothing keeps f's bytes any more: no name, handle, release under way,
+// hold of the agent, or the kernel's reference after the job removed it. Caller holds mu.
+func (f *fileNode) unused() bool {
+	return f.nlink == 0 && f.opens == 0 && f.releasing == 0 && len(f.holds) == 0 && !f.kernelHeld
+}
+
+// handlesGone reports whether no handle, release or hold of f remains (the kernel may still
+// hold the node: kernelHeld).
+func (f *fileNode) handlesGone() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.opens == 0 && f.releasing == 0 && len(f.holds) == 0
+}
+
+// OnForget runs when go-fuse forgets the node: the kernel holds no reference, and the node is in
+// no directory and was let go (ForgetPersistent, after dropLinkBy). Its bytes go now unless a
+// handle remains. Only the nodes the job removed are ever let go; the tree keeps the others.
+func (f *fileNode) OnForget() {
+	f.mu.Lock()
+	if !f.kernelHeld {
+		f.mu.Unlock()
+		return
+	}
+	f.kernelHeld = false
+	f.maybeFree()
+	gone := f.unused()
 	f.mu.Unlock()
 	if gone {
 		f.fs.undoom(f)
@@ -490,7 +545,7 @@ func (f *fileNode) endHold(h *spoolHold) {
 
 // maybeFree removes the spool file once no name and no open handle refers to it. Caller holds mu.
 func (f *fileNode) maybeFree() {
-	if f.nlink > 0 || f.opens > 0 || f.backing == "" || f.lingering {
+	if f.nlink > 0 || f.opens > 0 || f.backing == "" || f.lingering || f.kernelHeld {
 		return
 	}
 	f.fs.spool.Reserve(-f.accounted)
@@ -504,7 +559,7 @@ func (f *fileNode) maybeFree() {
 func (f *fileNode) released() {
 	f.mu.Lock()
 	f.releasing--
-	gone := f.nlink == 0 && f.opens == 0 && f.releasing == 0 && len(f.holds) == 0
+	gone := f.unused()
 	f.mu.Unlock()
 	if gone {
 		f.fs.undoom(f)

@@ -581,7 +581,10 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 	if !removed {
 		return d.Unlink(ctx, name)
 	}
-	doomed := dropped(ch)
+	doomed, forget := droppedByJob(ch)
+	if forget {
+		ch.ForgetPersistent() // its bytes go when the kernel forgets it (fileNode.kernelHeld)
+	}
 	d.touch(true)
 	if doomed != nil {
 		d.fs.awaitReleases(doomed) // space.go
@@ -646,7 +649,13 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 			return errno
 		}
 	}
-	if doomed := d.applyRename(ctx, name, np, newName, src, dst, flags, true); doomed != nil {
+	doomed, forget := d.applyRename(ctx, name, np, newName, src, dst, flags, true)
+	if forget {
+		// go-fuse takes dst out of the tree after we return; let go first, it is the same:
+		// the node is forgotten once the kernel and the tree both let it go.
+		dst.ForgetPersistent()
+	}
+	if doomed != nil {
 		d.fs.awaitReleases(doomed) // space.go
 	}
 	return 0
@@ -704,11 +713,16 @@ func (d *dirNode) checkRename(name string, np *dirNode, newName string, flags ui
 
 // applyRename does the bookkeeping of a checked rename; go-fuse moves the entries after a
 // successful Rename returns (or the agent does, see namespace.Rename). event reports it to the
-// listener once it is done. It returns the replaced file if that was its last name while it
-// still has handles (see space.go).
-func (d *dirNode) applyRename(ctx context.Context, name string, np *dirNode, newName string, src, dst *gofs.Inode, flags uint32, event bool) (doomed *fileNode) {
+// listener once it is done: the job's rename (and only it) sets event. It returns the replaced
+// file if that was its last name while it still has handles (see space.go), and, for the job's
+// rename, whether the caller must let dst go (droppedByJob).
+func (d *dirNode) applyRename(ctx context.Context, name string, np *dirNode, newName string, src, dst *gofs.Inode, flags uint32, event bool) (doomed *fileNode, forget bool) {
 	if dst != nil && flags&unix.RENAME_EXCHANGE == 0 {
-		doomed = dropped(dst) // go-fuse replaces the entry after we return
+		if event {
+			doomed, forget = droppedByJob(dst) // go-fuse replaces the entry after we return
+		} else {
+			doomed = dropped(dst)
+		}
 	}
 	d.countRename(np, src, dst, flags&unix.RENAME_EXCHANGE != 0)
 	if event && d.fs.events != nil {
@@ -722,7 +736,7 @@ func (d *dirNode) applyRename(ctx context.Context, name string, np *dirNode, new
 	if m, ok := src.Operations().(interface{ touch(bool) }); ok {
 		m.touch(false)
 	}
-	return doomed
+	return doomed, forget
 }
 
 // countRename keeps the subdirectory counts of both parents right across a rename.
@@ -765,6 +779,21 @@ func (d *dirNode) newFile(ctx context.Context, name string, mode uint32) (*fileN
 
 // dropped tells a node that one of its names is going away. It returns the file if that was
 // its last name while it still has handles (see space.go), nil otherwise.
+// droppedByJob is dropped for a name the job removed (unlink, rename over it): when that was a
+// file's last name, forget says the caller must call ch.ForgetPersistent once the name is out of
+// the tree (fileNode.dropLinkBy).
+func droppedByJob(ch *gofs.Inode) (doomed *fileNode, forget bool) {
+	n, ok := ch.Operations().(*fileNode)
+	if !ok {
+		return dropped(ch), false
+	}
+	d, forget := n.dropLinkBy(true)
+	if d {
+		doomed = n
+	}
+	return doomed, forget
+}
+
 func dropped(ch *gofs.Inode) (doomed *fileNode) {
 	switch n := ch.Operations().(type) {
 	case *fileNode:

@@ -42,6 +42,18 @@ import (
 //     files releaseGraceOpen, but the first request that failed with ENOSPC after a file was
 //     found open releaseGraceFailed) and never lasts longer than releaseWaitMax.
 //
+// A file the job removes itself (unlink, a rename over it) keeps its bytes until the kernel
+// forgets the node (fileNode.kernelHeld): an open(2) that resolved the name before still opens
+// the old content, as on tmpfs. The kernel queues that FORGET before unlink(2) or rename(2)
+// returns unless such an open holds the node, and reads FORGETs before requests, so the file is
+// doomed until then too and the requests short of space wait for it as for a RELEASE (within
+// releaseGrace, no RELEASE running); the unlink or rename itself waits for the handles only, as
+// its FORGET comes after its answer. But a write through a descriptor opened before, with
+// passthrough, never reaches the agent and cannot wait: a job that filled the spool, deleted
+// its partial file and wrote on through another descriptor got ENOSPC in 46 of 50 loops. So
+// with less than keepMargin free, the job's removal frees the bytes at once, as before (a racing
+// open then fails with ENOENT).
+//
 // The agent reads spool files itself too (the early hash and push of a closed file, in package
 // tiers) on descriptors of its own, which keep the bytes like a handle. Such a read is a hold
 // (fileNode.hold, Namespace.HoldSpoolFile): losing the last name cancels it, dooms the file like
@@ -75,7 +87,16 @@ const (
 	releaseGraceFailed = 250 * time.Millisecond
 	// releaseWaitMax bounds every wait: a release that takes longer is stuck elsewhere.
 	releaseWaitMax = 2 * time.Second
+	// keepMargin: with at least this free, the job's removal of a file keeps its bytes until
+	// the kernel's FORGET (a millisecond, as a rule): far more than a job writes meanwhile.
+	keepMargin = 256 << 20
 )
+
+// roomToKeep reports whether the spool has keepMargin free (see above).
+func (m *mtfs) roomToKeep() bool {
+	total, used := m.spool.Usage()
+	return total-used >= keepMargin
+}
 
 // doomState is what the waits found of a doomed file.
 type doomState struct {
@@ -93,6 +114,16 @@ func (m *mtfs) doom(f *fileNode) {
 	if f.backing != "" && unix.Stat(f.backing, &st) == nil {
 		bytes = st.Blocks * 512
 	}
+	m.doomWith(f, bytes)
+}
+
+// doomUntilForgotten is doom for a file the job removed while no handle remains, whose bytes
+// wait for the kernel's FORGET only (fileNode.kernelHeld), which comes at once but for a racing
+// open: the spool file is not looked at (a job deleting a checkpoint of many files pays no stat
+// each). Caller holds f.mu.
+func (m *mtfs) doomUntilForgotten(f *fileNode) { m.doomWith(f, f.accounted) }
+
+func (m *mtfs) doomWith(f *fileNode, bytes int64) {
 	m.relMu.Lock()
 	if _, ok := m.doomed[f]; !ok {
 		m.doomed[f] = doomState{since: time.Now(), bytes: bytes}
@@ -231,6 +262,12 @@ func (m *mtfs) awaitReleasesFor(only *fileNode, minGrace time.Duration) {
 	timer := time.NewTimer(releaseGrace)
 	defer timer.Stop()
 	for {
+		if only != nil && only.handlesGone() {
+			// The unlink or rename that doomed it waits for its handles only: when the job
+			// removed it, the kernel's FORGET that frees it comes after the request's answer
+			// (fileNode.kernelHeld), and the job's next requests wait for that.
+			return
+		}
 		m.relMu.Lock()
 		var pending []*fileNode
 		long := false
