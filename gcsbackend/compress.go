@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"log/slog"
 	"os"
 	"runtime"
 	"sort"
@@ -14,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/googleapis/gax-go/v2"
 	"golang.org/x/sync/semaphore"
 
 	"github.com/mtcfs/mtcfs/planecodec"
@@ -481,19 +483,31 @@ func (b *Backups) readCompressed(ctx context.Context, c *codec, name string, mf 
 	t := FileTransfer{Requests: requests}.withRequests()
 	err := t.eachRequest(ctx, len(ranges), func(ctx context.Context, k int) error {
 		r := &ranges[k]
-		body, err := b.Store.Open(ctx, name, r.off, r.size)
-		if err != nil {
-			return err
-		}
-		defer body.Close()
-		for i := r.first; i < r.last; i++ {
-			plain, err := b.readChunk(ctx, c, body, mf, i, out)
-			if err != nil {
-				return fmt.Errorf("%s: chunk %d: %w", name, i, err)
+		// Chunks [r.first, i) are read; off is chunk i's stored offset. A chunk damaged on the
+		// way is read again from there (see chunkDamage).
+		i, off := r.first, r.off
+		var last *chunkDamage
+		pause := transitPause
+		for read := 1; ; read++ {
+			err := b.readChunks(ctx, c, name, mf, &i, &off, r.off+r.size, r.last, &r.crc, out)
+			var dmg *chunkDamage
+			if !errors.As(err, &dmg) {
+				return err
 			}
-			r.crc = crc32cCombine(r.crc, plain, mf.chunkSize(i))
+			switch {
+			case last != nil && last.same(dmg):
+				// Read alike twice: damaged in the store (or cut short there).
+				return err
+			case read == transitReads:
+				return fmt.Errorf("read %s: %d reads delivered damaged bytes, each differently: damaged on the way (the network, a proxy), not in the store; try again later: %v", name, read, dmg.err)
+			}
+			slog.Warn("backup location: a compressed chunk arrived damaged; reading again", "object", name, "chunk", dmg.chunk, "read", read, "of", transitReads, "err", dmg.err)
+			last = dmg
+			if err := gax.Sleep(ctx, pause); err != nil {
+				return err
+			}
+			pause *= 2
 		}
-		return nil
 	})
 	if err != nil {
 		return 0, err
@@ -505,14 +519,69 @@ func (b *Backups) readCompressed(ctx context.Context, c *codec, name string, mf 
 	return crc, nil
 }
 
+// readChunks reads the chunks *i up to last of a compressed object, the first at stored offset
+// *off, in one request ending at end, and hands them on as readChunk does; *i and *off advance
+// past each chunk read, and *crc takes its file bytes in. A chunk that arrives damaged (it does
+// not decode, or the object ends inside it) ends the request with a *chunkDamage.
+//
+// The store's CRC32C covers the whole object and these are ranges: a chunk damaged on the way
+// (a proxy, the network) is told from one damaged in the store by reading it again, which the
+// caller does — the first reads alike, the second not. Failed at once, a download damaged on
+// the way failed twice and the restore marked intact backup data damaged for good, as it did
+// for uncompressed objects before GetFile read them again (a black-box run).
+func (b *Backups) readChunks(ctx context.Context, c *codec, name string, mf manifestFile, i *int, off *int64, end int64, last int, crc *uint32, out func(p []byte, off int64) error) error {
+	body, err := b.Store.Open(ctx, name, *off, end-*off)
+	if err != nil {
+		return err
+	}
+	defer body.Close()
+	for ; *i < last; *i++ {
+		plain, err := b.readChunk(ctx, c, body, mf, *i, out)
+		if err != nil {
+			if d := (*chunkDamage)(nil); errors.As(err, &d) {
+				d.chunk = *i
+				return fmt.Errorf("%s: chunk %d: %w", name, *i, d)
+			}
+			return fmt.Errorf("%s: chunk %d: %w", name, *i, err)
+		}
+		*crc = crc32cCombine(*crc, plain, mf.chunkSize(*i))
+		*off += mf.Chunks[*i]
+	}
+	return nil
+}
+
+// chunkDamage is a compressed chunk that arrived damaged: what was read of it (n bytes of
+// CRC32C crc), and why it is refused (err, wrapping planecodec.ErrCorrupt or an EOF).
+type chunkDamage struct {
+	chunk int
+	n     int
+	crc   uint32
+	err   error
+}
+
+func (d *chunkDamage) Error() string { return d.err.Error() }
+func (d *chunkDamage) Unwrap() error { return d.err }
+
+// same reports whether two reads of a chunk delivered the same damaged bytes.
+func (d *chunkDamage) same(o *chunkDamage) bool {
+	return d.chunk == o.chunk && d.n == o.n && d.crc == o.crc
+}
+
 // readChunk reads chunk i of a compressed object from body, decodes it,
-// hands it to out and returns the CRC32C of its file bytes.
+// hands it to out and returns the CRC32C of its file bytes. Bytes that
+// arrive damaged give a *chunkDamage.
 func (b *Backups) readChunk(ctx context.Context, c *codec, body io.Reader, mf manifestFile, i int, out func(p []byte, off int64) error) (uint32, error) {
 	sp := c.stored.get(int(mf.Chunks[i]))
 	defer c.stored.put(sp)
 	stored := *sp
-	if _, err := io.ReadFull(body, stored); err != nil {
+	if n, err := io.ReadFull(body, stored); err != nil {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			return 0, &chunkDamage{n: n, crc: crc32.Checksum(stored[:n], crcTable), err: err}
+		}
 		return 0, err
+	}
+	damaged := func(err error) error {
+		return &chunkDamage{n: len(stored), crc: crc32.Checksum(stored, crcTable), err: err}
 	}
 	if err := c.slots.Acquire(ctx, 1); err != nil {
 		return 0, err
@@ -520,10 +589,10 @@ func (b *Backups) readChunk(ctx context.Context, c *codec, body io.Reader, mf ma
 	defer c.slots.Release(1)
 	h, err := planecodec.ParseHeader(stored)
 	if err != nil {
-		return 0, err
+		return 0, damaged(err)
 	}
 	if int64(h.Len) != mf.chunkSize(i) {
-		return 0, fmt.Errorf("%w: holds %d bytes, manifest says %d", planecodec.ErrCorrupt, h.Len, mf.chunkSize(i))
+		return 0, damaged(fmt.Errorf("%w: holds %d bytes, manifest says %d", planecodec.ErrCorrupt, h.Len, mf.chunkSize(i)))
 	}
 	pp := c.plain.get(int(mf.chunkSize(i)))
 	defer c.plain.put(pp)
@@ -531,7 +600,7 @@ func (b *Backups) readChunk(ctx context.Context, c *codec, body io.Reader, mf ma
 	defer c.dec.Put(d)
 	plain, err := d.Decode((*pp)[:0], stored)
 	if err != nil {
-		return 0, err
+		return 0, damaged(err)
 	}
 	if out != nil {
 		if err := out(plain, int64(i)*mf.ChunkLen); err != nil {

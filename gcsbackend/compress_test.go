@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -172,6 +173,9 @@ func TestCompressRandomData(t *testing.T) {
 // reported by Verify (cheap and deep), and refused by Download, which
 // leaves nothing at the destination.
 func TestCompressedCorruptChunk(t *testing.T) {
+	old := transitPause
+	transitPause = time.Millisecond // damage in the store reads alike twice
+	t.Cleanup(func() { transitPause = old })
 	for _, st := range []struct {
 		name     string
 		newStore func(*testing.T) ObjectStore
@@ -226,6 +230,84 @@ func TestCompressedCorruptChunk(t *testing.T) {
 			assert.ErrorIs(t, err, planecodec.ErrCorrupt)
 		})
 	}
+}
+
+// damagingStore flips one byte, at a different place each time, in the first
+// damage reads of objects whose name contains match: bytes damaged on the way.
+type damagingStore struct {
+	ObjectStore
+	match  string
+	mu     sync.Mutex
+	damage int // reads left to damage (negative: all)
+	reads  int // reads damaged
+}
+
+func (s *damagingStore) Open(ctx context.Context, name string, off, length int64) (io.ReadCloser, error) {
+	r, err := s.ObjectStore.Open(ctx, name, off, length)
+	if err != nil || !strings.Contains(name, s.match) {
+		return r, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.damage == 0 {
+		return r, nil
+	}
+	s.damage--
+	s.reads++
+	b, err := io.ReadAll(r)
+	r.Close()
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > 0 {
+		b[(len(b)/3+s.reads*7919)%len(b)] ^= 0x20
+	}
+	return io.NopCloser(bytes.NewReader(b)), nil
+}
+
+// TestCompressedChunkDamagedOnTheWay: a compressed object whose bytes arrive
+// damaged is read again from the damaged chunk: damaged a few times, the
+// download restores it byte for byte and a deep verify finds nothing; damaged
+// differently on every read, both fail saying so, not with planecodec's
+// ErrCorrupt (a restore marks the backup's data damaged for good on that).
+// Before, the first damaged read failed the download, and two such downloads
+// marked intact backup data damaged.
+func TestCompressedChunkDamagedOnTheWay(t *testing.T) {
+	old := transitPause
+	transitPause = time.Millisecond
+	t.Cleanup(func() { transitPause = old })
+	ctx := context.Background()
+	ds := &damagingStore{ObjectStore: newTestLocalDir(t)}
+	b := compressedBackups(ds)
+	files := map[string][]byte{"w": trainingData(t, "weights_bf16.bin", 2)}
+	h := uploadTree(t, b, "2026-01-01_00-00", 1, Slot{}, files)
+	m := readTestManifest(t, b, "2026-01-01_00-00", h)
+	require.Equal(t, codecPlanes, m.Files[0].Codec)
+	ds.match = m.Files[0].object(h)
+
+	ds.damage = transitReads - 1
+	dest := filepath.Join(t.TempDir(), "restored")
+	require.NoError(t, b.Download(ctx, DownloadRequest{Job: testJob, Backup: "2026-01-01_00-00", Hash: h, Dest: dest}))
+	require.Equal(t, transitReads-1, ds.reads, "every damaged read was made")
+	requireSameFiles(t, files, dest)
+
+	ds.damage, ds.reads = transitReads-1, 0
+	rep, err := b.Verify(ctx, testJob, "2026-01-01_00-00", VerifyOptions{Nodes: 1, Workers: 1, Deep: true})
+	require.NoError(t, err)
+	require.True(t, rep.Complete(), "problems: %v", rep.Steps[0].Problems)
+	require.Equal(t, transitReads-1, ds.reads)
+
+	ds.damage = -1
+	dest2 := filepath.Join(t.TempDir(), "restored")
+	err = b.Download(ctx, DownloadRequest{Job: testJob, Backup: "2026-01-01_00-00", Hash: h, Dest: dest2})
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, planecodec.ErrCorrupt, "damaged on the way is not damage in the store")
+	assert.Contains(t, err.Error(), "damaged on the way")
+	assert.NoFileExists(t, dest2)
+	assert.NoDirExists(t, dest2)
+	_, err = b.Verify(ctx, testJob, "2026-01-01_00-00", VerifyOptions{Nodes: 1, Workers: 1, Deep: true})
+	require.Error(t, err, "a deep verify that cannot read the bytes intact says so, not DAMAGED")
+	assert.Contains(t, err.Error(), "damaged on the way")
 }
 
 // TestOldManifestRestores: a backup written before compression existed (a
