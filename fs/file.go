@@ -47,9 +47,10 @@ type fileNode struct {
 	// now. The bytes stay until the kernel forgets the node (OnForget), so that such an open
 	// gets the old content, as on tmpfs, not ENOENT (black-box h53: 1 open in 5 failed in a
 	// loop racing a rename over the file). Not when the spool is nearly full (roomToKeep):
-	// see space.go. GUARDED_BY(mu)
+	// see space.go. Never longer than kernelHeldMax (heldTimer). GUARDED_BY(mu)
 	kernelHeld bool
-	accounted  int64 // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
+	heldTimer  *time.Timer // ends kernelHeld after kernelHeldMax. GUARDED_BY(mu)
+	accounted  int64       // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
 	// holds are the agent's own reads of the spool file (HoldSpoolFile), which keep its bytes
 	// on tmpfs after its last name goes, like a handle. GUARDED_BY(mu)
 	holds map[*spoolHold]struct{}
@@ -437,6 +438,8 @@ func (f *fileNode) dropLinkBy(byJob bool) (doomed, forget bool) {
 	forget = byJob && f.nlink == 0 && f.backing != "" && !f.kernelHeld && f.fs.roomToKeep()
 	if forget {
 		f.kernelHeld = true
+		f.fs.nheld.Add(1)
+		f.heldTimer = time.AfterFunc(kernelHeldMax, f.letGo)
 	}
 	if doomed {
 		f.fs.doom(f)
@@ -525,19 +528,55 @@ func (f *fileNode) handlesGone() bool {
 	return f.opens == 0 && f.releasing == 0 && len(f.holds) == 0
 }
 
+// heldBy reports whether f's bytes wait for the kernel's FORGET (kernelHeld) and whether a
+// handle, release or hold keeps them too.
+func (f *fileNode) heldBy() (kernel, handles bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.kernelHeld, f.opens > 0 || f.releasing > 0 || len(f.holds) > 0
+}
+
+// kernelHeldMax bounds how long a file the job removed waits for the kernel's FORGET. An open
+// racing the removal takes milliseconds; but the kernel also keeps a node for as long as any
+// entry of it stays in its cache, and the agent leaves stale entries on purpose when it
+// replaces a name (they expire; namespace.install): a file the job had linked under such a
+// name, then removed, waited until someone looked that name up again (a review). A variable for
+// tests.
+var kernelHeldMax = 5 * time.Second
+
 // OnForget runs when go-fuse forgets the node: the kernel holds no reference, and the node is in
-// no directory and was let go (ForgetPersistent, after dropLinkBy). Its bytes go now unless a
-// handle remains. Only the nodes the job removed are ever let go; the tree keeps the others.
+// no directory and was let go (ForgetPersistent, after dropLinkBy). Only the nodes the job
+// removed are ever let go; the tree keeps the others.
+//
+// go-fuse runs FORGETs on the goroutine that reads requests, without starting another: removing
+// the spool file there (80 ms for 300 MiB on tmpfs) stopped the mount's reading meanwhile, so the
+// bytes go on a goroutine of their own, counted as a RELEASE running so that the waits for room
+// wait for it (space.go).
 func (f *fileNode) OnForget() {
+	f.fs.releasing.Add(1)
+	go func() {
+		defer f.fs.releasing.Add(-1)
+		f.letGo()
+	}()
+}
+
+// letGo ends kernelHeld (OnForget, or kernelHeldMax later): the bytes go now unless a handle
+// remains. nheld counts the file until they went (awaitForgets).
+func (f *fileNode) letGo() {
 	f.mu.Lock()
 	if !f.kernelHeld {
 		f.mu.Unlock()
 		return
 	}
 	f.kernelHeld = false
+	if f.heldTimer != nil {
+		f.heldTimer.Stop()
+		f.heldTimer = nil
+	}
 	f.maybeFree()
 	gone := f.unused()
 	f.mu.Unlock()
+	f.fs.nheld.Add(-1)
 	if gone {
 		f.fs.undoom(f)
 	}

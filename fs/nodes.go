@@ -42,6 +42,8 @@ type mtfs struct {
 	relMu     sync.Mutex
 	doomed    map[*fileNode]doomState // GUARDED_BY(relMu)
 	ndoomed   atomic.Int32            // len(doomed), read without relMu
+	nheld     atomic.Int32            // files whose bytes wait for the kernel's FORGET (fileNode.kernelHeld)
+	waits     atomic.Int64            // waits for doomed files that found some (space.go; for tests)
 	relCh     chan struct{}           // closed when a doomed file was freed; GUARDED_BY(relMu)
 	releasing atomic.Int32            // RELEASE requests running, and cancelled holds not ended yet
 	freedGen  atomic.Uint64           // counts doomed files freed
@@ -395,6 +397,7 @@ func (d *dirNode) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetA
 }
 
 func (d *dirNode) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno {
+	d.fs.awaitForgets() // space.go: df right after rm shows the room, as on tmpfs
 	total, used := d.fs.spool.Usage()
 	const bsize = 4096
 	out.Bsize = bsize
