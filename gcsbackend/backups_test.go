@@ -812,6 +812,29 @@ func TestEachRequest(t *testing.T) {
 	assert.Equal(t, int32(4), calls.Load(), "with one unit, nothing starts after the failing part")
 }
 
+// TestEachRequestReturnsWhyNotTheCancelled: the part that fails first cancels the others before
+// it returns, and one of them may return its cancellation first; the error must still be the
+// failure (a loaded run said "context canceled" where the read had given up after 3 attempts).
+func TestEachRequestReturnsWhyNotTheCancelled(t *testing.T) {
+	boom := errors.New("boom")
+	part1Done := make(chan struct{})
+	afterPartCancelled = func() { <-part1Done } // part 1 returns its cancellation first
+	t.Cleanup(func() { afterPartCancelled = nil })
+	tr := FileTransfer{Requests: semaphore.NewWeighted(2)}
+	waiting := make(chan struct{})
+	err := tr.eachRequest(context.Background(), 2, func(ctx context.Context, i int) error {
+		if i == 1 {
+			defer close(part1Done)
+			close(waiting)
+			<-ctx.Done()
+			return fmt.Errorf("part 1: %w", ctx.Err())
+		}
+		<-waiting
+		return boom
+	})
+	require.ErrorIs(t, err, boom)
+}
+
 func TestRecordedShapeFindsAMissingHighestRank(t *testing.T) {
 	b := newTestBackups(t)
 	const backup = "2025-06-30_14-30"

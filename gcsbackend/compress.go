@@ -488,12 +488,18 @@ func (b *Backups) readCompressed(ctx context.Context, c *codec, name string, mf 
 		i, off := r.first, r.off
 		var last *chunkDamage
 		pause := transitPause
-		for read := 1; ; read++ {
+		read := 0 // of the chunk last damaged: each chunk gets transitReads (a review: a range's
+		// chunks damaged now and then shared them)
+		for {
 			err := b.readChunks(ctx, c, name, mf, &i, &off, r.off+r.size, r.last, &r.crc, out)
 			var dmg *chunkDamage
 			if !errors.As(err, &dmg) {
 				return err
 			}
+			if last == nil || dmg.chunk != last.chunk {
+				read, pause = 0, transitPause
+			}
+			read++
 			switch {
 			case last != nil && last.same(dmg):
 				// Read alike twice: damaged in the store (or cut short there).

@@ -558,3 +558,61 @@ func TestPlanRefusesAFileWrittenMeanwhile(t *testing.T) {
 	require.ErrorContains(t, err, "the file changed while it was encoded")
 	assert.True(t, c.keep.TryAcquire(8), "a refused plan keeps no chunk")
 }
+
+// nextChunkDamagingStore damages, in each read of the object that spans two chunks or more, a
+// byte of the second chunk it reads: a read again from the damaged chunk then damages the next.
+type nextChunkDamagingStore struct {
+	ObjectStore
+	object string
+	chunks []int64 // the stored chunk lengths
+	mu     sync.Mutex
+	reads  int
+}
+
+func (s *nextChunkDamagingStore) Open(ctx context.Context, name string, off, length int64) (io.ReadCloser, error) {
+	r, err := s.ObjectStore.Open(ctx, name, off, length)
+	if err != nil || !strings.HasSuffix(name, s.object) {
+		return r, err
+	}
+	var at int64 // stored offset of the chunk the read starts at
+	k := 0
+	for k < len(s.chunks) && at < off {
+		at += s.chunks[k]
+		k++
+	}
+	if k+1 >= len(s.chunks) || off+length < at+s.chunks[k]+s.chunks[k+1] {
+		return r, nil
+	}
+	b, err := io.ReadAll(r)
+	r.Close()
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	s.reads++
+	s.mu.Unlock()
+	b[s.chunks[k]+s.chunks[k+1]/2] ^= 0x04
+	return io.NopCloser(bytes.NewReader(b)), nil
+}
+
+// TestCompressedChunksDamagedOneAfterAnother: each chunk of a range arrives damaged once, one
+// after another: more damaged reads than transitReads in all, but each chunk read again once.
+// The reads again were counted for the whole range, and its seventh damaged chunk failed the
+// download (a review).
+func TestCompressedChunksDamagedOneAfterAnother(t *testing.T) {
+	old := transitPause
+	transitPause = time.Millisecond
+	t.Cleanup(func() { transitPause = old })
+	ds := &nextChunkDamagingStore{ObjectStore: newTestLocalDir(t)}
+	b := compressedBackups(ds)
+	files := map[string][]byte{"w": trainingData(t, "weights_bf16.bin", 3)}
+	h := uploadTree(t, b, "2026-01-01_00-00", 1, Slot{}, files)
+	m := readTestManifest(t, b, "2026-01-01_00-00", h)
+	require.Equal(t, codecPlanes, m.Files[0].Codec)
+	require.Greater(t, len(m.Files[0].Chunks), chunksPerRead, "a whole range of chunks")
+	ds.object, ds.chunks = m.Files[0].object(h), m.Files[0].Chunks
+	dest := filepath.Join(t.TempDir(), "restored")
+	require.NoError(t, b.Download(context.Background(), DownloadRequest{Job: testJob, Backup: "2026-01-01_00-00", Hash: h, Dest: dest}))
+	require.Greater(t, ds.reads, transitReads, "more damaged reads than one chunk may have")
+	requireSameFiles(t, files, dest)
+}

@@ -653,15 +653,29 @@ func (t FileTransfer) eachRequest(ctx context.Context, n int, fn func(ctx contex
 			err := fn(gctx, i)
 			if err != nil {
 				cancel(err) // before the unit is released: no later part starts
+				if afterPartCancelled != nil {
+					afterPartCancelled()
+				}
 			}
 			return err
 		})
 	}
 	if err := g.Wait(); err != nil {
+		// The part that failed first cancels the others before it returns, and one of them
+		// may return its "context canceled" first, which errgroup then keeps: the error that
+		// says why is the cause (a loaded run: "read …: context canceled" instead of "giving up
+		// after 3 attempts").
+		if cause := context.Cause(cctx); cause != nil && ctx.Err() == nil {
+			return cause
+		}
 		return err
 	}
 	return ctx.Err()
 }
+
+// afterPartCancelled, when set (tests), runs in eachRequest after a failed part cancelled the
+// others and before it returns.
+var afterPartCancelled func()
 
 // progressOf returns t.Progress, or a function that ignores its argument.
 func (t FileTransfer) progressOf() func(int) {
