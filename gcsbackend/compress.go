@@ -501,6 +501,8 @@ func (b *Backups) readCompressed(ctx context.Context, c *codec, name string, mf 
 			}
 			read++
 			switch {
+			case last != nil && last.same(dmg) && b.damagedOnTheWay(ctx, name, mf):
+				return fmt.Errorf("read %s: chunk %d arrived damaged alike on two reads, but the store keeps the object with the crc32c the manifest recorded and a whole read does not match it: damaged on the way (a proxy, the network), not in the store; try again later: %v", name, dmg.chunk, dmg.err)
 			case last != nil && last.same(dmg):
 				// Read alike twice: damaged in the store (or cut short there).
 				return err
@@ -554,6 +556,34 @@ func (b *Backups) readChunks(ctx context.Context, c *codec, name string, mf mani
 		*off += mf.Chunks[*i]
 	}
 	return nil
+}
+
+// damagedOnTheWay tells, for a chunk of name that arrived damaged alike on two reads, whether
+// the damage was on the way: the store checks its objects at rest (GCS: the CRC32C it keeps),
+// keeps name with the size and CRC32C the manifest recorded, and a whole read of it does not
+// match that CRC32C. Damaged alike on every read (a faulty proxy or NIC) and taken for damage
+// in the store, an intact backup was recorded damaged for good (black-box h55). A whole read
+// that matches means the stored bytes are those the manifest recorded, and the chunk among them
+// was stored damaged. A file:// store's CRC32C is a cache of its own that bit rot does not
+// change: not asked.
+func (b *Backups) damagedOnTheWay(ctx context.Context, name string, mf manifestFile) bool {
+	if c, ok := b.Store.(interface{ checksAtRest() bool }); !ok || !c.checksAtRest() || mf.StoredCRC32C == 0 {
+		return false
+	}
+	a, err := b.Store.Stat(ctx, name)
+	if err != nil || a.Size != mf.StoredSize || a.CRC32C != uint32(mf.StoredCRC32C) {
+		return false
+	}
+	r, err := b.Store.Open(ctx, name, 0, -1)
+	if err != nil {
+		return false
+	}
+	defer r.Close()
+	n, crc, err := copyCRC(ctx, io.Discard, r)
+	if ce := (*ChecksumError)(nil); errors.As(err, &ce) {
+		return true // the store's own check of the whole read failed
+	}
+	return err == nil && (n != mf.StoredSize || crc != uint32(mf.StoredCRC32C))
 }
 
 // chunkDamage is a compressed chunk that arrived damaged: what was read of it (n bytes of

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -615,4 +616,33 @@ func TestCompressedChunksDamagedOneAfterAnother(t *testing.T) {
 	require.NoError(t, b.Download(context.Background(), DownloadRequest{Job: testJob, Backup: "2026-01-01_00-00", Hash: h, Dest: dest}))
 	require.Greater(t, ds.reads, transitReads, "more damaged reads than one chunk may have")
 	requireSameFiles(t, files, dest)
+}
+
+// TestCompressedChunkDamagedAlikeOnTheWayOnGCS: a compressed object whose bytes arrive damaged
+// the same way on every read (a faulty proxy or NIC), while GCS keeps it with the CRC32C the
+// manifest recorded, is damaged on the way: the download fails saying so, without planecodec's
+// ErrCorrupt, on which a restore records the data damaged for good (black-box h55: an intact
+// backup recorded damaged, a step lost at the next start). Damage in the store (the object
+// rewritten) is still ErrCorrupt (TestCompressedCorruptChunk).
+func TestCompressedChunkDamagedAlikeOnTheWayOnGCS(t *testing.T) {
+	old := transitPause
+	transitPause = time.Millisecond
+	t.Cleanup(func() { transitPause = old })
+	f := newFakeGCS(t)
+	b := compressedBackups(f.store(t, "backups/test", testGCSOptions()))
+	files := map[string][]byte{"w": trainingData(t, "weights_bf16.bin", 2)}
+	h := uploadTree(t, b, "2026-01-01_00-00", 1, Slot{}, files)
+	m := readTestManifest(t, b, "2026-01-01_00-00", h)
+	require.Equal(t, codecPlanes, m.Files[0].Codec)
+	object := m.Files[0].object(h)
+	rule := f.faults.add(1<<30, func(r *http.Request) bool {
+		return isMediaRead(r) && strings.Contains(r.URL.Path, strings.TrimPrefix(object, "/"))
+	}, corruptResponse)
+	dest := filepath.Join(t.TempDir(), "restored")
+	err := b.Download(context.Background(), DownloadRequest{Job: testJob, Backup: "2026-01-01_00-00", Hash: h, Dest: dest})
+	require.Error(t, err)
+	require.Positive(t, f.faults.hits(rule), "the object was read through the fault")
+	assert.NotErrorIs(t, err, planecodec.ErrCorrupt, "damaged on the way is not damage in the store")
+	assert.Contains(t, err.Error(), "damaged on the way")
+	assert.NoDirExists(t, dest)
 }

@@ -359,6 +359,9 @@ func (s *gcsStore) attrs(o *storage.ObjectAttrs) ObjectAttrs {
 	return ObjectAttrs{Name: s.rel(o.Name), Size: o.Size, CRC32C: o.CRC32C, Updated: o.Updated, Generation: o.Generation}
 }
 
+// checksAtRest: GCS checks its objects' bytes against the CRC32C it keeps (storeHoldsIntact).
+func (s *gcsStore) checksAtRest() bool { return true }
+
 func (s *gcsStore) Stat(ctx context.Context, name string) (ObjectAttrs, error) {
 	if err := s.validName(name); err != nil {
 		return ObjectAttrs{}, err

@@ -198,6 +198,8 @@ func TestGCSFaultCorruptDownload(t *testing.T) {
 	}{
 		{"ranged", func(r *http.Request) bool { return isMediaRead(r) && strings.Contains(r.URL.Path, "big.bin") }},
 		{"whole", func(r *http.Request) bool { return isMediaRead(r) && strings.Contains(r.URL.Path, "array_0") }},
+		// ReadSmall: the manifest (black-box h55: read once, it failed the restore plan).
+		{"manifest", func(r *http.Request) bool { return isMediaRead(r) && strings.Contains(r.URL.Path, ".manifest") }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f, b, tree, src := faultSetup(t, nil)

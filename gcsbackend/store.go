@@ -7,12 +7,15 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"log/slog"
 	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/googleapis/gax-go/v2"
 )
 
 // ObjectStore is a flat namespace of objects, each written whole, modelled
@@ -243,7 +246,33 @@ func (e tooLargeError) Error() string { return fmt.Sprintf("larger than %d bytes
 // ReadSmall returns the whole content of an object that is expected to be
 // small, failing when it is larger than limit bytes (a guard against reading
 // a multi-GiB object by mistake).
+//
+// Bytes whose CRC32C is not the one the store keeps for the object (GCS checks a
+// whole object's read, *ChecksumError) were damaged on the way: the object is
+// read again, as GetFile does, up to transitReads times; still damaged, the
+// error says so and is no *ChecksumError. A manifest or .meta damaged once on
+// the way failed the job's restore plan, and twice the restore marked intact
+// data damaged for good (black-box h55, a proxy damaging every second read).
 func ReadSmall(ctx context.Context, s ObjectStore, name string, limit int64) ([]byte, error) {
+	pause := transitPause
+	for read := 1; ; read++ {
+		data, err := readSmallOnce(ctx, s, name, limit)
+		var ce *ChecksumError
+		if !errors.As(err, &ce) {
+			return data, err
+		}
+		if read == transitReads {
+			return nil, fmt.Errorf("read %s: %d reads delivered bytes whose crc32c is not the one the store keeps for the object: damaged on the way (the network, a proxy), not in the store; try again later: %v", name, read, err)
+		}
+		slog.Warn("backup location: bytes read do not match the crc32c the store keeps (damaged on the way); reading again", "object", name, "read", read, "of", transitReads, "err", err)
+		if err := gax.Sleep(ctx, pause); err != nil {
+			return nil, err
+		}
+		pause *= 2
+	}
+}
+
+func readSmallOnce(ctx context.Context, s ObjectStore, name string, limit int64) ([]byte, error) {
 	r, err := s.Open(ctx, name, 0, -1)
 	if err != nil {
 		return nil, err
