@@ -46,10 +46,12 @@ type fileNode struct {
 	// may still hold the node: an open(2) that resolved the name just before sends its OPEN
 	// now. The bytes stay until the kernel forgets the node (OnForget), so that such an open
 	// gets the old content, as on tmpfs, not ENOENT (black-box h53: 1 open in 5 failed in a
-	// loop racing a rename over the file). Not when the spool is nearly full (roomToKeep):
-	// see space.go. Never longer than kernelHeldMax (heldTimer). GUARDED_BY(mu)
+	// loop racing a rename over the file). Only for files up to keepMaxFile, and while the
+	// bytes so kept stay within half the free room (roomToKeep): see space.go. Never longer
+	// than kernelHeldMax (heldTimer). GUARDED_BY(mu)
 	kernelHeld bool
 	heldTimer  *time.Timer // ends kernelHeld after kernelHeldMax. GUARDED_BY(mu)
+	heldBytes  int64       // the spool file's blocks when kernelHeld began. GUARDED_BY(mu)
 	accounted  int64       // bytes charged to an agent-accounted spool budget. GUARDED_BY(mu)
 	// holds are the agent's own reads of the spool file (HoldSpoolFile), which keep its bytes
 	// on tmpfs after its last name goes, like a handle. GUARDED_BY(mu)
@@ -435,16 +437,20 @@ func (f *fileNode) dropLinkBy(byJob bool) (doomed, forget bool) {
 	}
 	f.ctime = time.Now()
 	doomed = f.nlink == 0 && (f.opens > 0 || f.releasing > 0 || len(f.holds) > 0)
-	forget = byJob && f.nlink == 0 && f.backing != "" && !f.kernelHeld && f.fs.roomToKeep()
-	if forget {
-		f.kernelHeld = true
-		f.fs.nheld.Add(1)
-		f.heldTimer = time.AfterFunc(kernelHeldMax, f.letGo)
+	if byJob && f.nlink == 0 && f.backing != "" && !f.kernelHeld {
+		var st unix.Stat_t
+		if unix.Stat(f.backing, &st) == nil && f.fs.roomToKeep(st.Blocks*512) {
+			forget = true
+			f.kernelHeld, f.heldBytes = true, st.Blocks*512
+			f.fs.nheld.Add(1)
+			f.fs.heldBytes.Add(f.heldBytes)
+			f.heldTimer = time.AfterFunc(kernelHeldMax, f.letGo)
+		}
 	}
 	if doomed {
 		f.fs.doom(f)
 	} else if forget {
-		f.fs.doomUntilForgotten(f)
+		f.fs.doomWith(f, f.heldBytes)
 	}
 	if f.nlink == 0 {
 		f.cancelHolds()
@@ -575,7 +581,10 @@ func (f *fileNode) letGo() {
 	}
 	f.maybeFree()
 	gone := f.unused()
+	held := f.heldBytes
+	f.heldBytes = 0
 	f.mu.Unlock()
+	f.fs.heldBytes.Add(-held)
 	f.fs.nheld.Add(-1)
 	if gone {
 		f.fs.undoom(f)

@@ -17,12 +17,19 @@ import (
 // failed with ENOENT (black-box h53: 1 open in 5, in a loop reading a file another process kept
 // replacing by rename, the way state files are written). An O_PATH descriptor holds the node in
 // the kernel as such an open does between its lookup and its OPEN; reopening it through /proc
-// sends that OPEN. The old bytes must go once the kernel lets the node go.
+// sends that OPEN. The old bytes must go once the kernel lets the node go. Also in a spool
+// nearly full, a job's usual state (the first version kept them only with 256 MiB free:
+// black-box h54 saw every second open fail below that).
 func TestOpenOfAFileTheJobReplacedMeanwhile(t *testing.T) {
 	for _, mode := range modes {
-		for _, how := range []string{"rename", "unlink"} {
+		for _, how := range []string{"rename", "unlink", "rename-nearly-full"} {
 			t.Run(string(mode)+"/"+how, func(t *testing.T) {
-				dir, spool := testMount(t, mode, 1<<30)
+				dir, spool := testMount(t, mode, 64<<20)
+				extra := 0 // spool files besides the ones of the test
+				if how == "rename-nearly-full" {
+					how, extra = "rename", 1
+					require.NoError(t, os.WriteFile(filepath.Join(dir, "ballast"), make([]byte, 60<<20), 0o644))
+				}
 				p := filepath.Join(dir, "state")
 				require.NoError(t, os.WriteFile(p, []byte("old content"), 0o644))
 				fd, err := unix.Open(p, unix.O_PATH|unix.O_CLOEXEC, 0)
@@ -57,10 +64,10 @@ func TestOpenOfAFileTheJobReplacedMeanwhile(t *testing.T) {
 					require.Equal(t, "new content", string(b))
 					want = 1
 				}
-				require.Len(t, spoolFiles(t, spool.FilesDir()), want+1, "the old bytes are kept while the kernel holds the node")
+				require.Len(t, spoolFiles(t, spool.FilesDir()), want+1+extra, "the old bytes are kept while the kernel holds the node")
 
 				closeFd()
-				require.Eventually(t, func() bool { return len(spoolFiles(t, spool.FilesDir())) == want },
+				require.Eventually(t, func() bool { return len(spoolFiles(t, spool.FilesDir())) == want+extra },
 					5*time.Second, 5*time.Millisecond, "the old bytes go once the kernel forgets the node")
 			})
 		}
@@ -88,7 +95,7 @@ func TestRemovedFileHeldByAStaleEntryGoesInTime(t *testing.T) {
 	old := kernelHeldMax
 	kernelHeldMax = 300 * time.Millisecond
 	t.Cleanup(func() { kernelHeldMax = old })
-	dir, srv, _, _ := mountWithEventsBudget(t, PassthroughOn, 1<<30) // keepMargin free
+	dir, srv, _, _ := mountWithEventsBudget(t, PassthroughOn, 64<<20)
 	ns, m := srv.Namespace(), srv.ns.m
 	const name = "job-s1-n0-w0.meta"
 	require.NoError(t, ns.WriteFile(name, []byte("old")))
@@ -112,27 +119,27 @@ func TestRemovedFileHeldByAStaleEntryGoesInTime(t *testing.T) {
 func TestStatfsRightAfterUnlinkShowsTheRoom(t *testing.T) {
 	for _, mode := range modes {
 		t.Run(string(mode), func(t *testing.T) {
-			dir, _ := testMount(t, mode, 2<<30)
-			p := filepath.Join(dir, "big")
-			chunk := make([]byte, 1<<20)
+			dir, _ := testMount(t, mode, 1<<30)
+			chunk := make([]byte, 4<<20) // kept until the FORGET: at most keepMaxFile
 			for i := range chunk {
 				chunk[i] = byte(i)
 			}
 			var base unix.Statfs_t
 			require.NoError(t, unix.Statfs(dir, &base))
 			for run := 0; run < 10; run++ {
-				f, err := os.Create(p)
-				require.NoError(t, err)
-				for i := 0; i < 300; i++ {
-					_, err := f.Write(chunk)
-					require.NoError(t, err)
+				var names []string
+				for i := 0; i < 25; i++ {
+					p := filepath.Join(dir, fmt.Sprint("f", i))
+					require.NoError(t, os.WriteFile(p, chunk, 0o644))
+					names = append(names, p)
 				}
-				require.NoError(t, f.Close())
-				require.NoError(t, os.Remove(p))
+				for _, p := range names {
+					require.NoError(t, os.Remove(p))
+				}
 				var st unix.Statfs_t
 				require.NoError(t, unix.Statfs(dir, &st))
 				usedMiB := int64(base.Bfree-st.Bfree) * st.Bsize >> 20
-				require.Less(t, usedMiB, int64(16), "run %d: statfs right after the unlink of 300 MiB", run)
+				require.Less(t, usedMiB, int64(4), "run %d: statfs right after the unlink of 100 MiB in 25 files", run)
 			}
 		})
 	}
@@ -142,10 +149,10 @@ func TestStatfsRightAfterUnlinkShowsTheRoom(t *testing.T) {
 // descriptor) stays doomed until kernelHeldMax; with the spool short of space every create
 // waited for it (10 ms each, a review). After one wait gave up on it, creates do not wait again.
 func TestFileOnlyTheKernelHoldsCostsOneWait(t *testing.T) {
-	dir, srv, _, _ := mountWithEventsBudget(t, PassthroughOn, 1<<30)
+	dir, srv, _, _ := mountWithEventsBudget(t, PassthroughOn, 64<<20)
 	m := srv.ns.m
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "ballast"), make([]byte, 700<<20), 0o644))
-	require.True(t, m.spaceShort() && m.roomToKeep(), "between keepMargin and shortOfSpace free")
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "ballast"), make([]byte, 40<<20), 0o644))
+	require.True(t, m.spaceShort() && m.roomToKeep(1<<20), "short of space, with room to keep 1 MiB")
 	p := filepath.Join(dir, "held")
 	require.NoError(t, os.WriteFile(p, make([]byte, 1<<20), 0o644))
 	fd, err := unix.Open(p, unix.O_PATH|unix.O_CLOEXEC, 0)
@@ -167,7 +174,7 @@ func TestFileOnlyTheKernelHoldsCostsOneWait(t *testing.T) {
 // the agent's warnings and status count as held by the job) must count, not take for 0 (a
 // review).
 func TestFreedFileOpenedAfterItsRemovalIsCounted(t *testing.T) {
-	dir, srv, _, _ := mountWithEventsBudget(t, PassthroughOff, 1<<30)
+	dir, srv, _, _ := mountWithEventsBudget(t, PassthroughOff, 64<<20)
 	m := srv.ns.m
 	p := filepath.Join(dir, "state")
 	require.NoError(t, os.WriteFile(p, make([]byte, 4<<20), 0o644))
@@ -181,4 +188,29 @@ func TestFreedFileOpenedAfterItsRemovalIsCounted(t *testing.T) {
 	files, bytes := m.freedButOpen(0, func(string) bool { return true })
 	require.Equal(t, 1, files)
 	require.GreaterOrEqual(t, bytes, int64(4<<20))
+}
+
+// TestLargeFileRemovedGivesItsRoomAtOnce: a file larger than keepMaxFile goes when the job
+// removes it, before the unlink returns, as before the kernel's FORGET was waited for: freeing
+// many pages takes a while, and paid after the unlink (on the FORGET), a write of 2 GiB through a
+// descriptor opened before, right after the job deleted 1.5 GiB, failed with ENOSPC in 7 of 9
+// runs with passthrough (black-box h54: such a write never reaches the agent, which cannot make
+// it wait).
+func TestLargeFileRemovedGivesItsRoomAtOnce(t *testing.T) {
+	for _, how := range []string{"unlink", "rename"} {
+		t.Run(how, func(t *testing.T) {
+			dir, spool := testMount(t, PassthroughOn, 1<<30)
+			p := filepath.Join(dir, "big")
+			require.NoError(t, os.WriteFile(p, make([]byte, 64<<20), 0o644))
+			_, before := spool.Usage()
+			if how == "unlink" {
+				require.NoError(t, os.Remove(p))
+			} else {
+				require.NoError(t, os.WriteFile(p+".new", nil, 0o644))
+				require.NoError(t, os.Rename(p+".new", p))
+			}
+			_, after := spool.Usage()
+			require.Less(t, after, before-60<<20, "the 64 MiB are free when the %s returns", how)
+		})
+	}
 }

@@ -43,6 +43,7 @@ type mtfs struct {
 	doomed    map[*fileNode]doomState // GUARDED_BY(relMu)
 	ndoomed   atomic.Int32            // len(doomed), read without relMu
 	nheld     atomic.Int32            // files whose bytes wait for the kernel's FORGET (fileNode.kernelHeld)
+	heldBytes atomic.Int64            // their blocks (fileNode.heldBytes)
 	waits     atomic.Int64            // waits for doomed files that found some (space.go; for tests)
 	relCh     chan struct{}           // closed when a doomed file was freed; GUARDED_BY(relMu)
 	releasing atomic.Int32            // RELEASE requests running, and cancelled holds not ended yet

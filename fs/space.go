@@ -50,9 +50,15 @@ import (
 // releaseGrace, no RELEASE running); the unlink or rename itself waits for the handles only, as
 // its FORGET comes after its answer. But a write through a descriptor opened before, with
 // passthrough, never reaches the agent and cannot wait: a job that filled the spool, deleted
-// its partial file and wrote on through another descriptor got ENOSPC in 46 of 50 loops. So
-// with less than keepMargin free, the job's removal frees the bytes at once, as before (a racing
-// open then fails with ENOENT). A statfs waits for such FORGETs too (awaitForgets), so that df
+// its partial file and wrote on through another descriptor got ENOSPC in 46 of 50 loops; and
+// freeing a large file's pages takes a while (0.3 s for 1.5 GiB), which the unlink paid before
+// it returned and the FORGET now paid after, so that a write of 2 GiB through a descriptor
+// opened before, right after the job deleted 1.5 GiB with 2 GiB free, failed with ENOSPC in 7 of
+// 9 runs (black-box h54). So only files up to keepMaxFile are kept, and only while all the
+// bytes so kept stay within half the free room (roomToKeep): the state and metadata files that
+// are replaced by rename while others read them, whose pages go in microseconds, in a spool that
+// has room for them. A larger file, or one past that, goes at once, as before (an open racing
+// its removal then fails with ENOENT, an O_PATH descriptor cannot reopen it). A statfs waits for such FORGETs too (awaitForgets), so that df
 // right after rm shows the room. A file the kernel really holds (an O_PATH descriptor, a stale
 // entry) keeps its bytes at most kernelHeldMax, and a wait that gave up on it once does not wait
 // for it again.
@@ -90,15 +96,22 @@ const (
 	releaseGraceFailed = 250 * time.Millisecond
 	// releaseWaitMax bounds every wait: a release that takes longer is stuck elsewhere.
 	releaseWaitMax = 2 * time.Second
-	// keepMargin: with at least this free, the job's removal of a file keeps its bytes until
-	// the kernel's FORGET (a millisecond, as a rule): far more than a job writes meanwhile.
-	keepMargin = 256 << 20
+	// keepMaxFile: the largest file whose bytes the job's removal keeps until the kernel's
+	// FORGET (see above). The first version kept any file when 256 MiB were free: below that,
+	// the usual state of a job whose checkpoints fill its budget, every second open racing a
+	// rename failed with ENOENT again (black-box h54).
+	keepMaxFile = 8 << 20
 )
 
-// roomToKeep reports whether the spool has keepMargin free (see above).
-func (m *mtfs) roomToKeep() bool {
+// roomToKeep reports whether the job's removal of a file of bytes keeps them until the kernel's
+// FORGET: bytes at most keepMaxFile, and all the bytes so kept, these included, at most half the
+// spool's free room (see above).
+func (m *mtfs) roomToKeep(bytes int64) bool {
+	if bytes > keepMaxFile {
+		return false
+	}
 	total, used := m.spool.Usage()
-	return total-used >= keepMargin
+	return 2*(m.heldBytes.Load()+bytes) <= total-used
 }
 
 // doomState is what the waits found of a doomed file.
@@ -120,12 +133,7 @@ func (m *mtfs) doom(f *fileNode) {
 	m.doomWith(f, bytes)
 }
 
-// doomUntilForgotten is doom for a file the job removed while no handle remains, whose bytes
-// wait for the kernel's FORGET only (fileNode.kernelHeld), which comes at once but for a racing
-// open: the spool file is not looked at (a job deleting a checkpoint of many files pays no stat
-// each). Caller holds f.mu.
-func (m *mtfs) doomUntilForgotten(f *fileNode) { m.doomWith(f, f.accounted) }
-
+// doomWith is doom, given the bytes of f's spool file. Caller holds f.mu.
 func (m *mtfs) doomWith(f *fileNode, bytes int64) {
 	m.relMu.Lock()
 	if _, ok := m.doomed[f]; !ok {
