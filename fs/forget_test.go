@@ -214,3 +214,31 @@ func TestLargeFileRemovedGivesItsRoomAtOnce(t *testing.T) {
 		})
 	}
 }
+
+// TestReplacingAFileOthersReadDoesNotWait: a spool under shortOfSpace free (any small budget) but
+// with room: a rename over a file another process holds open, and the creates after it, do not
+// wait for that reader's release. They waited 29 ms each, and a job replacing a small file
+// while three processes read it saved 18 times a second instead of 650 (black-box h54's
+// race.py at 64 MiB): only doomed bytes the free room could need are waited for.
+func TestReplacingAFileOthersReadDoesNotWait(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			dir, srv, _, _ := mountWithEventsBudget(t, mode, 64<<20)
+			m := srv.ns.m
+			require.True(t, m.spaceShort())
+			p := filepath.Join(dir, "state")
+			require.NoError(t, os.WriteFile(p, make([]byte, 256<<10), 0o644))
+			r, err := os.Open(p) // a reader holds the version about to be replaced
+			require.NoError(t, err)
+			t.Cleanup(func() { r.Close() })
+			before := m.waits.Load()
+			require.NoError(t, os.WriteFile(p+".tmp", []byte("new"), 0o644))
+			require.NoError(t, os.Rename(p+".tmp", p))
+			require.NoError(t, os.WriteFile(filepath.Join(dir, "other"), []byte("x"), 0o644))
+			require.Equal(t, before, m.waits.Load(), "waited for a reader's release with room to spare")
+			b := make([]byte, 16)
+			_, err = r.Read(b)
+			require.NoError(t, err, "the reader still reads the old version")
+		})
+	}
+}
