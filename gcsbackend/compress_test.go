@@ -414,6 +414,13 @@ func TestExport(t *testing.T) {
 
 	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: out})
 	assert.ErrorContains(t, err, "not empty")
+
+	// A backup whose data a restore recorded damaged says so (it said "no complete step").
+	require.NoError(t, b.MarkDamaged(ctx, testJob, "2026-01-01_00-00", h1, "test: failed its check"))
+	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: filepath.Join(t.TempDir(), "d")})
+	assert.ErrorContains(t, err, "is DAMAGED")
+	assert.ErrorContains(t, err, "test: failed its check")
+	require.NoError(t, b.Store.Delete(ctx, backupDir(testJob, "2026-01-01_00-00")+dataName(h1)+".damaged"))
 	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-02-02_00-00", Dir: filepath.Join(t.TempDir(), "x")})
 	var nf *NotFoundError
 	assert.True(t, errors.As(err, &nf), "missing backup: %v", err)

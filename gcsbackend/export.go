@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
@@ -79,6 +80,15 @@ func (b *Backups) Export(ctx context.Context, req ExportRequest) (ExportReport, 
 		}
 	}
 	if len(rep.Steps) == 0 {
+		if vr.Damaged() {
+			// "no complete step" alone did not say that the backup was complete once and is
+			// damaged now (a recorded damage, objects gone: black-box h55).
+			var problems []string
+			for _, st := range vr.Steps {
+				problems = append(problems, st.Problems...)
+			}
+			return rep, fmt.Errorf("backup %s of job %s is DAMAGED, no step of it can be exported: %s (see mtcfs backups verify)", req.Backup, req.Job, strings.Join(problems, "; "))
+		}
 		return rep, fmt.Errorf("backup %s of job %s has no complete step to export (see mtcfs backups verify)", req.Backup, req.Job)
 	}
 	sort.Strings(rep.Data)
