@@ -518,7 +518,7 @@ func incompleteSteps(cfg *Config, invs []Inventory, holders map[string][]int, ot
 		}
 		var why []string
 		if len(noMeta) > 0 {
-			why = append(why, "no live node holds a .meta of "+listSome(noMeta, 3)+" (a save cut short, or a node whose RAM was lost before its replica was made)")
+			why = append(why, "no live node holds a .meta of "+listSome(noMeta, 3)+" (a save cut short, a node whose RAM was lost before its replica was made, or a restore of the step that failed on that node after the others brought in their part)")
 		}
 		if len(noData) > 0 {
 			why = append(why, "no live node holds the data of "+listSome(noData, 3))

@@ -689,7 +689,7 @@ func TestPlanRestoreReportsIncompleteSteps(t *testing.T) {
 			name: "rank 0's RAM lost, no backup",
 			invs: ranks(3, 10, 1, 2),
 			errors: []string{
-				"step 10 in the nodes' RAM is incomplete and is not restored: no live node holds a .meta of rank 0 worker 0 (a save cut short, or a node whose RAM was lost before its replica was made)",
+				"step 10 in the nodes' RAM is incomplete and is not restored: no live node holds a .meta of rank 0 worker 0 (a save cut short, a node whose RAM was lost before its replica was made, or a restore of the step that failed on that node after the others brought in their part)",
 				"1 incomplete step in RAM and no intact checkpoint is left: starting from scratch",
 			},
 		},
