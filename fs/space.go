@@ -166,9 +166,9 @@ func (m *mtfs) freedButOpen(minAge time.Duration, live func(name string) bool) (
 	for f, b := range old { // f.mu after relMu, not inside it (doom takes them the other way)
 		f.mu.Lock()
 		open := f.opens > 0
-		if open && b == 0 && f.backing != "" {
-			// Doomed when no handle remained (doomUntilForgotten: not looked at), then opened
-			// by an open that raced the removal, and held open since.
+		if open && f.backing != "" {
+			// Its bytes now: a file doomed with no handle (its bytes waiting for the kernel's
+			// FORGET) may since have been opened by an open that raced its removal, and grown.
 			var st unix.Stat_t
 			if unix.Stat(f.backing, &st) == nil {
 				b = st.Blocks * 512
@@ -312,11 +312,9 @@ func (m *mtfs) awaitDoomed(only *fileNode, minGrace time.Duration, forgetsOnly b
 		// A file held by the kernel alone that a wait gave up on is held for real (an O_PATH
 		// descriptor, a stale entry): waiting for it again cost each create 10 ms for as long as
 		// it was held, where its bytes are never needed but at kernelHeldMax (a review). And a
-		// create or an open for writing does not wait for such files at all: they were kept
-		// only with twice their bytes free (roomToKeep), and a job replacing a small file by
-		// rename while three processes read it saved 2.4 times slower, every create waiting for
-		// the FORGETs of the versions just read (black-box h54's race.py, 64 MiB budget). A
-		// write that failed with ENOSPC (minGrace) still waits for them.
+		// create or an open for writing does not wait for such files at all: they are kept
+		// only while twice their bytes are free (roomToKeep). A write that failed with ENOSPC
+		// (minGrace) still waits for them.
 		kernel, handles := c.f.heldBy()
 		kernelOnly := kernel && !handles
 		if (kernelOnly && (c.gaveUpOn || (only == nil && minGrace == 0 && !forgetsOnly))) || (forgetsOnly && (!kernel || c.gaveUpOn)) {
