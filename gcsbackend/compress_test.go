@@ -174,9 +174,7 @@ func TestCompressRandomData(t *testing.T) {
 // reported by Verify (cheap and deep), and refused by Download, which
 // leaves nothing at the destination.
 func TestCompressedCorruptChunk(t *testing.T) {
-	old := transitPause
-	transitPause = time.Millisecond // damage in the store reads alike twice
-	t.Cleanup(func() { transitPause = old })
+	quickReadsAgain(t) // damage in the store reads alike twice
 	for _, st := range []struct {
 		name     string
 		newStore func(*testing.T) ObjectStore
@@ -233,6 +231,13 @@ func TestCompressedCorruptChunk(t *testing.T) {
 	}
 }
 
+// quickReadsAgain makes the pauses between reads of bytes damaged on the way short for the test.
+func quickReadsAgain(t *testing.T) {
+	old := transitPause
+	transitPause = time.Millisecond
+	t.Cleanup(func() { transitPause = old })
+}
+
 // damagingStore flips one byte, at a different place each time, in the first
 // damage reads of objects whose name contains match: bytes damaged on the way.
 type damagingStore struct {
@@ -274,9 +279,7 @@ func (s *damagingStore) Open(ctx context.Context, name string, off, length int64
 // Before, the first damaged read failed the download, and two such downloads
 // marked intact backup data damaged.
 func TestCompressedChunkDamagedOnTheWay(t *testing.T) {
-	old := transitPause
-	transitPause = time.Millisecond
-	t.Cleanup(func() { transitPause = old })
+	quickReadsAgain(t)
 	ctx := context.Background()
 	ds := &damagingStore{ObjectStore: newTestLocalDir(t)}
 	b := compressedBackups(ds)
@@ -608,9 +611,7 @@ func (s *nextChunkDamagingStore) Open(ctx context.Context, name string, off, len
 // The reads again were counted for the whole range, and its seventh damaged chunk failed the
 // download (a review).
 func TestCompressedChunksDamagedOneAfterAnother(t *testing.T) {
-	old := transitPause
-	transitPause = time.Millisecond
-	t.Cleanup(func() { transitPause = old })
+	quickReadsAgain(t)
 	ds := &nextChunkDamagingStore{ObjectStore: newTestLocalDir(t)}
 	b := compressedBackups(ds)
 	files := map[string][]byte{"w": trainingData(t, "weights_bf16.bin", 3)}
@@ -632,9 +633,7 @@ func TestCompressedChunksDamagedOneAfterAnother(t *testing.T) {
 // backup recorded damaged, a step lost at the next start). Damage in the store (the object
 // rewritten) is still ErrCorrupt (TestCompressedCorruptChunk).
 func TestCompressedChunkDamagedAlikeOnTheWayOnGCS(t *testing.T) {
-	old := transitPause
-	transitPause = time.Millisecond
-	t.Cleanup(func() { transitPause = old })
+	quickReadsAgain(t)
 	f := newFakeGCS(t)
 	b := compressedBackups(f.store(t, "backups/test", testGCSOptions()))
 	files := map[string][]byte{"w": trainingData(t, "weights_bf16.bin", 2)}

@@ -189,9 +189,7 @@ func TestGCSFaultCorruptUploadPersistent(t *testing.T) {
 // every next start restored an older step: a black-box run). Nothing is left at the destination.
 func TestGCSFaultCorruptDownload(t *testing.T) {
 	ctx := context.Background()
-	old := transitPause
-	transitPause = time.Millisecond
-	t.Cleanup(func() { transitPause = old })
+	quickReadsAgain(t)
 	for _, tc := range []struct {
 		name  string
 		match func(*http.Request) bool

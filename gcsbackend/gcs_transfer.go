@@ -256,43 +256,58 @@ func (s *gcsStore) GetFile(ctx context.Context, t FileTransfer) (int64, uint32, 
 	// checks its objects at rest): read again, up to transitReads times. Handed on, they failed
 	// the caller's check against the manifest, and a restore marked intact data damaged for good
 	// after two such reads (a black-box run, with a proxy flipping bits in two downloads).
-	pause := transitPause
 	prog := newPartProgress(t.Progress) // its high-water marks: a read again is not counted twice
-	for read := 1; ; read++ {
+	var crc uint32
+	err = readAgainOnTheWay(ctx, s.url(t.Name), func() error {
 		parts := splitParts(o.Size, partSize)
-		err = t.eachRequest(ctx, len(parts), func(ctx context.Context, i int) error {
+		err := t.eachRequest(ctx, len(parts), func(ctx context.Context, i int) error {
 			crc, err := s.readRange(ctx, t, key, o.Generation, parts[i], prog.part(i))
 			parts[i].crc = crc
 			return err
 		})
-		var crc uint32
+		if err != nil {
+			return err // a *ChecksumError: the client's own check of a whole-object read
+		}
+		if crc = combineParts(parts); crc != o.CRC32C {
+			return &ChecksumError{Name: s.url(t.Name), Want: o.CRC32C, Got: crc}
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, 0, err
+	}
+	return o.Size, crc, nil
+}
+
+// transitReads bounds the reads of an object whose bytes arrive damaged (readAgainOnTheWay),
+// transitPause is the pause after the first, doubled after each next one.
+const transitReads = 5
+
+var transitPause = 500 * time.Millisecond
+
+// readAgainOnTheWay runs read, which reads the object named (for messages) name, again while it
+// fails with a *ChecksumError for bytes that do not match the CRC32C the store keeps for the
+// object (GCS checks its objects at rest: they were damaged on the way), up to transitReads
+// times in all; still damaged, the error says so and is no *ChecksumError, which callers take
+// for damage in the store. Other errors end it at once.
+func readAgainOnTheWay(ctx context.Context, name string, read func() error) error {
+	pause := transitPause
+	for n := 1; ; n++ {
+		err := read()
 		var ce *ChecksumError
-		switch {
-		case errors.As(err, &ce): // the client's own check of a whole-object read
-		case err != nil:
-			return 0, 0, err
-		default:
-			if crc = combineParts(parts); crc == o.CRC32C {
-				return o.Size, crc, nil
-			}
-			err = &ChecksumError{Name: s.url(t.Name), Want: o.CRC32C, Got: crc}
+		if !errors.As(err, &ce) {
+			return err
 		}
-		if read == transitReads {
-			return 0, 0, fmt.Errorf("read %s: %d reads delivered bytes whose crc32c is not the one the store keeps for the object: damaged on the way (the network, a proxy), not in the store; try again later: %v", s.url(t.Name), read, err)
+		if n == transitReads {
+			return fmt.Errorf("read %s: %d reads delivered bytes whose crc32c is not the one the store keeps for the object: damaged on the way (the network, a proxy), not in the store; try again later: %v", name, n, err)
 		}
-		slog.Warn("backup location: bytes read do not match the crc32c the store keeps (damaged on the way); reading again", "object", s.url(t.Name), "read", read, "of", transitReads, "err", err)
+		slog.Warn("backup location: bytes read do not match the crc32c the store keeps (damaged on the way); reading again", "object", name, "read", n, "of", transitReads, "err", err)
 		if err := gax.Sleep(ctx, pause); err != nil {
-			return 0, 0, err
+			return err
 		}
 		pause *= 2
 	}
 }
-
-// transitReads bounds the reads of an object whose bytes arrive damaged (GetFile), transitPause
-// is the pause after the first, doubled after each next one.
-const transitReads = 5
-
-var transitPause = 500 * time.Millisecond
 
 // readRange copies one range of generation gen into the file and returns
 // its CRC32C. An attempt that fails is started over from the range's start.

@@ -7,15 +7,12 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
-	"log/slog"
 	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"time"
-
-	"github.com/googleapis/gax-go/v2"
 )
 
 // ObjectStore is a flat namespace of objects, each written whole, modelled
@@ -254,22 +251,15 @@ func (e tooLargeError) Error() string { return fmt.Sprintf("larger than %d bytes
 // the way failed the job's restore plan, and twice the restore marked intact
 // data damaged for good (black-box h55, a proxy damaging every second read).
 func ReadSmall(ctx context.Context, s ObjectStore, name string, limit int64) ([]byte, error) {
-	pause := transitPause
-	for read := 1; ; read++ {
-		data, err := readSmallOnce(ctx, s, name, limit)
-		var ce *ChecksumError
-		if !errors.As(err, &ce) {
-			return data, err
-		}
-		if read == transitReads {
-			return nil, fmt.Errorf("read %s: %d reads delivered bytes whose crc32c is not the one the store keeps for the object: damaged on the way (the network, a proxy), not in the store; try again later: %v", name, read, err)
-		}
-		slog.Warn("backup location: bytes read do not match the crc32c the store keeps (damaged on the way); reading again", "object", name, "read", read, "of", transitReads, "err", err)
-		if err := gax.Sleep(ctx, pause); err != nil {
-			return nil, err
-		}
-		pause *= 2
+	var data []byte
+	err := readAgainOnTheWay(ctx, name, func() (err error) {
+		data, err = readSmallOnce(ctx, s, name, limit)
+		return err
+	})
+	if err != nil {
+		return nil, err
 	}
+	return data, nil
 }
 
 func readSmallOnce(ctx context.Context, s ObjectStore, name string, limit int64) ([]byte, error) {
