@@ -447,10 +447,10 @@ func (f *fileNode) dropLinkBy(byJob bool) (doomed, forget bool) {
 			f.heldTimer = time.AfterFunc(kernelHeldMax, f.letGo)
 		}
 	}
-	if doomed {
-		f.fs.doom(f)
-	} else if forget {
+	if forget { // its blocks were just read: doom would read them again
 		f.fs.doomWith(f, f.heldBytes)
+	} else if doomed {
+		f.fs.doom(f)
 	}
 	if f.nlink == 0 {
 		f.cancelHolds()
@@ -524,14 +524,6 @@ func (f *fileNode) endHold(h *spoolHold) {
 // hold of the agent, or the kernel's reference after the job removed it. Caller holds mu.
 func (f *fileNode) unused() bool {
 	return f.nlink == 0 && f.opens == 0 && f.releasing == 0 && len(f.holds) == 0 && !f.kernelHeld
-}
-
-// handlesGone reports whether no handle, release or hold of f remains (the kernel may still
-// hold the node: kernelHeld).
-func (f *fileNode) handlesGone() bool {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.opens == 0 && f.releasing == 0 && len(f.holds) == 0
 }
 
 // heldBy reports whether f's bytes wait for the kernel's FORGET (kernelHeld) and whether a

@@ -153,12 +153,7 @@ func TestFileOnlyTheKernelHoldsCostsOneWait(t *testing.T) {
 	m := srv.ns.m
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "ballast"), make([]byte, 40<<20), 0o644))
 	require.True(t, m.spaceShort() && m.roomToKeep(1<<20), "short of space, with room to keep 1 MiB")
-	p := filepath.Join(dir, "held")
-	require.NoError(t, os.WriteFile(p, make([]byte, 1<<20), 0o644))
-	fd, err := unix.Open(p, unix.O_PATH|unix.O_CLOEXEC, 0)
-	require.NoError(t, err)
-	t.Cleanup(func() { unix.Close(fd) })
-	require.NoError(t, os.Remove(p))
+	removedButHeld(t, filepath.Join(dir, "held"), 1<<20)
 	require.EqualValues(t, 1, m.nheld.Load())
 	before := m.waits.Load()
 	for i := 0; i < 20; i++ {
@@ -169,19 +164,13 @@ func TestFileOnlyTheKernelHoldsCostsOneWait(t *testing.T) {
 }
 
 // TestFreedFileOpenedAfterItsRemovalIsCounted: a file doomed with no handle (its bytes waiting
-// for the kernel's FORGET only) is recorded without a look at its spool file; opened then by an
-// open that raced its removal and held open, it keeps its bytes, which freedButOpen (the RAM
-// the agent's warnings and status count as held by the job) must count, not take for 0 (a
-// review).
+// for the kernel's FORGET only), then opened by an open that raced its removal and held open,
+// keeps its bytes, which freedButOpen (the RAM the agent's warnings and status count as held by
+// the job) must count: it took them for 0 (a review).
 func TestFreedFileOpenedAfterItsRemovalIsCounted(t *testing.T) {
 	dir, srv, _, _ := mountWithEventsBudget(t, PassthroughOff, 64<<20)
 	m := srv.ns.m
-	p := filepath.Join(dir, "state")
-	require.NoError(t, os.WriteFile(p, make([]byte, 4<<20), 0o644))
-	fd, err := unix.Open(p, unix.O_PATH|unix.O_CLOEXEC, 0)
-	require.NoError(t, err)
-	t.Cleanup(func() { unix.Close(fd) })
-	require.NoError(t, os.Remove(p))
+	fd := removedButHeld(t, filepath.Join(dir, "state"), 4<<20)
 	f, err := os.Open(fmt.Sprintf("/proc/self/fd/%d", fd))
 	require.NoError(t, err)
 	t.Cleanup(func() { f.Close() })
@@ -241,4 +230,16 @@ func TestReplacingAFileOthersReadDoesNotWait(t *testing.T) {
 			require.NoError(t, err, "the reader still reads the old version")
 		})
 	}
+}
+
+// removedButHeld writes size bytes to p, holds the file with an O_PATH descriptor (closed when
+// the test ends) as an open racing its removal does, removes it and returns the descriptor.
+func removedButHeld(t *testing.T, p string, size int) int {
+	t.Helper()
+	require.NoError(t, os.WriteFile(p, make([]byte, size), 0o644))
+	fd, err := unix.Open(p, unix.O_PATH|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Close(fd) })
+	require.NoError(t, os.Remove(p))
+	return fd
 }

@@ -783,26 +783,22 @@ func (d *dirNode) newFile(ctx context.Context, name string, mode uint32) (*fileN
 
 // dropped tells a node that one of its names is going away. It returns the file if that was
 // its last name while it still has handles (see space.go), nil otherwise.
+func dropped(ch *gofs.Inode) (doomed *fileNode) {
+	doomed, _ = droppedBy(ch, false)
+	return doomed
+}
+
 // droppedByJob is dropped for a name the job removed (unlink, rename over it): when that was a
 // file's last name, forget says the caller must call ch.ForgetPersistent once the name is out of
 // the tree (fileNode.dropLinkBy).
-func droppedByJob(ch *gofs.Inode) (doomed *fileNode, forget bool) {
-	n, ok := ch.Operations().(*fileNode)
-	if !ok {
-		return dropped(ch), false
-	}
-	d, forget := n.dropLinkBy(true)
-	if d {
-		doomed = n
-	}
-	return doomed, forget
-}
+func droppedByJob(ch *gofs.Inode) (doomed *fileNode, forget bool) { return droppedBy(ch, true) }
 
-func dropped(ch *gofs.Inode) (doomed *fileNode) {
+func droppedBy(ch *gofs.Inode, byJob bool) (doomed *fileNode, forget bool) {
 	switch n := ch.Operations().(type) {
 	case *fileNode:
-		if n.dropLink() {
-			return n
+		var d bool
+		if d, forget = n.dropLinkBy(byJob); d {
+			doomed = n
 		}
 	case *dirNode:
 		n.mu.Lock()
@@ -813,7 +809,7 @@ func dropped(ch *gofs.Inode) (doomed *fileNode) {
 	case *specialNode:
 		n.dropLink()
 	}
-	return nil
+	return doomed, forget
 }
 
 // ---------------------------------------------------------------------------------------------

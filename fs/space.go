@@ -333,11 +333,13 @@ func (m *mtfs) awaitDoomed(only *fileNode, minGrace time.Duration, forgetsOnly b
 	timer := time.NewTimer(releaseGrace)
 	defer timer.Stop()
 	for {
-		if only != nil && only.handlesGone() {
-			// The unlink or rename that doomed it waits for its handles only: when the job
-			// removed it, the kernel's FORGET that frees it comes after the request's answer
-			// (fileNode.kernelHeld), and the job's next requests wait for that.
-			return
+		if only != nil {
+			if _, handles := only.heldBy(); !handles {
+				// The unlink or rename that doomed it waits for its handles only: when the job
+				// removed it, the kernel's FORGET that frees it comes after the request's answer
+				// (fileNode.kernelHeld), and the job's next requests wait for that.
+				return
+			}
 		}
 		m.relMu.Lock()
 		var pending []*fileNode
