@@ -1041,7 +1041,10 @@ func TestLinesAreNeitherOverwrittenNorCarriedOver(t *testing.T) {
 	misname("03")
 	waitLines("01", "02", "03")
 
-	// A line of this incarnation that could not be written is not the next one's news.
+	// A line of this incarnation that could not be written is not the next one's own news: it
+	// goes to the next incarnation labelled as never read, before that one's own lines (it
+	// was lost, and a job restarted after a seal that failed so was told nothing: a black-box
+	// run).
 	failing.Store(true)
 	misname("04")
 	h.eventually("the second failed write", func() string {
@@ -1056,7 +1059,10 @@ func TestLinesAreNeitherOverwrittenNorCarriedOver(t *testing.T) {
 	h.yamlOrbax(baseYAML)
 	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
 	misname("-5")
-	waitLines("-5")
+	waitLines("04", "-5")
+	l := h.lines(layout.ReplicatorErrorsName)
+	assert.Contains(t, l[0], "not read by the job before this start (replicator.errors, which could not be written at ")
+	assert.NotContains(t, l[1], "not read by the job")
 }
 
 // TestKeptRecordGoesWithARestartDuringTheTries: a job that restarts while a commit's hash still

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -276,13 +277,32 @@ func (l *jobLines) takeUnread(job string) []string {
 			data = old // nil when unreadable: removed all the same
 			return nil, true, nil
 		})
-		for line := range strings.Lines(string(data)) {
+		// Lines whose write failed are the job's unread news too: with the spool read-only for a
+		// moment, the line saying a commit could not be sealed was never written, and the
+		// restarted job restored the step before without a word (a black-box run).
+		l.mu.Lock()
+		u := l.unwritten[file]
+		if u.cfg != nil && u.cfg.JobName == job {
+			delete(l.unwritten, file)
+		} else {
+			u.lines = nil
+		}
+		l.mu.Unlock()
+		text := string(data)
+		if text != "" && !strings.HasSuffix(text, "\n") {
+			text += "\n"
+		}
+		written := strings.Count(text, "\n") // the lines after these were never written
+		for i, line := range slices.Collect(strings.Lines(text + strings.Join(u.lines, ""))) {
 			// "<time> job=J node=R/N LEVEL message"
 			f := strings.SplitN(strings.TrimSpace(line), " ", 5)
 			if len(f) < 5 || f[1] != "job="+job || strings.HasPrefix(f[4], unreadLabel) || strings.HasPrefix(f[4], restartNotice) {
 				continue
 			}
 			carried := fmt.Sprintf("%s (%s, written at %s): %s %s", unreadLabel, file, f[0], f[3], f[4])
+			if i >= written {
+				carried = fmt.Sprintf("%s (%s, which could not be written at %s): %s %s", unreadLabel, file, f[0], f[3], f[4])
+			}
 			if file == layout.ReplicatorFailedName {
 				fatal = append(fatal, carried)
 			} else {

@@ -113,7 +113,10 @@ func (s *sealer) run() {
 			// What it means, and what to do when it is a shortage (a re-run held the agent's
 			// descriptors for longer than the tries last: the line said only the error).
 			hint := ""
-			if retryableSeal(err) {
+			switch {
+			case errors.Is(err, syscall.EROFS):
+				hint = " (the spool " + s.spool.Dir() + " is read-only: remount it read-write)"
+			case retryableSeal(err):
 				hint = " (raise the agent's --memory or descriptor limit, or hold fewer files open)"
 			}
 			// To the job's incarnation now: one that restarted during the tries restored the
@@ -153,12 +156,14 @@ var sealRetries = func() []time.Duration {
 const sealRetryFor = 2 * time.Minute
 
 // retryableSeal reports whether a commit's record or hash failed on a shortage that passes: open
-// files (the job held the agent's descriptors), memory, or the spool's room. A committed step
-// whose record could not be written on such an error was dropped, the job's rename having
-// returned: a job restart on the same agent, or the agent's, restored the step before (found by
-// a black-box run with a low open-file limit).
+// files (the job held the agent's descriptors), memory, or the spool's room; or on a spool
+// made read-only for a while (`mount -o remount,ro`). A committed step whose record could not be
+// written on such an error was dropped, the job's rename having returned: a job restart on the
+// same agent, or the agent's, restored the step before (found by a black-box run with a low
+// open-file limit; and by one that remounted the spool read-only for a second: both steps the
+// job had just committed were lost, its restart told nothing).
 func retryableSeal(err error) bool {
-	for _, e := range []error{syscall.EMFILE, syscall.ENFILE, syscall.ENOMEM, syscall.ENOSPC, syscall.EAGAIN, syscall.EINTR} {
+	for _, e := range []error{syscall.EMFILE, syscall.ENFILE, syscall.ENOMEM, syscall.ENOSPC, syscall.EAGAIN, syscall.EINTR, syscall.EROFS} {
 		if errors.Is(err, e) {
 			return true
 		}

@@ -1324,6 +1324,14 @@ func (s *Spool) Detached() bool {
 	return s.ownMount && !isTmpfsMount(s.dir)
 }
 
+// ReadOnly reports whether the spool's file system is mounted read-only (a `mount -o
+// remount,ro` under the agent): commits cannot be recorded or sealed meanwhile; they are tried
+// again until it is writable again, for up to 2 minutes after each commit.
+func (s *Spool) ReadOnly() bool {
+	var fs unix.Statfs_t
+	return unix.Statfs(s.dir, &fs) == nil && fs.Flags&unix.ST_RDONLY != 0
+}
+
 // isTmpfsMount reports whether dir is itself the root of a tmpfs mount.
 func isTmpfsMount(dir string) bool {
 	// A --spool given as a symlink: its target's parent, not the link's (a link on a disk to a

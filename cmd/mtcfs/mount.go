@@ -823,6 +823,7 @@ func runMount(cfg mountConfig) error {
 	var ready atomic.Bool
 	var served atomic.Pointer[mfs.Server]
 	var toldUnready sync.Once
+	var toldReadOnly atomic.Bool // logged once per read-only spell
 	// /readyz: mounted, and still reachable. A mount detached lazily (umount -l) while a process
 	// held it, or a spool tmpfs unmounted from under the agent, left the probes at 200 and
 	// status at "running" while no job could use the node (a black-box run of an operator).
@@ -835,10 +836,19 @@ func runMount(cfg mountConfig) error {
 			why = "the mount at " + cfg.dir + " was detached (umount -l) while a process held it: no job can reach it; stop the agent (the spool is kept) and start it again"
 		} else if spool.Detached() {
 			why = "the spool's tmpfs at " + spool.Dir() + " was unmounted from under the agent: the checkpoints it held are out of reach; stop the agent and start it again"
+		} else if spool.ReadOnly() {
+			// A black-box run remounted it read-only for a second: the seals failed, and
+			// status said nothing.
+			why = "the spool at " + spool.Dir() + " is read-only (remounted under the agent): the job's commits cannot be sealed, nor its reports written; remount it read-write (mount -o remount,rw " + spool.Dir() + ")"
+			if toldReadOnly.CompareAndSwap(false, true) {
+				slog.Error(why)
+			}
+			return why
 		}
 		if why != "" {
 			toldUnready.Do(func() { slog.Error(why) })
 		}
+		toldReadOnly.Store(false)
 		return why
 	}
 	info := agents.Info{PID: os.Getpid(), Version: version, SpoolDir: spool.Dir()}

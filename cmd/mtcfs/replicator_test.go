@@ -806,6 +806,57 @@ func TestKillDuringAdoption(t *testing.T) {
 	}, 10*time.Second, 20*time.Millisecond, "the killed agents' files are never removed")
 }
 
+// TestSpoolReadOnlyForAMomentLosesNoCommit: a spool remounted read-only for a moment right after
+// the job committed a step (`mount -o remount,ro`, then rw) loses no commit: its seal is tried
+// again until the spool is writable, /readyz and status say why meanwhile, and the job's
+// restart restores the step. The seal failed once with EROFS, the step was "not checkpointed",
+// the line saying so could not be written, and the restarted job started from the step before
+// without a word (a black-box run: 3 of 4).
+func TestSpoolReadOnlyForAMomentLosesNoCommit(t *testing.T) {
+	needRoot(t)
+	t.Setenv(sealDelayEnv, "1s") // the commit is still unsealed when the spool turns read-only
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t, "--http", "127.0.0.1:0")
+	addr := agentHTTPAddr(t, a)
+	const job = "ro"
+	o := startedOrbax(t, ctx, n.dir, job, 60)
+	require.NoError(t, o.Save(ctx, 1))
+	waitStepSealed(t, n.dir, job, 1)
+	require.NoError(t, o.Save(ctx, 2))
+	readOnly := func(ro bool) {
+		flags := uintptr(unix.MS_REMOUNT)
+		if ro {
+			flags |= unix.MS_RDONLY
+		}
+		require.NoError(t, unix.Mount("none", n.spool, "", flags, ""))
+	}
+	readOnly(true)
+	t.Cleanup(func() { unix.Mount("none", n.spool, "", unix.MS_REMOUNT, "") }) // also on failure: the agent's stop must write
+	resp, err := http.Get("http://" + addr + "/readyz")
+	require.NoError(t, err)
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+	assert.Contains(t, string(body), "the spool at "+n.spool+" is read-only")
+	repWait(t, 20*time.Second, "the seal to fail on the read-only spool", func() bool {
+		return strings.Contains(a.log(), "sealing a committed step failed; trying again") && strings.Contains(a.log(), "read-only file system")
+	})
+	readOnly(false)
+	waitStepSealed(t, n.dir, job, 2)
+	out, code := runMtcfs(t, "status", "--http", addr)
+	assert.Equal(t, 0, code, out)
+	assert.NotContains(t, out, "NOT READY")
+
+	o = orbaxClient(t, n.dir, job, 60)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found && step == 2, "restored step %d (found %v), want 2\n%s", step, found, a.log())
+	require.NoError(t, o.VerifyRestored(ctx, 2))
+	assert.Empty(t, o.Errors(), "replicator.errors")
+	assert.NotContains(t, a.log(), "seal failed")
+}
+
 // TestReadyzSaysWhenTheNodeIsUnreachable: /readyz answers 503, with why, once the mount was
 // detached lazily while a process held it (the directory no longer leads to the agent: a job's
 // restart writes its replicator.yaml below it and waits in vain), or once the spool's tmpfs was
