@@ -63,6 +63,10 @@ type fileNode struct {
 	// limit is the largest size a control file may reach (0: none); such files never use
 	// passthrough, so that every write passes the check.
 	limit int64
+	// ctlChanges counts the changes to a control file's bytes (limit > 0): its creation, writes,
+	// truncations. The handshake removes only the version of replicator.yaml it read
+	// (namespace.RemoveControl): one the job wrote again in place meanwhile is answered next.
+	ctlChanges atomic.Uint64
 	// dataMu orders the agent's writes of the file's bytes (WRITE, fallocate, copy_file_range
 	// into it) with a copy of them into a checkpoint: a write holds it shared from its frozen
 	// check to the end of its change, exportTo exclusively. A write the job was told had
@@ -167,6 +171,7 @@ func (f *fileNode) setattr(fh gofs.FileHandle, in *fuse.SetAttrIn) syscall.Errno
 		if size == 0 {
 			f.fs.rewritten(f) // the lost pages are gone with the rest (writeback.go)
 		}
+		f.changedControl()
 	}
 	atime, aok := in.GetATime()
 	mtime, mok := in.GetMTime()
@@ -266,6 +271,7 @@ func (f *fileNode) openFd(ctx context.Context, fd int, flags uint32, commitName 
 		}
 		f.chargeTo(0, true)
 		f.fs.rewritten(f)
+		f.changedControl()
 	}
 	f.opens++
 	h := &fileHandle{node: f, fd: fd, writable: flags&syscall.O_ACCMODE != syscall.O_RDONLY,
@@ -687,6 +693,13 @@ func (h *fileHandle) Read(ctx context.Context, dest []byte, off int64) (fuse.Rea
 	return fuse.ReadResultFd(uintptr(h.fd), off, len(dest)), 0
 }
 
+// changedControl notes a change to the bytes of a control file (ctlChanges).
+func (f *fileNode) changedControl() {
+	if f.limit > 0 {
+		f.ctlChanges.Add(1)
+	}
+}
+
 // isControl reports whether f is a control file (replicator.yaml) by its name now: the size
 // limit stays with a node renamed away, the exemptions from the budget must not (a job renaming
 // replicator.yaml.tmp to other names would overdraw it at will; found by a review).
@@ -746,6 +759,7 @@ func (h *fileHandle) Write(ctx context.Context, data []byte, off int64) (uint32,
 		if err != nil && n <= 0 {
 			return h.node.fs.toErrno("write", err)
 		}
+		h.node.changedControl()
 		return 0
 	})
 	switch {
@@ -1027,6 +1041,7 @@ func (h *fileHandle) Allocate(ctx context.Context, off uint64, size uint64, mode
 				return errno
 			}
 		}
+		h.node.changedControl()
 		return h.node.fs.toErrno("fallocate", unix.Fallocate(h.fd, mode, int64(off), int64(size)))
 	})
 }

@@ -429,6 +429,12 @@ func DetachStale(dir string, takeoverAfter time.Duration) (bool, error) {
 		if pid := tiers.MountProcessFor(abs); pid > 0 {
 			return false, fmt.Errorf("%s is already a live FUSE mount, served by the mtcfs agent pid %d: stop it first (a stopping agent first lets a running backup finish, up to its --drain-timeout, then waits up to 30 s for the processes that use its mount; its log names them)", what, pid)
 		}
+		if uid, others, ok := fuseMountOwner(abs); ok && !others && uid != uint32(os.Geteuid()) {
+			// Its statfs is answered by the kernel, not its agent: another user's mount without
+			// allow_other tells nothing to this user, root included. A killed non-root agent's
+			// was called live, with no way out named (black-box h57).
+			return false, fmt.Errorf("%s is a FUSE mount of uid %d, which this user may not look into (it was mounted without allow_other), and no mtcfs agent process for it runs here: if its agent was killed, detach it (umount -l %s as root, or fusermount3 -u -z %s as uid %d) and start again; if its agent runs (in another PID namespace), stop it first", what, uid, abs, abs, uid)
+		}
 		return false, fmt.Errorf("%s is already a live FUSE mount (another mtcfs agent?); stop it or unmount it first", what)
 	case errors.Is(err, errNoAnswer):
 		if fstype != mountType {
@@ -499,6 +505,18 @@ const mountType = "fuse.mtcfs"
 
 // fuseMountType returns the file system type ("fuse.mtcfs", "fuse.sshfs", "fuse") of the FUSE
 // mount exactly at abs, or "" if there is none (the top one, if several are stacked).
+// fuseMountOwner returns the uid the FUSE mount at abs was made for and whether it allows
+// other users (ok: it is one, and its options say).
+func fuseMountOwner(abs string) (uid uint32, allowOther, ok bool) {
+	mounts, _ := fusectl.Mounts()
+	for _, m := range mounts {
+		if m.Point == abs && m.IsFUSE() {
+			uid, allowOther, ok = m.Owner() // the last: of mounts stacked on one point, the top one
+		}
+	}
+	return uid, allowOther, ok
+}
+
 func fuseMountType(abs string) string {
 	mounts, _ := fusectl.Mounts()
 	fstype := ""

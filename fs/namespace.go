@@ -180,6 +180,7 @@ func (ns *namespace) newAgentFile(name string, data []byte) (*fileNode, *gofs.In
 	}
 	fn := &fileNode{fs: ns.m, backing: p, nlink: 1}
 	fn.init(context.Background(), 0o644)
+	ns.m.agentOwned(&fn.meta)
 	// The agent's own files (a .meta, a line in replicator.failed) are counted even past an
 	// agent-accounted budget, as the tmpfs headroom lets them be written as root: the job's
 	// writes fail instead. Refused, a kept spool that held more than the budget failed the
@@ -196,7 +197,9 @@ func (ns *namespace) newAgentFile(name string, data []byte) (*fileNode, *gofs.In
 }
 
 func (ns *namespace) Symlink(target, name string) error {
-	ch := ns.root.NewPersistentInode(context.Background(), newSymlink(context.Background(), target),
+	l := newSymlink(context.Background(), target)
+	ns.m.agentOwned(&l.meta)
+	ch := ns.root.NewPersistentInode(context.Background(), l,
 		gofs.StableAttr{Mode: syscall.S_IFLNK, Ino: ns.m.newIno()})
 	return ns.install(name, ch, false)
 }
@@ -528,6 +531,14 @@ func (ns *namespace) HoldSpoolFile(ctx context.Context, path string) (string, co
 	}
 	return p, hctx, end, nil
 }
+
+// OwnAgentFiles makes uid:gid the owner of the entries the agent makes at the top from now on
+// (tiers.AgentFilesOwner).
+func (ns *namespace) OwnAgentFiles(uid, gid uint32) {
+	ns.m.agentOwner.Store(uint64(uid)<<32 | uint64(gid))
+}
+
+var _ tiers.AgentFilesOwner = (*namespace)(nil)
 
 func (ns *namespace) Owner(name string) (uid, gid uint32, err error) {
 	ch := ns.root.GetChild(name)

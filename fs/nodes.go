@@ -26,6 +26,12 @@ type mtfs struct {
 	parked      sync.Map // request cancel channel -> event to emit when the request succeeded
 	log         *slog.Logger
 	xattrs      bool // extended attributes served (Options.Xattrs): Seal counts the entries having some
+	// agentOwner is the owner (uid<<32 | gid) of the files and symlinks the agent makes at the
+	// top (markers, reports, .meta): the job's user (namespace.OwnAgentFiles), root until a job
+	// that runs as another user wrote its replicator.yaml. In a sticky mount root (--mode 1777)
+	// only an entry's owner may rename or remove it: the job's rename of its restore marker
+	// failed with EPERM when the marker was root's (black-box h57: every restore failed).
+	agentOwner atomic.Uint64
 	// sealedTop holds the top-level names of committed checkpoints (the trees Seal and Import
 	// made) and of the .meta files the agent writes: the job can neither remove, rename nor
 	// replace them.
@@ -777,6 +783,7 @@ func (d *dirNode) newFile(ctx context.Context, name string, mode uint32) (*fileN
 	}
 	if err == nil && d.IsRoot() {
 		fn.limit = tiers.WriteLimit(name)
+		fn.changedControl() // made: a yaml created empty and closed is the job's news too
 	}
 	return fn, fd, err
 }
@@ -827,6 +834,12 @@ var (
 	_ = (gofs.NodeGetattrer)((*symlinkNode)(nil))
 	_ = (gofs.NodeSetattrer)((*symlinkNode)(nil))
 )
+
+// agentOwned gives m, an entry the agent makes, the owner of the agent's entries (agentOwner).
+func (fs *mtfs) agentOwned(m *meta) {
+	o := fs.agentOwner.Load()
+	m.uid, m.gid = uint32(o>>32), uint32(o)
+}
 
 func newSymlink(ctx context.Context, target string) *symlinkNode {
 	l := &symlinkNode{target: target}

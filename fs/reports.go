@@ -263,3 +263,53 @@ func (ns *namespace) RemoveReport(name string, version uint64) error {
 }
 
 var _ tiers.ReportFiles = (*namespace)(nil)
+
+// ReadControl is ReadFile for a control file, with its version (tiers.ControlFiles).
+func (ns *namespace) ReadControl(name string, limit int64) ([]byte, tiers.ControlVersion, error) {
+	_, fn, ok := ns.controlFile(name)
+	if !ok {
+		return nil, tiers.ControlVersion{}, fmt.Errorf("read %s: %w", name, os.ErrNotExist)
+	}
+	v := fn.controlVersion()
+	data, err := fn.readAll(name, limit)
+	return data, v, err
+}
+
+// RemoveControl removes the control file name if it still holds v (tiers.ControlFiles).
+func (ns *namespace) RemoveControl(name string, v tiers.ControlVersion) error {
+	ch, fn, ok := ns.controlFile(name)
+	if !ok {
+		return nil
+	}
+	if now := fn.controlVersion(); now.Node != v.Node || now.Changes != v.Changes {
+		return tiers.ErrReportChanged
+	}
+	if !ns.root.RmChildIf(name, ch) { // replaced meanwhile (a rename onto it): the new one stays
+		return tiers.ErrReportChanged
+	}
+	if e := ns.m.notifier.Load(); e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, name)) {
+		ns.root.NotifyDelete(name, ch)
+	}
+	dropped(ch)
+	return nil
+}
+
+// controlFile returns the file at the top-level name.
+func (ns *namespace) controlFile(name string) (*gofs.Inode, *fileNode, bool) {
+	ch := ns.root.GetChild(name)
+	if ch == nil {
+		return nil, nil, false
+	}
+	fn, ok := ch.Operations().(*fileNode)
+	return ch, fn, ok
+}
+
+// controlVersion is the version of f as a control file.
+func (f *fileNode) controlVersion() tiers.ControlVersion {
+	f.mu.Lock()
+	writing := f.writers > 0
+	f.mu.Unlock()
+	return tiers.ControlVersion{Node: f.reportVersion(), Changes: f.ctlChanges.Load(), Writing: writing}
+}
+
+var _ tiers.ControlFiles = (*namespace)(nil)

@@ -20,6 +20,7 @@ type handshake struct {
 	*node
 	getenv   func(string) string
 	checkJob func(*Config) error // ReplicatorConfig.CheckJob
+	warnJob  func(*Config) string // ReplicatorConfig.WarnJob
 	incs     *incarnations
 	lines    *jobLines
 	recorder *commitRecorder // names waiting for sealing stay in the namespace
@@ -28,17 +29,44 @@ type handshake struct {
 
 // answer reads and consumes replicator.yaml.
 func (h *handshake) answer() {
-	data, err := h.ns.ReadFile(layout.ReplicatorYAMLName, MaxConfigSize)
+	var data []byte
+	var err error
+	remove := func() error { return h.ns.Remove(layout.ReplicatorYAMLName) }
+	cf, versioned := h.ns.(ControlFiles)
+	if versioned {
+		var v ControlVersion
+		data, v, err = cf.ReadControl(layout.ReplicatorYAMLName, MaxConfigSize)
+		if err == nil && v.Writing {
+			// Still being written (a handle open for writing): the last writer's close is
+			// reported and answered (a `touch` while the job wrote had half a file answered).
+			h.log.Info("replicator.yaml is still open for writing: it is answered at its last writer's close")
+			return
+		}
+		if err == nil {
+			// Only the version read: one the job wrote again meanwhile is answered next.
+			remove = func() error {
+				err := cf.RemoveControl(layout.ReplicatorYAMLName, v)
+				if errors.Is(err, ErrReportChanged) {
+					h.log.Warn("replicator.yaml was written again while the agent answered it: the new one is answered too")
+					return nil
+				}
+				return err
+			}
+		}
+	}
+	if !versioned || errors.Is(err, os.ErrNotExist) { // not a regular file: ReadFile says what
+		data, err = h.ns.ReadFile(layout.ReplicatorYAMLName, MaxConfigSize)
+	}
 	if errors.Is(err, os.ErrNotExist) {
 		return // already consumed (a close and a rename both announced it)
 	}
 	if err != nil {
-		h.ns.Remove(layout.ReplicatorYAMLName)
+		remove()
 		h.lines.failLine(nil, fmt.Sprintf("%s: %v", layout.ReplicatorYAMLName, err))
 		return
 	}
 	if len(strings.TrimSpace(string(data))) == 0 {
-		h.ns.Remove(layout.ReplicatorYAMLName)
+		remove()
 		h.log.Info("empty replicator.yaml deleted")
 		return
 	}
@@ -58,7 +86,7 @@ func (h *handshake) answer() {
 
 	if err != nil {
 		h.lines.failLine(partialConfig(data, h.getenv), err.Error())
-		h.ns.Remove(layout.ReplicatorYAMLName)
+		remove()
 		if refused {
 			h.log.Error("replicator.yaml refused: this agent cannot serve the job", "err", err)
 		} else {
@@ -71,11 +99,21 @@ func (h *handshake) answer() {
 	inc.Superseded = h.incs.supersede(inc.ID)
 	// The job's user: a root writer says nothing of it (a launcher may write the yaml for a job
 	// that then runs as someone else), and root reads any checkpoint anyway.
-	if uid, _, err := h.ns.Owner(layout.ReplicatorYAMLName); err == nil && uid != 0 {
-		inc.user = int64(uid)
+	if uid, gid, err := h.ns.Owner(layout.ReplicatorYAMLName); err == nil {
+		if uid != 0 {
+			inc.user = int64(uid)
+		}
+		if o, ok := h.ns.(AgentFilesOwner); ok {
+			o.OwnAgentFiles(uid, gid) // the markers and reports of this start are the job's
+		}
 	}
 	unread := h.lines.takeUnread(cfg.JobName)
 	h.cleanNamespace()
+	if h.warnJob != nil {
+		if w := h.warnJob(cfg); w != "" {
+			warnings = append(warnings, w)
+		}
+	}
 	for _, w := range warnings {
 		h.lines.errLine(cfg, w)
 	}
@@ -93,7 +131,7 @@ func (h *handshake) answer() {
 		// could not tell the job that its saves are no longer checkpointed.
 		h.log.Warn("record the job's incarnation in the spool's owner record", "err", err)
 	}
-	if err := h.ns.Remove(layout.ReplicatorYAMLName); err != nil {
+	if err := remove(); err != nil {
 		h.log.Error("delete replicator.yaml", "err", err)
 	}
 	// The new incarnation starts with no early groups: the peers drop an earlier one's when

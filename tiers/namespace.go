@@ -80,6 +80,33 @@ type ReportFiles interface {
 	RemoveReport(name string, version uint64) error
 }
 
+// AgentFilesOwner is implemented by namespaces whose entries have owners: the files and
+// symlinks the agent makes at the top (restore markers, reports, prerestore, .meta) get
+// uid:gid, the job's user, from the handshake on. In a sticky mount root only an entry's owner
+// may rename or remove it, and the job renames its marker and unlinks its reports.
+type AgentFilesOwner interface {
+	OwnAgentFiles(uid, gid uint32)
+}
+
+// ControlFiles is implemented by namespaces that tell the version of a control file
+// (replicator.yaml) read, so that the handshake removes only the yaml it answered: a job that
+// wrote the file again in place at once (NeMo writes it directly) had its second yaml removed
+// unanswered, without a word (black-box h59: 10 of 10).
+type ControlFiles interface {
+	// ReadControl is ReadFile, with the version read.
+	ReadControl(name string, limit int64) (data []byte, v ControlVersion, err error)
+	// RemoveControl removes name if it still holds v; otherwise it returns ErrReportChanged
+	// and removes nothing.
+	RemoveControl(name string, v ControlVersion) error
+}
+
+// ControlVersion is a version of a control file: the file (Node) and how many times its bytes
+// changed (Changes). Writing: a handle that may write it is open (its last close is reported).
+type ControlVersion struct {
+	Node, Changes uint64
+	Writing       bool
+}
+
 // ErrReportChanged: the report file is no longer the version read.
 var ErrReportChanged = errors.New("the report file changed since it was read")
 

@@ -52,6 +52,11 @@ type ReplicatorConfig struct {
 	// from how it was started: a file:// backup location whose directory for the job holds the
 	// mount (its backups would go into the agent's own RAM).
 	CheckJob func(cfg *Config) error
+	// WarnJob, when set, returns a line the job gets in replicator.errors at each handshake
+	// ("": none): a file:// backup location the agent may not write to, or that does not
+	// exist, which only its start's log told of (black-box h57: the job saved for 10 minutes
+	// with every backup bound to fail, told nothing).
+	WarnJob func(cfg *Config) string
 }
 
 // DefaultRestoreWait is ReplicatorConfig.RestoreWait's default: the Orbax client's 300 s,
@@ -263,7 +268,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	// The start of each incarnation: the handshake answers replicator.yaml and starts the
 	// restore, which waits until what was committed before is sealed, restores, starts the
 	// incarnation's backup loop and queues the restored step to the syncer.
-	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines, checkJob: cfg.CheckJob,
+	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines, checkJob: cfg.CheckJob, warnJob: cfg.WarnJob,
 		recorder: r.recorder, restorer: &restorer{node: n, coord: cfg.Coordinator, store: cfg.Store, peers: cfg.Peers,
 			incs: r.incs, lines: r.lines, retention: r.retention, recorder: r.recorder, backups: r.backups, synced: syncQ,
 			keptSpools: cfg.KeptSpools, sealer: r.sealer}}

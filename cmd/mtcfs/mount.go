@@ -588,6 +588,26 @@ func backupJobCheck(dir, rawURL string) func(*tiers.Config) error {
 	}
 }
 
+// backupJobWarning returns WarnJob for a file:// backup location: the line a job gets at each
+// handshake while the agent may not write there, or while the directory does not exist (but for
+// the default location, made at the first backup), as its start logged.
+func backupJobWarning(rawURL string) func(*tiers.Config) string {
+	path, ok := fileBackupDir(rawURL)
+	if !ok {
+		return nil
+	}
+	return func(*tiers.Config) string {
+		existing, rest := resolveExisting(path)
+		if err := unix.Faccessat(unix.AT_FDCWD, existing, unix.W_OK|unix.X_OK, unix.AT_EACCESS); err != nil {
+			return fmt.Sprintf("the backup location %s cannot be written by this node's agent (%s: %v): every backup of this job fails until it can; give the agent a --backup directory its user may write to", rawURL, existing, err)
+		}
+		if rest != "" && rawURL != gcsbackend.DefaultURL() {
+			return fmt.Sprintf("the backup location %s does not exist (%s is missing under %s): the first backup makes it, and a restore finds no backup there; if it should exist (a mistyped --backup, the disk it is on not mounted), stop the agent and fix --backup", rawURL, rest, existing)
+		}
+		return ""
+	}
+}
+
 // checkBackupBesideSpool refuses a file:// backup location at or below the spool: the backups
 // took the job's RAM budget, and freeing the spool deleted them (found by a black-box run).
 func checkBackupBesideSpool(spool, rawURL string) error {
@@ -819,7 +839,7 @@ func runMount(cfg mountConfig) error {
 	}
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
 		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, KeptSpools: func() ([]tiers.SpoolInfo, error) { return localSpools.OrphanedOrOf(cfg.dir, cfg.spoolDir) },
-		CheckJob: backupJobCheck(cfg.dir, cfg.backupURL)})
+		CheckJob: backupJobCheck(cfg.dir, cfg.backupURL), WarnJob: backupJobWarning(cfg.backupURL)})
 	var ready atomic.Bool
 	var served atomic.Pointer[mfs.Server]
 	var toldUnready sync.Once

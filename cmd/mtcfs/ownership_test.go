@@ -44,6 +44,35 @@ i=0; while [ ! -e uidjob-s1-n0-w0.meta ]; do i=$((i+1)); [ $i -lt 500 ] || { ech
 echo saved
 `
 
+// TestStickyMountRootJobOwnsItsMarkers: in a sticky mount root (--mode 1777, root's), only an
+// entry's owner may rename or remove it; the restore markers, reports and prerestore the agent
+// makes for a job running as uid 1000 are that job's, so that it removes and renames them as
+// Orbax does. They were root's, and every restore failed with EPERM (black-box h57, with
+// Orbax and NeMo clients).
+func TestStickyMountRootJobOwnsItsMarkers(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	tmp := filepath.Clean(os.TempDir())
+	for p := filepath.Dir(n.dir); p != tmp; p = filepath.Dir(p) {
+		require.True(t, strings.HasPrefix(p, tmp+"/"), "%s is not below TMPDIR %s", p, tmp)
+		require.NoError(t, os.Chmod(p, 0o755))
+	}
+	a := n.start(t, "--uid", "0", "--gid", "0", "--mode", "1777")
+	out, err := asUser(t, 1000, 1000, n.dir, orbaxSaveScript) // removes its fresh-start marker
+	require.NoError(t, err, "the job as uid 1000: %s\n%s", out, a.log())
+	require.Contains(t, out, "saved")
+	out, err = asUser(t, 1000, 1000, n.dir, `
+printf 'job-name: uidjob\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60' > replicator.yaml
+i=0; while [ ! -e uidjob-s1-n0-w0.restore ]; do i=$((i+1)); [ $i -lt 500 ] || { echo "no marker"; exit 1; }; sleep 0.02; done
+stat -c '%n %u:%g' uidjob-s1-n0-w0.restore replicator.prerestore
+mv uidjob-s1-n0-w0.restore 1
+rm replicator.prerestore
+cat 1/_CHECKPOINT_METADATA`)
+	require.NoError(t, err, "%s\n%s", out, a.log())
+	assert.Contains(t, out, "uidjob-s1-n0-w0.restore 1000:1000\nreplicator.prerestore 1000:1000\n")
+	assert.Contains(t, out, `{"step": 1}`)
+}
+
 // TestJobRunningAsAnotherUser: a root agent serving a directory that belongs to uid 1000 gives
 // the mount root to uid 1000, whose job saves through the replicator protocol and restores; with
 // --uid naming someone else, the same job is refused (EACCES), as on that directory.
@@ -274,4 +303,34 @@ func TestNonRootDevelopment(t *testing.T) {
 		t.Fatalf("the agent did not stop\n%s", log())
 	}
 	assert.False(t, isMounted(dir), "unmounted through fusermount3")
+
+	// The user's agent is killed: its mount stays, dead. Root may not look into it (no
+	// allow_other: the kernel answers root's statfs itself), so root's agent cannot tell it
+	// dead; it names whose mount it is and how to detach it (it said "already a live FUSE
+	// mount (another mtcfs agent?)": black-box h57).
+	cmd = run("mount", dir, "--memory", "64MiB")
+	serving = make(chan string, 1)
+	done, err = startLogged(cmd, func(line string) {
+		if strings.Contains(line, servingLine) {
+			select {
+			case serving <- line:
+			default:
+			}
+		}
+	})
+	require.NoError(t, err)
+	select {
+	case <-serving:
+	case err := <-done:
+		t.Fatalf("the agent exited: %v", err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the agent did not serve within 20s")
+	}
+	require.NoError(t, cmd.Process.Kill())
+	<-done
+	require.True(t, isMounted(dir), "a killed agent's mount stays")
+	out3, code := runBounded(t, 30*time.Second, "mount", dir, "--memory", "64MiB", "--spool", filepath.Join(base, "root-spool"))
+	assert.Equal(t, 1, code, out3)
+	assert.Contains(t, out3, fmt.Sprintf("is a FUSE mount of uid %d, which this user may not look into", uid))
+	assert.Contains(t, out3, "umount -l "+dir)
 }

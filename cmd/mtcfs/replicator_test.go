@@ -806,6 +806,56 @@ func TestKillDuringAdoption(t *testing.T) {
 	}, 10*time.Second, 20*time.Millisecond, "the killed agents' files are never removed")
 }
 
+// TestYAMLAnsweredWhenItsWriterIsDone: replicator.yaml is answered at the close of its last
+// writer that changed it, and only the version read is removed. Black-box h59: an open for
+// writing closed without a write (`touch`) while the job still wrote the file had the agent
+// answer half a file (FATAL, the yaml removed, the job's rest written into nothing: 4 of 4);
+// and a yaml written again in place at once (NeMo writes it directly) was removed unanswered
+// with the first one's answer (10 of 10).
+func TestYAMLAnsweredWhenItsWriterIsDone(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	yamlPath := filepath.Join(n.dir, "replicator.yaml")
+	yaml := func(job string) string {
+		return "job-name: " + job + "\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60"
+	}
+	marker := func(job string) string { return filepath.Join(n.dir, job+"-s0-n0-w0.restore") }
+
+	t.Run("touched while written", func(t *testing.T) {
+		f, err := os.OpenFile(yamlPath, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+		require.NoError(t, err)
+		defer f.Close()
+		whole := yaml("half")
+		_, err = f.WriteString(whole[:20])
+		require.NoError(t, err)
+		for _, flags := range []int{os.O_WRONLY | os.O_CREATE, os.O_RDWR} { // touch; an open closed unwritten
+			g, err := os.OpenFile(yamlPath, flags, 0o644)
+			require.NoError(t, err)
+			require.NoError(t, g.Close())
+		}
+		time.Sleep(1500 * time.Millisecond) // the agent answers a close within milliseconds
+		assert.FileExists(t, yamlPath, "answered before its writer was done\n%s", a.log())
+		assert.NoFileExists(t, filepath.Join(n.dir, "replicator.failed"))
+		_, err = f.WriteString(whole[20:])
+		require.NoError(t, err)
+		require.NoError(t, f.Close())
+		repWait(t, 10*time.Second, "the job's handshake", func() bool { return pathExists(marker("half")) })
+		assert.NoFileExists(t, filepath.Join(n.dir, "replicator.failed"), "%s", a.log())
+		assert.NoFileExists(t, yamlPath)
+	})
+	t.Run("written twice at once", func(t *testing.T) {
+		for try := 0; try < 5; try++ {
+			first, second := fmt.Sprintf("first%d", try), fmt.Sprintf("second%d", try)
+			require.NoError(t, os.WriteFile(yamlPath, []byte(yaml(first)), 0o644))
+			require.NoError(t, os.WriteFile(yamlPath, []byte(yaml(second)), 0o644))
+			repWait(t, 10*time.Second, "the second yaml's answer", func() bool { return pathExists(marker(second)) })
+			repWait(t, 10*time.Second, "the yaml to go", func() bool { return !pathExists(yamlPath) })
+			assert.NoFileExists(t, filepath.Join(n.dir, "replicator.failed"), "%s", a.log())
+		}
+	})
+}
+
 // TestSpoolReadOnlyForAMomentLosesNoCommit: a spool remounted read-only for a moment right after
 // the job committed a step (`mount -o remount,ro`, then rw) loses no commit: its seal is tried
 // again until the spool is writable, /readyz and status say why meanwhile, and the job's

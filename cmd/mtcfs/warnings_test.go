@@ -138,11 +138,20 @@ func TestBackupLocationNotWritable(t *testing.T) {
 	assert.Contains(t, a.log(), "the backup location cannot be written by this agent")
 	repWait(t, 10*time.Second, "the probe's line", func() bool { return strings.Contains(a.log(), "the backup location can be read") })
 	assert.Contains(t, a.log(), "the backup location can be read, not written (above)", "not a plain \"can be read\" after the warning")
+	// The job is told at its start, not the agent's log only (black-box h57: it saved for 10
+	// minutes with every backup bound to fail).
+	ctx := repCtx(t)
+	o := startedOrbax(t, ctx, n.dir, "job", 60)
+	errs := strings.Join(o.Errors(), "\n")
+	assert.Contains(t, errs, "the backup location "+n.backup+" cannot be written by this node's agent")
+	assert.Contains(t, errs, "read-only file system")
 	stopAgent(t, a)
 
 	n.backup = ""
 	b := n.start(t)
 	assert.NotContains(t, b.log(), "cannot be written")
+	o = startedOrbax(t, ctx, n.dir, "job", 60)
+	assert.Empty(t, o.Errors())
 	stopAgent(t, b)
 }
 
@@ -157,6 +166,8 @@ func TestBackupLocationMissing(t *testing.T) {
 	a := n.start(t)
 	assert.Contains(t, a.log(), warning)
 	assert.Contains(t, a.log(), "missing=bakcups")
+	o := startedOrbax(t, repCtx(t), n.dir, "job", 60) // the job is told too
+	assert.Contains(t, strings.Join(o.Errors(), "\n"), "the backup location "+n.backup+" does not exist (bakcups is missing under ")
 	stopAgent(t, a) // the probe has ended when the agent has
 	assert.NotContains(t, a.log(), "the backup location can be read")
 

@@ -65,6 +65,20 @@ type Mount struct {
 	Device string // major:minor
 	FSType string // "tmpfs", "fuse.mtcfs", …
 	Source string
+	Super  string // the super options ("rw,user_id=1000,group_id=1000,allow_other")
+}
+
+// Owner returns the uid a FUSE mount was made for (its user_id option), and whether processes of
+// other users may use it (allow_other); ok is false when the options do not say.
+func (m Mount) Owner() (uid uint32, allowOther, ok bool) {
+	for _, o := range strings.Split(m.Super, ",") {
+		if v, found := strings.CutPrefix(o, "user_id="); found {
+			n, err := strconv.ParseUint(v, 10, 32)
+			uid, ok = uint32(n), err == nil
+		}
+		allowOther = allowOther || o == "allow_other"
+	}
+	return uid, allowOther, ok
 }
 
 // IsFUSE tells whether the mount is a FUSE file system (fuse, fuse.NAME, fuseblk).
@@ -91,7 +105,11 @@ func parseMounts(mountinfo string) []Mount {
 		if !found || len(f) < 5 || len(g) < 2 {
 			continue
 		}
-		out = append(out, Mount{ID: f[0], Point: UnescapePath(f[4]), Device: f[2], FSType: g[0], Source: g[1]})
+		m := Mount{ID: f[0], Point: UnescapePath(f[4]), Device: f[2], FSType: g[0], Source: g[1]}
+		if len(g) > 2 {
+			m.Super = g[2]
+		}
+		out = append(out, m)
 	}
 	return out
 }

@@ -50,3 +50,20 @@ func TestByHand(t *testing.T) {
 	require.Contains(t, cmd, "mount -t fusectl none /sys/fs/fuse/connections; echo 1 > /sys/fs/fuse/connections/<its device minor")
 	require.Contains(t, cmd, "umount -l "+dir)
 }
+
+// TestMountOwner: a FUSE mount's user_id and allow_other come from its super options.
+func TestMountOwner(t *testing.T) {
+	info := "36 35 0:43 / /tmp/u rw,nosuid - fuse.mtcfs mtcfs rw,user_id=1000,group_id=1000,default_permissions\n" +
+		"37 35 0:44 / /tmp/r rw - fuse.mtcfs mtcfs rw,user_id=0,group_id=0,default_permissions,allow_other\n" +
+		"38 35 0:45 / /tmp/t rw - tmpfs tmpfs rw\n"
+	m := parseMounts(info)
+	uid, others, ok := m[0].Owner()
+	require.True(t, ok)
+	require.Equal(t, uint32(1000), uid)
+	require.False(t, others)
+	uid, others, ok = m[1].Owner()
+	require.True(t, ok && others)
+	require.Equal(t, uint32(0), uid)
+	_, _, ok = m[2].Owner()
+	require.False(t, ok, "no user_id")
+}
