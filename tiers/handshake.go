@@ -19,7 +19,7 @@ func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 type handshake struct {
 	*node
 	getenv   func(string) string
-	checkJob func(*Config) error // ReplicatorConfig.CheckJob
+	checkJob func(*Config) error  // ReplicatorConfig.CheckJob
 	warnJob  func(*Config) string // ReplicatorConfig.WarnJob
 	incs     *incarnations
 	lines    *jobLines
