@@ -540,6 +540,15 @@ func (ns *namespace) OwnAgentFiles(uid, gid uint32) {
 
 var _ tiers.AgentFilesOwner = (*namespace)(nil)
 
+// RootOwner returns the owner of the mount root (tiers.RootOwned).
+func (ns *namespace) RootOwner() uint32 {
+	ns.root.mu.Lock()
+	defer ns.root.mu.Unlock()
+	return ns.root.uid
+}
+
+var _ tiers.RootOwned = (*namespace)(nil)
+
 func (ns *namespace) Owner(name string) (uid, gid uint32, err error) {
 	ch := ns.root.GetChild(name)
 	if ch == nil {

@@ -100,7 +100,11 @@ func (h *handshake) answer() {
 	// The job's user: a root writer says nothing of it (a launcher may write the yaml for a job
 	// that then runs as someone else), and root reads any checkpoint anyway.
 	if uid, gid, err := h.ns.Owner(layout.ReplicatorYAMLName); err == nil {
-		if uid != 0 {
+		switch ro, ok := h.ns.(RootOwned); {
+		case uid == 0:
+		case ok && ro.RootOwner() != uid:
+			inc.stranger = int64(uid)
+		default:
 			inc.user = int64(uid)
 		}
 		if o, ok := h.ns.(AgentFilesOwner); ok {

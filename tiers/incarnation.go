@@ -57,6 +57,9 @@ type incarnation struct {
 	// root): a step restored for it is given to it (Namespace.Reown). Set before the restore
 	// starts.
 	user int64
+	// stranger is the job's user when it does not own the mount root (-1: none): a step saved
+	// by another user is not given to it (RootOwned), and the job is told.
+	stranger int64
 	// sealedHere are the .meta names of the steps the job committed in this incarnation and
 	// this node sealed: the incarnation's restore never drops them as of a timeline the job
 	// left (a job that went on saving while its restore waited had them dropped when a held
@@ -111,7 +114,7 @@ func (inc *incarnation) isSealedHere(meta string) bool {
 
 func newIncarnation(parent context.Context, cfg *Config) *incarnation {
 	inc := &incarnation{Incarnation: Incarnation{ID: randomID(), Config: cfg}, phase: "restoring", committed: -1, replicated: -1, everywhere: -1,
-		early: map[string]*earlyGroup{}, user: -1, inUse: -1}
+		early: map[string]*earlyGroup{}, user: -1, stranger: -1, inUse: -1}
 	inc.ctx, inc.cancel = context.WithCancel(parent)
 	return inc
 }

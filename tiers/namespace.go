@@ -88,6 +88,15 @@ type AgentFilesOwner interface {
 	OwnAgentFiles(uid, gid uint32)
 }
 
+// RootOwned is implemented by namespaces whose root has an owner: a step restored for a job
+// that runs as another user than the one that saved it is given to the job's user only when
+// that user owns the mount root. Anyone who may write the mount root may write a
+// replicator.yaml: another user of a group-writable root got a job's private (0600) checkpoint
+// given to them that way (black-box h57).
+type RootOwned interface {
+	RootOwner() uint32
+}
+
 // ControlFiles is implemented by namespaces that tell the version of a control file
 // (replicator.yaml) read, so that the handshake removes only the yaml it answered: a job that
 // wrote the file again in place at once (NeMo writes it directly) had its second yaml removed

@@ -631,7 +631,7 @@ func (r *restorer) restoreSlotData(ctx context.Context, inc *incarnation, plan R
 			if err := savedAgain(); err != nil {
 				return err
 			}
-			return r.publishSlot(incoming, dataName, meta, inc.user)
+			return r.publishSlot(incoming, dataName, meta, inc, plan.Step)
 		})
 	}
 	// First this node's own RAM. Data this agent sealed or verified is immutable to the job and
@@ -767,7 +767,8 @@ func (r *restorer) fetchFrom(ctx context.Context, inc *incarnation, step int64, 
 // arrived at incoming ("": none, the spool must hold it) moves into spool/sealed, gets its name
 // in the namespace (given to user, the job's, when it is known and the data was saved by
 // another), and its .meta is written.
-func (r *restorer) publishSlot(incoming, dataName, meta string, user int64) error {
+func (r *restorer) publishSlot(incoming, dataName, meta string, inc *incarnation, step int64) error {
+	user := inc.user
 	sealed := r.spoolDir("sealed", dataName)
 	if incoming != "" {
 		// Or, if another slot brought the same data meanwhile, drop what came in.
@@ -793,6 +794,10 @@ func (r *restorer) publishSlot(incoming, dataName, meta string, user int64) erro
 		if n > 0 {
 			r.log.Info("restored data given to the job's user", "data", dataName, "uid", user, "entries", n)
 		}
+	} else if err == nil && inc.stranger >= 0 && int64(top) != inc.stranger {
+		r.log.Warn("restored data not given to the job's user: that user does not own the mount root", "data", dataName, "owner", top, "job_uid", inc.stranger)
+		r.lines.incLine(inc, fmt.Sprintf("step %d is restored as it was saved, by uid %d: the job's user, uid %d (the owner of its replicator.yaml), does not own the mount root, so the checkpoint is not given to it, and what uid %d kept private stays so (EACCES); to give a job's checkpoints to the user it now runs as, give that user the mount root (mtcfs mount --uid)",
+			step, top, inc.stranger, top))
 	}
 	return r.retention.writeMeta(meta, strings.TrimSuffix(dataName, ".data"))
 }

@@ -167,6 +167,23 @@ stat -c '%n %u:%g %a' uidjob-s1-n0-w0.restore/state/array`)
 	assert.Contains(t, out, `{"step": 1}`)
 	assert.Contains(t, out, "uidjob-s1-n0-w0.restore/state/array 1002:1000 600", "given to the job's user, its group kept")
 	stopAgent(t, a)
+
+	// Another user who may write the mount root (uid 2000's, mode 0777) writes the job's
+	// yaml: the step is not given to it, since it does not own the root (black-box h57: it
+	// read uid 1002's private files so), and it is told why.
+	a = n.start(t, "--uid", "2000", "--gid", "2000", "--mode", "0777")
+	out, err = asUser(t, 1003, 1003, n.dir, `
+printf 'job-name: uidjob\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60' > replicator.yaml
+i=0; while [ ! -e uidjob-s1-n0-w0.restore ]; do i=$((i+1)); [ $i -lt 500 ] || { echo "no marker"; exit 1; }; sleep 0.02; done
+stat -L -c '%n %u:%g %a' uidjob-s1-n0-w0.restore
+cat uidjob-s1-n0-w0.restore/state/array > /dev/null 2>&1 && echo READ || echo DENIED
+cat replicator.errors`)
+	require.NoError(t, err, "%s\n%s", out, a.log())
+	assert.Contains(t, out, "uidjob-s1-n0-w0.restore 1000:1000 700", "as saved, by uid 1000")
+	assert.Contains(t, out, "DENIED")
+	assert.Contains(t, out, "the job's user, uid 1003 (the owner of its replicator.yaml), does not own the mount root")
+	assert.NotContains(t, a.log(), "restored data given to the job's user")
+	stopAgent(t, a)
 	n.dropSpool(t)
 
 	// --uid names another owner: uid 1000 may not create anything at the top.
