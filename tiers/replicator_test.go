@@ -2280,3 +2280,42 @@ func TestRestoredDataStaysWhenItsStepIsSavedAgainAtOnce(t *testing.T) {
 		return ""
 	})
 }
+
+// TestStatusCommittedWhileSyncsWait: a step this node committed and sealed is "latest
+// committed" in status at once, while the syncs go one at a time and an earlier one waits (for
+// a stopped rank 0). Status said the step the syncer had reached: "latest committed 60" beside
+// step 70 in RAM and being pushed (black-box h58: 4 of 4).
+func TestStatusCommittedWhileSyncsWait(t *testing.T) {
+	t.Parallel()
+	held, release := make(chan struct{}), make(chan struct{})
+	releaseOnce := sync.OnceFunc(func() { close(release) })
+	h := newHarness(t, harnessConfig{syncerPop: func(step int64, restored bool) {
+		if step == 2 && !restored {
+			close(held)
+			<-release
+		}
+	}})
+	t.Cleanup(releaseOnce) // before the harness's close, which waits for the syncer
+	h.start(baseYAML, "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.eventually("step 1 committed", func() string {
+		if st := h.r.Status(); st.Committed != 1 {
+			return fmt.Sprintf("latest committed %d", st.Committed)
+		}
+		return ""
+	})
+	h.orbaxSave(2, checkpointFiles("2"))
+	<-held // the syncer holds step 2
+	h.orbaxSave(3, checkpointFiles("3"))
+	h.waitSealed("job", 3, "3")
+	if st := h.r.Status(); st.Committed != 3 || st.Replicated > 1 {
+		t.Errorf("status: latest committed %d, replicated %d while the syncer holds step 2: want 3 and at most 1", st.Committed, st.Replicated)
+	}
+	releaseOnce()
+	h.eventually("step 3 replicated", func() string {
+		if st := h.r.Status(); st.Replicated != 3 {
+			return fmt.Sprintf("latest replicated %d", st.Replicated)
+		}
+		return ""
+	})
+}
