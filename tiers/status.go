@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"fmt"
 	"sync/atomic"
 	"time"
 
@@ -16,17 +17,43 @@ type Progress struct {
 	Started time.Time `json:"started"`
 	Total   int64     `json:"total_bytes"`
 	done    atomic.Int64
+	moved   atomic.Int64 // when done last grew (Unix nanoseconds; 0: not yet, Started counts)
 }
 
 // Done reports the bytes moved so far.
 func (p *Progress) Done() int64 { return p.done.Load() }
+
+// LastMoved is when bytes last moved (Started before any did).
+func (p *Progress) LastMoved() time.Time {
+	if ns := p.moved.Load(); ns != 0 {
+		return time.Unix(0, ns)
+	}
+	return p.Started
+}
+
+// StalledAfter is how long a transfer may move no byte before status and the log say so: a
+// peer stopped (SIGSTOP, a frozen VM) mid-transfer showed only a rate falling and "about 6s
+// left" (black-box h58). Progress counts whole chunks (4 MiB): 10 s covers a slow link's.
+const StalledAfter = 10 * time.Second
+
+// Stalled says how long no byte moved, when that is StalledAfter or more ("": it moves).
+func Stalled(lastMoved, now time.Time) string {
+	if idle := now.Sub(lastMoved); idle >= StalledAfter {
+		return fmt.Sprintf("no byte moved for %s (the source may not answer)", idle.Round(time.Second))
+	}
+	return ""
+}
 
 // update records progress; concurrent callers (parallel streams) may report out of order, so
 // done only ever grows.
 func (p *Progress) update(done, total int64) {
 	for {
 		old := p.done.Load()
-		if done <= old || p.done.CompareAndSwap(old, done) {
+		if done <= old {
+			break
+		}
+		if p.done.CompareAndSwap(old, done) {
+			p.moved.Store(time.Now().UnixNano())
 			break
 		}
 	}
@@ -129,6 +156,8 @@ type ProgressView struct {
 	Started time.Time `json:"started"`
 	Done    int64     `json:"done_bytes"`
 	Total   int64     `json:"total_bytes"`
+	// LastMoved is when bytes last moved (Started before any did).
+	LastMoved time.Time `json:"last_moved"`
 }
 
 // SpoolStatus is the RAM tier's size and use.
@@ -143,7 +172,7 @@ func (p *Progress) view() *ProgressView {
 		return nil
 	}
 	return &ProgressView{Kind: p.Kind, Step: p.Step, Source: p.Source, Backup: p.Backup, Started: p.Started,
-		Done: p.Done(), Total: atomic.LoadInt64(&p.Total)}
+		Done: p.Done(), Total: atomic.LoadInt64(&p.Total), LastMoved: p.LastMoved()}
 }
 
 // completeStep returns the newest step of cfg's job and rank of which steps (the .meta files

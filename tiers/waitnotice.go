@@ -148,6 +148,9 @@ func (r *restorer) noticeTransfer(inc *incarnation, p *Progress, done <-chan str
 			return
 		}
 		detail := transferDetail(p.Done(), atomic.LoadInt64(&p.Total), took)
+		if stalled := Stalled(p.LastMoved(), time.Now()); stalled != "" {
+			detail += "; " + stalled
+		}
 		if logDue {
 			r.log.Warn("restore transfer takes long", "step", p.Step, "source", p.Source, "progress", detail)
 		}
@@ -163,7 +166,11 @@ func (r *restorer) noticeTransfer(inc *incarnation, p *Progress, done <-chan str
 // black-box run) for a transfer of 82 s.
 func transferDetail(moved, total int64, took time.Duration) string {
 	rate := float64(moved) / took.Seconds()
-	detail := fmt.Sprintf("%s of %s after %s (%s/s)", FormatSize(moved), FormatSize(total), took.Round(time.Second), FormatSize(int64(rate)))
+	of := " of " + FormatSize(total)
+	if total <= 0 { // the size is known once the step's files are listed ("0B of 0B")
+		of = " so far"
+	}
+	detail := fmt.Sprintf("%s%s after %s (%s/s)", FormatSize(moved), of, took.Round(time.Second), FormatSize(int64(rate)))
 	if rate > 0 && total > moved && moved*100 >= total {
 		detail += fmt.Sprintf(", about %s left", (time.Duration(float64(total-moved)/rate) * time.Second).Round(time.Second))
 	}

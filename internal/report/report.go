@@ -61,6 +61,9 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 		if p.Total > 0 {
 			moved = fmt.Sprintf("%s of %s (%.0f%%)", tiers.FormatSize(p.Done), tiers.FormatSize(p.Total), 100*float64(p.Done)/float64(p.Total))
 		}
+		if stalled := tiers.Stalled(p.LastMoved, time.Now()); stalled != "" && !p.LastMoved.IsZero() {
+			moved += ", " + stalled
+		}
 		fmt.Fprintf(w, "  %-10s step %d %s: %s, running %v\n", p.Kind, p.Step, what, moved, time.Since(p.Started).Round(time.Second))
 	}
 	if sv := st.Sealing; sv != nil {

@@ -72,6 +72,14 @@ func TestStatus(t *testing.T) {
 		Backup: &tiers.ProgressView{Kind: "backup", Step: 30, Backup: "2026-12-02_11-00", Started: time.Now()}})
 	assert.Contains(t, starting.String(), "  backup     step 30 to 2026-12-02_11-00: 0B so far, running 0s\n")
 
+	// A restore whose source stopped answering says so (black-box h58: a peer stopped mid-transfer
+	// showed "60.0MiB of 100.1MiB (60%), running 15s", nothing more).
+	var stalled strings.Builder
+	Status(&stalled, info, tiers.Status{Spool: spool, Replicated: -1,
+		Restore: &tiers.ProgressView{Kind: "restore", Step: 31, Source: "peer 1", Started: time.Now().Add(-30 * time.Second),
+			Done: 60 << 20, Total: 100 << 20, LastMoved: time.Now().Add(-20 * time.Second)}})
+	assert.Contains(t, stalled.String(), "  restore    step 31 peer 1: 60.0MiB of 100.0MiB (60%), no byte moved for 20s (the source may not answer), running 30s\n")
+
 	// A committed step whose record is tried again, then one recorded whose hash is.
 	for recorded, want := range map[bool]string{
 		false: "  sealing    step 31 worker 1, committed 12s ago: its record could not be written (open x: too many open files), 5 tries; " +
