@@ -187,7 +187,13 @@ func ParseConfig(data []byte, getenv func(string) string) (*Config, []string, er
 				return nil, nil, ce
 			}
 		case key == keyJobName || key == keyFramework || key == keyNodes || key == keyNodeRank:
-			return nil, nil, givenNoValue(&ConfigError{Key: key, Problem: "required"}, settings)
+			problem := "required"
+			if k := misspelt(root, key); k != "" && s == nil {
+				// The FATAL line said only "job-name: required" for a file that gave "Job-Name"
+				// (black-box h59): the unknown key's warning is never written after a FATAL.
+				problem = fmt.Sprintf("required (the file gives %q: keys are lower-case, with dashes)", k)
+			}
+			return nil, nil, givenNoValue(&ConfigError{Key: key, Problem: problem}, settings)
 		}
 		if ce := c.check(key); ce != nil {
 			return nil, nil, givenNoValue(ce, settings)
@@ -265,7 +271,19 @@ func rankNames(ranks []int) string {
 	if len(ranks) == 1 {
 		return fmt.Sprintf("rank %d", ranks[0])
 	}
-	return "ranks " + JoinSteps(ranks)
+	return "ranks " + JoinAtMost(ranks, maxRanksNamed)
+}
+
+// maxRanksNamed bounds the ranks a line names: a yaml of a million nodes made one line of
+// 8 MB in replicator.errors and the log (black-box h59).
+const maxRanksNamed = 20
+
+// JoinAtMost is JoinSteps of the first n, then "and N more".
+func JoinAtMost[T ~int | ~int64](xs []T, n int) string {
+	if len(xs) <= n {
+		return JoinSteps(xs)
+	}
+	return fmt.Sprintf("%s and %d more", JoinSteps(xs[:n]), len(xs)-n)
 }
 
 // PeersOutsideColumn returns the explicit peer-ranks that are not in this rank's data-parallel
@@ -498,6 +516,16 @@ func collectSettings(root *yaml.Node) (map[string]*setting, []string) {
 	}
 	sort.Strings(warnings)
 	return settings, append(warnings, odd...)
+}
+
+// misspelt returns a key of the mapping root that suggestKey takes for key ("": none).
+func misspelt(root *yaml.Node, key string) string {
+	for i := 0; i+1 < len(root.Content); i += 2 {
+		if k := resolveAlias(root.Content[i]); k.Kind == yaml.ScalarNode && k.Value != key && suggestKey(k.Value) == key {
+			return k.Value
+		}
+	}
+	return ""
 }
 
 // suggestKey returns the known key that an unknown key probably meant

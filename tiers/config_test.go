@@ -273,6 +273,8 @@ func TestParseConfigErrors(t *testing.T) {
 
 		// job-name
 		{"job-name missing", edit(validBase, "-job-name"), "job-name: required"},
+		{"job-name misspelt", edit(validBase, "-job-name", "Job-Name: j"), `job-name: required (the file gives "Job-Name": keys are lower-case, with dashes)`},
+		{"nodes misspelt", edit(validBase, "-nodes", "NODES: 4"), `nodes: required (the file gives "NODES": keys are lower-case, with dashes)`},
 		{"job-name null", edit(validBase, "job-name:"), "job-name: required (line 1 gives job-name no value)"},
 		{"job-name empty", edit(validBase, `job-name: ""`), `job-name: must not be empty, got ""`},
 		{"job-name unset variable", edit(validBase, "job-name: $UNSET"), `job-name: must not be empty, got "$UNSET" (expands to "")`},
@@ -539,5 +541,18 @@ func TestPeersCopiesExplicitRanks(t *testing.T) {
 	p[0] = 99
 	if c.PeerRanks[0] != 3 {
 		t.Errorf("changing Peers()' result changed the config: %v", c.PeerRanks)
+	}
+}
+
+// TestLongRankListsAreCut: a line names at most 20 ranks; a yaml of a million nodes made one
+// line of 8 MB in replicator.errors and the log (black-box h59).
+func TestLongRankListsAreCut(t *testing.T) {
+	_, warnings, err := ParseConfig([]byte(edit(validBase, "nodes: 1048576", "node-rank: 0", "peers-per-node: 1048575")), testEnv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "peers-per-node: 1048575 gives this node (rank 0 of 1048576) 1048574 peer(s), ranks 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20 and 1048554 more: the ranks chosen for it repeat"
+	if len(warnings) != 1 || !strings.HasPrefix(warnings[0], want) {
+		t.Errorf("warnings = %.300q, want one starting %q", warnings, want)
 	}
 }

@@ -142,7 +142,7 @@ func (h *handshake) answer() {
 	// they see this one.
 	h.incs.begin(inc)
 	h.log.Info("new incarnation", "incarnation", inc.ID, "job", cfg.JobName, "framework", cfg.Framework,
-		"rank", cfg.NodeRank, "nodes", cfg.Nodes, "workers", cfg.WorkersPerNode, "peers", cfg.Peers())
+		"rank", cfg.NodeRank, "nodes", cfg.Nodes, "workers", cfg.WorkersPerNode, "peers", JoinAtMost(cfg.Peers(), maxRanksNamed))
 	if outside := cfg.PeersOutsideColumn(); len(outside) > 0 {
 		h.log.Warn("peer-ranks name ranks outside this node's data-parallel column (the ranks equal to it mod nodes/assume-data-parallelism): the job's column-mates are not mtcfs's, so this node backs up its own data, and a restore takes the columns from the .meta replicas the nodes hold (see README, data-parallel mode)",
 			"rank", cfg.NodeRank, "peers_outside_column", outside, "partitions", cfg.Nodes/cfg.AssumeDataParallelism)
