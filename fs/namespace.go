@@ -818,3 +818,54 @@ func (ns *namespace) importTree(ctx context.Context, src string, fi os.FileInfo,
 	}
 	return top, nil
 }
+
+// AnswerMisplaced answers a replicator.yaml written into a directory of the mount (dir, "a" or
+// "a/b") instead of its root (tiers.MisplacedYAML): it removes dir/yamlName, if it is still
+// the file closed, and writes failed (a line) as dir/failedName, so that a client waiting there
+// for its yaml to go reads why.
+func (ns *namespace) AnswerMisplaced(dir, yamlName, failedName string, failed []byte) error {
+	d := ns.root.EmbeddedInode()
+	for _, part := range strings.Split(dir, "/") {
+		ch := d.GetChild(part)
+		if ch == nil || !ch.IsDir() {
+			return fmt.Errorf("%s: %w", dir, os.ErrNotExist)
+		}
+		d = ch
+	}
+	dn, ok := d.Operations().(*dirNode)
+	if !ok {
+		return fmt.Errorf("%s: %w", dir, os.ErrNotExist)
+	}
+	notify := func(name string, gone *gofs.Inode) {
+		e := ns.m.notifier.Load()
+		if e != nil && !notifyFailed(e.invalidate(d.StableAttr().Ino, name)) {
+			return
+		}
+		if gone != nil {
+			d.NotifyDelete(name, gone)
+		} else {
+			d.NotifyEntry(name)
+		}
+	}
+	if y := d.GetChild(yamlName); y != nil && !y.IsDir() && d.RmChildIf(yamlName, y) {
+		notify(yamlName, y)
+		dropped(y)
+	}
+	fn, ch, err := ns.newAgentFile(failedName, failed)
+	if err != nil {
+		return err
+	}
+	if old := d.GetChild(failedName); old != nil {
+		if old.IsDir() || !d.RmChildIf(failedName, old) {
+			fn.dropLink()
+			return fmt.Errorf("%s/%s: %w", dir, failedName, os.ErrExist)
+		}
+		dropped(old)
+	}
+	d.AddChild(failedName, ch, true)
+	dn.touch(true)
+	notify(failedName, nil)
+	return nil
+}
+
+var _ tiers.MisplacedYAML = (*namespace)(nil)

@@ -97,6 +97,15 @@ type RootOwned interface {
 	RootOwner() uint32
 }
 
+// MisplacedYAML is implemented by namespaces that can answer a replicator.yaml written into a
+// directory of the mount instead of its root: a job whose CHECKPOINT_DIR was a directory inside
+// the mount waited 300 s for an answer that never came, and its "commits" there were none
+// (black-box h59).
+type MisplacedYAML interface {
+	// AnswerMisplaced removes dir/yamlName and writes failed as dir/failedName.
+	AnswerMisplaced(dir, yamlName, failedName string, failed []byte) error
+}
+
 // ControlFiles is implemented by namespaces that tell the version of a control file
 // (replicator.yaml) read, so that the handshake removes only the yaml it answered: a job that
 // wrote the file again in place at once (NeMo writes it directly) had its second yaml removed

@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -594,6 +596,10 @@ func (r *Replicator) handle(ev event) {
 			r.tellInterrupted(p)
 		}
 	}
+	if dir, base := path.Split(ev.path); dir != "" && base == layout.ReplicatorYAMLName && (ev.kind == evClosed || ev.kind == evRenamed) && !isStepTree(ev.path) {
+		r.answerMisplaced(strings.TrimSuffix(dir, "/"))
+		return
+	}
 	if strings.Contains(ev.path, "/") {
 		// Only top-level names carry meaning; a file closed inside a step being saved is
 		// hashed now, while the job writes the rest (and pushed to peers). Writers that close
@@ -629,6 +635,33 @@ func (r *Replicator) handle(ev event) {
 		if inc := r.incs.get(); inc != nil {
 			r.lines.incLine(inc, fmt.Sprintf("%s: %s; not committed (it is cut short)", ev.path, ev.why))
 		}
+	}
+}
+
+// isStepTree reports whether p lies in a tree the job saves as a checkpoint (a step, its
+// temporary directory, a NeMo step=, a .save): a file named replicator.yaml there is data.
+func isStepTree(p string) bool {
+	top, _, _ := strings.Cut(p, "/")
+	if _, err := strconv.ParseInt(top, 10, 64); err == nil {
+		return true
+	}
+	return strings.HasSuffix(top, ".orbax-checkpoint-tmp") || strings.HasPrefix(top, "step=") || strings.HasSuffix(top, ".save") ||
+		layout.IsDataName(top) || strings.Contains(top, ".tmp")
+}
+
+// answerMisplaced answers a replicator.yaml the job wrote into dir, a directory of the mount,
+// with a replicator.failed there saying where it belongs (MisplacedYAML).
+func (r *Replicator) answerMisplaced(dir string) {
+	msg := fmt.Sprintf("%s was written into %s/, a directory of the mtcfs mount, not its root: the agent answers only the replicator.yaml at the root of the directory it mounts, and steps saved in %s/ are not checkpoints; set CHECKPOINT_DIR to the mount point itself",
+		layout.ReplicatorYAMLName, dir, dir)
+	r.node.log.Error("a replicator.yaml written into a directory of the mount, not its root, is refused", "dir", dir)
+	m, ok := r.node.ns.(MisplacedYAML)
+	if !ok {
+		return
+	}
+	line := fmt.Sprintf("%s job=? node=?/? FATAL %s\n", r.node.now().UTC().Format("2006-01-02T15:04:05Z"), msg)
+	if err := m.AnswerMisplaced(dir, layout.ReplicatorYAMLName, layout.ReplicatorFailedName, []byte(line)); err != nil {
+		r.node.log.Warn("cannot answer the replicator.yaml written into a directory of the mount", "dir", dir, "err", err)
 	}
 }
 

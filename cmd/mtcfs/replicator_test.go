@@ -856,6 +856,41 @@ func TestYAMLAnsweredWhenItsWriterIsDone(t *testing.T) {
 	})
 }
 
+// TestYAMLInADirectoryOfTheMountIsRefused: a job whose CHECKPOINT_DIR is a directory inside the
+// mount gets a replicator.failed there saying where its yaml belongs, at once. It waited 300 s
+// for an answer that never came (black-box h59). A file named replicator.yaml inside a step is
+// the job's data, and left alone.
+func TestYAMLInADirectoryOfTheMountIsRefused(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	a := n.start(t)
+	sub := filepath.Join(n.dir, "run1")
+	require.NoError(t, os.Mkdir(sub, 0o755))
+	for _, nemo := range []bool{false, true} { // renamed onto its name; written directly
+		var err error
+		if nemo {
+			c := nemoClient(t, sub, "job")
+			if err = c.Handshake(ctx); err == nil {
+				_, _, err = c.Restore(ctx)
+			}
+		} else {
+			_, _, err = orbaxClient(t, sub, "job", 60).Start(ctx)
+		}
+		require.Error(t, err, "%s", a.log())
+		assert.Contains(t, err.Error(), "replicator.yaml was written into run1/, a directory of the mtcfs mount, not its root", "nemo %v", nemo)
+		assert.NoFileExists(t, filepath.Join(sub, "replicator.yaml"))
+		require.NoError(t, os.RemoveAll(filepath.Join(sub, "replicator.failed")))
+	}
+	// In a step being saved, a replicator.yaml is data.
+	tmp := filepath.Join(n.dir, "3.orbax-checkpoint-tmp")
+	require.NoError(t, os.Mkdir(tmp, 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(tmp, "replicator.yaml"), []byte("job-name: x"), 0o644))
+	time.Sleep(500 * time.Millisecond)
+	assert.FileExists(t, filepath.Join(tmp, "replicator.yaml"))
+	assert.NoFileExists(t, filepath.Join(tmp, "replicator.failed"))
+}
+
 // TestSpoolReadOnlyForAMomentLosesNoCommit: a spool remounted read-only for a moment right after
 // the job committed a step (`mount -o remount,ro`, then rw) loses no commit: its seal is tried
 // again until the spool is writable, /readyz and status say why meanwhile, and the job's
