@@ -4,9 +4,9 @@ import (
 	"context"
 	"log/slog"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
-	"strings"
 	"syscall"
 	"time"
 
