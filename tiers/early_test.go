@@ -478,8 +478,8 @@ func TestMultiWorkerStepSyncsOnceAfterEveryPush(t *testing.T) {
 	tr.mu.Unlock()
 	close(release)
 	h.eventually("step 3 synced", func() string {
-		if st := h.r.Status(); st.Committed != 3 {
-			return fmt.Sprintf("latest committed %d", st.Committed)
+		if c := h.r.SyncedCommitted(); c != 3 {
+			return fmt.Sprintf("latest synced %d", c)
 		}
 		return ""
 	})

@@ -132,3 +132,10 @@ func (r *Replicator) ReportLine(job, msg string, fatal bool) {
 	}
 	r.lines.errLine(cfg, msg)
 }
+
+// SyncedCommitted is the newest step this node took to its sync with the coordinator (what
+// status said was committed before it counted the steps sealed here), -1: none.
+func (r *Replicator) SyncedCommitted() int64 {
+	committed, _, _ := r.incs.latest()
+	return committed
+}

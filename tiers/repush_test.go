@@ -43,8 +43,8 @@ func TestFailedPushIsTriedAgain(t *testing.T) {
 	}
 	for _, h := range hs {
 		h.eventually("step 1 synced", func() string {
-			if st := h.r.Status(); st.Committed != 1 {
-				return fmt.Sprintf("latest committed %d", st.Committed)
+			if c := h.r.SyncedCommitted(); c != 1 {
+				return fmt.Sprintf("latest synced %d", c)
 			}
 			return ""
 		})
@@ -132,8 +132,8 @@ func rePushPair(t *testing.T, doc func(rank int) string) ([]*harness, *memTransp
 func waitCommitted(h *harness, step int64) {
 	h.t.Helper()
 	h.eventually(fmt.Sprintf("step %d synced", step), func() string {
-		if st := h.r.Status(); st.Committed != step {
-			return fmt.Sprintf("latest committed %d", st.Committed)
+		if c := h.r.SyncedCommitted(); c != step {
+			return fmt.Sprintf("latest synced %d", c)
 		}
 		return ""
 	})
@@ -624,8 +624,8 @@ func TestALongSyncShowsInTheStatus(t *testing.T) {
 	hs, _ := newPairWith(t, harnessConfig{clock: clock})
 	hs[0].orbaxSave(1, map[string]string{"state": "rank 0"}) // rank 1 does not save: the sync waits
 	hs[0].eventually("step 1 committed, its sync waiting", func() string {
-		if st := hs[0].r.Status(); st.Committed != 1 {
-			return fmt.Sprintf("latest committed %d", st.Committed)
+		if c := hs[0].r.SyncedCommitted(); c != 1 {
+			return fmt.Sprintf("latest synced %d", c)
 		}
 		return ""
 	})
