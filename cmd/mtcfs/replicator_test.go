@@ -891,6 +891,42 @@ func TestYAMLInADirectoryOfTheMountIsRefused(t *testing.T) {
 	assert.NoFileExists(t, filepath.Join(tmp, "replicator.failed"))
 }
 
+// TestRAMWarningAfterARestoreCountsWhatIsBeingFreed: the restart of a job whose save failed
+// with ENOSPC is not told its RAM is full when the save cut short, which the handshake removes,
+// is still held by the dead job's descriptors for a moment. It read "this node's RAM is 100%
+// full" with 10 MiB of 32 in use (black-box h59: 3 of 4).
+func TestRAMWarningAfterARestoreCountsWhatIsBeingFreed(t *testing.T) {
+	needRoot(t)
+	ctx := repCtx(t)
+	n := newRepNode(t)
+	n.args = []string{"--memory", "32MiB"}
+	a := n.start(t)
+	const job = "full"
+	o := orbaxClient(t, n.dir, job, 60)
+	o.Content = jobsim.Content{Files: 1, FileSize: 10 << 20}
+	_, _, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.NoError(t, o.Save(ctx, 1))
+	waitStepSealed(t, n.dir, job, 1)
+	// Step 2 fills the RAM, and its writer dies holding it (its descriptor closes only now).
+	tmp := filepath.Join(n.dir, "2.orbax-checkpoint-tmp")
+	require.NoError(t, os.Mkdir(tmp, 0o755))
+	f, err := os.Create(filepath.Join(tmp, "big"))
+	require.NoError(t, err)
+	defer f.Close()
+	chunk := make([]byte, 1<<20)
+	for err == nil {
+		_, err = f.Write(chunk)
+	}
+	require.ErrorIs(t, err, syscall.ENOSPC)
+	o = orbaxClient(t, n.dir, job, 60)
+	step, found, err := o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found && step == 1, "restored %d (found %v)", step, found)
+	require.NoError(t, f.Close())
+	assert.NotContains(t, strings.Join(o.Errors(), "\n"), "RAM is", "%s", a.log())
+}
+
 // TestSpoolReadOnlyForAMomentLosesNoCommit: a spool remounted read-only for a moment right after
 // the job committed a step (`mount -o remount,ro`, then rw) loses no commit: its seal is tried
 // again until the spool is writable, /readyz and status say why meanwhile, and the job's
