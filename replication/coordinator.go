@@ -43,7 +43,7 @@ var (
 	ErrStepSkipped = errors.New("a node skipped the step")
 	// ErrOtherIncarnation is returned to a call from an incarnation the job coordinator does not
 	// coordinate (an older one, or one that has not negotiated).
-	ErrOtherIncarnation = errors.New("call from another incarnation of the job")
+	ErrOtherIncarnation = tiers.ErrOtherIncarnation
 	// ErrRestoreFailed fails the Restored calls of a restore in which some rank's restore
 	// failed (RestoreFailed): that rank will never reach the barrier.
 	ErrRestoreFailed = errors.New("the restore of another node failed")

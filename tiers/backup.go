@@ -101,7 +101,17 @@ func (b *backupRunner) loop(inc *incarnation) {
 					b.lines.incLine(inc, msg)
 				}
 			}
-			b.log.Warn("asking the coordinator for backup orders failed", "err", err, "retry_in", wait.String())
+			if errors.Is(err, ErrOtherIncarnation) && b.lines.incs.isCurrent(inc) {
+				// The coordinator serves a newer incarnation: asked again every 30 s, quietly
+				// (it was logged every 16 s for as long as the agent ran: black-box h58).
+				wait = 30 * time.Second
+				if inc.outdated() {
+					b.log.Warn(supersededLine(err), "incarnation", inc.ID)
+					b.lines.incLine(inc, supersededLine(err))
+				}
+			} else {
+				b.log.Warn("asking the coordinator for backup orders failed", "err", err, "retry_in", wait.String())
+			}
 			select {
 			case <-time.After(wait):
 			case <-inc.ctx.Done():

@@ -2,6 +2,7 @@ package tiers
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -117,6 +118,28 @@ func newIncarnation(parent context.Context, cfg *Config) *incarnation {
 		early: map[string]*earlyGroup{}, user: -1, stranger: -1, inUse: -1}
 	inc.ctx, inc.cancel = context.WithCancel(parent)
 	return inc
+}
+
+// outdated marks inc, this node's current incarnation, as one the job's coordinator no longer
+// serves (its answer wrapped ErrOtherIncarnation): status says "superseded", and the job and the log are
+// told once. An agent cut off (stopped, partitioned) while the job restarted without it went on
+// saying "running" (black-box h58). It reports whether this call marked it.
+func (inc *incarnation) outdated() bool {
+	inc.mu.Lock()
+	defer inc.mu.Unlock()
+	if inc.phase == PhaseSuperseded || inc.phase == "failed" {
+		return false
+	}
+	inc.phase = PhaseSuperseded
+	return true
+}
+
+// PhaseSuperseded is the phase of an incarnation the job's coordinator no longer serves.
+const PhaseSuperseded = "superseded"
+
+// supersededLine is what the job and the log are told of an outdated incarnation.
+func supersededLine(err error) string {
+	return fmt.Sprintf("the job's coordinator (rank 0) does not serve this node's incarnation of the job (%v): the job restarted without this node (its agent stopped or cut off meanwhile), or rank 0's agent restarted; this node's saves are not synced, replicated nor backed up until the job restarts here", err)
 }
 
 func (inc *incarnation) setPhase(phase string) {

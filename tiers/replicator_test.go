@@ -2319,3 +2319,51 @@ func TestStatusCommittedWhileSyncsWait(t *testing.T) {
 		return ""
 	})
 }
+
+// otherIncCoordinator answers Sync and Backups with ErrOtherIncarnation once on is set: the job
+// restarted without this node, and rank 0 coordinates a newer incarnation.
+type otherIncCoordinator struct {
+	tiers.Coordinator
+	on atomic.Bool
+}
+
+func (c *otherIncCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
+	if c.on.Load() {
+		return tiers.SyncDecision{}, fmt.Errorf("incarnation %s: %w (superseded by a newer one)", inc.ID, tiers.ErrOtherIncarnation)
+	}
+	return c.Coordinator.Sync(ctx, inc, rep)
+}
+
+// TestSupersededIncarnationSaysSo: a node whose incarnation the coordinator no longer serves
+// (its agent was cut off while the job restarted without it) shows "superseded" in status, and
+// the job is told once. It said "running", and the log repeated the refused calls (black-box
+// h58).
+func TestSupersededIncarnationSaysSo(t *testing.T) {
+	t.Parallel()
+	coord := &otherIncCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}}
+	h := newHarness(t, harnessConfig{coord: coord})
+	h.start(baseYAML, "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.eventually("running", func() string {
+		if st := h.r.Status(); st.Phase != "running" || st.Replicated != 1 {
+			return fmt.Sprintf("phase %q, replicated %d", st.Phase, st.Replicated)
+		}
+		return ""
+	})
+	coord.on.Store(true)
+	h.orbaxSave(2, checkpointFiles("2"))
+	h.orbaxSave(3, checkpointFiles("3"))
+	h.eventually("superseded", func() string {
+		if st := h.r.Status(); st.Phase != tiers.PhaseSuperseded || st.Committed != 3 {
+			return fmt.Sprintf("phase %q, committed %d", st.Phase, st.Committed)
+		}
+		return ""
+	})
+	h.eventually("the line, once", func() string {
+		l := h.lines(layout.ReplicatorErrorsName)
+		if len(l) != 1 || !strings.Contains(l[0], "the job's coordinator (rank 0) does not serve this node's incarnation of the job") {
+			return fmt.Sprintf("replicator.errors = %q", l)
+		}
+		return ""
+	})
+}

@@ -138,6 +138,10 @@ type Upload struct {
 // ErrCorruptBackup means data downloaded from a backup does not match its manifest or hash.
 var ErrCorruptBackup = errors.New("the backup's data is corrupt")
 
+// ErrOtherIncarnation is the coordinator's answer to a call from an incarnation it does not
+// coordinate (an older one, or one that has not negotiated): replication returns it (wrapped).
+var ErrOtherIncarnation = errors.New("call from another incarnation of the job")
+
 // ErrNoBackup means a named backup does not exist.
 var ErrNoBackup = errors.New("no such backup")
 

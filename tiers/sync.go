@@ -3,6 +3,7 @@ package tiers
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -550,6 +551,14 @@ func (sy *syncer) syncNow(c commit, replicated bool) bool {
 		// The incarnation ended (the job restarted, or the agent stops): nothing went wrong
 		// that the job or an operator should hear of (before, every restart logged an ERROR).
 		sy.log.Info("sync abandoned: the incarnation ended", "step", c.step, "incarnation", c.inc.ID)
+		return false
+	}
+	if err != nil && errors.Is(err, ErrOtherIncarnation) && sy.incs.isCurrent(c.inc) {
+		sy.metrics.error(errKindSync)
+		if c.inc.outdated() {
+			sy.log.Warn(supersededLine(err), "step", c.step, "incarnation", c.inc.ID)
+			sy.lines.incLine(c.inc, supersededLine(err))
+		}
 		return false
 	}
 	if err != nil {
