@@ -54,6 +54,9 @@ type incarnation struct {
 	// or committed is not synced (once per incarnation: a run counting from 1 under a restored
 	// step 1000 saves many).
 	belowTold atomic.Bool
+	// workersTold is set once the job was told of a step some workers of this node never
+	// committed (syncer.tellMissingWorkers).
+	workersTold atomic.Bool
 	// user is the job's user, the owner of the replicator.yaml it wrote (-1: unknown, or
 	// root): a step restored for it is given to it (Namespace.Reown). Set before the restore
 	// starts.

@@ -2367,3 +2367,38 @@ func TestSupersededIncarnationSaysSo(t *testing.T) {
 		return ""
 	})
 }
+
+// TestWorkersThatNeverCommitAreTold: with workers-per-node 2 and only worker 0 saving, the job
+// is told once, at worker 0's next step a minute on, that its steps are never complete. It
+// heard of it only at its restart, which started from scratch (black-box h59).
+func TestWorkersThatNeverCommitAreTold(t *testing.T) {
+	t.Parallel()
+	clock := newFakeClock(baseTime)
+	// A minute passes once the syncer took steps 1 and 2 (within the minute: workers may lag).
+	h := newHarness(t, harnessConfig{clock: clock, syncerPop: func(step int64, restored bool) {
+		if step == 3 {
+			clock.Set(baseTime.Add(61 * time.Second))
+		}
+	}})
+	doc := "job-name: pt\nframework: pytorch\nnode-rank: 0\nnodes: 1\npeers-per-node: 1\nworkers-per-node: 2\nbackup-interval-minutes: 30"
+	h.yamlNemo(doc)
+	h.waitMarkers(marker("pt", 0, 0, 0, layout.MarkerRestore), marker("pt", 0, 0, 1, layout.MarkerRestore))
+	want := "step 1: worker(s) 0 of this node committed it 1m1s ago, worker(s) 1 never did (workers-per-node: 2), and step 3 was committed since"
+	h.writeFile("pt-s1-n0-w0.save", "worker 0 step 1")
+	h.waitMeta("pt", 1, 0)
+	h.writeFile("pt-s2-n0-w0.save", "worker 0 step 2")
+	h.waitMeta("pt", 2, 0)
+	h.writeFile("pt-s3-n0-w0.save", "worker 0 step 3")
+	h.waitMeta("pt", 3, 0)
+	h.eventually("the line", func() string {
+		l := h.lines(layout.ReplicatorErrorsName)
+		if len(l) != 1 || !strings.Contains(l[0], want) {
+			return fmt.Sprintf("replicator.errors = %q", l)
+		}
+		return ""
+	})
+	h.writeFile("pt-s4-n0-w0.save", "worker 0 step 4")
+	h.waitMeta("pt", 4, 0)
+	time.Sleep(50 * time.Millisecond)
+	assert.Len(t, h.lines(layout.ReplicatorErrorsName), 1, "told once")
+}

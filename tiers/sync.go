@@ -108,6 +108,46 @@ type syncProgress struct {
 	pushes map[int]workerPushes // by worker that reported; peers nil when its pushes succeeded
 	synced bool                 // every worker reported: each later report syncs it again
 	skip   bool                 // not pushed: superseded when its first worker reported
+	first  time.Time            // when its first worker reported
+}
+
+// workersLagAfter is how long a step may wait for the rest of its node's workers, while one of
+// them has committed a newer step, before the job is told (once per incarnation).
+const workersLagAfter = time.Minute
+
+// tellMissingWorkers tells the job, once per incarnation, of a step of s's incarnation that
+// some workers of this node committed workersLagAfter or more ago and others never did, while
+// a worker has committed a newer step (s): a job whose workers-per-node was higher than its
+// workers saved for nothing, and heard of it only at its restart, which started from scratch
+// (black-box h59: three steps of worker 0 with workers-per-node: 2).
+func (sy *syncer) tellMissingWorkers(s sealedStep) {
+	if s.restored || s.inc.Config.WorkersPerNode < 2 || s.inc.workersTold.Load() {
+		return
+	}
+	var k syncKey
+	var p *syncProgress
+	for key, pr := range sy.progress { // the oldest such step
+		if key.inc == s.inc && !key.restored && key.step < s.step && !pr.synced && sy.now().Sub(pr.first) >= workersLagAfter && (p == nil || key.step < k.step) {
+			k, p = key, pr
+		}
+	}
+	if p != nil {
+		var have, missing []int
+		for w := range s.inc.Config.WorkersPerNode {
+			if _, ok := p.pushes[w]; ok {
+				have = append(have, w)
+			} else {
+				missing = append(missing, w)
+			}
+		}
+		if !s.inc.workersTold.CompareAndSwap(false, true) {
+			return
+		}
+		msg := fmt.Sprintf("step %d: worker(s) %s of this node committed it %s ago, worker(s) %s never did (workers-per-node: %d), and step %d was committed since: a step is synced, replicated, backed up and restorable only once every worker of every node committed it; is workers-per-node right?",
+			k.step, JoinAtMost(have, maxRanksNamed), sy.now().Sub(p.first).Round(time.Second), JoinAtMost(missing, maxRanksNamed), s.inc.Config.WorkersPerNode, s.step)
+		sy.log.Warn(msg)
+		sy.lines.incLine(s.inc, msg)
+	}
 }
 
 // notePushed records that worker's pushes of s, tried again, now fail to peers only (none:
@@ -171,8 +211,9 @@ func (sy *syncer) run() {
 			// all its workers: decided per worker, with pushes slower than the saves, worker 0
 			// of each step was the newest and pushed, worker 1 found its next step queued and
 			// was not, and no step was ever replicated (a review).
-			p = &syncProgress{pushes: map[int]workerPushes{}, skip: sy.superseded(s)}
+			p = &syncProgress{pushes: map[int]workerPushes{}, skip: sy.superseded(s), first: sy.now()}
 			sy.progress[k] = p
+			sy.tellMissingWorkers(s)
 		}
 		var failedPeers []int
 		if p.skip {
