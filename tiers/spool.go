@@ -468,6 +468,10 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		if err := s.recordOwner(ResolveMountPath(cfg.MountPath)); err != nil {
 			// Keep whatever the spool holds: it may be a predecessor's checkpoints.
 			s.unlock()
+			if errors.Is(err, os.ErrPermission) || errors.Is(err, syscall.EROFS) {
+				// It said "is the spool full?" of a spool its user may not write to (black-box h57).
+				return nil, fmt.Errorf("%w (the agent's user, uid %d, may not write to the spool %s: give it a spool of its own, --spool)", err, os.Geteuid(), cfg.Dir)
+			}
 			return nil, fmt.Errorf("%w (is the spool %s full? mtcfs spool list shows it)", err, cfg.Dir)
 		}
 	}

@@ -112,7 +112,7 @@ func cmdSpoolFree(args []string) int {
 		if len(s.Steps) > 0 {
 			// The newest step may have been in no backup yet (a black-box run freed its only
 			// copy and was told nothing).
-			fmt.Printf("note: step(s) %s of job %s were in it: only a peer's replica or a backup holds them now (mtcfs backups list --backup URL --job %s shows the backups)\n",
+			fmt.Printf("note: step(s) %s of job %s were in it: only a peer's replica or a backup, if any, holds them now (mtcfs backups list --backup URL --job %s shows the backups)\n",
 				tiers.JoinSteps(s.Steps), s.Job, s.Job)
 		}
 		if run := owner.Running; run != nil && s.MountState == tiers.MountExists {

@@ -133,7 +133,7 @@ func TestSpoolListAndFree(t *testing.T) {
 	out, code = runMtcfs(t, "spool", "free", n.dir)
 	require.Equal(t, 0, code, "%s", out)
 	assert.Contains(t, out, "freed spool "+n.spool)
-	assert.Contains(t, out, "note: step(s) 10 of job "+job+" were in it: only a peer's replica or a backup holds them now")
+	assert.Contains(t, out, "note: step(s) 10 of job "+job+" were in it: only a peer's replica or a backup, if any, holds them now")
 	// The spool recorded the job's incarnation, which goes with it: the user is told.
 	assert.Contains(t, out, "note: the agent of "+n.dir+" last answered job "+job+" (incarnation ")
 	assert.Contains(t, out, "if that job still runs, restart it")
