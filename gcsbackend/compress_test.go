@@ -18,6 +18,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mtcfs/mtcfs/layout"
 	"github.com/mtcfs/mtcfs/planecodec"
@@ -651,4 +652,42 @@ func TestCompressedChunkDamagedAlikeOnTheWayOnGCS(t *testing.T) {
 	assert.NotErrorIs(t, err, planecodec.ErrCorrupt, "damaged on the way is not damage in the store")
 	assert.Contains(t, err.Error(), "damaged on the way")
 	assert.NoDirExists(t, dest)
+}
+
+// TestExportKeepsOwnersAndModes: an exported step has the owners (as root) and modes the backup
+// keeps for it, as a restore does. Every file came out root's 0600, every directory 0700
+// (black-box h57).
+func TestExportKeepsOwnersAndModes(t *testing.T) {
+	ctx := context.Background()
+	b := compressedBackups(newTestLocalDir(t))
+	src := t.TempDir()
+	writeBinTree(t, src, map[string][]byte{"state/a": []byte("weights"), "state/secret": []byte("key"), "meta.json": []byte("{}")})
+	ab := layout.NewAttrsBuilder(layout.Attr{Mode: 0o750, UID: 1000, GID: 1000}, true)
+	ab.Add(layout.EntryDir, layout.Attr{Mode: 0o710, UID: 1000, GID: 1000}, func() string { return "state" })
+	ab.Add(layout.EntryFile, layout.Attr{Mode: 0o640, UID: 1000, GID: 1000}, func() string { return "state/a" })
+	ab.Add(layout.EntryFile, layout.Attr{Mode: 0o640, UID: 1000, GID: 1000}, func() string { return "meta.json" })
+	ab.Add(layout.EntryFile, layout.Attr{Mode: 0o4600, UID: 1001, GID: 1002}, func() string { return "state/secret" })
+	require.NoError(t, layout.WriteAttrs(src, ab.Attrs()))
+	h, isDir, err := layout.HashData(ctx, src)
+	require.NoError(t, err)
+	require.True(t, isDir)
+	h = strings.TrimSuffix(layout.DataName(h, isDir), ".data")
+	require.NoError(t, b.Upload(ctx, UploadRequest{Job: testJob, Backup: "2026-01-01_00-00", Step: 5, Slot: Slot{0, 0}, Hash: h, Source: src}))
+
+	out := filepath.Join(t.TempDir(), "export")
+	_, err = b.Export(ctx, ExportRequest{Job: testJob, Backup: "2026-01-01_00-00", Dir: out})
+	require.NoError(t, err)
+	root := os.Geteuid() == 0
+	for rel, want := range map[string]layout.Attr{
+		"": {Mode: 0o750, UID: 1000, GID: 1000}, "state": {Mode: 0o710, UID: 1000, GID: 1000},
+		"state/a": {Mode: 0o640, UID: 1000, GID: 1000}, "meta.json": {Mode: 0o640, UID: 1000, GID: 1000},
+		"state/secret": {Mode: 0o4600, UID: 1001, GID: 1002},
+	} {
+		var st unix.Stat_t
+		require.NoError(t, unix.Lstat(filepath.Join(out, h+".data", rel), &st))
+		assert.Equal(t, want.Mode, st.Mode&0o7777, "mode of %q", rel)
+		if root {
+			assert.Equal(t, [2]uint32{want.UID, want.GID}, [2]uint32{st.Uid, st.Gid}, "owner of %q", rel)
+		}
+	}
 }

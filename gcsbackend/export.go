@@ -132,6 +132,17 @@ func (b *Backups) Export(ctx context.Context, req ExportRequest) (ExportReport, 
 			return rep, fmt.Errorf("export: %s: %w", p, err)
 		}
 	}
+	// The owners and modes the backup keeps, once the hashes were read (a mode may close an
+	// entry); owners only as root, who alone may give files away.
+	for _, h := range rep.Data {
+		attrs, err := b.readAttrs(ctx, dir, h)
+		if err != nil {
+			return rep, fmt.Errorf("export: owners and modes of %s: %w", dataName(h), err)
+		}
+		if err := layout.ApplyAttrs(filepath.Join(req.Dir, dataName(h)), attrs, os.Geteuid() == 0); err != nil {
+			return rep, fmt.Errorf("export: owners and modes of %s: %w", dataName(h), err)
+		}
+	}
 	for _, m := range metas {
 		if err := os.WriteFile(filepath.Join(req.Dir, m.name), []byte(m.hash), 0o644); err != nil {
 			return rep, fmt.Errorf("export: %w", err)

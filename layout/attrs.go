@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // Attrs are the owners and permission bits of a data's entries as the job left them. The data's
@@ -341,4 +343,64 @@ func parseMode(s string) (uint32, error) {
 		return 0, fmt.Errorf("bad mode %q", s)
 	}
 	return uint32(m), nil
+}
+
+// ApplyAttrs gives the data at p (a file, or a directory tree) the modes a keeps, and with
+// owners its owners too (root only may give files away); a nil a changes nothing. Directories
+// get theirs last, deepest first, so that a mode that closes one does not stop the walk. Symlinks
+// keep their mode (always 0777); owners are set before modes, since a chown clears set-id bits.
+// Paths of any length work (Dir). An export wrote every file 0600 and every directory 0700,
+// root's, though owners and modes travel in every tier (black-box h57).
+func ApplyAttrs(p string, a *Attrs, owners bool) error {
+	if a == nil {
+		return nil
+	}
+	set := func(chown func(uid, gid int) error, chmod func(mode uint32) error, at Attr, t EntryType) error {
+		if owners {
+			if err := chown(int(at.UID), int(at.GID)); err != nil {
+				return err
+			}
+		}
+		if t == EntrySymlink {
+			return nil
+		}
+		return chmod(at.Mode)
+	}
+	fi, err := os.Lstat(p)
+	if err != nil {
+		return err
+	}
+	if !fi.IsDir() {
+		return set(func(u, g int) error { return os.Lchown(p, u, g) }, func(m uint32) error { return unix.Chmod(p, m) }, a.Of("", EntryFile), EntryFile)
+	}
+	d, err := OpenDir(p)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	entries, err := d.ListUnsized()
+	if err != nil {
+		return err
+	}
+	apply := func(e TreeEntry) error {
+		return d.at("chmod", e.Path, func(dirfd int, name string) error {
+			return set(func(u, g int) error { return unix.Fchownat(dirfd, name, u, g, unix.AT_SYMLINK_NOFOLLOW) },
+				func(m uint32) error { return unix.Fchmodat(dirfd, name, m, 0) }, a.Of(e.Path, e.Type), e.Type)
+		})
+	}
+	var dirs []TreeEntry
+	for _, e := range entries {
+		if e.Type == EntryDir {
+			dirs = append(dirs, e)
+		} else if err := apply(e); err != nil {
+			return err
+		}
+	}
+	slices.SortFunc(dirs, func(x, y TreeEntry) int { return strings.Count(y.Path, "/") - strings.Count(x.Path, "/") })
+	for _, e := range dirs {
+		if err := apply(e); err != nil {
+			return err
+		}
+	}
+	return set(func(u, g int) error { return unix.Fchown(d.fd, u, g) }, func(m uint32) error { return unix.Fchmod(d.fd, m) }, a.Of("", EntryDir), EntryDir)
 }
