@@ -175,6 +175,13 @@ func (cr *commitRecorder) noteMisnamed(ev event) {
 			cr.mu.Unlock()
 			return
 		}
+	case cfg.Framework != FrameworkPyTorch && ev.kind == evRenamed && ev.typ == layout.EntryFile:
+		// Orbax lists steps following symlinks, and a file under a step's name looked saved
+		// (black-box h59). A symlink renamed there is the restore marker Orbax takes (SPEC §9).
+		if _, ok := layout.ParseStepDir(ev.path); !ok {
+			return
+		}
+		why = "a step is a directory renamed onto its step's name; a file renamed there is not a commit, and the job's next start removes it"
 	case cfg.Framework != FrameworkPyTorch:
 		if ev.kind != evRenamed || ev.typ != layout.EntryDir {
 			return

@@ -1363,3 +1363,31 @@ func TestLinesGoOnPastTheFilesLimit(t *testing.T) {
 		return ""
 	})
 }
+
+// TestFileRenamedOntoAStepNameIsTold: a regular file renamed onto a step's name is no commit,
+// and the job is told (Orbax lists steps following symlinks: it looked saved; black-box h59);
+// the restore marker, a symlink renamed onto the step's name as Orbax does, is not.
+func TestFileRenamedOntoAStepNameIsTold(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	h.orbaxSave(1, checkpointFiles("1"))
+	h.waitSealed("job", 1, "1")
+	h.writeFile("x", "not a step")
+	h.rename("x", "9")
+	h.eventually("the line", func() string {
+		l := h.lines(layout.ReplicatorErrorsName)
+		if len(l) != 1 || !strings.Contains(l[0], "9 is not committed (its step is not checkpointed): a step is a directory renamed onto its step's name") {
+			return fmt.Sprintf("replicator.errors = %q", l)
+		}
+		return ""
+	})
+	require.NoError(t, os.Remove(h.path(layout.ReplicatorErrorsName)))
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+	h.yamlOrbax(baseYAML) // the job restarts and takes its marker as Orbax does
+	restore1 := marker("job", 1, 0, 0, layout.MarkerRestore)
+	h.waitMarkers(restore1)
+	h.rename(restore1, "1")
+	time.Sleep(100 * time.Millisecond)
+	assert.Empty(t, h.lines(layout.ReplicatorErrorsName), "the marker's rename is no mistake")
+}
