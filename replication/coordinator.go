@@ -1097,6 +1097,18 @@ func (c *JobCoordinator) waitingFor() (what string, nodes bool) {
 	return "", false
 }
 
+// syncWaitingFor names the ranks that have not reported step yet ("": none).
+func (c *JobCoordinator) syncWaitingFor(step int64) string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	shown, total := someRanks(len(c.synced), func(r int) bool { return c.synced[r] < step })
+	if total == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%d of %d nodes reported it to the coordinator (rank 0); not yet rank %s (a rank whose job has not saved the step yet, or whose agent is stopped or gone)",
+		c.cfg.Nodes-total, c.cfg.Nodes, rankList(shown, total))
+}
+
 // negotiationStarted reports whether the inventories are frozen.
 // barrierOpen reports whether the restore barrier was neither passed (every rank restored) nor
 // failed.
@@ -1421,6 +1433,16 @@ func (l LocalClient) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	}
 	return "", false
 }
+
+// SyncWaitingFor names the ranks inc's pending sync of step waits for.
+func (l LocalClient) SyncWaitingFor(inc tiers.Incarnation, step int64) string {
+	if c, _, err := l.coordinator(inc, false); err == nil {
+		return c.syncWaitingFor(step)
+	}
+	return ""
+}
+
+var _ tiers.SyncWaitDescriber = LocalClient{}
 
 func (l LocalClient) coordinator(inc tiers.Incarnation, negotiate bool) (*JobCoordinator, int, error) {
 	if inc.Config == nil {

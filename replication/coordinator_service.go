@@ -399,6 +399,14 @@ func (r *RemoteCoordinator) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	return "the coordinator (rank 0), which answers once every node got as far (mtcfs status on rank 0 names the ranks missing)", true
 }
 
+// SyncWaitingFor says what a pending sync waits for, as far as this rank can tell.
+func (r *RemoteCoordinator) SyncWaitingFor(inc tiers.Incarnation, step int64) string {
+	what, _ := r.WaitingFor(inc)
+	return what
+}
+
+var _ tiers.SyncWaitDescriber = (*RemoteCoordinator)(nil)
+
 // setFailing records the failure of a call being retried (nil: it got through).
 func (r *RemoteCoordinator) setFailing(err error) {
 	r.mu.Lock()

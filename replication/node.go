@@ -561,6 +561,26 @@ func (n *Node) CheckJob(cfg *tiers.Config) error {
 
 // WaitingFor says what inc's pending Negotiate or Restored waits for: on rank 0, the ranks not
 // heard from; elsewhere, rank 0, or why it cannot be reached.
+// SyncWaitingFor says what inc's pending sync of step waits for: the ranks missing, on rank
+// 0; rank 0's answer, elsewhere.
+func (n *Node) SyncWaitingFor(inc tiers.Incarnation, step int64) string {
+	if inc.Config == nil {
+		return ""
+	}
+	if inc.Config.NodeRank == 0 {
+		return LocalClient{Job: n.job}.SyncWaitingFor(inc, step)
+	}
+	n.mu.Lock()
+	r := n.remotes[inc.Config.JobName]
+	n.mu.Unlock()
+	if r == nil {
+		return ""
+	}
+	return r.SyncWaitingFor(inc, step)
+}
+
+var _ tiers.SyncWaitDescriber = (*Node)(nil)
+
 func (n *Node) WaitingFor(inc tiers.Incarnation) (string, bool) {
 	if inc.Config == nil {
 		return "", false

@@ -139,3 +139,6 @@ func (r *Replicator) SyncedCommitted() int64 {
 	committed, _, _ := r.incs.latest()
 	return committed
 }
+
+// SetSyncLineAfter sets how long a sync waits before the job is told (syncLineAfter).
+func (r *Replicator) SetSyncLineAfter(d time.Duration) { r.syncer.lineAfter.Store(int64(d)) }

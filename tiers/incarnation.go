@@ -57,6 +57,8 @@ type incarnation struct {
 	// workersTold is set once the job was told of a step some workers of this node never
 	// committed (syncer.tellMissingWorkers).
 	workersTold atomic.Bool
+	// syncWaitTold is set once the job was told of a sync that waited long (syncer.syncNow).
+	syncWaitTold atomic.Bool
 	// user is the job's user, the owner of the replicator.yaml it wrote (-1: unknown, or
 	// root): a step restored for it is given to it (Namespace.Reown). Set before the restore
 	// starts.

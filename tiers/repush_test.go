@@ -638,6 +638,8 @@ func TestALongSyncShowsInTheStatus(t *testing.T) {
 		}
 		return ""
 	})
+	// It names the rank it waits for (it said "every node's report": black-box h58).
+	assert.Contains(t, hs[0].r.Status().Syncing.WaitingFor, "1 of 2 nodes reported it to the coordinator (rank 0); not yet rank 1")
 	hs[1].orbaxSave(1, map[string]string{"state": "rank 1"})
 	hs[0].eventually("the sync done", func() string {
 		if st := hs[0].r.Status(); st.Syncing != nil || st.Replicated != 1 {
@@ -645,4 +647,31 @@ func TestALongSyncShowsInTheStatus(t *testing.T) {
 		}
 		return ""
 	})
+}
+
+// TestALongSyncIsToldToTheJob: a sync that waits long is told to the job once, with the ranks
+// it waits for: one stuck on a lost rank said nothing anywhere (black-box h58).
+func TestALongSyncIsToldToTheJob(t *testing.T) {
+	t.Parallel()
+	hs, _ := newPairWith(t, harnessConfig{})
+	hs[0].r.SetSyncLineAfter(200 * time.Millisecond)
+	hs[0].orbaxSave(1, map[string]string{"state": "rank 0"}) // rank 1 does not save: the sync waits
+	want := "step 1's sync with the coordinator (rank 0) has waited 200ms: 1 of 2 nodes reported it to the coordinator (rank 0); not yet rank 1"
+	hs[0].eventually("the line", func() string {
+		for _, l := range hs[0].lines(layout.ReplicatorErrorsName) {
+			if strings.Contains(l, want) {
+				return ""
+			}
+		}
+		return fmt.Sprintf("replicator.errors = %q", hs[0].lines(layout.ReplicatorErrorsName))
+	})
+	hs[0].orbaxSave(2, map[string]string{"state": "rank 0"})
+	time.Sleep(400 * time.Millisecond)
+	n := 0
+	for _, l := range hs[0].lines(layout.ReplicatorErrorsName) {
+		if strings.Contains(l, "sync with the coordinator (rank 0) has waited") {
+			n++
+		}
+	}
+	assert.Equal(t, 1, n, "told once per incarnation")
 }

@@ -114,6 +114,8 @@ type StepInRAM struct {
 type SyncingView struct {
 	Step  int64     `json:"step"`
 	Since time.Time `json:"since"`
+	// WaitingFor names the ranks the sync waits for, as far as this node can tell ("": not known).
+	WaitingFor string `json:"waiting_for,omitempty"`
 }
 
 // SyncWaitShown is how long a sync waits before the status shows it: a sync waits for every

@@ -33,6 +33,7 @@ type syncer struct {
 	*node
 	in        *fifo[sealedStep]               // from the sealer, and restored steps from the restorer
 	popHook   func(step int64, restored bool) // tests: runs as each step is taken (before Start)
+	lineAfter atomic.Int64                    // tests: syncLineAfter instead (0: syncLineAfter)
 	coord     Coordinator
 	incs      *incarnations
 	retention *retention
@@ -110,6 +111,10 @@ type syncProgress struct {
 	skip   bool                 // not pushed: superseded when its first worker reported
 	first  time.Time            // when its first worker reported
 }
+
+// syncLineAfter is how long a step's sync may wait before the job is told (once per
+// incarnation; syncer.lineAfter, when set, in tests).
+const syncLineAfter = time.Minute
 
 // workersLagAfter is how long a step may wait for the rest of its node's workers, while one of
 // them has committed a newer step, before the job is told (once per incarnation).
@@ -357,7 +362,11 @@ func (sy *syncer) syncingView(job string) *SyncingView {
 	if s == nil || s.inc.Config.JobName != job || sy.now().Sub(s.since) < SyncWaitShown {
 		return nil
 	}
-	return &SyncingView{Step: s.step, Since: s.since}
+	v := &SyncingView{Step: s.step, Since: s.since}
+	if d, ok := sy.coord.(SyncWaitDescriber); ok {
+		v.WaitingFor = d.SyncWaitingFor(s.inc.Incarnation, s.step)
+	}
+	return v
 }
 
 // status returns the later tries of job's pushes, if any are pending in the current incarnation.
@@ -582,9 +591,34 @@ func (sy *syncer) syncNow(c commit, replicated bool) bool {
 	}
 	c.inc.noteCommitted(c.step)
 	sy.viewMu.Lock()
-	sy.syncing = &syncing{inc: c.inc, step: c.step, since: sy.now()}
+	cur := &syncing{inc: c.inc, step: c.step, since: sy.now()}
+	sy.syncing = cur
 	sy.viewMu.Unlock()
+	// A sync that waits long is told to the job once per incarnation, with the ranks it waits
+	// for: one stuck on a lost rank said nothing anywhere (black-box h58).
+	after := time.Duration(sy.lineAfter.Load())
+	if after == 0 {
+		after = syncLineAfter
+	}
+	tell := time.AfterFunc(after, func() {
+		sy.viewMu.Lock()
+		still := sy.syncing == cur
+		sy.viewMu.Unlock()
+		if !still || c.inc.ctx.Err() != nil || !c.inc.syncWaitTold.CompareAndSwap(false, true) {
+			return
+		}
+		what := "every node's report of it"
+		if d, ok := sy.coord.(SyncWaitDescriber); ok {
+			if w := d.SyncWaitingFor(c.inc.Incarnation, c.step); w != "" {
+				what = w
+			}
+		}
+		msg := fmt.Sprintf("step %d's sync with the coordinator (rank 0) has waited %s: %s; until it is synced, this step and the ones saved after it are not replicated nor backed up", c.step, after, what)
+		sy.log.Warn(msg)
+		sy.lines.incLine(c.inc, msg)
+	})
 	dec, err := sy.coord.Sync(c.inc.ctx, c.inc.Incarnation, SyncReport{Step: c.step, Replicated: replicated, Data: c.syncData})
+	tell.Stop()
 	sy.viewMu.Lock()
 	sy.syncing = nil
 	sy.viewMu.Unlock()

@@ -16,6 +16,14 @@ type WaitDescriber interface {
 	WaitingFor(inc Incarnation) (what string, nodes bool)
 }
 
+// SyncWaitDescriber is implemented by a Coordinator that can tell what a step's sync waits
+// for: the ranks that have not reported the step yet, as far as this node can tell ("": it
+// cannot say). A sync stuck on a lost rank said only "waiting for every node's report"
+// (black-box h58).
+type SyncWaitDescriber interface {
+	SyncWaitingFor(inc Incarnation, step int64) string
+}
+
 // JobChecker is implemented by a Coordinator that can tell, from how the agent was started,
 // that it cannot serve a job of some shape: a static --peers map that lacks one of the job's
 // ranks. The handshake refuses such a job in replicator.failed instead of waiting for a rank

@@ -93,8 +93,12 @@ func Status(w io.Writer, info agents.Info, st tiers.Status) {
 		fmt.Fprintf(w, "  re-push    step %d to rank %s: %s, %s\n", rp.Step, joinInts(rp.To), tries, next)
 	}
 	if s := st.Syncing; s != nil {
-		fmt.Fprintf(w, "  syncing    step %d with the coordinator (rank 0): waiting %v for every node's report of it; the steps committed since wait behind it, their pushes too\n",
-			s.Step, time.Since(s.Since).Round(time.Second))
+		what := " for every node's report of it"
+		if s.WaitingFor != "" {
+			what = ": " + s.WaitingFor
+		}
+		fmt.Fprintf(w, "  syncing    step %d with the coordinator (rank 0): waiting %v%s; the steps committed since wait behind it, their pushes too\n",
+			s.Step, time.Since(s.Since).Round(time.Second), what)
 	}
 	for _, e := range st.Errors {
 		fmt.Fprintf(w, "  error      %s\n", e)

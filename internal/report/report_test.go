@@ -66,6 +66,12 @@ func TestStatus(t *testing.T) {
 		Committed: -1, Replicated: -1, Spool: spool})
 	assert.Contains(t, fresh.String(), "  steps      restored 0, latest committed none yet, latest replicated on every node none yet\n")
 
+	// A sync that knows the ranks it waits for names them (black-box h58).
+	var named strings.Builder
+	Status(&named, info, tiers.Status{Spool: spool, Replicated: -1,
+		Syncing: &tiers.SyncingView{Step: 57, Since: time.Now().Add(-73 * time.Second), WaitingFor: "2 of 3 nodes reported it to the coordinator (rank 0); not yet rank 2"}})
+	assert.Contains(t, named.String(), "  syncing    step 57 with the coordinator (rank 0): waiting 1m13s: 2 of 3 nodes reported it to the coordinator (rank 0); not yet rank 2; the steps committed since wait behind it, their pushes too\n")
+
 	// A backup whose size is not known yet (its files not listed): no "0B of 0B (0%)".
 	var starting strings.Builder
 	Status(&starting, info, tiers.Status{Spool: spool, Replicated: -1,
