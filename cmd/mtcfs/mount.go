@@ -309,6 +309,11 @@ func checkSpoolOfAnotherMount(dir, spool string) error {
 
 func openBackups(url string) (*gcsbackend.Backups, error) {
 	store, err := gcsbackend.Open(url)
+	if err != nil && url == gcsbackend.DefaultURL() {
+		// The user gave no --backup: the line named a flag they had not given, and not where
+		// the default came from (black-box h57: HOME=/root for a non-root user).
+		return nil, fmt.Errorf("the default backup location %s (--backup not given: it is $XDG_DATA_HOME/mtcfs/backups, or ~/.local/share/mtcfs/backups from $HOME) cannot be used: %w; give --backup file:///DIR (a directory the agent's user may write to) or gs://BUCKET", url, err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("--backup %s: %w", url, err)
 	}

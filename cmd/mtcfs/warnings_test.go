@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -345,4 +346,23 @@ func TestStopSaysTheNewestStepIsInNoBackup(t *testing.T) {
 	assert.NotContains(t, out, "in RAM only")
 	stopAgent(t, c)
 	assert.NotContains(t, c.log(), warning)
+}
+
+// TestDefaultBackupLocationUnusable: with no --backup, a default location that cannot be used
+// says it is the default and where it comes from. The line named a --backup the user had not
+// given (black-box h57: HOME=/root for a non-root user).
+func TestDefaultBackupLocationUnusable(t *testing.T) {
+	needRoot(t)
+	n := newRepNode(t)
+	file := filepath.Join(t.TempDir(), "file")
+	require.NoError(t, os.WriteFile(file, nil, 0o644))
+	cmd := exec.Command(binPath, "mount", n.dir, "--memory", "64MiB", "--spool", n.spool)
+	cmd.Env = append(os.Environ(), "XDG_DATA_HOME="+file)
+	b, err := cmd.CombinedOutput()
+	out := string(b)
+	var ee *exec.ExitError
+	require.ErrorAs(t, err, &ee, out)
+	assert.Equal(t, 1, ee.ExitCode(), out)
+	assert.Contains(t, out, "the default backup location file://"+file+"/mtcfs/backups (--backup not given: it is $XDG_DATA_HOME/mtcfs/backups")
+	assert.False(t, isMounted(n.dir), "nothing is mounted")
 }
