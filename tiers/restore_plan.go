@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"slices"
 	"sort"
 	"strconv"
@@ -208,6 +209,10 @@ func PlanRestore(ctx context.Context, cfg *Config, invs []Inventory, store Backu
 			plan.BackupsUnread = true
 			pinUnread = fmt.Sprintf("restore.version in %v could not be read (%v): a backup pinned there is not applied this time", store, err)
 			ok = false
+		case err != nil && errors.Is(err, os.ErrPermission):
+			// It read as if only the pin were the problem (black-box h57: a non-root agent, the
+			// backups root's 0700).
+			return plan, fmt.Errorf("the backup location %v cannot be read by this agent (its first read, restore.version: %w): nothing in it can be restored; give the agent's user access to it, or the agents a --backup it may read and write", store, CauseFirst(ctx, err))
 		case err != nil:
 			return plan, fmt.Errorf("read restore.version: %w", CauseFirst(ctx, err))
 		}

@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
 	"reflect"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -806,6 +808,10 @@ func TestPlanRestoreWithTheBackupLocationDown(t *testing.T) {
 			want: "read restore.version: " + refused.Error(), wantErr: true},
 		{name: "no answer, nothing in RAM", invs: []tiers.Inventory{{Rank: 0}},
 			want: "read restore.version: the backup location %s did not answer within 200ms: read: context deadline exceeded", wantErr: true},
+		// Said of the location, not of the pin alone (black-box h57: a non-root agent, the
+		// backups root's 0700).
+		{name: "not readable, nothing in RAM", err: &os.PathError{Op: "lstat", Path: "/b/job/restore.version", Err: syscall.EACCES}, invs: []tiers.Inventory{{Rank: 0}},
+			want: "the backup location %s cannot be read by this agent (its first read, restore.version: lstat /b/job/restore.version: permission denied)", wantErr: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			store := downStore{testStore: newTestStore(t), err: tc.err}
