@@ -178,9 +178,10 @@ func (ns *namespace) newAgentFile(name string, data []byte) (*fileNode, *gofs.In
 		os.Remove(p)
 		return nil, nil, fmt.Errorf("write %s: %w", name, err)
 	}
-	fn := &fileNode{fs: ns.m, backing: p, nlink: 1}
+	fn := &fileNode{fs: ns.m, backing: p, nlink: 1, limit: tiers.WriteLimit(name)}
 	fn.init(context.Background(), 0o644)
 	ns.m.agentOwned(&fn.meta)
+	fn.changedControl() // a yaml taken in from under the mount: the job's later writes count as changes
 	// The agent's own files (a .meta, a line in replicator.failed) are counted even past an
 	// agent-accounted budget, as the tmpfs headroom lets them be written as root: the job's
 	// writes fail instead. Refused, a kept spool that held more than the budget failed the
