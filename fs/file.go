@@ -239,7 +239,13 @@ func (f *fileNode) open(ctx context.Context, flags uint32) (gofs.FileHandle, uin
 		(*hook)(f)
 	}
 	if f.backing == "" {
-		return nil, 0, syscall.ENOENT
+		// The node lost its bytes with its last name since the kernel looked the name up
+		// (the agent's removal of an answered replicator.yaml, a large file the job removed).
+		// ESTALE has the kernel walk the path again, revalidating it, once: an open that
+		// races the removal then finds what the name holds now — nothing (ENOENT), a file
+		// renamed onto it, or, with O_CREAT, a new file. With ENOENT a job writing its yaml
+		// again at once got "No such file or directory" from open(O_CREAT) (a test run).
+		return nil, 0, syscall.ESTALE
 	}
 	// Always read-write: go-fuse registers the first handle's fd as the passthrough backing file
 	// of the inode and reuses it for later opens, which may want to write.
@@ -280,6 +286,11 @@ func (f *fileNode) openFd(ctx context.Context, fd int, flags uint32, commitName 
 	// (go-fuse drops the flag when it sets up passthrough.)
 	fflags := uint32(fuse.FOPEN_KEEP_CACHE)
 	if h.writable {
+		// A writer of a control file is a change to come: the handshake removes only the
+		// version it read, and a yaml opened for writing right after that read (its O_TRUNC
+		// comes as a SETATTR after the OPEN) was removed with the job's rewrite to follow into
+		// the removed file (a test run).
+		f.changedControl()
 		f.addWriter()
 		h.commitsOnClose = f.fs.events != nil && commitName != ""
 		if h.commitsOnClose {

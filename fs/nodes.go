@@ -665,6 +665,13 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent gofs.InodeE
 		if errno := d.fs.roomForCopies(src); errno != 0 {
 			return errno
 		}
+		if d.fs.spool.ReadOnly() {
+			// The commit is recorded in the spool before the rename returns (SPEC §10): with
+			// the spool read-only it could not be, and a kill of the agent before the spool
+			// was writable again lost a step whose rename had returned (black-box h60: 4 of 4).
+			// The job's save fails instead, as a write would.
+			return syscall.EROFS
+		}
 	}
 	doomed, forget := d.applyRename(ctx, name, np, newName, src, dst, flags, true)
 	if forget {

@@ -99,7 +99,9 @@ func (h *handshake) answer() {
 	inc.Superseded = h.incs.supersede(inc.ID)
 	// The job's user: a root writer says nothing of it (a launcher may write the yaml for a job
 	// that then runs as someone else), and root reads any checkpoint anyway.
+	var jobUID, jobGID uint32
 	if uid, gid, err := h.ns.Owner(layout.ReplicatorYAMLName); err == nil {
+		jobUID, jobGID = uid, gid
 		switch ro, ok := h.ns.(RootOwned); {
 		case uid == 0:
 		case ok && ro.RootOwner() != uid:
@@ -127,7 +129,7 @@ func (h *handshake) answer() {
 	if len(unread) > 0 {
 		h.lines.errLines(cfg, unread)
 	}
-	run := Running{Incarnation: inc.ID, Framework: cfg.Framework, Rank: cfg.NodeRank, Nodes: cfg.Nodes, Since: h.now().UTC(), TracksRestore: true}
+	run := Running{Incarnation: inc.ID, Framework: cfg.Framework, Rank: cfg.NodeRank, Nodes: cfg.Nodes, Since: h.now().UTC(), TracksRestore: true, UID: jobUID, GID: jobGID}
 	if err := h.withRoom(func() error { return h.spool.SetRunning(cfg.JobName, run) }); errors.Is(err, errNoOwnerRecord) {
 		h.log.Debug("spool owner record", "err", err)
 	} else if err != nil {

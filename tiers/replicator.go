@@ -285,6 +285,11 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 func (r *Replicator) Start(ctx context.Context, ns Namespace) (err error) {
 	n := r.node
 	n.ns = ns
+	if o, ok := ns.(AgentFilesOwner); ok {
+		if run := n.spool.Owner().Running; run != nil {
+			o.OwnAgentFiles(run.UID, run.GID) // the last job's user, until its next handshake
+		}
+	}
 	n.ctx, r.cancel = context.WithCancel(ctx)
 	n.fds.fill()
 	defer func() {

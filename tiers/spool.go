@@ -164,6 +164,12 @@ type Running struct {
 	// the missing field as "not published", and told a job that had restored long before that
 	// its markers would not come; found by a black-box run of a rolling upgrade).
 	TracksRestore bool `json:"tracks_restore,omitempty"`
+	// UID and GID are the owner of the job's replicator.yaml, whom the agent's files at the top
+	// belong to (AgentFilesOwner): a restarted agent writes its notices for the job before the
+	// job's next handshake, and they were root's, which a job in a sticky mount root could not
+	// remove (black-box h60).
+	UID uint32 `json:"job_uid,omitempty"`
+	GID uint32 `json:"job_gid,omitempty"`
 	// Continues is the incarnation whose recorded timeline the agent trusted when it wrote the
 	// record ("": none): a restart before this incarnation records its restore trusts that
 	// timeline still. Before, such a restart (a crash during the restore negotiation) found

@@ -71,6 +71,18 @@ cat 1/_CHECKPOINT_METADATA`)
 	require.NoError(t, err, "%s\n%s", out, a.log())
 	assert.Contains(t, out, "uidjob-s1-n0-w0.restore 1000:1000\nreplicator.prerestore 1000:1000\n")
 	assert.Contains(t, out, `{"step": 1}`)
+
+	// The agent is killed and restarted under the running job: its notice in replicator.failed
+	// is the job's too, before any new handshake (it was root's, and the job's unlink failed
+	// with EPERM at every check: black-box h60).
+	killAgent(t, a)
+	a = n.start(t, "--uid", "0", "--gid", "0", "--mode", "1777")
+	out, err = asUser(t, 1000, 1000, n.dir, `
+i=0; while [ ! -e replicator.failed ]; do i=$((i+1)); [ $i -lt 500 ] || { echo "no notice"; exit 1; }; sleep 0.02; done
+stat -c '%n %u:%g' replicator.failed
+rm replicator.failed && echo removed`)
+	require.NoError(t, err, "%s\n%s", out, a.log())
+	assert.Contains(t, out, "replicator.failed 1000:1000\nremoved")
 }
 
 // TestJobRunningAsAnotherUser: a root agent serving a directory that belongs to uid 1000 gives
