@@ -6,11 +6,20 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/mtcfs/mtcfs/layout"
 )
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
+
+// heldAfter is yamlHeldWait, or heldWait when set.
+func (h *handshake) heldAfter() time.Duration {
+	if h.heldWait > 0 {
+		return h.heldWait
+	}
+	return yamlHeldWait
+}
 
 // handshake answers the job's replicator.yaml (SPEC §2): it ends the running incarnation,
 // starts the next one and its restore. It runs on the control loop and only does fast namespace
@@ -21,14 +30,28 @@ type handshake struct {
 	getenv   func(string) string
 	checkJob func(*Config) error  // ReplicatorConfig.CheckJob
 	warnJob  func(*Config) string // ReplicatorConfig.WarnJob
-	incs     *incarnations
-	lines    *jobLines
-	recorder *commitRecorder // names waiting for sealing stay in the namespace
-	restorer *restorer
+	// recheck has the yaml answered as it is (answer(true)) on the control loop; heldTimer is
+	// the pending one (at most one), heldWait how long it waits (yamlHeldWait; tests set it).
+	recheck   func()
+	heldTimer *time.Timer
+	heldNode  uint64 // the file held (ControlVersion.Node)
+	heldWait  time.Duration
+	incs      *incarnations
+	lines     *jobLines
+	recorder  *commitRecorder // names waiting for sealing stay in the namespace
+	restorer  *restorer
 }
 
-// answer reads and consumes replicator.yaml.
-func (h *handshake) answer() {
+// yamlHeldWait is how long replicator.yaml may stay open for writing after a close of it before
+// it is answered as it is: another process holding it open (an editor, a `tail -f` opened for
+// writing by mistake) kept the job waiting until its 300 s ran out, told nothing (black-box
+// h60). A yaml is written in milliseconds; half a one answered after this long gets the FATAL
+// line a bad yaml gets.
+const yamlHeldWait = 30 * time.Second
+
+// answer reads and consumes replicator.yaml; held answers one still open for writing (a close
+// of it came yamlHeldWait ago).
+func (h *handshake) answer(held bool) {
 	var data []byte
 	var err error
 	remove := func() error { return h.ns.Remove(layout.ReplicatorYAMLName) }
@@ -36,11 +59,27 @@ func (h *handshake) answer() {
 	if versioned {
 		var v ControlVersion
 		data, v, err = cf.ReadControl(layout.ReplicatorYAMLName, MaxConfigSize)
-		if err == nil && v.Writing {
+		if err == nil && v.Writing && !held {
 			// Still being written (a handle open for writing): the last writer's close is
-			// reported and answered (a `touch` while the job wrote had half a file answered).
-			h.log.Info("replicator.yaml is still open for writing: it is answered at its last writer's close")
+			// reported and answered (a `touch` while the job wrote had half a file answered);
+			// if none comes, it is answered as it is after yamlHeldWait.
+			h.log.Info("replicator.yaml is still open for writing: it is answered at its last writer's close, or as it is in " + h.heldAfter().String())
+			if h.heldTimer == nil && h.recheck != nil {
+				h.heldTimer, h.heldNode = time.AfterFunc(h.heldAfter(), h.recheck), v.Node
+			}
 			return
+		}
+		if held {
+			h.heldTimer = nil
+			if err == nil && v.Node != h.heldNode {
+				return // not the file that was held: answered at its close
+			}
+			if err == nil && v.Writing {
+				h.log.Warn("replicator.yaml is still open for writing by a process other than the one that closed it: answered as it is", "waited", h.heldAfter().String())
+			}
+		} else if h.heldTimer != nil {
+			h.heldTimer.Stop() // answered at a close: a later yaml is not answered half written
+			h.heldTimer = nil
 		}
 		if err == nil {
 			// Only the version read: one the job wrote again meanwhile is answered next.

@@ -59,6 +59,9 @@ type ReplicatorConfig struct {
 	// exist, which only its start's log told of (black-box h57: the job saved for 10 minutes
 	// with every backup bound to fail, told nothing).
 	WarnJob func(cfg *Config) string
+	// YAMLHeldWait is how long a replicator.yaml held open for writing after a close of it waits
+	// before it is answered as it is (0: 30 s).
+	YAMLHeldWait time.Duration
 }
 
 // DefaultRestoreWait is ReplicatorConfig.RestoreWait's default: the Orbax client's 300 s,
@@ -271,6 +274,7 @@ func NewReplicator(cfg ReplicatorConfig) *Replicator {
 	// restore, which waits until what was committed before is sealed, restores, starts the
 	// incarnation's backup loop and queues the restored step to the syncer.
 	r.handshake = &handshake{node: n, getenv: cfg.Getenv, incs: r.incs, lines: r.lines, checkJob: cfg.CheckJob, warnJob: cfg.WarnJob,
+		recheck: func() { r.queue.push(event{kind: evYAMLHeld, path: layout.ReplicatorYAMLName}) }, heldWait: cfg.YAMLHeldWait,
 		recorder: r.recorder, restorer: &restorer{node: n, coord: cfg.Coordinator, store: cfg.Store, peers: cfg.Peers,
 			incs: r.incs, lines: r.lines, retention: r.retention, recorder: r.recorder, backups: r.backups, synced: syncQ,
 			keptSpools: cfg.KeptSpools, sealer: r.sealer}}
@@ -627,7 +631,9 @@ func (r *Replicator) handle(ev event) {
 		r.node.ns.Remove(ev.path)
 		r.lines.failLine(nil, fmt.Sprintf("%s: is a %v; write it as a regular file (a symlink is not followed); removed", layout.ReplicatorYAMLName, ev.typ))
 	case isYAML && (ev.kind == evClosed || ev.kind == evRenamed || ev.kind == evCreated):
-		r.handshake.answer()
+		r.handshake.answer(false)
+	case isYAML && ev.kind == evYAMLHeld:
+		r.handshake.answer(true)
 	case ev.kind == evClosed || ev.kind == evCreated:
 		r.recorder.record(ev) // pytorch .save: normally recorded at its flush already
 		r.recorder.noteMisnamed(ev)
@@ -697,4 +703,5 @@ const (
 	evTooLarge
 	evCreated
 	evAbandoned
+	evYAMLHeld // a replicator.yaml held open for writing since yamlHeldWait: answered as it is
 )

@@ -660,10 +660,20 @@ func (r *restorer) restoreSlotData(ctx context.Context, inc *incarnation, plan R
 	// into a fetch, on a link that was fine a second later).
 	var noSpace, fetchErr error // the last fetch that failed (for lack of room here): what the job is told
 	failedFrom := -1
-	for _, holder := range plan.Holders[hash] {
+	backup, backupLooked := plan.Backup, false // where the data is, past the peers (looked up once)
+	findBackup := func() string {
+		if !backupLooked && backup == "" && r.store != nil {
+			backup = r.findBackupOf(ctx, cfg, plan.Step, Slot{cfg.NodeRank, w}, hash)
+		}
+		backupLooked = true
+		return backup
+	}
+	holders := plan.Holders[hash]
+	for i, holder := range holders {
 		if holder == cfg.NodeRank || r.peers == nil {
 			continue
 		}
+		first := time.Now()
 		for try := 1; ; try++ {
 			wall := time.Now()
 			moved, err := r.fetchFrom(ctx, inc, plan.Step, holder, dataName, publish)
@@ -680,21 +690,31 @@ func (r *restorer) restoreSlotData(ctx context.Context, inc *incarnation, plan R
 			if d := r.fetchRetryWithin.Load(); d > 0 {
 				within = time.Duration(d)
 			}
-			if try == peerFetchTries || (time.Since(wall) > within && !NoAnswer(err)) || ctx.Err() != nil {
+			if (time.Since(wall) > within && !NoAnswer(err)) || ctx.Err() != nil {
 				break
+			}
+			wait := peerFetchRetryAfter
+			if try >= peerFetchTries {
+				// A holder that does not answer (stopped, a frozen VM) while it is the last one
+				// and no backup holds the data is waited for, up to peerFetchNoAnswerFor: three
+				// tries in 36 s failed a job's restore (all its ranks) for a peer paused 47 s,
+				// whose data was whole (black-box h61).
+				if !NoAnswer(err) || i < len(holders)-1 || time.Since(first) > peerFetchNoAnswerFor || findBackup() != "" {
+					break
+				}
+				wait = min(peerFetchRetryAfter<<(try-peerFetchTries+1), 15*time.Second)
+				r.log.Warn("the peer holding the data does not answer, and no backup holds it: trying it again", "data", dataName, "peer", holder, "in", wait.String(),
+					"until", peerFetchNoAnswerFor.String()+" after the first try")
 			}
 			select {
 			case <-ctx.Done():
-			case <-time.After(peerFetchRetryAfter):
+			case <-time.After(wait):
 			}
 		}
 	}
 	// Last, a backup: the plan's, or (when the plan found the step in RAM) the newest backup
 	// holding exactly this data for this slot.
-	backup := plan.Backup
-	if backup == "" && r.store != nil {
-		backup = r.findBackupOf(ctx, cfg, plan.Step, Slot{cfg.NodeRank, w}, hash)
-	}
+	backup = findBackup()
 	if backup == "" || r.store == nil {
 		if noSpace != nil {
 			// A peer holds it, and it did not fit here (found by a black-box run: the job was
@@ -735,6 +755,10 @@ const (
 	peerFetchTries       = 3
 	peerFetchRetryWithin = 10 * time.Second
 	peerFetchRetryAfter  = time.Second
+	// peerFetchNoAnswerFor bounds how long after its first try a holder that does not answer is
+	// tried again when it is the last holder and no backup holds the data (the job waits 300 s
+	// for its markers).
+	peerFetchNoAnswerFor = 2 * time.Minute
 )
 
 // fetchFrom fetches dataName from holder's RAM and publishes it. It returns the bytes that

@@ -48,6 +48,7 @@ type mountConfig struct {
 	lagTimeout    time.Duration
 	sealDelay     time.Duration
 	restoreWait   time.Duration
+	yamlHeldWait  time.Duration
 	secretFile    string
 	peerTLS       *replication.TLSConfigs
 	peerCompress  replication.Compression
@@ -92,6 +93,10 @@ const syncLagTimeoutEnv = "MTCFS_SYNC_LAG_TIMEOUT"
 // sealDelayEnv delays the sealing of each committed step, e.g. "2s". Hidden: tests use it to
 // kill -9 the agent between a commit and its seal without depending on timing.
 const sealDelayEnv = "MTCFS_SEAL_DELAY"
+
+// yamlHeldWaitEnv overrides how long a replicator.yaml held open for writing waits before it is
+// answered as it is (30 s), e.g. "1s". Hidden: tests use it.
+const yamlHeldWaitEnv = "MTCFS_YAML_HELD_WAIT"
 
 // restoreWaitEnv overrides how long after its handshake an Orbax job is taken to wait for its
 // restore markers (tiers.DefaultRestoreWait), e.g. "20s". Hidden: tests use it to see the
@@ -206,6 +211,11 @@ func cmdMount(args []string) int {
 	if v := os.Getenv(sealDelayEnv); v != "" {
 		if cfg.sealDelay, err = time.ParseDuration(v); err != nil || cfg.sealDelay <= 0 {
 			return flagError(fset, fmt.Errorf("%s=%q: want a positive duration such as 2s", sealDelayEnv, v))
+		}
+	}
+	if v := os.Getenv(yamlHeldWaitEnv); v != "" {
+		if cfg.yamlHeldWait, err = time.ParseDuration(v); err != nil || cfg.yamlHeldWait <= 0 {
+			return flagError(fset, fmt.Errorf("%s=%q: want a positive duration such as 1s", yamlHeldWaitEnv, v))
 		}
 	}
 	if v := os.Getenv(restoreWaitEnv); v != "" {
@@ -843,7 +853,7 @@ func runMount(cfg mountConfig) error {
 		beforeSeal = func(int64) { time.Sleep(d) }
 	}
 	rep := tiers.NewReplicator(tiers.ReplicatorConfig{Spool: spool, Store: store, Coordinator: node, Peers: node, JaxInit: cfg.jaxInit,
-		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, KeptSpools: func() ([]tiers.SpoolInfo, error) { return localSpools.OrphanedOrOf(cfg.dir, cfg.spoolDir) },
+		DrainTimeout: cfg.drain, Registerer: metrics, BeforeSeal: beforeSeal, RestoreWait: cfg.restoreWait, YAMLHeldWait: cfg.yamlHeldWait, KeptSpools: func() ([]tiers.SpoolInfo, error) { return localSpools.OrphanedOrOf(cfg.dir, cfg.spoolDir) },
 		CheckJob: backupJobCheck(cfg.dir, cfg.backupURL), WarnJob: backupJobWarning(cfg.backupURL)})
 	var ready atomic.Bool
 	var served atomic.Pointer[mfs.Server]
