@@ -856,6 +856,24 @@ func TestYAMLAnsweredWhenItsWriterIsDone(t *testing.T) {
 	})
 }
 
+// TestYAMLHeldOpenByAnotherIsAnsweredInTime: a replicator.yaml the job wrote and closed while
+// another process holds it open for writing is answered as it is once yamlHeldWait passed (1 s
+// here, 30 s by default): the job waited out its 300 s, told nothing (black-box h60).
+func TestYAMLHeldOpenByAnotherIsAnsweredInTime(t *testing.T) {
+	needRoot(t)
+	t.Setenv(yamlHeldWaitEnv, "1s")
+	n := newRepNode(t)
+	a := n.start(t)
+	yamlPath := filepath.Join(n.dir, "replicator.yaml")
+	holder, err := os.OpenFile(yamlPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	require.NoError(t, err)
+	defer holder.Close()
+	require.NoError(t, os.WriteFile(yamlPath, []byte("job-name: held\nframework: orbax\nnode-rank: 0\nnodes: 1\npeer-ranks: []\nbackup-interval-minutes: 60"), 0o644))
+	repWait(t, 10*time.Second, "the held yaml's answer", func() bool { return pathExists(filepath.Join(n.dir, "held-s0-n0-w0.restore")) })
+	assert.NoFileExists(t, yamlPath)
+	assert.Contains(t, a.log(), "replicator.yaml is still open for writing by a process other than the one that closed it: answered as it is")
+}
+
 // TestYAMLInADirectoryOfTheMountIsRefused: a job whose CHECKPOINT_DIR is a directory inside the
 // mount gets a replicator.failed there saying where its yaml belongs, at once. It waited 300 s
 // for an answer that never came (black-box h59). A file named replicator.yaml inside a step is
