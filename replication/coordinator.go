@@ -34,7 +34,7 @@ const DefaultLagTimeout = 10 * time.Minute
 
 var (
 	// ErrClosed is returned to callers of a coordinator whose incarnation is over.
-	ErrClosed = errors.New("job coordinator closed: the incarnation is over")
+	ErrClosed = tiers.ErrIncarnationOver
 	// ErrSyncTimeout fails a step's sync when some rank did not report it within the lag
 	// timeout.
 	ErrSyncTimeout = errors.New("not every node reported the step in time")

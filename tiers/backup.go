@@ -101,13 +101,12 @@ func (b *backupRunner) loop(inc *incarnation) {
 					b.lines.incLine(inc, msg)
 				}
 			}
-			if errors.Is(err, ErrOtherIncarnation) && b.lines.incs.isCurrent(inc) {
-				// The coordinator serves a newer incarnation: asked again every 30 s, quietly
+			if errors.Is(err, ErrOtherIncarnation) || errors.Is(err, ErrIncarnationOver) {
+				// The coordinator serves another incarnation: asked again every 30 s, quietly
 				// (it was logged every 16 s for as long as the agent ran: black-box h58).
 				wait = 30 * time.Second
-				if inc.outdated() {
-					b.log.Warn(supersededLine(err), "incarnation", inc.ID)
-					b.lines.incLine(inc, supersededLine(err))
+				if errors.Is(err, ErrOtherIncarnation) {
+					b.outdated(inc, err, b.lines.incs, b.lines)
 				}
 			} else {
 				b.log.Warn("asking the coordinator for backup orders failed", "err", err, "retry_in", wait.String())

@@ -142,3 +142,7 @@ func (r *Replicator) SyncedCommitted() int64 {
 
 // SetSyncLineAfter sets how long a sync waits before the job is told (syncLineAfter).
 func (r *Replicator) SetSyncLineAfter(d time.Duration) { r.syncer.lineAfter.Store(int64(d)) }
+
+// SetSupersededAfter sets how long a current incarnation the coordinator does not serve waits
+// before it is marked superseded (supersededAfter).
+func (r *Replicator) SetSupersededAfter(d time.Duration) { r.node.supersededWait.Store(int64(d)) }

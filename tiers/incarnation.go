@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // incarnation is one start of the job (one valid replicator.yaml) and the state that lives and
@@ -57,6 +58,8 @@ type incarnation struct {
 	// workersTold is set once the job was told of a step some workers of this node never
 	// committed (syncer.tellMissingWorkers).
 	workersTold atomic.Bool
+	// outdatedSeen is set at the coordinator's first ErrOtherIncarnation answer (noteOutdated).
+	outdatedSeen atomic.Bool
 	// syncWaitTold is set once the job was told of a sync that waited long (syncer.syncNow).
 	syncWaitTold atomic.Bool
 	// user is the job's user, the owner of the replicator.yaml it wrote (-1: unknown, or
@@ -125,19 +128,43 @@ func newIncarnation(parent context.Context, cfg *Config) *incarnation {
 	return inc
 }
 
-// outdated marks inc, this node's current incarnation, as one the job's coordinator no longer
-// serves (its answer wrapped ErrOtherIncarnation): status says "superseded", and the job and the log are
-// told once. An agent cut off (stopped, partitioned) while the job restarted without it went on
-// saying "running" (black-box h58). It reports whether this call marked it.
-func (inc *incarnation) outdated() bool {
+// noteOutdated is told that the job's coordinator answered a call of inc, this node's current
+// incarnation, with ErrOtherIncarnation (err). If inc is still current after after (the job's
+// restart reaches every node within seconds: rank 0's coordinator answers a node whose yaml has
+// not come yet so, and the node was told it was left behind during a restart of the whole job,
+// black-box h61), it is marked superseded: status says so, and tell tells the job and the log,
+// once. An agent cut off (stopped, partitioned) while the job restarted without it went on
+// saying "running" (black-box h58).
+func (inc *incarnation) noteOutdated(err error, after time.Duration, current func() bool, tell func(line string)) {
+	if !inc.outdatedSeen.CompareAndSwap(false, true) {
+		return
+	}
+	time.AfterFunc(after, func() {
+		if inc.ctx.Err() != nil || !current() {
+			return
+		}
+		inc.mu.Lock()
+		mark := inc.phase != PhaseSuperseded && inc.phase != "failed"
+		if mark {
+			inc.phase = PhaseSuperseded
+		}
+		inc.mu.Unlock()
+		if mark {
+			tell(supersededLine(err))
+		}
+	})
+}
+
+// isSuperseded reports whether inc was marked superseded (noteOutdated).
+func (inc *incarnation) isSuperseded() bool {
 	inc.mu.Lock()
 	defer inc.mu.Unlock()
-	if inc.phase == PhaseSuperseded || inc.phase == "failed" {
-		return false
-	}
-	inc.phase = PhaseSuperseded
-	return true
+	return inc.phase == PhaseSuperseded
 }
+
+// supersededAfter is how long a current incarnation the coordinator does not serve waits before
+// it is marked superseded (noteOutdated).
+const supersededAfter = 30 * time.Second
 
 // PhaseSuperseded is the phase of an incarnation the job's coordinator no longer serves.
 const PhaseSuperseded = "superseded"

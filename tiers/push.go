@@ -161,6 +161,12 @@ func (p *pusher) push(ctx context.Context, s sealedStep, early *earlyGroup, data
 		p.log.Warn("replication failed again", "step", c.step, "to", p.rank, "err", err)
 		return false
 	}
+	if err != nil && c.inc.isSuperseded() {
+		// The job went on without this node, and was told once: each later push's refusal
+		// was one more line (black-box h61).
+		p.log.Warn("replication failed (this node's incarnation is superseded)", "step", c.step, "to", p.rank, "err", err)
+		return false
+	}
 	if err != nil {
 		p.metrics.error(errKindReplication)
 		p.lines.incLine(c.inc, fmt.Sprintf("replicating step %d to rank %d failed: %v", c.step, p.rank, err))

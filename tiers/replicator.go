@@ -167,6 +167,8 @@ type node struct {
 	yield *yielder
 	// waits says when a restore waiting for the other nodes tells of it (waitnotice.go).
 	waits *waitNotices
+	// supersededAfter is supersededAfter, or (tests) what is set here.
+	supersededWait atomic.Int64
 	// fds are spare descriptors for the agent's own records (fdreserve.go).
 	fds *fdReserve
 	// hashFault, a test's (export_test.go, set before Start), may fail the hashing of a
@@ -674,6 +676,21 @@ func (r *Replicator) answerMisplaced(dir string) {
 	if err := m.AnswerMisplaced(dir, layout.ReplicatorYAMLName, layout.ReplicatorFailedName, []byte(line)); err != nil {
 		r.node.log.Warn("cannot answer the replicator.yaml written into a directory of the mount", "dir", dir, "err", err)
 	}
+}
+
+// outdated is told of an ErrOtherIncarnation answer (err) to a call of inc (noteOutdated).
+func (n *node) outdated(inc *incarnation, err error, incs *incarnations, lines *jobLines) {
+	if !incs.isCurrent(inc) {
+		return
+	}
+	after := supersededAfter
+	if d := n.supersededWait.Load(); d > 0 {
+		after = time.Duration(d)
+	}
+	inc.noteOutdated(err, after, func() bool { return incs.isCurrent(inc) }, func(line string) {
+		n.log.Warn(line, "incarnation", inc.ID)
+		lines.incLine(inc, line)
+	})
 }
 
 func randomID() string {

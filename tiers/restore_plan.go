@@ -143,6 +143,10 @@ var ErrCorruptBackup = errors.New("the backup's data is corrupt")
 // coordinate (an older one, or one that has not negotiated): replication returns it (wrapped).
 var ErrOtherIncarnation = errors.New("call from another incarnation of the job")
 
+// ErrIncarnationOver is the coordinator's answer to a call of an incarnation it closed (the job
+// restarted): replication returns it (wrapped).
+var ErrIncarnationOver = errors.New("job coordinator closed: the incarnation is over")
+
 // ErrNoBackup means a named backup does not exist.
 var ErrNoBackup = errors.New("no such backup")
 

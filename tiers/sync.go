@@ -628,11 +628,13 @@ func (sy *syncer) syncNow(c commit, replicated bool) bool {
 		sy.log.Info("sync abandoned: the incarnation ended", "step", c.step, "incarnation", c.inc.ID)
 		return false
 	}
-	if err != nil && errors.Is(err, ErrOtherIncarnation) && sy.incs.isCurrent(c.inc) {
-		sy.metrics.error(errKindSync)
-		if c.inc.outdated() {
-			sy.log.Warn(supersededLine(err), "step", c.step, "incarnation", c.inc.ID)
-			sy.lines.incLine(c.inc, supersededLine(err))
+	if err != nil && (errors.Is(err, ErrOtherIncarnation) || errors.Is(err, ErrIncarnationOver)) {
+		// Not this step's failure: the job restarted (everywhere, or without this node). The
+		// line "sync of step N failed: … the incarnation is over" reached the restarted job
+		// as unread news (black-box h61).
+		sy.log.Info("sync refused: the coordinator serves another incarnation of the job", "step", c.step, "incarnation", c.inc.ID, "err", err)
+		if errors.Is(err, ErrOtherIncarnation) {
+			sy.outdated(c.inc, err, sy.incs, sy.lines)
 		}
 		return false
 	}
