@@ -67,6 +67,8 @@ type fileNode struct {
 	// truncations. The handshake removes only the version of replicator.yaml it read
 	// (namespace.RemoveControl): one the job wrote again in place meanwhile is answered next.
 	ctlChanges atomic.Uint64
+	// toldTooLarge: a write past limit was reported (tooLarge), once per file.
+	toldTooLarge atomic.Bool
 	// dataMu orders the agent's writes of the file's bytes (WRITE, fallocate, copy_file_range
 	// into it) with a copy of them into a checkpoint: a write holds it shared from its frozen
 	// check to the end of its change, exportTo exclusively. A write the job was told had
@@ -649,7 +651,9 @@ func (f *fileNode) CopyFileRange(ctx context.Context, fhIn gofs.FileHandle, offI
 
 // tooLarge reports a refused write past limit to the listener.
 func (f *fileNode) tooLarge() {
-	if f.fs.events != nil {
+	// Once per file: each further write of the same oversized yaml (O_APPEND in pieces) made
+	// one more identical FATAL line (black-box h60).
+	if f.fs.events != nil && f.toldTooLarge.CompareAndSwap(false, true) {
 		path := f.Path(nil)
 		f.fs.events.TooLarge(path)
 	}

@@ -609,6 +609,27 @@ func TestBadYAMLKeepsAgentHealthy(t *testing.T) {
 		})
 	}
 
+	// Written in pieces past the limit, each further piece failing too: one line, not one per
+	// refused write (black-box h60: two identical FATAL lines).
+	t.Run("70 KiB in pieces", func(t *testing.T) {
+		f, err := os.OpenFile(yamlPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+		require.NoError(t, err)
+		refused := 0
+		for off := 0; off < len(big); off += 1 << 10 {
+			if _, err := f.Write(big[off:min(off+1<<10, len(big))]); errors.Is(err, syscall.EFBIG) {
+				refused++
+			}
+		}
+		require.NoError(t, f.Close())
+		require.Greater(t, refused, 1, "several writes refused")
+		repWait(t, 5*time.Second, "replicator.failed", func() bool { return !pathExists(yamlPath) && pathExists(failedPath) })
+		time.Sleep(200 * time.Millisecond) // a second line would be written by now
+		data, err := os.ReadFile(failedPath)
+		require.NoError(t, err)
+		require.NoError(t, os.Remove(failedPath))
+		assert.Len(t, strings.Split(strings.TrimSpace(string(data)), "\n"), 1, "one fatal line: %q", data)
+	})
+
 	// The real client's path (tmp + rename) with a bad rank ends in a fatal error naming it.
 	o := orbaxClient(t, n.dir, "bad", 0)
 	o.Rank, o.Nodes = 3, 2
