@@ -434,10 +434,16 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		opts := "size=" + strconv.FormatInt(size, 10) + ",mode=0700"
 		s.headroomSize = size - cfg.Budget
 		if isTmpfsMount(cfg.Dir) {
+			var st unix.Statfs_t
+			readOnly := unix.Statfs(cfg.Dir, &st) == nil && st.Flags&unix.ST_RDONLY != 0
 			// A remount sets the mount's flags anew: without these, nosuid and nodev went.
 			if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 				s.unlock()
 				return nil, resizeError(cfg, err)
+			}
+			if readOnly {
+				// Said, not done silently (black-box h60): someone made it read-only.
+				slog.Warn("the kept spool's tmpfs was read-only (remounted so under the previous agent?): remounted read-write", "spool", cfg.Dir)
 			}
 		} else {
 			if err := unix.Mount(spoolTmpfsSource, cfg.Dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {

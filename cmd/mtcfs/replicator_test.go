@@ -1024,6 +1024,17 @@ func TestSpoolReadOnlyForAMomentLosesNoCommit(t *testing.T) {
 	require.NoError(t, o.VerifyRestored(ctx, 2))
 	assert.Empty(t, o.Errors(), "replicator.errors")
 	assert.NotContains(t, a.log(), "seal failed")
+
+	// Killed while it is read-only: the next agent makes it writable again, and says so (it
+	// did so silently: black-box h60); the job restores its step.
+	readOnly(true)
+	killAgent(t, a)
+	b := n.start(t)
+	assert.Contains(t, b.log(), "the kept spool's tmpfs was read-only")
+	o = orbaxClient(t, n.dir, job, 60)
+	step, found, err = o.Start(ctx)
+	require.NoError(t, err)
+	require.True(t, found && step == 2, "restored step %d (found %v), want 2\n%s", step, found, b.log())
 }
 
 // TestReadyzSaysWhenTheNodeIsUnreachable: /readyz answers 503, with why, once the mount was
