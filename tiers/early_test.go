@@ -896,6 +896,40 @@ func TestSealHurriesWithTheRAMHalfUsed(t *testing.T) {
 	h.waitSealed("job", 1, "1") // while the next save goes on
 }
 
+// restartWithRank0Replaced saves step 1 on a pair, replicated both ways, replaces rank 0's
+// machine (its RAM gone) and restarts the job, rank 0's first faults fetches failing after
+// faultAfter (moves: having moved bytes, as a link cut; else data that fails its check). It
+// returns rank 0's new harness, the transport, the two ranks' data names and files.
+func restartWithRank0Replaced(t *testing.T, faults int, faultAfter time.Duration, moves bool) (*harness, *memTransport, []string, []map[string]string) {
+	t.Helper()
+	hs, tr := newPair(t)
+	files := []map[string]string{checkpointFiles("rank0"), checkpointFiles("rank1")}
+	data := make([]string, 2)
+	var wg sync.WaitGroup
+	for r, h := range hs {
+		wg.Go(func() { data[r] = h.orbaxSave(1, files[r]) })
+	}
+	wg.Wait()
+	for r, h := range hs {
+		h.waitExists(fmt.Sprintf("job-s1-n%d-w0.meta", 1-r)) // replicated both ways
+	}
+	hs[0].close()
+	fresh := newHarness(t, harnessConfig{coord: hs[1].cfg.coord, peers: tr})
+	fresh.r.SetFetchRetryWithin(10 * time.Millisecond)
+	tr.mu.Lock()
+	tr.nodes[0] = fresh
+	tr.fetchFaults, tr.fetchFaultAfter, tr.fetchFaultMoves = faults, faultAfter, moves
+	tr.mu.Unlock()
+	hs[0] = fresh
+	for r, h := range hs {
+		wg.Go(func() {
+			h.yamlOrbax(withKeys("nodes: 2", fmt.Sprintf("node-rank: %d", r), fmt.Sprintf("peer-ranks: [%d]", 1-r), "job-name: job # the restart"))
+		})
+	}
+	wg.Wait()
+	return fresh, tr, data, files
+}
+
 // noAnswerErr is a peer that did not answer, as the peer transport marks it (tiers.NoAnswer).
 type noAnswerErr struct{ error }
 
@@ -910,32 +944,7 @@ func TestPeerFetchCutLateByTheLinkIsTriedAgain(t *testing.T) {
 	t.Parallel()
 	for _, linkCut := range []bool{true, false} {
 		t.Run(fmt.Sprintf("linkCut=%v", linkCut), func(t *testing.T) {
-			hs, tr := newPair(t)
-			files := []map[string]string{checkpointFiles("rank0"), checkpointFiles("rank1")}
-			data := make([]string, 2)
-			var wg sync.WaitGroup
-			for r, h := range hs {
-				wg.Go(func() { data[r] = h.orbaxSave(1, files[r]) })
-			}
-			wg.Wait()
-			for r, h := range hs {
-				h.waitExists(fmt.Sprintf("job-s1-n%d-w0.meta", 1-r)) // replicated both ways
-			}
-			// Rank 0's machine is replaced: its RAM is gone.
-			hs[0].close()
-			fresh := newHarness(t, harnessConfig{coord: hs[1].cfg.coord, peers: tr})
-			fresh.r.SetFetchRetryWithin(10 * time.Millisecond)
-			tr.mu.Lock()
-			tr.nodes[0] = fresh
-			tr.fetchFaults, tr.fetchFaultAfter, tr.fetchFaultMoves = 1, 50*time.Millisecond, linkCut
-			tr.mu.Unlock()
-			hs[0] = fresh
-			for r, h := range hs {
-				wg.Go(func() {
-					h.yamlOrbax(withKeys("nodes: 2", fmt.Sprintf("node-rank: %d", r), fmt.Sprintf("peer-ranks: [%d]", 1-r), "job-name: job # the restart"))
-				})
-			}
-			wg.Wait()
+			fresh, tr, data, files := restartWithRank0Replaced(t, 1, 50*time.Millisecond, linkCut)
 			if linkCut {
 				fresh.waitMarkers("job-s1-n0-w0.restore")
 				fresh.checkRestoreLink("job-s1-n0-w0.restore", strings.TrimSuffix(data[0], ".data"), files[0])
@@ -962,31 +971,9 @@ func TestPeerFetchCutLateByTheLinkIsTriedAgain(t *testing.T) {
 // tries in 36 s failed the job for a peer paused 47 s, whose data was whole (black-box h61).
 func TestLastHolderThatDoesNotAnswerIsWaitedFor(t *testing.T) {
 	t.Parallel()
-	hs, tr := newPair(t)
-	files := []map[string]string{checkpointFiles("rank0"), checkpointFiles("rank1")}
-	data := make([]string, 2)
-	var wg sync.WaitGroup
-	for r, h := range hs {
-		wg.Go(func() { data[r] = h.orbaxSave(1, files[r]) })
-	}
-	wg.Wait()
-	for r, h := range hs {
-		h.waitExists(fmt.Sprintf("job-s1-n%d-w0.meta", 1-r))
-	}
-	hs[0].close() // rank 0's RAM is gone; rank 1 alone holds its data, and no backup does
-	fresh := newHarness(t, harnessConfig{coord: hs[1].cfg.coord, peers: tr})
-	fresh.r.SetFetchRetryWithin(10 * time.Millisecond)
-	tr.mu.Lock()
-	tr.nodes[0] = fresh
-	tr.fetchFaults, tr.fetchFaultAfter, tr.fetchFaultMoves = 4, 20*time.Millisecond, true // four tries find no answer
-	tr.mu.Unlock()
-	hs[0] = fresh
-	for r, h := range hs {
-		wg.Go(func() {
-			h.yamlOrbax(withKeys("nodes: 2", fmt.Sprintf("node-rank: %d", r), fmt.Sprintf("peer-ranks: [%d]", 1-r), "job-name: job # the restart"))
-		})
-	}
-	wg.Wait()
+	// Rank 0's RAM is gone; rank 1 alone holds its data, and no backup does: four tries find
+	// no answer.
+	fresh, tr, data, files := restartWithRank0Replaced(t, 4, 20*time.Millisecond, true)
 	fresh.waitMarkers("job-s1-n0-w0.restore")
 	fresh.checkRestoreLink("job-s1-n0-w0.restore", strings.TrimSuffix(data[0], ".data"), files[0])
 	tr.mu.Lock()
