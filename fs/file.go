@@ -240,14 +240,17 @@ func (f *fileNode) open(ctx context.Context, flags uint32) (gofs.FileHandle, uin
 	if hook := frozenChecked.Load(); hook != nil {
 		(*hook)(f)
 	}
-	if f.backing == "" {
-		// The node lost its bytes with its last name since the kernel looked the name up
-		// (the agent's removal of an answered replicator.yaml, a large file the job removed).
-		// ESTALE has the kernel walk the path again, revalidating it, once: an open that
-		// races the removal then finds what the name holds now — nothing (ENOENT), a file
-		// renamed onto it, or, with O_CREAT, a new file. With ENOENT a job writing its yaml
-		// again at once got "No such file or directory" from open(O_CREAT) (a test run).
+	if f.backing == "" && f.limit > 0 {
+		// A control file the agent removed (an answered replicator.yaml) since the kernel
+		// looked the name up: ESTALE has the kernel walk the path again, revalidating it, once,
+		// and an open(O_CREAT) of the job's next yaml creates it. With ENOENT a job writing its
+		// yaml again at once got "No such file or directory" (a test run). Only for control
+		// files: for a file another process renames over in a tight loop the walk again can
+		// meet a removed node again, and the program saw "Stale file handle" (black-box h62).
 		return nil, 0, syscall.ESTALE
+	}
+	if f.backing == "" {
+		return nil, 0, syscall.ENOENT
 	}
 	// Always read-write: go-fuse registers the first handle's fd as the passthrough backing file
 	// of the inode and reuses it for later opens, which may want to write.

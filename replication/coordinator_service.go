@@ -39,7 +39,7 @@ import (
 
 // ErrJobShape is returned for a call whose job shape (job name, nodes, workers per node,
 // data parallelism, backup interval, framework) differs from the job's current incarnation.
-var ErrJobShape = errors.New("job shape differs from the coordinator's incarnation")
+var ErrJobShape = tiers.ErrJobShape
 
 // errNotStarted is the UNAVAILABLE answer to a Negotiate that arrives before rank 0 started an
 // incarnation.

@@ -101,11 +101,11 @@ func (b *backupRunner) loop(inc *incarnation) {
 					b.lines.incLine(inc, msg)
 				}
 			}
-			if errors.Is(err, ErrOtherIncarnation) || errors.Is(err, ErrIncarnationOver) {
+			if errors.Is(err, ErrOtherIncarnation) || errors.Is(err, ErrIncarnationOver) || errors.Is(err, ErrJobShape) {
 				// The coordinator serves another incarnation: asked again every 30 s, quietly
 				// (it was logged every 16 s for as long as the agent ran: black-box h58).
 				wait = 30 * time.Second
-				if errors.Is(err, ErrOtherIncarnation) {
+				if !errors.Is(err, ErrIncarnationOver) {
 					b.outdated(inc, err, b.lines.incs, b.lines)
 				}
 			} else {

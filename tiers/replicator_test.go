@@ -2324,11 +2324,15 @@ func TestStatusCommittedWhileSyncsWait(t *testing.T) {
 // restarted without this node, and rank 0 coordinates a newer incarnation.
 type otherIncCoordinator struct {
 	tiers.Coordinator
-	on atomic.Bool
+	on    atomic.Bool
+	shape bool // answers ErrJobShape: the job restarted with another yaml
 }
 
 func (c *otherIncCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, rep tiers.SyncReport) (tiers.SyncDecision, error) {
-	if c.on.Load() {
+	switch {
+	case c.on.Load() && c.shape:
+		return tiers.SyncDecision{}, fmt.Errorf("rank 0: %w: the caller has backup interval 60min, the incarnation backup interval 1min", tiers.ErrJobShape)
+	case c.on.Load():
 		return tiers.SyncDecision{}, fmt.Errorf("incarnation %s: %w (superseded by a newer one)", inc.ID, tiers.ErrOtherIncarnation)
 	}
 	return c.Coordinator.Sync(ctx, inc, rep)
@@ -2340,7 +2344,13 @@ func (c *otherIncCoordinator) Sync(ctx context.Context, inc tiers.Incarnation, r
 // h58).
 func TestSupersededIncarnationSaysSo(t *testing.T) {
 	t.Parallel()
-	coord := &otherIncCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}}
+	for _, shape := range []bool{false, true} { // the job restarted with the same yaml; with another (black-box h61)
+		t.Run(fmt.Sprintf("shape=%v", shape), func(t *testing.T) { testSuperseded(t, shape) })
+	}
+}
+
+func testSuperseded(t *testing.T, shape bool) {
+	coord := &otherIncCoordinator{Coordinator: replication.LocalClient{Job: replication.NewJob(replication.Options{})}, shape: shape}
 	h := newHarness(t, harnessConfig{coord: coord})
 	h.r.SetSupersededAfter(300 * time.Millisecond)
 	h.start(baseYAML, "job")

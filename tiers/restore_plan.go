@@ -143,6 +143,11 @@ var ErrCorruptBackup = errors.New("the backup's data is corrupt")
 // coordinate (an older one, or one that has not negotiated): replication returns it (wrapped).
 var ErrOtherIncarnation = errors.New("call from another incarnation of the job")
 
+// ErrJobShape is the coordinator's answer to a call whose job shape differs from its current
+// incarnation's: replication returns it (wrapped). To a sync or backup call of an incarnation
+// that negotiated with it, it means the job restarted with another shape without this node.
+var ErrJobShape = errors.New("job shape differs from the coordinator's incarnation")
+
 // ErrIncarnationOver is the coordinator's answer to a call of an incarnation it closed (the job
 // restarted): replication returns it (wrapped).
 var ErrIncarnationOver = errors.New("job coordinator closed: the incarnation is over")

@@ -628,12 +628,14 @@ func (sy *syncer) syncNow(c commit, replicated bool) bool {
 		sy.log.Info("sync abandoned: the incarnation ended", "step", c.step, "incarnation", c.inc.ID)
 		return false
 	}
-	if err != nil && (errors.Is(err, ErrOtherIncarnation) || errors.Is(err, ErrIncarnationOver)) {
+	if err != nil && (errors.Is(err, ErrOtherIncarnation) || errors.Is(err, ErrIncarnationOver) || errors.Is(err, ErrJobShape)) {
 		// Not this step's failure: the job restarted (everywhere, or without this node). The
 		// line "sync of step N failed: … the incarnation is over" reached the restarted job
 		// as unread news (black-box h61).
 		sy.log.Info("sync refused: the coordinator serves another incarnation of the job", "step", c.step, "incarnation", c.inc.ID, "err", err)
-		if errors.Is(err, ErrOtherIncarnation) {
+		if !errors.Is(err, ErrIncarnationOver) {
+			// Another shape: the job restarted with another replicator.yaml without this node
+			// (black-box h61: each save's line blamed the shape).
 			sy.outdated(c.inc, err, sy.incs, sy.lines)
 		}
 		return false
