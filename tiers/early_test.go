@@ -976,6 +976,16 @@ func TestLastHolderThatDoesNotAnswerIsWaitedFor(t *testing.T) {
 	fresh, tr, data, files := restartWithRank0Replaced(t, 4, 20*time.Millisecond, true)
 	fresh.waitMarkers("job-s1-n0-w0.restore")
 	fresh.checkRestoreLink("job-s1-n0-w0.restore", strings.TrimSuffix(data[0], ".data"), files[0])
+	// The job is told it waits, once (it heard nothing until the give-up: black-box h63).
+	n := 0
+	for _, l := range fresh.lines(layout.ReplicatorErrorsName) {
+		if strings.Contains(l, "restoring step 1: rank 1, the only node holding this node's data (no backup holds it), does not answer") {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Errorf("replicator.errors = %q, want one line of the wait", fresh.lines(layout.ReplicatorErrorsName))
+	}
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
 	if tr.fetches != 5 {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 )
@@ -159,6 +160,14 @@ func (p *pusher) push(ctx context.Context, s sealedStep, early *earlyGroup, data
 	p.setDown(err != nil)
 	if err != nil && again {
 		p.log.Warn("replication failed again", "step", c.step, "to", p.rank, "err", err)
+		return false
+	}
+	if err != nil && strings.Contains(err.Error(), errSenderLeftBehind) {
+		// The receiver took part in a later restore than this node: the job restarted without
+		// it. Told once (as superseded, after the grace), not at each save (black-box h63: ten
+		// lines in 30 s).
+		p.outdated(c.inc, err, p.lines.incs, p.lines)
+		p.log.Warn("replication refused: this node was left behind by the job's restart", "step", c.step, "to", p.rank, "err", err)
 		return false
 	}
 	if err != nil && c.inc.isSuperseded() {

@@ -535,7 +535,11 @@ func (r *Replicator) AdmitReplica(job string, rank int, generation int64) error 
 	case inc.Config.JobName != job:
 		return fmt.Errorf("the agent at this address serves job %s, not %s", inc.Config.JobName, job)
 	}
-	if own := r.RestoreGeneration(job, inc.ID); generation > 0 && own > 0 && generation != own {
+	if own := r.RestoreGeneration(job, inc.ID); generation > 0 && own > 0 && generation < own {
+		// The sender is the one left behind: the message blamed this agent's address and
+		// --peers (black-box h63).
+		return fmt.Errorf("%s: rank %d took part in restore %d of job %s, the agent at this address in restore %d, a later one: the job restarted without rank %d's node, whose saves are no longer replicated (restart the job there)", errSenderLeftBehind, rank, generation, job, own, rank)
+	} else if generation > 0 && own > 0 && generation != own {
 		return fmt.Errorf("the agent at this address took part in restore %d of job %s, rank %d in restore %d: it is not a node of the running job (a machine replaced, whose peers' --peers still name this address? its job's processes may be gone while it runs)", own, job, rank, generation)
 	}
 	return nil
@@ -692,6 +696,11 @@ func (n *node) outdated(inc *incarnation, err error, incs *incarnations, lines *
 		lines.incLine(inc, line)
 	})
 }
+
+// errSenderLeftBehind starts the refusal of a replica whose sender's incarnation took part in
+// an earlier restore than this node's: the sender recognises it in the error text (it crosses
+// the peer transport as text).
+const errSenderLeftBehind = "the sending node is not a node of the running job"
 
 func randomID() string {
 	var b [8]byte

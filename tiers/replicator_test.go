@@ -2447,3 +2447,25 @@ func TestRestartWithinTheGraceIsNoSupersession(t *testing.T) {
 	assert.NotContains(t, strings.Join(h.lines(layout.ReplicatorErrorsName), "\n"), "does not serve this node's incarnation")
 	assert.NotContains(t, h.logs.String(), "does not serve this node's incarnation")
 }
+
+// TestReplicaOfANodeLeftBehindSaysSo: a push from a node whose incarnation took part in an
+// earlier restore than this node's is refused as the sender's, left behind by the job's
+// restart; it blamed the receiver's address and its --peers (black-box h63). A push from a
+// later restore than this node's is refused as this node's.
+func TestReplicaOfANodeLeftBehindSaysSo(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessConfig{})
+	h.start(baseYAML, "job")
+	require.NoError(t, os.Remove(h.path(marker("job", 0, 0, 0, layout.MarkerRestore))))
+	h.yamlOrbax(baseYAML) // a second start: a second restore
+	h.waitMarkers(marker("job", 0, 0, 0, layout.MarkerRestore))
+	own := h.r.RestoreGeneration("job", h.r.Status().Incarnation)
+	require.Greater(t, own, int64(1))
+	err := h.r.AdmitReplica("job", 1, own-1)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "the sending node is not a node of the running job: rank 1 took part in restore")
+	err = h.r.AdmitReplica("job", 1, own+1)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "the agent at this address took part in restore")
+	assert.NoError(t, h.r.AdmitReplica("job", 1, own))
+}

@@ -677,6 +677,9 @@ func (r *restorer) restoreSlotData(ctx context.Context, inc *incarnation, plan R
 		for try := 1; ; try++ {
 			wall := time.Now()
 			moved, err := r.fetchFrom(ctx, inc, plan.Step, holder, dataName, publish)
+			if try > peerFetchTries {
+				inc.setWaiting("") // the wait for a holder that did not answer is over
+			}
 			if err == nil || errors.As(err, new(*savedAgainError)) {
 				return err
 			}
@@ -705,6 +708,14 @@ func (r *restorer) restoreSlotData(ctx context.Context, inc *incarnation, plan R
 				wait = min(peerFetchRetryAfter<<(try-peerFetchTries+1), 15*time.Second)
 				r.log.Warn("the peer holding the data does not answer, and no backup holds it: trying it again", "data", dataName, "peer", holder, "in", wait.String(),
 					"until", peerFetchNoAnswerFor.String()+" after the first try")
+				// Said in status and, once, to the job: between the tries status showed
+				// nothing, and the job heard nothing until the give-up (black-box h63).
+				what := fmt.Sprintf("restoring step %d: rank %d, the only node holding this node's data (no backup holds it), does not answer (stopped? a frozen VM?); tried again until %s after the first try, %v so far",
+					plan.Step, holder, peerFetchNoAnswerFor, time.Since(first).Round(time.Second))
+				inc.setWaiting(what)
+				if inc.transferTold.CompareAndSwap(false, true) {
+					r.lines.errLine(cfg, what)
+				}
 			}
 			select {
 			case <-ctx.Done():
