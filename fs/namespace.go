@@ -837,19 +837,8 @@ func (ns *namespace) AnswerMisplaced(dir, yamlName, failedName string, failed []
 	if !ok {
 		return fmt.Errorf("%s: %w", dir, os.ErrNotExist)
 	}
-	notify := func(name string, gone *gofs.Inode) {
-		e := ns.m.notifier.Load()
-		if e != nil && !notifyFailed(e.invalidate(d.StableAttr().Ino, name)) {
-			return
-		}
-		if gone != nil {
-			d.NotifyDelete(name, gone)
-		} else {
-			d.NotifyEntry(name)
-		}
-	}
 	if y := d.GetChild(yamlName); y != nil && !y.IsDir() && d.RmChildIf(yamlName, y) {
-		notify(yamlName, y)
+		ns.entryGone(d, yamlName, y)
 		dropped(y)
 	}
 	fn, ch, err := ns.newAgentFile(failedName, failed)
@@ -865,8 +854,24 @@ func (ns *namespace) AnswerMisplaced(dir, yamlName, failedName string, failed []
 	}
 	d.AddChild(failedName, ch, true)
 	dn.touch(true)
-	notify(failedName, nil)
+	ns.entryGone(d, failedName, nil) // the kernel's negative entry, if any
 	return nil
+}
+
+// entryGone has the kernel drop its entry for name in parent, which the agent removed (gone) or
+// replaced (gone nil): through the notification helper when it can, else go-fuse's notify. The
+// kernel's node id of parent, not its inode number: go-fuse allocates node ids apart from inode
+// numbers (bridge.go, without ExternalNodeID), and the first AnswerMisplaced sent the inode
+// number.
+func (ns *namespace) entryGone(parent *gofs.Inode, name string, gone *gofs.Inode) {
+	if e := ns.m.notifier.Load(); e != nil && !notifyFailed(e.invalidate(parent.NodeID(), name)) {
+		return
+	}
+	if gone != nil {
+		parent.NotifyDelete(name, gone)
+	} else {
+		parent.NotifyEntry(name)
+	}
 }
 
 var _ tiers.MisplacedYAML = (*namespace)(nil)

@@ -9,7 +9,6 @@ import (
 	"syscall"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
-	"github.com/hanwen/go-fuse/v2/fuse"
 
 	"github.com/cespare/xxhash/v2"
 
@@ -255,9 +254,7 @@ func (ns *namespace) RemoveReport(name string, version uint64) error {
 	}
 	ns.root.RmChildIf(name, ch)
 	ns.m.reportMu.Unlock()
-	if e := ns.m.notifier.Load(); e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, name)) {
-		ns.root.NotifyDelete(name, ch)
-	}
+	ns.entryGone(ns.root.EmbeddedInode(), name, ch)
 	dropped(ch)
 	return nil
 }
@@ -287,9 +284,7 @@ func (ns *namespace) RemoveControl(name string, v tiers.ControlVersion) error {
 	if !ns.root.RmChildIf(name, ch) { // replaced meanwhile (a rename onto it): the new one stays
 		return tiers.ErrReportChanged
 	}
-	if e := ns.m.notifier.Load(); e == nil || notifyFailed(e.invalidate(fuse.FUSE_ROOT_ID, name)) {
-		ns.root.NotifyDelete(name, ch)
-	}
+	ns.entryGone(ns.root.EmbeddedInode(), name, ch)
 	dropped(ch)
 	return nil
 }

@@ -434,8 +434,7 @@ func OpenSpool(cfg SpoolConfig) (*Spool, error) {
 		opts := "size=" + strconv.FormatInt(size, 10) + ",mode=0700"
 		s.headroomSize = size - cfg.Budget
 		if isTmpfsMount(cfg.Dir) {
-			var st unix.Statfs_t
-			readOnly := unix.Statfs(cfg.Dir, &st) == nil && st.Flags&unix.ST_RDONLY != 0
+			readOnly := readOnlyFS(cfg.Dir)
 			// A remount sets the mount's flags anew: without these, nosuid and nodev went.
 			if err := unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 				s.unlock()
@@ -1343,9 +1342,12 @@ func (s *Spool) Detached() bool {
 // ReadOnly reports whether the spool's file system is mounted read-only (a `mount -o
 // remount,ro` under the agent): commits cannot be recorded or sealed meanwhile; they are tried
 // again until it is writable again, for up to 2 minutes after each commit.
-func (s *Spool) ReadOnly() bool {
+func (s *Spool) ReadOnly() bool { return readOnlyFS(s.dir) }
+
+// readOnlyFS reports whether the file system of dir is mounted read-only.
+func readOnlyFS(dir string) bool {
 	var fs unix.Statfs_t
-	return unix.Statfs(s.dir, &fs) == nil && fs.Flags&unix.ST_RDONLY != 0
+	return unix.Statfs(dir, &fs) == nil && fs.Flags&unix.ST_RDONLY != 0
 }
 
 // isTmpfsMount reports whether dir is itself the root of a tmpfs mount.
