@@ -33,6 +33,9 @@ type mtfs struct {
 	// only an entry's owner may rename or remove it: the job's rename of its restore marker
 	// failed with EPERM when the marker was root's (black-box h57: every restore failed).
 	agentOwner atomic.Uint64
+	// controlMu orders writable opens of control files (shared) with the handshake's
+	// version-checked removal of replicator.yaml (RemoveControl, exclusive).
+	controlMu sync.RWMutex
 	// sealedTop holds the top-level names of committed checkpoints (the trees Seal and Import
 	// made) and of the .meta files the agent writes: the job can neither remove, rename nor
 	// replace them.

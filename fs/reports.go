@@ -274,6 +274,8 @@ func (ns *namespace) ReadControl(name string, limit int64) ([]byte, tiers.Contro
 
 // RemoveControl removes the control file name if it still holds v (tiers.ControlFiles).
 func (ns *namespace) RemoveControl(name string, v tiers.ControlVersion) error {
+	ns.m.controlMu.Lock() // no writable open between the check and the removal
+	defer ns.m.controlMu.Unlock()
 	ch, fn, ok := ns.controlFile(name)
 	if !ok {
 		return nil
